@@ -1,0 +1,79 @@
+"""Small helpers over ``torch.distributed`` that degrade to one process without special cases.
+
+Every function here may be called whether or not a process group is initialised. Functions whose
+name says "collective" must be called by every rank of the group, in the same order.
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Callable, TypeVar
+
+import torch.distributed as dist
+
+from .errors import CheckpointError
+
+T = TypeVar("T")
+
+
+def is_dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    return dist.get_rank() if is_dist() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_dist() else 1
+
+
+def barrier() -> None:
+    if is_dist():
+        dist.barrier()
+
+
+def broadcast_object(obj: T, src: int = 0) -> T:
+    """Collective: every rank returns rank ``src``'s ``obj``."""
+    if not is_dist():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_gather_object(obj: T) -> list[T]:
+    """Collective: a list with every rank's ``obj``, indexed by rank."""
+    if not is_dist():
+        return [obj]
+    out: list = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def run_collectively(what: str, fn: Callable[[], T]) -> T:
+    """Collective: run ``fn`` on every rank, then raise the same error everywhere if any rank failed.
+
+    Without this, a rank that fails while the others wait in the next collective would hang the job.
+    Every rank raises: the failing rank re-raises its own exception (chained, with its traceback), the
+    others raise a :class:`CheckpointError` that names the failing ranks and their messages.
+    """
+    result = None
+    error: BaseException | None = None
+    try:
+        result = fn()
+    except Exception as exc:  # gathered and re-raised below on every rank
+        error = exc
+    report = None if error is None else f"{type(error).__name__}: {error}"
+    reports = all_gather_object(report)
+    failed = {r: msg for r, msg in enumerate(reports) if msg is not None}
+    if not failed:
+        return result  # type: ignore[return-value]
+    if error is not None:
+        raise error
+    summary = "; ".join(f"rank {r}: {msg}" for r, msg in sorted(failed.items()))
+    raise CheckpointError(f"{what} failed on rank(s) {sorted(failed)}: {summary}")
+
+
+def format_exc_short(exc: BaseException) -> str:
+    return "".join(traceback.format_exception_only(type(exc), exc)).strip()

@@ -1,0 +1,135 @@
+"""PyTorch Distributed Checkpoint (DCP) folders: ``__R_0.distcp`` per rank plus ``.metadata``.
+
+Saving and loading go through ``torch.distributed.checkpoint`` itself, so plain DCP reads what we
+write and resharding on load is DCP's. Two things are made safe on the way in:
+
+* ``.metadata`` is a pickle. It is read with an unpickler that admits only DCP's own metadata
+  classes, so a hostile file cannot run code.
+* Non-tensor values (optimizer hyper-parameters, scheduler state) are loaded with
+  ``torch.load(weights_only=True)`` instead of DCP's default unrestricted ``torch.load``.
+
+Call sequence: :func:`save` and :func:`load` are collectives when a process group is initialised
+(every rank calls them with its own local state dict); :func:`read_index` is local.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from ..errors import CheckpointCorruptError, CheckpointNotFoundError
+from .common import TensorInfo, dtype_name
+
+METADATA_FILE = ".metadata"
+
+_ALLOWED_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in DCP metadata")
+
+
+def read_metadata(folder: str | Path, filename: str = METADATA_FILE) -> Metadata:
+    """DCP's ``.metadata`` of ``folder``, unpickled with an allow-list of DCP's own classes."""
+    path = Path(folder) / filename
+    if not path.is_file():
+        raise CheckpointNotFoundError(f"{folder} is not a DCP checkpoint: {filename} is missing")
+    try:
+        with open(path, "rb") as fh:
+            metadata = _MetadataUnpickler(fh).load()
+    except Exception as exc:  # any failure to decode is a corrupt or hostile file
+        raise CheckpointCorruptError(f"{path}: unreadable DCP metadata ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(metadata, Metadata):
+        raise CheckpointCorruptError(f"{path}: DCP metadata holds a {type(metadata).__name__}, not Metadata")
+    return metadata
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's filesystem reader with the restricted metadata unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")
+        filename = METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
+        metadata = read_metadata(self.path, filename)
+        if getattr(metadata, "storage_meta", None) is not None:
+            metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, but non-tensor values are loaded with ``weights_only=True``."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except Exception as exc:
+            raise CheckpointCorruptError(
+                f"DCP value {read_item.dest_index.fqn!r} is not a plain value that can be loaded safely: {exc}"
+            ) from exc
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._nested_dict import set_element  # noqa: PLC0415
+
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def save(state_dict: dict[str, Any], folder: str | Path, *, thread_count: int = 1) -> None:
+    """Collective: write ``state_dict`` (local shards on each rank) as a DCP folder, fsynced."""
+    writer = FileSystemWriter(str(folder), sync_files=True, thread_count=thread_count)
+    dcp.save(state_dict, storage_writer=writer)
+
+
+def load(state_dict: dict[str, Any], folder: str | Path) -> None:
+    """Collective: fill ``state_dict`` in place from a DCP folder, resharding as DCP does."""
+    dcp.load(state_dict, storage_reader=SafeFileSystemReader(str(folder)), planner=SafeLoadPlanner())
+
+
+def read_index(folder: str | Path) -> dict[str, TensorInfo | None]:
+    """Every key of a DCP folder: tensor keys map to their global shape and dtype, others to ``None``."""
+    metadata = read_metadata(folder)
+    index: dict[str, TensorInfo | None] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            index[key] = TensorInfo(tuple(md.size), dtype_name(md.properties.dtype))
+        else:
+            index[key] = None
+    return index
+
+
+def data_files(folder: str | Path) -> list[Path]:
+    return sorted(Path(folder).glob("*.distcp"))

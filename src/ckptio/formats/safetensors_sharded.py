@@ -1,0 +1,236 @@
+"""Sharded safetensors: one ``.safetensors`` file per rank, holding that rank's local shards.
+
+Each file is a plain safetensors file (``safetensors.safe_open`` reads it) keyed by fully qualified
+parameter name. Its header metadata records, for every tensor, the global shape and the offset of the
+local shard inside it, so a load on any number of ranks can find and read exactly the slices it needs::
+
+    __metadata__ = {"format": "pt", "ckptio_format": "sharded-safetensors/1",
+                    "ckptio_rank": "0", "ckptio_world_size": "2",
+                    "ckptio_shards": '{"lm_head.weight": {"shape": [67, 32], "offsets": [0, 0]}, ...}'}
+
+A replicated tensor is written once (by the first rank that holds it), so the files together hold
+every element exactly once. Files without ckptio metadata (any Hugging Face safetensors file) load
+too: each tensor is then taken to be whole.
+
+Call sequence: :func:`save` is called by every rank with its own state dict, independently (no
+collective inside); :func:`load` likewise, each rank reading only the slices it owns.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError
+from ..storage import fsync_file
+from .common import TensorInfo
+
+FORMAT_TAG = "sharded-safetensors/1"
+FILE_GLOB = "*.safetensors"
+
+
+def shard_file_name(rank: int, world_size: int) -> str:
+    # Named after NeMo AutoModel's layout: the shard index is the writing rank; "model-00001-of-00001"
+    # leaves room for splitting one rank's shard into several files later.
+    return f"shard-{rank + 1:05d}-model-00001-of-00001.safetensors"
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    file: Path
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+
+
+def _local_view(value: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...], bool]:
+    """(local tensor, global shape, global offsets, whether this rank is the one to write it)."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    if isinstance(value, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        if any(isinstance(p, Partial) for p in value.placements):
+            value = value.redistribute(placements=[Replicate() if isinstance(p, Partial) else p for p in value.placements])
+        local = value.to_local()
+        _shape, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+        coord = value.device_mesh.get_coordinate() or []
+        owner = all(c == 0 for c, p in zip(coord, value.placements) if isinstance(p, Replicate))
+        return local, tuple(value.shape), tuple(int(o) for o in offsets), owner
+    return value, tuple(value.shape), (0,) * value.dim(), None  # type: ignore[return-value]
+
+
+def save(state_dict: dict[str, torch.Tensor], folder: str | Path, *, rank: int, world_size: int) -> Path:
+    """Write this rank's shards of ``state_dict`` to ``folder/shard-…safetensors`` and fsync it.
+
+    Plain (non-DTensor) tensors are taken as replicated and written by rank 0 only.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    shards: dict[str, dict[str, list[int]]] = {}
+    for key, value in state_dict.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"sharded safetensors holds tensors only; {key!r} is a {type(value).__name__}")
+        local, shape, offsets, owner = _local_view(value)
+        if owner is None:
+            owner = rank == 0
+        if not owner or local.numel() == 0 and len(shape) > 0 and any(shape):
+            continue
+        tensors[key] = local.detach().to("cpu").contiguous()
+        shards[key] = {"shape": list(shape), "offsets": list(offsets)}
+    metadata = {
+        "format": "pt",
+        "ckptio_format": FORMAT_TAG,
+        "ckptio_rank": str(rank),
+        "ckptio_world_size": str(world_size),
+        "ckptio_shards": json.dumps(shards, separators=(",", ":")),
+    }
+    path = folder / shard_file_name(rank, world_size)
+    save_file(tensors, str(path), metadata=metadata)
+    fsync_file(path)
+    return path
+
+
+def _scan(folder: Path) -> tuple[dict[str, list[_Chunk]], dict[str, TensorInfo]]:
+    files = sorted(p for p in folder.glob(FILE_GLOB) if p.is_file())
+    if not files:
+        raise CheckpointNotFoundError(f"{folder} holds no .safetensors files")
+    chunks: dict[str, list[_Chunk]] = {}
+    infos: dict[str, TensorInfo] = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as fh:
+                meta = fh.metadata() or {}
+                shard_meta = json.loads(meta["ckptio_shards"]) if "ckptio_shards" in meta else {}
+                for key in fh.keys():
+                    sl = fh.get_slice(key)
+                    local_shape = tuple(int(d) for d in sl.get_shape())
+                    dtype = _SAFETENSORS_DTYPES.get(sl.get_dtype(), sl.get_dtype().lower())
+                    entry = shard_meta.get(key)
+                    if entry is None:
+                        global_shape, offsets = local_shape, (0,) * len(local_shape)
+                    else:
+                        global_shape = tuple(int(d) for d in entry["shape"])
+                        offsets = tuple(int(o) for o in entry["offsets"])
+                    if len(offsets) != len(local_shape) or any(
+                        o < 0 or o + n > g for o, n, g in zip(offsets, local_shape, global_shape)
+                    ):
+                        raise CheckpointCorruptError(
+                            f"{path}: tensor {key!r} of shape {list(local_shape)} at offsets {list(offsets)} "
+                            f"does not fit its global shape {list(global_shape)}"
+                        )
+                    known = infos.get(key)
+                    if known is not None and (known.shape != global_shape or known.dtype != dtype):
+                        raise CheckpointCorruptError(
+                            f"{path}: tensor {key!r} is {list(global_shape)} {dtype} here but "
+                            f"{list(known.shape)} {known.dtype} in another shard file"
+                        )
+                    infos[key] = TensorInfo(global_shape, dtype)
+                    chunks.setdefault(key, []).append(_Chunk(path, offsets, local_shape))
+        except CheckpointCorruptError:
+            raise
+        except Exception as exc:  # safetensors raises its own error types for damaged headers
+            raise CheckpointCorruptError(f"{path}: not a readable safetensors file ({type(exc).__name__}: {exc})") from exc
+    for key, parts in chunks.items():
+        covered = sum(_numel(c.shape) for c in parts)
+        if covered != infos[key].numel:
+            raise CheckpointCorruptError(
+                f"{folder}: the shards of {key!r} cover {covered} of {infos[key].numel} elements "
+                "(a shard file is missing or belongs to another save)"
+            )
+    return chunks, infos
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+    "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "U16": "uint16", "U32": "uint32", "U64": "uint64",
+}
+
+
+def _numel(shape: Iterable[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def read_index(folder: str | Path) -> dict[str, TensorInfo]:
+    """Global shape and dtype of every tensor in a sharded (or plain) safetensors folder."""
+    return _scan(Path(folder))[1]
+
+
+def check_compatible(
+    saved: dict[str, TensorInfo | None], target: dict[str, torch.Tensor], where: str, *, strict: bool
+) -> None:
+    """Raise :class:`CheckpointMismatchError` naming ``where`` and the key if ``saved`` cannot fill ``target``."""
+    missing = [k for k in target if k not in saved]
+    wrong = [
+        f"{k}: checkpoint has {list(saved[k].shape)}, model expects {list(v.shape)}"  # type: ignore[union-attr]
+        for k, v in target.items()
+        if k in saved and saved[k] is not None and tuple(saved[k].shape) != tuple(v.shape)  # type: ignore[union-attr]
+    ]
+    unexpected = [k for k in saved if k not in target] if strict else []
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} key(s) missing from the checkpoint, e.g. {missing[:3]}")
+    if wrong:
+        problems.append(f"{len(wrong)} shape mismatch(es): " + "; ".join(wrong[:3]))
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected key(s) in the checkpoint, e.g. {unexpected[:3]}")
+    if problems:
+        raise CheckpointMismatchError(
+            f"{where} does not match the model: " + " | ".join(problems)
+            + " (is this a checkpoint of a different model or config?)"
+        )
+
+
+def load(target: dict[str, torch.Tensor], folder: str | Path, *, strict: bool = True) -> None:
+    """Fill every tensor of ``target`` (local shards of DTensors, or whole tensors) in place."""
+    folder = Path(folder)
+    chunks, infos = _scan(folder)
+    check_compatible(infos, target, str(folder), strict=strict)
+    with ExitStack() as stack:
+        handles: dict[Path, object] = {}
+
+        def handle(path: Path):
+            if path not in handles:
+                handles[path] = stack.enter_context(safe_open(str(path), framework="pt"))
+            return handles[path]
+
+        for key, value in target.items():
+            local, shape, offsets, _owner = _local_view(value)
+            if local.numel() == 0:
+                continue
+            filled = 0
+            for chunk in chunks[key]:
+                lo = [max(a, b) for a, b in zip(offsets, chunk.offsets)]
+                hi = [min(a + n, b + m) for a, n, b, m in zip(offsets, local.shape, chunk.offsets, chunk.shape)]
+                if any(h <= l for l, h in zip(lo, hi)) and local.dim() > 0:
+                    continue
+                src_index = tuple(slice(l - c, h - c) for l, h, c in zip(lo, hi, chunk.offsets))
+                dst_index = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offsets))
+                try:
+                    part = handle(chunk.file).get_slice(key)[src_index] if src_index else handle(chunk.file).get_tensor(key)
+                except Exception as exc:
+                    raise CheckpointCorruptError(f"{chunk.file}: cannot read {key!r} ({type(exc).__name__}: {exc})") from exc
+                with torch.no_grad():
+                    local[dst_index].copy_(part)
+                filled += part.numel()
+            if filled != local.numel():
+                raise CheckpointCorruptError(
+                    f"{folder}: only {filled} of {local.numel()} elements of {key!r} needed by this rank were found"
+                )
+
+
+def data_files(folder: str | Path) -> list[Path]:
+    return sorted(Path(folder).glob(FILE_GLOB))
+

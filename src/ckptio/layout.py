@@ -1,0 +1,183 @@
+"""Step directory names, pointers, and discovery of committed checkpoints.
+
+Discovery trusts only manifests: a directory is a checkpoint when its name is not a temporary one and
+it holds a valid manifest whose files are all present with the recorded sizes. Order is by the step
+recorded in the manifest, never by modification time.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import string
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import CheckpointError, CheckpointNotFoundError
+from .manifest import MANIFEST_NAME, Manifest, check_files, read_manifest
+from .storage import read_pointer, remove_tree
+
+log = logging.getLogger("ckptio")
+
+TMP_PREFIX = ".tmp-"
+TRASH_PREFIX = ".trash-"
+LATEST = "LATEST"
+POINTER_NAMES = (LATEST, "BEST")
+
+
+def format_step_name(template: str, *, step: int, epoch: int, metrics: dict[str, float] | None = None,
+                     counters: dict[str, Any] | None = None) -> str:
+    """Fill ``template`` with the training position; a field that is not known raises a clear error."""
+    values: dict[str, Any] = {**(counters or {}), **(metrics or {}), "step": step, "epoch": epoch}
+    try:
+        name = template.format(**values)
+    except KeyError as exc:
+        raise CheckpointError(
+            f"name_template {template!r} uses field {exc.args[0]!r}, which this save did not provide; "
+            f"known fields: {sorted(values)}"
+        ) from exc
+    if not name or "/" in name or name.startswith(".") or name in POINTER_NAMES:
+        raise CheckpointError(f"name_template {template!r} gave an unusable directory name {name!r}")
+    return name
+
+
+def parse_step_name(template: str, name: str) -> dict[str, str] | None:
+    """Recover the fields of ``template`` from a directory ``name``, as strings; ``None`` if it does not match."""
+    pattern = ""
+    seen: set[str] = set()
+    for literal, field_name, _spec, _conv in string.Formatter().parse(template):
+        pattern += re.escape(literal)
+        if field_name is None:
+            continue
+        if field_name in seen:
+            pattern += f"(?P={field_name})"
+        else:
+            seen.add(field_name)
+            pattern += f"(?P<{field_name}>[^/]+?)"
+    match = re.fullmatch(pattern, name)
+    return match.groupdict() if match else None
+
+
+@dataclass
+class CheckpointEntry:
+    """A directory found in a checkpoint folder."""
+
+    name: str
+    path: Path
+    manifest: Manifest | None
+    problem: str | None = None
+    """Why this directory is not usable (``None`` for a complete checkpoint)."""
+
+    @property
+    def committed(self) -> bool:
+        return self.manifest is not None and self.problem is None
+
+    @property
+    def step(self) -> int | None:
+        return self.manifest.step if self.manifest else None
+
+
+def _inspect_dir(path: Path) -> CheckpointEntry:
+    if path.name.startswith(TMP_PREFIX):
+        return CheckpointEntry(path.name, path, None, "uncommitted temporary (an interrupted or running save)")
+    if not (path / MANIFEST_NAME).is_file():
+        return CheckpointEntry(path.name, path, None, f"no {MANIFEST_NAME} (not a committed checkpoint)")
+    try:
+        manifest = read_manifest(path)
+    except CheckpointError as exc:
+        return CheckpointEntry(path.name, path, None, str(exc))
+    problems = check_files(path, manifest)
+    if problems:
+        return CheckpointEntry(path.name, path, manifest, f"{len(problems)} damaged file(s): " + "; ".join(problems[:3]))
+    return CheckpointEntry(path.name, path, manifest)
+
+
+def scan(checkpoint_dir: str | Path) -> list[CheckpointEntry]:
+    """Every directory in ``checkpoint_dir`` (committed or not), committed ones first by step."""
+    root = Path(checkpoint_dir)
+    if not root.is_dir():
+        return []
+    entries = [
+        _inspect_dir(p)
+        for p in sorted(root.iterdir())
+        if p.is_dir() and not p.is_symlink() and not p.name.startswith(TRASH_PREFIX)
+    ]
+    return sorted(entries, key=lambda e: (not e.committed, e.step if e.step is not None else -1, e.name))
+
+
+def committed_checkpoints(checkpoint_dir: str | Path) -> list[CheckpointEntry]:
+    """Complete checkpoints, oldest step first."""
+    return [e for e in scan(checkpoint_dir) if e.committed]
+
+
+def newest_checkpoint(checkpoint_dir: str | Path) -> CheckpointEntry | None:
+    """The newest complete checkpoint; damaged or uncommitted ones are skipped with a warning."""
+    entries = scan(checkpoint_dir)
+    good = [e for e in entries if e.committed]
+    for bad in entries:
+        if bad.manifest is not None and bad.problem and (not good or bad.manifest.step >= good[-1].step):
+            log.warning("Skipping damaged checkpoint %s: %s", bad.path, bad.problem)
+    return good[-1] if good else None
+
+
+def resolve_restore_path(checkpoint_dir: str | Path, restore_from: str | None) -> Path | None:
+    """The step directory a run should load, following :attr:`CheckpointConfig.restore_from`.
+
+    Returns ``None`` when ``restore_from`` is ``None`` and there is no complete checkpoint yet.
+    Raises :class:`CheckpointNotFoundError` when an explicitly requested checkpoint does not exist.
+    """
+    root = Path(checkpoint_dir)
+    if restore_from is None:
+        entry = newest_checkpoint(root)
+        return entry.path if entry else None
+    if restore_from in POINTER_NAMES:
+        target = read_pointer(root, restore_from)
+        if target is None:
+            if restore_from == LATEST:
+                entry = newest_checkpoint(root)
+                if entry is not None:
+                    return entry.path
+            raise CheckpointNotFoundError(f"restore_from={restore_from!r}: there is no {restore_from} pointer in {root}")
+        path = root / target
+        entry = _inspect_dir(path)
+        if not entry.committed:
+            raise CheckpointNotFoundError(
+                f"restore_from={restore_from!r}: the pointer leads to {path}, which is not usable ({entry.problem})"
+            )
+        return path
+    candidate = Path(restore_from)
+    if not candidate.is_absolute() and "/" not in restore_from and (root / restore_from).exists():
+        candidate = root / restore_from
+    if not candidate.exists():
+        raise CheckpointNotFoundError(
+            f"restore_from={restore_from!r}: no such checkpoint (looked for {candidate} and {root / restore_from})"
+        )
+    entry = _inspect_dir(candidate)
+    if not entry.committed:
+        raise CheckpointNotFoundError(f"restore_from={restore_from!r}: {candidate} is not usable ({entry.problem})")
+    return candidate
+
+
+def clean_temporaries(checkpoint_dir: str | Path, older_than_s: float = 0.0) -> list[Path]:
+    """Remove leftovers of interrupted saves and deletions (``.tmp-*``, ``.trash-*``)."""
+    root = Path(checkpoint_dir)
+    removed: list[Path] = []
+    if not root.is_dir():
+        return removed
+    now = time.time()
+    for p in root.iterdir():
+        if not (p.name.startswith(TMP_PREFIX) or p.name.startswith(TRASH_PREFIX)) or p.is_symlink():
+            continue
+        try:
+            if now - p.stat().st_mtime < older_than_s:
+                continue
+            if p.is_dir():
+                remove_tree(p)
+            else:
+                p.unlink()
+            removed.append(p)
+        except FileNotFoundError:
+            continue
+    return removed

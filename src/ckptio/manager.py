@@ -1,0 +1,379 @@
+"""The checkpoint manager: when to save, where, and which checkpoint a run resumes from.
+
+Data path of a save: the manager asks the state wrappers for state dicts, hands them to the format
+modules, which write into a temporary step directory; when every rank has finished, rank 0 writes the
+manifest, fsyncs the tree, renames the directory into place and moves the LATEST pointer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+from . import __version__, _dist
+from ._log import get_logger
+from .config import CheckpointConfig
+from .errors import CheckpointError, CheckpointNotFoundError, ConfigError
+from .formats import dcp as dcp_format
+from .formats import pt as pt_format
+from .formats import safetensors_sharded
+from .formats.safetensors_sharded import check_compatible
+from .layout import LATEST, TMP_PREFIX, clean_temporaries, format_step_name, resolve_restore_path
+from .manifest import MANIFEST_NAME, Manifest, StateEntry, read_manifest
+from .state import ModelState, OptimizerState, RNGState
+from .storage import commit_directory, fsync_tree, remove_tree, write_pointer
+
+__all__ = ["CheckpointManager", "RestoreInfo", "Stateful"]
+
+MODEL_DIR = "model"
+OPTIM_DIR = "optim"
+_RESERVED = {MODEL_DIR, OPTIM_DIR, MANIFEST_NAME, "manifest"}
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class RestoreInfo:
+    """What :meth:`CheckpointManager.restore` loaded."""
+
+    path: Path
+    step: int
+    epoch: int
+    metrics: dict[str, float] = field(default_factory=dict)
+    counters: dict[str, Any] = field(default_factory=dict)
+    saved_world_size: int = 1
+
+
+class CheckpointManager:
+    """Saves and restores the whole training state; resumes from the newest complete checkpoint.
+
+    Every rank constructs the manager and calls :meth:`save` and :meth:`restore` at the same points
+    (they are collectives when a process group is initialised). Not thread-safe: use it from the
+    training thread.
+
+    Args:
+        config: where and how to save; see :class:`CheckpointConfig`.
+        model: the model (plain or FSDP2-sharded; a PEFT model when ``config.is_peft``).
+        optimizer: its optimizer; saved as DCP under ``optim/``, FQN-keyed so it reshards.
+        lr_scheduler: saved with the optimizer.
+        dataloader: any object with ``state_dict``/``load_state_dict`` (e.g. :class:`ResumableDataLoader`).
+        step_scheduler: gives ``step``/``epoch`` to :meth:`save` when they are not passed.
+        rng: capture the RNG streams of every rank (default on).
+        extra_states: more objects with ``state_dict``/``load_state_dict``, saved under their names.
+        model_key_prefix: outer prefix removed from model keys on save (``"_orig_mod."``, ``"module."``).
+    """
+
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        *,
+        model: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        lr_scheduler: Any | None = None,
+        dataloader: Stateful | None = None,
+        step_scheduler: Stateful | None = None,
+        rng: bool = True,
+        extra_states: dict[str, Stateful] | None = None,
+        model_key_prefix: str = "",
+    ) -> None:
+        config.validate()
+        self.config = config
+        self.log = get_logger()
+        self.model_state = ModelState(model, key_prefix=model_key_prefix, trainable_only=config.is_peft) if model else None
+        if optimizer is not None and model is None:
+            raise ConfigError("an optimizer needs its model: pass model= as well (optimizer state is keyed by parameter name)")
+        self.optim_state = OptimizerState(model, optimizer, lr_scheduler) if optimizer is not None else None
+        self.step_scheduler = step_scheduler
+        self.objects: dict[str, Stateful] = {}
+        if lr_scheduler is not None and optimizer is None:
+            self.register("lr_scheduler", lr_scheduler)
+        if dataloader is not None:
+            self.register("dataloader", dataloader)
+        if step_scheduler is not None:
+            self.register("step_scheduler", step_scheduler)
+        if rng:
+            self.register("rng", RNGState())
+        for name, obj in (extra_states or {}).items():
+            self.register(name, obj)
+        self.restored: RestoreInfo | None = None
+        self.last_saved: Path | None = None
+        self._cleaned = False
+        if config.save_consolidated and _dist.rank() == 0:
+            self.log.warning(
+                "save_consolidated=%r: the Hugging Face bundle under model/consolidated is not written by this "
+                "version of ckptio yet; the sharded model is saved as usual", config.save_consolidated,
+            )
+
+    # ------------------------------------------------------------------ registration
+    def register(self, name: str, obj: Stateful) -> None:
+        """Save and restore ``obj`` under ``name`` (a ``<name>.pt`` file, or ``<name>/`` per rank)."""
+        if not isinstance(name, str) or not name.replace("_", "").replace("-", "").isalnum():
+            raise ConfigError(f"state name {name!r} must be letters, digits, '_' or '-' (it becomes a file name)")
+        if name in _RESERVED:
+            raise ConfigError(f"state name {name!r} is reserved; pass models and optimizers as model=/optimizer=")
+        if name in self.objects:
+            raise ConfigError(f"a state named {name!r} is already registered")
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise ConfigError(f"state {name!r} ({type(obj).__name__}) needs state_dict() and load_state_dict()")
+        self.objects[name] = obj
+
+    # ------------------------------------------------------------------ save
+    def save(
+        self,
+        *,
+        step: int | None = None,
+        epoch: int | None = None,
+        metrics: dict[str, float] | None = None,
+        counters: dict[str, Any] | None = None,
+    ) -> Path | None:
+        """Collective: write a complete checkpoint of everything registered and commit it atomically.
+
+        ``step``/``epoch`` default to the step scheduler's. Returns the committed step directory.
+        """
+        if not self.config.enabled:
+            return None
+        step, epoch = self._position(step, epoch)
+        metrics = {k: float(v) for k, v in (metrics or {}).items()}
+        counters = dict(counters or {})
+        root = Path(self.config.checkpoint_dir)
+        name = format_step_name(self.config.name_template, step=step, epoch=epoch, metrics=metrics, counters=counters)
+        final = root / name
+        rank, world = _dist.rank(), _dist.world_size()
+        start = time.perf_counter()
+        if rank == 0:
+            self.log.info("Saving checkpoint to %s", final)
+
+        def prepare() -> str | None:
+            if rank != 0:
+                return None
+            root.mkdir(parents=True, exist_ok=True)
+            if not self._cleaned:
+                self._cleaned = True
+                for leftover in clean_temporaries(root):
+                    self.log.info("Removed leftover of an interrupted save: %s", leftover)
+            tmp = root / f"{TMP_PREFIX}{name}-{uuid.uuid4().hex[:8]}"
+            tmp.mkdir()
+            return str(tmp)
+
+        tmp = Path(_dist.broadcast_object(_dist.run_collectively("preparing the checkpoint", prepare)))
+        try:
+            states = self._write_states(tmp, rank, world)
+
+            def commit() -> None:
+                if rank != 0:
+                    return
+                manifest = Manifest(
+                    name=name, step=step, epoch=epoch, world_size=world,
+                    model_save_format=self.config.model_save_format, states=states,
+                    files=_list_files(tmp), metrics=metrics, counters=counters,
+                    is_peft=self.config.is_peft, versions=_versions(),
+                )
+                pt_format.write_bytes(tmp / MANIFEST_NAME, manifest.to_json().encode())
+                fsync_tree(tmp)
+                commit_directory(tmp, final)
+                write_pointer(root, LATEST, name)
+
+            _dist.run_collectively(f"committing {final}", commit)
+        except BaseException:
+            if rank == 0 and tmp.exists():
+                remove_tree(tmp)
+            raise
+        self.last_saved = final
+        if rank == 0:
+            self.log.info("Saved checkpoint %s in %.2f s", final, time.perf_counter() - start)
+        return final
+
+    def _position(self, step: int | None, epoch: int | None) -> tuple[int, int]:
+        sched = self.step_scheduler
+        if step is None:
+            step = getattr(sched, "step", None)
+        if epoch is None:
+            epoch = getattr(sched, "epoch", 0)
+        if not isinstance(step, int) or step < 0:
+            raise ConfigError("save() needs step= (a non-negative int) or a step_scheduler with a .step attribute")
+        return step, int(epoch or 0)
+
+    def _write_states(self, tmp: Path, rank: int, world: int) -> dict[str, StateEntry]:
+        states: dict[str, StateEntry] = {}
+        fmt = self.config.model_save_format
+        if self.model_state is not None:
+            model_sd = self.model_state.state_dict()
+            if fmt == "safetensors":
+                _dist.run_collectively(
+                    "writing model shards",
+                    lambda: safetensors_sharded.save(model_sd, tmp / MODEL_DIR, rank=rank, world_size=world),
+                )
+                states["model"] = StateEntry("model", "safetensors", MODEL_DIR)
+            else:
+                dcp_format.save(model_sd, tmp / MODEL_DIR)
+                states["model"] = StateEntry("model", "dcp", MODEL_DIR)
+        if self.optim_state is not None:
+            dcp_format.save(self.optim_state.state_dict(), tmp / OPTIM_DIR)
+            states["optim"] = StateEntry("optimizer", "dcp", OPTIM_DIR)
+        for name, obj in self.objects.items():
+            data = _dist.run_collectively(f"serialising {name!r}", lambda: pt_format.to_bytes(obj.state_dict(), name))
+            digests = _dist.all_gather_object(hashlib.sha256(data).hexdigest())
+            per_rank = len(set(digests)) > 1
+
+            def write(name: str = name, data: bytes = data, per_rank: bool = per_rank) -> None:
+                if per_rank:
+                    (tmp / name).mkdir(exist_ok=True)
+                    pt_format.write_bytes(tmp / name / _rank_file(rank), data)
+                elif rank == 0:
+                    pt_format.write_bytes(tmp / f"{name}.pt", data)
+
+            _dist.run_collectively(f"writing {name!r}", write)
+            states[name] = StateEntry("object", "pt", name if per_rank else f"{name}.pt", per_rank=per_rank)
+        return states
+
+    # ------------------------------------------------------------------ restore
+    def restore(self, path: str | Path | None = None) -> RestoreInfo | None:
+        """Collective: load the checkpoint chosen by ``config.restore_from`` (or ``path``) into every state.
+
+        Returns ``None`` (and changes nothing) when ``restore_from`` is unset and there is no complete
+        checkpoint yet. An explicitly requested checkpoint that does not exist raises
+        :class:`CheckpointNotFoundError`.
+        """
+        if not self.config.enabled:
+            return None
+        rank = _dist.rank()
+        root = Path(self.config.checkpoint_dir)
+        requested = None if path is None else str(path)
+
+        def find() -> str | None:
+            if rank != 0:
+                return None
+            found = resolve_restore_path(root, requested if requested is not None else self.config.restore_from)
+            return None if found is None else str(found)
+
+        found = _dist.broadcast_object(_dist.run_collectively("finding the checkpoint to restore", find))
+        if found is None:
+            if rank == 0:
+                self.log.info("No checkpoint found in %s; starting from scratch", root)
+            return None
+        step_dir = Path(found)
+        if rank == 0:
+            self.log.info("Loading checkpoint from %s", step_dir)
+        start = time.perf_counter()
+        manifest = _dist.run_collectively("reading the manifest", lambda: read_manifest(step_dir))
+        self._load_model(step_dir, manifest)
+        self._load_optimizer(step_dir, manifest)
+        self._load_objects(step_dir, manifest)
+        info = RestoreInfo(step_dir, manifest.step, manifest.epoch, dict(manifest.metrics),
+                           dict(manifest.counters), manifest.world_size)
+        self.restored = info
+        if rank == 0:
+            self.log.info(
+                "Loaded checkpoint %s (step %d, epoch %d, saved on %d rank(s)) in %.2f s",
+                step_dir, info.step, info.epoch, info.saved_world_size, time.perf_counter() - start,
+            )
+        return info
+
+    def _entry(self, step_dir: Path, manifest: Manifest, key: str) -> StateEntry:
+        entry = manifest.states.get(key)
+        if entry is None:
+            raise CheckpointNotFoundError(
+                f"{step_dir} holds no {key!r} state (it has {sorted(manifest.states)}); "
+                f"it was saved without one, so it cannot restore this run's {key}"
+            )
+        return entry
+
+    def _load_model(self, step_dir: Path, manifest: Manifest) -> None:
+        if self.model_state is None:
+            return
+        entry = self._entry(step_dir, manifest, "model")
+        folder = step_dir / entry.path
+        target = self.model_state.state_dict()
+        strict = self.config.strict and not self.config.is_peft
+        if entry.format == "safetensors":
+            _dist.run_collectively("loading the model", lambda: safetensors_sharded.load(target, folder, strict=strict))
+        elif entry.format == "dcp":
+            index = _dist.run_collectively("reading the model index", lambda: dcp_format.read_index(folder))
+            check_compatible(index, target, str(folder), strict=strict)
+            dcp_format.load(target, folder)
+        else:
+            raise CheckpointError(f"{step_dir}: unknown model format {entry.format!r} in the manifest")
+        self.model_state.load_state_dict(target)
+
+    def _load_optimizer(self, step_dir: Path, manifest: Manifest) -> None:
+        if self.optim_state is None:
+            return
+        entry = self._entry(step_dir, manifest, "optim")
+        folder = step_dir / entry.path
+        target = self.optim_state.state_dict()
+        index = _dist.run_collectively("reading the optimizer index", lambda: dcp_format.read_index(folder))
+        flat, _ = flatten_state_dict(target)
+        missing = [k for k in flat if k not in index]
+        if missing:
+            raise CheckpointError(
+                f"{folder}: optimizer state does not match the live optimizer: {len(missing)} key(s) missing, "
+                f"e.g. {missing[:3]} (different model, optimizer type or parameter groups?)"
+            )
+        tensor_target = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
+        check_compatible({k: index[k] for k in tensor_target}, tensor_target, str(folder), strict=False)
+        dcp_format.load(target, folder)
+        self.optim_state.load_state_dict(target)
+
+    def _load_objects(self, step_dir: Path, manifest: Manifest) -> None:
+        rank, world = _dist.rank(), _dist.world_size()
+        for name, obj in self.objects.items():
+            entry = manifest.states.get(name)
+            if entry is None:
+                if rank == 0:
+                    self.log.warning("%s has no %r state; %s keeps its current state", step_dir, name, name)
+                continue
+            file: Path | None = step_dir / entry.path
+            if entry.per_rank:
+                file = step_dir / entry.path / _rank_file(rank)
+                if manifest.world_size != world:
+                    if rank == 0:
+                        self.log.warning(
+                            "%s: %r was saved per rank on %d rank(s) and is restored on %d; each rank takes the "
+                            "state saved by the same rank number, ranks beyond %d keep their own",
+                            step_dir, name, manifest.world_size, world, manifest.world_size,
+                        )
+                    if rank >= manifest.world_size:
+                        file = None
+
+            def load_one(obj: Stateful = obj, file: Path | None = file) -> None:
+                if file is not None:
+                    obj.load_state_dict(pt_format.load(file))
+
+            # every rank takes part, even one with nothing to load, so the collectives stay matched
+            _dist.run_collectively(f"loading {name!r}", load_one)
+
+
+def _rank_file(rank: int) -> str:
+    return f"rank_{rank:05d}.pt"
+
+
+def _list_files(root: Path) -> dict[str, int]:
+    return {
+        str(p.relative_to(root)): p.stat().st_size
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != MANIFEST_NAME
+    }
+
+
+def _versions() -> dict[str, str]:
+    import safetensors
+
+    versions = {"ckptio": __version__, "torch": torch.__version__, "safetensors": safetensors.__version__}
+    transformers = sys.modules.get("transformers")  # recorded only when in use: importing it costs seconds
+    if transformers is not None:
+        versions["transformers"] = getattr(transformers, "__version__", "unknown")
+    return versions

@@ -1,0 +1,81 @@
+"""The model as a flat, FQN-keyed state dict of (possibly sharded) tensors.
+
+Handles FSDP2/DTensor models through ``torch.distributed.checkpoint.state_dict`` (each rank sees its
+local shards as DTensors), skips non-persistent buffers (they are rebuilt by the model's
+constructor), drops tied aliases such as ``lm_head.weight`` only when they really share storage with
+another parameter (re-tied on load by sharing), and can strip an outer key prefix (``module.``,
+``_orig_mod.``) so that checkpoints do not depend on wrappers.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+
+class ModelState:
+    """Stateful view of a model for checkpointing.
+
+    Args:
+        model: the live model (plain, FSDP2-sharded, or a PEFT model).
+        key_prefix: an outer prefix to remove from saved keys and add back on load, e.g. ``"_orig_mod."``.
+        trainable_only: save only parameters with ``requires_grad`` (PEFT adapters); load non-strictly.
+    """
+
+    def __init__(self, model: nn.Module, *, key_prefix: str = "", trainable_only: bool = False) -> None:
+        self.model = model
+        self.key_prefix = key_prefix
+        self.trainable_only = trainable_only
+        self.tied_aliases = self._find_tied_aliases()
+
+    def _find_tied_aliases(self) -> dict[str, str]:
+        """Alias key -> primary key for parameters registered under several names (same object)."""
+        first: dict[int, str] = {}
+        aliases: dict[str, str] = {}
+        for name, param in self.model.named_parameters(remove_duplicate=False):
+            primary = first.setdefault(id(param), name)
+            if primary != name:
+                aliases[name] = primary
+        return aliases
+
+    def _strip(self, key: str) -> str:
+        if self.key_prefix and key.startswith(self.key_prefix):
+            return key[len(self.key_prefix):]
+        return key
+
+    def _trainable_keys(self) -> set[str]:
+        return {name for name, p in self.model.named_parameters() if p.requires_grad}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Local shards (DTensors under FSDP2) keyed by FQN, without tied aliases or the prefix."""
+        raw = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=False))
+        keep: Callable[[str], bool] = lambda k: True  # noqa: E731
+        if self.trainable_only:
+            trainable = self._trainable_keys()
+            keep = trainable.__contains__
+        return {self._strip(k): v for k, v in raw.items() if k not in self.tied_aliases and keep(k)}
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy ``state_dict`` (shaped like :meth:`state_dict`'s output) into the model."""
+        full = {self.key_prefix + k: v for k, v in state_dict.items()}
+        strict = not self.trainable_only
+        missing, unexpected = _set(self.model, full, strict=False)
+        if strict:
+            missing = [k for k in missing if k not in self.tied_aliases]
+            if missing or unexpected:
+                from ..errors import CheckpointMismatchError
+
+                raise CheckpointMismatchError(
+                    f"model state does not match: missing {missing[:5]}, unexpected {unexpected[:5]}"
+                )
+        tie = getattr(self.model, "tie_weights", None)
+        if self.tied_aliases and callable(tie):
+            tie()
+
+
+def _set(model: nn.Module, state_dict: dict[str, torch.Tensor], *, strict: bool) -> tuple[list[str], list[str]]:
+    result = set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=False, strict=strict))
+    return list(result.missing_keys), list(result.unexpected_keys)

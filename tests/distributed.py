@@ -1,0 +1,93 @@
+"""Run a test function on N real processes (gloo on CPU), each with its own rank.
+
+``run_ranks(n, fn, **kwargs)`` spawns ``n`` fresh interpreters; each initialises a gloo process group
+through a file store in a temporary folder (world size 1 runs without any process group, exercising
+the single-process path), calls ``fn(**kwargs)`` and saves its return value. The parent gathers the
+results (loaded with ``weights_only=True``) and fails with every rank's exit code if any rank failed
+or the deadline passed.
+
+Exit path: after its work is done and the group destroyed, a rank leaves with ``os._exit`` — its
+result is already on disk, flushed. This sidesteps a known teardown abort of the interpreter
+("terminate called without an active exception") that hits a few percent of processes that imported
+transformers, without hiding real failures: any exception in ``fn`` still exits non-zero with its
+traceback printed.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+
+def _worker(rank: int, world: int, store: str, fn: Callable[..., Any], kwargs: dict, out_dir: str) -> None:
+    code = 1
+    try:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(1)
+        os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"] = str(rank), str(world), str(rank)
+        import torch.distributed as dist
+
+        if world > 1:
+            dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+        result = fn(**kwargs)
+        torch.save(result, os.path.join(out_dir, f"result_{rank}.pt"))
+        if world > 1:
+            dist.barrier()
+            dist.destroy_process_group()
+        code = 0
+    except BaseException:  # reported below; the exit code carries the failure to the parent
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def start_ranks(world: int, fn: Callable[..., Any], kwargs: dict, tmp: str) -> list[mp.Process]:
+    ctx = mp.get_context("spawn")
+    store = os.path.join(tmp, "store")
+    procs = [ctx.Process(target=_worker, args=(r, world, store, fn, kwargs, tmp), daemon=False) for r in range(world)]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def kill_all(procs: list[mp.Process]) -> None:
+    for p in procs:
+        if p.is_alive() and p.pid is not None:
+            try:
+                os.kill(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        p.join(5)
+
+
+def run_ranks(world: int, fn: Callable[..., Any], timeout: float = 300, **kwargs: Any) -> list[Any]:
+    """Run ``fn(**kwargs)`` on ``world`` ranks; return each rank's result, indexed by rank."""
+    with tempfile.TemporaryDirectory(prefix="ckptio-ranks-") as tmp:
+        procs = start_ranks(world, fn, kwargs, tmp)
+        deadline = time.monotonic() + timeout
+        try:
+            while any(p.is_alive() for p in procs):
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"{fn.__name__} on {world} rank(s) did not finish within {timeout} s")
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    time.sleep(2)  # give the other ranks a moment to report their own error
+                    break
+                time.sleep(0.05)
+        finally:
+            kill_all(procs)
+        codes = [p.exitcode for p in procs]
+        if any(c != 0 for c in codes):
+            raise AssertionError(f"{fn.__name__} on {world} rank(s) failed; exit codes by rank: {codes}")
+        return [torch.load(Path(tmp) / f"result_{r}.pt", weights_only=True) for r in range(world)]

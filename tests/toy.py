@@ -1,0 +1,123 @@
+"""A tiny Llama training setup shared by the tests (built from a config: no downloads)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+from ckptio import CheckpointConfig, CheckpointManager, ResumableDataLoader, StepScheduler
+
+VOCAB = 64
+SEQ = 16
+
+
+def llama_config(**overrides: Any):
+    from transformers import LlamaConfig
+
+    kw = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True, attention_dropout=0.1)
+    kw.update(overrides)
+    return LlamaConfig(**kw)
+
+
+def world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def make_model(seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(llama_config(**overrides))
+    if world() > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    return model
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    def __init__(self, n: int = 96, seed: int = 1234) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.data = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.data[i]
+
+
+class Counter:
+    """A user object registered by name."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"seen": self.seen}
+
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        self.seen = sd["seen"]
+
+
+class Run:
+    """Model + AdamW + warmup scheduler + shuffling loader + step scheduler + manager."""
+
+    def __init__(self, ckpt_dir: str | Path, fmt: str = "safetensors", max_steps: int = 12,
+                 ckpt_every: int | None = None, seed: int = 0, **config: Any) -> None:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        random.seed(100 + rank)
+        np.random.seed(200 + rank)
+        torch.manual_seed(300 + rank)
+        self.model = make_model(seed)
+        self.model.train()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2, weight_decay=0.01)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(1.0, (s + 1) / 4))
+        self.loader = ResumableDataLoader(TokenDataset(), batch_size=4, shuffle=True, seed=7)
+        self.steps = StepScheduler(max_steps=max_steps, ckpt_every_steps=ckpt_every)
+        self.counter = Counter()
+        self.mgr = CheckpointManager(
+            CheckpointConfig(checkpoint_dir=str(ckpt_dir), model_save_format=fmt, **config),
+            model=self.model, optimizer=self.opt, lr_scheduler=self.sched, dataloader=self.loader,
+            step_scheduler=self.steps, extra_states={"counter": self.counter},
+        )
+        self.losses: dict[int, float] = {}
+
+    def train(self, save_at: tuple[int, ...] = (), stop_at: int | None = None) -> None:
+        stop = stop_at if stop_at is not None else self.steps.max_steps
+        while self.steps.step < stop:
+            for batch in self.loader:
+                loss = self.model(input_ids=batch, labels=batch).loss
+                loss.backward()
+                self.opt.step()
+                self.sched.step()
+                self.opt.zero_grad()
+                self.steps.step += 1
+                self.counter.seen += batch.shape[0]
+                self.losses[self.steps.step] = loss.item()
+                if self.steps.step in save_at or self.steps.is_ckpt_step():
+                    self.mgr.save()
+                if self.steps.step >= stop:
+                    break
+            else:
+                self.steps.epoch += 1
+
+
+def full_state(model: torch.nn.Module, opt: torch.optim.Optimizer | None = None) -> dict[str, torch.Tensor]:
+    """Every parameter and optimizer tensor, unsharded, on CPU (collective)."""
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=False)
+    out = {f"model/{k}": v.clone() for k, v in get_model_state_dict(model, options=opts).items()}
+    if opt is not None:
+        osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(
+            full_state_dict=True, cpu_offload=True, flatten_optimizer_state_dict=True))
+        out.update({f"optim/{k}": v.clone() for k, v in osd.items() if isinstance(v, torch.Tensor)})
+    return out
