@@ -25,6 +25,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from .. import _dist
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError
 from .common import TensorInfo, dtype_name
 
@@ -111,12 +112,13 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 def save(state_dict: dict[str, Any], folder: str | Path, *, thread_count: int = 1) -> None:
     """Collective: write ``state_dict`` (local shards on each rank) as a DCP folder, fsynced."""
     writer = FileSystemWriter(str(folder), sync_files=True, thread_count=thread_count)
-    dcp.save(state_dict, storage_writer=writer)
+    dcp.save(state_dict, storage_writer=writer, no_dist=not _dist.is_dist())
 
 
 def load(state_dict: dict[str, Any], folder: str | Path) -> None:
     """Collective: fill ``state_dict`` in place from a DCP folder, resharding as DCP does."""
-    dcp.load(state_dict, storage_reader=SafeFileSystemReader(str(folder)), planner=SafeLoadPlanner())
+    dcp.load(state_dict, storage_reader=SafeFileSystemReader(str(folder)), planner=SafeLoadPlanner(),
+             no_dist=not _dist.is_dist())
 
 
 def read_index(folder: str | Path) -> dict[str, TensorInfo | None]:
