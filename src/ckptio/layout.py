@@ -83,7 +83,11 @@ def _inspect_dir(path: Path) -> CheckpointEntry:
     if path.name.startswith(TMP_PREFIX):
         return CheckpointEntry(path.name, path, None, "uncommitted temporary (an interrupted or running save)")
     if not (path / MANIFEST_NAME).is_file():
-        return CheckpointEntry(path.name, path, None, f"no {MANIFEST_NAME} (not a committed checkpoint)")
+        return CheckpointEntry(
+            path.name, path, None,
+            f"{MANIFEST_NAME} is missing: not a committed ckptio checkpoint (an interrupted save, or a folder "
+            "written by another tool)",
+        )
     try:
         manifest = read_manifest(path)
     except CheckpointError as exc:

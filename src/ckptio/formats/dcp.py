@@ -16,17 +16,20 @@ from __future__ import annotations
 
 import io
 import pickle
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from .. import _dist
-from ..errors import CheckpointCorruptError, CheckpointNotFoundError
+from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .common import TensorInfo, dtype_name
 
 METADATA_FILE = ".metadata"
@@ -112,13 +115,39 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 def save(state_dict: dict[str, Any], folder: str | Path, *, thread_count: int = 1) -> None:
     """Collective: write ``state_dict`` (local shards on each rank) as a DCP folder, fsynced."""
     writer = FileSystemWriter(str(folder), sync_files=True, thread_count=thread_count)
-    dcp.save(state_dict, storage_writer=writer, no_dist=not _dist.is_dist())
+    with _quiet_single_process(), _plain_errors("saving", folder):
+        dcp.save(state_dict, storage_writer=writer, no_dist=not _dist.is_dist())
 
 
 def load(state_dict: dict[str, Any], folder: str | Path) -> None:
     """Collective: fill ``state_dict`` in place from a DCP folder, resharding as DCP does."""
-    dcp.load(state_dict, storage_reader=SafeFileSystemReader(str(folder)), planner=SafeLoadPlanner(),
-             no_dist=not _dist.is_dist())
+    with _quiet_single_process(), _plain_errors("loading", folder):
+        dcp.load(state_dict, storage_reader=SafeFileSystemReader(str(folder)), planner=SafeLoadPlanner(),
+                 no_dist=not _dist.is_dist())
+
+
+@contextmanager
+def _plain_errors(what: str, folder: str | Path) -> Iterator[None]:
+    """Turn DCP's ``CheckpointException`` (a ``BaseException``!) into a ckptio error naming the folder.
+
+    Every rank receives the same exception from DCP, so every rank raises the same error here.
+    """
+    try:
+        yield
+    except CheckpointException as exc:
+        failures = {rank: pair[0] if isinstance(pair, tuple) else pair for rank, pair in exc.failures.items()}
+        first = failures[min(failures)]
+        detail = f"{type(first).__name__}: {first}" if not isinstance(first, CheckpointError) else str(first)
+        cls = type(first) if isinstance(first, CheckpointError) else CheckpointError
+        raise cls(f"{what} DCP folder {folder} failed on rank(s) {sorted(failures)}: {detail}") from exc
+
+
+@contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """DCP warns on every single-process call that it assumes a single process; that is our intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def read_index(folder: str | Path) -> dict[str, TensorInfo | None]:

@@ -98,8 +98,9 @@ def save(state_dict: dict[str, torch.Tensor], folder: str | Path, *, rank: int, 
     return path
 
 
-def _scan(folder: Path) -> tuple[dict[str, list[_Chunk]], dict[str, TensorInfo]]:
-    files = sorted(p for p in folder.glob(FILE_GLOB) if p.is_file())
+def _scan(folder: Path, files: list[Path] | None = None) -> tuple[dict[str, list[_Chunk]], dict[str, TensorInfo]]:
+    if files is None:
+        files = sorted(p for p in folder.glob(FILE_GLOB) if p.is_file())
     if not files:
         raise CheckpointNotFoundError(f"{folder} holds no .safetensors files")
     chunks: dict[str, list[_Chunk]] = {}
@@ -166,6 +167,22 @@ def _numel(shape: Iterable[int]) -> int:
 def read_index(folder: str | Path) -> dict[str, TensorInfo]:
     """Global shape and dtype of every tensor in a sharded (or plain) safetensors folder."""
     return _scan(Path(folder))[1]
+
+
+def read_index_file(path: str | Path) -> dict[str, TensorInfo]:
+    """Shape (global, when the file is a ckptio shard) and dtype of every tensor in one file."""
+    path = Path(path)
+    out = {}
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            shard_meta = json.loads((fh.metadata() or {}).get("ckptio_shards", "{}"))
+            for key in fh.keys():
+                sl = fh.get_slice(key)
+                shape = tuple(shard_meta[key]["shape"]) if key in shard_meta else tuple(sl.get_shape())
+                out[key] = TensorInfo(shape, _SAFETENSORS_DTYPES.get(sl.get_dtype(), sl.get_dtype().lower()))
+    except Exception as exc:
+        raise CheckpointCorruptError(f"{path}: not a readable safetensors file ({type(exc).__name__}: {exc})") from exc
+    return out
 
 
 def check_compatible(

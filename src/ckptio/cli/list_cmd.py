@@ -1,0 +1,37 @@
+"""``ckptio list CHECKPOINT_DIR``: every checkpoint with step, size, state, and which is LATEST."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..describe import list_checkpoints
+from ._fmt import human_bytes, print_json, table
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("list", help="list the checkpoints of a checkpoint folder",
+                       description="List step directories, committed or not, oldest step first.")
+    p.add_argument("checkpoint_dir", help="the folder holding step directories (checkpoint_dir)")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    info = list_checkpoints(args.checkpoint_dir)
+    if args.json:
+        print_json(info)
+        return 0
+    rows = info["checkpoints"]
+    if not rows:
+        print(f"{info['checkpoint_dir']}: no checkpoints")
+        return 0
+    body = []
+    for r in rows:
+        status = "committed" if r["committed"] else f"NOT USABLE: {r['problem']}"
+        metrics = ", ".join(f"{k}={v:g}" for k, v in sorted(r["metrics"].items()))
+        body.append([r["name"] + (" <- LATEST" if r["latest"] else ""), "-" if r["step"] is None else str(r["step"]),
+                     "-" if r["epoch"] is None else str(r["epoch"]), human_bytes(r["bytes"]), metrics, status])
+    print(table(body, ["checkpoint", "step", "epoch", "size", "metrics", "status"]))
+    committed = sum(1 for r in rows if r["committed"])
+    print(f"\n{committed} committed checkpoint(s) in {info['checkpoint_dir']}; LATEST -> {info['latest'] or 'none'}")
+    return 0

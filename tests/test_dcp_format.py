@@ -1,0 +1,58 @@
+"""Our DCP folders are plain DCP; hostile DCP metadata and values are refused without running code."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from ckptio import CheckpointConfig, CheckpointCorruptError, CheckpointManager
+from ckptio.formats import dcp as dcp_format
+
+
+def _saved(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    mgr = CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path), model_save_format="torch_save"),
+                            model=model, optimizer=opt, rng=False)
+    return model, mgr.save(step=1)
+
+
+def test_plain_dcp_reads_our_model_and_optimizer_folders(tmp_path):
+    model, step_dir = _saved(tmp_path)
+    target = {"weight": torch.zeros(3, 4), "bias": torch.zeros(3)}
+    dcp.load(target, checkpoint_id=str(step_dir / "model"))  # torch alone, no ckptio reader
+    assert torch.equal(target["weight"], model.weight.detach()) and torch.equal(target["bias"], model.bias.detach())
+    md = dcp.FileSystemReader(str(step_dir / "optim")).read_metadata()
+    assert "optim.state.weight.exp_avg" in md.state_dict_metadata
+
+
+class _Boom:
+    def __reduce__(self):
+        return (os.system, ("touch PWNED",))
+
+
+def test_hostile_metadata_pickle_is_refused(tmp_path, monkeypatch):
+    _model, step_dir = _saved(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    (step_dir / "model" / ".metadata").write_bytes(pickle.dumps(_Boom()))
+    with pytest.raises(CheckpointCorruptError, match=r"\.metadata.*posix.system|\.metadata.*os.system"):
+        dcp_format.read_metadata(step_dir / "model")
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_hostile_value_in_dcp_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "evil"
+    with pytest.warns(UserWarning):
+        dcp.save({"x": torch.ones(2), "payload": _Boom()}, checkpoint_id=str(folder))
+    target = {"x": torch.zeros(2), "payload": None}
+    with pytest.raises(CheckpointCorruptError, match=r"evil.*'payload' is not a plain value"):
+        dcp_format.load(target, folder)
+    assert not (tmp_path / "PWNED").exists()
