@@ -24,6 +24,7 @@ def _saved(tmp_path):
     return model, mgr.save(step=1)
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_plain_dcp_reads_our_model_and_optimizer_folders(tmp_path):
     model, step_dir = _saved(tmp_path)
     target = {"weight": torch.zeros(3, 4), "bias": torch.zeros(3)}
