@@ -121,3 +121,18 @@ def full_state(model: torch.nn.Module, opt: torch.optim.Optimizer | None = None)
             full_state_dict=True, cpu_offload=True, flatten_optimizer_state_dict=True))
         out.update({f"optim/{k}": v.clone() for k, v in osd.items() if isinstance(v, torch.Tensor)})
     return out
+
+
+def make_tokenizer(vocab_size: int = VOCAB):
+    """A character-level tokenizer with exactly ``vocab_size`` tokens, built locally (no hub)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>", "<pad>"]
+    chars = list(" abcdefghijklmnopqrstuvwxyz.,!?'ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-:;\"()")
+    vocab = {tok: i for i, tok in enumerate((specials + chars)[:vocab_size])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>")

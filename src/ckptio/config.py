@@ -30,6 +30,9 @@ class CheckpointConfig:
     """Also write a Hugging Face bundle under ``model/consolidated``: ``False``, ``True`` (every
     checkpoint) or ``"final"`` (only the last checkpoint of a run)."""
 
+    consolidated_max_shard_size: str = "5GB"
+    """Largest file of the consolidated bundle (``"5GB"``, ``"500MB"``, ``"2GiB"``); a bigger tensor gets its own file."""
+
     is_peft: bool = False
     """The model is a PEFT model: only the adapter weights are saved, always consolidated."""
 
@@ -57,6 +60,12 @@ class CheckpointConfig:
                 f"model_save_format={self.model_save_format!r} is not supported; use one of {list(MODEL_SAVE_FORMATS)}"
             )
         self.save_consolidated = _parse_save_consolidated(self.save_consolidated)
+        from .formats.hf_bundle import parse_size
+
+        try:
+            parse_size(self.consolidated_max_shard_size)
+        except ConfigError as exc:
+            raise ConfigError(f"consolidated_max_shard_size: {exc}") from exc
         for name in ("is_peft", "enabled", "strict"):
             value = getattr(self, name)
             if not isinstance(value, bool):

@@ -24,6 +24,7 @@ from ._log import get_logger
 from .config import CheckpointConfig
 from .errors import CheckpointError, CheckpointNotFoundError, ConfigError
 from .formats import dcp as dcp_format
+from .formats import hf_bundle
 from .formats import pt as pt_format
 from .formats import safetensors_sharded
 from .formats.safetensors_sharded import check_compatible
@@ -35,6 +36,7 @@ from .storage import commit_directory, fsync_tree, remove_tree, write_pointer
 __all__ = ["CheckpointManager", "RestoreInfo", "Stateful"]
 
 MODEL_DIR = "model"
+CONSOLIDATED_DIR = "consolidated"
 OPTIM_DIR = "optim"
 _RESERVED = {MODEL_DIR, OPTIM_DIR, MANIFEST_NAME, "manifest"}
 
@@ -75,6 +77,7 @@ class CheckpointManager:
         rng: capture the RNG streams of every rank (default on).
         extra_states: more objects with ``state_dict``/``load_state_dict``, saved under their names.
         model_key_prefix: outer prefix removed from model keys on save (``"_orig_mod."``, ``"module."``).
+        tokenizer: saved with the model (``model/`` and ``model/consolidated/``) via ``save_pretrained``.
     """
 
     def __init__(
@@ -89,10 +92,13 @@ class CheckpointManager:
         rng: bool = True,
         extra_states: dict[str, Stateful] | None = None,
         model_key_prefix: str = "",
+        tokenizer: Any | None = None,
     ) -> None:
         config.validate()
         self.config = config
         self.log = get_logger()
+        self.model = model
+        self.tokenizer = tokenizer
         self.model_state = ModelState(model, key_prefix=model_key_prefix, trainable_only=config.is_peft) if model else None
         if optimizer is not None and model is None:
             raise ConfigError("an optimizer needs its model: pass model= as well (optimizer state is keyed by parameter name)")
@@ -112,11 +118,6 @@ class CheckpointManager:
         self.restored: RestoreInfo | None = None
         self.last_saved: Path | None = None
         self._cleaned = False
-        if config.save_consolidated and _dist.rank() == 0:
-            self.log.warning(
-                "save_consolidated=%r: the Hugging Face bundle under model/consolidated is not written by this "
-                "version of ckptio yet; the sharded model is saved as usual", config.save_consolidated,
-            )
 
     # ------------------------------------------------------------------ registration
     def register(self, name: str, obj: Stateful) -> None:
@@ -139,10 +140,13 @@ class CheckpointManager:
         epoch: int | None = None,
         metrics: dict[str, float] | None = None,
         counters: dict[str, Any] | None = None,
+        final: bool | None = None,
     ) -> Path | None:
         """Collective: write a complete checkpoint of everything registered and commit it atomically.
 
-        ``step``/``epoch`` default to the step scheduler's. Returns the committed step directory.
+        ``step``/``epoch`` default to the step scheduler's. ``final`` marks the last checkpoint of a run
+        (consolidated when ``save_consolidated="final"``); by default it is the step scheduler's ``done``.
+        Returns the committed step directory.
         """
         if not self.config.enabled:
             return None
@@ -151,11 +155,11 @@ class CheckpointManager:
         counters = dict(counters or {})
         root = Path(self.config.checkpoint_dir)
         name = format_step_name(self.config.name_template, step=step, epoch=epoch, metrics=metrics, counters=counters)
-        final = root / name
+        final_dir = root / name
         rank, world = _dist.rank(), _dist.world_size()
         start = time.perf_counter()
         if rank == 0:
-            self.log.info("Saving checkpoint to %s", final)
+            self.log.info("Saving checkpoint to %s", final_dir)
 
         def prepare() -> str | None:
             if rank != 0:
@@ -170,8 +174,11 @@ class CheckpointManager:
             return str(tmp)
 
         tmp = Path(_dist.broadcast_object(_dist.run_collectively("preparing the checkpoint", prepare)))
+        if final is None:
+            final = bool(getattr(self.step_scheduler, "done", False))
+        consolidate = self.config.save_consolidated is True or (self.config.save_consolidated == "final" and final)
         try:
-            states = self._write_states(tmp, rank, world)
+            states = self._write_states(tmp, rank, world, consolidate=consolidate)
 
             def commit() -> None:
                 if rank != 0:
@@ -184,18 +191,30 @@ class CheckpointManager:
                 )
                 pt_format.write_bytes(tmp / MANIFEST_NAME, manifest.to_json().encode())
                 fsync_tree(tmp)
-                commit_directory(tmp, final)
+                commit_directory(tmp, final_dir)
                 write_pointer(root, LATEST, name)
 
-            _dist.run_collectively(f"committing {final}", commit)
+            _dist.run_collectively(f"committing {final_dir}", commit)
         except BaseException:
             if rank == 0 and tmp.exists():
                 remove_tree(tmp)
             raise
-        self.last_saved = final
+        self.last_saved = final_dir
         if rank == 0:
-            self.log.info("Saved checkpoint %s in %.2f s", final, time.perf_counter() - start)
-        return final
+            self.log.info("Saved checkpoint %s in %.2f s", final_dir, time.perf_counter() - start)
+        return final_dir
+
+    def _consolidate(self, model_dir: Path, rank: int, world: int) -> None:
+        out = model_dir / CONSOLIDATED_DIR
+        start = time.perf_counter()
+        plan = _dist.run_collectively(
+            f"consolidating {out}",
+            lambda: hf_bundle.consolidate(model_dir, out, max_shard_size=self.config.consolidated_max_shard_size,
+                                          rank=rank, world_size=world),
+        )
+        if rank == 0:
+            self.log.info("Consolidated %d tensors (%.1f MB) into %d file(s) under %s in %.2f s",
+                          len(plan.infos), plan.total_size / 1e6, len(plan.files), out, time.perf_counter() - start)
 
     def _position(self, step: int | None, epoch: int | None) -> tuple[int, int]:
         sched = self.step_scheduler
@@ -207,7 +226,7 @@ class CheckpointManager:
             raise ConfigError("save() needs step= (a non-negative int) or a step_scheduler with a .step attribute")
         return step, int(epoch or 0)
 
-    def _write_states(self, tmp: Path, rank: int, world: int) -> dict[str, StateEntry]:
+    def _write_states(self, tmp: Path, rank: int, world: int, *, consolidate: bool) -> dict[str, StateEntry]:
         states: dict[str, StateEntry] = {}
         fmt = self.config.model_save_format
         if self.model_state is not None:
@@ -221,6 +240,13 @@ class CheckpointManager:
             else:
                 dcp_format.save(model_sd, tmp / MODEL_DIR)
                 states["model"] = StateEntry("model", "dcp", MODEL_DIR)
+            del model_sd
+            _dist.run_collectively(
+                "writing the model config and tokenizer",
+                lambda: hf_bundle.save_hf_extras(self.model, tmp / MODEL_DIR, self.tokenizer) if rank == 0 else None,
+            )
+            if consolidate:
+                self._consolidate(tmp / MODEL_DIR, rank, world)
         if self.optim_state is not None:
             dcp_format.save(self.optim_state.state_dict(), tmp / OPTIM_DIR)
             states["optim"] = StateEntry("optimizer", "dcp", OPTIM_DIR)

@@ -119,11 +119,14 @@ def save(state_dict: dict[str, Any], folder: str | Path, *, thread_count: int = 
         dcp.save(state_dict, storage_writer=writer, no_dist=not _dist.is_dist())
 
 
-def load(state_dict: dict[str, Any], folder: str | Path) -> None:
-    """Collective: fill ``state_dict`` in place from a DCP folder, resharding as DCP does."""
+def load(state_dict: dict[str, Any], folder: str | Path, *, no_dist: bool = False) -> None:
+    """Collective: fill ``state_dict`` in place from a DCP folder, resharding as DCP does.
+
+    ``no_dist=True`` makes it a local read on this rank alone, whatever the process group.
+    """
     with _quiet_single_process(), _plain_errors("loading", folder):
         dcp.load(state_dict, storage_reader=SafeFileSystemReader(str(folder)), planner=SafeLoadPlanner(),
-                 no_dist=not _dist.is_dist())
+                 no_dist=no_dist or not _dist.is_dist())
 
 
 @contextmanager

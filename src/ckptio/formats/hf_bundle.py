@@ -1,0 +1,336 @@
+"""Consolidated Hugging Face bundles, written by streaming from sharded checkpoints.
+
+A bundle is what ``transformers.AutoModelForCausalLM.from_pretrained(dir)`` reads::
+
+    config.json  generation_config.json  tokenizer files
+    model-00001-of-00002.safetensors  model-00002-of-00002.safetensors
+    model.safetensors.index.json       # {"metadata": {"total_size": N}, "weight_map": {key: file}}
+
+Consolidation never holds the whole model: the plan (which tensor goes to which file, at which byte
+offset) is computed from the source's index alone, each output file's header is written first, and
+tensors are then assembled one at a time from the source shards and appended. Peak extra memory is
+about twice the largest tensor (the assembled tensor plus one source chunk). With several ranks, output
+files are divided among them and written in parallel; every rank computes the same plan.
+
+Sources: a folder of sharded (or plain) safetensors files, or a DCP folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Protocol
+
+import torch
+
+from ..errors import CheckpointCorruptError, ConfigError
+from ..storage import fsync_file
+from . import dcp as dcp_format
+from . import safetensors_sharded
+from .common import TensorInfo
+
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+_WEIGHT_SUFFIXES = (".safetensors", ".distcp")
+_NOT_EXTRAS = {dcp_format.METADATA_FILE, INDEX_FILE, "manifest.json"}
+
+_ST_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+}
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+def parse_size(value: str | int) -> int:
+    """``"5GB"`` -> 5_000_000_000 (decimal units, as Hugging Face counts), ``"2GiB"`` -> 2**31, ints as is."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(I?)B?\s*", str(value).upper())
+        if not m:
+            raise ConfigError(f"max shard size {value!r} is not a size such as '5GB', '500MB' or '2GiB'")
+        base = 1024 if m.group(3) else 1000
+        size = int(float(m.group(1)) * base ** " KMGT".index(m.group(2) or " "))
+    if size < 1:
+        raise ConfigError(f"max shard size must be positive, got {value!r}")
+    return size
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ConfigError(f"unknown dtype {name!r}; use e.g. bfloat16, float16 or float32")
+    return dtype
+
+
+# ---------------------------------------------------------------------------------------- sources
+class TensorSource(Protocol):
+    """Whole tensors, one at a time, from a saved model folder."""
+
+    folder: Path
+
+    def index(self) -> dict[str, TensorInfo]: ...
+
+    def read(self, key: str) -> torch.Tensor: ...
+
+
+def read_safetensors_header(path: Path) -> tuple[dict, int]:
+    """(header dict, offset of the data section) of a safetensors file, validated against its size."""
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        raw = fh.read(8)
+        if len(raw) < 8:
+            raise CheckpointCorruptError(f"{path}: truncated safetensors file ({size} bytes)")
+        n = int.from_bytes(raw, "little")
+        if n > _MAX_HEADER or 8 + n > size:
+            raise CheckpointCorruptError(f"{path}: safetensors header length {n} does not fit the file ({size} bytes)")
+        try:
+            header = json.loads(fh.read(n))
+        except ValueError as exc:
+            raise CheckpointCorruptError(f"{path}: safetensors header is not valid JSON ({exc})") from exc
+    if not isinstance(header, dict):
+        raise CheckpointCorruptError(f"{path}: safetensors header is not a JSON object")
+    return header, 8 + n
+
+
+class SafetensorsSource:
+    """Sharded (ckptio) or plain safetensors files in one folder; reads whole local chunks with ``pread``.
+
+    Reading with ``pread`` rather than a memory map keeps the source's pages out of this process's
+    resident set, so memory stays bounded by the tensor being assembled.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._chunks, self._infos = safetensors_sharded._scan(folder)
+        self._headers: dict[Path, tuple[dict, int]] = {}
+
+    def index(self) -> dict[str, TensorInfo]:
+        return dict(self._infos)
+
+    def _read_chunk(self, path: Path, key: str) -> torch.Tensor:
+        if path not in self._headers:
+            self._headers[path] = read_safetensors_header(path)
+        header, start = self._headers[path]
+        entry = header[key]
+        dtype = _ST_NAMES.get(entry["dtype"])
+        if dtype is None:
+            raise CheckpointCorruptError(f"{path}: {key!r} has unsupported dtype {entry['dtype']!r}")
+        begin, end = (int(x) for x in entry["data_offsets"])
+        shape = [int(d) for d in entry["shape"]]
+        numel = 1
+        for d in shape:
+            numel *= d
+        if end - begin != numel * dtype.itemsize or begin < 0:
+            raise CheckpointCorruptError(f"{path}: {key!r} has {end - begin} bytes for shape {shape} {dtype}")
+        buf = bytearray(end - begin)
+        with open(path, "rb") as fh:
+            fh.seek(start + begin)
+            if fh.readinto(buf) != len(buf):
+                raise CheckpointCorruptError(f"{path}: truncated while reading {key!r}")
+        if not buf:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(buf, dtype=dtype).reshape(shape)
+
+    def read(self, key: str) -> torch.Tensor:
+        info = self._infos[key]
+        chunks = self._chunks[key]
+        if len(chunks) == 1 and chunks[0].shape == info.shape:
+            return self._read_chunk(chunks[0].file, key)
+        out = torch.empty(info.shape, dtype=torch_dtype(info.dtype))
+        for chunk in chunks:
+            part = self._read_chunk(chunk.file, key)
+            out[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.shape))].copy_(part)
+            del part
+        return out
+
+
+class DCPSource:
+    """A DCP folder; each read is a single-process DCP load of one key (chunks are read whole)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._index = {k: v for k, v in dcp_format.read_index(folder).items() if v is not None}
+
+    def index(self) -> dict[str, TensorInfo]:
+        return dict(self._index)
+
+    def read(self, key: str) -> torch.Tensor:
+        info = self._index[key]
+        out = {key: torch.empty(info.shape, dtype=torch_dtype(info.dtype))}
+        dcp_format.load(out, self.folder, no_dist=True)
+        return out[key]
+
+
+def open_source(folder: str | Path) -> TensorSource:
+    folder = Path(folder)
+    if (folder / dcp_format.METADATA_FILE).is_file():
+        return DCPSource(folder)
+    return SafetensorsSource(folder)
+
+
+# ---------------------------------------------------------------------------------------- planning
+def _natural_key(key: str) -> list:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", key)]
+
+
+@dataclass
+class BundlePlan:
+    """Which tensors go to which output file; identical on every rank."""
+
+    files: list[list[str]]
+    infos: dict[str, TensorInfo]
+    dtype: torch.dtype | None
+
+    def out_dtype(self, key: str) -> torch.dtype:
+        src = torch_dtype(self.infos[key].dtype)
+        return self.dtype if self.dtype is not None and src.is_floating_point else src
+
+    def nbytes(self, key: str) -> int:
+        return self.infos[key].numel * self.out_dtype(key).itemsize
+
+    def file_name(self, i: int) -> str:
+        return f"model-{i + 1:05d}-of-{len(self.files):05d}.safetensors"
+
+    @property
+    def total_size(self) -> int:
+        return sum(self.nbytes(k) for keys in self.files for k in keys)
+
+    def weight_map(self) -> dict[str, str]:
+        return {k: self.file_name(i) for i, keys in enumerate(self.files) for k in keys}
+
+
+def plan_bundle(infos: dict[str, TensorInfo], max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+                dtype: str | torch.dtype | None = None) -> BundlePlan:
+    """Split tensors, in natural key order, into files of at most ``max_shard_size`` bytes.
+
+    A tensor larger than the limit gets a file of its own, as Hugging Face does.
+    """
+    limit = parse_size(max_shard_size)
+    out_dtype = torch_dtype(dtype) if isinstance(dtype, str) else dtype
+    plan = BundlePlan([], dict(infos), out_dtype)
+    current: list[str] = []
+    size = 0
+    for key in sorted(infos, key=_natural_key):
+        n = plan.nbytes(key)
+        if current and size + n > limit:
+            plan.files.append(current)
+            current, size = [], 0
+        current.append(key)
+        size += n
+    if current or not plan.files:
+        plan.files.append(current)
+    return plan
+
+
+# ---------------------------------------------------------------------------------------- writing
+def _write_file(path: Path, keys: list[str], plan: BundlePlan, source: TensorSource,
+                progress: Callable[[int], None] | None) -> None:
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for key in keys:
+        n = plan.nbytes(key)
+        header[key] = {"dtype": _ST_DTYPES[plan.out_dtype(key)], "shape": list(plan.infos[key].shape),
+                       "data_offsets": [offset, offset + n]}
+        offset += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-(8 + len(blob)) % 8)  # the data section starts 8-byte aligned
+    tmp = path.with_name(f".{path.name}.partial")
+    with open(tmp, "wb") as fh:
+        fh.write(len(blob).to_bytes(8, "little"))
+        fh.write(blob)
+        for key in keys:
+            tensor = source.read(key)
+            out_dtype = plan.out_dtype(key)
+            if tensor.dtype != out_dtype:
+                tensor = tensor.to(out_dtype)
+            tensor = tensor.contiguous()
+            if tensor.numel():
+                fh.write(memoryview(tensor.view(torch.uint8).reshape(-1).numpy()))
+            if progress is not None:
+                progress(plan.nbytes(key))
+            del tensor
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def write_files(plan: BundlePlan, source: TensorSource, out_dir: str | Path, *, rank: int = 0,
+                world_size: int = 1, progress: Callable[[int], None] | None = None) -> list[Path]:
+    """Write the files of ``plan`` that fall to ``rank`` (file ``i`` goes to rank ``i % world_size``)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for i, keys in enumerate(plan.files):
+        if i % world_size == rank:
+            path = out_dir / plan.file_name(i)
+            _write_file(path, keys, plan, source, progress)
+            written.append(path)
+    return written
+
+
+def write_index(plan: BundlePlan, out_dir: str | Path) -> Path:
+    """Write ``model.safetensors.index.json`` (call once, after every rank wrote its files)."""
+    path = Path(out_dir) / INDEX_FILE
+    data = {"metadata": {"total_size": plan.total_size}, "weight_map": plan.weight_map()}
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    fsync_file(path)
+    return path
+
+
+def copy_extras(src_dir: str | Path, out_dir: str | Path) -> list[str]:
+    """Copy config, generation config and tokenizer files (everything that is not weights) to ``out_dir``."""
+    copied = []
+    for p in sorted(Path(src_dir).iterdir()):
+        if p.is_file() and not p.name.endswith(_WEIGHT_SUFFIXES) and p.name not in _NOT_EXTRAS \
+                and not p.name.startswith("."):
+            shutil.copyfile(p, Path(out_dir) / p.name)
+            fsync_file(Path(out_dir) / p.name)
+            copied.append(p.name)
+    return copied
+
+
+def save_hf_extras(model: torch.nn.Module, out_dir: str | Path, tokenizer: object | None = None) -> list[str]:
+    """Write ``config.json``, ``generation_config.json`` and the tokenizer of a transformers model."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    before = set(os.listdir(out_dir))
+    config = getattr(model, "config", None)
+    if config is not None and callable(getattr(config, "save_pretrained", None)):
+        config.save_pretrained(out_dir)
+    gen = getattr(model, "generation_config", None)
+    can_generate = getattr(model, "can_generate", None)
+    if gen is not None and callable(getattr(gen, "save_pretrained", None)) and (not callable(can_generate) or can_generate()):
+        gen.save_pretrained(out_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+    new = sorted(set(os.listdir(out_dir)) - before)
+    for name in new:
+        if (out_dir / name).is_file():
+            fsync_file(out_dir / name)
+    return new
+
+
+def consolidate(src_folder: str | Path, out_dir: str | Path, *, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+                dtype: str | torch.dtype | None = None, rank: int = 0, world_size: int = 1,
+                progress: Callable[[int], None] | None = None) -> BundlePlan:
+    """Write a Hugging Face bundle of the model saved in ``src_folder`` (sharded safetensors or DCP).
+
+    Every rank of ``world_size`` calls this with the same arguments (no collective inside): each writes
+    its share of the files, and rank 0 also writes the index and copies the config and tokenizer files.
+    The bundle is complete once every rank has returned.
+    """
+    source = open_source(src_folder)
+    plan = plan_bundle(source.index(), max_shard_size, dtype)
+    write_files(plan, source, out_dir, rank=rank, world_size=world_size, progress=progress)
+    if rank == 0:
+        write_index(plan, out_dir)
+        copy_extras(src_folder, out_dir)
+    return plan
