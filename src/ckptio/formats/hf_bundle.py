@@ -318,6 +318,39 @@ def save_hf_extras(model: torch.nn.Module, out_dir: str | Path, tokenizer: objec
     return new
 
 
+def prepare(src_folder: str | Path, *, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+            dtype: str | torch.dtype | None = None) -> tuple[TensorSource, BundlePlan]:
+    """Open the saved model in ``src_folder`` and plan its bundle (reads headers and metadata only)."""
+    source = open_source(src_folder)
+    return source, plan_bundle(source.index(), max_shard_size, dtype)
+
+
+def write_bundle(source: TensorSource, plan: BundlePlan, out_dir: str | Path, *, rank: int = 0,
+                 world_size: int = 1, progress: Callable[[int], None] | None = None) -> None:
+    """Write this rank's share of ``plan``; rank 0 also writes the index and copies config and tokenizer."""
+    write_files(plan, source, out_dir, rank=rank, world_size=world_size, progress=progress)
+    if rank == 0:
+        write_index(plan, out_dir)
+        copy_extras(source.folder, out_dir)
+        if plan.dtype is not None:
+            _set_config_dtype(Path(out_dir) / "config.json", plan.dtype)
+
+
+def _set_config_dtype(path: Path, dtype: torch.dtype) -> None:
+    """Record a cast in config.json, so that ``from_pretrained(dtype="auto")`` keeps it."""
+    if not path.is_file():
+        return
+    config = json.loads(path.read_text())
+    name = str(dtype).removeprefix("torch.")
+    for key in ("dtype", "torch_dtype"):
+        if key in config:
+            config[key] = name
+    if "dtype" not in config and "torch_dtype" not in config:
+        config["dtype"] = name
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    fsync_file(path)
+
+
 def consolidate(src_folder: str | Path, out_dir: str | Path, *, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
                 dtype: str | torch.dtype | None = None, rank: int = 0, world_size: int = 1,
                 progress: Callable[[int], None] | None = None) -> BundlePlan:
@@ -327,10 +360,6 @@ def consolidate(src_folder: str | Path, out_dir: str | Path, *, max_shard_size: 
     its share of the files, and rank 0 also writes the index and copies the config and tokenizer files.
     The bundle is complete once every rank has returned.
     """
-    source = open_source(src_folder)
-    plan = plan_bundle(source.index(), max_shard_size, dtype)
-    write_files(plan, source, out_dir, rank=rank, world_size=world_size, progress=progress)
-    if rank == 0:
-        write_index(plan, out_dir)
-        copy_extras(src_folder, out_dir)
+    source, plan = prepare(src_folder, max_shard_size=max_shard_size, dtype=dtype)
+    write_bundle(source, plan, out_dir, rank=rank, world_size=world_size, progress=progress)
     return plan
