@@ -30,15 +30,27 @@ def world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def make_model(seed: int = 0, **overrides: Any) -> torch.nn.Module:
+def make_model(seed: int = 0, peft: bool = False, base_dir: str | None = None, **overrides: Any) -> torch.nn.Module:
+    """The tiny Llama (LoRA-wrapped when ``peft``), FSDP2-sharded when there are several ranks.
+
+    ``base_dir``: rank 0 saves the base model there first (what a PEFT adapter refers to).
+    """
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
     model = LlamaForCausalLM(llama_config(**overrides))
+    if base_dir is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+        model.save_pretrained(base_dir)
+    layers = model.model.layers
+    if peft:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, task_type="CAUSAL_LM",
+                                                 target_modules=["q_proj", "v_proj", "down_proj"]))
     if world() > 1:
         from torch.distributed.fsdp import fully_shard
 
-        for layer in model.model.layers:
+        for layer in layers:
             fully_shard(layer)
         fully_shard(model)
     return model
@@ -73,22 +85,24 @@ class Run:
     """Model + AdamW + warmup scheduler + shuffling loader + step scheduler + manager."""
 
     def __init__(self, ckpt_dir: str | Path, fmt: str = "safetensors", max_steps: int = 12,
-                 ckpt_every: int | None = None, seed: int = 0, **config: Any) -> None:
+                 ckpt_every: int | None = None, seed: int = 0, peft: bool = False, base_dir: str | None = None,
+                 **config: Any) -> None:
         rank = dist.get_rank() if dist.is_initialized() else 0
         random.seed(100 + rank)
         np.random.seed(200 + rank)
         torch.manual_seed(300 + rank)
-        self.model = make_model(seed)
+        self.model = make_model(seed, peft=peft, base_dir=base_dir)
         self.model.train()
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2, weight_decay=0.01)
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(trainable, lr=1e-2, weight_decay=0.01)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(1.0, (s + 1) / 4))
         self.loader = ResumableDataLoader(TokenDataset(), batch_size=4, shuffle=True, seed=7)
         self.steps = StepScheduler(max_steps=max_steps, ckpt_every_steps=ckpt_every)
         self.counter = Counter()
         self.mgr = CheckpointManager(
-            CheckpointConfig(checkpoint_dir=str(ckpt_dir), model_save_format=fmt, **config),
+            CheckpointConfig(checkpoint_dir=str(ckpt_dir), model_save_format=fmt, is_peft=peft, **config),
             model=self.model, optimizer=self.opt, lr_scheduler=self.sched, dataloader=self.loader,
-            step_scheduler=self.steps, extra_states={"counter": self.counter},
+            step_scheduler=self.steps, extra_states={"counter": self.counter}, base_model_path=base_dir,
         )
         self.losses: dict[int, float] = {}
 

@@ -24,7 +24,7 @@ from ._log import get_logger
 from .config import CheckpointConfig
 from .errors import CheckpointError, CheckpointNotFoundError, ConfigError
 from .formats import dcp as dcp_format
-from .formats import hf_bundle
+from .formats import hf_bundle, peft_adapter
 from .formats import pt as pt_format
 from .formats import safetensors_sharded
 from .formats.safetensors_sharded import check_compatible
@@ -78,6 +78,7 @@ class CheckpointManager:
         extra_states: more objects with ``state_dict``/``load_state_dict``, saved under their names.
         model_key_prefix: outer prefix removed from model keys on save (``"_orig_mod."``, ``"module."``).
         tokenizer: saved with the model (``model/`` and ``model/consolidated/``) via ``save_pretrained``.
+        base_model_path: PEFT only: the base model's local folder, written (absolute) into adapter_config.json.
     """
 
     def __init__(
@@ -93,12 +94,16 @@ class CheckpointManager:
         extra_states: dict[str, Stateful] | None = None,
         model_key_prefix: str = "",
         tokenizer: Any | None = None,
+        base_model_path: str | Path | None = None,
     ) -> None:
         config.validate()
         self.config = config
         self.log = get_logger()
         self.model = model
         self.tokenizer = tokenizer
+        self.base_model_path = base_model_path
+        if config.is_peft and model is not None and not hasattr(model, "peft_config"):
+            raise ConfigError("is_peft is true but the model is not a peft model (it has no peft_config)")
         self.model_state = ModelState(model, key_prefix=model_key_prefix, trainable_only=config.is_peft) if model else None
         if optimizer is not None and model is None:
             raise ConfigError("an optimizer needs its model: pass model= as well (optimizer state is keyed by parameter name)")
@@ -204,6 +209,19 @@ class CheckpointManager:
             self.log.info("Saved checkpoint %s in %.2f s", final_dir, time.perf_counter() - start)
         return final_dir
 
+    def _write_peft(self, folder: Path, rank: int) -> None:
+        adapter = peft_adapter.adapter_name(self.model)
+        weights = peft_adapter.full_tensors(self.model_state.state_dict())  # collective under FSDP2
+        weights = {peft_adapter.to_peft_key(k, adapter): v for k, v in weights.items()}
+
+        def write() -> None:
+            if rank == 0:
+                for warning in peft_adapter.save(folder, self.model, weights, base_model_path=self.base_model_path,
+                                                 tokenizer=self.tokenizer):
+                    self.log.warning(warning)
+
+        _dist.run_collectively("writing the PEFT adapter", write)
+
     def _consolidate(self, model_dir: Path, rank: int, world: int) -> None:
         out = model_dir / CONSOLIDATED_DIR
         start = time.perf_counter()
@@ -229,7 +247,10 @@ class CheckpointManager:
     def _write_states(self, tmp: Path, rank: int, world: int, *, consolidate: bool) -> dict[str, StateEntry]:
         states: dict[str, StateEntry] = {}
         fmt = self.config.model_save_format
-        if self.model_state is not None:
+        if self.model_state is not None and self.config.is_peft:
+            self._write_peft(tmp / MODEL_DIR, rank)
+            states["model"] = StateEntry("model", "peft", MODEL_DIR)
+        elif self.model_state is not None:
             model_sd = self.model_state.state_dict()
             if fmt == "safetensors":
                 _dist.run_collectively(
@@ -327,6 +348,9 @@ class CheckpointManager:
         strict = self.config.strict and not self.config.is_peft
         if entry.format == "safetensors":
             _dist.run_collectively("loading the model", lambda: safetensors_sharded.load(target, folder, strict=strict))
+        elif entry.format == "peft":
+            adapter = peft_adapter.adapter_name(self.model)
+            _dist.run_collectively("loading the PEFT adapter", lambda: peft_adapter.load(target, folder, adapter))
         elif entry.format == "dcp":
             index = _dist.run_collectively("reading the model index", lambda: dcp_format.read_index(folder))
             check_compatible(index, target, str(folder), strict=strict)

@@ -1,0 +1,119 @@
+"""PEFT adapter folders: what ``peft.AutoPeftModelForCausalLM.from_pretrained(dir)`` reads.
+
+::
+
+    adapter_config.json          # the PeftConfig, base_model_name_or_path made absolute
+    adapter_model.safetensors    # adapter weights only, keyed as peft keys them (no adapter name)
+    tokenizer files              # when a tokenizer is given
+
+Adapters are small, so the folder is always consolidated: every rank takes part in gathering the
+full adapter tensors, and rank 0 writes the folder. Loading reads, on each rank, only the slices of
+each adapter tensor that the rank holds (resharding as the sharded safetensors format does).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError, CheckpointNotFoundError
+from ..storage import fsync_file
+from . import safetensors_sharded
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def adapter_name(model: torch.nn.Module) -> str:
+    name = getattr(model, "active_adapter", None)
+    if isinstance(name, (list, tuple)):
+        name = name[0] if name else None
+    return name if isinstance(name, str) else "default"
+
+
+def to_peft_key(fqn: str, adapter: str) -> str:
+    """``…q_proj.lora_A.default.weight`` -> ``…q_proj.lora_A.weight``, as ``get_peft_model_state_dict`` does."""
+    return fqn.replace(f".{adapter}.", ".") if f".{adapter}." in fqn else fqn
+
+
+def full_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Collective when any value is a DTensor: the whole tensor of every entry, on CPU."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for key, value in state_dict.items():
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        out[key] = value.detach().to("cpu").contiguous()
+    return out
+
+
+def resolve_base_path(model: torch.nn.Module, adapter: str, base_model_path: str | os.PathLike | None) -> str | None:
+    """An absolute base model path for adapter_config.json, or ``None`` when none is known.
+
+    ``peft`` loads the base model from this path; offline, a null or relative one cannot be loaded.
+    """
+    config = model.peft_config[adapter]  # type: ignore[index]
+    candidate = base_model_path if base_model_path is not None else config.base_model_name_or_path
+    if candidate is None or candidate == "":
+        return None
+    path = Path(candidate).expanduser()
+    if path.exists():
+        return str(path.resolve())
+    return str(candidate)  # a hub id: kept as the user gave it
+
+
+def save(folder: str | Path, model: torch.nn.Module, adapter_weights: dict[str, torch.Tensor],
+         *, base_model_path: str | os.PathLike | None = None, tokenizer: Any | None = None) -> list[str]:
+    """Write the adapter folder (rank 0 only). Returns a warning to log, if any, as a list of strings."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    adapter = adapter_name(model)
+    warnings: list[str] = []
+    base = resolve_base_path(model, adapter, base_model_path)
+    config = model.peft_config[adapter]  # type: ignore[index]
+    saved_base = config.base_model_name_or_path
+    try:
+        config.base_model_name_or_path = base
+        config.save_pretrained(str(folder))
+    finally:
+        config.base_model_name_or_path = saved_base
+    if base is None:
+        warnings.append(
+            f"{folder / ADAPTER_CONFIG}: base_model_name_or_path is null, so peft cannot load this adapter by itself; "
+            "pass base_model_path= to the CheckpointManager (a local folder of the base model)"
+        )
+    if getattr(config, "task_type", None) is None:
+        warnings.append(
+            f"{folder / ADAPTER_CONFIG}: task_type is not set, so peft's AutoPeftModelFor… classes cannot tell which "
+            "model class to build; set task_type (e.g. 'CAUSAL_LM') in the LoraConfig"
+        )
+    save_file(adapter_weights, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(folder))
+    for p in folder.iterdir():
+        if p.is_file():
+            fsync_file(p)
+    return warnings
+
+
+def load(target: dict[str, torch.Tensor], folder: str | Path, adapter: str) -> None:
+    """Fill ``target`` (model FQNs -> local tensors of the adapter parameters) from an adapter folder."""
+    folder = Path(folder)
+    weights = folder / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        raise CheckpointNotFoundError(f"{folder} is not a PEFT adapter folder: {ADAPTER_WEIGHTS} is missing")
+    renamed = {to_peft_key(k, adapter): v for k, v in target.items()}
+    if len(renamed) != len(target):
+        raise CheckpointError(f"adapter keys collide after removing the adapter name {adapter!r}")
+    safetensors_sharded.load(renamed, folder, strict=True)
+
+
+def read_config(folder: str | Path) -> dict:
+    return json.loads((Path(folder) / ADAPTER_CONFIG).read_text())
