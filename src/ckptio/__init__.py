@@ -25,6 +25,7 @@ from .errors import (  # noqa: E402
 from .layout import committed_checkpoints, newest_checkpoint  # noqa: E402
 from .manager import CheckpointManager, RestoreInfo, Stateful  # noqa: E402
 from .manifest import Manifest, read_manifest  # noqa: E402
+from .pretrained import load_pretrained  # noqa: E402
 from .state import ModelState, OptimizerState, RNGState  # noqa: E402
 from .step_scheduler import StepScheduler  # noqa: E402
 
@@ -34,6 +35,7 @@ __all__ = [
     "CheckpointManager",
     "RestoreInfo",
     "Stateful",
+    "load_pretrained",
     "ModelState",
     "OptimizerState",
     "RNGState",

@@ -212,8 +212,14 @@ def check_compatible(
 
 def load(target: dict[str, torch.Tensor], folder: str | Path, *, strict: bool = True) -> None:
     """Fill every tensor of ``target`` (local shards of DTensors, or whole tensors) in place."""
+    load_files(target, folder, None, strict=strict)
+
+
+def load_files(target: dict[str, torch.Tensor], folder: str | Path, files: list[Path] | None, *,
+               strict: bool = True) -> None:
+    """Like :func:`load`, reading only ``files`` of ``folder`` (``None``: every ``.safetensors`` file)."""
     folder = Path(folder)
-    chunks, infos = _scan(folder)
+    chunks, infos = _scan(folder, files)
     check_compatible(infos, target, str(folder), strict=strict)
     with ExitStack() as stack:
         handles: dict[Path, object] = {}

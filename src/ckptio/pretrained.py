@@ -1,0 +1,107 @@
+"""Start fine-tuning from a Hugging Face model folder on disk, on any number of ranks.
+
+``load_pretrained(model, folder)`` fills a freshly built model — plain, FSDP2-sharded, and/or built on
+the ``meta`` device — from ``config.json`` + safetensors (one file or an index). Each rank reads, through
+a memory map, only the slices of each tensor it holds, so no rank ever holds the whole model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from . import _dist
+from ._log import get_logger
+from .errors import CheckpointError, CheckpointNotFoundError
+from .formats import safetensors_sharded
+from .formats.hf_bundle import INDEX_FILE
+from .state import ModelState
+
+__all__ = ["load_pretrained"]
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from exc
+        files = [folder / n for n in names]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointNotFoundError(f"{index} lists files that do not exist: {missing[:3]}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointNotFoundError(f"{folder} holds no .safetensors weights (nor {INDEX_FILE})")
+    return files
+
+
+def _materialize(model: nn.Module, device: torch.device) -> None:
+    """Give a meta-device model real (uninitialised) storage, and recompute non-persistent buffers."""
+    model.to_empty(device=device)
+    unknown = []
+    for name, module in model.named_modules():
+        non_persistent = getattr(module, "_non_persistent_buffers_set", set())
+        if not non_persistent:
+            continue
+        if hasattr(module, "inv_freq") and hasattr(module, "config") and hasattr(module, "rope_type"):
+            _rebuild_rotary(module, device)
+        else:
+            unknown += [f"{name}.{b}" if name else b for b in sorted(non_persistent)]
+    if unknown:
+        raise CheckpointError(
+            f"non-persistent buffers {unknown[:5]} are not in the checkpoint and cannot be rebuilt after building on "
+            "the meta device; initialise them yourself after model.to_empty(), then load with materialize=False"
+        )
+
+
+def _rebuild_rotary(module: nn.Module, device: torch.device) -> None:
+    # transformers' rotary embeddings compute inv_freq from the config in __init__; do the same here.
+    if module.rope_type == "default":
+        init = module.compute_default_rope_parameters
+    else:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        init = ROPE_INIT_FUNCTIONS[module.rope_type]
+    inv_freq, scaling = init(module.config, device=device)
+    with torch.no_grad():
+        module.inv_freq.copy_(inv_freq)
+        if hasattr(module, "original_inv_freq"):
+            module.original_inv_freq.copy_(inv_freq)
+    module.attention_scaling = scaling
+
+
+def load_pretrained(model: nn.Module, folder: str | Path, *, strict: bool = True, key_prefix: str = "",
+                    device: str | torch.device | None = None) -> None:
+    """Load the weights of a Hugging Face folder into ``model`` (collective only through error gathering).
+
+    Args:
+        model: built from the same config; may be FSDP2-sharded and may live on the ``meta`` device.
+        folder: ``config.json`` plus ``model.safetensors`` or ``model-K-of-N.safetensors`` with an index.
+        strict: refuse checkpoints with keys the model lacks (missing keys and other shapes always fail).
+        key_prefix: outer prefix the model's keys carry but the folder's do not.
+        device: where to materialise a meta model (default: CPU, or the current accelerator).
+    """
+    folder = Path(folder)
+    log = get_logger()
+    if not folder.is_dir():
+        raise CheckpointNotFoundError(f"{folder}: no such pretrained model folder")
+    if any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        _materialize(model, torch.device(device))
+    state = ModelState(model, key_prefix=key_prefix)
+    target = state.state_dict()
+    files = _weight_files(folder)
+    _dist.run_collectively(
+        f"loading pretrained weights from {folder}",
+        lambda: safetensors_sharded.load_files(target, folder, files, strict=strict),
+    )
+    state.load_state_dict(target)
+    if _dist.rank() == 0:
+        log.info("Loaded pretrained weights from %s (%d tensors, %d file(s))", folder, len(target), len(files))
