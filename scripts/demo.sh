@@ -1,29 +1,40 @@
 #!/usr/bin/env bash
-# Sets everything up, then shows ckptio's core promise: a run is interrupted, rerun, and resumes
-# exactly where it stopped (same final loss as a run that was never interrupted).
+# Sets everything up, then runs the fine-tuning recipe the way a user lives it: training is preempted
+# part-way (SIGTERM), the same command is rerun and resumes, and the result is loaded with transformers
+# (and, for LoRA, with peft) to generate a line of text.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore TOKENIZERS_PARALLELISM=false
 PY=.venv/bin/python
 OUT=runs/demo
 rm -rf "$OUT" && mkdir -p "$OUT"
-echo; echo "== 1. train, interrupted after step 15 (checkpoints every 5 steps)"
-$PY examples/resume_demo.py --checkpoint-dir "$OUT/ckpt" --max-steps 30 --stop-at 15
-echo; echo "== 2. rerun the same command: it finds the newest complete checkpoint and resumes"
-$PY examples/resume_demo.py --checkpoint-dir "$OUT/ckpt" --max-steps 30 --report "$OUT/resumed.json"
-echo; echo "== 3. reference: the same 30 steps without interruption"
-$PY examples/resume_demo.py --checkpoint-dir "$OUT/straight" --max-steps 30 --report "$OUT/straight.json" | tail -1
-echo; echo "== 4. what is on disk"
-.venv/bin/ckptio list "$OUT/ckpt"
-echo
-.venv/bin/ckptio inspect "$OUT/ckpt/LATEST"
-echo
-$PY - "$OUT" <<'PYEOF'
-import json, sys
-a = json.load(open(f"{sys.argv[1]}/resumed.json")); b = json.load(open(f"{sys.argv[1]}/straight.json"))
-same = a == b
-print(f"== 5. resumed run final loss {a['loss']:.6f} vs uninterrupted {b['loss']:.6f}: "
-      + ("bitwise identical" if same else "DIFFERENT"))
-sys.exit(0 if same else 1)
-PYEOF
+RUN=(examples/llm/finetune.py --config examples/llm/tiny_llama.yaml
+     --checkpoint.checkpoint_dir "$OUT/checkpoints" --step_scheduler.max_steps 200 --step_scheduler.ckpt_every_steps 50)
+
+echo; echo "== 1. fine-tune a tiny Llama (200 steps); it gets preempted (SIGTERM) after its checkpoint at step 100"
+"$PY" "${RUN[@]}" > "$OUT/part1.log" 2>&1 &
+pid=$!
+until grep -q "Saved checkpoint .*epoch_0_step_100" "$OUT/part1.log" 2>/dev/null; do
+  kill -0 "$pid" 2>/dev/null || { cat "$OUT/part1.log"; echo "the first run ended early" >&2; exit 1; }
+  sleep 0.2
+done
+kill -TERM "$pid"
+wait "$pid" || true
+grep -v "^Config" "$OUT/part1.log"
+
+echo; echo "== 2. rerun the same command: it resumes from the newest complete checkpoint"
+"$PY" "${RUN[@]}" 2>&1 | grep -v "^Config"
+
+echo; echo "== 3. what is on disk"
+.venv/bin/ckptio list "$OUT/checkpoints"
+
+echo; echo "== 4. load the consolidated bundle with transformers and generate"
+"$PY" examples/llm/generate.py "$OUT/checkpoints/epoch_0_step_200/model/consolidated"
+
+echo; echo "== 5. LoRA on top of that model (loaded from the bundle as a pretrained folder); load the adapter with peft"
+"$PY" examples/llm/finetune.py --config examples/llm/tiny_llama_peft.yaml --checkpoint.checkpoint_dir "$OUT/peft" \
+  --model.pretrained_path "$OUT/checkpoints/epoch_0_step_200/model/consolidated" \
+  --step_scheduler.max_steps 50 2>&1 | grep -v "^Config" | tail -4
+"$PY" examples/llm/generate.py "$OUT/peft/epoch_0_step_50/model"
+echo; echo "Demo complete: checkpoints under $OUT"

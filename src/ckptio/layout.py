@@ -99,14 +99,17 @@ def _inspect_dir(path: Path) -> CheckpointEntry:
 
 
 def scan(checkpoint_dir: str | Path) -> list[CheckpointEntry]:
-    """Every directory in ``checkpoint_dir`` (committed or not), committed ones first by step."""
+    """Every directory in ``checkpoint_dir`` (committed or not), committed ones first by step.
+
+    Hidden directories other than ckptio's own temporaries (``.tmp-*``) are not checkpoints and are skipped.
+    """
     root = Path(checkpoint_dir)
     if not root.is_dir():
         return []
     entries = [
         _inspect_dir(p)
         for p in sorted(root.iterdir())
-        if p.is_dir() and not p.is_symlink() and not p.name.startswith(TRASH_PREFIX)
+        if p.is_dir() and not p.is_symlink() and (p.name.startswith(TMP_PREFIX) or not p.name.startswith("."))
     ]
     return sorted(entries, key=lambda e: (not e.committed, e.step if e.step is not None else -1, e.name))
 

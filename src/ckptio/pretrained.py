@@ -76,12 +76,19 @@ def _rebuild_rotary(module: nn.Module, device: torch.device) -> None:
     module.attention_scaling = scaling
 
 
+def _peft_base_key(key: str) -> str:
+    """``base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight`` -> ``model.layers.0.self_attn.q_proj.weight``."""
+    return key.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
 def load_pretrained(model: nn.Module, folder: str | Path, *, strict: bool = True, key_prefix: str = "",
                     device: str | torch.device | None = None) -> None:
     """Load the weights of a Hugging Face folder into ``model`` (collective only through error gathering).
 
     Args:
-        model: built from the same config; may be FSDP2-sharded and may live on the ``meta`` device.
+        model: built from the same config; may be FSDP2-sharded and may live on the ``meta`` device; may be
+            a peft model wrapping such a model (the base weights are filled, adapters keep their init —
+            build it on a real device, since adapters created on ``meta`` have no values).
         folder: ``config.json`` plus ``model.safetensors`` or ``model-K-of-N.safetensors`` with an index.
         strict: refuse checkpoints with keys the model lacks (missing keys and other shapes always fail).
         key_prefix: outer prefix the model's keys carry but the folder's do not.
@@ -97,11 +104,23 @@ def load_pretrained(model: nn.Module, folder: str | Path, *, strict: bool = True
         _materialize(model, torch.device(device))
     state = ModelState(model, key_prefix=key_prefix)
     target = state.state_dict()
+    if hasattr(model, "peft_config"):
+        # A peft model: fill the frozen base weights (named as in the base model's folder); adapters keep their init.
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        full = {n.removeprefix(key_prefix): n for n in trainable}
+        target = {_peft_base_key(k): v for k, v in target.items() if k not in full}
     files = _weight_files(folder)
     _dist.run_collectively(
         f"loading pretrained weights from {folder}",
         lambda: safetensors_sharded.load_files(target, folder, files, strict=strict),
     )
-    state.load_state_dict(target)
+    if hasattr(model, "peft_config"):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        names = {_peft_base_key(k): k for k in ModelState(model, key_prefix=key_prefix).state_dict()}
+        set_model_state_dict(model, {key_prefix + names[k]: v for k, v in target.items()},
+                             options=StateDictOptions(strict=False))
+    else:
+        state.load_state_dict(target)
     if _dist.rank() == 0:
         log.info("Loaded pretrained weights from %s (%d tensors, %d file(s))", folder, len(target), len(files))
