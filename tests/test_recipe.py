@@ -135,3 +135,18 @@ def test_bad_overrides_are_refused_with_the_key(override, message):
                          timeout=120)
     assert out.returncode == 2 and message in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_start_from_a_pretrained_folder_on_two_ranks(tmp_path):
+    first = ["--checkpoint.checkpoint_dir", str(tmp_path / "a"), "--step_scheduler.max_steps", "30",
+             "--checkpoint.save_consolidated", "final", "--data.num_sentences", "600",
+             "--log_file", str(tmp_path / "a.jsonl")]
+    run(command(1, "tiny_llama.yaml", *first))
+    bundle = (tmp_path / "a" / "LATEST").resolve() / "model" / "consolidated"
+    second = ["--model.pretrained_path", str(bundle), "--checkpoint.checkpoint_dir", str(tmp_path / "b"),
+              "--step_scheduler.max_steps", "2", "--data.num_sentences", "600", "--log_file", str(tmp_path / "b.jsonl")]
+    out = run(command(2, "from_pretrained.yaml", *second))
+    assert f"Loaded pretrained weights from {bundle}" in out.stdout
+    trained, fresh = losses(tmp_path / "a.jsonl"), losses(tmp_path / "b.jsonl")
+    # it continues from the trained weights (built on meta, FSDP2-sharded, each rank reading its slices)
+    assert fresh[1] < trained[1] - 1.0 and abs(fresh[1] - trained[30]) < 0.5
