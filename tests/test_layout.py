@@ -27,14 +27,22 @@ def test_names_round_trip():
     t = "megatron_gpt--{val_loss:.3f}-{step}-{consumed_samples}"
     name = format_step_name(t, step=1000, epoch=0, metrics={"val_loss": 0.4321}, counters={"consumed_samples": 32000})
     assert name == "megatron_gpt--0.432-1000-32000"
-    assert parse_step_name(t, name) == {"val_loss": "0.432", "step": "1000", "consumed_samples": "32000"}
-    assert parse_step_name("epoch_{epoch}_step_{step}", "epoch_2_step_40") == {"epoch": "2", "step": "40"}
+    assert parse_step_name(t, name) == {"val_loss": 0.432, "step": 1000, "consumed_samples": 32000}
+    assert parse_step_name("epoch_{epoch}_step_{step}", "epoch_2_step_40") == {"epoch": 2, "step": 40}
+    # NeMo / Lightning style: field names inserted where the template does not spell them
+    named = format_step_name(t, step=1000, epoch=0, metrics={"val_loss": 0.4321},
+                             counters={"consumed_samples": 32000.0}, insert_field_names=True)
+    assert named == "megatron_gpt--val_loss=0.432-step=1000-consumed_samples=32000.0"
+    assert parse_step_name(t, named, insert_field_names=True) == {"val_loss": 0.432, "step": 1000,
+                                                                  "consumed_samples": 32000.0}
+    assert format_step_name("epoch_{epoch}_step_{step}", step=20, epoch=0, insert_field_names=True) == "epoch_0_step_20"
     assert parse_step_name("epoch_{epoch}_step_{step}", "LATEST") is None
 
 
 def test_discovery_orders_by_step_not_name_or_mtime(tmp_path):
     box = Box()
-    mgr = CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path), name_template="ckpt-{step}"),
+    mgr = CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path), name_template="ckpt-{step}",
+                                             auto_insert_field_names=False),
                             extra_states={"box": box}, rng=False)
     for step in (9, 100, 20):
         box.v = step
@@ -46,7 +54,7 @@ def test_discovery_orders_by_step_not_name_or_mtime(tmp_path):
     assert resolve_restore_path(tmp_path, "LATEST").name == "ckpt-20"
     assert resolve_restore_path(tmp_path, "ckpt-9").name == "ckpt-9"
     fresh = Box()
-    CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path), name_template="ckpt-{step}"),
+    CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path), name_template="ckpt-{step}", auto_insert_field_names=False),
                       extra_states={"box": fresh}, rng=False).restore()
     assert fresh.v == 100
 

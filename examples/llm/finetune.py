@@ -197,7 +197,8 @@ class FinetuneRecipe:
                     log(f"step {steps.step:>5} | val_loss {metrics['val_loss']:.4f}")
                 stop = self._any_rank(preempted["flag"])
                 if steps.is_ckpt_step() or steps.done or stop:
-                    self.checkpointer.save(metrics=metrics, final=steps.done)
+                    consumed = steps.step * self.cfg.data.batch_size * self.world
+                    self.checkpointer.save(metrics=metrics, counters={"consumed_samples": consumed}, final=steps.done)
                 if stop:
                     log(f"SIGTERM received: saved step {steps.step} and stopping; rerun the command to resume")
                     return

@@ -43,6 +43,32 @@ class CheckpointConfig:
     name_template: str = "epoch_{epoch}_step_{step}"
     """Python format string for step directory names; must contain ``{step}``."""
 
+    auto_insert_field_names: bool = True
+    """Insert ``name=`` before a template field unless the text before it already names it, as NeMo and
+    Lightning do: ``m--{val_loss:.3f}-{step}`` gives ``m--val_loss=0.432-step=1000``; the default template
+    ``epoch_{epoch}_step_{step}`` stays ``epoch_0_step_20``."""
+
+    save_top_k: int | None = None
+    """Keep the k best by ``monitor`` (the k newest without a monitor); ``-1`` or ``None``: keep all."""
+
+    monitor: str | None = None
+    """Metric passed to ``save(metrics=…)`` that ranks checkpoints and moves the BEST pointer."""
+
+    mode: str = "min"
+    """``min`` or ``max``: which direction of ``monitor`` is better."""
+
+    save_last: bool = True
+    """Accepted for Lightning users: the newest checkpoint is always kept and pointed to by LATEST."""
+
+    keep_latest: int | None = None
+    """Also keep the n newest checkpoints."""
+
+    keep_every_n_steps: int | None = None
+    """Also keep every checkpoint whose step is a multiple of this (milestones)."""
+
+    keep_newer_than_s: float | None = None
+    """Also keep checkpoints younger than this many seconds."""
+
     enabled: bool = True
     """``False`` turns every save and restore into a no-op (dry runs, debugging)."""
 
@@ -66,13 +92,40 @@ class CheckpointConfig:
             parse_size(self.consolidated_max_shard_size)
         except ConfigError as exc:
             raise ConfigError(f"consolidated_max_shard_size: {exc}") from exc
-        for name in ("is_peft", "enabled", "strict"):
+        if self.mode not in ("min", "max"):
+            raise ConfigError(f"mode must be 'min' or 'max', got {self.mode!r}")
+        for name in ("save_top_k", "keep_latest", "keep_every_n_steps"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < (-1 if name == "save_top_k" else 1)):
+                raise ConfigError(f"{name} must be {'-1, 0 or a positive' if name == 'save_top_k' else 'a positive'} "
+                                  f"integer or null, got {value!r}")
+        if self.keep_newer_than_s is not None and (not isinstance(self.keep_newer_than_s, (int, float))
+                                                   or self.keep_newer_than_s < 0):
+            raise ConfigError(f"keep_newer_than_s must be a non-negative number of seconds, got {self.keep_newer_than_s!r}")
+        if self.monitor is not None and not isinstance(self.monitor, str):
+            raise ConfigError(f"monitor must be a metric name, got {self.monitor!r}")
+        for name in ("is_peft", "enabled", "strict", "auto_insert_field_names", "save_last"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ConfigError(f"{name} must be true or false, got {value!r}")
         if self.restore_from is not None and (not isinstance(self.restore_from, str) or not self.restore_from):
             raise ConfigError("restore_from must be null, 'LATEST', a step directory name, or a path")
         _validate_template(self.name_template)
+
+    def retention_policy(self):
+        """The :class:`~ckptio.policies.RetentionPolicy` these fields describe."""
+        from .policies import RetentionPolicy
+
+        top_k = None if self.save_top_k in (None, -1) else self.save_top_k
+        keep_latest = self.keep_latest
+        if top_k is not None and self.monitor is None:  # Lightning: without a monitor, the k newest
+            keep_latest, top_k = max(keep_latest or 0, top_k) or None, None
+            if keep_latest is None:
+                top_k = 0
+        return RetentionPolicy(top_k=top_k, monitor=self.monitor, mode=self.mode,  # type: ignore[arg-type]
+                               keep_latest=keep_latest, keep_every_n_steps=self.keep_every_n_steps,
+                               keep_newer_than_s=self.keep_newer_than_s)
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -10,7 +10,7 @@ from .errors import CheckpointError, CheckpointNotFoundError
 from .formats import dcp as dcp_format
 from .formats import safetensors_sharded
 from .formats.common import TensorInfo, dtype_itemsize
-from .layout import LATEST, read_pointer, scan
+from .layout import BEST, LATEST, read_pointer, scan
 from .manifest import MANIFEST_NAME, read_manifest
 
 
@@ -99,6 +99,8 @@ def list_checkpoints(checkpoint_dir: str | Path) -> dict[str, Any]:
     if not root.is_dir():
         raise CheckpointNotFoundError(f"{root}: no such checkpoint folder")
     latest = read_pointer(root, LATEST)
+    best = read_pointer(root, BEST)
+    newest = max((e for e in scan(root) if e.committed), key=lambda e: e.step or 0, default=None)
     rows = []
     for e in scan(root):
         m = e.manifest
@@ -111,8 +113,11 @@ def list_checkpoints(checkpoint_dir: str | Path) -> dict[str, Any]:
             "committed": e.committed,
             "problem": e.problem,
             "latest": e.name == latest,
+            "best": e.name == best,
+            # never removed by retention: the newest committed checkpoint and the best one
+            "protected": e.committed and (e.name == best or (newest is not None and e.name == newest.name)),
         })
-    return {"checkpoint_dir": str(root), "latest": latest, "checkpoints": rows}
+    return {"checkpoint_dir": str(root), "latest": latest, "best": best, "checkpoints": rows}
 
 
 def _du(path: Path) -> int:

@@ -24,12 +24,34 @@ log = logging.getLogger("ckptio")
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
 LATEST = "LATEST"
-POINTER_NAMES = (LATEST, "BEST")
+BEST = "BEST"
+POINTER_NAMES = (LATEST, BEST)
+
+
+def expand_template(template: str, insert_field_names: bool = True) -> str:
+    """Insert ``name=`` before each field whose name the preceding text does not already give.
+
+    ``megatron_gpt--{val_loss:.3f}-{step}`` -> ``megatron_gpt--val_loss={val_loss:.3f}-step={step}``;
+    ``epoch_{epoch}_step_{step}`` is left alone.
+    """
+    if not insert_field_names:
+        return template
+    out = ""
+    for literal, field_name, spec, conv in string.Formatter().parse(template):
+        out += literal.replace("{", "{{").replace("}", "}}")
+        if field_name is None:
+            continue
+        head = literal[:-1] if literal[-1:] in "_=-:." else literal
+        if not (out.endswith(field_name) or head.endswith(field_name)):
+            out += f"{field_name}="
+        out += "{" + field_name + (f"!{conv}" if conv else "") + (f":{spec}" if spec else "") + "}"
+    return out
 
 
 def format_step_name(template: str, *, step: int, epoch: int, metrics: dict[str, float] | None = None,
-                     counters: dict[str, Any] | None = None) -> str:
+                     counters: dict[str, Any] | None = None, insert_field_names: bool = False) -> str:
     """Fill ``template`` with the training position; a field that is not known raises a clear error."""
+    template = expand_template(template, insert_field_names)
     values: dict[str, Any] = {**(counters or {}), **(metrics or {}), "step": step, "epoch": epoch}
     try:
         name = template.format(**values)
@@ -43,8 +65,13 @@ def format_step_name(template: str, *, step: int, epoch: int, metrics: dict[str,
     return name
 
 
-def parse_step_name(template: str, name: str) -> dict[str, str] | None:
-    """Recover the fields of ``template`` from a directory ``name``, as strings; ``None`` if it does not match."""
+def parse_step_name(template: str, name: str, insert_field_names: bool = False) -> dict[str, Any] | None:
+    """Recover the fields of ``template`` from a directory ``name`` (ints and floats where they parse).
+
+    ``None`` when the name does not match. The manifest is the source of truth; this serves names of
+    directories without one, and tools that read names only.
+    """
+    template = expand_template(template, insert_field_names)
     pattern = ""
     seen: set[str] = set()
     for literal, field_name, _spec, _conv in string.Formatter().parse(template):
@@ -57,7 +84,16 @@ def parse_step_name(template: str, name: str) -> dict[str, str] | None:
             seen.add(field_name)
             pattern += f"(?P<{field_name}>[^/]+?)"
     match = re.fullmatch(pattern, name)
-    return match.groupdict() if match else None
+    return {k: _number(v) for k, v in match.groupdict().items()} if match else None
+
+
+def _number(text: str) -> Any:
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
 
 
 @dataclass

@@ -28,7 +28,16 @@ from .formats import hf_bundle, peft_adapter
 from .formats import pt as pt_format
 from .formats import safetensors_sharded
 from .formats.safetensors_sharded import check_compatible
-from .layout import LATEST, TMP_PREFIX, clean_temporaries, format_step_name, resolve_restore_path
+from . import _faults, policies
+from .layout import (
+    BEST,
+    LATEST,
+    TMP_PREFIX,
+    clean_temporaries,
+    committed_checkpoints,
+    format_step_name,
+    resolve_restore_path,
+)
 from .manifest import MANIFEST_NAME, Manifest, StateEntry, read_manifest
 from .state import ModelState, OptimizerState, RNGState
 from .storage import commit_directory, fsync_tree, remove_tree, write_pointer
@@ -159,7 +168,8 @@ class CheckpointManager:
         metrics = {k: float(v) for k, v in (metrics or {}).items()}
         counters = dict(counters or {})
         root = Path(self.config.checkpoint_dir)
-        name = format_step_name(self.config.name_template, step=step, epoch=epoch, metrics=metrics, counters=counters)
+        name = format_step_name(self.config.name_template, step=step, epoch=epoch, metrics=metrics, counters=counters,
+                                insert_field_names=self.config.auto_insert_field_names)
         final_dir = root / name
         rank, world = _dist.rank(), _dist.world_size()
         start = time.perf_counter()
@@ -184,10 +194,12 @@ class CheckpointManager:
         consolidate = self.config.save_consolidated is True or (self.config.save_consolidated == "final" and final)
         try:
             states = self._write_states(tmp, rank, world, consolidate=consolidate)
+            _faults.point("save.states_written")
 
             def commit() -> None:
                 if rank != 0:
                     return
+                _faults.point("commit.before_manifest")
                 manifest = Manifest(
                     name=name, step=step, epoch=epoch, world_size=world,
                     model_save_format=self.config.model_save_format, states=states,
@@ -196,11 +208,17 @@ class CheckpointManager:
                 )
                 pt_format.write_bytes(tmp / MANIFEST_NAME, manifest.to_json().encode())
                 fsync_tree(tmp)
+                _faults.point("commit.before_rename")
                 commit_directory(tmp, final_dir)
+                _faults.point("commit.before_pointer")
                 write_pointer(root, LATEST, name)
+                _faults.point("commit.before_retention")
+                self._after_commit(root)
 
             _dist.run_collectively(f"committing {final_dir}", commit)
-        except BaseException:
+        except Exception:
+            # An ordinary error: remove the partial save. A BaseException (KeyboardInterrupt, a process
+            # being torn down) leaves the temporary for the next run's sweep, like a crash would.
             if rank == 0 and tmp.exists():
                 remove_tree(tmp)
             raise
@@ -208,6 +226,21 @@ class CheckpointManager:
         if rank == 0:
             self.log.info("Saved checkpoint %s in %.2f s", final_dir, time.perf_counter() - start)
         return final_dir
+
+    def _after_commit(self, root: Path) -> None:
+        """Rank 0, after a commit: move BEST, then apply retention (protecting latest, best, resumed-from)."""
+        entries = committed_checkpoints(root)
+        policy = self.config.retention_policy()
+        if policy.monitor:
+            best = policies.best_checkpoint(entries, policy.monitor, policy.mode)
+            if best is not None:
+                write_pointer(root, BEST, best.name)
+        if not policy.active:
+            return
+        protected = {self.restored.path.name} if self.restored is not None and self.restored.path.parent == root else set()
+        decision = policies.decide(entries, policy, protected=protected)
+        for path in policies.apply(root, decision):
+            self.log.info("Removed checkpoint %s (retention)", path)
 
     def _write_peft(self, folder: Path, rank: int) -> None:
         adapter = peft_adapter.adapter_name(self.model)

@@ -29,9 +29,13 @@ def run(args: argparse.Namespace) -> int:
     for r in rows:
         status = "committed" if r["committed"] else f"NOT USABLE: {r['problem']}"
         metrics = ", ".join(f"{k}={v:g}" for k, v in sorted(r["metrics"].items()))
-        body.append([r["name"] + (" <- LATEST" if r["latest"] else ""), "-" if r["step"] is None else str(r["step"]),
+        marks = [m for m, on in (("LATEST", r["latest"]), ("BEST", r["best"])) if on]
+        if r["protected"] and not marks:
+            marks.append("protected")
+        body.append([r["name"] + (" <- " + ", ".join(marks) if marks else ""), "-" if r["step"] is None else str(r["step"]),
                      "-" if r["epoch"] is None else str(r["epoch"]), human_bytes(r["bytes"]), metrics, status])
     print(table(body, ["checkpoint", "step", "epoch", "size", "metrics", "status"]))
     committed = sum(1 for r in rows if r["committed"])
-    print(f"\n{committed} committed checkpoint(s) in {info['checkpoint_dir']}; LATEST -> {info['latest'] or 'none'}")
+    print(f"\n{committed} committed checkpoint(s) in {info['checkpoint_dir']}; LATEST -> {info['latest'] or 'none'}"
+          + (f"; BEST -> {info['best']}" if info["best"] else ""))
     return 0

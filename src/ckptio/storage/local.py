@@ -95,6 +95,9 @@ def remove_tree(path: Path) -> None:
         os.rename(path, trash)
         fsync_dir(path.parent)
         path = trash
+        from .. import _faults
+
+        _faults.point("delete.after_hide")
     shutil.rmtree(path)
 
 

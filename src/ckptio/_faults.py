@@ -1,0 +1,32 @@
+"""Named points on the save, commit and delete paths where a test can simulate a crash.
+
+``point(name)`` does nothing unless a test installed a hook with :func:`set_hook`; a hook that raises a
+``BaseException`` there leaves the disk exactly as a process killed at that instant would (the manager
+cleans up after ordinary exceptions only). Production code never installs a hook.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+_hook: Callable[[str], None] | None = None
+
+POINTS = (
+    "save.states_written",
+    "commit.before_manifest",
+    "commit.before_rename",
+    "commit.before_pointer",
+    "commit.before_retention",
+    "retention.before_delete",
+    "delete.after_hide",
+)
+
+
+def set_hook(hook: Callable[[str], None] | None) -> None:
+    global _hook
+    _hook = hook
+
+
+def point(name: str) -> None:
+    if _hook is not None:
+        _hook(name)

@@ -1,0 +1,63 @@
+"""``ckptio prune CHECKPOINT_DIR``: apply a retention policy by hand (``--dry-run`` to preview)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+from .. import policies
+from ..errors import ConfigError
+from ..layout import BEST, read_pointer, scan
+from ._fmt import human_bytes
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("prune", help="delete checkpoints a retention policy does not keep",
+                       description="Keep what any given rule keeps, plus the newest and the best checkpoint; "
+                                   "delete the other committed checkpoints (uncommitted folders are left alone).")
+    p.add_argument("checkpoint_dir")
+    p.add_argument("--save-top-k", "--keep-top-k", dest="top_k", type=int, help="keep the k best by --monitor")
+    p.add_argument("--monitor", help="metric name recorded in the manifests, e.g. val_loss")
+    p.add_argument("--mode", choices=["min", "max"], default="min")
+    p.add_argument("--keep-latest", type=int, help="keep the n newest")
+    p.add_argument("--keep-every", type=int, help="keep checkpoints whose step is a multiple of this")
+    p.add_argument("--keep-newer-than", help="keep checkpoints younger than this: 90s, 30m, 12h, 7d")
+    p.add_argument("--dry-run", action="store_true", help="print what would be deleted, delete nothing")
+    p.set_defaults(run=run)
+
+
+def _duration(text: str | None) -> float | None:
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", text)
+    if not m:
+        raise ConfigError(f"--keep-newer-than {text!r}: use a number with s, m, h or d, e.g. 7d")
+    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.top_k is not None and not args.monitor:
+        raise ConfigError("--save-top-k needs --monitor (use --keep-latest to keep the newest)")
+    policy = policies.RetentionPolicy(top_k=args.top_k, monitor=args.monitor, mode=args.mode,
+                                      keep_latest=args.keep_latest, keep_every_n_steps=args.keep_every,
+                                      keep_newer_than_s=_duration(args.keep_newer_than))
+    if not policy.active:
+        raise ConfigError("give at least one rule: --save-top-k, --keep-latest, --keep-every or --keep-newer-than")
+    root = args.checkpoint_dir
+    entries = scan(root)
+    best_name = read_pointer(Path(root), BEST)
+    protected = {best_name} if best_name else set()
+    decision = policies.decide(entries, policy, protected=protected)
+    for e in decision.keep:
+        print(f"keep    {e.name}  ({', '.join(decision.reasons[e.name])})")
+    for e in decision.delete:
+        size = e.manifest.total_bytes if e.manifest else 0
+        print(f"{'would delete' if args.dry_run else 'delete '} {e.name}  ({human_bytes(size)})")
+    if not args.dry_run:
+        policies.apply(Path(root), decision)
+    freed = sum(e.manifest.total_bytes for e in decision.delete if e.manifest)
+    verb = "would free" if args.dry_run else "freed"
+    print(f"{len(decision.keep)} kept, {len(decision.delete)} {'to delete' if args.dry_run else 'deleted'}; "
+          f"{verb} {human_bytes(freed)}")
+    return 0

@@ -1,0 +1,203 @@
+"""Retention and pointers: property-based sequences of saves, resumes and crashes at every point."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ckptio import CheckpointConfig, CheckpointManager, committed_checkpoints
+from ckptio import _faults
+from ckptio.layout import TMP_PREFIX, resolve_restore_path, scan
+from ckptio.storage import read_pointer
+
+
+class Crash(BaseException):
+    """Stands for the process dying at a fault point."""
+
+
+class Box:
+    def __init__(self) -> None:
+        self.v = 0
+
+    def state_dict(self) -> dict:
+        return {"v": self.v}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.v = sd["v"]
+
+
+def manager(root: Path, **cfg) -> tuple[CheckpointManager, Box]:
+    box = Box()
+    config = CheckpointConfig(checkpoint_dir=str(root), monitor="val_loss", mode="min", **cfg)
+    return CheckpointManager(config, extra_states={"box": box}, rng=False), box
+
+
+op = st.one_of(
+    st.tuples(st.just("save"), st.floats(0, 10, allow_nan=False)),
+    st.tuples(st.just("crash"), st.floats(0, 10, allow_nan=False), st.sampled_from(_faults.POINTS)),
+    st.tuples(st.just("resume")),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(op, min_size=1, max_size=12), k=st.integers(1, 3), keep_latest=st.sampled_from([None, 1, 2]))
+def test_invariants_hold_through_saves_resumes_and_crashes(ops, k, keep_latest):
+    root = Path(tempfile.mkdtemp(prefix="ckptio-retention-"))
+    try:
+        mgr, box = manager(root, save_top_k=k, keep_latest=keep_latest)
+        step = 0
+        ever: dict[str, float] = {}  # every checkpoint that was committed, with its metric
+        for entry in ops:
+            kind = entry[0]
+            if kind == "resume":
+                mgr, box = manager(root, save_top_k=k, keep_latest=keep_latest)
+                info = mgr.restore()
+                newest = max(committed_checkpoints(root), key=lambda e: e.step, default=None)
+                assert (info is None) == (newest is None)
+                if info is not None:
+                    assert info.path.name == newest.name and box.v == info.step
+                continue
+            step += 1
+            box.v = step
+            metric = entry[1]
+            name = f"epoch_0_step_{step}"
+            crashed_at = None
+            seen: list[str] = []
+            if kind == "crash":
+                def hook(point: str, target: str = entry[2]) -> None:
+                    seen.append(point)
+                    if point == target:
+                        raise Crash(point)
+                _faults.set_hook(hook)
+                try:
+                    mgr.save(step=step, metrics={"val_loss": metric})
+                except Crash as c:
+                    crashed_at = str(c)
+                finally:
+                    _faults.set_hook(None)
+                mgr, box = manager(root, save_top_k=k, keep_latest=keep_latest)  # the process died: a new run
+                mgr.restore()
+            else:
+                mgr.save(step=step, metrics={"val_loss": metric})
+            # committed once the rename happened, which is just before the "commit.before_pointer" point
+            # (a crash can also strike earlier, e.g. while the save sweeps leftovers of an earlier crash)
+            if crashed_at is None or "commit.before_pointer" in seen:
+                ever[name] = metric
+            _check(root, ever, k, keep_latest, after_clean_save=crashed_at is None)
+    finally:
+        _faults.set_hook(None)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _check(root: Path, ever: dict[str, float], k: int, keep_latest: int | None, after_clean_save: bool) -> None:
+    committed = committed_checkpoints(root)
+    names = {e.name for e in committed}
+    # nothing uncommitted is ever listed as a checkpoint, or chosen for a resume
+    assert all(not n.startswith(".") for n in names)
+    chosen = resolve_restore_path(root, None)
+    if ever:
+        newest = max(ever, key=lambda n: int(n.rsplit("_", 1)[1]))
+        best = min(ever.items(), key=lambda kv: (kv[1], -int(kv[0].rsplit("_", 1)[1])))[0]
+        assert newest in names, "the latest committed checkpoint was deleted"
+        assert best in names, "the best checkpoint was deleted"
+        assert chosen is not None and chosen.name == newest
+        assert names <= set(ever), "a checkpoint appeared that was never committed"
+        if after_clean_save:
+            assert read_pointer(root, "LATEST") == newest
+            assert read_pointer(root, "BEST") == best
+            limit = k + (keep_latest or 0) + 3  # + latest, best, resumed-from
+            assert len(names) <= limit
+    else:
+        assert chosen is None
+
+
+def test_top_k_rotation_keeps_best_latest_and_resumed_from(tmp_path):
+    mgr, _ = manager(tmp_path, save_top_k=2)
+    losses = [5.0, 1.0, 4.0, 3.0, 6.0, 2.0, 7.0]
+    for step, loss in enumerate(losses, start=1):
+        mgr.save(step=step, metrics={"val_loss": loss})
+    kept = sorted(e.step for e in committed_checkpoints(tmp_path))
+    assert kept == [2, 6, 7]  # top-2 (1.0, 2.0) plus the latest
+    assert read_pointer(tmp_path, "BEST") == "epoch_0_step_2"
+    # a resumed run protects what it resumed from, and rotation keeps working after the resume
+    resumed, _ = manager(tmp_path, save_top_k=2, restore_from="epoch_0_step_6")
+    resumed.restore()
+    for step, loss in [(8, 9.0), (9, 0.5), (10, 0.7)]:
+        resumed.save(step=step, metrics={"val_loss": loss})
+    kept = sorted(e.step for e in committed_checkpoints(tmp_path))
+    assert kept == [6, 9, 10]
+    assert read_pointer(tmp_path, "BEST") == "epoch_0_step_9"
+    assert resolve_restore_path(tmp_path, "BEST").name == "epoch_0_step_9"
+
+
+def test_milestones_and_mode_max(tmp_path):
+    box = Box()
+    mgr = CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path), save_top_k=1, monitor="acc", mode="max",
+                                             keep_every_n_steps=3), extra_states={"b": box}, rng=False)
+    for step, acc in enumerate([0.1, 0.9, 0.2, 0.3, 0.4, 0.5, 0.6], start=1):
+        mgr.save(step=step, metrics={"acc": acc})
+    assert sorted(e.step for e in committed_checkpoints(tmp_path)) == [2, 3, 6, 7]
+
+
+def test_uncommitted_directories_are_never_pruned(tmp_path):
+    mgr, _ = manager(tmp_path, save_top_k=1)
+    mgr.save(step=1, metrics={"val_loss": 1.0})
+    inflight = tmp_path / f"{TMP_PREFIX}epoch_0_step_2-0000"
+    inflight.mkdir()
+    (tmp_path / "not_a_checkpoint").mkdir()
+    mgr.save(step=3, metrics={"val_loss": 2.0})
+    assert (tmp_path / "not_a_checkpoint").is_dir()
+    assert {e.name for e in scan(tmp_path)} >= {"epoch_0_step_1", "epoch_0_step_3", "not_a_checkpoint"}
+
+
+def _two_rank_saves(root: str) -> dict:
+    import torch.distributed as dist
+
+    mgr, box = manager(Path(root), save_top_k=1)
+    for step, loss in [(1, 3.0), (2, 1.0), (3, 2.0), (4, 4.0)]:
+        box.v = step
+        mgr.save(step=step, metrics={"val_loss": loss}, counters={"consumed_samples": step * 16})
+    again, box2 = manager(Path(root), save_top_k=1, restore_from="BEST")
+    info = again.restore()
+    return {"rank": dist.get_rank(), "step": info.step, "v": box2.v, "consumed": info.counters["consumed_samples"]}
+
+
+def test_pointers_and_retention_on_two_ranks(tmp_path):
+    from distributed import run_ranks
+
+    results = run_ranks(2, _two_rank_saves, root=str(tmp_path))
+    assert [r["step"] for r in results] == [2, 2] and [r["v"] for r in results] == [2, 2]
+    assert results[0]["consumed"] == 32
+    assert read_pointer(tmp_path, "LATEST") == "epoch_0_step_4" and read_pointer(tmp_path, "BEST") == "epoch_0_step_2"
+    assert sorted(e.step for e in committed_checkpoints(tmp_path)) == [2, 4]
+
+
+def test_prune_and_list_from_the_command_line(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    mgr, _ = manager(tmp_path)
+    for step, loss in enumerate([3.0, 1.0, 2.0, 5.0, 4.0], start=1):
+        mgr.save(step=step, metrics={"val_loss": loss})
+    cli = [str(Path(sys.executable).parent / "ckptio")]
+    rows = json.loads(subprocess.run(cli + ["list", str(tmp_path), "--json"], capture_output=True, text=True).stdout)
+    flags = {r["name"]: (r["latest"], r["best"], r["protected"]) for r in rows["checkpoints"]}
+    assert flags["epoch_0_step_2"] == (False, True, True) and flags["epoch_0_step_5"] == (True, False, True)
+    dry = subprocess.run(cli + ["prune", str(tmp_path), "--save-top-k", "1", "--monitor", "val_loss", "--dry-run"],
+                         capture_output=True, text=True)
+    assert dry.returncode == 0 and "would delete epoch_0_step_1" in dry.stdout
+    assert len(committed_checkpoints(tmp_path)) == 5
+    real = subprocess.run(cli + ["prune", str(tmp_path), "--save-top-k", "1", "--monitor", "val_loss"],
+                          capture_output=True, text=True)
+    assert real.returncode == 0, real.stderr
+    assert sorted(e.step for e in committed_checkpoints(tmp_path)) == [2, 5]
+    bad = subprocess.run(cli + ["prune", str(tmp_path)], capture_output=True, text=True)
+    assert bad.returncode == 2 and "at least one rule" in bad.stderr
