@@ -126,7 +126,7 @@ def test_unserialisable_user_state_fails_at_save_and_leaves_nothing(tmp_path):
     mgr = CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path)), extra_states={"bad": Bad()}, rng=False)
     with pytest.raises(TypeError, match="'bad'.*weights_only"):
         mgr.save(step=1)
-    assert [p.name for p in tmp_path.iterdir()] == []
+    assert [p.name for p in tmp_path.iterdir() if p.name != ".ckptio.lock"] == []
 
 
 def test_save_twice_at_same_step_replaces_atomically(tmp_path):
@@ -139,7 +139,7 @@ def test_save_twice_at_same_step_replaces_atomically(tmp_path):
     m2 = _mlp()
     _manager(tmp_path, m2).restore()
     assert torch.all(m2[0].weight == 7)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", "epoch_0_step_3"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".ckptio.lock", "LATEST", "epoch_0_step_3"]
     shutil.rmtree(tmp_path / "epoch_0_step_3")
     assert _manager(tmp_path, _mlp()).restore() is None  # dangling LATEST is not trusted
 

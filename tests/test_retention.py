@@ -127,6 +127,7 @@ def test_top_k_rotation_keeps_best_latest_and_resumed_from(tmp_path):
     assert kept == [2, 6, 7]  # top-2 (1.0, 2.0) plus the latest
     assert read_pointer(tmp_path, "BEST") == "epoch_0_step_2"
     # a resumed run protects what it resumed from, and rotation keeps working after the resume
+    mgr.close()  # the first run ends
     resumed, _ = manager(tmp_path, save_top_k=2, restore_from="epoch_0_step_6")
     resumed.restore()
     for step, loss in [(8, 9.0), (9, 0.5), (10, 0.7)]:
@@ -187,6 +188,7 @@ def test_prune_and_list_from_the_command_line(tmp_path):
     mgr, _ = manager(tmp_path)
     for step, loss in enumerate([3.0, 1.0, 2.0, 5.0, 4.0], start=1):
         mgr.save(step=step, metrics={"val_loss": loss})
+    mgr.close()
     cli = [str(Path(sys.executable).parent / "ckptio")]
     rows = json.loads(subprocess.run(cli + ["list", str(tmp_path), "--json"], capture_output=True, text=True).stdout)
     flags = {r["name"]: (r["latest"], r["best"], r["protected"]) for r in rows["checkpoints"]}

@@ -72,6 +72,10 @@ class CheckpointConfig:
     enabled: bool = True
     """``False`` turns every save and restore into a no-op (dry runs, debugging)."""
 
+    verify_checksums: bool = False
+    """Check every byte against the manifest's checksums before loading (sizes are always checked); an
+    auto-resume then skips a corrupted checkpoint for the previous good one, with a warning."""
+
     strict: bool = True
     """Refuse to load a checkpoint whose model or optimizer keys differ from the live objects."""
 
@@ -105,7 +109,7 @@ class CheckpointConfig:
             raise ConfigError(f"keep_newer_than_s must be a non-negative number of seconds, got {self.keep_newer_than_s!r}")
         if self.monitor is not None and not isinstance(self.monitor, str):
             raise ConfigError(f"monitor must be a metric name, got {self.monitor!r}")
-        for name in ("is_peft", "enabled", "strict", "auto_insert_field_names", "save_last"):
+        for name in ("is_peft", "enabled", "strict", "auto_insert_field_names", "save_last", "verify_checksums"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ConfigError(f"{name} must be true or false, got {value!r}")

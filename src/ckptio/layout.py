@@ -115,7 +115,7 @@ class CheckpointEntry:
         return self.manifest.step if self.manifest else None
 
 
-def _inspect_dir(path: Path) -> CheckpointEntry:
+def _inspect_dir(path: Path, checksums: bool = False) -> CheckpointEntry:
     if path.name.startswith(TMP_PREFIX):
         return CheckpointEntry(path.name, path, None, "uncommitted temporary (an interrupted or running save)")
     if not (path / MANIFEST_NAME).is_file():
@@ -128,7 +128,7 @@ def _inspect_dir(path: Path) -> CheckpointEntry:
         manifest = read_manifest(path)
     except CheckpointError as exc:
         return CheckpointEntry(path.name, path, None, str(exc))
-    problems = check_files(path, manifest)
+    problems = check_files(path, manifest, checksums=checksums)
     if problems:
         return CheckpointEntry(path.name, path, manifest, f"{len(problems)} damaged file(s): " + "; ".join(problems[:3]))
     return CheckpointEntry(path.name, path, manifest)
@@ -155,17 +155,28 @@ def committed_checkpoints(checkpoint_dir: str | Path) -> list[CheckpointEntry]:
     return [e for e in scan(checkpoint_dir) if e.committed]
 
 
-def newest_checkpoint(checkpoint_dir: str | Path) -> CheckpointEntry | None:
-    """The newest complete checkpoint; damaged or uncommitted ones are skipped with a warning."""
+def newest_checkpoint(checkpoint_dir: str | Path, *, verify_checksums: bool = False) -> CheckpointEntry | None:
+    """The newest complete checkpoint; damaged or uncommitted ones are skipped with a warning.
+
+    With ``verify_checksums``, candidates are checked byte for byte, newest first, until one passes.
+    """
     entries = scan(checkpoint_dir)
     good = [e for e in entries if e.committed]
     for bad in entries:
         if bad.manifest is not None and bad.problem and (not good or bad.manifest.step >= good[-1].step):
             log.warning("Skipping damaged checkpoint %s: %s", bad.path, bad.problem)
-    return good[-1] if good else None
+    for entry in reversed(good):
+        if not verify_checksums:
+            return entry
+        checked = _inspect_dir(entry.path, checksums=True)
+        if checked.committed:
+            return checked
+        log.warning("Skipping corrupted checkpoint %s: %s", entry.path, checked.problem)
+    return None
 
 
-def resolve_restore_path(checkpoint_dir: str | Path, restore_from: str | None) -> Path | None:
+def resolve_restore_path(checkpoint_dir: str | Path, restore_from: str | None, *,
+                         verify_checksums: bool = False) -> Path | None:
     """The step directory a run should load, following :attr:`CheckpointConfig.restore_from`.
 
     Returns ``None`` when ``restore_from`` is ``None`` and there is no complete checkpoint yet.
@@ -173,18 +184,18 @@ def resolve_restore_path(checkpoint_dir: str | Path, restore_from: str | None) -
     """
     root = Path(checkpoint_dir)
     if restore_from is None:
-        entry = newest_checkpoint(root)
+        entry = newest_checkpoint(root, verify_checksums=verify_checksums)
         return entry.path if entry else None
     if restore_from in POINTER_NAMES:
         target = read_pointer(root, restore_from)
         if target is None:
             if restore_from == LATEST:
-                entry = newest_checkpoint(root)
+                entry = newest_checkpoint(root, verify_checksums=verify_checksums)
                 if entry is not None:
                     return entry.path
             raise CheckpointNotFoundError(f"restore_from={restore_from!r}: there is no {restore_from} pointer in {root}")
         path = root / target
-        entry = _inspect_dir(path)
+        entry = _inspect_dir(path, checksums=verify_checksums)
         if not entry.committed:
             raise CheckpointNotFoundError(
                 f"restore_from={restore_from!r}: the pointer leads to {path}, which is not usable ({entry.problem})"
@@ -197,7 +208,7 @@ def resolve_restore_path(checkpoint_dir: str | Path, restore_from: str | None) -
         raise CheckpointNotFoundError(
             f"restore_from={restore_from!r}: no such checkpoint (looked for {candidate} and {root / restore_from})"
         )
-    entry = _inspect_dir(candidate)
+    entry = _inspect_dir(candidate, checksums=verify_checksums)
     if not entry.committed:
         raise CheckpointNotFoundError(f"restore_from={restore_from!r}: {candidate} is not usable ({entry.problem})")
     return candidate

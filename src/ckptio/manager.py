@@ -41,6 +41,8 @@ from .layout import (
 from .manifest import MANIFEST_NAME, Manifest, StateEntry, read_manifest
 from .state import ModelState, OptimizerState, RNGState
 from .storage import commit_directory, fsync_tree, remove_tree, write_pointer
+from .storage.checksum import bytes_checksum, file_checksum
+from .storage.lock import DirectoryLock
 
 __all__ = ["CheckpointManager", "RestoreInfo", "Stateful"]
 
@@ -132,6 +134,18 @@ class CheckpointManager:
         self.restored: RestoreInfo | None = None
         self.last_saved: Path | None = None
         self._cleaned = False
+        self._sums: dict[str, str] = {}
+        self._lock = DirectoryLock(config.checkpoint_dir)
+
+    def close(self) -> None:
+        """Release the checkpoint folder (also done when the manager is garbage-collected or the process exits)."""
+        self._lock.release()
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ registration
     def register(self, name: str, obj: Stateful) -> None:
@@ -180,6 +194,7 @@ class CheckpointManager:
             if rank != 0:
                 return None
             root.mkdir(parents=True, exist_ok=True)
+            self._lock.acquire()
             if not self._cleaned:
                 self._cleaned = True
                 for leftover in clean_temporaries(root):
@@ -192,18 +207,26 @@ class CheckpointManager:
         if final is None:
             final = bool(getattr(self.step_scheduler, "done", False))
         consolidate = self.config.save_consolidated is True or (self.config.save_consolidated == "final" and final)
+        self._sums = {}
         try:
             states = self._write_states(tmp, rank, world, consolidate=consolidate)
             _faults.point("save.states_written")
+            sums: dict[str, str] = {}
+            for part in _dist.all_gather_object(self._sums):
+                sums.update(part)
 
             def commit() -> None:
                 if rank != 0:
                     return
                 _faults.point("commit.before_manifest")
+                files = _list_files(tmp)
+                for rel in files:  # small side files (config, tokenizer, adapter) are summed here
+                    if rel not in sums:
+                        sums[rel] = file_checksum(tmp / rel)
                 manifest = Manifest(
                     name=name, step=step, epoch=epoch, world_size=world,
                     model_save_format=self.config.model_save_format, states=states,
-                    files=_list_files(tmp), metrics=metrics, counters=counters,
+                    files=files, metrics=metrics, counters=counters, checksums=sums,
                     is_peft=self.config.is_peft, versions=_versions(),
                 )
                 pt_format.write_bytes(tmp / MANIFEST_NAME, manifest.to_json().encode())
@@ -258,11 +281,12 @@ class CheckpointManager:
     def _consolidate(self, model_dir: Path, rank: int, world: int) -> None:
         out = model_dir / CONSOLIDATED_DIR
         start = time.perf_counter()
-        plan = _dist.run_collectively(
+        plan, written = _dist.run_collectively(
             f"consolidating {out}",
             lambda: hf_bundle.consolidate(model_dir, out, max_shard_size=self.config.consolidated_max_shard_size,
                                           rank=rank, world_size=world),
         )
+        self._sums.update({str(p.relative_to(model_dir.parent)): d for p, d in written.items()})
         if rank == 0:
             self.log.info("Consolidated %d tensors (%.1f MB) into %d file(s) under %s in %.2f s",
                           len(plan.infos), plan.total_size / 1e6, len(plan.files), out, time.perf_counter() - start)
@@ -286,13 +310,15 @@ class CheckpointManager:
         elif self.model_state is not None:
             model_sd = self.model_state.state_dict()
             if fmt == "safetensors":
-                _dist.run_collectively(
+                path, digest = _dist.run_collectively(
                     "writing model shards",
                     lambda: safetensors_sharded.save(model_sd, tmp / MODEL_DIR, rank=rank, world_size=world),
                 )
+                self._sums[str(path.relative_to(tmp))] = digest
                 states["model"] = StateEntry("model", "safetensors", MODEL_DIR)
             else:
-                dcp_format.save(model_sd, tmp / MODEL_DIR)
+                written = dcp_format.save(model_sd, tmp / MODEL_DIR)
+                self._sums.update({f"{MODEL_DIR}/{k}": v for k, v in written.items()})
                 states["model"] = StateEntry("model", "dcp", MODEL_DIR)
             del model_sd
             _dist.run_collectively(
@@ -302,7 +328,8 @@ class CheckpointManager:
             if consolidate:
                 self._consolidate(tmp / MODEL_DIR, rank, world)
         if self.optim_state is not None:
-            dcp_format.save(self.optim_state.state_dict(), tmp / OPTIM_DIR)
+            written = dcp_format.save(self.optim_state.state_dict(), tmp / OPTIM_DIR)
+            self._sums.update({f"{OPTIM_DIR}/{k}": v for k, v in written.items()})
             states["optim"] = StateEntry("optimizer", "dcp", OPTIM_DIR)
         for name, obj in self.objects.items():
             data = _dist.run_collectively(f"serialising {name!r}", lambda: pt_format.to_bytes(obj.state_dict(), name))
@@ -310,11 +337,12 @@ class CheckpointManager:
             per_rank = len(set(digests)) > 1
 
             def write(name: str = name, data: bytes = data, per_rank: bool = per_rank) -> None:
+                rel = f"{name}/{_rank_file(rank)}" if per_rank else f"{name}.pt"
                 if per_rank:
                     (tmp / name).mkdir(exist_ok=True)
-                    pt_format.write_bytes(tmp / name / _rank_file(rank), data)
-                elif rank == 0:
-                    pt_format.write_bytes(tmp / f"{name}.pt", data)
+                if per_rank or rank == 0:
+                    pt_format.write_bytes(tmp / rel, data)
+                    self._sums[rel] = bytes_checksum(data)
 
             _dist.run_collectively(f"writing {name!r}", write)
             states[name] = StateEntry("object", "pt", name if per_rank else f"{name}.pt", per_rank=per_rank)
@@ -337,7 +365,8 @@ class CheckpointManager:
         def find() -> str | None:
             if rank != 0:
                 return None
-            found = resolve_restore_path(root, requested if requested is not None else self.config.restore_from)
+            found = resolve_restore_path(root, requested if requested is not None else self.config.restore_from,
+                                         verify_checksums=self.config.verify_checksums)
             return None if found is None else str(found)
 
         found = _dist.broadcast_object(_dist.run_collectively("finding the checkpoint to restore", find))

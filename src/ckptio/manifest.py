@@ -48,6 +48,8 @@ class Manifest:
     metrics: dict[str, float] = field(default_factory=dict)
     counters: dict[str, Any] = field(default_factory=dict)
     is_peft: bool = False
+    checksums: dict[str, str] = field(default_factory=dict)
+    """Relative path -> ``crc32c:xxxxxxxx``, computed while each file was written."""
     versions: dict[str, str] = field(default_factory=dict)
     created: str = field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
     manifest_version: int = MANIFEST_VERSION
@@ -89,6 +91,7 @@ class Manifest:
                 metrics={str(k): float(v) for k, v in data.get("metrics", {}).items()},
                 counters=dict(data.get("counters", {})),
                 is_peft=bool(data.get("is_peft", False)),
+                checksums={str(k): str(v) for k, v in data.get("checksums", {}).items()},
                 versions={str(k): str(v) for k, v in data.get("versions", {}).items()},
                 created=str(data.get("created", "")),
             )
@@ -113,8 +116,12 @@ def read_manifest(step_dir: Path) -> Manifest:
     return Manifest.from_json(path.read_text(encoding="utf-8", errors="replace"), path)
 
 
-def check_files(step_dir: Path, manifest: Manifest) -> list[str]:
-    """Problems with the files a manifest lists (missing, or a size that differs), one line each."""
+def check_files(step_dir: Path, manifest: Manifest, *, checksums: bool = False) -> list[str]:
+    """Problems with the files a manifest lists, one line each naming the file.
+
+    Always: missing files and sizes that differ. With ``checksums``: every byte, against the checksum
+    recorded when the file was written.
+    """
     problems = []
     for rel, size in sorted(manifest.files.items()):
         path = step_dir / rel
@@ -124,4 +131,12 @@ def check_files(step_dir: Path, manifest: Manifest) -> list[str]:
             actual = path.stat().st_size
             if actual != size:
                 problems.append(f"{path}: size {actual} bytes, manifest says {size}")
+            elif checksums and rel in manifest.checksums:
+                from .storage.checksum import file_checksum
+
+                got = file_checksum(path)
+                if got != manifest.checksums[rel]:
+                    problems.append(f"{path}: checksum {got}, manifest says {manifest.checksums[rel]} (corrupted)")
+            elif checksums:
+                problems.append(f"{path}: no checksum recorded in the manifest")
     return problems

@@ -15,7 +15,9 @@ Call sequence: :func:`save` and :func:`load` are collectives when a process grou
 from __future__ import annotations
 
 import io
+import os
 import pickle
+import threading
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,10 +27,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from .. import _dist
+from ..storage.checksum import ChecksummingStream
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .common import TensorInfo, dtype_name
 
@@ -112,11 +116,57 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
-def save(state_dict: dict[str, Any], folder: str | Path, *, thread_count: int = 1) -> None:
-    """Collective: write ``state_dict`` (local shards on each rank) as a DCP folder, fsynced."""
+class _ChecksummingFileSystem(FileSystem):
+    """DCP's local filesystem, with a running checksum of every file written through it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.digests: dict[str, str] = {}
+        self.errors: list[OSError] = []
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with super().create_stream(path, mode) as raw:
+            stream = ChecksummingStream(raw)
+            try:
+                yield stream  # type: ignore[misc]
+            finally:
+                if stream.error is not None:
+                    with self._lock:
+                        self.errors.append(stream.error)
+            with self._lock:
+                self.digests[str(Path(path))] = stream.checksum.digest
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        super().rename(path, new_path)
+        with self._lock:
+            if str(Path(path)) in self.digests:
+                self.digests[str(Path(new_path))] = self.digests.pop(str(Path(path)))
+
+
+def save(state_dict: dict[str, Any], folder: str | Path, *, thread_count: int = 1) -> dict[str, str]:
+    """Collective: write ``state_dict`` (local shards on each rank) as a DCP folder, fsynced.
+
+    Returns the files this rank wrote (names relative to ``folder``) with checksums computed as the
+    bytes went out.
+    """
     writer = FileSystemWriter(str(folder), sync_files=True, thread_count=thread_count)
-    with _quiet_single_process(), _plain_errors("saving", folder):
-        dcp.save(state_dict, storage_writer=writer, no_dist=not _dist.is_dist())
+    fs = _ChecksummingFileSystem()
+    writer.fs = fs
+    try:
+        with _quiet_single_process(), _plain_errors("saving", folder):
+            dcp.save(state_dict, storage_writer=writer, no_dist=not _dist.is_dist())
+    except CheckpointError as exc:
+        if fs.errors:  # torch's zip writer reports a failed write as a position mismatch; say what it was
+            raise CheckpointError(f"saving DCP folder {folder} failed: {fs.errors[0]}") from exc
+        raise
+    root = Path(folder)
+    return {str(Path(p).relative_to(root)): d for p, d in fs.digests.items() if Path(p).is_file()}
 
 
 def load(state_dict: dict[str, Any], folder: str | Path, *, no_dist: bool = False) -> None:

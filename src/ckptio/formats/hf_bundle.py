@@ -29,6 +29,7 @@ import torch
 
 from ..errors import CheckpointCorruptError, ConfigError
 from ..storage import fsync_file
+from . import _st_writer
 from . import dcp as dcp_format
 from . import safetensors_sharded
 from .common import TensorInfo
@@ -38,13 +39,8 @@ DEFAULT_MAX_SHARD_SIZE = "5GB"
 _WEIGHT_SUFFIXES = (".safetensors", ".distcp")
 _NOT_EXTRAS = {dcp_format.METADATA_FILE, INDEX_FILE, "manifest.json"}
 
-_ST_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
-}
-_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+_ST_DTYPES = _st_writer.ST_DTYPES
+_ST_NAMES = _st_writer.ST_NAMES
 _MAX_HEADER = 100 * 1024 * 1024
 
 
@@ -232,47 +228,27 @@ def plan_bundle(infos: dict[str, TensorInfo], max_shard_size: str | int = DEFAUL
 
 # ---------------------------------------------------------------------------------------- writing
 def _write_file(path: Path, keys: list[str], plan: BundlePlan, source: TensorSource,
-                progress: Callable[[int], None] | None) -> None:
-    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for key in keys:
-        n = plan.nbytes(key)
-        header[key] = {"dtype": _ST_DTYPES[plan.out_dtype(key)], "shape": list(plan.infos[key].shape),
-                       "data_offsets": [offset, offset + n]}
-        offset += n
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-(8 + len(blob)) % 8)  # the data section starts 8-byte aligned
+                progress: Callable[[int], None] | None) -> str:
+    entries = [_st_writer.Entry(k, plan.out_dtype(k), plan.infos[k].shape, lambda k=k: source.read(k)) for k in keys]
     tmp = path.with_name(f".{path.name}.partial")
-    with open(tmp, "wb") as fh:
-        fh.write(len(blob).to_bytes(8, "little"))
-        fh.write(blob)
-        for key in keys:
-            tensor = source.read(key)
-            out_dtype = plan.out_dtype(key)
-            if tensor.dtype != out_dtype:
-                tensor = tensor.to(out_dtype)
-            tensor = tensor.contiguous()
-            if tensor.numel():
-                fh.write(memoryview(tensor.view(torch.uint8).reshape(-1).numpy()))
-            if progress is not None:
-                progress(plan.nbytes(key))
-            del tensor
-        fh.flush()
-        os.fsync(fh.fileno())
+    digest = _st_writer.write(tmp, entries, progress=progress)
     os.replace(tmp, path)
+    return digest
 
 
 def write_files(plan: BundlePlan, source: TensorSource, out_dir: str | Path, *, rank: int = 0,
-                world_size: int = 1, progress: Callable[[int], None] | None = None) -> list[Path]:
-    """Write the files of ``plan`` that fall to ``rank`` (file ``i`` goes to rank ``i % world_size``)."""
+                world_size: int = 1, progress: Callable[[int], None] | None = None) -> dict[Path, str]:
+    """Write the files of ``plan`` that fall to ``rank`` (file ``i`` goes to rank ``i % world_size``).
+
+    Returns each written file with its checksum.
+    """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
+    written = {}
     for i, keys in enumerate(plan.files):
         if i % world_size == rank:
             path = out_dir / plan.file_name(i)
-            _write_file(path, keys, plan, source, progress)
-            written.append(path)
+            written[path] = _write_file(path, keys, plan, source, progress)
     return written
 
 
@@ -326,14 +302,18 @@ def prepare(src_folder: str | Path, *, max_shard_size: str | int = DEFAULT_MAX_S
 
 
 def write_bundle(source: TensorSource, plan: BundlePlan, out_dir: str | Path, *, rank: int = 0,
-                 world_size: int = 1, progress: Callable[[int], None] | None = None) -> None:
-    """Write this rank's share of ``plan``; rank 0 also writes the index and copies config and tokenizer."""
-    write_files(plan, source, out_dir, rank=rank, world_size=world_size, progress=progress)
+                 world_size: int = 1, progress: Callable[[int], None] | None = None) -> dict[Path, str]:
+    """Write this rank's share of ``plan``; rank 0 also writes the index and copies config and tokenizer.
+
+    Returns the weight files this rank wrote, with their checksums.
+    """
+    written = write_files(plan, source, out_dir, rank=rank, world_size=world_size, progress=progress)
     if rank == 0:
         write_index(plan, out_dir)
         copy_extras(source.folder, out_dir)
         if plan.dtype is not None:
             _set_config_dtype(Path(out_dir) / "config.json", plan.dtype)
+    return written
 
 
 def _set_config_dtype(path: Path, dtype: torch.dtype) -> None:
@@ -353,7 +333,7 @@ def _set_config_dtype(path: Path, dtype: torch.dtype) -> None:
 
 def consolidate(src_folder: str | Path, out_dir: str | Path, *, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
                 dtype: str | torch.dtype | None = None, rank: int = 0, world_size: int = 1,
-                progress: Callable[[int], None] | None = None) -> BundlePlan:
+                progress: Callable[[int], None] | None = None) -> tuple[BundlePlan, dict[Path, str]]:
     """Write a Hugging Face bundle of the model saved in ``src_folder`` (sharded safetensors or DCP).
 
     Every rank of ``world_size`` calls this with the same arguments (no collective inside): each writes
@@ -361,5 +341,5 @@ def consolidate(src_folder: str | Path, out_dir: str | Path, *, max_shard_size: 
     The bundle is complete once every rank has returned.
     """
     source, plan = prepare(src_folder, max_shard_size=max_shard_size, dtype=dtype)
-    write_bundle(source, plan, out_dir, rank=rank, world_size=world_size, progress=progress)
-    return plan
+    checksums = write_bundle(source, plan, out_dir, rank=rank, world_size=world_size, progress=progress)
+    return plan, checksums

@@ -26,10 +26,9 @@ from typing import Iterable
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from ..errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError
-from ..storage import fsync_file
+from . import _st_writer
 from .common import TensorInfo
 
 FORMAT_TAG = "sharded-safetensors/1"
@@ -66,10 +65,11 @@ def _local_view(value: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tup
     return value, tuple(value.shape), (0,) * value.dim(), None  # type: ignore[return-value]
 
 
-def save(state_dict: dict[str, torch.Tensor], folder: str | Path, *, rank: int, world_size: int) -> Path:
-    """Write this rank's shards of ``state_dict`` to ``folder/shard-…safetensors`` and fsync it.
+def save(state_dict: dict[str, torch.Tensor], folder: str | Path, *, rank: int, world_size: int) -> tuple[Path, str]:
+    """Write this rank's shards of ``state_dict`` to ``folder/shard-…safetensors``, fsynced.
 
-    Plain (non-DTensor) tensors are taken as replicated and written by rank 0 only.
+    Plain (non-DTensor) tensors are taken as replicated and written by rank 0 only. Returns the file and
+    its checksum, computed as the bytes were written.
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -83,7 +83,7 @@ def save(state_dict: dict[str, torch.Tensor], folder: str | Path, *, rank: int, 
             owner = rank == 0
         if not owner or local.numel() == 0 and len(shape) > 0 and any(shape):
             continue
-        tensors[key] = local.detach().to("cpu").contiguous()
+        tensors[key] = local
         shards[key] = {"shape": list(shape), "offsets": list(offsets)}
     metadata = {
         "format": "pt",
@@ -93,9 +93,8 @@ def save(state_dict: dict[str, torch.Tensor], folder: str | Path, *, rank: int, 
         "ckptio_shards": json.dumps(shards, separators=(",", ":")),
     }
     path = folder / shard_file_name(rank, world_size)
-    save_file(tensors, str(path), metadata=metadata)
-    fsync_file(path)
-    return path
+    entries = [_st_writer.Entry(k, t.dtype, tuple(t.shape), lambda t=t: t) for k, t in tensors.items()]
+    return path, _st_writer.write(path, entries, metadata)
 
 
 def _scan(folder: Path, files: list[Path] | None = None) -> tuple[dict[str, list[_Chunk]], dict[str, TensorInfo]]:

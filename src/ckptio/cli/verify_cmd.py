@@ -1,0 +1,55 @@
+"""``ckptio verify PATH``: check every file of a checkpoint (or of every checkpoint in a folder)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ..errors import CheckpointError, CheckpointNotFoundError
+from ..layout import scan
+from ..manifest import MANIFEST_NAME, check_files, read_manifest
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("verify", help="check sizes and checksums of every file; exit 1 if anything is wrong",
+                       description="Verify a step directory, or every step directory of a checkpoint folder, "
+                                   "against the sizes and checksums recorded in its manifest.")
+    p.add_argument("path", help="a step directory or a checkpoint folder")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.set_defaults(run=run)
+
+
+def _verify_one(step_dir: Path) -> list[str]:
+    try:
+        manifest = read_manifest(step_dir)
+    except CheckpointError as exc:
+        return [str(exc)]
+    return check_files(step_dir, manifest, checksums=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    path = Path(args.path)
+    if not path.is_dir():
+        raise CheckpointNotFoundError(f"{path}: no such directory")
+    if (path / MANIFEST_NAME).is_file():
+        targets = [path]
+    else:
+        targets = [e.path for e in scan(path)]
+        if not targets:
+            raise CheckpointNotFoundError(f"{path} holds no checkpoints")
+    report = {str(t): _verify_one(t) for t in targets}
+    if args.json:
+        print(json.dumps({"ok": not any(report.values()), "checkpoints": report}, indent=2))
+    else:
+        for target, problems in report.items():
+            if problems:
+                print(f"BAD  {target}")
+                for line in problems:
+                    print(f"     {line}")
+            else:
+                print(f"OK   {target}")
+        bad = sum(1 for p in report.values() if p)
+        print(f"{len(report) - bad} good, {bad} bad", file=sys.stderr if bad else sys.stdout)
+    return 1 if any(report.values()) else 0

@@ -1,0 +1,76 @@
+"""A streaming safetensors writer: header first, then tensors one at a time, checksummed as written.
+
+The output is byte-for-byte a standard safetensors file (8-byte little-endian header length, JSON
+header padded with spaces to 8-byte alignment, raw little-endian tensor data in header order). Only
+one tensor is materialised at a time, and its bytes go to the file without an extra copy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+
+from ..storage.checksum import ChecksummingStream
+
+ST_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+}
+ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
+
+
+@dataclass
+class Entry:
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    produce: Callable[[], torch.Tensor]
+    """Returns the tensor (any device/layout); called once, right before its bytes are written."""
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def write(path: str | Path, entries: Iterable[Entry], metadata: dict[str, str] | None = None,
+          progress: Callable[[int], None] | None = None) -> str:
+    """Write ``entries`` to ``path`` (fsynced); returns the file's checksum."""
+    entries = list(entries)
+    header: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
+    offset = 0
+    for e in entries:
+        if e.dtype not in ST_DTYPES:
+            raise TypeError(f"{e.key!r}: dtype {e.dtype} cannot be stored in safetensors")
+        header[e.key] = {"dtype": ST_DTYPES[e.dtype], "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
+        offset += e.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-(8 + len(blob)) % 8)
+    with open(path, "wb") as raw:
+        out = ChecksummingStream(raw)
+        out.write(len(blob).to_bytes(8, "little"))
+        out.write(blob)
+        for e in entries:
+            tensor = e.produce().detach()
+            if tensor.dtype != e.dtype:
+                tensor = tensor.to(e.dtype)
+            tensor = tensor.to("cpu").contiguous()
+            if tuple(tensor.shape) != tuple(e.shape):
+                raise ValueError(f"{e.key!r}: produced shape {list(tensor.shape)}, planned {list(e.shape)}")
+            if tensor.numel():
+                out.write(memoryview(tensor.view(torch.uint8).reshape(-1).numpy()))
+            if progress is not None:
+                progress(e.nbytes)
+            del tensor
+        raw.flush()
+        os.fsync(raw.fileno())
+    return out.checksum.digest

@@ -1,0 +1,153 @@
+"""Checksums written with the bytes, `ckptio verify`, fallback past corruption, locks, disk-full saves."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptio import CheckpointConfig, CheckpointError, CheckpointManager, committed_checkpoints
+from ckptio.storage.checksum import file_checksum
+from ckptio.storage.lock import CheckpointDirLocked
+
+CKPTIO = str(Path(sys.executable).parent / "ckptio")
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
+
+
+def _save(root: Path, fmt: str, steps=(1, 2), **cfg) -> torch.nn.Module:
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters())
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=str(root), model_save_format=fmt, **cfg),
+                           model=model, optimizer=opt) as mgr:
+        for step in steps:
+            with torch.no_grad():
+                model[0].weight.fill_(step)
+            mgr.save(step=step)
+    return model
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch_save"])
+def test_every_file_has_the_checksum_of_its_bytes(tmp_path, fmt):
+    _save(tmp_path, fmt, steps=(1,))
+    step_dir = tmp_path / "epoch_0_step_1"
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    assert set(manifest["checksums"]) == set(manifest["files"]) and manifest["files"]
+    for rel, digest in manifest["checksums"].items():
+        assert digest.startswith("crc32c:") and file_checksum(step_dir / rel) == digest, rel
+    out = subprocess.run([CKPTIO, "verify", str(tmp_path)], capture_output=True, text=True)
+    assert out.returncode == 0 and "OK" in out.stdout
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch_save"])
+def test_flipped_bit_is_reported_and_resume_falls_back(tmp_path, fmt):
+    _save(tmp_path, fmt)
+    victim = next((tmp_path / "epoch_0_step_2" / "model").glob("*.safetensors" if fmt == "safetensors" else "*.distcp"))
+    data = bytearray(victim.read_bytes())
+    data[-5] ^= 0x01  # one bit inside the tensor data: same size, the file still parses
+    victim.write_bytes(bytes(data))
+    out = subprocess.run([CKPTIO, "verify", str(tmp_path / "epoch_0_step_2")], capture_output=True, text=True)
+    assert out.returncode == 1 and victim.name in out.stdout and "checksum" in out.stdout
+    model = _mlp()
+    mgr = CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path), model_save_format=fmt,
+                                             verify_checksums=True), model=model, rng=False)
+    info = mgr.restore()
+    assert info.step == 1 and torch.all(model[0].weight == 1)
+    with pytest.raises(CheckpointError, match="corrupted"):
+        CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path), restore_from="epoch_0_step_2",
+                                           verify_checksums=True), model=_mlp(), rng=False).restore()
+
+
+def test_missing_file_is_reported(tmp_path):
+    _save(tmp_path, "safetensors")
+    (tmp_path / "epoch_0_step_2" / "optim" / ".metadata").unlink()
+    out = subprocess.run([CKPTIO, "verify", str(tmp_path), "--json"], capture_output=True, text=True)
+    report = json.loads(out.stdout)
+    assert out.returncode == 1 and not report["ok"]
+    assert any(".metadata: missing" in line for line in report["checkpoints"][str(tmp_path / "epoch_0_step_2")])
+
+
+_HOLDER = textwrap.dedent("""
+    import sys, time
+    from ckptio import CheckpointConfig, CheckpointManager
+    class S:
+        def state_dict(self): return {"a": 1}
+        def load_state_dict(self, sd): pass
+    mgr = CheckpointManager(CheckpointConfig(checkpoint_dir=sys.argv[1]), extra_states={"s": S()}, rng=False)
+    mgr.save(step=1)
+    print("saved", flush=True)
+    time.sleep(120)
+""")
+
+
+def test_second_job_on_the_same_folder_gets_a_clear_error(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        for line in holder.stdout:
+            if line.strip() == "saved":
+                break
+        mgr = CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path)), rng=False,
+                                extra_states={"s": _Tiny()})
+        with pytest.raises(CheckpointDirLocked, match=rf"in use by pid {holder.pid}"):
+            mgr.save(step=2)
+        assert [e.step for e in committed_checkpoints(tmp_path)] == [1]
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path)), rng=False,
+                      extra_states={"s": _Tiny()}).save(step=3)  # the kernel dropped the dead job's lock
+
+
+class _Tiny:
+    def state_dict(self):
+        return {"a": 1}
+
+    def load_state_dict(self, sd):
+        pass
+
+
+_FULL_DISK = textwrap.dedent("""
+    import resource, signal, sys, torch
+    from ckptio import CheckpointConfig, CheckpointManager, CheckpointError
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # over the limit, write() fails with EFBIG instead
+    torch.manual_seed(0)
+    model = torch.nn.Linear(512, 512)
+    mgr = CheckpointManager(CheckpointConfig(checkpoint_dir=sys.argv[1], model_save_format=sys.argv[2]),
+                            model=model, rng=False)
+    mgr.save(step=1)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))  # the next model file cannot fit
+    with torch.no_grad():
+        model.weight.fill_(2)
+    try:
+        mgr.save(step=2)
+    except CheckpointError as exc:
+        print("ERROR:", exc)
+        sys.exit(3)
+    except OSError as exc:
+        print("OSERROR:", exc)
+        sys.exit(4)
+""")
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch_save"])
+def test_save_that_runs_out_of_space_fails_cleanly(tmp_path, fmt):
+    out = subprocess.run([sys.executable, "-c", _FULL_DISK, str(tmp_path), fmt], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode in (3, 4), out.stdout + out.stderr
+    assert "File too large" in out.stdout or "EFBIG" in out.stdout or "Errno 27" in out.stdout, out.stdout
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".ckptio")) == ["LATEST", "epoch_0_step_1"]
+    model = torch.nn.Linear(512, 512)
+    info = CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path), model_save_format=fmt,
+                                              verify_checksums=True), model=model, rng=False).restore()
+    assert info.step == 1 and not torch.all(model.weight == 2)
