@@ -1,10 +1,14 @@
-"""SIGKILL a rank at a random moment of a save loop: the next run resumes from a complete checkpoint."""
+"""SIGKILL a rank at a random moment of a save loop: the next run resumes from a complete checkpoint.
+
+Kills land during shard writes, the commit, pointer updates and retention deletes (with retention on,
+every save deletes one). `benchmarks/fault_injection.py` runs many more trials and prints the tally.
+"""
 
 from __future__ import annotations
 
+import os
 import random
 import signal
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -13,7 +17,8 @@ import pytest
 import torch
 
 from ckptio import CheckpointConfig, CheckpointManager, committed_checkpoints
-from ckptio.layout import TMP_PREFIX
+from ckptio.layout import TMP_PREFIX, TRASH_PREFIX, scan
+from ckptio.manifest import check_files
 from distributed import kill_all, start_ranks
 
 WIDTH, DEPTH = 1024, 4  # 16 MiB of fp32 weights: a save takes long enough to be hit mid-write
@@ -43,22 +48,29 @@ def make_model() -> torch.nn.Module:
     return model
 
 
-def _save_forever(root: str, fmt: str) -> None:
+def _config(root: str, fmt: str, retention: bool) -> CheckpointConfig:
+    extra = dict(save_top_k=2, monitor="loss") if retention else {}
+    return CheckpointConfig(checkpoint_dir=root, model_save_format=fmt, **extra)
+
+
+def _loss(step: int) -> float:
+    return random.Random(step).random()
+
+
+def _save_forever(root: str, fmt: str, retention: bool) -> None:
     model, counter = make_model(), Step()
-    mgr = CheckpointManager(CheckpointConfig(checkpoint_dir=root, model_save_format=fmt),
-                            model=model, step_scheduler=counter)
+    mgr = CheckpointManager(_config(root, fmt, retention), model=model, step_scheduler=counter)
     while True:
         counter.step += 1
         with torch.no_grad():
             for p in model.parameters():
                 p.fill_(counter.step)  # every value of a checkpoint equals its step
-        mgr.save()
+        mgr.save(metrics={"loss": _loss(counter.step)})
 
 
 def _check_resumable(root: str, fmt: str) -> int:
     model, counter = make_model(), Step()
-    mgr = CheckpointManager(CheckpointConfig(checkpoint_dir=root, model_save_format=fmt),
-                            model=model, step_scheduler=counter, rng=False)
+    mgr = CheckpointManager(_config(root, fmt, False), model=model, step_scheduler=counter, rng=False)
     info = mgr.restore()
     assert info is not None and not info.path.name.startswith(".")
     assert counter.step == info.step
@@ -67,36 +79,56 @@ def _check_resumable(root: str, fmt: str) -> int:
     return info.step
 
 
-@pytest.mark.parametrize("fmt", ["safetensors", "torch_save"])
-def test_sigkill_during_saves_never_leaves_a_torn_checkpoint(tmp_path, fmt):
+def kill_trial(root: str, fmt: str, retention: bool, rng: random.Random) -> dict:
+    """One trial: 2 ranks save in a loop, one is SIGKILLed at a random moment; then check and resume."""
+    with tempfile.TemporaryDirectory() as store:
+        procs = start_ranks(2, _save_forever, {"root": root, "fmt": fmt, "retention": retention}, store)
+        try:
+            deadline = time.monotonic() + 120
+            while not committed_checkpoints(root):
+                assert time.monotonic() < deadline, "no checkpoint was committed within 120 s"
+                assert all(p.is_alive() for p in procs), "a saving rank died on its own"
+                time.sleep(0.02)
+            before = {e.name: e.manifest.metrics.get("loss") for e in committed_checkpoints(root)}
+            time.sleep(rng.uniform(0.0, 1.5))
+            victim = procs[rng.randrange(2)]
+            os.kill(victim.pid, signal.SIGKILL)
+            names = [p.name for p in Path(root).iterdir()]
+        finally:
+            kill_all(procs)
+    after = committed_checkpoints(root)
+    for e in after:  # every committed checkpoint is whole, byte for byte
+        assert not check_files(e.path, e.manifest, checksums=True), e.path
+    assert not [e for e in scan(root) if e.manifest is not None and not e.committed]
+    if retention:
+        newest_before = max(before, key=lambda n: int(n.rsplit("_", 1)[1]))
+        assert max(e.step for e in after) >= int(newest_before.rsplit("_", 1)[1]), "the latest was lost"
+        best_before = min(before.items(), key=lambda kv: kv[1])
+        assert any(e.manifest.metrics["loss"] <= best_before[1] for e in after), "the best was lost"
+    else:
+        assert set(before) <= {e.name for e in after}, f"committed checkpoints were lost: {set(before)}"
+    step = _check_resumable(root, fmt)
+    assert step == max(e.step for e in after)
+    # the next save of a new run sweeps leftovers of the killed one
+    mgr = CheckpointManager(CheckpointConfig(checkpoint_dir=root, model_save_format=fmt), rng=False,
+                            extra_states={"s": Step()})
+    mgr.save(step=10_000)
+    mgr.close()
+    assert not [p for p in Path(root).iterdir() if p.name.startswith((TMP_PREFIX, TRASH_PREFIX))]
+    return {
+        "killed_mid_write": any(n.startswith(TMP_PREFIX) for n in names),
+        "killed_mid_delete": any(n.startswith(TRASH_PREFIX) for n in names),
+        "resumed_step": step,
+    }
+
+
+@pytest.mark.parametrize("fmt,retention", [("safetensors", False), ("torch_save", True)])
+def test_sigkill_during_saves_never_leaves_a_torn_checkpoint(tmp_path, fmt, retention):
     rng = random.Random(1234)
-    tally = {"trials": 0, "killed_mid_write": 0}
+    tally = {"trials": 0, "killed_mid_write": 0, "killed_mid_delete": 0}
     for trial in range(3):
-        root = str(tmp_path / f"t{trial}")
-        with tempfile.TemporaryDirectory() as store:
-            procs = start_ranks(2, _save_forever, {"root": root, "fmt": fmt}, store)
-            try:
-                deadline = time.monotonic() + 120
-                while not committed_checkpoints(root):
-                    assert time.monotonic() < deadline, "no checkpoint was committed within 120 s"
-                    assert all(p.is_alive() for p in procs), "a saving rank died on its own"
-                    time.sleep(0.02)
-                before = {e.name for e in committed_checkpoints(root)}
-                time.sleep(rng.uniform(0.0, 1.5))
-                victim = procs[rng.randrange(2)]
-                os.kill(victim.pid, signal.SIGKILL)
-                mid_write = any(p.name.startswith(TMP_PREFIX) for p in Path(root).iterdir())
-            finally:
-                kill_all(procs)
+        result = kill_trial(str(tmp_path / f"t{trial}"), fmt, retention, rng)
         tally["trials"] += 1
-        tally["killed_mid_write"] += int(mid_write)
-        after = {e.name for e in committed_checkpoints(root)}
-        assert before <= after, f"committed checkpoints were lost: {sorted(before - after)}"
-        step = _check_resumable(root, fmt)
-        assert step == max(e.step for e in committed_checkpoints(root))
-        # the next save of a new run sweeps leftovers of the killed one
-        mgr = CheckpointManager(CheckpointConfig(checkpoint_dir=root, model_save_format=fmt), rng=False,
-                                extra_states={"s": Step()})
-        mgr.save(step=10_000)
-        assert not [p for p in Path(root).iterdir() if p.name.startswith(TMP_PREFIX)]
-    print(f"kill tally ({fmt}): {tally}")
+        tally["killed_mid_write"] += int(result["killed_mid_write"])
+        tally["killed_mid_delete"] += int(result["killed_mid_delete"])
+    print(f"kill tally ({fmt}, retention={retention}): {tally}")

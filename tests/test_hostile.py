@@ -1,0 +1,148 @@
+"""Corrupt and hostile inputs: only ckptio's own errors, never code execution, never a write outside.
+
+The property tests mutate valid files at random (hypothesis); the named cases are hand-made attacks
+and any input that ever broke a reader, kept as regressions. `benchmarks/fuzz_readers.py` runs the
+same properties for much longer.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ckptio import CheckpointError
+from ckptio.describe import inspect_path
+from ckptio.formats import dcp as dcp_format
+from ckptio.formats import pt as pt_format
+from ckptio.formats import safetensors_sharded
+from ckptio.formats.hf_bundle import SafetensorsSource
+from ckptio.manifest import read_manifest
+
+
+def _valid_shard(folder: Path) -> bytes:
+    tensors = {"a": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.ones(5, dtype=torch.bfloat16)}
+    path, _ = safetensors_sharded.save(tensors, folder, rank=0, world_size=1)
+    return path.read_bytes()
+
+
+def _readers(folder: Path):
+    target = {"a": torch.zeros(3, 4), "b": torch.zeros(5, dtype=torch.bfloat16)}
+    return [
+        lambda: safetensors_sharded.read_index(folder),
+        lambda: safetensors_sharded.load(target, folder),
+        lambda: SafetensorsSource(folder).read("a"),
+        lambda: inspect_path(folder),
+    ]
+
+
+def _only_ckptio_errors(fns) -> None:
+    for fn in fns:
+        try:
+            fn()
+        except CheckpointError:
+            pass  # the one error type a user may see, with a message naming the file
+
+
+mutation = st.one_of(
+    st.tuples(st.just("flip"), st.integers(0, 10_000), st.integers(0, 7)),
+    st.tuples(st.just("truncate"), st.integers(0, 10_000)),
+    st.tuples(st.just("set"), st.integers(0, 10_000), st.binary(min_size=1, max_size=8)),
+)
+
+
+def _mutate(data: bytes, muts) -> bytes:
+    buf = bytearray(data)
+    for m in muts:
+        if not buf:
+            break
+        if m[0] == "flip":
+            buf[m[1] % len(buf)] ^= 1 << m[2]
+        elif m[0] == "truncate":
+            del buf[m[1] % len(buf):]
+        else:
+            i = m[1] % len(buf)
+            buf[i:i + len(m[2])] = m[2]
+    return bytes(buf)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(muts=st.lists(mutation, min_size=1, max_size=4))
+def test_mutated_safetensors_shards_give_only_ckptio_errors(tmp_path_factory, muts):
+    folder = tmp_path_factory.mktemp("st")
+    data = _valid_shard(folder)
+    path = next(folder.glob("*.safetensors"))
+    path.write_bytes(_mutate(data, muts))
+    _only_ckptio_errors(_readers(folder))
+
+
+def _header_file(folder: Path, header: dict | bytes, data: bytes = b"\0" * 16, length: int | None = None) -> None:
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    (folder / "x.safetensors").write_bytes(struct.pack("<Q", len(raw) if length is None else length) + raw + data)
+
+
+F32x4 = {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}
+HOSTILE_HEADERS = {
+    "absurd header length": dict(header={}, length=2**60),
+    "offsets past the end": dict(header={"a": {**F32x4, "shape": [10**6], "data_offsets": [0, 4 * 10**6]}}),
+    "overlapping tensors": dict(header={"a": F32x4, "b": {**F32x4, "data_offsets": [8, 24]}}, data=b"\0" * 24),
+    "unknown dtype": dict(header={"a": {**F32x4, "dtype": "Q99"}}),
+    "shape does not match bytes": dict(header={"a": {**F32x4, "shape": [5]}}),
+    "negative shape": dict(header={"a": {**F32x4, "shape": [-4]}}),
+    "duplicate keys": dict(header=b'{"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]},'
+                                  b'"a":{"dtype":"F32","shape":[4],"data_offsets":[16,32]}}', data=b"\0" * 32),
+    "broken shard metadata": dict(header={"__metadata__": {"ckptio_shards": "{not json"}, "a": F32x4}),
+    "shard claims a huge tensor": dict(header={"__metadata__": {"ckptio_shards": json.dumps(
+        {"a": {"shape": [10**12], "offsets": [0]}})}, "a": F32x4}),
+    "shard offset outside": dict(header={"__metadata__": {"ckptio_shards": json.dumps(
+        {"a": {"shape": [4], "offsets": [3]}})}, "a": F32x4}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_HEADERS))
+def test_hostile_safetensors_headers_fail_before_any_large_allocation(tmp_path, case):
+    _header_file(tmp_path, **HOSTILE_HEADERS[case])
+    for fn in _readers(tmp_path)[:3]:
+        with pytest.raises(CheckpointError, match="x.safetensors|cover"):
+            fn()
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(muts=st.lists(mutation, min_size=1, max_size=4))
+def test_mutated_dcp_metadata_gives_only_ckptio_errors(tmp_path_factory, muts):
+    folder = tmp_path_factory.mktemp("dcp")
+    dcp_format.save({"w": torch.ones(3, 2), "lr": 0.1}, folder)
+    meta = folder / ".metadata"
+    meta.write_bytes(_mutate(meta.read_bytes(), muts))
+    target = {"w": torch.zeros(3, 2), "lr": 0.0}
+    _only_ckptio_errors([lambda: dcp_format.read_index(folder), lambda: dcp_format.load(target, folder)])
+
+
+@pytest.mark.parametrize("payload", [
+    pickle.dumps(__import__("os").system),
+    b"\x80\x04\x95\x1c\x00\x00\x00\x00\x00\x00\x00\x8c\x08builtins\x94\x8c\x04eval\x94\x93\x94.",
+    b"not a pickle at all",
+])
+def test_hostile_pickles_are_refused(tmp_path, payload):
+    (tmp_path / ".metadata").write_bytes(payload)
+    with pytest.raises(CheckpointError, match=r"\.metadata"):
+        dcp_format.read_metadata(tmp_path)
+    (tmp_path / "state.pt").write_bytes(payload)
+    with pytest.raises(CheckpointError, match="state.pt"):
+        pt_format.load(tmp_path / "state.pt")
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(doc=st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+                        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner,
+                                                                                     max_size=6), max_leaves=20))
+def test_random_manifests_give_only_ckptio_errors(tmp_path_factory, doc):
+    folder = tmp_path_factory.mktemp("m")
+    (folder / "manifest.json").write_text(json.dumps(doc))
+    _only_ckptio_errors([lambda: read_manifest(folder)])
