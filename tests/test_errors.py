@@ -59,7 +59,7 @@ def test_wrong_shapes_name_path_and_key(tmp_path, fmt):
     with pytest.raises(CheckpointMismatchError) as exc:
         _manager(tmp_path, _mlp(16), fmt).restore()
     msg = str(exc.value)
-    assert "epoch_0_step_1/model" in msg and "0.weight" in msg and "[8, 4]" in msg and "[16, 4]" in msg
+    assert "epoch_0_step_1" in msg and "0.weight" in msg and "[8, 4]" in msg and "[16, 4]" in msg
     assert isinstance(exc.value, ValueError)
 
 

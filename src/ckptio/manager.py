@@ -27,6 +27,7 @@ from .formats import dcp as dcp_format
 from .formats import hf_bundle, peft_adapter
 from .formats import pt as pt_format
 from .formats import safetensors_sharded
+from .formats.common import TensorInfo
 from .formats.safetensors_sharded import check_compatible
 from . import _faults, policies
 from .layout import (
@@ -208,6 +209,7 @@ class CheckpointManager:
             final = bool(getattr(self.step_scheduler, "done", False))
         consolidate = self.config.save_consolidated is True or (self.config.save_consolidated == "final" and final)
         self._sums = {}
+        self._signature: dict[str, Any] = {}
         try:
             states = self._write_states(tmp, rank, world, consolidate=consolidate)
             _faults.point("save.states_written")
@@ -227,6 +229,7 @@ class CheckpointManager:
                     name=name, step=step, epoch=epoch, world_size=world,
                     model_save_format=self.config.model_save_format, states=states,
                     files=files, metrics=metrics, counters=counters, checksums=sums,
+                    model_signature=self._signature,
                     is_peft=self.config.is_peft, versions=_versions(),
                 )
                 pt_format.write_bytes(tmp / MANIFEST_NAME, manifest.to_json().encode())
@@ -305,10 +308,12 @@ class CheckpointManager:
         states: dict[str, StateEntry] = {}
         fmt = self.config.model_save_format
         if self.model_state is not None and self.config.is_peft:
+            self._signature = _model_signature(self.model, self.model_state.state_dict())
             self._write_peft(tmp / MODEL_DIR, rank)
             states["model"] = StateEntry("model", "peft", MODEL_DIR)
         elif self.model_state is not None:
             model_sd = self.model_state.state_dict()
+            self._signature = _model_signature(self.model, model_sd)
             if fmt == "safetensors":
                 path, digest = _dist.run_collectively(
                     "writing model shards",
@@ -408,6 +413,7 @@ class CheckpointManager:
         folder = step_dir / entry.path
         target = self.model_state.state_dict()
         strict = self.config.strict and not self.config.is_peft
+        self._check_signature(step_dir, manifest, target)
         if entry.format == "safetensors":
             _dist.run_collectively("loading the model", lambda: safetensors_sharded.load(target, folder, strict=strict))
         elif entry.format == "peft":
@@ -420,6 +426,17 @@ class CheckpointManager:
         else:
             raise CheckpointError(f"{step_dir}: unknown model format {entry.format!r} in the manifest")
         self.model_state.load_state_dict(target)
+
+    def _check_signature(self, step_dir: Path, manifest: Manifest, target: dict[str, torch.Tensor]) -> None:
+        """Refuse a checkpoint of another model from its manifest alone, before any tensor file is read."""
+        shapes = manifest.model_signature.get("shapes")
+        if not isinstance(shapes, dict):
+            return  # older manifests: the format-level index check below still applies
+        saved = {k: TensorInfo(tuple(int(d) for d in v), "?") for k, v in shapes.items()}
+        ours = _model_signature(self.model, target).get("architecture")
+        theirs = manifest.model_signature.get("architecture")
+        where = f"{step_dir} (a checkpoint of {theirs})" if theirs and theirs != ours else str(step_dir)
+        check_compatible(saved, target, where, strict=self.config.strict and not self.config.is_peft)
 
     def _load_optimizer(self, step_dir: Path, manifest: Manifest) -> None:
         if self.optim_state is None:
@@ -467,6 +484,16 @@ class CheckpointManager:
 
             # every rank takes part, even one with nothing to load, so the collectives stay matched
             _dist.run_collectively(f"loading {name!r}", load_one)
+
+
+def _model_signature(model: nn.Module | None, state_dict: dict[str, torch.Tensor]) -> dict[str, Any]:
+    config = getattr(model, "config", None)
+    architecture = None
+    if config is not None and getattr(config, "architectures", None):
+        architecture = ",".join(config.architectures)
+    elif model is not None:
+        architecture = type(model).__name__.removeprefix("FSDP")
+    return {"architecture": architecture, "shapes": {k: list(v.shape) for k, v in state_dict.items()}}
 
 
 def _rank_file(rank: int) -> str:

@@ -48,6 +48,8 @@ class Manifest:
     metrics: dict[str, float] = field(default_factory=dict)
     counters: dict[str, Any] = field(default_factory=dict)
     is_peft: bool = False
+    model_signature: dict[str, Any] = field(default_factory=dict)
+    """``{"architecture": …, "shapes": {key: global shape}}`` of the saved model, checked before loading."""
     checksums: dict[str, str] = field(default_factory=dict)
     """Relative path -> ``crc32c:xxxxxxxx``, computed while each file was written."""
     versions: dict[str, str] = field(default_factory=dict)
@@ -91,6 +93,7 @@ class Manifest:
                 metrics={str(k): float(v) for k, v in data.get("metrics", {}).items()},
                 counters=dict(data.get("counters", {})),
                 is_peft=bool(data.get("is_peft", False)),
+                model_signature=dict(data.get("model_signature", {})),
                 checksums={str(k): str(v) for k, v in data.get("checksums", {}).items()},
                 versions={str(k): str(v) for k, v in data.get("versions", {}).items()},
                 created=str(data.get("created", "")),

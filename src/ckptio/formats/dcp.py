@@ -83,7 +83,40 @@ def read_metadata(folder: str | Path, filename: str = METADATA_FILE) -> Metadata
         raise CheckpointCorruptError(f"{path}: unreadable DCP metadata ({type(exc).__name__}: {exc})") from exc
     if not isinstance(metadata, Metadata):
         raise CheckpointCorruptError(f"{path}: DCP metadata holds a {type(metadata).__name__}, not Metadata")
+    _validate(metadata, path)
     return metadata
+
+
+def _validate(md: Metadata, path: Path) -> None:
+    """The unpickler admits only DCP's classes, but their fields can still be anything: check the shape."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata
+
+    def bad(what: str) -> CheckpointCorruptError:
+        return CheckpointCorruptError(f"{path}: malformed DCP metadata ({what})")
+
+    entries = getattr(md, "state_dict_metadata", None)
+    if not isinstance(entries, dict):
+        raise bad("no state_dict_metadata mapping")
+    for key, entry in entries.items():
+        if not isinstance(key, str):
+            raise bad(f"key {key!r} is not a string")
+        if isinstance(entry, BytesStorageMetadata):
+            continue
+        if not isinstance(entry, TensorStorageMetadata):
+            raise bad(f"{key!r} has a {type(entry).__name__} entry")
+        size, props, chunks = (getattr(entry, a, None) for a in ("size", "properties", "chunks"))
+        if not isinstance(size, (tuple, list, torch.Size)) or not all(isinstance(d, int) and d >= 0 for d in size):
+            raise bad(f"{key!r} has an invalid size {size!r}")
+        if not isinstance(getattr(props, "dtype", None), torch.dtype):
+            raise bad(f"{key!r} has no valid dtype")
+        if not isinstance(chunks, list) or not all(
+            isinstance(c, ChunkStorageMetadata) and isinstance(getattr(c, "offsets", None), (tuple, list, torch.Size))
+            and isinstance(getattr(c, "sizes", None), (tuple, list, torch.Size)) for c in chunks
+        ):
+            raise bad(f"{key!r} has malformed chunks")
+    storage = getattr(md, "storage_data", None)
+    if storage is not None and not isinstance(storage, dict):
+        raise bad("storage_data is not a mapping")
 
 
 class SafeFileSystemReader(FileSystemReader):

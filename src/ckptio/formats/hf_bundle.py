@@ -115,7 +115,10 @@ class SafetensorsSource:
         if path not in self._headers:
             self._headers[path] = read_safetensors_header(path)
         header, start = self._headers[path]
-        entry = header[key]
+        entry = header.get(key)
+        if not isinstance(entry, dict) or not isinstance(entry.get("data_offsets"), list) \
+                or not isinstance(entry.get("shape"), list) or len(entry["data_offsets"]) != 2:
+            raise CheckpointCorruptError(f"{path}: malformed header entry for {key!r}")
         dtype = _ST_NAMES.get(entry["dtype"])
         if dtype is None:
             raise CheckpointCorruptError(f"{path}: {key!r} has unsupported dtype {entry['dtype']!r}")
@@ -136,6 +139,8 @@ class SafetensorsSource:
         return torch.frombuffer(buf, dtype=dtype).reshape(shape)
 
     def read(self, key: str) -> torch.Tensor:
+        if key not in self._infos:
+            raise CheckpointCorruptError(f"{self.folder}: no tensor {key!r} in its safetensors files")
         info = self._infos[key]
         chunks = self._chunks[key]
         if len(chunks) == 1 and chunks[0].shape == info.shape:
@@ -159,6 +164,8 @@ class DCPSource:
         return dict(self._index)
 
     def read(self, key: str) -> torch.Tensor:
+        if key not in self._index:
+            raise CheckpointCorruptError(f"{self.folder}: no tensor {key!r} in its DCP metadata")
         info = self._index[key]
         out = {key: torch.empty(info.shape, dtype=torch_dtype(info.dtype))}
         dcp_format.load(out, self.folder, no_dist=True)
