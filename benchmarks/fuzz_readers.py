@@ -22,12 +22,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--examples", type=int, default=3000, help="examples per property")
     args = p.parse_args()
-    env = {**os.environ, "CKPTIO_HYPOTHESIS_PROFILE": "fuzz"}
-    code = f"from hypothesis import settings; settings.register_profile('fuzz', max_examples={args.examples}, deadline=None)"
-    env["PYTHONSTARTUP"] = ""
-    cmd = [sys.executable, "-c", code + "; import sys, pytest; sys.exit(pytest.main(sys.argv[1:]))",
-           str(ROOT / "tests" / "test_hostile.py"), "-q", "-p", "no:cacheprovider", "-k", "mutated or random",
-           "--hypothesis-show-statistics"]
+    env = {**os.environ, "CKPTIO_HYPOTHESIS_PROFILE": "fuzz", "CKPTIO_FUZZ_EXAMPLES": str(args.examples)}
+    cmd = [sys.executable, "-m", "pytest", str(ROOT / "tests" / "test_hostile.py"), "-q", "-p", "no:cacheprovider",
+           "-k", "mutated or random", "--hypothesis-show-statistics"]
     return subprocess.call(cmd, env=env, cwd=ROOT)
 
 
