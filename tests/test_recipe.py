@@ -116,7 +116,8 @@ def test_preempted_and_resumed_run_equals_uninterrupted(tmp_path, world, config,
 def test_overrides_reach_the_config(tmp_path):
     out = run(command(1, "tiny_llama.yaml", "--step_scheduler.max_steps", "3", "--step_scheduler.ckpt_every_steps",
                       "3", "--checkpoint.checkpoint_dir", str(tmp_path / "c"), "--checkpoint.name_template",
-                      "ck_{step}", "--optimizer.lr=0.0005", "--data.num_sentences", "300",
+                      "ck_{step}", "--checkpoint.auto_insert_field_names", "false",
+                      "--optimizer.lr=0.0005", "--data.num_sentences", "300",
                       "--checkpoint.save_consolidated", "false"))
     config = json.loads(out.stdout.split("Config: ", 1)[1].splitlines()[0])
     assert config["optimizer"]["lr"] == 0.0005 and config["step_scheduler"]["max_steps"] == 3

@@ -203,3 +203,18 @@ def test_prune_and_list_from_the_command_line(tmp_path):
     assert sorted(e.step for e in committed_checkpoints(tmp_path)) == [2, 5]
     bad = subprocess.run(cli + ["prune", str(tmp_path)], capture_output=True, text=True)
     assert bad.returncode == 2 and "at least one rule" in bad.stderr
+
+
+def test_nemo_style_names_are_written_and_parsed_back(tmp_path):
+    box = Box()
+    cfg = CheckpointConfig(checkpoint_dir=str(tmp_path), name_template="megatron_gpt--{val_loss:.3f}-{step}-{consumed_samples}")
+    mgr = CheckpointManager(cfg, extra_states={"b": box}, rng=False)
+    mgr.save(step=1000, metrics={"val_loss": 0.4321}, counters={"consumed_samples": 32000.0, "rl_step": 7})
+    mgr.close()
+    name = "megatron_gpt--val_loss=0.432-step=1000-consumed_samples=32000.0"
+    assert (tmp_path / name / "manifest.json").is_file()
+    info = CheckpointManager(cfg, extra_states={"b": Box()}, rng=False).restore()
+    assert info.path.name == name and info.step == 1000
+    assert info.name_fields == {"val_loss": 0.432, "step": 1000, "consumed_samples": 32000.0}
+    assert info.metrics == {"val_loss": 0.4321}  # the manifest is the source of truth (unrounded)
+    assert info.counters == {"consumed_samples": 32000.0, "rl_step": 7}

@@ -37,6 +37,7 @@ from .layout import (
     clean_temporaries,
     committed_checkpoints,
     format_step_name,
+    parse_step_name,
     resolve_restore_path,
 )
 from .manifest import MANIFEST_NAME, Manifest, StateEntry, read_manifest
@@ -70,6 +71,8 @@ class RestoreInfo:
     metrics: dict[str, float] = field(default_factory=dict)
     counters: dict[str, Any] = field(default_factory=dict)
     saved_world_size: int = 1
+    name_fields: dict[str, Any] = field(default_factory=dict)
+    """Fields parsed back from the directory name by the name template (the manifest wins on conflicts)."""
 
 
 class CheckpointManager:
@@ -388,7 +391,10 @@ class CheckpointManager:
         self._load_optimizer(step_dir, manifest)
         self._load_objects(step_dir, manifest)
         info = RestoreInfo(step_dir, manifest.step, manifest.epoch, dict(manifest.metrics),
-                           dict(manifest.counters), manifest.world_size)
+                           dict(manifest.counters), manifest.world_size, self._name_fields(step_dir, manifest))
+        for key, value in info.name_fields.items():  # e.g. a metric only the name carries
+            if key not in ("step", "epoch") and key not in info.metrics and key not in info.counters:
+                info.counters[key] = value
         self.restored = info
         if rank == 0:
             self.log.info(
@@ -396,6 +402,14 @@ class CheckpointManager:
                 step_dir, info.step, info.epoch, info.saved_world_size, time.perf_counter() - start,
             )
         return info
+
+    def _name_fields(self, step_dir: Path, manifest: Manifest) -> dict[str, Any]:
+        fields_ = parse_step_name(self.config.name_template, step_dir.name, self.config.auto_insert_field_names) or {}
+        for key in ("step", "epoch"):
+            if key in fields_ and fields_[key] != getattr(manifest, key) and _dist.rank() == 0:
+                self.log.warning("%s: its name says %s=%s but its manifest says %s; using the manifest",
+                                 step_dir, key, fields_[key], getattr(manifest, key))
+        return fields_
 
     def _entry(self, step_dir: Path, manifest: Manifest, key: str) -> StateEntry:
         entry = manifest.states.get(key)
