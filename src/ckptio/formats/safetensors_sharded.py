@@ -148,12 +148,8 @@ def _scan(folder: Path, files: list[Path] | None = None) -> tuple[dict[str, list
     return chunks, infos
 
 
-_SAFETENSORS_DTYPES = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
-    "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-    "U16": "uint16", "U32": "uint32", "U64": "uint64",
-}
+# safetensors dtype tag -> torch's short dtype name, from the writer's own table
+_SAFETENSORS_DTYPES = {tag: str(dtype).removeprefix("torch.") for tag, dtype in _st_writer.ST_NAMES.items()}
 
 
 def _numel(shape: Iterable[int]) -> int:
