@@ -151,3 +151,9 @@ def test_start_from_a_pretrained_folder_on_two_ranks(tmp_path):
     trained, fresh = losses(tmp_path / "a.jsonl"), losses(tmp_path / "b.jsonl")
     # it continues from the trained weights (built on meta, FSDP2-sharded, each rank reading its slices)
     assert fresh[1] < trained[1] - 1.0 and abs(fresh[1] - trained[30]) < 0.5
+    # LoRA on top of the same folder: the frozen base comes from it (peft key names mapped back)
+    lora = ["--model.pretrained_path", str(bundle), "--checkpoint.checkpoint_dir", str(tmp_path / "c"),
+            "--step_scheduler.max_steps", "2", "--data.num_sentences", "600", "--log_file", str(tmp_path / "c.jsonl")]
+    out = run(command(1, "tiny_llama_peft.yaml", *lora))
+    assert f"Loaded pretrained weights from {bundle}" in out.stdout
+    assert abs(losses(tmp_path / "c.jsonl")[1] - trained[30]) < 0.5

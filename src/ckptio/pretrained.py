@@ -104,21 +104,22 @@ def load_pretrained(model: nn.Module, folder: str | Path, *, strict: bool = True
         _materialize(model, torch.device(device))
     state = ModelState(model, key_prefix=key_prefix)
     target = state.state_dict()
-    if hasattr(model, "peft_config"):
-        # A peft model: fill the frozen base weights (named as in the base model's folder); adapters keep their init.
-        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-        full = {n.removeprefix(key_prefix): n for n in trainable}
-        target = {_peft_base_key(k): v for k, v in target.items() if k not in full}
+    is_peft = hasattr(model, "peft_config")
+    model_keys: dict[str, str] = {}  # file key -> model key, for a peft model's frozen base weights
+    if is_peft:
+        # Fill the base weights (named as in the base model's folder); adapters keep their init.
+        trainable = {n.removeprefix(key_prefix) for n, p in model.named_parameters() if p.requires_grad}
+        model_keys = {_peft_base_key(k): k for k in target if k not in trainable}
+        target = {f: target[k] for f, k in model_keys.items()}
     files = _weight_files(folder)
     _dist.run_collectively(
         f"loading pretrained weights from {folder}",
         lambda: safetensors_sharded.load_files(target, folder, files, strict=strict),
     )
-    if hasattr(model, "peft_config"):
+    if is_peft:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        names = {_peft_base_key(k): k for k in ModelState(model, key_prefix=key_prefix).state_dict()}
-        set_model_state_dict(model, {key_prefix + names[k]: v for k, v in target.items()},
+        set_model_state_dict(model, {key_prefix + model_keys[f]: v for f, v in target.items()},
                              options=StateDictOptions(strict=False))
     else:
         state.load_state_dict(target)
