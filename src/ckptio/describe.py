@@ -100,9 +100,10 @@ def list_checkpoints(checkpoint_dir: str | Path) -> dict[str, Any]:
         raise CheckpointNotFoundError(f"{root}: no such checkpoint folder")
     latest = read_pointer(root, LATEST)
     best = read_pointer(root, BEST)
-    newest = max((e for e in scan(root) if e.committed), key=lambda e: e.step or 0, default=None)
+    entries = scan(root)
+    newest = max((e for e in entries if e.committed), key=lambda e: e.step or 0, default=None)
     rows = []
-    for e in scan(root):
+    for e in entries:
         m = e.manifest
         rows.append({
             "name": e.name,
