@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/fault_injection.py --trials 50
 
 Each trial starts 2 gloo ranks that save a 16 MiB FSDP2 model in a loop (half the trials with top-k
-retention, so deletions happen on every save), SIGKILLs one rank at a random moment, then checks that
+retention, so deletions happen on every save; every other pair with background saves, which write
+one checkpoint while the loop overwrites the parameters for the next), SIGKILLs one rank at a random moment, then checks that
 every committed checkpoint is intact byte for byte, that nothing committed was lost (the latest and
 the best, under retention), and that a new run resumes from the newest with the right values.
 """
@@ -33,18 +34,19 @@ def main() -> int:
     for trial in range(args.trials):
         fmt = ("safetensors", "torch_save")[trial % 2]
         retention = trial % 4 >= 2
+        async_save = trial % 8 >= 4
         with tempfile.TemporaryDirectory(prefix="ckptio-fault-") as root:
             try:
-                result = kill_trial(root, fmt, retention, rng)
+                result = kill_trial(root, fmt, retention, rng, async_save)
             except AssertionError as exc:
                 tally["failed"] += 1
-                print(f"trial {trial}: FAILED ({fmt}, retention={retention}): {exc}", flush=True)
+                print(f"trial {trial}: FAILED ({fmt}, retention={retention}, async={async_save}): {exc}", flush=True)
                 continue
         tally["trials"] += 1
         tally["passed"] += 1
         tally["killed_mid_write"] += int(result["killed_mid_write"])
         tally["killed_mid_delete"] += int(result["killed_mid_delete"])
-        print(f"trial {trial:>3}: ok ({fmt}, retention={retention}) resumed at step {result['resumed_step']}"
+        print(f"trial {trial:>3}: ok ({fmt}, retention={retention}, async={async_save}) resumed at step {result['resumed_step']}"
               f"{' [mid-write]' if result['killed_mid_write'] else ''}"
               f"{' [mid-delete]' if result['killed_mid_delete'] else ''}", flush=True)
     tally["trials"] += tally["failed"]

@@ -22,12 +22,14 @@ def _uninterrupted(root: str) -> dict:
     return {"state": full_state(run.model, run.opt), "losses": run.losses}
 
 
-def _first_part(root: str, k: int) -> dict:
+def _first_part(root: str, k: int, async_save: bool = False) -> dict:
     from toy import Run
 
     for fmt in FORMATS:
-        run = Run(f"{root}/{fmt}", fmt, max_steps=N)
-        run.train(save_at=(k,), stop_at=k)
+        run = Run(f"{root}/{fmt}", fmt, max_steps=N, async_save=async_save)
+        # a background save is written while training goes on: three more steps update everything
+        run.train(save_at=(k,), stop_at=k + 3 if async_save else k)
+        run.mgr.close()
     return {}
 
 
@@ -44,11 +46,12 @@ def _resume(root: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world,k", [(1, 7), (2, 12)], ids=["1rank-midepoch", "2ranks-epoch-boundary"])
-def test_resume_is_bitwise_exact(tmp_path, world, k):
+@pytest.mark.parametrize("world,k,async_save", [(1, 7, False), (2, 12, False), (2, 9, True)],
+                         ids=["1rank-midepoch", "2ranks-epoch-boundary", "2ranks-async-save"])
+def test_resume_is_bitwise_exact(tmp_path, world, k, async_save):
     root = str(tmp_path)
     straight = run_ranks(world, _uninterrupted, root=root)[0]
-    run_ranks(world, _first_part, root=root, k=k)
+    run_ranks(world, _first_part, root=root, k=k, async_save=async_save)
     resumed = run_ranks(world, _resume, root=root)[0]
     for fmt in FORMATS:
         got = resumed[fmt]

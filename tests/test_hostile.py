@@ -28,7 +28,7 @@ from ckptio.manifest import read_manifest
 
 def _valid_shard(folder: Path) -> bytes:
     tensors = {"a": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.ones(5, dtype=torch.bfloat16)}
-    path, _ = safetensors_sharded.save(tensors, folder, rank=0, world_size=1)
+    (path,) = safetensors_sharded.save(tensors, folder, rank=0, world_size=1)
     return path.read_bytes()
 
 

@@ -48,23 +48,25 @@ def make_model() -> torch.nn.Module:
     return model
 
 
-def _config(root: str, fmt: str, retention: bool) -> CheckpointConfig:
+def _config(root: str, fmt: str, retention: bool, async_save: bool = False) -> CheckpointConfig:
     extra = dict(save_top_k=2, monitor="loss") if retention else {}
-    return CheckpointConfig(checkpoint_dir=root, model_save_format=fmt, **extra)
+    return CheckpointConfig(checkpoint_dir=root, model_save_format=fmt, async_save=async_save, **extra)
 
 
 def _loss(step: int) -> float:
     return random.Random(step).random()
 
 
-def _save_forever(root: str, fmt: str, retention: bool) -> None:
+def _save_forever(root: str, fmt: str, retention: bool, async_save: bool = False) -> None:
     model, counter = make_model(), Step()
-    mgr = CheckpointManager(_config(root, fmt, retention), model=model, step_scheduler=counter)
+    mgr = CheckpointManager(_config(root, fmt, retention, async_save), model=model, step_scheduler=counter)
     while True:
         counter.step += 1
         with torch.no_grad():
             for p in model.parameters():
-                p.fill_(counter.step)  # every value of a checkpoint equals its step
+                # every value of a checkpoint equals its step; with async saves this overwrites the
+                # parameters while the previous save is still being written from its snapshot
+                p.fill_(counter.step)
         mgr.save(metrics={"loss": _loss(counter.step)})
 
 
@@ -79,10 +81,11 @@ def _check_resumable(root: str, fmt: str) -> int:
     return info.step
 
 
-def kill_trial(root: str, fmt: str, retention: bool, rng: random.Random) -> dict:
+def kill_trial(root: str, fmt: str, retention: bool, rng: random.Random, async_save: bool = False) -> dict:
     """One trial: 2 ranks save in a loop, one is SIGKILLed at a random moment; then check and resume."""
     with tempfile.TemporaryDirectory() as store:
-        procs = start_ranks(2, _save_forever, {"root": root, "fmt": fmt, "retention": retention}, store)
+        procs = start_ranks(2, _save_forever, {"root": root, "fmt": fmt, "retention": retention,
+                                               "async_save": async_save}, store)
         try:
             deadline = time.monotonic() + 120
             while not committed_checkpoints(root):
@@ -122,13 +125,15 @@ def kill_trial(root: str, fmt: str, retention: bool, rng: random.Random) -> dict
     }
 
 
-@pytest.mark.parametrize("fmt,retention", [("safetensors", False), ("torch_save", True)])
-def test_sigkill_during_saves_never_leaves_a_torn_checkpoint(tmp_path, fmt, retention):
+@pytest.mark.parametrize("fmt,retention,async_save", [("safetensors", False, False), ("torch_save", True, False),
+                                                      ("safetensors", True, True)],
+                         ids=["safetensors", "dcp-retention", "async-safetensors-retention"])
+def test_sigkill_during_saves_never_leaves_a_torn_checkpoint(tmp_path, fmt, retention, async_save):
     rng = random.Random(1234)
     tally = {"trials": 0, "killed_mid_write": 0, "killed_mid_delete": 0}
     for trial in range(3):
-        result = kill_trial(str(tmp_path / f"t{trial}"), fmt, retention, rng)
+        result = kill_trial(str(tmp_path / f"t{trial}"), fmt, retention, rng, async_save)
         tally["trials"] += 1
         tally["killed_mid_write"] += int(result["killed_mid_write"])
         tally["killed_mid_delete"] += int(result["killed_mid_delete"])
-    print(f"kill tally ({fmt}, retention={retention}): {tally}")
+    print(f"kill tally ({fmt}, retention={retention}, async={async_save}): {tally}")

@@ -6,14 +6,40 @@ name says "collective" must be called by every rank of the group, in the same or
 
 from __future__ import annotations
 
+import threading
 import traceback
-from typing import Callable, TypeVar
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch.distributed as dist
 
 from .errors import CheckpointError
 
 T = TypeVar("T")
+
+
+_local = threading.local()
+
+
+@contextmanager
+def using_group(group: Any) -> Iterator[None]:
+    """Within this block, on this thread, the collectives of this module (and DCP saves) use ``group``.
+
+    The background writer of async saves runs on its own process group, so that its collectives can
+    never interleave with the training loop's on the default group. ``group`` spans every rank, so
+    ranks in it are the global ranks.
+    """
+    previous = getattr(_local, "group", None)
+    _local.group = group
+    try:
+        yield
+    finally:
+        _local.group = previous
+
+
+def current_group() -> Any:
+    """The process group this thread's collectives use (``None``: the default group)."""
+    return getattr(_local, "group", None)
 
 
 def is_dist() -> bool:
@@ -30,7 +56,7 @@ def world_size() -> int:
 
 def barrier() -> None:
     if is_dist():
-        dist.barrier()
+        dist.barrier(group=current_group())
 
 
 def broadcast_object(obj: T, src: int = 0) -> T:
@@ -38,7 +64,7 @@ def broadcast_object(obj: T, src: int = 0) -> T:
     if not is_dist():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=current_group())
     return box[0]
 
 
@@ -47,7 +73,7 @@ def all_gather_object(obj: T) -> list[T]:
     if not is_dist():
         return [obj]
     out: list = [None] * world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=current_group())
     return out
 
 

@@ -79,6 +79,16 @@ class CheckpointConfig:
     strict: bool = True
     """Refuse to load a checkpoint whose model or optimizer keys differ from the live objects."""
 
+    async_save: bool = False
+    """Return from ``save()`` once the state is copied into reused host staging buffers; a background
+    thread writes and commits it. One save is in flight at a time; its error is raised at the next
+    ``save()``, ``wait()`` or ``close()``."""
+
+    io_threads: int = 1
+    """Threads per rank that write (and read) model and optimizer files in parallel. More than one
+    only pays on storage that serves parallel streams faster (``benchmarks/parallel_io.py`` measures
+    it); on this project's reference machine one is fastest."""
+
     def __post_init__(self) -> None:
         self.validate()
 
@@ -109,7 +119,10 @@ class CheckpointConfig:
             raise ConfigError(f"keep_newer_than_s must be a non-negative number of seconds, got {self.keep_newer_than_s!r}")
         if self.monitor is not None and not isinstance(self.monitor, str):
             raise ConfigError(f"monitor must be a metric name, got {self.monitor!r}")
-        for name in ("is_peft", "enabled", "strict", "auto_insert_field_names", "save_last", "verify_checksums"):
+        if not isinstance(self.io_threads, int) or isinstance(self.io_threads, bool) or not 1 <= self.io_threads <= 64:
+            raise ConfigError(f"io_threads must be an integer from 1 to 64, got {self.io_threads!r}")
+        for name in ("is_peft", "enabled", "strict", "auto_insert_field_names", "save_last", "verify_checksums",
+                     "async_save"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ConfigError(f"{name} must be true or false, got {value!r}")

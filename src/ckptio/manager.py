@@ -7,10 +7,13 @@ manifest, fsyncs the tree, renames the directory into place and moves the LATEST
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import sys
+import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -41,6 +44,7 @@ from .layout import (
     resolve_restore_path,
 )
 from .manifest import MANIFEST_NAME, Manifest, StateEntry, read_manifest
+from .staging import Stager
 from .state import ModelState, OptimizerState, RNGState
 from .storage import commit_directory, fsync_tree, remove_tree, write_pointer
 from .storage.checksum import bytes_checksum, file_checksum
@@ -75,12 +79,56 @@ class RestoreInfo:
     """Fields parsed back from the directory name by the name template (the manifest wins on conflicts)."""
 
 
+@dataclass
+class _SaveJob:
+    """One save between its snapshot (training thread) and its commit (possibly a background thread)."""
+
+    step: int
+    epoch: int
+    name: str
+    metrics: dict[str, float]
+    counters: dict[str, Any]
+    root: Path
+    tmp: Path
+    start: float
+    consolidate: bool
+    signature: dict[str, Any] = field(default_factory=dict)
+    model: dict[str, Any] | None = None
+    peft: dict[str, torch.Tensor] | None = None
+    optim: dict[str, Any] | None = None
+    objects: dict[str, bytes] = field(default_factory=dict)
+    sums: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def final_dir(self) -> Path:
+        return self.root / self.name
+
+
+@dataclass
+class _Pending:
+    job: _SaveJob
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+
+
+def _wait_at_exit(ref: "weakref.ref[CheckpointManager]") -> None:
+    manager = ref()
+    if manager is not None and manager._pending is not None:
+        try:
+            manager.wait()
+        except BaseException as exc:  # noqa: BLE001 - at exit there is no caller left to raise to
+            manager.log.error("The last background save failed: %s", _dist.format_exc_short(exc))
+
+
 class CheckpointManager:
     """Saves and restores the whole training state; resumes from the newest complete checkpoint.
 
-    Every rank constructs the manager and calls :meth:`save` and :meth:`restore` at the same points
-    (they are collectives when a process group is initialised). Not thread-safe: use it from the
-    training thread.
+    Every rank constructs the manager and calls :meth:`save`, :meth:`wait`, :meth:`restore` and
+    :meth:`close` at the same points (they are collectives when a process group is initialised). Not
+    thread-safe: use it from the training thread. With ``config.async_save`` the writing and committing
+    of a save run on a background thread of each rank, over a process group of their own (gloo), so
+    they never interleave with the training loop's collectives; call :meth:`close` (or :meth:`wait`)
+    before ``destroy_process_group``.
 
     Args:
         config: where and how to save; see :class:`CheckpointConfig`.
@@ -138,12 +186,26 @@ class CheckpointManager:
         self.restored: RestoreInfo | None = None
         self.last_saved: Path | None = None
         self._cleaned = False
-        self._sums: dict[str, str] = {}
         self._lock = DirectoryLock(config.checkpoint_dir)
+        self._stager = Stager()
+        self._pending: _Pending | None = None
+        self._group = None
+        if config.async_save and config.enabled:
+            if _dist.is_dist():
+                import torch.distributed as dist
+
+                self._group = dist.new_group(backend="gloo")  # collective: every rank builds the manager
+            atexit.register(_wait_at_exit, weakref.ref(self))
 
     def close(self) -> None:
-        """Release the checkpoint folder (also done when the manager is garbage-collected or the process exits)."""
-        self._lock.release()
+        """Wait for a background save in flight (raising its error), then release the checkpoint folder.
+
+        Also done when the manager is garbage-collected or the process exits (an error is then logged).
+        """
+        try:
+            self.wait()
+        finally:
+            self._lock.release()
 
     def __enter__(self) -> "CheckpointManager":
         return self
@@ -178,21 +240,74 @@ class CheckpointManager:
 
         ``step``/``epoch`` default to the step scheduler's. ``final`` marks the last checkpoint of a run
         (consolidated when ``save_consolidated="final"``); by default it is the step scheduler's ``done``.
-        Returns the committed step directory.
+
+        Returns the step directory. With ``async_save`` the call returns as soon as the state is copied
+        into the staging buffers, before the directory exists: it appears, complete, when the
+        background write commits (:meth:`wait` blocks until then). A save in flight is waited for
+        first, and an error it raised is raised here.
         """
         if not self.config.enabled:
             return None
+        self.wait()
+        job = self._snapshot(step, epoch, metrics, counters, final, stage=self.config.async_save)
+        if not self.config.async_save:
+            self._persist(job)
+            return job.final_dir
+        self._pending = _Pending(job)
+        self._pending.thread = threading.Thread(target=self._persist_in_background, args=(self._pending,),
+                                                name=f"ckptio-save-{job.step}", daemon=False)
+        self._pending.thread.start()
+        return job.final_dir
+
+    def wait(self) -> Path | None:
+        """Block until the background save in flight (if any) is committed; re-raise its error here.
+
+        Returns the directory it committed (``None`` when nothing was in flight). Every rank should call
+        it at the same point, like :meth:`save`.
+        """
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        assert pending.thread is not None
+        if pending.thread.is_alive() and _dist.rank() == 0:
+            self.log.debug("Waiting for the background save to %s", pending.job.final_dir)
+        pending.thread.join()
+        if pending.error is not None:
+            error = pending.error
+            if hasattr(error, "add_note"):
+                error.add_note(f"raised by the background save to {pending.job.final_dir}")
+            raise error
+        return pending.job.final_dir
+
+    @property
+    def save_in_flight(self) -> bool:
+        """Whether a background save has been started and not yet waited for."""
+        return self._pending is not None
+
+    def _persist_in_background(self, pending: "_Pending") -> None:
+        try:
+            with _dist.using_group(self._group):
+                self._persist(pending.job)
+        except BaseException as exc:  # kept for the training thread: raised at its next save/wait/close
+            pending.error = exc
+            self.log.error("Background save to %s failed: %s (raised at the next save, wait or close)",
+                           pending.job.final_dir, _dist.format_exc_short(exc))
+
+    def _snapshot(self, step: int | None, epoch: int | None, metrics: dict[str, float] | None,
+                  counters: dict[str, Any] | None, final: bool | None, *, stage: bool) -> "_SaveJob":
+        """Training thread, collective: name the checkpoint, make its temporary folder, capture the state.
+
+        With ``stage`` the tensors are copied into the staging buffers; otherwise the job references the
+        live tensors and must be persisted before training goes on.
+        """
         step, epoch = self._position(step, epoch)
         metrics = {k: float(v) for k, v in (metrics or {}).items()}
         counters = dict(counters or {})
         root = Path(self.config.checkpoint_dir)
         name = format_step_name(self.config.name_template, step=step, epoch=epoch, metrics=metrics, counters=counters,
                                 insert_field_names=self.config.auto_insert_field_names)
-        final_dir = root / name
-        rank, world = _dist.rank(), _dist.world_size()
+        rank = _dist.rank()
         start = time.perf_counter()
-        if rank == 0:
-            self.log.info("Saving checkpoint to %s", final_dir)
 
         def prepare() -> str | None:
             if rank != 0:
@@ -210,14 +325,50 @@ class CheckpointManager:
         tmp = Path(_dist.broadcast_object(_dist.run_collectively("preparing the checkpoint", prepare)))
         if final is None:
             final = bool(getattr(self.step_scheduler, "done", False))
-        consolidate = self.config.save_consolidated is True or (self.config.save_consolidated == "final" and final)
-        self._sums = {}
-        self._signature: dict[str, Any] = {}
+        job = _SaveJob(step=step, epoch=epoch, name=name, metrics=metrics, counters=counters, root=root,
+                       tmp=tmp, start=start, consolidate=self.config.save_consolidated is True
+                       or (self.config.save_consolidated == "final" and final))
         try:
-            states = self._write_states(tmp, rank, world, consolidate=consolidate)
+            live: dict[str, Any] = {}
+            if self.model_state is not None:
+                model_sd = self.model_state.state_dict()
+                job.signature = _model_signature(self.model, model_sd)
+                if self.config.is_peft:
+                    adapter = peft_adapter.adapter_name(self.model)
+                    weights = peft_adapter.full_tensors(model_sd)  # collective under FSDP2
+                    live["peft"] = {peft_adapter.to_peft_key(k, adapter): v for k, v in weights.items()}
+                else:
+                    live["model"] = model_sd
+                del model_sd
+            if self.optim_state is not None:
+                live["optim"] = self.optim_state.state_dict()
+            if stage:
+                live = self._stager.stage(live)
+            job.model, job.peft, job.optim = live.get("model"), live.get("peft"), live.get("optim")
+            del live
+            for obj_name, obj in self.objects.items():
+                job.objects[obj_name] = _dist.run_collectively(
+                    f"serialising {obj_name!r}", lambda obj=obj, n=obj_name: pt_format.to_bytes(obj.state_dict(), n))
+        except Exception:
+            if rank == 0:
+                remove_tree(tmp)
+            raise
+        if stage and rank == 0:
+            self.log.info("Staged checkpoint %s in %.2f s (%.1f MB of staging buffers); writing it in the background",
+                          name, time.perf_counter() - start, self._stager.nbytes / 1e6)
+        return job
+
+    def _persist(self, job: "_SaveJob") -> None:
+        """Collective (on the current group): write the job's files, then commit them on rank 0."""
+        rank, world = _dist.rank(), _dist.world_size()
+        tmp, root, final_dir = job.tmp, job.root, job.final_dir
+        if rank == 0:
+            self.log.info("Saving checkpoint to %s", final_dir)
+        try:
+            states = self._write_states(job, rank, world)
             _faults.point("save.states_written")
             sums: dict[str, str] = {}
-            for part in _dist.all_gather_object(self._sums):
+            for part in _dist.all_gather_object(job.sums):
                 sums.update(part)
 
             def commit() -> None:
@@ -229,10 +380,10 @@ class CheckpointManager:
                     if rel not in sums:
                         sums[rel] = file_checksum(tmp / rel)
                 manifest = Manifest(
-                    name=name, step=step, epoch=epoch, world_size=world,
+                    name=job.name, step=job.step, epoch=job.epoch, world_size=world,
                     model_save_format=self.config.model_save_format, states=states,
-                    files=files, metrics=metrics, counters=counters, checksums=sums,
-                    model_signature=self._signature,
+                    files=files, metrics=job.metrics, counters=job.counters, checksums=sums,
+                    model_signature=job.signature,
                     is_peft=self.config.is_peft, versions=_versions(),
                 )
                 pt_format.write_bytes(tmp / MANIFEST_NAME, manifest.to_json().encode())
@@ -240,7 +391,7 @@ class CheckpointManager:
                 _faults.point("commit.before_rename")
                 commit_directory(tmp, final_dir)
                 _faults.point("commit.before_pointer")
-                write_pointer(root, LATEST, name)
+                write_pointer(root, LATEST, job.name)
                 _faults.point("commit.before_retention")
                 self._after_commit(root)
 
@@ -253,8 +404,7 @@ class CheckpointManager:
             raise
         self.last_saved = final_dir
         if rank == 0:
-            self.log.info("Saved checkpoint %s in %.2f s", final_dir, time.perf_counter() - start)
-        return final_dir
+            self.log.info("Saved checkpoint %s in %.2f s", final_dir, time.perf_counter() - job.start)
 
     def _after_commit(self, root: Path) -> None:
         """Rank 0, after a commit: move BEST, then apply retention (protecting latest, best, resumed-from)."""
@@ -271,20 +421,7 @@ class CheckpointManager:
         for path in policies.apply(root, decision):
             self.log.info("Removed checkpoint %s (retention)", path)
 
-    def _write_peft(self, folder: Path, rank: int) -> None:
-        adapter = peft_adapter.adapter_name(self.model)
-        weights = peft_adapter.full_tensors(self.model_state.state_dict())  # collective under FSDP2
-        weights = {peft_adapter.to_peft_key(k, adapter): v for k, v in weights.items()}
-
-        def write() -> None:
-            if rank == 0:
-                for warning in peft_adapter.save(folder, self.model, weights, base_model_path=self.base_model_path,
-                                                 tokenizer=self.tokenizer):
-                    self.log.warning(warning)
-
-        _dist.run_collectively("writing the PEFT adapter", write)
-
-    def _consolidate(self, model_dir: Path, rank: int, world: int) -> None:
+    def _consolidate(self, job: "_SaveJob", model_dir: Path, rank: int, world: int) -> None:
         out = model_dir / CONSOLIDATED_DIR
         start = time.perf_counter()
         plan, written = _dist.run_collectively(
@@ -292,7 +429,7 @@ class CheckpointManager:
             lambda: hf_bundle.consolidate(model_dir, out, max_shard_size=self.config.consolidated_max_shard_size,
                                           rank=rank, world_size=world),
         )
-        self._sums.update({str(p.relative_to(model_dir.parent)): d for p, d in written.items()})
+        job.sums.update({str(p.relative_to(model_dir.parent)): d for p, d in written.items()})
         if rank == 0:
             self.log.info("Consolidated %d tensors (%.1f MB) into %d file(s) under %s in %.2f s",
                           len(plan.infos), plan.total_size / 1e6, len(plan.files), out, time.perf_counter() - start)
@@ -307,40 +444,46 @@ class CheckpointManager:
             raise ConfigError("save() needs step= (a non-negative int) or a step_scheduler with a .step attribute")
         return step, int(epoch or 0)
 
-    def _write_states(self, tmp: Path, rank: int, world: int, *, consolidate: bool) -> dict[str, StateEntry]:
+    def _write_states(self, job: "_SaveJob", rank: int, world: int) -> dict[str, StateEntry]:
         states: dict[str, StateEntry] = {}
-        fmt = self.config.model_save_format
-        if self.model_state is not None and self.config.is_peft:
-            self._signature = _model_signature(self.model, self.model_state.state_dict())
-            self._write_peft(tmp / MODEL_DIR, rank)
+        tmp = job.tmp
+        threads = self.config.io_threads
+        if job.peft is not None:
+            def write_adapter() -> None:
+                if rank == 0:
+                    for warning in peft_adapter.save(tmp / MODEL_DIR, self.model, job.peft,
+                                                     base_model_path=self.base_model_path, tokenizer=self.tokenizer):
+                        self.log.warning(warning)
+
+            _dist.run_collectively("writing the PEFT adapter", write_adapter)
             states["model"] = StateEntry("model", "peft", MODEL_DIR)
-        elif self.model_state is not None:
-            model_sd = self.model_state.state_dict()
-            self._signature = _model_signature(self.model, model_sd)
-            if fmt == "safetensors":
-                path, digest = _dist.run_collectively(
+        elif job.model is not None:
+            model_sd = job.model
+            if self.config.model_save_format == "safetensors":
+                written = _dist.run_collectively(
                     "writing model shards",
-                    lambda: safetensors_sharded.save(model_sd, tmp / MODEL_DIR, rank=rank, world_size=world),
+                    lambda: safetensors_sharded.save(model_sd, tmp / MODEL_DIR, rank=rank, world_size=world,
+                                                     threads=threads),
                 )
-                self._sums[str(path.relative_to(tmp))] = digest
+                job.sums.update({str(path.relative_to(tmp)): digest for path, digest in written.items()})
                 states["model"] = StateEntry("model", "safetensors", MODEL_DIR)
             else:
-                written = dcp_format.save(model_sd, tmp / MODEL_DIR)
-                self._sums.update({f"{MODEL_DIR}/{k}": v for k, v in written.items()})
+                written = dcp_format.save(model_sd, tmp / MODEL_DIR, thread_count=threads)
+                job.sums.update({f"{MODEL_DIR}/{k}": v for k, v in written.items()})
                 states["model"] = StateEntry("model", "dcp", MODEL_DIR)
-            del model_sd
             _dist.run_collectively(
                 "writing the model config and tokenizer",
                 lambda: hf_bundle.save_hf_extras(self.model, tmp / MODEL_DIR, self.tokenizer) if rank == 0 else None,
             )
-            if consolidate:
-                self._consolidate(tmp / MODEL_DIR, rank, world)
-        if self.optim_state is not None:
-            written = dcp_format.save(self.optim_state.state_dict(), tmp / OPTIM_DIR)
-            self._sums.update({f"{OPTIM_DIR}/{k}": v for k, v in written.items()})
+            if job.consolidate:
+                self._consolidate(job, tmp / MODEL_DIR, rank, world)
+        job.model = job.peft = None
+        if job.optim is not None:
+            written = dcp_format.save(job.optim, tmp / OPTIM_DIR, thread_count=threads)
+            job.sums.update({f"{OPTIM_DIR}/{k}": v for k, v in written.items()})
             states["optim"] = StateEntry("optimizer", "dcp", OPTIM_DIR)
-        for name, obj in self.objects.items():
-            data = _dist.run_collectively(f"serialising {name!r}", lambda: pt_format.to_bytes(obj.state_dict(), name))
+            job.optim = None
+        for name, data in job.objects.items():
             digests = _dist.all_gather_object(hashlib.sha256(data).hexdigest())
             per_rank = len(set(digests)) > 1
 
@@ -350,7 +493,7 @@ class CheckpointManager:
                     (tmp / name).mkdir(exist_ok=True)
                 if per_rank or rank == 0:
                     pt_format.write_bytes(tmp / rel, data)
-                    self._sums[rel] = bytes_checksum(data)
+                    job.sums[rel] = bytes_checksum(data)
 
             _dist.run_collectively(f"writing {name!r}", write)
             states[name] = StateEntry("object", "pt", name if per_rank else f"{name}.pt", per_rank=per_rank)
@@ -366,6 +509,7 @@ class CheckpointManager:
         """
         if not self.config.enabled:
             return None
+        self.wait()
         rank = _dist.rank()
         root = Path(self.config.checkpoint_dir)
         requested = None if path is None else str(path)
@@ -429,7 +573,8 @@ class CheckpointManager:
         strict = self.config.strict and not self.config.is_peft
         self._check_signature(step_dir, manifest, target)
         if entry.format == "safetensors":
-            _dist.run_collectively("loading the model", lambda: safetensors_sharded.load(target, folder, strict=strict))
+            _dist.run_collectively("loading the model", lambda: safetensors_sharded.load(
+                target, folder, strict=strict, threads=self.config.io_threads))
         elif entry.format == "peft":
             adapter = peft_adapter.adapter_name(self.model)
             _dist.run_collectively("loading the PEFT adapter", lambda: peft_adapter.load(target, folder, adapter))

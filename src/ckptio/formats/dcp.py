@@ -193,7 +193,8 @@ def save(state_dict: dict[str, Any], folder: str | Path, *, thread_count: int = 
     writer.fs = fs
     try:
         with _quiet_single_process(), _plain_errors("saving", folder):
-            dcp.save(state_dict, storage_writer=writer, no_dist=not _dist.is_dist())
+            dcp.save(state_dict, storage_writer=writer, no_dist=not _dist.is_dist(),
+                     process_group=_dist.current_group())
     except CheckpointError as exc:
         if fs.errors:  # torch's zip writer reports a failed write as a position mismatch; say what it was
             raise CheckpointError(f"saving DCP folder {folder} failed: {fs.errors[0]}") from exc
@@ -209,6 +210,7 @@ def load(state_dict: dict[str, Any], folder: str | Path, *, no_dist: bool = Fals
     """
     with _quiet_single_process(), _plain_errors("loading", folder):
         dcp.load(state_dict, storage_reader=SafeFileSystemReader(str(folder)), planner=SafeLoadPlanner(),
+                 process_group=_dist.current_group(),
                  no_dist=no_dist or not _dist.is_dist())
 
 

@@ -35,10 +35,10 @@ FORMAT_TAG = "sharded-safetensors/1"
 FILE_GLOB = "*.safetensors"
 
 
-def shard_file_name(rank: int, world_size: int) -> str:
-    # Named after NeMo AutoModel's layout: the shard index is the writing rank; "model-00001-of-00001"
-    # leaves room for splitting one rank's shard into several files later.
-    return f"shard-{rank + 1:05d}-model-00001-of-00001.safetensors"
+def shard_file_name(rank: int, world_size: int, part: int = 0, parts: int = 1) -> str:
+    # Named after NeMo AutoModel's layout: the shard index is the writing rank, then which of the rank's
+    # files this is (several when the rank writes with several threads).
+    return f"shard-{rank + 1:05d}-model-{part + 1:05d}-of-{parts:05d}.safetensors"
 
 
 @dataclass(frozen=True)
@@ -65,11 +65,13 @@ def _local_view(value: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tup
     return value, tuple(value.shape), (0,) * value.dim(), None  # type: ignore[return-value]
 
 
-def save(state_dict: dict[str, torch.Tensor], folder: str | Path, *, rank: int, world_size: int) -> tuple[Path, str]:
+def save(state_dict: dict[str, torch.Tensor], folder: str | Path, *, rank: int, world_size: int,
+         threads: int = 1) -> dict[Path, str]:
     """Write this rank's shards of ``state_dict`` to ``folder/shard-…safetensors``, fsynced.
 
-    Plain (non-DTensor) tensors are taken as replicated and written by rank 0 only. Returns the file and
-    its checksum, computed as the bytes were written.
+    Plain (non-DTensor) tensors are taken as replicated and written by rank 0 only. With ``threads`` > 1
+    the rank's tensors are divided by size into that many files, written concurrently. Returns every
+    file written with its checksum, computed as the bytes went out.
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -92,9 +94,31 @@ def save(state_dict: dict[str, torch.Tensor], folder: str | Path, *, rank: int, 
         "ckptio_world_size": str(world_size),
         "ckptio_shards": json.dumps(shards, separators=(",", ":")),
     }
-    path = folder / shard_file_name(rank, world_size)
     entries = [_st_writer.Entry(k, t.dtype, tuple(t.shape), lambda t=t: t) for k, t in tensors.items()]
-    return path, _st_writer.write(path, entries, metadata)
+    groups = _balance(entries, max(1, min(threads, len(entries))))
+    paths = [folder / shard_file_name(rank, world_size, i, len(groups)) for i in range(len(groups))]
+    if len(groups) == 1:
+        return {paths[0]: _st_writer.write(paths[0], groups[0], metadata)}
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(groups), thread_name_prefix="ckptio-write") as pool:
+        digests = list(pool.map(lambda i: _st_writer.write(paths[i], groups[i], metadata), range(len(groups))))
+    return dict(zip(paths, digests))
+
+
+def _balance(entries: list[_st_writer.Entry], n: int) -> list[list[_st_writer.Entry]]:
+    """Split ``entries`` into ``n`` runs of consecutive entries with about the same bytes each."""
+    if n <= 1:
+        return [entries]
+    total = sum(e.nbytes for e in entries) or 1
+    groups: list[list[_st_writer.Entry]] = [[]]
+    done = 0
+    for e in entries:
+        if groups[-1] and len(groups) < n and done >= total * len(groups) / n:
+            groups.append([])
+        groups[-1].append(e)
+        done += e.nbytes
+    return groups
 
 
 def _scan(folder: Path, files: list[Path] | None = None) -> tuple[dict[str, list[_Chunk]], dict[str, TensorInfo]]:
@@ -205,17 +229,33 @@ def check_compatible(
         )
 
 
-def load(target: dict[str, torch.Tensor], folder: str | Path, *, strict: bool = True) -> None:
-    """Fill every tensor of ``target`` (local shards of DTensors, or whole tensors) in place."""
-    load_files(target, folder, None, strict=strict)
+def load(target: dict[str, torch.Tensor], folder: str | Path, *, strict: bool = True, threads: int = 1) -> None:
+    """Fill every tensor of ``target`` (local shards of DTensors, or whole tensors) in place.
+
+    ``threads`` > 1 reads that many tensors at a time, each thread with its own file handles.
+    """
+    load_files(target, folder, None, strict=strict, threads=threads)
 
 
 def load_files(target: dict[str, torch.Tensor], folder: str | Path, files: list[Path] | None, *,
-               strict: bool = True) -> None:
+               strict: bool = True, threads: int = 1) -> None:
     """Like :func:`load`, reading only ``files`` of ``folder`` (``None``: every ``.safetensors`` file)."""
     folder = Path(folder)
     chunks, infos = _scan(folder, files)
     check_compatible(infos, target, str(folder), strict=strict)
+    keys = list(target)
+    if threads <= 1 or len(keys) < 2:
+        _fill(target, keys, chunks, folder)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    n = min(threads, len(keys))
+    with ThreadPoolExecutor(n, thread_name_prefix="ckptio-read") as pool:
+        for future in [pool.submit(_fill, target, keys[i::n], chunks, folder) for i in range(n)]:
+            future.result()
+
+
+def _fill(target: dict[str, torch.Tensor], keys: list[str], chunks: dict[str, list[_Chunk]], folder: Path) -> None:
     with ExitStack() as stack:
         handles: dict[Path, object] = {}
 
@@ -224,8 +264,8 @@ def load_files(target: dict[str, torch.Tensor], folder: str | Path, files: list[
                 handles[path] = stack.enter_context(safe_open(str(path), framework="pt"))
             return handles[path]
 
-        for key, value in target.items():
-            local, shape, offsets, _owner = _local_view(value)
+        for key in keys:
+            local, shape, offsets, _owner = _local_view(target[key])
             if local.numel() == 0:
                 continue
             filled = 0

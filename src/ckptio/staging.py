@@ -1,0 +1,89 @@
+"""Host staging buffers for background saves: the snapshot of a state at the moment of the save call.
+
+:meth:`Stager.stage` walks a (nested) state dict and copies every tensor into a host buffer kept for
+that key, so that training may update its parameters and optimizer state as soon as ``stage``
+returns. Buffers are allocated on the first save and reused by the next ones while the key's shape and
+dtype stay the same, so host memory does not grow from save to save. On CUDA the buffers are pinned
+and the copies are asynchronous, with one synchronisation at the end.
+
+DTensors are staged shard by shard: the local shard is copied and wrapped again with the same mesh
+and placements, which is all a writer needs to place it in the global tensor. A ``Partial`` DTensor is
+reduced first (a collective on the training group, so this runs on the training thread).
+
+Thread safety: one :class:`Stager` per manager; :meth:`stage` is called on the training thread only
+while no background write is reading the buffers (the manager waits for the previous save first).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+__all__ = ["Stager"]
+
+
+class Stager:
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._used: set[str] = set()
+        self._needs_sync = False
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the staging buffers."""
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def stage(self, state: Any) -> Any:
+        """A copy of ``state`` whose tensors live in this stager's host buffers."""
+        self._used = set()
+        self._needs_sync = False
+        out = self._stage(state, "")
+        if self._needs_sync:
+            _synchronize()
+        for key in set(self._buffers) - self._used:  # keys gone since the last save (a changed model)
+            del self._buffers[key]
+        return out
+
+    def _stage(self, value: Any, key: str) -> Any:
+        from torch.distributed.tensor import DTensor, Partial, Replicate
+
+        if isinstance(value, DTensor):
+            if any(isinstance(p, Partial) for p in value.placements):
+                value = value.redistribute(placements=[Replicate() if isinstance(p, Partial) else p
+                                                       for p in value.placements])
+            local = self._copy(key, value.to_local())
+            return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False,
+                                      shape=value.shape, stride=value.stride())
+        if isinstance(value, torch.Tensor):
+            return self._copy(key, value)
+        if isinstance(value, dict):
+            return {k: self._stage(v, f"{key}/{k}") for k, v in value.items()}
+        if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+            staged = [self._stage(v, f"{key}/{i}") for i, v in enumerate(value)]
+            return staged if isinstance(value, list) else tuple(staged)
+        return copy.deepcopy(value)
+
+    def _copy(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.detach()
+        if key in self._used:
+            raise ValueError(f"two state entries stage to the same key {key!r}")
+        self._used.add(key)
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
+            pin = tensor.device.type == "cuda" and torch.cuda.is_available()
+            buf = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
+            self._buffers[key] = buf
+        non_blocking = tensor.device.type != "cpu"
+        buf.copy_(tensor, non_blocking=non_blocking)
+        self._needs_sync = self._needs_sync or non_blocking
+        return buf
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and accelerator.is_available():
+        accelerator.synchronize()

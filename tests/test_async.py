@@ -1,0 +1,249 @@
+"""Background saves: the checkpoint is the state at the call, buffers are reused, errors come back.
+
+Training mutates every parameter, optimizer tensor and user object right after ``save()`` returns,
+while the background thread is still writing; the committed checkpoint must hold the values from the
+moment of the call. Distributed variants run real gloo ranks whose training collectives run while the
+background thread uses its own group.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptio import CheckpointConfig, CheckpointManager, committed_checkpoints
+from ckptio import _faults
+from ckptio.layout import TMP_PREFIX
+from distributed import run_ranks
+
+FORMATS = ("safetensors", "torch_save")
+
+
+class Box:
+    def __init__(self) -> None:
+        self.value = 0
+        self.history: list[int] = []
+
+    def state_dict(self) -> dict:
+        return {"value": self.value, "history": list(self.history)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.value, self.history = sd["value"], list(sd["history"])
+
+
+def _setup(root: Path, fmt: str, seed: int = 0, **config):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    box = Box()
+    mgr = CheckpointManager(CheckpointConfig(checkpoint_dir=str(root), model_save_format=fmt, **config),
+                            model=model, optimizer=opt, lr_scheduler=sched, extra_states={"box": box})
+    return model, opt, sched, box, mgr
+
+
+def _train_step(model, opt, sched, box, step: int) -> None:
+    loss = model(torch.randn(8, 64)).pow(2).mean()
+    loss.backward()
+    opt.step()
+    sched.step()
+    opt.zero_grad()
+    box.value = step
+    box.history.append(step)
+
+
+def _snapshot(model, opt, sched, box) -> dict:
+    return {
+        "model": {k: v.clone() for k, v in model.state_dict().items()},
+        "optim": {i: {k: v.clone() for k, v in st.items()} for i, st in enumerate(opt.state.values())},
+        "lr": sched.get_last_lr(),
+        "box": box.state_dict(),
+    }
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_checkpoint_holds_the_state_of_the_call_not_later_updates(tmp_path, fmt):
+    model, opt, sched, box, mgr = _setup(tmp_path, fmt, async_save=True)
+    for step in range(1, 3):
+        _train_step(model, opt, sched, box, step)
+    expected = _snapshot(model, opt, sched, box)
+    target = mgr.save(step=2)
+    assert mgr.save_in_flight
+    # training goes on at once: every tensor and the user object change while the write runs
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1000.0)
+    for step in range(3, 6):
+        _train_step(model, opt, sched, box, step)
+    assert mgr.wait() == target and target.is_dir()
+    mgr.close()
+
+    model2, opt2, sched2, box2, mgr2 = _setup(tmp_path, fmt, seed=1)
+    info = mgr2.restore()
+    assert info is not None and info.path == target and info.step == 2
+    got = _snapshot(model2, opt2, sched2, box2)
+    for k, v in expected["model"].items():
+        assert torch.equal(got["model"][k], v), f"model {k} holds values from after the save call"
+    for i, st in expected["optim"].items():
+        for k, v in st.items():
+            assert torch.equal(got["optim"][i][k], v), f"optimizer state {i}.{k} is not the snapshot"
+    assert got["lr"] == expected["lr"] and got["box"] == expected["box"]
+    mgr2.close()
+
+
+def test_staging_buffers_are_reused_and_host_memory_does_not_grow(tmp_path):
+    """25 background saves of a 12 MiB state: RSS after the 25th is within a few MiB of after the 5th."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)])  # 4 MiB of weights
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    state_bytes = 3 * sum(p.numel() * 4 for p in model.parameters())
+    mgr = CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path), async_save=True, save_top_k=1),
+                            model=model, optimizer=opt, rng=False)
+    rss: list[int] = []
+    pointers = None
+    for step in range(1, 26):
+        model(torch.randn(4, 512)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        mgr.save(step=step)
+        buffers = {k: b.data_ptr() for k, b in mgr._stager._buffers.items()}
+        if pointers is None:
+            pointers = buffers
+        assert buffers == pointers, "staging buffers were reallocated"
+        mgr.wait()
+        rss.append(_rss())
+    mgr.close()
+    assert abs(mgr._stager.nbytes - state_bytes) < state_bytes * 0.05
+    growth = rss[-1] - rss[4]
+    assert growth < state_bytes / 3, f"host memory grew by {growth / 2**20:.1f} MiB over 20 saves: {rss}"
+    assert [e.step for e in committed_checkpoints(tmp_path)] == [25]
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_background_error_is_raised_at_the_next_save_and_close(tmp_path, caplog):
+    """A complex parameter cannot go into safetensors: the background write fails, training learns of it."""
+    model, opt, sched, box, mgr = _setup(tmp_path, "safetensors", async_save=True)
+    mgr.save(step=1)
+    mgr.wait()
+    model.register_parameter("z", torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64)))
+    mgr.save(step=2)  # returns: the state is staged; the write fails behind it
+    with pytest.raises(TypeError, match="complex") as err:
+        mgr.save(step=3)
+    assert any("background save" in n and "step_2" in n for n in getattr(err.value, "__notes__", []))
+    assert "Background save" in caplog.text  # logged when it happened, not only when raised
+    # the failed save left nothing behind and the earlier checkpoint is intact; the manager still works
+    assert [e.step for e in committed_checkpoints(tmp_path)] == [1]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(TMP_PREFIX)]
+    mgr.save(step=4)  # fails in the background again
+    with pytest.raises(TypeError):
+        mgr.close()
+    del model.z
+    mgr2 = CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path), async_save=True), model=model)
+    mgr2.save(step=5)
+    mgr2.close()
+    assert [e.step for e in committed_checkpoints(tmp_path)] == [1, 5]
+
+
+_EXIT_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    from ckptio import CheckpointConfig, CheckpointManager
+    model = torch.nn.Linear(2048, 2048)
+    mgr = CheckpointManager(CheckpointConfig(checkpoint_dir=sys.argv[1], async_save=True), model=model)
+    mgr.save(step=7)
+    print("returned", flush=True)
+    # no wait(), no close(): a normal interpreter exit must still finish and commit the save
+""")
+
+
+def test_normal_exit_waits_for_the_save_in_flight(tmp_path):
+    out = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, str(tmp_path)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert [e.step for e in committed_checkpoints(tmp_path)] == [7]
+
+
+def _two_rank_async(root: str, fmt: str) -> dict:
+    """FSDP2 on 2 ranks: training all-reduces while the background thread writes on its own group."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from toy import full_state
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(3)])
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mgr = CheckpointManager(CheckpointConfig(checkpoint_dir=root, model_save_format=fmt, async_save=True),
+                            model=model, optimizer=opt, rng=False)
+    torch.manual_seed(1 + dist.get_rank())
+    snapshots = {}
+    for step in range(1, 7):
+        model(torch.randn(4, 256)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if step % 2 == 0:
+            snapshots[step] = full_state(model, opt)
+            mgr.save(step=step)
+            flag = torch.ones(1)
+            dist.all_reduce(flag)  # a training collective while the save is in flight
+            assert flag.item() == 2
+    # rank 0's commit fails once in the background: both ranks see an error, neither hangs
+    mgr.wait()
+    if dist.get_rank() == 0:
+        def fail(point: str) -> None:
+            if point == "commit.before_manifest":
+                raise RuntimeError("simulated commit failure")
+        _faults.set_hook(fail)
+    mgr.save(step=7)
+    try:
+        mgr.wait()
+        raised = None
+    except Exception as exc:  # noqa: BLE001 - recorded and checked by the parent
+        raised = type(exc).__name__
+    _faults.set_hook(None)
+    mgr.save(step=8)
+    snapshots[8] = full_state(model, opt)
+    mgr.close()
+    return {"snapshots": snapshots, "raised": raised}
+
+
+def _load_on(root: str, fmt: str, step: int) -> dict:
+    import torch.distributed as dist
+    from toy import full_state
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(3)])
+    if dist.is_initialized():
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mgr = CheckpointManager(CheckpointConfig(checkpoint_dir=root, model_save_format=fmt), model=model,
+                            optimizer=opt, rng=False)
+    info = mgr.restore(f"epoch_0_step_{step}")
+    assert info is not None and info.step == step
+    return full_state(model, opt)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_two_ranks_background_saves_are_exact_and_errors_do_not_hang(tmp_path, fmt):
+    root = str(tmp_path / "ck")
+    results = run_ranks(2, _two_rank_async, root=root, fmt=fmt)
+    assert results[0]["raised"] == "RuntimeError" and results[1]["raised"] == "CheckpointError"
+    assert [e.step for e in committed_checkpoints(root)] == [2, 4, 6, 8]
+    for step in (4, 8):
+        got = run_ranks(1, _load_on, root=root, fmt=fmt, step=step)[0]
+        for key, ref in results[0]["snapshots"][step].items():
+            assert torch.equal(got[key], ref), f"step {step}: {key} is not the state at the save call"
