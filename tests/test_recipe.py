@@ -74,22 +74,23 @@ def final_weights(step_dir: Path, peft: bool) -> dict[str, torch.Tensor]:
 
 
 CASES = [
-    pytest.param(1, "tiny_llama.yaml", "safetensors", id="1rank-safetensors"),
-    pytest.param(2, "tiny_llama.yaml", "torch_save", id="2ranks-dcp"),
-    pytest.param(1, "tiny_llama_peft.yaml", "safetensors", id="1rank-peft"),
-    pytest.param(2, "tiny_llama_peft.yaml", "safetensors", id="2ranks-peft"),
+    pytest.param(1, "tiny_llama.yaml", "safetensors", False, id="1rank-safetensors"),
+    pytest.param(2, "tiny_llama.yaml", "torch_save", True, id="2ranks-dcp-async"),
+    pytest.param(1, "tiny_llama_peft.yaml", "safetensors", False, id="1rank-peft"),
+    pytest.param(2, "tiny_llama_peft.yaml", "safetensors", False, id="2ranks-peft"),
 ]
 
 
-@pytest.mark.parametrize("world,config,fmt", CASES)
-def test_preempted_and_resumed_run_equals_uninterrupted(tmp_path, world, config, fmt):
+@pytest.mark.parametrize("world,config,fmt,async_save", CASES)
+def test_preempted_and_resumed_run_equals_uninterrupted(tmp_path, world, config, fmt, async_save):
     peft = "peft" in config
 
     def overrides(name: str) -> list[str]:
         return ["--checkpoint.checkpoint_dir", str(tmp_path / name), "--checkpoint.model_save_format", fmt,
                 "--step_scheduler.max_steps", str(MAX), "--step_scheduler.ckpt_every_steps", "4",
                 "--step_scheduler.val_every_steps", "8", "--log_file", str(tmp_path / f"{name}.jsonl"),
-                "--data.num_sentences", "600", "--checkpoint.save_consolidated", "final"]
+                "--data.num_sentences", "600", "--checkpoint.save_consolidated", "final",
+                "--checkpoint.async_save", str(async_save).lower()]
 
     straight = run(command(world, config, *overrides("straight")))
     assert "Loading checkpoint" not in straight.stdout

@@ -160,6 +160,16 @@ class FinetuneRecipe:
         return (total / count.clamp(min=1)).item()
 
     def run(self) -> None:
+        try:
+            preempted = self._train()
+        finally:
+            # waits for a background save in flight (async_save) and raises its error, if any
+            self.checkpointer.close()
+        if not preempted:
+            self.summary()
+
+    def _train(self) -> bool:
+        """The training loop; whether it stopped because of a preemption signal."""
         preempted = {"flag": False}
         signal.signal(signal.SIGTERM, lambda *_: preempted.__setitem__("flag", True))
         info = self.checkpointer.restore()
@@ -200,13 +210,14 @@ class FinetuneRecipe:
                     consumed = steps.step * self.cfg.data.batch_size * self.world
                     self.checkpointer.save(metrics=metrics, counters={"consumed_samples": consumed}, final=steps.done)
                 if stop:
+                    self.checkpointer.wait()
                     log(f"SIGTERM received: saved step {steps.step} and stopping; rerun the command to resume")
-                    return
+                    return True
                 if steps.done:
                     break
             else:
                 steps.epoch += 1
-        self.summary()
+        return False
 
     def _any_rank(self, flag: bool) -> bool:
         """Whether any rank got the signal: ranks must agree, or one would save while another trains on."""
