@@ -42,11 +42,16 @@ def detect_format(path: Path) -> str:
     if path.is_file():
         if path.suffix == ".safetensors":
             return "safetensors_file"
-        raise CheckpointError(f"{path}: not a format ckptio can inspect (expected a .safetensors file or a folder)")
+        if path.suffix == ".nemo":
+            return "nemo"
+        raise CheckpointError(f"{path}: not a format ckptio can inspect (expected a .safetensors or .nemo file, "
+                              "or a folder)")
     if not path.is_dir():
         raise CheckpointNotFoundError(f"{path}: no such file or directory")
     if (path / MANIFEST_NAME).is_file():
         return "step_dir"
+    if (path / "model_config.yaml").is_file():
+        return "nemo"
     if (path / dcp_format.METADATA_FILE).is_file():
         return "dcp"
     if any(path.glob("*.safetensors")):
@@ -66,6 +71,10 @@ def inspect_path(path: str | Path) -> dict[str, Any]:
     """A JSON-ready description of a step directory, DCP folder or safetensors file/folder."""
     path = Path(path)
     kind = detect_format(path)
+    if kind == "nemo":
+        from .formats import nemo
+
+        return nemo.describe(path)
     out: dict[str, Any] = {"path": str(path), "kind": kind}
     if kind == "step_dir":
         m = read_manifest(path)

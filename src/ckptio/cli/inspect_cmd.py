@@ -9,9 +9,9 @@ from ._fmt import human_bytes, print_json
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("inspect", help="describe a step directory, DCP folder or safetensors file",
+    p = sub.add_parser("inspect", help="describe a step directory, DCP folder, safetensors file or .nemo archive",
                        description="Describe a checkpoint without loading its tensors.")
-    p.add_argument("path", help="a step directory, a DCP folder, a folder of .safetensors files, or one file")
+    p.add_argument("path", help="a step directory, a DCP folder, a folder of .safetensors files, one such file, or a .nemo")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.add_argument("--files", action="store_true", help="list every file with its size")
     p.set_defaults(run=run)
@@ -47,6 +47,15 @@ def run(args: argparse.Namespace) -> int:
                 lines += _tensor_lines(s["tensors"], "      ")
         if info["versions"]:
             lines.append("  versions: " + ", ".join(f"{k} {v}" for k, v in sorted(info["versions"].items())))
+    elif info["kind"] == "nemo":
+        lines += [
+            f"  format: .nemo archive, weights {info['weights']}",
+            f"  architecture: {info['architecture']}",
+            f"  artifacts: {', '.join(info['artifacts']) or 'none'}",
+            f"  config keys: {', '.join(info['config_keys'])}",
+        ]
+        lines += _tensor_lines(info["tensors"], "  ")
+        lines.append(f"  files: {len(info['files'])}, {human_bytes(info['total_bytes'])}")
     else:
         kind = {"dcp": "PyTorch DCP folder", "safetensors": "safetensors folder",
                 "safetensors_file": "safetensors file"}[info["kind"]]

@@ -1,0 +1,33 @@
+"""``ckptio nemo pack DIR OUT.nemo`` / ``ckptio nemo unpack FILE DIR``: .nemo archives from the shell."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..formats import nemo
+from ._fmt import human_bytes
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("nemo", help="pack or unpack a .nemo archive",
+                       description="Pack a folder into a .nemo archive or unpack one, safely.")
+    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    pk = actions.add_parser("pack", help="tar a folder (model_config.yaml + weights + artifacts) into a .nemo")
+    pk.add_argument("folder", help="an unpacked .nemo: model_config.yaml and model_weights.ckpt or model_weights/")
+    pk.add_argument("out", help="the .nemo file to write (replaced atomically)")
+    up = actions.add_parser("unpack", help="extract a .nemo into a new folder (refuses hostile archives)")
+    up.add_argument("archive", help="the .nemo file (tar, optionally gzip)")
+    up.add_argument("folder", help="a folder that does not exist yet")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.action == "pack":
+        out = nemo.pack(args.folder, args.out)
+        print(f"packed {args.folder} into {out} ({human_bytes(Path(out).stat().st_size)})")
+    else:
+        dest = nemo.unpack(args.archive, args.folder)
+        files = [p for p in dest.rglob("*") if p.is_file()]
+        print(f"unpacked {args.archive} into {dest} ({len(files)} files)")
+    return 0
