@@ -169,6 +169,7 @@ class Bench:
         if self.rank == 0:
             shutil.rmtree(d, ignore_errors=True)
             d.mkdir(parents=True)
+        os.sync()  # earlier contenders' deletes and write-back are not charged to this one
         self.sync()
         return d
 

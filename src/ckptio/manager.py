@@ -89,7 +89,6 @@ class _SaveJob:
     metrics: dict[str, float]
     counters: dict[str, Any]
     root: Path
-    tmp: Path
     start: float
     consolidate: bool
     signature: dict[str, Any] = field(default_factory=dict)
@@ -98,6 +97,7 @@ class _SaveJob:
     optim: dict[str, Any] | None = None
     objects: dict[str, bytes] = field(default_factory=dict)
     sums: dict[str, str] = field(default_factory=dict)
+    tmp: Path | None = None
 
     @property
     def final_dir(self) -> Path:
@@ -295,7 +295,7 @@ class CheckpointManager:
 
     def _snapshot(self, step: int | None, epoch: int | None, metrics: dict[str, float] | None,
                   counters: dict[str, Any] | None, final: bool | None, *, stage: bool) -> "_SaveJob":
-        """Training thread, collective: name the checkpoint, make its temporary folder, capture the state.
+        """Training thread, collective: name the checkpoint and capture the state (nothing touches the disk).
 
         With ``stage`` the tensors are copied into the staging buffers; otherwise the job references the
         live tensors and must be persisted before training goes on.
@@ -308,6 +308,41 @@ class CheckpointManager:
                                 insert_field_names=self.config.auto_insert_field_names)
         rank = _dist.rank()
         start = time.perf_counter()
+        if final is None:
+            final = bool(getattr(self.step_scheduler, "done", False))
+        job = _SaveJob(step=step, epoch=epoch, name=name, metrics=metrics, counters=counters, root=root,
+                       start=start, consolidate=self.config.save_consolidated is True
+                       or (self.config.save_consolidated == "final" and final))
+        live: dict[str, Any] = {}
+        if self.model_state is not None:
+            model_sd = self.model_state.state_dict()
+            job.signature = _model_signature(self.model, model_sd)
+            if self.config.is_peft:
+                adapter = peft_adapter.adapter_name(self.model)
+                weights = peft_adapter.full_tensors(model_sd)  # collective under FSDP2
+                live["peft"] = {peft_adapter.to_peft_key(k, adapter): v for k, v in weights.items()}
+            else:
+                live["model"] = model_sd
+            del model_sd
+        if self.optim_state is not None:
+            live["optim"] = self.optim_state.state_dict()
+        if stage:
+            live = self._stager.stage(live)
+        job.model, job.peft, job.optim = live.get("model"), live.get("peft"), live.get("optim")
+        del live
+        job.objects = _dist.run_collectively("serialising the registered states", lambda: {
+            obj_name: pt_format.to_bytes(obj.state_dict(), obj_name) for obj_name, obj in self.objects.items()})
+        if stage and rank == 0:
+            self.log.info("Staged checkpoint %s in %.2f s (%.1f MB of staging buffers); writing it in the background",
+                          name, time.perf_counter() - start, self._stager.nbytes / 1e6)
+        return job
+
+    def _persist(self, job: "_SaveJob") -> None:
+        """Collective (on the current group): write the job's files, then commit them on rank 0."""
+        rank, world = _dist.rank(), _dist.world_size()
+        root, final_dir = job.root, job.final_dir
+        if rank == 0:
+            self.log.info("Saving checkpoint to %s", final_dir)
 
         def prepare() -> str | None:
             if rank != 0:
@@ -318,52 +353,11 @@ class CheckpointManager:
                 self._cleaned = True
                 for leftover in clean_temporaries(root):
                     self.log.info("Removed leftover of an interrupted save: %s", leftover)
-            tmp = root / f"{TMP_PREFIX}{name}-{uuid.uuid4().hex[:8]}"
+            tmp = root / f"{TMP_PREFIX}{job.name}-{uuid.uuid4().hex[:8]}"
             tmp.mkdir()
             return str(tmp)
 
-        tmp = Path(_dist.broadcast_object(_dist.run_collectively("preparing the checkpoint", prepare)))
-        if final is None:
-            final = bool(getattr(self.step_scheduler, "done", False))
-        job = _SaveJob(step=step, epoch=epoch, name=name, metrics=metrics, counters=counters, root=root,
-                       tmp=tmp, start=start, consolidate=self.config.save_consolidated is True
-                       or (self.config.save_consolidated == "final" and final))
-        try:
-            live: dict[str, Any] = {}
-            if self.model_state is not None:
-                model_sd = self.model_state.state_dict()
-                job.signature = _model_signature(self.model, model_sd)
-                if self.config.is_peft:
-                    adapter = peft_adapter.adapter_name(self.model)
-                    weights = peft_adapter.full_tensors(model_sd)  # collective under FSDP2
-                    live["peft"] = {peft_adapter.to_peft_key(k, adapter): v for k, v in weights.items()}
-                else:
-                    live["model"] = model_sd
-                del model_sd
-            if self.optim_state is not None:
-                live["optim"] = self.optim_state.state_dict()
-            if stage:
-                live = self._stager.stage(live)
-            job.model, job.peft, job.optim = live.get("model"), live.get("peft"), live.get("optim")
-            del live
-            for obj_name, obj in self.objects.items():
-                job.objects[obj_name] = _dist.run_collectively(
-                    f"serialising {obj_name!r}", lambda obj=obj, n=obj_name: pt_format.to_bytes(obj.state_dict(), n))
-        except Exception:
-            if rank == 0:
-                remove_tree(tmp)
-            raise
-        if stage and rank == 0:
-            self.log.info("Staged checkpoint %s in %.2f s (%.1f MB of staging buffers); writing it in the background",
-                          name, time.perf_counter() - start, self._stager.nbytes / 1e6)
-        return job
-
-    def _persist(self, job: "_SaveJob") -> None:
-        """Collective (on the current group): write the job's files, then commit them on rank 0."""
-        rank, world = _dist.rank(), _dist.world_size()
-        tmp, root, final_dir = job.tmp, job.root, job.final_dir
-        if rank == 0:
-            self.log.info("Saving checkpoint to %s", final_dir)
+        tmp = job.tmp = Path(_dist.broadcast_object(_dist.run_collectively("preparing the checkpoint", prepare)))
         try:
             states = self._write_states(job, rank, world)
             _faults.point("save.states_written")
