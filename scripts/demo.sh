@@ -37,4 +37,7 @@ echo; echo "== 5. LoRA on top of that model (loaded from the bundle as a pretrai
   --model.pretrained_path "$OUT/checkpoints/epoch_0_step_200/model/consolidated" \
   --step_scheduler.max_steps 50 2>&1 | grep -v "^Config" | tail -4
 "$PY" examples/llm/generate.py "$OUT/peft/epoch_0_step_50/model"
+
+echo; echo "== 6. quantized export for TensorRT-LLM (int8 weight-only, split for 2-way tensor parallelism), checked"
+.venv/bin/ckptio quantize "$OUT/checkpoints/epoch_0_step_200/model/consolidated" "$OUT/model.qnemo" --tp 2 --compress
 echo; echo "Demo complete: checkpoints under $OUT"

@@ -218,6 +218,11 @@ def pack(folder: str | Path, out: str | Path) -> Path:
     """
     folder, out = Path(folder), Path(out)
     read_config(folder)  # refuses a folder that is not a .nemo layout
+    return _tar_folder(folder, out)
+
+
+def _tar_folder(folder: Path, out: Path) -> Path:
+    """Tar every file and folder under ``folder`` as ``./<path>`` into ``out``, atomically."""
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         with open(tmp, "wb") as fh:
