@@ -158,15 +158,21 @@ _EXIT_SCRIPT = textwrap.dedent("""
     import sys, torch
     from ckptio import CheckpointConfig, CheckpointManager
     model = torch.nn.Linear(2048, 2048)
-    mgr = CheckpointManager(CheckpointConfig(checkpoint_dir=sys.argv[1], async_save=True), model=model)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 2048)).sum().backward()
+    opt.step()
+    mgr = CheckpointManager(CheckpointConfig(checkpoint_dir=sys.argv[1], async_save=True, model_save_format=sys.argv[2]),
+                            model=model, optimizer=opt)
     mgr.save(step=7)
     print("returned", flush=True)
     # no wait(), no close(): a normal interpreter exit must still finish and commit the save
 """)
 
 
-def test_normal_exit_waits_for_the_save_in_flight(tmp_path):
-    out = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, str(tmp_path)], capture_output=True, text=True,
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_normal_exit_waits_for_the_save_in_flight(tmp_path, fmt):
+    # io_threads=2 (the default) writes on extra threads: they must start even while the interpreter exits
+    out = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, str(tmp_path), fmt], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert [e.step for e in committed_checkpoints(tmp_path)] == [7]

@@ -99,11 +99,37 @@ def save(state_dict: dict[str, torch.Tensor], folder: str | Path, *, rank: int, 
     paths = [folder / shard_file_name(rank, world_size, i, len(groups)) for i in range(len(groups))]
     if len(groups) == 1:
         return {paths[0]: _st_writer.write(paths[0], groups[0], metadata)}
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(len(groups), thread_name_prefix="ckptio-write") as pool:
-        digests = list(pool.map(lambda i: _st_writer.write(paths[i], groups[i], metadata), range(len(groups))))
+    digests = _in_threads([lambda i=i: _st_writer.write(paths[i], groups[i], metadata) for i in range(len(groups))],
+                          "ckptio-write")
     return dict(zip(paths, digests))
+
+
+def _in_threads(tasks: list, name: str) -> list:
+    """Run each task on its own thread; return their results in order, or raise the first error.
+
+    Plain threads rather than a ``concurrent.futures`` pool: a background save may still be writing
+    while the interpreter shuts down, when pools refuse new work.
+    """
+    import threading
+
+    results: list = [None] * len(tasks)
+    errors: list[BaseException | None] = [None] * len(tasks)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = tasks[i]()
+        except BaseException as exc:  # re-raised on the calling thread below
+            errors[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"{name}-{i}") for i in range(len(tasks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for exc in errors:
+        if exc is not None:
+            raise exc
+    return results
 
 
 def _balance(entries: list[_st_writer.Entry], n: int) -> list[list[_st_writer.Entry]]:
@@ -247,12 +273,8 @@ def load_files(target: dict[str, torch.Tensor], folder: str | Path, files: list[
     if threads <= 1 or len(keys) < 2:
         _fill(target, keys, chunks, folder)
         return
-    from concurrent.futures import ThreadPoolExecutor
-
     n = min(threads, len(keys))
-    with ThreadPoolExecutor(n, thread_name_prefix="ckptio-read") as pool:
-        for future in [pool.submit(_fill, target, keys[i::n], chunks, folder) for i in range(n)]:
-            future.result()
+    _in_threads([lambda i=i: _fill(target, keys[i::n], chunks, folder) for i in range(n)], "ckptio-read")
 
 
 def _fill(target: dict[str, torch.Tensor], keys: list[str], chunks: dict[str, list[_Chunk]], folder: Path) -> None:
