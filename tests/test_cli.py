@@ -65,9 +65,10 @@ def test_inspect_step_dir(ckpts):
 def test_inspect_dcp_folder_and_single_file(ckpts):
     out = cli("inspect", str(ckpts / "epoch_1_step_20" / "optim"), "--json")
     assert json.loads(out.stdout)["kind"] == "dcp"
-    shard = next((ckpts / "epoch_1_step_20" / "model").glob("*.safetensors"))
-    data = json.loads(cli("inspect", str(shard), "--json").stdout)
-    assert data["kind"] == "safetensors_file" and data["tensors"]["tensors"] == 4
+    files = sorted((ckpts / "epoch_1_step_20" / "model").glob("shard-00001-*.safetensors"))  # one rank's files
+    datas = [json.loads(cli("inspect", str(f), "--json").stdout) for f in files]
+    assert all(d["kind"] == "safetensors_file" for d in datas)
+    assert sum(d["tensors"]["tensors"] for d in datas) == 4
 
 
 def test_bad_input_gives_a_clear_error_not_a_traceback(ckpts, tmp_path):

@@ -85,8 +85,9 @@ class CheckpointConfig:
     ``save()``, ``wait()`` or ``close()``."""
 
     io_threads: int = 2
-    """Threads per rank that write model shards (the rank's tensors split over that many files) and DCP
-    files, and read shards. Measured on the reference machine (``benchmarks/save_load.py --io-threads
+    """Threads per rank that write safetensors model shards (the rank's tensors split over that many
+    files) and read them. DCP folders are written by one thread (DCP's writer threads do not report
+    errors such as a full disk cleanly). Measured on the reference machine (``benchmarks/save_load.py --io-threads
     1,2``): 2 saves about 25% faster than 1, because checksumming and writing overlap; reads gain little."""
 
     def __post_init__(self) -> None:

@@ -462,7 +462,7 @@ class CheckpointManager:
                 job.sums.update({str(path.relative_to(tmp)): digest for path, digest in written.items()})
                 states["model"] = StateEntry("model", "safetensors", MODEL_DIR)
             else:
-                written = dcp_format.save(model_sd, tmp / MODEL_DIR, thread_count=threads)
+                written = dcp_format.save(model_sd, tmp / MODEL_DIR)
                 job.sums.update({f"{MODEL_DIR}/{k}": v for k, v in written.items()})
                 states["model"] = StateEntry("model", "dcp", MODEL_DIR)
             _dist.run_collectively(
@@ -473,7 +473,7 @@ class CheckpointManager:
                 self._consolidate(job, tmp / MODEL_DIR, rank, world)
         job.model = job.peft = None
         if job.optim is not None:
-            written = dcp_format.save(job.optim, tmp / OPTIM_DIR, thread_count=threads)
+            written = dcp_format.save(job.optim, tmp / OPTIM_DIR)
             job.sums.update({f"{OPTIM_DIR}/{k}": v for k, v in written.items()})
             states["optim"] = StateEntry("optimizer", "dcp", OPTIM_DIR)
             job.optim = None
