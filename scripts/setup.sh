@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv beside this repo's sources and installs ckptio with everything the demo and tests need.
-# torch goes in first, pinned, so that no later requirement can pull a different (CUDA) build.
+# torch goes in first, pinned, and stays pinned (scripts/constraints.txt) so that no later requirement
+# can pull a different (CUDA) build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -13,6 +14,6 @@ echo "[setup] installing torch==2.13.0 (CPU build)"
 .venv/bin/pip install -q torch==2.13.0 numpy 2>&1 | grep -v "^WARNING: Location" || true
 .venv/bin/python -c "import torch" || { echo "[setup] torch failed to install" >&2; exit 1; }
 echo "[setup] installing ckptio and its test dependencies"
-.venv/bin/pip install -q -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
-.venv/bin/python -c "import ckptio, transformers, peft, safetensors, pytest" || { echo "[setup] install incomplete" >&2; exit 1; }
+.venv/bin/pip install -q -e ".[test]" -c scripts/constraints.txt 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/python -c "import ckptio, transformers, peft, safetensors, pytest, pytorch_lightning" || { echo "[setup] install incomplete" >&2; exit 1; }
 echo "[setup] done: $(.venv/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"

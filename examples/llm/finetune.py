@@ -166,6 +166,13 @@ class FinetuneRecipe:
             # waits for a background save in flight (async_save) and raises its error, if any
             self.checkpointer.close()
         if not preempted:
+            if self.cfg.export_lightning:
+                from ckptio.formats.lightning import save_lightning
+
+                steps = self.step_scheduler
+                save_lightning(self.cfg.export_lightning, self.model, self.optimizer, self.lr_scheduler,
+                               step=steps.step, epoch=steps.epoch)
+                log(f"Exported the final state as a Lightning checkpoint: {self.cfg.export_lightning}")
             self.summary()
 
     def _train(self) -> bool:
@@ -174,7 +181,9 @@ class FinetuneRecipe:
         signal.signal(signal.SIGTERM, lambda *_: preempted.__setitem__("flag", True))
         info = self.checkpointer.restore()
         steps = self.step_scheduler
-        if info is None:
+        if info is None and self.cfg.init_from_lightning:
+            self._init_from_lightning(self.cfg.init_from_lightning)
+        elif info is None:
             log(f"Starting fresh: {self.world} rank(s), max_steps={steps.max_steps}")
         else:
             log(f"Resumed at step {steps.step} (epoch {steps.epoch}); continuing to step {steps.max_steps}")
@@ -218,6 +227,21 @@ class FinetuneRecipe:
             else:
                 steps.epoch += 1
         return False
+
+    def _init_from_lightning(self, path: str) -> None:
+        """Weights, optimizer and scheduler state, step and epoch from a Lightning checkpoint."""
+        from ckptio.formats.lightning import load_lightning
+
+        if self.world > 1:
+            raise SystemExit("init_from_lightning runs on one process; convert first, then resume on several ranks")
+        pos = load_lightning(path, self.model, self.optimizer, self.lr_scheduler)
+        steps = self.step_scheduler
+        steps.step, steps.epoch = pos.step, pos.epoch
+        # the loader continues after the batches Lightning consumed in its current epoch
+        self.dataloader.load_state_dict({"epoch": pos.epoch, "consumed": pos.batches_in_epoch * self.cfg.data.batch_size,
+                                         "seed": self.cfg.data.seed})
+        log(f"Initialised from Lightning checkpoint {path}: step {pos.step}, epoch {pos.epoch}; "
+            f"continuing to step {steps.max_steps}")
 
     def _any_rank(self, flag: bool) -> bool:
         """Whether any rank got the signal: ranks must agree, or one would save while another trains on."""

@@ -88,6 +88,11 @@ class RecipeConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log_file: str | None = None
     """Where to append one JSON line per training step (step, loss, lr); null: not written."""
+    init_from_lightning: str | None = None
+    """A PyTorch Lightning ``.ckpt`` of the same model to start from (weights, optimizer, LR scheduler,
+    global step and epoch) when the checkpoint folder holds no checkpoint yet."""
+    export_lightning: str | None = None
+    """At the end of a run, also write the final state as a Lightning ``.ckpt`` here (one process only)."""
 
 
 def _type_ok(value: Any, hint: Any) -> bool:
