@@ -1,0 +1,155 @@
+"""``ckptio convert``: every pair of formats round-trips the tiny Llama bit for bit; sharded sources from 2
+ranks; dtype casts; memory stays bounded on a model larger than the bound; clear errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ckptio import CheckpointConfig, CheckpointError, CheckpointManager
+from ckptio.convert import FORMATS, convert, detect
+from distributed import run_ranks
+
+CKPTIO = str(Path(sys.executable).parent / "ckptio")
+SUFFIX = {"torch": ".pt", "nemo": ".nemo", "lightning": ".ckpt"}
+
+
+def _hf_weights(folder: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("model-*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory):
+    from toy import make_model, make_tokenizer
+
+    root = tmp_path_factory.mktemp("src")
+    model = make_model(seed=31, tie_word_embeddings=False)
+    model.save_pretrained(root / "hf")
+    make_tokenizer().save_pretrained(root / "hf")
+    return root / "hf", {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_every_pair_of_formats_round_trips_bitwise(hf_model, tmp_path):
+    src, ref = hf_model
+    first = {}
+    for a in FORMATS:
+        first[a] = convert(src, tmp_path / f"a-{a}{SUFFIX.get(a, '')}", a)
+        assert detect(first[a]) == a, f"{a}: written output is detected as {detect(first[a])}"
+    for a in FORMATS:
+        for b in FORMATS:
+            if a == b:
+                continue
+            mid = convert(first[a], tmp_path / f"{a}-to-{b}{SUFFIX.get(b, '')}", b)
+            back = convert(mid, tmp_path / f"{a}-to-{b}-hf", "hf")
+            got = _hf_weights(back)
+            assert got.keys() == ref.keys(), f"{a} -> {b}: keys differ"
+            for k, v in ref.items():
+                assert torch.equal(got[k], v), f"{a} -> {b}: {k} changed"
+
+
+def test_hf_output_loads_in_transformers_with_config_and_tokenizer(hf_model, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src, ref = hf_model
+    for via in ("step_dir", "nemo", "dcp"):
+        mid = convert(src, tmp_path / f"m-{via}{SUFFIX.get(via, '')}", via)
+        out = convert(mid, tmp_path / f"hf-{via}", "hf", dtype="bfloat16")
+        model = AutoModelForCausalLM.from_pretrained(out)
+        assert model.dtype == torch.bfloat16
+        for k, v in ref.items():
+            assert torch.equal(model.state_dict()[k], v.to(torch.bfloat16)), f"via {via}: {k}"
+        assert AutoTokenizer.from_pretrained(out)("abc").input_ids
+
+
+def test_a_converted_step_dir_is_a_checkpoint_ckptio_restores(hf_model, tmp_path):
+    from toy import make_model
+
+    src, ref = hf_model
+    convert(src, tmp_path / "epoch_0_step_0", "step_dir")
+    model = make_model(seed=0, tie_word_embeddings=False)
+    info = CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path)), model=model, rng=False).restore()
+    assert info is not None and info.step == 0
+    for k, v in ref.items():
+        assert torch.equal(model.state_dict()[k], v), k
+
+
+def _save_two_ranks(root: str) -> dict:
+    from toy import full_state, make_model
+
+    model = make_model(seed=41)
+    for fmt in ("safetensors", "torch_save"):
+        with CheckpointManager(CheckpointConfig(checkpoint_dir=f"{root}/{fmt}", model_save_format=fmt),
+                               model=model, rng=False) as mgr:
+            mgr.save(step=3)
+    return {k.removeprefix("model/"): v for k, v in full_state(model).items()}
+
+
+@pytest.mark.parametrize("to", ["hf", "torch", "nemo"])
+def test_checkpoints_sharded_over_two_ranks_convert_whole(tmp_path, to):
+    ref = run_ranks(2, _save_two_ranks, root=str(tmp_path))[0]
+    for fmt in ("safetensors", "torch_save"):
+        out = convert(tmp_path / fmt / "epoch_0_step_3", tmp_path / f"{fmt}-{to}{SUFFIX.get(to, '')}", to)
+        back = _hf_weights(convert(out, tmp_path / f"{fmt}-{to}-hf", "hf")) if to != "hf" else _hf_weights(out)
+        for k, v in ref.items():
+            k = "model.embed_tokens.weight" if k == "lm_head.weight" else k  # tied: stored once
+            assert torch.equal(back[k], v), f"{fmt} -> {to}: {k}"
+
+
+def test_cli_progress_result_and_errors(hf_model, tmp_path):
+    src, _ = hf_model
+    out = subprocess.run([CKPTIO, "convert", str(src), str(tmp_path / "m.nemo"), "--to", "nemo"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "100%" in out.stderr and "(hf)" in out.stdout and str(tmp_path / "m.nemo") in out.stdout
+    again = subprocess.run([CKPTIO, "convert", str(src), str(tmp_path / "m.nemo"), "--to", "nemo"],
+                           capture_output=True, text=True)
+    assert again.returncode == 2 and "already exists" in again.stderr
+    (tmp_path / "junk.bin").write_bytes(b"not a pickle")
+    bad = subprocess.run([CKPTIO, "convert", str(tmp_path / "junk.bin"), str(tmp_path / "x"), "--to", "hf"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "junk.bin" in bad.stderr and "Traceback" not in bad.stderr
+    assert not (tmp_path / "x").exists()
+
+
+_RSS_SCRIPT = r"""
+import sys, threading, time
+from ckptio.convert import convert
+def rss():
+    with open("/proc/self/statm") as fh:
+        import os
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+base = rss(); peak = [base]; stop = threading.Event()
+def sample():
+    while not stop.wait(0.002):
+        peak[0] = max(peak[0], rss())
+t = threading.Thread(target=sample, daemon=True); t.start()
+convert(sys.argv[1], sys.argv[2], sys.argv[3])
+stop.set(); t.join()
+print("EXTRA", peak[0] - base)
+"""
+
+
+@pytest.mark.parametrize("to", ["hf", "step_dir"])
+def test_streaming_conversion_memory_is_bounded(tmp_path, to):
+    """A 192 MiB model whose largest tensor is 16 MiB converts with far less than its size in memory."""
+    from ckptio.formats import safetensors_sharded
+
+    mib = 1024 * 1024
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"layers.{i}.weight": torch.randn(2048, 2048, generator=g) for i in range(12)}
+    safetensors_sharded.save(tensors, tmp_path / "src", rank=0, world_size=1, threads=2)
+    del tensors
+    out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, str(tmp_path / "src"), str(tmp_path / "out"), to],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    extra = int(out.stdout.split("EXTRA")[1].split()[0])
+    print(f"convert -> {to}: peak extra RSS {extra / mib:.1f} MiB for a 192 MiB model")
+    assert extra < 64 * mib
