@@ -181,3 +181,25 @@ def test_recipe_continues_from_a_lightning_checkpoint(tmp_path):
     assert counts == {8.0}
     assert final["lr_schedulers"][0]["last_epoch"] == 8
     del lit
+
+
+def test_ckptio_convert_turns_a_whole_training_checkpoint_into_one_lightning_resumes(tmp_path):
+    """``ckptio convert STEP_DIR x.ckpt --to lightning`` carries weights, optimizer and scheduler, no code needed."""
+    from toy import Run, make_model
+
+    run = Run(tmp_path / "ck", max_steps=5)  # AdamW(lr=1e-2, wd=0.01) + LambdaLR(min(1, (s+1)/4)), as LitLlama
+    run.train(save_at=(5,), stop_at=5)
+    run.mgr.close()
+    out = subprocess.run([str(Path(sys.executable).parent / "ckptio"), "convert", str(tmp_path / "ck" / "epoch_0_step_5"),
+                          str(tmp_path / "x.ckpt"), "--to", "lightning", "--no-progress"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    lit = LitLlama(make_model(seed=2))
+    trainer = _trainer(7)
+    trainer.fit(lit, _loader(), ckpt_path=str(tmp_path / "x.ckpt"))
+    start = lit.at_start
+    assert start["global_step"] == 5 and trainer.global_step == 7 and start["sched_epoch"] == 5
+    for k, v in run.model.state_dict().items():
+        assert torch.equal(start["weights"][k], v), k
+    for i, st in enumerate(run.opt.state.values()):
+        for k, v in st.items():
+            assert torch.equal(start["optim"][i][k], v), f"optimizer state {i}.{k}"

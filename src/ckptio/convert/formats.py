@@ -73,6 +73,8 @@ class Opened:
                  cleanup: Callable[[], None] | None = None) -> None:
         self.kind, self.source, self.extras, self.step, self.epoch = kind, source, extras, step, epoch
         self._cleanup = cleanup
+        self.step_dir: Path | None = None
+        """A ckptio step directory: its optimizer and scheduler travel to formats that hold them."""
 
     def close(self) -> None:
         if self._cleanup is not None:
@@ -136,7 +138,9 @@ def open_any(path: str | Path, kind: str | None = None) -> Opened:
             raise CheckpointError(f"{path}: holds no full model (states: {sorted(manifest.states)}); "
                                   "PEFT adapters are already a PEFT folder")
         folder = path / entry.path
-        return Opened(kind, hf_bundle.open_source(folder), folder, manifest.step, manifest.epoch)
+        opened = Opened(kind, hf_bundle.open_source(folder), folder, manifest.step, manifest.epoch)
+        opened.step_dir = path
+        return opened
     if kind in ("hf", "safetensors", "dcp"):
         if path.is_file():
             return Opened(kind, FileSafetensorsSource(path), path.parent)
@@ -261,10 +265,27 @@ def write(opened: Opened, out: Path, to: str, *, dtype: torch.dtype | None = Non
         elif to == "lightning":
             from ..formats.lightning import _loops
 
+            optim = sched = None
+            if opened.step_dir is not None and isinstance(opened.source, (hf_bundle.SafetensorsSource,
+                                                                          hf_bundle.DCPSource)):
+                from .training import read_training_state
+
+                optim, sched = read_training_state(opened.step_dir)
+            weights = _all(source, progress)
+            config = None if opened.extras is None else opened.extras / "config.json"
+            if config is not None and config.is_file():
+                from .training import tied_aliases
+
+                # a LightningModule loads strictly: a tied alias that the weights store once is written under
+                # both names, as nn.Module.state_dict() does
+                for alias, primary in tied_aliases(config).items():
+                    if alias not in weights and primary in weights:
+                        weights[alias] = weights[primary]
             ckpt = {"epoch": opened.epoch, "global_step": opened.step, "pytorch-lightning_version": "2.6.6",
-                    "state_dict": {f"model.{k}": v for k, v in _all(source, progress).items()},
+                    "state_dict": {f"model.{k}": v for k, v in weights.items()},
                     "loops": _loops(opened.step, opened.epoch, opened.step, "step"), "callbacks": {},
-                    "optimizer_states": [], "lr_schedulers": []}
+                    "optimizer_states": [optim] if optim is not None else [],
+                    "lr_schedulers": [sched] if sched is not None else []}
             with open(stage, "wb") as fh:
                 torch.save(ckpt, fh)
                 fh.flush()

@@ -250,5 +250,31 @@ def read_index(folder: str | Path) -> dict[str, TensorInfo | None]:
     return index
 
 
+def load_all(folder: str | Path) -> dict[str, Any]:
+    """Every value of a DCP folder, in the nesting it was saved with, without a template from the caller.
+
+    The template is built from the folder's own metadata (tensor shapes and dtypes, and the flattening
+    map DCP records); tensor values are read whole, non-tensor values with ``weights_only=True``.
+    """
+    metadata = read_metadata(folder)
+    mapping = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    template: dict[str, Any] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        path = mapping.get(key, (key,))
+        if not isinstance(path, (tuple, list)) or not path or not all(isinstance(p, (str, int)) for p in path):
+            raise CheckpointCorruptError(f"{folder}: malformed DCP flattening entry for {key!r}")
+        node: Any = template
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise CheckpointCorruptError(f"{folder}: DCP key {key!r} nests inside a value")
+        if isinstance(md, TensorStorageMetadata):
+            node[path[-1]] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        else:
+            node[path[-1]] = None
+    load(template, folder, no_dist=True)
+    return template
+
+
 def data_files(folder: str | Path) -> list[Path]:
     return sorted(Path(folder).glob("*.distcp"))

@@ -1,0 +1,100 @@
+"""Whole training state across formats: ckptio's FQN-keyed optimizer state <-> torch's index-keyed one.
+
+ckptio stores the optimizer flattened and keyed by parameter name (``state.<fqn>.exp_avg``,
+``param_groups.<fqn>.lr``) so that it reshards; Lightning and plain ``optimizer.state_dict()`` key it by
+the parameter's position in the optimizer. The positions are the model's parameter order, which is
+recovered without weights by building the model's architecture from its ``config.json`` on the meta
+device. Parameter groups are rebuilt from the per-parameter hyper-parameters, in order of appearance.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointCorruptError, CheckpointError
+from ..formats import dcp as dcp_format
+
+__all__ = ["parameter_order", "index_keyed_optimizer", "read_training_state"]
+
+
+def _meta_model(config_json: Path) -> Any:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not config_json.is_file():
+        raise CheckpointError(f"{config_json} is missing: the model's parameter layout comes from its config")
+    config = AutoConfig.for_model(**json.loads(config_json.read_text()))
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def parameter_order(config_json: Path) -> list[str]:
+    """Parameter names in ``model.parameters()`` order, for the transformers model ``config_json`` describes."""
+    return [name for name, _ in _meta_model(config_json).named_parameters()]
+
+
+def tied_aliases(config_json: Path) -> dict[str, str]:
+    """Alias -> primary name of parameters the model registers twice (a tied ``lm_head.weight``)."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, param in _meta_model(config_json).named_parameters(remove_duplicate=False):
+        primary = first.setdefault(id(param), name)
+        if primary != name:
+            aliases[name] = primary
+    return aliases
+
+
+def _split(key: str, head: str) -> tuple[str, str]:
+    body = key[len(head):]
+    if "." not in body:
+        raise CheckpointCorruptError(f"optimizer key {key!r} has no parameter name")
+    fqn, name = body.rsplit(".", 1)
+    return fqn, name
+
+
+def index_keyed_optimizer(flat: dict[str, Any], order: list[str]) -> dict[str, Any]:
+    """``optimizer.state_dict()`` layout from ckptio's flattened, FQN-keyed optimizer state."""
+    state: dict[str, dict[str, Any]] = {}
+    hyper: dict[str, dict[str, Any]] = {}
+    for key, value in flat.items():
+        if key.startswith("state."):
+            fqn, name = _split(key, "state.")
+            state.setdefault(fqn, {})[name] = value
+        elif key.startswith("param_groups."):
+            fqn, name = _split(key, "param_groups.")
+            hyper.setdefault(fqn, {})[name] = value
+    unknown = sorted(set(hyper) - set(order))
+    if unknown:
+        raise CheckpointError(f"optimizer state names parameters the model config does not have, e.g. {unknown[:3]}")
+    groups: list[dict[str, Any]] = []
+    signature_to_group: dict[str, int] = {}
+    out_state: dict[int, dict[str, Any]] = {}
+    index = 0
+    for fqn in order:
+        if fqn not in hyper:
+            continue  # not optimized (frozen)
+        sig = repr(sorted(hyper[fqn].items()))
+        if sig not in signature_to_group:
+            signature_to_group[sig] = len(groups)
+            groups.append({**hyper[fqn], "params": []})
+        groups[signature_to_group[sig]]["params"].append(index)
+        if fqn in state:
+            out_state[index] = state[fqn]
+        index += 1
+    return {"state": out_state, "param_groups": groups}
+
+
+def read_training_state(step_dir: Path) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """(index-keyed optimizer state, LR scheduler state) of a ckptio step directory; ``None`` when absent."""
+    from ..manifest import read_manifest
+
+    manifest = read_manifest(step_dir)
+    entry = manifest.states.get("optim")
+    if entry is None:
+        return None, None
+    saved = dcp_format.load_all(step_dir / entry.path)
+    order = parameter_order(step_dir / manifest.states["model"].path / "config.json")
+    optim = index_keyed_optimizer(saved.get("optim", {}), order)
+    return optim, saved.get("lr_scheduler")
