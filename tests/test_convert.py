@@ -153,3 +153,22 @@ def test_streaming_conversion_memory_is_bounded(tmp_path, to):
     extra = int(out.stdout.split("EXTRA")[1].split()[0])
     print(f"convert -> {to}: peak extra RSS {extra / mib:.1f} MiB for a 192 MiB model")
     assert extra < 64 * mib
+
+
+def _restore_converted(root: str) -> dict:
+    from toy import full_state, make_model
+
+    model = make_model(seed=0, tie_word_embeddings=False)
+    info = CheckpointManager(CheckpointConfig(checkpoint_dir=f"{root}/ckpts"), model=model, rng=False).restore()
+    assert info is not None
+    return {k.removeprefix("model/"): v for k, v in full_state(model).items()}
+
+
+def test_converted_step_dir_reshards_onto_two_ranks(hf_model, tmp_path):
+    """A step directory written by convert (one writer) loads on 2 FSDP2 ranks, each reading its slices."""
+    src, ref = hf_model
+    (tmp_path / "ckpts").mkdir()
+    convert(src, tmp_path / "ckpts" / "epoch_0_step_0", "step_dir")
+    got = run_ranks(2, _restore_converted, root=str(tmp_path))[0]
+    for k, v in ref.items():
+        assert torch.equal(got[k], v), k
