@@ -64,6 +64,9 @@ class LitLlama(pl.LightningModule):
 
 
 def _trainer(max_steps: int, **kw) -> "pl.Trainer":
+    # Lightning's own checkpointing stays off unless a test passes its ModelCheckpoint: by default it
+    # would write into the working directory
+    kw.setdefault("enable_checkpointing", bool(kw.get("callbacks")))
     return pl.Trainer(max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
                       accelerator="cpu", devices=1, **kw)
 

@@ -165,8 +165,8 @@ def _restore_on(root: str, name: str) -> dict:
 def test_two_ranks_save_and_reshard_on_restore(tmp_path):
     root = str(tmp_path)
     ref = run_ranks(2, _save_two_ranks, root=root)[0]
-    for name, fmt in (("sharded.nemo", "dcp"), ("gathered.nemo", "ckpt")):
-        for world in (1, 2):
+    for name, fmt, worlds in (("sharded.nemo", "dcp", (1, 2)), ("gathered.nemo", "ckpt", (2,))):
+        for world in worlds:
             got = run_ranks(world, _restore_on, root=root, name=name)[0]
             assert got["format"] == fmt
             for key, value in ref.items():
