@@ -309,12 +309,6 @@ class Bench:
         if self.world == 1:
             loaders["torch.load"] = lambda: torch.load(kept["torch.save"] / "ckpt.pt", weights_only=True)
             loaders["safetensors.load_file"] = lambda: st.load_file(kept["safetensors.save_file"] / "ckpt.safetensors")
-        for threads in self.args.io_threads:
-            if threads != CheckpointConfig().io_threads:
-                name = f"ckptio (safetensors, io_threads={threads})"
-                loaders[f"ckptio restore (safetensors, io_threads={threads})"] = lambda name=name, threads=threads: (
-                    CheckpointManager(CheckpointConfig(checkpoint_dir=str(kept[name] / "ck"), io_threads=threads),
-                                      model=model, optimizer=opt, rng=False).restore())
         results: dict[str, list[tuple[float, int]]] = {k: [] for k in loaders}
         cold = True
         names = list(loaders)

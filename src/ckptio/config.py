@@ -86,9 +86,10 @@ class CheckpointConfig:
 
     io_threads: int = 2
     """Threads per rank that write safetensors model shards (the rank's tensors split over that many
-    files) and read them. DCP folders are written by one thread (DCP's writer threads do not report
-    errors such as a full disk cleanly). Measured on the reference machine (``benchmarks/save_load.py --io-threads
-    1,2``): 2 saves about 25% faster than 1, because checksumming and writing overlap; reads gain little."""
+    files). Measured on the reference machine (``benchmarks/save_load.py --io-threads 1``): 2 writes the
+    model part ~15-20% faster than 1, because checksumming and writing overlap. DCP folders are written
+    by one thread (DCP's writer threads do not report errors such as a full disk cleanly), and reads use
+    one thread (``benchmarks/parallel_io.py``: parallel reads were slower here)."""
 
     def __post_init__(self) -> None:
         self.validate()

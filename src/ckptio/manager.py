@@ -567,8 +567,7 @@ class CheckpointManager:
         strict = self.config.strict and not self.config.is_peft
         self._check_signature(step_dir, manifest, target)
         if entry.format == "safetensors":
-            _dist.run_collectively("loading the model", lambda: safetensors_sharded.load(
-                target, folder, strict=strict, threads=self.config.io_threads))
+            _dist.run_collectively("loading the model", lambda: safetensors_sharded.load(target, folder, strict=strict))
         elif entry.format == "peft":
             adapter = peft_adapter.adapter_name(self.model)
             _dist.run_collectively("loading the PEFT adapter", lambda: peft_adapter.load(target, folder, adapter))
