@@ -253,3 +253,28 @@ def test_two_ranks_background_saves_are_exact_and_errors_do_not_hang(tmp_path, f
         got = run_ranks(1, _load_on, root=root, fmt=fmt, step=step)[0]
         for key, ref in results[0]["snapshots"][step].items():
             assert torch.equal(got[key], ref), f"step {step}: {key} is not the state at the save call"
+
+
+def test_peft_adapter_saved_in_the_background_is_the_snapshot(tmp_path):
+    """PEFT: the gathered adapter is staged too; the adapter folder holds the values of the call."""
+    from safetensors.torch import load_file
+    from toy import make_model
+
+    model = make_model(seed=5, peft=True, base_dir=str(tmp_path / "base"))
+    mgr = CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path / "ck"), is_peft=True, async_save=True),
+                            model=model, base_model_path=str(tmp_path / "base"), rng=False)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                p.add_(0.5)
+    expected = {n.replace(".default.", "."): p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    target = mgr.save(step=1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.mul_(-3.0)  # training goes on while the adapter is written
+    mgr.close()
+    saved = load_file(target / "model" / "adapter_model.safetensors")
+    assert saved.keys() == expected.keys()
+    for k, v in expected.items():
+        assert torch.equal(saved[k], v), k
