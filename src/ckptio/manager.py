@@ -7,13 +7,9 @@ manifest, fsyncs the tree, renames the directory into place and moves the LATEST
 
 from __future__ import annotations
 
-import atexit
 import hashlib
-import sys
-import threading
 import time
 import uuid
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -22,7 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-from . import __version__, _dist
+from . import _dist
 from ._log import get_logger
 from .config import CheckpointConfig
 from .errors import CheckpointError, CheckpointNotFoundError, ConfigError
@@ -34,16 +30,23 @@ from .formats.common import TensorInfo
 from .formats.safetensors_sharded import check_compatible
 from . import _faults, policies
 from .layout import (
-    BEST,
     LATEST,
     TMP_PREFIX,
     clean_temporaries,
-    committed_checkpoints,
     format_step_name,
     parse_step_name,
     resolve_restore_path,
 )
-from .manifest import MANIFEST_NAME, Manifest, StateEntry, read_manifest
+from .background import BackgroundWriter
+from .manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    StateEntry,
+    list_files,
+    model_signature,
+    read_manifest,
+    software_versions,
+)
 from .staging import Stager
 from .state import ModelState, OptimizerState, RNGState
 from .storage import commit_directory, fsync_tree, remove_tree, write_pointer
@@ -102,22 +105,6 @@ class _SaveJob:
     @property
     def final_dir(self) -> Path:
         return self.root / self.name
-
-
-@dataclass
-class _Pending:
-    job: _SaveJob
-    thread: threading.Thread | None = None
-    error: BaseException | None = None
-
-
-def _wait_at_exit(ref: "weakref.ref[CheckpointManager]") -> None:
-    manager = ref()
-    if manager is not None and manager._pending is not None:
-        try:
-            manager.wait()
-        except BaseException as exc:  # noqa: BLE001 - at exit there is no caller left to raise to
-            manager.log.error("The last background save failed: %s", _dist.format_exc_short(exc))
 
 
 class CheckpointManager:
@@ -188,14 +175,8 @@ class CheckpointManager:
         self._cleaned = False
         self._lock = DirectoryLock(config.checkpoint_dir)
         self._stager = Stager()
-        self._pending: _Pending | None = None
-        self._group = None
-        if config.async_save and config.enabled:
-            if _dist.is_dist():
-                import torch.distributed as dist
-
-                self._group = dist.new_group(backend="gloo")  # collective: every rank builds the manager
-            atexit.register(_wait_at_exit, weakref.ref(self))
+        # collective when distributed: every rank builds the manager
+        self._writer = BackgroundWriter(self.log) if config.async_save and config.enabled else None
 
     def close(self) -> None:
         """Wait for a background save in flight (raising its error), then release the checkpoint folder.
@@ -249,14 +230,11 @@ class CheckpointManager:
         if not self.config.enabled:
             return None
         self.wait()
-        job = self._snapshot(step, epoch, metrics, counters, final, stage=self.config.async_save)
-        if not self.config.async_save:
+        job = self._snapshot(step, epoch, metrics, counters, final, stage=self._writer is not None)
+        if self._writer is None:
             self._persist(job)
-            return job.final_dir
-        self._pending = _Pending(job)
-        self._pending.thread = threading.Thread(target=self._persist_in_background, args=(self._pending,),
-                                                name=f"ckptio-save-{job.step}", daemon=False)
-        self._pending.thread.start()
+        else:
+            self._writer.start(job.final_dir, lambda: self._persist(job))
         return job.final_dir
 
     def wait(self) -> Path | None:
@@ -265,33 +243,12 @@ class CheckpointManager:
         Returns the directory it committed (``None`` when nothing was in flight). Every rank should call
         it at the same point, like :meth:`save`.
         """
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return None
-        assert pending.thread is not None
-        if pending.thread.is_alive() and _dist.rank() == 0:
-            self.log.debug("Waiting for the background save to %s", pending.job.final_dir)
-        pending.thread.join()
-        if pending.error is not None:
-            error = pending.error
-            if hasattr(error, "add_note"):
-                error.add_note(f"raised by the background save to {pending.job.final_dir}")
-            raise error
-        return pending.job.final_dir
+        return self._writer.wait() if self._writer is not None else None
 
     @property
     def save_in_flight(self) -> bool:
         """Whether a background save has been started and not yet waited for."""
-        return self._pending is not None
-
-    def _persist_in_background(self, pending: "_Pending") -> None:
-        try:
-            with _dist.using_group(self._group):
-                self._persist(pending.job)
-        except BaseException as exc:  # kept for the training thread: raised at its next save/wait/close
-            pending.error = exc
-            self.log.error("Background save to %s failed: %s (raised at the next save, wait or close)",
-                           pending.job.final_dir, _dist.format_exc_short(exc))
+        return self._writer is not None and self._writer.in_flight
 
     def _snapshot(self, step: int | None, epoch: int | None, metrics: dict[str, float] | None,
                   counters: dict[str, Any] | None, final: bool | None, *, stage: bool) -> "_SaveJob":
@@ -316,7 +273,7 @@ class CheckpointManager:
         live: dict[str, Any] = {}
         if self.model_state is not None:
             model_sd = self.model_state.state_dict()
-            job.signature = _model_signature(self.model, model_sd)
+            job.signature = model_signature(self.model, model_sd)
             if self.config.is_peft:
                 adapter = peft_adapter.adapter_name(self.model)
                 weights = peft_adapter.full_tensors(model_sd)  # collective under FSDP2
@@ -369,7 +326,7 @@ class CheckpointManager:
                 if rank != 0:
                     return
                 _faults.point("commit.before_manifest")
-                files = _list_files(tmp)
+                files = list_files(tmp)
                 for rel in files:  # small side files (config, tokenizer, adapter) are summed here
                     if rel not in sums:
                         sums[rel] = file_checksum(tmp / rel)
@@ -378,7 +335,7 @@ class CheckpointManager:
                     model_save_format=self.config.model_save_format, states=states,
                     files=files, metrics=job.metrics, counters=job.counters, checksums=sums,
                     model_signature=job.signature,
-                    is_peft=self.config.is_peft, versions=_versions(),
+                    is_peft=self.config.is_peft, versions=software_versions(),
                 )
                 pt_format.write_bytes(tmp / MANIFEST_NAME, manifest.to_json().encode())
                 fsync_tree(tmp)
@@ -402,17 +359,9 @@ class CheckpointManager:
 
     def _after_commit(self, root: Path) -> None:
         """Rank 0, after a commit: move BEST, then apply retention (protecting latest, best, resumed-from)."""
-        entries = committed_checkpoints(root)
-        policy = self.config.retention_policy()
-        if policy.monitor:
-            best = policies.best_checkpoint(entries, policy.monitor, policy.mode)
-            if best is not None:
-                write_pointer(root, BEST, best.name)
-        if not policy.active:
-            return
-        protected = {self.restored.path.name} if self.restored is not None and self.restored.path.parent == root else set()
-        decision = policies.decide(entries, policy, protected=protected)
-        for path in policies.apply(root, decision):
+        restored = self.restored
+        protected = {restored.path.name} if restored is not None and restored.path.parent == root else set()
+        for path in policies.after_commit(root, self.config.retention_policy(), protected=protected):
             self.log.info("Removed checkpoint %s (retention)", path)
 
     def _consolidate(self, job: "_SaveJob", model_dir: Path, rank: int, world: int) -> None:
@@ -585,7 +534,7 @@ class CheckpointManager:
         if not isinstance(shapes, dict):
             return  # older manifests: the format-level index check below still applies
         saved = {k: TensorInfo(tuple(int(d) for d in v), "?") for k, v in shapes.items()}
-        ours = _model_signature(self.model, target).get("architecture")
+        ours = model_signature(self.model, target).get("architecture")
         theirs = manifest.model_signature.get("architecture")
         where = f"{step_dir} (a checkpoint of {theirs})" if theirs and theirs != ours else str(step_dir)
         check_compatible(saved, target, where, strict=self.config.strict and not self.config.is_peft)
@@ -638,33 +587,5 @@ class CheckpointManager:
             _dist.run_collectively(f"loading {name!r}", load_one)
 
 
-def _model_signature(model: nn.Module | None, state_dict: dict[str, torch.Tensor]) -> dict[str, Any]:
-    config = getattr(model, "config", None)
-    architecture = None
-    if config is not None and getattr(config, "architectures", None):
-        architecture = ",".join(config.architectures)
-    elif model is not None:
-        architecture = type(model).__name__.removeprefix("FSDP")
-    return {"architecture": architecture, "shapes": {k: list(v.shape) for k, v in state_dict.items()}}
-
-
 def _rank_file(rank: int) -> str:
     return f"rank_{rank:05d}.pt"
-
-
-def _list_files(root: Path) -> dict[str, int]:
-    return {
-        str(p.relative_to(root)): p.stat().st_size
-        for p in sorted(root.rglob("*"))
-        if p.is_file() and p.name != MANIFEST_NAME
-    }
-
-
-def _versions() -> dict[str, str]:
-    import safetensors
-
-    versions = {"ckptio": __version__, "torch": torch.__version__, "safetensors": safetensors.__version__}
-    transformers = sys.modules.get("transformers")  # recorded only when in use: importing it costs seconds
-    if transformers is not None:
-        versions["transformers"] = getattr(transformers, "__version__", "unknown")
-    return versions

@@ -143,3 +143,40 @@ def check_files(step_dir: Path, manifest: Manifest, *, checksums: bool = False) 
             elif checksums:
                 problems.append(f"{path}: no checksum recorded in the manifest")
     return problems
+
+
+# ---------------------------------------------------------------------------------------- building one
+def model_signature(model: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``{"architecture": …, "shapes": {key: shape}}`` of a model, checked before its weights are loaded."""
+    config = getattr(model, "config", None)
+    architecture = None
+    if config is not None and getattr(config, "architectures", None):
+        architecture = ",".join(config.architectures)
+    elif model is not None:
+        architecture = type(model).__name__.removeprefix("FSDP")
+    return {"architecture": architecture, "shapes": {k: list(v.shape) for k, v in state_dict.items()}}
+
+
+def list_files(root: Path) -> dict[str, int]:
+    """Relative path -> size of every file under ``root`` except the manifest (the manifest's ``files``)."""
+    return {
+        p.relative_to(root).as_posix(): p.stat().st_size
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != MANIFEST_NAME
+    }
+
+
+def software_versions() -> dict[str, str]:
+    """Versions of ckptio, torch and safetensors (and transformers when already imported)."""
+    import sys
+
+    import safetensors
+    import torch
+
+    from . import __version__
+
+    versions = {"ckptio": __version__, "torch": torch.__version__, "safetensors": safetensors.__version__}
+    transformers = sys.modules.get("transformers")  # recorded only when in use: importing it costs seconds
+    if transformers is not None:
+        versions["transformers"] = getattr(transformers, "__version__", "unknown")
+    return versions

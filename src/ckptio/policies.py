@@ -133,3 +133,21 @@ def apply(root: Path, decision: RetentionDecision) -> list[Path]:
         remove_tree(e.path)
         removed.append(e.path)
     return removed
+
+
+def after_commit(root: Path, policy: RetentionPolicy, *, protected: set[str] = frozenset()) -> list[Path]:
+    """After a commit (rank 0): move the BEST pointer, then delete what ``policy`` does not keep.
+
+    The newest and the best are always kept, and so is every name in ``protected``. Returns what was removed.
+    """
+    from .layout import BEST, committed_checkpoints
+    from .storage import write_pointer
+
+    entries = committed_checkpoints(root)
+    if policy.monitor:
+        best = best_checkpoint(entries, policy.monitor, policy.mode)
+        if best is not None:
+            write_pointer(root, BEST, best.name)
+    if not policy.active:
+        return []
+    return apply(root, decide(entries, policy, protected=protected))
