@@ -26,7 +26,7 @@ from .formats import dcp as dcp_format
 from .formats import hf_bundle, peft_adapter
 from .formats import pt as pt_format
 from .formats import safetensors_sharded
-from .formats.common import TensorInfo
+from .formats.common import TensorInfo, full_tensors
 from .formats.safetensors_sharded import check_compatible
 from . import _faults, policies
 from .layout import (
@@ -276,7 +276,7 @@ class CheckpointManager:
             job.signature = model_signature(self.model, model_sd)
             if self.config.is_peft:
                 adapter = peft_adapter.adapter_name(self.model)
-                weights = peft_adapter.full_tensors(model_sd)  # collective under FSDP2
+                weights = full_tensors(model_sd)  # collective under FSDP2
                 live["peft"] = {peft_adapter.to_peft_key(k, adapter): v for k, v in weights.items()}
             else:
                 live["model"] = model_sd

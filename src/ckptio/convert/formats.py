@@ -34,8 +34,9 @@ import torch
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, ConfigError
 from ..formats import _st_writer, hf_bundle, nemo, safetensors_sharded
 from ..formats import dcp as dcp_format
+from ..formats import pt as pt_format
 from ..formats.common import TensorInfo, dtype_name
-from ..manifest import MANIFEST_NAME, Manifest, StateEntry, read_manifest
+from ..manifest import MANIFEST_NAME, Manifest, StateEntry, list_files, read_manifest, software_versions
 from ..storage import fsync_dir, fsync_tree
 from ..storage.checksum import file_checksum
 
@@ -109,12 +110,8 @@ def detect(path: Path) -> str:
     raise CheckpointError(f"{path}: unknown file type (expected .safetensors, .nemo, .ckpt, .pt, .pth or .bin)")
 
 
-def _torch_tensors(path: Path, what: str) -> dict[str, Any]:
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointCorruptError(f"{path}: cannot be loaded safely as {what} ({first})") from exc
+def _torch_tensors(path: Path) -> dict[str, Any]:
+    obj = pt_format.load(path, mmap=True)
     if not isinstance(obj, dict):
         raise CheckpointCorruptError(f"{path}: holds a {type(obj).__name__}, not a state dict")
     return obj
@@ -146,7 +143,7 @@ def open_any(path: str | Path, kind: str | None = None) -> Opened:
             return Opened(kind, FileSafetensorsSource(path), path.parent)
         return Opened(kind, hf_bundle.open_source(path), path)
     if kind == "torch":
-        sd = _torch_tensors(path, "a torch.save state dict")
+        sd = _torch_tensors(path)
         if "state_dict" in sd and isinstance(sd["state_dict"], dict):
             sd = sd["state_dict"]
         return Opened(kind, DictSource(_only_tensors(sd, path), path.parent), None)
@@ -175,7 +172,7 @@ def open_any(path: str | Path, kind: str | None = None) -> Opened:
             if (folder / nemo.WEIGHTS_DIR / dcp_format.METADATA_FILE).is_file():
                 source: Any = hf_bundle.DCPSource(folder / nemo.WEIGHTS_DIR)
             else:
-                source = DictSource(_only_tensors(_torch_tensors(folder / nemo.WEIGHTS_FILE, "NeMo weights"), path),
+                source = DictSource(_only_tensors(_torch_tensors(folder / nemo.WEIGHTS_FILE), path),
                                     folder)
         except BaseException:
             shutil.rmtree(base, ignore_errors=True)
@@ -254,8 +251,7 @@ def write(opened: Opened, out: Path, to: str, *, dtype: torch.dtype | None = Non
         elif to == "step_dir":
             _write_step_dir(opened, source, stage, out.name, progress)
         elif to == "dcp":
-            written = dcp_format.save(_all(source, progress), stage)
-            del written
+            dcp_format.save(_all(source, progress), stage)
             _copy_extras(opened.extras, stage)
         elif to == "torch":
             with open(stage, "wb") as fh:
@@ -306,11 +302,9 @@ def write(opened: Opened, out: Path, to: str, *, dtype: torch.dtype | None = Non
 
 def _write_step_dir(opened: Opened, source: Any, stage: Path, name: str,
                     progress: Callable[[int], None] | None) -> None:
-    from .. import __version__
-
     written = _write_sharded(source, stage / "model", progress)
     _copy_extras(opened.extras, stage / "model")
-    files = {p.relative_to(stage).as_posix(): p.stat().st_size for p in sorted(stage.rglob("*")) if p.is_file()}
+    files = list_files(stage)
     sums = {p.relative_to(stage).as_posix(): d for p, d in written.items()}
     for rel in files:
         sums.setdefault(rel, file_checksum(stage / rel))
@@ -325,7 +319,7 @@ def _write_step_dir(opened: Opened, source: Any, stage: Path, name: str,
                         states={"model": StateEntry("model", "safetensors", "model")}, files=files, checksums=sums,
                         model_signature={"architecture": architecture,
                                          "shapes": {k: list(v.shape) for k, v in index.items()}},
-                        versions={"ckptio": __version__, "torch": torch.__version__})
+                        versions=software_versions())
     (stage / MANIFEST_NAME).write_text(manifest.to_json())
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -32,3 +33,15 @@ def dtype_itemsize(name: str) -> int:
     if not isinstance(dtype, torch.dtype):
         return 0
     return dtype.itemsize
+
+
+def full_tensors(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """Collective when any value is a DTensor: the whole tensor of every entry, on CPU."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for key, value in state_dict.items():
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        out[key] = value.detach().to("cpu").contiguous()
+    return out

@@ -34,6 +34,7 @@ from torch import nn
 from .. import _dist
 from ..errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError
 from ..storage import fsync_dir
+from . import pt as pt_format
 
 __all__ = ["LightningPosition", "lightning_checkpoint", "save_lightning", "read_lightning", "load_lightning"]
 
@@ -164,14 +165,7 @@ def read_lightning(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise CheckpointNotFoundError(f"{path}: no such Lightning checkpoint")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointCorruptError(
-            f"{path}: cannot be loaded safely as a Lightning checkpoint ({first}); entries holding arbitrary "
-            "Python objects are refused rather than executed"
-        ) from exc
+    ckpt = pt_format.load(path)  # entries holding arbitrary Python objects are refused, never executed
     if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):
         raise CheckpointCorruptError(f"{path}: not a Lightning checkpoint (no state_dict mapping)")
     for key in ("global_step", "epoch"):

@@ -47,6 +47,7 @@ from ..storage import fsync_dir
 from ..storage.archive import safe_extract
 from . import dcp as dcp_format
 from . import pt as pt_format
+from .common import full_tensors
 
 __all__ = ["NemoModel", "save_nemo", "restore_nemo", "pack", "unpack", "read_config", "CONFIG_FILE"]
 
@@ -131,7 +132,7 @@ def save_nemo(path: str | Path, model: nn.Module, *, config: dict[str, Any] | No
         if sharded:
             dcp_format.save(local, stage / WEIGHTS_DIR)
         else:
-            full = _full_state(local)  # collective under FSDP2
+            full = full_tensors(local)  # collective under FSDP2
 
             def write_ckpt() -> None:
                 if rank == 0:
@@ -155,12 +156,6 @@ def save_nemo(path: str | Path, model: nn.Module, *, config: dict[str, Any] | No
         if rank == 0:
             shutil.rmtree(stage, ignore_errors=True)
     return path
-
-
-def _full_state(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    from torch.distributed.tensor import DTensor
-
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().contiguous() for k, v in local.items()}
 
 
 def _config_doc(model: nn.Module, stage: Path, sharded: bool, config: dict[str, Any] | None,
@@ -390,10 +385,7 @@ def describe(path: str | Path) -> dict[str, Any]:
         if (folder / WEIGHTS_DIR / dcp_format.METADATA_FILE).is_file():
             weights, index = WEIGHTS_DIR + "/ (DCP)", dcp_format.read_index(folder / WEIGHTS_DIR)
         else:
-            try:
-                full = torch.load(folder / WEIGHTS_FILE, map_location="cpu", weights_only=True, mmap=True)
-            except Exception as exc:
-                raise CheckpointCorruptError(f"{path}: {WEIGHTS_FILE} cannot be loaded safely ({exc})") from exc
+            full = pt_format.load(folder / WEIGHTS_FILE, mmap=True)
             if not isinstance(full, dict):
                 raise CheckpointCorruptError(f"{path}: {WEIGHTS_FILE} does not hold a state dict")
             weights = WEIGHTS_FILE

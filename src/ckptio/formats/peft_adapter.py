@@ -40,18 +40,6 @@ def to_peft_key(fqn: str, adapter: str) -> str:
     return fqn.replace(f".{adapter}.", ".") if f".{adapter}." in fqn else fqn
 
 
-def full_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Collective when any value is a DTensor: the whole tensor of every entry, on CPU."""
-    from torch.distributed.tensor import DTensor
-
-    out = {}
-    for key, value in state_dict.items():
-        if isinstance(value, DTensor):
-            value = value.full_tensor()
-        out[key] = value.detach().to("cpu").contiguous()
-    return out
-
-
 def resolve_base_path(model: torch.nn.Module, adapter: str, base_model_path: str | os.PathLike | None) -> str | None:
     """An absolute base model path for adapter_config.json, or ``None`` when none is known.
 

@@ -38,12 +38,13 @@ def write_bytes(path: str | Path, data: bytes) -> None:
         os.fsync(fh.fileno())
 
 
-def load(path: str | Path) -> Any:
+def load(path: str | Path, *, mmap: bool = False) -> Any:
+    """``torch.load(weights_only=True)`` with a clear error naming the file; ``mmap`` maps tensors lazily."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointNotFoundError(f"{path}: missing")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as exc:
         raise CheckpointCorruptError(
             f"{path}: cannot be loaded safely ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
