@@ -20,6 +20,7 @@ import copy
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 __all__ = ["Stager"]
 
@@ -47,8 +48,6 @@ class Stager:
         return out
 
     def _stage(self, value: Any, key: str) -> Any:
-        from torch.distributed.tensor import DTensor, Partial, Replicate
-
         if isinstance(value, DTensor):
             if any(isinstance(p, Partial) for p in value.placements):
                 value = value.redistribute(placements=[Replicate() if isinstance(p, Partial) else p

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 from ..convert import formats
 from ..convert import naming as naming_mod
@@ -36,20 +35,26 @@ def run(args: argparse.Namespace) -> int:
     if not (args.source and args.dest and args.to):
         print("ckptio convert: error: SOURCE, DEST and --to are required", file=sys.stderr)
         return 2
-    kind = formats.detect(Path(args.source))
-    total = formats.total_bytes(args.source)
-    bar = None
-    if not args.no_progress:
+    bars = []
+    seen: dict[str, object] = {}
+
+    def progress(kind: str, total: int):
+        seen.update(kind=kind, total=total)
+        if args.no_progress:
+            return None
         from tqdm import tqdm
 
-        bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"{kind} -> {args.to}", file=sys.stderr)
+        bars.append(tqdm(total=total, unit="B", unit_scale=True, desc=f"{kind} -> {args.to}", file=sys.stderr))
+        return bars[0].update
+
     start = time.perf_counter()
     try:
         out = formats.convert(args.source, args.dest, args.to, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                              naming=args.naming, progress=bar.update if bar else None)
+                              naming=args.naming, progress=progress)
     finally:
-        if bar is not None:
+        for bar in bars:
             bar.close()
-    print(f"converted {args.source} ({kind}) to {out} ({args.to}{', ' + args.naming if args.naming else ''}"
-          f"{', ' + args.dtype if args.dtype else ''}): {human_bytes(total)} in {time.perf_counter() - start:.1f} s")
+    print(f"converted {args.source} ({seen['kind']}) to {out} ({args.to}{', ' + args.naming if args.naming else ''}"
+          f"{', ' + args.dtype if args.dtype else ''}): {human_bytes(seen['total'])} in "
+          f"{time.perf_counter() - start:.1f} s")
     return 0

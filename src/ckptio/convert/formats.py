@@ -58,15 +58,6 @@ class DictSource:
         return self.tensors[key]
 
 
-class FileSafetensorsSource(hf_bundle.SafetensorsSource):
-    """One safetensors file (not its whole folder)."""
-
-    def __init__(self, file: Path) -> None:
-        self.folder = file.parent
-        self._chunks, self._infos = safetensors_sharded._scan(file.parent, [file])
-        self._headers = {}
-
-
 class Opened:
     """An opened source: its tensors, the folder with its side files (config, tokenizer), its position."""
 
@@ -140,7 +131,7 @@ def open_any(path: str | Path, kind: str | None = None) -> Opened:
         return opened
     if kind in ("hf", "safetensors", "dcp"):
         if path.is_file():
-            return Opened(kind, FileSafetensorsSource(path), path.parent)
+            return Opened(kind, hf_bundle.SafetensorsSource(path.parent, [path]), path.parent)
         return Opened(kind, hf_bundle.open_source(path), path)
     if kind == "torch":
         sd = _torch_tensors(path)
@@ -259,11 +250,10 @@ def write(opened: Opened, out: Path, to: str, *, dtype: torch.dtype | None = Non
                 fh.flush()
                 os.fsync(fh.fileno())
         elif to == "lightning":
-            from ..formats.lightning import _loops
+            from ..formats.lightning import checkpoint_dict
 
             optim = sched = None
-            if opened.step_dir is not None and isinstance(opened.source, (hf_bundle.SafetensorsSource,
-                                                                          hf_bundle.DCPSource)):
+            if opened.step_dir is not None:
                 from .training import read_training_state
 
                 optim, sched = read_training_state(opened.step_dir)
@@ -277,11 +267,8 @@ def write(opened: Opened, out: Path, to: str, *, dtype: torch.dtype | None = Non
                 for alias, primary in tied_aliases(config).items():
                     if alias not in weights and primary in weights:
                         weights[alias] = weights[primary]
-            ckpt = {"epoch": opened.epoch, "global_step": opened.step, "pytorch-lightning_version": "2.6.6",
-                    "state_dict": {f"model.{k}": v for k, v in weights.items()},
-                    "loops": _loops(opened.step, opened.epoch, opened.step, "step"), "callbacks": {},
-                    "optimizer_states": [optim] if optim is not None else [],
-                    "lr_schedulers": [sched] if sched is not None else []}
+            ckpt = checkpoint_dict(weights, step=opened.step, epoch=opened.epoch, optimizer_state=optim,
+                                   scheduler_state=sched)
             with open(stage, "wb") as fh:
                 torch.save(ckpt, fh)
                 fh.flush()
@@ -351,11 +338,12 @@ def _write_nemo(opened: Opened, source: Any, stage: Path, out: Path, progress: C
 
 def convert(src: str | Path, dst: str | Path, to: str, *, dtype: str | torch.dtype | None = None,
             max_shard_size: str = "5GB", naming: str | None = None,
-            progress: Callable[[int], None] | None = None) -> Path:
+            progress: Callable[[str, int], Callable[[int], None] | None] | None = None) -> Path:
     """Convert the model weights at ``src`` into the new path ``dst`` in format ``to``.
 
     ``naming`` applies a registered naming converter (see :mod:`ckptio.convert.naming`) on the way.
-    Returns ``dst``.
+    ``progress``, once the source is open, is called with its format and total bytes and may return a
+    callback that is fed the bytes as they are written. Returns ``dst``.
     """
     dst = Path(dst)
     if dst.exists():
@@ -365,22 +353,19 @@ def convert(src: str | Path, dst: str | Path, to: str, *, dtype: str | torch.dty
     cast = hf_bundle.torch_dtype(dtype) if isinstance(dtype, str) else dtype
     opened = open_any(src)
     try:
+        update = None
+        if progress is not None:
+            total = sum(i.numel * hf_bundle.torch_dtype(i.dtype).itemsize for i in opened.source.index().values())
+            update = progress(opened.kind, total)
         if naming is not None:
             from .naming import renamed_source
 
             opened.source = renamed_source(opened.source, naming, opened.extras)
-        write(opened, dst, to, dtype=cast, max_shard_size=max_shard_size, progress=progress)
+            opened.step_dir = None  # optimizer state is keyed by the old names: it cannot follow
+        write(opened, dst, to, dtype=cast, max_shard_size=max_shard_size, progress=update)
     finally:
         opened.close()
     return dst
 
 
-def total_bytes(src: str | Path) -> int:
-    opened = open_any(src)
-    try:
-        return sum(i.numel * hf_bundle.torch_dtype(i.dtype).itemsize for i in opened.source.index().values())
-    finally:
-        opened.close()
-
-
-__all__ = ["FORMATS", "convert", "detect", "open_any", "write", "total_bytes"]
+__all__ = ["FORMATS", "convert", "detect", "open_any", "write"]

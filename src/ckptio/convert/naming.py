@@ -25,6 +25,7 @@ import torch
 
 from ..errors import CheckpointError, ConfigError
 from ..formats.common import TensorInfo, dtype_name
+from ..formats.hf_bundle import torch_dtype
 
 __all__ = ["Rule", "Converter", "CONVERTERS", "register", "get_converter", "apply", "check_invertible",
            "renamed_source"]
@@ -189,7 +190,7 @@ class _RenamedSource:
         self._plan = plan(converter, list(self._index))
         self._infos: dict[str, TensorInfo] = {}
         for tgt, (rule, srcs, n) in self._plan.outputs.items():  # shapes from metadata, via meta tensors
-            metas = [torch.empty(self._index[s].shape, dtype=_dtype(self._index[s].dtype), device="meta") for s in srcs]
+            metas = [torch.empty(self._index[s].shape, dtype=torch_dtype(self._index[s].dtype), device="meta") for s in srcs]
             out = _forward(rule, metas, config)[n]
             self._infos[tgt] = TensorInfo(tuple(out.shape), dtype_name(out.dtype))
 
@@ -199,12 +200,6 @@ class _RenamedSource:
     def read(self, key: str) -> torch.Tensor:
         rule, srcs, n = self._plan.outputs[key]
         return _forward(rule, [self.source.read(s) for s in srcs], self.config)[n]
-
-
-def _dtype(name: str) -> torch.dtype:
-    from ..formats.hf_bundle import torch_dtype
-
-    return torch_dtype(name)
 
 
 def renamed_source(source: Any, name: str, extras: Path | None) -> _RenamedSource:

@@ -103,9 +103,9 @@ class SafetensorsSource:
     resident set, so memory stays bounded by the tensor being assembled.
     """
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, files: list[Path] | None = None) -> None:
         self.folder = folder
-        self._chunks, self._infos = safetensors_sharded._scan(folder)
+        self._chunks, self._infos = safetensors_sharded._scan(folder, files)
         self._headers: dict[Path, tuple[dict, int]] = {}
 
     def index(self) -> dict[str, TensorInfo]:

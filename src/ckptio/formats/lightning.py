@@ -36,7 +36,8 @@ from ..errors import CheckpointCorruptError, CheckpointMismatchError, Checkpoint
 from ..storage import fsync_dir
 from . import pt as pt_format
 
-__all__ = ["LightningPosition", "lightning_checkpoint", "save_lightning", "read_lightning", "load_lightning"]
+__all__ = ["LightningPosition", "lightning_checkpoint", "checkpoint_dict", "save_lightning", "read_lightning",
+           "load_lightning"]
 
 LIGHTNING_VERSION = "2.6.6"  # the version whose layout the loop counters follow
 
@@ -124,16 +125,30 @@ def lightning_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | No
     if optimizer is not None and _dist.is_dist():
         raise NotImplementedError("exporting a sharded optimizer to a Lightning .ckpt is not supported yet; "
                                   "export from a single process")
+    return checkpoint_dict(
+        _full_model_state(model), step=step, epoch=epoch, batches_in_epoch=batches_in_epoch, prefix=prefix,
+        optimizer_state=optimizer.state_dict() if optimizer is not None else None,
+        scheduler_state=lr_scheduler.state_dict() if lr_scheduler is not None else None,
+        scheduler_interval=scheduler_interval, hyper_parameters=hyper_parameters,
+    )
+
+
+def checkpoint_dict(weights: dict[str, torch.Tensor], *, step: int, epoch: int = 0,
+                    batches_in_epoch: int | None = None, prefix: str = "model.",
+                    optimizer_state: dict[str, Any] | None = None, scheduler_state: dict[str, Any] | None = None,
+                    scheduler_interval: str = "step",
+                    hyper_parameters: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The Lightning checkpoint layout around already-gathered states (the model's keys without ``prefix``)."""
     batches = step if batches_in_epoch is None else batches_in_epoch
     ckpt: dict[str, Any] = {
         "epoch": int(epoch),
         "global_step": int(step),
         "pytorch-lightning_version": LIGHTNING_VERSION,
-        "state_dict": {prefix + k: v for k, v in _full_model_state(model).items()},
+        "state_dict": {prefix + k: v for k, v in weights.items()},
         "loops": _loops(int(step), int(epoch), int(batches), scheduler_interval),
         "callbacks": {},
-        "optimizer_states": [optimizer.state_dict()] if optimizer is not None else [],
-        "lr_schedulers": [lr_scheduler.state_dict()] if lr_scheduler is not None else [],
+        "optimizer_states": [optimizer_state] if optimizer_state is not None else [],
+        "lr_schedulers": [scheduler_state] if scheduler_state is not None else [],
     }
     if hyper_parameters:
         ckpt["hyper_parameters"] = dict(hyper_parameters)

@@ -256,26 +256,21 @@ def check_compatible(
         )
 
 
-def load(target: dict[str, torch.Tensor], folder: str | Path, *, strict: bool = True, threads: int = 1) -> None:
-    """Fill every tensor of ``target`` (local shards of DTensors, or whole tensors) in place.
-
-    ``threads`` > 1 reads that many tensors at a time, each thread with its own file handles.
-    """
-    load_files(target, folder, None, strict=strict, threads=threads)
+def load(target: dict[str, torch.Tensor], folder: str | Path, *, strict: bool = True) -> None:
+    """Fill every tensor of ``target`` (local shards of DTensors, or whole tensors) in place."""
+    load_files(target, folder, None, strict=strict)
 
 
 def load_files(target: dict[str, torch.Tensor], folder: str | Path, files: list[Path] | None, *,
-               strict: bool = True, threads: int = 1) -> None:
-    """Like :func:`load`, reading only ``files`` of ``folder`` (``None``: every ``.safetensors`` file)."""
+               strict: bool = True) -> None:
+    """Like :func:`load`, reading only ``files`` of ``folder`` (``None``: every ``.safetensors`` file).
+
+    One thread: parallel reads measured slower on the reference machine (``benchmarks/parallel_io.py``).
+    """
     folder = Path(folder)
     chunks, infos = _scan(folder, files)
     check_compatible(infos, target, str(folder), strict=strict)
-    keys = list(target)
-    if threads <= 1 or len(keys) < 2:
-        _fill(target, keys, chunks, folder)
-        return
-    n = min(threads, len(keys))
-    _in_threads([lambda i=i: _fill(target, keys[i::n], chunks, folder) for i in range(n)], "ckptio-read")
+    _fill(target, list(target), chunks, folder)
 
 
 class _DirectReader:
