@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union
 
-import yaml
 
-from ckptio import CheckpointConfig
+
+from ckptio import CheckpointConfig, CheckpointError, safe_yaml
 
 
 class RecipeConfigError(ValueError):
@@ -146,8 +146,8 @@ def _apply(obj: Any, data: dict, prefix: str) -> None:
 
 def parse_override_value(text: str) -> Any:
     try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
+        return safe_yaml.load(text, "override")
+    except CheckpointError:
         return text
 
 
@@ -176,10 +176,12 @@ def load_config(argv: list[str]) -> RecipeConfig:
         path = Path(config_file)
         if not path.is_file():
             raise RecipeConfigError(f"--config {config_file}: no such file")
+        if path.stat().st_size > safe_yaml.MAX_BYTES:
+            raise RecipeConfigError(f"--config {config_file}: larger than {safe_yaml.MAX_BYTES} bytes")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise RecipeConfigError(f"--config {config_file}: not valid YAML ({exc})") from exc
+            data = safe_yaml.load(path.read_bytes(), f"--config {config_file}") or {}
+        except CheckpointError as exc:
+            raise RecipeConfigError(str(exc)) from exc
         _apply(cfg, data, "")
     for key, value in overrides:
         nested: Any = parse_override_value(value)

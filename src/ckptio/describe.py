@@ -10,8 +10,9 @@ from .errors import CheckpointError, CheckpointNotFoundError
 from .formats import dcp as dcp_format
 from .formats import safetensors_sharded
 from .formats.common import TensorInfo, dtype_itemsize
-from .layout import BEST, LATEST, read_pointer, scan
+from .layout import BEST, LATEST, pointer_target, scan
 from .manifest import MANIFEST_NAME, read_manifest
+from .storage.confined import Folder
 
 
 @dataclass
@@ -61,7 +62,7 @@ def detect_format(path: Path) -> str:
     raise CheckpointError(f"{path}: no manifest, DCP metadata or safetensors files found")
 
 
-def _index_of(folder: Path, fmt: str) -> dict[str, TensorInfo | None]:
+def _index_of(folder: "Path | Folder", fmt: str) -> dict[str, TensorInfo | None]:
     if fmt == "dcp":
         return dcp_format.read_index(folder)
     return dict(safetensors_sharded.read_index(folder))
@@ -87,7 +88,7 @@ def inspect_path(path: str | Path) -> dict[str, Any]:
             info: dict[str, Any] = {"kind": entry.kind, "format": entry.format, "path": entry.path,
                                     "per_rank": entry.per_rank}
             if entry.format in ("dcp", "safetensors"):
-                info["tensors"] = asdict(summarize_index(_index_of(path / entry.path, entry.format)))
+                info["tensors"] = asdict(summarize_index(_index_of(Folder(path).sub(entry.path), entry.format)))
             states[name] = info
         out["states"] = states
     elif kind == "safetensors_file":
@@ -97,7 +98,7 @@ def inspect_path(path: str | Path) -> dict[str, Any]:
     else:
         fmt = "dcp" if kind == "dcp" else "safetensors"
         out["tensors"] = asdict(summarize_index(_index_of(path, fmt)))
-        out["files"] = {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.is_file()}
+        out["files"] = {e.name: e.size for e in Folder(path).listdir() if e.kind == "file"}
         out["total_bytes"] = sum(out["files"].values())
     return out
 
@@ -107,8 +108,18 @@ def list_checkpoints(checkpoint_dir: str | Path) -> dict[str, Any]:
     root = Path(checkpoint_dir)
     if not root.is_dir():
         raise CheckpointNotFoundError(f"{root}: no such checkpoint folder")
-    latest = read_pointer(root, LATEST)
-    best = read_pointer(root, BEST)
+    problems: list[str] = []
+
+    def pointer(name: str) -> str | None:
+        try:
+            target = pointer_target(root, name)
+        except CheckpointError as exc:  # reported, and the listing goes on
+            problems.append(str(exc))
+            return None
+        return None if target is None else target.name
+
+    latest = pointer(LATEST)
+    best = pointer(BEST)
     entries = scan(root)
     newest = max((e for e in entries if e.committed), key=lambda e: e.step or 0, default=None)
     rows = []
@@ -127,8 +138,11 @@ def list_checkpoints(checkpoint_dir: str | Path) -> dict[str, Any]:
             # never removed by retention: the newest committed checkpoint and the best one
             "protected": e.committed and (e.name == best or (newest is not None and e.name == newest.name)),
         })
-    return {"checkpoint_dir": str(root), "latest": latest, "best": best, "checkpoints": rows}
+    return {"checkpoint_dir": str(root), "latest": latest, "best": best, "checkpoints": rows, "problems": problems}
 
 
 def _du(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+    try:
+        return sum(e.size for _, e in Folder(path).walk_files() if e.kind == "file")
+    except CheckpointError:
+        return 0

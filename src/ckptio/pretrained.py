@@ -15,29 +15,35 @@ from torch import nn
 
 from . import _dist
 from ._log import get_logger
-from .errors import CheckpointError, CheckpointNotFoundError
+from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .formats import safetensors_sharded
 from .formats.hf_bundle import INDEX_FILE
 from .state import ModelState
+from .storage.confined import Folder, check_relative
 
 __all__ = ["load_pretrained"]
 
+_MAX_INDEX_BYTES = 64 * 1024 * 1024
 
-def _weight_files(folder: Path) -> list[Path]:
-    index = folder / INDEX_FILE
-    if index.is_file():
+
+def _weight_files(folder: Folder) -> list[str]:
+    """Names of the weight files of a Hugging Face folder: those its index lists, else every ``.safetensors``."""
+    if folder.kind(INDEX_FILE) is not None:
+        text = folder.read_bytes(INDEX_FILE, max_size=_MAX_INDEX_BYTES)
         try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from exc
-        files = [folder / n for n in names]
-        missing = [str(f) for f in files if not f.is_file()]
+            weight_map = json.loads(text)["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+            raise CheckpointCorruptError(f"{folder.display(INDEX_FILE)}: not a valid safetensors index ({exc!r})") from exc
+        for name in names:
+            check_relative(name, folder.display(INDEX_FILE))
+        missing = [n for n in names if folder.kind(n) is None]
         if missing:
-            raise CheckpointNotFoundError(f"{index} lists files that do not exist: {missing[:3]}")
-        return files
-    files = sorted(folder.glob("*.safetensors"))
+            raise CheckpointNotFoundError(f"{folder.display(INDEX_FILE)} lists files that do not exist: {missing[:3]}")
+        return names
+    files = [e.name for e in folder.listdir() if e.name.endswith(".safetensors") and e.kind == "file"]
     if not files:
-        raise CheckpointNotFoundError(f"{folder} holds no .safetensors weights (nor {INDEX_FILE})")
+        raise CheckpointNotFoundError(f"{folder.path} holds no .safetensors weights (nor {INDEX_FILE})")
     return files
 
 
@@ -111,10 +117,13 @@ def load_pretrained(model: nn.Module, folder: str | Path, *, strict: bool = True
         trainable = {n.removeprefix(key_prefix) for n, p in model.named_parameters() if p.requires_grad}
         model_keys = {_peft_base_key(k): k for k in target if k not in trainable}
         target = {f: target[k] for f, k in model_keys.items()}
-    files = _weight_files(folder)
+    # a folder the user names: links to regular files are followed (a Hugging Face cache snapshot links
+    # into blobs/); everything read still has to be a regular file
+    tree = Folder(folder, links=True)
+    files = _weight_files(tree)
     _dist.run_collectively(
         f"loading pretrained weights from {folder}",
-        lambda: safetensors_sharded.load_files(target, folder, files, strict=strict),
+        lambda: safetensors_sharded.load_files(target, tree, files, strict=strict),
     )
     if is_peft:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict

@@ -38,6 +38,7 @@ from ..formats import pt as pt_format
 from ..formats.common import TensorInfo, dtype_name
 from ..manifest import MANIFEST_NAME, Manifest, StateEntry, list_files, read_manifest, software_versions
 from ..storage import fsync_dir, fsync_tree
+from ..storage.confined import Folder
 from ..storage.checksum import file_checksum
 
 FORMATS = ("step_dir", "hf", "safetensors", "dcp", "torch", "nemo", "lightning")
@@ -125,13 +126,13 @@ def open_any(path: str | Path, kind: str | None = None) -> Opened:
         if entry is None or entry.format not in ("safetensors", "dcp"):
             raise CheckpointError(f"{path}: holds no full model (states: {sorted(manifest.states)}); "
                                   "PEFT adapters are already a PEFT folder")
-        folder = path / entry.path
-        opened = Opened(kind, hf_bundle.open_source(folder), folder, manifest.step, manifest.epoch)
+        folder = Folder(path).sub(entry.path)  # a real folder inside the step directory, not a link
+        opened = Opened(kind, hf_bundle.open_source(folder), folder.path, manifest.step, manifest.epoch)
         opened.step_dir = path
         return opened
     if kind in ("hf", "safetensors", "dcp"):
         if path.is_file():
-            return Opened(kind, hf_bundle.SafetensorsSource(path.parent, [path]), path.parent)
+            return Opened(kind, hf_bundle.SafetensorsSource(path.parent, [path.name]), path.parent)
         return Opened(kind, hf_bundle.open_source(path), path)
     if kind == "torch":
         sd = _torch_tensors(path)
@@ -156,12 +157,10 @@ def open_any(path: str | Path, kind: str | None = None) -> Opened:
             extras.mkdir()
             if isinstance(config.get("hf_config"), dict):
                 (extras / "config.json").write_text(json.dumps(config["hf_config"], indent=2))
-            tok = config.get("tokenizer")
-            if isinstance(tok, dict) and isinstance(tok.get("files"), dict):
-                for name, ref in tok["files"].items():
-                    shutil.copyfile(folder / ref[len(nemo.PREFIX):], extras / Path(name).name)
-            if (folder / nemo.WEIGHTS_DIR / dcp_format.METADATA_FILE).is_file():
-                source: Any = hf_bundle.DCPSource(folder / nemo.WEIGHTS_DIR)
+            tree = Folder(folder)
+            nemo.copy_tokenizer(tree, nemo.tokenizer_files(config, path), extras)  # files inside the archive only
+            if tree.is_file(f"{nemo.WEIGHTS_DIR}/{dcp_format.METADATA_FILE}"):
+                source: Any = hf_bundle.DCPSource(tree.sub(nemo.WEIGHTS_DIR))
             else:
                 source = DictSource(_only_tensors(_torch_tensors(folder / nemo.WEIGHTS_FILE), path),
                                     folder)

@@ -15,7 +15,6 @@ attention (for each KV group: that group's query heads, then its key head, then 
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ..formats.common import read_json
 from ..errors import CheckpointError, ConfigError
 from ..formats.common import TensorInfo, dtype_name
 from ..formats.hf_bundle import torch_dtype
@@ -209,7 +209,7 @@ def renamed_source(source: Any, name: str, extras: Path | None) -> _RenamedSourc
         cfg_path = None if extras is None else extras / "config.json"
         if cfg_path is None or not cfg_path.is_file():
             raise CheckpointError(f"converter {name!r} needs config.json ({', '.join(converter.needs)}) beside the weights")
-        config = json.loads(cfg_path.read_text())
+        config = read_json(cfg_path)
         missing = [k for k in converter.needs if k not in config]
         if missing:
             raise CheckpointError(f"{cfg_path}: converter {name!r} needs {missing}")

@@ -9,12 +9,14 @@ device. Parameter groups are rebuilt from the per-parameter hyper-parameters, in
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointCorruptError, CheckpointError
 from ..formats import dcp as dcp_format
+from ..formats.common import read_json
+from ..formats import pt as pt_format
+from ..storage.confined import Folder
 
 __all__ = ["parameter_order", "index_keyed_optimizer", "read_training_state"]
 
@@ -25,7 +27,7 @@ def _meta_model(config_json: Path) -> Any:
 
     if not config_json.is_file():
         raise CheckpointError(f"{config_json} is missing: the model's parameter layout comes from its config")
-    config = AutoConfig.for_model(**json.loads(config_json.read_text()))
+    config = AutoConfig.for_model(**read_json(config_json))
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)
 
@@ -94,7 +96,9 @@ def read_training_state(step_dir: Path) -> tuple[dict[str, Any] | None, dict[str
     entry = manifest.states.get("optim")
     if entry is None:
         return None, None
-    saved = dcp_format.load_all(step_dir / entry.path)
+    saved = dcp_format.load_all(Folder(step_dir).sub(entry.path))
     order = parameter_order(step_dir / manifest.states["model"].path / "config.json")
     optim = index_keyed_optimizer(saved.get("optim", {}), order)
-    return optim, saved.get("lr_scheduler")
+    sched = manifest.states.get("lr_scheduler")
+    scheduler = None if sched is None or sched.per_rank else pt_format.load_from(Folder(step_dir), sched.path)
+    return optim, scheduler

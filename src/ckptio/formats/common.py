@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+from ..errors import CheckpointCorruptError
 
 
 @dataclass(frozen=True)
@@ -45,3 +49,66 @@ def full_tensors(state_dict: dict[str, Any]) -> dict[str, Any]:
             value = value.full_tensor()
         out[key] = value.detach().to("cpu").contiguous()
     return out
+
+
+def check_exact_cover(key: str, shape: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...], str]],
+                      where: object) -> None:
+    """Refuse, naming ``key`` and the files, a set of stored chunks that does not cover ``shape`` exactly once.
+
+    ``boxes``: ``(offsets, sizes, source)`` of every stored chunk of the tensor, ``source`` naming the
+    file (or rank) it comes from. Each chunk must lie inside ``shape``, no two may share an element, and
+    together they must hold every element; otherwise some elements would be loaded from a stale or
+    foreign chunk, or left as uninitialised memory. Cost: a sort and a sweep along dim 0, so a tensor
+    split over many ranks along one dimension is checked in ``O(n log n)``.
+    """
+    total = 1
+    for d in shape:
+        total *= d
+    covered = 0
+    live = []
+    for offsets, sizes, source in boxes:
+        if len(offsets) != len(shape) or len(sizes) != len(shape) or any(
+                o < 0 or n < 0 or o + n > g for o, n, g in zip(offsets, sizes, shape)):
+            raise CheckpointCorruptError(f"{where}: a chunk of {key!r} in {source} at offsets {list(offsets)} with "
+                                         f"sizes {list(sizes)} does not fit the tensor's shape {list(shape)}")
+        n = 1
+        for s in sizes:
+            n *= s
+        if n:
+            covered += n
+            live.append((tuple(offsets), tuple(sizes), source))
+    if len(shape) == 0 and len(live) > 1:
+        raise CheckpointCorruptError(f"{where}: the scalar {key!r} is stored {len(live)} times "
+                                     f"({', '.join(str(b[2]) for b in live[:3])})")
+    live.sort(key=lambda b: b[0][0] if b[0] else 0)
+    active: list[tuple[tuple[int, ...], tuple[int, ...], str]] = []
+    for box in live:
+        start = box[0][0] if box[0] else 0
+        active = [a for a in active if a[0][0] + a[1][0] > start]
+        for other in active:
+            if all(a < c + m and c < a + n for a, n, c, m in zip(box[0], box[1], other[0], other[1])):
+                raise CheckpointCorruptError(
+                    f"{where}: chunks of {key!r} overlap: {other[2]} (offsets {list(other[0])}, sizes {list(other[1])}) "
+                    f"and {box[2]} (offsets {list(box[0])}, sizes {list(box[1])}) both hold some of its elements; "
+                    "one of them is stale or belongs to another save"
+                )
+        active.append(box)
+    if covered != total:
+        raise CheckpointCorruptError(
+            f"{where}: the chunks of {key!r} cover {covered} of its {total} elements "
+            "(a shard file is missing or belongs to another save)"
+        )
+
+
+def read_json(path: "str | Path", *, max_size: int = 64 << 20) -> dict[str, Any]:
+    """A JSON object from a small file (a config, an index), read through the confined folder of its parent."""
+    from ..storage.confined import Folder
+
+    path = Path(path)
+    try:
+        data = json.loads(Folder(path.parent).read_bytes(path.name, max_size=max_size))
+    except (ValueError, RecursionError) as exc:
+        raise CheckpointCorruptError(f"{path}: not valid JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise CheckpointCorruptError(f"{path}: holds a JSON {type(data).__name__}, not an object")
+    return data

@@ -27,14 +27,21 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
 
 from .. import _dist
 from ..storage.checksum import ChecksummingStream
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
-from .common import TensorInfo, dtype_name
+from ..storage.confined import Folder, UnsafePathError, check_relative
+from .common import TensorInfo, check_exact_cover, dtype_name
 
 METADATA_FILE = ".metadata"
 
@@ -71,26 +78,50 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in DCP metadata")
 
 
-def read_metadata(folder: str | Path, filename: str = METADATA_FILE) -> Metadata:
-    """DCP's ``.metadata`` of ``folder``, unpickled with an allow-list of DCP's own classes."""
-    path = Path(folder) / filename
-    if not path.is_file():
-        raise CheckpointNotFoundError(f"{folder} is not a DCP checkpoint: {filename} is missing")
+MAX_METADATA_BYTES = 1 << 30
+
+
+def read_metadata(folder: "str | Path | Folder", filename: str = METADATA_FILE) -> Metadata:
+    """DCP's ``.metadata`` of ``folder``, unpickled with an allow-list of DCP's own classes, then checked.
+
+    Checked before it is used: its structure (every field of the right type), the chunks of every
+    tensor (inside its shape, covering it exactly once), and every data file it names (a plain
+    relative path to a regular file inside ``folder``, holding the bytes the entries need).
+    """
+    root = folder if isinstance(folder, Folder) else Folder(folder)
+    path = root.display(filename)
+    if root.kind(filename) is None:
+        raise CheckpointNotFoundError(f"{root.path} is not a DCP checkpoint: {filename} is missing")
+    data = root.read_bytes(filename, max_size=MAX_METADATA_BYTES)
     try:
-        with open(path, "rb") as fh:
-            metadata = _MetadataUnpickler(fh).load()
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
     except Exception as exc:  # any failure to decode is a corrupt or hostile file
         raise CheckpointCorruptError(f"{path}: unreadable DCP metadata ({type(exc).__name__}: {exc})") from exc
     if not isinstance(metadata, Metadata):
         raise CheckpointCorruptError(f"{path}: DCP metadata holds a {type(metadata).__name__}, not Metadata")
     _validate(metadata, path)
+    _check_files(metadata, root, path)
     return metadata
+
+
+def _check_files(md: Metadata, root: Folder, path: Path) -> None:
+    """Every file the metadata names is a regular file inside ``root`` that holds the bytes it needs."""
+    needed: dict[str, int] = {}
+    for info in (md.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for rel, end in sorted(needed.items()):
+        size = root.size(rel)  # refuses links, FIFOs, devices and paths leaving the folder, naming them
+        if size < end:
+            raise CheckpointCorruptError(f"{root.display(rel)}: {size} bytes, but {path} places data up to byte {end} "
+                                         "(truncated or from another save)")
+
+
+def _ints(value: object) -> bool:
+    return isinstance(value, (tuple, list, torch.Size)) and all(type(d) is int and d >= 0 for d in value)
 
 
 def _validate(md: Metadata, path: Path) -> None:
     """The unpickler admits only DCP's classes, but their fields can still be anything: check the shape."""
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata
-
     def bad(what: str) -> CheckpointCorruptError:
         return CheckpointCorruptError(f"{path}: malformed DCP metadata ({what})")
 
@@ -105,27 +136,84 @@ def _validate(md: Metadata, path: Path) -> None:
         if not isinstance(entry, TensorStorageMetadata):
             raise bad(f"{key!r} has a {type(entry).__name__} entry")
         size, props, chunks = (getattr(entry, a, None) for a in ("size", "properties", "chunks"))
-        if not isinstance(size, (tuple, list, torch.Size)) or not all(isinstance(d, int) and d >= 0 for d in size):
+        if not _ints(size):
             raise bad(f"{key!r} has an invalid size {size!r}")
         if not isinstance(getattr(props, "dtype", None), torch.dtype):
             raise bad(f"{key!r} has no valid dtype")
         if not isinstance(chunks, list) or not all(
-            isinstance(c, ChunkStorageMetadata) and isinstance(getattr(c, "offsets", None), (tuple, list, torch.Size))
-            and isinstance(getattr(c, "sizes", None), (tuple, list, torch.Size)) for c in chunks
+            isinstance(c, ChunkStorageMetadata) and _ints(getattr(c, "offsets", None)) and _ints(getattr(c, "sizes", None))
+            for c in chunks
         ):
             raise bad(f"{key!r} has malformed chunks")
+        check_exact_cover(key, tuple(size), [(tuple(c.offsets), tuple(c.sizes), f"chunk {i}")
+                                              for i, c in enumerate(chunks)], path)
     storage = getattr(md, "storage_data", None)
-    if storage is not None and not isinstance(storage, dict):
+    if storage is None:
+        storage = md.storage_data = {}
+    if not isinstance(storage, dict):
         raise bad("storage_data is not a mapping")
+    for index, info in storage.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(getattr(index, "fqn", None), str):
+            raise bad(f"storage key {index!r:.80} is not a MetadataIndex")
+        if not isinstance(info, _StorageInfo):
+            raise bad(f"storage entry of {index.fqn!r} is a {type(info).__name__}")
+        rel, offset, length = (getattr(info, a, None) for a in ("relative_path", "offset", "length"))
+        check_relative(rel, path)
+        if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
+            raise bad(f"storage entry of {index.fqn!r} has offset {offset!r:.40} and length {length!r:.40}")
+        descriptors = getattr(info, "transform_descriptors", None)
+        if descriptors is not None and (not isinstance(descriptors, (list, tuple))
+                                        or not all(isinstance(d, str) for d in descriptors)):
+            raise bad(f"storage entry of {index.fqn!r} has malformed transform descriptors")
+    for key, entry in entries.items():  # every value DCP could be asked for has its bytes somewhere
+        wanted = [MetadataIndex(key)] if isinstance(entry, BytesStorageMetadata) else \
+            [MetadataIndex(key, c.offsets) for c in entry.chunks]
+        for index in wanted:
+            if index not in storage:
+                raise bad(f"{key!r} has no storage entry for {'its value' if index.offset is None else f'chunk at {list(index.offset)}'}")
+
+
+class _ConfinedFileSystem(FileSystem):
+    """DCP's filesystem for reading, with every data file opened through the confined :class:`Folder`."""
+
+    def __init__(self, root: Folder) -> None:
+        super().__init__()
+        self.root = root
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        if "r" not in mode or "+" in mode:
+            raise CheckpointError(f"{path}: the DCP reader does not write")
+        try:
+            rel = Path(path).relative_to(self.root.path).as_posix()
+        except ValueError:
+            raise UnsafePathError(f"{path}: outside the DCP folder {self.root.path}") from None
+        with self.root.open(rel) as handle:
+            yield handle.stream()  # type: ignore[misc]
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """DCP's filesystem reader with the restricted metadata unpickler."""
+    """DCP's filesystem reader with the restricted metadata unpickler and confined data files."""
+
+    def __init__(self, folder: "str | Path | Folder") -> None:
+        self.root = folder if isinstance(folder, Folder) else Folder(folder)
+        super().__init__(str(self.root.path))
+        self.fs = _ConfinedFileSystem(self.root)
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        """DCP's read, with each file's items taken in file order: one forward pass per file, so a
+        verifying load hashes the bytes as they stream by instead of reading them a second time."""
+        import dataclasses
+
+        storage = self.storage_data
+        items = sorted(plan.items, key=lambda it: (storage[it.storage_index].relative_path,
+                                                   storage[it.storage_index].offset))
+        return super().read_data(dataclasses.replace(plan, items=items), planner)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
         filename = METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
-        metadata = read_metadata(self.path, filename)
+        metadata = read_metadata(self.root, filename)
         if getattr(metadata, "storage_meta", None) is not None:
             metadata.storage_meta.load_id = self.load_id
         return metadata
@@ -203,13 +291,14 @@ def save(state_dict: dict[str, Any], folder: str | Path, *, thread_count: int = 
     return {str(Path(p).relative_to(root)): d for p, d in fs.digests.items() if Path(p).is_file()}
 
 
-def load(state_dict: dict[str, Any], folder: str | Path, *, no_dist: bool = False) -> None:
+def load(state_dict: dict[str, Any], folder: "str | Path | Folder", *, no_dist: bool = False) -> None:
     """Collective: fill ``state_dict`` in place from a DCP folder, resharding as DCP does.
 
     ``no_dist=True`` makes it a local read on this rank alone, whatever the process group.
     """
-    with _quiet_single_process(), _plain_errors("loading", folder):
-        dcp.load(state_dict, storage_reader=SafeFileSystemReader(str(folder)), planner=SafeLoadPlanner(),
+    reader = SafeFileSystemReader(folder)
+    with _quiet_single_process(), _plain_errors("loading", reader.root.path):
+        dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(),
                  process_group=_dist.current_group(),
                  no_dist=no_dist or not _dist.is_dist())
 
@@ -226,7 +315,10 @@ def _plain_errors(what: str, folder: str | Path) -> Iterator[None]:
         failures = {rank: pair[0] if isinstance(pair, tuple) else pair for rank, pair in exc.failures.items()}
         first = failures[min(failures)]
         detail = f"{type(first).__name__}: {first}" if not isinstance(first, CheckpointError) else str(first)
-        cls = type(first) if isinstance(first, CheckpointError) else CheckpointError
+        # a failure inside DCP while loading is a problem with the folder's data (e.g. a chunk whose bytes do
+        # not hold the shape its metadata gives): report it as corruption, so that auto-resume falls back
+        cls = type(first) if isinstance(first, CheckpointError) else (
+            CheckpointCorruptError if what == "loading" else CheckpointError)
         raise cls(f"{what} DCP folder {folder} failed on rank(s) {sorted(failures)}: {detail}") from exc
 
 
@@ -238,7 +330,7 @@ def _quiet_single_process() -> Iterator[None]:
         yield
 
 
-def read_index(folder: str | Path) -> dict[str, TensorInfo | None]:
+def read_index(folder: "str | Path | Folder") -> dict[str, TensorInfo | None]:
     """Every key of a DCP folder: tensor keys map to their global shape and dtype, others to ``None``."""
     metadata = read_metadata(folder)
     index: dict[str, TensorInfo | None] = {}
@@ -250,7 +342,7 @@ def read_index(folder: str | Path) -> dict[str, TensorInfo | None]:
     return index
 
 
-def load_all(folder: str | Path) -> dict[str, Any]:
+def load_all(folder: "str | Path | Folder") -> dict[str, Any]:
     """Every value of a DCP folder, in the nesting it was saved with, without a template from the caller.
 
     The template is built from the folder's own metadata (tensor shapes and dtypes, and the flattening

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
@@ -32,7 +31,9 @@ from ..storage import fsync_file
 from . import _st_writer
 from . import dcp as dcp_format
 from . import safetensors_sharded
+from ._st_reader import SafetensorsFile
 from .common import TensorInfo
+from ..storage.confined import Folder
 
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = "5GB"
@@ -41,7 +42,6 @@ _NOT_EXTRAS = {dcp_format.METADATA_FILE, INDEX_FILE, "manifest.json"}
 
 _ST_DTYPES = _st_writer.ST_DTYPES
 _ST_NAMES = _st_writer.ST_NAMES
-_MAX_HEADER = 100 * 1024 * 1024
 
 
 def parse_size(value: str | int) -> int:
@@ -77,66 +77,36 @@ class TensorSource(Protocol):
     def read(self, key: str) -> torch.Tensor: ...
 
 
-def read_safetensors_header(path: Path) -> tuple[dict, int]:
-    """(header dict, offset of the data section) of a safetensors file, validated against its size."""
-    size = path.stat().st_size
-    with open(path, "rb") as fh:
-        raw = fh.read(8)
-        if len(raw) < 8:
-            raise CheckpointCorruptError(f"{path}: truncated safetensors file ({size} bytes)")
-        n = int.from_bytes(raw, "little")
-        if n > _MAX_HEADER or 8 + n > size:
-            raise CheckpointCorruptError(f"{path}: safetensors header length {n} does not fit the file ({size} bytes)")
-        try:
-            header = json.loads(fh.read(n))
-        except ValueError as exc:
-            raise CheckpointCorruptError(f"{path}: safetensors header is not valid JSON ({exc})") from exc
-    if not isinstance(header, dict):
-        raise CheckpointCorruptError(f"{path}: safetensors header is not a JSON object")
-    return header, 8 + n
-
-
 class SafetensorsSource:
-    """Sharded (ckptio) or plain safetensors files in one folder; reads whole local chunks with ``pread``.
+    """Sharded (ckptio) or plain safetensors files in one folder; reads whole local chunks positionally.
 
     Reading with ``pread`` rather than a memory map keeps the source's pages out of this process's
-    resident set, so memory stays bounded by the tensor being assembled.
+    resident set, so memory stays bounded by the tensor being assembled. ``files``: names relative to
+    ``folder`` (``None``: every ``.safetensors`` file in it).
     """
 
-    def __init__(self, folder: Path, files: list[Path] | None = None) -> None:
-        self.folder = folder
-        self._chunks, self._infos = safetensors_sharded._scan(folder, files)
-        self._headers: dict[Path, tuple[dict, int]] = {}
+    def __init__(self, folder: "Path | Folder", files: list[str] | None = None) -> None:
+        self.root = safetensors_sharded.as_folder(folder)
+        self.folder = self.root.path
+        self._chunks, self._infos = safetensors_sharded._scan(self.root, files)
+        self._open: dict[str, SafetensorsFile] = {}
 
     def index(self) -> dict[str, TensorInfo]:
         return dict(self._infos)
 
-    def _read_chunk(self, path: Path, key: str) -> torch.Tensor:
-        if path not in self._headers:
-            self._headers[path] = read_safetensors_header(path)
-        header, start = self._headers[path]
-        entry = header.get(key)
-        if not isinstance(entry, dict) or not isinstance(entry.get("data_offsets"), list) \
-                or not isinstance(entry.get("shape"), list) or len(entry["data_offsets"]) != 2:
-            raise CheckpointCorruptError(f"{path}: malformed header entry for {key!r}")
-        dtype = _ST_NAMES.get(entry["dtype"])
-        if dtype is None:
-            raise CheckpointCorruptError(f"{path}: {key!r} has unsupported dtype {entry['dtype']!r}")
-        begin, end = (int(x) for x in entry["data_offsets"])
-        shape = [int(d) for d in entry["shape"]]
-        numel = 1
-        for d in shape:
-            numel *= d
-        if end - begin != numel * dtype.itemsize or begin < 0:
-            raise CheckpointCorruptError(f"{path}: {key!r} has {end - begin} bytes for shape {shape} {dtype}")
-        buf = bytearray(end - begin)
-        with open(path, "rb") as fh:
-            fh.seek(start + begin)
-            if fh.readinto(buf) != len(buf):
-                raise CheckpointCorruptError(f"{path}: truncated while reading {key!r}")
-        if not buf:
-            return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(buf, dtype=dtype).reshape(shape)
+    def _file(self, rel: str) -> SafetensorsFile:
+        if rel not in self._open:
+            if len(self._open) >= 64:  # bound the descriptors held open at once
+                for f in self._open.values():
+                    f.close()
+                self._open.clear()
+            self._open[rel] = SafetensorsFile(self.root, rel)
+        return self._open[rel]
+
+    def close(self) -> None:
+        for f in self._open.values():
+            f.close()
+        self._open.clear()
 
     def read(self, key: str) -> torch.Tensor:
         if key not in self._infos:
@@ -144,10 +114,10 @@ class SafetensorsSource:
         info = self._infos[key]
         chunks = self._chunks[key]
         if len(chunks) == 1 and chunks[0].shape == info.shape:
-            return self._read_chunk(chunks[0].file, key)
+            return self._file(chunks[0].file).read(key)
         out = torch.empty(info.shape, dtype=torch_dtype(info.dtype))
         for chunk in chunks:
-            part = self._read_chunk(chunk.file, key)
+            part = self._file(chunk.file).read(key)
             out[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.shape))].copy_(part)
             del part
         return out
@@ -156,9 +126,10 @@ class SafetensorsSource:
 class DCPSource:
     """A DCP folder; each read is a single-process DCP load of one key (chunks are read whole)."""
 
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        self._index = {k: v for k, v in dcp_format.read_index(folder).items() if v is not None}
+    def __init__(self, folder: "Path | Folder") -> None:
+        self.root = safetensors_sharded.as_folder(folder)
+        self.folder = self.root.path
+        self._index = {k: v for k, v in dcp_format.read_index(self.root).items() if v is not None}
 
     def index(self) -> dict[str, TensorInfo]:
         return dict(self._index)
@@ -168,15 +139,15 @@ class DCPSource:
             raise CheckpointCorruptError(f"{self.folder}: no tensor {key!r} in its DCP metadata")
         info = self._index[key]
         out = {key: torch.empty(info.shape, dtype=torch_dtype(info.dtype))}
-        dcp_format.load(out, self.folder, no_dist=True)
+        dcp_format.load(out, self.root, no_dist=True)
         return out[key]
 
 
-def open_source(folder: str | Path) -> TensorSource:
-    folder = Path(folder)
-    if (folder / dcp_format.METADATA_FILE).is_file():
-        return DCPSource(folder)
-    return SafetensorsSource(folder)
+def open_source(folder: "str | Path | Folder") -> TensorSource:
+    root = safetensors_sharded.as_folder(folder)
+    if root.is_file(dcp_format.METADATA_FILE):
+        return DCPSource(root)
+    return SafetensorsSource(root)
 
 
 # ---------------------------------------------------------------------------------------- planning
@@ -268,15 +239,24 @@ def write_index(plan: BundlePlan, out_dir: str | Path) -> Path:
     return path
 
 
-def copy_extras(src_dir: str | Path, out_dir: str | Path) -> list[str]:
-    """Copy config, generation config and tokenizer files (everything that is not weights) to ``out_dir``."""
+_MAX_EXTRA_BYTES = 1 << 30
+
+
+def copy_extras(src_dir: "str | Path | Folder", out_dir: str | Path) -> list[str]:
+    """Copy config, generation config and tokenizer files (every regular file that is not weights) to ``out_dir``.
+
+    Only regular files directly inside ``src_dir`` are copied (through the confined folder: a link there
+    is skipped, never followed).
+    """
+    src = safetensors_sharded.as_folder(src_dir)
     copied = []
-    for p in sorted(Path(src_dir).iterdir()):
-        if p.is_file() and not p.name.endswith(_WEIGHT_SUFFIXES) and p.name not in _NOT_EXTRAS \
-                and not p.name.startswith("."):
-            shutil.copyfile(p, Path(out_dir) / p.name)
-            fsync_file(Path(out_dir) / p.name)
-            copied.append(p.name)
+    for entry in src.listdir():
+        name = entry.name
+        if entry.kind == "file" and not name.endswith(_WEIGHT_SUFFIXES) and name not in _NOT_EXTRAS \
+                and not name.startswith("."):
+            (Path(out_dir) / name).write_bytes(src.read_bytes(name, max_size=_MAX_EXTRA_BYTES))
+            fsync_file(Path(out_dir) / name)
+            copied.append(name)
     return copied
 
 
@@ -317,7 +297,7 @@ def write_bundle(source: TensorSource, plan: BundlePlan, out_dir: str | Path, *,
     written = write_files(plan, source, out_dir, rank=rank, world_size=world_size, progress=progress)
     if rank == 0:
         write_index(plan, out_dir)
-        copy_extras(source.folder, out_dir)
+        copy_extras(getattr(source, "root", None) or source.folder, out_dir)
         if plan.dtype is not None:
             _set_config_dtype(Path(out_dir) / "config.json", plan.dtype)
     return written

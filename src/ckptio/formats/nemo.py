@@ -41,10 +41,11 @@ import torch
 import yaml
 from torch import nn
 
-from .. import _dist
+from .. import _dist, safe_yaml
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from ..storage import fsync_dir
 from ..storage.archive import safe_extract
+from ..storage.confined import Folder, UnsafePathError, check_relative
 from . import dcp as dcp_format
 from . import pt as pt_format
 from .common import full_tensors
@@ -55,6 +56,7 @@ CONFIG_FILE = "model_config.yaml"
 WEIGHTS_FILE = "model_weights.ckpt"
 WEIGHTS_DIR = "model_weights"
 PREFIX = "nemo:"
+_MAX_ARTIFACT_BYTES = 1 << 30
 
 
 @dataclass
@@ -72,14 +74,13 @@ class NemoModel:
 
     def tokenizer(self) -> Any:
         """The archive's Hugging Face tokenizer (``transformers.AutoTokenizer``), or ``None``."""
-        tok = self.config.get("tokenizer")
-        if not isinstance(tok, dict) or not isinstance(tok.get("files"), dict):
+        files = tokenizer_files(self.config, self.path)
+        if not files:
             return None
         from transformers import AutoTokenizer
 
         with tempfile.TemporaryDirectory(prefix="ckptio-tok-") as tmp:
-            for name, ref in tok["files"].items():
-                shutil.copyfile(self.artifacts[_ref_name(ref)], Path(tmp) / _safe_name(name, self.path))
+            copy_tokenizer(Folder(self.folder), files, Path(tmp))
             return AutoTokenizer.from_pretrained(tmp)
 
     def cleanup(self) -> None:
@@ -92,10 +93,6 @@ def _safe_name(name: object, where: Path) -> str:
             or name.startswith("."):
         raise CheckpointCorruptError(f"{where}: artifact name {name!r} is not a plain file name")
     return name
-
-
-def _ref_name(ref: str) -> str:
-    return ref[len(PREFIX):]
 
 
 # ---------------------------------------------------------------------------------------------- save
@@ -257,34 +254,102 @@ def unpack(archive: str | Path, dest: str | Path) -> Path:
 
 # ---------------------------------------------------------------------------------------------- read
 def read_config(folder: str | Path, archive: Path | None = None) -> dict[str, Any]:
-    """The parsed ``model_config.yaml`` of an unpacked .nemo, after checking weights and artifacts exist."""
+    """The parsed ``model_config.yaml`` of an unpacked .nemo, after checking weights and artifacts exist.
+
+    The YAML is read with a bounded size and without aliases. Every artifact the config names (see
+    :func:`artifact_refs`) must be a ``nemo:`` reference to a regular file inside the archive.
+    """
     folder = Path(folder)
     where = archive or folder
-    cfg_path = folder / CONFIG_FILE
-    if not cfg_path.is_file():
+    tree = Folder(folder)
+    if tree.kind(CONFIG_FILE) is None:
         raise CheckpointNotFoundError(f"{where} is not a .nemo: {CONFIG_FILE} is missing")
-    try:
-        config = yaml.safe_load(cfg_path.read_text())
-    except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        raise CheckpointCorruptError(f"{where}: {CONFIG_FILE} is not valid YAML ({exc})") from exc
+    config = safe_yaml.load(tree.read_bytes(CONFIG_FILE, max_size=safe_yaml.MAX_BYTES), f"{where}: {CONFIG_FILE}")
     if not isinstance(config, dict):
         raise CheckpointCorruptError(f"{where}: {CONFIG_FILE} does not hold a mapping")
-    if not (folder / WEIGHTS_FILE).is_file() and not (folder / WEIGHTS_DIR / dcp_format.METADATA_FILE).is_file():
+    if not tree.is_file(WEIGHTS_FILE) and not tree.is_file(f"{WEIGHTS_DIR}/{dcp_format.METADATA_FILE}"):
         raise CheckpointNotFoundError(f"{where} holds no weights: neither {WEIGHTS_FILE} nor {WEIGHTS_DIR}/")
-    for ref in _refs(config):
-        name = _safe_name(_ref_name(ref), where)
-        if not (folder / name).is_file():
-            raise CheckpointNotFoundError(f"{where}: {CONFIG_FILE} refers to {ref!r} but the archive has no {name}")
+    for key, name in artifact_refs(config, where).items():
+        if not tree.is_file(name):
+            raise CheckpointNotFoundError(f"{where}: {CONFIG_FILE} key {key} refers to {PREFIX}{name} but the archive "
+                                          f"has no regular file {name}")
     return config
 
 
-def _refs(value: Any) -> list[str]:
+# Config keys whose values ckptio reads as files: they must be ``nemo:`` references into the archive.
+_TOKENIZER_FILE_KEYS = ("model", "vocab_file", "merge_file", "tokenizer_model")
+
+
+def artifact_refs(config: dict[str, Any], where: Path) -> dict[str, str]:
+    """Dotted config key -> file name inside the archive, for every artifact the config names.
+
+    Artifacts are the entries of ``artifacts:`` and ``tokenizer.files:`` (ckptio's layout) and NeMo's
+    tokenizer keys (``tokenizer.model``, ``vocab_file``, ``merge_file``). Each must be a ``nemo:``
+    reference to a plain relative name; anything else (an absolute path, ``..``, a path on the host
+    that wrote the archive) is an error naming the key and the value, so that no host file is ever read.
+    """
+    out: dict[str, str] = {}
+
+    def ref(key: str, value: Any) -> None:
+        if not isinstance(value, str) or not value.startswith(PREFIX):
+            raise CheckpointCorruptError(f"{where}: {CONFIG_FILE} key {key} = {value!r:.200} is not a {PREFIX} reference "
+                                         "to a file inside the archive; ckptio reads artifacts from the archive only")
+        name = value[len(PREFIX):]
+        try:
+            check_relative(name, f"{where}: {CONFIG_FILE} key {key}")
+        except UnsafePathError as exc:
+            raise CheckpointCorruptError(str(exc)) from None
+        out[key] = name
+
+    for section in ("artifacts",):
+        entries = config.get(section)
+        if entries is not None:
+            if not isinstance(entries, dict):
+                raise CheckpointCorruptError(f"{where}: {CONFIG_FILE} key {section} is not a mapping")
+            for k, v in entries.items():
+                ref(f"{section}.{k}", v)
+    tok = config.get("tokenizer")
+    if tok is not None and not isinstance(tok, dict):
+        raise CheckpointCorruptError(f"{where}: {CONFIG_FILE} key tokenizer is not a mapping")
+    if isinstance(tok, dict):
+        files = tok.get("files")
+        if files is not None:
+            if not isinstance(files, dict):
+                raise CheckpointCorruptError(f"{where}: {CONFIG_FILE} key tokenizer.files is not a mapping")
+            for k, v in files.items():
+                _safe_name(k, where)
+                ref(f"tokenizer.files.{k}", v)
+        for k in _TOKENIZER_FILE_KEYS:
+            if tok.get(k) is not None:
+                ref(f"tokenizer.{k}", tok[k])
+    for value in _refs(config):  # any other nemo: reference must stay inside the archive too
+        name = value[len(PREFIX):]
+        if name not in out.values():
+            ref(f"(a {PREFIX} reference elsewhere in the config)", value)
+    return out
+
+
+def tokenizer_files(config: dict[str, Any], where: Path) -> dict[str, str]:
+    """File name the tokenizer expects -> file inside the archive, for ckptio's Hugging Face tokenizer layout."""
+    refs = artifact_refs(config, where)
+    return {k[len("tokenizer.files."):]: v for k, v in refs.items() if k.startswith("tokenizer.files.")}
+
+
+def copy_tokenizer(folder: Folder, files: dict[str, str], out: Path) -> None:
+    """Copy the tokenizer files (from inside the unpacked archive only) to ``out`` under their own names."""
+    for name, rel in files.items():
+        (out / _safe_name(name, folder.path)).write_bytes(folder.read_bytes(rel, max_size=_MAX_ARTIFACT_BYTES))
+
+
+def _refs(value: Any, depth: int = 0) -> list[str]:
+    if depth > 64:
+        return []
     if isinstance(value, str):
         return [value] if value.startswith(PREFIX) else []
     if isinstance(value, dict):
-        return [r for v in value.values() for r in _refs(v)]
+        return [r for v in value.values() for r in _refs(v, depth + 1)]
     if isinstance(value, list):
-        return [r for v in value for r in _refs(v)]
+        return [r for v in value for r in _refs(v, depth + 1)]
     return []
 
 
@@ -330,7 +395,7 @@ def restore_nemo(path: str | Path, model: nn.Module | None = None, *, workdir: s
             check_compatible({k: TensorInfo(tuple(v.shape), dtype_name(v.dtype)) for k, v in full.items()},
                              target, str(path), strict=strict)
             _load_full(model, state, full)
-        artifacts = {_ref_name(r): folder / _ref_name(r) for r in _refs(config)}
+        artifacts = {name: folder / name for name in artifact_refs(config, path).values()}
     except BaseException:
         if temporary:
             shutil.rmtree(folder.parent, ignore_errors=True)
@@ -381,7 +446,7 @@ def describe(path: str | Path) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="ckptio-inspect-") as tmp:
         folder = unpack(path, Path(tmp) / "x") if path.is_file() else path
         config = read_config(folder, archive=path)
-        files = {p.relative_to(folder).as_posix(): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
+        files = {rel: e.size for rel, e in Folder(folder).walk_files() if e.kind == "file"}
         if (folder / WEIGHTS_DIR / dcp_format.METADATA_FILE).is_file():
             weights, index = WEIGHTS_DIR + "/ (DCP)", dcp_format.read_index(folder / WEIGHTS_DIR)
         else:
@@ -392,6 +457,6 @@ def describe(path: str | Path) -> dict[str, Any]:
             index = {k: TensorInfo(tuple(v.shape), dtype_name(v.dtype)) for k, v in full.items()
                      if isinstance(v, torch.Tensor)}
     return {"path": str(path), "kind": "nemo", "architecture": config.get("architecture"), "weights": weights,
-            "artifacts": sorted(_ref_name(r) for r in _refs(config)), "files": files,
+            "artifacts": sorted(set(artifact_refs(config, path).values())), "files": files,
             "total_bytes": sum(files.values()), "tensors": asdict(summarize_index(index)),
             "config_keys": sorted(config)}

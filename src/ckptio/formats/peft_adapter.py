@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError, CheckpointNotFoundError
+from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from ..storage import fsync_file
+from ..storage.confined import Folder
 from . import safetensors_sharded
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -91,17 +92,23 @@ def save(folder: str | Path, model: torch.nn.Module, adapter_weights: dict[str, 
     return warnings
 
 
-def load(target: dict[str, torch.Tensor], folder: str | Path, adapter: str) -> None:
+def load(target: dict[str, torch.Tensor], folder: "str | Path | Folder", adapter: str) -> None:
     """Fill ``target`` (model FQNs -> local tensors of the adapter parameters) from an adapter folder."""
-    folder = Path(folder)
-    weights = folder / ADAPTER_WEIGHTS
-    if not weights.is_file():
-        raise CheckpointNotFoundError(f"{folder} is not a PEFT adapter folder: {ADAPTER_WEIGHTS} is missing")
+    folder = safetensors_sharded.as_folder(folder)
+    if folder.kind(ADAPTER_WEIGHTS) is None:
+        raise CheckpointNotFoundError(f"{folder.path} is not a PEFT adapter folder: {ADAPTER_WEIGHTS} is missing")
     renamed = {to_peft_key(k, adapter): v for k, v in target.items()}
     if len(renamed) != len(target):
         raise CheckpointError(f"adapter keys collide after removing the adapter name {adapter!r}")
-    safetensors_sharded.load(renamed, folder, strict=True)
+    safetensors_sharded.load_files(renamed, folder, [ADAPTER_WEIGHTS], strict=True)
 
 
-def read_config(folder: str | Path) -> dict:
-    return json.loads((Path(folder) / ADAPTER_CONFIG).read_text())
+def read_config(folder: "str | Path | Folder") -> dict:
+    folder = safetensors_sharded.as_folder(folder)
+    try:
+        config = json.loads(folder.read_bytes(ADAPTER_CONFIG, max_size=16 << 20))
+    except (ValueError, RecursionError) as exc:
+        raise CheckpointCorruptError(f"{folder.display(ADAPTER_CONFIG)}: not valid JSON ({exc})") from exc
+    if not isinstance(config, dict):
+        raise CheckpointCorruptError(f"{folder.display(ADAPTER_CONFIG)}: not a JSON object")
+    return config

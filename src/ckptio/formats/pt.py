@@ -13,7 +13,11 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointCorruptError, CheckpointNotFoundError
+from ..errors import CheckpointCorruptError
+from ..storage.confined import Folder
+
+MAX_STATE_BYTES = 2 << 30
+"""Largest small state (``.pt``) read into memory: a dataloader's or a user object's state."""
 
 
 def to_bytes(obj: Any, what: str) -> bytes:
@@ -38,14 +42,31 @@ def write_bytes(path: str | Path, data: bytes) -> None:
         os.fsync(fh.fileno())
 
 
-def load(path: str | Path, *, mmap: bool = False) -> Any:
-    """``torch.load(weights_only=True)`` with a clear error naming the file; ``mmap`` maps tensors lazily."""
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointNotFoundError(f"{path}: missing")
+def _safe_load(source: Any, where: Path, *, mmap: bool = False) -> Any:
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as exc:
         raise CheckpointCorruptError(
-            f"{path}: cannot be loaded safely ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+            f"{where}: cannot be loaded safely ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
         ) from exc
+
+
+def load_from(folder: Folder, rel: str, *, max_size: int = MAX_STATE_BYTES) -> Any:
+    """A small ``.pt`` state inside a checkpoint, read through the confined folder (checksummed as read)."""
+    data = folder.read_bytes(rel, max_size=max_size)
+    return _safe_load(io.BytesIO(data), folder.display(rel))
+
+
+def load(path: str | Path, *, mmap: bool = False) -> Any:
+    """``torch.load(weights_only=True)`` of a file, with a clear error naming it; ``mmap`` maps tensors lazily.
+
+    The file is opened like any file of a checkpoint (a regular file, not a link, not a FIFO); with
+    ``mmap`` torch maps that same open file (through ``/proc/self/fd`` where it exists).
+    """
+    path = Path(path)
+    with Folder(path.parent).open(path.name) as handle:
+        if mmap:
+            proc = Path(f"/proc/self/fd/{handle.fd}")
+            return _safe_load(str(proc) if proc.exists() else str(path), path, mmap=True)
+        with io.BufferedReader(handle.stream(), buffer_size=1 << 20) as fh:
+            return _safe_load(fh, path)

@@ -37,10 +37,12 @@ from typing import Any
 
 import torch
 import yaml
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, ConfigError
 from ..storage import fsync_tree
+from ..storage.confined import Folder
+from ._st_reader import SafetensorsFile
 
 __all__ = ["ALGOS", "export_qnemo", "load_qnemo", "quantize", "dequantize"]
 
@@ -194,22 +196,23 @@ def load_qnemo(path: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn
             folder = safe_extract(path, Path(tmp) / "x")
         else:
             folder = path
+        tree = Folder(folder)
         try:
-            config = json.loads((folder / "config.json").read_text())
+            config = json.loads(tree.read_bytes("config.json", max_size=64 << 20))
             tp = int(config["mapping"]["tp_size"])
             algo = config["ckptio"]["algo"]
             hf_config = config["ckptio"]["hf_config"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (CheckpointError, ValueError, KeyError, TypeError, RecursionError) as exc:
             raise CheckpointCorruptError(f"{path}: config.json is missing or not a ckptio .qnemo config ({exc})") from exc
+        if not 1 <= tp <= 4096:
+            raise CheckpointCorruptError(f"{path}: config.json gives tp_size {tp}")
         ranks = []
         for r in range(tp):
-            f = folder / f"rank{r}.safetensors"
-            if not f.is_file():
-                raise CheckpointNotFoundError(f"{path}: rank{r}.safetensors is missing (tp_size is {tp})")
-            try:
-                ranks.append(load_file(str(f)))
-            except Exception as exc:
-                raise CheckpointCorruptError(f"{f}: not a readable safetensors file ({exc})") from exc
+            name = f"rank{r}.safetensors"
+            if tree.kind(name) is None:
+                raise CheckpointNotFoundError(f"{path}: {name} is missing (tp_size is {tp})")
+            with SafetensorsFile(tree, name) as st:
+                ranks.append({k: st.read(k) for k in st.entries})
     return _rebuild(ranks, algo, hf_config, dtype, path)
 
 

@@ -19,18 +19,17 @@ collective inside); :func:`load` likewise, each rank reading only the slices it 
 from __future__ import annotations
 
 import json
-import os
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 import torch
-from safetensors import safe_open
 
 from ..errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError
+from ..storage.confined import Folder
 from . import _st_writer
-from .common import TensorInfo
+from ._st_reader import SafetensorsFile
+from .common import TensorInfo, check_exact_cover, dtype_name
 
 FORMAT_TAG = "sharded-safetensors/1"
 FILE_GLOB = "*.safetensors"
@@ -44,7 +43,8 @@ def shard_file_name(rank: int, world_size: int, part: int = 0, parts: int = 1) -
 
 @dataclass(frozen=True)
 class _Chunk:
-    file: Path
+    file: str
+    """Relative to the folder."""
     offsets: tuple[int, ...]
     shape: tuple[int, ...]
 
@@ -148,86 +148,84 @@ def _balance(entries: list[_st_writer.Entry], n: int) -> list[list[_st_writer.En
     return groups
 
 
-def _scan(folder: Path, files: list[Path] | None = None) -> tuple[dict[str, list[_Chunk]], dict[str, TensorInfo]]:
+def as_folder(folder: "str | Path | Folder") -> Folder:
+    return folder if isinstance(folder, Folder) else Folder(folder)
+
+
+def _shard_meta(st: SafetensorsFile) -> dict:
+    raw = st.metadata.get("ckptio_shards")
+    if raw is None:
+        return {}
+    try:
+        meta = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise CheckpointCorruptError(f"{st.path}: ckptio_shards metadata is not valid JSON ({exc})") from exc
+    if not isinstance(meta, dict):
+        raise CheckpointCorruptError(f"{st.path}: ckptio_shards metadata is not a mapping")
+    return meta
+
+
+def _placement(st: SafetensorsFile, key: str, local_shape: tuple[int, ...], meta: dict) -> tuple[tuple, tuple]:
+    """(global shape, offsets) of a stored chunk, from the file's ckptio metadata (whole when absent)."""
+    entry = meta.get(key)
+    if entry is None:
+        return local_shape, (0,) * len(local_shape)
+    shape, offsets = (entry.get(k) if isinstance(entry, dict) else None for k in ("shape", "offsets"))
+    if not (isinstance(shape, list) and isinstance(offsets, list)
+            and all(type(d) is int and d >= 0 for d in shape + offsets) and len(shape) == len(offsets) == len(local_shape)
+            and all(o + n <= g for o, n, g in zip(offsets, local_shape, shape))):
+        raise CheckpointCorruptError(
+            f"{st.path}: tensor {key!r} of shape {list(local_shape)} has ckptio_shards placement {entry!r:.120}, "
+            "which does not fit it"
+        )
+    return tuple(shape), tuple(offsets)
+
+
+def _scan(folder: "str | Path | Folder", files: list[str] | None = None) -> tuple[dict[str, list[_Chunk]], dict[str, TensorInfo]]:
+    """Every stored chunk of every tensor, and each tensor's global shape and dtype (headers only).
+
+    Refuses, naming the files: unreadable headers, a tensor whose shards disagree on its shape or
+    dtype, and chunks that do not cover each tensor exactly once (overlaps or gaps).
+    """
+    folder = as_folder(folder)
     if files is None:
-        files = sorted(p for p in folder.glob(FILE_GLOB) if p.is_file())
+        files = [e.name for e in folder.listdir() if e.name.endswith(".safetensors") and e.kind == "file"]
     if not files:
-        raise CheckpointNotFoundError(f"{folder} holds no .safetensors files")
+        raise CheckpointNotFoundError(f"{folder.path} holds no .safetensors files")
     chunks: dict[str, list[_Chunk]] = {}
     infos: dict[str, TensorInfo] = {}
-    for path in files:
-        try:
-            with safe_open(str(path), framework="pt") as fh:
-                meta = fh.metadata() or {}
-                shard_meta = json.loads(meta["ckptio_shards"]) if "ckptio_shards" in meta else {}
-                for key in fh.keys():
-                    sl = fh.get_slice(key)
-                    local_shape = tuple(int(d) for d in sl.get_shape())
-                    dtype = _SAFETENSORS_DTYPES.get(sl.get_dtype(), sl.get_dtype().lower())
-                    entry = shard_meta.get(key)
-                    if entry is None:
-                        global_shape, offsets = local_shape, (0,) * len(local_shape)
-                    else:
-                        global_shape = tuple(int(d) for d in entry["shape"])
-                        offsets = tuple(int(o) for o in entry["offsets"])
-                    if len(offsets) != len(local_shape) or any(
-                        o < 0 or o + n > g for o, n, g in zip(offsets, local_shape, global_shape)
-                    ):
-                        raise CheckpointCorruptError(
-                            f"{path}: tensor {key!r} of shape {list(local_shape)} at offsets {list(offsets)} "
-                            f"does not fit its global shape {list(global_shape)}"
-                        )
-                    known = infos.get(key)
-                    if known is not None and (known.shape != global_shape or known.dtype != dtype):
-                        raise CheckpointCorruptError(
-                            f"{path}: tensor {key!r} is {list(global_shape)} {dtype} here but "
-                            f"{list(known.shape)} {known.dtype} in another shard file"
-                        )
-                    infos[key] = TensorInfo(global_shape, dtype)
-                    chunks.setdefault(key, []).append(_Chunk(path, offsets, local_shape))
-        except CheckpointCorruptError:
-            raise
-        except Exception as exc:  # safetensors raises its own error types for damaged headers
-            raise CheckpointCorruptError(f"{path}: not a readable safetensors file ({type(exc).__name__}: {exc})") from exc
+    for rel in files:
+        with SafetensorsFile(folder, rel) as st:
+            meta = _shard_meta(st)
+            for key, e in st.entries.items():
+                global_shape, offsets = _placement(st, key, e.shape, meta)
+                dtype = dtype_name(e.dtype)
+                known = infos.get(key)
+                if known is not None and (known.shape != global_shape or known.dtype != dtype):
+                    raise CheckpointCorruptError(
+                        f"{st.path}: tensor {key!r} is {list(global_shape)} {dtype} here but "
+                        f"{list(known.shape)} {known.dtype} in another shard file"
+                    )
+                infos[key] = TensorInfo(global_shape, dtype)
+                chunks.setdefault(key, []).append(_Chunk(rel, offsets, e.shape))
     for key, parts in chunks.items():
-        covered = sum(_numel(c.shape) for c in parts)
-        if covered != infos[key].numel:
-            raise CheckpointCorruptError(
-                f"{folder}: the shards of {key!r} cover {covered} of {infos[key].numel} elements "
-                "(a shard file is missing or belongs to another save)"
-            )
+        check_exact_cover(key, infos[key].shape, [(c.offsets, c.shape, c.file) for c in parts], folder.path)
     return chunks, infos
 
 
-# safetensors dtype tag -> torch's short dtype name, from the writer's own table
-_SAFETENSORS_DTYPES = {tag: str(dtype).removeprefix("torch.") for tag, dtype in _st_writer.ST_NAMES.items()}
-
-
-def _numel(shape: Iterable[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def read_index(folder: str | Path) -> dict[str, TensorInfo]:
+def read_index(folder: "str | Path | Folder") -> dict[str, TensorInfo]:
     """Global shape and dtype of every tensor in a sharded (or plain) safetensors folder."""
-    return _scan(Path(folder))[1]
+    return _scan(folder)[1]
 
 
 def read_index_file(path: str | Path) -> dict[str, TensorInfo]:
     """Shape (global, when the file is a ckptio shard) and dtype of every tensor in one file."""
     path = Path(path)
     out = {}
-    try:
-        with safe_open(str(path), framework="pt") as fh:
-            shard_meta = json.loads((fh.metadata() or {}).get("ckptio_shards", "{}"))
-            for key in fh.keys():
-                sl = fh.get_slice(key)
-                shape = tuple(shard_meta[key]["shape"]) if key in shard_meta else tuple(sl.get_shape())
-                out[key] = TensorInfo(shape, _SAFETENSORS_DTYPES.get(sl.get_dtype(), sl.get_dtype().lower()))
-    except Exception as exc:
-        raise CheckpointCorruptError(f"{path}: not a readable safetensors file ({type(exc).__name__}: {exc})") from exc
+    with SafetensorsFile(Folder(path.parent), path.name) as st:
+        meta = _shard_meta(st)
+        for key, e in st.entries.items():
+            out[key] = TensorInfo(_placement(st, key, e.shape, meta)[0], dtype_name(e.dtype))
     return out
 
 
@@ -256,114 +254,64 @@ def check_compatible(
         )
 
 
-def load(target: dict[str, torch.Tensor], folder: str | Path, *, strict: bool = True) -> None:
+def load(target: dict[str, torch.Tensor], folder: "str | Path | Folder", *, strict: bool = True) -> None:
     """Fill every tensor of ``target`` (local shards of DTensors, or whole tensors) in place."""
     load_files(target, folder, None, strict=strict)
 
 
-def load_files(target: dict[str, torch.Tensor], folder: str | Path, files: list[Path] | None, *,
+def load_files(target: dict[str, torch.Tensor], folder: "str | Path | Folder", files: list[str] | None, *,
                strict: bool = True) -> None:
-    """Like :func:`load`, reading only ``files`` of ``folder`` (``None``: every ``.safetensors`` file).
+    """Like :func:`load`, reading only ``files`` (names relative to ``folder``; ``None``: every ``.safetensors``).
 
     One thread: parallel reads measured slower on the reference machine (``benchmarks/parallel_io.py``).
     """
-    folder = Path(folder)
+    folder = as_folder(folder)
     chunks, infos = _scan(folder, files)
-    check_compatible(infos, target, str(folder), strict=strict)
+    check_compatible(infos, target, str(folder.path), strict=strict)
     _fill(target, list(target), chunks, folder)
 
 
-class _DirectReader:
-    """Reads a run of whole rows of a stored tensor straight into the target's memory with ``preadv``.
+def _fill(target: dict[str, torch.Tensor], keys: list[str], chunks: dict[str, list[_Chunk]], folder: Folder) -> None:
+    """Copy, for each key, the overlap of every stored chunk with this rank's part of the tensor.
 
-    Used when the overlap between a stored chunk and this rank's tensor differs from both only along
-    dim 0 (whole tensors, FSDP2's row shards) and dtypes match: the bytes are contiguous on both sides,
-    so no intermediate tensor is allocated and nothing is copied twice.
+    When the overlap differs from both only along dim 0 (whole tensors, FSDP2's row shards) and dtypes
+    match, the bytes are contiguous on both sides and are read straight into the target's memory;
+    otherwise the rows spanned are read into a buffer and the box copied.
     """
-
-    def __init__(self, stack: ExitStack) -> None:
-        self.stack = stack
-        self.fds: dict[Path, int] = {}
-        self.headers: dict[Path, tuple[dict, int]] = {}
-
-    def read(self, chunk: _Chunk, key: str, local: torch.Tensor, lo: list[int], hi: list[int],
-             offsets: tuple[int, ...]) -> bool:
-        if local.dim() == 0 or not local.is_contiguous() or local.device.type != "cpu":
-            return False
-        if any(l != c or h != c + n for l, h, c, n in zip(lo[1:], hi[1:], chunk.offsets[1:], chunk.shape[1:])) or \
-                any(l != o or h != o + n for l, h, o, n in zip(lo[1:], hi[1:], offsets[1:], local.shape[1:])):
-            return False
-        if chunk.file not in self.headers:
-            from .hf_bundle import read_safetensors_header  # the validated header reader
-
-            self.headers[chunk.file] = read_safetensors_header(chunk.file)
-            fd = os.open(chunk.file, os.O_RDONLY)
-            self.stack.callback(os.close, fd)
-            self.fds[chunk.file] = fd
-        header, start = self.headers[chunk.file]
-        entry = header.get(key)
-        if not isinstance(entry, dict) or _st_writer.ST_NAMES.get(entry.get("dtype")) != local.dtype:
-            return False
-        row = local.element_size()
-        for d in local.shape[1:]:
-            row *= d
-        begin = int(entry["data_offsets"][0])
-        src = start + begin + (lo[0] - chunk.offsets[0]) * row
-        length = (hi[0] - lo[0]) * row
-        if begin + (chunk.shape[0] * row) > int(entry["data_offsets"][1]):
-            raise CheckpointCorruptError(f"{chunk.file}: {key!r} holds fewer bytes than its shape needs")
-        dst = memoryview(local.view(torch.uint8).reshape(-1).numpy())[(lo[0] - offsets[0]) * row:][:length]
-        done = 0
-        while done < length:
-            n = os.preadv(self.fds[chunk.file], [dst[done:]], src + done)
-            if n <= 0:
-                raise CheckpointCorruptError(f"{chunk.file}: truncated while reading {key!r}")
-            done += n
-        return True
-
-
-def _fill(target: dict[str, torch.Tensor], keys: list[str], chunks: dict[str, list[_Chunk]], folder: Path) -> None:
     with ExitStack() as stack:
-        handles: dict[Path, object] = {}
-        direct = _DirectReader(stack)
+        files: dict[str, SafetensorsFile] = {}
 
-        def handle(path: Path):
-            if path not in handles:
-                handles[path] = stack.enter_context(safe_open(str(path), framework="pt"))
-            return handles[path]
+        def open_file(rel: str) -> SafetensorsFile:
+            if rel not in files:
+                files[rel] = stack.enter_context(SafetensorsFile(folder, rel))
+            return files[rel]
 
         for key in keys:
             local, shape, offsets, _owner = _local_view(target[key])
             if local.numel() == 0:
                 continue
-            filled = 0
             for chunk in chunks[key]:
                 lo = [max(a, b) for a, b in zip(offsets, chunk.offsets)]
                 hi = [min(a + n, b + m) for a, n, b, m in zip(offsets, local.shape, chunk.offsets, chunk.shape)]
-                if any(h <= l for l, h in zip(lo, hi)) and local.dim() > 0:
+                if local.dim() > 0 and any(h <= l for l, h in zip(lo, hi)):
                     continue
-                with torch.no_grad():
-                    if direct.read(chunk, key, local, lo, hi, offsets):
-                        n = 1
-                        for l, h in zip(lo, hi):
-                            n *= h - l
-                        filled += n
-                        continue
-                src_index = tuple(slice(l - c, h - c) for l, h, c in zip(lo, hi, chunk.offsets))
+                st = open_file(chunk.file)
+                stored = st.entry(key)
+                src_lo = [l - c for l, c in zip(lo, chunk.offsets)]
+                src_hi = [h - c for h, c in zip(hi, chunk.offsets)]
                 dst_index = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offsets))
-                try:
-                    part = handle(chunk.file).get_slice(key)[src_index] if src_index else handle(chunk.file).get_tensor(key)
-                except Exception as exc:
-                    raise CheckpointCorruptError(f"{chunk.file}: cannot read {key!r} ({type(exc).__name__}: {exc})") from exc
+                whole_rows = all(l == 0 and h == n for l, h, n in zip(src_lo[1:], src_hi[1:], chunk.shape[1:])) and \
+                    all(l - o == 0 and h - o == n for l, h, o, n in zip(lo[1:], hi[1:], offsets[1:], local.shape[1:]))
                 with torch.no_grad():
-                    local[dst_index].copy_(part)
-                filled += part.numel()
-            if filled != local.numel():
-                raise CheckpointCorruptError(
-                    f"{folder}: only {filled} of {local.numel()} elements of {key!r} needed by this rank were found"
-                )
+                    if local.dim() == 0:
+                        local.copy_(st.read(key).to(local.dtype))
+                    elif whole_rows and stored.dtype == local.dtype and local.is_contiguous() \
+                            and local.device.type == "cpu":
+                        st.read_rows_into(key, src_lo[0], local[dst_index[0]])
+                    else:
+                        local[dst_index].copy_(st.read_box(key, src_lo, src_hi))
+            # every element of this rank's part is filled: the chunks cover the tensor exactly (checked in _scan)
 
 
 def data_files(folder: str | Path) -> list[Path]:
     return sorted(Path(folder).glob(FILE_GLOB))
-

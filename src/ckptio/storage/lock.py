@@ -4,56 +4,140 @@ The kernel releases the lock when the holding process dies, so a crash never lea
 A second job pointed at the same folder by mistake gets a clear error naming the holder instead of
 interleaving its saves, sweeps and deletions with the first job's. (``flock`` is local to a host on
 some network filesystems; there, keep one job per folder by configuration.)
+
+The lock file is opened with ``O_NOFOLLOW`` and must be a regular file with a single link: a symbolic
+link or a hard link planted in its place is refused, so taking the lock can never truncate or write
+another file. Within one process the lock is shared: a second manager on the same folder (a notebook
+cell run again, an evaluation manager beside the training one) takes it too, and it is released when
+the last holder releases it; other processes are still refused.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
+import stat
+import threading
 from pathlib import Path
 
 from ..errors import CheckpointError
 
 LOCK_NAME = ".ckptio.lock"
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+
+# (device, inode) of a lock file this process holds -> [descriptor, number of holders]
+_held: dict[tuple[int, int], list[int]] = {}
+_held_lock = threading.Lock()
 
 
 class CheckpointDirLocked(CheckpointError, BlockingIOError):
     """Another process holds the checkpoint folder."""
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def parse_holder(text: str) -> tuple[int | None, str | None]:
+    """(pid, host) from the lock file's ``pid N on HOST`` line."""
+    parts = text.split()
+    if len(parts) >= 4 and parts[0] == "pid" and parts[2] == "on" and parts[1].isdigit():
+        return int(parts[1]), parts[3]
+    return None, None
+
+
 class DirectoryLock:
     def __init__(self, folder: str | Path) -> None:
         self.path = Path(folder) / LOCK_NAME
-        self._fd: int | None = None
+        self._key: tuple[int, int] | None = None
+        self.forced_over: str | None = None
+        """The holder whose lock ``acquire(force=True)`` went past (``None`` when the lock was taken)."""
 
     @property
     def held(self) -> bool:
-        return self._fd is not None
+        return self._key is not None or self.forced_over is not None
 
-    def acquire(self) -> None:
+    def _open(self) -> int:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | _O_NOFOLLOW | _O_CLOEXEC | _O_NONBLOCK, 0o644)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.EMLINK):
+                raise CheckpointError(f"{self.path} is a symbolic link; ckptio refuses to follow it for its lock "
+                                      "(remove it: the lock file is ckptio's own)") from None
+            raise CheckpointError(f"cannot open the lock file {self.path}: {exc}") from exc
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            os.close(fd)
+            what = "not a regular file" if not stat.S_ISREG(st.st_mode) else f"has {st.st_nlink} hard links"
+            raise CheckpointError(f"{self.path} {what}; ckptio refuses to use it as its lock (remove it: the lock "
+                                  "file is ckptio's own)")
+        return fd
+
+    def acquire(self, *, force: bool = False) -> None:
+        """Take the lock, or raise :class:`CheckpointDirLocked` naming the holder.
+
+        ``force``: go on without the lock when its recorded holder is gone (a process of this host that no
+        longer runs, or a holder on another host, which cannot be checked from here); a holder that is
+        alive on this host is never overridden.
+        """
         import fcntl
 
-        if self._fd is not None:
+        if self.held:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
-            os.close(fd)
-            raise CheckpointDirLocked(
-                f"{self.path.parent} is in use by {holder}; two jobs must not share a checkpoint_dir "
-                "(give this run its own checkpoint_dir, or stop the other job)"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
-        self._fd = fd
+        fd = self._open()
+        st = os.fstat(fd)
+        key = (st.st_dev, st.st_ino)
+        with _held_lock:
+            if key in _held:  # this process holds it already: share it
+                os.close(fd)
+                _held[key][1] += 1
+                self._key = key
+                return
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+                os.close(fd)
+                pid, host = parse_holder(holder)
+                if force and not (host == socket.gethostname() and pid is not None and _alive(pid)):
+                    self.forced_over = holder
+                    return
+                raise CheckpointDirLocked(
+                    f"{self.path.parent} is in use by {holder}; two jobs must not share a checkpoint_dir "
+                    "(give this run its own checkpoint_dir, or stop the other job"
+                    + (")" if host == socket.gethostname() and pid is not None and _alive(pid)
+                       else "; if that holder is gone, --force goes ahead)")
+                ) from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+            _held[key] = [fd, 1]
+            self._key = key
 
     def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing the descriptor drops the flock
-            self._fd = None
+        self.forced_over = None
+        if self._key is None:
+            return
+        with _held_lock:
+            entry = _held.get(self._key)
+            if entry is not None:
+                entry[1] -= 1
+                if entry[1] <= 0:
+                    os.close(entry[0])  # closing the descriptor drops the flock
+                    del _held[self._key]
+        self._key = None
 
     def __del__(self) -> None:
-        self.release()
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - interpreter teardown
+            pass

@@ -1,0 +1,510 @@
+"""Reading a checkpoint without ever leaving it: the one gate every reader of ckptio opens files through.
+
+A :class:`Folder` is a directory whose files are read by paths relative to it. Whatever a path comes
+from (a manifest, DCP's ``.metadata``, a pointer, a safetensors index, a ``.nemo`` config), it is
+resolved the same way:
+
+* it must be a plain relative path: no absolute path, no ``..`` or ``.`` component, no backslash, no NUL;
+* every directory on the way is opened with ``O_NOFOLLOW`` relative to the one before (``openat``), so a
+  symbolic link anywhere below the folder is refused rather than followed, and a link swapped in after
+  a check cannot redirect the read;
+* the file itself is opened with ``O_NOFOLLOW | O_NONBLOCK`` and must be a regular file (a FIFO cannot
+  hang the reader, a device cannot feed it endless bytes);
+* its size is checked against what the caller expects, and every read is bounded by that size.
+
+The folder itself may be reached through a link (a user's ``checkpoints -> /scratch/run1`` is fine);
+only what lies below it is confined. ``links=True`` relaxes the rule for folders the user names
+directly and that legitimately hold links to regular files (a Hugging Face cache snapshot, whose
+files link into ``blobs/``); even then every target must be a regular file.
+
+With a :class:`Verifier` attached, every byte read through a handle also feeds a running CRC-32C when
+the reads go through a file in order, so a full verification costs no second pass in the common case;
+:meth:`Verifier.finish` reads only what was not read, in order, and compares with the manifest.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import stat
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from ..errors import CheckpointCorruptError, CheckpointNotFoundError
+from .checksum import RunningChecksum
+
+__all__ = ["Folder", "ReadHandle", "Verifier", "check_relative", "UnsafePathError"]
+
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_CHUNK = 8 * 1024 * 1024
+_PIECE = 4 * 1024 * 1024  # a verified read is hashed in pieces of this size, overlapping the next read
+
+
+class UnsafePathError(CheckpointCorruptError):
+    """A path inside a checkpoint leads outside it, through a link, or to something that is not a file."""
+
+
+def check_relative(rel: object, where: object) -> tuple[str, ...]:
+    """The components of ``rel`` if it is a plain relative path; otherwise :class:`UnsafePathError`."""
+    if not isinstance(rel, str) or not rel:
+        raise UnsafePathError(f"{where}: file path {rel!r} is not a non-empty string")
+    if "\0" in rel or "\\" in rel or rel.startswith("/") or (len(rel) > 1 and rel[1] == ":"):
+        raise UnsafePathError(f"{where}: file path {rel!r} is absolute or not a plain relative path")
+    parts = tuple(rel.split("/"))
+    if any(p in ("", ".", "..") for p in parts):
+        raise UnsafePathError(f"{where}: file path {rel!r} must not contain '..', '.' or empty components")
+    return parts
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One name in a folder listing (links are reported, never followed)."""
+
+    name: str
+    kind: str
+    """``file``, ``dir``, ``link`` or ``other`` (FIFO, device, socket)."""
+    size: int
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISREG(mode):
+        return "file"
+    if stat.S_ISDIR(mode):
+        return "dir"
+    if stat.S_ISLNK(mode):
+        return "link"
+    return "other"
+
+
+class Folder:
+    """A directory read through confined, relative paths. Cheap to create; holds no descriptors.
+
+    Thread safety: handles may be opened and used from several threads; a :class:`Verifier` locks itself.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, links: bool = False, verifier: "Verifier | None" = None) -> None:
+        self.path = Path(path)
+        self.links = links
+        self.verifier = verifier
+
+    def __repr__(self) -> str:
+        return f"Folder({str(self.path)!r})"
+
+    def display(self, rel: str = "") -> Path:
+        return self.path / rel if rel else self.path
+
+    def sub(self, rel: str) -> "Folder":
+        """The folder ``rel`` below this one (checked now: it must be a real directory, not a link)."""
+        if rel in ("", "."):
+            return self
+        self._walk(check_relative(rel, self.path) + ("",), want_dir=True)
+        return Folder(self.path / rel, links=self.links, verifier=self.verifier)
+
+    # ------------------------------------------------------------------ resolution
+    def _open_root(self) -> int:
+        try:
+            return os.open(self.path, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"{self.path}: no such folder") from None
+        except NotADirectoryError:
+            raise CheckpointNotFoundError(f"{self.path}: not a folder") from None
+
+    def _walk(self, parts: tuple[str, ...], *, want_dir: bool = False) -> tuple[int, str]:
+        """(descriptor of the directory holding the last component, the last component). Caller closes."""
+        fd = self._open_root()
+        try:
+            for i, part in enumerate(parts[:-1]):
+                flags = os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC | (0 if self.links else _O_NOFOLLOW)
+                try:
+                    nfd = os.open(part, flags, dir_fd=fd)
+                except FileNotFoundError:
+                    raise CheckpointNotFoundError(f"{self.path / '/'.join(parts[:i + 1])}: no such folder") from None
+                except OSError as exc:
+                    if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
+                        raise UnsafePathError(
+                            f"{self.path / '/'.join(parts[:i + 1])}: is a symbolic link or not a folder; "
+                            "a checkpoint is read only through real folders below its own"
+                        ) from None
+                    raise
+                os.close(fd)
+                fd = nfd
+            return fd, parts[-1]
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def lstat(self, rel: str) -> os.stat_result | None:
+        """``lstat`` of ``rel`` (``None`` when it does not exist); links below the folder are not followed."""
+        parts = check_relative(rel, self.path)
+        try:
+            fd, name = self._walk(parts)
+        except CheckpointNotFoundError:
+            return None
+        try:
+            return os.stat(name, dir_fd=fd, follow_symlinks=self.links)
+        except FileNotFoundError:
+            return None
+        finally:
+            os.close(fd)
+
+    def kind(self, rel: str) -> str | None:
+        """``file``, ``dir``, ``link``, ``other`` or ``None`` (missing)."""
+        st = self.lstat(rel)
+        return None if st is None else _kind(st.st_mode)
+
+    def is_file(self, rel: str) -> bool:
+        try:
+            return self.kind(rel) == "file"
+        except UnsafePathError:
+            return False
+
+    def is_dir(self, rel: str) -> bool:
+        try:
+            return self.kind(rel) == "dir"
+        except UnsafePathError:
+            return False
+
+    def size(self, rel: str) -> int:
+        """Size of the regular file ``rel``; a missing file, a link or a special file is an error naming it."""
+        st = self.lstat(rel)
+        if st is None:
+            raise CheckpointNotFoundError(f"{self.path / rel}: missing")
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafePathError(f"{self.path / rel}: is a {_describe(st.st_mode)}, not a regular file")
+        return st.st_size
+
+    def listdir(self, rel: str = "") -> list[Entry]:
+        """The entries of the folder ``rel`` (sorted by name); links are listed as ``link``."""
+        fd = self._open_root() if rel in ("", ".") else None
+        if fd is None:
+            pfd, name = self._walk(check_relative(rel, self.path))
+            try:
+                fd = os.open(name, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC | (0 if self.links else _O_NOFOLLOW),
+                             dir_fd=pfd)
+            except FileNotFoundError:
+                raise CheckpointNotFoundError(f"{self.path / rel}: no such folder") from None
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise UnsafePathError(f"{self.path / rel}: is a symbolic link or not a folder") from None
+                raise
+            finally:
+                os.close(pfd)
+        try:
+            out = []
+            for name in sorted(os.listdir(fd)):
+                try:
+                    st = os.stat(name, dir_fd=fd, follow_symlinks=self.links)
+                except FileNotFoundError:
+                    continue
+                out.append(Entry(name, _kind(st.st_mode), st.st_size))
+            return out
+        finally:
+            os.close(fd)
+
+    def walk_files(self, rel: str = "") -> Iterator[tuple[str, Entry]]:
+        """(relative path, entry) of every regular file below ``rel``, depth first; links are yielded as links."""
+        for entry in self.listdir(rel):
+            path = f"{rel}/{entry.name}" if rel else entry.name
+            if entry.kind == "dir":
+                yield from self.walk_files(path)
+            else:
+                yield path, entry
+
+    # ------------------------------------------------------------------ reading
+    def open(self, rel: str, *, size: int | None = None) -> "ReadHandle":
+        """Open the regular file ``rel`` for reading; ``size``: the size it must have."""
+        parts = check_relative(rel, self.path)
+        fd, name = self._walk(parts)
+        try:
+            flags = os.O_RDONLY | _O_CLOEXEC | _O_NONBLOCK | (0 if self.links else _O_NOFOLLOW)
+            try:
+                ffd = os.open(name, flags, dir_fd=fd)
+            except FileNotFoundError:
+                raise CheckpointNotFoundError(f"{self.path / rel}: missing") from None
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.EMLINK):
+                    raise UnsafePathError(f"{self.path / rel}: is a symbolic link; a checkpoint is read only through "
+                                          "regular files inside it") from None
+                if exc.errno == errno.ENXIO:  # a FIFO or socket without a writer
+                    raise UnsafePathError(f"{self.path / rel}: is not a regular file") from None
+                raise
+        finally:
+            os.close(fd)
+        try:
+            st = os.fstat(ffd)
+            if not stat.S_ISREG(st.st_mode):
+                raise UnsafePathError(f"{self.path / rel}: is a {_describe(st.st_mode)}, not a regular file")
+            if size is not None and st.st_size != size:
+                raise CheckpointCorruptError(f"{self.path / rel}: size {st.st_size} bytes, expected {size}")
+        except BaseException:
+            os.close(ffd)
+            raise
+        handle = ReadHandle(ffd, self.path / rel, st.st_size)
+        if self.verifier is not None:
+            self.verifier._attach(self, rel, handle)
+        return handle
+
+    def read_bytes(self, rel: str, *, max_size: int) -> bytes:
+        """The whole of a small file, refused when it is larger than ``max_size`` (nothing big is read)."""
+        with self.open(rel) as h:
+            if h.size > max_size:
+                raise CheckpointCorruptError(f"{h.path}: {h.size} bytes, more than the {max_size} a file of this "
+                                             "kind may have")
+            return h.read(0, h.size)
+
+    def read_text(self, rel: str, *, max_size: int) -> str:
+        return self.read_bytes(rel, max_size=max_size).decode("utf-8", errors="replace")
+
+
+def _describe(mode: int) -> str:
+    if stat.S_ISLNK(mode):
+        return "symbolic link"
+    if stat.S_ISDIR(mode):
+        return "folder"
+    if stat.S_ISFIFO(mode):
+        return "FIFO"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "device file"
+    if stat.S_ISSOCK(mode):
+        return "socket"
+    return "special file"
+
+
+class ReadHandle:
+    """An open regular file of known size; reads are positional (thread-safe) and bounded by the size."""
+
+    def __init__(self, fd: int, path: Path, size: int) -> None:
+        self.fd = fd
+        self.path = path
+        self.size = size
+        self._hash: _Hash | None = None
+
+    def __enter__(self) -> "ReadHandle":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def readinto(self, buf: Any, offset: int) -> None:
+        """Fill all of ``buf`` (a writable buffer) from ``offset``; a short file is an error naming it."""
+        view = memoryview(buf).cast("B")
+        n = view.nbytes
+        if offset < 0 or offset + n > self.size:
+            raise CheckpointCorruptError(f"{self.path}: a read of {n} bytes at {offset} runs past its end "
+                                         f"({self.size} bytes)")
+        h = self._hash
+        if h is None or n <= _PIECE:
+            self._pread(view, offset)
+            if h is not None:
+                h.update(offset, view, self)
+            return
+        # a long read being verified: hash each piece on the verifier's thread while the next one is read
+        # (CRC-32C releases the GIL), and wait for the last before returning, so the caller's buffer is
+        # never hashed after it has it back
+        pending = None
+        for start in range(0, n, _PIECE):
+            piece = view[start:start + _PIECE]
+            self._pread(piece, offset + start)
+            if pending is not None:
+                pending.result()
+            pending = h.submit(offset + start, piece, self)
+        pending.result()
+
+    def _pread(self, view: memoryview, offset: int) -> None:
+        done, n = 0, view.nbytes
+        while done < n:
+            got = os.preadv(self.fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise CheckpointCorruptError(f"{self.path}: truncated (expected {self.size} bytes)")
+            done += got
+
+    def read(self, offset: int, length: int) -> bytes:
+        buf = bytearray(length)
+        self.readinto(buf, offset)
+        return bytes(buf)
+
+    def stream(self) -> "HandleStream":
+        """A seekable binary file object over this handle (for readers that want one: DCP, torch.load)."""
+        return HandleStream(self)
+
+
+class HandleStream(io.RawIOBase):
+    """File-like view of a :class:`ReadHandle` (its own position; reads go through the handle)."""
+
+    def __init__(self, handle: ReadHandle) -> None:
+        super().__init__()
+        self.handle = handle
+        self.pos = 0
+        self.name = str(handle.path)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self.pos, 2: self.handle.size}[whence]
+        if base + offset < 0:
+            raise ValueError("negative seek position")
+        self.pos = base + offset
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, buf: Any) -> int:
+        view = memoryview(buf).cast("B")
+        n = max(0, min(view.nbytes, self.handle.size - self.pos))
+        if n:
+            self.handle.readinto(view[:n], self.pos)
+            self.pos += n
+        return n
+
+    def close(self) -> None:  # the handle is closed by its owner
+        super().close()
+
+
+class _Hash:
+    """CRC-32C of a file's bytes read in order from its start.
+
+    Reads usually come in file order; a small read ahead of the hashed position (a zip reader looking at
+    the end of a record before its body, as ``torch.load`` does inside DCP files) is kept aside and
+    consumed when the hashed position reaches it. Anything else out of order is left for
+    :meth:`Verifier.finish` to read again.
+    """
+
+    SMALL = 1 << 20
+    BUDGET = 64 << 20
+    GAP = 64 << 10
+    """A hole of up to this many bytes before a read (padding a reader skipped) is read and hashed in passing."""
+
+    def __init__(self, pool: "Any | None" = None) -> None:
+        self.running = RunningChecksum()
+        self.lock = threading.Lock()
+        self.pool = pool
+        self.pending: dict[int, bytes] = {}
+        self.pending_bytes = 0
+
+    def submit(self, offset: int, view: memoryview, handle: "ReadHandle") -> Any:
+        if self.pool is None:
+            from concurrent.futures import Future
+
+            done: Future = Future()
+            self.update(offset, view, handle)
+            done.set_result(None)
+            return done
+        return self.pool.submit(self.update, offset, view, handle)
+
+    def update(self, offset: int, view: memoryview, handle: "ReadHandle") -> None:
+        with self.lock:
+            end = self.running.size
+            n = view.nbytes
+            if end < offset <= end + self.GAP:
+                self._fill(end, offset - end, handle)
+                end = offset
+            if offset <= end < offset + n:
+                self.running.update(view[end - offset:])
+                self._drain(handle)
+            elif offset > end and n <= self.SMALL and self.pending_bytes + n <= self.BUDGET \
+                    and offset not in self.pending:
+                self.pending[offset] = bytes(view)
+                self.pending_bytes += n
+
+    def _fill(self, start: int, n: int, handle: "ReadHandle") -> None:
+        gap = bytearray(n)
+        handle._pread(memoryview(gap), start)
+        self.running.update(gap)
+
+    def _drain(self, handle: "ReadHandle") -> None:
+        while self.pending:
+            end = self.running.size
+            first = min(self.pending)
+            if first > end + self.GAP:
+                return
+            if first > end:
+                self._fill(end, first - end, handle)
+                end = first
+            piece = self.pending.pop(first)
+            self.pending_bytes -= len(piece)
+            if first <= end < first + len(piece):
+                self.running.update(memoryview(piece)[end - first:])
+
+
+class Verifier:
+    """Checks the files read during a load against their recorded checksums, hashing as they are read.
+
+    Attach it to the :class:`Folder` a load reads through; every handle opened on a file that has a
+    recorded checksum hashes the bytes read in order from the start of the file. :meth:`finish` then
+    reads, for each file this process is responsible for, whatever was not read in order, and returns
+    the problems found (one line each, naming the file).
+    """
+
+    def __init__(self, root: Folder, checksums: dict[str, str]) -> None:
+        self.root = root
+        self.checksums = dict(checksums)
+        self._hashes: dict[str, _Hash] = {}
+        self._lock = threading.Lock()
+        self._pool: Any = None
+
+    def _attach(self, folder: Folder, rel: str, handle: ReadHandle) -> None:
+        try:
+            full = (folder.path / rel).relative_to(self.root.path).as_posix()
+        except ValueError:
+            return
+        if full not in self.checksums:
+            return
+        with self._lock:
+            if self._pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptio-verify")
+            h = self._hashes.setdefault(full, _Hash(self._pool))
+        handle._hash = h
+
+    @property
+    def opened(self) -> set[str]:
+        """Files that some handle of this process read (relative to the root)."""
+        return set(self._hashes)
+
+    def finish(self, files: list[str]) -> list[str]:
+        """Complete and compare the checksums of ``files``; return the problems (empty: all good)."""
+        from .checksum import format_digest  # noqa: F401  (same digest format as the writer)
+
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        problems = []
+        plain = Folder(self.root.path, links=self.root.links)  # no verifier: the tail reads hash below
+        for rel in files:
+            want = self.checksums.get(rel)
+            if want is None:
+                continue
+            h = self._hashes.get(rel) or _Hash()
+            try:
+                with plain.open(rel) as handle:
+                    pos = h.running.size
+                    buf = bytearray(min(_CHUNK, max(1, handle.size - pos)))
+                    while pos < handle.size:
+                        n = min(len(buf), handle.size - pos)
+                        view = memoryview(buf)[:n]
+                        handle.readinto(view, pos)
+                        h.running.update(view)
+                        pos += n
+            except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
+                problems.append(str(exc))
+                continue
+            if h.running.digest != want:
+                problems.append(f"{self.root.path / rel}: checksum {h.running.digest}, manifest says {want} (corrupted)")
+        return problems
