@@ -15,6 +15,8 @@ POINTS = (
     "save.states_written",
     "commit.before_manifest",
     "commit.before_rename",
+    "commit.after_exchange",
+    "commit.after_moving_old",
     "commit.before_pointer",
     "commit.before_retention",
     "retention.before_delete",

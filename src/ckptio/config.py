@@ -8,9 +8,10 @@ from typing import Literal, Union
 
 from .errors import ConfigError
 
-__all__ = ["CheckpointConfig", "MODEL_SAVE_FORMATS"]
+__all__ = ["CheckpointConfig", "MODEL_SAVE_FORMATS", "VERIFY_MODES"]
 
 MODEL_SAVE_FORMATS = ("safetensors", "torch_save")
+VERIFY_MODES = ("none", "size", "full")
 _TEMPLATE_FIELDS_REQUIRED = ("step",)
 
 SaveConsolidated = Union[bool, Literal["final"]]
@@ -72,9 +73,13 @@ class CheckpointConfig:
     enabled: bool = True
     """``False`` turns every save and restore into a no-op (dry runs, debugging)."""
 
-    verify_checksums: bool = False
-    """Check every byte against the manifest's checksums before loading (sizes are always checked); an
-    auto-resume then skips a corrupted checkpoint for the previous good one, with a warning."""
+    verify: str = "full"
+    """How much of a checkpoint is checked when it is loaded: ``"full"``: every byte against the
+    manifest's checksums, hashed while it is read (no second pass in the usual case); ``"size"``: every
+    file is present, a regular file inside the step directory, with its recorded size; ``"none"``: the
+    manifest only (readers still refuse truncated data). Damage found during an auto-resume makes it
+    fall back to the previous good checkpoint, with a warning. The cost of ``full``, measured by
+    ``benchmarks/verify_cost.py``, is in the README."""
 
     strict: bool = True
     """Refuse to load a checkpoint whose model or optimizer keys differ from the live objects."""
@@ -123,8 +128,9 @@ class CheckpointConfig:
             raise ConfigError(f"monitor must be a metric name, got {self.monitor!r}")
         if not isinstance(self.io_threads, int) or isinstance(self.io_threads, bool) or not 1 <= self.io_threads <= 64:
             raise ConfigError(f"io_threads must be an integer from 1 to 64, got {self.io_threads!r}")
-        for name in ("is_peft", "enabled", "strict", "auto_insert_field_names", "save_last", "verify_checksums",
-                     "async_save"):
+        if self.verify not in VERIFY_MODES:
+            raise ConfigError(f"verify must be one of {list(VERIFY_MODES)}, got {self.verify!r}")
+        for name in ("is_peft", "enabled", "strict", "auto_insert_field_names", "save_last", "async_save"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ConfigError(f"{name} must be true or false, got {value!r}")

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import CheckpointError, CheckpointNotFoundError
+from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .manifest import MANIFEST_NAME, Manifest, check_files, read_manifest
 from .storage import read_pointer, remove_tree
+from .storage.confined import Folder
 
 log = logging.getLogger("ckptio")
 
@@ -115,92 +116,124 @@ class CheckpointEntry:
         return self.manifest.step if self.manifest else None
 
 
-def _inspect_dir(path: Path, checksums: bool = False) -> CheckpointEntry:
+def _inspect_dir(path: Path, verify: str = "size") -> CheckpointEntry:
+    """What ``path`` is: a committed checkpoint, or why not. ``verify`` says how far its files are checked
+    (``none``: the manifest only; ``size``: every file present, regular, of the recorded size; ``full``:
+    also every byte against its checksum)."""
     if path.name.startswith(TMP_PREFIX):
         return CheckpointEntry(path.name, path, None, "uncommitted temporary (an interrupted or running save)")
-    if not (path / MANIFEST_NAME).is_file():
+    if path.is_symlink() or not path.is_dir():
+        return CheckpointEntry(path.name, path, None, "not a directory (a link or a file is never a checkpoint)")
+    folder = Folder(path)
+    try:
+        present = folder.kind(MANIFEST_NAME) is not None
+    except CheckpointError as exc:
+        return CheckpointEntry(path.name, path, None, str(exc))
+    if not present:
         return CheckpointEntry(
             path.name, path, None,
             f"{MANIFEST_NAME} is missing: not a committed ckptio checkpoint (an interrupted save, or a folder "
             "written by another tool)",
         )
     try:
-        manifest = read_manifest(path)
+        manifest = read_manifest(folder)
     except CheckpointError as exc:
         return CheckpointEntry(path.name, path, None, str(exc))
-    problems = check_files(path, manifest, checksums=checksums)
+    problems = [] if verify == "none" else check_files(folder, manifest, checksums=verify == "full")
     if problems:
         return CheckpointEntry(path.name, path, manifest, f"{len(problems)} damaged file(s): " + "; ".join(problems[:3]))
     return CheckpointEntry(path.name, path, manifest)
 
 
-def scan(checkpoint_dir: str | Path) -> list[CheckpointEntry]:
+def scan(checkpoint_dir: str | Path, verify: str = "size") -> list[CheckpointEntry]:
     """Every directory in ``checkpoint_dir`` (committed or not), committed ones first by step.
 
-    Hidden directories other than ckptio's own temporaries (``.tmp-*``) are not checkpoints and are skipped.
+    Hidden directories other than ckptio's own temporaries (``.tmp-*``) are not checkpoints and are
+    skipped, and so are links (a link is never a checkpoint: it could lead anywhere).
     """
     root = Path(checkpoint_dir)
     if not root.is_dir():
         return []
     entries = [
-        _inspect_dir(p)
-        for p in sorted(root.iterdir())
-        if p.is_dir() and not p.is_symlink() and (p.name.startswith(TMP_PREFIX) or not p.name.startswith("."))
+        _inspect_dir(root / e.name, verify)
+        for e in Folder(root).listdir()  # links are listed as links, never followed
+        if e.kind == "dir" and (e.name.startswith(TMP_PREFIX) or not e.name.startswith("."))
     ]
     return sorted(entries, key=lambda e: (not e.committed, e.step if e.step is not None else -1, e.name))
 
 
-def committed_checkpoints(checkpoint_dir: str | Path) -> list[CheckpointEntry]:
+def committed_checkpoints(checkpoint_dir: str | Path, verify: str = "size") -> list[CheckpointEntry]:
     """Complete checkpoints, oldest step first."""
-    return [e for e in scan(checkpoint_dir) if e.committed]
+    return [e for e in scan(checkpoint_dir, verify) if e.committed]
 
 
-def newest_checkpoint(checkpoint_dir: str | Path, *, verify_checksums: bool = False) -> CheckpointEntry | None:
-    """The newest complete checkpoint; damaged or uncommitted ones are skipped with a warning.
+def newest_checkpoint(checkpoint_dir: str | Path, *, verify: str = "size") -> CheckpointEntry | None:
+    """The newest complete checkpoint; damaged or uncommitted ones are skipped with a warning."""
+    candidates = restore_candidates(checkpoint_dir, None, verify=verify)
+    return _inspect_dir(candidates[0], verify) if candidates else None
 
-    With ``verify_checksums``, candidates are checked byte for byte, newest first, until one passes.
+
+def pointer_target(checkpoint_dir: str | Path, name: str) -> Path | None:
+    """The step directory the pointer ``name`` (``LATEST``/``BEST``) leads to; ``None`` without a pointer.
+
+    The pointer must name a real directory directly inside ``checkpoint_dir``: a target that is itself
+    a link, or leads anywhere else, is a :class:`~ckptio.CheckpointCorruptError` naming the pointer.
     """
-    entries = scan(checkpoint_dir)
-    good = [e for e in entries if e.committed]
-    for bad in entries:
-        if bad.manifest is not None and bad.problem and (not good or bad.manifest.step >= good[-1].step):
-            log.warning("Skipping damaged checkpoint %s: %s", bad.path, bad.problem)
-    for entry in reversed(good):
-        if not verify_checksums:
-            return entry
-        checked = _inspect_dir(entry.path, checksums=True)
-        if checked.committed:
-            return checked
-        log.warning("Skipping corrupted checkpoint %s: %s", entry.path, checked.problem)
-    return None
+    root = Path(checkpoint_dir)
+    target = read_pointer(root, name)
+    if target is None:
+        return None
+    path = root / target
+    if path.is_symlink():
+        raise CheckpointCorruptError(f"{root / name}: leads to {path}, which is a link; a pointer must name a "
+                                     f"checkpoint directory directly inside {root}")
+    return path
 
 
-def resolve_restore_path(checkpoint_dir: str | Path, restore_from: str | None, *,
-                         verify_checksums: bool = False) -> Path | None:
-    """The step directory a run should load, following :attr:`CheckpointConfig.restore_from`.
+def restore_candidates(checkpoint_dir: str | Path, restore_from: str | None, *, verify: str = "size") -> list[Path]:
+    """The step directories a run should try to load, best first, following :attr:`CheckpointConfig.restore_from`.
 
-    Returns ``None`` when ``restore_from`` is ``None`` and there is no complete checkpoint yet.
-    Raises :class:`CheckpointNotFoundError` when an explicitly requested checkpoint does not exist.
+    ``None`` (auto-resume): every usable checkpoint, newest first (damaged ones are skipped with a
+    warning); the caller falls back to the next one when a load finds damage the discovery could not
+    see. ``"LATEST"``: the pointer's target, or, when the pointer is missing or damaged, the same list
+    as auto-resume (with a warning). ``"BEST"``, a name or a path: exactly that checkpoint.
+    Raises :class:`CheckpointNotFoundError` when an explicitly requested checkpoint does not exist or is
+    not usable; returns ``[]`` when auto-resume finds nothing.
     """
     root = Path(checkpoint_dir)
     if restore_from is None:
-        entry = newest_checkpoint(root, verify_checksums=verify_checksums)
-        return entry.path if entry else None
+        entries = scan(root, verify)
+        good = [e for e in entries if e.committed]
+        for bad in entries:
+            if bad.manifest is not None and bad.problem and (not good or bad.manifest.step >= good[-1].step):
+                log.warning("Skipping damaged checkpoint %s: %s", bad.path, bad.problem)
+        return [e.path for e in reversed(good)]
     if restore_from in POINTER_NAMES:
-        target = read_pointer(root, restore_from)
-        if target is None:
+        try:
+            path = pointer_target(root, restore_from)
+        except CheckpointError as exc:
+            if restore_from != LATEST:
+                raise CheckpointNotFoundError(f"restore_from={restore_from!r}: {exc}") from exc
+            log.warning("Ignoring the LATEST pointer (%s); resuming from the newest usable checkpoint instead", exc)
+            path = None
+        if path is None:
             if restore_from == LATEST:
-                entry = newest_checkpoint(root, verify_checksums=verify_checksums)
-                if entry is not None:
-                    return entry.path
+                found = restore_candidates(root, None, verify=verify)
+                if found:
+                    return found
             raise CheckpointNotFoundError(f"restore_from={restore_from!r}: there is no {restore_from} pointer in {root}")
-        path = root / target
-        entry = _inspect_dir(path, checksums=verify_checksums)
+        entry = _inspect_dir(path, verify)
         if not entry.committed:
+            if restore_from == LATEST:
+                log.warning("LATEST leads to %s, which is not usable (%s); resuming from the newest usable "
+                            "checkpoint instead", path, entry.problem)
+                found = restore_candidates(root, None, verify=verify)
+                if found:
+                    return found
             raise CheckpointNotFoundError(
                 f"restore_from={restore_from!r}: the pointer leads to {path}, which is not usable ({entry.problem})"
             )
-        return path
+        return [path]
     candidate = Path(restore_from)
     if not candidate.is_absolute() and "/" not in restore_from and (root / restore_from).exists():
         candidate = root / restore_from
@@ -208,10 +241,16 @@ def resolve_restore_path(checkpoint_dir: str | Path, restore_from: str | None, *
         raise CheckpointNotFoundError(
             f"restore_from={restore_from!r}: no such checkpoint (looked for {candidate} and {root / restore_from})"
         )
-    entry = _inspect_dir(candidate, checksums=verify_checksums)
+    entry = _inspect_dir(candidate, verify)
     if not entry.committed:
         raise CheckpointNotFoundError(f"restore_from={restore_from!r}: {candidate} is not usable ({entry.problem})")
-    return candidate
+    return [candidate]
+
+
+def resolve_restore_path(checkpoint_dir: str | Path, restore_from: str | None, *, verify: str = "size") -> Path | None:
+    """The step directory a run should load first (see :func:`restore_candidates`); ``None`` when there is none."""
+    found = restore_candidates(checkpoint_dir, restore_from, verify=verify)
+    return found[0] if found else None
 
 
 def clean_temporaries(checkpoint_dir: str | Path, older_than_s: float = 0.0) -> list[Path]:

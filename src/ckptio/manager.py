@@ -20,8 +20,14 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from . import _dist
 from ._log import get_logger
-from .config import CheckpointConfig
-from .errors import CheckpointError, CheckpointNotFoundError, ConfigError
+from .config import VERIFY_MODES, CheckpointConfig
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    ConfigError,
+)
 from .formats import dcp as dcp_format
 from .formats import hf_bundle, peft_adapter
 from .formats import pt as pt_format
@@ -35,7 +41,7 @@ from .layout import (
     clean_temporaries,
     format_step_name,
     parse_step_name,
-    resolve_restore_path,
+    restore_candidates,
 )
 from .background import BackgroundWriter
 from .manifest import (
@@ -51,6 +57,7 @@ from .staging import Stager
 from .state import ModelState, OptimizerState, RNGState
 from .storage import commit_directory, fsync_tree, remove_tree, write_pointer
 from .storage.checksum import bytes_checksum, file_checksum
+from .storage.confined import Folder, Verifier
 from .storage.lock import DirectoryLock
 
 __all__ = ["CheckpointManager", "RestoreInfo", "Stateful"]
@@ -121,7 +128,7 @@ class CheckpointManager:
         config: where and how to save; see :class:`CheckpointConfig`.
         model: the model (plain or FSDP2-sharded; a PEFT model when ``config.is_peft``).
         optimizer: its optimizer; saved as DCP under ``optim/``, FQN-keyed so it reshards.
-        lr_scheduler: saved with the optimizer.
+        lr_scheduler: saved as the small state ``lr_scheduler.pt`` (any scheduler of ``torch.optim.lr_scheduler``).
         dataloader: any object with ``state_dict``/``load_state_dict`` (e.g. :class:`ResumableDataLoader`).
         step_scheduler: gives ``step``/``epoch`` to :meth:`save` when they are not passed.
         rng: capture the RNG streams of every rank (default on).
@@ -157,10 +164,10 @@ class CheckpointManager:
         self.model_state = ModelState(model, key_prefix=model_key_prefix, trainable_only=config.is_peft) if model else None
         if optimizer is not None and model is None:
             raise ConfigError("an optimizer needs its model: pass model= as well (optimizer state is keyed by parameter name)")
-        self.optim_state = OptimizerState(model, optimizer, lr_scheduler) if optimizer is not None else None
+        self.optim_state = OptimizerState(model, optimizer) if optimizer is not None else None
         self.step_scheduler = step_scheduler
         self.objects: dict[str, Stateful] = {}
-        if lr_scheduler is not None and optimizer is None:
+        if lr_scheduler is not None:
             self.register("lr_scheduler", lr_scheduler)
         if dataloader is not None:
             self.register("dataloader", dataloader)
@@ -173,6 +180,7 @@ class CheckpointManager:
         self.restored: RestoreInfo | None = None
         self.last_saved: Path | None = None
         self._cleaned = False
+        self._monitor_checked = False
         self._lock = DirectoryLock(config.checkpoint_dir)
         self._stager = Stager()
         # collective when distributed: every rank builds the manager
@@ -259,6 +267,7 @@ class CheckpointManager:
         """
         step, epoch = self._position(step, epoch)
         metrics = {k: float(v) for k, v in (metrics or {}).items()}
+        self._check_monitor(metrics)
         counters = dict(counters or {})
         root = Path(self.config.checkpoint_dir)
         name = format_step_name(self.config.name_template, step=step, epoch=epoch, metrics=metrics, counters=counters,
@@ -293,6 +302,26 @@ class CheckpointManager:
             self.log.info("Staged checkpoint %s in %.2f s (%.1f MB of staging buffers); writing it in the background",
                           name, time.perf_counter() - start, self._stager.nbytes / 1e6)
         return job
+
+    def _check_monitor(self, metrics: dict[str, float]) -> None:
+        """Refuse, at the first save that passes metrics, a ``monitor`` that is not among them.
+
+        A misspelt monitor would rank nothing, and top-k retention would then have nothing to keep the best
+        checkpoints by. (Later saves without it are allowed: a step without validation is simply unranked.)
+        """
+        monitor = self.config.monitor
+        if monitor is None or not metrics or self._monitor_checked:
+            return
+        if monitor not in metrics:
+            import difflib
+
+            close = difflib.get_close_matches(monitor, list(metrics), n=1)
+            raise ConfigError(
+                f"monitor={monitor!r} is not among the metrics passed to save(): {sorted(metrics)}"
+                + (f"; did you mean {close[0]!r}?" if close else "")
+                + " (top-k retention and the BEST pointer rank checkpoints by it; nothing was saved)"
+            )
+        self._monitor_checked = True
 
     def _persist(self, job: "_SaveJob") -> None:
         """Collective (on the current group): write the job's files, then commit them on rank 0."""
@@ -443,40 +472,70 @@ class CheckpointManager:
         return states
 
     # ------------------------------------------------------------------ restore
-    def restore(self, path: str | Path | None = None) -> RestoreInfo | None:
+    def restore(self, path: str | Path | None = None, *, verify: str | None = None) -> RestoreInfo | None:
         """Collective: load the checkpoint chosen by ``config.restore_from`` (or ``path``) into every state.
 
+        ``verify`` (default ``config.verify``): ``"full"`` checks every byte read against the manifest's
+        checksums as it is read, ``"size"`` checks that every file is present with its recorded size,
+        ``"none"`` trusts the manifest.
+
         Returns ``None`` (and changes nothing) when ``restore_from`` is unset and there is no complete
-        checkpoint yet. An explicitly requested checkpoint that does not exist raises
-        :class:`CheckpointNotFoundError`.
+        checkpoint yet. An explicitly requested checkpoint that does not exist, or is damaged, raises
+        (:class:`CheckpointNotFoundError`, :class:`CheckpointCorruptError`). When resuming on its own
+        (``restore_from`` unset or ``"LATEST"``), a checkpoint found damaged while loading is skipped with
+        a warning for the next older one.
         """
         if not self.config.enabled:
             return None
+        verify = self.config.verify if verify is None else verify
+        if verify not in VERIFY_MODES:
+            raise ConfigError(f"verify must be one of {list(VERIFY_MODES)}, got {verify!r}")
         self.wait()
         rank = _dist.rank()
         root = Path(self.config.checkpoint_dir)
-        requested = None if path is None else str(path)
+        restore_from = str(path) if path is not None else self.config.restore_from
+        automatic = restore_from in (None, LATEST)
 
-        def find() -> str | None:
+        def find() -> list[str]:
             if rank != 0:
-                return None
-            found = resolve_restore_path(root, requested if requested is not None else self.config.restore_from,
-                                         verify_checksums=self.config.verify_checksums)
-            return None if found is None else str(found)
+                return []
+            return [str(p) for p in restore_candidates(root, restore_from, verify="none" if verify == "none" else "size")]
 
-        found = _dist.broadcast_object(_dist.run_collectively("finding the checkpoint to restore", find))
-        if found is None:
+        candidates = _dist.broadcast_object(_dist.run_collectively("finding the checkpoint to restore", find))
+        if not candidates:
             if rank == 0:
                 self.log.info("No checkpoint found in %s; starting from scratch", root)
             return None
-        step_dir = Path(found)
+        for i, found in enumerate(candidates):
+            try:
+                return self._restore_from(Path(found), verify)
+            except CheckpointError as exc:
+                damaged = isinstance(exc, (CheckpointCorruptError, CheckpointNotFoundError))
+                # every rank raised at the same collective; fall back only if every rank saw damage
+                if not (automatic and i + 1 < len(candidates) and all(_dist.all_gather_object(damaged))):
+                    raise
+                if rank == 0:
+                    self.log.warning("Checkpoint %s is damaged (%s); falling back to %s", found, exc, candidates[i + 1])
+        raise AssertionError("unreachable")  # the last candidate returns or raises
+
+    def _restore_from(self, step_dir: Path, verify: str) -> RestoreInfo:
+        """Collective: load every state from ``step_dir`` (checked, with ``verify``, as it is read)."""
+        rank = _dist.rank()
         if rank == 0:
             self.log.info("Loading checkpoint from %s", step_dir)
         start = time.perf_counter()
         manifest = _dist.run_collectively("reading the manifest", lambda: read_manifest(step_dir))
-        self._load_model(step_dir, manifest)
-        self._load_optimizer(step_dir, manifest)
-        self._load_objects(step_dir, manifest)
+        verifier = None
+        folder = Folder(step_dir)
+        if verify == "full":
+            verifier = Verifier(folder, manifest.checksums)
+            folder = Folder(step_dir, verifier=verifier)
+        objects = self._read_objects(folder, manifest)  # small and first: damage there fails fast
+        self._load_model(folder, manifest)
+        self._load_optimizer(folder, manifest)
+        if verifier is not None:
+            self._finish_verification(verifier)
+        self._apply_objects(folder, objects)
         info = RestoreInfo(step_dir, manifest.step, manifest.epoch, dict(manifest.metrics),
                            dict(manifest.counters), manifest.world_size, self._name_fields(step_dir, manifest))
         for key, value in info.name_fields.items():  # e.g. a metric only the name carries
@@ -485,10 +544,21 @@ class CheckpointManager:
         self.restored = info
         if rank == 0:
             self.log.info(
-                "Loaded checkpoint %s (step %d, epoch %d, saved on %d rank(s)) in %.2f s",
-                step_dir, info.step, info.epoch, info.saved_world_size, time.perf_counter() - start,
+                "Loaded checkpoint %s (step %d, epoch %d, saved on %d rank(s)%s) in %.2f s",
+                step_dir, info.step, info.epoch, info.saved_world_size,
+                ", every byte read checksummed" if verifier is not None else "", time.perf_counter() - start,
             )
         return info
+
+    def _finish_verification(self, verifier: Verifier) -> None:
+        """Collective: each file read during the load is completed and compared by the lowest rank that read it."""
+        rank = _dist.rank()
+        opened = _dist.all_gather_object(sorted(verifier.opened))
+        mine = [f for f in opened[rank] if not any(f in opened[r] for r in range(rank))]
+        problems = _dist.run_collectively("verifying checksums", lambda: verifier.finish(mine))
+        found = [p for part in _dist.all_gather_object(problems) for p in part]
+        if found:
+            raise CheckpointCorruptError(f"{len(found)} file(s) do not match their checksums: " + "; ".join(found[:3]))
 
     def _name_fields(self, step_dir: Path, manifest: Manifest) -> dict[str, Any]:
         fields_ = parse_step_name(self.config.name_template, step_dir.name, self.config.auto_insert_field_names) or {}
@@ -501,20 +571,20 @@ class CheckpointManager:
     def _entry(self, step_dir: Path, manifest: Manifest, key: str) -> StateEntry:
         entry = manifest.states.get(key)
         if entry is None:
-            raise CheckpointNotFoundError(
+            raise CheckpointMismatchError(
                 f"{step_dir} holds no {key!r} state (it has {sorted(manifest.states)}); "
                 f"it was saved without one, so it cannot restore this run's {key}"
             )
         return entry
 
-    def _load_model(self, step_dir: Path, manifest: Manifest) -> None:
+    def _load_model(self, step: Folder, manifest: Manifest) -> None:
         if self.model_state is None:
             return
-        entry = self._entry(step_dir, manifest, "model")
-        folder = step_dir / entry.path
+        entry = self._entry(step.path, manifest, "model")
         target = self.model_state.state_dict()
         strict = self.config.strict and not self.config.is_peft
-        self._check_signature(step_dir, manifest, target)
+        self._check_signature(step.path, manifest, target)
+        folder = _dist.run_collectively("opening the model folder", lambda: step.sub(entry.path))
         if entry.format == "safetensors":
             _dist.run_collectively("loading the model", lambda: safetensors_sharded.load(target, folder, strict=strict))
         elif entry.format == "peft":
@@ -522,10 +592,10 @@ class CheckpointManager:
             _dist.run_collectively("loading the PEFT adapter", lambda: peft_adapter.load(target, folder, adapter))
         elif entry.format == "dcp":
             index = _dist.run_collectively("reading the model index", lambda: dcp_format.read_index(folder))
-            check_compatible(index, target, str(folder), strict=strict)
+            check_compatible(index, target, str(folder.path), strict=strict)
             dcp_format.load(target, folder)
         else:
-            raise CheckpointError(f"{step_dir}: unknown model format {entry.format!r} in the manifest")
+            raise CheckpointCorruptError(f"{step.path}: unknown model format {entry.format!r} in the manifest")
         self.model_state.load_state_dict(target)
 
     def _check_signature(self, step_dir: Path, manifest: Manifest, target: dict[str, torch.Tensor]) -> None:
@@ -539,52 +609,77 @@ class CheckpointManager:
         where = f"{step_dir} (a checkpoint of {theirs})" if theirs and theirs != ours else str(step_dir)
         check_compatible(saved, target, where, strict=self.config.strict and not self.config.is_peft)
 
-    def _load_optimizer(self, step_dir: Path, manifest: Manifest) -> None:
+    def _load_optimizer(self, step: Folder, manifest: Manifest) -> None:
         if self.optim_state is None:
             return
-        entry = self._entry(step_dir, manifest, "optim")
-        folder = step_dir / entry.path
+        entry = self._entry(step.path, manifest, "optim")
         target = self.optim_state.state_dict()
+        folder = _dist.run_collectively("opening the optimizer folder", lambda: step.sub(entry.path))
         index = _dist.run_collectively("reading the optimizer index", lambda: dcp_format.read_index(folder))
         flat, _ = flatten_state_dict(target)
         missing = [k for k in flat if k not in index]
         if missing:
-            raise CheckpointError(
-                f"{folder}: optimizer state does not match the live optimizer: {len(missing)} key(s) missing, "
+            raise CheckpointMismatchError(
+                f"{folder.path}: optimizer state does not match the live optimizer: {len(missing)} key(s) missing, "
                 f"e.g. {missing[:3]} (different model, optimizer type or parameter groups?)"
             )
         tensor_target = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
-        check_compatible({k: index[k] for k in tensor_target}, tensor_target, str(folder), strict=False)
+        check_compatible({k: index[k] for k in tensor_target}, tensor_target, str(folder.path), strict=False)
         dcp_format.load(target, folder)
-        self.optim_state.load_state_dict(target)
+        _dist.run_collectively(f"applying the optimizer state of {folder.path}",
+                               lambda: _apply(self.optim_state, target, folder.path))
 
-    def _load_objects(self, step_dir: Path, manifest: Manifest) -> None:
+    def _read_objects(self, step: Folder, manifest: Manifest) -> dict[str, tuple[str, Any]]:
+        """Collective: the saved state of every registered object, read and decoded but not yet applied."""
         rank, world = _dist.rank(), _dist.world_size()
-        for name, obj in self.objects.items():
+        out: dict[str, tuple[str, Any]] = {}
+        for name in self.objects:
             entry = manifest.states.get(name)
             if entry is None:
                 if rank == 0:
-                    self.log.warning("%s has no %r state; %s keeps its current state", step_dir, name, name)
+                    self.log.warning("%s has no %r state; %s keeps its current state", step.path, name, name)
                 continue
-            file: Path | None = step_dir / entry.path
+            rel: str | None = entry.path
             if entry.per_rank:
-                file = step_dir / entry.path / _rank_file(rank)
+                rel = f"{entry.path}/{_rank_file(rank)}"
                 if manifest.world_size != world:
                     if rank == 0:
                         self.log.warning(
                             "%s: %r was saved per rank on %d rank(s) and is restored on %d; each rank takes the "
                             "state saved by the same rank number, ranks beyond %d keep their own",
-                            step_dir, name, manifest.world_size, world, manifest.world_size,
+                            step.path, name, manifest.world_size, world, manifest.world_size,
                         )
                     if rank >= manifest.world_size:
-                        file = None
+                        rel = None
 
-            def load_one(obj: Stateful = obj, file: Path | None = file) -> None:
-                if file is not None:
-                    obj.load_state_dict(pt_format.load(file))
+            def read_one(rel: str | None = rel) -> Any:
+                return None if rel is None else pt_format.load_from(step, rel)
 
             # every rank takes part, even one with nothing to load, so the collectives stay matched
-            _dist.run_collectively(f"loading {name!r}", load_one)
+            value = _dist.run_collectively(f"reading {name!r}", read_one)
+            if rel is not None:
+                out[name] = (rel, value)
+        return out
+
+    def _apply_objects(self, step: Folder, objects: dict[str, tuple[str, Any]]) -> None:
+        for name, obj in self.objects.items():
+            rel, value = objects.get(name, (None, None))
+            _dist.run_collectively(f"loading {name!r}",
+                                   lambda obj=obj, rel=rel, value=value:
+                                   None if rel is None else _apply(obj, value, step.display(rel)))
+
+
+def _apply(obj: Any, state: Any, source: Path) -> None:
+    """``obj.load_state_dict(state)``; a state that does not fit (a damaged or foreign file) is an error naming it."""
+    try:
+        obj.load_state_dict(state)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # the file decoded but holds something this object cannot take
+        raise CheckpointCorruptError(
+            f"{source}: the saved state does not fit {type(obj).__name__}.load_state_dict "
+            f"({type(exc).__name__}: {exc})"
+        ) from exc
 
 
 def _rank_file(rank: int) -> str:

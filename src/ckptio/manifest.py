@@ -1,24 +1,36 @@
 """The manifest: a JSON file written last into every step directory.
 
 Its presence marks a committed checkpoint; its content says what is inside (states and their
-formats, every file with its size), the training position (step, epoch, metrics, counters) and how
-it was made (world size, library versions). It is the source of truth for discovery, ``inspect``
-and ``list``.
+formats, every file with its size and checksum), the training position (step, epoch, metrics,
+counters) and how it was made (world size, library versions). It is the source of truth for
+discovery, ``inspect`` and ``list``.
+
+The manifest protects itself: ``manifest_checksum`` is the CRC-32C of its own canonical content (every
+other field, as compact JSON with sorted keys), so a flipped bit anywhere in a value is detected before
+anything in it is trusted. Every field is type-checked on reading; a malformed manifest is a
+:class:`~ckptio.CheckpointCorruptError` that names the file and the field.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .errors import CheckpointCorruptError, CheckpointNotFoundError
+from .storage.checksum import bytes_checksum
+from .storage.confined import Folder, UnsafePathError, Verifier, check_relative
 
 MANIFEST_NAME = "manifest.json"
-MANIFEST_VERSION = 1
-_MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+MANIFEST_VERSION = 2
+"""2: carries ``manifest_checksum``. Version 1 manifests (no self-checksum) are still read."""
+_READABLE_VERSIONS = (1, 2)
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+STATE_KINDS = ("model", "optimizer", "object")
+_DIGEST = re.compile(r"crc32c:[0-9a-f]{8}")
 
 
 @dataclass
@@ -28,7 +40,7 @@ class StateEntry:
     kind: str
     """``model``, ``optimizer`` or ``object`` (a small ``state_dict`` saved as ``.pt``)."""
     format: str
-    """``safetensors``, ``dcp`` or ``pt``."""
+    """``safetensors``, ``dcp``, ``peft`` or ``pt``."""
     path: str
     """File or folder, relative to the step directory."""
     per_rank: bool = False
@@ -57,7 +69,9 @@ class Manifest:
     manifest_version: int = MANIFEST_VERSION
 
     def to_json(self) -> str:
-        data = asdict(self)
+        data = json.loads(json.dumps(asdict(self), allow_nan=True))  # the values exactly as a reader parses them
+        data["manifest_version"] = MANIFEST_VERSION
+        data["manifest_checksum"] = _self_checksum(data)
         return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
     @property
@@ -65,83 +79,158 @@ class Manifest:
         return sum(self.files.values())
 
     @classmethod
-    def from_json(cls, text: str, source: Path) -> "Manifest":
+    def from_json(cls, text: str | bytes, source: Path) -> "Manifest":
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as exc:
+        except (ValueError, RecursionError) as exc:
             raise CheckpointCorruptError(f"{source}: manifest is not valid JSON ({exc})") from exc
         if not isinstance(data, dict):
             raise CheckpointCorruptError(f"{source}: manifest must be a JSON object")
         version = data.get("manifest_version")
-        if version != MANIFEST_VERSION:
+        if type(version) is not int or version not in _READABLE_VERSIONS:
             raise CheckpointCorruptError(
-                f"{source}: manifest_version {version!r} is not supported by this ckptio (expects {MANIFEST_VERSION})"
+                f"{source}: manifest_version {version!r} is not supported by this ckptio (reads {list(_READABLE_VERSIONS)})"
             )
+        if version >= 2:
+            recorded = data.pop("manifest_checksum", None)
+            if not isinstance(recorded, str):
+                raise CheckpointCorruptError(f"{source}: manifest has no manifest_checksum (required since version 2)")
+            actual = _self_checksum(data)
+            if actual != recorded:
+                raise CheckpointCorruptError(
+                    f"{source}: the manifest's own checksum is {actual}, it records {recorded}: the manifest is "
+                    "corrupted (or was edited by hand)"
+                )
+        return _parse(data, source)
+
+
+def _self_checksum(data: dict[str, Any]) -> str:
+    body = {k: v for k, v in data.items() if k != "manifest_checksum"}
+    return bytes_checksum(json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=True).encode())
+
+
+# ---------------------------------------------------------------------------------------- validation
+class _Fields:
+    """Typed access to a JSON object's fields; a wrong type raises an error naming the field."""
+
+    def __init__(self, data: dict[str, Any], source: Path, where: str = "") -> None:
+        self.data, self.source, self.where = data, source, where
+
+    def fail(self, key: str, what: str) -> CheckpointCorruptError:
+        return CheckpointCorruptError(f"{self.source}: manifest field {self.where}{key!r} {what}")
+
+    def get(self, key: str, kinds: type | tuple[type, ...], *, default: Any = ..., check=None, what: str = "") -> Any:
+        if key not in self.data:
+            if default is ...:
+                raise self.fail(key, "is missing")
+            return default
+        value = self.data[key]
+        kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            raise self.fail(key, f"must be {what or ' or '.join(k.__name__ for k in kinds)}, not {value!r:.80}")
+        if check is not None and not check(value):
+            raise self.fail(key, f"must be {what}, not {value!r:.80}")
+        return value
+
+    def mapping(self, key: str, value_kinds: tuple[type, ...], *, what: str, check=None,
+                required: bool = False) -> dict[str, Any]:
+        raw = self.get(key, dict, **({} if required else {"default": {}}))
+        for k, v in raw.items():
+            if not isinstance(v, value_kinds) or (isinstance(v, bool) and bool not in value_kinds) \
+                    or (check is not None and not check(v)):
+                raise self.fail(key, f"has an entry {k!r} whose value is not {what}: {v!r:.80}")
+        return raw
+
+
+def _is_shape(value: Any) -> bool:
+    return isinstance(value, list) and all(type(d) is int and d >= 0 for d in value)
+
+
+def _parse(data: dict[str, Any], source: Path) -> Manifest:
+    f = _Fields(data, source)
+    name = f.get("name", str, check=lambda s: bool(s) and "/" not in s and "\\" not in s and s not in (".", ".."),
+                 what="a directory name")
+    non_negative = dict(check=lambda v: v >= 0, what="a non-negative integer")
+    states: dict[str, StateEntry] = {}
+    for key, raw in f.get("states", dict).items():
+        if not isinstance(raw, dict):
+            raise f.fail("states", f"has an entry {key!r} that is not an object")
+        s = _Fields(raw, source, f"states.{key}.")
+        kind = s.get("kind", str, check=lambda v: v in STATE_KINDS, what=f"one of {list(STATE_KINDS)}")
+        states[key] = StateEntry(kind=kind, format=s.get("format", str), path=s.get("path", str),
+                                 per_rank=s.get("per_rank", bool, default=False))
+    files = f.mapping("files", (int,), what="a size in bytes", check=lambda v: v >= 0, required=True)
+    checksums = f.mapping("checksums", (str,), what="a crc32c digest", check=lambda v: bool(_DIGEST.fullmatch(v)))
+    signature = f.get("model_signature", dict, default={})
+    sig = _Fields(signature, source, "model_signature.")
+    sig.get("architecture", (str, type(None)), default=None)
+    shapes = sig.get("shapes", dict, default={})
+    for key, shape in shapes.items():
+        if not _is_shape(shape):
+            raise sig.fail("shapes", f"has an entry {key!r} that is not a list of non-negative integers: {shape!r:.80}")
+    metrics = f.mapping("metrics", (int, float), what="a number")
+    manifest = Manifest(
+        name=name,
+        step=f.get("step", int, **non_negative),
+        epoch=f.get("epoch", int, **non_negative),
+        world_size=f.get("world_size", int, check=lambda v: v >= 1, what="a positive integer"),
+        model_save_format=f.get("model_save_format", str),
+        states=states,
+        files=dict(files),
+        metrics={k: float(v) for k, v in metrics.items()},
+        counters=dict(f.get("counters", dict, default={})),
+        is_peft=f.get("is_peft", bool, default=False),
+        model_signature=dict(signature),
+        checksums=dict(checksums),
+        versions={k: str(v) for k, v in f.mapping("versions", (str,), what="a string").items()},
+        created=f.get("created", str, default=""),
+        manifest_version=data["manifest_version"],
+    )
+    for rel in list(manifest.files) + list(manifest.checksums) + [s.path for s in states.values()]:
         try:
-            states = {
-                str(k): StateEntry(**{f: v[f] for f in ("kind", "format", "path", "per_rank") if f in v})
-                for k, v in data["states"].items()
-            }
-            manifest = cls(
-                name=str(data["name"]),
-                step=int(data["step"]),
-                epoch=int(data["epoch"]),
-                world_size=int(data["world_size"]),
-                model_save_format=str(data["model_save_format"]),
-                states=states,
-                files={str(k): int(v) for k, v in data["files"].items()},
-                metrics={str(k): float(v) for k, v in data.get("metrics", {}).items()},
-                counters=dict(data.get("counters", {})),
-                is_peft=bool(data.get("is_peft", False)),
-                model_signature=dict(data.get("model_signature", {})),
-                checksums={str(k): str(v) for k, v in data.get("checksums", {}).items()},
-                versions={str(k): str(v) for k, v in data.get("versions", {}).items()},
-                created=str(data.get("created", "")),
-            )
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise CheckpointCorruptError(f"{source}: manifest is missing or has a malformed field ({exc!r})") from exc
-        for rel in list(manifest.files) + [s.path for s in states.values()]:
-            if rel.startswith("/") or ".." in Path(rel).parts:
-                raise CheckpointCorruptError(f"{source}: manifest names a path outside the checkpoint: {rel!r}")
-        return manifest
+            check_relative(rel, source)
+        except UnsafePathError as exc:
+            raise CheckpointCorruptError(f"{exc} (a manifest names files inside its own step directory only)") from None
+    return manifest
 
 
-def read_manifest(step_dir: Path) -> Manifest:
+def read_manifest(step_dir: str | Path | Folder) -> Manifest:
     """Read and validate ``step_dir``'s manifest; raise a clear error naming the file otherwise."""
-    path = Path(step_dir) / MANIFEST_NAME
-    if not path.is_file():
+    folder = step_dir if isinstance(step_dir, Folder) else Folder(step_dir)
+    path = folder.display(MANIFEST_NAME)
+    kind = folder.kind(MANIFEST_NAME)
+    if kind is None:
         raise CheckpointNotFoundError(
-            f"{step_dir} is not a committed ckptio checkpoint: {MANIFEST_NAME} is missing "
+            f"{folder.path} is not a committed ckptio checkpoint: {MANIFEST_NAME} is missing "
             "(an interrupted save, or a folder written by another tool)"
         )
-    if path.stat().st_size > _MAX_MANIFEST_BYTES:
-        raise CheckpointCorruptError(f"{path}: manifest is implausibly large ({path.stat().st_size} bytes)")
-    return Manifest.from_json(path.read_text(encoding="utf-8", errors="replace"), path)
+    data = folder.read_bytes(MANIFEST_NAME, max_size=MAX_MANIFEST_BYTES)
+    return Manifest.from_json(data, path)
 
 
-def check_files(step_dir: Path, manifest: Manifest, *, checksums: bool = False) -> list[str]:
+def check_files(step_dir: str | Path | Folder, manifest: Manifest, *, checksums: bool = False) -> list[str]:
     """Problems with the files a manifest lists, one line each naming the file.
 
-    Always: missing files and sizes that differ. With ``checksums``: every byte, against the checksum
-    recorded when the file was written.
+    Always: missing files, links and special files in their place, and sizes that differ. With
+    ``checksums``: every byte, against the checksum recorded when the file was written.
     """
+    folder = step_dir if isinstance(step_dir, Folder) else Folder(step_dir)
     problems = []
+    good = []
     for rel, size in sorted(manifest.files.items()):
-        path = step_dir / rel
-        if not path.is_file():
-            problems.append(f"{path}: missing")
+        try:
+            actual = folder.size(rel)
+        except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
+            problems.append(str(exc))
+            continue
+        if actual != size:
+            problems.append(f"{folder.display(rel)}: size {actual} bytes, manifest says {size}")
+        elif checksums and rel not in manifest.checksums:
+            problems.append(f"{folder.display(rel)}: no checksum recorded in the manifest")
         else:
-            actual = path.stat().st_size
-            if actual != size:
-                problems.append(f"{path}: size {actual} bytes, manifest says {size}")
-            elif checksums and rel in manifest.checksums:
-                from .storage.checksum import file_checksum
-
-                got = file_checksum(path)
-                if got != manifest.checksums[rel]:
-                    problems.append(f"{path}: checksum {got}, manifest says {manifest.checksums[rel]} (corrupted)")
-            elif checksums:
-                problems.append(f"{path}: no checksum recorded in the manifest")
+            good.append(rel)
+    if checksums:
+        problems += Verifier(folder, manifest.checksums).finish(good)
     return problems
 
 

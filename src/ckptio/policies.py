@@ -97,6 +97,13 @@ def decide(entries: list[CheckpointEntry], policy: RetentionPolicy, *, protected
                         key=lambda ve: (sign * ve[0], -(ve[1].step or 0)))
         for _, e in scored[: policy.top_k]:
             mark(e, f"top-{policy.top_k}")
+        # A checkpoint without the metric cannot be ranked. Deleting it is safe only once a newer ranked one
+        # exists (then it is an older, unranked state); otherwise it is kept. So when no checkpoint has the
+        # metric at all (a misspelt monitor), nothing is deleted on its account.
+        newest_ranked = max(((e.step or 0) for _, e in scored), default=None)
+        for e in committed:
+            if metric_of(e, policy.monitor) is None and (newest_ranked is None or (e.step or 0) > newest_ranked):
+                mark(e, f"unranked (no {policy.monitor})")
     if policy.keep_latest is not None and policy.keep_latest > 0:
         for e in committed[-policy.keep_latest:]:
             mark(e, f"latest-{policy.keep_latest}")

@@ -10,10 +10,16 @@ import time
 import uuid
 from pathlib import Path
 
-from ..errors import CheckpointError, CheckpointNotFoundError
+from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from ..formats import hf_bundle
-from ..manifest import MANIFEST_NAME, read_manifest
-from ..storage import fsync_dir, fsync_tree
+from ..formats import pt as pt_format
+from ..layout import TMP_PREFIX
+from ..manifest import MANIFEST_NAME, check_files, list_files, read_manifest
+from ..storage import commit_directory, fsync_dir, fsync_tree, remove_tree
+from ..storage.checksum import file_checksum
+from ..storage.local import copy_on_write
+from ..storage.confined import Folder
+from ..storage.lock import DirectoryLock
 from ._fmt import human_bytes
 
 
@@ -30,10 +36,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default=None, help="cast floating-point tensors, e.g. bfloat16")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--force", action="store_true",
+                   help="write into a checkpoint whose folder lock is held by a process that is gone")
     p.set_defaults(run=run)
 
 
-def _model_folder(path: Path) -> Path:
+def _model_folder(path: Path) -> tuple[Path, Path | None]:
+    """(model folder, step directory or ``None``) of what the user named."""
     if (path / MANIFEST_NAME).is_file():
         manifest = read_manifest(path)
         entry = manifest.states.get("model")
@@ -41,14 +50,15 @@ def _model_folder(path: Path) -> Path:
             raise CheckpointError(f"{path} holds no model state")
         if entry.format == "peft":
             raise CheckpointError(f"{path} is a PEFT checkpoint: its model folder already is a PEFT adapter folder")
-        return path / entry.path
+        Folder(path).sub(entry.path)  # a real folder inside the step directory, not a link
+        return path / entry.path, path
     if not path.is_dir():
         raise CheckpointNotFoundError(f"{path}: no such directory")
-    return path
+    return path, None
 
 
 def run(args: argparse.Namespace) -> int:
-    src = _model_folder(Path(args.checkpoint))
+    src, step_dir = _model_folder(Path(args.checkpoint))
     out = Path(args.out) if args.out else src / "consolidated"
     if out.exists() and any(out.iterdir()) and not args.overwrite:
         raise CheckpointError(f"{out} exists and is not empty; pass --overwrite to replace it")
@@ -56,14 +66,30 @@ def run(args: argparse.Namespace) -> int:
     if not (src / "config.json").is_file():
         print(f"ckptio consolidate: warning: {src} has no config.json; transformers needs one beside the weights",
               file=sys.stderr)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     start = time.perf_counter()
     bar = None
     if not args.no_progress:
         from tqdm import tqdm
 
         bar = tqdm(total=plan.total_size, unit="B", unit_scale=True, desc="consolidating", file=sys.stderr)
+    try:
+        inside = step_dir is not None and out.resolve().is_relative_to(step_dir.resolve())
+        if inside:
+            _into_checkpoint(step_dir, out, source, plan, bar, force=args.force)  # type: ignore[arg-type]
+        else:
+            _into_folder(out, source, plan, bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    print(f"wrote {len(plan.infos)} tensors, {human_bytes(plan.total_size)} in {len(plan.files)} file(s) to {out} "
+          f"in {time.perf_counter() - start:.1f} s")
+    print(f"load it with: AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    return 0
+
+
+def _into_folder(out: Path, source, plan, bar) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         hf_bundle.write_bundle(source, plan, tmp, progress=bar.update if bar else None)
         fsync_tree(tmp)
@@ -74,10 +100,48 @@ def run(args: argparse.Namespace) -> int:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _into_checkpoint(step_dir: Path, out: Path, source, plan, bar, *, force: bool) -> None:
+    """Add the bundle to a committed checkpoint as a new version of it: never half-written, manifest in step.
+
+    Under the folder's lock, a copy of the step directory is made beside it (hard links: no bytes are
+    copied), the bundle is written into the copy and checksummed, a new manifest listing it is written,
+    and the copy replaces the original in one atomic exchange. A crash leaves the old checkpoint or the
+    new one; the original files are never written to.
+    """
+    root = step_dir.parent
+    lock = DirectoryLock(root)
+    lock.acquire(force=force)
+    if lock.forced_over:
+        print(f"warning: going ahead although the lock names {lock.forced_over} (--force; that holder is gone)",
+              file=sys.stderr)
+    stage = root / f"{TMP_PREFIX}{step_dir.name}-consolidate-{uuid.uuid4().hex[:8]}"
+    try:
+        manifest = read_manifest(step_dir)
+        problems = check_files(step_dir, manifest)
+        if problems:
+            raise CheckpointCorruptError(f"{step_dir} is damaged, not rewriting it: " + "; ".join(problems[:3]))
+        rel_out = out.relative_to(step_dir).as_posix()
+
+        def skip(rel: str) -> bool:
+            return rel == MANIFEST_NAME or rel == rel_out or rel.startswith(rel_out + "/")
+
+        copy_on_write(step_dir, stage, skip=skip)
+        written = hf_bundle.write_bundle(source, plan, stage / rel_out, progress=bar.update if bar else None)
+        files = list_files(stage)
+        sums = {k: v for k, v in manifest.checksums.items() if k in files and not skip(k)}
+        sums.update({p.relative_to(stage).as_posix(): d for p, d in written.items()})
+        for rel in files:
+            if rel not in sums:
+                sums[rel] = file_checksum(stage / rel)
+        manifest.files, manifest.checksums = files, sums
+        pt_format.write_bytes(stage / MANIFEST_NAME, manifest.to_json().encode())
+        fsync_tree(stage)
+        commit_directory(stage, step_dir)
+    except BaseException:
+        if stage.exists():
+            remove_tree(stage)
+        raise
     finally:
-        if bar is not None:
-            bar.close()
-    print(f"wrote {len(plan.infos)} tensors, {human_bytes(plan.total_size)} in {len(plan.files)} file(s) to {out} "
-          f"in {time.perf_counter() - start:.1f} s")
-    print(f"load it with: AutoModelForCausalLM.from_pretrained({str(out)!r})")
-    return 0
+        lock.release()

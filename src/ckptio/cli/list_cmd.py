@@ -22,6 +22,8 @@ def run(args: argparse.Namespace) -> int:
         print_json(info)
         return 0
     rows = info["checkpoints"]
+    for problem in info["problems"]:
+        print(f"warning: {problem}")
     if not rows:
         print(f"{info['checkpoint_dir']}: no checkpoints")
         return 0

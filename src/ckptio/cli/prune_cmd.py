@@ -6,9 +6,12 @@ import argparse
 import re
 from pathlib import Path
 
+import sys
+
 from .. import policies
-from ..errors import ConfigError
-from ..layout import BEST, read_pointer, scan
+from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError
+from ..layout import BEST, pointer_target, scan
+from ..storage.lock import DirectoryLock
 from ._fmt import human_bytes
 
 
@@ -24,6 +27,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--keep-every", type=int, help="keep checkpoints whose step is a multiple of this")
     p.add_argument("--keep-newer-than", help="keep checkpoints younger than this: 90s, 30m, 12h, 7d")
     p.add_argument("--dry-run", action="store_true", help="print what would be deleted, delete nothing")
+    p.add_argument("--force", action="store_true",
+                   help="go ahead when the folder's lock is held by a process that is gone (never over a live one)")
     p.set_defaults(run=run)
 
 
@@ -36,26 +41,53 @@ def _duration(text: str | None) -> float | None:
     return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
 
 
+def _positive(name: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value}")
+
+
 def run(args: argparse.Namespace) -> int:
     if args.top_k is not None and not args.monitor:
         raise ConfigError("--save-top-k needs --monitor (use --keep-latest to keep the newest)")
+    _positive("--save-top-k", args.top_k)
+    _positive("--keep-latest", args.keep_latest)
+    _positive("--keep-every", args.keep_every)
     policy = policies.RetentionPolicy(top_k=args.top_k, monitor=args.monitor, mode=args.mode,
                                       keep_latest=args.keep_latest, keep_every_n_steps=args.keep_every,
                                       keep_newer_than_s=_duration(args.keep_newer_than))
     if not policy.active:
         raise ConfigError("give at least one rule: --save-top-k, --keep-latest, --keep-every or --keep-newer-than")
-    root = args.checkpoint_dir
-    entries = scan(root)
-    best_name = read_pointer(Path(root), BEST)
-    protected = {best_name} if best_name else set()
-    decision = policies.decide(entries, policy, protected=protected)
-    for e in decision.keep:
-        print(f"keep    {e.name}  ({', '.join(decision.reasons[e.name])})")
-    for e in decision.delete:
-        size = e.manifest.total_bytes if e.manifest else 0
-        print(f"{'would delete' if args.dry_run else 'delete '} {e.name}  ({human_bytes(size)})")
-    if not args.dry_run:
-        policies.apply(Path(root), decision)
+    root = Path(args.checkpoint_dir)
+    if not root.is_dir():
+        raise CheckpointNotFoundError(f"{root}: no such checkpoint folder")
+    lock = DirectoryLock(root)
+    if not args.dry_run:  # deleting: no training job may be writing here meanwhile
+        lock.acquire(force=args.force)
+        if lock.forced_over:
+            print(f"warning: going ahead although the lock names {lock.forced_over} (--force; that holder is gone)",
+                  file=sys.stderr)
+    try:
+        entries = scan(root)
+        if args.monitor and not any(policies.metric_of(e, args.monitor) is not None for e in entries if e.committed):
+            seen = sorted({m for e in entries if e.manifest for m in e.manifest.metrics})
+            raise ConfigError(f"no checkpoint in {root} records the metric {args.monitor!r} (metrics recorded: "
+                              f"{seen or 'none'}); nothing can be ranked by it")
+        try:
+            best = pointer_target(root, BEST)
+        except CheckpointError as exc:
+            print(f"warning: {exc}; no checkpoint is protected as BEST", file=sys.stderr)
+            best = None
+        protected = {best.name} if best is not None else set()
+        decision = policies.decide(entries, policy, protected=protected)
+        for e in decision.keep:
+            print(f"keep    {e.name}  ({', '.join(decision.reasons[e.name])})")
+        for e in decision.delete:
+            size = e.manifest.total_bytes if e.manifest else 0
+            print(f"{'would delete' if args.dry_run else 'delete '} {e.name}  ({human_bytes(size)})")
+        if not args.dry_run:
+            policies.apply(root, decision)
+    finally:
+        lock.release()
     freed = sum(e.manifest.total_bytes for e in decision.delete if e.manifest)
     verb = "would free" if args.dry_run else "freed"
     print(f"{len(decision.keep)} kept, {len(decision.delete)} {'to delete' if args.dry_run else 'deleted'}; "

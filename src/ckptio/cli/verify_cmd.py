@@ -9,7 +9,10 @@ from pathlib import Path
 
 from ..errors import CheckpointError, CheckpointNotFoundError
 from ..layout import scan
+from ..formats import dcp as dcp_format
+from ..formats import safetensors_sharded
 from ..manifest import MANIFEST_NAME, check_files, read_manifest
+from ..storage.confined import Folder
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -22,11 +25,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _verify_one(step_dir: Path) -> list[str]:
+    """Every byte against the manifest, then the structure of each state's format (paths, coverage)."""
     try:
         manifest = read_manifest(step_dir)
     except CheckpointError as exc:
         return [str(exc)]
-    return check_files(step_dir, manifest, checksums=True)
+    problems = check_files(step_dir, manifest, checksums=True)
+    readers = {"dcp": dcp_format.read_index, "safetensors": safetensors_sharded.read_index}
+    for name, entry in sorted(manifest.states.items()):
+        if entry.format in readers:
+            try:
+                readers[entry.format](Folder(step_dir).sub(entry.path))
+            except CheckpointError as exc:
+                problems.append(f"state {name!r}: {exc}")
+    return problems
 
 
 def run(args: argparse.Namespace) -> int:

@@ -40,6 +40,10 @@ class RNGState:
         return sd
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if not isinstance(sd, dict) or not isinstance(sd.get("python"), dict) \
+                or not isinstance(sd.get("torch"), torch.Tensor) \
+                or not {"version", "state", "gauss"} <= set(sd["python"]):
+            raise ValueError("an RNG state needs a 'python' entry (version, state, gauss) and a 'torch' tensor")
         py = sd["python"]
         random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
         torch.set_rng_state(sd["torch"])
