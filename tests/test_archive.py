@@ -74,3 +74,52 @@ def test_garbage_is_a_clear_error(tmp_path):
     (tmp_path / "junk.nemo").write_bytes(gzip.compress(b"not a tar"))
     with pytest.raises(CheckpointError, match="junk.nemo"):
         safe_extract(tmp_path / "junk.nemo", tmp_path / "out")
+
+
+# Link attacks that a member-by-member check misses: each link looks harmless alone, the chain does not.
+LINK_ATTACKS = {
+    "chain of symlinks out": [_link("a", ".", tarfile.SYMTYPE), _link("b", "a/..", tarfile.SYMTYPE),
+                              _link("c", "b/..", tarfile.SYMTYPE), _file("c/escaped")],
+    "symlink to a symlink out": [_link("d/inner", "../..", tarfile.SYMTYPE), _link("outer", "d/inner", tarfile.SYMTYPE),
+                                 _file("outer/escaped")],
+    "hard link through a symlink": [_link("up", "..", tarfile.SYMTYPE), _link("hl", "up/outside", tarfile.LNKTYPE)],
+    "symlink to a folder": [_file("sub/x"), _link("dirlink", "sub", tarfile.SYMTYPE)],
+    "file written below a symlink": [_file("real/x"), _link("alias", "real", tarfile.SYMTYPE), _file("alias/y")],
+    "cycle": [_link("p", "q", tarfile.SYMTYPE), _link("q", "p", tarfile.SYMTYPE)],
+    "dangling": [_link("ghost", "nothing-here", tarfile.SYMTYPE)],
+    "name listed twice": [_file("model_config.yaml", b"a: 1\n"), _file("model_config.yaml", b"a: 2\n")],
+    "absolute hard link": [_link("hl", "/etc/passwd", tarfile.LNKTYPE)],
+}
+
+
+@pytest.mark.parametrize("case", sorted(LINK_ATTACKS))
+def test_link_chains_are_refused_and_nothing_lands_outside(tmp_path, case):
+    work = tmp_path / "work"
+    work.mkdir()
+    arc = _tar(tmp_path / "evil.nemo", [_file("ok.txt")] + LINK_ATTACKS[case])
+    with pytest.raises(CheckpointError, match="evil.nemo"):
+        safe_extract(arc, work / "out")
+    assert list(work.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["evil.nemo", "work"]
+
+
+def test_links_inside_become_plain_copies(tmp_path):
+    arc = _tar(tmp_path / "m.nemo", [_file("w.bin", b"\1\2\3"), _link("hard", "w.bin", tarfile.LNKTYPE),
+                                     _link("sym", "hard", tarfile.SYMTYPE), _link("d/rel", "../sym", tarfile.SYMTYPE)])
+    out = safe_extract(arc, tmp_path / "out")
+    for name in ("hard", "sym", "d/rel"):
+        p = out / name
+        assert not p.is_symlink() and p.read_bytes() == b"\1\2\3"
+        assert p.stat().st_ino != (out / "w.bin").stat().st_ino  # a copy, not a hard link
+    # the system tar reads the same archive
+    import subprocess
+
+    listing = subprocess.run(["tar", "tf", str(arc)], capture_output=True, text=True, check=True).stdout.split()
+    assert set(listing) == {"w.bin", "hard", "sym", "d/rel"}
+
+
+def test_member_count_limit(tmp_path):
+    arc = _tar(tmp_path / "many.nemo", [_file(f"f{i}") for i in range(50)])
+    with pytest.raises(CheckpointError, match="more than the 10 allowed"):
+        safe_extract(arc, tmp_path / "out", max_members=10)
+    assert not (tmp_path / "out").exists()

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ckptio import CheckpointConfig, CheckpointError, CheckpointManager
+from ckptio import CheckpointConfig, CheckpointManager
 from ckptio.convert import FORMATS, convert, detect
 from distributed import run_ranks
 

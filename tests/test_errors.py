@@ -94,13 +94,22 @@ def test_corrupt_header_with_matching_size_names_the_file(tmp_path):
     assert shard.name in str(exc.value)
 
 
+def reseal(data: dict) -> dict:
+    """A hand-edited manifest with a valid self-checksum: what an attacker who knows the format writes."""
+    from ckptio.manifest import _self_checksum
+
+    data.pop("manifest_checksum", None)
+    data["manifest_checksum"] = _self_checksum(data)
+    return data
+
+
 def test_manifest_listing_paths_outside_is_refused(tmp_path):
     _manager(tmp_path, _mlp()).save(step=1)
     mpath = tmp_path / "epoch_0_step_1" / "manifest.json"
     data = json.loads(mpath.read_text())
     data["states"]["model"]["path"] = "../../etc"
-    mpath.write_text(json.dumps(data))
-    with pytest.raises(CheckpointNotFoundError, match="outside the checkpoint"):
+    mpath.write_text(json.dumps(reseal(data)))
+    with pytest.raises(CheckpointNotFoundError, match="inside its own step directory"):
         _manager(tmp_path, _mlp(), restore_from="epoch_0_step_1").restore()
 
 

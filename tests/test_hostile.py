@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import pickle
 import struct
+import sys
 from pathlib import Path
 
 import pytest
@@ -149,3 +150,13 @@ def test_random_manifests_give_only_ckptio_errors(tmp_path_factory, doc):
     folder = tmp_path_factory.mktemp("m")
     (folder / "manifest.json").write_text(json.dumps(doc))
     _only_ckptio_errors([lambda: read_manifest(folder)])
+
+
+def test_fuzz_families_smoke():
+    """A short run of every family of benchmarks/fuzz_readers.py: nothing but right loads and clean errors."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import fuzz_readers
+
+    tally = fuzz_readers.run(list(fuzz_readers.FAMILIES), inputs=40, seed=7, verbose=True)
+    assert all(t["other"] == 0 for t in tally.values()), tally
+    assert all(t["clean"] > 0 for t in tally.values()), tally  # the attacks are really generated

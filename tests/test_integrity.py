@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import resource
 import signal
 import subprocess
 import sys
@@ -61,12 +59,12 @@ def test_flipped_bit_is_reported_and_resume_falls_back(tmp_path, fmt):
     assert out.returncode == 1 and victim.name in out.stdout and "checksum" in out.stdout
     model = _mlp()
     mgr = CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path), model_save_format=fmt,
-                                             verify_checksums=True), model=model, rng=False)
+                                             verify="full"), model=model, rng=False)
     info = mgr.restore()
     assert info.step == 1 and torch.all(model[0].weight == 1)
     with pytest.raises(CheckpointError, match="corrupted"):
         CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path), restore_from="epoch_0_step_2",
-                                           verify_checksums=True), model=_mlp(), rng=False).restore()
+                                           verify="full"), model=_mlp(), rng=False).restore()
 
 
 def test_missing_file_is_reported(tmp_path):
@@ -149,5 +147,5 @@ def test_save_that_runs_out_of_space_fails_cleanly(tmp_path, fmt):
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".ckptio")) == ["LATEST", "epoch_0_step_1"]
     model = torch.nn.Linear(512, 512)
     info = CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path), model_save_format=fmt,
-                                              verify_checksums=True), model=model, rng=False).restore()
+                                              verify="full"), model=model, rng=False).restore()
     assert info.step == 1 and not torch.all(model.weight == 2)

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from ckptio import CheckpointConfig, CheckpointManager, ResumableDataLoader, committed_checkpoints
+from ckptio import CheckpointConfig, CheckpointError, CheckpointManager, ResumableDataLoader, committed_checkpoints
 from ckptio.layout import format_step_name, parse_step_name, resolve_restore_path
 from ckptio.storage import read_pointer, write_pointer
 
@@ -68,7 +68,8 @@ def test_uncommitted_and_hostile_pointers_are_ignored(tmp_path):
     write_pointer(tmp_path, "LATEST", "epoch_0_step_1")
     os.remove(tmp_path / "LATEST")
     os.symlink("../../etc", tmp_path / "LATEST")
-    assert read_pointer(tmp_path, "LATEST") is None
+    with pytest.raises(CheckpointError, match="LATEST: the pointer names '../../etc'"):
+        read_pointer(tmp_path, "LATEST")
     assert resolve_restore_path(tmp_path, "LATEST").name == "epoch_0_step_1"  # falls back to discovery
 
 

@@ -206,3 +206,33 @@ def test_ckptio_convert_turns_a_whole_training_checkpoint_into_one_lightning_res
     for i, st in enumerate(run.opt.state.values()):
         for k, v in st.items():
             assert torch.equal(start["optim"][i][k], v), f"optimizer state {i}.{k}"
+
+
+class _Warmup:
+    def factor(self, step: int) -> float:
+        return _lambda(step)
+
+
+def test_convert_keeps_a_bound_method_lambda_scheduler_for_lightning(tmp_path):
+    """LambdaLR over a bound method stores ``lr_lambdas: [{}]``; that entry must survive to the .ckpt."""
+    from toy import make_model
+
+    model = make_model(seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _Warmup().factor)
+    for batch in _batches()[:4]:
+        model(input_ids=batch, labels=batch).loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path / "ck")), model=model, optimizer=opt,
+                           lr_scheduler=sched, rng=False) as mgr:
+        mgr.save(step=4)
+    out = subprocess.run([str(Path(sys.executable).parent / "ckptio"), "convert", str(tmp_path / "ck" / "epoch_0_step_4"),
+                          str(tmp_path / "x.ckpt"), "--to", "lightning", "--no-progress"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert read_lightning(tmp_path / "x.ckpt")["lr_schedulers"][0] == sched.state_dict()
+    lit = LitLlama(make_model(seed=2))
+    trainer = _trainer(6)
+    trainer.fit(lit, _loader(), ckpt_path=str(tmp_path / "x.ckpt"))
+    assert lit.at_start["global_step"] == 4 and lit.at_start["sched_epoch"] == 4 and trainer.global_step == 6

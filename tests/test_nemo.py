@@ -120,7 +120,7 @@ def test_bad_archives_are_refused_with_the_file_named(tmp_path):
     # a reference that climbs out of the archive
     cfg["tokenizer"] = {"files": {"t": "nemo:../../etc/passwd"}}
     (d / "model_config.yaml").write_text(yaml.safe_dump(cfg))
-    with pytest.raises(CheckpointError, match="not a plain file name"):
+    with pytest.raises(CheckpointError, match=r"tokenizer\.files\.t: file path '\.\./\.\./etc/passwd' must not"):
         restore_nemo(d, make_model())
     # weights of another model
     cfg.pop("tokenizer")
@@ -135,7 +135,7 @@ def test_bad_archives_are_refused_with_the_file_named(tmp_path):
     # a hostile member path
     with tarfile.open(tmp_path / "h.nemo", "w") as tar:
         tar.add(d / "model_config.yaml", arcname="../evil.yaml")
-    with pytest.raises(CheckpointError, match="climbs out"):
+    with pytest.raises(CheckpointError, match=r"h\.nemo: member '\.\./evil\.yaml' is refused"):
         restore_nemo(tmp_path / "h.nemo", make_model())
     assert not (tmp_path.parent / "evil.yaml").exists()
     # a pickle that would run code inside model_weights.ckpt

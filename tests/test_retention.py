@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import math
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -1,0 +1,454 @@
+"""Fail closed: hostile or damaged checkpoints never escape their folder, never load wrong data silently,
+never crash with a bare exception, and never make ckptio delete what it should keep.
+
+Each test here builds one attack or one kind of damage by hand, the way an attacker or a broken disk
+would, and checks the single mechanism that guards against it (the confined folder every reader opens
+files through, exact chunk coverage, the self-checksummed manifest, checksums while reading, bounded YAML
+and pointers, the lock). Archive link attacks are in ``test_archive.py``, scheduler round trips in
+``test_schedulers.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tarfile
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptio import (
+    CheckpointConfig,
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointManager,
+    CheckpointNotFoundError,
+    ConfigError,
+)
+from ckptio.formats import dcp as dcp_format
+from ckptio.formats import safetensors_sharded
+from ckptio.layout import resolve_restore_path
+from ckptio.manifest import _self_checksum
+from ckptio.storage import read_pointer
+
+CKPTIO = str(Path(sys.executable).parent / "ckptio")
+SECRET = b"top secret host file\n"
+
+
+def _mlp(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+class Box:
+    def __init__(self, v: int = 0) -> None:
+        self.v = v
+
+    def state_dict(self):
+        return {"v": self.v}
+
+    def load_state_dict(self, sd):
+        self.v = sd["v"]
+
+
+def _manager(root: Path, model=None, fmt: str = "safetensors", **cfg) -> CheckpointManager:
+    model = model if model is not None else _mlp()
+    return CheckpointManager(CheckpointConfig(checkpoint_dir=str(root), model_save_format=fmt, **cfg), model=model,
+                             optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), rng=False)
+
+
+def _save_two(root: Path, fmt: str = "safetensors") -> None:
+    """Two checkpoints, step 1 (weights 1.0) and step 2 (weights 2.0)."""
+    model = _mlp()
+    with _manager(root, model, fmt) as mgr:
+        for step in (1, 2):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.fill_(float(step))
+            mgr.save(step=step)
+
+
+def _reseal(path: Path, edit) -> None:
+    """Edit a manifest and give it a valid self-checksum again: what an attacker who knows the format does."""
+    data = json.loads(path.read_text())
+    edit(data)
+    data.pop("manifest_checksum", None)
+    data["manifest_checksum"] = _self_checksum(data)
+    path.write_text(json.dumps(data))
+
+
+def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([CKPTIO, *args], capture_output=True, text=True, timeout=timeout)
+
+
+# ---------------------------------------------------------------------------------------- escapes: DCP metadata
+def _dcp(folder: Path) -> dict:
+    state = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "lr": 0.5}
+    dcp_format.save(state, folder)
+    return state
+
+
+def _rewrite_metadata(folder: Path, edit) -> None:
+    md = pickle.loads((folder / ".metadata").read_bytes())  # our own test file: a plain unpickle is fine here
+    edit(md)
+    (folder / ".metadata").write_bytes(pickle.dumps(md))
+
+
+def _point_storage_at(md, target: str) -> None:
+    for info in md.storage_data.values():
+        info.relative_path = target
+
+
+@pytest.mark.parametrize("where", ["absolute", "dotdot"])
+def test_dcp_metadata_naming_a_file_outside_is_refused(tmp_path, where):
+    folder = tmp_path / "ck"
+    _dcp(folder)
+    outside = tmp_path / "outside.distcp"  # a perfectly valid data file, just not inside the folder
+    shutil.copyfile(next(folder.glob("*.distcp")), outside)
+    target = str(outside) if where == "absolute" else "../outside.distcp"
+    _rewrite_metadata(folder, lambda md: _point_storage_at(md, target))
+    for fn in (lambda: dcp_format.read_index(folder),
+               lambda: dcp_format.load({"w": torch.zeros(3, 4), "lr": 0.0}, folder)):
+        with pytest.raises(CheckpointCorruptError, match=r"outside\.distcp"):
+            fn()
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "device", "truncated"])
+def test_dcp_data_file_that_is_not_a_plain_file_of_the_folder_is_refused(tmp_path, kind):
+    folder = tmp_path / "ck"
+    _dcp(folder)
+    data = next(folder.glob("*.distcp"))
+    outside = tmp_path / "outside.distcp"
+    shutil.copyfile(data, outside)
+    data.unlink()
+    if kind == "symlink":
+        data.symlink_to(outside)
+    elif kind == "fifo":
+        os.mkfifo(data)  # opening it for reading would block forever without a writer
+    elif kind == "device":
+        _rewrite_metadata(folder, lambda md: _point_storage_at(md, "zero"))
+        os.symlink("/dev/zero", folder / "zero")
+    else:
+        data.write_bytes(outside.read_bytes()[:40])
+    with pytest.raises(CheckpointCorruptError, match=r"symbolic link|FIFO|not a regular file|truncated|bytes"):
+        dcp_format.load({"w": torch.zeros(3, 4), "lr": 0.0}, folder)
+
+
+def test_verify_reads_nothing_outside_a_step_directory(tmp_path):
+    _save_two(tmp_path, "torch_save")
+    step = tmp_path / "epoch_0_step_2"
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(SECRET)
+    victim = next((step / "model").glob("*.distcp"))
+    size = victim.stat().st_size
+    victim.unlink()
+    victim.symlink_to(secret)
+    secret.write_bytes(SECRET * (size // len(SECRET)) + SECRET[: size % len(SECRET)])  # same size as before
+    out = _cli("verify", str(step))
+    assert out.returncode == 1 and "symbolic link" in out.stdout, out.stdout + out.stderr
+    # and the checkpoint is skipped by auto-resume
+    model = _mlp()
+    info = _manager(tmp_path, model, "torch_save").restore()
+    assert info.step == 1 and all(torch.all(p == 1) for p in model.parameters())
+
+
+# ---------------------------------------------------------------------------------------- escapes: pointers
+def test_pointer_leading_outside_through_a_link_is_an_error_and_resume_falls_back(tmp_path):
+    root, elsewhere = tmp_path / "ck", tmp_path / "elsewhere"
+    _save_two(root)
+    _save_two(elsewhere)  # a complete, valid checkpoint folder that is not this run's
+    model = _mlp()
+    os.symlink(elsewhere / "epoch_0_step_2", root / "evil")
+    (root / "LATEST").unlink()
+    os.symlink("evil", root / "LATEST")
+    assert resolve_restore_path(root, "LATEST") == root / "epoch_0_step_2"  # falls back to discovery
+    (root / "BEST").symlink_to("evil")
+    with pytest.raises(CheckpointNotFoundError, match="link"):
+        _manager(root, model, restore_from="BEST").restore()
+    out = _cli("list", str(root))
+    assert out.returncode == 0 and "warning" in out.stdout and "LATEST -> none" in out.stdout, out.stdout
+
+
+def test_oversized_pointer_file_is_refused_without_reading_it(tmp_path):
+    _save_two(tmp_path)
+    (tmp_path / "LATEST").unlink()
+    with open(tmp_path / "LATEST.txt", "wb") as fh:
+        fh.truncate(8 << 30)  # 8 GiB, sparse: reading it would take the memory
+    with pytest.raises(CheckpointCorruptError, match="LATEST.txt.*more than"):
+        read_pointer(tmp_path, "LATEST")
+    assert resolve_restore_path(tmp_path, "LATEST").name == "epoch_0_step_2"
+
+
+# ---------------------------------------------------------------------------------------- escapes: the lock
+@pytest.mark.parametrize("kind", ["symlink", "hardlink"])
+def test_lock_planted_as_a_link_is_refused_and_its_target_untouched(tmp_path, kind):
+    root = tmp_path / "ck"
+    root.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(SECRET)
+    (os.symlink if kind == "symlink" else os.link)(victim, root / ".ckptio.lock")
+    with pytest.raises(CheckpointError, match=r"\.ckptio\.lock"):
+        _manager(root).save(step=1)
+    assert victim.read_bytes() == SECRET
+
+
+def test_a_second_manager_in_the_same_process_shares_the_lock(tmp_path):
+    first = _manager(tmp_path)
+    first.save(step=1)
+    second = _manager(tmp_path)  # a notebook cell run again
+    second.save(step=2)
+    first.close()
+    second.save(step=3)
+    second.close()
+    holder = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+        from ckptio.storage.lock import DirectoryLock
+        DirectoryLock({str(tmp_path)!r}).acquire(); print("ok")""")], capture_output=True, text=True)
+    assert holder.stdout.strip() == "ok", holder.stderr  # released: another process may take it
+
+
+# ---------------------------------------------------------------------------------------- wrong data: coverage
+def _shard(folder: Path, name: str, rows: torch.Tensor, offset: int, total: int) -> None:
+    from ckptio.formats import _st_writer
+
+    meta = {"format": "pt", "ckptio_format": safetensors_sharded.FORMAT_TAG,
+            "ckptio_shards": json.dumps({"w": {"shape": [total, rows.shape[1]], "offsets": [offset, 0]}})}
+    _st_writer.write(folder / name, [_st_writer.Entry("w", rows.dtype, tuple(rows.shape), lambda: rows)], meta)
+
+
+def test_safetensors_shards_that_overlap_are_refused_even_when_sizes_add_up(tmp_path):
+    # rows 0-2 in one file, row 1 again (stale) in another: 4 rows in all for a 4-row tensor, row 3 never stored
+    _shard(tmp_path, "shard-a.safetensors", torch.ones(3, 2), 0, 4)
+    _shard(tmp_path, "shard-b.safetensors", torch.full((1, 2), 7.0), 1, 4)
+    target = {"w": torch.full((4, 2), -1.0)}
+    with pytest.raises(CheckpointCorruptError, match=r"overlap.*shard-a.*shard-b|overlap.*shard-b.*shard-a"):
+        safetensors_sharded.load(target, tmp_path)
+    assert torch.all(target["w"] == -1)  # refused before anything was read
+
+
+def test_safetensors_shards_with_a_gap_are_refused(tmp_path):
+    _shard(tmp_path, "shard-a.safetensors", torch.ones(1, 2), 0, 4)
+    _shard(tmp_path, "shard-b.safetensors", torch.ones(2, 2), 2, 4)
+    with pytest.raises(CheckpointCorruptError, match="cover 6 of its 8 elements"):
+        safetensors_sharded.read_index(tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["gap", "duplicate"])
+def test_dcp_chunks_that_do_not_cover_a_tensor_exactly_once_are_refused(tmp_path, damage):
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    _dcp(tmp_path)
+
+    def edit(md):
+        entry = md.state_dict_metadata["w"]
+        chunk = entry.chunks[0]
+        if damage == "gap":
+            chunk.sizes = torch.Size([2, 4])  # rows 2.. of the tensor are in no chunk
+        else:
+            entry.chunks.append(ChunkStorageMetadata(offsets=chunk.offsets, sizes=chunk.sizes))
+
+    _rewrite_metadata(tmp_path, edit)
+    target = {"w": torch.full((3, 4), -1.0), "lr": 0.0}
+    with pytest.raises(CheckpointCorruptError, match=r"'w'.*(cover 8 of its 12|overlap)"):
+        dcp_format.load(target, tmp_path)
+    assert torch.all(target["w"] == -1)
+
+
+# ---------------------------------------------------------------------------------------- wrong data: manifest + bytes
+def test_a_bit_flip_in_the_manifest_is_detected(tmp_path):
+    _save_two(tmp_path)
+    path = tmp_path / "epoch_0_step_2" / "manifest.json"
+    text = path.read_text()
+    i = text.index('"step": 2')
+    flipped = text[: i + 8] + chr(ord(text[i + 8]) ^ 1) + text[i + 9:]  # step 2 -> step 3, still valid JSON
+    path.write_text(flipped)
+    out = _cli("verify", str(tmp_path / "epoch_0_step_2"))
+    assert out.returncode == 1 and "manifest" in out.stdout and "checksum" in out.stdout, out.stdout
+    model = _mlp()
+    assert _manager(tmp_path, model).restore().step == 1  # auto-resume skips it
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch_save"])
+def test_a_flipped_bit_in_the_data_is_caught_while_loading_by_default(tmp_path, fmt):
+    _save_two(tmp_path, fmt)
+    victim = next((tmp_path / "epoch_0_step_2" / "model").glob("*.safetensors" if fmt == "safetensors" else "*.distcp"))
+    data = bytearray(victim.read_bytes())
+    data[-5] ^= 0x01  # inside the tensor data: same size, the file still parses
+    victim.write_bytes(bytes(data))
+    model = _mlp()
+    info = _manager(tmp_path, model, fmt).restore()  # the default config verifies every byte it reads
+    assert info.step == 1 and all(torch.all(p == 1) for p in model.parameters())
+    with pytest.raises(CheckpointCorruptError, match="checksum"):
+        _manager(tmp_path, _mlp(), fmt, restore_from="epoch_0_step_2").restore()
+    # the cheaper modes, chosen per load, do not hash
+    _manager(tmp_path, _mlp(), fmt, restore_from="epoch_0_step_2").restore(verify="size")
+
+
+# ---------------------------------------------------------------------------------------- crashes -> errors
+MALFORMED = {
+    "wrong type of step": lambda d: d.update(step="2"),
+    "state entry not an object": lambda d: d["states"].update(model="model"),
+    "state path not a string": lambda d: d["states"]["model"].update(path=5),
+    "shape of strings": lambda d: d["model_signature"]["shapes"].update({"0.weight": ["x", 4]}),
+    "missing files": lambda d: d.pop("files"),
+    "metric not a number": lambda d: d["metrics"].update(loss={"a": 1}),
+    "negative size": lambda d: d["files"].update({next(iter(d["files"])): -1}),
+    "bad digest": lambda d: d["checksums"].update({next(iter(d["checksums"])): "md5:0"}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_manifest_gives_clear_errors_everywhere(tmp_path, case):
+    _save_two(tmp_path)
+    step = tmp_path / "epoch_0_step_2"
+    _reseal(step / "manifest.json", MALFORMED[case])
+    for args in (("list", str(tmp_path)), ("verify", str(tmp_path)), ("inspect", str(step)),
+                 ("prune", str(tmp_path), "--keep-latest", "1", "--dry-run")):
+        out = _cli(*args)
+        assert "Traceback" not in out.stderr, (args, out.stderr)
+        if args[0] in ("verify", "inspect"):
+            assert "manifest" in out.stdout + out.stderr, (args, out.stdout, out.stderr)
+    model = _mlp()
+    assert _manager(tmp_path, model).restore().step == 1
+    with pytest.raises(CheckpointNotFoundError, match="manifest"):
+        _manager(tmp_path, _mlp(), restore_from="epoch_0_step_2").restore()
+
+
+def test_a_state_file_with_the_wrong_structure_is_skipped_by_auto_resume(tmp_path):
+    from ckptio.formats import pt as pt_format
+
+    model = _mlp()
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path)), model=model, rng=True,
+                           extra_states={"box": Box(1)}) as mgr:
+        mgr.save(step=1)
+        mgr.save(step=2)
+    rng = tmp_path / "epoch_0_step_2" / "rng.pt"
+    data = pt_format.to_bytes({"something": torch.zeros(1)}, "rng")  # valid file, wrong structure
+    rng.write_bytes(data)
+    _reseal(tmp_path / "epoch_0_step_2" / "manifest.json", lambda d: (
+        d["files"].update({"rng.pt": len(data)}), d["checksums"].pop("rng.pt")))
+    box = Box(0)
+    mgr = CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path), verify="size"), model=_mlp(),
+                            extra_states={"box": box})
+    assert mgr.restore().step == 1 and box.v == 1
+    with pytest.raises(CheckpointCorruptError, match=r"rng\.pt.*RNGState"):
+        CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path), restore_from="epoch_0_step_2", verify="size"),
+                          model=_mlp()).restore()
+
+
+def _nemo_with_config(tmp_path: Path, config_text: str) -> Path:
+    folder = tmp_path / "unpacked"
+    folder.mkdir()
+    (folder / "model_config.yaml").write_text(config_text)
+    torch.save({"0.weight": torch.zeros(8, 4)}, folder / "model_weights.ckpt")
+    arc = tmp_path / "m.nemo"
+    with tarfile.open(arc, "w") as tar:
+        for p in sorted(folder.iterdir()):
+            tar.add(p, arcname=f"./{p.name}")
+    return arc
+
+
+def test_yaml_alias_bomb_is_refused_at_once(tmp_path):
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [*a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1},"
+              f" *a{i - 1}]" for i in range(1, 12)]
+    arc = _nemo_with_config(tmp_path, "\n".join(lines) + "\nweights: model_weights.ckpt\n")
+    out = _cli("inspect", str(arc), timeout=60)  # 9**12 elements if expanded: a hang without the guard
+    assert out.returncode == 2 and "aliases are not allowed" in out.stderr, out.stderr
+
+
+def test_nemo_artifact_that_is_not_inside_the_archive_is_refused(tmp_path):
+    secret = tmp_path / "secret.json"
+    secret.write_bytes(SECRET)
+    arc = _nemo_with_config(tmp_path, textwrap.dedent(f"""
+        weights: model_weights.ckpt
+        hf_config: {{model_type: llama}}
+        tokenizer:
+          library: huggingface
+          files: {{tokenizer.json: "nemo:../../../../../../../../{secret}"}}
+        """))
+    out = _cli("convert", str(arc), str(tmp_path / "out"), "--to", "hf", "--no-progress")
+    assert out.returncode == 2 and "tokenizer.files.tokenizer.json" in out.stderr, out.stderr
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "b").mkdir()
+    arc2 = _nemo_with_config(tmp_path / "b", textwrap.dedent(f"""
+        weights: model_weights.ckpt
+        tokenizer: {{library: sentencepiece, model: {secret}}}
+        """))
+    out = _cli("inspect", str(arc2))
+    assert out.returncode == 2 and "tokenizer.model" in out.stderr and str(secret) in out.stderr, out.stderr
+
+
+# ---------------------------------------------------------------------------------------- deleting what to keep
+def test_misspelt_monitor_is_refused_at_the_first_save_and_nothing_is_deleted(tmp_path):
+    mgr = CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path), save_top_k=1, monitor="val_los"),
+                            extra_states={"box": Box()}, rng=False)
+    with pytest.raises(ConfigError, match=r"val_los.*\['val_loss'\].*did you mean 'val_loss'"):
+        mgr.save(step=1, metrics={"val_loss": 0.5})
+    assert not any(tmp_path.glob("epoch_*"))
+    # a save without metrics (a step without validation) is allowed, and never deleted for lack of one
+    for step in (1, 2, 3):
+        mgr.save(step=step)
+    assert sorted(p.name for p in tmp_path.glob("epoch_*")) == [f"epoch_0_step_{s}" for s in (1, 2, 3)]
+
+
+def test_prune_refuses_while_a_job_holds_the_folder(tmp_path):
+    _save_two(tmp_path)
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        from ckptio.storage.lock import DirectoryLock
+        lock = DirectoryLock({str(tmp_path)!r}); lock.acquire(); print("held", flush=True); time.sleep(60)""")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        for force in ([], ["--force"]):  # a live holder is never overridden
+            out = _cli("prune", str(tmp_path), "--keep-latest", "1", *force)
+            assert out.returncode == 2 and f"pid {holder.pid}" in out.stderr, out.stderr
+        assert (tmp_path / "epoch_0_step_1").is_dir()
+    finally:
+        holder.kill()
+        holder.wait()
+    out = _cli("prune", str(tmp_path), "--keep-latest", "1")
+    assert out.returncode == 0 and not (tmp_path / "epoch_0_step_1").exists(), out.stderr
+    out = _cli("prune", str(tmp_path), "--save-top-k", "1", "--monitor", "val_los")
+    assert out.returncode == 2 and "val_los" in out.stderr
+
+
+def test_consolidate_into_a_checkpoint_updates_its_manifest_atomically(tmp_path):
+    from toy import make_model
+
+    model = make_model(seed=0)
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path)), model=model, rng=False) as mgr:
+        mgr.save(step=1)
+    step = tmp_path / "epoch_0_step_1"
+    before = {p.relative_to(step).as_posix(): p.read_bytes() for p in step.rglob("*") if p.is_file()}
+    out = _cli("consolidate", str(step), "--no-progress")
+    assert out.returncode == 0, out.stderr
+    assert _cli("verify", str(step)).returncode == 0
+    manifest = json.loads((step / "manifest.json").read_text())
+    bundle = [f for f in manifest["files"] if f.startswith("model/consolidated/")]
+    assert "model/consolidated/model.safetensors.index.json" in bundle and all(f in manifest["checksums"] for f in bundle)
+    for rel, data in before.items():  # every earlier file is unchanged
+        if rel != "manifest.json":
+            assert (step / rel).read_bytes() == data, rel
+    # a failure half-way (the file-size limit stops the bundle's first weight file) changes nothing
+    manifest_before = (step / "manifest.json").read_bytes()
+
+    def limit() -> None:
+        import resource
+        import signal
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
+
+    out = subprocess.run([CKPTIO, "consolidate", str(step), "--overwrite", "--no-progress"], capture_output=True,
+                         text=True, preexec_fn=limit)
+    assert out.returncode == 2 and "File too large" in out.stderr, out.stderr
+    assert (step / "manifest.json").read_bytes() == manifest_before
+    assert _cli("verify", str(step)).returncode == 0
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
