@@ -243,6 +243,7 @@ def _load_on(root: str, fmt: str, step: int) -> dict:
     return full_state(model, opt)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_two_ranks_background_saves_are_exact_and_errors_do_not_hang(tmp_path, fmt):
     root = str(tmp_path / "ck")

@@ -45,7 +45,7 @@ def _check_bundle(step_dir: Path, logits: torch.Tensor) -> None:
         assert (bundle / name).is_file(), name
 
 
-@pytest.mark.parametrize("world,fmt", [(1, "safetensors"), (3, "torch_save")])
+@pytest.mark.parametrize("world,fmt", [(1, "safetensors"), pytest.param(3, "torch_save", marks=pytest.mark.slow)])
 def test_bundle_loads_in_transformers(tmp_path, world, fmt):
     out = run_ranks(world, _train_and_save, root=str(tmp_path), fmt=fmt, max_shard="30KB")[0]
     assert not (tmp_path / "epoch_0_step_1" / "model" / "consolidated").exists()  # "final" only

@@ -92,6 +92,7 @@ def _save_two_ranks(root: str) -> dict:
     return {k.removeprefix("model/"): v for k, v in full_state(model).items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("to", ["hf", "torch", "nemo"])
 def test_checkpoints_sharded_over_two_ranks_convert_whole(tmp_path, to):
     ref = run_ranks(2, _save_two_ranks, root=str(tmp_path))[0]
@@ -164,6 +165,7 @@ def _restore_converted(root: str) -> dict:
     return {k.removeprefix("model/"): v for k, v in full_state(model).items()}
 
 
+@pytest.mark.slow
 def test_converted_step_dir_reshards_onto_two_ranks(hf_model, tmp_path):
     """A step directory written by convert (one writer) loads on 2 FSDP2 ranks, each reading its slices."""
     src, ref = hf_model

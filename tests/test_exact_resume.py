@@ -10,6 +10,8 @@ import torch
 
 from distributed import run_ranks
 
+pytestmark = pytest.mark.slow  # multi-process: left out of the quick loop (-m 'not slow')
+
 FORMATS = ("safetensors", "torch_save")
 N = 16
 

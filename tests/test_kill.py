@@ -21,6 +21,8 @@ from ckptio.layout import TMP_PREFIX, TRASH_PREFIX, scan
 from ckptio.manifest import check_files
 from distributed import kill_all, start_ranks
 
+pytestmark = pytest.mark.slow  # multi-process: left out of the quick loop (-m 'not slow')
+
 WIDTH, DEPTH = 1024, 4  # 16 MiB of fp32 weights: a save takes long enough to be hit mid-write
 
 

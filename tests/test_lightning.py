@@ -152,6 +152,7 @@ def test_hostile_or_broken_ckpt_is_refused(tmp_path):
         read_lightning(tmp_path / "other.ckpt")
 
 
+@pytest.mark.slow
 def test_recipe_continues_from_a_lightning_checkpoint(tmp_path):
     """Lightning trains the recipe's model 4 steps; the recipe picks up at step 5 with its optimizer state."""
     sys.path.insert(0, str(ROOT / "examples" / "llm"))

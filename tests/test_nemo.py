@@ -162,6 +162,7 @@ def _restore_on(root: str, name: str) -> dict:
     return {"state": full_state(restored.model), "format": restored.weights_format}
 
 
+@pytest.mark.slow
 def test_two_ranks_save_and_reshard_on_restore(tmp_path):
     root = str(tmp_path)
     ref = run_ranks(2, _save_two_ranks, root=root)[0]

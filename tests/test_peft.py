@@ -9,6 +9,8 @@ import torch
 
 from distributed import run_ranks
 
+pytestmark = pytest.mark.slow  # multi-process: left out of the quick loop (-m 'not slow')
+
 PROMPT = torch.tensor([[1, 8, 5, 12, 12, 15, 4, 20, 8, 5]])
 N = 10
 

@@ -50,7 +50,8 @@ def hf_folder(tmp_path_factory):
     return folder
 
 
-@pytest.mark.parametrize("world,meta", [(1, False), (1, True), (2, False), (2, True)])
+@pytest.mark.parametrize("world,meta", [(1, False), (1, True), pytest.param(2, False, marks=pytest.mark.slow),
+                                        pytest.param(2, True, marks=pytest.mark.slow)])
 def test_load_pretrained_matches_from_pretrained(hf_folder, world, meta):
     from transformers import AutoModelForCausalLM
 

@@ -14,6 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+pytestmark = pytest.mark.slow  # multi-process: left out of the quick loop (-m 'not slow')
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = str(ROOT / "examples" / "llm" / "finetune.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1"}

@@ -7,6 +7,8 @@ import torch
 
 from distributed import run_ranks
 
+pytestmark = pytest.mark.slow  # multi-process: left out of the quick loop (-m 'not slow')
+
 FORMATS = ("safetensors", "torch_save")
 
 

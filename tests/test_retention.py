@@ -6,6 +6,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -167,6 +168,7 @@ def _two_rank_saves(root: str) -> dict:
     return {"rank": dist.get_rank(), "step": info.step, "v": box2.v, "consumed": info.counters["consumed_samples"]}
 
 
+@pytest.mark.slow
 def test_pointers_and_retention_on_two_ranks(tmp_path):
     from distributed import run_ranks
 
