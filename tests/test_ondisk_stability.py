@@ -1,0 +1,97 @@
+"""The bytes ckptio writes stay the same: a checkpoint of a fixed-seed model and optimizer, saved in each
+model format (with a consolidated bundle and a PEFT adapter), must match the digests recorded in
+``tests/data/ondisk_golden.json``.
+
+This guards the on-disk contract against accidental changes (a refactor, a reordered header). A change
+that is meant must update the golden file in the same commit, with the reason in its message:
+
+    .venv/bin/python tests/test_ondisk_stability.py --update
+
+Fields that legitimately differ between two saves are left out of the comparison: the manifest's
+``created``, ``versions`` and ``manifest_checksum``, and DCP's per-save ids in ``.metadata``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pickle
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+GOLDEN = Path(__file__).parent / "data" / "ondisk_golden.json"
+
+
+def _normalised(rel: str, data: bytes, ignore: set[str]) -> bytes:
+    if rel.endswith("manifest.json"):
+        doc = json.loads(data)
+        for key in ("created", "versions", "manifest_checksum"):
+            doc.pop(key, None)
+        for key in ("files", "checksums"):
+            # DCP's .metadata holds per-save ids and the folder's path: its size and checksum vary
+            doc[key] = {k: v for k, v in doc[key].items() if k not in ignore and not k.endswith(".metadata")}
+        return json.dumps(doc, sort_keys=True).encode()
+    if rel.endswith(".metadata"):
+        md = pickle.loads(data)  # our own file, written just now
+        md.storage_meta = None
+        return repr((sorted((k, repr(v)) for k, v in md.state_dict_metadata.items()),
+                     sorted((repr(k), repr(v)) for k, v in (md.storage_data or {}).items()),
+                     repr(md.planner_data))).encode()
+    return data
+
+
+def _digests(root: Path, ignore: frozenset[str] = frozenset()) -> dict[str, str]:
+    return {p.relative_to(root).as_posix(): hashlib.sha256(_normalised(p.name, p.read_bytes(), ignore)).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and not p.is_symlink()
+            and p.relative_to(root).as_posix() not in ignore}
+
+
+def snapshot(tmp: Path) -> dict[str, dict[str, str]]:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from toy import Counter, make_model, make_tokenizer
+
+    from ckptio import CheckpointConfig, CheckpointManager
+
+    out = {}
+    for fmt in ("safetensors", "torch_save"):
+        model = make_model(seed=0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        ids = torch.arange(32).reshape(2, 16) % 64
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        sched.step()
+        root = tmp / fmt
+        cfg = CheckpointConfig(checkpoint_dir=str(root), model_save_format=fmt, save_consolidated=True)
+        with CheckpointManager(cfg, model=model, optimizer=opt, lr_scheduler=sched, rng=False,
+                               extra_states={"counter": Counter()}, tokenizer=make_tokenizer()) as mgr:
+            mgr.save(step=7, epoch=1, metrics={"val_loss": 1.5}, counters={"consumed_samples": 14})
+        out[fmt] = _digests(root / "epoch_1_step_7")
+    model = make_model(seed=0, peft=True, base_dir=str(tmp / "base"))
+    root = tmp / "peft"
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=str(root), is_peft=True), model=model, rng=False,
+                           base_model_path=str(tmp / "base")) as mgr:
+        mgr.save(step=3)
+    # the adapter config records the absolute base path, which is this test's temporary folder
+    out["peft"] = _digests(root / "epoch_0_step_3", frozenset({"model/adapter_config.json"}))
+    return out
+
+
+def test_bytes_on_disk_match_the_golden_digests(tmp_path):
+    want = json.loads(GOLDEN.read_text())
+    got = snapshot(tmp_path)
+    for name in want:
+        assert got[name].keys() == want[name].keys(), f"{name}: files differ"
+        changed = [rel for rel in want[name] if got[name][rel] != want[name][rel]]
+        assert not changed, f"{name}: bytes changed in {changed} (if meant, rerun with --update; see the docstring)"
+
+
+if __name__ == "__main__" and "--update" in sys.argv:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        GOLDEN.write_text(json.dumps(snapshot(Path(tmp)), indent=1, sort_keys=True) + "\n")
+    print(f"wrote {GOLDEN}")
