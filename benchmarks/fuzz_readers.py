@@ -114,6 +114,7 @@ def fuzz_safetensors(rng: random.Random, tmp: Path) -> None:
     of ckptio: a count of how many chunks claim each element. A load may succeed only when every element
     is claimed exactly once, and must then hold exactly what the chunks hold."""
     from ckptio.formats import _st_writer, safetensors_sharded
+    from ckptio.storage import LocalWriteStream
 
     rows, cols = rng.randint(1, 6), rng.randint(1, 3)
     n_files = rng.randint(1, 4)
@@ -135,7 +136,8 @@ def fuzz_safetensors(rng: random.Random, tmp: Path) -> None:
         meta = {"format": "pt", "ckptio_format": safetensors_sharded.FORMAT_TAG,
                 "ckptio_shards": json.dumps({"w": {"shape": [rows, cols], "offsets": [off, 0]}})}
         path = tmp / f"shard-{i}.safetensors"
-        _st_writer.write(path, [_st_writer.Entry("w", data.dtype, tuple(data.shape), lambda d=data: d)], meta)
+        _st_writer.write(LocalWriteStream(path), [_st_writer.Entry("w", data.dtype, tuple(data.shape), lambda d=data: d)],
+                         meta)
         if rng.random() < 0.3:
             path.write_bytes(_mutate(rng, path.read_bytes()))
             mutated = True  # damaged tensor bytes are caught by checksums (the manifest family), not here

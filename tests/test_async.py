@@ -112,14 +112,14 @@ def test_staging_buffers_are_reused_and_host_memory_does_not_grow(tmp_path):
         opt.step()
         opt.zero_grad()
         mgr.save(step=step)
-        buffers = {k: b.data_ptr() for k, b in mgr._stager._buffers.items()}
+        buffers = {k: b.data_ptr() for k, b in mgr._saver.stager._buffers.items()}
         if pointers is None:
             pointers = buffers
         assert buffers == pointers, "staging buffers were reallocated"
         mgr.wait()
         rss.append(_rss())
     mgr.close()
-    assert abs(mgr._stager.nbytes - state_bytes) < state_bytes * 0.05
+    assert abs(mgr.staging_bytes - state_bytes) < state_bytes * 0.05
     growth = rss[-1] - rss[4]
     assert growth < state_bytes / 3, f"host memory grew by {growth / 2**20:.1f} MiB over 20 saves: {rss}"
     assert [e.step for e in committed_checkpoints(tmp_path)] == [25]

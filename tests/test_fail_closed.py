@@ -233,7 +233,10 @@ def _shard(folder: Path, name: str, rows: torch.Tensor, offset: int, total: int)
 
     meta = {"format": "pt", "ckptio_format": safetensors_sharded.FORMAT_TAG,
             "ckptio_shards": json.dumps({"w": {"shape": [total, rows.shape[1]], "offsets": [offset, 0]}})}
-    _st_writer.write(folder / name, [_st_writer.Entry("w", rows.dtype, tuple(rows.shape), lambda: rows)], meta)
+    from ckptio.storage import LocalWriteStream
+
+    _st_writer.write(LocalWriteStream(folder / name), [_st_writer.Entry("w", rows.dtype, tuple(rows.shape), lambda: rows)],
+                     meta)
 
 
 def test_safetensors_shards_that_overlap_are_refused_even_when_sizes_add_up(tmp_path):

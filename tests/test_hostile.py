@@ -23,14 +23,14 @@ from ckptio.describe import inspect_path
 from ckptio.formats import dcp as dcp_format
 from ckptio.formats import pt as pt_format
 from ckptio.formats import safetensors_sharded
-from ckptio.formats.hf_bundle import SafetensorsSource
+from ckptio.formats.safetensors_sharded import SafetensorsSource
 from ckptio.manifest import read_manifest
 
 
 def _valid_shard(folder: Path) -> bytes:
     tensors = {"a": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.ones(5, dtype=torch.bfloat16)}
-    (path,) = safetensors_sharded.save(tensors, folder, rank=0, world_size=1)
-    return path.read_bytes()
+    (name,) = safetensors_sharded.save(tensors, folder, rank=0, world_size=1)
+    return (folder / name).read_bytes()
 
 
 def _readers(folder: Path):

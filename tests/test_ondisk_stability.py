@@ -19,7 +19,6 @@ import pickle
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 GOLDEN = Path(__file__).parent / "data" / "ondisk_golden.json"

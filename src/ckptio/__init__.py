@@ -25,7 +25,7 @@ from .errors import (  # noqa: E402
 from .layout import committed_checkpoints, newest_checkpoint  # noqa: E402
 from .manager import CheckpointManager, RestoreInfo, Stateful  # noqa: E402
 from .manifest import Manifest, read_manifest  # noqa: E402
-from .formats.nemo import NemoModel, restore_nemo, save_nemo  # noqa: E402
+from .formats.nemo_model import NemoModel, restore_nemo, save_nemo  # noqa: E402
 from .pretrained import load_pretrained  # noqa: E402
 from .state import ModelState, OptimizerState, RNGState  # noqa: E402
 from .step_scheduler import StepScheduler  # noqa: E402

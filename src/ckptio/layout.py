@@ -10,20 +10,21 @@ from __future__ import annotations
 import logging
 import re
 import string
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .manifest import MANIFEST_NAME, Manifest, check_files, read_manifest
-from .storage import read_pointer, remove_tree
+from .storage import read_pointer
 from .storage.confined import Folder
+from .storage.local import TMP_PREFIX, TRASH_PREFIX  # noqa: F401  (TRASH_PREFIX: re-exported)
 
 log = logging.getLogger("ckptio")
 
-TMP_PREFIX = ".tmp-"
-TRASH_PREFIX = ".trash-"
+MODEL_DIR = "model"
+OPTIM_DIR = "optim"
+CONSOLIDATED_DIR = "consolidated"
 LATEST = "LATEST"
 BEST = "BEST"
 POINTER_NAMES = (LATEST, BEST)
@@ -255,22 +256,11 @@ def resolve_restore_path(checkpoint_dir: str | Path, restore_from: str | None, *
 
 def clean_temporaries(checkpoint_dir: str | Path, older_than_s: float = 0.0) -> list[Path]:
     """Remove leftovers of interrupted saves and deletions (``.tmp-*``, ``.trash-*``)."""
-    root = Path(checkpoint_dir)
-    removed: list[Path] = []
-    if not root.is_dir():
-        return removed
-    now = time.time()
-    for p in root.iterdir():
-        if not (p.name.startswith(TMP_PREFIX) or p.name.startswith(TRASH_PREFIX)) or p.is_symlink():
-            continue
-        try:
-            if now - p.stat().st_mtime < older_than_s:
-                continue
-            if p.is_dir():
-                remove_tree(p)
-            else:
-                p.unlink()
-            removed.append(p)
-        except FileNotFoundError:
-            continue
-    return removed
+    from .storage import LocalStorage
+
+    return LocalStorage(checkpoint_dir).sweep(older_than_s)
+
+
+def rank_file(rank: int) -> str:
+    """The file name of one rank's copy of a small state saved per rank."""
+    return f"rank_{rank:05d}.pt"

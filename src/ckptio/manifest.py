@@ -22,7 +22,8 @@ from typing import Any
 
 from .errors import CheckpointCorruptError, CheckpointNotFoundError
 from .storage.checksum import bytes_checksum
-from .storage.confined import Folder, UnsafePathError, Verifier, check_relative
+from .storage.confined import Folder, UnsafePathError, check_relative
+from .storage.verify import Verifier
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 2

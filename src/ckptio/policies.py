@@ -17,7 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from typing import TYPE_CHECKING
+
 from .layout import CheckpointEntry
+
+if TYPE_CHECKING:
+    from .storage.base import Storage
 
 Mode = Literal["min", "max"]
 
@@ -129,32 +134,41 @@ def _created(entry: CheckpointEntry) -> _dt.datetime | None:
         return None
 
 
-def apply(root: Path, decision: RetentionDecision) -> list[Path]:
-    """Delete what ``decision`` says, each made invisible (renamed) before it is removed."""
+def apply(storage: "Storage | Path", decision: RetentionDecision) -> list[Path]:
+    """Delete what ``decision`` says through ``storage``, each made invisible before it is removed."""
     from . import _faults
-    from .storage import remove_tree
 
+    storage = _storage(storage)
     removed = []
     for e in decision.delete:
         _faults.point("retention.before_delete")
-        remove_tree(e.path)
+        storage.remove_step(e.name)
         removed.append(e.path)
     return removed
 
 
-def after_commit(root: Path, policy: RetentionPolicy, *, protected: set[str] = frozenset()) -> list[Path]:
+def after_commit(storage: "Storage | Path", policy: RetentionPolicy, *,
+                 protected: set[str] = frozenset()) -> list[Path]:
     """After a commit (rank 0): move the BEST pointer, then delete what ``policy`` does not keep.
 
     The newest and the best are always kept, and so is every name in ``protected``. Returns what was removed.
     """
     from .layout import BEST, committed_checkpoints
-    from .storage import write_pointer
 
-    entries = committed_checkpoints(root)
+    storage = _storage(storage)
+    entries = committed_checkpoints(storage.root)
     if policy.monitor:
         best = best_checkpoint(entries, policy.monitor, policy.mode)
         if best is not None:
-            write_pointer(root, BEST, best.name)
+            storage.write_pointer(BEST, best.name)
     if not policy.active:
         return []
-    return apply(root, decide(entries, policy, protected=protected))
+    return apply(storage, decide(entries, policy, protected=protected))
+
+
+def _storage(storage: "Storage | Path") -> "Storage":
+    if isinstance(storage, (str, Path)):
+        from .storage import open_storage
+
+        return open_storage(storage)
+    return storage

@@ -3,21 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import sys
 import time
 import uuid
 from pathlib import Path
 
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
-from ..formats import hf_bundle
-from ..formats import pt as pt_format
+from ..formats import hf_bundle, registry
 from ..layout import TMP_PREFIX
-from ..manifest import MANIFEST_NAME, check_files, list_files, read_manifest
-from ..storage import commit_directory, fsync_dir, fsync_tree, remove_tree
+from ..manifest import MANIFEST_NAME, check_files, read_manifest
+from ..storage import LocalFolderWriter
 from ..storage.checksum import file_checksum
-from ..storage.local import copy_on_write
+from ..storage.posix import copy_on_write
 from ..storage.confined import Folder
 from ..storage.lock import DirectoryLock
 from ._fmt import human_bytes
@@ -48,8 +45,9 @@ def _model_folder(path: Path) -> tuple[Path, Path | None]:
         entry = manifest.states.get("model")
         if entry is None:
             raise CheckpointError(f"{path} holds no model state")
-        if entry.format == "peft":
-            raise CheckpointError(f"{path} is a PEFT checkpoint: its model folder already is a PEFT adapter folder")
+        if not registry.get(entry.format).full_model:
+            raise CheckpointError(f"{path} holds a {entry.format} model folder, not a whole model to consolidate "
+                                  "(a PEFT adapter folder already is what peft loads)")
         Folder(path).sub(entry.path)  # a real folder inside the step directory, not a link
         return path / entry.path, path
     if not path.is_dir():
@@ -89,16 +87,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _into_folder(out: Path, source, plan, bar) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    writer = LocalFolderWriter.create(out)
     try:
-        hf_bundle.write_bundle(source, plan, tmp, progress=bar.update if bar else None)
-        fsync_tree(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.rename(tmp, out)
-        fsync_dir(out.parent)
+        hf_bundle.write_bundle(source, plan, writer, "", progress=bar.update if bar else None)
+        writer.commit()  # replaces an existing folder (--overwrite) in one atomic exchange
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        writer.abort()
         raise
 
 
@@ -117,6 +111,7 @@ def _into_checkpoint(step_dir: Path, out: Path, source, plan, bar, *, force: boo
         print(f"warning: going ahead although the lock names {lock.forced_over} (--force; that holder is gone)",
               file=sys.stderr)
     stage = root / f"{TMP_PREFIX}{step_dir.name}-consolidate-{uuid.uuid4().hex[:8]}"
+    writer = LocalFolderWriter(step_dir, stage)
     try:
         manifest = read_manifest(step_dir)
         problems = check_files(step_dir, manifest)
@@ -128,20 +123,17 @@ def _into_checkpoint(step_dir: Path, out: Path, source, plan, bar, *, force: boo
             return rel == MANIFEST_NAME or rel == rel_out or rel.startswith(rel_out + "/")
 
         copy_on_write(step_dir, stage, skip=skip)
-        written = hf_bundle.write_bundle(source, plan, stage / rel_out, progress=bar.update if bar else None)
-        files = list_files(stage)
+        written = hf_bundle.write_bundle(source, plan, writer, rel_out, progress=bar.update if bar else None)
+        files = writer.files()
         sums = {k: v for k, v in manifest.checksums.items() if k in files and not skip(k)}
-        sums.update({p.relative_to(stage).as_posix(): d for p, d in written.items()})
+        sums.update(written)
         for rel in files:
             if rel not in sums:
                 sums[rel] = file_checksum(stage / rel)
         manifest.files, manifest.checksums = files, sums
-        pt_format.write_bytes(stage / MANIFEST_NAME, manifest.to_json().encode())
-        fsync_tree(stage)
-        commit_directory(stage, step_dir)
+        writer.commit((MANIFEST_NAME, manifest.to_json().encode()))
     except BaseException:
-        if stage.exists():
-            remove_tree(stage)
+        writer.abort()
         raise
     finally:
         lock.release()

@@ -9,9 +9,11 @@ from ._fmt import human_bytes, print_json
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("inspect", help="describe a step directory, DCP folder, safetensors file or .nemo archive",
+    p = sub.add_parser("inspect", help="describe any checkpoint ckptio reads (step directory, DCP, safetensors, HF, "
+                                       "PEFT, .nemo, Lightning .ckpt, .pt)",
                        description="Describe a checkpoint without loading its tensors.")
-    p.add_argument("path", help="a step directory, a DCP folder, a folder of .safetensors files, one such file, or a .nemo")
+    p.add_argument("path", help="a step directory, a DCP/HF/PEFT/safetensors folder, a .safetensors, .nemo, .ckpt or "
+                                ".pt file")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.add_argument("--files", action="store_true", help="list every file with its size")
     p.set_defaults(run=run)
@@ -29,41 +31,44 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(info)
         return 0
-    lines = [f"{info['path']}"]
-    if info["kind"] == "step_dir":
+    lines = [f"{info['path']}"] + describe_lines(info)
+    if args.files:
+        lines.append("  file list:")
+        lines += [f"    {human_bytes(size):>10}  {name}" for name, size in info["files"].items()]
+    print("\n".join(lines))
+    return 0
+
+
+def describe_lines(info: dict) -> list[str]:
+    """Human lines for a description, from what it holds (every format's ``describe`` fills some of these)."""
+    lines = []
+    if "step" in info:
         metrics = ", ".join(f"{k}={v:g}" for k, v in sorted(info["metrics"].items())) or "none"
         lines += [
             f"  checkpoint: {info['name']}  (step {info['step']}, epoch {info['epoch']})",
             f"  format: model {info['model_save_format']}{' (PEFT)' if info['is_peft'] else ''}, optimizer dcp",
             f"  saved on: {info['world_size']} rank(s), {info['created']}",
             f"  metrics: {metrics}",
-            f"  files: {len(info['files'])}, {human_bytes(info['total_bytes'])}",
-            "  states:",
         ]
-        for name, s in sorted(info["states"].items()):
-            where = f"{s['path']}{'/ (per rank)' if s['per_rank'] else ''}"
-            lines.append(f"    {name:<16} {s['format']:<12} {where}")
-            if "tensors" in s:
-                lines += _tensor_lines(s["tensors"], "      ")
-        if info["versions"]:
-            lines.append("  versions: " + ", ".join(f"{k} {v}" for k, v in sorted(info["versions"].items())))
-    elif info["kind"] == "nemo":
-        lines += [
-            f"  format: .nemo archive, weights {info['weights']}",
-            f"  architecture: {info['architecture']}",
-            f"  artifacts: {', '.join(info['artifacts']) or 'none'}",
-            f"  config keys: {', '.join(info['config_keys'])}",
-        ]
-        lines += _tensor_lines(info["tensors"], "  ")
-        lines.append(f"  files: {len(info['files'])}, {human_bytes(info['total_bytes'])}")
     else:
-        kind = {"dcp": "PyTorch DCP folder", "safetensors": "safetensors folder",
-                "safetensors_file": "safetensors file"}[info["kind"]]
-        lines.append(f"  format: {kind}")
+        weights = f", weights {info['weights']}" if "weights" in info else ""
+        lines.append(f"  format: {info.get('label') or info['kind']}{weights}")
+    if "architecture" in info:
+        lines.append(f"  architecture: {info['architecture']}")
+    if "artifacts" in info:
+        lines.append(f"  artifacts: {', '.join(info['artifacts']) or 'none'}")
+    if "config_keys" in info:
+        lines.append(f"  config keys: {', '.join(info['config_keys'])}")
+    if "tensors" in info:
         lines += _tensor_lines(info["tensors"], "  ")
-        lines.append(f"  files: {len(info['files'])}, {human_bytes(sum(info['files'].values()))}")
-    if args.files:
-        lines.append("  file list:")
-        lines += [f"    {human_bytes(size):>10}  {name}" for name, size in info["files"].items()]
-    print("\n".join(lines))
-    return 0
+    lines.append(f"  files: {len(info['files'])}, {human_bytes(sum(info['files'].values()))}")
+    if "states" in info:
+        lines.append("  states:")
+        for name, st in sorted(info["states"].items()):
+            where = f"{st['path']}{'/ (per rank)' if st['per_rank'] else ''}"
+            lines.append(f"    {name:<16} {st['format']:<12} {where}")
+            if "tensors" in st:
+                lines += _tensor_lines(st["tensors"], "      ")
+    if info.get("versions"):
+        lines.append("  versions: " + ", ".join(f"{k} {v}" for k, v in sorted(info["versions"].items())))
+    return lines

@@ -11,6 +11,7 @@ import sys
 from .. import policies
 from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError
 from ..layout import BEST, pointer_target, scan
+from ..storage import LocalStorage
 from ..storage.lock import DirectoryLock
 from ._fmt import human_bytes
 
@@ -85,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
             size = e.manifest.total_bytes if e.manifest else 0
             print(f"{'would delete' if args.dry_run else 'delete '} {e.name}  ({human_bytes(size)})")
         if not args.dry_run:
-            policies.apply(root, decision)
+            policies.apply(LocalStorage(root), decision)
     finally:
         lock.release()
     freed = sum(e.manifest.total_bytes for e in decision.delete if e.manifest)

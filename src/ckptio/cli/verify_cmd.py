@@ -9,8 +9,7 @@ from pathlib import Path
 
 from ..errors import CheckpointError, CheckpointNotFoundError
 from ..layout import scan
-from ..formats import dcp as dcp_format
-from ..formats import safetensors_sharded
+from ..formats import registry
 from ..manifest import MANIFEST_NAME, check_files, read_manifest
 from ..storage.confined import Folder
 
@@ -31,13 +30,15 @@ def _verify_one(step_dir: Path) -> list[str]:
     except CheckpointError as exc:
         return [str(exc)]
     problems = check_files(step_dir, manifest, checksums=True)
-    readers = {"dcp": dcp_format.read_index, "safetensors": safetensors_sharded.read_index}
     for name, entry in sorted(manifest.states.items()):
-        if entry.format in readers:
-            try:
-                readers[entry.format](Folder(step_dir).sub(entry.path))
-            except CheckpointError as exc:
-                problems.append(f"state {name!r}: {exc}")
+        if entry.kind == "object":
+            continue
+        try:
+            fmt = registry.get(entry.format)
+            if fmt.has_index:
+                fmt.index(Folder(step_dir).sub(entry.path))
+        except CheckpointError as exc:
+            problems.append(f"state {name!r}: {exc}")
     return problems
 
 

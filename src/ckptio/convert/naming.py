@@ -201,6 +201,11 @@ class _RenamedSource:
         rule, srcs, n = self._plan.outputs[key]
         return _forward(rule, [self.source.read(s) for s in srcs], self.config)[n]
 
+    def close(self) -> None:
+        close = getattr(self.source, "close", None)
+        if callable(close):
+            close()
+
 
 def renamed_source(source: Any, name: str, extras: Path | None) -> _RenamedSource:
     converter = get_converter(name)

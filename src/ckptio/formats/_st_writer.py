@@ -8,14 +8,13 @@ one tensor is materialised at a time, and its bytes go to the file without an ex
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 
-from ..storage.checksum import ChecksummingStream
+if TYPE_CHECKING:
+    from ..storage.base import WriteStream
 
 ST_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -42,9 +41,12 @@ class Entry:
         return n
 
 
-def write(path: str | Path, entries: Iterable[Entry], metadata: dict[str, str] | None = None,
+def write(out: "WriteStream", entries: Iterable[Entry], metadata: dict[str, str] | None = None,
           progress: Callable[[int], None] | None = None) -> str:
-    """Write ``entries`` to ``path`` (fsynced); returns the file's checksum."""
+    """Write ``entries`` as a safetensors file into the new stream ``out`` (closed, durable, on return).
+
+    Returns the file's checksum, computed as the bytes went out.
+    """
     entries = list(entries)
     header: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
     offset = 0
@@ -55,8 +57,7 @@ def write(path: str | Path, entries: Iterable[Entry], metadata: dict[str, str] |
         offset += e.nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-(8 + len(blob)) % 8)
-    with open(path, "wb") as raw:
-        out = ChecksummingStream(raw)
+    with out:
         out.write(len(blob).to_bytes(8, "little"))
         out.write(blob)
         for e in entries:
@@ -71,6 +72,4 @@ def write(path: str | Path, entries: Iterable[Entry], metadata: dict[str, str] |
             if progress is not None:
                 progress(e.nbytes)
             del tensor
-        raw.flush()
-        os.fsync(raw.fileno())
-    return out.checksum.digest
+    return out.close()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -112,3 +112,72 @@ def read_json(path: "str | Path", *, max_size: int = 64 << 20) -> dict[str, Any]
     if not isinstance(data, dict):
         raise CheckpointCorruptError(f"{path}: holds a JSON {type(data).__name__}, not an object")
     return data
+
+
+@dataclass
+class TensorSummary:
+    """Counts and bytes of a checkpoint's tensors, per dtype (what ``inspect`` prints)."""
+
+    tensors: int = 0
+    bytes: int = 0
+    dtypes: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def add(self, info: TensorInfo) -> None:
+        size = info.numel * dtype_itemsize(info.dtype)
+        self.tensors += 1
+        self.bytes += size
+        d = self.dtypes.setdefault(info.dtype, {"tensors": 0, "bytes": 0})
+        d["tensors"] += 1
+        d["bytes"] += size
+
+
+def summarize_index(index: dict[str, TensorInfo | None]) -> TensorSummary:
+    summary = TensorSummary()
+    for info in index.values():
+        if info is not None:
+            summary.add(info)
+    return summary
+
+
+def natural_key(key: str) -> list:
+    """Sort key that orders ``layers.2`` before ``layers.10``."""
+    import re
+
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", key)]
+
+
+def torch_dtype(name: str) -> Any:
+    """``torch.bfloat16`` from ``"bfloat16"`` (or ``"torch.bfloat16"``); an error naming it otherwise."""
+    import torch
+
+    from ..errors import ConfigError
+
+    dtype = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ConfigError(f"unknown dtype {name!r}; use e.g. bfloat16, float16 or float32")
+    return dtype
+
+
+def check_compatible(saved: dict[str, TensorInfo | None], target: dict[str, Any], where: str, *, strict: bool) -> None:
+    """Raise :class:`CheckpointMismatchError` naming ``where`` and the key if ``saved`` cannot fill ``target``."""
+    missing = [k for k in target if k not in saved]
+    wrong = [
+        f"{k}: checkpoint has {list(saved[k].shape)}, model expects {list(v.shape)}"  # type: ignore[union-attr]
+        for k, v in target.items()
+        if k in saved and saved[k] is not None and tuple(saved[k].shape) != tuple(v.shape)  # type: ignore[union-attr]
+    ]
+    unexpected = [k for k in saved if k not in target] if strict else []
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} key(s) missing from the checkpoint, e.g. {missing[:3]}")
+    if wrong:
+        problems.append(f"{len(wrong)} shape mismatch(es): " + "; ".join(wrong[:3]))
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected key(s) in the checkpoint, e.g. {unexpected[:3]}")
+    if problems:
+        from ..errors import CheckpointMismatchError
+
+        raise CheckpointMismatchError(
+            f"{where} does not match the model: " + " | ".join(problems)
+            + " (is this a checkpoint of a different model or config?)"
+        )

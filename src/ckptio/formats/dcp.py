@@ -16,162 +16,33 @@ from __future__ import annotations
 
 import io
 import os
-import pickle
 import threading
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
     Metadata,
-    MetadataIndex,
     TensorStorageMetadata,
 )
 
 from .. import _dist
-from ..storage.checksum import ChecksummingStream
-from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
-from ..storage.confined import Folder, UnsafePathError, check_relative
-from .common import TensorInfo, check_exact_cover, dtype_name
+from ..errors import CheckpointCorruptError, CheckpointError
+from ..storage.confined import Folder, UnsafePathError
+from .common import TensorInfo, check_compatible, dtype_name, torch_dtype
+from .dcp_metadata import METADATA_FILE, read_metadata
+from .registry import Format, Opened, ShardContext, WriteOptions, register
 
-METADATA_FILE = ".metadata"
-
-_ALLOWED_GLOBALS = {
-    ("torch.distributed.checkpoint.metadata", name)
-    for name in (
-        "Metadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "MetadataIndex",
-        "StorageMeta",
-        "TensorProperties",
-        "TensorStorageMetadata",
-        "_MEM_FORMAT_ENCODING",
-    )
-} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.serialization", "_get_layout"),
-    ("torch", "Size"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-    ("collections", "OrderedDict"),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in DCP metadata")
-
-
-MAX_METADATA_BYTES = 1 << 30
-
-
-def read_metadata(folder: "str | Path | Folder", filename: str = METADATA_FILE) -> Metadata:
-    """DCP's ``.metadata`` of ``folder``, unpickled with an allow-list of DCP's own classes, then checked.
-
-    Checked before it is used: its structure (every field of the right type), the chunks of every
-    tensor (inside its shape, covering it exactly once), and every data file it names (a plain
-    relative path to a regular file inside ``folder``, holding the bytes the entries need).
-    """
-    root = folder if isinstance(folder, Folder) else Folder(folder)
-    path = root.display(filename)
-    if root.kind(filename) is None:
-        raise CheckpointNotFoundError(f"{root.path} is not a DCP checkpoint: {filename} is missing")
-    data = root.read_bytes(filename, max_size=MAX_METADATA_BYTES)
-    try:
-        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
-    except Exception as exc:  # any failure to decode is a corrupt or hostile file
-        raise CheckpointCorruptError(f"{path}: unreadable DCP metadata ({type(exc).__name__}: {exc})") from exc
-    if not isinstance(metadata, Metadata):
-        raise CheckpointCorruptError(f"{path}: DCP metadata holds a {type(metadata).__name__}, not Metadata")
-    _validate(metadata, path)
-    _check_files(metadata, root, path)
-    return metadata
-
-
-def _check_files(md: Metadata, root: Folder, path: Path) -> None:
-    """Every file the metadata names is a regular file inside ``root`` that holds the bytes it needs."""
-    needed: dict[str, int] = {}
-    for info in (md.storage_data or {}).values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for rel, end in sorted(needed.items()):
-        size = root.size(rel)  # refuses links, FIFOs, devices and paths leaving the folder, naming them
-        if size < end:
-            raise CheckpointCorruptError(f"{root.display(rel)}: {size} bytes, but {path} places data up to byte {end} "
-                                         "(truncated or from another save)")
-
-
-def _ints(value: object) -> bool:
-    return isinstance(value, (tuple, list, torch.Size)) and all(type(d) is int and d >= 0 for d in value)
-
-
-def _validate(md: Metadata, path: Path) -> None:
-    """The unpickler admits only DCP's classes, but their fields can still be anything: check the shape."""
-    def bad(what: str) -> CheckpointCorruptError:
-        return CheckpointCorruptError(f"{path}: malformed DCP metadata ({what})")
-
-    entries = getattr(md, "state_dict_metadata", None)
-    if not isinstance(entries, dict):
-        raise bad("no state_dict_metadata mapping")
-    for key, entry in entries.items():
-        if not isinstance(key, str):
-            raise bad(f"key {key!r} is not a string")
-        if isinstance(entry, BytesStorageMetadata):
-            continue
-        if not isinstance(entry, TensorStorageMetadata):
-            raise bad(f"{key!r} has a {type(entry).__name__} entry")
-        size, props, chunks = (getattr(entry, a, None) for a in ("size", "properties", "chunks"))
-        if not _ints(size):
-            raise bad(f"{key!r} has an invalid size {size!r}")
-        if not isinstance(getattr(props, "dtype", None), torch.dtype):
-            raise bad(f"{key!r} has no valid dtype")
-        if not isinstance(chunks, list) or not all(
-            isinstance(c, ChunkStorageMetadata) and _ints(getattr(c, "offsets", None)) and _ints(getattr(c, "sizes", None))
-            for c in chunks
-        ):
-            raise bad(f"{key!r} has malformed chunks")
-        check_exact_cover(key, tuple(size), [(tuple(c.offsets), tuple(c.sizes), f"chunk {i}")
-                                              for i, c in enumerate(chunks)], path)
-    storage = getattr(md, "storage_data", None)
-    if storage is None:
-        storage = md.storage_data = {}
-    if not isinstance(storage, dict):
-        raise bad("storage_data is not a mapping")
-    for index, info in storage.items():
-        if not isinstance(index, MetadataIndex) or not isinstance(getattr(index, "fqn", None), str):
-            raise bad(f"storage key {index!r:.80} is not a MetadataIndex")
-        if not isinstance(info, _StorageInfo):
-            raise bad(f"storage entry of {index.fqn!r} is a {type(info).__name__}")
-        rel, offset, length = (getattr(info, a, None) for a in ("relative_path", "offset", "length"))
-        check_relative(rel, path)
-        if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
-            raise bad(f"storage entry of {index.fqn!r} has offset {offset!r:.40} and length {length!r:.40}")
-        descriptors = getattr(info, "transform_descriptors", None)
-        if descriptors is not None and (not isinstance(descriptors, (list, tuple))
-                                        or not all(isinstance(d, str) for d in descriptors)):
-            raise bad(f"storage entry of {index.fqn!r} has malformed transform descriptors")
-    for key, entry in entries.items():  # every value DCP could be asked for has its bytes somewhere
-        wanted = [MetadataIndex(key)] if isinstance(entry, BytesStorageMetadata) else \
-            [MetadataIndex(key, c.offsets) for c in entry.chunks]
-        for index in wanted:
-            if index not in storage:
-                raise bad(f"{key!r} has no storage entry for {'its value' if index.offset is None else f'chunk at {list(index.offset)}'}")
-
+if TYPE_CHECKING:
+    from ..storage.base import FolderWriter
+    from .registry import TensorSource
 
 class _ConfinedFileSystem(FileSystem):
     """DCP's filesystem for reading, with every data file opened through the confined :class:`Folder`."""
@@ -237,58 +108,79 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
-class _ChecksummingFileSystem(FileSystem):
-    """DCP's local filesystem, with a running checksum of every file written through it."""
+class _WriterFileSystem(FileSystem):
+    """DCP's file system for writing, with every file going through a :class:`FolderWriter` (and so
+    checksummed as it is written). DCP addresses files by path under ``base``, the writer's local path of
+    the DCP folder; they are mapped back to names relative to the writer's folder."""
 
-    def __init__(self) -> None:
+    def __init__(self, writer: "FolderWriter", rel: str, base: Path) -> None:
         super().__init__()
+        self.writer, self.rel, self.base = writer, rel, base
         self.digests: dict[str, str] = {}
         self.errors: list[OSError] = []
         self._lock = threading.Lock()
 
+    def _rel(self, path: str | os.PathLike) -> str:
+        inner = Path(path).relative_to(self.base).as_posix()
+        return f"{self.rel}/{inner}" if self.rel else inner
+
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
         if "w" not in mode:
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
-        with super().create_stream(path, mode) as raw:
-            stream = ChecksummingStream(raw)
-            try:
-                yield stream  # type: ignore[misc]
-            finally:
-                if stream.error is not None:
-                    with self._lock:
-                        self.errors.append(stream.error)
-            with self._lock:
-                self.digests[str(Path(path))] = stream.checksum.digest
+            raise CheckpointError(f"{path}: the DCP writer does not read")
+        name = self._rel(path)
+        stream = self.writer.open(name)
+        try:
+            yield stream  # type: ignore[misc]
+        finally:
+            if stream.error is not None:
+                with self._lock:
+                    self.errors.append(stream.error)
+        digest = stream.close()
+        with self._lock:
+            self.digests[name] = digest
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
-        super().rename(path, new_path)
+        old, new = self._rel(path), self._rel(new_path)
+        self.writer.rename(old, new)
         with self._lock:
-            if str(Path(path)) in self.digests:
-                self.digests[str(Path(new_path))] = self.digests.pop(str(Path(path)))
+            if old in self.digests:
+                self.digests[new] = self.digests.pop(old)
+
+    def mkdir(self, path: str | os.PathLike) -> None:
+        inner = Path(path).relative_to(self.base).as_posix()
+        self.writer.local_path("/".join(p for p in (self.rel, "" if inner == "." else inner) if p))
+
+    def exists(self, path: str | os.PathLike) -> bool:
+        return self.writer.exists(self._rel(path))
 
 
-def save(state_dict: dict[str, Any], folder: str | Path, *, thread_count: int = 1) -> dict[str, str]:
-    """Collective: write ``state_dict`` (local shards on each rank) as a DCP folder, fsynced.
+def save(state_dict: dict[str, Any], writer: "FolderWriter | str | Path", rel: str = "", *,
+         thread_count: int = 1) -> dict[str, str]:
+    """Collective: write ``state_dict`` (local shards on each rank) as the DCP folder ``rel`` of ``writer``
+    (a :class:`FolderWriter`, or a local folder written in place).
 
-    Returns the files this rank wrote (names relative to ``folder``) with checksums computed as the
+    Returns the files this rank wrote (relative to the writer's folder) with checksums computed as the
     bytes went out.
     """
-    writer = FileSystemWriter(str(folder), sync_files=True, thread_count=thread_count)
-    fs = _ChecksummingFileSystem()
-    writer.fs = fs
+    if isinstance(writer, (str, Path)):
+        from ..storage import LocalFolderWriter
+
+        writer = LocalFolderWriter.in_place(writer)
+    base = writer.local_path(rel)
+    storage = FileSystemWriter(str(base), sync_files=True, thread_count=thread_count)
+    fs = _WriterFileSystem(writer, rel, base)
+    storage.fs = fs
+    where = base if rel else writer.local_path()
     try:
-        with _quiet_single_process(), _plain_errors("saving", folder):
-            dcp.save(state_dict, storage_writer=writer, no_dist=not _dist.is_dist(),
+        with _quiet_single_process(), _plain_errors("saving", where):
+            dcp.save(state_dict, storage_writer=storage, no_dist=not _dist.is_dist(),
                      process_group=_dist.current_group())
     except CheckpointError as exc:
         if fs.errors:  # torch's zip writer reports a failed write as a position mismatch; say what it was
-            raise CheckpointError(f"saving DCP folder {folder} failed: {fs.errors[0]}") from exc
+            raise CheckpointError(f"saving DCP folder {where} failed: {fs.errors[0]}") from exc
         raise
-    root = Path(folder)
-    return {str(Path(p).relative_to(root)): d for p, d in fs.digests.items() if Path(p).is_file()}
+    return dict(fs.digests)
 
 
 def load(state_dict: dict[str, Any], folder: "str | Path | Folder", *, no_dist: bool = False) -> None:
@@ -368,5 +260,73 @@ def load_all(folder: "str | Path | Folder") -> dict[str, Any]:
     return template
 
 
-def data_files(folder: str | Path) -> list[Path]:
-    return sorted(Path(folder).glob("*.distcp"))
+class DCPSource:
+    """A DCP folder read tensor by tensor; each read is a single-process DCP load of one key."""
+
+    def __init__(self, folder: "Path | Folder") -> None:
+        self.root = folder if isinstance(folder, Folder) else Folder(folder)
+        self.folder = self.root.path
+        self._index = {k: v for k, v in read_index(self.root).items() if v is not None}
+
+    def index(self) -> dict[str, TensorInfo]:
+        return dict(self._index)
+
+    def close(self) -> None:
+        """Nothing is held open between reads."""
+
+    def read(self, key: str) -> torch.Tensor:
+        if key not in self._index:
+            raise CheckpointCorruptError(f"{self.folder}: no tensor {key!r} in its DCP metadata")
+        info = self._index[key]
+        out = {key: torch.empty(info.shape, dtype=torch_dtype(info.dtype))}
+        load(out, self.root, no_dist=True)
+        return out[key]
+
+
+class DCPFormat(Format):
+    """PyTorch Distributed Checkpoint folders (``.metadata`` plus ``__R_0.distcp`` per rank)."""
+
+    name = "dcp"
+    summary = "PyTorch DCP folder"
+    priority = 30
+    full_model = True
+
+    def detect(self, path: Path) -> bool:
+        return path.is_dir() and (path / METADATA_FILE).is_file()
+
+    def open(self, path: Path) -> Opened:
+        return Opened(self.name, DCPSource(path), path)
+
+    def write(self, opened: Opened, source: "TensorSource", out: Path, options: WriteOptions) -> None:
+        from ..storage import LocalFolderWriter
+        from .hf_bundle import copy_extras
+
+        tensors = {}
+        for key in source.index():
+            t = source.read(key)
+            tensors[key] = t.contiguous()
+            if options.progress:
+                options.progress(t.numel() * t.element_size())
+        writer = LocalFolderWriter.create(out)
+        try:
+            save(tensors, writer, "")
+            if opened.extras is not None:
+                copy_extras(opened.extras, writer, "")
+            writer.commit()
+        except BaseException:
+            writer.abort()
+            raise
+
+    def index(self, folder: Folder) -> dict[str, TensorInfo | None]:
+        return read_index(folder)
+
+    def save_shards(self, state_dict: dict, writer: "FolderWriter", rel: str, ctx: ShardContext) -> dict[str, str]:
+        return save(state_dict, writer, rel)
+
+    def load_shards(self, target: dict, folder: Folder, *, strict: bool, ctx: ShardContext) -> None:
+        index = _dist.run_collectively("reading the DCP index", lambda: read_index(folder))
+        check_compatible(index, target, str(folder.path), strict=strict)
+        load(target, folder)
+
+
+register(DCPFormat())

@@ -22,19 +22,20 @@ sharded with FSDP2 is gathered to full tensors for export (a collective; rank 0 
 
 from __future__ import annotations
 
-import os
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from .. import _dist
 from ..errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError
-from ..storage import fsync_dir
 from . import pt as pt_format
+from .registry import Format, Opened, WriteOptions, register
+
+if TYPE_CHECKING:
+    from .registry import TensorSource
 
 __all__ = ["LightningPosition", "lightning_checkpoint", "checkpoint_dict", "save_lightning", "read_lightning",
            "load_lightning"]
@@ -161,17 +162,10 @@ def save_lightning(path: str | Path, model: nn.Module, optimizer: torch.optim.Op
     path = Path(path)
     ckpt = lightning_checkpoint(model, optimizer, lr_scheduler, **kwargs)
     if _dist.rank() == 0:
+        from .torch_file import save_tensors_file
+
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-        try:
-            with open(tmp, "wb") as fh:
-                torch.save(ckpt, fh)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-            fsync_dir(path.parent)
-        finally:
-            tmp.unlink(missing_ok=True)
+        save_tensors_file(ckpt, path)
     return path
 
 
@@ -245,3 +239,51 @@ def load_lightning(path: str | Path, model: nn.Module, optimizer: torch.optim.Op
     except (KeyError, TypeError, ValueError):
         batches = step
     return LightningPosition(step=step, epoch=epoch, batches_in_epoch=batches)
+
+
+class LightningFile(Format):
+    """PyTorch Lightning ``.ckpt`` files: the weights under the module's ``model.`` attribute, and, when
+    written from a ckptio step directory, its optimizer (re-keyed by parameter position), LR scheduler and
+    step, so that ``Trainer.fit(ckpt_path=…)`` resumes from it."""
+
+    name = "lightning"
+    summary = "Lightning .ckpt"
+    priority = 80
+    file_suffix = ".ckpt"
+
+    def detect(self, path: Path) -> bool:
+        return path.is_file() and path.suffix == ".ckpt"
+
+    def open(self, path: Path) -> "Opened":
+        from .torch_file import DictSource, only_tensors
+
+        ckpt = read_lightning(path)
+        sd = ckpt["state_dict"]
+        if sd and all(k.startswith("model.") for k in sd):  # the LightningModule's model attribute
+            sd = {k[len("model."):]: v for k, v in sd.items()}
+        return Opened(self.name, DictSource(only_tensors(sd, path), path.parent), None,
+                      int(ckpt.get("global_step", 0)), int(ckpt.get("epoch", 0)))
+
+    def write(self, opened: "Opened", source: "TensorSource", out: Path, options: "WriteOptions") -> None:
+        from .torch_file import all_tensors, save_tensors_file
+
+        optim = sched = None
+        if opened.step_dir is not None:
+            from ..convert.training import read_training_state
+
+            optim, sched = read_training_state(opened.step_dir)
+        weights = all_tensors(source, options.progress)
+        config = None if opened.extras is None else opened.extras / "config.json"
+        if config is not None and config.is_file():
+            from ..convert.training import tied_aliases
+
+            # a LightningModule loads strictly: a tied alias that the weights store once is written under
+            # both names, as nn.Module.state_dict() does
+            for alias, primary in tied_aliases(config).items():
+                if alias not in weights and primary in weights:
+                    weights[alias] = weights[primary]
+        save_tensors_file(checkpoint_dict(weights, step=opened.step, epoch=opened.epoch, optimizer_state=optim,
+                                          scheduler_state=sched), out)
+
+
+register(LightningFile())

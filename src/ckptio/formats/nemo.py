@@ -22,185 +22,47 @@ Reading accepts any archive with a ``model_config.yaml`` and either weights layo
 named ``./x`` (NeMo, ``tar -C dir .``) or ``x`` (``tar cf out.nemo *``). A ``nemo:`` reference is
 resolved to the unpacked file, so an artifact swapped by hand inside the archive is what is loaded.
 
-Call sequence: :func:`save_nemo` and :func:`restore_nemo` are collectives when a process group is
-initialised (every rank calls them with its own model); rank 0 writes the archive.
+Saving and restoring live models as ``.nemo`` (:func:`~ckptio.formats.nemo_model.save_nemo`,
+:func:`~ckptio.formats.nemo_model.restore_nemo`) is in :mod:`ckptio.formats.nemo_model`; the config's
+rules in :mod:`ckptio.formats.nemo_config`. This module is the format itself: pack, unpack, describe,
+and the registry's reader and writer (``convert``).
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 import tarfile
 import tempfile
-import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import yaml
-from torch import nn
 
-from .. import _dist, safe_yaml
-from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
-from ..storage import fsync_dir
+from ..errors import CheckpointCorruptError, CheckpointError
+from ..storage import LocalFileWriter
 from ..storage.archive import safe_extract
-from ..storage.confined import Folder, UnsafePathError, check_relative
+from ..storage.confined import Folder
 from . import dcp as dcp_format
 from . import pt as pt_format
-from .common import full_tensors
+from .nemo_config import (
+    _MAX_ARTIFACT_BYTES,
+    CONFIG_FILE,
+    PREFIX,
+    WEIGHTS_DIR,
+    WEIGHTS_FILE,
+    artifact_refs,
+    copy_tokenizer,
+    read_config,
+    tokenizer_files,
+)
+from .registry import Format, Opened, WriteOptions, register
 
-__all__ = ["NemoModel", "save_nemo", "restore_nemo", "pack", "unpack", "read_config", "CONFIG_FILE"]
+if TYPE_CHECKING:
+    from .registry import TensorSource
 
-CONFIG_FILE = "model_config.yaml"
-WEIGHTS_FILE = "model_weights.ckpt"
-WEIGHTS_DIR = "model_weights"
-PREFIX = "nemo:"
-_MAX_ARTIFACT_BYTES = 1 << 30
-
-
-@dataclass
-class NemoModel:
-    """What :func:`restore_nemo` returns. ``folder`` is the unpacked archive (removed by :meth:`cleanup`
-    when it was a temporary one)."""
-
-    path: Path
-    folder: Path
-    config: dict[str, Any]
-    artifacts: dict[str, Path] = field(default_factory=dict)
-    model: nn.Module | None = None
-    weights_format: str = "ckpt"
-    _temporary: bool = False
-
-    def tokenizer(self) -> Any:
-        """The archive's Hugging Face tokenizer (``transformers.AutoTokenizer``), or ``None``."""
-        files = tokenizer_files(self.config, self.path)
-        if not files:
-            return None
-        from transformers import AutoTokenizer
-
-        with tempfile.TemporaryDirectory(prefix="ckptio-tok-") as tmp:
-            copy_tokenizer(Folder(self.folder), files, Path(tmp))
-            return AutoTokenizer.from_pretrained(tmp)
-
-    def cleanup(self) -> None:
-        if self._temporary:
-            shutil.rmtree(self.folder, ignore_errors=True)
-
-
-def _safe_name(name: object, where: Path) -> str:
-    if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", "..") \
-            or name.startswith("."):
-        raise CheckpointCorruptError(f"{where}: artifact name {name!r} is not a plain file name")
-    return name
-
-
-# ---------------------------------------------------------------------------------------------- save
-def save_nemo(path: str | Path, model: nn.Module, *, config: dict[str, Any] | None = None,
-              artifacts: dict[str, str | Path] | None = None, tokenizer: Any | None = None,
-              sharded: bool | None = None) -> Path:
-    """Collective: write ``model`` (its config, weights and artifacts) as the ``.nemo`` file ``path``.
-
-    ``sharded``: weights as a DCP folder of every rank's local shards (default when the model is
-    sharded or there are several ranks), else one ``model_weights.ckpt`` written by rank 0.
-    ``artifacts`` maps a file name inside the archive to a local file. The archive is written to a
-    temporary name and renamed into place, so a crash never leaves a torn ``.nemo``.
-    """
-    from ..state import ModelState
-
-    path = Path(path)
-    rank = _dist.rank()
-    state = ModelState(model)
-    local = state.state_dict()
-    has_dtensor = any(type(v).__name__ == "DTensor" for v in local.values())
-    if sharded is None:
-        sharded = has_dtensor or _dist.world_size() > 1
-
-    def prepare() -> str | None:
-        if rank != 0:
-            return None
-        path.parent.mkdir(parents=True, exist_ok=True)
-        stage = path.parent / f".{path.name}.pack-{uuid.uuid4().hex[:8]}"
-        stage.mkdir()
-        return str(stage)
-
-    stage = Path(_dist.broadcast_object(_dist.run_collectively(f"preparing {path}", prepare)))
-    try:
-        if sharded:
-            dcp_format.save(local, stage / WEIGHTS_DIR)
-        else:
-            full = full_tensors(local)  # collective under FSDP2
-
-            def write_ckpt() -> None:
-                if rank == 0:
-                    with open(stage / WEIGHTS_FILE, "wb") as fh:
-                        torch.save(full, fh)
-                        fh.flush()
-                        os.fsync(fh.fileno())
-
-            _dist.run_collectively(f"writing {WEIGHTS_FILE}", write_ckpt)
-        del local
-
-        def finish() -> None:
-            if rank != 0:
-                return
-            doc = _config_doc(model, stage, sharded, config, artifacts, tokenizer)
-            (stage / CONFIG_FILE).write_text(yaml.safe_dump(doc, sort_keys=False))
-            pack(stage, path)
-
-        _dist.run_collectively(f"writing {path}", finish)
-    finally:
-        if rank == 0:
-            shutil.rmtree(stage, ignore_errors=True)
-    return path
-
-
-def _config_doc(model: nn.Module, stage: Path, sharded: bool, config: dict[str, Any] | None,
-                artifacts: dict[str, str | Path] | None, tokenizer: Any | None) -> dict[str, Any]:
-    doc: dict[str, Any] = {"ckptio_nemo": 1, "architecture": type(model).__name__,
-                           "weights": WEIGHTS_DIR if sharded else WEIGHTS_FILE}
-    hf = getattr(model, "config", None)
-    if hf is not None and hasattr(hf, "to_dict"):
-        doc["hf_config"] = _plain(hf.to_dict())
-        if getattr(hf, "architectures", None):
-            doc["architecture"] = hf.architectures[0]
-    if tokenizer is not None:
-        with tempfile.TemporaryDirectory(prefix="ckptio-tok-") as tmp:
-            tokenizer.save_pretrained(tmp)
-            files = {}
-            for f in sorted(Path(tmp).iterdir()):
-                if f.is_file():
-                    shutil.copyfile(f, stage / f.name)
-                    files[f.name] = PREFIX + f.name
-        doc["tokenizer"] = {"library": "huggingface", "files": files}
-    if artifacts:
-        refs = {}
-        for name, src in artifacts.items():
-            name = _safe_name(name, stage)
-            if name in (CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_DIR) or (stage / name).exists():
-                raise CheckpointError(f"artifact name {name!r} clashes with another file of the archive")
-            src = Path(src)
-            if not src.is_file():
-                raise CheckpointNotFoundError(f"artifact {name!r}: {src} is not a file")
-            shutil.copyfile(src, stage / name)
-            refs[name] = PREFIX + name
-        doc["artifacts"] = refs
-    for key, value in (config or {}).items():
-        doc[key] = _plain(value)
-    return doc
-
-
-def _plain(value: Any) -> Any:
-    """YAML-safe copy: dicts, lists, strings, numbers, booleans and None."""
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, torch.dtype):
-        return str(value).removeprefix("torch.")
-    return str(value)
+__all__ = ["pack", "unpack", "read_config", "describe", "NemoArchive", "CONFIG_FILE", "WEIGHTS_FILE", "WEIGHTS_DIR",
+           "PREFIX"]
 
 
 def pack(folder: str | Path, out: str | Path) -> Path:
@@ -214,29 +76,25 @@ def pack(folder: str | Path, out: str | Path) -> Path:
 
 
 def _tar_folder(folder: Path, out: Path) -> Path:
-    """Tar every file and folder under ``folder`` as ``./<path>`` into ``out``, atomically."""
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    """Tar every file and folder under ``folder`` as ``./<path>`` into the new file ``out``, atomically."""
+    writer = LocalFileWriter(out)
     try:
-        with open(tmp, "wb") as fh:
-            with tarfile.open(fileobj=fh, mode="w", format=tarfile.PAX_FORMAT) as tar:
-                for p in sorted(folder.rglob("*")):
-                    rel = p.relative_to(folder).as_posix()
-                    if p.is_symlink() or not (p.is_file() or p.is_dir()):
-                        raise CheckpointError(f"{p}: only regular files and folders can go into a .nemo")
-                    info = tar.gettarinfo(str(p), arcname=f"./{rel}")
-                    info.uid = info.gid = 0
-                    info.uname = info.gname = ""
-                    if p.is_file():
-                        with open(p, "rb") as src:
-                            tar.addfile(info, src)
-                    else:
-                        tar.addfile(info)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, out)
-        fsync_dir(out.parent)
+        with tarfile.open(fileobj=writer.stream, mode="w", format=tarfile.PAX_FORMAT) as tar:  # type: ignore[arg-type]
+            for p in sorted(folder.rglob("*")):
+                rel = p.relative_to(folder).as_posix()
+                if p.is_symlink() or not (p.is_file() or p.is_dir()):
+                    raise CheckpointError(f"{p}: only regular files and folders can go into a .nemo")
+                info = tar.gettarinfo(str(p), arcname=f"./{rel}")
+                info.uid = info.gid = 0
+                info.uname = info.gname = ""
+                if p.is_file():
+                    with open(p, "rb") as src:
+                        tar.addfile(info, src)
+                else:
+                    tar.addfile(info)
+        writer.commit()
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        writer.abort()
         raise
     return out
 
@@ -253,194 +111,11 @@ def unpack(archive: str | Path, dest: str | Path) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------- read
-def read_config(folder: str | Path, archive: Path | None = None) -> dict[str, Any]:
-    """The parsed ``model_config.yaml`` of an unpacked .nemo, after checking weights and artifacts exist.
-
-    The YAML is read with a bounded size and without aliases. Every artifact the config names (see
-    :func:`artifact_refs`) must be a ``nemo:`` reference to a regular file inside the archive.
-    """
-    folder = Path(folder)
-    where = archive or folder
-    tree = Folder(folder)
-    if tree.kind(CONFIG_FILE) is None:
-        raise CheckpointNotFoundError(f"{where} is not a .nemo: {CONFIG_FILE} is missing")
-    config = safe_yaml.load(tree.read_bytes(CONFIG_FILE, max_size=safe_yaml.MAX_BYTES), f"{where}: {CONFIG_FILE}")
-    if not isinstance(config, dict):
-        raise CheckpointCorruptError(f"{where}: {CONFIG_FILE} does not hold a mapping")
-    if not tree.is_file(WEIGHTS_FILE) and not tree.is_file(f"{WEIGHTS_DIR}/{dcp_format.METADATA_FILE}"):
-        raise CheckpointNotFoundError(f"{where} holds no weights: neither {WEIGHTS_FILE} nor {WEIGHTS_DIR}/")
-    for key, name in artifact_refs(config, where).items():
-        if not tree.is_file(name):
-            raise CheckpointNotFoundError(f"{where}: {CONFIG_FILE} key {key} refers to {PREFIX}{name} but the archive "
-                                          f"has no regular file {name}")
-    return config
-
-
-# Config keys whose values ckptio reads as files: they must be ``nemo:`` references into the archive.
-_TOKENIZER_FILE_KEYS = ("model", "vocab_file", "merge_file", "tokenizer_model")
-
-
-def artifact_refs(config: dict[str, Any], where: Path) -> dict[str, str]:
-    """Dotted config key -> file name inside the archive, for every artifact the config names.
-
-    Artifacts are the entries of ``artifacts:`` and ``tokenizer.files:`` (ckptio's layout) and NeMo's
-    tokenizer keys (``tokenizer.model``, ``vocab_file``, ``merge_file``). Each must be a ``nemo:``
-    reference to a plain relative name; anything else (an absolute path, ``..``, a path on the host
-    that wrote the archive) is an error naming the key and the value, so that no host file is ever read.
-    """
-    out: dict[str, str] = {}
-
-    def ref(key: str, value: Any) -> None:
-        if not isinstance(value, str) or not value.startswith(PREFIX):
-            raise CheckpointCorruptError(f"{where}: {CONFIG_FILE} key {key} = {value!r:.200} is not a {PREFIX} reference "
-                                         "to a file inside the archive; ckptio reads artifacts from the archive only")
-        name = value[len(PREFIX):]
-        try:
-            check_relative(name, f"{where}: {CONFIG_FILE} key {key}")
-        except UnsafePathError as exc:
-            raise CheckpointCorruptError(str(exc)) from None
-        out[key] = name
-
-    for section in ("artifacts",):
-        entries = config.get(section)
-        if entries is not None:
-            if not isinstance(entries, dict):
-                raise CheckpointCorruptError(f"{where}: {CONFIG_FILE} key {section} is not a mapping")
-            for k, v in entries.items():
-                ref(f"{section}.{k}", v)
-    tok = config.get("tokenizer")
-    if tok is not None and not isinstance(tok, dict):
-        raise CheckpointCorruptError(f"{where}: {CONFIG_FILE} key tokenizer is not a mapping")
-    if isinstance(tok, dict):
-        files = tok.get("files")
-        if files is not None:
-            if not isinstance(files, dict):
-                raise CheckpointCorruptError(f"{where}: {CONFIG_FILE} key tokenizer.files is not a mapping")
-            for k, v in files.items():
-                _safe_name(k, where)
-                ref(f"tokenizer.files.{k}", v)
-        for k in _TOKENIZER_FILE_KEYS:
-            if tok.get(k) is not None:
-                ref(f"tokenizer.{k}", tok[k])
-    for value in _refs(config):  # any other nemo: reference must stay inside the archive too
-        name = value[len(PREFIX):]
-        if name not in out.values():
-            ref(f"(a {PREFIX} reference elsewhere in the config)", value)
-    return out
-
-
-def tokenizer_files(config: dict[str, Any], where: Path) -> dict[str, str]:
-    """File name the tokenizer expects -> file inside the archive, for ckptio's Hugging Face tokenizer layout."""
-    refs = artifact_refs(config, where)
-    return {k[len("tokenizer.files."):]: v for k, v in refs.items() if k.startswith("tokenizer.files.")}
-
-
-def copy_tokenizer(folder: Folder, files: dict[str, str], out: Path) -> None:
-    """Copy the tokenizer files (from inside the unpacked archive only) to ``out`` under their own names."""
-    for name, rel in files.items():
-        (out / _safe_name(name, folder.path)).write_bytes(folder.read_bytes(rel, max_size=_MAX_ARTIFACT_BYTES))
-
-
-def _refs(value: Any, depth: int = 0) -> list[str]:
-    if depth > 64:
-        return []
-    if isinstance(value, str):
-        return [value] if value.startswith(PREFIX) else []
-    if isinstance(value, dict):
-        return [r for v in value.values() for r in _refs(v, depth + 1)]
-    if isinstance(value, list):
-        return [r for v in value for r in _refs(v, depth + 1)]
-    return []
-
-
-def restore_nemo(path: str | Path, model: nn.Module | None = None, *, workdir: str | Path | None = None,
-                 strict: bool = True) -> NemoModel:
-    """Collective: load a ``.nemo`` file (or an unpacked one) into ``model``, or into a new model.
-
-    Without ``model``, a ``transformers`` model is built from the archive's ``hf_config`` (no hub
-    access). ``model`` may be plain or FSDP2-sharded; the DCP layout reshards onto any number of ranks.
-    The archive is unpacked (safely) into a temporary folder under ``workdir`` that stays until
-    :meth:`NemoModel.cleanup`, so artifacts can be read from it.
-    """
-    from ..formats.safetensors_sharded import check_compatible
-    from ..state import ModelState
-
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointNotFoundError(f"{path}: no such .nemo file or folder")
-    temporary = path.is_file()
-    if temporary:
-        base = Path(tempfile.mkdtemp(prefix="ckptio-nemo-", dir=workdir))
-        folder = unpack(path, base / "unpacked")
-    else:
-        folder = path
-    try:
-        config = read_config(folder, archive=path)
-        if model is None:
-            model = model_from_config(config, path)
-        state = ModelState(model)
-        target = state.state_dict()
-        if (folder / WEIGHTS_DIR / dcp_format.METADATA_FILE).is_file():
-            fmt = "dcp"
-            check_compatible(dcp_format.read_index(folder / WEIGHTS_DIR), target, str(path), strict=strict)
-            dcp_format.load(target, folder / WEIGHTS_DIR)
-            state.load_state_dict(target)
-        else:
-            fmt = "ckpt"
-            full = pt_format.load(folder / WEIGHTS_FILE)
-            if not isinstance(full, dict) or not all(isinstance(v, torch.Tensor) for v in full.values()):
-                raise CheckpointCorruptError(f"{path}: {WEIGHTS_FILE} does not hold a state dict of tensors")
-            from ..formats.common import TensorInfo, dtype_name
-
-            check_compatible({k: TensorInfo(tuple(v.shape), dtype_name(v.dtype)) for k, v in full.items()},
-                             target, str(path), strict=strict)
-            _load_full(model, state, full)
-        artifacts = {name: folder / name for name in artifact_refs(config, path).values()}
-    except BaseException:
-        if temporary:
-            shutil.rmtree(folder.parent, ignore_errors=True)
-        raise
-    return NemoModel(path=path, folder=folder, config=config, artifacts=artifacts, model=model,
-                     weights_format=fmt, _temporary=temporary)
-
-
-def _load_full(model: nn.Module, state: Any, full: dict[str, torch.Tensor]) -> None:
-    """Copy whole tensors into a plain or FSDP2-sharded model (each rank keeps its slice)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from torch.distributed.tensor import DTensor
-
-    target = state.state_dict()
-    if any(isinstance(v, DTensor) for v in target.values()):
-        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=False))
-        tie = getattr(model, "tie_weights", None)
-        if state.tied_aliases and callable(tie):
-            tie()
-        return
-    for key, value in target.items():
-        with torch.no_grad():
-            value.copy_(full[key])
-    state.load_state_dict(target)
-
-
-def model_from_config(config: dict[str, Any], where: Path) -> nn.Module:
-    """A freshly initialised ``transformers`` model from a .nemo config's ``hf_config``."""
-    hf = config.get("hf_config")
-    if not isinstance(hf, dict) or not isinstance(hf.get("model_type"), str):
-        raise CheckpointError(
-            f"{where}: its config has no hf_config with a model_type, so ckptio cannot build the model; "
-            "pass model= (an instance of the model the archive was saved from)"
-        )
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.for_model(**hf)
-    return AutoModelForCausalLM.from_config(cfg)
-
-
 def describe(path: str | Path) -> dict[str, Any]:
     """What ``ckptio inspect x.nemo`` prints: members, config summary, weights layout and tensors."""
-    from ..describe import summarize_index
     from dataclasses import asdict
-    from .common import TensorInfo, dtype_name
+
+    from .common import TensorInfo, dtype_name, summarize_index
 
     path = Path(path)
     with tempfile.TemporaryDirectory(prefix="ckptio-inspect-") as tmp:
@@ -460,3 +135,83 @@ def describe(path: str | Path) -> dict[str, Any]:
             "artifacts": sorted(set(artifact_refs(config, path).values())), "files": files,
             "total_bytes": sum(files.values()), "tensors": asdict(summarize_index(index)),
             "config_keys": sorted(config)}
+
+
+# ---------------------------------------------------------------------------------------------- the format
+def _is_nemo_file(path: Path) -> bool:
+    from .torch_file import SUFFIXES
+
+    return path.is_file() and (path.suffix == ".nemo" or (
+        path.suffix not in SUFFIXES + (".ckpt", ".safetensors") and tarfile.is_tarfile(path)))
+
+
+class NemoArchive(Format):
+    """``.nemo`` archives (or their unpacked folders): config YAML, weights, artifacts."""
+
+    name = "nemo"
+    summary = ".nemo archive"
+    priority = 20
+    file_suffix = ".nemo"
+
+    def detect(self, path: Path) -> bool:
+        return (path.is_dir() and (path / CONFIG_FILE).is_file()) or _is_nemo_file(path)
+
+    def open(self, path: Path) -> Opened:
+        import json
+
+        from .torch_file import DictSource, only_tensors, read_tensors
+
+        base = Path(tempfile.mkdtemp(prefix="ckptio-convert-"))
+        try:
+            folder = unpack(path, base / "x") if path.is_file() else path
+            config = read_config(folder, archive=path)
+            extras = base / "extras"
+            extras.mkdir()
+            if isinstance(config.get("hf_config"), dict):
+                (extras / "config.json").write_text(json.dumps(config["hf_config"], indent=2))
+            tree = Folder(folder)
+            copy_tokenizer(tree, tokenizer_files(config, path), extras)  # files inside the archive only
+            if tree.is_file(f"{WEIGHTS_DIR}/{dcp_format.METADATA_FILE}"):
+                source: Any = dcp_format.DCPSource(tree.sub(WEIGHTS_DIR))
+            else:
+                source = DictSource(only_tensors(read_tensors(folder / WEIGHTS_FILE, unwrap=False), path), folder)
+        except BaseException:
+            shutil.rmtree(base, ignore_errors=True)
+            raise
+        return Opened(self.name, source, extras, cleanup=lambda: shutil.rmtree(base, ignore_errors=True))
+
+    def write(self, opened: Opened, source: "TensorSource", out: Path, options: WriteOptions) -> None:
+        import json
+
+        from .hf_bundle import INDEX_FILE
+        from .torch_file import all_tensors
+
+        with tempfile.TemporaryDirectory(prefix="ckptio-nemo-", dir=out.parent) as tmp:
+            folder = Path(tmp)
+            with open(folder / WEIGHTS_FILE, "wb") as fh:
+                torch.save(all_tensors(source, options.progress), fh)
+            doc: dict[str, Any] = {"ckptio_nemo": 1, "weights": WEIGHTS_FILE}
+            files = {}
+            extras = Folder(opened.extras) if opened.extras is not None and opened.extras.is_dir() else None
+            for entry in extras.listdir() if extras is not None else []:
+                name = entry.name
+                if entry.kind != "file" or name.endswith((".safetensors", ".distcp")) or name.startswith(".") \
+                        or name in (INDEX_FILE, "manifest.json", dcp_format.METADATA_FILE):
+                    continue
+                data = extras.read_bytes(name, max_size=_MAX_ARTIFACT_BYTES)  # type: ignore[union-attr]
+                if name == "config.json":
+                    doc["hf_config"] = json.loads(data)
+                    doc["architecture"] = (doc["hf_config"].get("architectures") or [None])[0]
+                elif name != "generation_config.json":
+                    (folder / name).write_bytes(data)
+                    files[name] = PREFIX + name
+            if files:
+                doc["tokenizer"] = {"library": "huggingface", "files": files}
+            (folder / CONFIG_FILE).write_text(yaml.safe_dump(doc, sort_keys=False))
+            _tar_folder(folder, out)
+
+    def describe(self, path: Path) -> dict[str, Any]:
+        return describe(path)
+
+
+register(NemoArchive())

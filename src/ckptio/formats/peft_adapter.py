@@ -16,14 +16,18 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
-from ..storage import fsync_file
 from ..storage.confined import Folder
 from . import safetensors_sharded
+from .registry import Format, Opened, register
+
+if TYPE_CHECKING:
+    from ..storage.base import FolderWriter
+    from .registry import ShardContext
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -58,7 +62,8 @@ def resolve_base_path(model: torch.nn.Module, adapter: str, base_model_path: str
 
 def save(folder: str | Path, model: torch.nn.Module, adapter_weights: dict[str, torch.Tensor],
          *, base_model_path: str | os.PathLike | None = None, tokenizer: Any | None = None) -> list[str]:
-    """Write the adapter folder (rank 0 only). Returns a warning to log, if any, as a list of strings."""
+    """Write the adapter folder into the local folder ``folder`` (rank 0 only; a writer's local path, made
+    durable when the step is committed). Returns warnings to log, if any."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
@@ -86,9 +91,6 @@ def save(folder: str | Path, model: torch.nn.Module, adapter_weights: dict[str, 
     save_file(adapter_weights, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     if tokenizer is not None:
         tokenizer.save_pretrained(str(folder))
-    for p in folder.iterdir():
-        if p.is_file():
-            fsync_file(p)
     return warnings
 
 
@@ -112,3 +114,54 @@ def read_config(folder: "str | Path | Folder") -> dict:
     if not isinstance(config, dict):
         raise CheckpointCorruptError(f"{folder.display(ADAPTER_CONFIG)}: not a JSON object")
     return config
+
+
+class PeftAdapter(Format):
+    """A PEFT adapter folder: ``adapter_config.json`` + ``adapter_model.safetensors`` (+ tokenizer files).
+
+    Inside a step directory it holds the trainable (adapter) weights of a peft model, gathered whole and
+    written by rank 0; ``ShardContext.extra`` carries ``model``, ``tokenizer``, ``base_model_path`` and a
+    ``log`` callable for warnings on save, and ``adapter`` (the active adapter's name) on load.
+    """
+
+    name = "peft"
+    summary = "PEFT adapter folder"
+    priority = 40
+
+    def detect(self, path: Path) -> bool:
+        return path.is_dir() and (path / ADAPTER_CONFIG).is_file()
+
+    def open(self, path: Path) -> "Opened":
+        return Opened(self.name, safetensors_sharded.SafetensorsSource(path, [ADAPTER_WEIGHTS]), path)
+
+    def index(self, folder: Folder) -> dict:
+        return dict(safetensors_sharded._scan(folder, [ADAPTER_WEIGHTS])[1])
+
+    def snapshot(self, state_dict: dict, model: Any) -> dict:
+        from .common import full_tensors
+
+        adapter = adapter_name(model)
+        return {to_peft_key(k, adapter): v for k, v in full_tensors(state_dict).items()}  # collective under FSDP2
+
+    def save_shards(self, state_dict: dict, writer: "FolderWriter", rel: str, ctx: "ShardContext") -> dict[str, str]:
+        from .. import _dist
+
+        extra = ctx.extra
+
+        def write() -> None:
+            if ctx.rank == 0:
+                for warning in save(writer.local_path(rel), extra["model"], state_dict,
+                                    base_model_path=extra.get("base_model_path"), tokenizer=extra.get("tokenizer")):
+                    extra.get("log", print)(warning)
+
+        _dist.run_collectively("writing the PEFT adapter", write)
+        return {}  # written by libraries: checksummed when the step is committed
+
+    def load_shards(self, target: dict, folder: Folder, *, strict: bool, ctx: "ShardContext") -> None:
+        from .. import _dist
+
+        adapter = adapter_name(ctx.extra["model"])
+        _dist.run_collectively("loading the PEFT adapter", lambda: load(target, folder, adapter))
+
+
+register(PeftAdapter())

@@ -30,7 +30,6 @@ rank files, dequantizes, and rebuilds a ``transformers`` Llama that runs on CPU.
 from __future__ import annotations
 
 import json
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -40,7 +39,7 @@ import yaml
 from safetensors.torch import save_file
 
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, ConfigError
-from ..storage import fsync_tree
+from ..storage import LocalFolderWriter
 from ..storage.confined import Folder
 from ._st_reader import SafetensorsFile
 
@@ -100,7 +99,10 @@ def export_qnemo(model: torch.nn.Module, out: str | Path, *, algo: str = "int8_w
     out = Path(out)
     if out.exists():
         raise CheckpointError(f"{out} already exists; choose a new path")
-    stage = Path(tempfile.mkdtemp(prefix=".qnemo-", dir=out.parent if out.parent.exists() else None))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # a folder export is committed whole; a tar export is packed from a scratch folder that is then removed
+    writer = LocalFolderWriter.create(out if not compress else out.parent / f".{out.name}.stage")
+    stage = writer.local_path()
     try:
         ranks: list[dict[str, torch.Tensor]] = [{} for _ in range(tp_size)]
 
@@ -172,15 +174,16 @@ def export_qnemo(model: torch.nn.Module, out: str | Path, *, algo: str = "int8_w
                            if p.name not in ("config.json",) and not p.name.startswith("rank"))
             (stage / "tokenizer_config.yaml").write_text(yaml.safe_dump(
                 {"library": "huggingface", "type": ".", "files": files}, sort_keys=False))
-        fsync_tree(stage)
         if compress:
             from .nemo import _tar_folder
 
             _tar_folder(stage, out)
+            writer.abort()
         else:
-            stage.rename(out)
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
+            writer.commit()
+    except BaseException:
+        writer.abort()
+        raise
     return out
 
 

@@ -25,11 +25,20 @@ from pathlib import Path
 
 import torch
 
-from ..errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError
+from typing import TYPE_CHECKING, Callable
+
+from ..errors import CheckpointCorruptError, CheckpointNotFoundError
+from ..plan import local_view, overlap, spans_whole_rows
 from ..storage.confined import Folder
 from . import _st_writer
 from ._st_reader import SafetensorsFile
-from .common import TensorInfo, check_exact_cover, dtype_name
+from .common import TensorInfo, check_compatible, check_exact_cover, dtype_name, natural_key, torch_dtype
+
+from .registry import Format, Opened, ShardContext, WriteOptions, register
+
+if TYPE_CHECKING:
+    from ..storage.base import FolderWriter
+    from .registry import TensorSource
 
 FORMAT_TAG = "sharded-safetensors/1"
 FILE_GLOB = "*.safetensors"
@@ -49,45 +58,30 @@ class _Chunk:
     shape: tuple[int, ...]
 
 
-def _local_view(value: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...], bool]:
-    """(local tensor, global shape, global offsets, whether this rank is the one to write it)."""
-    from torch.distributed.tensor import DTensor, Partial, Replicate
-
-    if isinstance(value, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        if any(isinstance(p, Partial) for p in value.placements):
-            value = value.redistribute(placements=[Replicate() if isinstance(p, Partial) else p for p in value.placements])
-        local = value.to_local()
-        _shape, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
-        coord = value.device_mesh.get_coordinate() or []
-        owner = all(c == 0 for c, p in zip(coord, value.placements) if isinstance(p, Replicate))
-        return local, tuple(value.shape), tuple(int(o) for o in offsets), owner
-    return value, tuple(value.shape), (0,) * value.dim(), None  # type: ignore[return-value]
-
-
-def save(state_dict: dict[str, torch.Tensor], folder: str | Path, *, rank: int, world_size: int,
-         threads: int = 1) -> dict[Path, str]:
-    """Write this rank's shards of ``state_dict`` to ``folder/shard-…safetensors``, fsynced.
+def save(state_dict: dict[str, torch.Tensor], writer: "FolderWriter | str | Path", rel: str = "", *, rank: int,
+         world_size: int, threads: int = 1) -> dict[str, str]:
+    """Write this rank's shards of ``state_dict`` as ``rel/shard-…safetensors`` through ``writer``.
 
     Plain (non-DTensor) tensors are taken as replicated and written by rank 0 only. With ``threads`` > 1
     the rank's tensors are divided by size into that many files, written concurrently. Returns every
-    file written with its checksum, computed as the bytes went out.
+    file written (relative to the writer's folder) with its checksum, computed as the bytes went out.
+    ``writer`` may be a local folder, written in place.
     """
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    if isinstance(writer, (str, Path)):
+        from ..storage import LocalFolderWriter
+
+        writer = LocalFolderWriter.in_place(writer)
     tensors: dict[str, torch.Tensor] = {}
     shards: dict[str, dict[str, list[int]]] = {}
     for key, value in state_dict.items():
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"sharded safetensors holds tensors only; {key!r} is a {type(value).__name__}")
-        local, shape, offsets, owner = _local_view(value)
-        if owner is None:
-            owner = rank == 0
-        if not owner or local.numel() == 0 and len(shape) > 0 and any(shape):
+        view = local_view(value)
+        owner = rank == 0 if view.owner is None else view.owner
+        if not owner or view.local.numel() == 0 and len(view.shape) > 0 and any(view.shape):
             continue
-        tensors[key] = local
-        shards[key] = {"shape": list(shape), "offsets": list(offsets)}
+        tensors[key] = view.local
+        shards[key] = {"shape": list(view.shape), "offsets": list(view.offsets)}
     metadata = {
         "format": "pt",
         "ckptio_format": FORMAT_TAG,
@@ -97,12 +91,27 @@ def save(state_dict: dict[str, torch.Tensor], folder: str | Path, *, rank: int, 
     }
     entries = [_st_writer.Entry(k, t.dtype, tuple(t.shape), lambda t=t: t) for k, t in tensors.items()]
     groups = _balance(entries, max(1, min(threads, len(entries))))
-    paths = [folder / shard_file_name(rank, world_size, i, len(groups)) for i in range(len(groups))]
+    names = [f"{rel}/{n}" if rel else n for n in (shard_file_name(rank, world_size, i, len(groups))
+                                                  for i in range(len(groups)))]
     if len(groups) == 1:
-        return {paths[0]: _st_writer.write(paths[0], groups[0], metadata)}
-    digests = _in_threads([lambda i=i: _st_writer.write(paths[i], groups[i], metadata) for i in range(len(groups))],
-                          "ckptio-write")
-    return dict(zip(paths, digests))
+        return {names[0]: _st_writer.write(writer.open(names[0]), groups[0], metadata)}
+    digests = _in_threads([lambda i=i: _st_writer.write(writer.open(names[i]), groups[i], metadata)
+                           for i in range(len(groups))], "ckptio-write")
+    return dict(zip(names, digests))
+
+
+def save_whole(source: "TensorSource", writer: "FolderWriter", rel: str,
+               progress: Callable[[int], None] | None = None) -> dict[str, str]:
+    """One process's layout of a whole model, tensor by tensor from ``source`` (what ``convert`` writes)."""
+    index = source.index()
+    keys = sorted(index, key=natural_key)
+    shards = {k: {"shape": list(index[k].shape), "offsets": [0] * len(index[k].shape)} for k in keys}
+    metadata = {"format": "pt", "ckptio_format": FORMAT_TAG, "ckptio_rank": "0", "ckptio_world_size": "1",
+                "ckptio_shards": json.dumps(shards, separators=(",", ":"))}
+    entries = [_st_writer.Entry(k, torch_dtype(index[k].dtype), index[k].shape, lambda k=k: source.read(k))
+               for k in keys]
+    name = f"{rel}/{shard_file_name(0, 1)}" if rel else shard_file_name(0, 1)
+    return {name: _st_writer.write(writer.open(name), entries, metadata, progress=progress)}
 
 
 def _in_threads(tasks: list, name: str) -> list:
@@ -229,31 +238,6 @@ def read_index_file(path: str | Path) -> dict[str, TensorInfo]:
     return out
 
 
-def check_compatible(
-    saved: dict[str, TensorInfo | None], target: dict[str, torch.Tensor], where: str, *, strict: bool
-) -> None:
-    """Raise :class:`CheckpointMismatchError` naming ``where`` and the key if ``saved`` cannot fill ``target``."""
-    missing = [k for k in target if k not in saved]
-    wrong = [
-        f"{k}: checkpoint has {list(saved[k].shape)}, model expects {list(v.shape)}"  # type: ignore[union-attr]
-        for k, v in target.items()
-        if k in saved and saved[k] is not None and tuple(saved[k].shape) != tuple(v.shape)  # type: ignore[union-attr]
-    ]
-    unexpected = [k for k in saved if k not in target] if strict else []
-    problems = []
-    if missing:
-        problems.append(f"{len(missing)} key(s) missing from the checkpoint, e.g. {missing[:3]}")
-    if wrong:
-        problems.append(f"{len(wrong)} shape mismatch(es): " + "; ".join(wrong[:3]))
-    if unexpected:
-        problems.append(f"{len(unexpected)} unexpected key(s) in the checkpoint, e.g. {unexpected[:3]}")
-    if problems:
-        raise CheckpointMismatchError(
-            f"{where} does not match the model: " + " | ".join(problems)
-            + " (is this a checkpoint of a different model or config?)"
-        )
-
-
 def load(target: dict[str, torch.Tensor], folder: "str | Path | Folder", *, strict: bool = True) -> None:
     """Fill every tensor of ``target`` (local shards of DTensors, or whole tensors) in place."""
     load_files(target, folder, None, strict=strict)
@@ -274,9 +258,10 @@ def load_files(target: dict[str, torch.Tensor], folder: "str | Path | Folder", f
 def _fill(target: dict[str, torch.Tensor], keys: list[str], chunks: dict[str, list[_Chunk]], folder: Folder) -> None:
     """Copy, for each key, the overlap of every stored chunk with this rank's part of the tensor.
 
-    When the overlap differs from both only along dim 0 (whole tensors, FSDP2's row shards) and dtypes
-    match, the bytes are contiguous on both sides and are read straight into the target's memory;
-    otherwise the rows spanned are read into a buffer and the box copied.
+    When the overlap spans whole rows on both sides and dtypes match, the bytes are contiguous on both
+    and are read straight into the target's memory; otherwise the rows spanned are read into a buffer
+    and the box copied. Every element of the rank's part is filled: the chunks were checked to cover the
+    tensor exactly once.
     """
     with ExitStack() as stack:
         files: dict[str, SafetensorsFile] = {}
@@ -287,31 +272,128 @@ def _fill(target: dict[str, torch.Tensor], keys: list[str], chunks: dict[str, li
             return files[rel]
 
         for key in keys:
-            local, shape, offsets, _owner = _local_view(target[key])
+            view = local_view(target[key])
+            local = view.local
             if local.numel() == 0:
                 continue
             for chunk in chunks[key]:
-                lo = [max(a, b) for a, b in zip(offsets, chunk.offsets)]
-                hi = [min(a + n, b + m) for a, n, b, m in zip(offsets, local.shape, chunk.offsets, chunk.shape)]
-                if local.dim() > 0 and any(h <= l for l, h in zip(lo, hi)):
+                box = overlap(view.offsets, tuple(local.shape), chunk.offsets, chunk.shape)
+                if box is None:
                     continue
                 st = open_file(chunk.file)
-                stored = st.entry(key)
-                src_lo = [l - c for l, c in zip(lo, chunk.offsets)]
-                src_hi = [h - c for h, c in zip(hi, chunk.offsets)]
-                dst_index = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offsets))
-                whole_rows = all(l == 0 and h == n for l, h, n in zip(src_lo[1:], src_hi[1:], chunk.shape[1:])) and \
-                    all(l - o == 0 and h - o == n for l, h, o, n in zip(lo[1:], hi[1:], offsets[1:], local.shape[1:]))
                 with torch.no_grad():
                     if local.dim() == 0:
                         local.copy_(st.read(key).to(local.dtype))
-                    elif whole_rows and stored.dtype == local.dtype and local.is_contiguous() \
-                            and local.device.type == "cpu":
-                        st.read_rows_into(key, src_lo[0], local[dst_index[0]])
+                    elif spans_whole_rows(box, chunk.shape, tuple(local.shape)) and st.entry(key).dtype == local.dtype \
+                            and local.is_contiguous() and local.device.type == "cpu":
+                        st.read_rows_into(key, box.src_lo[0], local[box.dst_lo[0]:box.dst_hi[0]])
                     else:
-                        local[dst_index].copy_(st.read_box(key, src_lo, src_hi))
-            # every element of this rank's part is filled: the chunks cover the tensor exactly (checked in _scan)
+                        local[box.dst_index()].copy_(st.read_box(key, list(box.src_lo), list(box.src_hi)))
 
 
-def data_files(folder: str | Path) -> list[Path]:
-    return sorted(Path(folder).glob(FILE_GLOB))
+# ---------------------------------------------------------------------------------------- reading whole tensors
+class SafetensorsSource:
+    """Sharded (ckptio) or plain safetensors files in one folder; whole tensors assembled from their chunks.
+
+    Reads are positional (``pread``) rather than memory maps, so the source's pages stay out of this
+    process's resident set and memory stays bounded by the tensor being assembled. ``files``: names
+    relative to ``folder`` (``None``: every ``.safetensors`` file in it).
+    """
+
+    def __init__(self, folder: "Path | Folder", files: list[str] | None = None) -> None:
+        self.root = as_folder(folder)
+        self.folder = self.root.path
+        self._chunks, self._infos = _scan(self.root, files)
+        self._open: dict[str, SafetensorsFile] = {}
+
+    def index(self) -> dict[str, TensorInfo]:
+        return dict(self._infos)
+
+    def _file(self, rel: str) -> SafetensorsFile:
+        if rel not in self._open:
+            if len(self._open) >= 64:  # bound the descriptors held open at once
+                self.close()
+            self._open[rel] = SafetensorsFile(self.root, rel)
+        return self._open[rel]
+
+    def close(self) -> None:
+        for f in self._open.values():
+            f.close()
+        self._open.clear()
+
+    def read(self, key: str) -> torch.Tensor:
+        if key not in self._infos:
+            raise CheckpointCorruptError(f"{self.folder}: no tensor {key!r} in its safetensors files")
+        info = self._infos[key]
+        chunks = self._chunks[key]
+        if len(chunks) == 1 and chunks[0].shape == info.shape:
+            return self._file(chunks[0].file).read(key)
+        out = torch.empty(info.shape, dtype=torch_dtype(info.dtype))
+        for chunk in chunks:
+            part = self._file(chunk.file).read(key)
+            out[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.shape))].copy_(part)
+            del part
+        return out
+
+
+# ---------------------------------------------------------------------------------------- the format
+class ShardedSafetensors(Format):
+    """ckptio's per-rank safetensors layout: a folder of ``shard-R-model-K-of-N.safetensors`` (or one file)."""
+
+    name = "safetensors"
+    summary = "safetensors shards (ckptio's per-rank layout, or any plain safetensors files)"
+    priority = 60
+    full_model = True
+
+    def detect(self, path: Path) -> bool:
+        if path.is_file():
+            return path.suffix == ".safetensors"
+        return path.is_dir() and (any(path.glob("shard-*.safetensors"))
+                                  or (any(path.glob(FILE_GLOB)) and not (path / "config.json").is_file()
+                                      and not (path / "model.safetensors.index.json").is_file()))
+
+    def open(self, path: Path) -> Opened:
+        if path.is_file():
+            return Opened(self.name, SafetensorsSource(path.parent, [path.name]), path.parent)
+        return Opened(self.name, SafetensorsSource(path), path)
+
+    def write(self, opened: Opened, source: "TensorSource", out: Path, options: WriteOptions) -> None:
+        from ..storage import LocalFolderWriter
+        from .hf_bundle import copy_extras
+
+        writer = LocalFolderWriter.create(out)
+        try:
+            save_whole(source, writer, "", options.progress)
+            if opened.extras is not None:
+                copy_extras(opened.extras, writer, "")
+            writer.commit()
+        except BaseException:
+            writer.abort()
+            raise
+
+    def index(self, folder: Folder) -> dict[str, TensorInfo | None]:
+        return dict(read_index(folder))
+
+    def save_shards(self, state_dict: dict, writer: "FolderWriter", rel: str, ctx: ShardContext) -> dict[str, str]:
+        from .. import _dist
+
+        return _dist.run_collectively("writing model shards", lambda: save(
+            state_dict, writer, rel, rank=ctx.rank, world_size=ctx.world_size, threads=ctx.threads))
+
+    def load_shards(self, target: dict, folder: Folder, *, strict: bool, ctx: ShardContext) -> None:
+        from .. import _dist
+
+        _dist.run_collectively("loading the model", lambda: load(target, folder, strict=strict))
+
+    def describe(self, path: Path) -> dict:
+        if not path.is_file():
+            return super().describe(path)
+        from dataclasses import asdict
+
+        from .common import summarize_index
+
+        return {"path": str(path), "kind": "safetensors_file", "label": "safetensors file",
+                "tensors": asdict(summarize_index(read_index_file(path))), "files": {path.name: path.stat().st_size}}
+
+
+register(ShardedSafetensors())

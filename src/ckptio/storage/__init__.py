@@ -1,6 +1,8 @@
-"""Where bytes go: the local filesystem with durable, atomic commits."""
+"""Where bytes go: one storage interface (:mod:`.base`), local POSIX storage (:mod:`.local`), the confined
+reader every read goes through (:mod:`.confined`), safe archives and the folder lock."""
 
-from .local import (
+from .local import LocalFileWriter, LocalFolderWriter, LocalStorage, LocalWriteStream
+from .posix import (
     atomic_write_bytes,
     commit_directory,
     fsync_dir,
@@ -12,6 +14,11 @@ from .local import (
 )
 
 __all__ = [
+    "LocalStorage",
+    "LocalFolderWriter",
+    "LocalFileWriter",
+    "LocalWriteStream",
+    "open_storage",
     "atomic_write_bytes",
     "commit_directory",
     "fsync_dir",
@@ -21,3 +28,8 @@ __all__ = [
     "remove_tree",
     "write_pointer",
 ]
+
+
+def open_storage(location: "str | object") -> LocalStorage:
+    """The storage behind a checkpoint folder given as a path (local POSIX today)."""
+    return LocalStorage(location)  # type: ignore[arg-type]

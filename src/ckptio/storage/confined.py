@@ -17,9 +17,8 @@ only what lies below it is confined. ``links=True`` relaxes the rule for folders
 directly and that legitimately hold links to regular files (a Hugging Face cache snapshot, whose
 files link into ``blobs/``); even then every target must be a regular file.
 
-With a :class:`Verifier` attached, every byte read through a handle also feeds a running CRC-32C when
-the reads go through a file in order, so a full verification costs no second pass in the common case;
-:meth:`Verifier.finish` reads only what was not read, in order, and compares with the manifest.
+With a :class:`~ckptio.storage.verify.Verifier` attached, every byte read through a handle also feeds
+a running CRC-32C (see :mod:`ckptio.storage.verify`).
 """
 
 from __future__ import annotations
@@ -28,21 +27,18 @@ import errno
 import io
 import os
 import stat
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError
-from .checksum import RunningChecksum
 
-__all__ = ["Folder", "ReadHandle", "Verifier", "check_relative", "UnsafePathError"]
+__all__ = ["Folder", "ReadHandle", "check_relative", "UnsafePathError"]
 
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
-_CHUNK = 8 * 1024 * 1024
 _PIECE = 4 * 1024 * 1024  # a verified read is hashed in pieces of this size, overlapping the next read
 
 
@@ -88,7 +84,7 @@ class Folder:
     Thread safety: handles may be opened and used from several threads; a :class:`Verifier` locks itself.
     """
 
-    def __init__(self, path: str | os.PathLike, *, links: bool = False, verifier: "Verifier | None" = None) -> None:
+    def __init__(self, path: str | os.PathLike, *, links: bool = False, verifier: Any = None) -> None:
         self.path = Path(path)
         self.links = links
         self.verifier = verifier
@@ -283,7 +279,7 @@ class ReadHandle:
         self.fd = fd
         self.path = path
         self.size = size
-        self._hash: _Hash | None = None
+        self._hash: Any = None
 
     def __enter__(self) -> "ReadHandle":
         return self
@@ -374,137 +370,3 @@ class HandleStream(io.RawIOBase):
 
     def close(self) -> None:  # the handle is closed by its owner
         super().close()
-
-
-class _Hash:
-    """CRC-32C of a file's bytes read in order from its start.
-
-    Reads usually come in file order; a small read ahead of the hashed position (a zip reader looking at
-    the end of a record before its body, as ``torch.load`` does inside DCP files) is kept aside and
-    consumed when the hashed position reaches it. Anything else out of order is left for
-    :meth:`Verifier.finish` to read again.
-    """
-
-    SMALL = 1 << 20
-    BUDGET = 64 << 20
-    GAP = 64 << 10
-    """A hole of up to this many bytes before a read (padding a reader skipped) is read and hashed in passing."""
-
-    def __init__(self, pool: "Any | None" = None) -> None:
-        self.running = RunningChecksum()
-        self.lock = threading.Lock()
-        self.pool = pool
-        self.pending: dict[int, bytes] = {}
-        self.pending_bytes = 0
-
-    def submit(self, offset: int, view: memoryview, handle: "ReadHandle") -> Any:
-        if self.pool is None:
-            from concurrent.futures import Future
-
-            done: Future = Future()
-            self.update(offset, view, handle)
-            done.set_result(None)
-            return done
-        return self.pool.submit(self.update, offset, view, handle)
-
-    def update(self, offset: int, view: memoryview, handle: "ReadHandle") -> None:
-        with self.lock:
-            end = self.running.size
-            n = view.nbytes
-            if end < offset <= end + self.GAP:
-                self._fill(end, offset - end, handle)
-                end = offset
-            if offset <= end < offset + n:
-                self.running.update(view[end - offset:])
-                self._drain(handle)
-            elif offset > end and n <= self.SMALL and self.pending_bytes + n <= self.BUDGET \
-                    and offset not in self.pending:
-                self.pending[offset] = bytes(view)
-                self.pending_bytes += n
-
-    def _fill(self, start: int, n: int, handle: "ReadHandle") -> None:
-        gap = bytearray(n)
-        handle._pread(memoryview(gap), start)
-        self.running.update(gap)
-
-    def _drain(self, handle: "ReadHandle") -> None:
-        while self.pending:
-            end = self.running.size
-            first = min(self.pending)
-            if first > end + self.GAP:
-                return
-            if first > end:
-                self._fill(end, first - end, handle)
-                end = first
-            piece = self.pending.pop(first)
-            self.pending_bytes -= len(piece)
-            if first <= end < first + len(piece):
-                self.running.update(memoryview(piece)[end - first:])
-
-
-class Verifier:
-    """Checks the files read during a load against their recorded checksums, hashing as they are read.
-
-    Attach it to the :class:`Folder` a load reads through; every handle opened on a file that has a
-    recorded checksum hashes the bytes read in order from the start of the file. :meth:`finish` then
-    reads, for each file this process is responsible for, whatever was not read in order, and returns
-    the problems found (one line each, naming the file).
-    """
-
-    def __init__(self, root: Folder, checksums: dict[str, str]) -> None:
-        self.root = root
-        self.checksums = dict(checksums)
-        self._hashes: dict[str, _Hash] = {}
-        self._lock = threading.Lock()
-        self._pool: Any = None
-
-    def _attach(self, folder: Folder, rel: str, handle: ReadHandle) -> None:
-        try:
-            full = (folder.path / rel).relative_to(self.root.path).as_posix()
-        except ValueError:
-            return
-        if full not in self.checksums:
-            return
-        with self._lock:
-            if self._pool is None:
-                from concurrent.futures import ThreadPoolExecutor
-
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptio-verify")
-            h = self._hashes.setdefault(full, _Hash(self._pool))
-        handle._hash = h
-
-    @property
-    def opened(self) -> set[str]:
-        """Files that some handle of this process read (relative to the root)."""
-        return set(self._hashes)
-
-    def finish(self, files: list[str]) -> list[str]:
-        """Complete and compare the checksums of ``files``; return the problems (empty: all good)."""
-        from .checksum import format_digest  # noqa: F401  (same digest format as the writer)
-
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-        problems = []
-        plain = Folder(self.root.path, links=self.root.links)  # no verifier: the tail reads hash below
-        for rel in files:
-            want = self.checksums.get(rel)
-            if want is None:
-                continue
-            h = self._hashes.get(rel) or _Hash()
-            try:
-                with plain.open(rel) as handle:
-                    pos = h.running.size
-                    buf = bytearray(min(_CHUNK, max(1, handle.size - pos)))
-                    while pos < handle.size:
-                        n = min(len(buf), handle.size - pos)
-                        view = memoryview(buf)[:n]
-                        handle.readinto(view, pos)
-                        h.running.update(view)
-                        pos += n
-            except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
-                problems.append(str(exc))
-                continue
-            if h.running.digest != want:
-                problems.append(f"{self.root.path / rel}: checksum {h.running.digest}, manifest says {want} (corrupted)")
-        return problems

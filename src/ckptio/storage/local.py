@@ -1,213 +1,270 @@
-"""Durable local-filesystem primitives.
+"""Local (POSIX) storage: the implementation of :mod:`ckptio.storage.base` ckptio ships today.
 
-The commit protocol ckptio relies on: files are written inside a temporary directory, every file and
-directory is fsynced, then the directory is renamed into place and its parent fsynced. ``rename`` is
-atomic on POSIX filesystems, so a reader sees either no directory or a complete one.
-
-These functions are called by one process at a time for a given path (the manager calls them on
-rank 0 only, except :func:`fsync_file`, which each rank calls on the files it wrote).
+A step directory is written under ``.tmp-<name>-<id>`` beside its final name; every file is written with
+a running checksum and fsynced as it is closed; :meth:`LocalFolderWriter.commit` writes the manifest,
+fsyncs the tree and renames the folder into place (or exchanges it atomically with an existing one). A
+reader therefore sees no directory or a complete one.
 """
 
 from __future__ import annotations
 
-import errno
 import os
-import shutil
 import uuid
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING
 
-from ..errors import CheckpointError
+from .posix import commit_directory, fsync_dir, fsync_tree, read_pointer, remove_tree, write_pointer
 
-POINTER_TEXT_SUFFIX = ".txt"
+if TYPE_CHECKING:
+    from .confined import Folder
+    from .lock import DirectoryLock
 
+__all__ = ["LocalStorage", "LocalFolderWriter", "LocalFileWriter", "LocalWriteStream", "TMP_PREFIX", "TRASH_PREFIX"]
 
-def fsync_file(path: str | os.PathLike) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+class LocalWriteStream:
+    """A new local file written front to back with a running CRC-32C; :meth:`close` fsyncs it.
 
+    Short writes are retried until done, so a full disk or a file-size limit surfaces as its own
+    ``OSError`` (ENOSPC, EFBIG), which is also kept in :attr:`error` for callers that swallow it.
+    """
 
-def fsync_dir(path: str | os.PathLike) -> None:
-    """Make the entries of a directory (creations, renames, deletions) durable."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return  # some platforms cannot open directories; nothing more can be done there
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # filesystems without directory fsync (some network mounts) make entries durable on their own
-    finally:
-        os.close(fd)
+    def __init__(self, path: Path, *, durable: bool = True) -> None:
+        from .checksum import ChecksummingStream
 
+        self.path = path
+        self._raw = open(path, "xb")  # noqa: SIM115 - closed by close()
+        self._out = ChecksummingStream(self._raw)
+        self._durable = durable
+        self._digest: str | None = None
 
-def fsync_tree(root: str | os.PathLike) -> None:
-    """fsync every file and directory below ``root``, deepest first, then ``root`` itself."""
-    for dirpath, _dirnames, filenames in os.walk(root, topdown=False):
-        for name in filenames:
-            path = os.path.join(dirpath, name)
-            if not os.path.islink(path):
-                fsync_file(path)
-        fsync_dir(dirpath)
+    @property
+    def error(self) -> OSError | None:
+        return self._out.error
 
+    @property
+    def digest(self) -> str:
+        return self._out.checksum.digest
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old content or the new, never a mix."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    @property
+    def size(self) -> int:
+        return self._out.checksum.size
 
+    def write(self, data: object) -> int:
+        return self._out.write(data)
 
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two directory entries atomically (Linux ``renameat2(RENAME_EXCHANGE)``); ``False`` where unavailable."""
-    import ctypes
+    def fileno(self) -> int:
+        return self._raw.fileno()
 
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    at_fdcwd, rename_exchange = -100, 2
-    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+    def tell(self) -> int:
+        return self._out.tell()
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self._out.seek(offset, whence)  # only to where it already is: the stream is write-once
+
+    def seekable(self) -> bool:
         return True
-    err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
-        return False  # the filesystem cannot exchange: fall back
-    raise OSError(err, f"cannot exchange {a} and {b}: {os.strerror(err)}")
 
+    def writable(self) -> bool:
+        return True
 
-def commit_directory(tmp_dir: Path, final_dir: Path) -> None:
-    """Move a finished, fsynced ``tmp_dir`` to ``final_dir`` atomically.
+    def flush(self) -> None:
+        self._raw.flush()
 
-    If ``final_dir`` already exists (the same step saved again, or a checkpoint rewritten), the two are
-    exchanged in one atomic step where the filesystem can (``renameat2``), and the old one is removed;
-    elsewhere the old one is first renamed to the visible name ``<name>.replaced-<id>``, so that a crash
-    between the two renames still leaves a committed copy that discovery finds (never only a hidden one
-    that the next sweep would delete).
-    """
-    parent = final_dir.parent
-    if not final_dir.exists():
-        os.rename(tmp_dir, final_dir)
-        fsync_dir(parent)
-        return
-    from .. import _faults
-
-    if _exchange(tmp_dir, final_dir):
-        fsync_dir(parent)
-        _faults.point("commit.after_exchange")
-        remove_tree(tmp_dir)  # now holds the old directory
-        return
-    old = parent / f"{final_dir.name}.replaced-{uuid.uuid4().hex[:8]}"
-    os.rename(final_dir, old)
-    fsync_dir(parent)
-    _faults.point("commit.after_moving_old")
-    os.rename(tmp_dir, final_dir)
-    fsync_dir(parent)
-    remove_tree(old)
-
-
-def copy_on_write(src: Path, dest: Path, *, skip: Callable[[str], bool]) -> None:
-    """A new folder ``dest`` holding ``src``'s files as hard links (copies where links are not possible).
-
-    ``skip(rel)`` leaves a file (or a whole folder) out. The files are shared, never written: anything that
-    changes in ``dest`` must be written as a new file after removing its link.
-    """
-    dest.mkdir()
-    for dirpath, dirnames, filenames in os.walk(src):
-        rel_dir = os.path.relpath(dirpath, src)
-        rel_dir = "" if rel_dir == "." else rel_dir
-        dirnames[:] = [d for d in dirnames if not skip(os.path.join(rel_dir, d)) and
-                       not os.path.islink(os.path.join(dirpath, d))]
-        for d in dirnames:
-            (dest / rel_dir / d).mkdir()
-        for name in filenames:
-            rel = os.path.join(rel_dir, name)
-            source = os.path.join(dirpath, name)
-            if skip(rel) or os.path.islink(source):
-                continue
+    def close(self) -> str:
+        if self._digest is None:
             try:
-                os.link(source, dest / rel)
-            except OSError:
-                shutil.copyfile(source, dest / rel)
+                self._raw.flush()
+                if self._durable:
+                    os.fsync(self._raw.fileno())
+            finally:
+                self._raw.close()
+            self._digest = self.digest
+        return self._digest
+
+    def discard(self) -> None:
+        """Close without making durable (the file is about to be removed with its folder)."""
+        if self._digest is None:
+            self._raw.close()
+            self._digest = self.digest
+
+    def __enter__(self) -> "LocalWriteStream":
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.discard()
 
 
-def remove_tree(path: Path) -> None:
-    """Delete a directory so that no crash leaves a half-deleted directory under its real name."""
-    if not path.exists():
-        return
-    if not path.name.startswith(".trash-"):
-        trash = path.parent / f".trash-{path.name}-{uuid.uuid4().hex[:8]}"
-        os.rename(path, trash)
-        fsync_dir(path.parent)
-        path = trash
+class LocalFolderWriter:
+    """A new folder written under a hidden temporary name beside ``final`` and renamed into place at commit.
+
+    See :class:`ckptio.storage.base.FolderWriter` for the contract. ``commit`` fsyncs every file and
+    folder, then renames (or atomically exchanges with an existing folder of that name, see
+    :func:`commit_directory`); a crash before it leaves only the hidden temporary folder, which the
+    next sweep removes.
+    """
+
+    def __init__(self, final: Path, tmp: Path) -> None:
+        self.final = Path(final)
+        self.tmp = Path(tmp)
+        self.name = self.final.name
+        self.token = self.tmp.name
+
+    @classmethod
+    def in_place(cls, folder: str | Path) -> "LocalFolderWriter":
+        """A writer into the existing (or new) folder itself, with nothing to rename at commit: for scratch
+        folders and callers that manage the folder's visibility themselves."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        return cls(folder, folder)
+
+    @classmethod
+    def create(cls, final: str | Path) -> "LocalFolderWriter":
+        """A writer for the new folder ``final`` (its parent must exist)."""
+        final = Path(final)
+        tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        return cls(final, tmp)
+
+    def _path(self, rel: str) -> Path:
+        from .confined import check_relative
+
+        check_relative(rel, self.tmp)
+        return self.tmp / rel
+
+    def open(self, rel: str) -> LocalWriteStream:
+        path = self._path(rel)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return LocalWriteStream(path)
+
+    def write_bytes(self, rel: str, data: bytes) -> str:
+        with self.open(rel) as out:
+            out.write(data)
+        return out.digest
+
+    def local_path(self, rel: str = "") -> Path:
+        path = self._path(rel) if rel else self.tmp
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def rename(self, rel: str, new_rel: str) -> None:
+        os.rename(self._path(rel), self._path(new_rel))
+
+    def exists(self, rel: str) -> bool:
+        return self._path(rel).exists()
+
+    def files(self) -> dict[str, int]:
+        return {p.relative_to(self.tmp).as_posix(): p.stat().st_size
+                for p in sorted(self.tmp.rglob("*")) if p.is_file() and not p.is_symlink()}
+
+    def commit(self, manifest: tuple[str, bytes] | None = None) -> Path:
         from .. import _faults
 
-        _faults.point("delete.after_hide")
-    shutil.rmtree(path)
+        _faults.point("commit.before_manifest")
+        if manifest is not None:
+            self.write_bytes(*manifest)
+        fsync_tree(self.tmp)
+        if self.tmp != self.final:
+            _faults.point("commit.before_rename")
+            commit_directory(self.tmp, self.final)
+        return self.final
+
+    def abort(self) -> None:
+        if self.tmp.exists() and self.tmp != self.final:
+            remove_tree(self.tmp)
 
 
-def write_pointer(checkpoint_dir: Path, name: str, target: str) -> None:
-    """Point ``checkpoint_dir/name`` at the step directory ``target`` (a relative symlink).
+class LocalFileWriter:
+    """A new single file written under a hidden temporary name beside ``final``, renamed into place at commit."""
 
-    The link is created under a temporary name and renamed over the old one, so readers never see a
-    missing pointer. Where symlinks are not available, ``name.txt`` holds the target instead.
-    """
-    link = checkpoint_dir / name
-    tmp = checkpoint_dir / f".{name}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        os.symlink(target, tmp, target_is_directory=True)
-    except (OSError, NotImplementedError):
-        atomic_write_bytes(checkpoint_dir / (name + POINTER_TEXT_SUFFIX), (target + "\n").encode())
-        return
-    try:
-        os.replace(tmp, link)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise CheckpointError(f"cannot update pointer {link}: {exc}") from exc
-    fsync_dir(checkpoint_dir)
+    def __init__(self, final: str | Path) -> None:
+        self.final = Path(final)
+        self.tmp = self.final.parent / f".{self.final.name}.tmp-{uuid.uuid4().hex[:8]}"
+        self.stream = LocalWriteStream(self.tmp)
+
+    def commit(self) -> Path:
+        self.stream.close()
+        os.replace(self.tmp, self.final)
+        fsync_dir(self.final.parent)
+        return self.final
+
+    def abort(self) -> None:
+        self.stream.discard()
+        self.tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> "LocalFileWriter":
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
 
 
-MAX_POINTER_BYTES = 4096
+TMP_PREFIX = ".tmp-"
+TRASH_PREFIX = ".trash-"
 
 
-def read_pointer(checkpoint_dir: Path, name: str) -> str | None:
-    """The step directory name a pointer refers to, or ``None`` if there is no pointer.
+class LocalStorage:
+    """A checkpoint folder on a local (POSIX) filesystem. See :class:`ckptio.storage.base.Storage`."""
 
-    Raises :class:`~ckptio.CheckpointCorruptError` naming the pointer when it exists but does not name a
-    direct child of ``checkpoint_dir`` (a path, ``..``, an absolute target, a hidden name), or when its
-    text file is larger than a pointer can be. The target itself is not checked here: callers resolve
-    it with :func:`ckptio.layout.pointer_target`, which also refuses a target that is a link.
-    """
-    from ..errors import CheckpointCorruptError
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
 
-    link = Path(checkpoint_dir) / name
-    if link.is_symlink():
-        target = os.readlink(link)
-        where = link
-    else:
-        text_file = Path(checkpoint_dir) / (name + POINTER_TEXT_SUFFIX)
-        if not text_file.exists() and not text_file.is_symlink():
-            return None
+    def __repr__(self) -> str:
+        return f"LocalStorage({str(self.root)!r})"
+
+    def folder(self, rel: str = "", *, verifier: object = None) -> "Folder":
         from .confined import Folder
 
-        where = text_file
-        target = Folder(checkpoint_dir).read_text(text_file.name, max_size=MAX_POINTER_BYTES).strip()
-    if not target or "/" in target or "\\" in target or target.startswith(".") or len(target) > 255 \
-            or any(ord(c) < 32 for c in target):
-        raise CheckpointCorruptError(
-            f"{where}: the pointer names {target!r:.200}, not a checkpoint directory directly inside {checkpoint_dir}"
-        )
-    return target
+        top = Folder(self.root, verifier=verifier)  # type: ignore[arg-type]
+        return top.sub(rel) if rel else top
+
+    def begin_step(self, name: str) -> LocalFolderWriter:
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f"{TMP_PREFIX}{name}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        return LocalFolderWriter(self.root / name, tmp)
+
+    def attach_step(self, token: str, name: str) -> LocalFolderWriter:
+        return LocalFolderWriter(self.root / name, self.root / token)
+
+    def remove_step(self, name: str) -> None:
+        remove_tree(self.root / name)
+
+    def sweep(self, older_than_s: float = 0.0) -> list[Path]:
+        """Remove leftovers of interrupted saves and deletions (``.tmp-*``, ``.trash-*``)."""
+        import time
+
+        removed: list[Path] = []
+        if not self.root.is_dir():
+            return removed
+        now = time.time()
+        for p in self.root.iterdir():
+            if not (p.name.startswith(TMP_PREFIX) or p.name.startswith(TRASH_PREFIX)) or p.is_symlink():
+                continue
+            try:
+                if now - p.stat().st_mtime < older_than_s:
+                    continue
+                if p.is_dir():
+                    remove_tree(p)
+                else:
+                    p.unlink()
+                removed.append(p)
+            except FileNotFoundError:
+                continue
+        return removed
+
+    def write_pointer(self, name: str, target: str) -> None:
+        write_pointer(self.root, name, target)
+
+    def read_pointer(self, name: str) -> str | None:
+        return read_pointer(self.root, name)
+
+    def lock(self) -> "DirectoryLock":
+        from .lock import DirectoryLock
+
+        return DirectoryLock(self.root)

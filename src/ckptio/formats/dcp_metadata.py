@@ -1,0 +1,160 @@
+"""DCP's ``.metadata``, read safely: an allow-list unpickler, then every field checked before use.
+
+``.metadata`` is a pickle. It is read (size-bounded, through the confined folder) with an unpickler that
+admits only DCP's own metadata classes, so a hostile file cannot run code. What the classes hold can
+still be anything, so the structure is then validated: types of every field, chunks that lie inside
+their tensor and cover it exactly once, storage entries for every chunk, and data files that are plain
+relative paths to regular files inside the folder holding the bytes the entries need.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+
+from ..errors import CheckpointCorruptError, CheckpointNotFoundError
+from ..storage.confined import Folder, check_relative
+from .common import check_exact_cover
+
+__all__ = ["METADATA_FILE", "read_metadata"]
+
+METADATA_FILE = ".metadata"
+
+_ALLOWED_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in DCP metadata")
+
+
+MAX_METADATA_BYTES = 1 << 30
+
+
+def read_metadata(folder: "str | Path | Folder", filename: str = METADATA_FILE) -> Metadata:
+    """DCP's ``.metadata`` of ``folder``, unpickled with an allow-list of DCP's own classes, then checked.
+
+    Checked before it is used: its structure (every field of the right type), the chunks of every
+    tensor (inside its shape, covering it exactly once), and every data file it names (a plain
+    relative path to a regular file inside ``folder``, holding the bytes the entries need).
+    """
+    root = folder if isinstance(folder, Folder) else Folder(folder)
+    path = root.display(filename)
+    if root.kind(filename) is None:
+        raise CheckpointNotFoundError(f"{root.path} is not a DCP checkpoint: {filename} is missing")
+    data = root.read_bytes(filename, max_size=MAX_METADATA_BYTES)
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    except Exception as exc:  # any failure to decode is a corrupt or hostile file
+        raise CheckpointCorruptError(f"{path}: unreadable DCP metadata ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(metadata, Metadata):
+        raise CheckpointCorruptError(f"{path}: DCP metadata holds a {type(metadata).__name__}, not Metadata")
+    _validate(metadata, path)
+    _check_files(metadata, root, path)
+    return metadata
+
+
+def _check_files(md: Metadata, root: Folder, path: Path) -> None:
+    """Every file the metadata names is a regular file inside ``root`` that holds the bytes it needs."""
+    needed: dict[str, int] = {}
+    for info in (md.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for rel, end in sorted(needed.items()):
+        size = root.size(rel)  # refuses links, FIFOs, devices and paths leaving the folder, naming them
+        if size < end:
+            raise CheckpointCorruptError(f"{root.display(rel)}: {size} bytes, but {path} places data up to byte {end} "
+                                         "(truncated or from another save)")
+
+
+def _ints(value: object) -> bool:
+    return isinstance(value, (tuple, list, torch.Size)) and all(type(d) is int and d >= 0 for d in value)
+
+
+def _validate(md: Metadata, path: Path) -> None:
+    """The unpickler admits only DCP's classes, but their fields can still be anything: check the shape."""
+    def bad(what: str) -> CheckpointCorruptError:
+        return CheckpointCorruptError(f"{path}: malformed DCP metadata ({what})")
+
+    entries = getattr(md, "state_dict_metadata", None)
+    if not isinstance(entries, dict):
+        raise bad("no state_dict_metadata mapping")
+    for key, entry in entries.items():
+        if not isinstance(key, str):
+            raise bad(f"key {key!r} is not a string")
+        if isinstance(entry, BytesStorageMetadata):
+            continue
+        if not isinstance(entry, TensorStorageMetadata):
+            raise bad(f"{key!r} has a {type(entry).__name__} entry")
+        size, props, chunks = (getattr(entry, a, None) for a in ("size", "properties", "chunks"))
+        if not _ints(size):
+            raise bad(f"{key!r} has an invalid size {size!r}")
+        if not isinstance(getattr(props, "dtype", None), torch.dtype):
+            raise bad(f"{key!r} has no valid dtype")
+        if not isinstance(chunks, list) or not all(
+            isinstance(c, ChunkStorageMetadata) and _ints(getattr(c, "offsets", None)) and _ints(getattr(c, "sizes", None))
+            for c in chunks
+        ):
+            raise bad(f"{key!r} has malformed chunks")
+        check_exact_cover(key, tuple(size), [(tuple(c.offsets), tuple(c.sizes), f"chunk {i}")
+                                              for i, c in enumerate(chunks)], path)
+    storage = getattr(md, "storage_data", None)
+    if storage is None:
+        storage = md.storage_data = {}
+    if not isinstance(storage, dict):
+        raise bad("storage_data is not a mapping")
+    for index, info in storage.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(getattr(index, "fqn", None), str):
+            raise bad(f"storage key {index!r:.80} is not a MetadataIndex")
+        if not isinstance(info, _StorageInfo):
+            raise bad(f"storage entry of {index.fqn!r} is a {type(info).__name__}")
+        rel, offset, length = (getattr(info, a, None) for a in ("relative_path", "offset", "length"))
+        check_relative(rel, path)
+        if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
+            raise bad(f"storage entry of {index.fqn!r} has offset {offset!r:.40} and length {length!r:.40}")
+        descriptors = getattr(info, "transform_descriptors", None)
+        if descriptors is not None and (not isinstance(descriptors, (list, tuple))
+                                        or not all(isinstance(d, str) for d in descriptors)):
+            raise bad(f"storage entry of {index.fqn!r} has malformed transform descriptors")
+    for key, entry in entries.items():  # every value DCP could be asked for has its bytes somewhere
+        wanted = [MetadataIndex(key)] if isinstance(entry, BytesStorageMetadata) else \
+            [MetadataIndex(key, c.offsets) for c in entry.chunks]
+        for index in wanted:
+            if index not in storage:
+                raise bad(f"{key!r} has no storage entry for {'its value' if index.offset is None else f'chunk at {list(index.offset)}'}")

@@ -1,0 +1,224 @@
+"""The format registry: every checkpoint format ckptio knows is one :class:`Format`, registered once.
+
+A format says what it can do by the methods it overrides:
+
+=================  ==========================================================================
+``detect(path)``   whether ``path`` is in this format, from its layout alone (names, not contents)
+``open(path)``     an :class:`Opened` source: the tensors' index (shape, dtype), whole-tensor reads,
+                   the side files (config, tokenizer) and the training position where it has one
+``write(...)``     write an opened source as a new file or folder in this format (``convert``)
+``index(folder)``  the tensors of a model folder inside a step directory, from headers only
+``save_shards``    write one rank's shards of a state dict into a step directory (the manager)
+``load_shards``    fill one rank's local tensors (plain or DTensor shards) from a step directory
+``describe(path)`` what ``ckptio inspect`` reports
+=================  ==========================================================================
+
+The manager, ``convert``, ``inspect``, ``consolidate``, ``verify`` and the CLI ask the registry
+(:func:`get`, :func:`detect`, :func:`names`) and never branch on a format's name. Adding a format is one
+new module that defines a :class:`Format` subclass and calls :func:`register`, plus its tests; it is
+loaded with the built-in ones by :func:`_load_builtins`.
+
+Call sequence: ``save_shards`` and ``load_shards`` are called by every rank with its own state dict
+(a format may run collectives inside; the others read and write only what the rank owns); the other
+methods are local to one process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError
+from .common import TensorInfo
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..storage.base import FolderWriter
+    from ..storage.confined import Folder
+
+__all__ = ["Format", "Opened", "TensorSource", "WriteOptions", "register", "get", "detect", "names"]
+
+
+class TensorSource(Protocol):
+    """Whole tensors, one at a time, from a saved model."""
+
+    folder: Path
+
+    def index(self) -> dict[str, TensorInfo]: ...
+
+    def read(self, key: str) -> "torch.Tensor": ...
+
+    def close(self) -> None: ...
+
+
+class Opened:
+    """An opened source: its tensors, the folder with its side files (config, tokenizer), its position."""
+
+    def __init__(self, kind: str, source: Any, extras: Path | None, step: int = 0, epoch: int = 0,
+                 cleanup: Callable[[], None] | None = None) -> None:
+        self.kind, self.source, self.extras, self.step, self.epoch = kind, source, extras, step, epoch
+        self._cleanup = cleanup
+        self.step_dir: Path | None = None
+        """A ckptio step directory: its optimizer and scheduler travel to formats that hold them."""
+
+    def close(self) -> None:
+        close = getattr(self.source, "close", None)
+        if callable(close):
+            close()
+        if self._cleanup is not None:
+            self._cleanup()
+
+
+@dataclass
+class WriteOptions:
+    """How :meth:`Format.write` writes: a dtype cast is already applied by the source it is given."""
+
+    max_shard_size: str = "5GB"
+    dtype: Any = None
+    progress: Callable[[int], None] | None = None
+
+
+@dataclass
+class ShardContext:
+    """Where a rank stands when it writes its shards."""
+
+    rank: int = 0
+    world_size: int = 1
+    threads: int = 1
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Format-specific inputs (the PEFT model and its base path, for instance)."""
+
+
+class Format:
+    """One checkpoint format. Subclasses set :attr:`name` and override what the format can do."""
+
+    name: str = ""
+    summary: str = ""
+    """One line for ``--help`` and ``inspect``."""
+    priority: int = 100
+    """Detection order: lower is tried first (a step directory before the folders it contains)."""
+    file_suffix: str = ""
+    """The suffix of a single-file output (``.pt``, ``.nemo``); empty for folders."""
+    full_model: bool = False
+    """Inside a step directory: holds the whole model (then its config, tokenizer and consolidated bundle
+    are written beside it), rather than a part of it such as an adapter."""
+
+    # capabilities -----------------------------------------------------------------------------------
+    def detect(self, path: Path) -> bool:
+        return False
+
+    def open(self, path: Path) -> Opened:
+        raise ConfigError(f"ckptio cannot read the {self.name} format")
+
+    def write(self, opened: Opened, source: TensorSource, out: Path, options: WriteOptions) -> None:
+        raise ConfigError(f"ckptio cannot write the {self.name} format")
+
+    def index(self, folder: "Folder") -> dict[str, TensorInfo | None]:
+        raise ConfigError(f"the {self.name} format has no tensor index")
+
+    def snapshot(self, state_dict: dict[str, Any], model: Any) -> dict[str, Any]:
+        """Training thread, collective: the state dict as this format will write it (by default as is;
+        a format that writes whole tensors gathers them here, before the state is staged)."""
+        return state_dict
+
+    def save_shards(self, state_dict: dict[str, Any], writer: "FolderWriter", rel: str,
+                    ctx: ShardContext) -> dict[str, str]:
+        raise ConfigError(f"the {self.name} format cannot hold a model inside a step directory")
+
+    def load_shards(self, target: dict[str, Any], folder: "Folder", *, strict: bool, ctx: ShardContext) -> None:
+        raise ConfigError(f"the {self.name} format cannot be loaded into live tensors")
+
+    def describe(self, path: Path) -> dict[str, Any]:
+        """A JSON-ready description; by default the index of what :meth:`open` finds."""
+        from dataclasses import asdict
+
+        from .common import summarize_index
+
+        opened = self.open(path)
+        try:
+            index = opened.source.index()
+        finally:
+            opened.close()
+        files = _files(path)
+        return {"path": str(path), "kind": self.name, "label": self.summary,
+                "tensors": asdict(summarize_index(index)), "files": files, "total_bytes": sum(files.values())}
+
+    @property
+    def has_index(self) -> bool:
+        return type(self).index is not Format.index
+
+    @property
+    def readable(self) -> bool:
+        return type(self).open is not Format.open
+
+    @property
+    def writable(self) -> bool:
+        return type(self).write is not Format.write
+
+
+def _files(path: Path) -> dict[str, int]:
+    from ..storage.confined import Folder
+
+    if path.is_file():
+        return {path.name: path.stat().st_size}
+    return {e.name: e.size for e in Folder(path).listdir() if e.kind == "file"}
+
+
+_REGISTRY: dict[str, Format] = {}
+_loaded = False
+
+
+def register(fmt: Format) -> Format:
+    """Add ``fmt`` to the registry (once per name)."""
+    if not fmt.name:
+        raise ConfigError(f"{type(fmt).__name__} has no name")
+    if fmt.name in _REGISTRY and type(_REGISTRY[fmt.name]) is not type(fmt):
+        raise ConfigError(f"a format named {fmt.name!r} is already registered ({type(_REGISTRY[fmt.name]).__name__})")
+    _REGISTRY[fmt.name] = fmt
+    return fmt
+
+
+def _load_builtins() -> None:
+    """Import the format modules that ship with ckptio (each registers itself)."""
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    from . import dcp, hf_bundle, lightning, nemo, peft_adapter, safetensors_sharded, step_dir, torch_file  # noqa: F401
+
+
+def get(name: str) -> Format:
+    _load_builtins()
+    fmt = _REGISTRY.get(name)
+    if fmt is None:
+        raise ConfigError(f"unknown format {name!r}; ckptio knows {names()}")
+    return fmt
+
+
+def names(*, readable: bool = False, writable: bool = False) -> list[str]:
+    """Registered format names in detection order (only those that can be read / written, when asked)."""
+    _load_builtins()
+    return [f.name for f in sorted(_REGISTRY.values(), key=lambda f: (f.priority, f.name))
+            if (not readable or f.readable) and (not writable or f.writable)]
+
+
+def detect(path: str | Path) -> Format:
+    """The format of ``path``, from its layout alone; an error naming the path when none fits."""
+    _load_builtins()
+    path = Path(path)
+    if not path.exists() and not path.is_symlink():
+        raise CheckpointNotFoundError(f"{path}: no such file or folder")
+    for fmt in sorted(_REGISTRY.values(), key=lambda f: (f.priority, f.name)):
+        if fmt.detect(path):
+            return fmt
+    if path.is_dir():
+        from ..manifest import MANIFEST_NAME
+
+        if any(p.is_dir() and (p / MANIFEST_NAME).is_file() for p in path.iterdir()):
+            raise CheckpointError(f"{path} is a checkpoint folder holding several checkpoints; "
+                                  f"use 'ckptio list {path}'")
+        raise CheckpointError(f"{path}: not a checkpoint folder ckptio knows (no manifest, DCP metadata, "
+                              ".safetensors files, adapter or model_config.yaml)")
+    raise CheckpointError(f"{path}: unknown file type (ckptio reads {', '.join(names(readable=True))})")

@@ -1,0 +1,98 @@
+"""A ckptio step directory as a format: read its model (whatever format the model is in), write a new one.
+
+Opening a step directory opens its model folder with the format its manifest names (through the
+registry), and keeps the step directory at hand so that formats which hold a whole training state (a
+Lightning ``.ckpt``) can carry its optimizer and scheduler over. Writing produces a one-rank step
+directory: the model as ckptio's sharded safetensors, its config and tokenizer, and a manifest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..errors import CheckpointError, ConfigError
+from ..manifest import MANIFEST_NAME, Manifest, StateEntry, read_manifest, software_versions
+from ..storage.confined import Folder
+from .common import summarize_index
+from .registry import Format, Opened, WriteOptions, get, register
+
+if TYPE_CHECKING:
+    from .registry import TensorSource
+
+MODEL_DIR = "model"
+
+
+class StepDirectory(Format):
+    name = "step_dir"
+    summary = "ckptio step directory"
+    priority = 10
+
+    def detect(self, path: Path) -> bool:
+        return path.is_dir() and (path / MANIFEST_NAME).is_file()
+
+    def open(self, path: Path) -> Opened:
+        manifest = read_manifest(path)
+        entry = manifest.states.get("model")
+        fmt = None if entry is None else get(entry.format)
+        if entry is None or not fmt.readable or entry.format == "peft":  # type: ignore[union-attr]
+            raise CheckpointError(f"{path}: holds no full model (states: {sorted(manifest.states)}); "
+                                  "PEFT adapters are already a PEFT folder")
+        folder = Folder(path).sub(entry.path)  # a real folder inside the step directory, not a link
+        inner = fmt.open(folder.path)  # type: ignore[union-attr]
+        opened = Opened(self.name, inner.source, folder.path, manifest.step, manifest.epoch)
+        opened.step_dir = path
+        return opened
+
+    def write(self, opened: Opened, source: "TensorSource", out: Path, options: WriteOptions) -> None:
+        from ..storage import LocalFolderWriter
+        from .common import read_json
+        from .hf_bundle import copy_extras
+        from .safetensors_sharded import save_whole
+
+        writer = LocalFolderWriter.create(out)
+        try:
+            sums = save_whole(source, writer, MODEL_DIR, options.progress)
+            if opened.extras is not None:
+                sums.update(copy_extras(opened.extras, writer, MODEL_DIR))
+            architecture = None
+            if writer.exists(f"{MODEL_DIR}/config.json"):
+                archs = read_json(writer.local_path(MODEL_DIR) / "config.json").get("architectures") or []
+                architecture = ",".join(archs) or None
+            manifest = Manifest(name=out.name, step=opened.step, epoch=opened.epoch, world_size=1,
+                                model_save_format="safetensors",
+                                states={"model": StateEntry("model", "safetensors", MODEL_DIR)},
+                                files=writer.files(), checksums=sums,
+                                model_signature={"architecture": architecture,
+                                                 "shapes": {k: list(v.shape) for k, v in source.index().items()}},
+                                versions=software_versions())
+            writer.commit((MANIFEST_NAME, manifest.to_json().encode()))
+        except BaseException:
+            writer.abort()
+            raise
+
+    def describe(self, path: Path) -> dict[str, Any]:
+        m = read_manifest(path)
+        out: dict[str, Any] = {
+            "path": str(path), "kind": self.name, "label": self.summary, "name": m.name, "step": m.step,
+            "epoch": m.epoch, "metrics": m.metrics, "counters": m.counters, "world_size": m.world_size,
+            "model_save_format": m.model_save_format, "is_peft": m.is_peft, "created": m.created,
+            "versions": m.versions, "total_bytes": m.total_bytes, "files": dict(sorted(m.files.items())),
+        }
+        states = {}
+        for name, entry in m.states.items():
+            info: dict[str, Any] = {"kind": entry.kind, "format": entry.format, "path": entry.path,
+                                    "per_rank": entry.per_rank}
+            try:
+                fmt = get(entry.format) if entry.kind != "object" else None
+            except ConfigError:
+                fmt = None  # a format this version does not know: described by name only
+            if fmt is not None and fmt.has_index:
+                info["tensors"] = asdict(summarize_index(fmt.index(Folder(path).sub(entry.path))))
+            states[name] = info
+        out["states"] = states
+        return out
+
+
+register(StepDirectory())

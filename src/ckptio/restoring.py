@@ -1,0 +1,244 @@
+"""The restore path, top to bottom: what a :meth:`CheckpointManager.restore` does, in order.
+
+1. **Choose** (rank 0, broadcast): the candidates from ``restore_from`` — for an auto-resume every usable
+   checkpoint newest first, damaged ones skipped with a warning (:func:`ckptio.layout.restore_candidates`).
+2. **Read** the manifest, attach a :class:`~ckptio.storage.verify.Verifier` when every byte is to be
+   checked, and read the small states first (a damaged one fails fast, before the large reads).
+3. **Load** the model through its format in the registry (each rank reads only the bytes of its own
+   shards) after checking the manifest's model signature, then the optimizer (DCP, resharded).
+4. **Verify** the checksums of every file read (each file by the lowest rank that read it), then apply the
+   small states.
+
+Damage found while loading (a corrupt or missing file, a state that does not fit) during an auto-resume
+makes every rank fall back to the next candidate together; anything else is raised on every rank.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+from . import _dist
+from .config import VERIFY_MODES, CheckpointConfig
+from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointNotFoundError, ConfigError
+from .formats import dcp as dcp_format
+from .formats import pt as pt_format
+from .formats import registry
+from .formats.common import TensorInfo, check_compatible
+from .formats.registry import ShardContext
+from .layout import LATEST, parse_step_name, rank_file, restore_candidates
+from .manifest import Manifest, StateEntry, model_signature, read_manifest
+from .saving import Tracked
+from .storage.confined import Folder
+from .storage.verify import Verifier
+
+__all__ = ["RestoreInfo", "Restorer"]
+
+
+@dataclass
+class RestoreInfo:
+    """What :meth:`CheckpointManager.restore` loaded."""
+
+    path: Path
+    step: int
+    epoch: int
+    metrics: dict[str, float] = field(default_factory=dict)
+    counters: dict[str, Any] = field(default_factory=dict)
+    saved_world_size: int = 1
+    name_fields: dict[str, Any] = field(default_factory=dict)
+    """Fields parsed back from the directory name by the name template (the manifest wins on conflicts)."""
+
+
+class Restorer:
+    """Runs restores for one manager (collectives: every rank calls :meth:`restore` at the same point)."""
+
+    def __init__(self, config: CheckpointConfig, tracked: Tracked, log: Any) -> None:
+        self.config, self.tracked, self.log = config, tracked, log
+
+    # ---------------------------------------------------------------------------------------------- 1
+    def restore(self, restore_from: str | None, verify: str | None) -> RestoreInfo | None:
+        verify = self.config.verify if verify is None else verify
+        if verify not in VERIFY_MODES:
+            raise ConfigError(f"verify must be one of {list(VERIFY_MODES)}, got {verify!r}")
+        rank = _dist.rank()
+        root = Path(self.config.checkpoint_dir)
+        automatic = restore_from in (None, LATEST)
+
+        def find() -> list[str]:
+            if rank != 0:
+                return []
+            return [str(p) for p in restore_candidates(root, restore_from, verify="none" if verify == "none" else "size")]
+
+        candidates = _dist.broadcast_object(_dist.run_collectively("finding the checkpoint to restore", find))
+        if not candidates:
+            if rank == 0:
+                self.log.info("No checkpoint found in %s; starting from scratch", root)
+            return None
+        for i, found in enumerate(candidates):
+            try:
+                return self._restore_from(Path(found), verify)
+            except CheckpointError as exc:
+                damaged = isinstance(exc, (CheckpointCorruptError, CheckpointNotFoundError))
+                # every rank raised at the same collective; fall back only if every rank saw damage
+                if not (automatic and i + 1 < len(candidates) and all(_dist.all_gather_object(damaged))):
+                    raise
+                if rank == 0:
+                    self.log.warning("Checkpoint %s is damaged (%s); falling back to %s", found, exc, candidates[i + 1])
+        raise AssertionError("unreachable")  # the last candidate returns or raises
+
+    # ---------------------------------------------------------------------------------------------- 2-4
+    def _restore_from(self, step_dir: Path, verify: str) -> RestoreInfo:
+        rank = _dist.rank()
+        if rank == 0:
+            self.log.info("Loading checkpoint from %s", step_dir)
+        start = time.perf_counter()
+        manifest = _dist.run_collectively("reading the manifest", lambda: read_manifest(step_dir))
+        verifier = Verifier(Folder(step_dir), manifest.checksums) if verify == "full" else None
+        folder = Folder(step_dir, verifier=verifier)
+        objects = self._read_objects(folder, manifest)  # small and first: damage there fails fast
+        self._load_model(folder, manifest)
+        self._load_optimizer(folder, manifest)
+        if verifier is not None:
+            self._finish_verification(verifier)
+        self._apply_objects(folder, objects)
+        info = RestoreInfo(step_dir, manifest.step, manifest.epoch, dict(manifest.metrics),
+                           dict(manifest.counters), manifest.world_size, self._name_fields(step_dir, manifest))
+        for key, value in info.name_fields.items():  # e.g. a metric only the name carries
+            if key not in ("step", "epoch") and key not in info.metrics and key not in info.counters:
+                info.counters[key] = value
+        if rank == 0:
+            self.log.info(
+                "Loaded checkpoint %s (step %d, epoch %d, saved on %d rank(s)%s) in %.2f s",
+                step_dir, info.step, info.epoch, info.saved_world_size,
+                ", every byte read checksummed" if verifier is not None else "", time.perf_counter() - start,
+            )
+        return info
+
+    def _finish_verification(self, verifier: Verifier) -> None:
+        """Collective: each file read during the load is completed and compared by the lowest rank that read it."""
+        rank = _dist.rank()
+        opened = _dist.all_gather_object(sorted(verifier.opened))
+        mine = [f for f in opened[rank] if not any(f in opened[r] for r in range(rank))]
+        problems = _dist.run_collectively("verifying checksums", lambda: verifier.finish(mine))
+        found = [p for part in _dist.all_gather_object(problems) for p in part]
+        if found:
+            raise CheckpointCorruptError(f"{len(found)} file(s) do not match their checksums: " + "; ".join(found[:3]))
+
+    def _name_fields(self, step_dir: Path, manifest: Manifest) -> dict[str, Any]:
+        fields_ = parse_step_name(self.config.name_template, step_dir.name, self.config.auto_insert_field_names) or {}
+        for key in ("step", "epoch"):
+            if key in fields_ and fields_[key] != getattr(manifest, key) and _dist.rank() == 0:
+                self.log.warning("%s: its name says %s=%s but its manifest says %s; using the manifest",
+                                 step_dir, key, fields_[key], getattr(manifest, key))
+        return fields_
+
+    @staticmethod
+    def _entry(step_dir: Path, manifest: Manifest, key: str) -> StateEntry:
+        entry = manifest.states.get(key)
+        if entry is None:
+            raise CheckpointMismatchError(
+                f"{step_dir} holds no {key!r} state (it has {sorted(manifest.states)}); "
+                f"it was saved without one, so it cannot restore this run's {key}"
+            )
+        return entry
+
+    def _load_model(self, step: Folder, manifest: Manifest) -> None:
+        t = self.tracked
+        if t.model_state is None:
+            return
+        entry = self._entry(step.path, manifest, "model")
+        fmt = registry.get(entry.format)
+        target = t.model_state.state_dict()
+        strict = self.config.strict and not self.config.is_peft
+        self._check_signature(step.path, manifest, target)
+        folder = _dist.run_collectively("opening the model folder", lambda: step.sub(entry.path))
+        fmt.load_shards(target, folder, strict=strict,
+                        ctx=ShardContext(_dist.rank(), _dist.world_size(), extra={"model": t.model}))
+        t.model_state.load_state_dict(target)
+
+    def _check_signature(self, step_dir: Path, manifest: Manifest, target: dict[str, torch.Tensor]) -> None:
+        """Refuse a checkpoint of another model from its manifest alone, before any tensor file is read."""
+        shapes = manifest.model_signature.get("shapes")
+        if not isinstance(shapes, dict):
+            return  # older manifests: the format-level index check still applies
+        saved = {k: TensorInfo(tuple(int(d) for d in v), "?") for k, v in shapes.items()}
+        ours = model_signature(self.tracked.model, target).get("architecture")
+        theirs = manifest.model_signature.get("architecture")
+        where = f"{step_dir} (a checkpoint of {theirs})" if theirs and theirs != ours else str(step_dir)
+        check_compatible(saved, target, where, strict=self.config.strict and not self.config.is_peft)
+
+    def _load_optimizer(self, step: Folder, manifest: Manifest) -> None:
+        optim_state = self.tracked.optim_state
+        if optim_state is None:
+            return
+        entry = self._entry(step.path, manifest, "optim")
+        target = optim_state.state_dict()
+        folder = _dist.run_collectively("opening the optimizer folder", lambda: step.sub(entry.path))
+        index = _dist.run_collectively("reading the optimizer index", lambda: dcp_format.read_index(folder))
+        flat, _ = flatten_state_dict(target)
+        missing = [k for k in flat if k not in index]
+        if missing:
+            raise CheckpointMismatchError(
+                f"{folder.path}: optimizer state does not match the live optimizer: {len(missing)} key(s) missing, "
+                f"e.g. {missing[:3]} (different model, optimizer type or parameter groups?)"
+            )
+        tensor_target = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
+        check_compatible({k: index[k] for k in tensor_target}, tensor_target, str(folder.path), strict=False)
+        dcp_format.load(target, folder)
+        _dist.run_collectively(f"applying the optimizer state of {folder.path}",
+                               lambda: apply_state(optim_state, target, folder.path))
+
+    def _read_objects(self, step: Folder, manifest: Manifest) -> dict[str, tuple[str, Any]]:
+        """Collective: the saved state of every registered object, read and decoded but not yet applied."""
+        rank, world = _dist.rank(), _dist.world_size()
+        out: dict[str, tuple[str, Any]] = {}
+        for name in self.tracked.objects:
+            entry = manifest.states.get(name)
+            if entry is None:
+                if rank == 0:
+                    self.log.warning("%s has no %r state; %s keeps its current state", step.path, name, name)
+                continue
+            rel: str | None = entry.path
+            if entry.per_rank:
+                rel = f"{entry.path}/{rank_file(rank)}"
+                if manifest.world_size != world:
+                    if rank == 0:
+                        self.log.warning(
+                            "%s: %r was saved per rank on %d rank(s) and is restored on %d; each rank takes the "
+                            "state saved by the same rank number, ranks beyond %d keep their own",
+                            step.path, name, manifest.world_size, world, manifest.world_size,
+                        )
+                    if rank >= manifest.world_size:
+                        rel = None
+
+            # every rank takes part, even one with nothing to load, so the collectives stay matched
+            value = _dist.run_collectively(f"reading {name!r}",
+                                           lambda rel=rel: None if rel is None else pt_format.load_from(step, rel))
+            if rel is not None:
+                out[name] = (rel, value)
+        return out
+
+    def _apply_objects(self, step: Folder, objects: dict[str, tuple[str, Any]]) -> None:
+        for name, obj in self.tracked.objects.items():
+            rel, value = objects.get(name, (None, None))
+            _dist.run_collectively(f"loading {name!r}",
+                                   lambda obj=obj, rel=rel, value=value:
+                                   None if rel is None else apply_state(obj, value, step.display(rel)))
+
+
+def apply_state(obj: Any, state: Any, source: Path) -> None:
+    """``obj.load_state_dict(state)``; a state that does not fit (a damaged or foreign file) is an error naming it."""
+    try:
+        obj.load_state_dict(state)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # the file decoded but holds something this object cannot take
+        raise CheckpointCorruptError(
+            f"{source}: the saved state does not fit {type(obj).__name__}.load_state_dict "
+            f"({type(exc).__name__}: {exc})"
+        ) from exc

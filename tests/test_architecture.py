@@ -1,0 +1,125 @@
+"""The shape of the code stays what docs/architecture.md says: checked, so that it does not drift.
+
+* no import cycles between ckptio's modules (imports at module level; imports inside functions are
+  deliberate late bindings and do not count);
+* no module over 450 lines and no class over 250 (the targets are ~400 and ~250);
+* the orchestrators (manager, saving, restoring, convert, describe, the CLI) never branch on a
+  format's name: they ask the format registry;
+* every format the registry knows can be found by ``detect`` from what it writes.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "ckptio"
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in SRC.rglob("*.py"):
+        rel = path.relative_to(SRC.parent).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _top_level_imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in tree.body:  # module level only
+        if isinstance(node, ast.If):  # `if TYPE_CHECKING:` blocks do not run
+            continue
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                candidate = f"{base}.{alias.name}"
+                found.add(candidate if candidate in modules else base)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return {m for m in found if m in modules and m != name}
+
+
+def test_no_import_cycles():
+    modules = _modules()
+    graph = {name: _top_level_imports(name, path, modules) for name, path in modules.items()}
+    # a package's __init__ importing its own submodules is how packages work; not a cycle of design
+    for name in graph:
+        graph[name] = {d for d in graph[name] if not (d.startswith(name + ".") and modules[name].name == "__init__.py")}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                cycle = stack[stack.index(dep):] + [dep]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if dep not in state:
+                visit(dep)
+        stack.pop()
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name)
+
+
+def test_modules_and_classes_stay_small():
+    too_big = []
+    for path in SRC.rglob("*.py"):
+        text = path.read_text()
+        lines = text.count("\n")
+        if lines > 450:
+            too_big.append(f"{path.relative_to(SRC)}: {lines} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef):
+                size = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+                if size > 250:
+                    too_big.append(f"{path.relative_to(SRC)}: class {node.name} has {size} lines")
+    assert not too_big, too_big
+
+
+ORCHESTRATORS = ["manager.py", "saving.py", "restoring.py", "describe.py", "convert/formats.py", "cli"]
+FORMAT_NAMES = ["safetensors", "dcp", "peft", "hf", "torch", "nemo", "lightning", "step_dir", "torch_save"]
+
+
+def test_orchestrators_do_not_branch_on_format_names():
+    pattern = re.compile(r"(==|!=|\bin\b)\s*\(?\s*['\"](" + "|".join(FORMAT_NAMES) + r")['\"]")
+    offenders = []
+    for entry in ORCHESTRATORS:
+        paths = sorted((SRC / entry).rglob("*.py")) if (SRC / entry).is_dir() else [SRC / entry]
+        for path in paths:
+            for i, line in enumerate(path.read_text().splitlines(), 1):
+                if pattern.search(line):
+                    offenders.append(f"{path.relative_to(SRC)}:{i}: {line.strip()}")
+    assert not offenders, "ask the format registry instead:\n" + "\n".join(offenders)
+
+
+def test_every_writable_format_detects_what_it_writes(tmp_path):
+    from ckptio.convert import convert
+    from ckptio.formats import registry
+
+    import torch
+
+    src = tmp_path / "src"
+    src.mkdir()
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.arange(6.0).reshape(2, 3)}, str(src / "model.safetensors"))
+    for name in registry.names(writable=True):
+        fmt = registry.get(name)
+        out = convert(src, tmp_path / f"out-{name}{fmt.file_suffix}", name)
+        assert registry.detect(out).name == name, f"{name}: its output is detected as {registry.detect(out).name}"
