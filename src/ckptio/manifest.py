@@ -247,6 +247,18 @@ def model_signature(model: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
     return {"architecture": architecture, "shapes": {k: list(v.shape) for k, v in state_dict.items()}}
 
 
+def merge_shapes(per_rank: list[dict[str, list[int]]]) -> dict[str, list[int]]:
+    """The union of every rank's ``{key: global shape}``; a key with two different shapes is an error."""
+    from .errors import CheckpointError
+
+    merged: dict[str, list[int]] = {}
+    for rank, shapes in enumerate(per_rank):
+        for key, shape in shapes.items():
+            if merged.setdefault(key, shape) != shape:
+                raise CheckpointError(f"ranks disagree on the shape of {key!r}: {merged[key]} and {shape} (rank {rank})")
+    return merged
+
+
 def list_files(root: Path) -> dict[str, int]:
     """Relative path -> size of every file under ``root`` except the manifest (the manifest's ``files``)."""
     return {

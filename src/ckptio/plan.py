@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["LocalView", "local_view", "Box", "overlap", "spans_whole_rows"]
+__all__ = ["LocalView", "local_view", "Box", "overlap", "spans_whole_rows", "plain_owners"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,20 @@ def local_view(value: Any) -> LocalView:
         owner = all(c == 0 for c, p in zip(coord, value.placements) if isinstance(p, Replicate))
         return LocalView(local, tuple(value.shape), tuple(int(o) for o in offsets), owner)
     return LocalView(value, tuple(value.shape), (0,) * value.dim(), None)
+
+
+def plain_owners(keys_by_rank: list[list[str]]) -> dict[str, int]:
+    """Which rank writes each plain (non-DTensor) tensor: the lowest rank that holds it.
+
+    Under data parallelism every rank holds every plain tensor (rank 0 writes them all); under pipeline
+    parallelism each rank holds its own stage's, and each is written by the one rank that has it. Without
+    this, a stage other than the first would never reach the disk. Linear in the number of keys.
+    """
+    owners: dict[str, int] = {}
+    for rank, keys in enumerate(keys_by_rank):
+        for key in keys:
+            owners.setdefault(key, rank)
+    return owners
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from .formats import registry
 from .formats.common import TensorInfo, check_compatible
 from .formats.registry import ShardContext
 from .layout import LATEST, parse_step_name, rank_file, restore_candidates
-from .manifest import Manifest, StateEntry, model_signature, read_manifest
+from .manifest import Manifest, StateEntry, merge_shapes, model_signature, read_manifest
 from .saving import Tracked
 from .storage.confined import Folder
 from .storage.verify import Verifier
@@ -155,22 +155,29 @@ class Restorer:
         fmt = registry.get(entry.format)
         target = t.model_state.state_dict()
         strict = self.config.strict and not self.config.is_peft
-        self._check_signature(step.path, manifest, target)
+        checked = self._check_signature(step.path, manifest, target)
         folder = _dist.run_collectively("opening the model folder", lambda: step.sub(entry.path))
-        fmt.load_shards(target, folder, strict=strict,
+        # once the signature was checked against every rank's keys together, each rank's own read only needs
+        # its keys present (a pipeline stage holds some of the model's keys)
+        fmt.load_shards(target, folder, strict=strict and not checked,
                         ctx=ShardContext(_dist.rank(), _dist.world_size(), extra={"model": t.model}))
         t.model_state.load_state_dict(target)
 
-    def _check_signature(self, step_dir: Path, manifest: Manifest, target: dict[str, torch.Tensor]) -> None:
-        """Refuse a checkpoint of another model from its manifest alone, before any tensor file is read."""
+    def _check_signature(self, step_dir: Path, manifest: Manifest, target: dict[str, torch.Tensor]) -> bool:
+        """Collective: refuse a checkpoint of another model from its manifest alone, before any tensor file is
+        read. The live model is every rank's keys together (pipeline stages hold different ones). Returns
+        whether the check ran (manifests without a signature leave it to the format)."""
         shapes = manifest.model_signature.get("shapes")
         if not isinstance(shapes, dict):
-            return  # older manifests: the format-level index check still applies
+            return False
         saved = {k: TensorInfo(tuple(int(d) for d in v), "?") for k, v in shapes.items()}
-        ours = model_signature(self.tracked.model, target).get("architecture")
+        ours = model_signature(self.tracked.model, target)
+        live = merge_shapes(_dist.all_gather_object(ours["shapes"])) if _dist.world_size() > 1 else ours["shapes"]
         theirs = manifest.model_signature.get("architecture")
-        where = f"{step_dir} (a checkpoint of {theirs})" if theirs and theirs != ours else str(step_dir)
-        check_compatible(saved, target, where, strict=self.config.strict and not self.config.is_peft)
+        where = f"{step_dir} (a checkpoint of {theirs})" if theirs and theirs != ours["architecture"] else str(step_dir)
+        check_compatible(saved, {k: TensorInfo(tuple(v), "?") for k, v in live.items()}, where,
+                         strict=self.config.strict and not self.config.is_peft)
+        return True
 
     def _load_optimizer(self, step: Folder, manifest: Manifest) -> None:
         optim_state = self.tracked.optim_state

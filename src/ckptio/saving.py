@@ -33,7 +33,7 @@ from .formats import registry
 from .formats.hf_bundle import consolidate, save_hf_extras
 from .formats.registry import ShardContext
 from .layout import CONSOLIDATED_DIR, LATEST, MODEL_DIR, OPTIM_DIR, format_step_name, rank_file
-from .manifest import MANIFEST_NAME, Manifest, StateEntry, model_signature, software_versions
+from .manifest import MANIFEST_NAME, Manifest, StateEntry, merge_shapes, model_signature, software_versions
 from .staging import Stager
 from .storage import LocalStorage
 from .storage.base import FolderWriter
@@ -117,6 +117,8 @@ class Saver:
         if t.model_state is not None:
             model_sd = t.model_state.state_dict()
             job.signature = model_signature(t.model, model_sd)
+            if _dist.world_size() > 1:  # pipeline stages hold different tensors: the signature is their union
+                job.signature["shapes"] = merge_shapes(_dist.all_gather_object(job.signature["shapes"]))
             live["model"] = self.format.snapshot(model_sd, t.model)  # collective for formats that gather
             del model_sd
         if t.optim_state is not None:

@@ -59,10 +59,11 @@ class _Chunk:
 
 
 def save(state_dict: dict[str, torch.Tensor], writer: "FolderWriter | str | Path", rel: str = "", *, rank: int,
-         world_size: int, threads: int = 1) -> dict[str, str]:
+         world_size: int, threads: int = 1, plain_owners: dict[str, int] | None = None) -> dict[str, str]:
     """Write this rank's shards of ``state_dict`` as ``rel/shard-…safetensors`` through ``writer``.
 
-    Plain (non-DTensor) tensors are taken as replicated and written by rank 0 only. With ``threads`` > 1
+    A plain (non-DTensor) tensor is written by the rank ``plain_owners`` names (by default rank 0: every
+    rank holds it, as under data parallelism; see :func:`ckptio.plan.plain_owners`). With ``threads`` > 1
     the rank's tensors are divided by size into that many files, written concurrently. Returns every
     file written (relative to the writer's folder) with its checksum, computed as the bytes went out.
     ``writer`` may be a local folder, written in place.
@@ -77,7 +78,8 @@ def save(state_dict: dict[str, torch.Tensor], writer: "FolderWriter | str | Path
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"sharded safetensors holds tensors only; {key!r} is a {type(value).__name__}")
         view = local_view(value)
-        owner = rank == 0 if view.owner is None else view.owner
+        owner = (plain_owners.get(key, 0) if plain_owners is not None else 0) == rank if view.owner is None \
+            else view.owner
         if not owner or view.local.numel() == 0 and len(view.shape) > 0 and any(view.shape):
             continue
         tensors[key] = view.local
@@ -375,10 +377,18 @@ class ShardedSafetensors(Format):
         return dict(read_index(folder))
 
     def save_shards(self, state_dict: dict, writer: "FolderWriter", rel: str, ctx: ShardContext) -> dict[str, str]:
-        from .. import _dist
+        from torch.distributed.tensor import DTensor
 
+        from .. import _dist
+        from ..plan import plain_owners
+
+        owners = None
+        if ctx.world_size > 1:  # which rank holds which plain tensor (pipeline stages hold different ones)
+            plain = [k for k, v in state_dict.items() if not isinstance(v, DTensor)]
+            owners = plain_owners(_dist.all_gather_object(plain))
         return _dist.run_collectively("writing model shards", lambda: save(
-            state_dict, writer, rel, rank=ctx.rank, world_size=ctx.world_size, threads=ctx.threads))
+            state_dict, writer, rel, rank=ctx.rank, world_size=ctx.world_size, threads=ctx.threads,
+            plain_owners=owners))
 
     def load_shards(self, target: dict, folder: Folder, *, strict: bool, ctx: ShardContext) -> None:
         from .. import _dist
