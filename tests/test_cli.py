@@ -26,7 +26,9 @@ def ckpts(tmp_path_factory):
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)).to(torch.bfloat16)
     model[1].float()
     opt = torch.optim.AdamW(model.parameters())
-    mgr = CheckpointManager(CheckpointConfig(checkpoint_dir=str(root)), model=model, optimizer=opt)
+    # the optimizer as DCP (the model as safetensors shards): inspect meets both kinds of folder
+    mgr = CheckpointManager(CheckpointConfig(checkpoint_dir=str(root), optimizer_save_format="torch_save"),
+                            model=model, optimizer=opt)
     mgr.save(step=10, metrics={"val_loss": 1.5})
     mgr.save(step=20, epoch=1, metrics={"val_loss": 1.25})
     (root / ".tmp-epoch_1_step_30-deadbeef").mkdir()  # an interrupted save

@@ -69,11 +69,12 @@ def test_flipped_bit_is_reported_and_resume_falls_back(tmp_path, fmt):
 
 def test_missing_file_is_reported(tmp_path):
     _save(tmp_path, "safetensors")
-    (tmp_path / "epoch_0_step_2" / "optim" / ".metadata").unlink()
+    victim = sorted((tmp_path / "epoch_0_step_2" / "optim").iterdir())[0]
+    victim.unlink()
     out = subprocess.run([CKPTIO, "verify", str(tmp_path), "--json"], capture_output=True, text=True)
     report = json.loads(out.stdout)
     assert out.returncode == 1 and not report["ok"]
-    assert any(".metadata: missing" in line for line in report["checkpoints"][str(tmp_path / "epoch_0_step_2")])
+    assert any(f"{victim.name}: missing" in line for line in report["checkpoints"][str(tmp_path / "epoch_0_step_2")])
 
 
 _HOLDER = textwrap.dedent("""

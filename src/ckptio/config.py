@@ -27,6 +27,11 @@ class CheckpointConfig:
     model_save_format: str = "safetensors"
     """``safetensors``: one safetensors file of local shards per rank; ``torch_save``: a PyTorch DCP folder."""
 
+    optimizer_save_format: str | None = None
+    """How the optimizer state is saved: ``safetensors`` (tensors as per-rank safetensors shards keyed by
+    parameter name, hyper-parameters in ``values.json``; the fast path) or ``torch_save`` (a PyTorch DCP
+    folder). ``None``: the same as ``model_save_format``. Both reshard on load."""
+
     save_consolidated: SaveConsolidated = False
     """Also write a Hugging Face bundle under ``model/consolidated``: ``False``, ``True`` (every
     checkpoint) or ``"final"`` (only the last checkpoint of a run)."""
@@ -106,6 +111,9 @@ class CheckpointConfig:
             raise ConfigError(
                 f"model_save_format={self.model_save_format!r} is not supported; use one of {list(MODEL_SAVE_FORMATS)}"
             )
+        if self.optimizer_save_format is not None and self.optimizer_save_format not in MODEL_SAVE_FORMATS:
+            raise ConfigError(f"optimizer_save_format={self.optimizer_save_format!r} is not supported; use one of "
+                              f"{list(MODEL_SAVE_FORMATS)} or null (the same as model_save_format)")
         self.save_consolidated = _parse_save_consolidated(self.save_consolidated)
         from .formats.hf_bundle import parse_size
 

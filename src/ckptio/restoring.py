@@ -21,12 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from . import _dist
+from ._memory import populate_async
 from .config import VERIFY_MODES, CheckpointConfig
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointNotFoundError, ConfigError
-from .formats import dcp as dcp_format
 from .formats import pt as pt_format
 from .formats import registry
 from .formats.common import TensorInfo, check_compatible
@@ -180,25 +179,39 @@ class Restorer:
         return True
 
     def _load_optimizer(self, step: Folder, manifest: Manifest) -> None:
+        """Fill the optimizer's state from the checkpoint: targets allocated from the checkpoint's index, shaped
+        and sharded like their parameters, filled in place by the format, then handed to the optimizer (no
+        optimizer step to initialise a template, no second copy of the state)."""
         optim_state = self.tracked.optim_state
         if optim_state is None:
             return
         entry = self._entry(step.path, manifest, "optim")
-        target = optim_state.state_dict()
+        fmt = registry.get(entry.format)
         folder = _dist.run_collectively("opening the optimizer folder", lambda: step.sub(entry.path))
-        index = _dist.run_collectively("reading the optimizer index", lambda: dcp_format.read_index(folder))
-        flat, _ = flatten_state_dict(target)
-        missing = [k for k in flat if k not in index]
+        index = _dist.run_collectively("reading the optimizer index", lambda: fmt.state_index(folder))
+        saved = {k[len(OPTIM_KEY):]: v for k, v in index.items() if k.startswith(OPTIM_KEY)}
+        template = _dist.run_collectively("planning the optimizer load", lambda: optim_state.template(saved))
+        fast = all(_dist.all_gather_object(template is not None))
+        if not fast:  # a state this path does not cover: torch's own (initialises the state first)
+            template = optim_state.state_dict()["optim"]
+        missing = sorted(k for k in template if k not in saved)
         if missing:
             raise CheckpointMismatchError(
                 f"{folder.path}: optimizer state does not match the live optimizer: {len(missing)} key(s) missing, "
                 f"e.g. {missing[:3]} (different model, optimizer type or parameter groups?)"
             )
-        tensor_target = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
-        check_compatible({k: index[k] for k in tensor_target}, tensor_target, str(folder.path), strict=False)
-        dcp_format.load(target, folder)
-        _dist.run_collectively(f"applying the optimizer state of {folder.path}",
-                               lambda: apply_state(optim_state, target, folder.path))
+        tensors = {k: v for k, v in template.items() if isinstance(v, torch.Tensor)}
+        check_compatible({k: saved[k] for k in tensors}, tensors, str(folder.path), strict=False)
+        target = {"optim": template}
+        # the state is fresh memory: have its pages provided while the reads fill the tensors before them
+        join = populate_async(_local(t) for t in tensors.values()) if fast else (lambda: None)
+        try:
+            fmt.load_state(target, folder, ShardContext(_dist.rank(), _dist.world_size()))
+        finally:
+            join()
+        _dist.run_collectively(
+            f"applying the optimizer state of {folder.path}",
+            lambda: apply_state(_Apply(optim_state) if fast else optim_state, target, folder.path))
 
     def _read_objects(self, step: Folder, manifest: Manifest) -> dict[str, tuple[str, Any]]:
         """Collective: the saved state of every registered object, read and decoded but not yet applied."""
@@ -236,6 +249,24 @@ class Restorer:
             _dist.run_collectively(f"loading {name!r}",
                                    lambda obj=obj, rel=rel, value=value:
                                    None if rel is None else apply_state(obj, value, step.display(rel)))
+
+
+OPTIM_KEY = "optim."
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+class _Apply:
+    """``load_state_dict`` for a template filled on the fast path (see :class:`~ckptio.state.OptimizerState`)."""
+
+    def __init__(self, optim_state: Any) -> None:
+        self.optim_state = optim_state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optim_state.apply(state["optim"])
 
 
 def apply_state(obj: Any, state: Any, source: Path) -> None:

@@ -77,11 +77,19 @@ class SaveJob:
         return self.root / self.name
 
 
+_REGISTRY_NAMES = {"safetensors": "safetensors", "torch_save": "dcp"}
+
+
 def model_format(config: CheckpointConfig) -> str:
     """The registry name of the format the model is saved in."""
     if config.is_peft:
         return "peft"
-    return {"safetensors": "safetensors", "torch_save": "dcp"}[config.model_save_format]
+    return _REGISTRY_NAMES[config.model_save_format]
+
+
+def optimizer_format(config: CheckpointConfig) -> str:
+    """The registry name of the format the optimizer state is saved in."""
+    return _REGISTRY_NAMES[config.optimizer_save_format or config.model_save_format]
 
 
 class Saver:
@@ -188,8 +196,10 @@ class Saver:
                     self._consolidate(job, writer, rank, world)
         job.model = None
         if job.optim is not None:
-            job.sums.update(registry.get("dcp").save_shards(job.optim, writer, OPTIM_DIR, ShardContext(rank, world)))
-            states["optim"] = StateEntry("optimizer", "dcp", OPTIM_DIR)
+            fmt = registry.get(optimizer_format(self.config))
+            ctx = ShardContext(rank, world, self.config.io_threads, {"stem": "optim"})
+            job.sums.update(fmt.save_state(job.optim, writer, OPTIM_DIR, ctx))
+            states["optim"] = StateEntry("optimizer", fmt.name, OPTIM_DIR)
             job.optim = None
         for name, data in job.objects.items():
             per_rank = len(set(_dist.all_gather_object(hashlib.sha256(data).hexdigest()))) > 1

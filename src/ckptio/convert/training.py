@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointCorruptError, CheckpointError
-from ..formats import dcp as dcp_format
+from ..formats import registry
 from ..formats.common import read_json
 from ..formats import pt as pt_format
 from ..storage.confined import Folder
@@ -96,9 +96,10 @@ def read_training_state(step_dir: Path) -> tuple[dict[str, Any] | None, dict[str
     entry = manifest.states.get("optim")
     if entry is None:
         return None, None
-    saved = dcp_format.load_all(Folder(step_dir).sub(entry.path))
+    flat = registry.get(entry.format).read_state(Folder(step_dir).sub(entry.path))
+    saved = {k[len("optim."):]: v for k, v in flat.items() if k.startswith("optim.")}
     order = parameter_order(step_dir / manifest.states["model"].path / "config.json")
-    optim = index_keyed_optimizer(saved.get("optim", {}), order)
+    optim = index_keyed_optimizer(saved, order)
     sched = manifest.states.get("lr_scheduler")
     scheduler = None if sched is None or sched.per_rank else pt_format.load_from(Folder(step_dir), sched.path)
     return optim, scheduler

@@ -181,3 +181,32 @@ def check_compatible(saved: dict[str, TensorInfo | None], target: dict[str, Any]
             f"{where} does not match the model: " + " | ".join(problems)
             + " (is this a checkpoint of a different model or config?)"
         )
+
+
+def flatten(state: dict, prefix: str = "") -> dict:
+    """A nested dict of a state as one level with dotted keys (``{"optim": {"state.w.exp_avg": t}}`` ->
+    ``{"optim.state.w.exp_avg": t}``)."""
+    out: dict = {}
+    for key, value in state.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def set_dotted(state: dict, key: str, value: object) -> None:
+    """Set the entry of a nested dict that :func:`flatten` named ``key`` (descending only into dicts)."""
+    node = state
+    start = 0
+    while True:
+        i = key.find(".", start)
+        if i < 0:
+            node[key] = value
+            return
+        head = key[:i]
+        if isinstance(node.get(head), dict):
+            node, key, start = node[head], key[i + 1:], 0
+        else:
+            start = i + 1

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.metadata import (
 from .. import _dist
 from ..errors import CheckpointCorruptError, CheckpointError
 from ..storage.confined import Folder, UnsafePathError
-from .common import TensorInfo, check_compatible, dtype_name, torch_dtype
+from .common import TensorInfo, check_compatible, dtype_name, flatten, torch_dtype
 from .dcp_metadata import METADATA_FILE, read_metadata
 from .registry import Format, Opened, ShardContext, WriteOptions, register
 
@@ -173,7 +173,7 @@ def save(state_dict: dict[str, Any], writer: "FolderWriter | str | Path", rel: s
     storage.fs = fs
     where = base if rel else writer.local_path()
     try:
-        with _quiet_single_process(), _plain_errors("saving", where):
+        with _quiet_single_process(), _plain_errors("saving", where), _no_zip_crc32():
             dcp.save(state_dict, storage_writer=storage, no_dist=not _dist.is_dist(),
                      process_group=_dist.current_group())
     except CheckpointError as exc:
@@ -212,6 +212,33 @@ def _plain_errors(what: str, folder: str | Path) -> Iterator[None]:
         cls = type(first) if isinstance(first, CheckpointError) else (
             CheckpointCorruptError if what == "loading" else CheckpointError)
         raise cls(f"{what} DCP folder {folder} failed on rank(s) {sorted(failures)}: {detail}") from exc
+
+
+_crc_lock = threading.Lock()
+_crc_users = [0, True]  # saves in progress, the setting to restore after the last
+
+
+@contextmanager
+def _no_zip_crc32() -> Iterator[None]:
+    """DCP writes each tensor with ``torch.save``, whose zip writer computes a CRC-32 of every record: on the
+    reference machine that made a DCP save 3-4x slower than the disk. ``torch.load`` never checks those
+    CRCs (ckptio's own CRC-32C of every file, in the manifest, is what guards the bytes), so they are left
+    out while a DCP save runs. The setting is process-wide: a ``torch.save`` on another thread meanwhile
+    also writes records without a CRC (they still load; only zip tools that test CRCs would notice)."""
+    from torch import serialization
+
+    with _crc_lock:
+        if _crc_users[0] == 0:
+            _crc_users[1] = serialization.get_crc32_options()
+            serialization.set_crc32_options(False)
+        _crc_users[0] += 1
+    try:
+        yield
+    finally:
+        with _crc_lock:
+            _crc_users[0] -= 1
+            if _crc_users[0] == 0:
+                serialization.set_crc32_options(_crc_users[1])
 
 
 @contextmanager
@@ -327,6 +354,18 @@ class DCPFormat(Format):
         index = _dist.run_collectively("reading the DCP index", lambda: read_index(folder))
         check_compatible(index, target, str(folder.path), strict=strict)
         load(target, folder)
+
+    def save_state(self, state: dict, writer: "FolderWriter", rel: str, ctx: ShardContext) -> dict[str, str]:
+        return save(state, writer, rel)
+
+    def state_index(self, folder: Folder) -> dict[str, TensorInfo | None]:
+        return read_index(folder)
+
+    def load_state(self, target: dict, folder: Folder, ctx: ShardContext) -> None:
+        load(target, folder)
+
+    def read_state(self, folder: Folder) -> dict:
+        return flatten(load_all(folder))
 
 
 register(DCPFormat())

@@ -130,6 +130,25 @@ class Format:
     def load_shards(self, target: dict[str, Any], folder: "Folder", *, strict: bool, ctx: ShardContext) -> None:
         raise ConfigError(f"the {self.name} format cannot be loaded into live tensors")
 
+    # a whole state (tensors and small values, possibly nested): the optimizer's --------------------------
+    def save_state(self, state: dict[str, Any], writer: "FolderWriter", rel: str, ctx: ShardContext) -> dict[str, str]:
+        """Write one rank's part of a state holding tensors and plain values (collective)."""
+        raise ConfigError(f"the {self.name} format cannot hold a training state")
+
+    def state_index(self, folder: "Folder") -> dict[str, TensorInfo | None]:
+        """Every key of a saved state, dotted (``optim.state.<fqn>.exp_avg``); ``None`` for plain values."""
+        raise ConfigError(f"the {self.name} format cannot hold a training state")
+
+    def read_state(self, folder: "Folder") -> dict[str, Any]:
+        """Every entry of a saved state, whole, on this process alone, keyed by dotted names (no live objects
+        needed: what ``convert`` uses to carry an optimizer to another format)."""
+        raise ConfigError(f"the {self.name} format cannot hold a training state")
+
+    def load_state(self, target: dict[str, Any], folder: "Folder", ctx: ShardContext) -> None:
+        """Collective: fill ``target`` (nested like the saved state) in place: its tensors (local shards)
+        from the stored chunks, its other entries with the stored values."""
+        raise ConfigError(f"the {self.name} format cannot hold a training state")
+
     def describe(self, path: Path) -> dict[str, Any]:
         """A JSON-ready description; by default the index of what :meth:`open` finds."""
         from dataclasses import asdict
@@ -186,7 +205,7 @@ def _load_builtins() -> None:
     if _loaded:
         return
     _loaded = True
-    from . import dcp, hf_bundle, lightning, nemo, peft_adapter, safetensors_sharded, step_dir, torch_file  # noqa: F401
+    from . import dcp, hf_bundle, lightning, nemo, peft_adapter, safetensors_format, step_dir, torch_file  # noqa: F401
 
 
 def get(name: str) -> Format:

@@ -34,8 +34,6 @@ from . import _st_writer
 from ._st_reader import SafetensorsFile
 from .common import TensorInfo, check_compatible, check_exact_cover, dtype_name, natural_key, torch_dtype
 
-from .registry import Format, Opened, ShardContext, WriteOptions, register
-
 if TYPE_CHECKING:
     from ..storage.base import FolderWriter
     from .registry import TensorSource
@@ -44,10 +42,10 @@ FORMAT_TAG = "sharded-safetensors/1"
 FILE_GLOB = "*.safetensors"
 
 
-def shard_file_name(rank: int, world_size: int, part: int = 0, parts: int = 1) -> str:
+def shard_file_name(rank: int, world_size: int, part: int = 0, parts: int = 1, stem: str = "model") -> str:
     # Named after NeMo AutoModel's layout: the shard index is the writing rank, then which of the rank's
     # files this is (several when the rank writes with several threads).
-    return f"shard-{rank + 1:05d}-model-{part + 1:05d}-of-{parts:05d}.safetensors"
+    return f"shard-{rank + 1:05d}-{stem}-{part + 1:05d}-of-{parts:05d}.safetensors"
 
 
 @dataclass(frozen=True)
@@ -59,7 +57,8 @@ class _Chunk:
 
 
 def save(state_dict: dict[str, torch.Tensor], writer: "FolderWriter | str | Path", rel: str = "", *, rank: int,
-         world_size: int, threads: int = 1, plain_owners: dict[str, int] | None = None) -> dict[str, str]:
+         world_size: int, threads: int = 1, plain_owners: dict[str, int] | None = None,
+         stem: str = "model") -> dict[str, str]:
     """Write this rank's shards of ``state_dict`` as ``rel/shard-…safetensors`` through ``writer``.
 
     A plain (non-DTensor) tensor is written by the rank ``plain_owners`` names (by default rank 0: every
@@ -93,7 +92,7 @@ def save(state_dict: dict[str, torch.Tensor], writer: "FolderWriter | str | Path
     }
     entries = [_st_writer.Entry(k, t.dtype, tuple(t.shape), lambda t=t: t) for k, t in tensors.items()]
     groups = _balance(entries, max(1, min(threads, len(entries))))
-    names = [f"{rel}/{n}" if rel else n for n in (shard_file_name(rank, world_size, i, len(groups))
+    names = [f"{rel}/{n}" if rel else n for n in (shard_file_name(rank, world_size, i, len(groups), stem)
                                                   for i in range(len(groups)))]
     if len(groups) == 1:
         return {names[0]: _st_writer.write(writer.open(names[0]), groups[0], metadata)}
@@ -336,74 +335,3 @@ class SafetensorsSource:
             out[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.shape))].copy_(part)
             del part
         return out
-
-
-# ---------------------------------------------------------------------------------------- the format
-class ShardedSafetensors(Format):
-    """ckptio's per-rank safetensors layout: a folder of ``shard-R-model-K-of-N.safetensors`` (or one file)."""
-
-    name = "safetensors"
-    summary = "safetensors shards (ckptio's per-rank layout, or any plain safetensors files)"
-    priority = 60
-    full_model = True
-
-    def detect(self, path: Path) -> bool:
-        if path.is_file():
-            return path.suffix == ".safetensors"
-        return path.is_dir() and (any(path.glob("shard-*.safetensors"))
-                                  or (any(path.glob(FILE_GLOB)) and not (path / "config.json").is_file()
-                                      and not (path / "model.safetensors.index.json").is_file()))
-
-    def open(self, path: Path) -> Opened:
-        if path.is_file():
-            return Opened(self.name, SafetensorsSource(path.parent, [path.name]), path.parent)
-        return Opened(self.name, SafetensorsSource(path), path)
-
-    def write(self, opened: Opened, source: "TensorSource", out: Path, options: WriteOptions) -> None:
-        from ..storage import LocalFolderWriter
-        from .hf_bundle import copy_extras
-
-        writer = LocalFolderWriter.create(out)
-        try:
-            save_whole(source, writer, "", options.progress)
-            if opened.extras is not None:
-                copy_extras(opened.extras, writer, "")
-            writer.commit()
-        except BaseException:
-            writer.abort()
-            raise
-
-    def index(self, folder: Folder) -> dict[str, TensorInfo | None]:
-        return dict(read_index(folder))
-
-    def save_shards(self, state_dict: dict, writer: "FolderWriter", rel: str, ctx: ShardContext) -> dict[str, str]:
-        from torch.distributed.tensor import DTensor
-
-        from .. import _dist
-        from ..plan import plain_owners
-
-        owners = None
-        if ctx.world_size > 1:  # which rank holds which plain tensor (pipeline stages hold different ones)
-            plain = [k for k, v in state_dict.items() if not isinstance(v, DTensor)]
-            owners = plain_owners(_dist.all_gather_object(plain))
-        return _dist.run_collectively("writing model shards", lambda: save(
-            state_dict, writer, rel, rank=ctx.rank, world_size=ctx.world_size, threads=ctx.threads,
-            plain_owners=owners))
-
-    def load_shards(self, target: dict, folder: Folder, *, strict: bool, ctx: ShardContext) -> None:
-        from .. import _dist
-
-        _dist.run_collectively("loading the model", lambda: load(target, folder, strict=strict))
-
-    def describe(self, path: Path) -> dict:
-        if not path.is_file():
-            return super().describe(path)
-        from dataclasses import asdict
-
-        from .common import summarize_index
-
-        return {"path": str(path), "kind": "safetensors_file", "label": "safetensors file",
-                "tensors": asdict(summarize_index(read_index_file(path))), "files": {path.name: path.stat().st_size}}
-
-
-register(ShardedSafetensors())

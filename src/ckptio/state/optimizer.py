@@ -1,9 +1,26 @@
-"""The optimizer as one FQN-keyed, flattened state dict (so it reshards with DCP)."""
+"""The optimizer as one FQN-keyed, flattened state dict, saved without copies and restored without a step.
+
+Saved: ``get_optimizer_state_dict(flatten_optimizer_state_dict=True)`` gives ``state.<fqn>.<name>`` (the
+state tensors, DTensor shards under FSDP2) and ``param_groups.<fqn>.<hp>`` (the hyper-parameters), keyed
+by parameter name rather than position, so a checkpoint saved on N ranks loads on M. (The LR scheduler
+is saved on its own, as a small state: its ``state_dict`` may hold empty containers, such as
+``LambdaLR``'s ``lr_lambdas: [{}]``, that DCP's flattening drops.)
+
+Restored without touching the optimizer first: torch's ``get_optimizer_state_dict`` would initialise the
+state of a fresh optimizer by running a step on zero gradients (a full optimizer step, and a second
+copy of the state in memory). Here the targets are allocated from the checkpoint's own index, each
+shaped and sharded like its parameter (:meth:`OptimizerState.template`), filled in place by the format's
+reader, and handed to ``optimizer.load_state_dict`` keyed by position (:meth:`OptimizerState.apply`),
+which keeps the tensors it is given. Optimizers whose state does not have that shape (a nested state,
+a state tensor of another shape on a sharded parameter) take torch's own path instead.
+"""
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -11,26 +28,110 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from ..formats.common import TensorInfo, torch_dtype
+
 _OPTIONS = StateDictOptions(full_state_dict=False, flatten_optimizer_state_dict=True)
+STATE, GROUPS = "state.", "param_groups."
+
+
+def _fqn(model: nn.Module, name: str) -> str:
+    """The parameter name torch's state-dict API uses (wrappers such as ``_orig_mod`` removed)."""
+    try:
+        from torch.distributed.checkpoint.state_dict import _get_fqns
+
+        fqns = _get_fqns(model, name)
+        if len(fqns) == 1:
+            return next(iter(fqns))
+    except Exception:  # noqa: BLE001 - a private helper: fall back to the plain name
+        pass
+    return name
 
 
 class OptimizerState:
-    """Stateful view of an optimizer for checkpointing.
-
-    Optimizer state is keyed by parameter FQN (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``)
-    instead of by parameter index, and holds DTensor shards under FSDP2, so a checkpoint saved on N
-    ranks loads on M. (The LR scheduler is saved on its own, as a small state: its ``state_dict`` may
-    hold empty containers, such as ``LambdaLR``'s ``lr_lambdas: [{}]``, that DCP's flattening drops.)
-    """
+    """Stateful view of an optimizer for checkpointing (see the module docstring)."""
 
     def __init__(self, model: nn.Module, optimizer: Any) -> None:
         self.model = model
         self.optimizer = optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        # get_optimizer_state_dict initialises empty optimizer state (with a zero learning rate), so on
-        # load this also serves as the template of shapes and shardings to read into.
+        """``{"optim": flat}``: state tensors and hyper-parameters keyed by parameter name."""
         return {"optim": get_optimizer_state_dict(self.model, self.optimizer, options=_OPTIONS)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's own path (used for states :meth:`template` does not cover)."""
         set_optimizer_state_dict(self.model, self.optimizer, state_dict["optim"], options=_OPTIONS)
+
+    # ---------------------------------------------------------------------------------------------- fast path
+    def params(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """(name, parameter) in the optimizer's order (the positions its own state dict uses)."""
+        names = {id(p): _fqn(self.model, n) for n, p in self.model.named_parameters()}
+        out = []
+        for p in chain.from_iterable(g["params"] for g in self.optimizer.param_groups):
+            if id(p) not in names:
+                raise ValueError("the optimizer holds a parameter that is not the model's")
+            out.append((names[id(p)], p))
+        return out
+
+    def template(self, index: dict[str, TensorInfo | None]) -> dict[str, Any] | None:
+        """Empty targets for every ``state.*`` entry of a checkpoint's index, shaped and sharded like their
+        parameters (``None`` where the value is not a tensor); ``None`` when the index has a state this path
+        does not cover (then use :meth:`state_dict` as the template and :meth:`load_state_dict`)."""
+        from torch.distributed.tensor import DTensor
+
+        by_fqn = dict(self.params())
+        out: dict[str, Any] = {}
+        for key, info in index.items():
+            if not key.startswith(STATE):
+                if key.startswith(GROUPS):
+                    out[key] = None
+                continue
+            fqn, name = _split_state_key(key[len(STATE):], by_fqn)
+            if fqn is None or "." in name:
+                return None  # a nested state (Shampoo...) or a parameter this optimizer does not hold
+            p = by_fqn[fqn]
+            if info is None:
+                out[key] = None
+            elif tuple(info.shape) == tuple(p.shape) and name != "step":
+                dtype = p.dtype if p.is_floating_point() else torch_dtype(info.dtype)
+                if isinstance(p, DTensor):
+                    local = torch.empty(p.to_local().shape, dtype=dtype, device=p.to_local().device)
+                    out[key] = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                                                  shape=p.shape, stride=p.stride())
+                else:
+                    out[key] = torch.empty(p.shape, dtype=dtype, device=p.device)
+            elif isinstance(p, DTensor) and len(info.shape) > 0:
+                return None  # a state of another shape on a sharded parameter: torch's path
+            else:
+                out[key] = torch.empty(tuple(info.shape), dtype=torch_dtype(info.dtype))
+        return out
+
+    def apply(self, flat: dict[str, Any]) -> None:
+        """Load a filled flat state (see :meth:`template`) into the optimizer, keyed by position."""
+        params = self.params()
+        pid = {fqn: i for i, (fqn, _) in enumerate(params)}
+        state: dict[int, dict[str, Any]] = {}
+        for key, value in flat.items():
+            if key.startswith(STATE):
+                fqn, name = _split_state_key(key[len(STATE):], pid)
+                state.setdefault(pid[fqn], {})[name] = value  # type: ignore[index]
+        groups, i = [], 0
+        for group in self.optimizer.param_groups:
+            ids = list(range(i, i + len(group["params"])))
+            i += len(group["params"])
+            first = params[ids[0]][0] if ids else None
+            hyper = {k[len(GROUPS) + len(first) + 1:]: v for k, v in flat.items()
+                     if first is not None and k.startswith(f"{GROUPS}{first}.")}
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, **hyper, "params": ids})
+        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _split_state_key(rest: str, fqns: dict[str, Any]) -> tuple[str | None, str]:
+    """``"layers.0.w.exp_avg"`` -> (``"layers.0.w"``, ``"exp_avg"``), the longest parameter name that fits."""
+    head, _, name = rest.rpartition(".")
+    while head:
+        if head in fqns:
+            return head, name
+        head, _, more = head.rpartition(".")
+        name = f"{more}.{name}"
+    return None, rest
