@@ -1,30 +1,33 @@
-"""Durable save, background-save pause and cold load of a training state, against baselines measured in
-the same run.
+"""Durable save, background-save pause, cold and warm load of a training state, against baselines and peers
+measured in the same run.
 
-    .venv/bin/python benchmarks/save_load.py --size 256MiB --repeats 5
-    .venv/bin/python benchmarks/save_load.py --size 256MiB --world 2     # the same on 2 gloo ranks (FSDP2)
+    .venv/bin/python benchmarks/save_load.py --size 300MB --repeats 5
+    .venv/bin/python benchmarks/save_load.py --size 1.8GB --world 2        # 2 gloo ranks, FSDP2-sharded state
+    $AM_VENV/bin/python benchmarks/save_load.py --size 1.8GB               # + NeMo AutoModel 0.7's checkpointer
 
-The state is a Llama (built from a config) plus its AdamW state after one step, about ``--size`` bytes
-in all. Every contender writes the same state durably (files fsynced) into a fresh folder. Contenders
-are interleaved across repeats after one warm-up round (this VM returns freed memory to its host, so
-first writes from fresh memory are slow), and medians are printed with their ratio to a reference
-measured in the same run:
+The state is a Llama (built from a config) plus its AdamW state after one step, about ``--size`` bytes in
+all. Every contender writes the same state durably (every file fsynced before the clock stops) into a
+fresh folder, and loads it into the live model and a *fresh* optimizer (no state yet), as a resumed
+process does. AutoModel joins as a contender when ``nemo_automodel`` is importable (it needs its own
+virtual environment: ``../shared/bench/setup_automodel_venv.sh``, then ``pip install --no-deps -e .``).
 
-* durable saves against a raw sequential write + fsync of the same bytes (the disk's limit);
-* the time an async save blocks training against a plain copy of the same tensors into preallocated
-  buffers (the limit for staging), and against the sync save;
-* loads (after dropping the page cache, when root) against a raw read of the same bytes.
-
-``peak +RSS`` is the largest rise of the process's resident memory above its level before the call,
-sampled every 2 ms (on 2 ranks, the largest over ranks). On 2 ranks each rank holds half the state
-(FSDP2 shards) and times are those of the slowest rank; the single-file baselines (torch.save,
-safetensors, HF) have no sharded equivalent and are left out.
+Fairness: one untimed warm-up round; then every round runs every contender once, in an order shuffled
+per round (seeded, the same on every rank); cold loads follow a dropped page cache (needs root; the
+table says when it could not); peak memory is the kernel's high-water mark (``VmHWM``, reset through
+``/proc/self/clear_refs`` before each call) read after the call, so nothing samples memory inside the
+timed region. Reported: median and min–max over the rounds, GB/s of the whole state, and the ratio of
+the median to a baseline of the same table (raw write + fsync, memory copy, raw read), because this
+machine's disk varies ±2x from run to run. On several ranks, times are the slowest rank's and memory the
+largest rank's; baselines without a sharded form (torch.save, safetensors.save_file, HF) run on 1 rank only.
+``--json FILE`` keeps every sample for the README table.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import random
 import shutil
 import statistics
 import sys
@@ -92,33 +95,45 @@ def drop_caches() -> bool:
         return False
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 class PeakRSS:
-    """Largest rise of this process's RSS above its level at entry, sampled on a thread."""
+    """Largest rise of resident memory over its level at entry: the kernel's high-water mark, reset at entry
+    and read at exit (nothing runs during the call); a sampling thread where the reset is not allowed."""
 
     def __enter__(self) -> "PeakRSS":
-        self.base = self.peak = _rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        self.base = _status_kib("VmRSS")
+        try:
+            with open("/proc/self/clear_refs", "w") as fh:
+                fh.write("5\n")  # reset VmHWM to the current RSS
+            self._thread = None
+        except OSError:
+            self.peak = self.base
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
         return self
 
-    def _run(self) -> None:
+    def _sample(self) -> None:
         while not self._stop.wait(0.002):
-            self.peak = max(self.peak, _rss())
+            self.peak = max(self.peak, _status_kib("VmRSS"))
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _rss())
+        if self._thread is None:
+            self.peak = _status_kib("VmHWM")
+        else:
+            self._stop.set()
+            self._thread.join()
 
     @property
     def extra(self) -> int:
-        return self.peak - self.base
+        return max(0, self.peak - self.base)
 
 
 class Bench:
@@ -136,7 +151,15 @@ class Bench:
         self.model, self.opt = build_state(_size(args.size), shard=self.world > 1)
         self.tensors = _local_tensors(self.model, self.opt)
         self.nbytes = sum(t.numel() * t.element_size() for t in self.tensors.values())
-        self.copy_targets = {k: torch.empty_like(v).fill_(0) for k, v in self.tensors.items()}
+        self.copy_targets: dict[str, torch.Tensor] = {}  # the async phase's, allocated there (memory)
+        self.read_buffer: torch.Tensor | None = None  # the raw read's destination, allocated by the load phase
+        try:
+            import nemo_automodel  # noqa: F401
+
+            self.automodel = True
+        except ImportError:
+            self.automodel = False
+        self.samples: dict[str, dict[str, list]] = {}
 
     # -------------------------------------------------------------- helpers
     def sync(self) -> None:
@@ -166,6 +189,24 @@ class Bench:
         self.sync()
         return d
 
+    def order(self, names: list[str], r: int) -> list[str]:
+        shuffled = list(names)
+        random.Random(self.args.seed * 1000 + r).shuffle(shuffled)  # the same order on every rank
+        return shuffled
+
+    def fresh_optimizer(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+
+    def am(self, root: Path, fmt: str, consolidated: bool):
+        """NeMo AutoModel's checkpointer through its public configuration (no hub: an empty cache)."""
+        from nemo_automodel.components.checkpoint.config import CheckpointingConfig
+
+        cache = root / "_empty_hf_cache"
+        cache.mkdir(parents=True, exist_ok=True)
+        cfg = CheckpointingConfig(checkpoint_dir=str(root), model_save_format=fmt, save_consolidated=consolidated,
+                                  model_repo_id=None, model_cache_dir=str(cache))
+        return cfg.build(dp_rank=self.rank, tp_rank=0, pp_rank=0)
+
     # -------------------------------------------------------------- contenders
     def savers(self) -> dict[str, Callable[[Path], object]]:
         import safetensors.torch as st
@@ -177,9 +218,7 @@ class Bench:
         model, opt, rank = self.model, self.opt, self.rank
 
         def raw_save(d: Path) -> None:
-            # the state's own bytes, straight from the tensors' memory, in 8 MiB writes, one file: the
-            # disk's limit. (A separate pre-built copy of the bytes measured 1.5-2.5x slower inside this
-            # process on this VM, though not alone; the tensors themselves are what every contender writes.)
+            # the state's own bytes, straight from the tensors' memory, in 8 MiB writes, one file: the disk's limit
             chunk = 8 << 20
             with open(d / f"raw{rank}.bin", "wb", buffering=0) as fh:
                 for t in self.tensors.values():
@@ -188,16 +227,31 @@ class Bench:
                         fh.write(view[off:off + chunk])
                 os.fsync(fh.fileno())
 
-        def dcp_save(d: Path) -> None:
-            dcp.save({"model": model.state_dict(), "optim": opt.state_dict()},
+        def dcp_save(d: Path) -> None:  # torch's state-dict API, as torchtitan uses it
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+            dcp.save({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)},
                      storage_writer=dcp.FileSystemWriter(str(d / "dcp"), sync_files=True), no_dist=self.world == 1)
 
-        def ckptio_save(fmt: str, threads: int | None = None) -> Callable[[Path], None]:
+        def ckptio_save(fmt: str, threads: int | None = None, consolidated: bool = False) -> Callable[[Path], None]:
             def run(d: Path) -> None:  # io_threads=None: the default
                 extra = {} if threads is None else {"io_threads": threads}
-                cfg = CheckpointConfig(checkpoint_dir=str(d / "ck"), model_save_format=fmt, **extra)
-                with CheckpointManager(cfg, model=model, optimizer=opt) as mgr:
+                cfg = CheckpointConfig(checkpoint_dir=str(d / "ck"), model_save_format=fmt,
+                                       save_consolidated=consolidated, **extra)
+                with CheckpointManager(cfg, model=model, optimizer=opt, rng=False) as mgr:
                     mgr.save(step=1)
+            return run
+
+        def am_save(fmt: str, consolidated: bool) -> Callable[[Path], None]:
+            def run(d: Path) -> None:
+                ck = self.am(d / "am", fmt, consolidated)
+                ck.save_model(model, str(d / "am" / "step"))
+                ck.save_optimizer(opt, model, str(d / "am" / "step"))
+                ck.async_wait()
+                ck.close()
+                self.sync()
+                if rank == 0:
+                    fsync_tree(d / "am")  # AutoModel leaves some files to the page cache: durable, like the others
             return run
 
         savers: dict[str, Callable[[Path], object]] = {"raw write + fsync": raw_save}
@@ -220,6 +274,11 @@ class Bench:
         savers["DCP FileSystemWriter"] = dcp_save
         savers["ckptio (safetensors)"] = ckptio_save("safetensors")
         savers["ckptio (torch_save/DCP)"] = ckptio_save("torch_save")
+        savers["ckptio (safetensors) + consolidated"] = ckptio_save("safetensors", consolidated=True)
+        if self.automodel:
+            savers["AutoModel (safetensors)"] = am_save("safetensors", False)
+            savers["AutoModel (torch_save)"] = am_save("torch_save", False)
+            savers["AutoModel (safetensors) + consolidated"] = am_save("safetensors", True)
         for threads in self.args.io_threads:
             if threads != CheckpointConfig().io_threads:  # the row above runs the default
                 savers[f"ckptio (safetensors, io_threads={threads})"] = ckptio_save("safetensors", threads)
@@ -230,9 +289,8 @@ class Bench:
         savers = self.savers()
         results: dict[str, list[tuple[float, int]]] = {k: [] for k in savers}
         kept: dict[str, Path] = {}
-        names = list(savers)
         for r in range(self.args.repeats + 1):
-            for name in names[r % len(names):] + names[: r % len(names)]:
+            for name in self.order(list(savers), r):
                 d = self.folder(name, r)
                 res = self.measure(lambda: savers[name](d))
                 if r > 0:
@@ -241,17 +299,18 @@ class Bench:
                     shutil.rmtree(kept[name], ignore_errors=True)
                 kept[name] = d
             self.say(f"  save round {r}{' (warm-up)' if r == 0 else ''} done")
-        self.report("durable save", results, "raw write + fsync", rate=True)
+        self.report("durable save", results, "raw write + fsync")
         return kept
 
     def run_async(self) -> None:
         from ckptio import CheckpointConfig, CheckpointManager
 
+        self.copy_targets = {k: torch.empty_like(v).fill_(0) for k, v in self.tensors.items()}
         managers = {}
         for fmt in ("safetensors", "torch_save"):
             d = self.folder(f"async-{fmt}", 0)
             cfg = CheckpointConfig(checkpoint_dir=str(d / "ck"), model_save_format=fmt, async_save=True, save_top_k=1)
-            managers[fmt] = CheckpointManager(cfg, model=self.model, optimizer=self.opt)
+            managers[fmt] = CheckpointManager(cfg, model=self.model, optimizer=self.opt, rng=False)
 
         def copy() -> None:
             for k, v in self.tensors.items():
@@ -264,10 +323,9 @@ class Bench:
                 lambda step, mgr=mgr: (mgr.save(step=step), mgr.wait()))
             contenders[f"ckptio sync ({fmt})"] = lambda step, mgr=mgr, fmt=fmt: self._sync_save(fmt, step)
         results: dict[str, list[tuple[float, int]]] = {k: [] for k in contenders}
-        names = list(contenders)
         step = 0
         for r in range(self.args.repeats + 1):
-            for name in names[r % len(names):] + names[: r % len(names)]:
+            for name in self.order(list(contenders), r):
                 step += 1
                 res = self.measure(lambda: contenders[name](step))
                 for mgr in managers.values():
@@ -277,73 +335,119 @@ class Bench:
             self.say(f"  async round {r}{' (warm-up)' if r == 0 else ''} done")
         for mgr in managers.values():
             mgr.close()
-        self.report("background save: time training is blocked", results, "memory copy of the state", rate=True)
+        self.copy_targets = {}
+        self.report("background save: time training is blocked", results, "memory copy of the state")
 
     def _sync_save(self, fmt: str, step: int) -> None:
         from ckptio import CheckpointConfig, CheckpointManager
 
         d = self.base / f"sync-{fmt}"
         cfg = CheckpointConfig(checkpoint_dir=str(d), model_save_format=fmt, save_top_k=1)
-        with CheckpointManager(cfg, model=self.model, optimizer=self.opt) as mgr:
+        with CheckpointManager(cfg, model=self.model, optimizer=self.opt, rng=False) as mgr:
             mgr.save(step=step)
 
-    def run_loads(self, kept: dict[str, Path]) -> None:
+    def loaders(self, kept: dict[str, Path]) -> dict[str, Callable[[], object]]:
         import safetensors.torch as st
         import torch.distributed.checkpoint as dcp
 
         from ckptio import CheckpointConfig, CheckpointManager
 
-        model, opt, rank = self.model, self.opt, self.rank
-        loaders: dict[str, Callable[[], object]] = {
-            "raw read": lambda: (kept["raw write + fsync"] / f"raw{rank}.bin").read_bytes(),
-            "DCP load": lambda: dcp.load({"model": model.state_dict(), "optim": opt.state_dict()},
-                                         storage_reader=dcp.FileSystemReader(str(kept["DCP FileSystemWriter"] / "dcp")),
-                                         no_dist=self.world == 1),
-            "ckptio restore (safetensors)": lambda: CheckpointManager(
-                CheckpointConfig(checkpoint_dir=str(kept["ckptio (safetensors)"] / "ck")), model=model, optimizer=opt,
-                rng=False).restore(),
-            "ckptio restore (torch_save/DCP)": lambda: CheckpointManager(
-                CheckpointConfig(checkpoint_dir=str(kept["ckptio (torch_save/DCP)"] / "ck"),
-                                 model_save_format="torch_save"), model=model, optimizer=opt, rng=False).restore(),
+        model, rank = self.model, self.rank
+
+        def raw_read() -> None:
+            assert self.read_buffer is not None
+            view = memoryview(self.read_buffer.numpy())
+            with open(kept["raw write + fsync"] / f"raw{rank}.bin", "rb", buffering=0) as fh:
+                done = 0
+                while True:
+                    n = fh.readinto(view[done:done + (8 << 20)])
+                    if not n:
+                        break
+                    done += n
+
+        def dcp_load() -> None:
+            opt = self.fresh_optimizer()
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+            sd = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}
+            dcp.load(sd, storage_reader=dcp.FileSystemReader(str(kept["DCP FileSystemWriter"] / "dcp")),
+                     no_dist=self.world == 1)
+            set_optimizer_state_dict(model, opt, sd["optim"])
+
+        def ckptio_load(name: str, fmt: str) -> Callable[[], None]:
+            return lambda: CheckpointManager(CheckpointConfig(checkpoint_dir=str(kept[name] / "ck"),
+                                                              model_save_format=fmt),
+                                             model=model, optimizer=self.fresh_optimizer(), rng=False).restore()
+
+        def am_load(name: str, fmt: str) -> Callable[[], None]:
+            def run() -> None:
+                ck = self.am(kept[name] / "am", fmt, False)
+                step = kept[name] / "am" / "step"
+                opt = self.fresh_optimizer()
+                ck.load_model(model, str(step / "model"))
+                ck.load_optimizer(opt, model, str(step))
+                ck.close()
+            return run
+
+        out: dict[str, Callable[[], object]] = {
+            "raw read": raw_read,
+            "DCP load (+ set_optimizer_state_dict)": dcp_load,
+            "ckptio restore (safetensors)": ckptio_load("ckptio (safetensors)", "safetensors"),
+            "ckptio restore (torch_save/DCP)": ckptio_load("ckptio (torch_save/DCP)", "torch_save"),
         }
         if self.world == 1:
-            loaders["torch.load"] = lambda: torch.load(kept["torch.save"] / "ckpt.pt", weights_only=True)
-            loaders["safetensors.load_file"] = lambda: st.load_file(kept["safetensors.save_file"] / "ckpt.safetensors")
-        results: dict[str, list[tuple[float, int]]] = {k: [] for k in loaders}
-        cold = True
-        names = list(loaders)
-        for r in range(self.args.repeats + 1):
-            for name in names[r % len(names):] + names[: r % len(names)]:
-                self.sync()
-                if rank == 0:
-                    cold = drop_caches() and cold
-                res = self.measure(loaders[name])
-                if r > 0:
-                    results[name].append(res)
-        self.report(f"load ({'cold page cache' if cold else 'WARM page cache: could not drop it'})", results,
-                    "raw read", rate=True)
+            out["torch.load"] = lambda: torch.load(kept["torch.save"] / "ckpt.pt", weights_only=True)
+            out["safetensors.load_file"] = lambda: st.load_file(kept["safetensors.save_file"] / "ckpt.safetensors")
+        if self.automodel:
+            out["AutoModel load (safetensors)"] = am_load("AutoModel (safetensors)", "safetensors")
+            out["AutoModel load (torch_save)"] = am_load("AutoModel (torch_save)", "torch_save")
+        return out
+
+    def run_loads(self, kept: dict[str, Path]) -> None:
+        self.read_buffer = torch.ones(self.nbytes, dtype=torch.uint8)  # touched, like the model it fills
+        loaders = self.loaders(kept)
+        for warm in (False, True):
+            results: dict[str, list[tuple[float, int]]] = {k: [] for k in loaders}
+            cold = not warm
+            for r in range(self.args.repeats + 1):
+                for name in self.order(list(loaders), r):
+                    self.sync()
+                    if warm:
+                        loaders[name]()  # the same files, just read: in the page cache
+                    elif self.rank == 0:
+                        cold = drop_caches() and cold
+                    self.sync()
+                    res = self.measure(loaders[name])
+                    if r > 0:
+                        results[name].append(res)
+            what = "warm page cache" if warm else ("cold page cache" if cold else "WARM page cache: could not drop it")
+            self.report(f"load ({what})", results, "raw read")
 
     # -------------------------------------------------------------- output
     def say(self, text: str) -> None:
         if self.rank == 0:
             print(text, flush=True)
 
-    def report(self, title: str, results: dict[str, list[tuple[float, int]]], ref: str, rate: bool) -> None:
+    def report(self, title: str, results: dict[str, list[tuple[float, int]]], ref: str) -> None:
         ref_t = statistics.median(t for t, _ in results[ref])
-        self.say(f"\n{title} ({self.args.repeats} repeats, median; x = time / {ref}; {self.world} rank(s))")
-        self.say(f"  {'':<52} {'time':>8} {'GB/s':>7} {'x':>6} {'peak +RSS':>10}")
+        self.samples[title] = {k: v for k, v in results.items()}
+        self.say(f"\n{title} ({self.args.repeats} rounds; median, min-max; x = median / median of {ref}; "
+                 f"{self.world} rank(s))")
+        self.say(f"  {'':<44} {'median':>8} {'min-max':>13} {'GB/s':>6} {'x':>6} {'peak +RSS':>10}")
         for name, runs in results.items():
-            med = statistics.median(t for t, _ in runs)
+            times = [t for t, _ in runs]
+            med = statistics.median(times)
             rss = max(m for _, m in runs)
-            gbs = self.nbytes * self.world / med / 1e9 if rate else float("nan")
-            self.say(f"  {name:<52} {med:7.3f}s {gbs:7.2f} {med / ref_t:6.2f} {rss / 2**20:7.0f} MiB")
+            gbs = self.nbytes * self.world / med / 1e9
+            self.say(f"  {name:<44} {med:7.3f}s {min(times):6.3f}-{max(times):.3f} {gbs:6.2f} {med / ref_t:6.2f} "
+                     f"{rss / 2**20:7.0f} MiB")
 
 
 def run(args: argparse.Namespace, base: Path) -> None:
     bench = Bench(args, base)
     total = bench.nbytes * bench.world
-    bench.say(f"state: {len(bench.tensors)} tensors per rank, {total / 2**20:.0f} MiB in all on {bench.world} rank(s)"
-              f" (model + AdamW); writing under {base}")
+    bench.say(f"state: {len(bench.tensors)} tensors per rank, {total / 1e9:.2f} GB in all on {bench.world} rank(s)"
+              f" (model + AdamW){', AutoModel present' if bench.automodel else ''}; writing under {base}")
     phases = args.phases
     kept = bench.run_saves() if "save" in phases or "load" in phases else {}
     if "async" in phases:
@@ -351,6 +455,9 @@ def run(args: argparse.Namespace, base: Path) -> None:
     if "load" in phases:
         bench.run_loads(kept)
     bench.sync()
+    if args.json and bench.rank == 0:
+        Path(args.json).write_text(json.dumps({"size_bytes": total, "world": bench.world, "automodel": bench.automodel,
+                                               "samples": bench.samples}, indent=1))
 
 
 def _rank_main(rank: int, world: int, store: str, args: argparse.Namespace, base: Path) -> None:
@@ -369,24 +476,28 @@ def _rank_main(rank: int, world: int, store: str, args: argparse.Namespace, base
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size", default="256MiB", help="approximate bytes of model + optimizer state (all ranks)")
+    p.add_argument("--size", default="300MB", help="approximate bytes of model + optimizer state (all ranks)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--world", type=int, default=1, help="ranks (gloo on CPU, FSDP2-sharded state)")
     p.add_argument("--io-threads", default="1", help="comma-separated io_threads values to compare, e.g. 1,2,4")
     p.add_argument("--phases", default="save,async,load", help="any of save, async, load")
     p.add_argument("--dir", default=None, help="where to write (default: a temporary folder on this disk)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the per-round shuffle of contenders")
+    p.add_argument("--json", default=None, help="write every sample here (rank 0)")
     args = p.parse_args()
     args.io_threads = [int(x) for x in args.io_threads.split(",")]
     args.phases = set(args.phases.split(","))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     import warnings
 
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    warnings.filterwarnings("ignore")
     os.environ.setdefault("TQDM_DISABLE", "1")
     base = Path(args.dir or tempfile.mkdtemp(prefix="ckptio-bench-", dir="/var/tmp"))
     base.mkdir(parents=True, exist_ok=True)
     try:
         if args.world == 1:
+            torch.set_num_threads(1)
             run(args, base)
         else:
             import torch.multiprocessing as mp
