@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
+import os
 import string
 from dataclasses import dataclass, fields
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
 from .errors import ConfigError
 
@@ -15,19 +17,23 @@ VERIFY_MODES = ("none", "size", "full")
 _TEMPLATE_FIELDS_REQUIRED = ("step",)
 
 SaveConsolidated = Union[bool, Literal["final"]]
+ModelSaveFormat = Literal["safetensors", "torch_save"]
+VerifyMode = Literal["none", "size", "full"]
+Mode = Literal["min", "max"]
+PathLike = Union[str, os.PathLike]
 
 
 @dataclass
 class CheckpointConfig:
     """Where and how checkpoints are written and which one a run resumes from."""
 
-    checkpoint_dir: str = "checkpoints"
+    checkpoint_dir: PathLike = "checkpoints"
     """Folder that holds the step directories and the LATEST pointer; created on first save."""
 
-    model_save_format: str = "safetensors"
+    model_save_format: ModelSaveFormat = "safetensors"
     """``safetensors``: one safetensors file of local shards per rank; ``torch_save``: a PyTorch DCP folder."""
 
-    optimizer_save_format: str | None = None
+    optimizer_save_format: ModelSaveFormat | None = None
     """How the optimizer state is saved: ``safetensors`` (tensors as per-rank safetensors shards keyed by
     parameter name, hyper-parameters in ``values.json``; the fast path) or ``torch_save`` (a PyTorch DCP
     folder). ``None``: the same as ``model_save_format``. Both reshard on load."""
@@ -42,7 +48,7 @@ class CheckpointConfig:
     is_peft: bool = False
     """The model is a PEFT model: only the adapter weights are saved, always consolidated."""
 
-    restore_from: str | None = None
+    restore_from: PathLike | None = None
     """``None``: newest complete checkpoint in ``checkpoint_dir`` (start fresh if none); ``"LATEST"``:
     the LATEST pointer; a step directory name inside ``checkpoint_dir``; or a path to a step directory."""
 
@@ -60,7 +66,7 @@ class CheckpointConfig:
     monitor: str | None = None
     """Metric passed to ``save(metrics=…)`` that ranks checkpoints and moves the BEST pointer."""
 
-    mode: str = "min"
+    mode: Mode = "min"
     """``min`` or ``max``: which direction of ``monitor`` is better."""
 
     save_last: bool = True
@@ -78,7 +84,7 @@ class CheckpointConfig:
     enabled: bool = True
     """``False`` turns every save and restore into a no-op (dry runs, debugging)."""
 
-    verify: str = "full"
+    verify: VerifyMode = "full"
     """How much of a checkpoint is checked when it is loaded: ``"full"``: every byte against the
     manifest's checksums, hashed while it is read (no second pass in the usual case); ``"size"``: every
     file is present, a regular file inside the step directory, with its recorded size; ``"none"``: the
@@ -104,9 +110,22 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         self.validate()
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> "CheckpointConfig":
+        known = {f.name for f in fields(cls)}
+        for key in kwargs:
+            if key not in known:
+                close = difflib.get_close_matches(key, sorted(known), n=1)
+                raise ConfigError(f"CheckpointConfig has no field {key!r}"
+                                  + (f"; did you mean {close[0]!r}?" if close else f"; its fields are {sorted(known)}"))
+        return super().__new__(cls)
+
     def validate(self) -> None:
+        if isinstance(self.checkpoint_dir, os.PathLike):
+            self.checkpoint_dir = os.fspath(self.checkpoint_dir)
+        if isinstance(self.restore_from, os.PathLike):
+            self.restore_from = os.fspath(self.restore_from)
         if not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir:
-            raise ConfigError("checkpoint_dir must be a non-empty path string, e.g. 'checkpoints'")
+            raise ConfigError("checkpoint_dir must be a non-empty path, e.g. 'checkpoints'")
         if self.model_save_format not in MODEL_SAVE_FORMATS:
             raise ConfigError(
                 f"model_save_format={self.model_save_format!r} is not supported; use one of {list(MODEL_SAVE_FORMATS)}"
@@ -115,7 +134,7 @@ class CheckpointConfig:
             raise ConfigError(f"optimizer_save_format={self.optimizer_save_format!r} is not supported; use one of "
                               f"{list(MODEL_SAVE_FORMATS)} or null (the same as model_save_format)")
         self.save_consolidated = _parse_save_consolidated(self.save_consolidated)
-        from .formats.hf_bundle import parse_size
+        from .formats.common import parse_size
 
         try:
             parse_size(self.consolidated_max_shard_size)

@@ -13,6 +13,8 @@ __all__ = [
     "CheckpointMismatchError",
     "CheckpointCorruptError",
     "ConfigError",
+    "MissingDependencyError",
+    "require",
 ]
 
 
@@ -34,3 +36,20 @@ class CheckpointCorruptError(CheckpointError, ValueError):
 
 class ConfigError(CheckpointError, ValueError):
     """A configuration value is invalid; the message names the field and the fix."""
+
+
+class MissingDependencyError(CheckpointError, ImportError):
+    """An optional dependency a feature needs is not installed; the message gives the extra to install."""
+
+
+def require(module: str, *, extra: str, purpose: str):  # noqa: ANN201 - returns the module
+    """Import ``module`` for ``purpose``, or raise :class:`MissingDependencyError` with the install line."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        top = module.split(".")[0]
+        raise MissingDependencyError(
+            f"{purpose} needs the optional dependency {top!r}, which is not installed: pip install 'ckptio[{extra}]'"
+        ) from exc

@@ -103,8 +103,9 @@ class CheckpointManager:
         self._lock = self.storage.lock()
         self._saver = Saver(config, self.tracked, self.storage, self._lock, self.log)
         self._restorer = Restorer(config, self.tracked, self.log)
-        # collective when distributed: every rank builds the manager
-        self._writer = BackgroundWriter(self.log) if config.async_save and config.enabled else None
+        # made at the first background save (a collective: it builds a gloo group), so that a manager used
+        # only to restore starts no thread and creates no process group
+        self._writer: BackgroundWriter | None = None
 
     @property
     def model(self) -> nn.Module | None:
@@ -178,6 +179,8 @@ class CheckpointManager:
         self._check_monitor(metrics)
         if final is None:
             final = bool(getattr(self.step_scheduler, "done", False))
+        if self.config.async_save and self._writer is None:
+            self._writer = BackgroundWriter(self.log)
         job = self._saver.snapshot(step, epoch, metrics, dict(counters or {}), final, stage=self._writer is not None)
         if self._writer is None:
             self._saver.persist(job)

@@ -15,7 +15,7 @@ from torch import nn
 
 from . import _dist
 from ._log import get_logger
-from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, require
 from .formats import safetensors_sharded
 from .formats.hf_bundle import INDEX_FILE
 from .state import ModelState
@@ -71,7 +71,8 @@ def _rebuild_rotary(module: nn.Module, device: torch.device) -> None:
     if module.rope_type == "default":
         init = module.compute_default_rope_parameters
     else:
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        ROPE_INIT_FUNCTIONS = require("transformers.modeling_rope_utils", extra="hf",
+                                      purpose="rebuilding rotary embeddings").ROPE_INIT_FUNCTIONS
 
         init = ROPE_INIT_FUNCTIONS[module.rope_type]
     inv_freq, scaling = init(module.config, device=device)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..errors import CheckpointNotFoundError
+from ..errors import CheckpointNotFoundError, require
 from ._fmt import human_bytes
 
 
@@ -29,7 +29,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    transformers = require("transformers", extra="hf", purpose="ckptio quantize")
+    AutoModelForCausalLM, AutoTokenizer = transformers.AutoModelForCausalLM, transformers.AutoTokenizer
 
     from ..formats import qnemo
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointCorruptError, CheckpointError
+from ..errors import CheckpointCorruptError, CheckpointError, require
 from ..formats import registry
 from ..formats.common import read_json
 from ..formats import pt as pt_format
@@ -23,7 +23,8 @@ __all__ = ["parameter_order", "index_keyed_optimizer", "read_training_state"]
 
 def _meta_model(config_json: Path) -> Any:
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    transformers = require("transformers", extra="hf", purpose="reading a model's parameter order from its config")
+    AutoConfig, AutoModelForCausalLM = transformers.AutoConfig, transformers.AutoModelForCausalLM
 
     if not config_json.is_file():
         raise CheckpointError(f"{config_json} is missing: the model's parameter layout comes from its config")

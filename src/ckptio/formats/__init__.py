@@ -1,8 +1,5 @@
-"""How bytes are laid out: one module per on-disk format.
-
-Each format module offers a symmetric ``save``/``load`` pair plus ``read_index``, which describes the
-tensors in a saved folder (key -> global shape and dtype) without loading them.
-"""
+"""How bytes are laid out: one module per checkpoint format, each a :class:`~ckptio.formats.registry.Format`
+registered once (see :mod:`ckptio.formats.registry` and docs/architecture.md)."""
 
 from .common import TensorInfo
 

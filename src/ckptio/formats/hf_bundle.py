@@ -19,19 +19,17 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from ..errors import ConfigError
 from ..storage.confined import Folder
 from . import _st_writer
 from . import dcp as dcp_format
 from . import safetensors_sharded
-from .common import TensorInfo, natural_key, torch_dtype
+from .common import TensorInfo, natural_key, parse_size, torch_dtype
 from .registry import Format, Opened, WriteOptions, register
 
 if TYPE_CHECKING:
@@ -43,21 +41,6 @@ DEFAULT_MAX_SHARD_SIZE = "5GB"
 _WEIGHT_SUFFIXES = (".safetensors", ".distcp")
 _NOT_EXTRAS = {dcp_format.METADATA_FILE, INDEX_FILE, "manifest.json"}
 
-
-
-def parse_size(value: str | int) -> int:
-    """``"5GB"`` -> 5_000_000_000 (decimal units, as Hugging Face counts), ``"2GiB"`` -> 2**31, ints as is."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        size = value
-    else:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(I?)B?\s*", str(value).upper())
-        if not m:
-            raise ConfigError(f"max shard size {value!r} is not a size such as '5GB', '500MB' or '2GiB'")
-        base = 1024 if m.group(3) else 1000
-        size = int(float(m.group(1)) * base ** " KMGT".index(m.group(2) or " "))
-    if size < 1:
-        raise ConfigError(f"max shard size must be positive, got {value!r}")
-    return size
 
 
 def open_source(folder: "str | Path | Folder") -> "TensorSource":

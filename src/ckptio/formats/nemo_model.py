@@ -20,7 +20,7 @@ import yaml
 from torch import nn
 
 from .. import _dist
-from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, require
 from ..storage import LocalFolderWriter
 from ..storage.confined import Folder
 from . import dcp as dcp_format
@@ -61,7 +61,7 @@ class NemoModel:
         files = tokenizer_files(self.config, self.path)
         if not files:
             return None
-        from transformers import AutoTokenizer
+        AutoTokenizer = require("transformers", extra="hf", purpose="loading a .nemo's tokenizer").AutoTokenizer
 
         with tempfile.TemporaryDirectory(prefix="ckptio-tok-") as tmp:
             copy_tokenizer(Folder(self.folder), files, Path(tmp))
@@ -245,7 +245,8 @@ def model_from_config(config: dict[str, Any], where: Path) -> nn.Module:
             f"{where}: its config has no hf_config with a model_type, so ckptio cannot build the model; "
             "pass model= (an instance of the model the archive was saved from)"
         )
-    from transformers import AutoConfig, AutoModelForCausalLM
+    transformers = require("transformers", extra="hf", purpose="building the model of a .nemo from its config")
+    AutoConfig, AutoModelForCausalLM = transformers.AutoConfig, transformers.AutoModelForCausalLM
 
     cfg = AutoConfig.for_model(**hf)
     return AutoModelForCausalLM.from_config(cfg)

@@ -38,7 +38,7 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, ConfigError
+from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, ConfigError, require
 from ..storage import LocalFolderWriter
 from ..storage.confined import Folder
 from ._st_reader import SafetensorsFile
@@ -221,7 +221,8 @@ def load_qnemo(path: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn
 
 def _rebuild(ranks: list[dict[str, torch.Tensor]], algo: str, hf_config: dict, dtype: torch.dtype,
              where: Path) -> torch.nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    transformers = require("transformers", extra="hf", purpose="reading a .qnemo export back")
+    AutoConfig, AutoModelForCausalLM = transformers.AutoConfig, transformers.AutoModelForCausalLM
 
     tp = len(ranks)
     scale_key = "per_channel_scale" if algo == "int8_wo" else "weights_scaling_factor"
