@@ -82,3 +82,58 @@ def test_bad_input_gives_a_clear_error_not_a_traceback(ckpts, tmp_path):
     assert out.returncode == 2 and "bad.safetensors" in out.stderr and "Traceback" not in out.stderr
     out = cli("list", str(tmp_path / "nope"))
     assert out.returncode == 2 and "nope" in out.stderr
+
+
+def _fresh(root: Path) -> Path:
+    model = torch.nn.Linear(8, 8)
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=str(root)), model=model) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step=step, metrics={"val_loss": 1.0 / step})
+    return root
+
+
+def test_every_reporting_command_speaks_json(tmp_path):
+    root = _fresh(tmp_path / "ck")
+    step = root / "epoch_0_step_3"
+    verify = cli("verify", str(root), "--json")
+    assert verify.returncode == 0 and json.loads(verify.stdout)["ok"] is True
+    assert len(json.loads(verify.stdout)["checkpoints"]) == 3
+    prune = cli("prune", str(root), "--keep-latest", "1", "--dry-run", "--json")
+    data = json.loads(prune.stdout)
+    assert prune.returncode == 0 and data["dry_run"] and sorted(data["delete"]) == ["epoch_0_step_1", "epoch_0_step_2"]
+    assert "epoch_0_step_3" in data["keep"] and all((root / n).is_dir() for n in data["delete"])
+    cons = cli("consolidate", str(step), "--out", str(tmp_path / "hf"), "--json")
+    assert cons.returncode == 0, cons.stderr
+    data = json.loads(cons.stdout)
+    assert data["out"] == str(tmp_path / "hf") and data["tensors"] == 2 and data["bytes"] == (64 + 8) * 4
+    conv = cli("convert", str(step), str(tmp_path / "w.pt"), "--to", "torch", "--json")
+    assert conv.returncode == 0, conv.stderr
+    data = json.loads(conv.stdout)
+    assert data["source_format"] == "step_dir" and data["format"] == "torch" and data["bytes"] == (64 + 8) * 4
+    for out in (verify, prune, cons, conv):
+        assert "%" not in out.stdout  # progress never mixes into the JSON
+
+
+def test_progress_is_plain_lines_when_piped(tmp_path):
+    root = _fresh(tmp_path / "ck")
+    out = cli("verify", str(root / "epoch_0_step_3"))
+    assert out.returncode == 0 and "100%" in out.stderr and "\r" not in out.stderr
+    out = cli("verify", str(root / "epoch_0_step_3"), "--no-progress")
+    assert "%" not in out.stderr
+
+
+@pytest.mark.parametrize("args", [
+    ("list", "{missing}"), ("inspect", "{missing}"), ("verify", "{missing}"),
+    ("prune", "{missing}", "--keep-latest", "1"), ("consolidate", "{missing}"),
+    ("convert", "{missing}", "{tmp}/out", "--to", "hf"), ("nemo", "unpack", "{missing}", "{tmp}/out"),
+    ("prune", "{root}", "--keep-latest", "0"), ("prune", "{root}", "--save-top-k", "2"),
+    ("prune", "{root}"), ("convert", "{root}", "{tmp}/out", "--to", "nonsense"),
+])
+def test_missing_input_and_nonsense_options_are_errors_everywhere(tmp_path, args):
+    root = tmp_path / "ck"
+    root.mkdir()
+    argv = [a.format(missing=tmp_path / "missing", tmp=tmp_path, root=root) for a in args]
+    out = cli(*argv)
+    assert out.returncode == 2, (argv, out.returncode, out.stdout, out.stderr)
+    assert "error" in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "out").exists()

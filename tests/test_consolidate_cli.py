@@ -53,6 +53,8 @@ def hwm():
             return int(line.split()[1]) * 1024
 import torch, safetensors.torch, tqdm
 from ckptio.cli import main
+import ckptio.formats.hf_bundle, ckptio.formats.registry  # the code itself, imported lazily by the command
+ckptio.formats.registry.names()
 before = hwm()
 code = main(["consolidate", sys.argv[1], "--out", sys.argv[2], "--max-shard-size", sys.argv[3], "--no-progress"])
 print("EXTRA", hwm() - before)

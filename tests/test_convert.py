@@ -174,3 +174,27 @@ def test_converted_step_dir_reshards_onto_two_ranks(hf_model, tmp_path):
     got = run_ranks(2, _restore_converted, root=str(tmp_path))[0]
     for k, v in ref.items():
         assert torch.equal(got[k], v), k
+
+
+def test_inspect_describes_every_format_convert_reads(hf_model, tmp_path):
+    """``ckptio inspect --tensors`` on each format: the same tensors, element count and dtype as the model,
+    and the architecture wherever the config travelled with the weights."""
+    import json
+
+    src, ref = hf_model
+    numel = sum(v.numel() for v in ref.values())
+    for fmt in FORMATS:
+        out = convert(src, tmp_path / f"i-{fmt}{SUFFIX.get(fmt, '')}", fmt)
+        run = subprocess.run([CKPTIO, "inspect", str(out), "--json", "--tensors"], capture_output=True, text=True)
+        assert run.returncode == 0, f"{fmt}: {run.stderr}"
+        info = json.loads(run.stdout)
+        listed = info["tensor_list"]
+        assert set(listed) == set(ref), f"{fmt}: inspect lists other tensors"
+        for k, v in ref.items():
+            assert listed[k] == {"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape)}, (fmt, k)
+        summary = info["tensors"] if "tensors" in info else info["states"]["model"]["tensors"]
+        assert summary["elements"] == numel and summary["tensors"] == len(ref), fmt
+        if fmt in ("step_dir", "hf", "safetensors", "dcp", "nemo"):
+            assert info.get("architecture") == "LlamaForCausalLM", f"{fmt}: {info.get('architecture')}"
+        human = subprocess.run([CKPTIO, "inspect", str(out), "--tensors"], capture_output=True, text=True)
+        assert human.returncode == 0 and "model.embed_tokens.weight" in human.stdout and "elements" in human.stdout

@@ -209,7 +209,8 @@ def read_manifest(step_dir: str | Path | Folder) -> Manifest:
     return Manifest.from_json(data, path)
 
 
-def check_files(step_dir: str | Path | Folder, manifest: Manifest, *, checksums: bool = False) -> list[str]:
+def check_files(step_dir: str | Path | Folder, manifest: Manifest, *, checksums: bool = False,
+                progress: Any = None) -> list[str]:
     """Problems with the files a manifest lists, one line each naming the file.
 
     Always: missing files, links and special files in their place, and sizes that differ. With
@@ -231,7 +232,7 @@ def check_files(step_dir: str | Path | Folder, manifest: Manifest, *, checksums:
         else:
             good.append(rel)
     if checksums:
-        problems += Verifier(folder, manifest.checksums).finish(good)
+        problems += Verifier(folder, manifest.checksums).finish(good, progress)
     return problems
 
 

@@ -9,15 +9,17 @@ import uuid
 from pathlib import Path
 
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
-from ..formats import hf_bundle, registry
 from ..layout import TMP_PREFIX
 from ..manifest import MANIFEST_NAME, check_files, read_manifest
 from ..storage import LocalFolderWriter
 from ..storage.checksum import file_checksum
-from ..storage.posix import copy_on_write
 from ..storage.confined import Folder
 from ..storage.lock import DirectoryLock
-from ._fmt import human_bytes
+from ..storage.posix import copy_on_write
+from ._fmt import human_bytes, print_json
+from ._progress import progress
+
+DEFAULT_MAX_SHARD_SIZE = "5GB"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -28,11 +30,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "Memory stays bounded by the largest tensor.")
     p.add_argument("checkpoint", help="a step directory, or a model folder (safetensors shards or DCP)")
     p.add_argument("--out", help="output folder (default: <step dir>/model/consolidated)")
-    p.add_argument("--max-shard-size", default=hf_bundle.DEFAULT_MAX_SHARD_SIZE,
+    p.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,
                    help="largest output file, e.g. 5GB (default), 500MB, 2GiB")
     p.add_argument("--dtype", default=None, help="cast floating-point tensors, e.g. bfloat16")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true", help="no progress (a bar on a terminal, lines otherwise)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--force", action="store_true",
                    help="write into a checkpoint whose folder lock is held by a process that is gone")
     p.set_defaults(run=run)
@@ -40,6 +43,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def _model_folder(path: Path) -> tuple[Path, Path | None]:
     """(model folder, step directory or ``None``) of what the user named."""
+    from ..formats import registry
+
     if (path / MANIFEST_NAME).is_file():
         manifest = read_manifest(path)
         entry = manifest.states.get("model")
@@ -56,6 +61,8 @@ def _model_folder(path: Path) -> tuple[Path, Path | None]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..formats import hf_bundle
+
     src, step_dir = _model_folder(Path(args.checkpoint))
     out = Path(args.out) if args.out else src / "consolidated"
     if out.exists() and any(out.iterdir()) and not args.overwrite:
@@ -65,11 +72,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"ckptio consolidate: warning: {src} has no config.json; transformers needs one beside the weights",
               file=sys.stderr)
     start = time.perf_counter()
-    bar = None
-    if not args.no_progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=plan.total_size, unit="B", unit_scale=True, desc="consolidating", file=sys.stderr)
+    bar = progress(plan.total_size, "consolidating", enabled=not args.no_progress)
     try:
         inside = step_dir is not None and out.resolve().is_relative_to(step_dir.resolve())
         if inside:
@@ -77,19 +80,25 @@ def run(args: argparse.Namespace) -> int:
         else:
             _into_folder(out, source, plan, bar)
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
+    seconds = time.perf_counter() - start
+    if args.json:
+        print_json({"out": str(out), "tensors": len(plan.infos), "bytes": plan.total_size, "files": len(plan.files),
+                    "seconds": round(seconds, 3), "into_checkpoint": inside})
+        return 0
     print(f"wrote {len(plan.infos)} tensors, {human_bytes(plan.total_size)} in {len(plan.files)} file(s) to {out} "
-          f"in {time.perf_counter() - start:.1f} s")
+          f"in {seconds:.1f} s")
     print(f"load it with: AutoModelForCausalLM.from_pretrained({str(out)!r})")
     return 0
 
 
 def _into_folder(out: Path, source, plan, bar) -> None:
+    from ..formats import hf_bundle
+
     out.parent.mkdir(parents=True, exist_ok=True)
     writer = LocalFolderWriter.create(out)
     try:
-        hf_bundle.write_bundle(source, plan, writer, "", progress=bar.update if bar else None)
+        hf_bundle.write_bundle(source, plan, writer, "", progress=bar.update)
         writer.commit()  # replaces an existing folder (--overwrite) in one atomic exchange
     except BaseException:
         writer.abort()
@@ -104,6 +113,8 @@ def _into_checkpoint(step_dir: Path, out: Path, source, plan, bar, *, force: boo
     and the copy replaces the original in one atomic exchange. A crash leaves the old checkpoint or the
     new one; the original files are never written to.
     """
+    from ..formats import hf_bundle
+
     root = step_dir.parent
     lock = DirectoryLock(root)
     lock.acquire(force=force)
@@ -123,7 +134,7 @@ def _into_checkpoint(step_dir: Path, out: Path, source, plan, bar, *, force: boo
             return rel == MANIFEST_NAME or rel == rel_out or rel.startswith(rel_out + "/")
 
         copy_on_write(step_dir, stage, skip=skip)
-        written = hf_bundle.write_bundle(source, plan, writer, rel_out, progress=bar.update if bar else None)
+        written = hf_bundle.write_bundle(source, plan, writer, rel_out, progress=bar.update)
         files = writer.files()
         sums = {k: v for k, v in manifest.checksums.items() if k in files and not skip(k)}
         sums.update(written)

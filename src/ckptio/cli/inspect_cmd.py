@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from ..describe import inspect_path
 from ._fmt import human_bytes, print_json
@@ -16,18 +17,42 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                 ".pt file")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.add_argument("--files", action="store_true", help="list every file with its size")
+    p.add_argument("--tensors", action="store_true", help="list every tensor with its dtype and shape")
     p.set_defaults(run=run)
 
 
+def _count(n: int) -> str:
+    for unit, size in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
 def _tensor_lines(t: dict, indent: str) -> list[str]:
-    lines = [f"{indent}tensors: {t['tensors']}, {human_bytes(t['bytes'])}"]
+    elements = f", {_count(t['elements'])} elements" if "elements" in t else ""
+    lines = [f"{indent}tensors: {t['tensors']}, {human_bytes(t['bytes'])}{elements}"]
     for dtype, d in sorted(t["dtypes"].items()):
         lines.append(f"{indent}  {dtype:<10} {d['tensors']:>6} tensors  {human_bytes(d['bytes']):>10}")
     return lines
 
 
+def _tensor_list(path: str) -> dict[str, dict]:
+    """Name -> dtype and shape of every tensor the format's reader offers (a step directory: the model)."""
+    from ..formats import registry
+    from ..formats.common import natural_key
+
+    opened = registry.detect(path).open(Path(path))
+    try:
+        index = opened.source.index()
+    finally:
+        opened.close()
+    return {k: {"dtype": index[k].dtype, "shape": list(index[k].shape)} for k in sorted(index, key=natural_key)}
+
+
 def run(args: argparse.Namespace) -> int:
     info = inspect_path(args.path)
+    if args.tensors:
+        info["tensor_list"] = _tensor_list(args.path)
     if args.json:
         print_json(info)
         return 0
@@ -35,6 +60,10 @@ def run(args: argparse.Namespace) -> int:
     if args.files:
         lines.append("  file list:")
         lines += [f"    {human_bytes(size):>10}  {name}" for name, size in info["files"].items()]
+    if args.tensors:
+        lines.append("  tensor list:")
+        width = max((len(k) for k in info["tensor_list"]), default=0)
+        lines += [f"    {k:<{width}}  {t['dtype']:<9} {t['shape']}" for k, t in info["tensor_list"].items()]
     print("\n".join(lines))
     return 0
 
@@ -46,7 +75,8 @@ def describe_lines(info: dict) -> list[str]:
         metrics = ", ".join(f"{k}={v:g}" for k, v in sorted(info["metrics"].items())) or "none"
         lines += [
             f"  checkpoint: {info['name']}  (step {info['step']}, epoch {info['epoch']})",
-            f"  format: model {info['model_save_format']}{' (PEFT)' if info['is_peft'] else ''}, optimizer dcp",
+            f"  format: model {info['model_save_format']}{' (PEFT)' if info['is_peft'] else ''}"
+            + (f", optimizer {info['states']['optim']['format']}" if "optim" in info.get("states", {}) else ""),
             f"  saved on: {info['world_size']} rank(s), {info['created']}",
             f"  metrics: {metrics}",
         ]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..formats import nemo
 from ._fmt import human_bytes
+from ._progress import progress
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -19,15 +19,28 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     up = actions.add_parser("unpack", help="extract a .nemo into a new folder (refuses hostile archives)")
     up.add_argument("archive", help="the .nemo file (tar, optionally gzip)")
     up.add_argument("folder", help="a folder that does not exist yet")
+    for sp in (pk, up):
+        sp.add_argument("--no-progress", action="store_true", help="no progress (a bar on a terminal, lines otherwise)")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..formats import nemo
+
     if args.action == "pack":
-        out = nemo.pack(args.folder, args.out)
+        total = sum(p.stat().st_size for p in Path(args.folder).rglob("*") if p.is_file() and not p.is_symlink())
+        bar = progress(total, "packing", enabled=not args.no_progress)
+        try:
+            out = nemo.pack(args.folder, args.out, progress=bar.update)
+        finally:
+            bar.close()
         print(f"packed {args.folder} into {out} ({human_bytes(Path(out).stat().st_size)})")
     else:
-        dest = nemo.unpack(args.archive, args.folder)
+        bar = progress(Path(args.archive).stat().st_size, "unpacking", enabled=not args.no_progress)
+        try:
+            dest = nemo.unpack(args.archive, args.folder, progress=bar.update)
+        finally:
+            bar.close()
         files = [p for p in dest.rglob("*") if p.is_file()]
         print(f"unpacked {args.archive} into {dest} ({len(files)} files)")
     return 0

@@ -13,7 +13,7 @@ from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError
 from ..layout import BEST, pointer_target, scan
 from ..storage import LocalStorage
 from ..storage.lock import DirectoryLock
-from ._fmt import human_bytes
+from ._fmt import human_bytes, print_json
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -28,6 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--keep-every", type=int, help="keep checkpoints whose step is a multiple of this")
     p.add_argument("--keep-newer-than", help="keep checkpoints younger than this: 90s, 30m, 12h, 7d")
     p.add_argument("--dry-run", action="store_true", help="print what would be deleted, delete nothing")
+    p.add_argument("--json", action="store_true", help="print the decision as JSON")
     p.add_argument("--force", action="store_true",
                    help="go ahead when the folder's lock is held by a process that is gone (never over a live one)")
     p.set_defaults(run=run)
@@ -80,16 +81,22 @@ def run(args: argparse.Namespace) -> int:
             best = None
         protected = {best.name} if best is not None else set()
         decision = policies.decide(entries, policy, protected=protected)
-        for e in decision.keep:
-            print(f"keep    {e.name}  ({', '.join(decision.reasons[e.name])})")
-        for e in decision.delete:
-            size = e.manifest.total_bytes if e.manifest else 0
-            print(f"{'would delete' if args.dry_run else 'delete '} {e.name}  ({human_bytes(size)})")
+        if not args.json:
+            for e in decision.keep:
+                print(f"keep    {e.name}  ({', '.join(decision.reasons[e.name])})")
+            for e in decision.delete:
+                size = e.manifest.total_bytes if e.manifest else 0
+                print(f"{'would delete' if args.dry_run else 'delete '} {e.name}  ({human_bytes(size)})")
         if not args.dry_run:
             policies.apply(LocalStorage(root), decision)
     finally:
         lock.release()
     freed = sum(e.manifest.total_bytes for e in decision.delete if e.manifest)
+    if args.json:
+        print_json({"checkpoint_dir": str(root), "dry_run": args.dry_run, "freed_bytes": freed,
+                    "keep": {e.name: decision.reasons[e.name] for e in decision.keep},
+                    "delete": [e.name for e in decision.delete]})
+        return 0
     verb = "would free" if args.dry_run else "freed"
     print(f"{len(decision.keep)} kept, {len(decision.delete)} {'to delete' if args.dry_run else 'deleted'}; "
           f"{verb} {human_bytes(freed)}")

@@ -12,6 +12,7 @@ from ..layout import scan
 from ..formats import registry
 from ..manifest import MANIFEST_NAME, check_files, read_manifest
 from ..storage.confined import Folder
+from ._progress import progress
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -20,16 +21,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "against the sizes and checksums recorded in its manifest.")
     p.add_argument("path", help="a step directory or a checkpoint folder")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress (a bar on a terminal, lines otherwise)")
     p.set_defaults(run=run)
 
 
-def _verify_one(step_dir: Path) -> list[str]:
+def _verify_one(step_dir: Path, show_progress: bool) -> list[str]:
     """Every byte against the manifest, then the structure of each state's format (paths, coverage)."""
     try:
         manifest = read_manifest(step_dir)
     except CheckpointError as exc:
         return [str(exc)]
-    problems = check_files(step_dir, manifest, checksums=True)
+    bar = progress(manifest.total_bytes, f"verifying {step_dir.name}", enabled=show_progress)
+    try:
+        problems = check_files(step_dir, manifest, checksums=True, progress=bar.update)
+    finally:
+        bar.close()
     for name, entry in sorted(manifest.states.items()):
         if entry.kind == "object":
             continue
@@ -52,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         targets = [e.path for e in scan(path)]
         if not targets:
             raise CheckpointNotFoundError(f"{path} holds no checkpoints")
-    report = {str(t): _verify_one(t) for t in targets}
+    report = {str(t): _verify_one(t, not args.no_progress and not args.json) for t in targets}
     if args.json:
         print(json.dumps({"ok": not any(report.values()), "checkpoints": report}, indent=2))
     else:

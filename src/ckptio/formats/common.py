@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -120,12 +121,15 @@ class TensorSummary:
 
     tensors: int = 0
     bytes: int = 0
+    elements: int = 0
+    """Total number of elements: the parameter count when the tensors are a model's weights."""
     dtypes: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def add(self, info: TensorInfo) -> None:
         size = info.numel * dtype_itemsize(info.dtype)
         self.tensors += 1
         self.bytes += size
+        self.elements += info.numel
         d = self.dtypes.setdefault(info.dtype, {"tensors": 0, "bytes": 0})
         d["tensors"] += 1
         d["bytes"] += size
@@ -210,3 +214,24 @@ def set_dotted(state: dict, key: str, value: object) -> None:
             node, key, start = node[head], key[i + 1:], 0
         else:
             start = i + 1
+
+
+def parse_size(value: str | int) -> int:
+    """``"5GB"`` -> 5_000_000_000 (decimal units, as Hugging Face counts), ``"2GiB"`` -> 2**31, ints as is."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(I?)B?\s*", str(value).upper())
+        if not m:
+            raise _config_error(f"max shard size {value!r} is not a size such as '5GB', '500MB' or '2GiB'")
+        base = 1024 if m.group(3) else 1000
+        size = int(float(m.group(1)) * base ** " KMGT".index(m.group(2) or " "))
+    if size < 1:
+        raise _config_error(f"max shard size must be positive, got {value!r}")
+    return size
+
+
+def _config_error(message: str) -> Exception:
+    from ..errors import ConfigError
+
+    return ConfigError(message)

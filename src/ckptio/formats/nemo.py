@@ -34,7 +34,7 @@ import shutil
 import tarfile
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import yaml
@@ -65,17 +65,17 @@ __all__ = ["pack", "unpack", "read_config", "describe", "NemoArchive", "CONFIG_F
            "PREFIX"]
 
 
-def pack(folder: str | Path, out: str | Path) -> Path:
+def pack(folder: str | Path, out: str | Path, progress: Callable[[int], object] | None = None) -> Path:
     """Tar ``folder`` (an unpacked .nemo) into ``out``, checked first, written atomically.
 
     Members are named ``./<path>`` as NeMo writes them. Symbolic links and special files are refused.
     """
     folder, out = Path(folder), Path(out)
     read_config(folder)  # refuses a folder that is not a .nemo layout
-    return _tar_folder(folder, out)
+    return _tar_folder(folder, out, progress)
 
 
-def _tar_folder(folder: Path, out: Path) -> Path:
+def _tar_folder(folder: Path, out: Path, progress: Callable[[int], object] | None = None) -> Path:
     """Tar every file and folder under ``folder`` as ``./<path>`` into the new file ``out``, atomically."""
     writer = LocalFileWriter(out)
     try:
@@ -90,6 +90,8 @@ def _tar_folder(folder: Path, out: Path) -> Path:
                 if p.is_file():
                     with open(p, "rb") as src:
                         tar.addfile(info, src)
+                    if progress is not None:
+                        progress(info.size)
                 else:
                     tar.addfile(info)
         writer.commit()
@@ -99,9 +101,9 @@ def _tar_folder(folder: Path, out: Path) -> Path:
     return out
 
 
-def unpack(archive: str | Path, dest: str | Path) -> Path:
+def unpack(archive: str | Path, dest: str | Path, progress: Callable[[int], object] | None = None) -> Path:
     """Unpack a .nemo safely into the new folder ``dest`` and check its layout."""
-    dest = safe_extract(archive, dest)
+    dest = safe_extract(archive, dest, progress=progress)
     try:
         read_config(dest, archive=Path(archive))
     except CheckpointError:

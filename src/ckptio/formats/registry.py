@@ -161,8 +161,13 @@ class Format:
         finally:
             opened.close()
         files = _files(path)
-        return {"path": str(path), "kind": self.name, "label": self.summary,
-                "tensors": asdict(summarize_index(index)), "files": files, "total_bytes": sum(files.values())}
+        out = {"path": str(path), "kind": self.name, "label": self.summary,
+               "tensors": asdict(summarize_index(index)), "files": files, "total_bytes": sum(files.values())}
+        if path.is_dir() and "config.json" in files:
+            architecture = architecture_of(path / "config.json")
+            if architecture:
+                out["architecture"] = architecture
+        return out
 
     @property
     def has_index(self) -> bool:
@@ -175,6 +180,21 @@ class Format:
     @property
     def writable(self) -> bool:
         return type(self).write is not Format.write
+
+
+def architecture_of(config_json: Path) -> str | None:
+    """The model class a Hugging Face ``config.json`` names (``architectures[0]``, else ``model_type``)."""
+    from ..errors import CheckpointError
+    from .common import read_json
+
+    try:
+        config = read_json(config_json, max_size=16 << 20)
+    except CheckpointError:
+        return None  # describing must not fail on a side file; loading reports it
+    names = config.get("architectures")
+    if isinstance(names, list) and names and isinstance(names[0], str):
+        return names[0]
+    return config["model_type"] if isinstance(config.get("model_type"), str) else None
 
 
 def _files(path: Path) -> dict[str, int]:

@@ -16,7 +16,7 @@ from ..errors import CheckpointError, ConfigError
 from ..manifest import MANIFEST_NAME, Manifest, StateEntry, read_manifest, software_versions
 from ..storage.confined import Folder
 from .common import summarize_index
-from .registry import Format, Opened, WriteOptions, get, register
+from .registry import Format, Opened, WriteOptions, architecture_of, get, register
 
 if TYPE_CHECKING:
     from .registry import TensorSource
@@ -80,6 +80,11 @@ class StepDirectory(Format):
             "model_save_format": m.model_save_format, "is_peft": m.is_peft, "created": m.created,
             "versions": m.versions, "total_bytes": m.total_bytes, "files": dict(sorted(m.files.items())),
         }
+        architecture = m.model_signature.get("architecture") if isinstance(m.model_signature, dict) else None
+        if "model/consolidated/config.json" in m.files:
+            architecture = architecture_of(path / "model" / "consolidated" / "config.json") or architecture
+        if architecture:
+            out["architecture"] = architecture
         states = {}
         for name, entry in m.states.items():
             info: dict[str, Any] = {"kind": entry.kind, "format": entry.format, "path": entry.path,

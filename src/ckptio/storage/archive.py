@@ -24,6 +24,7 @@ import shutil
 import tarfile
 import uuid
 from pathlib import Path
+from typing import Callable
 
 from ..errors import CheckpointCorruptError, CheckpointError
 from .local import fsync_dir, fsync_tree
@@ -125,8 +126,11 @@ def _resolve(archive: Path, name: str, links: dict[str, tarfile.TarInfo], kinds:
 
 
 def safe_extract(archive: str | Path, dest: str | Path, *, max_ratio: float = DEFAULT_MAX_RATIO,
-                 max_bytes: int | None = None, max_members: int = DEFAULT_MAX_MEMBERS) -> Path:
-    """Unpack ``archive`` (tar, optionally gzip) into the new folder ``dest``; return ``dest``."""
+                 max_bytes: int | None = None, max_members: int = DEFAULT_MAX_MEMBERS,
+                 progress: Callable[[int], object] | None = None) -> Path:
+    """Unpack ``archive`` (tar, optionally gzip) into the new folder ``dest``; return ``dest``.
+
+    ``progress`` is called with the size of each member as it is unpacked."""
     archive, dest = Path(archive), Path(dest)
     if not hasattr(tarfile, "data_filter"):  # pragma: no cover - guarded by requires-python as well
         raise CheckpointError("unpacking archives safely needs Python 3.11.4 or newer (tarfile extraction filters)")
@@ -148,7 +152,8 @@ def safe_extract(archive: str | Path, dest: str | Path, *, max_ratio: float = DE
             extract, copies = _plan(archive, members, tmp, max_ratio, max_bytes, max_members)
             tmp.mkdir(parents=True)
             try:
-                tar.extractall(tmp, members=extract, filter="data")
+                members = extract if progress is None else (m for m in extract if progress(max(0, m.size)) or True)
+                tar.extractall(tmp, members=members, filter="data")
             except (tarfile.TarError, EOFError, OSError) as exc:
                 raise CheckpointCorruptError(f"{archive}: cannot be unpacked ({type(exc).__name__}: {exc})") from exc
         for name, target in copies:  # links become plain copies of the file they lead to

@@ -127,7 +127,7 @@ class Verifier:
         """Files that some handle of this process read (relative to the root)."""
         return set(self._hashes)
 
-    def finish(self, files: list[str]) -> list[str]:
+    def finish(self, files: list[str], progress: "Any | None" = None) -> list[str]:
         """Complete and compare the checksums of ``files``; return the problems (empty: all good)."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
@@ -149,6 +149,8 @@ class Verifier:
                         handle.readinto(view, pos)
                         h.running.update(view)
                         pos += n
+                        if progress is not None:
+                            progress(n)
             except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
                 problems.append(str(exc))
                 continue
