@@ -54,7 +54,12 @@ def test_lora_adapter_folder_loads_in_peft_and_resumes_exactly(tmp_path, world):
     assert keys and all("lora_" in k and ".default." not in k for k in keys)
     if world == 1:
         assert keys == straight["peft_keys"]  # exactly the names peft itself writes
-    optim_keys = __import__("ckptio.formats.dcp", fromlist=["read_index"]).read_index(step_dir / "optim")
+    from ckptio.formats import registry
+    from ckptio.manifest import read_manifest
+    from ckptio.storage.confined import Folder
+
+    optim_entry = read_manifest(step_dir).states["optim"]  # whatever format the optimizer was saved in
+    optim_keys = registry.get(optim_entry.format).state_index(Folder(step_dir / optim_entry.path))
     assert all("lora_" in k for k in optim_keys if k.startswith("optim.state.")), "frozen weights have optimizer state"
 
     loaded = AutoPeftModelForCausalLM.from_pretrained(str(model_dir))
