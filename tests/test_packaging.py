@@ -141,3 +141,26 @@ def test_a_second_manager_in_the_same_process_works_and_another_process_is_refus
     second.close()
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("epoch")) == [
         "epoch_0_step_1", "epoch_0_step_2", "epoch_0_step_4"]
+
+
+MYPY = Path(sys.executable).parent / "mypy"
+
+
+@pytest.mark.skipif(not MYPY.exists(), reason="mypy is not installed (it is part of ckptio[test])")
+def test_sources_type_check_and_users_get_the_option_types(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([str(MYPY), "--no-incremental"], cwd=root, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:]
+    # a user's script: ckptio ships py.typed, so a misspelt option value is caught before anything runs
+    user = tmp_path / "train.py"
+    user.write_text(textwrap.dedent("""
+        from pathlib import Path
+        from ckptio import CheckpointConfig
+        good = CheckpointConfig(checkpoint_dir=Path("ckpts"), model_save_format="torch_save", verify="size")
+        bad = CheckpointConfig(model_save_format="safetensor")
+        """))
+    out = subprocess.run([str(MYPY), "--no-incremental", str(user)], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=600)
+    errors = [line for line in out.stdout.splitlines() if ": error:" in line]
+    assert len(errors) == 1 and "train.py:5" in errors[0] and "safetensor" in errors[0], out.stdout
+    assert (Path(ckptio.__file__).parent / "py.typed").is_file()

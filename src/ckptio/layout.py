@@ -206,7 +206,7 @@ def restore_candidates(checkpoint_dir: str | Path, restore_from: str | None, *, 
         entries = scan(root, verify)
         good = [e for e in entries if e.committed]
         for bad in entries:
-            if bad.manifest is not None and bad.problem and (not good or bad.manifest.step >= good[-1].step):
+            if bad.manifest is not None and bad.problem and (not good or bad.manifest.step >= (good[-1].step or 0)):
                 log.warning("Skipping damaged checkpoint %s: %s", bad.path, bad.problem)
         return [e.path for e in reversed(good)]
     if restore_from in POINTER_NAMES:

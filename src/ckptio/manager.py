@@ -11,6 +11,7 @@ It holds the configuration and the registered states and orchestrates; the work 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -89,7 +90,7 @@ class CheckpointManager:
         self.tracked = Tracked(
             model=model, tokenizer=tokenizer, base_model_path=base_model_path,
             model_state=ModelState(model, key_prefix=model_key_prefix, trainable_only=config.is_peft) if model else None,
-            optim_state=OptimizerState(model, optimizer) if optimizer is not None else None,
+            optim_state=OptimizerState(model, optimizer) if optimizer is not None and model is not None else None,
         )
         self.step_scheduler = step_scheduler
         for name, obj in (("lr_scheduler", lr_scheduler), ("dataloader", dataloader),
@@ -253,7 +254,8 @@ class CheckpointManager:
         if not self.config.enabled:
             return None
         self.wait()
-        info = self._restorer.restore(str(path) if path is not None else self.config.restore_from, verify)
+        target = path if path is not None else self.config.restore_from
+        info = self._restorer.restore(None if target is None else os.fspath(target), verify)
         if info is not None:
             self.restored = info
             if info.path.parent == self.storage.root:

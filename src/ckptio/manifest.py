@@ -120,7 +120,8 @@ class _Fields:
     def fail(self, key: str, what: str) -> CheckpointCorruptError:
         return CheckpointCorruptError(f"{self.source}: manifest field {self.where}{key!r} {what}")
 
-    def get(self, key: str, kinds: type | tuple[type, ...], *, default: Any = ..., check=None, what: str = "") -> Any:
+    def get(self, key: str, kinds: type | tuple[type, ...], *, default: Any = ..., check: Any = None,
+            what: str = "") -> Any:
         if key not in self.data:
             if default is ...:
                 raise self.fail(key, "is missing")
@@ -135,7 +136,7 @@ class _Fields:
 
     def mapping(self, key: str, value_kinds: tuple[type, ...], *, what: str, check=None,
                 required: bool = False) -> dict[str, Any]:
-        raw = self.get(key, dict, **({} if required else {"default": {}}))
+        raw = self.get(key, dict) if required else self.get(key, dict, default={})
         for k, v in raw.items():
             if not isinstance(v, value_kinds) or (isinstance(v, bool) and bool not in value_kinds) \
                     or (check is not None and not check(v)):
@@ -151,7 +152,7 @@ def _parse(data: dict[str, Any], source: Path) -> Manifest:
     f = _Fields(data, source)
     name = f.get("name", str, check=lambda s: bool(s) and "/" not in s and "\\" not in s and s not in (".", ".."),
                  what="a directory name")
-    non_negative = dict(check=lambda v: v >= 0, what="a non-negative integer")
+    non_negative: dict[str, Any] = dict(check=lambda v: v >= 0, what="a non-negative integer")
     states: dict[str, StateEntry] = {}
     for key, raw in f.get("states", dict).items():
         if not isinstance(raw, dict):

@@ -15,7 +15,7 @@ import datetime as _dt
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import AbstractSet, Literal
 
 from typing import TYPE_CHECKING
 
@@ -67,15 +67,14 @@ def metric_of(entry: CheckpointEntry, monitor: str | None) -> float | None:
 
 def best_checkpoint(entries: list[CheckpointEntry], monitor: str | None, mode: Mode) -> CheckpointEntry | None:
     """The best committed checkpoint by ``monitor``; ties go to the newer step."""
-    scored = [(metric_of(e, monitor), e) for e in entries]
-    scored = [(v, e) for v, e in scored if v is not None]
+    scored = [(v, e) for v, e in ((metric_of(e, monitor), e) for e in entries) if v is not None]
     if not scored:
         return None
     sign = 1 if mode == "min" else -1
     return min(scored, key=lambda ve: (sign * ve[0], -(ve[1].step or 0)))[1]
 
 
-def decide(entries: list[CheckpointEntry], policy: RetentionPolicy, *, protected: set[str] = frozenset(),
+def decide(entries: list[CheckpointEntry], policy: RetentionPolicy, *, protected: AbstractSet[str] = frozenset(),
            now: _dt.datetime | None = None) -> RetentionDecision:
     """Split committed ``entries`` into keep and delete under ``policy``; ``protected`` names are always kept."""
     committed = sorted((e for e in entries if e.committed), key=lambda e: (e.step or 0, e.name))
@@ -98,8 +97,8 @@ def decide(entries: list[CheckpointEntry], policy: RetentionPolicy, *, protected
             mark(e, "no-policy")
     if policy.top_k is not None and policy.top_k > 0 and policy.monitor:
         sign = 1 if policy.mode == "min" else -1
-        scored = sorted(((metric_of(e, policy.monitor), e) for e in committed if metric_of(e, policy.monitor) is not None),
-                        key=lambda ve: (sign * ve[0], -(ve[1].step or 0)))
+        ranked = [(v, e) for v, e in ((metric_of(e, policy.monitor), e) for e in committed) if v is not None]
+        scored = sorted(ranked, key=lambda ve: (sign * ve[0], -(ve[1].step or 0)))
         for _, e in scored[: policy.top_k]:
             mark(e, f"top-{policy.top_k}")
         # A checkpoint without the metric cannot be ranked. Deleting it is safe only once a newer ranked one
@@ -148,7 +147,7 @@ def apply(storage: "Storage | Path", decision: RetentionDecision) -> list[Path]:
 
 
 def after_commit(storage: "Storage | Path", policy: RetentionPolicy, *,
-                 protected: set[str] = frozenset()) -> list[Path]:
+                 protected: AbstractSet[str] = frozenset()) -> list[Path]:
     """After a commit (rank 0): move the BEST pointer, then delete what ``policy`` does not keep.
 
     The newest and the best are always kept, and so is every name in ``protected``. Returns what was removed.

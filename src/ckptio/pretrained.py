@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -52,7 +53,7 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
     model.to_empty(device=device)
     unknown = []
     for name, module in model.named_modules():
-        non_persistent = getattr(module, "_non_persistent_buffers_set", set())
+        non_persistent: set[str] = getattr(module, "_non_persistent_buffers_set", set())
         if not non_persistent:
             continue
         if hasattr(module, "inv_freq") and hasattr(module, "config") and hasattr(module, "rope_type"):
@@ -66,8 +67,9 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
         )
 
 
-def _rebuild_rotary(module: nn.Module, device: torch.device) -> None:
+def _rebuild_rotary(module: Any, device: torch.device) -> None:
     # transformers' rotary embeddings compute inv_freq from the config in __init__; do the same here.
+    init: Any
     if module.rope_type == "default":
         init = module.compute_default_rope_parameters
     else:

@@ -238,7 +238,7 @@ class Restorer:
 
             # every rank takes part, even one with nothing to load, so the collectives stay matched
             value = _dist.run_collectively(f"reading {name!r}",
-                                           lambda rel=rel: None if rel is None else pt_format.load_from(step, rel))
+                                           lambda rel=rel: None if rel is None else pt_format.load_from(step, rel))  # type: ignore[misc]
             if rel is not None:
                 out[name] = (rel, value)
         return out
@@ -247,7 +247,7 @@ class Restorer:
         for name, obj in self.tracked.objects.items():
             rel, value = objects.get(name, (None, None))
             _dist.run_collectively(f"loading {name!r}",
-                                   lambda obj=obj, rel=rel, value=value:
+                                   lambda obj=obj, rel=rel, value=value:  # type: ignore[misc]
                                    None if rel is None else apply_state(obj, value, step.display(rel)))
 
 

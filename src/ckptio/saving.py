@@ -149,6 +149,7 @@ class Saver:
         if rank == 0:
             self.log.info("Saving checkpoint to %s", job.final_dir)
         token = _dist.broadcast_object(_dist.run_collectively("preparing the checkpoint", lambda: self._begin(job)))
+        assert token is not None  # rank 0 always names the folder
         writer = self.storage.attach_step(token, job.name)
         try:
             states = self._write_states(job, writer, rank, world)

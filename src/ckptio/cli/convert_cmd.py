@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import Any
 
 from ._fmt import human_bytes, print_json
 from ._progress import progress
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
               f"{', '.join(formats.FORMATS)}", file=sys.stderr)
         return 2
     bars = []
-    seen: dict[str, object] = {}
+    seen: dict[str, Any] = {}
 
     def on_open(kind: str, total: int):
         seen.update(kind=kind, total=total)

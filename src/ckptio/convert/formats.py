@@ -66,6 +66,9 @@ class _Cast:
         want = self.out_dtype(TensorInfo(tuple(t.shape), dtype_name(t.dtype)))
         return t.to(want) if t.dtype != want else t
 
+    def close(self) -> None:
+        pass  # the underlying source is closed by whoever opened it
+
 
 def write(opened: Opened, out: Path, to: str, *, dtype: torch.dtype | None = None, max_shard_size: str = "5GB",
           progress: Callable[[int], None] | None = None) -> None:

@@ -68,7 +68,7 @@ def write(out: "WriteStream", entries: Iterable[Entry], metadata: dict[str, str]
             if tuple(tensor.shape) != tuple(e.shape):
                 raise ValueError(f"{e.key!r}: produced shape {list(tensor.shape)}, planned {list(e.shape)}")
             if tensor.numel():
-                out.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+                out.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]
             if progress is not None:
                 progress(e.nbytes)
             del tensor

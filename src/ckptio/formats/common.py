@@ -6,7 +6,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from ..errors import CheckpointCorruptError
 
@@ -135,7 +135,7 @@ class TensorSummary:
         d["bytes"] += size
 
 
-def summarize_index(index: dict[str, TensorInfo | None]) -> TensorSummary:
+def summarize_index(index: Mapping[str, TensorInfo | None]) -> TensorSummary:
     summary = TensorSummary()
     for info in index.values():
         if info is not None:
@@ -162,7 +162,7 @@ def torch_dtype(name: str) -> Any:
     return dtype
 
 
-def check_compatible(saved: dict[str, TensorInfo | None], target: dict[str, Any], where: str, *, strict: bool) -> None:
+def check_compatible(saved: Mapping[str, TensorInfo | None], target: dict[str, Any], where: str, *, strict: bool) -> None:
     """Raise :class:`CheckpointMismatchError` naming ``where`` and the key if ``saved`` cannot fill ``target``."""
     missing = [k for k in target if k not in saved]
     wrong = [

@@ -85,8 +85,9 @@ class SafeFileSystemReader(FileSystemReader):
         rank = kwargs.get("rank")
         filename = METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
         metadata = read_metadata(self.root, filename)
-        if getattr(metadata, "storage_meta", None) is not None:
-            metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None)
+        if storage_meta is not None:
+            storage_meta.load_id = self.load_id
         return metadata
 
 
@@ -215,7 +216,7 @@ def _plain_errors(what: str, folder: str | Path) -> Iterator[None]:
 
 
 _crc_lock = threading.Lock()
-_crc_users = [0, True]  # saves in progress, the setting to restore after the last
+_crc_users: list[Any] = [0, True]  # saves in progress, the setting to restore after the last
 
 
 @contextmanager

@@ -132,7 +132,7 @@ def _validate(md: Metadata, path: Path) -> None:
             for c in chunks
         ):
             raise bad(f"{key!r} has malformed chunks")
-        check_exact_cover(key, tuple(size), [(tuple(c.offsets), tuple(c.sizes), f"chunk {i}")
+        check_exact_cover(key, tuple(size or ()), [(tuple(c.offsets), tuple(c.sizes), f"chunk {i}")
                                               for i, c in enumerate(chunks)], path)
     storage = getattr(md, "storage_data", None)
     if storage is None:

@@ -21,7 +21,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -110,7 +110,7 @@ def write_files(plan: BundlePlan, source: "TensorSource", writer: "FolderWriter"
     for i, keys in enumerate(plan.files):
         if i % world_size == rank:
             name = _join(rel, plan.file_name(i))
-            entries = [_st_writer.Entry(k, plan.out_dtype(k), plan.infos[k].shape, lambda k=k: source.read(k))
+            entries = [_st_writer.Entry(k, plan.out_dtype(k), plan.infos[k].shape, lambda k=k: source.read(k))  # type: ignore[misc]
                        for k in keys]
             written[name] = _st_writer.write(writer.open(name), entries, progress=progress)
     return written
@@ -152,7 +152,7 @@ def copy_extras(src_dir: "str | Path | Folder", writer: "FolderWriter", rel: str
     return written
 
 
-def save_hf_extras(model: torch.nn.Module, out_dir: str | Path, tokenizer: object | None = None) -> list[str]:
+def save_hf_extras(model: torch.nn.Module, out_dir: str | Path, tokenizer: Any = None) -> list[str]:
     """Write ``config.json``, ``generation_config.json`` and the tokenizer of a transformers model into the
     local folder ``out_dir`` (a writer's :meth:`~ckptio.storage.base.FolderWriter.local_path`)."""
     out_dir = Path(out_dir)
@@ -161,7 +161,7 @@ def save_hf_extras(model: torch.nn.Module, out_dir: str | Path, tokenizer: objec
     config = getattr(model, "config", None)
     if config is not None and callable(getattr(config, "save_pretrained", None)):
         config.save_pretrained(out_dir)
-    gen = getattr(model, "generation_config", None)
+    gen: Any = getattr(model, "generation_config", None)
     can_generate = getattr(model, "can_generate", None)
     if gen is not None and callable(getattr(gen, "save_pretrained", None)) and (not callable(can_generate) or can_generate()):
         gen.save_pretrained(out_dir)

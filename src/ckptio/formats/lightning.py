@@ -104,8 +104,9 @@ def _loops(step: int, epoch: int, batches_in_epoch: int, scheduler_interval: str
 def _full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    sd: dict[str, Any]
     if _dist.is_dist():  # FSDP2: gather whole tensors (collective)
-        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        sd = dict(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
     else:
         sd = model.state_dict()
     return {k: v.detach().cpu() for k, v in sd.items()}

@@ -79,7 +79,7 @@ def _tar_folder(folder: Path, out: Path, progress: Callable[[int], object] | Non
     """Tar every file and folder under ``folder`` as ``./<path>`` into the new file ``out``, atomically."""
     writer = LocalFileWriter(out)
     try:
-        with tarfile.open(fileobj=writer.stream, mode="w", format=tarfile.PAX_FORMAT) as tar:  # type: ignore[arg-type]
+        with tarfile.open(fileobj=writer.stream, mode="w", format=tarfile.PAX_FORMAT) as tar:  # type: ignore[call-overload]
             for p in sorted(folder.rglob("*")):
                 rel = p.relative_to(folder).as_posix()
                 if p.is_symlink() or not (p.is_file() or p.is_dir()):

@@ -103,6 +103,7 @@ def save_nemo(path: str | Path, model: nn.Module, *, config: dict[str, Any] | No
 
     token = _dist.broadcast_object(_dist.run_collectively(f"preparing {path}", prepare))
     # a scratch folder for the archive's contents (never committed: its contents go into the tar)
+    assert token is not None  # rank 0 always names the folder
     stage_writer = LocalFolderWriter.in_place(path.parent / token)
     stage = stage_writer.local_path()
     try:
@@ -226,7 +227,8 @@ def _load_full(model: nn.Module, state: Any, full: dict[str, torch.Tensor]) -> N
 
     target = state.state_dict()
     if any(isinstance(v, DTensor) for v in target.values()):
-        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=False))
+        set_model_state_dict(model, full,  # type: ignore[arg-type]
+                             options=StateDictOptions(full_state_dict=True, strict=False))
         tie = getattr(model, "tie_weights", None)
         if state.tied_aliases and callable(tie):
             tie()

@@ -50,7 +50,7 @@ def resolve_base_path(model: torch.nn.Module, adapter: str, base_model_path: str
 
     ``peft`` loads the base model from this path; offline, a null or relative one cannot be loaded.
     """
-    config = model.peft_config[adapter]  # type: ignore[index]
+    config: Any = model.peft_config[adapter]  # type: ignore[index]
     candidate = base_model_path if base_model_path is not None else config.base_model_name_or_path
     if candidate is None or candidate == "":
         return None
@@ -71,7 +71,7 @@ def save(folder: str | Path, model: torch.nn.Module, adapter_weights: dict[str, 
     adapter = adapter_name(model)
     warnings: list[str] = []
     base = resolve_base_path(model, adapter, base_model_path)
-    config = model.peft_config[adapter]  # type: ignore[index]
+    config: Any = model.peft_config[adapter]  # type: ignore[index]
     saved_base = config.base_model_name_or_path
     try:
         config.base_model_name_or_path = base

@@ -255,7 +255,9 @@ def _rebuild(ranks: list[dict[str, torch.Tensor]], algo: str, hf_config: dict, d
         qs, ks, vs = [], [], []
         for chunk in fused.split(q_rows + 2 * kv_rows):
             q, k, v = chunk.split([q_rows, kv_rows, kv_rows])
-            qs.append(q), ks.append(k), vs.append(v)
+            qs.append(q)
+            ks.append(k)
+            vs.append(v)
         sd[f"{hf}.self_attn.q_proj.weight"] = torch.cat(qs)
         sd[f"{hf}.self_attn.k_proj.weight"] = torch.cat(ks)
         sd[f"{hf}.self_attn.v_proj.weight"] = torch.cat(vs)

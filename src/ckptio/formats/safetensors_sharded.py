@@ -90,7 +90,7 @@ def save(state_dict: dict[str, torch.Tensor], writer: "FolderWriter | str | Path
         "ckptio_world_size": str(world_size),
         "ckptio_shards": json.dumps(shards, separators=(",", ":")),
     }
-    entries = [_st_writer.Entry(k, t.dtype, tuple(t.shape), lambda t=t: t) for k, t in tensors.items()]
+    entries = [_st_writer.Entry(k, t.dtype, tuple(t.shape), lambda t=t: t) for k, t in tensors.items()]  # type: ignore[misc]
     groups = _balance(entries, max(1, min(threads, len(entries))))
     names = [f"{rel}/{n}" if rel else n for n in (shard_file_name(rank, world_size, i, len(groups), stem)
                                                   for i in range(len(groups)))]
@@ -109,7 +109,7 @@ def save_whole(source: "TensorSource", writer: "FolderWriter", rel: str,
     shards = {k: {"shape": list(index[k].shape), "offsets": [0] * len(index[k].shape)} for k in keys}
     metadata = {"format": "pt", "ckptio_format": FORMAT_TAG, "ckptio_rank": "0", "ckptio_world_size": "1",
                 "ckptio_shards": json.dumps(shards, separators=(",", ":"))}
-    entries = [_st_writer.Entry(k, torch_dtype(index[k].dtype), index[k].shape, lambda k=k: source.read(k))
+    entries = [_st_writer.Entry(k, torch_dtype(index[k].dtype), index[k].shape, lambda k=k: source.read(k))  # type: ignore[misc]
                for k in keys]
     name = f"{rel}/{shard_file_name(0, 1)}" if rel else shard_file_name(0, 1)
     return {name: _st_writer.write(writer.open(name), entries, metadata, progress=progress)}

@@ -56,7 +56,7 @@ class ModelState:
         if self.trainable_only:
             trainable = self._trainable_keys()
             keep = trainable.__contains__
-        return {self._strip(k): v for k, v in raw.items() if k not in self.tied_aliases and keep(k)}
+        return {self._strip(k): v for k, v in raw.items() if k not in self.tied_aliases and keep(k)}  # type: ignore[misc]
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Copy ``state_dict`` (shaped like :meth:`state_dict`'s output) into the model."""
@@ -77,5 +77,6 @@ class ModelState:
 
 
 def _set(model: nn.Module, state_dict: dict[str, torch.Tensor], *, strict: bool) -> tuple[list[str], list[str]]:
-    result = set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=False, strict=strict))
+    result = set_model_state_dict(model, state_dict,  # type: ignore[arg-type]
+                                  options=StateDictOptions(full_state_dict=False, strict=strict))
     return list(result.missing_keys), list(result.unexpected_keys)

@@ -24,7 +24,7 @@ import shutil
 import tarfile
 import uuid
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 from ..errors import CheckpointCorruptError, CheckpointError
 from .local import fsync_dir, fsync_tree
@@ -152,8 +152,9 @@ def safe_extract(archive: str | Path, dest: str | Path, *, max_ratio: float = DE
             extract, copies = _plan(archive, members, tmp, max_ratio, max_bytes, max_members)
             tmp.mkdir(parents=True)
             try:
-                members = extract if progress is None else (m for m in extract if progress(max(0, m.size)) or True)
-                tar.extractall(tmp, members=members, filter="data")
+                chosen: Iterable[tarfile.TarInfo] = (
+                    extract if progress is None else (m for m in extract if progress(max(0, m.size)) or True))
+                tar.extractall(tmp, members=chosen, filter="data")
             except (tarfile.TarError, EOFError, OSError) as exc:
                 raise CheckpointCorruptError(f"{archive}: cannot be unpacked ({type(exc).__name__}: {exc})") from exc
         for name, target in copies:  # links become plain copies of the file they lead to

@@ -27,7 +27,7 @@ from distinct threads at once.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, Self, runtime_checkable
 
 from .confined import Folder
 
@@ -38,8 +38,9 @@ __all__ = ["WriteStream", "FolderWriter", "FileWriter", "Storage"]
 class WriteStream(Protocol):
     """A file being written once, front to back, checksummed as it goes."""
 
-    error: OSError | None
-    """The first ``OSError`` a write raised (some callers, such as torch's zip writer, swallow it)."""
+    @property
+    def error(self) -> OSError | None:
+        """The first ``OSError`` a write raised (some callers, such as torch's zip writer, swallow it)."""
 
     def write(self, data: Any) -> int:
         """Write all of ``data`` (any buffer) or raise; returns its length."""
@@ -54,9 +55,10 @@ class WriteStream(Protocol):
     def digest(self) -> str:
         """The checksum of the bytes written so far."""
 
-    def __enter__(self) -> "WriteStream": ...
+    def __enter__(self) -> Self: ...
 
-    def __exit__(self, *exc: object) -> None: ...
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        """Close on success; discard (not durable) when the block raised."""
 
 
 class FolderWriter(Protocol):

@@ -315,7 +315,8 @@ class ReadHandle:
             if pending is not None:
                 pending.result()
             pending = h.submit(offset + start, piece, self)
-        pending.result()
+        if pending is not None:
+            pending.result()
 
     def _pread(self, view: memoryview, offset: int) -> None:
         done, n = 0, view.nbytes

@@ -46,7 +46,7 @@ def fsync_dir(path: str | os.PathLike) -> None:
 
 def fsync_tree(root: str | os.PathLike) -> None:
     """fsync every file and directory below ``root``, deepest first, then ``root`` itself."""
-    for dirpath, _dirnames, filenames in os.walk(root, topdown=False):
+    for dirpath, _dirnames, filenames in os.walk(os.fspath(root), topdown=False):
         for name in filenames:
             path = os.path.join(dirpath, name)
             if not os.path.islink(path):
