@@ -1,23 +1,26 @@
-"""The fine-tuning recipe's configuration: typed sections, YAML files and dotted command-line overrides.
+"""The fine-tuning recipe's configuration: typed sections read from YAML and ``--section.key value`` overrides.
 
-``load_config(["--config", "x.yaml", "--step_scheduler.max_steps", "60"])`` starts from the defaults
-below, applies the YAML file, then each ``--section.key value`` override (values are parsed as YAML:
-``true``, ``20``, ``1e-3``, ``null``, ``[q_proj, v_proj]``). Unknown keys and values of the wrong type
-are refused with a message that names the key.
+The sections are dataclasses; `jsonargparse <https://jsonargparse.readthedocs.io>`_ turns them into the
+command line. It was chosen over OmegaConf and tyro because it builds the parser from the dataclasses
+*and* their attribute docstrings (so ``--help`` lists every key with its type, default and meaning), has
+``--config FILE`` and ``--print_config`` built in, checks ``Literal``/``Optional``/``list`` types and
+names the key in its errors, and keeps the dotted ``--section.key value`` overrides the recipe already
+had; OmegaConf has no ``--help`` from types, tyro no YAML config files of its own.
+
+``load_config(["--config", "x.yaml", "--step_scheduler.max_steps", "60"])``: the defaults below, then the
+YAML file, then each override in the order given. ``--print_config`` prints the effective YAML and exits.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
+import difflib
+import re
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any
 
-
-
-from ckptio import CheckpointConfig, CheckpointError, safe_yaml
+from ckptio import CheckpointConfig
+from ckptio.errors import ConfigError
 
 
 class RecipeConfigError(ValueError):
@@ -95,106 +98,55 @@ class RecipeConfig:
     """At the end of a run, also write the final state as a Lightning ``.ckpt`` here (one process only)."""
 
 
-def _type_ok(value: Any, hint: Any) -> bool:
-    origin = typing.get_origin(hint)
-    if hint is Any:
-        return True
-    if origin in (Union, types.UnionType):
-        return any(_type_ok(value, h) for h in typing.get_args(hint))
-    if origin is Literal:
-        return value in typing.get_args(hint)
-    if hint is type(None):
-        return value is None
-    if origin is list:
-        (inner,) = typing.get_args(hint) or (Any,)
-        return isinstance(value, list) and all(_type_ok(v, inner) for v in value)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if isinstance(hint, type):
-        return isinstance(value, hint)
-    return True
+
+def build_parser(prog: str = "finetune.py") -> Any:
+    from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
+
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)  # --help shows each field's docstring
+    parser = ArgumentParser(prog=prog, exit_on_error=False, default_env=False, allow_abbrev=False,
+                            description="Fine-tune a causal LM with ckptio checkpointing. Rerunning the same "
+                                        "command resumes from the newest complete checkpoint.")
+    parser.add_argument("--config", action=ActionConfigFile, help="a YAML file with any of the sections below")
+    parser.add_class_arguments(RecipeConfig, fail_untyped=True, sub_configs=True)
+    return parser
 
 
-def _describe(hint: Any) -> str:
-    return str(hint).replace("typing.", "").replace("<class '", "").replace("'>", "")
+def _options(parser: Any) -> list[str]:
+    return [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
 
 
-def _apply(obj: Any, data: dict, prefix: str) -> None:
-    if not isinstance(data, dict):
-        raise RecipeConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
-    hints = typing.get_type_hints(type(obj))
-    names = {f.name for f in dataclasses.fields(obj)}
-    for key, value in data.items():
-        path = f"{prefix}{key}"
-        if key not in names:
-            raise RecipeConfigError(f"unknown config key {path!r}; known keys here: {sorted(names)}")
-        current = getattr(obj, key)
-        if dataclasses.is_dataclass(current):
-            _apply(current, value, path + ".")
-            continue
-        hint = hints[key]
-        if isinstance(value, int) and not isinstance(value, bool) and _type_ok(1.0, hint) and not _type_ok(1, hint):
-            value = float(value)
-        if key == "save_consolidated" and isinstance(value, str):
-            pass  # CheckpointConfig validates "final" and friends itself
-        elif not _type_ok(value, hint):
-            raise RecipeConfigError(f"config key {path!r} must be {_describe(hint)}, got {value!r}")
-        setattr(obj, key, value)
+def _explain(parser: Any, message: str) -> str:
+    """jsonargparse's message, with the closest valid key for a misspelt one."""
+    message = " ".join(message.split())
+    unknown = re.search(r"unrecognized arguments: (--[\w.]+)", message) or \
+        re.search(r"Group '([\w.]+)' does not accept option '(\w+)'", message)
+    if unknown:
+        key = unknown.group(1) if unknown.lastindex == 1 else f"--{unknown.group(1)}.{unknown.group(2)}"
+        close = difflib.get_close_matches(key, _options(parser), n=1)
+        if close:
+            message += f"; did you mean {close[0].removeprefix('--')!r}?"
+    return message
 
 
-def parse_override_value(text: str) -> Any:
+def load_config(argv: list[str], prog: str = "finetune.py") -> RecipeConfig:
+    """Defaults, then ``--config FILE``, then ``--a.b value`` overrides, in the order given.
+
+    ``--help`` and ``--print_config`` print and exit (``SystemExit(0)``); a bad key or value raises
+    :class:`RecipeConfigError` naming it.
+    """
+    from argparse import ArgumentError
+
+    parser = build_parser(prog)
     try:
-        return safe_yaml.load(text, "override")
-    except CheckpointError:
-        return text
-
-
-def load_config(argv: list[str]) -> RecipeConfig:
-    """Defaults, then ``--config FILE``, then ``--a.b value`` overrides, in the order given."""
-    cfg = RecipeConfig()
-    config_file = None
-    overrides: list[tuple[str, str]] = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if not arg.startswith("--"):
-            raise RecipeConfigError(f"unexpected argument {arg!r}; use --config FILE and --section.key value")
-        key, eq, value = arg[2:].partition("=")
-        if not eq:
-            if i + 1 >= len(argv):
-                raise RecipeConfigError(f"option --{key} needs a value")
-            value = argv[i + 1]
-            i += 1
-        i += 1
-        if key == "config":
-            config_file = value
-        else:
-            overrides.append((key, value))
-    if config_file is not None:
-        path = Path(config_file)
-        if not path.is_file():
-            raise RecipeConfigError(f"--config {config_file}: no such file")
-        if path.stat().st_size > safe_yaml.MAX_BYTES:
-            raise RecipeConfigError(f"--config {config_file}: larger than {safe_yaml.MAX_BYTES} bytes")
-        try:
-            data = safe_yaml.load(path.read_bytes(), f"--config {config_file}") or {}
-        except CheckpointError as exc:
-            raise RecipeConfigError(str(exc)) from exc
-        _apply(cfg, data, "")
-    for key, value in overrides:
-        nested: Any = parse_override_value(value)
-        for part in reversed(key.split(".")):
-            if not part:
-                raise RecipeConfigError(f"override --{key}: empty key segment")
-            nested = {part: nested}
-        _apply(cfg, nested, "")
-    try:
-        cfg.checkpoint.validate()
-    except ValueError as exc:
+        ns = parser.parse_args(argv)
+        init = (parser.instantiate if hasattr(parser, "instantiate") else parser.instantiate_classes)(ns)
+    except ArgumentError as exc:
+        raise RecipeConfigError(_explain(parser, str(exc))) from exc
+    except ConfigError as exc:  # CheckpointConfig's own checks, run as it is built
         raise RecipeConfigError(f"checkpoint: {exc}") from exc
-    return cfg
+    except (TypeError, ValueError) as exc:
+        raise RecipeConfigError(str(exc)) from exc
+    return RecipeConfig(**{f.name: init[f.name] for f in dataclasses.fields(RecipeConfig)})
 
 
 def to_dict(cfg: RecipeConfig) -> dict:

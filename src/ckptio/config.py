@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import difflib
+import functools
 import os
 import string
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any, Literal, Union
 
 from .errors import ConfigError
@@ -20,7 +22,7 @@ SaveConsolidated = Union[bool, Literal["final"]]
 ModelSaveFormat = Literal["safetensors", "torch_save"]
 VerifyMode = Literal["none", "size", "full"]
 Mode = Literal["min", "max"]
-PathLike = Union[str, os.PathLike]
+PathLike = Union[str, Path]  # any os.PathLike works at run time
 
 
 @dataclass
@@ -110,15 +112,6 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         self.validate()
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> "CheckpointConfig":
-        known = {f.name for f in fields(cls)}
-        for key in kwargs:
-            if key not in known:
-                close = difflib.get_close_matches(key, sorted(known), n=1)
-                raise ConfigError(f"CheckpointConfig has no field {key!r}"
-                                  + (f"; did you mean {close[0]!r}?" if close else f"; its fields are {sorted(known)}"))
-        return super().__new__(cls)
-
     def validate(self) -> None:
         if isinstance(self.checkpoint_dir, os.PathLike):
             self.checkpoint_dir = os.fspath(self.checkpoint_dir)
@@ -182,6 +175,27 @@ class CheckpointConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+def _refuse_unknown_fields(cls: type) -> None:
+    """Wrap the dataclass ``__init__`` so that a misspelt field names the closest valid one (the signature
+    seen by IDEs, type checkers and configuration libraries stays the generated one)."""
+    generated = cls.__dict__["__init__"]
+
+    @functools.wraps(generated)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        known = {f.name for f in fields(cls)}
+        for key in kwargs:
+            if key not in known:
+                close = difflib.get_close_matches(key, sorted(known), n=1)
+                raise ConfigError(f"{cls.__name__} has no field {key!r}"
+                                  + (f"; did you mean {close[0]!r}?" if close else f"; its fields are {sorted(known)}"))
+        generated(self, *args, **kwargs)
+
+    cls.__init__ = __init__  # type: ignore[misc]
+
+
+_refuse_unknown_fields(CheckpointConfig)
 
 
 def _parse_save_consolidated(value: object) -> SaveConsolidated:

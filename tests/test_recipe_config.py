@@ -1,0 +1,100 @@
+"""The recipe's configuration (examples/llm/recipe_config.py, built on jsonargparse): --help lists every key
+with its type and default, --print_config dumps YAML that reads back to the same config, the AutoModel
+`checkpoint:` section is accepted as written, and mistakes name the key."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples" / "llm"))
+
+from recipe_config import RecipeConfig, RecipeConfigError, load_config, to_dict  # noqa: E402
+
+from ckptio import CheckpointConfig  # noqa: E402
+
+YAML = str(ROOT / "examples" / "llm" / "tiny_llama.yaml")
+
+
+def _every_key(cls: type, prefix: str = "") -> list[tuple[str, object]]:
+    out = []
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        if dataclasses.is_dataclass(default):
+            out += _every_key(type(default), f"{prefix}{f.name}.")
+        else:
+            out.append((f"{prefix}{f.name}", default))
+    return out
+
+
+def test_help_lists_every_key_with_its_type_and_default(capsys):
+    with pytest.raises(SystemExit) as done:
+        load_config(["--help"])
+    assert done.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for key, _default in _every_key(RecipeConfig):
+        assert f"--{key} " in text, f"--help does not list {key}"
+    assert "(type: Literal['safetensors', 'torch_save'], default: safetensors)" in text  # model_save_format
+    assert "--checkpoint.save_top_k SAVE_TOP_K Keep the k best by ``monitor``" in text  # from the field's docstring
+
+
+def test_print_config_is_the_effective_yaml_and_reads_back(tmp_path, capsys):
+    argv = ["--config", YAML, "--checkpoint.save_top_k", "2", "--checkpoint.monitor", "val_loss",
+            "--optimizer.lr", "1e-3", "--peft.target_modules", "[q_proj, k_proj]"]
+    with pytest.raises(SystemExit) as done:
+        load_config(argv + ["--print_config"])
+    assert done.value.code == 0
+    dumped = capsys.readouterr().out
+    assert "save_top_k: 2" in dumped and "monitor: val_loss" in dumped and "save_consolidated: final" in dumped
+    (tmp_path / "effective.yaml").write_text(dumped)
+    assert to_dict(load_config(["--config", str(tmp_path / "effective.yaml")])) == to_dict(load_config(argv))
+
+
+@pytest.mark.parametrize("value,expected", [("true", True), ("True", True), ("false", False), ("final", "final")])
+def test_the_automodel_checkpoint_section_is_accepted_as_written(tmp_path, value, expected):
+    (tmp_path / "automodel.yaml").write_text(f"""
+checkpoint:
+  enabled: true
+  checkpoint_dir: checkpoints/
+  model_save_format: safetensors # Format for saving (torch_save or safetensors)
+  save_consolidated: {value} # Change to false if you want to save sharded checkpoints.
+""")
+    cfg = load_config(["--config", str(tmp_path / "automodel.yaml")])
+    assert isinstance(cfg.checkpoint, CheckpointConfig)
+    assert cfg.checkpoint.save_consolidated == expected and cfg.checkpoint.checkpoint_dir == "checkpoints/"
+    # and the same value as a command-line override, as the AutoModel docs write it
+    over = load_config(["--checkpoint.model_save_format", "torch_save", "--checkpoint.save_consolidated", value])
+    assert over.checkpoint.save_consolidated == expected and over.checkpoint.model_save_format == "torch_save"
+
+
+@pytest.mark.parametrize("argv,messages", [
+    (["--checkpoint.save_topk", "3"], ["checkpoint.save_topk", "did you mean 'checkpoint.save_top_k'"]),
+    (["--step_scheduler.max_step", "3"], ["did you mean 'step_scheduler.max_steps'"]),  # no prefix matching
+    (["--optimizer.lr", "fast"], ['"optimizer.lr"', "float"]),
+    (["--checkpoint.model_save_format", "safetensor"], ['"checkpoint.model_save_format"', "safetensor"]),
+    (["--checkpoint.verify", "sometimes"], ['"checkpoint.verify"']),
+    (["--checkpoint.keep_latest", "0"], ["checkpoint: keep_latest must be a positive integer"]),
+    (["--data.batch_size", "8.5"], ['"data.batch_size"']),
+])
+def test_mistakes_name_the_key(argv, messages):
+    with pytest.raises(RecipeConfigError) as err:
+        load_config(argv)
+    assert all(m in str(err.value) for m in messages), str(err.value)
+
+
+def test_a_misspelt_key_in_the_yaml_file_is_refused(tmp_path):
+    (tmp_path / "bad.yaml").write_text("checkpoint:\n  save_topk: 3\n")
+    with pytest.raises(RecipeConfigError, match="save_topk.*did you mean 'checkpoint.save_top_k'"):
+        load_config(["--config", str(tmp_path / "bad.yaml")])
+
+
+def test_overrides_apply_in_order_after_the_file():
+    cfg = load_config(["--config", YAML, "--step_scheduler.max_steps", "7", "--checkpoint.checkpoint_dir", "/tmp/x",
+                       "--checkpoint.restore_from", "null", "--optimizer.lr=2"])
+    assert cfg.step_scheduler.max_steps == 7 and cfg.checkpoint.checkpoint_dir == "/tmp/x"
+    assert cfg.checkpoint.restore_from is None and cfg.optimizer.lr == 2.0 and isinstance(cfg.optimizer.lr, float)
+    assert cfg.model.hidden_size == 64  # from the file
