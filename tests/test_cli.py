@@ -122,6 +122,37 @@ def test_progress_is_plain_lines_when_piped(tmp_path):
     assert "%" not in out.stderr
 
 
+def test_progress_is_a_redrawn_bar_on_a_terminal(tmp_path):
+    """The same command with its stderr on a terminal (a pseudo-terminal here) draws a bar that redraws itself
+    in place, and its stdout still holds only the report."""
+    import os
+    import pty
+
+    root = _fresh(tmp_path / "ck")
+    leader, follower = pty.openpty()
+    try:
+        proc = subprocess.run(CKPTIO + ["verify", str(root / "epoch_0_step_3")], stdout=subprocess.PIPE,
+                              stderr=follower, text=True, timeout=120)
+        os.close(follower)
+        follower = -1
+        chunks = []
+        while True:
+            try:
+                data = os.read(leader, 65536)
+            except OSError:  # EIO: the terminal's other side is closed and drained
+                break
+            if not data:
+                break
+            chunks.append(data)
+    finally:
+        os.close(leader)
+        if follower >= 0:
+            os.close(follower)
+    terminal = b"".join(chunks).decode(errors="replace")
+    assert proc.returncode == 0 and "100%" in terminal and "\r" in terminal, terminal
+    assert "%" not in proc.stdout and "ok" in proc.stdout.lower(), proc.stdout
+
+
 @pytest.mark.parametrize("args", [
     ("list", "{missing}"), ("inspect", "{missing}"), ("verify", "{missing}"),
     ("prune", "{missing}", "--keep-latest", "1"), ("consolidate", "{missing}"),

@@ -15,6 +15,8 @@ makes every rank fall back to the next candidate together; anything else is rais
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +26,7 @@ import torch
 
 from . import _dist
 from ._memory import populate_async
+from ._progress import progress
 from .config import VERIFY_MODES, CheckpointConfig
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointNotFoundError, ConfigError
 from .formats import pt as pt_format
@@ -158,8 +161,10 @@ class Restorer:
         folder = _dist.run_collectively("opening the model folder", lambda: step.sub(entry.path))
         # once the signature was checked against every rank's keys together, each rank's own read only needs
         # its keys present (a pipeline stage holds some of the model's keys)
-        fmt.load_shards(target, folder, strict=strict and not checked,
-                        ctx=ShardContext(_dist.rank(), _dist.world_size(), extra={"model": t.model}))
+        with _Progress(target, f"restoring the model of {step.path.name}", self.log) as progress:
+            fmt.load_shards(target, folder, strict=strict and not checked,
+                            ctx=ShardContext(_dist.rank(), _dist.world_size(), extra={"model": t.model},
+                                             progress=progress.update))
         t.model_state.load_state_dict(target)
 
     def _check_signature(self, step_dir: Path, manifest: Manifest, target: dict[str, torch.Tensor]) -> bool:
@@ -206,7 +211,8 @@ class Restorer:
         # the state is fresh memory: have its pages provided while the reads fill the tensors before them
         join = populate_async(_local(t) for t in tensors.values()) if fast else (lambda: None)
         try:
-            fmt.load_state(target, folder, ShardContext(_dist.rank(), _dist.world_size()))
+            with _Progress(tensors, f"restoring the optimizer of {step.path.name}", self.log) as progress:
+                fmt.load_state(target, folder, ShardContext(_dist.rank(), _dist.world_size(), progress=progress.update))
         finally:
             join()
         _dist.run_collectively(
@@ -252,6 +258,32 @@ class Restorer:
 
 
 OPTIM_KEY = "optim."
+
+PROGRESS_MIN_BYTES = 1 << 30
+"""A state whose tensors on rank 0 hold at least this many bytes shows its restore's progress (a bar on a
+terminal, a log line per tenth otherwise); ``CKPTIO_PROGRESS_MIN_BYTES`` in the environment overrides it."""
+
+
+class _Progress:
+    """The progress of filling one state's tensors, reported by rank 0 when the state is large."""
+
+    def __init__(self, tensors: dict[str, Any], desc: str, log: Any) -> None:
+        total = sum(_local(t).numel() * _local(t).element_size() for t in tensors.values() if isinstance(t, torch.Tensor))
+        setting = os.environ.get("CKPTIO_PROGRESS_MIN_BYTES", "")
+        threshold = int(setting) if setting.strip().isdigit() else PROGRESS_MIN_BYTES
+        enabled = _dist.rank() == 0 and total > 0 and total >= threshold
+        self.bar = progress(total, desc, enabled=enabled, log=log.info)
+        self._lock = threading.Lock()
+
+    def update(self, n: int) -> None:
+        with self._lock:  # the reads may report from I/O threads
+            self.bar.update(n)
+
+    def __enter__(self) -> "_Progress":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.close()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

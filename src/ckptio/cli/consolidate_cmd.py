@@ -17,7 +17,7 @@ from ..storage.confined import Folder
 from ..storage.lock import DirectoryLock
 from ..storage.posix import copy_on_write
 from ._fmt import human_bytes, print_json
-from ._progress import progress
+from .._progress import progress
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 

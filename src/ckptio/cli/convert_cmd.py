@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from ._fmt import human_bytes, print_json
-from ._progress import progress
+from .._progress import progress
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from ._fmt import human_bytes
-from ._progress import progress
+from .._progress import progress
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -12,7 +12,7 @@ from ..layout import scan
 from ..formats import registry
 from ..manifest import MANIFEST_NAME, check_files, read_manifest
 from ..storage.confined import Folder
-from ._progress import progress
+from .._progress import progress
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -20,7 +20,7 @@ import threading
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -92,7 +92,17 @@ class SafeFileSystemReader(FileSystemReader):
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, but non-tensor values are loaded with ``weights_only=True``."""
+    """DCP's default load planner, but non-tensor values are loaded with ``weights_only=True``; ``progress``
+    is told the bytes of each tensor chunk once it has been read into place."""
+
+    def __init__(self, *args: Any, progress: Callable[[int], None] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.progress = progress
+
+    def commit_tensor(self, read_item: Any, tensor: torch.Tensor) -> None:
+        super().commit_tensor(read_item, tensor)
+        if self.progress is not None:
+            self.progress(tensor.numel() * tensor.element_size())
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         try:
@@ -184,14 +194,16 @@ def save(state_dict: dict[str, Any], writer: "FolderWriter | str | Path", rel: s
     return dict(fs.digests)
 
 
-def load(state_dict: dict[str, Any], folder: "str | Path | Folder", *, no_dist: bool = False) -> None:
+def load(state_dict: dict[str, Any], folder: "str | Path | Folder", *, no_dist: bool = False,
+         progress: Callable[[int], None] | None = None) -> None:
     """Collective: fill ``state_dict`` in place from a DCP folder, resharding as DCP does.
 
-    ``no_dist=True`` makes it a local read on this rank alone, whatever the process group.
+    ``no_dist=True`` makes it a local read on this rank alone, whatever the process group. ``progress``:
+    called with the bytes of each chunk read into place.
     """
     reader = SafeFileSystemReader(folder)
     with _quiet_single_process(), _plain_errors("loading", reader.root.path):
-        dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(),
+        dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(progress=progress),
                  process_group=_dist.current_group(),
                  no_dist=no_dist or not _dist.is_dist())
 
@@ -354,7 +366,7 @@ class DCPFormat(Format):
     def load_shards(self, target: dict, folder: Folder, *, strict: bool, ctx: ShardContext) -> None:
         index = _dist.run_collectively("reading the DCP index", lambda: read_index(folder))
         check_compatible(index, target, str(folder.path), strict=strict)
-        load(target, folder)
+        load(target, folder, progress=ctx.progress)
 
     def save_state(self, state: dict, writer: "FolderWriter", rel: str, ctx: ShardContext) -> dict[str, str]:
         return save(state, writer, rel)
@@ -363,7 +375,7 @@ class DCPFormat(Format):
         return read_index(folder)
 
     def load_state(self, target: dict, folder: Folder, ctx: ShardContext) -> None:
-        load(target, folder)
+        load(target, folder, progress=ctx.progress)
 
     def read_state(self, folder: Folder) -> dict:
         return flatten(load_all(folder))

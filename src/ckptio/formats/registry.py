@@ -89,6 +89,9 @@ class ShardContext:
     threads: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
     """Format-specific inputs (the PEFT model and its base path, for instance)."""
+    progress: Callable[[int], None] | None = None
+    """Loads: called with the bytes of each part of this rank's tensors as it is filled (a large restore's
+    progress); formats that cannot tell may leave it uncalled."""
 
 
 class Format:

@@ -77,7 +77,7 @@ class ShardedSafetensors(Format):
     def load_shards(self, target: dict, folder: Folder, *, strict: bool, ctx: ShardContext) -> None:
         from .. import _dist
 
-        _dist.run_collectively("loading the model", lambda: load(target, folder, strict=strict))
+        _dist.run_collectively("loading the model", lambda: load(target, folder, strict=strict, progress=ctx.progress))
 
     # a training state: tensors as shards, plain values in values.json (the optimizer's fast path)
     def save_state(self, state: dict, writer: "FolderWriter", rel: str, ctx: ShardContext) -> dict[str, str]:
@@ -138,7 +138,7 @@ class ShardedSafetensors(Format):
 
         def read() -> None:
             if tensors:
-                load(tensors, folder, strict=False)
+                load(tensors, folder, strict=False, progress=ctx.progress)
             if folder.kind(VALUES_FILE) is not None:
                 values = loads(folder.read_bytes(VALUES_FILE, max_size=MAX_VALUES_BYTES), folder.display(VALUES_FILE))
                 for key in flat:

@@ -239,13 +239,15 @@ def read_index_file(path: str | Path) -> dict[str, TensorInfo]:
     return out
 
 
-def load(target: dict[str, torch.Tensor], folder: "str | Path | Folder", *, strict: bool = True) -> None:
-    """Fill every tensor of ``target`` (local shards of DTensors, or whole tensors) in place."""
-    load_files(target, folder, None, strict=strict)
+def load(target: dict[str, torch.Tensor], folder: "str | Path | Folder", *, strict: bool = True,
+         progress: Callable[[int], None] | None = None) -> None:
+    """Fill every tensor of ``target`` (local shards of DTensors, or whole tensors) in place; ``progress`` is
+    called with the bytes of each local tensor once it is filled."""
+    load_files(target, folder, None, strict=strict, progress=progress)
 
 
 def load_files(target: dict[str, torch.Tensor], folder: "str | Path | Folder", files: list[str] | None, *,
-               strict: bool = True) -> None:
+               strict: bool = True, progress: Callable[[int], None] | None = None) -> None:
     """Like :func:`load`, reading only ``files`` (names relative to ``folder``; ``None``: every ``.safetensors``).
 
     One thread: parallel reads measured slower on the reference machine (``benchmarks/parallel_io.py``).
@@ -253,10 +255,11 @@ def load_files(target: dict[str, torch.Tensor], folder: "str | Path | Folder", f
     folder = as_folder(folder)
     chunks, infos = _scan(folder, files)
     check_compatible(infos, target, str(folder.path), strict=strict)
-    _fill(target, list(target), chunks, folder)
+    _fill(target, list(target), chunks, folder, progress)
 
 
-def _fill(target: dict[str, torch.Tensor], keys: list[str], chunks: dict[str, list[_Chunk]], folder: Folder) -> None:
+def _fill(target: dict[str, torch.Tensor], keys: list[str], chunks: dict[str, list[_Chunk]], folder: Folder,
+          progress: Callable[[int], None] | None = None) -> None:
     """Copy, for each key, the overlap of every stored chunk with this rank's part of the tensor.
 
     When the overlap spans whole rows on both sides and dtypes match, the bytes are contiguous on both
@@ -290,6 +293,8 @@ def _fill(target: dict[str, torch.Tensor], keys: list[str], chunks: dict[str, li
                         st.read_rows_into(key, box.src_lo[0], local[box.dst_lo[0]:box.dst_hi[0]])
                     else:
                         local[box.dst_index()].copy_(st.read_box(key, list(box.src_lo), list(box.src_hi)))
+            if progress is not None:
+                progress(local.numel() * local.element_size())
 
 
 # ---------------------------------------------------------------------------------------- reading whole tensors
