@@ -107,6 +107,16 @@ def test_config_catches_misspelt_fields_and_values(tmp_path):
     assert CheckpointConfig(save_consolidated="True").save_consolidated is True  # as the documents write it
 
 
+def test_a_url_is_not_taken_for_a_local_folder(tmp_path, monkeypatch):
+    """pathlib reads 's3://bucket/run' as the relative folder 's3:/bucket/run'; it must be refused, not
+    written to."""
+    monkeypatch.chdir(tmp_path)
+    for key in ("checkpoint_dir", "restore_from"):
+        with pytest.raises(ConfigError, match=rf"{key}='s3://bucket/run'.*s3:// locations are not supported"):
+            CheckpointConfig(**{key: "s3://bucket/run"})
+    assert not (tmp_path / "s3:").exists()
+
+
 def test_a_restore_only_manager_starts_no_thread_and_no_process_group(tmp_path):
     model = torch.nn.Linear(4, 4)
     with CheckpointManager(CheckpointConfig(checkpoint_dir=tmp_path, async_save=True), model=model) as mgr:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import functools
 import os
+import re
 import string
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -23,6 +24,9 @@ ModelSaveFormat = Literal["safetensors", "torch_save"]
 VerifyMode = Literal["none", "size", "full"]
 Mode = Literal["min", "max"]
 PathLike = Union[str, Path]  # any os.PathLike works at run time
+
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
 @dataclass
@@ -119,6 +123,12 @@ class CheckpointConfig:
             self.restore_from = os.fspath(self.restore_from)
         if not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir:
             raise ConfigError("checkpoint_dir must be a non-empty path, e.g. 'checkpoints'")
+        for key in ("checkpoint_dir", "restore_from"):
+            value = getattr(self, key)
+            if isinstance(value, str) and _URL.match(value):
+                # pathlib would read 's3://b/p' as the relative folder 's3:/b/p' and write there silently
+                raise ConfigError(f"{key}={value!r}: {value.split(':', 1)[0]}:// locations are not supported yet; "
+                                  "give a local or mounted folder")
         if self.model_save_format not in MODEL_SAVE_FORMATS:
             raise ConfigError(
                 f"model_save_format={self.model_save_format!r} is not supported; use one of {list(MODEL_SAVE_FORMATS)}"
