@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv beside this repo's sources and installs ckptio with everything the demo and tests need.
-# torch goes in first, pinned, and stays pinned (scripts/constraints.txt) so that no later requirement
-# can pull a different (CUDA) build.
+# torch goes in first, and every package at the tested version of scripts/constraints.txt (ckptio itself
+# declares ranges), so that no later requirement can pull a different (CUDA) torch build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -11,7 +11,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 echo "[setup] installing torch==2.13.0 (CPU build)"
-.venv/bin/pip install -q torch==2.13.0 numpy 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/pip install -q torch==2.13.0 numpy -c scripts/constraints.txt 2>&1 | grep -v "^WARNING: Location" || true
 .venv/bin/python -c "import torch" || { echo "[setup] torch failed to install" >&2; exit 1; }
 echo "[setup] installing ckptio and its test dependencies"
 .venv/bin/pip install -q -e ".[test]" -c scripts/constraints.txt 2>&1 | grep -v "^WARNING: Location" || true

@@ -118,7 +118,7 @@ def _options(parser: Any) -> list[str]:
 def _explain(parser: Any, message: str) -> str:
     """jsonargparse's message, with the closest valid key for a misspelt one."""
     message = " ".join(message.split())
-    unknown = re.search(r"unrecognized arguments: (--[\w.]+)", message) or \
+    unknown = re.search(r"unrecognized arguments: (--[\w.]+)", message, re.IGNORECASE) or \
         re.search(r"Group '([\w.]+)' does not accept option '(\w+)'", message)
     if unknown:
         key = unknown.group(1) if unknown.lastindex == 1 else f"--{unknown.group(1)}.{unknown.group(2)}"

@@ -279,7 +279,7 @@ def software_versions() -> dict[str, str]:
 
     from . import __version__
 
-    versions = {"ckptio": __version__, "torch": torch.__version__, "safetensors": safetensors.__version__}
+    versions = {"ckptio": __version__, "torch": torch.__version__, "safetensors": getattr(safetensors, "__version__", "unknown")}
     transformers = sys.modules.get("transformers")  # recorded only when in use: importing it costs seconds
     if transformers is not None:
         versions["transformers"] = getattr(transformers, "__version__", "unknown")

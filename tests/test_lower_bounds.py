@@ -1,0 +1,104 @@
+"""The lowest versions ckptio declares work: an environment holding exactly ``scripts/lower-bounds.txt``
+(torch first, then the rest from the package index), ckptio installed into it without moving any of
+them, and the tests that exercise those packages run there — with the real transformers, peft,
+safetensors, Lightning and jsonargparse at their floors.
+
+The environment is built once per content of ``scripts/lower-bounds.txt`` and kept under
+``~/.cache/ckptio-lower-bounds`` (``CKPTIO_LOWER_BOUNDS_CACHE`` moves it); building it needs the package
+index. torch stays at the one CPU build this machine has; its declared floor (2.6) is not tested here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_install import _copy_sources, _versions
+
+REPO = Path(__file__).resolve().parent.parent
+BOUNDS = REPO / "scripts" / "lower-bounds.txt"
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+
+# what the tests below run with, besides ckptio's own requirements (latest: they are the harness)
+HARNESS = ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"]
+TESTS = ["tests/test_pretrained.py", "tests/test_consolidated.py", "tests/test_convert.py", "tests/test_cli.py",
+         "tests/test_ondisk_stability.py", "tests/test_recipe_config.py", "tests/test_peft.py",
+         "tests/test_lightning.py", "tests/test_log_lines.py"]
+
+
+def _pins() -> dict[str, str]:
+    pins = {}
+    for line in BOUNDS.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, version = line.split("==")
+            pins[name.split("[")[0].lower().replace("_", "-")] = version
+    return pins
+
+
+def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    out = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    assert out.returncode == 0, f"{' '.join(cmd)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    return out
+
+
+def _environment() -> Path:
+    key = hashlib.sha256(BOUNDS.read_bytes() + " ".join(HARNESS).encode() + sys.version.encode()).hexdigest()[:12]
+    cache = Path(os.environ.get("CKPTIO_LOWER_BOUNDS_CACHE", Path.home() / ".cache" / "ckptio-lower-bounds"))
+    env = cache / key
+    python = env / "bin" / "python"
+    if (env / "ready").is_file():
+        return python
+    shutil.rmtree(env, ignore_errors=True)
+    env.parent.mkdir(parents=True, exist_ok=True)
+    _run([sys.executable, "-m", "venv", str(env)], timeout=300)
+    pip = [str(python), "-m", "pip", "--disable-pip-version-check", "install", "--quiet"]
+    torch_pin = f"torch=={_pins()['torch']}"
+    _run(pip + [torch_pin], timeout=1200)  # first, as a user's environment has it
+    constraint = env / "torch-pin.txt"
+    constraint.write_text(torch_pin + "\n")
+    _run(pip + ["-r", str(BOUNDS), "-c", str(constraint)] + HARNESS, timeout=1200)
+    (env / "ready").write_text("built\n")
+    return python
+
+
+def _normalised(versions: dict[str, str]) -> dict[str, str]:
+    return {k.replace("_", "-"): v.split("+")[0] for k, v in versions.items()}
+
+
+def test_the_declared_lower_bounds_install_and_pass(tmp_path):
+    python = _environment()
+    before = _normalised(_versions(python))
+    pins = _pins()
+    wrong = {name: (want, before.get(name)) for name, want in pins.items() if before.get(name) != want}
+    assert not wrong, f"the lower-bound environment does not hold the pinned versions: {wrong}"
+
+    # ckptio installs into it from its sources (the index open, so a too-high requirement would upgrade
+    # something): nothing but ckptio may change
+    src = _copy_sources(tmp_path / "ckptio-src")
+    _run([str(python), "-m", "pip", "--disable-pip-version-check", "install", "--quiet", "--force-reinstall",
+          "--no-deps", f"{src}"], timeout=600)
+    report = tmp_path / "report.json"
+    _run([str(python), "-m", "pip", "--disable-pip-version-check", "install", "--dry-run", "--quiet", "--report",
+          str(report), f"{src}[hf,recipe]"], timeout=600)
+    planned = {i["metadata"]["name"]: i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
+    assert set(planned) <= {"ckptio"}, f"installing ckptio[hf,recipe] would change {planned}"
+    after = _normalised(_versions(python))
+    assert {k: v for k, v in after.items() if k != "ckptio"} == {k: v for k, v in before.items() if k != "ckptio"}
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "OMP_NUM_THREADS": "1"}
+    env.pop("PYTHONPATH", None)  # the installed copy, not this checkout's src/
+    out = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *TESTS],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
+    assert out.returncode == 0, f"tests fail at the lower bounds:\n{out.stdout[-6000:]}\n{out.stderr[-2000:]}"
+    located = _run([str(python), "-c", "import ckptio; print(ckptio.__file__)"], env=env, cwd=tmp_path).stdout
+    assert str(python.parent.parent) in located, located
