@@ -16,8 +16,8 @@ from typing import Any
 
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .manifest import MANIFEST_NAME, Manifest, check_files, read_manifest
-from .storage import read_pointer
-from .storage.confined import Folder
+from .storage import as_storage, open_storage
+from .storage.base import Storage
 from .storage.local import TMP_PREFIX, TRASH_PREFIX  # noqa: F401  (TRASH_PREFIX: re-exported)
 
 log = logging.getLogger("ckptio")
@@ -118,80 +118,98 @@ class CheckpointEntry:
 
 
 def _inspect_dir(path: Path, verify: str = "size") -> CheckpointEntry:
-    """What ``path`` is: a committed checkpoint, or why not. ``verify`` says how far its files are checked
-    (``none``: the manifest only; ``size``: every file present, regular, of the recorded size; ``full``:
-    also every byte against its checksum)."""
-    if path.name.startswith(TMP_PREFIX):
-        return CheckpointEntry(path.name, path, None, "uncommitted temporary (an interrupted or running save)")
-    if path.is_symlink() or not path.is_dir():
-        return CheckpointEntry(path.name, path, None, "not a directory (a link or a file is never a checkpoint)")
-    folder = Folder(path)
+    """What the directory ``path`` is: a committed checkpoint, or why not (see :func:`inspect_step`)."""
+    return inspect_step(open_storage(path.parent), path.name, verify)
+
+
+def inspect_step(storage: Storage, name: str, verify: str = "size") -> CheckpointEntry:
+    """What ``name`` inside ``storage`` is: a committed checkpoint, or why not. ``verify`` says how far its
+    files are checked (``none``: the manifest only; ``size``: every file present, regular, of the recorded
+    size; ``full``: also every byte against its checksum)."""
+    path = storage.root / name
+    if name.startswith(TMP_PREFIX):
+        return CheckpointEntry(name, path, None, "uncommitted temporary (an interrupted or running save)")
     try:
+        kind = storage.folder().kind(name)
+        if kind != "dir":
+            return CheckpointEntry(name, path, None, "not a directory (a link or a file is never a checkpoint)"
+                                   if kind is not None else "no such directory")
+        folder = storage.folder(name)
         present = folder.kind(MANIFEST_NAME) is not None
     except CheckpointError as exc:
-        return CheckpointEntry(path.name, path, None, str(exc))
+        return CheckpointEntry(name, path, None, str(exc))
     if not present:
         return CheckpointEntry(
-            path.name, path, None,
+            name, path, None,
             f"{MANIFEST_NAME} is missing: not a committed ckptio checkpoint (an interrupted save, or a folder "
             "written by another tool)",
         )
     try:
         manifest = read_manifest(folder)
     except CheckpointError as exc:
-        return CheckpointEntry(path.name, path, None, str(exc))
+        return CheckpointEntry(name, path, None, str(exc))
     problems = [] if verify == "none" else check_files(folder, manifest, checksums=verify == "full")
     if problems:
-        return CheckpointEntry(path.name, path, manifest, f"{len(problems)} damaged file(s): " + "; ".join(problems[:3]))
-    return CheckpointEntry(path.name, path, manifest)
+        return CheckpointEntry(name, path, manifest, f"{len(problems)} damaged file(s): " + "; ".join(problems[:3]))
+    return CheckpointEntry(name, path, manifest)
 
 
-def scan(checkpoint_dir: str | Path, verify: str = "size") -> list[CheckpointEntry]:
+def scan(checkpoint_dir: "str | Path | Storage", verify: str = "size") -> list[CheckpointEntry]:
     """Every directory in ``checkpoint_dir`` (committed or not), committed ones first by step.
 
     Hidden directories other than ckptio's own temporaries (``.tmp-*``) are not checkpoints and are
     skipped, and so are links (a link is never a checkpoint: it could lead anywhere).
     """
-    root = Path(checkpoint_dir)
-    if not root.is_dir():
+    storage = as_storage(checkpoint_dir)
+    try:
+        listing = storage.folder().listdir()  # links are listed as links, never followed
+    except CheckpointNotFoundError:
         return []
     entries = [
-        _inspect_dir(root / e.name, verify)
-        for e in Folder(root).listdir()  # links are listed as links, never followed
+        inspect_step(storage, e.name, verify)
+        for e in listing
         if e.kind == "dir" and (e.name.startswith(TMP_PREFIX) or not e.name.startswith("."))
     ]
     return sorted(entries, key=lambda e: (not e.committed, e.step if e.step is not None else -1, e.name))
 
 
-def committed_checkpoints(checkpoint_dir: str | Path, verify: str = "size") -> list[CheckpointEntry]:
+def committed_checkpoints(checkpoint_dir: "str | Path | Storage", verify: str = "size") -> list[CheckpointEntry]:
     """Complete checkpoints, oldest step first."""
     return [e for e in scan(checkpoint_dir, verify) if e.committed]
 
 
-def newest_checkpoint(checkpoint_dir: str | Path, *, verify: str = "size") -> CheckpointEntry | None:
+def newest_checkpoint(checkpoint_dir: "str | Path | Storage", *, verify: str = "size") -> CheckpointEntry | None:
     """The newest complete checkpoint; damaged or uncommitted ones are skipped with a warning."""
     candidates = restore_candidates(checkpoint_dir, None, verify=verify)
     return _inspect_dir(candidates[0], verify) if candidates else None
 
 
-def pointer_target(checkpoint_dir: str | Path, name: str) -> Path | None:
+def pointer_target(checkpoint_dir: "str | Path | Storage", name: str) -> Path | None:
     """The step directory the pointer ``name`` (``LATEST``/``BEST``) leads to; ``None`` without a pointer.
 
     The pointer must name a real directory directly inside ``checkpoint_dir``: a target that is itself
     a link, or leads anywhere else, is a :class:`~ckptio.CheckpointCorruptError` naming the pointer.
     """
-    root = Path(checkpoint_dir)
-    target = read_pointer(root, name)
+    storage = as_storage(checkpoint_dir)
+    target = storage.read_pointer(name)
     if target is None:
         return None
-    path = root / target
-    if path.is_symlink():
-        raise CheckpointCorruptError(f"{root / name}: leads to {path}, which is a link; a pointer must name a "
-                                     f"checkpoint directory directly inside {root}")
+    path = storage.root / target
+    if storage.folder().kind(target) == "link":
+        raise CheckpointCorruptError(f"{storage.root / name}: leads to {path}, which is a link; a pointer must name a "
+                                     f"checkpoint directory directly inside {storage.root}")
     return path
 
 
-def restore_candidates(checkpoint_dir: str | Path, restore_from: str | None, *, verify: str = "size") -> list[Path]:
+def _exists(storage: Storage, name: str) -> bool:
+    try:
+        return storage.folder().kind(name) is not None
+    except CheckpointError:
+        return False
+
+
+def restore_candidates(checkpoint_dir: "str | Path | Storage", restore_from: str | None, *,
+                       verify: str = "size") -> list[Path]:
     """The step directories a run should try to load, best first, following :attr:`CheckpointConfig.restore_from`.
 
     ``None`` (auto-resume): every usable checkpoint, newest first (damaged ones are skipped with a
@@ -201,9 +219,10 @@ def restore_candidates(checkpoint_dir: str | Path, restore_from: str | None, *, 
     Raises :class:`CheckpointNotFoundError` when an explicitly requested checkpoint does not exist or is
     not usable; returns ``[]`` when auto-resume finds nothing.
     """
-    root = Path(checkpoint_dir)
+    storage = as_storage(checkpoint_dir)
+    root = storage.root
     if restore_from is None:
-        entries = scan(root, verify)
+        entries = scan(storage, verify)
         good = [e for e in entries if e.committed]
         for bad in entries:
             if bad.manifest is not None and bad.problem and (not good or bad.manifest.step >= (good[-1].step or 0)):
@@ -211,7 +230,7 @@ def restore_candidates(checkpoint_dir: str | Path, restore_from: str | None, *, 
         return [e.path for e in reversed(good)]
     if restore_from in POINTER_NAMES:
         try:
-            path = pointer_target(root, restore_from)
+            path = pointer_target(storage, restore_from)
         except CheckpointError as exc:
             if restore_from != LATEST:
                 raise CheckpointNotFoundError(f"restore_from={restore_from!r}: {exc}") from exc
@@ -219,33 +238,36 @@ def restore_candidates(checkpoint_dir: str | Path, restore_from: str | None, *, 
             path = None
         if path is None:
             if restore_from == LATEST:
-                found = restore_candidates(root, None, verify=verify)
+                found = restore_candidates(storage, None, verify=verify)
                 if found:
                     return found
             raise CheckpointNotFoundError(f"restore_from={restore_from!r}: there is no {restore_from} pointer in {root}")
-        entry = _inspect_dir(path, verify)
+        entry = inspect_step(storage, path.name, verify)
         if not entry.committed:
             if restore_from == LATEST:
                 log.warning("LATEST leads to %s, which is not usable (%s); resuming from the newest usable "
                             "checkpoint instead", path, entry.problem)
-                found = restore_candidates(root, None, verify=verify)
+                found = restore_candidates(storage, None, verify=verify)
                 if found:
                     return found
             raise CheckpointNotFoundError(
                 f"restore_from={restore_from!r}: the pointer leads to {path}, which is not usable ({entry.problem})"
             )
         return [path]
-    candidate = Path(restore_from)
-    if not candidate.is_absolute() and "/" not in restore_from and (root / restore_from).exists():
-        candidate = root / restore_from
-    if not candidate.exists():
-        raise CheckpointNotFoundError(
-            f"restore_from={restore_from!r}: no such checkpoint (looked for {candidate} and {root / restore_from})"
-        )
-    entry = _inspect_dir(candidate, verify)
+    # a step name inside checkpoint_dir, or a path to a step directory anywhere
+    if not Path(restore_from).is_absolute() and "/" not in restore_from and _exists(storage, restore_from):
+        where, name = storage, restore_from
+    else:
+        candidate = Path(restore_from)
+        where, name = open_storage(candidate.parent), candidate.name
+        if not name or not _exists(where, name):
+            raise CheckpointNotFoundError(
+                f"restore_from={restore_from!r}: no such checkpoint (looked for {candidate} and {root / restore_from})"
+            )
+    entry = inspect_step(where, name, verify)
     if not entry.committed:
-        raise CheckpointNotFoundError(f"restore_from={restore_from!r}: {candidate} is not usable ({entry.problem})")
-    return [candidate]
+        raise CheckpointNotFoundError(f"restore_from={restore_from!r}: {entry.path} is not usable ({entry.problem})")
+    return [entry.path]
 
 
 def resolve_restore_path(checkpoint_dir: str | Path, restore_from: str | None, *, verify: str = "size") -> Path | None:
@@ -254,11 +276,9 @@ def resolve_restore_path(checkpoint_dir: str | Path, restore_from: str | None, *
     return found[0] if found else None
 
 
-def clean_temporaries(checkpoint_dir: str | Path, older_than_s: float = 0.0) -> list[Path]:
+def clean_temporaries(checkpoint_dir: "str | Path | Storage", older_than_s: float = 0.0) -> list[Path]:
     """Remove leftovers of interrupted saves and deletions (``.tmp-*``, ``.trash-*``)."""
-    from .storage import LocalStorage
-
-    return LocalStorage(checkpoint_dir).sweep(older_than_s)
+    return as_storage(checkpoint_dir).sweep(older_than_s)
 
 
 def rank_file(rank: int) -> str:

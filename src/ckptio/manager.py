@@ -103,7 +103,7 @@ class CheckpointManager:
         self.storage = open_storage(config.checkpoint_dir)
         self._lock = self.storage.lock()
         self._saver = Saver(config, self.tracked, self.storage, self._lock, self.log)
-        self._restorer = Restorer(config, self.tracked, self.log)
+        self._restorer = Restorer(config, self.tracked, self.log, self.storage)
         # made at the first background save (a collective: it builds a gloo group), so that a manager used
         # only to restore starts no thread and creates no process group
         self._writer: BackgroundWriter | None = None

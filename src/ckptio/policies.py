@@ -155,7 +155,7 @@ def after_commit(storage: "Storage | Path", policy: RetentionPolicy, *,
     from .layout import BEST, committed_checkpoints
 
     storage = _storage(storage)
-    entries = committed_checkpoints(storage.root)
+    entries = committed_checkpoints(storage)
     if policy.monitor:
         best = best_checkpoint(entries, policy.monitor, policy.mode)
         if best is not None:
@@ -166,8 +166,6 @@ def after_commit(storage: "Storage | Path", policy: RetentionPolicy, *,
 
 
 def _storage(storage: "Storage | Path") -> "Storage":
-    if isinstance(storage, (str, Path)):
-        from .storage import open_storage
+    from .storage import as_storage
 
-        return open_storage(storage)
-    return storage
+    return as_storage(storage)

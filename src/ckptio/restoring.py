@@ -36,6 +36,8 @@ from .formats.registry import ShardContext
 from .layout import LATEST, parse_step_name, rank_file, restore_candidates
 from .manifest import Manifest, StateEntry, merge_shapes, model_signature, read_manifest
 from .saving import Tracked
+from .storage import open_storage
+from .storage.base import Storage
 from .storage.confined import Folder
 from .storage.verify import Verifier
 
@@ -59,8 +61,8 @@ class RestoreInfo:
 class Restorer:
     """Runs restores for one manager (collectives: every rank calls :meth:`restore` at the same point)."""
 
-    def __init__(self, config: CheckpointConfig, tracked: Tracked, log: Any) -> None:
-        self.config, self.tracked, self.log = config, tracked, log
+    def __init__(self, config: CheckpointConfig, tracked: Tracked, log: Any, storage: Storage) -> None:
+        self.config, self.tracked, self.log, self.storage = config, tracked, log, storage
 
     # ---------------------------------------------------------------------------------------------- 1
     def restore(self, restore_from: str | None, verify: str | None) -> RestoreInfo | None:
@@ -68,13 +70,14 @@ class Restorer:
         if verify not in VERIFY_MODES:
             raise ConfigError(f"verify must be one of {list(VERIFY_MODES)}, got {verify!r}")
         rank = _dist.rank()
-        root = Path(self.config.checkpoint_dir)
+        root = self.storage.root
         automatic = restore_from in (None, LATEST)
 
         def find() -> list[str]:
             if rank != 0:
                 return []
-            return [str(p) for p in restore_candidates(root, restore_from, verify="none" if verify == "none" else "size")]
+            return [str(p) for p in restore_candidates(self.storage, restore_from,
+                                                       verify="none" if verify == "none" else "size")]
 
         candidates = _dist.broadcast_object(_dist.run_collectively("finding the checkpoint to restore", find))
         if not candidates:
@@ -99,9 +102,11 @@ class Restorer:
         if rank == 0:
             self.log.info("Loading checkpoint from %s", step_dir)
         start = time.perf_counter()
-        manifest = _dist.run_collectively("reading the manifest", lambda: read_manifest(step_dir))
-        verifier = Verifier(Folder(step_dir), manifest.checksums) if verify == "full" else None
-        folder = Folder(step_dir, verifier=verifier)
+        where = self.storage if step_dir.parent == self.storage.root else open_storage(step_dir.parent)
+        base = _dist.run_collectively("opening the checkpoint", lambda: where.folder(step_dir.name))
+        manifest = _dist.run_collectively("reading the manifest", lambda: read_manifest(base))
+        verifier = Verifier(base, manifest.checksums) if verify == "full" else None
+        folder = where.folder(step_dir.name, verifier=verifier) if verifier is not None else base
         objects = self._read_objects(folder, manifest)  # small and first: damage there fails fast
         self._load_model(folder, manifest)
         self._load_optimizer(folder, manifest)

@@ -11,8 +11,7 @@ import sys
 from .. import policies
 from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError
 from ..layout import BEST, pointer_target, scan
-from ..storage import LocalStorage
-from ..storage.lock import DirectoryLock
+from ..storage import open_storage
 from ._fmt import human_bytes, print_json
 
 
@@ -62,20 +61,21 @@ def run(args: argparse.Namespace) -> int:
     root = Path(args.checkpoint_dir)
     if not root.is_dir():
         raise CheckpointNotFoundError(f"{root}: no such checkpoint folder")
-    lock = DirectoryLock(root)
+    storage = open_storage(root)
+    lock = storage.lock()
     if not args.dry_run:  # deleting: no training job may be writing here meanwhile
         lock.acquire(force=args.force)
         if lock.forced_over:
             print(f"warning: going ahead although the lock names {lock.forced_over} (--force; that holder is gone)",
                   file=sys.stderr)
     try:
-        entries = scan(root)
+        entries = scan(storage)
         if args.monitor and not any(policies.metric_of(e, args.monitor) is not None for e in entries if e.committed):
             seen = sorted({m for e in entries if e.manifest for m in e.manifest.metrics})
             raise ConfigError(f"no checkpoint in {root} records the metric {args.monitor!r} (metrics recorded: "
                               f"{seen or 'none'}); nothing can be ranked by it")
         try:
-            best = pointer_target(root, BEST)
+            best = pointer_target(storage, BEST)
         except CheckpointError as exc:
             print(f"warning: {exc}; no checkpoint is protected as BEST", file=sys.stderr)
             best = None
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
                 size = e.manifest.total_bytes if e.manifest else 0
                 print(f"{'would delete' if args.dry_run else 'delete '} {e.name}  ({human_bytes(size)})")
         if not args.dry_run:
-            policies.apply(LocalStorage(root), decision)
+            policies.apply(storage, decision)
     finally:
         lock.release()
     freed = sum(e.manifest.total_bytes for e in decision.delete if e.manifest)

@@ -1,6 +1,11 @@
 """Where bytes go: one storage interface (:mod:`.base`), local POSIX storage (:mod:`.local`), the confined
 reader every read goes through (:mod:`.confined`), safe archives and the folder lock."""
 
+import os
+import re
+
+from ..errors import ConfigError
+from .base import Storage
 from .local import LocalFileWriter, LocalFolderWriter, LocalStorage, LocalWriteStream
 from .posix import (
     atomic_write_bytes,
@@ -19,6 +24,7 @@ __all__ = [
     "LocalFileWriter",
     "LocalWriteStream",
     "open_storage",
+    "as_storage",
     "atomic_write_bytes",
     "commit_directory",
     "fsync_dir",
@@ -30,6 +36,22 @@ __all__ = [
 ]
 
 
-def open_storage(location: "str | object") -> LocalStorage:
-    """The storage behind a checkpoint folder given as a path (local POSIX today)."""
-    return LocalStorage(location)  # type: ignore[arg-type]
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def open_storage(location: "str | os.PathLike[str]") -> LocalStorage:
+    """The storage behind a checkpoint folder given as a path or a location: the one place that chooses a
+    backend (local POSIX today; a URL scheme ckptio has no backend for is refused, never read as a
+    relative folder)."""
+    text = os.fspath(location)
+    scheme = _SCHEME.match(text)
+    if scheme:
+        raise ConfigError(f"{text!r}: {scheme.group(1)}:// locations are not supported yet; give a local or mounted folder")
+    return LocalStorage(text)
+
+
+def as_storage(where: "str | os.PathLike[str] | Storage") -> "Storage":
+    """``where`` itself when it is a storage already, else :func:`open_storage` of it."""
+    if isinstance(where, (str, os.PathLike)):
+        return open_storage(where)
+    return where

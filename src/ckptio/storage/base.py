@@ -120,9 +120,15 @@ class Storage(Protocol):
     def remove_step(self, name: str) -> None:
         """Delete a committed step so that no crash leaves a half-deleted one that discovery could take."""
 
-    def sweep(self) -> list[Path]:
-        """Remove leftovers of interrupted saves and deletions; returns what was removed."""
+    def sweep(self, older_than_s: float = 0.0) -> list[Path]:
+        """Remove leftovers of interrupted saves and deletions (at least ``older_than_s`` old); returns what
+        was removed."""
 
     def write_pointer(self, name: str, target: str) -> None: ...
 
-    def read_pointer(self, name: str) -> str | None: ...
+    def read_pointer(self, name: str) -> str | None:
+        """The step name the pointer ``name`` holds (``None`` without one); a pointer that does not name a
+        direct child is a :class:`~ckptio.CheckpointCorruptError`."""
+
+    def lock(self) -> Any:
+        """The folder's writer lock (``acquire``/``release``; shared within a process, refused to others)."""
