@@ -57,13 +57,13 @@ def test_pip_install_into_an_environment_with_torch_and_transformers_moves_neith
 
     pip = [str(python), "-m", "pip", "--disable-pip-version-check", "install", "--no-index", "--no-build-isolation"]
     report = tmp_path / "report.json"
-    dry = subprocess.run(pip + ["--dry-run", "--quiet", "--report", str(report), f"{src}[hf,recipe]"],
+    dry = subprocess.run(pip + ["--dry-run", "--quiet", "--report", str(report), f"{src}[hf,recipe,s3]"],
                          capture_output=True, text=True, timeout=600)
     assert dry.returncode == 0, dry.stdout + dry.stderr
     planned = {item["metadata"]["name"]: item["metadata"]["version"] for item in json.loads(report.read_text())["install"]}
     assert list(planned) == ["ckptio"], f"pip would also install or change {planned}"
 
-    real = subprocess.run(pip + ["--quiet", f"{src}[hf,recipe]"], capture_output=True, text=True, timeout=600)
+    real = subprocess.run(pip + ["--quiet", f"{src}[hf,recipe,s3]"], capture_output=True, text=True, timeout=600)
     assert real.returncode == 0, real.stdout + real.stderr
     after = _versions(python)
     assert {k: v for k, v in after.items() if k != "ckptio"} == {k: v for k, v in before.items() if k != "ckptio"}

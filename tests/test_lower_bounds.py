@@ -28,10 +28,10 @@ BOUNDS = REPO / "scripts" / "lower-bounds.txt"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 # what the tests below run with, besides ckptio's own requirements (latest: they are the harness)
-HARNESS = ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"]
+HARNESS = ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "moto[server]>=5.0.14"]
 TESTS = ["tests/test_pretrained.py", "tests/test_consolidated.py", "tests/test_convert.py", "tests/test_cli.py",
          "tests/test_ondisk_stability.py", "tests/test_recipe_config.py", "tests/test_peft.py",
-         "tests/test_lightning.py", "tests/test_log_lines.py"]
+         "tests/test_lightning.py", "tests/test_log_lines.py", "tests/test_s3.py"]
 
 
 def _pins() -> dict[str, str]:
@@ -88,7 +88,7 @@ def test_the_declared_lower_bounds_install_and_pass(tmp_path):
           "--no-deps", f"{src}"], timeout=600)
     report = tmp_path / "report.json"
     _run([str(python), "-m", "pip", "--disable-pip-version-check", "install", "--dry-run", "--quiet", "--report",
-          str(report), f"{src}[hf,recipe]"], timeout=600)
+          str(report), f"{src}[hf,recipe,s3]"], timeout=600)
     planned = {i["metadata"]["name"]: i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
     assert set(planned) <= {"ckptio"}, f"installing ckptio[hf,recipe] would change {planned}"
     after = _normalised(_versions(python))

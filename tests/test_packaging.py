@@ -108,13 +108,15 @@ def test_config_catches_misspelt_fields_and_values(tmp_path):
 
 
 def test_a_url_is_not_taken_for_a_local_folder(tmp_path, monkeypatch):
-    """pathlib reads 's3://bucket/run' as the relative folder 's3:/bucket/run'; it must be refused, not
-    written to."""
+    """pathlib reads 'gs://bucket/run' as the relative folder 'gs:/bucket/run'; a location ckptio has no
+    backend for must be refused, not written to (s3:// has one: tests/test_s3.py)."""
     monkeypatch.chdir(tmp_path)
     for key in ("checkpoint_dir", "restore_from"):
-        with pytest.raises(ConfigError, match=rf"{key}='s3://bucket/run'.*s3:// locations are not supported"):
-            CheckpointConfig(**{key: "s3://bucket/run"})
-    assert not (tmp_path / "s3:").exists()
+        with pytest.raises(ConfigError, match=rf"{key}='gs://bucket/run'.*gs:// locations are not supported"):
+            CheckpointConfig(**{key: "gs://bucket/run"})
+    with pytest.raises(ConfigError, match=r"restore_from='s3://bucket/run'.*give a step name or LATEST/BEST"):
+        CheckpointConfig(restore_from="s3://bucket/run")
+    assert not (tmp_path / "gs:").exists()
 
 
 def test_a_restore_only_manager_starts_no_thread_and_no_process_group(tmp_path):

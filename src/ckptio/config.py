@@ -126,9 +126,17 @@ class CheckpointConfig:
         for key in ("checkpoint_dir", "restore_from"):
             value = getattr(self, key)
             if isinstance(value, str) and _URL.match(value):
+                if key == "checkpoint_dir" and value.startswith("s3://"):
+                    from .errors import require
+                    from .storage.s3 import parse_s3_url
+
+                    parse_s3_url(value)
+                    require("boto3", extra="s3", purpose="checkpoints in object storage (s3://)")
+                    continue
                 # pathlib would read 's3://b/p' as the relative folder 's3:/b/p' and write there silently
-                raise ConfigError(f"{key}={value!r}: {value.split(':', 1)[0]}:// locations are not supported yet; "
-                                  "give a local or mounted folder")
+                raise ConfigError(f"{key}={value!r}: {value.split(':', 1)[0]}:// locations are not supported"
+                                  + (" here; give a step name or LATEST/BEST of the s3:// checkpoint_dir"
+                                     if value.startswith("s3://") else "; give a local or mounted folder"))
         if self.model_save_format not in MODEL_SAVE_FORMATS:
             raise ConfigError(
                 f"model_save_format={self.model_save_format!r} is not supported; use one of {list(MODEL_SAVE_FORMATS)}"
@@ -137,6 +145,10 @@ class CheckpointConfig:
             raise ConfigError(f"optimizer_save_format={self.optimizer_save_format!r} is not supported; use one of "
                               f"{list(MODEL_SAVE_FORMATS)} or null (the same as model_save_format)")
         self.save_consolidated = _parse_save_consolidated(self.save_consolidated)
+        if self.save_consolidated and self.checkpoint_dir.startswith("s3://"):
+            raise ConfigError("save_consolidated is not supported with an s3:// checkpoint_dir yet (the bundle is "
+                              "built from the step's local shards); consolidate with `ckptio consolidate` from a "
+                              "local copy, or save to a local folder")
         from .formats.common import parse_size
 
         try:

@@ -22,7 +22,7 @@ from typing import Any
 
 from .errors import CheckpointCorruptError, CheckpointNotFoundError
 from .storage.checksum import bytes_checksum
-from .storage.confined import Folder, UnsafePathError, check_relative
+from .storage.confined import Folder, UnsafePathError, as_folder, check_relative
 from .storage.verify import Verifier
 
 MANIFEST_NAME = "manifest.json"
@@ -198,7 +198,7 @@ def _parse(data: dict[str, Any], source: Path) -> Manifest:
 
 def read_manifest(step_dir: str | Path | Folder) -> Manifest:
     """Read and validate ``step_dir``'s manifest; raise a clear error naming the file otherwise."""
-    folder = step_dir if isinstance(step_dir, Folder) else Folder(step_dir)
+    folder = as_folder(step_dir)
     path = folder.display(MANIFEST_NAME)
     kind = folder.kind(MANIFEST_NAME)
     if kind is None:
@@ -217,7 +217,7 @@ def check_files(step_dir: str | Path | Folder, manifest: Manifest, *, checksums:
     Always: missing files, links and special files in their place, and sizes that differ. With
     ``checksums``: every byte, against the checksum recorded when the file was written.
     """
-    folder = step_dir if isinstance(step_dir, Folder) else Folder(step_dir)
+    folder = as_folder(step_dir)
     problems = []
     good = []
     for rel, size in sorted(manifest.files.items()):

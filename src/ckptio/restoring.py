@@ -73,11 +73,10 @@ class Restorer:
         root = self.storage.root
         automatic = restore_from in (None, LATEST)
 
-        def find() -> list[str]:
+        def find() -> list[Path]:
             if rank != 0:
                 return []
-            return [str(p) for p in restore_candidates(self.storage, restore_from,
-                                                       verify="none" if verify == "none" else "size")]
+            return restore_candidates(self.storage, restore_from, verify="none" if verify == "none" else "size")
 
         candidates = _dist.broadcast_object(_dist.run_collectively("finding the checkpoint to restore", find))
         if not candidates:
@@ -86,7 +85,7 @@ class Restorer:
             return None
         for i, found in enumerate(candidates):
             try:
-                return self._restore_from(Path(found), verify)
+                return self._restore_from(found, verify)
             except CheckpointError as exc:
                 damaged = isinstance(exc, (CheckpointCorruptError, CheckpointNotFoundError))
                 # every rank raised at the same collective; fall back only if every rank saw damage

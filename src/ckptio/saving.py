@@ -35,9 +35,7 @@ from .formats.registry import ShardContext
 from .layout import CONSOLIDATED_DIR, LATEST, MODEL_DIR, OPTIM_DIR, format_step_name, rank_file
 from .manifest import MANIFEST_NAME, Manifest, StateEntry, merge_shapes, model_signature, software_versions
 from .staging import Stager
-from .storage import LocalStorage
-from .storage.base import FolderWriter
-from .storage.lock import DirectoryLock
+from .storage.base import FolderWriter, Storage
 
 __all__ = ["SaveJob", "Saver", "Tracked"]
 
@@ -95,7 +93,7 @@ def optimizer_format(config: CheckpointConfig) -> str:
 class Saver:
     """Runs saves for one manager. Not thread-safe: one save at a time (the manager waits first)."""
 
-    def __init__(self, config: CheckpointConfig, tracked: Tracked, storage: LocalStorage, lock: DirectoryLock,
+    def __init__(self, config: CheckpointConfig, tracked: Tracked, storage: Storage, lock: Any,
                  log: Any) -> None:
         self.config, self.tracked, self.storage, self.lock, self.log = config, tracked, storage, lock, log
         self.stager = Stager()
@@ -172,7 +170,6 @@ class Saver:
     def _begin(self, job: SaveJob) -> str | None:
         if _dist.rank() != 0:
             return None
-        self.storage.root.mkdir(parents=True, exist_ok=True)
         self.lock.acquire()
         if not self._swept:
             self._swept = True
@@ -231,12 +228,10 @@ class Saver:
     def _commit(self, job: SaveJob, writer: FolderWriter, states: dict[str, StateEntry], sums: dict[str, str],
                 world: int) -> None:
         """Rank 0: the manifest last (the commit point), then the pointers and retention."""
-        from .storage.checksum import file_checksum
-
         files = writer.files()
         for rel in files:  # files written by libraries (config, tokenizer, adapter) are summed here
             if rel not in sums:
-                sums[rel] = file_checksum(writer.local_path() / rel)
+                sums[rel] = writer.checksum_of(rel)
         manifest = Manifest(
             name=job.name, step=job.step, epoch=job.epoch, world_size=world,
             model_save_format=self.config.model_save_format, states=states,

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from .. import _dist
 from ..errors import CheckpointCorruptError, CheckpointError
-from ..storage.confined import Folder, UnsafePathError
+from ..storage.confined import Folder, UnsafePathError, as_folder
 from .common import TensorInfo, check_compatible, dtype_name, flatten, torch_dtype
 from .dcp_metadata import METADATA_FILE, read_metadata
 from .registry import Format, Opened, ShardContext, WriteOptions, register
@@ -47,16 +47,16 @@ if TYPE_CHECKING:
 class _ConfinedFileSystem(FileSystem):
     """DCP's filesystem for reading, with every data file opened through the confined :class:`Folder`."""
 
-    def __init__(self, root: Folder) -> None:
+    def __init__(self, root: Folder, base: Path) -> None:
         super().__init__()
-        self.root = root
+        self.root, self.base = root, base
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
         if "r" not in mode or "+" in mode:
             raise CheckpointError(f"{path}: the DCP reader does not write")
         try:
-            rel = Path(path).relative_to(self.root.path).as_posix()
+            rel = Path(path).relative_to(self.base).as_posix()
         except ValueError:
             raise UnsafePathError(f"{path}: outside the DCP folder {self.root.path}") from None
         with self.root.open(rel) as handle:
@@ -67,9 +67,12 @@ class SafeFileSystemReader(FileSystemReader):
     """DCP's filesystem reader with the restricted metadata unpickler and confined data files."""
 
     def __init__(self, folder: "str | Path | Folder") -> None:
-        self.root = folder if isinstance(folder, Folder) else Folder(folder)
-        super().__init__(str(self.root.path))
-        self.fs = _ConfinedFileSystem(self.root)
+        self.root = as_folder(folder)
+        # DCP joins file names to a base path of its own; a folder in object storage gets a made-up local
+        # one, mapped back to the folder by the confined file system (every byte is read through it)
+        base = self.root.path if isinstance(self.root.path, Path) else Path("/ckptio-remote-dcp-folder")
+        super().__init__(str(base))
+        self.fs = _ConfinedFileSystem(self.root, base)
 
     def read_data(self, plan: Any, planner: Any) -> Any:
         """DCP's read, with each file's items taken in file order: one forward pass per file, so a
@@ -304,7 +307,7 @@ class DCPSource:
     """A DCP folder read tensor by tensor; each read is a single-process DCP load of one key."""
 
     def __init__(self, folder: "Path | Folder") -> None:
-        self.root = folder if isinstance(folder, Folder) else Folder(folder)
+        self.root = as_folder(folder)
         self.folder = self.root.path
         self._index = {k: v for k, v in read_index(self.root).items() if v is not None}
 

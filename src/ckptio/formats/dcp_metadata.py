@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError
-from ..storage.confined import Folder, check_relative
+from ..storage.confined import Folder, as_folder, check_relative
 from .common import check_exact_cover
 
 __all__ = ["METADATA_FILE", "read_metadata"]
@@ -75,7 +75,7 @@ def read_metadata(folder: "str | Path | Folder", filename: str = METADATA_FILE) 
     tensor (inside its shape, covering it exactly once), and every data file it names (a plain
     relative path to a regular file inside ``folder``, holding the bytes the entries need).
     """
-    root = folder if isinstance(folder, Folder) else Folder(folder)
+    root = as_folder(folder)
     path = root.display(filename)
     if root.kind(filename) is None:
         raise CheckpointNotFoundError(f"{root.path} is not a DCP checkpoint: {filename} is missing")

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Callable
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError
 from ..plan import local_view, overlap, spans_whole_rows
 from ..storage.confined import Folder
+from ..storage.confined import as_folder as _as_folder
 from . import _st_writer
 from ._st_reader import SafetensorsFile
 from .common import TensorInfo, check_compatible, check_exact_cover, dtype_name, natural_key, torch_dtype
@@ -159,7 +160,7 @@ def _balance(entries: list[_st_writer.Entry], n: int) -> list[list[_st_writer.En
 
 
 def as_folder(folder: "str | Path | Folder") -> Folder:
-    return folder if isinstance(folder, Folder) else Folder(folder)
+    return _as_folder(folder)
 
 
 def _shard_meta(st: SafetensorsFile) -> dict:

@@ -39,12 +39,20 @@ __all__ = [
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
-def open_storage(location: "str | os.PathLike[str]") -> LocalStorage:
+def open_storage(location: "str | os.PathLike[str]") -> Storage:
     """The storage behind a checkpoint folder given as a path or a location: the one place that chooses a
-    backend (local POSIX today; a URL scheme ckptio has no backend for is refused, never read as a
-    relative folder)."""
+    backend (a local POSIX folder, or ``s3://bucket/prefix``; a URL scheme ckptio has no backend for is
+    refused, never read as a relative folder)."""
+    from .s3 import S3Path
+
+    if isinstance(location, S3Path):
+        location = str(location)
     text = os.fspath(location)
     scheme = _SCHEME.match(text)
+    if scheme and scheme.group(1) == "s3":
+        from .s3 import S3Storage
+
+        return S3Storage(text)  # type: ignore[return-value]
     if scheme:
         raise ConfigError(f"{text!r}: {scheme.group(1)}:// locations are not supported yet; give a local or mounted folder")
     return LocalStorage(text)

@@ -83,6 +83,9 @@ class FolderWriter(Protocol):
 
     def exists(self, rel: str) -> bool: ...
 
+    def checksum_of(self, rel: str) -> str:
+        """The checksum of a file a library wrote into :meth:`local_path` (the streams return their own)."""
+
     def files(self) -> dict[str, int]:
         """Every file written so far (relative path -> size), on every rank's behalf (call after a barrier)."""
 

@@ -28,7 +28,7 @@ import io
 import os
 import stat
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any, Iterator
 
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError
@@ -56,6 +56,21 @@ def check_relative(rel: object, where: object) -> tuple[str, ...]:
     if any(p in ("", ".", "..") for p in parts):
         raise UnsafePathError(f"{where}: file path {rel!r} must not contain '..', '.' or empty components")
     return parts
+
+
+def as_folder(where: Any) -> Any:
+    """The reader for ``where``: itself when it is a folder already (local or in object storage), the
+    folder of its storage when it is an object-store location, else a local :class:`Folder`."""
+    if isinstance(where, (str, os.PathLike)):
+        if isinstance(where, PurePath) and not isinstance(where, Path) or \
+                isinstance(where, str) and "://" in where:
+            from . import open_storage
+
+            location = str(where).rstrip("/")
+            parent, _, name = location.rpartition("/")
+            return open_storage(parent).folder(name)
+        return Folder(where)
+    return where
 
 
 @dataclass(frozen=True)
@@ -94,6 +109,10 @@ class Folder:
 
     def display(self, rel: str = "") -> Path:
         return self.path / rel if rel else self.path
+
+    def plain(self) -> "Folder":
+        """The same folder without a verifier."""
+        return Folder(self.path, links=self.links)
 
     def sub(self, rel: str) -> "Folder":
         """The folder ``rel`` below this one (checked now: it must be a real directory, not a link)."""

@@ -155,6 +155,11 @@ class LocalFolderWriter:
     def exists(self, rel: str) -> bool:
         return self._path(rel).exists()
 
+    def checksum_of(self, rel: str) -> str:
+        from .checksum import file_checksum
+
+        return file_checksum(self._path(rel))
+
     def files(self) -> dict[str, int]:
         return {p.relative_to(self.tmp).as_posix(): p.stat().st_size
                 for p in sorted(self.tmp.rglob("*")) if p.is_file() and not p.is_symlink()}

@@ -205,6 +205,14 @@ def read_pointer(checkpoint_dir: Path, name: str) -> str | None:
 
         where = text_file
         target = Folder(checkpoint_dir).read_text(text_file.name, max_size=MAX_POINTER_BYTES).strip()
+    return check_pointer_target(target, where, checkpoint_dir)
+
+
+def check_pointer_target(target: str, where: object, checkpoint_dir: object) -> str:
+    """``target`` if it names a direct child of the checkpoint folder (every storage's pointers are checked
+    here); otherwise a :class:`~ckptio.CheckpointCorruptError` naming the pointer ``where``."""
+    from ..errors import CheckpointCorruptError
+
     if not target or "/" in target or "\\" in target or target.startswith(".") or len(target) > 255 \
             or any(ord(c) < 32 for c in target):
         raise CheckpointCorruptError(

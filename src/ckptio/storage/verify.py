@@ -133,7 +133,7 @@ class Verifier:
             self._pool.shutdown(wait=True)
             self._pool = None
         problems = []
-        plain = Folder(self.root.path, links=self.root.links)  # no verifier: the tail reads hash below
+        plain = self.root.plain()  # no verifier: the tail reads hash below
         for rel in files:
             want = self.checksums.get(rel)
             if want is None:

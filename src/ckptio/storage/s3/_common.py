@@ -1,0 +1,110 @@
+"""What every part of the S3 backend shares: settings, locations, the client and error mapping."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import PurePosixPath
+from typing import Any
+
+from ...errors import CheckpointError, CheckpointNotFoundError, ConfigError, require
+from ...manifest import MANIFEST_NAME as MANIFEST  # noqa: F401  (the commit point: written last)
+from ..confined import UnsafePathError, check_relative
+
+PART_SIZE = 64 << 20
+"""Files larger than this are uploaded as multipart uploads of parts this large (S3's minimum is 5 MiB)."""
+UPLOAD_THREADS = 4
+CONNECT_TIMEOUT = 10
+READ_TIMEOUT = 120
+MAX_ATTEMPTS = 5
+"""Tries per request (standard retry mode: exponential backoff on throttling, 5xx and dropped connections)."""
+LEASE_SECONDS = 120.0
+MAX_POINTER_BYTES = 4096
+
+
+class S3Error(CheckpointError):
+    """A request to the object store failed (after its retries); names the object and the server's answer."""
+
+
+def parse_s3_url(url: str) -> tuple[str, str]:
+    """``s3://bucket/some/prefix`` -> ``("bucket", "some/prefix")``; a malformed URL is a :class:`ConfigError`."""
+    if not url.startswith("s3://"):
+        raise ConfigError(f"{url!r} is not an s3:// location")
+    bucket, _, prefix = url[len("s3://"):].partition("/")
+    prefix = prefix.strip("/")
+    if not bucket or "/" in bucket:
+        raise ConfigError(f"{url!r}: no bucket name (expected s3://bucket/prefix)")
+    if prefix:
+        try:
+            check_relative(prefix, url)
+        except UnsafePathError as exc:
+            raise ConfigError(f"{url!r}: the prefix must be plain names separated by '/' ({exc})") from None
+    return bucket, prefix
+
+
+class S3Path(PurePosixPath):
+    """The name of an object or a prefix, shown as ``s3://bucket/key``. Path arithmetic works as for a
+    local path (``/``, ``name``, ``parent``); it is never a local path (``os.fspath`` refuses it)."""
+
+    def __str__(self) -> str:
+        return "s3://" + super().__str__()
+
+    def __fspath__(self) -> str:
+        raise TypeError(f"{self} is an object-store location, not a local path")
+
+    @property
+    def bucket(self) -> str:
+        return self.parts[0]
+
+    @property
+    def key(self) -> str:
+        return "/".join(self.parts[1:])
+
+
+# ------------------------------------------------------------------------------------------- the client
+_clients: dict[tuple[int, str], Any] = {}
+_clients_lock = threading.Lock()
+
+
+def client() -> Any:
+    """A boto3 S3 client with bounded timeouts and retries (one per process and thread pool size)."""
+    boto3 = require("boto3", extra="s3", purpose="checkpoints in object storage (s3://)")
+    from botocore.config import Config
+
+    key = (os.getpid(), os.environ.get("AWS_ENDPOINT_URL", "") + os.environ.get("AWS_ENDPOINT_URL_S3", ""))
+    with _clients_lock:
+        if key not in _clients:
+            config = Config(connect_timeout=CONNECT_TIMEOUT, read_timeout=READ_TIMEOUT,
+                            retries={"total_max_attempts": MAX_ATTEMPTS, "mode": "standard"},
+                            max_pool_connections=4 * UPLOAD_THREADS)
+            _clients[key] = boto3.session.Session().client("s3", config=config)
+        return _clients[key]
+
+
+def _code(exc: BaseException) -> str:
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        return str(response.get("Error", {}).get("Code", "")) or str(response.get("ResponseMetadata", {}).get(
+            "HTTPStatusCode", ""))
+    return ""
+
+
+def _missing(exc: BaseException) -> bool:
+    return _code(exc) in ("NoSuchKey", "404", "NotFound", "NoSuchUpload")
+
+
+def _call(what: str, where: object, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, with a failure raised as :class:`S3Error` naming ``what`` and ``where``."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        return fn(*args, **kwargs)
+    except ClientError as exc:
+        if _missing(exc):
+            raise CheckpointNotFoundError(f"{where}: missing ({_code(exc)})") from None
+        err = exc.response.get("Error", {})
+        raise S3Error(f"{what} {where} failed: {err.get('Code', '?')}: {err.get('Message', exc)}") from None
+    except BotoCoreError as exc:
+        raise S3Error(f"{what} {where} failed: {exc}") from None
+
+

@@ -1,0 +1,114 @@
+"""The writer lock of a checkpoint folder in object storage: a lease object, renewed while held."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from ..lock import LOCK_NAME, CheckpointDirLocked, parse_holder
+from ._common import LEASE_SECONDS, MAX_POINTER_BYTES, S3Error, _call, client
+
+if TYPE_CHECKING:
+    from . import S3Storage
+
+_leases: dict[str, list[Any]] = {}  # location -> [renewing thread stop event, number of holders]
+_leases_lock = threading.Lock()
+
+
+class S3Lease:
+    """One writer per checkpoint folder in an object store: a lease object (``.ckptio.lock``) created with a
+    conditional put, holding ``pid N on HOST`` and renewed every third of :data:`LEASE_SECONDS` by a thread
+    while held. A lease not renewed for :data:`LEASE_SECONDS` is taken over; a live one is refused naming
+    its holder. Shared within a process, like the local lock."""
+
+    def __init__(self, storage: S3Storage) -> None:
+        self.storage = storage
+        self.key = storage._key(LOCK_NAME)
+        self.where = storage.root / LOCK_NAME
+        self.forced_over: str | None = None
+        self._held = False
+
+    @property
+    def held(self) -> bool:
+        return self._held or self.forced_over is not None
+
+    def _body(self) -> bytes:
+        return json.dumps({"holder": f"pid {os.getpid()} on {socket.gethostname()}", "renewed": time.time()}).encode()
+
+    def acquire(self, *, force: bool = False) -> None:
+        if self.held:
+            return
+        s3 = client()
+        location = str(self.storage.root)
+        with _leases_lock:
+            if location in _leases:
+                _leases[location][1] += 1
+                self._held = True
+                return
+            try:
+                _call("taking the lock", self.where, s3.put_object, Bucket=self.storage.bucket, Key=self.key,
+                      Body=self._body(), IfNoneMatch="*")
+            except S3Error as exc:
+                if "PreconditionFailed" not in str(exc):
+                    raise
+                current = _call("reading the lock", self.where, s3.get_object, Bucket=self.storage.bucket, Key=self.key)
+                text = current["Body"].read(MAX_POINTER_BYTES)
+                try:
+                    doc = json.loads(text)
+                    holder, renewed = str(doc["holder"]), float(doc["renewed"])
+                except (ValueError, KeyError, TypeError):
+                    holder, renewed = "an unreadable lease", 0.0
+                stale = time.time() - renewed > LEASE_SECONDS
+                pid, host = parse_holder(holder)
+                if not stale and not force:
+                    raise CheckpointDirLocked(
+                        f"{self.storage.root} is in use by {holder} (its lease was renewed "
+                        f"{time.time() - renewed:.0f} s ago); two jobs must not share a checkpoint_dir (give this run "
+                        f"its own, or stop the other job; a lease not renewed for {LEASE_SECONDS:.0f} s is taken over)"
+                    ) from None
+                if not stale and force and host == socket.gethostname() and pid is not None:
+                    from ..lock import _alive
+
+                    if _alive(pid):
+                        raise CheckpointDirLocked(f"{self.storage.root} is in use by {holder}, which is running") from None
+                # take over the lease the holder no longer renews, only if nobody else did meanwhile
+                _call("taking over the lock", self.where, s3.put_object, Bucket=self.storage.bucket, Key=self.key,
+                      Body=self._body(), IfMatch=current["ETag"])
+                if not stale:
+                    self.forced_over = holder
+            stop = threading.Event()
+            thread = threading.Thread(target=self._renew, args=(stop,), name="ckptio-s3-lease", daemon=True)
+            _leases[location] = [stop, 1]
+            thread.start()
+            self._held = True
+
+    def _renew(self, stop: threading.Event) -> None:
+        while not stop.wait(LEASE_SECONDS / 3):
+            try:
+                client().put_object(Bucket=self.storage.bucket, Key=self.key, Body=self._body())
+            except Exception:  # noqa: BLE001 - retried at the next tick; a lost lease shows as a commit conflict
+                continue
+
+    def release(self) -> None:
+        self.forced_over = None
+        if not self._held:
+            return
+        self._held = False
+        location = str(self.storage.root)
+        with _leases_lock:
+            entry = _leases.get(location)
+            if entry is None:
+                return
+            entry[1] -= 1
+            if entry[1] > 0:
+                return
+            del _leases[location]
+            entry[0].set()
+        try:
+            client().delete_object(Bucket=self.storage.bucket, Key=self.key)
+        except Exception:  # noqa: BLE001 - a lease left behind expires
+            pass

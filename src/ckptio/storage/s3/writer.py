@@ -1,0 +1,167 @@
+"""Writing to object storage: files spooled and uploaded when closed, a step committed by its manifest."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import uuid
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ...errors import CheckpointError, CheckpointNotFoundError
+from ..confined import check_relative
+from ..local import LocalWriteStream
+from . import _common
+from ._common import MANIFEST, S3Error, S3Path, _call, client
+
+if TYPE_CHECKING:
+    from . import S3Storage
+
+class S3WriteStream(LocalWriteStream):
+    """A file spooled locally with a running CRC-32C and uploaded when closed."""
+
+    def __init__(self, spool: Path, bucket: str, key: str, where: S3Path) -> None:
+        spool.parent.mkdir(parents=True, exist_ok=True)
+        super().__init__(spool, durable=False)
+        self.bucket, self.key, self.where = bucket, key, where
+
+    def close(self) -> str:
+        if self._digest is not None:
+            return self._digest
+        digest = super().close()
+        try:
+            upload_file(self.path, self.bucket, self.key, self.where)
+        finally:
+            self.path.unlink(missing_ok=True)
+        return digest
+
+    def discard(self) -> None:
+        super().discard()
+        self.path.unlink(missing_ok=True)
+
+
+def upload_file(path: Path, bucket: str, key: str, where: object, *, if_none_match: bool = False) -> None:
+    """Upload a local file: one ``PUT`` up to :data:`PART_SIZE`, else parts in parallel (aborted on failure)."""
+    s3 = client()
+    size = path.stat().st_size
+    extra = {"IfNoneMatch": "*"} if if_none_match else {}
+    if size <= _common.PART_SIZE:
+        with open(path, "rb") as fh:
+            _call("uploading", where, s3.put_object, Bucket=bucket, Key=key, Body=fh, **extra)
+        return
+    upload = _call("starting the upload of", where, s3.create_multipart_upload, Bucket=bucket, Key=key)["UploadId"]
+    try:
+        def part(number: int) -> dict[str, Any]:
+            offset = (number - 1) * _common.PART_SIZE
+            with open(path, "rb") as fh:
+                fh.seek(offset)
+                data = fh.read(min(_common.PART_SIZE, size - offset))
+            etag = _call(f"uploading part {number} of", where, s3.upload_part, Bucket=bucket, Key=key,
+                         UploadId=upload, PartNumber=number, Body=data)["ETag"]
+            return {"PartNumber": number, "ETag": etag}
+
+        count = (size + _common.PART_SIZE - 1) // _common.PART_SIZE
+        with ThreadPoolExecutor(min(_common.UPLOAD_THREADS, count), thread_name_prefix="ckptio-s3-upload") as pool:
+            parts = list(pool.map(part, range(1, count + 1)))
+        _call("completing the upload of", where, s3.complete_multipart_upload, Bucket=bucket, Key=key,
+              UploadId=upload, MultipartUpload={"Parts": parts}, **extra)
+    except BaseException:
+        try:
+            s3.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload)
+        except Exception:  # noqa: BLE001 - the sweep aborts what is left
+            pass
+        raise
+
+
+class S3FolderWriter:
+    """A step (or any new folder) written object by object; committed by its manifest, written last."""
+
+    def __init__(self, storage: "S3Storage", name: str) -> None:
+        self.storage, self.name, self.token = storage, name, name
+        self.prefix = storage._key(name)
+        self.spool = Path(tempfile.mkdtemp(prefix=f"ckptio-s3-{name}-"))
+        # ranks other than the committing one never call commit/abort: their spool goes with the writer
+        weakref.finalize(self, shutil.rmtree, str(self.spool), True)
+        self._local = self.spool / "local"
+        self._local_sums: dict[str, str] = {}
+
+    def _where(self, rel: str) -> S3Path:
+        return self.storage.root / self.name / rel  # type: ignore[return-value]
+
+    def _key(self, rel: str) -> str:
+        return "/".join((self.prefix, *check_relative(rel, self._where(""))))
+
+    def open(self, rel: str) -> S3WriteStream:
+        key = self._key(rel)
+        return S3WriteStream(self.spool / "streams" / uuid.uuid4().hex, self.storage.bucket, key, self._where(rel))
+
+    def write_bytes(self, rel: str, data: bytes) -> str:
+        with self.open(rel) as stream:
+            stream.write(data)
+        return stream.close()
+
+    def local_path(self, rel: str = "") -> Path:
+        """A local folder whose files are uploaded at :meth:`files`/:meth:`commit` (rank 0 writes there)."""
+        path = self._local / rel if rel else self._local
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def _upload_local(self) -> None:
+        from ..checksum import file_checksum
+
+        if self._local.is_dir():
+            for path in sorted(self._local.rglob("*")):
+                rel = path.relative_to(self._local).as_posix()
+                if path.is_file() and not path.is_symlink() and rel not in self._local_sums:
+                    digest = file_checksum(path)
+                    upload_file(path, self.storage.bucket, self._key(rel), self._where(rel))
+                    self._local_sums[rel] = digest
+
+    def checksum_of(self, rel: str) -> str:
+        self._upload_local()
+        if rel not in self._local_sums:
+            raise CheckpointError(f"{self._where(rel)}: written by another writer, its checksum is not known here")
+        return self._local_sums[rel]
+
+    def rename(self, rel: str, new_rel: str) -> None:
+        s3 = client()
+        src, dst = self._key(rel), self._key(new_rel)
+        _call("copying", self._where(rel), s3.copy_object, Bucket=self.storage.bucket, Key=dst,
+              CopySource={"Bucket": self.storage.bucket, "Key": src})
+        _call("removing", self._where(rel), s3.delete_object, Bucket=self.storage.bucket, Key=src)
+
+    def exists(self, rel: str) -> bool:
+        try:
+            _call("looking up", self._where(rel), client().head_object, Bucket=self.storage.bucket, Key=self._key(rel))
+        except CheckpointNotFoundError:
+            return False
+        return True
+
+    def files(self) -> dict[str, int]:
+        """Every object written so far under this step, by every rank (files of :meth:`local_path` uploaded first)."""
+        self._upload_local()
+        return {rel: size for rel, size in self.storage._objects(self.prefix).items() if rel != MANIFEST}
+
+    def commit(self, manifest: tuple[str, bytes] | None = None) -> S3Path:
+        self._upload_local()
+        if manifest is not None:
+            name, data = manifest
+            path = self.spool / "manifest"
+            path.write_bytes(data)
+            try:
+                upload_file(path, self.storage.bucket, self._key(name), self._where(name), if_none_match=True)
+            except S3Error as exc:
+                if "PreconditionFailed" in str(exc) or "ConditionalRequestConflict" in str(exc):
+                    raise CheckpointError(f"{self._where('')}: another writer committed this step first; this save "
+                                          "is not committed (two jobs must not share a checkpoint_dir)") from None
+                raise
+        shutil.rmtree(self.spool, ignore_errors=True)
+        return self._where("").parent / self.name  # type: ignore[return-value]
+
+    def abort(self) -> None:
+        shutil.rmtree(self.spool, ignore_errors=True)
+        self.storage._delete_prefix(self.prefix, manifest_first=True)
+
+

@@ -1,0 +1,267 @@
+"""Checkpoint folders in object storage (``s3://bucket/prefix``), against a real S3-compatible server.
+
+The server is moto's standalone server, started on 127.0.0.1 by these tests and reached over HTTP by the
+real boto3 client, configured only through the standard AWS environment variables.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import pytest
+import torch
+
+pytest.importorskip("boto3")
+pytest.importorskip("moto")
+
+from ckptio import CheckpointConfig, CheckpointManager, committed_checkpoints  # noqa: E402
+from ckptio.errors import CheckpointError, ConfigError  # noqa: E402
+from ckptio.layout import LATEST, pointer_target, scan  # noqa: E402
+from ckptio.storage import open_storage  # noqa: E402
+from ckptio.storage import s3 as s3mod  # noqa: E402
+from ckptio.storage.verify import Verifier  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def s3_server():
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if proc.poll() is not None or time.time() > deadline:
+                proc.kill()
+                pytest.fail("the S3 server (moto) did not start")
+            time.sleep(0.1)
+    yield f"http://127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture
+def bucket(s3_server, monkeypatch):
+    for key, value in {"AWS_ENDPOINT_URL": s3_server, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+                       "AWS_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(key, value)
+    name = f"ckpt-{uuid.uuid4().hex[:8]}"
+    s3mod.client().create_bucket(Bucket=name)
+    return name
+
+
+def _keys(bucket: str, prefix: str = "") -> dict[str, int]:
+    out = {}
+    for page in s3mod.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        out.update({o["Key"]: o["Size"] for o in page.get("Contents", [])})
+    return out
+
+
+def _train(model, opt, steps: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        model(torch.randn(4, 16, generator=g)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _setup(url: str, **config):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, opt, CheckpointManager(CheckpointConfig(checkpoint_dir=url, **config), model=model, optimizer=opt)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch_save"])
+def test_save_resume_and_retention_in_a_bucket(bucket, fmt):
+    url = f"s3://{bucket}/runs/one"
+    model, opt, mgr = _setup(url, model_save_format=fmt, keep_latest=2)
+    with mgr:
+        for step in (1, 2, 3):
+            _train(model, opt, 2, step)
+            mgr.save(step=step)
+    keys = _keys(bucket, "runs/one/")
+    assert not any(k.startswith("runs/one/epoch_0_step_1/") for k in keys), "retention left step 1"
+    assert "runs/one/epoch_0_step_3/manifest.json" in keys and "runs/one/LATEST" in keys
+    assert "runs/one/.ckptio.lock" not in keys  # released at close
+    assert [e.name for e in committed_checkpoints(open_storage(url))] == ["epoch_0_step_2", "epoch_0_step_3"]
+
+    model2, opt2, again = _setup(url, model_save_format=fmt, verify="full")
+    with again:
+        info = again.restore()
+    assert info is not None and info.step == 3 and str(info.path) == f"{url}/epoch_0_step_3"
+    for a, b in zip(model.state_dict().values(), model2.state_dict().values()):
+        assert torch.equal(a, b)
+    _train(model, opt, 1, 99)
+    _train(model2, opt2, 1, 99)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))  # optimizer too
+
+
+def test_an_uncommitted_step_is_never_resumed_and_is_swept(bucket):
+    url = f"s3://{bucket}/r"
+    model, opt, mgr = _setup(url)
+    with mgr:
+        mgr.save(step=1)
+    storage = open_storage(url)
+    writer = storage.begin_step("epoch_0_step_2")  # a save killed before its manifest
+    writer.write_bytes("model/shard-00000-model-00001-of-00001.safetensors", b"partial")
+    entries = {e.name: e for e in scan(storage)}
+    assert entries["epoch_0_step_2"].problem and "missing" in entries["epoch_0_step_2"].problem
+    _, _, again = _setup(url)
+    with again:
+        assert again.restore().step == 1
+    removed = storage.sweep()
+    assert [p.name for p in removed] == ["epoch_0_step_2"]
+    assert not _keys(bucket, "r/epoch_0_step_2/")
+
+
+def test_two_writers_cannot_both_commit_a_step(bucket):
+    storage = open_storage(f"s3://{bucket}/race")
+    first, second = storage.begin_step("epoch_0_step_5"), s3mod.S3FolderWriter(storage, "epoch_0_step_5")
+    first.write_bytes("a", b"one")
+    second.write_bytes("b", b"two")
+    first.commit(("manifest.json", b'{"first": true}'))
+    with pytest.raises(CheckpointError, match="another writer committed this step first"):
+        second.commit(("manifest.json", b'{"second": true}'))
+    body = s3mod.client().get_object(Bucket=bucket, Key="race/epoch_0_step_5/manifest.json")["Body"].read()
+    assert body == b'{"first": true}'
+
+
+def test_large_files_go_up_in_parts_and_read_back_verified(bucket, monkeypatch):
+    monkeypatch.setattr(s3mod._common, "PART_SIZE", 5 << 20)  # S3's smallest part: 3 parts of a 12 MiB file
+    storage = open_storage(f"s3://{bucket}/big")
+    data = torch.randint(0, 256, (12 << 20,), dtype=torch.uint8).numpy().tobytes()
+    writer = storage.begin_step("s")
+    with writer.open("blob.bin") as stream:
+        for i in range(0, len(data), 1 << 20):
+            stream.write(data[i:i + (1 << 20)])
+    digest = stream.close()
+    writer.commit(("manifest.json", b"{}"))
+    assert not s3mod.client().list_multipart_uploads(Bucket=bucket).get("Uploads")
+    folder = storage.folder("s")
+    assert folder.size("blob.bin") == len(data)
+    verifier = Verifier(folder, {"blob.bin": digest})
+    with storage.folder("s", verifier=verifier).open("blob.bin") as h:
+        assert h.read(7 << 20, 1000) == data[7 << 20:(7 << 20) + 1000]
+    assert verifier.finish(["blob.bin"]) == []
+    bad = Verifier(folder, {"blob.bin": "crc32c:00000000"})
+    problems = bad.finish(["blob.bin"])
+    assert len(problems) == 1 and "s3://" in problems[0] and "blob.bin" in problems[0]
+
+
+def test_an_aborted_multipart_upload_is_swept(bucket):
+    s3 = s3mod.client()
+    s3.create_multipart_upload(Bucket=bucket, Key="m/epoch_0_step_1/x.bin")
+    storage = open_storage(f"s3://{bucket}/m")
+    removed = storage.sweep()
+    assert any(p.name == "x.bin" for p in removed)
+    assert not s3.list_multipart_uploads(Bucket=bucket).get("Uploads")
+
+
+def test_hostile_keys_and_pointers_are_refused(bucket):
+    s3 = s3mod.client()
+    url = f"s3://{bucket}/h"
+    model, opt, mgr = _setup(url)
+    with mgr:
+        mgr.save(step=1)
+    s3.put_object(Bucket=bucket, Key="h/epoch_0_step_1/../../escape", Body=b"x")
+    s3.put_object(Bucket=bucket, Key="h/epoch_0_step_1//double", Body=b"x")
+    folder = open_storage(url).folder("epoch_0_step_1")
+    kinds = {e.name: e.kind for e in folder.listdir()}
+    assert kinds.get("..") == "other" and "escape" not in kinds and kinds.get("") in (None, "other")
+    s3.put_object(Bucket=bucket, Key="h/LATEST", Body=b"../elsewhere\n")
+    with pytest.raises(CheckpointError, match="LATEST: the pointer names"):
+        pointer_target(open_storage(url), LATEST)
+    _, _, again = _setup(url, restore_from="LATEST")  # a damaged LATEST falls back to the newest usable
+    with again:
+        assert again.restore().step == 1
+
+
+def test_a_second_process_is_refused_by_the_lease(bucket, s3_server):
+    url = f"s3://{bucket}/lease"
+    model, opt, mgr = _setup(url)
+    with mgr:
+        mgr.save(step=1)
+        code = textwrap.dedent(f"""
+            import torch
+            from ckptio import CheckpointConfig, CheckpointManager
+            m = torch.nn.Linear(2, 2)
+            try:
+                with CheckpointManager(CheckpointConfig(checkpoint_dir={url!r}), model=m) as mgr:
+                    mgr.save(step=2)
+            except Exception as exc:
+                print(type(exc).__name__, exc)
+        """)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert "CheckpointDirLocked" in out.stdout and "in use by pid" in out.stdout, out.stdout + out.stderr
+        _, _, second = _setup(url)  # the same process shares it
+        with second:
+            second.save(step=3)
+    assert [e.name for e in committed_checkpoints(open_storage(url))] == ["epoch_0_step_1", "epoch_0_step_3"]
+
+
+def test_configuration_of_s3_locations(bucket):
+    with pytest.raises(ConfigError, match="no bucket name"):
+        CheckpointConfig(checkpoint_dir="s3:///prefix")
+    with pytest.raises(ConfigError, match="plain names"):
+        CheckpointConfig(checkpoint_dir="s3://b/a/../c")
+    with pytest.raises(ConfigError, match="gs:// locations are not supported"):
+        CheckpointConfig(checkpoint_dir="gs://b/c")
+    with pytest.raises(ConfigError, match="save_consolidated is not supported with an s3://"):
+        CheckpointConfig(checkpoint_dir=f"s3://{bucket}/x", save_consolidated=True)
+
+
+def _fsdp_rank(url: str, resume: bool) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from toy import full_state
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(3)])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=url, async_save=not resume, keep_latest=1),
+                           model=model, optimizer=opt, rng=False) as mgr:
+        if resume:
+            info = mgr.restore()
+            return {"step": info.step, "state": full_state(model, opt)}
+        torch.manual_seed(1)
+        for step in range(1, 5):
+            model(torch.randn(4, 64)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if step % 2 == 0:
+                mgr.save(step=step)
+        mgr.wait()
+        return {"state": full_state(model, opt)}
+
+
+@pytest.mark.slow
+def test_two_ranks_save_in_the_background_and_one_resumes(bucket):
+    from distributed import run_ranks
+
+    url = f"s3://{bucket}/fsdp"
+    saved = run_ranks(2, _fsdp_rank, url=url, resume=False)[0]
+    keys = _keys(bucket, "fsdp/")
+    assert {k.split("/")[1] for k in keys if k.count("/") > 1} == {"epoch_0_step_4"}  # keep_latest=1
+    assert any("shard-00001" in k for k in keys), "rank 1 uploaded nothing"
+    resumed = run_ranks(1, _fsdp_rank, url=url, resume=True)[0]
+    assert resumed["step"] == 4
+    for key, value in saved["state"].items():
+        assert torch.equal(resumed["state"][key], value), key
