@@ -93,7 +93,55 @@ def _kind(mode: int) -> str:
     return "other"
 
 
-class Folder:
+class FolderReads:
+    """What every folder reader (local :class:`Folder`, a folder in object storage) derives from its
+    ``kind``, ``listdir`` and ``open``: the same checks, written once."""
+
+    path: Any
+
+    def kind(self, rel: str) -> str | None:
+        raise NotImplementedError
+
+    def listdir(self, rel: str = "") -> "list[Entry]":
+        raise NotImplementedError
+
+    def open(self, rel: str, *, size: int | None = None) -> "ReadHandle":
+        raise NotImplementedError
+
+    def is_file(self, rel: str) -> bool:
+        try:
+            return self.kind(rel) == "file"
+        except UnsafePathError:
+            return False
+
+    def is_dir(self, rel: str) -> bool:
+        try:
+            return self.kind(rel) == "dir"
+        except UnsafePathError:
+            return False
+
+    def walk_files(self, rel: str = "") -> Iterator[tuple[str, Entry]]:
+        """(relative path, entry) of every regular file below ``rel``, depth first; links are yielded as links."""
+        for entry in self.listdir(rel):
+            path = f"{rel}/{entry.name}" if rel else entry.name
+            if entry.kind == "dir":
+                yield from self.walk_files(path)
+            else:
+                yield path, entry
+
+    def read_bytes(self, rel: str, *, max_size: int) -> bytes:
+        """The whole of a small file, refused when it is larger than ``max_size`` (nothing big is read)."""
+        with self.open(rel) as h:
+            if h.size > max_size:
+                raise CheckpointCorruptError(f"{h.path}: {h.size} bytes, more than the {max_size} a file of this "
+                                             "kind may have")
+            return h.read(0, h.size)
+
+    def read_text(self, rel: str, *, max_size: int) -> str:
+        return self.read_bytes(rel, max_size=max_size).decode("utf-8", errors="replace")
+
+
+class Folder(FolderReads):
     """A directory read through confined, relative paths. Cheap to create; holds no descriptors.
 
     Thread safety: handles may be opened and used from several threads; a :class:`Verifier` locks itself.
@@ -173,18 +221,6 @@ class Folder:
         st = self.lstat(rel)
         return None if st is None else _kind(st.st_mode)
 
-    def is_file(self, rel: str) -> bool:
-        try:
-            return self.kind(rel) == "file"
-        except UnsafePathError:
-            return False
-
-    def is_dir(self, rel: str) -> bool:
-        try:
-            return self.kind(rel) == "dir"
-        except UnsafePathError:
-            return False
-
     def size(self, rel: str) -> int:
         """Size of the regular file ``rel``; a missing file, a link or a special file is an error naming it."""
         st = self.lstat(rel)
@@ -222,15 +258,6 @@ class Folder:
         finally:
             os.close(fd)
 
-    def walk_files(self, rel: str = "") -> Iterator[tuple[str, Entry]]:
-        """(relative path, entry) of every regular file below ``rel``, depth first; links are yielded as links."""
-        for entry in self.listdir(rel):
-            path = f"{rel}/{entry.name}" if rel else entry.name
-            if entry.kind == "dir":
-                yield from self.walk_files(path)
-            else:
-                yield path, entry
-
     # ------------------------------------------------------------------ reading
     def open(self, rel: str, *, size: int | None = None) -> "ReadHandle":
         """Open the regular file ``rel`` for reading; ``size``: the size it must have."""
@@ -264,18 +291,6 @@ class Folder:
         if self.verifier is not None:
             self.verifier._attach(self, rel, handle)
         return handle
-
-    def read_bytes(self, rel: str, *, max_size: int) -> bytes:
-        """The whole of a small file, refused when it is larger than ``max_size`` (nothing big is read)."""
-        with self.open(rel) as h:
-            if h.size > max_size:
-                raise CheckpointCorruptError(f"{h.path}: {h.size} bytes, more than the {max_size} a file of this "
-                                             "kind may have")
-            return h.read(0, h.size)
-
-    def read_text(self, rel: str, *, max_size: int) -> str:
-        return self.read_bytes(rel, max_size=max_size).decode("utf-8", errors="replace")
-
 
 def _describe(mode: int) -> str:
     if stat.S_ISLNK(mode):

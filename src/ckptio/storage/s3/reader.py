@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 from ...errors import CheckpointCorruptError, CheckpointNotFoundError
-from ..confined import Entry, ReadHandle, UnsafePathError, check_relative
+from ..confined import Entry, FolderReads, ReadHandle, UnsafePathError, check_relative
 from ._common import S3Path, _call, client
 
 class S3ReadHandle(ReadHandle):
@@ -40,7 +40,7 @@ class S3ReadHandle(ReadHandle):
                                          f"expected {self.size} bytes in all)")
 
 
-class S3Folder:
+class S3Folder(FolderReads):
     """Read access to the objects under one prefix, with the methods of the local confined ``Folder``."""
 
     def __init__(self, bucket: str, prefix: str, *, verifier: Any = None,
@@ -106,12 +106,6 @@ class S3Folder:
             return "dir"
         return "other" if name in others else None
 
-    def is_file(self, rel: str) -> bool:
-        return self.kind(rel) == "file"
-
-    def is_dir(self, rel: str) -> bool:
-        return self.kind(rel) == "dir"
-
     def size(self, rel: str) -> int:
         parts = check_relative(rel, self.path)
         files, _, _ = self._listing("/".join(parts[:-1]))
@@ -131,14 +125,6 @@ class S3Folder:
               [Entry(n, "other", 0) for n in others if n not in files and n not in dirs]
         return sorted(out, key=lambda e: e.name)
 
-    def walk_files(self, rel: str = "") -> Iterator[tuple[str, Entry]]:
-        for entry in self.listdir(rel):
-            path = f"{rel}/{entry.name}" if rel else entry.name
-            if entry.kind == "dir":
-                yield from self.walk_files(path)
-            else:
-                yield path, entry
-
     def open(self, rel: str, *, size: int | None = None) -> ReadHandle:
         actual = self.size(rel)
         if size is not None and actual != size:
@@ -147,17 +133,6 @@ class S3Folder:
         if self.verifier is not None:
             self.verifier._attach(self, rel, handle)
         return handle
-
-    def read_bytes(self, rel: str, *, max_size: int) -> bytes:
-        with self.open(rel) as h:
-            if h.size > max_size:
-                raise CheckpointCorruptError(f"{h.path}: {h.size} bytes, more than the {max_size} a file of this "
-                                             "kind may have")
-            return h.read(0, h.size)
-
-    def read_text(self, rel: str, *, max_size: int) -> str:
-        return self.read_bytes(rel, max_size=max_size).decode("utf-8", errors="replace")
-
 
 def _plain(name: str) -> bool:
     try:
