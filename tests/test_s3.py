@@ -265,3 +265,47 @@ def test_two_ranks_save_in_the_background_and_one_resumes(bucket):
     assert resumed["step"] == 4
     for key, value in saved["state"].items():
         assert torch.equal(resumed["state"][key], value), key
+
+
+def test_list_verify_and_prune_on_a_bucket(bucket):
+    """The real ``ckptio`` executable on an s3:// folder: list (with an interrupted save), verify (a flipped
+    byte found), prune (retention, the lock taken and given back)."""
+    import json
+    import os
+    from pathlib import Path
+
+    exe = [str(Path(sys.executable).parent / "ckptio")]
+    url = f"s3://{bucket}/cli"
+    model, opt, mgr = _setup(url)
+    with mgr:
+        for step in (1, 2, 3):
+            mgr.save(step=step, metrics={"loss": 1.0 / step})
+    open_storage(url).begin_step("epoch_0_step_4").write_bytes("half.bin", b"x")  # a killed save
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(exe + list(args), capture_output=True, text=True, timeout=120, env=dict(os.environ))
+
+    listed = run("list", url, "--json")
+    assert listed.returncode == 0, listed.stderr
+    rows = {r["name"]: r for r in json.loads(listed.stdout)["checkpoints"]}
+    assert [n for n, r in rows.items() if r["committed"]] == ["epoch_0_step_1", "epoch_0_step_2", "epoch_0_step_3"]
+    assert not rows["epoch_0_step_4"]["committed"] and rows["epoch_0_step_4"]["bytes"] == 1
+    assert json.loads(listed.stdout)["latest"] == "epoch_0_step_3"
+
+    good = run("verify", f"{url}/epoch_0_step_3")
+    assert good.returncode == 0 and f"OK   {url}/epoch_0_step_3" in good.stdout, good.stdout + good.stderr
+    s3 = s3mod.client()
+    key = next(k for k in _keys(bucket, "cli/epoch_0_step_2/model/") if k.endswith(".safetensors"))
+    data = bytearray(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+    data[-1] ^= 0xFF
+    s3.put_object(Bucket=bucket, Key=key, Body=bytes(data))
+    bad = run("verify", url, "--no-progress")
+    assert bad.returncode == 1 and f"BAD  {url}/epoch_0_step_2" in bad.stdout and "checksum" in bad.stdout, bad.stdout
+
+    pruned = run("prune", url, "--keep-latest", "1", "--json")
+    assert pruned.returncode == 0, pruned.stderr
+    assert sorted(json.loads(pruned.stdout)["delete"]) == ["epoch_0_step_1", "epoch_0_step_2"]
+    assert [e.name for e in committed_checkpoints(open_storage(url))] == ["epoch_0_step_3"]
+    assert "cli/.ckptio.lock" not in _keys(bucket, "cli/")
+    missing = run("list", f"s3://{bucket}-nope/x")
+    assert missing.returncode != 0 and "Traceback" not in missing.stderr, missing.stderr

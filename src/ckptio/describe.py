@@ -9,7 +9,7 @@ from .errors import CheckpointError, CheckpointNotFoundError
 from .formats import registry
 from .formats.common import TensorSummary, summarize_index  # noqa: F401  (re-exported for callers)
 from .layout import BEST, LATEST, pointer_target, scan
-from .storage.confined import Folder
+from .storage import open_storage
 
 
 def inspect_path(path: str | Path) -> dict[str, Any]:
@@ -20,15 +20,18 @@ def inspect_path(path: str | Path) -> dict[str, Any]:
 
 
 def list_checkpoints(checkpoint_dir: str | Path) -> dict[str, Any]:
-    """Every directory of a checkpoint folder with its state, newest committed step last."""
-    root = Path(checkpoint_dir)
-    if not root.is_dir():
-        raise CheckpointNotFoundError(f"{root}: no such checkpoint folder")
+    """Every directory of a checkpoint folder (local or ``s3://``) with its state, newest committed step last."""
+    storage = open_storage(checkpoint_dir)
+    root = storage.root
+    try:
+        storage.folder().listdir()
+    except CheckpointNotFoundError:
+        raise CheckpointNotFoundError(f"{root}: no such checkpoint folder") from None
     problems: list[str] = []
 
     def pointer(name: str) -> str | None:
         try:
-            target = pointer_target(root, name)
+            target = pointer_target(storage, name)
         except CheckpointError as exc:  # reported, and the listing goes on
             problems.append(str(exc))
             return None
@@ -36,7 +39,7 @@ def list_checkpoints(checkpoint_dir: str | Path) -> dict[str, Any]:
 
     latest = pointer(LATEST)
     best = pointer(BEST)
-    entries = scan(root)
+    entries = scan(storage)
     newest = max((e for e in entries if e.committed), key=lambda e: e.step or 0, default=None)
     rows = []
     for e in entries:
@@ -46,7 +49,7 @@ def list_checkpoints(checkpoint_dir: str | Path) -> dict[str, Any]:
             "step": m.step if m else None,
             "epoch": m.epoch if m else None,
             "metrics": m.metrics if m else {},
-            "bytes": m.total_bytes if m else _du(e.path),
+            "bytes": m.total_bytes if m else _du(storage, e.name),
             "committed": e.committed,
             "problem": e.problem,
             "latest": e.name == latest,
@@ -57,8 +60,8 @@ def list_checkpoints(checkpoint_dir: str | Path) -> dict[str, Any]:
     return {"checkpoint_dir": str(root), "latest": latest, "best": best, "checkpoints": rows, "problems": problems}
 
 
-def _du(path: Path) -> int:
+def _du(storage: Any, name: str) -> int:
     try:
-        return sum(e.size for _, e in Folder(path).walk_files() if e.kind == "file")
+        return sum(e.size for _, e in storage.folder(name).walk_files() if e.kind == "file")
     except CheckpointError:
         return 0

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import re
-from pathlib import Path
 
 import sys
 
@@ -58,10 +57,12 @@ def run(args: argparse.Namespace) -> int:
                                       keep_newer_than_s=_duration(args.keep_newer_than))
     if not policy.active:
         raise ConfigError("give at least one rule: --save-top-k, --keep-latest, --keep-every or --keep-newer-than")
-    root = Path(args.checkpoint_dir)
-    if not root.is_dir():
-        raise CheckpointNotFoundError(f"{root}: no such checkpoint folder")
-    storage = open_storage(root)
+    storage = open_storage(args.checkpoint_dir)  # a local folder or s3://bucket/prefix
+    root = storage.root
+    try:
+        storage.folder().listdir()
+    except CheckpointNotFoundError:
+        raise CheckpointNotFoundError(f"{root}: no such checkpoint folder") from None
     lock = storage.lock()
     if not args.dry_run:  # deleting: no training job may be writing here meanwhile
         lock.acquire(force=args.force)

@@ -11,7 +11,8 @@ from ..errors import CheckpointError, CheckpointNotFoundError
 from ..layout import scan
 from ..formats import registry
 from ..manifest import MANIFEST_NAME, check_files, read_manifest
-from ..storage.confined import Folder
+from ..storage import open_storage
+from ..storage.confined import as_folder
 from .._progress import progress
 
 
@@ -42,20 +43,23 @@ def _verify_one(step_dir: Path, show_progress: bool) -> list[str]:
         try:
             fmt = registry.get(entry.format)
             if fmt.has_index:
-                fmt.index(Folder(step_dir).sub(entry.path))
+                fmt.index(as_folder(step_dir).sub(entry.path))
         except CheckpointError as exc:
             problems.append(f"state {name!r}: {exc}")
     return problems
 
 
 def run(args: argparse.Namespace) -> int:
-    path = Path(args.path)
-    if not path.is_dir():
-        raise CheckpointNotFoundError(f"{path}: no such directory")
-    if (path / MANIFEST_NAME).is_file():
+    storage = open_storage(args.path)  # a local folder or s3://bucket/prefix
+    path = storage.root
+    try:
+        is_step = storage.folder().kind(MANIFEST_NAME) == "file"
+    except CheckpointNotFoundError:
+        raise CheckpointNotFoundError(f"{path}: no such directory") from None
+    if is_step:
         targets = [path]
     else:
-        targets = [e.path for e in scan(path)]
+        targets = [e.path for e in scan(storage)]
         if not targets:
             raise CheckpointNotFoundError(f"{path} holds no checkpoints")
     report = {str(t): _verify_one(t, not args.no_progress and not args.json) for t in targets}
