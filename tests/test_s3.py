@@ -309,3 +309,138 @@ def test_list_verify_and_prune_on_a_bucket(bucket):
     assert "cli/.ckptio.lock" not in _keys(bucket, "cli/")
     missing = run("list", f"s3://{bucket}-nope/x")
     assert missing.returncode != 0 and "Traceback" not in missing.stderr, missing.stderr
+
+
+class _FaultyProxy:
+    """An HTTP proxy on 127.0.0.1 in front of the S3 server that answers some requests itself with a 503
+    (``SlowDown``, as S3 does under load) or drops the connection without an answer, by a rule on
+    (method, path, query)."""
+
+    def __init__(self, upstream: str, rule) -> None:
+        import http.client
+        import http.server
+        import threading
+        from urllib.parse import urlsplit
+
+        self.rule, self.faults = rule, []
+        host, port = urlsplit(upstream).hostname, urlsplit(upstream).port
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def _body(self) -> bytes:
+                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                    out = b""
+                    while True:
+                        size = int(self.rfile.readline().split(b";")[0], 16)
+                        if size == 0:
+                            while self.rfile.readline() not in (b"\r\n", b""):
+                                pass
+                            return out
+                        out += self.rfile.read(size)
+                        self.rfile.readline()
+                return self.rfile.read(int(self.headers.get("Content-Length", 0)))
+
+            def _handle(self) -> None:
+                body = self._body()
+                path, _, query = self.path.partition("?")
+                action = proxy.rule(self.command, path, query)
+                if action == "drop":
+                    proxy.faults.append(("drop", self.command, self.path))
+                    self.close_connection = True
+                    self.connection.shutdown(2)
+                    return
+                if action == "503":
+                    proxy.faults.append(("503", self.command, self.path))
+                    xml = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+                    self.send_response(503)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(xml)))
+                    self.end_headers()
+                    self.wfile.write(xml)
+                    return
+                conn = http.client.HTTPConnection(host, port, timeout=60)
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "transfer-encoding"}
+                headers["Content-Length"] = str(len(body))
+                conn.request(self.command, self.path, body=body, headers=headers)
+                resp = conn.getresponse()
+                data = resp.read()
+                self.send_response(resp.status)
+                for k, v in resp.getheaders():
+                    if k.lower() not in ("transfer-encoding", "content-length", "connection"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                conn.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_transient_server_errors_and_dropped_connections_are_retried(bucket, s3_server, monkeypatch):
+    calls = {"n": 0}
+
+    def rule(method: str, path: str, query: str) -> str:
+        if method in ("PUT", "POST") and "/r2/" in path:
+            calls["n"] += 1
+            return {1: "503", 4: "drop", 7: "503"}.get(calls["n"], "pass")
+        return "pass"
+
+    proxy = _FaultyProxy(s3_server, rule)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        model, opt, mgr = _setup(f"s3://{bucket}/r2")
+        with mgr:
+            mgr.save(step=1)
+            _train(model, opt, 1, 3)
+            mgr.save(step=2)
+    finally:
+        proxy.close()
+    assert {f[0] for f in proxy.faults} == {"503", "drop"}, proxy.faults
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server)
+    model2, _, again = _setup(f"s3://{bucket}/r2", verify="full")
+    with again:
+        assert again.restore().step == 2
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
+
+
+def test_a_server_that_keeps_failing_fails_the_save_cleanly(bucket, s3_server, monkeypatch):
+    """Uploads of the second step always answered 503: the save raises (bounded: 2 tries per request here),
+    naming the object and the server's error; the first checkpoint stays the one a resume takes."""
+    failing = {"on": False}
+
+    def rule(method: str, path: str, query: str) -> str:
+        return "503" if failing["on"] and method in ("PUT", "POST") and "epoch_0_step_2" in path else "pass"
+
+    monkeypatch.setattr(s3mod._common, "MAX_ATTEMPTS", 2)
+    proxy = _FaultyProxy(s3_server, rule)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        model, opt, mgr = _setup(f"s3://{bucket}/r3")
+        with mgr:
+            mgr.save(step=1)
+            failing["on"] = True
+            start = time.time()
+            with pytest.raises(s3mod.S3Error, match=r"s3://.*/r3/epoch_0_step_2/.*SlowDown"):
+                mgr.save(step=2)
+            assert time.time() - start < 60
+    finally:
+        proxy.close()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server)
+    assert "r3/epoch_0_step_2/manifest.json" not in _keys(bucket, "r3/")
+    _, _, again = _setup(f"s3://{bucket}/r3")
+    with again:
+        assert again.restore().step == 1
