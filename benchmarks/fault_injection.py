@@ -7,6 +7,12 @@ retention, so deletions happen on every save; every other pair with background s
 one checkpoint while the loop overwrites the parameters for the next), SIGKILLs one rank at a random moment, then checks that
 every committed checkpoint is intact byte for byte, that nothing committed was lost (the latest and
 the best, under retention), and that a new run resumes from the newest with the right values.
+
+    .venv/bin/python benchmarks/fault_injection.py --s3 --trials 20
+
+runs the same trials against an ``s3://`` checkpoint folder on an S3-compatible server (moto's, started
+here on 127.0.0.1): kills land mid-upload, mid-commit and mid-delete, and the restarted job must take
+over the killed job's lease.
 """
 
 from __future__ import annotations
@@ -23,11 +29,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_kill import kill_trial  # noqa: E402
 
 
+def _start_s3() -> str:
+    """A moto S3 server on 127.0.0.1 (stopped when this process exits); returns a new bucket's name."""
+    import atexit
+    import os
+    import uuid
+
+    import s3server
+
+    proc, url = s3server.start()
+    atexit.register(proc.terminate)
+    os.environ.update(AWS_ENDPOINT_URL=url, **s3server.ENV)
+    from ckptio.storage.s3 import client
+
+    bucket = f"fault-{uuid.uuid4().hex[:8]}"
+    client().create_bucket(Bucket=bucket)
+    return bucket
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trials", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--s3", action="store_true", help="checkpoint to s3:// on a local S3 server instead of a folder")
     args = p.parse_args()
+    bucket = _start_s3() if args.s3 else None
     rng = random.Random(args.seed)
     tally = {"trials": 0, "passed": 0, "failed": 0, "killed_mid_write": 0, "killed_mid_delete": 0}
     start = time.monotonic()
@@ -35,7 +61,8 @@ def main() -> int:
         fmt = ("safetensors", "torch_save")[trial % 2]
         retention = trial % 4 >= 2
         async_save = trial % 8 >= 4
-        with tempfile.TemporaryDirectory(prefix="ckptio-fault-") as root:
+        with tempfile.TemporaryDirectory(prefix="ckptio-fault-") as local:
+            root = f"s3://{bucket}/trial{trial}" if bucket else local
             try:
                 result = kill_trial(root, fmt, retention, rng, async_save)
             except AssertionError as exc:

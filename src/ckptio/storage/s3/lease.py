@@ -62,19 +62,22 @@ class S3Lease:
                     holder, renewed = str(doc["holder"]), float(doc["renewed"])
                 except (ValueError, KeyError, TypeError):
                     holder, renewed = "an unreadable lease", 0.0
-                stale = time.time() - renewed > LEASE_SECONDS
+                from ..lock import _alive
+
                 pid, host = parse_holder(holder)
+                here = host == socket.gethostname() and pid is not None
+                alive_here = here and pid is not None and _alive(pid)
+                # a holder on this host that no longer runs (a killed job being restarted) is checked directly;
+                # one elsewhere is gone once its lease is no longer renewed
+                stale = time.time() - renewed > LEASE_SECONDS or (here and not alive_here)
                 if not stale and not force:
                     raise CheckpointDirLocked(
                         f"{self.storage.root} is in use by {holder} (its lease was renewed "
                         f"{time.time() - renewed:.0f} s ago); two jobs must not share a checkpoint_dir (give this run "
                         f"its own, or stop the other job; a lease not renewed for {LEASE_SECONDS:.0f} s is taken over)"
                     ) from None
-                if not stale and force and host == socket.gethostname() and pid is not None:
-                    from ..lock import _alive
-
-                    if _alive(pid):
-                        raise CheckpointDirLocked(f"{self.storage.root} is in use by {holder}, which is running") from None
+                if not stale and force and alive_here:
+                    raise CheckpointDirLocked(f"{self.storage.root} is in use by {holder}, which is running") from None
                 # take over the lease the holder no longer renews, only if nobody else did meanwhile
                 _call("taking over the lock", self.where, s3.put_object, Bucket=self.storage.bucket, Key=self.key,
                       Body=self._body(), IfMatch=current["ETag"])
