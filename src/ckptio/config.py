@@ -5,7 +5,6 @@ from __future__ import annotations
 import difflib
 import functools
 import os
-import re
 import string
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -24,9 +23,6 @@ ModelSaveFormat = Literal["safetensors", "torch_save"]
 VerifyMode = Literal["none", "size", "full"]
 Mode = Literal["min", "max"]
 PathLike = Union[str, Path]  # any os.PathLike works at run time
-
-
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
 @dataclass
@@ -123,20 +119,22 @@ class CheckpointConfig:
             self.restore_from = os.fspath(self.restore_from)
         if not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir:
             raise ConfigError("checkpoint_dir must be a non-empty path, e.g. 'checkpoints'")
+        from .storage import url_scheme
+
         for key in ("checkpoint_dir", "restore_from"):
             value = getattr(self, key)
-            if isinstance(value, str) and _URL.match(value):
-                if key == "checkpoint_dir" and value.startswith("s3://"):
-                    from .errors import require
-                    from .storage.s3 import parse_s3_url
+            scheme = url_scheme(value) if isinstance(value, str) else None
+            if scheme == "s3" and key == "checkpoint_dir":
+                from .errors import require
+                from .storage.s3 import parse_s3_url
 
-                    parse_s3_url(value)
-                    require("boto3", extra="s3", purpose="checkpoints in object storage (s3://)")
-                    continue
+                parse_s3_url(value)
+                require("boto3", extra="s3", purpose="checkpoints in object storage (s3://)")
+            elif scheme:
                 # pathlib would read 's3://b/p' as the relative folder 's3:/b/p' and write there silently
-                raise ConfigError(f"{key}={value!r}: {value.split(':', 1)[0]}:// locations are not supported"
+                raise ConfigError(f"{key}={value!r}: {scheme}:// locations are not supported"
                                   + (" here; give a step name or LATEST/BEST of the s3:// checkpoint_dir"
-                                     if value.startswith("s3://") else "; give a local or mounted folder"))
+                                     if scheme == "s3" else "; give a local or mounted folder"))
         if self.model_save_format not in MODEL_SAVE_FORMATS:
             raise ConfigError(
                 f"model_save_format={self.model_save_format!r} is not supported; use one of {list(MODEL_SAVE_FORMATS)}"
@@ -145,7 +143,7 @@ class CheckpointConfig:
             raise ConfigError(f"optimizer_save_format={self.optimizer_save_format!r} is not supported; use one of "
                               f"{list(MODEL_SAVE_FORMATS)} or null (the same as model_save_format)")
         self.save_consolidated = _parse_save_consolidated(self.save_consolidated)
-        if self.save_consolidated and self.checkpoint_dir.startswith("s3://"):
+        if self.save_consolidated and url_scheme(self.checkpoint_dir) == "s3":
             raise ConfigError("save_consolidated is not supported with an s3:// checkpoint_dir yet (the bundle is "
                               "built from the step's local shards); consolidate with `ckptio consolidate` from a "
                               "local copy, or save to a local folder")

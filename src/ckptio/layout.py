@@ -122,19 +122,21 @@ def _inspect_dir(path: Path, verify: str = "size") -> CheckpointEntry:
     return inspect_step(open_storage(path.parent), path.name, verify)
 
 
-def inspect_step(storage: Storage, name: str, verify: str = "size") -> CheckpointEntry:
+def inspect_step(storage: Storage, name: str, verify: str = "size", *, top: Any = None) -> CheckpointEntry:
     """What ``name`` inside ``storage`` is: a committed checkpoint, or why not. ``verify`` says how far its
     files are checked (``none``: the manifest only; ``size``: every file present, regular, of the recorded
-    size; ``full``: also every byte against its checksum)."""
+    size; ``full``: also every byte against its checksum). ``top``: the storage's root folder, when the caller
+    has it open already (its listing is reused: one listing of an object store for a whole scan)."""
     path = storage.root / name
     if name.startswith(TMP_PREFIX):
         return CheckpointEntry(name, path, None, "uncommitted temporary (an interrupted or running save)")
     try:
-        kind = storage.folder().kind(name)
+        top = storage.folder() if top is None else top
+        kind = top.kind(name)
         if kind != "dir":
             return CheckpointEntry(name, path, None, "not a directory (a link or a file is never a checkpoint)"
                                    if kind is not None else "no such directory")
-        folder = storage.folder(name)
+        folder = top.sub(name)
         present = folder.kind(MANIFEST_NAME) is not None
     except CheckpointError as exc:
         return CheckpointEntry(name, path, None, str(exc))
@@ -161,12 +163,13 @@ def scan(checkpoint_dir: "str | Path | Storage", verify: str = "size") -> list[C
     skipped, and so are links (a link is never a checkpoint: it could lead anywhere).
     """
     storage = as_storage(checkpoint_dir)
+    top = storage.folder()
     try:
-        listing = storage.folder().listdir()  # links are listed as links, never followed
+        listing = top.listdir()  # links are listed as links, never followed
     except CheckpointNotFoundError:
         return []
     entries = [
-        inspect_step(storage, e.name, verify)
+        inspect_step(storage, e.name, verify, top=top)
         for e in listing
         if e.kind == "dir" and (e.name.startswith(TMP_PREFIX) or not e.name.startswith("."))
     ]

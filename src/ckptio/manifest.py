@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CheckpointCorruptError, CheckpointNotFoundError
+from .formats.common import json_object
 from .storage.checksum import bytes_checksum
 from .storage.confined import Folder, UnsafePathError, as_folder, check_relative
 from .storage.verify import Verifier
@@ -81,12 +82,7 @@ class Manifest:
 
     @classmethod
     def from_json(cls, text: str | bytes, source: Path) -> "Manifest":
-        try:
-            data = json.loads(text)
-        except (ValueError, RecursionError) as exc:
-            raise CheckpointCorruptError(f"{source}: manifest is not valid JSON ({exc})") from exc
-        if not isinstance(data, dict):
-            raise CheckpointCorruptError(f"{source}: manifest must be a JSON object")
+        data = json_object(text, source, "manifest ")
         version = data.get("manifest_version")
         if type(version) is not int or version not in _READABLE_VERSIONS:
             raise CheckpointCorruptError(

@@ -101,18 +101,24 @@ def check_exact_cover(key: str, shape: tuple[int, ...], boxes: list[tuple[tuple[
         )
 
 
+def json_object(data: "str | bytes", where: object, what: str = "") -> dict[str, Any]:
+    """``data`` parsed as a JSON object; anything else (bad JSON, nesting too deep, another JSON type) is a
+    :class:`CheckpointCorruptError` naming ``where`` (and ``what`` it should be, e.g. ``"manifest "``)."""
+    try:
+        parsed = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise CheckpointCorruptError(f"{where}: {what}is not valid JSON ({exc})") from exc
+    if not isinstance(parsed, dict):
+        raise CheckpointCorruptError(f"{where}: {what}holds a JSON {type(parsed).__name__}, not an object")
+    return parsed
+
+
 def read_json(path: "str | Path", *, max_size: int = 64 << 20) -> dict[str, Any]:
     """A JSON object from a small file (a config, an index), read through the confined folder of its parent."""
     from ..storage.confined import Folder
 
     path = Path(path)
-    try:
-        data = json.loads(Folder(path.parent).read_bytes(path.name, max_size=max_size))
-    except (ValueError, RecursionError) as exc:
-        raise CheckpointCorruptError(f"{path}: not valid JSON ({exc})") from exc
-    if not isinstance(data, dict):
-        raise CheckpointCorruptError(f"{path}: holds a JSON {type(data).__name__}, not an object")
-    return data
+    return json_object(Folder(path.parent).read_bytes(path.name, max_size=max_size), path)
 
 
 @dataclass

@@ -13,16 +13,16 @@ each adapter tensor that the rank holds (resharding as the sharded safetensors f
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from ..errors import CheckpointError, CheckpointNotFoundError
 from ..storage.confined import Folder
 from . import safetensors_sharded
+from .common import json_object
 from .registry import Format, Opened, register
 
 if TYPE_CHECKING:
@@ -107,13 +107,7 @@ def load(target: dict[str, torch.Tensor], folder: "str | Path | Folder", adapter
 
 def read_config(folder: "str | Path | Folder") -> dict:
     folder = safetensors_sharded.as_folder(folder)
-    try:
-        config = json.loads(folder.read_bytes(ADAPTER_CONFIG, max_size=16 << 20))
-    except (ValueError, RecursionError) as exc:
-        raise CheckpointCorruptError(f"{folder.display(ADAPTER_CONFIG)}: not valid JSON ({exc})") from exc
-    if not isinstance(config, dict):
-        raise CheckpointCorruptError(f"{folder.display(ADAPTER_CONFIG)}: not a JSON object")
-    return config
+    return json_object(folder.read_bytes(ADAPTER_CONFIG, max_size=16 << 20), folder.display(ADAPTER_CONFIG))
 
 
 class PeftAdapter(Format):

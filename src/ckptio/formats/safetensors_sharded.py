@@ -33,7 +33,7 @@ from ..storage.confined import Folder
 from ..storage.confined import as_folder as _as_folder
 from . import _st_writer
 from ._st_reader import SafetensorsFile
-from .common import TensorInfo, check_compatible, check_exact_cover, dtype_name, natural_key, torch_dtype
+from .common import TensorInfo, check_compatible, check_exact_cover, dtype_name, json_object, natural_key, torch_dtype
 
 if TYPE_CHECKING:
     from ..storage.base import FolderWriter
@@ -167,13 +167,7 @@ def _shard_meta(st: SafetensorsFile) -> dict:
     raw = st.metadata.get("ckptio_shards")
     if raw is None:
         return {}
-    try:
-        meta = json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        raise CheckpointCorruptError(f"{st.path}: ckptio_shards metadata is not valid JSON ({exc})") from exc
-    if not isinstance(meta, dict):
-        raise CheckpointCorruptError(f"{st.path}: ckptio_shards metadata is not a mapping")
-    return meta
+    return json_object(raw, st.path, "ckptio_shards metadata ")
 
 
 def _placement(st: SafetensorsFile, key: str, local_shape: tuple[int, ...], meta: dict) -> tuple[tuple, tuple]:

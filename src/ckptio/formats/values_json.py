@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointCorruptError
-from .common import dtype_name, torch_dtype
+from .common import dtype_name, json_object, torch_dtype
 
 __all__ = ["encode", "decode", "dumps", "loads", "VALUES_FILE", "MAX_VALUES_BYTES"]
 
@@ -72,10 +72,4 @@ def dumps(values: dict[str, Any]) -> bytes:
 
 
 def loads(data: bytes, where: object) -> dict[str, Any]:
-    try:
-        raw = json.loads(data)
-    except (ValueError, RecursionError) as exc:
-        raise CheckpointCorruptError(f"{where}: not valid JSON ({exc})") from exc
-    if not isinstance(raw, dict):
-        raise CheckpointCorruptError(f"{where}: not a JSON object")
-    return {str(k): decode(v, where) for k, v in raw.items()}
+    return {str(k): decode(v, where) for k, v in json_object(data, where).items()}

@@ -25,6 +25,7 @@ __all__ = [
     "LocalWriteStream",
     "open_storage",
     "as_storage",
+    "url_scheme",
     "atomic_write_bytes",
     "commit_directory",
     "fsync_dir",
@@ -39,6 +40,12 @@ __all__ = [
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
+def url_scheme(text: str) -> str | None:
+    """``"s3"`` for ``s3://bucket/prefix``; ``None`` for a path (pathlib would read a URL as a relative folder)."""
+    match = _SCHEME.match(text)
+    return match.group(1) if match else None
+
+
 def open_storage(location: "str | os.PathLike[str]") -> Storage:
     """The storage behind a checkpoint folder given as a path or a location: the one place that chooses a
     backend (a local POSIX folder, or ``s3://bucket/prefix``; a URL scheme ckptio has no backend for is
@@ -48,13 +55,13 @@ def open_storage(location: "str | os.PathLike[str]") -> Storage:
     if isinstance(location, S3Path):
         location = str(location)
     text = os.fspath(location)
-    scheme = _SCHEME.match(text)
-    if scheme and scheme.group(1) == "s3":
+    scheme = url_scheme(text)
+    if scheme == "s3":
         from .s3 import S3Storage
 
         return S3Storage(text)  # type: ignore[return-value]
     if scheme:
-        raise ConfigError(f"{text!r}: {scheme.group(1)}:// locations are not supported yet; give a local or mounted folder")
+        raise ConfigError(f"{text!r}: {scheme}:// locations are not supported yet; give a local or mounted folder")
     return LocalStorage(text)
 
 

@@ -75,20 +75,21 @@ class S3Storage:
         top = S3Folder(self.bucket, self.prefix, verifier=verifier)
         return top.sub(rel) if rel else top
 
-    def _objects(self, prefix: str) -> dict[str, int]:
-        """rel -> size of every object below ``prefix`` (recursively)."""
+    def _objects(self, prefix: str) -> dict[str, dict[str, Any]]:
+        """rel -> the listing entry (``Size``, ``LastModified``, …) of every object below ``prefix``, recursively."""
         paginator = client().get_paginator("list_objects_v2")
-        out: dict[str, int] = {}
+        out: dict[str, dict[str, Any]] = {}
         where = S3Path(self.bucket, *prefix.split("/"))
         for page in _call("listing", where, lambda: list(paginator.paginate(Bucket=self.bucket, Prefix=prefix + "/"))):
             for obj in page.get("Contents", []):
-                out[obj["Key"][len(prefix) + 1:]] = int(obj["Size"])
+                out[obj["Key"][len(prefix) + 1:]] = obj
         return out
 
-    def _delete_prefix(self, prefix: str, *, manifest_first: bool) -> None:
+    def _delete_prefix(self, prefix: str, *, manifest_first: bool, objects: "dict[str, Any] | None" = None) -> None:
+        """Remove every object below ``prefix`` (``objects``: its listing, when the caller has it already)."""
         s3 = client()
         where = S3Path(self.bucket, *prefix.split("/"))
-        keys = sorted(self._objects(prefix))
+        keys = sorted(self._objects(prefix) if objects is None else objects)
         if manifest_first and MANIFEST in keys:
             _call("removing", where / MANIFEST, s3.delete_object, Bucket=self.bucket, Key=f"{prefix}/{MANIFEST}")
             from ... import _faults
@@ -128,16 +129,10 @@ class S3Storage:
             if entry.kind != "dir" or entry.name.startswith("."):
                 continue
             prefix = self._key(entry.name)
-            newest = 0.0
-            has_manifest = False
-            paginator = client().get_paginator("list_objects_v2")
-            for page in _call("listing", self.root / entry.name, lambda p=prefix, pages=paginator: list(  # type: ignore[misc]
-                    pages.paginate(Bucket=self.bucket, Prefix=p + "/"))):
-                for obj in page.get("Contents", []):
-                    has_manifest |= obj["Key"] == f"{prefix}/{MANIFEST}"
-                    newest = max(newest, obj["LastModified"].timestamp())
-            if not has_manifest and now - newest >= older_than_s:
-                self._delete_prefix(prefix, manifest_first=False)
+            objects = self._objects(prefix)
+            newest = max((o["LastModified"].timestamp() for o in objects.values()), default=0.0)
+            if MANIFEST not in objects and now - newest >= older_than_s:
+                self._delete_prefix(prefix, manifest_first=False, objects=objects)
                 removed.append(self.root / entry.name)  # type: ignore[arg-type]
         uploads = _call("listing the unfinished uploads of", self.root, s3.list_multipart_uploads,
                         Bucket=self.bucket, Prefix=base)

@@ -142,7 +142,7 @@ class S3FolderWriter:
     def files(self) -> dict[str, int]:
         """Every object written so far under this step, by every rank (files of :meth:`local_path` uploaded first)."""
         self._upload_local()
-        return {rel: size for rel, size in self.storage._objects(self.prefix).items() if rel != MANIFEST}
+        return {rel: int(obj["Size"]) for rel, obj in self.storage._objects(self.prefix).items() if rel != MANIFEST}
 
     def commit(self, manifest: tuple[str, bytes] | None = None) -> S3Path:
         self._upload_local()
