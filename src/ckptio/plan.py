@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["LocalView", "local_view", "Box", "overlap", "spans_whole_rows", "plain_owners"]
+__all__ = ["LocalView", "local_view", "Box", "overlap", "spans_whole_rows", "chunk_of", "chunk_owners"]
 
 
 @dataclass(frozen=True)
@@ -53,17 +53,32 @@ def local_view(value: Any) -> LocalView:
     return LocalView(value, tuple(value.shape), (0,) * value.dim(), None)
 
 
-def plain_owners(keys_by_rank: list[list[str]]) -> dict[str, int]:
-    """Which rank writes each plain (non-DTensor) tensor: the lowest rank that holds it.
+def chunk_of(key: str, view: LocalView) -> tuple[str, tuple[int, ...]] | None:
+    """The chunk ``view`` would write, named by key and offsets; ``None`` when it is not this rank's to write.
+
+    A DTensor replicated over some dimension of its own mesh is offered only by the replica at coordinate
+    0 there; a plain tensor (``owner is None``) and every other DTensor shard is offered by whoever holds
+    it, and :func:`chunk_owners` then picks one writer among the ranks that offer the same chunk.
+    """
+    if view.owner is False:
+        return None
+    return key, view.offsets
+
+
+def chunk_owners(chunks_by_rank: list[list[tuple[str, tuple[int, ...]]]]) -> dict[tuple[str, tuple[int, ...]], int]:
+    """Which rank writes each chunk: the lowest rank that offers it (see :func:`chunk_of`).
 
     Under data parallelism every rank holds every plain tensor (rank 0 writes them all); under pipeline
-    parallelism each rank holds its own stage's, and each is written by the one rank that has it. Without
-    this, a stage other than the first would never reach the disk. Linear in the number of keys.
+    parallelism each rank holds its own stage's, and each is written by the one rank that has it — without
+    this, a stage other than the first would never reach the disk. Under FSDP × TP on a 2-D mesh a
+    parameter that tensor parallelism leaves whole is a DTensor on the data-parallel sub-mesh only: its
+    mesh does not know the TP replicas, so every TP rank offers the same shard and only the lowest writes
+    it (before, each replica wrote it and the files held it twice). Linear in the number of chunks.
     """
-    owners: dict[str, int] = {}
-    for rank, keys in enumerate(keys_by_rank):
-        for key in keys:
-            owners.setdefault(key, rank)
+    owners: dict[tuple[str, tuple[int, ...]], int] = {}
+    for rank, chunks in enumerate(chunks_by_rank):
+        for key, offsets in chunks:
+            owners.setdefault((key, tuple(offsets)), rank)
     return owners
 
 

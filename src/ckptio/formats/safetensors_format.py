@@ -60,19 +60,14 @@ class ShardedSafetensors(Format):
         return dict(read_index(folder))
 
     def save_shards(self, state_dict: dict, writer: "FolderWriter", rel: str, ctx: ShardContext) -> dict[str, str]:
-        from torch.distributed.tensor import DTensor
-
         from .. import _dist
-        from ..plan import plain_owners
 
-        owners = None
-        if ctx.world_size > 1:  # which rank holds which plain tensor (pipeline stages hold different ones)
-            plain = [k for k, v in state_dict.items() if not isinstance(v, DTensor)]
-            owners = plain_owners(_dist.all_gather_object(plain))
         stem = ctx.extra.get("stem", "model")
+        # the ranks agree on who writes which chunk (pipeline stages, TP replicas of FSDP shards) first
+        gather = _dist.all_gather_object if ctx.world_size > 1 else None
         return _dist.run_collectively(f"writing {stem} shards", lambda: save(
             state_dict, writer, rel, rank=ctx.rank, world_size=ctx.world_size, threads=ctx.threads,
-            plain_owners=owners, stem=stem))
+            gather=gather, stem=stem))
 
     def load_shards(self, target: dict, folder: Folder, *, strict: bool, ctx: ShardContext) -> None:
         from .. import _dist

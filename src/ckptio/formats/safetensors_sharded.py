@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from ..errors import CheckpointCorruptError, CheckpointNotFoundError
-from ..plan import local_view, overlap, spans_whole_rows
+from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from ..plan import chunk_of, chunk_owners, local_view, overlap, spans_whole_rows
 from ..storage.confined import Folder
 from ..storage.confined import as_folder as _as_folder
 from . import _st_writer
@@ -58,12 +58,15 @@ class _Chunk:
 
 
 def save(state_dict: dict[str, torch.Tensor], writer: "FolderWriter | str | Path", rel: str = "", *, rank: int,
-         world_size: int, threads: int = 1, plain_owners: dict[str, int] | None = None,
+         world_size: int, threads: int = 1, gather: "Callable[[Any], list[Any]] | None" = None,
          stem: str = "model") -> dict[str, str]:
     """Write this rank's shards of ``state_dict`` as ``rel/shard-…safetensors`` through ``writer``.
 
-    A plain (non-DTensor) tensor is written by the rank ``plain_owners`` names (by default rank 0: every
-    rank holds it, as under data parallelism; see :func:`ckptio.plan.plain_owners`). With ``threads`` > 1
+    Every chunk is written exactly once. With ``gather`` (an all-gather over the ranks, e.g.
+    :func:`ckptio._dist.all_gather_object`; called once, by every rank) the ranks first tell each other
+    which chunks they hold and the lowest rank holding a chunk writes it (:func:`ckptio.plan.chunk_owners`:
+    pipeline stages each write their own, TP replicas of an FSDP shard write it once). Without it, a plain
+    tensor is written by rank 0 and a DTensor shard by its replica at coordinate 0. With ``threads`` > 1
     the rank's tensors are divided by size into that many files, written concurrently. Returns every
     file written (relative to the writer's folder) with its checksum, computed as the bytes went out.
     ``writer`` may be a local folder, written in place.
@@ -72,15 +75,32 @@ def save(state_dict: dict[str, torch.Tensor], writer: "FolderWriter | str | Path
         from ..storage import LocalFolderWriter
 
         writer = LocalFolderWriter.in_place(writer)
+    views = {}
+    error: Exception | None = None
+    try:
+        for key, value in state_dict.items():
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"sharded safetensors holds tensors only; {key!r} is a {type(value).__name__}")
+            views[key] = local_view(value)
+    except Exception as exc:  # raised below, after the gather every rank takes part in
+        error = exc
+    if gather is not None:
+        offered = None if error else [c for c in (chunk_of(k, v) for k, v in views.items()) if c is not None]
+        everyone = gather(offered)
+        failed = [r for r, chunks in enumerate(everyone) if chunks is None]
+        if error is None and failed:
+            raise CheckpointError(f"rank(s) {failed} could not prepare their {stem} shards")
+    if error is not None:
+        raise error
+    if gather is not None:
+        owners = chunk_owners(everyone)  # type: ignore[arg-type]
+        mine = {k for k, v in views.items() if owners.get((k, v.offsets)) == rank and v.owner is not False}
+    else:
+        mine = {k for k, v in views.items() if (rank == 0 if v.owner is None else v.owner)}
     tensors: dict[str, torch.Tensor] = {}
     shards: dict[str, dict[str, list[int]]] = {}
-    for key, value in state_dict.items():
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"sharded safetensors holds tensors only; {key!r} is a {type(value).__name__}")
-        view = local_view(value)
-        owner = (plain_owners.get(key, 0) if plain_owners is not None else 0) == rank if view.owner is None \
-            else view.owner
-        if not owner or view.local.numel() == 0 and len(view.shape) > 0 and any(view.shape):
+    for key, view in views.items():
+        if key not in mine or view.local.numel() == 0 and len(view.shape) > 0 and any(view.shape):
             continue
         tensors[key] = view.local
         shards[key] = {"shape": list(view.shape), "offsets": list(view.offsets)}
