@@ -39,7 +39,10 @@ class ResumableDataLoader:
         collate_fn, num_workers, pin_memory: passed to the underlying ``DataLoader``.
 
     The tail of an epoch that does not fill a batch on every rank is dropped, so all ranks take the
-    same number of steps.
+    same number of steps. Resuming on another number of ranks continues the same global order from the
+    same position: across all ranks no sample of the epoch is repeated and none is skipped (but for the
+    dropped tail, now cut by the new global batch size). Map-style datasets only: an ``IterableDataset``
+    has no order to split; give it ``state_dict``/``load_state_dict`` and register it as a state.
     """
 
     def __init__(
@@ -57,6 +60,11 @@ class ResumableDataLoader:
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
+            raise TypeError(
+                f"ResumableDataLoader needs a map-style dataset (with __len__ and __getitem__); "
+                f"{type(dataset).__name__} is iterable. Give it state_dict()/load_state_dict() and pass it to "
+                "CheckpointManager(extra_states=...), or use torchdata's StatefulDataLoader")
         self.dataset = dataset
         self.batch_size = batch_size
         self.shuffle = shuffle
@@ -84,8 +92,12 @@ class ResumableDataLoader:
     def __iter__(self) -> Iterator[Any]:
         order = self._order()
         step = self.batch_size * self.world_size
-        usable = (len(order) // step) * step
-        remainder = order[self.consumed:usable]
+        # What is left of the epoch, cut to whole global batches. Counted from the position, not from the
+        # epoch's start: after a resume on another number of ranks the position need not be a multiple of
+        # the new global batch, and a remainder cut from the start would give some ranks one batch more
+        # than others (a data-parallel job would hang in that batch's collectives).
+        remainder = order[self.consumed:]
+        remainder = remainder[:len(remainder) // step * step]
         mine = remainder[self.rank::self.world_size]
         # A DataLoader draws its workers' base seed from the generator it is given, or else from the
         # global torch RNG. A private generator keeps the global stream untouched, so creating the

@@ -156,7 +156,11 @@ class CheckpointManager:
         if name in self.tracked.objects:
             raise ConfigError(f"a state named {name!r} is already registered")
         if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
-            raise ConfigError(f"state {name!r} ({type(obj).__name__}) needs state_dict() and load_state_dict()")
+            hint = ""
+            if isinstance(obj, torch.utils.data.DataLoader):
+                hint = (": a plain DataLoader cannot say where it is, so a resumed run would repeat data; use "
+                        "ckptio.ResumableDataLoader or torchdata's StatefulDataLoader")
+            raise ConfigError(f"state {name!r} ({type(obj).__name__}) needs state_dict() and load_state_dict(){hint}")
         self.tracked.objects[name] = obj
 
     # ------------------------------------------------------------------ save
