@@ -46,6 +46,9 @@ _ALLOWED_GLOBALS = {
     )
 } | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    # Megatron-Core keeps the ranks' save plans in the metadata (``all_local_plans``): plain dataclasses
+    *(("torch.distributed.checkpoint.planner", name) for name in ("SavePlan", "WriteItem", "WriteItemType",
+                                                                  "TensorWriteData")),
     ("torch.serialization", "_get_layout"),
     ("torch", "Size"),
     ("pathlib", "PosixPath"),

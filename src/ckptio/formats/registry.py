@@ -228,7 +228,7 @@ def _load_builtins() -> None:
     if _loaded:
         return
     _loaded = True
-    from . import dcp, hf_bundle, lightning, nemo, peft_adapter, safetensors_format, step_dir, torch_file  # noqa: F401
+    from . import dcp, hf_bundle, lightning, megatron, nemo, peft_adapter, safetensors_format, step_dir, torch_file  # noqa: F401
 
 
 def get(name: str) -> Format:

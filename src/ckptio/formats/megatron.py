@@ -1,0 +1,391 @@
+"""Megatron-LM and Megatron-Core checkpoints, read as one Hugging Face Llama model.
+
+Layouts, detected from the folder (a run folder with ``latest_checkpointed_iteration.txt``, or one
+iteration folder ``iter_NNNNNNN``/``release``):
+
+* **legacy** (Megatron-LM ``--ckpt-format torch``): ``mp_rank_TT/`` (tensor parallel only) or
+  ``mp_rank_TT_PPP/`` (with pipeline stages), each with ``model_optim_rng.pt``: that rank's shard of the
+  weights under per-layer names, the layer index restarting at 0 on every stage. Read with
+  :mod:`ckptio.formats.megatron_pickle` (no Megatron needed, no code run).
+* **distributed** (Megatron-Core ``torch_dist``, also NeMo 2.0's ``weights/``): ``metadata.json``,
+  ``common.pt`` and a DCP folder of whole tensors, the layers stacked along a leading dimension.
+
+Both become the Megatron-Core GPT names of one whole model (``decoder.layers.{i}.self_attention.
+linear_qkv.weight``...), tensor-parallel shards merged along each parameter's split dimension —
+column-parallel ``linear_qkv`` (whole query groups per rank), embeddings and output layer on dim 0,
+row-parallel ``linear_proj`` and ``linear_fc2`` on dim 1, and ``linear_fc1`` whose every shard holds
+``[gate part; up part]`` regathered as ``[gate; up]`` — with pipeline stages renumbered into one layer
+sequence and the vocabulary padding cut off. The ``megatron-to-llama`` naming converter
+(:mod:`ckptio.convert.naming`) then splits the fused tensors into Llama's. The Llama config comes
+from the run's ``args`` (or a ``config.json`` beside the checkpoint).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointCorruptError, CheckpointError
+from ..storage.confined import Folder
+from .common import TensorInfo, dtype_name, json_object
+from .registry import Format, Opened, register
+
+ITERATION_FILE = "latest_checkpointed_iteration.txt"
+RANK_FILE = "model_optim_rng.pt"
+MAX_RANK_FILE_BYTES = 1 << 40
+MAX_COMMON_BYTES = 1 << 30
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(_\d{3})?$")
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# legacy (local spec) names -> the names Megatron-Core's distributed checkpoints use for every spec
+_RENAME = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+           "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+# per-layer parameter -> how tensor parallelism splits it: a dim, "glu" ([gate; up] per shard), None (replicated)
+LAYER_SPLIT: dict[str, Any] = {
+    "self_attention.linear_qkv.layer_norm_weight": None, "mlp.linear_fc1.layer_norm_weight": None,
+    "self_attention.linear_qkv.weight": 0, "self_attention.linear_proj.weight": 1,
+    "mlp.linear_fc1.weight": "glu", "mlp.linear_fc2.weight": 1,
+}
+GLOBAL_SPLIT: dict[str, Any] = {"embedding.word_embeddings.weight": 0, "output_layer.weight": 0,
+                                "decoder.final_layernorm.weight": None}
+VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+# ------------------------------------------------------------------------------------------------ finding it
+def iteration_folder(path: Path) -> Path:
+    """The iteration folder ``path`` designates (through ``latest_checkpointed_iteration.txt`` if present)."""
+    if (path / ITERATION_FILE).is_file():
+        text = Folder(path).read_text(ITERATION_FILE, max_size=64).strip()
+        if text == "release":
+            name = "release"
+        elif text.isdigit():
+            name = f"iter_{int(text):07d}"
+        else:
+            raise CheckpointCorruptError(f"{path / ITERATION_FILE}: holds {text[:20]!r}, not an iteration or 'release'")
+        if Folder(path).kind(name) != "dir":
+            raise CheckpointCorruptError(f"{path / ITERATION_FILE} names {name}, which is not a folder in {path}")
+        return path / name
+    return path
+
+
+def layout_of(folder: Path) -> str | None:
+    """``"legacy"``, ``"dist"`` or ``None`` for an iteration folder (or NeMo 2.0 checkpoint folder)."""
+    if not folder.is_dir():
+        return None
+    if any(_RANK_DIR.match(p.name) and p.is_dir() for p in folder.iterdir()):
+        return "legacy"
+    if (folder / "metadata.json").is_file() and (folder / "common.pt").is_file():
+        return "dist"
+    if (folder / "weights" / "metadata.json").is_file() and (folder / "weights" / "common.pt").is_file():
+        return "dist"
+    return None
+
+
+def _strip(key: str) -> str:
+    for prefix in ("module.", "model."):
+        key = key.removeprefix(prefix)
+    return key
+
+
+def _kind(key: str, where: object) -> tuple[str, Any, int | None]:
+    """(name with layer index placeholder, split, layer index) of a canonical weight key; refuses others."""
+    m = _LAYER.match(key)
+    if m:
+        suffix = _RENAME.get(m.group(2), m.group(2))
+        if suffix in LAYER_SPLIT:
+            return suffix, LAYER_SPLIT[suffix], int(m.group(1))
+    elif key in GLOBAL_SPLIT:
+        return key, GLOBAL_SPLIT[key], None
+    raise CheckpointError(f"{where}: {key!r} is not a parameter of a Llama-style Megatron GPT model (ckptio maps "
+                          "RMSNorm + SwiGLU + RoPE models without linear biases; see docs/converters.md)")
+
+
+def merge_tp(parts: list[torch.Tensor], split: Any, key: str, where: object) -> torch.Tensor:
+    """One parameter whole from its tensor-parallel shards (in TP rank order)."""
+    if split is None:
+        return parts[0]
+    if len({tuple(p.shape) for p in parts}) != 1:
+        raise CheckpointCorruptError(f"{where}: the TP shards of {key!r} differ in shape: {[list(p.shape) for p in parts]}")
+    if split == "glu":
+        if parts[0].shape[0] % 2:
+            raise CheckpointCorruptError(f"{where}: {key!r} has an odd number of rows; it cannot hold [gate; up]")
+        halves = [p.chunk(2, dim=0) for p in parts]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(parts, dim=split)
+
+
+# ------------------------------------------------------------------------------------------------ the layouts
+def _rank_files(folder: Path) -> dict[tuple[int, int], str]:
+    found: dict[tuple[int, int], str] = {}
+    for p in Folder(folder).listdir():
+        m = _RANK_DIR.match(p.name)
+        if not m or p.kind != "dir":
+            continue
+        if m.group(3):
+            raise CheckpointError(f"{folder / p.name}: expert-parallel checkpoints are not supported")
+        found[(int(m.group(1)), int(m.group(2) or 0))] = f"{p.name}/{RANK_FILE}"
+    tp = 1 + max(t for t, _ in found)
+    pp = 1 + max(s for _, s in found)
+    missing = [f"mp_rank_{t:02d}" + (f"_{s:03d}" if pp > 1 else "") for t in range(tp) for s in range(pp)
+               if (t, s) not in found]
+    if missing:
+        raise CheckpointCorruptError(f"{folder}: the rank folders for TP={tp} x PP={pp} are incomplete; missing {missing[:4]}")
+    return found
+
+
+def read_legacy(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The whole model (canonical names) and the run's ``args``/``iteration`` of a legacy iteration folder."""
+    from . import megatron_pickle
+
+    files = _rank_files(folder)
+    tp = 1 + max(t for t, _ in files)
+    pp = 1 + max(s for _, s in files)
+    root = Folder(folder)
+    out: dict[str, torch.Tensor] = {}
+    info: dict[str, Any] = {"tp": tp, "pp": pp, "placeholders": set()}
+    offset = 0
+    for stage in range(pp):
+        shards = []
+        for t in range(tp):
+            rel = files[(t, stage)]
+            obj, placeholders = megatron_pickle.load(root, rel, max_size=MAX_RANK_FILE_BYTES)
+            where = root.display(rel)
+            if not isinstance(obj, dict) or not isinstance(obj.get("model"), dict):
+                extra = " (virtual pipeline stages: model0, model1... are not supported)" if "model0" in obj else ""
+                raise CheckpointCorruptError(f"{where}: no 'model' state dict{extra}")
+            info["placeholders"].update(placeholders)
+            if t == 0 and stage == 0:
+                info["args"], info["iteration"] = obj.get("args"), obj.get("iteration")
+            model = {_strip(k): v for k, v in obj["model"].items() if not k.endswith("_extra_state")}
+            bad = [k for k, v in model.items() if not isinstance(v, torch.Tensor)]
+            if bad:
+                raise CheckpointCorruptError(f"{where}: non-tensor model entries {bad[:3]}")
+            shards.append((where, model))
+        keys = list(shards[0][1])
+        for where, model in shards[1:]:
+            if set(model) != set(keys):
+                raise CheckpointCorruptError(f"{where}: holds other parameters than {shards[0][0]}: "
+                                             f"{sorted(set(model) ^ set(keys))[:3]}")
+        layers = sorted({k[2] for k in (_kind(key, shards[0][0]) for key in keys) if k[2] is not None})
+        # layer indices restart at 0 on each stage; a stage already numbered globally is kept as is
+        base = 0 if layers and layers[0] == offset else offset
+        for key in keys:
+            name, split, layer = _kind(key, shards[0][0])
+            if layer is not None:
+                name = f"decoder.layers.{base + layer}.{name}"
+            if name in out:
+                raise CheckpointCorruptError(f"{shards[0][0]}: {name} is held by two pipeline stages")
+            out[name] = merge_tp([m[key] for _, m in shards], split, key, shards[0][0])
+        offset = base + (layers[-1] + 1 if layers else 0)
+    return out, info
+
+
+class _DistModel:
+    """A Megatron-Core distributed checkpoint's weights, layers unstacked (each stacked tensor read once)."""
+
+    def __init__(self, folder: Path) -> None:
+        from . import dcp as dcp_format
+        from . import megatron_pickle
+
+        if not (folder / "common.pt").is_file() and (folder / "weights").is_dir():
+            folder = folder / "weights"
+        root = Folder(folder)
+        meta = json_object(root.read_bytes("metadata.json", max_size=1 << 20), root.display("metadata.json"))
+        if meta.get("sharded_backend") != "torch_dist":
+            raise CheckpointError(f"{root.display('metadata.json')}: sharded backend {meta.get('sharded_backend')!r}; "
+                                  "ckptio reads torch_dist checkpoints")
+        common, placeholders = megatron_pickle.load(root, "common.pt", max_size=MAX_COMMON_BYTES)
+        common = common if isinstance(common, dict) else {}
+        self.info: dict[str, Any] = {"args": common.get("args"), "iteration": common.get("iteration"),
+                                     "placeholders": set(placeholders)}
+        self.source = dcp_format.DCPSource(root)
+        self._stacked: dict[str, torch.Tensor] = {}
+        self.index: dict[str, TensorInfo] = {}
+        self._where: dict[str, tuple[str, int | None]] = {}
+        for key, ti in self.source.index().items():
+            name = _strip(key)
+            if name.startswith("decoder.layers.") and name[len("decoder.layers."):] in LAYER_SPLIT:
+                for i in range(ti.shape[0]):
+                    self._add(f"decoder.layers.{i}.{name[len('decoder.layers.'):]}", TensorInfo(ti.shape[1:], ti.dtype),
+                              key, i)
+            elif name in GLOBAL_SPLIT:
+                self._add(name, ti, key, None)
+            elif not name.startswith(("optimizer.", "rng_state")):
+                _kind(name, root.display())  # refuses, naming the parameter
+        self.info["layers"] = 1 + max((int(_LAYER.match(k).group(1)) for k in self.index if _LAYER.match(k)),  # type: ignore[union-attr]
+                                      default=-1)
+
+    def _add(self, name: str, info: TensorInfo, key: str, layer: int | None) -> None:
+        self.index[name] = info
+        self._where[name] = (key, layer)
+
+    def read(self, name: str) -> torch.Tensor:
+        key, layer = self._where[name]
+        if layer is None:
+            return self.source.read(key)
+        if key not in self._stacked:
+            self._stacked[key] = self.source.read(key)
+        return self._stacked[key][layer]
+
+
+# ------------------------------------------------------------------------------------------------ the config
+def _arg(args: Any, name: str, default: Any = None) -> Any:
+    return getattr(args, name, default) if args is not None else default
+
+
+def llama_config(args: Any, where: object, layers: int, vocab_rows: int) -> dict[str, Any]:
+    """The Hugging Face Llama ``config.json`` of a Megatron run's ``args``; refuses non-Llama models by name."""
+    problems = []
+    if _arg(args, "normalization", "RMSNorm") != "RMSNorm":
+        problems.append(f"normalization={_arg(args, 'normalization')}")
+    if not _arg(args, "swiglu", True):
+        problems.append("no SwiGLU")
+    if _arg(args, "position_embedding_type", "rope") != "rope":
+        problems.append(f"position_embedding_type={_arg(args, 'position_embedding_type')}")
+    if _arg(args, "add_bias_linear", False) or _arg(args, "add_qkv_bias", False):
+        problems.append("linear biases")
+    if _arg(args, "rotary_interleaved", False):
+        problems.append("interleaved rotary embeddings")
+    if problems:
+        raise CheckpointError(f"{where}: not a Llama-style model ({', '.join(problems)}); ckptio maps Megatron GPT "
+                              "models with RMSNorm, SwiGLU, RoPE and no linear biases to Hugging Face Llama")
+    hidden, heads = _arg(args, "hidden_size"), _arg(args, "num_attention_heads")
+    if not isinstance(hidden, int) or not isinstance(heads, int):
+        raise CheckpointError(f"{where}: the run's args are missing (hidden_size, num_attention_heads...); put the "
+                              "model's Hugging Face config.json beside the checkpoint")
+    groups = _arg(args, "num_query_groups") if _arg(args, "group_query_attention", False) else heads
+    vocab = _arg(args, "vocab_size") or _arg(args, "padded_vocab_size") or vocab_rows
+    dtype = "bfloat16" if _arg(args, "bf16", False) else "float16" if _arg(args, "fp16", False) else "float32"
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+        "intermediate_size": _arg(args, "ffn_hidden_size") or 4 * hidden, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": groups or heads,
+        "head_dim": _arg(args, "kv_channels") or hidden // heads, "hidden_act": "silu",
+        "rms_norm_eps": float(_arg(args, "norm_epsilon", 1e-5)), "rope_theta": float(_arg(args, "rotary_base", 10000)),
+        "max_position_embeddings": _arg(args, "max_position_embeddings") or 4096, "vocab_size": int(vocab),
+        "tie_word_embeddings": not _arg(args, "untie_embeddings_and_output_weights", False),
+        "attention_bias": False, "mlp_bias": False, "torch_dtype": dtype,
+    }
+
+
+# ------------------------------------------------------------------------------------------------ the source
+class MegatronSource:
+    """A Megatron checkpoint's whole model under Megatron-Core GPT names, vocabulary padding cut off."""
+
+    def __init__(self, path: Path) -> None:
+        self.run = path
+        self.folder = iteration_folder(path)
+        self.layout = layout_of(self.folder)
+        if self.layout == "legacy":
+            tensors, self.info = read_legacy(self.folder)
+            self._index = {k: TensorInfo(tuple(v.shape), dtype_name(v.dtype)) for k, v in tensors.items()}
+            self._read = tensors.__getitem__
+            self.info["layers"] = 1 + max((int(m.group(1)) for m in map(_LAYER.match, tensors) if m), default=-1)
+        elif self.layout == "dist":
+            dist = _DistModel(self.folder)
+            self.info, self._index, self._read = dist.info, dist.index, dist.read
+        else:
+            raise CheckpointError(f"{path}: not a Megatron checkpoint (no mp_rank_* folders, no metadata.json and "
+                                  "common.pt)")
+        args = self.info.get("args")
+        if args is None:
+            args = self._config_args()
+        rows = self._index["embedding.word_embeddings.weight"].shape[0] if "embedding.word_embeddings.weight" in \
+            self._index else 0
+        self.config = llama_config(args, self.folder, self.info["layers"], rows)
+        if not self.config["tie_word_embeddings"]:
+            pass
+        elif "output_layer.weight" in self._index:  # a last-stage copy of the tied embedding
+            del self._index["output_layer.weight"]
+        self.vocab = self.config["vocab_size"]
+        for key in VOCAB_KEYS:
+            if key in self._index:
+                shape = self._index[key].shape
+                if shape[0] < self.vocab:
+                    raise CheckpointCorruptError(f"{self.folder}: {key} has {shape[0]} rows for a vocabulary of {self.vocab}")
+                self._index[key] = TensorInfo((self.vocab, *shape[1:]), self._index[key].dtype)
+
+    def _config_args(self) -> Any:
+        import argparse
+
+        for where in (self.folder, self.run, self.folder / "context"):
+            cfg = where / "config.json"
+            if cfg.is_file():
+                from .common import read_json
+
+                hf = read_json(cfg)
+                return argparse.Namespace(
+                    hidden_size=hf.get("hidden_size"), num_attention_heads=hf.get("num_attention_heads"),
+                    num_query_groups=hf.get("num_key_value_heads"), group_query_attention=True,
+                    ffn_hidden_size=hf.get("intermediate_size"), kv_channels=hf.get("head_dim"),
+                    norm_epsilon=hf.get("rms_norm_eps", 1e-5), rotary_base=hf.get("rope_theta", 10000),
+                    max_position_embeddings=hf.get("max_position_embeddings"), vocab_size=hf.get("vocab_size"),
+                    untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False))
+        return None
+
+    def index(self) -> dict[str, TensorInfo]:
+        return dict(self._index)
+
+    def read(self, key: str) -> torch.Tensor:
+        if key not in self._index:
+            raise CheckpointError(f"{self.folder}: no tensor {key!r}")
+        t = self._read(key)
+        return t[: self.vocab] if key in VOCAB_KEYS else t
+
+    def close(self) -> None:
+        """Nothing is held open between reads."""
+
+
+class MegatronFormat(Format):
+    """Megatron-LM legacy (``mp_rank_*``) and Megatron-Core ``torch_dist`` checkpoints, read as HF Llama."""
+
+    name = "megatron"
+    summary = "Megatron-LM / Megatron-Core checkpoint (mp_rank_* or torch_dist), read as Hugging Face Llama"
+    priority = 25
+
+    def detect(self, path: Path) -> bool:
+        try:
+            return path.is_dir() and ((path / ITERATION_FILE).is_file() or layout_of(path) is not None)
+        except OSError:
+            return False
+
+    def open(self, path: Path) -> Opened:
+        import json
+
+        from ..convert.naming import _RenamedSource, get_converter
+
+        source = MegatronSource(path)
+        renamed = _RenamedSource(source, get_converter("megatron-to-llama"), source.config)
+        extras = Path(tempfile.mkdtemp(prefix="ckptio-megatron-"))
+        (extras / "config.json").write_text(json.dumps(source.config, indent=2))
+        iteration = source.info.get("iteration")
+        renamed.folder = extras
+        return Opened(self.name, renamed, extras, step=iteration if isinstance(iteration, int) else 0,
+                      cleanup=lambda: shutil.rmtree(extras, ignore_errors=True))
+
+    def describe(self, path: Path) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        from .common import summarize_index
+
+        source = MegatronSource(path)
+        args, info = source.info.get("args"), source.info
+        tp = info.get("tp") or _arg(args, "tensor_model_parallel_size")
+        pp = info.get("pp") or _arg(args, "pipeline_model_parallel_size")
+        folder = Folder(source.folder)
+        files = {rel: e.size for rel, e in folder.walk_files() if e.kind == "file"}
+        layout = {"legacy": "Megatron-LM legacy (mp_rank_*)", "dist": "Megatron-Core torch_dist"}[source.layout or ""]
+        return {"path": str(path), "kind": self.name, "label": self.summary, "iteration": info.get("iteration"),
+                "weights": f"{source.folder.name}: {layout}, saved on TP={tp} PP={pp}",
+                "layout": source.layout, "tp": tp, "pp": pp, "layers": info.get("layers"),
+                "architecture": "LlamaForCausalLM (Megatron GPT)", "config": source.config,
+                "placeholders": sorted(info.get("placeholders", ())),
+                "tensors": asdict(summarize_index(source.index())), "files": files,
+                "total_bytes": sum(files.values())}
+
+
+register(MegatronFormat())
