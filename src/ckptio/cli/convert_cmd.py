@@ -16,13 +16,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description="Convert the model weights of a checkpoint into another format. The source "
                                    "format is detected from its layout; --list-formats lists the formats.")
     p.add_argument("source", nargs="?", help="a step directory, HF/safetensors/DCP folder, .safetensors, .pt/.bin, "
-                                             ".nemo or Lightning .ckpt")
+                                             ".nemo, Lightning .ckpt or Megatron checkpoint folder")
     p.add_argument("dest", nargs="?", help="the new file or folder to write")
     p.add_argument("--to", metavar="FORMAT", help="target format: step_dir, hf, safetensors, dcp, torch, nemo, "
-                                                  "lightning (--list-formats lists every registered one)")
+                                                  "lightning, megatron (--list-formats lists every registered one)")
     p.add_argument("--dtype", default=None, help="cast floating-point tensors, e.g. bfloat16")
     p.add_argument("--naming", default=None, help="apply a naming converter, e.g. llama-to-megatron")
     p.add_argument("--max-shard-size", default="5GB", help="largest file of an hf target (default 5GB)")
+    p.add_argument("--tp", type=int, default=1, help="megatron target: tensor-parallel size to split for (default 1)")
+    p.add_argument("--pp", type=int, default=1, help="megatron target: pipeline stages to split into (default 1)")
+    p.add_argument("--megatron-layout", choices=("dist", "legacy"), default="dist",
+                   help="megatron target: Megatron-Core torch_dist (default) or Megatron-LM legacy mp_rank_* files")
     p.add_argument("--list-namings", action="store_true", help="list the registered naming converters and exit")
     p.add_argument("--list-formats", action="store_true", help="list the registered formats and exit")
     p.add_argument("--no-progress", action="store_true", help="no progress (a bar on a terminal, lines otherwise)")
@@ -63,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     try:
         out = formats.convert(args.source, args.dest, args.to, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                              naming=args.naming, progress=on_open)
+                              naming=args.naming, progress=on_open,
+                              options={"tp": args.tp, "pp": args.pp, "layout": args.megatron_layout})
     finally:
         for bar in bars:
             bar.close()

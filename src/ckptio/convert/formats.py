@@ -71,21 +71,23 @@ class _Cast:
 
 
 def write(opened: Opened, out: Path, to: str, *, dtype: torch.dtype | None = None, max_shard_size: str = "5GB",
-          progress: Callable[[int], None] | None = None) -> None:
+          progress: Callable[[int], None] | None = None, options: dict[str, Any] | None = None) -> None:
     """Write ``opened`` to the new path ``out`` in format ``to`` (appearing whole, or not at all)."""
     fmt = registry.get(to)
     if not fmt.writable:
         raise CheckpointError(f"ckptio cannot write the {to} format; it writes {_formats()}")
     fmt.write(opened, _Cast(opened.source, dtype), Path(out),
-              WriteOptions(max_shard_size=max_shard_size, dtype=dtype, progress=progress))
+              WriteOptions(max_shard_size=max_shard_size, dtype=dtype, progress=progress, extra=options or {}))
 
 
 def convert(src: str | Path, dst: str | Path, to: str, *, dtype: str | torch.dtype | None = None,
             max_shard_size: str = "5GB", naming: str | None = None,
-            progress: Callable[[str, int], Callable[[int], None] | None] | None = None) -> Path:
+            progress: Callable[[str, int], Callable[[int], None] | None] | None = None,
+            options: dict[str, Any] | None = None) -> Path:
     """Convert the model weights at ``src`` into the new path ``dst`` in format ``to``.
 
-    ``naming`` applies a registered naming converter (see :mod:`ckptio.convert.naming`) on the way.
+    ``naming`` applies a registered naming converter (see :mod:`ckptio.convert.naming`) on the way;
+    ``options`` are the target format's own choices (``{"tp": 2, "pp": 2, "layout": "legacy"}`` for megatron).
     ``progress``, once the source is open, is called with its format and total bytes and may return a
     callback that is fed the bytes as they are written. Returns ``dst``.
     """
@@ -107,7 +109,7 @@ def convert(src: str | Path, dst: str | Path, to: str, *, dtype: str | torch.dty
 
             opened.source = renamed_source(opened.source, naming, opened.extras)
             opened.step_dir = None  # optimizer state is keyed by the old names: it cannot follow
-        write(opened, dst, to, dtype=cast, max_shard_size=max_shard_size, progress=update)
+        write(opened, dst, to, dtype=cast, max_shard_size=max_shard_size, progress=update, options=options)
     finally:
         opened.close()
     return dst

@@ -33,7 +33,7 @@ import torch
 from ..errors import CheckpointCorruptError, CheckpointError
 from ..storage.confined import Folder
 from .common import TensorInfo, dtype_name, json_object
-from .registry import Format, Opened, register
+from .registry import Format, Opened, WriteOptions, register
 
 ITERATION_FILE = "latest_checkpointed_iteration.txt"
 RANK_FILE = "model_optim_rng.pt"
@@ -366,6 +366,13 @@ class MegatronFormat(Format):
         renamed.folder = extras
         return Opened(self.name, renamed, extras, step=iteration if isinstance(iteration, int) else 0,
                       cleanup=lambda: shutil.rmtree(extras, ignore_errors=True))
+
+    def write(self, opened: Opened, source: Any, out: Path, options: WriteOptions) -> None:
+        from . import megatron_write
+
+        extra = options.extra
+        megatron_write.write(source, opened.extras, out, tp=int(extra.get("tp", 1)), pp=int(extra.get("pp", 1)),
+                             layout=extra.get("layout", "dist"), iteration=opened.step)
 
     def describe(self, path: Path) -> dict[str, Any]:
         from dataclasses import asdict

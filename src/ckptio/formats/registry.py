@@ -78,6 +78,8 @@ class WriteOptions:
     max_shard_size: str = "5GB"
     dtype: Any = None
     progress: Callable[[int], None] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Format-specific choices (for ``megatron``: ``tp``, ``pp``, ``layout``)."""
 
 
 @dataclass

@@ -1,0 +1,130 @@
+"""Megatron checkpoints out and back in: HF Llama -> Megatron (TP x PP, both layouts) -> HF, bitwise.
+
+The checkpoints written here are read back by ckptio's own Megatron reader; ``test_megatron_core.py``
+proves the same layouts against the real megatron-core package (its checkpoints in, ours read by it).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptio.convert.formats import convert
+from ckptio.errors import CheckpointCorruptError, CheckpointError, ConfigError
+from ckptio.formats.safetensors_sharded import SafetensorsSource
+
+
+def _hf(folder: Path, *, tied: bool = False, vocab: int = 100) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def _same_weights(a: Path, b: Path) -> None:
+    x, y = SafetensorsSource(a), SafetensorsSource(b)
+    assert x.index().keys() == y.index().keys()
+    for key in x.index():
+        assert torch.equal(x.read(key), y.read(key)), f"{key} differs after the round trip"
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory) -> Path:
+    return _hf(tmp_path_factory.mktemp("hf") / "model")
+
+
+@pytest.mark.parametrize("layout", ["dist", "legacy"])
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_hf_to_megatron_and_back_is_bitwise(hf, tmp_path, layout, tp, pp):
+    out = convert(hf, tmp_path / "megatron", "megatron", options={"tp": tp, "pp": pp, "layout": layout})
+    iteration = out / "iter_0000000"
+    assert (out / "latest_checkpointed_iteration.txt").read_text() == "0"
+    if layout == "legacy":
+        expected = {f"mp_rank_{t:02d}" + (f"_{s:03d}" if pp > 1 else "") for t in range(tp) for s in range(pp)}
+        assert {p.name for p in iteration.iterdir()} == expected
+    else:
+        assert {"metadata.json", "common.pt", ".metadata"} <= {p.name for p in iteration.iterdir()}
+    back = convert(out, tmp_path / "back", "hf")
+    _same_weights(hf, back)
+    from ckptio.formats.common import read_json
+
+    assert read_json(back / "config.json")["vocab_size"] == 100  # the padding (to 128 x TP) is cut again
+
+
+def test_tied_embeddings_travel_as_megatron_shares_them(tmp_path):
+    src = _hf(tmp_path / "tied", tied=True)
+    out = convert(src, tmp_path / "megatron", "megatron", options={"tp": 2, "pp": 2, "layout": "legacy"})
+    from ckptio.formats.megatron import MegatronSource
+
+    assert "output_layer.weight" not in MegatronSource(out).index()
+    back = convert(out, tmp_path / "back", "hf")
+    _same_weights(src, back)
+
+
+def test_the_cli_converts_and_inspect_names_the_layout(hf, tmp_path):
+    out = tmp_path / "mg"
+    run = subprocess.run([str(Path(sys.executable).parent / "ckptio"), "convert", str(hf), str(out), "--to", "megatron", "--tp", "2",
+                          "--pp", "2", "--megatron-layout", "legacy", "--no-progress"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    shown = subprocess.run([str(Path(sys.executable).parent / "ckptio"), "inspect", str(out)], capture_output=True, text=True)
+    assert shown.returncode == 0, shown.stderr
+    assert "Megatron-LM legacy (mp_rank_*), saved on TP=2 PP=2" in shown.stdout
+    assert "LlamaForCausalLM" in shown.stdout
+
+
+def test_a_split_the_model_does_not_allow_is_refused_before_writing(hf, tmp_path):
+    with pytest.raises(ConfigError, match=r"num_key_value_heads \(2\) is not divisible by 4"):
+        convert(hf, tmp_path / "mg", "megatron", options={"tp": 4})
+    with pytest.raises(ConfigError, match=r"num_hidden_layers \(4\) is not divisible by 3"):
+        convert(hf, tmp_path / "mg", "megatron", options={"pp": 3})
+    assert not (tmp_path / "mg").exists() and list(tmp_path.iterdir()) == []
+
+
+def test_damaged_megatron_folders_are_refused_with_the_path(hf, tmp_path):
+    import shutil
+
+    out = convert(hf, tmp_path / "mg", "megatron", options={"tp": 2, "pp": 2, "layout": "legacy"})
+    shutil.rmtree(out / "iter_0000000" / "mp_rank_01_001")
+    with pytest.raises(CheckpointCorruptError, match=r"incomplete; missing \['mp_rank_01_001'\]"):
+        convert(out, tmp_path / "back", "hf")
+    (out / "latest_checkpointed_iteration.txt").write_text("../../etc")
+    with pytest.raises(CheckpointCorruptError, match="not an iteration or 'release'"):
+        convert(out, tmp_path / "back2", "hf")
+    (out / "latest_checkpointed_iteration.txt").write_text("7")
+    with pytest.raises(CheckpointCorruptError, match="names iter_0000007, which is not a folder"):
+        convert(out, tmp_path / "back3", "hf")
+    # a rank file replaced by one that would run code
+    (out / "latest_checkpointed_iteration.txt").write_text("0")
+    shutil.copytree(out / "iter_0000000" / "mp_rank_00_001", out / "iter_0000000" / "mp_rank_01_001")
+    import pickle
+    import zipfile
+
+    evil = out / "iter_0000000" / "mp_rank_01_001" / "model_optim_rng.pt"
+    with zipfile.ZipFile(evil, "w") as zf:
+        zf.writestr("archive/data.pkl", pickle.dumps({"model": _Evil()}, protocol=2))
+    with pytest.raises(CheckpointError, match=r"mp_rank_01_001/model_optim_rng\.pt.*refusing to load the global"):
+        convert(out, tmp_path / "back4", "hf")
+
+
+class _Evil:
+    def __reduce__(self):
+        import os
+
+        return (os.getcwd, ())
+
+
+def test_a_non_llama_megatron_model_is_refused_by_name(hf, tmp_path):
+    out = convert(hf, tmp_path / "mg", "megatron", options={"layout": "dist"})
+    common = out / "iter_0000000" / "common.pt"
+    state = torch.load(common, weights_only=False)
+    state["args"].normalization = "LayerNorm"
+    torch.save(state, common)
+    with pytest.raises(CheckpointError, match="not a Llama-style model .normalization=LayerNorm"):
+        convert(out, tmp_path / "back", "hf")
