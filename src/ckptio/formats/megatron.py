@@ -340,6 +340,12 @@ class MegatronSource:
         """Nothing is held open between reads."""
 
 
+def _as_llama(source: MegatronSource) -> Any:
+    from ..convert.naming import _RenamedSource, get_converter
+
+    return _RenamedSource(source, get_converter("megatron-to-llama"), source.config)
+
+
 class MegatronFormat(Format):
     """Megatron-LM legacy (``mp_rank_*``) and Megatron-Core ``torch_dist`` checkpoints, read as HF Llama."""
 
@@ -356,10 +362,8 @@ class MegatronFormat(Format):
     def open(self, path: Path) -> Opened:
         import json
 
-        from ..convert.naming import _RenamedSource, get_converter
-
         source = MegatronSource(path)
-        renamed = _RenamedSource(source, get_converter("megatron-to-llama"), source.config)
+        renamed = _as_llama(source)
         extras = Path(tempfile.mkdtemp(prefix="ckptio-megatron-"))
         (extras / "config.json").write_text(json.dumps(source.config, indent=2))
         iteration = source.info.get("iteration")
@@ -391,7 +395,7 @@ class MegatronFormat(Format):
                 "layout": source.layout, "tp": tp, "pp": pp, "layers": info.get("layers"),
                 "architecture": "LlamaForCausalLM (Megatron GPT)", "config": source.config,
                 "placeholders": sorted(info.get("placeholders", ())),
-                "tensors": asdict(summarize_index(source.index())), "files": files,
+                "tensors": asdict(summarize_index(_as_llama(source).index())), "files": files,
                 "total_bytes": sum(files.values())}
 
 
