@@ -128,3 +128,59 @@ def test_a_non_llama_megatron_model_is_refused_by_name(hf, tmp_path):
     torch.save(state, common)
     with pytest.raises(CheckpointError, match="not a Llama-style model .normalization=LayerNorm"):
         convert(out, tmp_path / "back", "hf")
+
+
+def _nemo_config(tp: int, pp: int) -> str:
+    # the keys NeMo 1.x writes for a Megatron-Core GPT model (megatron_gpt_config.yaml)
+    return "\n".join([
+        "mcore_gpt: true", f"tensor_model_parallel_size: {tp}", f"pipeline_model_parallel_size: {pp}",
+        "num_layers: 4", "hidden_size: 64", "ffn_hidden_size: 128", "num_attention_heads: 4",
+        "num_query_groups: 2", "kv_channels: 16", "layernorm_epsilon: 1.0e-06", "normalization: rmsnorm",
+        "activation: fast-swiglu", "position_embedding_type: rope", "rotary_base: 10000.0", "bias: false",
+        "share_embeddings_and_output_weights: false", "max_position_embeddings: 2048", "precision: 32",
+        "target: nemo.collections.nlp.models.language_modeling.megatron_gpt_model.MegatronGPTModel", ""])
+
+
+@pytest.mark.parametrize("weights", ["tp_rank_TT_pp_rank_PPP", "mp_rank_TT", "model_weights (torch_dist)"])
+def test_nemo_archives_with_megatron_weights_read_as_llama(hf, tmp_path, weights):
+    """NeMo 1.x archives keep each rank's ``model.``-prefixed state dict in a model-parallel folder, or a
+    Megatron-Core distributed checkpoint in ``model_weights/``; built here from their documented layout."""
+    import shutil
+    import tarfile
+
+    tp, pp = (2, 1) if weights == "mp_rank_TT" else (2, 2)
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    (stage / "model_config.yaml").write_text(_nemo_config(tp, pp))
+    if weights == "model_weights (torch_dist)":
+        out = convert(hf, tmp_path / "mg", "megatron", options={"tp": tp, "pp": pp})
+        shutil.copytree(out / "iter_0000000", stage / "model_weights")
+    else:
+        out = convert(hf, tmp_path / "mg", "megatron", options={"tp": tp, "pp": pp, "layout": "legacy"})
+        for rank_dir in (out / "iter_0000000").iterdir():
+            t, s = int(rank_dir.name[8:10]), int(rank_dir.name[11:14] or 0)
+            name = f"mp_rank_{t:02d}" if weights == "mp_rank_TT" else f"tp_rank_{t:02d}_pp_rank_{s:03d}"
+            model = torch.load(rank_dir / "model_optim_rng.pt", weights_only=False)["model"]
+            (stage / name).mkdir()
+            torch.save({f"model.{k}": v for k, v in model.items()}, stage / name / "model_weights.ckpt")
+    archive = tmp_path / "gpt.nemo"
+    with tarfile.open(archive, "w") as tar:
+        tar.add(stage, arcname=".")
+    back = convert(archive, tmp_path / "back", "hf")
+    from ckptio.formats.common import read_json
+
+    cfg = read_json(back / "config.json")
+    assert cfg["rms_norm_eps"] == 1e-6 and cfg["num_key_value_heads"] == 2
+    # a NeMo config does not record the tokenizer's vocabulary: the padded rows (zeros here) stay
+    assert cfg["vocab_size"] == 128 * tp
+    x, y = SafetensorsSource(hf), SafetensorsSource(back)
+    assert x.index().keys() == y.index().keys()
+    for key in x.index():
+        want, got = x.read(key), y.read(key)
+        if key in ("model.embed_tokens.weight", "lm_head.weight"):
+            assert torch.equal(got[:100], want) and not got[100:].any(), key
+        else:
+            assert torch.equal(got, want), key
+    shown = subprocess.run([str(Path(sys.executable).parent / "ckptio"), "inspect", str(archive)],
+                           capture_output=True, text=True)
+    assert shown.returncode == 0 and "Megatron" in shown.stdout, shown.stderr

@@ -39,7 +39,9 @@ ITERATION_FILE = "latest_checkpointed_iteration.txt"
 RANK_FILE = "model_optim_rng.pt"
 MAX_RANK_FILE_BYTES = 1 << 40
 MAX_COMMON_BYTES = 1 << 30
-_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(_\d{3})?$")
+# Megatron-LM: mp_rank_TT[_PPP][_EEE]; NeMo 1.x archives: mp_rank_TT or tp_rank_TT_pp_rank_PPP
+_RANK_DIR = re.compile(r"^(?:mp_rank_(\d{2})(?:_(\d{3}))?(_\d{3})?|tp_rank_(\d{2})_pp_rank_(\d{3}))$")
+NEMO_RANK_FILE = "model_weights.ckpt"
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 # legacy (local spec) names -> the names Megatron-Core's distributed checkpoints use for every spec
 _RENAME = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
@@ -121,13 +123,18 @@ def merge_tp(parts: list[torch.Tensor], split: Any, key: str, where: object) -> 
 # ------------------------------------------------------------------------------------------------ the layouts
 def _rank_files(folder: Path) -> dict[tuple[int, int], str]:
     found: dict[tuple[int, int], str] = {}
-    for p in Folder(folder).listdir():
+    root = Folder(folder)
+    for p in root.listdir():
         m = _RANK_DIR.match(p.name)
         if not m or p.kind != "dir":
             continue
         if m.group(3):
             raise CheckpointError(f"{folder / p.name}: expert-parallel checkpoints are not supported")
-        found[(int(m.group(1)), int(m.group(2) or 0))] = f"{p.name}/{RANK_FILE}"
+        rank = (int(m.group(1)), int(m.group(2) or 0)) if m.group(1) else (int(m.group(4)), int(m.group(5)))
+        names = [n for n in (RANK_FILE, NEMO_RANK_FILE) if root.kind(f"{p.name}/{n}") is not None]
+        if not names:
+            raise CheckpointCorruptError(f"{folder / p.name}: holds neither {RANK_FILE} nor {NEMO_RANK_FILE}")
+        found[rank] = f"{p.name}/{names[0]}"
     tp = 1 + max(t for t, _ in found)
     pp = 1 + max(s for _, s in found)
     missing = [f"mp_rank_{t:02d}" + (f"_{s:03d}" if pp > 1 else "") for t in range(tp) for s in range(pp)
@@ -154,6 +161,8 @@ def read_legacy(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
             rel = files[(t, stage)]
             obj, placeholders = megatron_pickle.load(root, rel, max_size=MAX_RANK_FILE_BYTES)
             where = root.display(rel)
+            if isinstance(obj, dict) and rel.endswith(NEMO_RANK_FILE) and not isinstance(obj.get("model"), dict):
+                obj = {"model": obj}  # a NeMo archive's rank file is the state dict itself
             if not isinstance(obj, dict) or not isinstance(obj.get("model"), dict):
                 extra = " (virtual pipeline stages: model0, model1... are not supported)" if "model0" in obj else ""
                 raise CheckpointCorruptError(f"{where}: no 'model' state dict{extra}")
@@ -272,11 +281,32 @@ def llama_config(args: Any, where: object, layers: int, vocab_rows: int) -> dict
     }
 
 
+def nemo_args(config: dict[str, Any]) -> Any:
+    """Megatron arguments from a NeMo 1.x ``model_config.yaml`` of a Megatron-Core GPT model."""
+    import argparse
+
+    activation = str(config.get("activation", "gelu")).lower()
+    return argparse.Namespace(
+        hidden_size=config.get("hidden_size"), num_attention_heads=config.get("num_attention_heads"),
+        num_query_groups=config.get("num_query_groups"), group_query_attention=bool(config.get("num_query_groups")),
+        ffn_hidden_size=config.get("ffn_hidden_size"), kv_channels=config.get("kv_channels"),
+        norm_epsilon=config.get("layernorm_epsilon", 1e-5), rotary_base=config.get("rotary_base", 10000),
+        max_position_embeddings=config.get("max_position_embeddings") or config.get("encoder_seq_length"),
+        normalization="RMSNorm" if str(config.get("normalization", "")).lower() == "rmsnorm" else config.get("normalization"),
+        swiglu=activation in ("swiglu", "fast-swiglu"), position_embedding_type=config.get("position_embedding_type"),
+        add_bias_linear=bool(config.get("bias", False)), vocab_size=None,
+        untie_embeddings_and_output_weights=not config.get("share_embeddings_and_output_weights", True),
+        tensor_model_parallel_size=config.get("tensor_model_parallel_size"),
+        pipeline_model_parallel_size=config.get("pipeline_model_parallel_size"),
+        bf16=str(config.get("precision", "")).startswith("bf16"))
+
+
 # ------------------------------------------------------------------------------------------------ the source
 class MegatronSource:
     """A Megatron checkpoint's whole model under Megatron-Core GPT names, vocabulary padding cut off."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, args: Any = None) -> None:
+        """``args``: the model's Megatron arguments when the checkpoint does not carry them (a NeMo config)."""
         self.run = path
         self.folder = iteration_folder(path)
         self.layout = layout_of(self.folder)
@@ -291,7 +321,7 @@ class MegatronSource:
         else:
             raise CheckpointError(f"{path}: not a Megatron checkpoint (no mp_rank_* folders, no metadata.json and "
                                   "common.pt)")
-        args = self.info.get("args")
+        args = self.info.get("args") if args is None else args
         if args is None:
             args = self._config_args()
         rows = self._index["embedding.word_embeddings.weight"].shape[0] if "embedding.word_embeddings.weight" in \

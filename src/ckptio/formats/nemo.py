@@ -124,7 +124,14 @@ def describe(path: str | Path) -> dict[str, Any]:
         folder = unpack(path, Path(tmp) / "x") if path.is_file() else path
         config = read_config(folder, archive=path)
         files = {rel: e.size for rel, e in Folder(folder).walk_files() if e.kind == "file"}
-        if (folder / WEIGHTS_DIR / dcp_format.METADATA_FILE).is_file():
+        megatron = _megatron_weights(folder, config)
+        if megatron is not None:
+            from .megatron import MegatronSource, _as_llama, nemo_args
+
+            src = MegatronSource(megatron, args=nemo_args(config))
+            weights = f"Megatron {'model-parallel folders' if src.layout == 'legacy' else WEIGHTS_DIR + '/ (torch_dist)'}"
+            index = _as_llama(src).index()
+        elif (folder / WEIGHTS_DIR / dcp_format.METADATA_FILE).is_file():
             weights, index = WEIGHTS_DIR + "/ (DCP)", dcp_format.read_index(folder / WEIGHTS_DIR)
         else:
             full = pt_format.load(folder / WEIGHTS_FILE, mmap=True)
@@ -137,6 +144,20 @@ def describe(path: str | Path) -> dict[str, Any]:
             "artifacts": sorted(set(artifact_refs(config, path).values())), "files": files,
             "total_bytes": sum(files.values()), "tensors": asdict(summarize_index(index)),
             "config_keys": sorted(config)}
+
+
+def _megatron_weights(folder: Path, config: dict[str, Any]) -> Path | None:
+    """Where a NeMo 1.x archive keeps Megatron weights: rank folders (``mp_rank_TT``, ``tp_rank_TT_pp_rank_PPP``)
+    or a Megatron-Core distributed ``model_weights/``; ``None`` for ckptio's own archives and plain weights."""
+    from .megatron import layout_of
+
+    if config.get("ckptio_nemo"):
+        return None
+    if layout_of(folder) == "legacy":
+        return folder
+    if layout_of(folder / WEIGHTS_DIR) == "dist":
+        return folder / WEIGHTS_DIR
+    return None
 
 
 # ---------------------------------------------------------------------------------------------- the format
@@ -173,8 +194,15 @@ class NemoArchive(Format):
                 (extras / "config.json").write_text(json.dumps(config["hf_config"], indent=2))
             tree = Folder(folder)
             copy_tokenizer(tree, tokenizer_files(config, path), extras)  # files inside the archive only
-            if tree.is_file(f"{WEIGHTS_DIR}/{dcp_format.METADATA_FILE}"):
-                source: Any = dcp_format.DCPSource(tree.sub(WEIGHTS_DIR))
+            source: Any
+            if _megatron_weights(folder, config) is not None:  # NeMo 1.x model-parallel or distributed weights
+                from .megatron import MegatronSource, _as_llama, nemo_args
+
+                megatron = MegatronSource(_megatron_weights(folder, config), args=nemo_args(config))  # type: ignore[arg-type]
+                source = _as_llama(megatron)
+                (extras / "config.json").write_text(json.dumps(megatron.config, indent=2))
+            elif tree.is_file(f"{WEIGHTS_DIR}/{dcp_format.METADATA_FILE}"):
+                source = dcp_format.DCPSource(tree.sub(WEIGHTS_DIR))
             else:
                 source = DictSource(only_tensors(read_tensors(folder / WEIGHTS_FILE, unwrap=False), path), folder)
         except BaseException:

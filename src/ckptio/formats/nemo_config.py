@@ -63,8 +63,10 @@ def read_config(folder: str | Path, archive: Path | None = None) -> dict[str, An
     config = safe_yaml.load(tree.read_bytes(CONFIG_FILE, max_size=safe_yaml.MAX_BYTES), f"{where}: {CONFIG_FILE}")
     if not isinstance(config, dict):
         raise CheckpointCorruptError(f"{where}: {CONFIG_FILE} does not hold a mapping")
-    if not tree.is_file(WEIGHTS_FILE) and not tree.is_file(f"{WEIGHTS_DIR}/{dcp_metadata.METADATA_FILE}"):
-        raise CheckpointNotFoundError(f"{where} holds no weights: neither {WEIGHTS_FILE} nor {WEIGHTS_DIR}/")
+    if not tree.is_file(WEIGHTS_FILE) and not tree.is_file(f"{WEIGHTS_DIR}/{dcp_metadata.METADATA_FILE}") and \
+            not any(e.kind == "dir" and e.name.startswith(("mp_rank_", "tp_rank_")) for e in tree.listdir()):
+        raise CheckpointNotFoundError(f"{where} holds no weights: neither {WEIGHTS_FILE}, {WEIGHTS_DIR}/ nor "
+                                      "model-parallel folders (mp_rank_TT/, tp_rank_TT_pp_rank_PPP/)")
     for key, name in artifact_refs(config, where).items():
         if not tree.is_file(name):
             raise CheckpointNotFoundError(f"{where}: {CONFIG_FILE} key {key} refers to {PREFIX}{name} but the archive "
