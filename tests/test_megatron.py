@@ -184,3 +184,36 @@ def test_nemo_archives_with_megatron_weights_read_as_llama(hf, tmp_path, weights
     shown = subprocess.run([str(Path(sys.executable).parent / "ckptio"), "inspect", str(archive)],
                            capture_output=True, text=True)
     assert shown.returncode == 0 and "Megatron" in shown.stdout, shown.stderr
+
+
+def _restore_from(source: str, seed: int) -> dict:
+    from ckptio import CheckpointConfig, CheckpointManager
+    from toy import full_state, make_model
+
+    model = make_model(seed=seed, tie_word_embeddings=False)  # FSDP2-sharded on several ranks
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=str(Path(source).parent / "run")), model=model,
+                           rng=False) as mgr:
+        info = mgr.restore(source)
+    out = {k.removeprefix("model/"): v for k, v in full_state(model).items()}
+    out["step"] = torch.tensor(info.step)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["legacy", "dist"])
+def test_restore_from_a_megatron_checkpoint_fills_a_sharded_model(tmp_path, layout):
+    from distributed import run_ranks
+    from toy import make_model
+
+    make_model(seed=5, tie_word_embeddings=False).save_pretrained(tmp_path / "hf")
+    src = SafetensorsSource(tmp_path / "hf")
+    want = {k: src.read(k) for k in src.index()}
+    out = convert(tmp_path / "hf", tmp_path / "mg", "megatron", options={"tp": 2, "pp": 2, "layout": layout})
+    (out / "latest_checkpointed_iteration.txt").write_text("40")
+    (out / "iter_0000000").rename(out / "iter_0000040")
+    for world in (2, 1):
+        got = run_ranks(world, _restore_from, source=str(out), seed=9)[0]
+        assert int(got.pop("step")) == 40
+        assert got.keys() == want.keys(), sorted(set(got) ^ set(want))[:4]
+        for k, v in want.items():
+            assert torch.equal(got[k], v), f"{layout} on {world} rank(s): {k}"

@@ -247,7 +247,9 @@ class CheckpointManager:
 
         ``verify`` (default ``config.verify``): ``"full"`` checks every byte read against the manifest's
         checksums as it is read, ``"size"`` checks that every file is present with its recorded size,
-        ``"none"`` trusts the manifest.
+        ``"none"`` trusts the manifest. ``path`` may also be a checkpoint ckptio did not write (a Megatron-LM
+        or Megatron-Core run folder, a ``.nemo``, a Hugging Face folder...): its weights are loaded into the
+        model, on any layout, and the rest starts fresh (:mod:`ckptio.foreign`).
 
         Returns ``None`` (and changes nothing) when ``restore_from`` is unset and there is no complete
         checkpoint yet. An explicitly requested checkpoint that does not exist, or is damaged, raises

@@ -33,6 +33,7 @@ from .formats import pt as pt_format
 from .formats import registry
 from .formats.common import TensorInfo, check_compatible
 from .formats.registry import ShardContext
+from .foreign import is_foreign, restore_foreign
 from .layout import LATEST, parse_step_name, rank_file, restore_candidates
 from .manifest import Manifest, StateEntry, merge_shapes, model_signature, read_manifest
 from .saving import Tracked
@@ -72,6 +73,8 @@ class Restorer:
         rank = _dist.rank()
         root = self.storage.root
         automatic = restore_from in (None, LATEST)
+        if _dist.broadcast_object(is_foreign(restore_from) if rank == 0 else None):
+            return self._restore_foreign(Path(restore_from))  # type: ignore[arg-type]
 
         def find() -> list[Path]:
             if rank != 0:
@@ -94,6 +97,13 @@ class Restorer:
                 if rank == 0:
                     self.log.warning("Checkpoint %s is damaged (%s); falling back to %s", found, exc, candidates[i + 1])
         raise AssertionError("unreachable")  # the last candidate returns or raises
+
+    def _restore_foreign(self, path: Path) -> RestoreInfo:
+        """Weights only, from a checkpoint of another kind (Megatron, NeMo, Hugging Face...): see :mod:`ckptio.foreign`."""
+        if self.tracked.model_state is None:
+            raise ConfigError(f"restore_from={str(path)!r} holds model weights only; pass model= to the manager")
+        step, kind = restore_foreign(path, self.tracked.model_state, strict=self.config.strict, log=self.log)
+        return RestoreInfo(path, step, 0, counters={"source_format": kind}, saved_world_size=0)
 
     # ---------------------------------------------------------------------------------------------- 2-4
     def _restore_from(self, step_dir: Path, verify: str) -> RestoreInfo:

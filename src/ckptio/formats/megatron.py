@@ -321,6 +321,9 @@ class MegatronSource:
         else:
             raise CheckpointError(f"{path}: not a Megatron checkpoint (no mp_rank_* folders, no metadata.json and "
                                   "common.pt)")
+        named = re.fullmatch(r"iter_(\d+)", self.folder.name)  # the folder's number is the one Megatron resumes at
+        if named:
+            self.info["iteration"] = int(named.group(1))
         args = self.info.get("args") if args is None else args
         if args is None:
             args = self._config_args()

@@ -1,0 +1,73 @@
+"""``restore(restore_from=...)`` from a checkpoint ckptio did not write: its weights into the live model.
+
+Any format ckptio reads (a Megatron-LM or Megatron-Core run folder, a ``.nemo`` archive, a Hugging Face
+folder, a DCP folder, a Lightning ``.ckpt``...) can start a run: the source is opened through the format
+registry under Hugging Face names, and every rank copies into its own part of each parameter (a plain
+tensor whole, an FSDP/TP shard its slice) the matching slice of the source tensor. Strictness follows
+``CheckpointConfig.strict``; dtypes must match. Only weights travel: the optimizer, scheduler and data
+position start fresh (said in the log), and the step is the source's iteration where it records one.
+
+Call sequence: collective (every rank calls it at the same point); each rank reads the source itself.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from . import _dist
+from .errors import CheckpointMismatchError
+from .formats import registry
+from .formats.common import TensorInfo, check_compatible, dtype_name
+from .manifest import MANIFEST_NAME
+from .plan import local_view
+
+__all__ = ["is_foreign", "restore_foreign"]
+
+
+def is_foreign(restore_from: str | None) -> bool:
+    """Whether ``restore_from`` is a path to a checkpoint of another kind than a ckptio step directory."""
+    if restore_from is None or "://" in restore_from:
+        return False
+    path = Path(restore_from)
+    if not path.exists() or (path / MANIFEST_NAME).is_file():
+        return False
+    try:
+        fmt = registry.detect(path)
+    except Exception:  # not a format at all: the step-directory path reports it
+        return False
+    return fmt.name != "step_dir" and fmt.readable
+
+
+def restore_foreign(path: Path, model_state: Any, *, strict: bool, log: Any) -> tuple[int, str]:
+    """Collective: fill the live model from ``path``; returns the source's step (0 if it has none) and format."""
+    fmt = registry.detect(path)
+    target = model_state.state_dict()
+
+    def fill() -> int:
+        opened = fmt.open(path)
+        try:
+            index = opened.source.index()
+            live = {k: TensorInfo(tuple(v.shape), dtype_name(v.dtype)) for k, v in target.items()}
+            check_compatible(index, live, f"{path} ({fmt.name})", strict=strict)
+            wrong = [f"{k}: {index[k].dtype} in the checkpoint, {live[k].dtype} in the model" for k in live
+                     if index[k].dtype != live[k].dtype]
+            if wrong:
+                raise CheckpointMismatchError(f"{path}: dtypes differ ({'; '.join(wrong[:3])}); build the model in "
+                                              "the checkpoint's dtype, or convert the checkpoint with --dtype")
+            for key, value in target.items():
+                view = local_view(value)
+                if view.local.numel() == 0:
+                    continue
+                box = tuple(slice(o, o + n) for o, n in zip(view.offsets, view.local.shape))
+                view.local.copy_(opened.source.read(key)[box])
+            return opened.step
+        finally:
+            opened.close()
+
+    step = _dist.run_collectively(f"loading the weights of {path}", fill)
+    _dist.run_collectively("applying the weights", lambda: model_state.load_state_dict(target))
+    if _dist.rank() == 0:
+        log.info("Loaded the weights of %s (%s, step %d); the optimizer, scheduler and data position start fresh",
+                 path, fmt.summary, step)
+    return step, fmt.name
