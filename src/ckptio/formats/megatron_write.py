@@ -162,6 +162,7 @@ def write_legacy(folder: Path, tensors: dict[str, torch.Tensor], args: argparse.
             if "output_layer.weight" in tensors:
                 for t, part in enumerate(_split(tensors["output_layer.weight"], 0, tp)):
                     shards[t]["output_layer.weight"] = part.clone()
+                    shards[t]["output_layer._extra_state"] = None
         for t, shard in enumerate(shards):
             rank_dir = folder / (f"mp_rank_{t:02d}" + (f"_{stage:03d}" if pp > 1 else ""))
             rank_dir.mkdir()

@@ -1,0 +1,350 @@
+"""Real Megatron checkpoints of a tiny Llama-style GPT on CPU, made and read by megatron-core itself.
+
+    python megatron_fixture.py --tp T --pp P --out DIR [--iteration 2]          # write checkpoints
+    python megatron_fixture.py --tp T --pp P --load SRC --out FILE              # load one, save its logits
+
+Used by ``tests/test_megatron_core.py``; needs the ``megatron-core`` package (a test extra).
+
+Starts T*P gloo processes (torch.multiprocessing; rendezvous through a file store, no TCP port).
+Each rank builds its shard of a GPTModel (local spec: RMSNorm, rope, GQA, SwiGLU, no biases,
+untied embeddings, fp32).
+All ranks fill their shards from one full set of weights that depends only on a fixed seed. So
+every (T, P) layout holds the same model and the layouts can be compared with each other. Each
+rank then does one torch.optim.Adam step with made-up gradients, so exp_avg/exp_avg_sq exist.
+
+Writes:
+  DIR/torch_dist/latest_checkpointed_iteration.txt, DIR/torch_dist/iter_XXXXXXX/
+      megatron.core.dist_checkpointing.save of model + Adam moments + rng_state, as sharded
+      tensors. The common part (args, iteration, ...) goes to common.pt.
+  DIR/legacy/latest_checkpointed_iteration.txt, DIR/legacy/iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt
+      Megatron-LM "torch" format: one torch.save per TP/PP rank.
+  DIR/reference.pt
+      {'input_ids': (2, 12) LongTensor, 'logits': (2, 12, 128)}. The logits are the saved model's
+      output, gathered over TP (pipeline stages run in turn) and cut to the real vocab of 128.
+
+With --load: builds the model for T x P with the padded vocabulary the checkpoint SRC (a torch_dist
+iteration folder) holds, loads it with ``megatron.core.dist_checkpointing.load`` (strict, resharding as
+Megatron does) and writes {'input_ids', 'logits'} for the same input ids to FILE.
+"""
+import argparse
+import datetime
+import os
+import shutil
+import tempfile
+import warnings
+import zlib
+
+import torch
+import torch.multiprocessing as mp
+
+# Tiny model; the names follow Megatron-LM's argument names.
+NUM_LAYERS, HIDDEN, FFN, HEADS, GROUPS, KV_CH = 4, 64, 128, 4, 2, 16
+VOCAB, DIVISIBLE_BY, MAX_POS, EPS, ROPE_BASE = 128, 128, 64, 1e-5, 10000
+SEED = 1234
+
+
+def padded_vocab(tp):
+    """Megatron-LM pads the vocab to a multiple of make_vocab_size_divisible_by * TP."""
+    multiple = DIVISIBLE_BY * tp
+    return (VOCAB + multiple - 1) // multiple * multiple
+
+
+def quiet_megatron():
+    """megatron-core warns at import about missing Apex / Transformer Engine etc.: noise here."""
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+
+
+def apply_cpu_stubs():
+    """The least CUDA faking megatron-core needs for model build, forward and checkpoint save."""
+    # megatron passes torch.cuda.current_device() as device= (rope inv_freq, some buffers).
+    torch.cuda.current_device = lambda: "cpu"
+    # dist_checkpointing's filesystem writer calls torch.cuda.synchronize() before writing.
+    torch.cuda.synchronize = lambda *a, **k: None
+    # model_parallel_cuda_manual_seed / CudaRNGStatesTracker (used by attention dropout's fork())
+    # and the checkpoint's rng_state read and write the "CUDA" RNG. Back it with a CPU generator.
+    # So the saved cuda_rng_state / rng_tracker_states are CPU Mersenne states (5056 bytes),
+    # not 16-byte Philox states.
+    import megatron.core.tensor_parallel.random as mrandom
+
+    gen = torch.Generator()
+    torch.cuda.manual_seed = lambda seed: gen.manual_seed(int(seed))
+    torch.cuda.get_rng_state = lambda device="cuda": gen.get_state()
+    mrandom._get_cuda_rng_state = lambda *a, **k: gen.get_state()
+    mrandom._set_cuda_rng_state = lambda state, *a, **k: gen.set_state(state)
+
+
+def full_weight(name, full_shape, rows=None):
+    """Deterministic full (unsharded) tensor for a global parameter name, the same for any layout.
+    If `rows` is given (the vocab matrices), only rows[:rows] come from the name's seed. The padding
+    rows below them are extra random rows and depend on the padded size."""
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    if name.endswith("layernorm.weight"):
+        return 1.0 + 0.1 * torch.randn(full_shape, generator=g)  # non-unit norms
+    if rows is None:
+        return 0.1 * torch.randn(full_shape, generator=g)
+    real = 0.1 * torch.randn((rows,) + tuple(full_shape[1:]), generator=g)
+    pad = 0.1 * torch.randn((full_shape[0] - rows,) + tuple(full_shape[1:]), generator=g)
+    return torch.cat([real, pad])
+
+
+def tp_slice(name, local_shape, tp, rank):
+    """Return (full_shape, fn(full) -> this TP rank's shard) for a local parameter."""
+    if name.endswith("linear_fc1.weight"):
+        # SwiGLU fc1 is [gate; up]. Each TP rank holds [gate_shard; up_shard].
+        full = (local_shape[0] * tp,) + tuple(local_shape[1:])
+        return full, lambda t: torch.cat([half.chunk(tp)[rank] for half in t.chunk(2)])
+    if name.endswith(("linear_qkv.weight", "word_embeddings.weight", "output_layer.weight")):
+        # Column parallel. qkv rows are grouped per query group, so TP shards hold whole groups.
+        return (local_shape[0] * tp,) + tuple(local_shape[1:]), lambda t: t.chunk(tp, 0)[rank]
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):  # row parallel
+        return (local_shape[0], local_shape[1] * tp), lambda t: t.chunk(tp, 1)[rank]
+    return tuple(local_shape), lambda t: t  # norms: replicated
+
+
+def build_model(tp, pp, vocab=None):
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=NUM_LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN,
+        num_attention_heads=HEADS, num_query_groups=GROUPS, kv_channels=KV_CH,
+        gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+        normalization="RMSNorm", layernorm_epsilon=EPS, add_bias_linear=False,
+        hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False,
+        masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+        gradient_accumulation_fusion=False, persist_layer_norm=False,
+        # Create empty CPU params. The weights are filled in later by fill_weights().
+        use_cpu_initialization=True, perform_initialization=False,
+        params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+    )
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=vocab or padded_vocab(tp), max_sequence_length=MAX_POS,
+        pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=False, position_embedding_type="rope",
+        rotary_percent=1.0, rotary_base=ROPE_BASE,
+    )
+
+
+def fill_weights(model, tp, tp_rank, pp_rank, pp):
+    """Copy this rank's slice of the seeded full weights into the model."""
+    layer_offset = pp_rank * (NUM_LAYERS // pp)  # local layer numbering restarts on each stage
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            parts = name.split(".")
+            if name.startswith("decoder.layers."):
+                parts[2] = str(int(parts[2]) + layer_offset)
+            gname = ".".join(parts)
+            full_shape, shard = tp_slice(name, p.shape, tp, tp_rank)
+            is_vocab = name.endswith(("word_embeddings.weight", "output_layer.weight"))
+            p.copy_(shard(full_weight(gname, full_shape, VOCAB if is_vocab else None)))
+
+
+def make_args(tp, pp, fmt):
+    """The Megatron-LM argument names a converter reads from checkpoint['args']."""
+    import signal
+    from argparse import Namespace
+
+    from megatron.core.transformer.enums import AttnBackend
+
+    return Namespace(
+        num_layers=NUM_LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN,
+        num_attention_heads=HEADS, num_query_groups=GROUPS, group_query_attention=True,
+        kv_channels=KV_CH, padded_vocab_size=padded_vocab(tp), vocab_size=VOCAB,
+        make_vocab_size_divisible_by=DIVISIBLE_BY, max_position_embeddings=MAX_POS, seq_length=MAX_POS,
+        norm_epsilon=EPS, rotary_base=ROPE_BASE, rotary_percent=1.0, rotary_interleaved=False,
+        position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+        untie_embeddings_and_output_weights=True, add_bias_linear=False, add_qkv_bias=False,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, data_parallel_size=1,
+        params_dtype=torch.float32, fp16=False, bf16=False, transformer_impl="local",
+        attention_backend=AttnBackend.auto, exit_signal=signal.SIGTERM, ckpt_format=fmt,
+    )
+
+
+def rng_state():
+    """One rng-state dict per DP rank (DP=1 here), laid out as Megatron-LM saves it."""
+    import random
+
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    return [{
+        "random_rng_state": random.getstate(),
+        "np_rng_state": np.random.get_state(),
+        "torch_rng_state": torch.get_rng_state(),
+        "cuda_rng_state": torch.cuda.get_rng_state(),
+        "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }]
+
+
+def pipeline_logits(model, input_ids, tp):
+    """Forward through all PP stages in turn (hidden states go over send/recv). Returns the
+    TP-gathered logits on the last stage and None on the other stages."""
+    from megatron.core import parallel_state as ps
+
+    b, s = input_ids.shape
+    pos = torch.arange(s).unsqueeze(0).expand(b, -1)
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]  # True = masked
+    with torch.no_grad():
+        if not ps.is_pipeline_first_stage():
+            hidden = torch.empty(s, b, HIDDEN)  # [seq, batch, hidden] between stages
+            torch.distributed.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
+            model.set_input_tensor(hidden)
+        out = model(input_ids, pos, mask)
+        if not ps.is_pipeline_last_stage():
+            torch.distributed.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+            return None
+    parts = [torch.empty_like(out) for _ in range(tp)]  # out: [b, s, vocab/tp]
+    torch.distributed.all_gather(parts, out.contiguous(), group=ps.get_tensor_model_parallel_group())
+    return torch.cat(parts, -1)[..., :VOCAB]
+
+
+def worker(rank, tp, pp, out, iteration, store_file):
+    import random
+
+    import numpy as np
+
+    quiet_megatron()
+
+    torch.distributed.init_process_group(  # short timeout: a failed rank must not hang the others
+        "gloo", init_method=f"file://{store_file}", rank=rank, world_size=tp * pp,
+        timeout=datetime.timedelta(minutes=2))
+    apply_cpu_stubs()
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.dist_checkpointing.optimizer import (
+        get_param_id_to_sharded_param_map, optim_state_to_sharding_state)
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    random.seed(SEED)
+    np.random.seed(SEED)
+    torch.manual_seed(SEED)
+    model_parallel_cuda_manual_seed(SEED)
+    tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+
+    model = build_model(tp, pp)
+    fill_weights(model, tp, tp_rank, pp_rank, pp)
+    model.eval()
+
+    # One Adam step with deterministic elementwise gradients. Adam is elementwise too, so the
+    # updated full weights and moments are still the same in every layout.
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    for p in model.parameters():
+        p.grad = p.detach() * 0.5 + 0.25
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    sched = {"max_lr": 1e-3, "min_lr": 1e-4, "lr_warmup_steps": 0, "lr_decay_steps": 100,
+             "lr_decay_style": "cosine", "num_steps": iteration, "start_wd": 0.0, "end_wd": 0.0,
+             "wd_incr_steps": 100, "wd_incr_style": "constant"}
+    common = {"checkpoint_version": 3.0, "iteration": iteration, "opt_param_scheduler": sched,
+              "num_floating_point_operations_so_far": 0}
+    iter_name = f"iter_{iteration:07d}"
+
+    # (a) torch_dist. Sharded tensors (model + Adam moments) go to .distcp files. Everything
+    # else in the dict is the common state, which rank 0 writes to common.pt.
+    model_sd = model.sharded_state_dict()
+    optim_sd = opt.state_dict()
+    id_map = get_param_id_to_sharded_param_map(model_sd, model.parameters())
+    step = next(iter(optim_sd["state"].values()))["step"]
+    # -> 'optimizer.state.exp_avg.<model key>' / 'optimizer.state.exp_avg_sq.<model key>'
+    optim_state_to_sharding_state(optim_sd, id_map, exclude_keys=("step",))
+    optim_sd["state"]["common_step"] = step  # Megatron stores one shared step
+    sharded_sd = dict(
+        common, args=make_args(tp, pp, "torch_dist"), model=model_sd, optimizer=optim_sd,
+        rng_state=ShardedObject("rng_state", rng_state(), (pp, tp), (pp_rank, tp_rank), replica_id=0),
+    )
+    dist_dir = os.path.join(out, "torch_dist", iter_name)
+    dist_checkpointing.save(sharded_sd, dist_dir, content_metadata={"singleton_local_shards": False})
+
+    # (b) legacy "torch" format: one file per TP/PP rank, per-layer names, stage-local layer ids.
+    sub = f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+    os.makedirs(os.path.join(out, "legacy", iter_name, sub), exist_ok=True)
+    legacy = dict(
+        args=make_args(tp, pp, "torch"), **common, model=model.state_dict_for_save_checkpoint(),
+        optimizer=opt.state_dict(), rng_state=rng_state(),
+    )
+    # Megatron-LM's key order
+    order = ["args", "checkpoint_version", "iteration", "model", "optimizer", "opt_param_scheduler",
+             "rng_state", "num_floating_point_operations_so_far"]
+    torch.save({k: legacy[k] for k in order}, os.path.join(out, "legacy", iter_name, sub, "model_optim_rng.pt"))
+
+    # (c) reference logits from the saved weights
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    logits = pipeline_logits(model, ids, tp)
+    if logits is not None and tp_rank == 0:
+        torch.save({"input_ids": ids, "logits": logits}, os.path.join(out, "reference.pt"))
+
+    torch.distributed.barrier()
+    if rank == 0:
+        for fmt in ("torch_dist", "legacy"):
+            with open(os.path.join(out, fmt, "latest_checkpointed_iteration.txt"), "w") as f:
+                f.write(str(iteration))
+    torch.distributed.destroy_process_group()
+
+
+def load_worker(rank, tp, pp, src, out, store_file):
+    """Load the torch_dist checkpoint ``src`` into a fresh T x P model with Megatron's loader; save its logits."""
+    quiet_megatron()
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{store_file}", rank=rank, world_size=tp * pp,
+        timeout=datetime.timedelta(minutes=2))
+    apply_cpu_stubs()
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from torch.distributed.checkpoint import FileSystemReader
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    model_parallel_cuda_manual_seed(SEED)
+    vocab = FileSystemReader(src).read_metadata().state_dict_metadata["embedding.word_embeddings.weight"].size[0]
+    model = build_model(tp, pp, vocab=vocab)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    wanted = model.sharded_state_dict()
+    loaded = dist_checkpointing.load(wanted, src)  # strict: every requested key must be in the checkpoint
+    model.load_state_dict({k: v for k, v in loaded.items() if k in wanted})
+    model.eval()
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    logits = pipeline_logits(model, ids, tp)
+    if logits is not None and ps.get_tensor_model_parallel_rank() == 0:
+        torch.save({"input_ids": ids, "logits": logits}, out)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--iteration", type=int, default=2)
+    ap.add_argument("--load", default=None, help="a torch_dist iteration folder to load (then --out is a file)")
+    ap.add_argument("--start-method", choices=["fork", "spawn"], default="fork",
+                    help="fork (default) lets the ranks inherit the parent's megatron import (~2.5 s each)")
+    a = ap.parse_args()
+    assert GROUPS % a.tp == 0 and NUM_LAYERS % a.pp == 0, "unsupported TP/PP for the tiny model"
+    if a.load is None:  # dist_checkpointing.save expects the target directory to exist
+        os.makedirs(os.path.join(a.out, "torch_dist", f"iter_{a.iteration:07d}"), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix="megatron_fixture_")
+    try:
+        store_file = os.path.join(tmp, "store")  # FileStore rendezvous; must not exist yet
+        if a.start_method == "fork":  # import once here; the parent runs no torch ops before forking
+            quiet_megatron()
+            import megatron.core.dist_checkpointing  # noqa: F401
+            import megatron.core.models.gpt  # noqa: F401
+        fn, args = (worker, (a.tp, a.pp, a.out, a.iteration, store_file)) if a.load is None else \
+            (load_worker, (a.tp, a.pp, a.load, a.out, store_file))
+        mp.start_processes(fn, args=args, nprocs=a.tp * a.pp, join=True, start_method=a.start_method)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
