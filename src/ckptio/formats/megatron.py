@@ -33,6 +33,7 @@ import torch
 from ..errors import CheckpointCorruptError, CheckpointError
 from ..storage.confined import Folder
 from .common import TensorInfo, dtype_name, json_object
+from .megatron_config import _arg, args_from_files, llama_config
 from .registry import Format, Opened, WriteOptions, register
 
 ITERATION_FILE = "latest_checkpointed_iteration.txt"
@@ -241,66 +242,6 @@ class _DistModel:
         return self._stacked[key][layer]
 
 
-# ------------------------------------------------------------------------------------------------ the config
-def _arg(args: Any, name: str, default: Any = None) -> Any:
-    return getattr(args, name, default) if args is not None else default
-
-
-def llama_config(args: Any, where: object, layers: int, vocab_rows: int) -> dict[str, Any]:
-    """The Hugging Face Llama ``config.json`` of a Megatron run's ``args``; refuses non-Llama models by name."""
-    problems = []
-    if _arg(args, "normalization", "RMSNorm") != "RMSNorm":
-        problems.append(f"normalization={_arg(args, 'normalization')}")
-    if not _arg(args, "swiglu", True):
-        problems.append("no SwiGLU")
-    if _arg(args, "position_embedding_type", "rope") != "rope":
-        problems.append(f"position_embedding_type={_arg(args, 'position_embedding_type')}")
-    if _arg(args, "add_bias_linear", False) or _arg(args, "add_qkv_bias", False):
-        problems.append("linear biases")
-    if _arg(args, "rotary_interleaved", False):
-        problems.append("interleaved rotary embeddings")
-    if problems:
-        raise CheckpointError(f"{where}: not a Llama-style model ({', '.join(problems)}); ckptio maps Megatron GPT "
-                              "models with RMSNorm, SwiGLU, RoPE and no linear biases to Hugging Face Llama")
-    hidden, heads = _arg(args, "hidden_size"), _arg(args, "num_attention_heads")
-    if not isinstance(hidden, int) or not isinstance(heads, int):
-        raise CheckpointError(f"{where}: the run's args are missing (hidden_size, num_attention_heads...); put the "
-                              "model's Hugging Face config.json beside the checkpoint")
-    groups = _arg(args, "num_query_groups") if _arg(args, "group_query_attention", False) else heads
-    vocab = _arg(args, "vocab_size") or _arg(args, "padded_vocab_size") or vocab_rows
-    dtype = "bfloat16" if _arg(args, "bf16", False) else "float16" if _arg(args, "fp16", False) else "float32"
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
-        "intermediate_size": _arg(args, "ffn_hidden_size") or 4 * hidden, "num_hidden_layers": layers,
-        "num_attention_heads": heads, "num_key_value_heads": groups or heads,
-        "head_dim": _arg(args, "kv_channels") or hidden // heads, "hidden_act": "silu",
-        "rms_norm_eps": float(_arg(args, "norm_epsilon", 1e-5)), "rope_theta": float(_arg(args, "rotary_base", 10000)),
-        "max_position_embeddings": _arg(args, "max_position_embeddings") or 4096, "vocab_size": int(vocab),
-        "tie_word_embeddings": not _arg(args, "untie_embeddings_and_output_weights", False),
-        "attention_bias": False, "mlp_bias": False, "torch_dtype": dtype,
-    }
-
-
-def nemo_args(config: dict[str, Any]) -> Any:
-    """Megatron arguments from a NeMo 1.x ``model_config.yaml`` of a Megatron-Core GPT model."""
-    import argparse
-
-    activation = str(config.get("activation", "gelu")).lower()
-    return argparse.Namespace(
-        hidden_size=config.get("hidden_size"), num_attention_heads=config.get("num_attention_heads"),
-        num_query_groups=config.get("num_query_groups"), group_query_attention=bool(config.get("num_query_groups")),
-        ffn_hidden_size=config.get("ffn_hidden_size"), kv_channels=config.get("kv_channels"),
-        norm_epsilon=config.get("layernorm_epsilon", 1e-5), rotary_base=config.get("rotary_base", 10000),
-        max_position_embeddings=config.get("max_position_embeddings") or config.get("encoder_seq_length"),
-        normalization="RMSNorm" if str(config.get("normalization", "")).lower() == "rmsnorm" else config.get("normalization"),
-        swiglu=activation in ("swiglu", "fast-swiglu"), position_embedding_type=config.get("position_embedding_type"),
-        add_bias_linear=bool(config.get("bias", False)), vocab_size=None,
-        untie_embeddings_and_output_weights=not config.get("share_embeddings_and_output_weights", True),
-        tensor_model_parallel_size=config.get("tensor_model_parallel_size"),
-        pipeline_model_parallel_size=config.get("pipeline_model_parallel_size"),
-        bf16=str(config.get("precision", "")).startswith("bf16"))
-
-
 # ------------------------------------------------------------------------------------------------ the source
 class MegatronSource:
     """A Megatron checkpoint's whole model under Megatron-Core GPT names, vocabulary padding cut off."""
@@ -326,7 +267,7 @@ class MegatronSource:
             self.info["iteration"] = int(named.group(1))
         args = self.info.get("args") if args is None else args
         if args is None:
-            args = self._config_args()
+            args = args_from_files(self.folder, self.run)
         rows = self._index["embedding.word_embeddings.weight"].shape[0] if "embedding.word_embeddings.weight" in \
             self._index else 0
         self.config = llama_config(args, self.folder, self.info["layers"], rows)
@@ -341,24 +282,6 @@ class MegatronSource:
                 if shape[0] < self.vocab:
                     raise CheckpointCorruptError(f"{self.folder}: {key} has {shape[0]} rows for a vocabulary of {self.vocab}")
                 self._index[key] = TensorInfo((self.vocab, *shape[1:]), self._index[key].dtype)
-
-    def _config_args(self) -> Any:
-        import argparse
-
-        for where in (self.folder, self.run, self.folder / "context"):
-            cfg = where / "config.json"
-            if cfg.is_file():
-                from .common import read_json
-
-                hf = read_json(cfg)
-                return argparse.Namespace(
-                    hidden_size=hf.get("hidden_size"), num_attention_heads=hf.get("num_attention_heads"),
-                    num_query_groups=hf.get("num_key_value_heads"), group_query_attention=True,
-                    ffn_hidden_size=hf.get("intermediate_size"), kv_channels=hf.get("head_dim"),
-                    norm_epsilon=hf.get("rms_norm_eps", 1e-5), rotary_base=hf.get("rope_theta", 10000),
-                    max_position_embeddings=hf.get("max_position_embeddings"), vocab_size=hf.get("vocab_size"),
-                    untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False))
-        return None
 
     def index(self) -> dict[str, TensorInfo]:
         return dict(self._index)

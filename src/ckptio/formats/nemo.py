@@ -126,7 +126,8 @@ def describe(path: str | Path) -> dict[str, Any]:
         files = {rel: e.size for rel, e in Folder(folder).walk_files() if e.kind == "file"}
         megatron = _megatron_weights(folder, config)
         if megatron is not None:
-            from .megatron import MegatronSource, _as_llama, nemo_args
+            from .megatron import MegatronSource, _as_llama
+            from .megatron_config import nemo_args
 
             src = MegatronSource(megatron, args=nemo_args(config))
             weights = f"Megatron {'model-parallel folders' if src.layout == 'legacy' else WEIGHTS_DIR + '/ (torch_dist)'}"
@@ -196,7 +197,8 @@ class NemoArchive(Format):
             copy_tokenizer(tree, tokenizer_files(config, path), extras)  # files inside the archive only
             source: Any
             if _megatron_weights(folder, config) is not None:  # NeMo 1.x model-parallel or distributed weights
-                from .megatron import MegatronSource, _as_llama, nemo_args
+                from .megatron import MegatronSource, _as_llama
+                from .megatron_config import nemo_args
 
                 megatron = MegatronSource(_megatron_weights(folder, config), args=nemo_args(config))  # type: ignore[arg-type]
                 source = _as_llama(megatron)
