@@ -122,3 +122,47 @@ def test_ckptio_legacy_files_hold_what_megatron_wrote_rank_by_rank(made, tmp_pat
                 continue
             assert torch.equal(a[k], b[k]), f"{rank}: {k}"
         assert ours["args"].tensor_model_parallel_size == 2 and ours["args"].num_query_groups == 2
+
+
+def _restore_with_adam(source: str, config: str) -> dict:
+    import torch.distributed as dist
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    from ckptio import CheckpointConfig, CheckpointManager
+    from toy import full_state
+
+    torch.manual_seed(7)
+    model = LlamaForCausalLM(AutoConfig.from_pretrained(config))
+    if dist.is_initialized():
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=str(Path(source).parent / "run")), model=model,
+                           optimizer=opt, rng=False) as mgr:
+        info = mgr.restore(source)
+    assert info.counters["optimizer_restored"] is True
+    out = full_state(model, opt)
+    out["steps"] = torch.tensor([float(opt.state[p]["step"]) for p in model.parameters()])
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_restore_from_megatron_brings_adams_moments_to_the_right_elements(made, tmp_path, world):
+    """Megatron took one Adam step (lr 1e-3, betas 0.9/0.95) with gradient g = 0.5 w0 + 0.25 on every
+    element, so every element must satisfy exp_avg = 0.1 g, exp_avg_sq = 0.05 g^2 and
+    w = w0 - 1e-3 sign(g) = 2g - 0.5 - 1e-3 sign(g): a moment on the wrong element breaks it."""
+    from distributed import run_ranks
+
+    hf = convert(made[(2, 2)] / "torch_dist", tmp_path / "hf", "hf")
+    got = run_ranks(world, _restore_with_adam, source=str(made[(2, 2)] / "torch_dist"), config=str(hf))[0]
+    steps = got.pop("steps")
+    assert steps.numel() == 39 and bool((steps == 1).all()), steps
+    params = [k.removeprefix("model/") for k in got if k.startswith("model/")]
+    assert len(params) == 39
+    for name in params:
+        g = got[f"optim/state.{name}.exp_avg"] / 0.1
+        assert torch.allclose(got[f"optim/state.{name}.exp_avg_sq"], 0.05 * g * g, rtol=1e-4, atol=1e-9), name
+        assert torch.allclose(got[f"model/{name}"], 2 * g - 0.5 - 1e-3 * torch.sign(g), atol=2e-6, rtol=0), name

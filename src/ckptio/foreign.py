@@ -4,7 +4,8 @@ Any format ckptio reads (a Megatron-LM or Megatron-Core run folder, a ``.nemo`` 
 folder, a DCP folder, a Lightning ``.ckpt``...) can start a run: the source is opened through the format
 registry under Hugging Face names, and every rank copies into its own part of each parameter (a plain
 tensor whole, an FSDP/TP shard its slice) the matching slice of the source tensor. Strictness follows
-``CheckpointConfig.strict``; dtypes must match. Only weights travel: the optimizer, scheduler and data
+``CheckpointConfig.strict``; dtypes must match. Weights travel, and Adam's moments and step where the
+source has them in a form ckptio maps (a Megatron-Core distributed checkpoint); the scheduler and data
 position start fresh (said in the log), and the step is the source's iteration where it records one.
 
 Call sequence: collective (every rank calls it at the same point); each rank reads the source itself.
@@ -22,7 +23,7 @@ from .formats.common import TensorInfo, check_compatible, dtype_name
 from .manifest import MANIFEST_NAME
 from .plan import local_view
 
-__all__ = ["is_foreign", "restore_foreign"]
+__all__ = ["is_foreign", "restore_foreign", "restore_foreign_adam"]
 
 
 def is_foreign(restore_from: str | None) -> bool:
@@ -37,6 +38,44 @@ def is_foreign(restore_from: str | None) -> bool:
     except Exception:  # not a format at all: the step-directory path reports it
         return False
     return fmt.name != "step_dir" and fmt.readable
+
+
+def restore_foreign_adam(path: Path, model_state: Any, optimizer: Any, log: Any) -> bool:
+    """Collective: give ``optimizer`` (Adam or AdamW) the source's moments and step, each rank its slices.
+    Returns whether the source had them; any other optimizer, or a source without them, starts fresh."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    fmt = registry.detect(path)
+    if not all("betas" in group for group in optimizer.param_groups):
+        if _dist.rank() == 0:
+            log.warning("%s: only Adam/AdamW state is carried over; %s starts fresh", path, type(optimizer).__name__)
+        return False
+
+    def fill() -> bool:
+        found = fmt.open_adam(path)
+        if found is None:
+            return False
+        step, moments = found
+        names = {id(p): model_state._strip(n) for n, p in model_state.model.named_parameters()}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                state: dict[str, Any] = {"step": torch.tensor(step, dtype=torch.float32)}
+                for moment, source in moments.items():
+                    if names[id(p)] not in source.index():
+                        raise CheckpointMismatchError(f"{path}: no {moment} for {names[id(p)]!r}")
+                    view = local_view(p.detach())
+                    box = tuple(slice(o, o + n) for o, n in zip(view.offsets, view.local.shape))
+                    local = source.read(names[id(p)])[box].to(view.local.dtype).clone()
+                    state[moment] = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False) \
+                        if isinstance(p, DTensor) else local
+                optimizer.state[p] = state
+        return True
+
+    carried = _dist.run_collectively(f"loading the optimizer state of {path}", fill)
+    if _dist.rank() == 0:
+        log.info("%s the Adam state (moments and step) of %s", "Loaded" if carried else "Found no", path)
+    return carried
 
 
 def restore_foreign(path: Path, model_state: Any, *, strict: bool, log: Any) -> tuple[int, str]:
@@ -68,6 +107,6 @@ def restore_foreign(path: Path, model_state: Any, *, strict: bool, log: Any) -> 
     step = _dist.run_collectively(f"loading the weights of {path}", fill)
     _dist.run_collectively("applying the weights", lambda: model_state.load_state_dict(target))
     if _dist.rank() == 0:
-        log.info("Loaded the weights of %s (%s, step %d); the optimizer, scheduler and data position start fresh",
+        log.info("Loaded the weights of %s (%s, step %d); the scheduler and data position start fresh",
                  path, fmt.summary, step)
     return step, fmt.name

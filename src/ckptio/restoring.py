@@ -33,7 +33,7 @@ from .formats import pt as pt_format
 from .formats import registry
 from .formats.common import TensorInfo, check_compatible
 from .formats.registry import ShardContext
-from .foreign import is_foreign, restore_foreign
+from .foreign import is_foreign, restore_foreign, restore_foreign_adam
 from .layout import LATEST, parse_step_name, rank_file, restore_candidates
 from .manifest import Manifest, StateEntry, merge_shapes, model_signature, read_manifest
 from .saving import Tracked
@@ -103,7 +103,10 @@ class Restorer:
         if self.tracked.model_state is None:
             raise ConfigError(f"restore_from={str(path)!r} holds model weights only; pass model= to the manager")
         step, kind = restore_foreign(path, self.tracked.model_state, strict=self.config.strict, log=self.log)
-        return RestoreInfo(path, step, 0, counters={"source_format": kind}, saved_world_size=0)
+        optimizer = self.tracked.optim_state.optimizer if self.tracked.optim_state is not None else None
+        carried = optimizer is not None and restore_foreign_adam(path, self.tracked.model_state, optimizer, self.log)
+        return RestoreInfo(path, step, 0, counters={"source_format": kind, "optimizer_restored": carried},
+                           saved_world_size=0)
 
     # ---------------------------------------------------------------------------------------------- 2-4
     def _restore_from(self, step_dir: Path, verify: str) -> RestoreInfo:

@@ -197,7 +197,9 @@ def read_legacy(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
 class _DistModel:
     """A Megatron-Core distributed checkpoint's weights, layers unstacked (each stacked tensor read once)."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, prefix: str = "") -> None:
+        """``prefix``: read the tensors under it instead of the weights (``optimizer.state.exp_avg.``: Adam's
+        first moments, keyed like the weights)."""
         from . import dcp as dcp_format
         from . import megatron_pickle
 
@@ -210,14 +212,19 @@ class _DistModel:
                                   "ckptio reads torch_dist checkpoints")
         common, placeholders = megatron_pickle.load(root, "common.pt", max_size=MAX_COMMON_BYTES)
         common = common if isinstance(common, dict) else {}
+        optimizer = common.get("optimizer")
+        state = optimizer.get("state") if isinstance(optimizer, dict) else None
+        step = state.get("common_step") if isinstance(state, dict) else None
         self.info: dict[str, Any] = {"args": common.get("args"), "iteration": common.get("iteration"),
-                                     "placeholders": set(placeholders)}
+                                     "placeholders": set(placeholders), "optimizer_step": step}
         self.source = dcp_format.DCPSource(root)
         self._stacked: dict[str, torch.Tensor] = {}
         self.index: dict[str, TensorInfo] = {}
         self._where: dict[str, tuple[str, int | None]] = {}
         for key, ti in self.source.index().items():
-            name = _strip(key)
+            if prefix and not key.startswith(prefix):
+                continue
+            name = _strip(key[len(prefix):])
             if name.startswith("decoder.layers.") and name[len("decoder.layers."):] in LAYER_SPLIT:
                 for i in range(ti.shape[0]):
                     self._add(f"decoder.layers.{i}.{name[len('decoder.layers.'):]}", TensorInfo(ti.shape[1:], ti.dtype),
@@ -246,18 +253,21 @@ class _DistModel:
 class MegatronSource:
     """A Megatron checkpoint's whole model under Megatron-Core GPT names, vocabulary padding cut off."""
 
-    def __init__(self, path: Path, *, args: Any = None) -> None:
-        """``args``: the model's Megatron arguments when the checkpoint does not carry them (a NeMo config)."""
+    def __init__(self, path: Path, *, args: Any = None, prefix: str = "") -> None:
+        """``args``: the model's Megatron arguments when the checkpoint does not carry them (a NeMo config);
+        ``prefix``: another set of parameter-shaped tensors of a distributed checkpoint (optimizer moments)."""
         self.run = path
         self.folder = iteration_folder(path)
         self.layout = layout_of(self.folder)
+        if prefix and self.layout != "dist":
+            raise CheckpointError(f"{path}: only distributed (torch_dist) checkpoints are read beyond the weights")
         if self.layout == "legacy":
             tensors, self.info = read_legacy(self.folder)
             self._index = {k: TensorInfo(tuple(v.shape), dtype_name(v.dtype)) for k, v in tensors.items()}
             self._read = tensors.__getitem__
             self.info["layers"] = 1 + max((int(m.group(1)) for m in map(_LAYER.match, tensors) if m), default=-1)
         elif self.layout == "dist":
-            dist = _DistModel(self.folder)
+            dist = _DistModel(self.folder, prefix)
             self.info, self._index, self._read = dist.info, dist.index, dist.read
         else:
             raise CheckpointError(f"{path}: not a Megatron checkpoint (no mp_rank_* folders, no metadata.json and "
@@ -326,6 +336,15 @@ class MegatronFormat(Format):
         renamed.folder = extras
         return Opened(self.name, renamed, extras, step=iteration if isinstance(iteration, int) else 0,
                       cleanup=lambda: shutil.rmtree(extras, ignore_errors=True))
+
+    def open_adam(self, path: Path) -> tuple[float, dict[str, Any]] | None:
+        if layout_of(iteration_folder(path)) != "dist":
+            return None  # the legacy files key Adam's state by parameter position in each rank's groups
+        moments = {m: MegatronSource(path, prefix=f"optimizer.state.{m}.") for m in ("exp_avg", "exp_avg_sq")}
+        step = moments["exp_avg"].info.get("optimizer_step")
+        if not moments["exp_avg"].index() or step is None:
+            return None
+        return float(step), {m: _as_llama(source) for m, source in moments.items()}
 
     def write(self, opened: Opened, source: Any, out: Path, options: WriteOptions) -> None:
         from . import megatron_write

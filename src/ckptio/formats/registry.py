@@ -123,6 +123,11 @@ class Format:
     def index(self, folder: "Folder") -> dict[str, TensorInfo | None]:
         raise ConfigError(f"the {self.name} format has no tensor index")
 
+    def open_adam(self, path: Path) -> "tuple[float, dict[str, TensorSource]] | None":
+        """A foreign checkpoint's Adam state under the names :meth:`open` gives the weights: the step and a source
+        per moment (``exp_avg``, ``exp_avg_sq``); ``None`` when the format or this checkpoint has none."""
+        return None
+
     def snapshot(self, state_dict: dict[str, Any], model: Any) -> dict[str, Any]:
         """Training thread, collective: the state dict as this format will write it (by default as is;
         a format that writes whole tensors gathers them here, before the state is staged)."""
