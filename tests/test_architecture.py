@@ -114,11 +114,12 @@ def test_every_writable_format_detects_what_it_writes(tmp_path):
 
     import torch
 
-    src = tmp_path / "src"
-    src.mkdir()
-    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    save_file({"w": torch.arange(6.0).reshape(2, 3)}, str(src / "model.safetensors"))
+    torch.manual_seed(0)  # a model with its config: some targets (megatron) lay weights out from it
+    src = tmp_path / "src"
+    LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(src)
     for name in registry.names(writable=True):
         fmt = registry.get(name)
         out = convert(src, tmp_path / f"out-{name}{fmt.file_suffix}", name)
