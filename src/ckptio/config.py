@@ -95,7 +95,21 @@ class CheckpointConfig:
     ``benchmarks/verify_cost.py``, is in the README."""
 
     strict: bool = True
-    """Refuse to load a checkpoint whose model or optimizer keys differ from the live objects."""
+    """Refuse to load a checkpoint whose model or optimizer keys differ from the live objects. ``False``
+    loads the model keys that match (same name, shape and dtype), keeps the others as they are, and logs
+    a table of what was missing, unexpected or mismatched (``RestoreInfo.report``)."""
+
+    load_states: Union[list[str], None] = None
+    """Which states a restore loads: ``None`` every one; ``["model"]`` weights only (fine-tuning from a
+    pre-training checkpoint: the optimizer, scheduler, data position and RNG start fresh). Names:
+    ``model``, ``optim`` and the registered objects (``lr_scheduler``, ``dataloader``, ``rng``...)."""
+
+    load_exclude: Union[list[str], None] = None
+    """Model keys a restore leaves as they are: ``fnmatch`` patterns, e.g. ``["lm_head.*"]`` for a new head."""
+
+    load_cast_dtype: bool = False
+    """Let a restore convert tensors stored in another dtype than the model's (a bfloat16 checkpoint into a
+    float32 model and back); without it such a tensor is a mismatch."""
 
     async_save: bool = False
     """Return from ``save()`` once the state is copied into reused host staging buffers; a background
@@ -170,7 +184,12 @@ class CheckpointConfig:
             raise ConfigError(f"io_threads must be an integer from 1 to 64, got {self.io_threads!r}")
         if self.verify not in VERIFY_MODES:
             raise ConfigError(f"verify must be one of {list(VERIFY_MODES)}, got {self.verify!r}")
-        for name in ("is_peft", "enabled", "strict", "auto_insert_field_names", "save_last", "async_save"):
+        for name in ("load_states", "load_exclude"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value)):
+                raise ConfigError(f"{name} must be a list of names, got {value!r}")
+        for name in ("is_peft", "enabled", "strict", "auto_insert_field_names", "save_last", "async_save",
+                     "load_cast_dtype"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ConfigError(f"{name} must be true or false, got {value!r}")

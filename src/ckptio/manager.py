@@ -242,7 +242,9 @@ class CheckpointManager:
         self._monitor_checked = True
 
     # ------------------------------------------------------------------ restore
-    def restore(self, path: str | Path | None = None, *, verify: str | None = None) -> RestoreInfo | None:
+    def restore(self, path: str | Path | None = None, *, verify: str | None = None, states: list[str] | None = None,
+                exclude: list[str] | None = None, strict: bool | None = None,
+                cast_dtype: bool | None = None) -> RestoreInfo | None:
         """Collective: load the checkpoint chosen by ``config.restore_from`` (or ``path``) into every state.
 
         ``verify`` (default ``config.verify``): ``"full"`` checks every byte read against the manifest's
@@ -250,6 +252,13 @@ class CheckpointManager:
         ``"none"`` trusts the manifest. ``path`` may also be a checkpoint ckptio did not write (a Megatron-LM
         or Megatron-Core run folder, a ``.nemo``, a Hugging Face folder...): its weights are loaded into the
         model, on any layout, and the rest starts fresh (:mod:`ckptio.foreign`).
+
+        Partial loads (each defaults to the config's ``load_states``, ``load_exclude``, ``strict``,
+        ``load_cast_dtype``): ``states`` which states to load (``["model"]``: weights only); ``exclude``
+        model keys to leave as they are (``fnmatch`` patterns); ``strict=False`` loads the model keys that
+        match and keeps the rest; ``cast_dtype`` converts tensors stored in another dtype. What became of
+        each key is ``RestoreInfo.report`` (logged as a table when not everything matched); with
+        ``strict`` a mismatch raises :class:`CheckpointMismatchError` carrying the same table.
 
         Returns ``None`` (and changes nothing) when ``restore_from`` is unset and there is no complete
         checkpoint yet. An explicitly requested checkpoint that does not exist, or is damaged, raises
@@ -260,8 +269,16 @@ class CheckpointManager:
         if not self.config.enabled:
             return None
         self.wait()
+        from .partial import LoadOptions, check_states
+
+        c = self.config
+        known = ["model", "optim", *self.tracked.objects]
+        options = LoadOptions(check_states(c.load_states if states is None else states, known),
+                              list((c.load_exclude or []) if exclude is None else exclude),
+                              c.strict if strict is None else strict,
+                              c.load_cast_dtype if cast_dtype is None else cast_dtype)
         target = path if path is not None else self.config.restore_from
-        info = self._restorer.restore(None if target is None else os.fspath(target), verify)
+        info = self._restorer.restore(None if target is None else os.fspath(target), verify, options)
         if info is not None:
             self.restored = info
             if info.path.parent == self.storage.root:

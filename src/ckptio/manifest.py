@@ -235,14 +235,16 @@ def check_files(step_dir: str | Path | Folder, manifest: Manifest, *, checksums:
 
 # ---------------------------------------------------------------------------------------- building one
 def model_signature(model: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
-    """``{"architecture": …, "shapes": {key: shape}}`` of a model, checked before its weights are loaded."""
+    """``{"architecture": …, "shapes": {key: shape}, "dtypes": {key: dtype}}`` of a model, checked before its
+    weights are loaded."""
     config = getattr(model, "config", None)
     architecture = None
     if config is not None and getattr(config, "architectures", None):
         architecture = ",".join(config.architectures)
     elif model is not None:
         architecture = type(model).__name__.removeprefix("FSDP")
-    return {"architecture": architecture, "shapes": {k: list(v.shape) for k, v in state_dict.items()}}
+    return {"architecture": architecture, "shapes": {k: list(v.shape) for k, v in state_dict.items()},
+            "dtypes": {k: str(v.dtype).removeprefix("torch.") for k, v in state_dict.items()}}
 
 
 def merge_shapes(per_rank: list[dict[str, list[int]]]) -> dict[str, list[int]]:

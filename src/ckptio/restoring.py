@@ -31,9 +31,10 @@ from .config import VERIFY_MODES, CheckpointConfig
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointNotFoundError, ConfigError
 from .formats import pt as pt_format
 from .formats import registry
-from .formats.common import TensorInfo, check_compatible
+from .formats.common import TensorInfo, check_compatible, torch_dtype
 from .formats.registry import ShardContext
 from .foreign import is_foreign, restore_foreign, restore_foreign_adam
+from .partial import LoadOptions, LoadReport, as_info, plan_model_load, refuse
 from .layout import LATEST, parse_step_name, rank_file, restore_candidates
 from .manifest import Manifest, StateEntry, merge_shapes, model_signature, read_manifest
 from .saving import Tracked
@@ -57,6 +58,8 @@ class RestoreInfo:
     saved_world_size: int = 1
     name_fields: dict[str, Any] = field(default_factory=dict)
     """Fields parsed back from the directory name by the name template (the manifest wins on conflicts)."""
+    report: LoadReport | None = None
+    """What became of each model key (loaded, excluded, missing, unexpected, mismatched, cast)."""
 
 
 class Restorer:
@@ -64,9 +67,14 @@ class Restorer:
 
     def __init__(self, config: CheckpointConfig, tracked: Tracked, log: Any, storage: Storage) -> None:
         self.config, self.tracked, self.log, self.storage = config, tracked, log, storage
+        self.options = LoadOptions(config.load_states, list(config.load_exclude or []), config.strict,
+                                   config.load_cast_dtype)
+        self._report = LoadReport()
 
     # ---------------------------------------------------------------------------------------------- 1
-    def restore(self, restore_from: str | None, verify: str | None) -> RestoreInfo | None:
+    def restore(self, restore_from: str | None, verify: str | None, options: LoadOptions | None = None) -> RestoreInfo | None:
+        if options is not None:
+            self.options = options
         verify = self.config.verify if verify is None else verify
         if verify not in VERIFY_MODES:
             raise ConfigError(f"verify must be one of {list(VERIFY_MODES)}, got {verify!r}")
@@ -119,14 +127,18 @@ class Restorer:
         manifest = _dist.run_collectively("reading the manifest", lambda: read_manifest(base))
         verifier = Verifier(base, manifest.checksums) if verify == "full" else None
         folder = where.folder(step_dir.name, verifier=verifier) if verifier is not None else base
+        self._report = LoadReport(skipped_states=[k for k in manifest.states if not self.options.wants(k)])
         objects = self._read_objects(folder, manifest)  # small and first: damage there fails fast
-        self._load_model(folder, manifest)
-        self._load_optimizer(folder, manifest)
+        if self.options.wants("model"):
+            self._load_model(folder, manifest)
+        if self.options.wants("optim"):
+            self._load_optimizer(folder, manifest)
         if verifier is not None:
             self._finish_verification(verifier)
         self._apply_objects(folder, objects)
         info = RestoreInfo(step_dir, manifest.step, manifest.epoch, dict(manifest.metrics),
-                           dict(manifest.counters), manifest.world_size, self._name_fields(step_dir, manifest))
+                           dict(manifest.counters), manifest.world_size, self._name_fields(step_dir, manifest),
+                           self._report)
         for key, value in info.name_fields.items():  # e.g. a metric only the name carries
             if key not in ("step", "epoch") and key not in info.metrics and key not in info.counters:
                 info.counters[key] = value
@@ -173,8 +185,16 @@ class Restorer:
         entry = self._entry(step.path, manifest, "model")
         fmt = registry.get(entry.format)
         target = t.model_state.state_dict()
+        if not self.options.plain:
+            self._load_model_partially(step, entry, fmt, target)
+            return
+        self._report.loaded = sorted(target)
         strict = self.config.strict and not self.config.is_peft
-        checked = self._check_signature(step.path, manifest, target)
+        try:
+            checked = self._check_signature(step.path, manifest, target)
+        except CheckpointMismatchError:  # every rank raised: refuse with the report's table, key by key
+            self._load_model_partially(step, entry, fmt, target)
+            raise
         folder = _dist.run_collectively("opening the model folder", lambda: step.sub(entry.path))
         # once the signature was checked against every rank's keys together, each rank's own read only needs
         # its keys present (a pipeline stage holds some of the model's keys)
@@ -183,6 +203,35 @@ class Restorer:
                             ctx=ShardContext(_dist.rank(), _dist.world_size(), extra={"model": t.model},
                                              progress=progress.update))
         t.model_state.load_state_dict(target)
+
+    def _load_model_partially(self, step: Folder, entry: StateEntry, fmt: Any, target: dict[str, Any]) -> None:
+        """Collective: the keys that match (or are cast), the rest kept; a report, refused when ``strict``."""
+        folder = _dist.run_collectively("opening the model folder", lambda: step.sub(entry.path))
+        saved = _dist.run_collectively("reading the model index", lambda: fmt.index(folder))
+        ours = {k: as_info(v) for k, v in target.items()}
+        live: dict[str, Any] = {}
+        for part in (_dist.all_gather_object(ours) if _dist.world_size() > 1 else [ours]):
+            live.update(part)  # pipeline stages hold different keys
+        report = plan_model_load(saved, live, set(target), exclude=self.options.exclude,
+                                 cast_dtype=self.options.cast_dtype)
+        report.skipped_states = self._report.skipped_states
+        self._report = report
+        if self.options.strict and not self.config.is_peft:
+            refuse(report, step.path)
+        elif _dist.rank() == 0 and (not report.clean or report.excluded or report.cast):
+            self.log.warning("Partial load of %s: %s", step.path, report.table())
+        subset = {k: target[k] for k in report.loaded if k in target}
+        casts = {k: torch.empty_like(subset[k], dtype=torch_dtype(saved[k].dtype))  # type: ignore[union-attr]
+                 for k, _, _ in report.cast if k in subset}
+        subset.update(casts)
+        with _Progress(subset, f"restoring the model of {step.path.name}", self.log) as progress:
+            fmt.load_shards(subset, folder, strict=False,
+                            ctx=ShardContext(_dist.rank(), _dist.world_size(), extra={"model": self.tracked.model},
+                                             progress=progress.update))
+        with torch.no_grad():
+            for key, value in casts.items():
+                target[key].copy_(value)
+        self.tracked.model_state.load_state_dict(target)  # type: ignore[union-attr]
 
     def _check_signature(self, step_dir: Path, manifest: Manifest, target: dict[str, torch.Tensor]) -> bool:
         """Collective: refuse a checkpoint of another model from its manifest alone, before any tensor file is
@@ -198,6 +247,11 @@ class Restorer:
         where = f"{step_dir} (a checkpoint of {theirs})" if theirs and theirs != ours["architecture"] else str(step_dir)
         check_compatible(saved, {k: TensorInfo(tuple(v), "?") for k, v in live.items()}, where,
                          strict=self.config.strict and not self.config.is_peft)
+        dtypes = manifest.model_signature.get("dtypes")
+        if isinstance(dtypes, dict):  # another dtype loads only by explicit choice (cast_dtype)
+            wrong = [k for k, v in target.items() if k in dtypes and dtypes[k] != str(v.dtype).removeprefix("torch.")]
+            if any(_dist.all_gather_object(bool(wrong)) if _dist.world_size() > 1 else [bool(wrong)]):
+                raise CheckpointMismatchError(f"{where}: dtypes differ, e.g. {wrong[:3]}")
         return True
 
     def _load_optimizer(self, step: Folder, manifest: Manifest) -> None:
@@ -241,6 +295,8 @@ class Restorer:
         rank, world = _dist.rank(), _dist.world_size()
         out: dict[str, tuple[str, Any]] = {}
         for name in self.tracked.objects:
+            if not self.options.wants(name):
+                continue
             entry = manifest.states.get(name)
             if entry is None:
                 if rank == 0:

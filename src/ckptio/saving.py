@@ -124,7 +124,9 @@ class Saver:
             model_sd = t.model_state.state_dict()
             job.signature = model_signature(t.model, model_sd)
             if _dist.world_size() > 1:  # pipeline stages hold different tensors: the signature is their union
-                job.signature["shapes"] = merge_shapes(_dist.all_gather_object(job.signature["shapes"]))
+                parts = _dist.all_gather_object((job.signature["shapes"], job.signature["dtypes"]))
+                job.signature["shapes"] = merge_shapes([shapes for shapes, _ in parts])
+                job.signature["dtypes"] = {k: v for _, dtypes in parts for k, v in dtypes.items()}
             live["model"] = self.format.snapshot(model_sd, t.model)  # collective for formats that gather
             del model_sd
         if t.optim_state is not None:
