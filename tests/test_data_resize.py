@@ -88,3 +88,37 @@ def test_iterable_datasets_and_plain_loaders_get_a_clear_message(tmp_path):
     with pytest.raises(ConfigError, match="plain DataLoader.*ResumableDataLoader"):
         CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path)),
                           dataloader=torch.utils.data.DataLoader(Indices(8)))
+
+
+def _rng_save(root: str) -> dict:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    torch.manual_seed(10 + rank)
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=root)) as mgr:
+        mgr.save(step=1)
+    return {"next": torch.rand(3)}  # what each rank's stream gives right after the save
+
+
+def _rng_load(root: str) -> dict:
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    torch.manual_seed(100 + rank)
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=root)) as mgr:
+        mgr.restore()
+    return {"next": torch.rand(3)}
+
+
+@pytest.mark.slow
+def test_rng_streams_when_the_number_of_ranks_changes(tmp_path):
+    """Each rank gets back the stream saved by the same rank number; a rank beyond those saved keeps its own."""
+    from distributed import run_ranks
+
+    saved = run_ranks(2, _rng_save, root=str(tmp_path))
+    on_three = run_ranks(3, _rng_load, root=str(tmp_path))
+    assert torch.equal(on_three[0]["next"], saved[0]["next"]) and torch.equal(on_three[1]["next"], saved[1]["next"])
+    torch.manual_seed(102)
+    assert torch.equal(on_three[2]["next"], torch.rand(3)), "rank 2 has no saved stream: it keeps its own"
+    on_one = run_ranks(1, _rng_load, root=str(tmp_path))
+    assert torch.equal(on_one[0]["next"], saved[0]["next"])
