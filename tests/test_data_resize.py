@@ -122,3 +122,53 @@ def test_rng_streams_when_the_number_of_ranks_changes(tmp_path):
     assert torch.equal(on_three[2]["next"], torch.rand(3)), "rank 2 has no saved stream: it keeps its own"
     on_one = run_ranks(1, _rng_load, root=str(tmp_path))
     assert torch.equal(on_one[0]["next"], saved[0]["next"])
+
+
+@pytest.mark.parametrize("n,batch,before,after,steps", [(96, 4, 2, 3, 3), (100, 2, 4, 3, 1), (64, 3, 3, 2, 4)])
+def test_torchdatas_stateful_dataloader_with_a_resumable_sampler_resizes_too(n, batch, before, after, steps):
+    """torchdata's StatefulDataLoader checkpoints its sampler; with ckptio's ResumableSampler its state is the
+    same on every rank (saved once) and resumes on another number of ranks with nothing repeated or skipped."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from ckptio import ResumableSampler
+
+    def loaders(world: int) -> list:
+        return [StatefulDataLoader(Indices(n), batch_size=batch, generator=torch.Generator().manual_seed(0),
+                                   sampler=ResumableSampler(Indices(n), batch, seed=7, rank=r, world_size=world))
+                for r in range(world)]
+
+    old = loaders(before)
+    iters = [iter(dl) for dl in old]
+    first = _take(old, iters, steps)  # type: ignore[arg-type]
+    states = [dl.state_dict() for dl in old]
+    assert all(s == states[0] for s in states), "the loader state must be the same on every rank"
+    new = loaders(after)
+    for dl in new:
+        dl.load_state_dict(states[0])
+    rest = _take(new, [iter(dl) for dl in new], None)  # type: ignore[arg-type]
+    assert len({len(part) for part in rest}) == 1, [len(p) for p in rest]
+    seen = [x for part in first + rest for x in part]
+    assert len(seen) == len(set(seen)), "a sample was seen twice in the epoch"
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(7)).tolist()
+    assert sorted(seen) == sorted(order[:len(seen)]) and n - len(seen) < batch * after
+
+
+def test_a_stateful_dataloader_is_a_state_the_manager_saves_and_restores(tmp_path):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from ckptio import ResumableSampler
+
+    def loader() -> StatefulDataLoader:
+        return StatefulDataLoader(Indices(40), batch_size=4, generator=torch.Generator().manual_seed(0),
+                                  sampler=ResumableSampler(Indices(40), 4, seed=3, rank=0, world_size=1))
+
+    dl = loader()
+    it = iter(dl)
+    seen = [int(x) for _ in range(3) for x in next(it)]
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path)), dataloader=dl, rng=False) as mgr:
+        mgr.save(step=3)
+    rest_uninterrupted = [int(x) for b in it for x in b]
+    again = loader()
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path)), dataloader=again, rng=False) as mgr:
+        assert mgr.restore() is not None
+    assert [int(x) for b in again for x in b] == rest_uninterrupted and len(seen) == 12

@@ -30,6 +30,8 @@ _EXPORTS = {
     "OptimizerState": "state",
     "RNGState": "state",
     "ResumableDataLoader": "data",
+    "ResumableSampler": "data",
+    "LoadReport": "partial",
     "StepScheduler": "step_scheduler",
     "Manifest": "manifest",
     "read_manifest": "manifest",
@@ -44,8 +46,8 @@ _EXPORTS = {
 
 __all__ = [  # the same names as _EXPORTS (tests/test_packaging.py keeps them in step)
     "__version__", "CheckpointConfig", "CheckpointManager", "RestoreInfo", "Stateful", "load_pretrained", "save_nemo",
-    "restore_nemo", "NemoModel", "ModelState", "OptimizerState", "RNGState", "ResumableDataLoader", "StepScheduler",
-    "Manifest", "read_manifest", "committed_checkpoints", "newest_checkpoint", "CheckpointError",
+    "restore_nemo", "NemoModel", "ModelState", "OptimizerState", "RNGState", "ResumableDataLoader", "ResumableSampler",
+    "StepScheduler", "LoadReport", "Manifest", "read_manifest", "committed_checkpoints", "newest_checkpoint", "CheckpointError",
     "CheckpointNotFoundError", "CheckpointMismatchError", "CheckpointCorruptError", "ConfigError",
 ]
 
@@ -67,7 +69,8 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # what IDEs and type checkers see
     from .config import CheckpointConfig
-    from .data import ResumableDataLoader
+    from .data import ResumableDataLoader, ResumableSampler
+    from .partial import LoadReport
     from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointNotFoundError, ConfigError
     from .formats.nemo_model import NemoModel, restore_nemo, save_nemo
     from .layout import committed_checkpoints, newest_checkpoint

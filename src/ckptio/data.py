@@ -27,6 +27,71 @@ class _RemainderSampler(Sampler[int]):
         return len(self.indices)
 
 
+def _epoch_order(n: int, shuffle: bool, seed: int, epoch: int) -> list[int]:
+    if not shuffle:
+        return list(range(n))
+    g = torch.Generator()
+    g.manual_seed(seed + epoch)
+    return torch.randperm(n, generator=g).tolist()
+
+
+def _rest_of_epoch(order: list[int], consumed: int, batch_size: int, rank: int, world_size: int) -> list[int]:
+    """This rank's samples of what is left of the epoch, cut to whole global batches from the position (not
+    from the epoch's start: after a resume on another number of ranks the position need not be a multiple
+    of the new global batch, and a cut from the start would give some ranks one batch more than others —
+    a data-parallel job hangs in that batch's collectives)."""
+    step = batch_size * world_size
+    remainder = order[consumed:]
+    return remainder[: len(remainder) // step * step][rank::world_size]
+
+
+class ResumableSampler(Sampler[int]):
+    """This rank's indices of a seeded global order, with a position that survives a change of world size.
+
+    The sampler for loaders that checkpoint their sampler, such as torchdata's ``StatefulDataLoader``::
+
+        sampler = ResumableSampler(dataset, batch_size=8, seed=0)
+        loader = StatefulDataLoader(dataset, batch_size=8, sampler=sampler)
+        CheckpointManager(config, model=model, dataloader=loader)
+
+    Its state (epoch, samples consumed across all ranks, seed) is the same on every rank, so the loader's
+    state is too (give the loader no per-rank randomness), and it is saved once; resumed on another
+    number of ranks it continues the same order with no sample repeated or skipped, every rank taking the
+    same number of batches. ``batch_size`` must be the loader's. Each ``iter()`` is one epoch; the next
+    one starts the next epoch.
+    """
+
+    def __init__(self, dataset: Any, batch_size: int, *, shuffle: bool = True, seed: int = 0,
+                 rank: int | None = None, world_size: int | None = None) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        self.n = len(dataset)
+        self.batch_size, self.shuffle, self.seed = batch_size, shuffle, seed
+        self.rank = _dist.rank() if rank is None else rank
+        self.world_size = _dist.world_size() if world_size is None else world_size
+        self.epoch = 0
+        self.consumed = 0
+
+    def __iter__(self) -> Iterator[int]:
+        mine = _rest_of_epoch(_epoch_order(self.n, self.shuffle, self.seed, self.epoch), self.consumed,
+                              self.batch_size, self.rank, self.world_size)
+        for i, index in enumerate(mine):
+            if (i + 1) % self.batch_size == 0:  # counted before the batch's last sample leaves: a state taken
+                self.consumed += self.batch_size * self.world_size  # right after the batch includes it
+            yield index
+        self.epoch += 1
+        self.consumed = 0
+
+    def __len__(self) -> int:
+        return len(_rest_of_epoch(range(self.n), self.consumed, self.batch_size, self.rank, self.world_size))  # type: ignore[arg-type]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "consumed": self.consumed, "seed": self.seed}
+
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        self.epoch, self.consumed, self.seed = int(sd["epoch"]), int(sd["consumed"]), int(sd.get("seed", self.seed))
+
+
 class ResumableDataLoader:
     """Iterates ``dataset`` in batches, one epoch per ``for`` loop, and can resume mid-epoch.
 
@@ -78,27 +143,15 @@ class ResumableDataLoader:
         self.consumed = 0  # samples of the current epoch consumed across all ranks
 
     def _order(self) -> list[int]:
-        n = len(self.dataset)  # type: ignore[arg-type]
-        if not self.shuffle:
-            return list(range(n))
-        g = torch.Generator()
-        g.manual_seed(self.seed + self.epoch)
-        return torch.randperm(n, generator=g).tolist()
+        return _epoch_order(len(self.dataset), self.shuffle, self.seed, self.epoch)  # type: ignore[arg-type]
 
     def __len__(self) -> int:
         """Batches per epoch on each rank."""
         return len(self.dataset) // (self.batch_size * self.world_size)  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator[Any]:
-        order = self._order()
         step = self.batch_size * self.world_size
-        # What is left of the epoch, cut to whole global batches. Counted from the position, not from the
-        # epoch's start: after a resume on another number of ranks the position need not be a multiple of
-        # the new global batch, and a remainder cut from the start would give some ranks one batch more
-        # than others (a data-parallel job would hang in that batch's collectives).
-        remainder = order[self.consumed:]
-        remainder = remainder[:len(remainder) // step * step]
-        mine = remainder[self.rank::self.world_size]
+        mine = _rest_of_epoch(self._order(), self.consumed, self.batch_size, self.rank, self.world_size)
         # A DataLoader draws its workers' base seed from the generator it is given, or else from the
         # global torch RNG. A private generator keeps the global stream untouched, so creating the
         # iterator afresh after a resume does not shift the RNG that dropout and the like depend on.
