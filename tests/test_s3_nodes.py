@@ -1,0 +1,117 @@
+"""Two "nodes" with no folder in common checkpoint to S3; one is lost mid-save; the job resumes on 3, then 1.
+
+Each node is its own ``torchrun`` (``--nnodes 2 --node-rank i``, rendezvous on 127.0.0.1) with 2 ranks,
+its own scratch folder (``TMPDIR``, where uploads are spooled, and its outputs) and nothing shared but
+the S3 server (moto, on loopback). An uninterrupted run records the whole state at every saved step.
+The interrupted run loses node 1 while it saves step 4 (its ranks SIGKILLed after writing their files,
+before the commit); node 0 is then killed as a job scheduler would. The bucket must then resume, on 3
+ranks of one node, from step 2 with exactly the uninterrupted run's state; that job trains on to step
+4 and saves, and a 1-rank job must restore exactly what the 3 ranks saved.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import s3server
+
+pytest.importorskip("boto3")
+pytestmark = pytest.mark.slow  # several multi-rank torchrun jobs
+
+WORKER = Path(__file__).with_name("s3_node_worker.py")
+
+
+@pytest.fixture(scope="module")
+def s3():
+    proc, endpoint = s3server.start()
+    env = {**s3server.ENV, "AWS_ENDPOINT_URL": endpoint}
+    import boto3
+
+    boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="test", aws_secret_access_key="test",
+                 region_name="us-east-1").create_bucket(Bucket="nodes")
+    try:
+        yield env
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _job(s3: dict, scratch: Path, launch: list[str], *args: str) -> subprocess.Popen:
+    (scratch / "tmp").mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **s3, "TMPDIR": str(scratch / "tmp"), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "PYTHONWARNINGS": "ignore"}
+    log = open(scratch / "log.txt", "a")
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *launch, str(WORKER), *args,
+                             "--out", str(scratch)], stdout=log, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True, cwd=str(scratch))
+
+
+def _nodes(s3: dict, scratches: list[Path], *args: str, node1_extra: tuple[str, ...] = ()) -> list[subprocess.Popen]:
+    port = _port()
+    return [_job(s3, scratch, ["--nnodes=2", f"--node-rank={i}", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+                               f"--master-port={port}"], *args, *(node1_extra if i == 1 else ()))
+            for i, scratch in enumerate(scratches)]
+
+
+def _wait(proc: subprocess.Popen, scratch: Path, timeout: float = 400) -> int:
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(f"job timed out; its log:\n{(scratch / 'log.txt').read_text()[-3000:]}") from None
+
+
+def _ok(proc: subprocess.Popen, scratch: Path) -> None:
+    code = _wait(proc, scratch)
+    assert code == 0, f"job failed ({code}):\n{(scratch / 'log.txt').read_text()[-4000:]}"
+
+
+def _same(a: dict, b: dict, where: str) -> None:
+    assert a.keys() == b.keys() and len([k for k in a if k.startswith("optim/")]) > 10, where
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{where}: {k} differs"
+
+
+def test_a_node_lost_mid_save_resumes_on_three_ranks_then_one(s3, tmp_path):
+    ref_nodes = [tmp_path / "ref-node0", tmp_path / "ref-node1"]
+    for proc, scratch in zip(_nodes(s3, ref_nodes, "--ckpt", "s3://nodes/ref", "--steps", "4", "--save-every", "2"),
+                             ref_nodes):
+        _ok(proc, scratch)
+    ref = {step: torch.load(ref_nodes[0] / f"state_{step}.pt") for step in (2, 4)}
+
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    common = ("--ckpt", "s3://nodes/run", "--steps", "4", "--save-every", "2")
+    node0, node1 = _nodes(s3, nodes, *common, node1_extra=("--die-at-save", "4"))
+    assert _wait(node1, nodes[1]) != 0, "node 1 was to be lost while saving step 4"
+    time.sleep(2)
+    os.killpg(node0.pid, signal.SIGKILL)  # the scheduler takes the rest of the job down
+    node0.wait()
+    assert (nodes[0] / "state_2.pt").exists() and not (nodes[0] / "state_4.pt").exists()
+
+    three = tmp_path / "three"
+    _ok(_job(s3, three, ["--standalone", "--nproc-per-node=3"], *common), three)
+    restored = torch.load(three / "restored.pt")
+    assert restored["step"] == 2, "step 4 was never committed: the newest complete checkpoint is step 2"
+    _same(ref[2], restored["state"], "resumed on 3 ranks vs uninterrupted")
+    saved_by_three = torch.load(three / "state_4.pt")
+
+    one = tmp_path / "one"
+    _ok(_job(s3, one, ["--standalone", "--nproc-per-node=1"], *common), one)
+    restored = torch.load(one / "restored.pt")
+    assert restored["step"] == 4
+    _same(saved_by_three, restored["state"], "resumed on 1 rank vs what 3 ranks saved")
