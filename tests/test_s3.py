@@ -207,8 +207,34 @@ def test_configuration_of_s3_locations(bucket):
         CheckpointConfig(checkpoint_dir="s3://b/a/../c")
     with pytest.raises(ConfigError, match="gs:// locations are not supported"):
         CheckpointConfig(checkpoint_dir="gs://b/c")
-    with pytest.raises(ConfigError, match="save_consolidated is not supported with an s3://"):
-        CheckpointConfig(checkpoint_dir=f"s3://{bucket}/x", save_consolidated=True)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch_save"])
+def test_the_consolidated_bundle_is_written_into_the_bucket(bucket, tmp_path, fmt):
+    """``save_consolidated`` with an s3:// folder: the bundle is built from the step's uploaded shards and its
+    files are the same bytes as from a local save of the same model; transformers loads them."""
+    from transformers import AutoModelForCausalLM
+
+    from toy import make_model
+
+    model = make_model(seed=4, tie_word_embeddings=False)
+    for where in (f"s3://{bucket}/hf", str(tmp_path / "local")):
+        with CheckpointManager(CheckpointConfig(checkpoint_dir=where, model_save_format=fmt, save_consolidated=True),
+                               model=model, rng=False) as mgr:
+            mgr.save(step=1)
+    prefix = "hf/epoch_0_step_1/model/consolidated/"
+    remote = {k[len(prefix):]: k for k in _keys(bucket, prefix)}
+    local = tmp_path / "local" / "epoch_0_step_1" / "model" / "consolidated"
+    assert sorted(remote) == sorted(p.name for p in local.iterdir()) and "config.json" in remote
+    fetched = tmp_path / "fetched"
+    fetched.mkdir()
+    for name, key in remote.items():
+        s3mod.client().download_file(bucket, key, str(fetched / name))
+        if name.endswith(".safetensors") or name.endswith(".index.json"):
+            assert (fetched / name).read_bytes() == (local / name).read_bytes(), name
+    loaded = AutoModelForCausalLM.from_pretrained(fetched)
+    for k, v in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
 
 
 def _fsdp_rank(url: str, resume: bool) -> dict:

@@ -157,10 +157,6 @@ class CheckpointConfig:
             raise ConfigError(f"optimizer_save_format={self.optimizer_save_format!r} is not supported; use one of "
                               f"{list(MODEL_SAVE_FORMATS)} or null (the same as model_save_format)")
         self.save_consolidated = _parse_save_consolidated(self.save_consolidated)
-        if self.save_consolidated and url_scheme(self.checkpoint_dir) == "s3":
-            raise ConfigError("save_consolidated is not supported with an s3:// checkpoint_dir yet (the bundle is "
-                              "built from the step's local shards); consolidate with `ckptio consolidate` from a "
-                              "local copy, or save to a local folder")
         from .formats.common import parse_size
 
         try:

@@ -216,9 +216,11 @@ class Saver:
     def _consolidate(self, job: SaveJob, writer: FolderWriter, rank: int, world: int) -> None:
         rel = f"{MODEL_DIR}/{CONSOLIDATED_DIR}"
         start = time.perf_counter()
+        # every rank reads the model as written so far (on S3: rank 0 publishes the config and tokenizer first)
+        source = _dist.run_collectively("publishing the model's side files", lambda: writer.reader(MODEL_DIR))
         plan, written = _dist.run_collectively(
             f"consolidating {job.final_dir / rel}",
-            lambda: consolidate(writer.local_path(MODEL_DIR), writer, rel,
+            lambda: consolidate(source, writer, rel,
                                 max_shard_size=self.config.consolidated_max_shard_size, rank=rank, world_size=world),
         )
         job.sums.update(written)

@@ -47,8 +47,15 @@ def open_source(folder: "str | Path | Folder") -> "TensorSource":
     """The tensors of a saved model folder (sharded safetensors or DCP), whatever its format."""
     from .registry import detect
 
-    path = folder.path if isinstance(folder, Folder) else Path(folder)
-    return detect(path).open(path).source
+    if isinstance(folder, (str, Path, Folder)):
+        path = folder.path if isinstance(folder, Folder) else Path(folder)
+        return detect(path).open(path).source
+    # a remote folder (a step being written to a bucket): its model is DCP or sharded safetensors
+    from .safetensors_sharded import SafetensorsSource
+
+    if folder.kind(dcp_format.METADATA_FILE) is not None:
+        return dcp_format.DCPSource(folder)
+    return SafetensorsSource(folder)
 
 
 # ---------------------------------------------------------------------------------------- planning

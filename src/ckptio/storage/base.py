@@ -83,6 +83,11 @@ class FolderWriter(Protocol):
 
     def exists(self, rel: str) -> bool: ...
 
+    def reader(self, rel: str = "") -> Any:
+        """A read-only folder (:class:`~ckptio.storage.confined.FolderReads`) of what every rank has written
+        into ``rel`` so far (collective use: call after a barrier; a remote writer publishes its local
+        files first)."""
+
     def checksum_of(self, rel: str) -> str:
         """The checksum of a file a library wrote into :meth:`local_path` (the streams return their own)."""
 

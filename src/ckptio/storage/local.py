@@ -152,6 +152,11 @@ class LocalFolderWriter:
     def rename(self, rel: str, new_rel: str) -> None:
         os.rename(self._path(rel), self._path(new_rel))
 
+    def reader(self, rel: str = "") -> "Folder":
+        from .confined import Folder
+
+        return Folder(self.local_path(rel))
+
     def exists(self, rel: str) -> bool:
         return self._path(rel).exists()
 

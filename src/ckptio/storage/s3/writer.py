@@ -18,6 +18,7 @@ from ._common import MANIFEST, S3Error, S3Path, _call, client
 
 if TYPE_CHECKING:
     from . import S3Storage
+    from .reader import S3Folder
 
 class S3WriteStream(LocalWriteStream):
     """A file spooled locally with a running CRC-32C and uploaded when closed."""
@@ -118,6 +119,13 @@ class S3FolderWriter:
                     digest = file_checksum(path)
                     upload_file(path, self.storage.bucket, self._key(rel), self._where(rel))
                     self._local_sums[rel] = digest
+
+    def reader(self, rel: str = "") -> "S3Folder":
+        """What every rank has uploaded under ``rel`` so far (this rank's local files are uploaded first)."""
+        from .reader import S3Folder
+
+        self._upload_local()
+        return S3Folder(self.storage.bucket, f"{self.prefix}/{rel}" if rel else self.prefix)
 
     def checksum_of(self, rel: str) -> str:
         self._upload_local()
