@@ -11,6 +11,7 @@ import sys
 import textwrap
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -473,3 +474,47 @@ def test_sigkill_during_saves_to_a_bucket_never_leaves_a_torn_checkpoint(bucket)
     for trial in range(3):
         mid_write += kill_trial(f"s3://{bucket}/kill{trial}", "safetensors", True, rng)["killed_mid_write"]
     print(f"s3 kill tally: 3 trials, {mid_write} killed mid-write")
+
+
+def test_inspect_and_convert_work_on_bucket_paths(bucket, tmp_path):
+    """``ckptio inspect`` and ``convert`` take s3:// step directories as sources and s3:// destinations; a
+    source whose object was damaged is refused before anything is converted."""
+    import json
+
+    from toy import make_model
+
+    model = make_model(seed=6, tie_word_embeddings=False)
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=f"s3://{bucket}/run"), model=model, rng=False) as mgr:
+        mgr.save(step=2)
+    step = f"s3://{bucket}/run/epoch_0_step_2"
+    cli = [str(Path(sys.executable).parent / "ckptio")]
+    shown = subprocess.run(cli + ["inspect", step, "--json", "--tensors"], capture_output=True, text=True)
+    assert shown.returncode == 0, shown.stderr
+    info = json.loads(shown.stdout)
+    assert info["step"] == 2 and info["kind"] == "step_dir" and "model.embed_tokens.weight" in info["tensor_list"]
+    assert info["states"]["model"]["tensors"]["tensors"] == len(model.state_dict())
+
+    out = subprocess.run(cli + ["convert", step, str(tmp_path / "hf"), "--to", "hf", "--no-progress"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    for k, v in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+    up = subprocess.run(cli + ["convert", str(tmp_path / "hf"), f"s3://{bucket}/exports/step2", "--to", "step_dir",
+                               "--no-progress"], capture_output=True, text=True)
+    assert up.returncode == 0, up.stderr
+    keys = _keys(bucket, "exports/step2/")
+    assert "exports/step2/manifest.json" in keys and any(k.endswith(".safetensors") for k in keys)
+    again = subprocess.run(cli + ["convert", str(tmp_path / "hf"), f"s3://{bucket}/exports/step2", "--to", "hf"],
+                           capture_output=True, text=True)
+    assert again.returncode == 2 and "already exists" in again.stderr
+
+    shard = next(k for k in _keys(bucket, "run/epoch_0_step_2/model/") if k.endswith(".safetensors"))
+    body = bytearray(s3mod.client().get_object(Bucket=bucket, Key=shard)["Body"].read())
+    body[-1] ^= 0xFF
+    s3mod.client().put_object(Bucket=bucket, Key=shard, Body=bytes(body))
+    bad = subprocess.run(cli + ["convert", step, str(tmp_path / "hf2"), "--to", "hf"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "do not match the manifest" in bad.stderr and "checksum" in bad.stderr
+    assert not (tmp_path / "hf2").exists()

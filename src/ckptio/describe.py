@@ -15,6 +15,16 @@ from .storage import open_storage
 def inspect_path(path: str | Path) -> dict[str, Any]:
     """A JSON-ready description of any checkpoint ckptio reads (a step directory, a folder or file of any
     registered format), without loading its tensors."""
+    from .storage import url_scheme
+
+    if url_scheme(str(path)) is not None:  # a step directory in a bucket: described from its manifest
+        from .manifest import MANIFEST_NAME
+        from .storage.confined import as_folder
+
+        if as_folder(str(path)).kind(MANIFEST_NAME) is None:
+            raise CheckpointNotFoundError(f"{path}: not a ckptio step directory (no {MANIFEST_NAME}); inspect reads "
+                                          f"step directories in a bucket — 'ckptio list' shows them")
+        return registry.get("step_dir").describe(str(path))  # type: ignore[arg-type]
     path = Path(path)
     return registry.detect(path).describe(path)
 

@@ -40,12 +40,22 @@ def _tensor_list(path: str) -> dict[str, dict]:
     """Name -> dtype and shape of every tensor the format's reader offers (a step directory: the model)."""
     from ..formats import registry
     from ..formats.common import natural_key
+    from ..storage import url_scheme
 
-    opened = registry.detect(path).open(Path(path))
-    try:
-        index = opened.source.index()
-    finally:
-        opened.close()
+    if url_scheme(path) is not None:  # a step directory in a bucket: its model's index, no tensor read
+        from ..manifest import read_manifest
+        from ..storage.confined import as_folder
+
+        root = as_folder(path)
+        entry = read_manifest(root).states.get("model")
+        index: dict = {} if entry is None else {
+            k: v for k, v in registry.get(entry.format).index(root.sub(entry.path)).items() if v is not None}
+    else:
+        opened = registry.detect(path).open(Path(path))
+        try:
+            index = opened.source.index()
+        finally:
+            opened.close()
     return {k: {"dtype": index[k].dtype, "shape": list(index[k].shape)} for k in sorted(index, key=natural_key)}
 
 

@@ -91,8 +91,13 @@ def convert(src: str | Path, dst: str | Path, to: str, *, dtype: str | torch.dty
     ``progress``, once the source is open, is called with its format and total bytes and may return a
     callback that is fed the bytes as they are written. Returns ``dst``.
     """
-    dst = Path(dst)
+    from ..storage import url_scheme
+
     registry.get(to)  # an unknown target fails before anything is read
+    if url_scheme(str(src)) is not None or url_scheme(str(dst)) is not None:
+        return _convert_remote(str(src), str(dst), to, dtype=dtype, max_shard_size=max_shard_size, naming=naming,
+                               progress=progress, options=options)
+    dst = Path(dst)
     if dst.exists():
         raise CheckpointError(f"{dst} already exists; convert into a new path")
     if not dst.parent.is_dir():
@@ -113,3 +118,27 @@ def convert(src: str | Path, dst: str | Path, to: str, *, dtype: str | torch.dty
     finally:
         opened.close()
     return dst
+
+
+def _convert_remote(src: str, dst: str, to: str, **kw: Any) -> Any:
+    """``convert`` with an ``s3://`` source or destination: through a private local copy (see
+    :mod:`ckptio.storage.transfer`: a source step directory is verified against its manifest first; the
+    output is uploaded into a new prefix, its manifest last). Returns ``dst``."""
+    import tempfile
+
+    from ..storage import url_scheme
+    from ..storage.transfer import copy_down, copy_up, exists
+
+    if url_scheme(dst) is not None and exists(dst):
+        raise CheckpointError(f"{dst} already exists; convert into a new location")
+    with tempfile.TemporaryDirectory(prefix="ckptio-convert-") as tmp:
+        local_src: str | Path = src
+        if url_scheme(src) is not None:
+            local_src = copy_down(src, Path(tmp) / "src" / src.rstrip("/").rpartition("/")[2])
+        local_dst = Path(tmp) / "out" / dst.rstrip("/").rpartition("/")[2] if url_scheme(dst) is not None else Path(dst)
+        local_dst.parent.mkdir(parents=True, exist_ok=True)
+        out = convert(local_src, local_dst, to, **kw)
+        if url_scheme(dst) is not None:
+            copy_up(out, dst)
+            return dst
+        return out

@@ -16,7 +16,7 @@ from ..errors import CheckpointError, ConfigError
 from ..manifest import MANIFEST_NAME, Manifest, StateEntry, read_manifest, software_versions
 from ..storage.confined import Folder
 from .common import summarize_index
-from .registry import Format, Opened, WriteOptions, architecture_of, get, register
+from .registry import Format, Opened, WriteOptions, get, register
 
 if TYPE_CHECKING:
     from .registry import TensorSource
@@ -72,8 +72,13 @@ class StepDirectory(Format):
             writer.abort()
             raise
 
-    def describe(self, path: Path) -> dict[str, Any]:
-        m = read_manifest(path)
+    def describe(self, path: Any) -> dict[str, Any]:
+        """From the manifest and the formats' indexes only; ``path`` may be a local or remote (``s3://``) folder."""
+        from ..storage.confined import as_folder
+        from .common import json_object
+
+        root = as_folder(path)
+        m = read_manifest(root)
         out: dict[str, Any] = {
             "path": str(path), "kind": self.name, "label": self.summary, "name": m.name, "step": m.step,
             "epoch": m.epoch, "metrics": m.metrics, "counters": m.counters, "world_size": m.world_size,
@@ -82,7 +87,12 @@ class StepDirectory(Format):
         }
         architecture = m.model_signature.get("architecture") if isinstance(m.model_signature, dict) else None
         if "model/consolidated/config.json" in m.files:
-            architecture = architecture_of(path / "model" / "consolidated" / "config.json") or architecture
+            try:
+                cfg = json_object(root.read_bytes("model/consolidated/config.json", max_size=16 << 20), path)
+                named = cfg.get("architectures") or [cfg.get("model_type")]
+                architecture = named[0] if isinstance(named[0], str) else architecture
+            except CheckpointError:
+                pass  # describing must not fail on a side file; loading reports it
         if architecture:
             out["architecture"] = architecture
         states = {}
@@ -94,7 +104,7 @@ class StepDirectory(Format):
             except ConfigError:
                 fmt = None  # a format this version does not know: described by name only
             if fmt is not None and fmt.has_index:
-                info["tensors"] = asdict(summarize_index(fmt.index(Folder(path).sub(entry.path))))
+                info["tensors"] = asdict(summarize_index(fmt.index(root.sub(entry.path))))
             states[name] = info
         out["states"] = states
         return out

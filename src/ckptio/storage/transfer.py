@@ -1,0 +1,71 @@
+"""Whole folders between object storage and a local disk, for the commands that work on local files.
+
+``convert`` reads and writes formats through local paths. With an ``s3://`` source, the folder is first
+copied down (:func:`copy_down`) into a private temporary folder — a step directory checked against its
+manifest's checksums as it arrives, so a damaged object is refused, never converted; with an ``s3://``
+destination the result is written locally and copied up (:func:`copy_up`), its ``manifest.json`` (if
+any) last, into a prefix that must not exist yet.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from ..errors import CheckpointError
+
+__all__ = ["copy_down", "copy_up", "exists"]
+
+CHUNK = 8 << 20
+
+
+def copy_down(url: str, dest: Path) -> Path:
+    """Copy the folder at ``url`` into the new local folder ``dest``; a step directory's copy is then checked
+    against its manifest (every listed file present, of its size and checksum) before it is used."""
+    from ..errors import CheckpointCorruptError
+    from ..manifest import MANIFEST_NAME, check_files, read_manifest
+    from .confined import as_folder
+
+    folder = as_folder(url)
+    files = [rel for rel, e in folder.walk_files() if e.kind == "file"]
+    if not files:
+        raise CheckpointError(f"{url}: no such folder, or it is empty")
+    dest.mkdir(parents=True)
+    for rel in files:
+        out = dest / rel
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with folder.open(rel) as handle, open(out, "wb") as fh:
+            for offset in range(0, handle.size, CHUNK):
+                fh.write(handle.read(offset, min(CHUNK, handle.size - offset)))
+    if MANIFEST_NAME in files:
+        problems = check_files(dest, read_manifest(dest), checksums=True)
+        if problems:
+            raise CheckpointCorruptError(f"{url}: {len(problems)} file(s) do not match the manifest: {problems[0]}")
+    return dest
+
+
+def copy_up(src: Path, url: str) -> str:
+    """Upload the local file or folder ``src`` to the new location ``url`` (nothing may exist there)."""
+    from .s3 import S3Path, parse_s3_url
+    from .s3.writer import upload_file
+
+    bucket, prefix = parse_s3_url(url)
+    if not prefix:
+        raise CheckpointError(f"{url}: name a new folder inside the bucket (s3://bucket/name)")
+    if exists(url):
+        raise CheckpointError(f"{url} already exists; convert into a new location")
+    files = [src] if src.is_file() else sorted(p for p in src.rglob("*") if p.is_file())
+    files.sort(key=lambda p: p.name == "manifest.json")  # the commit point goes last
+    for path in files:
+        rel = path.name if src.is_file() else path.relative_to(src).as_posix()
+        key = f"{prefix}/{rel}" if prefix else rel
+        upload_file(path, bucket, key, S3Path(bucket, *key.split("/")), if_none_match=True)
+    return url
+
+
+def exists(url: str) -> bool:
+    """Whether anything (an object, or objects below it) is at the ``s3://`` location ``url``."""
+    from . import open_storage
+
+    parent, _, name = url.rstrip("/").rpartition("/")
+    if "://" not in parent or not name:
+        return False
+    return open_storage(parent).folder().kind(name) is not None
