@@ -327,8 +327,9 @@ def test_list_verify_and_prune_on_a_bucket(bucket):
 
 class _FaultyProxy:
     """An HTTP proxy on 127.0.0.1 in front of the S3 server that answers some requests itself with a 503
-    (``SlowDown``, as S3 does under load) or drops the connection without an answer, by a rule on
-    (method, path, query)."""
+    (``SlowDown``, as S3 does under load), a 409 (``ConditionalRequestConflict``, as S3 answers a
+    conditional write racing another; moto never does) or drops the connection without an answer, by a
+    rule on (method, path, query)."""
 
     def __init__(self, upstream: str, rule) -> None:
         import http.client
@@ -368,10 +369,13 @@ class _FaultyProxy:
                     self.close_connection = True
                     self.connection.shutdown(2)
                     return
-                if action == "503":
-                    proxy.faults.append(("503", self.command, self.path))
-                    xml = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
-                    self.send_response(503)
+                if action in ("503", "409"):
+                    proxy.faults.append((action, self.command, self.path))
+                    xml = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>" \
+                        if action == "503" else b"<Error><Code>ConditionalRequestConflict</Code><Message>A " \
+                        b"conflicting conditional operation is currently in progress against this resource." \
+                        b"</Message></Error>"
+                    self.send_response(int(action))
                     self.send_header("Content-Type", "application/xml")
                     self.send_header("Content-Length", str(len(xml)))
                     self.end_headers()
@@ -518,3 +522,30 @@ def test_inspect_and_convert_work_on_bucket_paths(bucket, tmp_path):
     bad = subprocess.run(cli + ["convert", step, str(tmp_path / "hf2"), "--to", "hf"], capture_output=True, text=True)
     assert bad.returncode == 2 and "do not match the manifest" in bad.stderr and "checksum" in bad.stderr
     assert not (tmp_path / "hf2").exists()
+
+
+def test_a_conditional_write_conflict_is_retried(bucket, s3_server, monkeypatch):
+    """Real S3 answers 409 ConditionalRequestConflict to a conditional PUT racing another one on the same key
+    and asks for a retry: the manifest's create-only PUT is retried (with its body rewound) and commits."""
+    calls = {"n": 0}
+
+    def rule(method: str, path: str, query: str) -> str:
+        if method == "PUT" and path.endswith("/c409/epoch_0_step_1/manifest.json"):
+            calls["n"] += 1
+            return "409" if calls["n"] <= 2 else "pass"
+        return "pass"
+
+    proxy = _FaultyProxy(s3_server, rule)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        model, _, mgr = _setup(f"s3://{bucket}/c409")
+        with mgr:
+            mgr.save(step=1)
+    finally:
+        proxy.close()
+    assert [f[0] for f in proxy.faults] == ["409", "409"], proxy.faults
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server)
+    model2, _, again = _setup(f"s3://{bucket}/c409", verify="full")
+    with again:
+        assert again.restore().step == 1
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))

@@ -93,18 +93,39 @@ def _missing(exc: BaseException) -> bool:
     return _code(exc) in ("NoSuchKey", "404", "NotFound", "NoSuchUpload")
 
 
+CONFLICT_RETRIES = 6
+"""Tries of a conditional write that S3 answers ``409 ConditionalRequestConflict`` (another conditional
+write of the same key was in flight; S3 asks for a retry), with a doubling pause from 0.2 s."""
+
+
 def _call(what: str, where: object, fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)``, with a failure raised as :class:`S3Error` naming ``what`` and ``where``."""
+    """``fn(*args, **kwargs)``, with a failure raised as :class:`S3Error` naming ``what`` and ``where``.
+
+    A conditional write (``IfNoneMatch``/``IfMatch``) answered ``409 ConditionalRequestConflict`` is tried
+    again (its body rewound); the retry then wins, or fails with ``412 PreconditionFailed`` if the other
+    write took the key. botocore's own retries do not cover that answer.
+    """
+    import time
+
     from botocore.exceptions import BotoCoreError, ClientError
 
-    try:
-        return fn(*args, **kwargs)
-    except ClientError as exc:
-        if _missing(exc):
-            raise CheckpointNotFoundError(f"{where}: missing ({_code(exc)})") from None
-        err = exc.response.get("Error", {})
-        raise S3Error(f"{what} {where} failed: {err.get('Code', '?')}: {err.get('Message', exc)}") from None
-    except BotoCoreError as exc:
-        raise S3Error(f"{what} {where} failed: {exc}") from None
+    conditional = "IfNoneMatch" in kwargs or "IfMatch" in kwargs
+    for attempt in range(CONFLICT_RETRIES):
+        try:
+            return fn(*args, **kwargs)
+        except ClientError as exc:
+            if _missing(exc):
+                raise CheckpointNotFoundError(f"{where}: missing ({_code(exc)})") from None
+            err = exc.response.get("Error", {})
+            if conditional and err.get("Code") == "ConditionalRequestConflict" and attempt + 1 < CONFLICT_RETRIES:
+                seek = getattr(kwargs.get("Body"), "seek", None)
+                if callable(seek):
+                    seek(0)
+                time.sleep(0.2 * 2 ** attempt)
+                continue
+            raise S3Error(f"{what} {where} failed: {err.get('Code', '?')}: {err.get('Message', exc)}") from None
+        except BotoCoreError as exc:
+            raise S3Error(f"{what} {where} failed: {exc}") from None
+    raise AssertionError("unreachable")
 
 
