@@ -8,12 +8,51 @@ from ...errors import CheckpointCorruptError, CheckpointNotFoundError
 from ..confined import Entry, FolderReads, ReadHandle, UnsafePathError, check_relative
 from ._common import S3Path, _call, client
 
-class S3ReadHandle(ReadHandle):
-    """An object of known size read with ranged ``GET`` requests (positional, thread-safe)."""
+WINDOW = 64 << 20
+"""Smallest ranged ``GET``: a shorter read fetches this much from its offset, kept in the folder's
+:class:`WindowCache`, and the reads that follow inside it (the next tensors, the same file opened again
+to load after its header was scanned) are served from memory. One request per tensor piece made a
+restore from a bucket ×8 slower than a raw download of the same files (``benchmarks/s3_save_load.py``)."""
+CACHE_BYTES = 256 << 20
+"""Most bytes of windows a folder tree keeps (least recently used dropped first)."""
 
-    def __init__(self, bucket: str, key: str, path: S3Path, size: int) -> None:
+
+class WindowCache:
+    """Recently fetched windows of objects, shared by the handles of one folder tree (thread-safe)."""
+
+    def __init__(self, limit: int = CACHE_BYTES) -> None:
+        import threading
+        from collections import OrderedDict
+
+        self.limit = limit
+        self._windows: "OrderedDict[tuple[str, int], bytearray]" = OrderedDict()
+        self._bytes = 0
+        self.lock = threading.Lock()
+
+    def find(self, key: str, offset: int, n: int) -> memoryview | None:
+        for (k, start), buf in reversed(self._windows.items()):
+            if k == key and start <= offset and offset + n <= start + len(buf):
+                self._windows.move_to_end((k, start))
+                return memoryview(buf)[offset - start:offset - start + n]
+        return None
+
+    def add(self, key: str, offset: int, buf: bytearray) -> None:
+        self._windows[(key, offset)] = buf
+        self._bytes += len(buf)
+        while self._bytes > self.limit and len(self._windows) > 1:
+            _, old = self._windows.popitem(last=False)
+            self._bytes -= len(old)
+
+
+class S3ReadHandle(ReadHandle):
+    """An object of known size read with ranged ``GET`` requests (positional, thread-safe). A read shorter
+    than :data:`WINDOW` is served from ``cache`` (fetching a window first when none holds it); a longer one
+    goes straight into its buffer."""
+
+    def __init__(self, bucket: str, key: str, path: S3Path, size: int, cache: WindowCache | None = None) -> None:
         super().__init__(-1, path, size)  # type: ignore[arg-type]
         self.bucket, self.key = bucket, key
+        self.cache = cache if cache is not None else WindowCache(WINDOW)
 
     def close(self) -> None:
         pass
@@ -22,6 +61,20 @@ class S3ReadHandle(ReadHandle):
         n = view.nbytes
         if n == 0:
             return
+        if n >= WINDOW:
+            self._get(view, offset)
+            return
+        with self.cache.lock:
+            found = self.cache.find(self.key, offset, n)
+            if found is None:
+                buf = bytearray(min(self.size, offset + WINDOW) - offset)
+                self._get(memoryview(buf), offset)
+                self.cache.add(self.key, offset, buf)
+                found = memoryview(buf)[:n]
+            view[:] = found
+
+    def _get(self, view: memoryview, offset: int) -> None:
+        n = view.nbytes
         response = _call("reading", self.path, client().get_object, Bucket=self.bucket, Key=self.key,
                          Range=f"bytes={offset}-{offset + n - 1}")
         body = response["Body"]
@@ -50,6 +103,7 @@ class S3Folder(FolderReads):
         self.links = False
         self.verifier = verifier
         self._listings = {} if listings is None else listings  # rel -> (files, dirs, others), cached
+        self._cache = WindowCache()  # shared with sub-folders: a file scanned, then loaded, is fetched once
 
     def __repr__(self) -> str:
         return f"S3Folder({str(self.path)!r})"
@@ -59,7 +113,9 @@ class S3Folder(FolderReads):
 
     def plain(self) -> "S3Folder":
         """The same folder without a verifier."""
-        return S3Folder(self.bucket, self.prefix, listings=self._listings)
+        plain = S3Folder(self.bucket, self.prefix, listings=self._listings)
+        plain._cache = self._cache
+        return plain
 
     def _key(self, rel: str) -> str:
         parts = check_relative(rel, self.path) if rel not in ("", ".") else ()
@@ -70,7 +126,9 @@ class S3Folder(FolderReads):
             return self
         if self.kind(rel) != "dir":
             raise CheckpointNotFoundError(f"{self.path / rel}: no such folder")
-        return S3Folder(self.bucket, self._key(rel), verifier=self.verifier)
+        sub = S3Folder(self.bucket, self._key(rel), verifier=self.verifier)
+        sub._cache = self._cache
+        return sub
 
     def _listing(self, rel: str) -> tuple[dict[str, int], set[str], set[str]]:
         """(files -> size, sub-prefixes, unusable names) directly below ``rel``."""
@@ -129,7 +187,7 @@ class S3Folder(FolderReads):
         actual = self.size(rel)
         if size is not None and actual != size:
             raise CheckpointCorruptError(f"{self.path / rel}: size {actual} bytes, expected {size}")
-        handle = S3ReadHandle(self.bucket, self._key(rel), self.display(rel), actual)
+        handle = S3ReadHandle(self.bucket, self._key(rel), self.display(rel), actual, self._cache)
         if self.verifier is not None:
             self.verifier._attach(self, rel, handle)
         return handle
