@@ -549,3 +549,38 @@ def test_a_conditional_write_conflict_is_retried(bucket, s3_server, monkeypatch)
     with again:
         assert again.restore().step == 1
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
+
+
+def test_consolidate_a_checkpoint_in_a_bucket(bucket, tmp_path):
+    """``ckptio consolidate s3://…/step`` adds the bundle to the checkpoint as a new version (manifest replaced
+    last, listing and checksumming the bundle: a full verify passes) or writes it into a local --out."""
+    import json
+
+    from toy import make_model
+
+    model = make_model(seed=8, tie_word_embeddings=False)
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=f"s3://{bucket}/run"), model=model, rng=False) as mgr:
+        mgr.save(step=5)
+    step = f"s3://{bucket}/run/epoch_0_step_5"
+    cli = [str(Path(sys.executable).parent / "ckptio")]
+    local = subprocess.run(cli + ["consolidate", step, "--out", str(tmp_path / "bundle"), "--no-progress"],
+                           capture_output=True, text=True)
+    assert local.returncode == 0, local.stderr
+    inside = subprocess.run(cli + ["consolidate", step, "--no-progress", "--json"], capture_output=True, text=True)
+    assert inside.returncode == 0, inside.stderr
+    assert json.loads(inside.stdout)["into_checkpoint"] is True
+    keys = _keys(bucket, "run/epoch_0_step_5/model/consolidated/")
+    for p in (tmp_path / "bundle").iterdir():
+        remote = s3mod.client().get_object(Bucket=bucket, Key=f"run/epoch_0_step_5/model/consolidated/{p.name}")
+        assert remote["Body"].read() == p.read_bytes(), p.name
+    assert len(keys) == len(list((tmp_path / "bundle").iterdir()))
+    verified = subprocess.run(cli + ["verify", step], capture_output=True, text=True)
+    assert verified.returncode == 0 and "consolidated" in json.dumps(
+        json.loads(subprocess.run(cli + ["inspect", step, "--json"], capture_output=True, text=True).stdout)["files"])
+    again = subprocess.run(cli + ["consolidate", step], capture_output=True, text=True)
+    assert again.returncode == 2 and "already holds a consolidated bundle" in again.stderr
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "bundle")
+    for k, v in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k

@@ -63,6 +63,10 @@ def _model_folder(path: Path) -> tuple[Path, Path | None]:
 def run(args: argparse.Namespace) -> int:
     from ..formats import hf_bundle
 
+    from ..storage import url_scheme
+
+    if url_scheme(args.checkpoint) is not None:
+        return _run_remote(args)
     src, step_dir = _model_folder(Path(args.checkpoint))
     out = Path(args.out) if args.out else src / "consolidated"
     if out.exists() and any(out.iterdir()) and not args.overwrite:
@@ -89,6 +93,39 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {len(plan.infos)} tensors, {human_bytes(plan.total_size)} in {len(plan.files)} file(s) to {out} "
           f"in {seconds:.1f} s")
     print(f"load it with: AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    return 0
+
+
+def _run_remote(args: argparse.Namespace) -> int:
+    """A step directory in a bucket: the bundle into the checkpoint, or into a local ``--out`` folder."""
+    from ..formats import hf_bundle
+    from .consolidate_remote import consolidate_in_bucket, model_folder
+
+    _, step, model_rel = model_folder(args.checkpoint)
+    if args.out and "://" in args.out:
+        raise CheckpointError("--out must be a local folder; without it the bundle is added to the checkpoint")
+    out = Path(args.out) if args.out else None
+    if out is not None and out.exists() and any(out.iterdir()) and not args.overwrite:
+        raise CheckpointError(f"{out} exists and is not empty; pass --overwrite to replace it")
+    source, plan = hf_bundle.prepare(step.sub(model_rel), max_shard_size=args.max_shard_size, dtype=args.dtype)
+    start = time.perf_counter()
+    bar = progress(plan.total_size, "consolidating", enabled=not args.no_progress)
+    try:
+        if out is None:
+            where = consolidate_in_bucket(args.checkpoint, source, plan, bar, force=args.force)
+        else:
+            _into_folder(out, source, plan, bar)
+            where = str(out)
+    finally:
+        bar.close()
+        source.close()
+    seconds = time.perf_counter() - start
+    if args.json:
+        print_json({"out": where, "tensors": len(plan.infos), "bytes": plan.total_size, "files": len(plan.files),
+                    "seconds": round(seconds, 3), "into_checkpoint": out is None})
+        return 0
+    print(f"wrote {len(plan.infos)} tensors, {human_bytes(plan.total_size)} in {len(plan.files)} file(s) to {where} "
+          f"in {seconds:.1f} s")
     return 0
 
 

@@ -172,4 +172,8 @@ class S3FolderWriter:
         shutil.rmtree(self.spool, ignore_errors=True)
         self.storage._delete_prefix(self.prefix, manifest_first=True)
 
+    def abort_spool(self) -> None:
+        """Drop the local spool only: objects already uploaded stay (adding files to a committed step)."""
+        shutil.rmtree(self.spool, ignore_errors=True)
+
 
