@@ -24,7 +24,7 @@ from typing import Any
 from .errors import CheckpointMismatchError
 from .formats.common import TensorInfo
 
-__all__ = ["LoadOptions", "LoadReport", "plan_model_load", "check_states"]
+__all__ = ["LoadOptions", "LoadReport", "plan_model_load", "check_states", "load_model_partially"]
 
 STATE_NAMES = ("model", "optim")
 """Besides these, the names of the registered objects (``lr_scheduler``, ``dataloader``, ``rng``...)."""
@@ -146,3 +146,40 @@ class LoadOptions:
 
     def wants(self, state: str) -> bool:
         return self.states is None or state in self.states
+
+
+def load_model_partially(step: Any, rel: str, fmt: Any, target: dict[str, Any], options: LoadOptions, tracked: Any,
+                         *, strict: bool, log: Any, progress: Any) -> LoadReport:
+    """Collective: fill the keys of ``target`` the plan loads (casting where chosen), keep the others, apply it to
+    the model; refuse (``strict``) or log the report when not everything matched. ``progress(subset)`` is a
+    context manager whose ``update`` is fed the bytes filled."""
+    import torch
+
+    from . import _dist
+    from .formats.common import torch_dtype
+    from .formats.registry import ShardContext
+
+    folder = _dist.run_collectively("opening the model folder", lambda: step.sub(rel))
+    saved = _dist.run_collectively("reading the model index", lambda: fmt.index(folder))
+    ours = {k: as_info(v) for k, v in target.items()}
+    live: dict[str, Any] = {}
+    for part in (_dist.all_gather_object(ours) if _dist.world_size() > 1 else [ours]):
+        live.update(part)  # pipeline stages hold different keys
+    report = plan_model_load(saved, live, set(target), exclude=options.exclude, cast_dtype=options.cast_dtype)
+    if strict:
+        refuse(report, step.path)
+    elif _dist.rank() == 0 and (not report.clean or report.excluded or report.cast):
+        log.warning("Partial load of %s: %s", step.path, report.table())
+    subset = {k: target[k] for k in report.loaded if k in target}
+    casts = {k: torch.empty_like(subset[k], dtype=torch_dtype(saved[k].dtype))  # type: ignore[union-attr]
+             for k, _, _ in report.cast if k in subset}
+    subset.update(casts)
+    with progress(subset) as bar:
+        fmt.load_shards(subset, folder, strict=False,
+                        ctx=ShardContext(_dist.rank(), _dist.world_size(), extra={"model": tracked.model},
+                                         progress=bar.update))
+    with torch.no_grad():
+        for key, value in casts.items():
+            target[key].copy_(value)
+    tracked.model_state.load_state_dict(target)
+    return report

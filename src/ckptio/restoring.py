@@ -34,7 +34,7 @@ from .formats import registry
 from .formats.common import TensorInfo, check_compatible, torch_dtype
 from .formats.registry import ShardContext
 from .foreign import is_foreign, restore_foreign, restore_foreign_adam
-from .partial import LoadOptions, LoadReport, as_info, plan_model_load, refuse
+from .partial import LoadOptions, LoadReport, load_model_partially
 from .layout import LATEST, parse_step_name, rank_file, restore_candidates
 from .manifest import Manifest, StateEntry, merge_shapes, model_signature, read_manifest
 from .saving import Tracked
@@ -206,32 +206,12 @@ class Restorer:
 
     def _load_model_partially(self, step: Folder, entry: StateEntry, fmt: Any, target: dict[str, Any]) -> None:
         """Collective: the keys that match (or are cast), the rest kept; a report, refused when ``strict``."""
-        folder = _dist.run_collectively("opening the model folder", lambda: step.sub(entry.path))
-        saved = _dist.run_collectively("reading the model index", lambda: fmt.index(folder))
-        ours = {k: as_info(v) for k, v in target.items()}
-        live: dict[str, Any] = {}
-        for part in (_dist.all_gather_object(ours) if _dist.world_size() > 1 else [ours]):
-            live.update(part)  # pipeline stages hold different keys
-        report = plan_model_load(saved, live, set(target), exclude=self.options.exclude,
-                                 cast_dtype=self.options.cast_dtype)
-        report.skipped_states = self._report.skipped_states
-        self._report = report
-        if self.options.strict and not self.config.is_peft:
-            refuse(report, step.path)
-        elif _dist.rank() == 0 and (not report.clean or report.excluded or report.cast):
-            self.log.warning("Partial load of %s: %s", step.path, report.table())
-        subset = {k: target[k] for k in report.loaded if k in target}
-        casts = {k: torch.empty_like(subset[k], dtype=torch_dtype(saved[k].dtype))  # type: ignore[union-attr]
-                 for k, _, _ in report.cast if k in subset}
-        subset.update(casts)
-        with _Progress(subset, f"restoring the model of {step.path.name}", self.log) as progress:
-            fmt.load_shards(subset, folder, strict=False,
-                            ctx=ShardContext(_dist.rank(), _dist.world_size(), extra={"model": self.tracked.model},
-                                             progress=progress.update))
-        with torch.no_grad():
-            for key, value in casts.items():
-                target[key].copy_(value)
-        self.tracked.model_state.load_state_dict(target)  # type: ignore[union-attr]
+        skipped = self._report.skipped_states
+        self._report = load_model_partially(step, entry.path, fmt, target, self.options, self.tracked,
+                                            strict=self.options.strict and not self.config.is_peft, log=self.log,
+                                            progress=lambda subset: _Progress(subset, f"restoring the model of "
+                                                                              f"{step.path.name}", self.log))
+        self._report.skipped_states = skipped
 
     def _check_signature(self, step_dir: Path, manifest: Manifest, target: dict[str, torch.Tensor]) -> bool:
         """Collective: refuse a checkpoint of another model from its manifest alone, before any tensor file is
