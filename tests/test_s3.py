@@ -584,3 +584,33 @@ def test_consolidate_a_checkpoint_in_a_bucket(bucket, tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "bundle")
     for k, v in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[k], v), k
+
+
+def test_restore_from_a_step_in_a_bucket_and_a_peft_adapter_there(bucket, tmp_path):
+    """``restore_from`` may name a step directory in any bucket folder (a local run starting from it), and a
+    PEFT run keeps its adapter checkpoints in a bucket as on a local folder."""
+    from toy import make_model
+
+    model, opt, mgr = _setup(f"s3://{bucket}/src")
+    with mgr:
+        mgr.save(step=7)
+    model2, _, other = _setup(str(tmp_path / "local"), restore_from=f"s3://{bucket}/src/epoch_0_step_7")
+    torch.manual_seed(1)
+    for p in model2.parameters():
+        p.data.normal_()
+    with other:
+        assert other.restore().step == 7
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
+
+    base = tmp_path / "base"
+    peft = make_model(seed=2, peft=True, base_dir=str(base))
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=f"s3://{bucket}/lora", is_peft=True), model=peft,
+                           base_model_path=str(base), rng=False) as m:
+        m.save(step=1)
+    assert any(k.endswith("adapter_model.safetensors") for k in _keys(bucket, "lora/"))
+    again = make_model(seed=3, peft=True, base_dir=str(tmp_path / "base2"))
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=f"s3://{bucket}/lora", is_peft=True), model=again,
+                           rng=False) as m:
+        assert m.restore().step == 1
+    trained = {k: v for k, v in peft.state_dict().items() if "lora_" in k}
+    assert trained and all(torch.equal(again.state_dict()[k], v) for k, v in trained.items())

@@ -138,7 +138,7 @@ class CheckpointConfig:
         for key in ("checkpoint_dir", "restore_from"):
             value = getattr(self, key)
             scheme = url_scheme(value) if isinstance(value, str) else None
-            if scheme == "s3" and key == "checkpoint_dir":
+            if scheme == "s3":
                 from .errors import require
                 from .storage.s3 import parse_s3_url
 
@@ -146,9 +146,8 @@ class CheckpointConfig:
                 require("boto3", extra="s3", purpose="checkpoints in object storage (s3://)")
             elif scheme:
                 # pathlib would read 's3://b/p' as the relative folder 's3:/b/p' and write there silently
-                raise ConfigError(f"{key}={value!r}: {scheme}:// locations are not supported"
-                                  + (" here; give a step name or LATEST/BEST of the s3:// checkpoint_dir"
-                                     if scheme == "s3" else "; give a local or mounted folder"))
+                raise ConfigError(f"{key}={value!r}: {scheme}:// locations are not supported; give a local or "
+                                  "mounted folder, or an s3:// location")
         if self.model_save_format not in MODEL_SAVE_FORMATS:
             raise ConfigError(
                 f"model_save_format={self.model_save_format!r} is not supported; use one of {list(MODEL_SAVE_FORMATS)}"

@@ -261,8 +261,15 @@ def restore_candidates(checkpoint_dir: "str | Path | Storage", restore_from: str
     if not Path(restore_from).is_absolute() and "/" not in restore_from and _exists(storage, restore_from):
         where, name = storage, restore_from
     else:
-        candidate = Path(restore_from)
-        where, name = open_storage(candidate.parent), candidate.name
+        from .storage import url_scheme
+
+        if url_scheme(restore_from) is not None:  # a step directory anywhere in a bucket
+            parent, _, leaf = restore_from.rstrip("/").rpartition("/")
+            where, name = open_storage(parent), leaf
+            candidate: Any = where.root / name
+        else:
+            candidate = Path(restore_from)
+            where, name = open_storage(candidate.parent), candidate.name
         if not name or not _exists(where, name):
             raise CheckpointNotFoundError(
                 f"restore_from={restore_from!r}: no such checkpoint (looked for {candidate} and {root / restore_from})"
