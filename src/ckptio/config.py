@@ -142,7 +142,10 @@ class CheckpointConfig:
                 from .errors import require
                 from .storage.s3 import parse_s3_url
 
-                parse_s3_url(value)
+                try:
+                    parse_s3_url(value)
+                except ConfigError as exc:
+                    raise ConfigError(f"{key}={value!r}: {exc}") from None
                 require("boto3", extra="s3", purpose="checkpoints in object storage (s3://)")
             elif scheme:
                 # pathlib would read 's3://b/p' as the relative folder 's3:/b/p' and write there silently
