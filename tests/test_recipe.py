@@ -161,3 +161,36 @@ def test_start_from_a_pretrained_folder_on_two_ranks(tmp_path):
     out = run(command(1, "tiny_llama_peft.yaml", *lora))
     assert f"Loaded pretrained weights from {bundle}" in out.stdout
     assert abs(losses(tmp_path / "c.jsonl")[1] - trained[30]) < 0.5
+
+
+@pytest.mark.slow
+def test_the_recipe_checkpoints_to_a_bucket_and_resumes_from_it(tmp_path):
+    """``--checkpoint.checkpoint_dir s3://…``: preempted and resumed through a bucket (the real S3 server on
+    127.0.0.1), with the same losses as an uninterrupted run to a local folder."""
+    import s3server
+
+    proc, url = s3server.start()
+    try:
+        ENV.update({"AWS_ENDPOINT_URL": url, **s3server.ENV})
+        import boto3
+
+        boto3.client("s3", endpoint_url=url, aws_access_key_id="test", aws_secret_access_key="test",
+                     region_name="us-east-1").create_bucket(Bucket="recipe")
+
+        def overrides(where: str, name: str) -> list[str]:
+            return ["--checkpoint.checkpoint_dir", where, "--step_scheduler.max_steps", "24",
+                    "--step_scheduler.ckpt_every_steps", "4", "--step_scheduler.val_every_steps", "8",
+                    "--log_file", str(tmp_path / f"{name}.jsonl"), "--data.num_sentences", "600"]
+
+        run(command(1, "tiny_llama.yaml", *overrides(str(tmp_path / "straight"), "straight")))
+        first = run_preempted(command(1, "tiny_llama.yaml", *overrides("s3://recipe/run", "resumed")),
+                              after="Saved checkpoint")
+        assert "SIGTERM received: saved step" in first
+        second = run(command(1, "tiny_llama.yaml", *overrides("s3://recipe/run", "resumed")))
+        assert "Loading checkpoint from s3://recipe/run/" in second.stdout
+        want, got = losses(tmp_path / "straight.jsonl"), losses(tmp_path / "resumed.jsonl")
+        assert sorted(got) == list(range(1, 25)) and got == want
+    finally:
+        for key in ("AWS_ENDPOINT_URL", *s3server.ENV):
+            ENV.pop(key, None)
+        proc.terminate()

@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from ckptio import CheckpointManager, ResumableDataLoader, StepScheduler, load_pretrained  # noqa: E402
+from ckptio import CheckpointManager, ResumableDataLoader, StepScheduler, load_pretrained, read_manifest  # noqa: E402
 from data import build_tokenizer, load_corpus, make_splits  # noqa: E402
 from recipe_config import RecipeConfig, RecipeConfigError, load_config, to_dict  # noqa: E402
 
@@ -260,7 +260,7 @@ class FinetuneRecipe:
             log(f"Best val_loss: {self.best.value:.4f} at step {self.best.step}")
         if saved is not None and self.cfg.peft.enabled:
             log(f"Load the adapter: peft.AutoPeftModelForCausalLM.from_pretrained({str(saved / 'model')!r})")
-        elif saved is not None and (saved / "model" / "consolidated").is_dir():
+        elif saved is not None and any(f.startswith("model/consolidated/") for f in read_manifest(saved).files):
             log(f"Load the model: transformers.AutoModelForCausalLM.from_pretrained("
                 f"{str(saved / 'model' / 'consolidated')!r})")
         elif saved is not None:
