@@ -119,8 +119,16 @@ def check_states(states: list[str] | None, known: list[str]) -> list[str] | None
 def refuse(report: LoadReport, where: object) -> None:
     """Raise the report as a :class:`CheckpointMismatchError` when it is not clean (``strict``)."""
     if not report.clean:
-        raise CheckpointMismatchError(f"{where} does not match the model (strict; pass strict=False to load what "
-                                      f"matches):\n{report.table()}")
+        problems = []
+        if report.missing:
+            problems.append(f"{len(report.missing)} key(s) missing from the checkpoint, e.g. {report.missing[:3]}")
+        if report.unexpected:
+            problems.append(f"{len(report.unexpected)} unexpected key(s) in the checkpoint, e.g. {report.unexpected[:3]}")
+        if report.mismatched:
+            problems.append(f"{len(report.mismatched)} shape/dtype mismatch(es): " + "; ".join(
+                f"{k}: checkpoint {a}, model {b}" for k, a, b in report.mismatched[:3]))
+        raise CheckpointMismatchError(f"{where} does not match the model: {' | '.join(problems)} (strict; pass "
+                                      f"strict=False to load what matches)\n{report.table()}")
 
 
 def as_info(value: Any) -> TensorInfo:
