@@ -37,7 +37,9 @@ def ranks(layout: str) -> int:
     return s["fsdp"] * s["tp"] * s["pp"]
 
 
-def _stage(model: torch.nn.Module, stage: int, stages: int) -> None:
+def keep_stage(model: torch.nn.Module, stage: int, stages: int) -> None:
+    """Keep this stage's layers (and the embedding on the first, the norm and head on the last); the other
+    modules become parameter-less, so the kept parameters keep their names."""
     per = LAYERS // stages
     for i in range(LAYERS):
         if not stage * per <= i < (stage + 1) * per:
@@ -61,7 +63,7 @@ def build(layout: str, seed: int, *, dtype: torch.dtype = torch.float32, step: b
     model = LlamaForCausalLM(llama_config(num_hidden_layers=LAYERS, tie_word_embeddings=False,
                                           attention_dropout=0.0)).to(dtype)
     if sizes["pp"] > 1:
-        _stage(model, dist.get_rank(), sizes["pp"])
+        keep_stage(model, dist.get_rank(), sizes["pp"])
     if sizes["tp"] > 1 or sizes["fsdp"] > 1:
         from torch.distributed.device_mesh import init_device_mesh
 

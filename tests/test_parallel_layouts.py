@@ -13,25 +13,11 @@ import pytest
 import torch
 
 from distributed import run_ranks
+from layouts import LAYERS, keep_stage
 
 pytestmark = pytest.mark.slow  # multi-process: left out of the quick loop (-m 'not slow')
 
 FORMATS = ("safetensors", "torch_save")
-LAYERS = 4
-
-
-def _stage(model: torch.nn.Module, stage: int, stages: int) -> torch.nn.Module:
-    """Keep this stage's layers (and the embedding on the first, the norm and head on the last)."""
-    per = LAYERS // stages
-    for i in range(LAYERS):
-        if not stage * per <= i < (stage + 1) * per:
-            model.model.layers[i] = torch.nn.Identity()
-    if stage != 0:
-        model.model.embed_tokens = torch.nn.Identity()
-    if stage != stages - 1:
-        model.model.norm = torch.nn.Identity()
-        model.lm_head = torch.nn.Identity()
-    return model
 
 
 def _build(seed: int, stages: int, stage: int):
@@ -42,7 +28,7 @@ def _build(seed: int, stages: int, stage: int):
     torch.manual_seed(seed)
     model = LlamaForCausalLM(llama_config(num_hidden_layers=LAYERS, tie_word_embeddings=False, attention_dropout=0.0))
     if stages > 1:
-        model = _stage(model, stage, stages)
+        keep_stage(model, stage, stages)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     return model, opt
 
