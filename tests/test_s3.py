@@ -408,15 +408,30 @@ class _FaultyProxy:
         self.server.server_close()
 
 
-def test_transient_server_errors_and_dropped_connections_are_retried(bucket, s3_server, monkeypatch):
+def _resumes_exactly(url: str, server: str, monkeypatch, model, step: int) -> None:
+    """Straight to the server again: a fully verified resume takes ``step`` with ``model``'s exact weights."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", server)
+    model2, _, again = _setup(url, verify="full")
+    with again:
+        assert again.restore().step == step
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
+
+
+def _nth(match, answers: dict[int, str]):
+    """A proxy rule: the n-th request ``match(method, path)`` accepts gets ``answers[n]`` (else passes)."""
     calls = {"n": 0}
 
     def rule(method: str, path: str, query: str) -> str:
-        if method in ("PUT", "POST") and "/r2/" in path:
-            calls["n"] += 1
-            return {1: "503", 4: "drop", 7: "503"}.get(calls["n"], "pass")
-        return "pass"
+        if not match(method, path):
+            return "pass"
+        calls["n"] += 1
+        return answers.get(calls["n"], "pass")
 
+    return rule
+
+
+def test_transient_server_errors_and_dropped_connections_are_retried(bucket, s3_server, monkeypatch):
+    rule = _nth(lambda method, path: method in ("PUT", "POST") and "/r2/" in path, {1: "503", 4: "drop", 7: "503"})
     proxy = _FaultyProxy(s3_server, rule)
     try:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
@@ -428,11 +443,7 @@ def test_transient_server_errors_and_dropped_connections_are_retried(bucket, s3_
     finally:
         proxy.close()
     assert {f[0] for f in proxy.faults} == {"503", "drop"}, proxy.faults
-    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server)
-    model2, _, again = _setup(f"s3://{bucket}/r2", verify="full")
-    with again:
-        assert again.restore().step == 2
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
+    _resumes_exactly(f"s3://{bucket}/r2", s3_server, monkeypatch, model, 2)
 
 
 def test_a_server_that_keeps_failing_fails_the_save_cleanly(bucket, s3_server, monkeypatch):
@@ -527,14 +538,8 @@ def test_inspect_and_convert_work_on_bucket_paths(bucket, tmp_path):
 def test_a_conditional_write_conflict_is_retried(bucket, s3_server, monkeypatch):
     """Real S3 answers 409 ConditionalRequestConflict to a conditional PUT racing another one on the same key
     and asks for a retry: the manifest's create-only PUT is retried (with its body rewound) and commits."""
-    calls = {"n": 0}
-
-    def rule(method: str, path: str, query: str) -> str:
-        if method == "PUT" and path.endswith("/c409/epoch_0_step_1/manifest.json"):
-            calls["n"] += 1
-            return "409" if calls["n"] <= 2 else "pass"
-        return "pass"
-
+    rule = _nth(lambda method, path: method == "PUT" and path.endswith("/c409/epoch_0_step_1/manifest.json"),
+                {1: "409", 2: "409"})
     proxy = _FaultyProxy(s3_server, rule)
     try:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
@@ -544,11 +549,7 @@ def test_a_conditional_write_conflict_is_retried(bucket, s3_server, monkeypatch)
     finally:
         proxy.close()
     assert [f[0] for f in proxy.faults] == ["409", "409"], proxy.faults
-    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server)
-    model2, _, again = _setup(f"s3://{bucket}/c409", verify="full")
-    with again:
-        assert again.restore().step == 1
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
+    _resumes_exactly(f"s3://{bucket}/c409", s3_server, monkeypatch, model, 1)
 
 
 def test_consolidate_a_checkpoint_in_a_bucket(bucket, tmp_path):
