@@ -491,6 +491,7 @@ def test_sigkill_during_saves_to_a_bucket_never_leaves_a_torn_checkpoint(bucket)
     print(f"s3 kill tally: 3 trials, {mid_write} killed mid-write")
 
 
+@pytest.mark.slow  # several CLI processes end to end
 def test_inspect_and_convert_work_on_bucket_paths(bucket, tmp_path):
     """``ckptio inspect`` and ``convert`` take s3:// step directories as sources and s3:// destinations; a
     source whose object was damaged is refused before anything is converted."""
@@ -552,6 +553,7 @@ def test_a_conditional_write_conflict_is_retried(bucket, s3_server, monkeypatch)
     _resumes_exactly(f"s3://{bucket}/c409", s3_server, monkeypatch, model, 1)
 
 
+@pytest.mark.slow  # several CLI processes end to end
 def test_consolidate_a_checkpoint_in_a_bucket(bucket, tmp_path):
     """``ckptio consolidate s3://…/step`` adds the bundle to the checkpoint as a new version (manifest replaced
     last, listing and checksumming the bundle: a full verify passes) or writes it into a local --out."""
