@@ -287,11 +287,11 @@ class Restorer:
                 rel = f"{entry.path}/{rank_file(rank)}"
                 if manifest.world_size != world:
                     if rank == 0:
-                        self.log.warning(
-                            "%s: %r was saved per rank on %d rank(s) and is restored on %d; each rank takes the "
-                            "state saved by the same rank number, ranks beyond %d keep their own",
-                            step.path, name, manifest.world_size, world, manifest.world_size,
-                        )
+                        rest = (f"ranks {manifest.world_size}-{world - 1} keep their own" if world > manifest.world_size
+                                else f"the states of ranks {world}-{manifest.world_size - 1} are not used")
+                        self.log.warning("%s: %r was saved per rank on %d rank(s) and is restored on %d; each rank "
+                                         "takes the state saved by the same rank number, %s",
+                                         step.path, name, manifest.world_size, world, rest)
                     if rank >= manifest.world_size:
                         rel = None
 
