@@ -6,6 +6,7 @@ real boto3 client, configured only through the standard AWS environment variable
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import textwrap
@@ -408,9 +409,20 @@ class _FaultyProxy:
         self.server.server_close()
 
 
-def _resumes_exactly(url: str, server: str, monkeypatch, model, step: int) -> None:
-    """Straight to the server again: a fully verified resume takes ``step`` with ``model``'s exact weights."""
-    monkeypatch.setenv("AWS_ENDPOINT_URL", server)
+@contextlib.contextmanager
+def _through(server: str, monkeypatch, rule):
+    """The client talks to the server through a :class:`_FaultyProxy` applying ``rule`` inside the block."""
+    proxy = _FaultyProxy(server, rule)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    try:
+        yield proxy
+    finally:
+        proxy.close()
+        monkeypatch.setenv("AWS_ENDPOINT_URL", server)
+
+
+def _resumes_exactly(url: str, model, step: int) -> None:
+    """Past the proxy, straight to the server: a fully verified resume takes ``step`` with ``model``'s exact weights."""
     model2, _, again = _setup(url, verify="full")
     with again:
         assert again.restore().step == step
@@ -432,18 +444,14 @@ def _nth(match, answers: dict[int, str]):
 
 def test_transient_server_errors_and_dropped_connections_are_retried(bucket, s3_server, monkeypatch):
     rule = _nth(lambda method, path: method in ("PUT", "POST") and "/r2/" in path, {1: "503", 4: "drop", 7: "503"})
-    proxy = _FaultyProxy(s3_server, rule)
-    try:
-        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    with _through(s3_server, monkeypatch, rule) as proxy:
         model, opt, mgr = _setup(f"s3://{bucket}/r2")
         with mgr:
             mgr.save(step=1)
             _train(model, opt, 1, 3)
             mgr.save(step=2)
-    finally:
-        proxy.close()
     assert {f[0] for f in proxy.faults} == {"503", "drop"}, proxy.faults
-    _resumes_exactly(f"s3://{bucket}/r2", s3_server, monkeypatch, model, 2)
+    _resumes_exactly(f"s3://{bucket}/r2", model, 2)
 
 
 def test_a_server_that_keeps_failing_fails_the_save_cleanly(bucket, s3_server, monkeypatch):
@@ -455,9 +463,7 @@ def test_a_server_that_keeps_failing_fails_the_save_cleanly(bucket, s3_server, m
         return "503" if failing["on"] and method in ("PUT", "POST") and "epoch_0_step_2" in path else "pass"
 
     monkeypatch.setattr(s3mod._common, "MAX_ATTEMPTS", 2)
-    proxy = _FaultyProxy(s3_server, rule)
-    try:
-        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    with _through(s3_server, monkeypatch, rule):
         model, opt, mgr = _setup(f"s3://{bucket}/r3")
         with mgr:
             mgr.save(step=1)
@@ -466,9 +472,6 @@ def test_a_server_that_keeps_failing_fails_the_save_cleanly(bucket, s3_server, m
             with pytest.raises(s3mod.S3Error, match=r"s3://.*/r3/epoch_0_step_2/.*SlowDown"):
                 mgr.save(step=2)
             assert time.time() - start < 60
-    finally:
-        proxy.close()
-    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server)
     assert "r3/epoch_0_step_2/manifest.json" not in _keys(bucket, "r3/")
     _, _, again = _setup(f"s3://{bucket}/r3")
     with again:
@@ -541,16 +544,12 @@ def test_a_conditional_write_conflict_is_retried(bucket, s3_server, monkeypatch)
     and asks for a retry: the manifest's create-only PUT is retried (with its body rewound) and commits."""
     rule = _nth(lambda method, path: method == "PUT" and path.endswith("/c409/epoch_0_step_1/manifest.json"),
                 {1: "409", 2: "409"})
-    proxy = _FaultyProxy(s3_server, rule)
-    try:
-        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    with _through(s3_server, monkeypatch, rule) as proxy:
         model, _, mgr = _setup(f"s3://{bucket}/c409")
         with mgr:
             mgr.save(step=1)
-    finally:
-        proxy.close()
     assert [f[0] for f in proxy.faults] == ["409", "409"], proxy.faults
-    _resumes_exactly(f"s3://{bucket}/c409", s3_server, monkeypatch, model, 1)
+    _resumes_exactly(f"s3://{bucket}/c409", model, 1)
 
 
 @pytest.mark.slow  # several CLI processes end to end

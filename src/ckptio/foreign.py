@@ -40,6 +40,11 @@ def is_foreign(restore_from: str | None) -> bool:
     return fmt.name != "step_dir" and fmt.readable
 
 
+def _slice_of(full: Any, view: Any) -> Any:
+    """The part of a whole source tensor that a rank's local view (``plan.local_view``) covers."""
+    return full[tuple(slice(o, o + n) for o, n in zip(view.offsets, view.local.shape))]
+
+
 def restore_foreign_adam(path: Path, model_state: Any, optimizer: Any, log: Any) -> bool:
     """Collective: give ``optimizer`` (Adam or AdamW) the source's moments and step, each rank its slices.
     Returns whether the source had them; any other optimizer, or a source without them, starts fresh."""
@@ -58,15 +63,15 @@ def restore_foreign_adam(path: Path, model_state: Any, optimizer: Any, log: Any)
             return False
         step, moments = found
         names = {id(p): model_state._strip(n) for n, p in model_state.model.named_parameters()}
+        indexes = {moment: source.index() for moment, source in moments.items()}
         for group in optimizer.param_groups:
             for p in group["params"]:
                 state: dict[str, Any] = {"step": torch.tensor(step, dtype=torch.float32)}
+                view = local_view(p.detach())
                 for moment, source in moments.items():
-                    if names[id(p)] not in source.index():
+                    if names[id(p)] not in indexes[moment]:
                         raise CheckpointMismatchError(f"{path}: no {moment} for {names[id(p)]!r}")
-                    view = local_view(p.detach())
-                    box = tuple(slice(o, o + n) for o, n in zip(view.offsets, view.local.shape))
-                    local = source.read(names[id(p)])[box].to(view.local.dtype).clone()
+                    local = _slice_of(source.read(names[id(p)]), view).to(view.local.dtype).clone()
                     state[moment] = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False) \
                         if isinstance(p, DTensor) else local
                 optimizer.state[p] = state
@@ -98,8 +103,7 @@ def restore_foreign(path: Path, model_state: Any, *, strict: bool, log: Any) -> 
                 view = local_view(value)
                 if view.local.numel() == 0:
                     continue
-                box = tuple(slice(o, o + n) for o, n in zip(view.offsets, view.local.shape))
-                view.local.copy_(opened.source.read(key)[box])
+                view.local.copy_(_slice_of(opened.source.read(key), view))
             return opened.step
         finally:
             opened.close()

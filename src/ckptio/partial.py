@@ -26,10 +26,6 @@ from .formats.common import TensorInfo
 
 __all__ = ["LoadOptions", "LoadReport", "plan_model_load", "check_states", "load_model_partially"]
 
-STATE_NAMES = ("model", "optim")
-"""Besides these, the names of the registered objects (``lr_scheduler``, ``dataloader``, ``rng``...)."""
-
-
 @dataclass
 class LoadReport:
     """What a restore did with each key of the model (see the module doc)."""
@@ -97,10 +93,8 @@ def plan_model_load(saved: dict[str, TensorInfo | None], live: dict[str, TensorI
                 continue
             report.cast.append((key, theirs.dtype, ours.dtype))  # type: ignore[union-attr]
         report.loaded.append(key)
-    excluded = set(report.excluded)
-    report.unexpected = sorted(k for k in saved if k not in live and not any(
-        fnmatch.fnmatchcase(k, p) for p in exclude) and k not in excluded)
-    report.loaded = [k for k in report.loaded if k in mine] if mine != set(live) else report.loaded
+    report.unexpected = sorted(k for k in saved if k not in live and not any(fnmatch.fnmatchcase(k, p) for p in exclude))
+    report.loaded = [k for k in report.loaded if k in mine]  # a pipeline stage fills its own keys only
     return report
 
 

@@ -281,10 +281,8 @@ class MegatronSource:
         rows = self._index["embedding.word_embeddings.weight"].shape[0] if "embedding.word_embeddings.weight" in \
             self._index else 0
         self.config = llama_config(args, self.folder, self.info["layers"], rows)
-        if not self.config["tie_word_embeddings"]:
-            pass
-        elif "output_layer.weight" in self._index:  # a last-stage copy of the tied embedding
-            del self._index["output_layer.weight"]
+        if self.config["tie_word_embeddings"]:  # a last-stage copy of the tied embedding is not a weight of its own
+            self._index.pop("output_layer.weight", None)
         self.vocab = self.config["vocab_size"]
         for key in VOCAB_KEYS:
             if key in self._index:

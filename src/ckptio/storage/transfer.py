@@ -1,15 +1,16 @@
 """Whole folders between object storage and a local disk, for the commands that work on local files.
 
 ``convert`` reads and writes formats through local paths. With an ``s3://`` source, the folder is first
-copied down (:func:`copy_down`) into a private temporary folder — a step directory checked against its
-manifest's checksums as it arrives, so a damaged object is refused, never converted; with an ``s3://``
-destination the result is written locally and copied up (:func:`copy_up`), its ``manifest.json`` (if
-any) last, into a prefix that must not exist yet.
+copied down (:func:`copy_down`) into a private temporary folder — a step directory's copy is checked
+against its manifest's checksums before it is used, so a damaged object is refused, never converted;
+with an ``s3://`` destination the result is written locally and copied up (:func:`copy_up`), its
+``manifest.json`` (if any) last, with create-only writes into a prefix the caller found empty.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
 from ..errors import CheckpointError
 
 __all__ = ["copy_down", "copy_up", "exists"]
@@ -43,20 +44,20 @@ def copy_down(url: str, dest: Path) -> Path:
 
 
 def copy_up(src: Path, url: str) -> str:
-    """Upload the local file or folder ``src`` to the new location ``url`` (nothing may exist there)."""
+    """Upload the local file or folder ``src`` to the new location ``url`` (check it with :func:`exists` first:
+    every object is written create-only, so one already there fails the upload rather than being replaced)."""
+    from ..manifest import MANIFEST_NAME
     from .s3 import S3Path, parse_s3_url
     from .s3.writer import upload_file
 
     bucket, prefix = parse_s3_url(url)
     if not prefix:
         raise CheckpointError(f"{url}: name a new folder inside the bucket (s3://bucket/name)")
-    if exists(url):
-        raise CheckpointError(f"{url} already exists; convert into a new location")
     files = [src] if src.is_file() else sorted(p for p in src.rglob("*") if p.is_file())
-    files.sort(key=lambda p: p.name == "manifest.json")  # the commit point goes last
+    files.sort(key=lambda p: p.name == MANIFEST_NAME)  # the commit point goes last
     for path in files:
         rel = path.name if src.is_file() else path.relative_to(src).as_posix()
-        key = f"{prefix}/{rel}" if prefix else rel
+        key = f"{prefix}/{rel}"
         upload_file(path, bucket, key, S3Path(bucket, *key.split("/")), if_none_match=True)
     return url
 
