@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import shutil
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -185,13 +183,14 @@ def write(source: Any, extras: Path | None, out: Path, *, tp: int, pp: int, layo
     _check_llama(config, cfg)
     args = megatron_args(config, tp, pp, "torch_dist" if layout == "dist" else "torch")
     tensors = _tensors(source, config, args)
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    from ..storage import LocalFolderWriter
+
+    writer = LocalFolderWriter.create(out)  # fsynced and renamed into place at commit, like every convert output
     try:
-        it = work / f"iter_{iteration:07d}"
-        it.mkdir()
-        (write_dist if layout == "dist" else write_legacy)(it, tensors, args, iteration)
-        (work / ITERATION_FILE).write_text(str(iteration))
-        work.rename(out)
+        (write_dist if layout == "dist" else write_legacy)(writer.local_path(f"iter_{iteration:07d}"), tensors, args,
+                                                           iteration)
+        writer.write_bytes(ITERATION_FILE, str(iteration).encode())
+        writer.commit()
     except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
+        writer.abort()
         raise
