@@ -150,6 +150,21 @@ class LoadOptions:
         return self.states is None or state in self.states
 
 
+def plan_partially(step: Any, rel: str, fmt: Any, target: dict[str, Any],
+                   options: LoadOptions) -> tuple[Any, dict[str, Any], LoadReport]:
+    """Collective: (the model folder, its index, the plan) for loading ``step``'s model into ``target``."""
+    from . import _dist
+
+    folder = _dist.run_collectively("opening the model folder", lambda: step.sub(rel))
+    saved = _dist.run_collectively("reading the model index", lambda: fmt.index(folder))
+    ours = {k: as_info(v) for k, v in target.items()}
+    live: dict[str, Any] = {}
+    for part in (_dist.all_gather_object(ours) if _dist.world_size() > 1 else [ours]):
+        live.update(part)  # pipeline stages hold different keys
+    return folder, saved, plan_model_load(saved, live, set(target), exclude=options.exclude,
+                                          cast_dtype=options.cast_dtype)
+
+
 def load_model_partially(step: Any, rel: str, fmt: Any, target: dict[str, Any], options: LoadOptions, tracked: Any,
                          *, strict: bool, log: Any, progress: Any) -> LoadReport:
     """Collective: fill the keys of ``target`` the plan loads (casting where chosen), keep the others, apply it to
@@ -161,13 +176,7 @@ def load_model_partially(step: Any, rel: str, fmt: Any, target: dict[str, Any], 
     from .formats.common import torch_dtype
     from .formats.registry import ShardContext
 
-    folder = _dist.run_collectively("opening the model folder", lambda: step.sub(rel))
-    saved = _dist.run_collectively("reading the model index", lambda: fmt.index(folder))
-    ours = {k: as_info(v) for k, v in target.items()}
-    live: dict[str, Any] = {}
-    for part in (_dist.all_gather_object(ours) if _dist.world_size() > 1 else [ours]):
-        live.update(part)  # pipeline stages hold different keys
-    report = plan_model_load(saved, live, set(target), exclude=options.exclude, cast_dtype=options.cast_dtype)
+    folder, saved, report = plan_partially(step, rel, fmt, target, options)
     if strict:
         refuse(report, step.path)
     elif _dist.rank() == 0 and (not report.clean or report.excluded or report.cast):

@@ -34,7 +34,7 @@ from .formats import registry
 from .formats.common import TensorInfo, check_compatible, torch_dtype
 from .formats.registry import ShardContext
 from .foreign import is_foreign, restore_foreign, restore_foreign_adam
-from .partial import LoadOptions, LoadReport, load_model_partially
+from .partial import LoadOptions, LoadReport, load_model_partially, plan_partially, refuse
 from .layout import LATEST, parse_step_name, rank_file, restore_candidates
 from .manifest import Manifest, StateEntry, merge_shapes, model_signature, read_manifest
 from .saving import Tracked
@@ -193,8 +193,8 @@ class Restorer:
         try:
             checked = self._check_signature(step.path, manifest, target)
         except CheckpointMismatchError:  # every rank raised: refuse with the report's table, key by key
-            self._load_model_partially(step, entry, fmt, target)
-            raise
+            refuse(plan_partially(step, entry.path, fmt, target, self.options)[2], step.path)
+            raise  # the manifest and the files disagree: the manifest's verdict stands
         folder = _dist.run_collectively("opening the model folder", lambda: step.sub(entry.path))
         # once the signature was checked against every rank's keys together, each rank's own read only needs
         # its keys present (a pipeline stage holds some of the model's keys)
