@@ -94,7 +94,7 @@ def save(state_dict: dict[str, torch.Tensor], writer: "FolderWriter | str | Path
         raise error
     if gather is not None:
         owners = chunk_owners(everyone)  # type: ignore[arg-type]
-        mine = {k for k, v in views.items() if owners.get((k, v.offsets)) == rank and v.owner is not False}
+        mine = {k for k, v in views.items() if owners.get((k, v.offsets)) == rank}  # only offered chunks are owned
     else:
         mine = {k for k, v in views.items() if (rank == 0 if v.owner is None else v.owner)}
     tensors: dict[str, torch.Tensor] = {}
