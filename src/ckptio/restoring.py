@@ -41,7 +41,7 @@ from .saving import Tracked
 from .storage import open_storage
 from .storage.base import Storage
 from .storage.confined import Folder
-from .storage.verify import Verifier
+from .storage.verify import Verifier, finishers
 
 __all__ = ["RestoreInfo", "Restorer"]
 
@@ -151,10 +151,10 @@ class Restorer:
         return info
 
     def _finish_verification(self, verifier: Verifier) -> None:
-        """Collective: each file read during the load is completed and compared by the lowest rank that read it."""
+        """Collective: each file read during the load is completed and compared by the rank that hashed most of it
+        (the lowest of those, on a tie), so a file every rank opened for its header is not read twice."""
         rank = _dist.rank()
-        opened = _dist.all_gather_object(sorted(verifier.opened))
-        mine = [f for f in opened[rank] if not any(f in opened[r] for r in range(rank))]
+        mine = finishers(_dist.all_gather_object(verifier.hashed()))[rank]
         problems = _dist.run_collectively("verifying checksums", lambda: verifier.finish(mine))
         found = [p for part in _dist.all_gather_object(problems) for p in part]
         if found:

@@ -154,13 +154,14 @@ class SafetensorsFile:
 
     def read_rows_into(self, key: str, first: int, out: torch.Tensor) -> None:
         """Read rows ``first : first + len(out)`` of ``key`` straight into ``out`` (contiguous, same dtype,
-        same trailing dimensions)."""
+        same trailing dimensions). ``out`` is a load's destination: under a verifier its last bytes may still be
+        being hashed when this returns, so nothing may write to it before the verifier finishes."""
         e = self.entry(key)
         row = e.dtype.itemsize
         for d in e.shape[1:]:
             row *= d
         if out.numel():
-            self.handle.readinto(_bytes_of(out), e.begin + first * row)
+            self.handle.readinto(_bytes_of(out), e.begin + first * row, settle=False)
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:

@@ -326,31 +326,35 @@ class ReadHandle:
             os.close(self.fd)
             self.fd = -1
 
-    def readinto(self, buf: Any, offset: int) -> None:
-        """Fill all of ``buf`` (a writable buffer) from ``offset``; a short file is an error naming it."""
+    def readinto(self, buf: Any, offset: int, *, settle: bool = True) -> None:
+        """Fill all of ``buf`` (a writable buffer) from ``offset``; a short file is an error naming it.
+
+        Under a verifier the bytes are hashed on its thread while the next piece is read. ``settle=False``
+        is for a destination nobody writes to until the verifier finishes (a restore's target tensors):
+        the read returns before its last pieces are hashed, so the next read overlaps them too.
+        """
         view = memoryview(buf).cast("B")
         n = view.nbytes
         if offset < 0 or offset + n > self.size:
             raise CheckpointCorruptError(f"{self.path}: a read of {n} bytes at {offset} runs past its end "
                                          f"({self.size} bytes)")
         h = self._hash
-        if h is None or n <= _PIECE:
+        if h is None:
             self._pread(view, offset)
-            if h is not None:
-                h.update(offset, view, self)
             return
-        # a long read being verified: hash each piece on the verifier's thread while the next one is read
-        # (CRC-32C releases the GIL), and wait for the last before returning, so the caller's buffer is
-        # never hashed after it has it back
-        pending = None
-        for start in range(0, n, _PIECE):
+        if n <= _PIECE and settle and h.idle():
+            self._pread(view, offset)  # small: hashed here, cheaper than a hand-over
+            h.update(offset, view, self)
+            return
+        # CRC-32C releases the GIL, so the verifier's thread hashes a piece while this one reads the next;
+        # pieces reach it in file order, and a settled read waits for its own before returning, so the
+        # caller's buffer is never hashed after it has it back
+        for start in range(0, max(n, 1), _PIECE):
             piece = view[start:start + _PIECE]
             self._pread(piece, offset + start)
-            if pending is not None:
-                pending.result()
-            pending = h.submit(offset + start, piece, self)
-        if pending is not None:
-            pending.result()
+            h.submit(offset + start, piece, self)
+        if settle:
+            h.wait()
 
     def _pread(self, view: memoryview, offset: int) -> None:
         done, n = 0, view.nbytes

@@ -11,6 +11,7 @@ are read in passing). Long reads are hashed in pieces on a helper thread while t
 from __future__ import annotations
 
 import threading
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError
@@ -20,7 +21,7 @@ from .confined import Folder
 if TYPE_CHECKING:
     from .confined import ReadHandle
 
-__all__ = ["Verifier"]
+__all__ = ["Verifier", "finishers"]
 
 _CHUNK = 8 * 1024 * 1024
 
@@ -36,25 +37,54 @@ class _Hash:
 
     SMALL = 1 << 20
     BUDGET = 64 << 20
+    BACKLOG = 256 << 20
+    """Bytes read but not hashed yet, at most (their buffers are the reads' destinations, held until hashed)."""
     GAP = 64 << 10
     """A hole of up to this many bytes before a read (padding a reader skipped) is read and hashed in passing."""
 
     def __init__(self, pool: "Any | None" = None) -> None:
         self.running = RunningChecksum()
         self.lock = threading.Lock()
+        self.queue_lock = threading.Lock()
         self.pool = pool
         self.pending: dict[int, bytes] = {}
         self.pending_bytes = 0
+        self.backlog: deque[tuple[Any, int]] = deque()
+        self.backlog_bytes = 0
 
-    def submit(self, offset: int, view: memoryview, handle: "ReadHandle") -> Any:
+    def submit(self, offset: int, view: memoryview, handle: "ReadHandle") -> None:
+        """Hash ``view`` (the bytes at ``offset``) on the verifier's thread, after every piece submitted before.
+
+        The pieces not hashed yet keep their buffers alive; past :attr:`BACKLOG` bytes of them, this waits
+        for the oldest, so a reader faster than the hash never holds much memory that way.
+        """
         if self.pool is None:
-            from concurrent.futures import Future
-
-            done: Future = Future()
             self.update(offset, view, handle)
-            done.set_result(None)
-            return done
-        return self.pool.submit(self.update, offset, view, handle)
+            return
+        self.backlog.append((self.pool.submit(self.update, offset, view, handle), view.nbytes))
+        with self.queue_lock:
+            self.backlog_bytes += view.nbytes
+        while self.backlog_bytes > self.BACKLOG:
+            self._wait_oldest()
+
+    def idle(self) -> bool:
+        """Nothing submitted is still waiting to be hashed (so a read may be hashed on the caller's thread)."""
+        while self.backlog and self.backlog[0][0].done():
+            self._wait_oldest()
+        return not self.backlog
+
+    def wait(self) -> None:
+        """Every piece submitted so far has been hashed."""
+        while self.backlog:
+            self._wait_oldest()
+
+    def _wait_oldest(self) -> None:
+        with self.queue_lock:
+            if not self.backlog:
+                return
+            future, n = self.backlog.popleft()
+            self.backlog_bytes -= n
+        future.result()
 
     def update(self, offset: int, view: memoryview, handle: "ReadHandle") -> None:
         with self.lock:
@@ -127,11 +157,24 @@ class Verifier:
         """Files that some handle of this process read (relative to the root)."""
         return set(self._hashes)
 
-    def finish(self, files: list[str], progress: "Any | None" = None) -> list[str]:
-        """Complete and compare the checksums of ``files``; return the problems (empty: all good)."""
+    def settle(self) -> None:
+        """Wait until every byte read so far is hashed (a failed piece is simply read again by :meth:`finish`)."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        for h in self._hashes.values():
+            h.pool = None  # a read after this hashes on the reader's thread
+            h.backlog.clear()
+            h.backlog_bytes = 0
+
+    def hashed(self) -> dict[str, int]:
+        """For each file some handle read: how many bytes from its start are hashed (after :meth:`settle`)."""
+        self.settle()
+        return {rel: h.running.size for rel, h in self._hashes.items()}
+
+    def finish(self, files: list[str], progress: "Any | None" = None) -> list[str]:
+        """Complete and compare the checksums of ``files``; return the problems (empty: all good)."""
+        self.settle()
         problems = []
         plain = self.root.plain()  # no verifier: the tail reads hash below
         for rel in files:
@@ -157,3 +200,20 @@ class Verifier:
             if h.running.digest != want:
                 problems.append(f"{self.root.path / rel}: checksum {h.running.digest}, manifest says {want} (corrupted)")
         return problems
+
+
+def finishers(hashed: list[dict[str, int]]) -> list[list[str]]:
+    """Which rank completes which file's checksum, from every rank's :meth:`Verifier.hashed`.
+
+    Each file goes to the rank that hashed most of it (the lowest such rank on a tie): the others read
+    little of it, often just its header while planning, and the finisher only reads what it has not hashed.
+    """
+    best: dict[str, tuple[int, int]] = {}
+    for rank, files in enumerate(hashed):
+        for rel, n in files.items():
+            if rel not in best or n > best[rel][0]:
+                best[rel] = (n, rank)
+    out: list[list[str]] = [[] for _ in hashed]
+    for rel in sorted(best):
+        out[best[rel][1]].append(rel)
+    return out
