@@ -15,6 +15,7 @@ import json
 import os
 import pickle
 import shutil
+import struct
 import subprocess
 import sys
 import tarfile
@@ -296,7 +297,7 @@ def test_a_flipped_bit_in_the_data_is_caught_while_loading_by_default(tmp_path, 
     _save_two(tmp_path, fmt)
     victim = next((tmp_path / "epoch_0_step_2" / "model").glob("*.safetensors" if fmt == "safetensors" else "*.distcp"))
     data = bytearray(victim.read_bytes())
-    data[-5] ^= 0x01  # inside the tensor data: same size, the file still parses
+    data[data.rindex(struct.pack("<f", 2.0)) + 1] ^= 0x01  # inside a weight of step 2: same size, still parses
     victim.write_bytes(bytes(data))
     model = _mlp()
     info = _manager(tmp_path, model, fmt).restore()  # the default config verifies every byte it reads

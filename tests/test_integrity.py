@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
@@ -53,7 +54,7 @@ def test_flipped_bit_is_reported_and_resume_falls_back(tmp_path, fmt):
     _save(tmp_path, fmt)
     victim = next((tmp_path / "epoch_0_step_2" / "model").glob("*.safetensors" if fmt == "safetensors" else "*.distcp"))
     data = bytearray(victim.read_bytes())
-    data[-5] ^= 0x01  # one bit inside the tensor data: same size, the file still parses
+    data[data.rindex(struct.pack("<f", 2.0)) + 1] ^= 0x01  # one bit of a step-2 weight: same size, still parses
     victim.write_bytes(bytes(data))
     out = subprocess.run([CKPTIO, "verify", str(tmp_path / "epoch_0_step_2")], capture_output=True, text=True)
     assert out.returncode == 1 and victim.name in out.stdout and "checksum" in out.stdout

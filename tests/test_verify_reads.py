@@ -113,3 +113,20 @@ def test_two_ranks_restore_verified_and_catch_damage_in_the_other_ranks_shard(tm
     assert run_ranks(2, _fsdp_restore, root=str(tmp_path / "clean"), damage=False) == ["ok", "ok"]
     errors = run_ranks(2, _fsdp_restore, root=str(tmp_path / "bad"), damage=True)
     assert all("checksum" in e and ".safetensors" in e for e in errors), errors
+
+
+def test_closing_a_handle_lets_its_queued_hashes_finish_first(tmp_path):
+    """A queued piece may read a small skipped hole through its handle's descriptor: closing the handle
+    waits for it (were the descriptor closed first, its number could be reused by the next file opened,
+    and that file's bytes hashed instead)."""
+    size = 9 * MiB
+    folder, verifier, data = _file(tmp_path, size)
+    tail = size - 4096
+    for _ in range(3):
+        v = Verifier(Folder(tmp_path), {"blob.bin": verifier.checksums["blob.bin"]})
+        with Folder(tmp_path, verifier=v).open("blob.bin") as handle:
+            handle.readinto(bytearray(4096), tail, settle=False)  # ahead: kept aside
+            out = torch.empty(tail - 1000, dtype=torch.uint8)  # then the body, short of a 1000-byte hole
+            handle.readinto(memoryview(out.numpy()), 0, settle=False)
+        assert v.hashed() == {"blob.bin": size}  # the hole was read through the still-open descriptor
+        assert v.finish(["blob.bin"]) == []

@@ -323,6 +323,14 @@ class ReadHandle:
 
     def close(self) -> None:
         if self.fd >= 0:
+            if self._hash is not None:
+                # pieces still queued for the verifier may read through this descriptor (a small hole they
+                # skip is read in passing): they go first, or a reused descriptor number would feed the
+                # hash another file's bytes. A piece that failed is read again when the verifier finishes.
+                try:
+                    self._hash.wait()
+                except Exception:  # noqa: BLE001
+                    pass
             os.close(self.fd)
             self.fd = -1
 
