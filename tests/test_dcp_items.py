@@ -116,3 +116,48 @@ def test_damaged_archives_are_refused_naming_the_file(tmp_path, damage):
         handle, stored = _stored(tmp_path, bytes(blob))
         assert stored is not None
         read_into(handle, stored, [0], [12], torch.empty(12))
+
+
+# ---------------------------------------------------------------------------------------- 2 ranks
+def _resume_past_damage_one_rank_sees(root: str) -> tuple[int, bool]:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from ckptio import CheckpointConfig, CheckpointManager
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(2)])
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    model, opt = build()
+    cfg = CheckpointConfig(checkpoint_dir=root, model_save_format="torch_save")
+    snapshot = None
+    with CheckpointManager(cfg, model=model, optimizer=opt, rng=False) as mgr:
+        for step in (1, 2):
+            model(torch.randn(4, 64)).sum().backward()
+            opt.step()
+            if step == 1:
+                snapshot = [p.full_tensor().clone() for p in model.parameters()]
+            mgr.save(step=step)
+    if dist.get_rank() == 1:  # the zip directory of an item only rank 1 reads: a structural error there
+        victim = Path(root) / "epoch_0_step_2" / "model" / "__1_0.distcp"
+        data = bytearray(victim.read_bytes())
+        at = data.rindex(b"PK\x01\x02")
+        data[at + 2] ^= 0x08
+        victim.write_bytes(bytes(data))
+    dist.barrier()
+    fresh, fresh_opt = build()
+    info = CheckpointManager(cfg, model=fresh, optimizer=fresh_opt, rng=False).restore()
+    assert info is not None and snapshot is not None
+    return info.step, all(torch.equal(a, p.full_tensor()) for a, p in zip(snapshot, fresh.parameters()))
+
+
+@pytest.mark.slow
+def test_damage_found_by_one_rank_makes_every_rank_fall_back_together(tmp_path):
+    from distributed import run_ranks
+
+    assert run_ranks(2, _resume_past_damage_one_rank_sees, root=str(tmp_path)) == [(1, True), (1, True)]

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator, TypeVar
 
 import torch.distributed as dist
 
-from .errors import CheckpointError
+from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 
 T = TypeVar("T")
 
@@ -82,7 +82,8 @@ def run_collectively(what: str, fn: Callable[[], T]) -> T:
 
     Without this, a rank that fails while the others wait in the next collective would hang the job.
     Every rank raises: the failing rank re-raises its own exception (chained, with its traceback), the
-    others raise a :class:`CheckpointError` that names the failing ranks and their messages.
+    others raise a :class:`CheckpointError` that names the failing ranks and their messages (a
+    :class:`CheckpointCorruptError` when every failing rank found damage, so that all fall back alike).
     """
     result = None
     error: BaseException | None = None
@@ -90,15 +91,18 @@ def run_collectively(what: str, fn: Callable[[], T]) -> T:
         result = fn()
     except Exception as exc:  # gathered and re-raised below on every rank
         error = exc
-    report = None if error is None else f"{type(error).__name__}: {error}"
+    report = None if error is None else (f"{type(error).__name__}: {error}",
+                                         isinstance(error, (CheckpointCorruptError, CheckpointNotFoundError)))
     reports = all_gather_object(report)
-    failed = {r: msg for r, msg in enumerate(reports) if msg is not None}
+    failed = {r: rep for r, rep in enumerate(reports) if rep is not None}
     if not failed:
         return result  # type: ignore[return-value]
     if error is not None:
         raise error
-    summary = "; ".join(f"rank {r}: {msg}" for r, msg in sorted(failed.items()))
-    raise CheckpointError(f"{what} failed on rank(s) {sorted(failed)}: {summary}")
+    summary = "; ".join(f"rank {r}: {msg}" for r, (msg, _) in sorted(failed.items()))
+    # damage another rank found is damage here too: an automatic resume falls back on every rank together
+    cls = CheckpointCorruptError if all(damaged for _, damaged in failed.values()) else CheckpointError
+    raise cls(f"{what} failed on rank(s) {sorted(failed)}: {summary}")
 
 
 def format_exc_short(exc: BaseException) -> str:

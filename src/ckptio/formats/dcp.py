@@ -227,7 +227,22 @@ def load(state_dict: dict[str, Any], folder: "str | Path | Folder", *, no_dist: 
     ``no_dist=True`` makes it a local read on this rank alone, whatever the process group. ``progress``:
     called with the bytes of each chunk read into place.
     """
+    from . import dcp_direct
+
     reader = SafeFileSystemReader(folder)
+    local = no_dist or not _dist.is_dist()
+    # each rank plans its own reads from the metadata when DCP's load would do exactly that (dcp_direct);
+    # the choice is made together, so that DCP's collective load runs on every rank or on none
+    planned = dcp_direct.plan(state_dict, reader.root) if local else \
+        _dist.run_collectively(f"planning the load of {reader.root.path}", lambda: dcp_direct.plan(state_dict, reader.root))
+    direct = planned is not None if local else all(_dist.all_gather_object(planned is not None))
+    if direct:
+        assert planned is not None
+        if local:
+            dcp_direct.execute(planned, progress)
+        else:
+            _dist.run_collectively(f"loading DCP folder {reader.root.path}", lambda: dcp_direct.execute(planned, progress))
+        return
     with _quiet_single_process(), _plain_errors("loading", reader.root.path):
         dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(progress=progress),
                  process_group=_dist.current_group(),

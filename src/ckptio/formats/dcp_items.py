@@ -17,6 +17,7 @@ unexpected global) is left to ``torch.load(weights_only=True)`` through :func:`p
 
 from __future__ import annotations
 
+import collections
 import io
 import pickle
 import struct
@@ -28,7 +29,7 @@ import torch
 from ..errors import CheckpointCorruptError
 from ..storage.confined import ReadHandle
 
-__all__ = ["StoredTensor", "parse", "read_into"]
+__all__ = ["StoredTensor", "parse", "plain_value", "read_into"]
 
 _HEAD = 4096
 _TAIL = 4096
@@ -233,6 +234,40 @@ class _Unpickler(pickle.Unpickler):
                 and isinstance(pid[2], str) and type(pid[4]) is int and pid[4] >= 0):
             raise pickle.UnpicklingError(f"persistent id {pid!r:.80} is not a storage")
         return _Storage(pid[1], pid[2], pid[4])
+
+
+class _NotPlain(Exception):
+    pass
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """A pickle of plain Python values (numbers, strings, tuples, lists, dicts): no class is built."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        raise _NotPlain
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise _NotPlain
+
+
+def plain_value(handle: ReadHandle, base: int, length: int) -> tuple[bool, Any]:
+    """``(True, value)`` for a ``torch.save`` archive at ``[base, base + length)`` holding a plain Python
+    value (an optimizer's hyper-parameter, say), read without ``torch.load``; ``(False, None)`` for any
+    other archive (the caller then uses ``torch.load(weights_only=True)``, which also reports damage)."""
+    try:
+        win = _Window(handle, base, length)
+        if length <= _HEAD + _TAIL:
+            win.fetch(0, length)
+        records = _directory(win)
+        pkl = [name for name in records if name.endswith("/data.pkl")]
+        if len(pkl) != 1 or any(name.startswith(pkl[0][: -len("data.pkl")] + "data/") for name in records):
+            return False, None
+        return True, _PlainUnpickler(io.BytesIO(_record(win, *records[pkl[0]], limit=_MAX_PICKLE))).load()
+    except (_NotPlain, ValueError, struct.error, pickle.UnpicklingError, EOFError, KeyError, IndexError, TypeError,
+            AttributeError, RecursionError, MemoryError):
+        return False, None
 
 
 def read_into(handle: ReadHandle, stored: StoredTensor, lo: list[int], lengths: list[int],

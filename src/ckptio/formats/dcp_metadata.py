@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,9 @@ def read_metadata(folder: "str | Path | Folder", filename: str = METADATA_FILE) 
     path = root.display(filename)
     if root.kind(filename) is None:
         raise CheckpointNotFoundError(f"{root.path} is not a DCP checkpoint: {filename} is missing")
+    cache = _parsed.get(root) if isinstance(folder, Folder) else None
+    if cache is not None and filename in cache and cache[filename][0] == root.size(filename):
+        return cache[filename][1]  # the same folder object during one load: index, plan and reads share it
     data = root.read_bytes(filename, max_size=MAX_METADATA_BYTES)
     try:
         metadata = _MetadataUnpickler(io.BytesIO(data)).load()
@@ -91,7 +95,13 @@ def read_metadata(folder: "str | Path | Folder", filename: str = METADATA_FILE) 
         raise CheckpointCorruptError(f"{path}: DCP metadata holds a {type(metadata).__name__}, not Metadata")
     _validate(metadata, path)
     _check_files(metadata, root, path)
+    if isinstance(folder, Folder):
+        _parsed.setdefault(root, {})[filename] = (len(data), metadata)
     return metadata
+
+
+_parsed: "weakref.WeakKeyDictionary[Folder, dict[str, tuple[int, Metadata]]]" = weakref.WeakKeyDictionary()
+"""Metadata already read and checked through a :class:`Folder` object, by file name (with its size)."""
 
 
 def _check_files(md: Metadata, root: Folder, path: Path) -> None:
