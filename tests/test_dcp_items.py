@@ -121,17 +121,12 @@ def test_damaged_archives_are_refused_naming_the_file(tmp_path, damage):
 # ---------------------------------------------------------------------------------------- 2 ranks
 def _resume_past_damage_one_rank_sees(root: str) -> tuple[int, bool]:
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
+    from toy import fsdp_mlp
 
     from ckptio import CheckpointConfig, CheckpointManager
 
     def build():
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(2)])
-        for layer in model:
-            fully_shard(layer)
-        fully_shard(model)
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return fsdp_mlp(64, 2)
 
     model, opt = build()
     cfg = CheckpointConfig(checkpoint_dir=root, model_save_format="torch_save")

@@ -77,15 +77,10 @@ def test_each_file_is_finished_by_the_rank_that_hashed_most_of_it():
 # ---------------------------------------------------------------------------------------- 2 ranks
 def _fsdp_restore(root: str, damage: bool) -> str:
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
+    from toy import fsdp_mlp
 
-    def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(3)])
-        for layer in model:
-            fully_shard(layer)
-        fully_shard(model)
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+    def build():
+        return fsdp_mlp(512, 3)
 
     model, opt = build()
     model(torch.randn(4, 512)).sum().backward()
