@@ -75,37 +75,15 @@ class SafeFileSystemReader(FileSystemReader):
         self.fs = _ConfinedFileSystem(self.root, base)
 
     def read_data(self, plan: Any, planner: Any) -> Any:
-        """DCP's read, with each file's items taken in file order (one forward pass per file, so a verifying
-        load hashes the bytes as they stream by) and each tensor read straight into its destination
-        (:mod:`.dcp_items`); items of another shape go through DCP's own reader."""
+        """DCP's read, with each file's items taken in file order: one forward pass per file, so a
+        verifying load hashes the bytes as they stream by instead of reading them a second time. (The
+        usual load does not come here: :mod:`.dcp_direct` reads it; this serves the rest, see :func:`load`.)"""
         import dataclasses
-        from torch.distributed.checkpoint.planner import LoadItemType
-
-        from .dcp_items import parse, read_into
 
         storage = self.storage_data
         items = sorted(plan.items, key=lambda it: (storage[it.storage_index].relative_path,
                                                    storage[it.storage_index].offset))
-        others = []
-        for rel in dict.fromkeys(storage[it.storage_index].relative_path for it in items):
-            with self.root.open(rel) as handle:
-                for req in (it for it in items if storage[it.storage_index].relative_path == rel):
-                    info = storage[req.storage_index]
-                    if info.transform_descriptors:
-                        others.append(req)
-                    elif req.type == LoadItemType.BYTE_IO:
-                        planner.load_bytes(req, io.BytesIO(handle.read(info.offset, info.length)))
-                    elif (stored := parse(handle, info.offset, info.length)) is None:
-                        others.append(req)
-                    else:
-                        target = planner.resolve_tensor(req).detach()
-                        read_into(handle, stored, list(req.storage_offsets), list(req.lengths), target)
-                        planner.commit_tensor(req, target)
-        if others:
-            return super().read_data(dataclasses.replace(plan, items=others), planner)
-        done: torch.futures.Future = torch.futures.Future()
-        done.set_result(None)
-        return done
+        return super().read_data(dataclasses.replace(plan, items=items), planner)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass
+from itertools import groupby
 from typing import Any, Callable
 
 import torch
@@ -99,10 +100,9 @@ def execute(p: Plan, progress: Callable[[int], None] | None = None) -> None:
     """Do the reads of :func:`plan`, one forward pass over each file."""
     from torch.distributed.checkpoint._nested_dict import set_element
 
-    files = list(dict.fromkeys(r.file for r in p.reads))
-    for rel in files:
+    for rel, reads in groupby(p.reads, key=lambda r: r.file):  # sorted by file, then offset
         with p.folder.open(rel) as handle:
-            for r in (r for r in p.reads if r.file == rel):
+            for r in reads:
                 if r.dst is None:
                     plain, value = plain_value(handle, r.offset, r.length)
                     if not plain:

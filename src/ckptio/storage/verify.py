@@ -61,8 +61,9 @@ class _Hash:
         if self.pool is None:
             self.update(offset, view, handle)
             return
-        self.backlog.append((self.pool.submit(self.update, offset, view, handle), view.nbytes))
+        future = self.pool.submit(self.update, offset, view, handle)
         with self.queue_lock:
+            self.backlog.append((future, view.nbytes))
             self.backlog_bytes += view.nbytes
         while self.backlog_bytes > self.BACKLOG:
             self._wait_oldest()
@@ -151,11 +152,6 @@ class Verifier:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptio-verify")
             h = self._hashes.setdefault(full, _Hash(self._pool))
         handle._hash = h
-
-    @property
-    def opened(self) -> set[str]:
-        """Files that some handle of this process read (relative to the root)."""
-        return set(self._hashes)
 
     def settle(self) -> None:
         """Wait until every byte read so far is hashed (a failed piece is simply read again by :meth:`finish`)."""
