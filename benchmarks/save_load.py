@@ -296,6 +296,7 @@ class Bench:
         for threads in self.args.io_threads:
             if threads != CheckpointConfig().io_threads:  # the row above runs the default
                 savers[f"ckptio (safetensors, io_threads={threads})"] = ckptio_save("safetensors", threads)
+                savers[f"ckptio (torch_save/DCP, io_threads={threads})"] = ckptio_save("torch_save", threads)
         return {k: v for k, v in savers.items() if not self.skipped(k)}
 
     def skipped(self, name: str) -> bool:

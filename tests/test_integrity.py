@@ -122,13 +122,14 @@ _FULL_DISK = textwrap.dedent("""
     from ckptio import CheckpointConfig, CheckpointManager, CheckpointError
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # over the limit, write() fails with EFBIG instead
     torch.manual_seed(0)
-    model = torch.nn.Linear(512, 512)
+    layers = int(sys.argv[3])  # with two, each of the io_threads files is too large: both writer threads fail
+    model = torch.nn.Sequential(*(torch.nn.Linear(512, 512) for _ in range(layers)))
     mgr = CheckpointManager(CheckpointConfig(checkpoint_dir=sys.argv[1], model_save_format=sys.argv[2]),
                             model=model, rng=False)
     mgr.save(step=1)
     resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))  # the next model file cannot fit
     with torch.no_grad():
-        model.weight.fill_(2)
+        model[0].weight.fill_(2)
     try:
         mgr.save(step=2)
     except CheckpointError as exc:
@@ -141,13 +142,15 @@ _FULL_DISK = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "torch_save"])
-def test_save_that_runs_out_of_space_fails_cleanly(tmp_path, fmt):
-    out = subprocess.run([sys.executable, "-c", _FULL_DISK, str(tmp_path), fmt], capture_output=True, text=True,
-                         timeout=120)
+@pytest.mark.parametrize("layers", [1, 2])
+def test_save_that_runs_out_of_space_fails_cleanly(tmp_path, fmt, layers):
+    out = subprocess.run([sys.executable, "-c", _FULL_DISK, str(tmp_path), fmt, str(layers)], capture_output=True,
+                         text=True, timeout=120)
     assert out.returncode in (3, 4), out.stdout + out.stderr
     assert "File too large" in out.stdout or "EFBIG" in out.stdout or "Errno 27" in out.stdout, out.stdout
+    assert "Traceback" not in out.stderr, out.stderr  # no writer thread died with its own traceback
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".ckptio")) == ["LATEST", "epoch_0_step_1"]
-    model = torch.nn.Linear(512, 512)
+    model = torch.nn.Sequential(*(torch.nn.Linear(512, 512) for _ in range(layers)))
     info = CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path), model_save_format=fmt,
                                               verify="full"), model=model, rng=False).restore()
-    assert info.step == 1 and not torch.all(model.weight == 2)
+    assert info.step == 1 and not torch.all(model[0].weight == 2)

@@ -1,4 +1,4 @@
-"""PyTorch Distributed Checkpoint (DCP) folders: ``__R_0.distcp`` per rank plus ``.metadata``.
+"""PyTorch Distributed Checkpoint (DCP) folders: ``__R_K.distcp`` files per rank plus ``.metadata``.
 
 Saving and loading go through ``torch.distributed.checkpoint`` itself, so plain DCP reads what we
 write and resharding on load is DCP's. Two things are made safe on the way in:
@@ -133,6 +133,9 @@ class _WriterFileSystem(FileSystem):
         self.writer, self.rel, self.base = writer, rel, base
         self.digests: dict[str, str] = {}
         self.errors: list[OSError] = []
+        self.failed: list[tuple[str, Exception]] = []
+        """Files a writer thread of DCP's gave up on, with why (see :meth:`create_stream`)."""
+        self._caller = threading.get_ident()
         self._lock = threading.Lock()
 
     def _rel(self, path: str | os.PathLike) -> str:
@@ -147,6 +150,15 @@ class _WriterFileSystem(FileSystem):
         stream = self.writer.open(name)
         try:
             yield stream  # type: ignore[misc]
+        except Exception as exc:
+            stream.__exit__(type(exc), exc, exc.__traceback__)  # discarded, not durable
+            with self._lock:
+                self.failed.append((name, exc))
+            if threading.get_ident() == self._caller:
+                raise  # DCP's own path: every rank raises it together
+            # One of DCP's extra writer threads: an error there would end the thread with a traceback on
+            # stderr and DCP would carry on with the files it got. It is kept instead and raised by save().
+            return
         finally:
             if stream.error is not None:
                 with self._lock:
@@ -175,6 +187,10 @@ def save(state_dict: dict[str, Any], writer: "FolderWriter | str | Path", rel: s
     """Collective: write ``state_dict`` (local shards on each rank) as the DCP folder ``rel`` of ``writer``
     (a :class:`FolderWriter`, or a local folder written in place).
 
+    With ``thread_count`` > 1 each rank's items are split by size over that many files
+    (``__R_0.distcp``, ``__R_1.distcp``, …), written concurrently by DCP's writer threads; plain DCP reads
+    them like any folder. A failure on any of those threads is raised here, on every rank.
+
     Returns the files this rank wrote (relative to the writer's folder) with checksums computed as the
     bytes went out.
     """
@@ -187,15 +203,27 @@ def save(state_dict: dict[str, Any], writer: "FolderWriter | str | Path", rel: s
     fs = _WriterFileSystem(writer, rel, base)
     storage.fs = fs
     where = base if rel else writer.local_path()
-    try:
-        with _quiet_single_process(), _plain_errors("saving", where), _no_zip_crc32():
-            dcp.save(state_dict, storage_writer=storage, no_dist=not _dist.is_dist(),
-                     process_group=_dist.current_group())
-    except CheckpointError as exc:
-        if fs.errors:  # torch's zip writer reports a failed write as a position mismatch; say what it was
-            raise CheckpointError(f"saving DCP folder {where} failed: {fs.errors[0]}") from exc
-        raise
-    return dict(fs.digests)
+
+    def run() -> dict[str, str]:
+        try:
+            with _quiet_single_process(), _plain_errors("saving", where), _no_zip_crc32():
+                dcp.save(state_dict, storage_writer=storage, no_dist=not _dist.is_dist(),
+                         process_group=_dist.current_group())
+        except CheckpointError as exc:
+            if fs.errors:  # torch's zip writer reports a failed write as a position mismatch; say what it was
+                raise CheckpointError(f"saving DCP folder {where} failed{_which(fs)}: {fs.errors[0]}") from exc
+            raise
+        if fs.failed:  # on one of DCP's extra writer threads, which DCP does not report
+            cause = fs.errors[0] if fs.errors else fs.failed[0][1]
+            raise CheckpointError(f"saving DCP folder {where} failed{_which(fs)}: {cause}") from fs.failed[0][1]
+        return dict(fs.digests)
+
+    # a failure only a writer thread saw surfaces after DCP's own collectives: every rank raises together
+    return _dist.run_collectively(f"saving DCP folder {where}", run) if thread_count > 1 else run()
+
+
+def _which(fs: _WriterFileSystem) -> str:
+    return f" writing {Path(fs.failed[0][0]).name}" if fs.failed else ""
 
 
 def load(state_dict: dict[str, Any], folder: "str | Path | Folder", *, no_dist: bool = False,
@@ -380,7 +408,7 @@ class DCPFormat(Format):
         return read_index(folder)
 
     def save_shards(self, state_dict: dict, writer: "FolderWriter", rel: str, ctx: ShardContext) -> dict[str, str]:
-        return save(state_dict, writer, rel)
+        return save(state_dict, writer, rel, thread_count=ctx.threads)
 
     def load_shards(self, target: dict, folder: Folder, *, strict: bool, ctx: ShardContext) -> None:
         index = _dist.run_collectively("reading the DCP index", lambda: read_index(folder))
@@ -388,7 +416,7 @@ class DCPFormat(Format):
         load(target, folder, progress=ctx.progress)
 
     def save_state(self, state: dict, writer: "FolderWriter", rel: str, ctx: ShardContext) -> dict[str, str]:
-        return save(state, writer, rel)
+        return save(state, writer, rel, thread_count=ctx.threads)
 
     def state_index(self, folder: Folder) -> dict[str, TensorInfo | None]:
         return read_index(folder)
