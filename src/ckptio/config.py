@@ -119,11 +119,10 @@ class CheckpointConfig:
     io_threads: int = 2
     """Threads per rank that write the model and optimizer tensors: the rank's tensors are split over that
     many files (safetensors shards, or DCP's ``__R_0.distcp``, ``__R_1.distcp``, …). Measured on the
-    reference machine (``benchmarks/save_load.py --io-threads 1``): 2 writes safetensors ~15-20% faster
-    than 1, because checksumming and writing overlap, and a DCP save about twice as fast
-    (the same benchmark). An error on one of DCP's writer threads, which DCP itself does not
-    report, is raised by the save. Reads use one thread (``benchmarks/parallel_io.py``: parallel reads
-    were slower here)."""
+    reference machine (``benchmarks/save_load.py --io-threads 1``), 2 saves 2-44% faster than 1, in
+    both formats: checksumming overlaps writing, and this disk takes two streams faster than one. An
+    error on one of DCP's writer threads, which DCP itself does not report, is raised by the save. Reads
+    use one thread (``benchmarks/parallel_io.py``: parallel reads were slower here)."""
 
     def __post_init__(self) -> None:
         self.validate()
