@@ -25,14 +25,11 @@ import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from ckptio.formats.hf_bundle import parse_size  # noqa: E402
-from ckptio.storage.checksum import RunningChecksum  # noqa: E402
+from ckptio.formats.hf_bundle import parse_size
+from ckptio.storage.checksum import RunningChecksum
 
 
 def main() -> int:
