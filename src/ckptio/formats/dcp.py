@@ -137,6 +137,9 @@ class _WriterFileSystem(FileSystem):
         """Files a writer thread of DCP's gave up on, with why (see :meth:`create_stream`)."""
         self._caller = threading.get_ident()
         self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._open = 0  # files being written
+        self._closed = False  # set by quiesce(): no new file
 
     def _rel(self, path: str | os.PathLike) -> str:
         inner = Path(path).relative_to(self.base).as_posix()
@@ -147,25 +150,47 @@ class _WriterFileSystem(FileSystem):
         if "w" not in mode:
             raise CheckpointError(f"{path}: the DCP writer does not read")
         name = self._rel(path)
-        stream = self.writer.open(name)
+        with self._cond:
+            live = not self._closed
+            self._open += live
         try:
-            yield stream  # type: ignore[misc]
-        except Exception as exc:
-            stream.__exit__(type(exc), exc, exc.__traceback__)  # discarded, not durable
-            with self._lock:
-                self.failed.append((name, exc))
-            if threading.get_ident() == self._caller:
-                raise  # DCP's own path: every rank raises it together
-            # One of DCP's extra writer threads: an error there would end the thread with a traceback on
-            # stderr and DCP would carry on with the files it got. It is kept instead and raised by save().
-            return
-        finally:
-            if stream.error is not None:
+            stream: Any = self.writer.open(name) if live else _Refused(name)
+            try:
+                yield stream
+            except Exception as exc:
+                stream.__exit__(type(exc), exc, exc.__traceback__)  # discarded, not durable
                 with self._lock:
-                    self.errors.append(stream.error)
-        digest = stream.close()
-        with self._lock:
-            self.digests[name] = digest
+                    self.failed.append((name, exc))
+                if threading.get_ident() == self._caller:  # DCP's own path: every rank raises it together
+                    if stream.error is not None and stream.error is not exc:
+                        # torch's zip writer turns a failed write into "unexpected pos": send the cause
+                        raise stream.error from exc
+                    raise
+                # One of DCP's extra writer threads: an error there would end the thread with a traceback
+                # on stderr and DCP would carry on with the files it got. It is kept and raised by save().
+                return
+            finally:
+                if stream.error is not None:
+                    with self._lock:
+                        self.errors.append(stream.error)
+            digest = stream.close()
+            with self._lock:
+                self.digests[name] = digest
+        finally:
+            if live:
+                with self._cond:
+                    self._open -= 1
+                    self._cond.notify_all()
+
+    def quiesce(self) -> None:
+        """Refuse new files and wait for those being written to close.
+
+        When the calling thread fails, DCP raises without joining its extra writer threads; the folder
+        is removed next, so none of them may still be creating or writing a file in it.
+        """
+        with self._cond:
+            self._closed = True
+            self._cond.wait_for(lambda: self._open == 0)
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         old, new = self._rel(path), self._rel(new_path)
@@ -206,9 +231,13 @@ def save(state_dict: dict[str, Any], writer: "FolderWriter | str | Path", rel: s
 
     def run() -> dict[str, str]:
         try:
-            with _quiet_single_process(), _plain_errors("saving", where), _no_zip_crc32():
-                dcp.save(state_dict, storage_writer=storage, no_dist=not _dist.is_dist(),
-                         process_group=_dist.current_group())
+            try:
+                with _quiet_single_process(), _plain_errors("saving", where), _no_zip_crc32():
+                    dcp.save(state_dict, storage_writer=storage, no_dist=not _dist.is_dist(),
+                             process_group=_dist.current_group())
+            except BaseException:
+                fs.quiesce()  # before the caller removes the folder
+                raise
         except CheckpointError as exc:
             if fs.errors:  # torch's zip writer reports a failed write as a position mismatch; say what it was
                 raise CheckpointError(f"saving DCP folder {where} failed{_which(fs)}: {fs.errors[0]}") from exc
@@ -220,6 +249,23 @@ def save(state_dict: dict[str, Any], writer: "FolderWriter | str | Path", rel: s
 
     # a failure only a writer thread saw surfaces after DCP's own collectives: every rank raises together
     return _dist.run_collectively(f"saving DCP folder {where}", run) if thread_count > 1 else run()
+
+
+class _Refused(io.RawIOBase):
+    """What a writer thread of DCP's gets for a file once the save has failed: writing it raises."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name, self.error = name, None
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        raise CheckpointError(f"{self.name}: not written, the save had already failed")
+
+    def fileno(self) -> int:
+        raise CheckpointError(f"{self.name}: not written, the save had already failed")
 
 
 def _which(fs: _WriterFileSystem) -> str:

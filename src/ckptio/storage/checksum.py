@@ -80,8 +80,13 @@ class ChecksummingStream(io.RawIOBase):
             try:
                 n = self.raw.write(view[done:])
             except OSError as exc:
-                self.error = self.error or exc
-                raise
+                named = exc
+                if exc.filename is None and exc.errno is not None and hasattr(self.raw, "name"):
+                    named = OSError(exc.errno, exc.strerror, str(self.raw.name))  # say which file
+                self.error = self.error or named
+                if named is exc:
+                    raise
+                raise named from exc
             if not n:
                 raise OSError(errno.EIO, f"write to {getattr(self.raw, 'name', 'file')} made no progress")
             done += n
