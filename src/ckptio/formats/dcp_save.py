@@ -1,0 +1,236 @@
+"""Saving DCP folders through ``torch.distributed.checkpoint``, with every file checksummed as it is written.
+
+:func:`save` runs DCP's own ``FileSystemWriter`` (so plain DCP reads what it writes) on a file system
+whose streams go through a :class:`FolderWriter`. With ``thread_count`` > 1 DCP writes that many files
+per rank on its own threads; a failure on one of them, which DCP does not report, is caught at the
+stream and raised by :func:`save` on every rank, and no thread is left writing into a folder that is
+about to be removed. Also here: the mapping of DCP's ``CheckpointException`` to ckptio's errors, shared
+with loading (:mod:`ckptio.formats.dcp`).
+
+Call sequence: :func:`save` is a collective when a process group is initialised.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+from .. import _dist
+from ..errors import CheckpointCorruptError, CheckpointError
+
+if TYPE_CHECKING:
+    from ..storage.base import FolderWriter
+
+__all__ = ["save"]
+
+class _WriterFileSystem(FileSystem):
+    """DCP's file system for writing, with every file going through a :class:`FolderWriter` (and so
+    checksummed as it is written). DCP addresses files by path under ``base``, the writer's local path of
+    the DCP folder; they are mapped back to names relative to the writer's folder."""
+
+    def __init__(self, writer: "FolderWriter", rel: str, base: Path) -> None:
+        super().__init__()
+        self.writer, self.rel, self.base = writer, rel, base
+        self.digests: dict[str, str] = {}
+        self.errors: list[OSError] = []
+        self.failed: list[tuple[str, Exception]] = []
+        """Files a writer thread of DCP's gave up on, with why (see :meth:`create_stream`)."""
+        self._caller = threading.get_ident()
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._open = 0  # files being written
+        self._closed = False  # set by quiesce(): no new file
+
+    def _rel(self, path: str | os.PathLike) -> str:
+        inner = Path(path).relative_to(self.base).as_posix()
+        return f"{self.rel}/{inner}" if self.rel else inner
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        if "w" not in mode:
+            raise CheckpointError(f"{path}: the DCP writer does not read")
+        name = self._rel(path)
+        with self._cond:
+            live = not self._closed
+            self._open += live
+        try:
+            stream: Any = self.writer.open(name) if live else _Refused(name)
+            try:
+                yield stream
+            except Exception as exc:
+                stream.__exit__(type(exc), exc, exc.__traceback__)  # discarded, not durable
+                with self._lock:
+                    self.failed.append((name, exc))
+                if threading.get_ident() == self._caller:  # DCP's own path: every rank raises it together
+                    if stream.error is not None and stream.error is not exc:
+                        # torch's zip writer turns a failed write into "unexpected pos": send the cause
+                        raise stream.error from exc
+                    raise
+                # One of DCP's extra writer threads: an error there would end the thread with a traceback
+                # on stderr and DCP would carry on with the files it got. It is kept and raised by save().
+                return
+            finally:
+                if stream.error is not None:
+                    with self._lock:
+                        self.errors.append(stream.error)
+            digest = stream.close()
+            with self._lock:
+                self.digests[name] = digest
+        finally:
+            if live:
+                with self._cond:
+                    self._open -= 1
+                    self._cond.notify_all()
+
+    def quiesce(self) -> None:
+        """Refuse new files and wait for those being written to close.
+
+        When the calling thread fails, DCP raises without joining its extra writer threads; the folder
+        is removed next, so none of them may still be creating or writing a file in it.
+        """
+        with self._cond:
+            self._closed = True
+            self._cond.wait_for(lambda: self._open == 0)
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        old, new = self._rel(path), self._rel(new_path)
+        self.writer.rename(old, new)
+        with self._lock:
+            if old in self.digests:
+                self.digests[new] = self.digests.pop(old)
+
+    def mkdir(self, path: str | os.PathLike) -> None:
+        inner = Path(path).relative_to(self.base).as_posix()
+        self.writer.local_path("/".join(p for p in (self.rel, "" if inner == "." else inner) if p))
+
+    def exists(self, path: str | os.PathLike) -> bool:
+        return self.writer.exists(self._rel(path))
+
+
+def save(state_dict: dict[str, Any], writer: "FolderWriter | str | Path", rel: str = "", *,
+         thread_count: int = 1) -> dict[str, str]:
+    """Collective: write ``state_dict`` (local shards on each rank) as the DCP folder ``rel`` of ``writer``
+    (a :class:`FolderWriter`, or a local folder written in place).
+
+    With ``thread_count`` > 1 each rank's items are split by size over that many files
+    (``__R_0.distcp``, ``__R_1.distcp``, …), written concurrently by DCP's writer threads; plain DCP reads
+    them like any folder. A failure on any of those threads is raised here, on every rank.
+
+    Returns the files this rank wrote (relative to the writer's folder) with checksums computed as the
+    bytes went out.
+    """
+    if isinstance(writer, (str, Path)):
+        from ..storage import LocalFolderWriter
+
+        writer = LocalFolderWriter.in_place(writer)
+    base = writer.local_path(rel)
+    storage = FileSystemWriter(str(base), sync_files=True, thread_count=thread_count)
+    fs = _WriterFileSystem(writer, rel, base)
+    storage.fs = fs
+    where = base if rel else writer.local_path()
+
+    def run() -> dict[str, str]:
+        try:
+            try:
+                with _quiet_single_process(), _plain_errors("saving", where), _no_zip_crc32():
+                    dcp.save(state_dict, storage_writer=storage, no_dist=not _dist.is_dist(),
+                             process_group=_dist.current_group())
+            except BaseException:
+                fs.quiesce()  # before the caller removes the folder
+                raise
+        except CheckpointError as exc:
+            if fs.errors:  # torch's zip writer reports a failed write as a position mismatch; say what it was
+                raise CheckpointError(f"saving DCP folder {where} failed{_which(fs)}: {fs.errors[0]}") from exc
+            raise
+        if fs.failed:  # on one of DCP's extra writer threads, which DCP does not report
+            cause = fs.errors[0] if fs.errors else fs.failed[0][1]
+            raise CheckpointError(f"saving DCP folder {where} failed{_which(fs)}: {cause}") from fs.failed[0][1]
+        return dict(fs.digests)
+
+    # a failure only a writer thread saw surfaces after DCP's own collectives: every rank raises together
+    return _dist.run_collectively(f"saving DCP folder {where}", run) if thread_count > 1 else run()
+
+
+class _Refused(io.RawIOBase):
+    """What a writer thread of DCP's gets for a file once the save has failed: writing it raises."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name, self.error = name, None
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        raise CheckpointError(f"{self.name}: not written, the save had already failed")
+
+    def fileno(self) -> int:
+        raise CheckpointError(f"{self.name}: not written, the save had already failed")
+
+
+def _which(fs: _WriterFileSystem) -> str:
+    return f" writing {Path(fs.failed[0][0]).name}" if fs.failed else ""
+
+
+@contextmanager
+def _plain_errors(what: str, folder: str | Path) -> Iterator[None]:
+    """Turn DCP's ``CheckpointException`` (a ``BaseException``!) into a ckptio error naming the folder.
+
+    Every rank receives the same exception from DCP, so every rank raises the same error here.
+    """
+    try:
+        yield
+    except CheckpointException as exc:
+        failures = {rank: pair[0] if isinstance(pair, tuple) else pair for rank, pair in exc.failures.items()}
+        first = failures[min(failures)]
+        detail = f"{type(first).__name__}: {first}" if not isinstance(first, CheckpointError) else str(first)
+        # a failure inside DCP while loading is a problem with the folder's data (e.g. a chunk whose bytes do
+        # not hold the shape its metadata gives): report it as corruption, so that auto-resume falls back
+        cls = type(first) if isinstance(first, CheckpointError) else (
+            CheckpointCorruptError if what == "loading" else CheckpointError)
+        raise cls(f"{what} DCP folder {folder} failed on rank(s) {sorted(failures)}: {detail}") from exc
+
+
+_crc_lock = threading.Lock()
+_crc_users: list[Any] = [0, True]  # saves in progress, the setting to restore after the last
+
+
+@contextmanager
+def _no_zip_crc32() -> Iterator[None]:
+    """DCP writes each tensor with ``torch.save``, whose zip writer computes a CRC-32 of every record: on the
+    reference machine that made a DCP save 3-4x slower than the disk. ``torch.load`` never checks those
+    CRCs (ckptio's own CRC-32C of every file, in the manifest, is what guards the bytes), so they are left
+    out while a DCP save runs. The setting is process-wide: a ``torch.save`` on another thread meanwhile
+    also writes records without a CRC (they still load; only zip tools that test CRCs would notice)."""
+    from torch import serialization
+
+    with _crc_lock:
+        if _crc_users[0] == 0:
+            _crc_users[1] = serialization.get_crc32_options()
+            serialization.set_crc32_options(False)
+        _crc_users[0] += 1
+    try:
+        yield
+    finally:
+        with _crc_lock:
+            _crc_users[0] -= 1
+            if _crc_users[0] == 0:
+                serialization.set_crc32_options(_crc_users[1])
+
+
+@contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """DCP warns on every single-process call that it assumes a single process; that is our intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
