@@ -140,21 +140,17 @@ def save(state_dict: dict[str, Any], writer: "FolderWriter | str | Path", rel: s
     where = base if rel else writer.local_path()
 
     def run() -> dict[str, str]:
-        try:
-            try:
-                with _quiet_single_process(), _plain_errors("saving", where), _no_zip_crc32():
-                    dcp.save(state_dict, storage_writer=storage, no_dist=not _dist.is_dist(),
-                             process_group=_dist.current_group())
-            except BaseException:
-                fs.quiesce()  # before the caller removes the folder
-                raise
-        except CheckpointError as exc:
-            if fs.errors:  # torch's zip writer reports a failed write as a position mismatch; say what it was
-                raise CheckpointError(f"saving DCP folder {where} failed{_which(fs)}: {fs.errors[0]}") from exc
+        try:  # a failure on the calling thread comes back from DCP with its cause (see create_stream)
+            with _quiet_single_process(), _plain_errors("saving", where), _no_zip_crc32():
+                dcp.save(state_dict, storage_writer=storage, no_dist=not _dist.is_dist(),
+                         process_group=_dist.current_group())
+        except BaseException:
+            fs.quiesce()  # before the caller removes the folder
             raise
         if fs.failed:  # on one of DCP's extra writer threads, which DCP does not report
-            cause = fs.errors[0] if fs.errors else fs.failed[0][1]
-            raise CheckpointError(f"saving DCP folder {where} failed{_which(fs)}: {cause}") from fs.failed[0][1]
+            name, exc = fs.failed[0]
+            cause = fs.errors[0] if fs.errors else exc
+            raise CheckpointError(f"saving DCP folder {where} failed writing {Path(name).name}: {cause}") from exc
         return dict(fs.digests)
 
     # a failure only a writer thread saw surfaces after DCP's own collectives: every rank raises together
@@ -176,10 +172,6 @@ class _Refused(io.RawIOBase):
 
     def fileno(self) -> int:
         raise CheckpointError(f"{self.name}: not written, the save had already failed")
-
-
-def _which(fs: _WriterFileSystem) -> str:
-    return f" writing {Path(fs.failed[0][0]).name}" if fs.failed else ""
 
 
 @contextmanager
