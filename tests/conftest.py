@@ -13,3 +13,13 @@ from hypothesis import settings  # noqa: E402
 settings.register_profile("ci", max_examples=120, deadline=None)
 settings.register_profile("fuzz", max_examples=int(os.environ.get("CKPTIO_FUZZ_EXAMPLES", "3000")), deadline=None)
 settings.load_profile(os.environ.get("CKPTIO_HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the run if anything turned an ``s3://`` location into a local folder (pathlib reads ``s3://b/p``
+    as the relative path ``s3:/b/p``): such a folder would appear beside the tests' working directory."""
+    leaked = [p for p in {Path.cwd() / "s3:", Path(__file__).resolve().parents[1] / "s3:"} if os.path.lexists(p)]
+    if leaked:
+        session.config.get_terminal_writer().line(f"ERROR: an s3:// location was written as a local folder: {leaked}",
+                                                  red=True)
+        session.exitstatus = 1

@@ -28,15 +28,15 @@ def command(world: int, config: str, *overrides: str) -> list[str]:
     return launch + [RECIPE, "--config", str(ROOT / "examples" / "llm" / config), *overrides]
 
 
-def run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV)
+def run(cmd: list[str], timeout: float = 300, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV, cwd=cwd)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out
 
 
-def run_preempted(cmd: list[str], after: str, timeout: float = 300) -> str:
+def run_preempted(cmd: list[str], after: str, timeout: float = 300, cwd: Path | None = None) -> str:
     """Start ``cmd``, send SIGTERM once ``after`` appears in its output, return the whole output."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, cwd=cwd,
                             start_new_session=True)
     lines = []
     deadline = time.monotonic() + timeout
@@ -182,15 +182,29 @@ def test_the_recipe_checkpoints_to_a_bucket_and_resumes_from_it(tmp_path):
                     "--step_scheduler.ckpt_every_steps", "4", "--step_scheduler.val_every_steps", "8",
                     "--log_file", str(tmp_path / f"{name}.jsonl"), "--data.num_sentences", "600"]
 
+        work = tmp_path / "cwd"  # the runs' working directory: a URL read as a path would show up here
+        work.mkdir()
+        ENV["XDG_CACHE_HOME"] = str(tmp_path / "cache")
         run(command(1, "tiny_llama.yaml", *overrides(str(tmp_path / "straight"), "straight")))
         first = run_preempted(command(1, "tiny_llama.yaml", *overrides("s3://recipe/run", "resumed")),
-                              after="Saved checkpoint")
+                              after="Saved checkpoint", cwd=work)
         assert "SIGTERM received: saved step" in first
-        second = run(command(1, "tiny_llama.yaml", *overrides("s3://recipe/run", "resumed")))
+        second = run(command(1, "tiny_llama.yaml", *overrides("s3://recipe/run", "resumed")), cwd=work)
         assert "Loading checkpoint from s3://recipe/run/" in second.stdout
         want, got = losses(tmp_path / "straight.jsonl"), losses(tmp_path / "resumed.jsonl")
         assert sorted(got) == list(range(1, 25)) and got == want
+        assert list(work.iterdir()) == [] and not (ROOT / "s3:").exists()
+        # the run's assets went to the local cache, under a name made from the URL
+        assert (tmp_path / "cache" / "ckptio" / "recipe" / "s3_recipe_run" / "tokenizer" / "tokenizer.json").is_file()
+
+        # a store that cannot be reached: a clear error, and still no local folder made from the URL
+        ENV["AWS_ENDPOINT_URL"] = "http://127.0.0.1:9"
+        out = subprocess.run(command(1, "tiny_llama.yaml", *overrides("s3://recipe/elsewhere", "unreachable")),
+                             capture_output=True, text=True, timeout=300, env=ENV, cwd=work)
+        assert out.returncode == 1 and "finetune.py: error: listing s3://recipe/elsewhere" in out.stderr, out.stderr[-2000:]
+        assert "Traceback" not in out.stderr
+        assert list(work.iterdir()) == [] and not (ROOT / "s3:").exists()
     finally:
-        for key in ("AWS_ENDPOINT_URL", *s3server.ENV):
+        for key in ("AWS_ENDPOINT_URL", "XDG_CACHE_HOME", *s3server.ENV):
             ENV.pop(key, None)
         proc.terminate()

@@ -36,8 +36,12 @@ def test_help_lists_every_key_with_its_type_and_default(capsys):
         load_config(["--help"])
     assert done.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
-    for key, _default in _every_key(RecipeConfig):
+    keys = [key for key, _ in _every_key(RecipeConfig)]
+    for key in keys:
         assert f"--{key} " in text, f"--help does not list {key}"
+        entry = text.rsplit(f"--{key} ", 1)[1].split(f" --{key}+", 1)[-1]  # the option's entry, after the usage
+        entry = entry[:min([entry.find(f" --{k} ") for k in keys if f" --{k} " in entry] + [len(entry)])]
+        assert "(type: " in entry and "default: " in entry, f"--help gives no type and default for {key}: {entry!r}"
     assert "(type: Literal['safetensors', 'torch_save'], default: safetensors)" in text  # model_save_format
     assert "--checkpoint.save_top_k SAVE_TOP_K Keep the k best by ``monitor``" in text  # from the field's docstring
 

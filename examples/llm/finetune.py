@@ -15,6 +15,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import sys
 import time
@@ -26,13 +27,28 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from ckptio import CheckpointManager, ResumableDataLoader, StepScheduler, load_pretrained, read_manifest  # noqa: E402
+from ckptio import CheckpointError, CheckpointManager, ResumableDataLoader, StepScheduler, load_pretrained, read_manifest  # noqa: E402
 from data import build_tokenizer, load_corpus, make_splits  # noqa: E402
 from recipe_config import RecipeConfig, RecipeConfigError, load_config, to_dict  # noqa: E402
 
-# Run assets kept beside the step directories (hidden, so `ckptio list` shows checkpoints only)
-BASE_MODEL_DIR = ".recipe/base_model"
-TOKENIZER_DIR = ".recipe/tokenizer"
+from ckptio.storage import url_scheme  # noqa: E402
+
+# Run assets (the tokenizer the run built, a PEFT run's randomly initialised base model), inside assets_dir
+BASE_MODEL_DIR = "base_model"
+TOKENIZER_DIR = "tokenizer"
+
+
+def assets_dir(cfg: RecipeConfig) -> Path:
+    """The local folder of the run's assets: ``cfg.assets_dir``, else hidden beside the step directories
+    (``<checkpoint_dir>/.recipe``, so `ckptio list` shows checkpoints only), else, for a checkpoint_dir in
+    object storage, a local cache folder named after it. A URL never becomes a local path."""
+    if cfg.assets_dir:  # load_config refused a URL
+        return Path(cfg.assets_dir)
+    where = str(cfg.checkpoint.checkpoint_dir)
+    if url_scheme(where) is None:
+        return Path(where) / ".recipe"
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "ckptio" / "recipe" / re.sub(r"[^A-Za-z0-9._-]+", "_", where).strip("_")
 
 
 def log(msg: str) -> None:
@@ -50,12 +66,12 @@ class FinetuneRecipe:
         random.seed(cfg.seed + self.rank)
         np.random.seed(cfg.seed + self.rank)
         torch.manual_seed(cfg.seed + self.rank)
-        ckpt_root = Path(cfg.checkpoint.checkpoint_dir)
+        assets = assets_dir(cfg)
 
         text = load_corpus(cfg.data.corpus, cfg.data.num_sentences, cfg.data.seed)
-        self.tokenizer = self._tokenizer(text, ckpt_root / TOKENIZER_DIR)
+        self.tokenizer = self._tokenizer(text, assets / TOKENIZER_DIR)
         train, val = make_splits(text, self.tokenizer, cfg.data.seq_len, cfg.data.val_fraction)
-        self.model, base_dir = self._build_model(ckpt_root)
+        self.model, base_dir = self._build_model(assets)
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trainable, lr=cfg.optimizer.lr, weight_decay=cfg.optimizer.weight_decay)
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_lambda)
@@ -85,7 +101,7 @@ class FinetuneRecipe:
             tok.save_pretrained(saved)
         return tok
 
-    def _build_model(self, ckpt_root: Path):
+    def _build_model(self, assets: Path):
         from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
         m = self.cfg.model
@@ -109,7 +125,7 @@ class FinetuneRecipe:
             model = AutoModelForCausalLM.from_config(config)
         if self.cfg.peft.enabled and not m.pretrained_path:
             # a PEFT adapter refers to its base model by path: keep the randomly initialised base on disk
-            base_dir = str((ckpt_root / BASE_MODEL_DIR).resolve())
+            base_dir = str((assets / BASE_MODEL_DIR).resolve())
             if self.rank == 0 and not (Path(base_dir) / "config.json").is_file():
                 model.save_pretrained(base_dir)
                 self.tokenizer.save_pretrained(base_dir)
@@ -303,7 +319,11 @@ def main(argv: list[str]) -> int:
         dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     log("Config: " + json.dumps(to_dict(cfg), sort_keys=True))
-    FinetuneRecipe(cfg).run()
+    try:
+        FinetuneRecipe(cfg).run()
+    except CheckpointError as exc:  # a checkpoint or its storage refused: the message says which and why
+        print(f"finetune.py: error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

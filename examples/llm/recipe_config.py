@@ -29,60 +29,100 @@ class RecipeConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
+    """The model: a Hugging Face folder to start from, or the sizes of a tiny Llama built from scratch."""
+
     pretrained_path: str | None = None
     """A Hugging Face folder to start from; when null, a tiny Llama is built from the fields below."""
     vocab_size: int = 96
+    """Tokens in the vocabulary; the recipe's tokenizer is trained to this size."""
     hidden_size: int = 64
+    """Width of the residual stream."""
     intermediate_size: int = 176
+    """Width of each MLP's hidden layer."""
     num_hidden_layers: int = 2
+    """Transformer blocks."""
     num_attention_heads: int = 4
+    """Query heads per attention layer."""
     num_key_value_heads: int = 2
+    """Key/value heads per attention layer (grouped-query attention when fewer than the query heads)."""
     max_position_embeddings: int = 128
+    """Longest sequence the rotary embeddings are set up for."""
     tie_word_embeddings: bool = True
+    """Share the input embedding with the output head."""
     attention_dropout: float = 0.0
+    """Dropout on attention probabilities (0: deterministic training)."""
 
 
 @dataclass
 class DataConfig:
+    """The training text, its split into sequences, and the loader's batches."""
+
     corpus: str = "builtin"
     """``builtin`` (generated English-like sentences) or a path to a UTF-8 text file."""
     seq_len: int = 64
+    """Tokens per training sequence."""
     batch_size: int = 8
+    """Sequences per batch on each rank."""
     val_fraction: float = 0.1
+    """Share of the sequences held out for validation."""
     num_sentences: int = 3000
+    """Sentences the builtin corpus generates."""
     seed: int = 0
+    """Seed of the builtin corpus and of the loader's shuffling."""
 
 
 @dataclass
 class OptimizerConfig:
+    """AdamW and its learning-rate schedule (linear warm-up, then cosine decay)."""
+
     lr: float = 3e-3
+    """Peak learning rate."""
     weight_decay: float = 0.01
+    """AdamW's decoupled weight decay."""
     warmup_steps: int = 10
+    """Steps of linear warm-up to ``lr``."""
     min_lr_ratio: float = 0.1
     """Cosine decay to ``lr * min_lr_ratio`` at ``step_scheduler.max_steps``."""
 
 
 @dataclass
 class StepSchedulerConfig:
+    """How long the run trains and when it validates, checkpoints and logs."""
+
     max_steps: int | None = 200
+    """Stop after this many optimizer steps (null: after ``num_epochs``)."""
     num_epochs: int = 1
+    """Passes over the training data, when ``max_steps`` does not end the run first."""
     ckpt_every_steps: int | None = 50
+    """Save a checkpoint every this many steps (and at the end; null: only at the end)."""
     val_every_steps: int | None = 25
+    """Compute the validation loss every this many steps (null: never)."""
     log_every_steps: int = 10
+    """Print the loss and throughput every this many steps."""
 
 
 @dataclass
 class PeftConfig:
+    """LoRA fine-tuning with peft: only the adapters train and are checkpointed."""
+
     enabled: bool = False
+    """Wrap the model in LoRA adapters (set ``checkpoint.is_peft`` too)."""
     r: int = 8
+    """Rank of each adapter."""
     lora_alpha: int = 16
+    """Scale of the adapters' output (``lora_alpha / r``)."""
     lora_dropout: float = 0.05
+    """Dropout on the adapters' input."""
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    """Names of the linear layers that get adapters."""
 
 
 @dataclass
 class RecipeConfig:
+    """The whole recipe: one section per part of the run, and the run's own options."""
+
     seed: int = 1234
+    """Seed of the model's initial weights and of every rank's RNG streams."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -96,14 +136,18 @@ class RecipeConfig:
     global step and epoch) when the checkpoint folder holds no checkpoint yet."""
     export_lightning: str | None = None
     """At the end of a run, also write the final state as a Lightning ``.ckpt`` here (one process only)."""
+    assets_dir: str | None = None
+    """A local folder for the run's assets (the tokenizer it built, a PEFT run's base model); null: ``.recipe``
+    inside a local ``checkpoint_dir``, or a local cache folder named after an ``s3://`` one."""
 
 
 
 def build_parser(prog: str = "finetune.py") -> Any:
-    from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
+    from jsonargparse import ActionConfigFile, ArgumentParser, DefaultHelpFormatter, set_parsing_settings
 
     set_parsing_settings(docstring_parse_attribute_docstrings=True)  # --help shows each field's docstring
     parser = ArgumentParser(prog=prog, exit_on_error=False, default_env=False, allow_abbrev=False,
+                            formatter_class=DefaultHelpFormatter,  # every key shows its type and default
                             description="Fine-tune a causal LM with ckptio checkpointing. Rerunning the same "
                                         "command resumes from the newest complete checkpoint.")
     parser.add_argument("--config", action=ActionConfigFile, help="a YAML file with any of the sections below")
@@ -146,7 +190,10 @@ def load_config(argv: list[str], prog: str = "finetune.py") -> RecipeConfig:
         raise RecipeConfigError(f"checkpoint: {exc}") from exc
     except (TypeError, ValueError) as exc:
         raise RecipeConfigError(str(exc)) from exc
-    return RecipeConfig(**{f.name: init[f.name] for f in dataclasses.fields(RecipeConfig)})
+    cfg = RecipeConfig(**{f.name: init[f.name] for f in dataclasses.fields(RecipeConfig)})
+    if cfg.assets_dir and re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", cfg.assets_dir):
+        raise RecipeConfigError(f"assets_dir={cfg.assets_dir!r}: give a local folder (run assets are read from disk)")
+    return cfg
 
 
 def to_dict(cfg: RecipeConfig) -> dict:
