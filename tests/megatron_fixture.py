@@ -39,7 +39,9 @@ import torch.multiprocessing as mp
 
 # Tiny model; the names follow Megatron-LM's argument names.
 NUM_LAYERS, HIDDEN, FFN, HEADS, GROUPS, KV_CH = 4, 64, 128, 4, 2, 16
-VOCAB, DIVISIBLE_BY, MAX_POS, EPS, ROPE_BASE = 128, 128, 64, 1e-5, 10000
+VOCAB, MAX_POS, EPS, ROPE_BASE = 128, 64, 1e-5, 10000
+# --make-vocab-size-divisible-by of the run (Megatron-LM's default 128); --divisible-by sets it for the ranks
+DIVISIBLE_BY = int(os.environ.get("MEGATRON_FIXTURE_DIVISIBLE_BY", "128"))
 SEED = 1234
 
 
@@ -326,9 +328,14 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--iteration", type=int, default=2)
     ap.add_argument("--load", default=None, help="a torch_dist iteration folder to load (then --out is a file)")
+    ap.add_argument("--divisible-by", type=int, default=None, help="--make-vocab-size-divisible-by (default 128)")
     ap.add_argument("--start-method", choices=["fork", "spawn"], default="fork",
                     help="fork (default) lets the ranks inherit the parent's megatron import (~2.5 s each)")
     a = ap.parse_args()
+    if a.divisible_by is not None:
+        global DIVISIBLE_BY
+        DIVISIBLE_BY = a.divisible_by
+        os.environ["MEGATRON_FIXTURE_DIVISIBLE_BY"] = str(a.divisible_by)  # for spawned ranks
     assert GROUPS % a.tp == 0 and NUM_LAYERS % a.pp == 0, "unsupported TP/PP for the tiny model"
     if a.load is None:  # dist_checkpointing.save expects the target directory to exist
         os.makedirs(os.path.join(a.out, "torch_dist", f"iter_{a.iteration:07d}"), exist_ok=True)

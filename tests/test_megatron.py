@@ -252,3 +252,56 @@ def test_a_nemo2_checkpoint_reads_its_sizes_from_context(hf, tmp_path):
         "  seq_length: 2048", "  share_embeddings_and_output_weights: false", "  vocab_size: 100", ""]))
     back = convert(tmp_path / "nemo2", tmp_path / "back", "hf")
     _same_weights(hf, back)
+
+
+def _rows(run: Path) -> int:
+    """Rows of the embedding as stored (with Megatron's vocabulary padding), all TP shards together."""
+    from ckptio.formats.megatron import MegatronSource
+
+    return MegatronSource(run)._read("embedding.word_embeddings.weight").shape[0]
+
+
+@pytest.mark.parametrize("layout", ["dist", "legacy"])
+def test_the_vocabulary_is_padded_for_the_runs_divisor(hf, tmp_path, layout):
+    """Megatron-LM pads the vocabulary to a multiple of --make-vocab-size-divisible-by x TP; a run started with 64
+    on TP=2 holds 128 rows where the default (128) would give 256, and cannot load an export padded for 128."""
+    default = convert(hf, tmp_path / "default", "megatron", options={"tp": 2, "layout": layout})
+    by64 = convert(hf, tmp_path / "by64", "megatron", options={"tp": 2, "layout": layout, "divisible_by": 64})
+    assert _rows(default) == 256 and _rows(by64) == 128
+    _same_weights(hf, convert(by64, tmp_path / "back", "hf"))  # the padding is cut again
+    with pytest.raises(ConfigError, match="--vocab-divisible-by must be a positive integer"):
+        convert(hf, tmp_path / "bad", "megatron", options={"divisible_by": 0})
+
+
+def test_like_takes_tp_pp_and_the_divisor_from_an_existing_run(hf, tmp_path):
+    run = convert(hf, tmp_path / "run", "megatron", options={"tp": 2, "pp": 2, "layout": "legacy", "divisible_by": 64})
+    out = convert(hf, tmp_path / "like", "megatron", options={"like": str(run)})
+    from ckptio.formats.megatron import run_args
+
+    args = run_args(out)
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+            args.make_vocab_size_divisible_by) == (2, 2, 64)
+    assert _rows(out) == 128
+    # an explicit value that contradicts the run, or a run of another model, is refused before writing
+    with pytest.raises(ConfigError, match="--tp 1 contradicts --like"):
+        convert(hf, tmp_path / "x", "megatron", options={"like": str(run), "tp": 1})
+    other = _hf(tmp_path / "other", vocab=90)
+    with pytest.raises(ConfigError, match=r"that run's model is not this one \(vocab_size: the run has 100, the model 90"):
+        convert(other, tmp_path / "y", "megatron", options={"like": str(run)})
+    with pytest.raises(CheckpointError, match="not a Megatron run or checkpoint folder"):
+        convert(hf, tmp_path / "z", "megatron", options={"like": str(hf)})
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists() and not (tmp_path / "z").exists()
+
+
+def test_the_cli_takes_the_divisor_and_like_and_refuses_them_for_other_targets(hf, tmp_path):
+    ckptio = str(Path(sys.executable).parent / "ckptio")
+    run = subprocess.run([ckptio, "convert", str(hf), str(tmp_path / "a"), "--to", "megatron", "--tp", "2",
+                          "--vocab-divisible-by", "64", "--no-progress"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    like = subprocess.run([ckptio, "convert", str(hf), str(tmp_path / "b"), "--to", "megatron", "--like",
+                           str(tmp_path / "a"), "--no-progress"], capture_output=True, text=True)
+    assert like.returncode == 0, like.stderr
+    assert _rows(tmp_path / "b") == 128
+    wrong = subprocess.run([ckptio, "convert", str(hf), str(tmp_path / "c"), "--to", "hf", "--like", str(tmp_path / "a")],
+                           capture_output=True, text=True)
+    assert wrong.returncode == 2 and "--like only apply to --to megatron" in wrong.stderr

@@ -166,3 +166,25 @@ def test_restore_from_megatron_brings_adams_moments_to_the_right_elements(made, 
         g = got[f"optim/state.{name}.exp_avg"] / 0.1
         assert torch.allclose(got[f"optim/state.{name}.exp_avg_sq"], 0.05 * g * g, rtol=1e-4, atol=1e-9), name
         assert torch.allclose(got[f"model/{name}"], 2 * g - 0.5 - 1e-3 * torch.sign(g), atol=2e-6, rtol=0), name
+
+
+def test_an_export_like_a_run_padded_for_another_divisor_loads_in_it(tmp_path):
+    """A real run on TP=2 with --make-vocab-size-divisible-by 64 holds 128 embedding rows (the default would pad
+    to 256): ``--like`` that run gives an export with the run's TP and rows, which megatron-core loads strictly
+    into the run's layout with the run's logits."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    run = tmp_path / "run"
+    _megatron("--tp", "2", "--pp", "1", "--divisible-by", "64", "--out", str(run))
+    ref = torch.load(run / "reference.pt")
+    hf = convert(run / "torch_dist", tmp_path / "hf", "hf")
+    out = convert(hf, tmp_path / "export", "megatron", options={"like": str(run / "torch_dist")})
+
+    def rows(iteration: Path) -> int:
+        return FileSystemReader(str(iteration)).read_metadata().state_dict_metadata[
+            "embedding.word_embeddings.weight"].size[0]
+
+    assert rows(out / "iter_0000000") == rows(run / "torch_dist" / "iter_0000002") == 128
+    _megatron("--tp", "2", "--pp", "1", "--load", str(out / "iter_0000000"), "--out", str(tmp_path / "logits.pt"))
+    got = torch.load(tmp_path / "logits.pt")
+    assert torch.allclose(got["logits"], ref["logits"], atol=1e-5, rtol=0), (got["logits"] - ref["logits"]).abs().max()

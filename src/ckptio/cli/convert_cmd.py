@@ -23,8 +23,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default=None, help="cast floating-point tensors, e.g. bfloat16")
     p.add_argument("--naming", default=None, help="apply a naming converter, e.g. llama-to-megatron")
     p.add_argument("--max-shard-size", default="5GB", help="largest file of an hf target (default 5GB)")
-    p.add_argument("--tp", type=int, default=1, help="megatron target: tensor-parallel size to split for (default 1)")
-    p.add_argument("--pp", type=int, default=1, help="megatron target: pipeline stages to split into (default 1)")
+    p.add_argument("--tp", type=int, default=None, help="megatron target: tensor-parallel size to split for (default 1)")
+    p.add_argument("--pp", type=int, default=None, help="megatron target: pipeline stages to split into (default 1)")
+    p.add_argument("--vocab-divisible-by", type=int, default=None, metavar="N",
+                   help="megatron target: pad the vocabulary to a multiple of N x TP rows, as the run's "
+                        "--make-vocab-size-divisible-by (default 128)")
+    p.add_argument("--like", metavar="RUN_DIR", default=None,
+                   help="megatron target: take TP, PP and the vocabulary padding from an existing Megatron run's "
+                        "saved arguments (its model sizes must match)")
     p.add_argument("--megatron-layout", choices=("dist", "legacy"), default="dist",
                    help="megatron target: Megatron-Core torch_dist (default) or Megatron-LM legacy mp_rank_* files")
     p.add_argument("--list-namings", action="store_true", help="list the registered naming converters and exit")
@@ -56,6 +62,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"ckptio convert: error: --to {args.to!r}: not a format ckptio writes; use one of "
               f"{', '.join(formats.FORMATS)}", file=sys.stderr)
         return 2
+    megatron_only = [flag for flag, value in (("--tp", args.tp), ("--pp", args.pp), ("--like", args.like),
+                                              ("--vocab-divisible-by", args.vocab_divisible_by)) if value is not None]
+    if megatron_only and args.to != "megatron":
+        print(f"ckptio convert: error: {', '.join(megatron_only)} only apply to --to megatron", file=sys.stderr)
+        return 2
     bars = []
     seen: dict[str, Any] = {}
 
@@ -68,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         out = formats.convert(args.source, args.dest, args.to, dtype=args.dtype, max_shard_size=args.max_shard_size,
                               naming=args.naming, progress=on_open,
-                              options={"tp": args.tp, "pp": args.pp, "layout": args.megatron_layout})
+                              options={"tp": args.tp, "pp": args.pp, "layout": args.megatron_layout,
+                                       "divisible_by": args.vocab_divisible_by, "like": args.like})
     finally:
         for bar in bars:
             bar.close()

@@ -194,6 +194,29 @@ def read_legacy(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     return out, info
 
 
+def run_args(path: Path) -> Any:
+    """The Megatron-LM arguments an existing run recorded (``args`` of its newest checkpoint): its TP and PP, its
+    vocabulary padding and its model sizes. Read from ``common.pt`` or the first rank file; refused when absent."""
+    from . import megatron_pickle
+
+    folder = iteration_folder(path)
+    layout = layout_of(folder)
+    if layout == "dist":
+        root = Folder(folder if (folder / "common.pt").is_file() else folder / "weights")
+        rel = "common.pt"
+    elif layout == "legacy":
+        root, rel = Folder(folder), _rank_files(folder)[(0, 0)]
+    else:
+        raise CheckpointError(f"{path}: not a Megatron run or checkpoint folder (no mp_rank_* folders, no "
+                              "metadata.json and common.pt)")
+    obj, _ = megatron_pickle.load(root, rel, max_size=MAX_RANK_FILE_BYTES)
+    args = obj.get("args") if isinstance(obj, dict) else None
+    if args is None or not hasattr(args, "num_layers"):
+        raise CheckpointError(f"{root.display(rel)}: records no Megatron-LM args (a checkpoint written without "
+                              "them, e.g. by NeMo); give --tp, --pp and --vocab-divisible-by instead")
+    return args
+
+
 class _DistModel:
     """A Megatron-Core distributed checkpoint's weights, layers unstacked (each stacked tensor read once)."""
 
@@ -348,8 +371,9 @@ class MegatronFormat(Format):
         from . import megatron_write
 
         extra = options.extra
-        megatron_write.write(source, opened.extras, out, tp=int(extra.get("tp", 1)), pp=int(extra.get("pp", 1)),
-                             layout=extra.get("layout", "dist"), iteration=opened.step)
+        megatron_write.write(source, opened.extras, out, tp=extra.get("tp"), pp=extra.get("pp"),
+                             layout=extra.get("layout", "dist"), iteration=opened.step,
+                             divisible_by=extra.get("divisible_by"), like=extra.get("like"))
 
     def describe(self, path: Path) -> dict[str, Any]:
         from dataclasses import asdict

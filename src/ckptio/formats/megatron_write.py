@@ -9,7 +9,8 @@
 
 The model is renamed with the ``llama-to-megatron`` converter (``linear_qkv`` fused per query group,
 ``linear_fc1`` = ``[gate; up]``) and the vocabulary padded as Megatron-LM pads it (to a multiple of
-128 × T; the added rows are zeros). The torch_dist layout holds whole tensors with the layers stacked,
+D × T, D being ``--vocab-divisible-by``, Megatron-LM's ``--make-vocab-size-divisible-by``, 128 by default; the
+added rows are zeros). ``--like RUN`` takes T, P and D from an existing Megatron run's recorded arguments. The torch_dist layout holds whole tensors with the layers stacked,
 as Megatron-Core stores them, and Megatron-Core reshards them to its own TP × PP on load; its
 ``common.pt`` records the run's ``args`` (sizes, TP, PP) for loaders and for ckptio. The legacy layout
 holds each rank's shard under per-layer names, layer numbers restarting on every pipeline stage. Both
@@ -37,8 +38,10 @@ _LEGACY_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm
                  "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
 
 
-def megatron_args(config: dict[str, Any], tp: int, pp: int, layout: str) -> argparse.Namespace:
-    """The Megatron-LM arguments that describe a Hugging Face Llama ``config`` split over ``tp`` × ``pp``."""
+def megatron_args(config: dict[str, Any], tp: int, pp: int, layout: str,
+                  divisible_by: int = DIVISIBLE_BY) -> argparse.Namespace:
+    """The Megatron-LM arguments that describe a Hugging Face Llama ``config`` split over ``tp`` × ``pp``, the
+    vocabulary padded to a multiple of ``divisible_by`` × ``tp`` (Megatron-LM's ``--make-vocab-size-divisible-by``)."""
     heads = int(config["num_attention_heads"])
     groups = int(config.get("num_key_value_heads") or heads)
     layers, ffn, hidden = int(config["num_hidden_layers"]), int(config["intermediate_size"]), int(config["hidden_size"])
@@ -47,13 +50,15 @@ def megatron_args(config: dict[str, Any], tp: int, pp: int, layout: str) -> argp
         ("num_hidden_layers", layers, pp)) if n % by]
     if problems:
         raise ConfigError(f"cannot split this model for TP={tp} PP={pp}: " + "; ".join(problems))
+    if not isinstance(divisible_by, int) or divisible_by < 1:
+        raise ConfigError(f"--vocab-divisible-by must be a positive integer, got {divisible_by!r}")
     vocab = int(config["vocab_size"])
-    step = DIVISIBLE_BY * tp
+    step = divisible_by * tp
     return argparse.Namespace(
         num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads,
         num_query_groups=groups, group_query_attention=groups != heads,
         kv_channels=int(config.get("head_dim") or hidden // heads), vocab_size=vocab,
-        padded_vocab_size=-(-vocab // step) * step, make_vocab_size_divisible_by=DIVISIBLE_BY,
+        padded_vocab_size=-(-vocab // step) * step, make_vocab_size_divisible_by=divisible_by,
         max_position_embeddings=int(config.get("max_position_embeddings") or 4096),
         norm_epsilon=float(config.get("rms_norm_eps", 1e-5)), rotary_base=float(config.get("rope_theta", 10000)),
         position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
@@ -168,20 +173,54 @@ def write_legacy(folder: Path, tensors: dict[str, torch.Tensor], args: argparse.
                        rank_dir / RANK_FILE)
 
 
-def write(source: Any, extras: Path | None, out: Path, *, tp: int, pp: int, layout: str, iteration: int) -> None:
-    """The run folder ``out`` (new), appearing whole: written beside it, then renamed into place."""
+# the model sizes a run's args must share with the exported model (Megatron-LM name, what the Llama config gives)
+_SIZES = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+          "vocab_size", "untie_embeddings_and_output_weights")
+
+
+def like_run(run: Path, ours: argparse.Namespace, tp: int | None, pp: int | None,
+             divisible_by: int | None) -> tuple[int, int, int]:
+    """TP, PP and vocabulary divisor taken from the Megatron run ``run`` (explicit values must agree with it),
+    after checking that the run's model has the sizes of the model being exported."""
+    from .megatron import run_args
+
+    theirs = run_args(Path(run))
+    wrong = [f"{k}: the run has {getattr(theirs, k)}, the model {getattr(ours, k)}" for k in _SIZES
+             if getattr(theirs, k, None) is not None and getattr(ours, k) != getattr(theirs, k)
+             and not (k == "num_query_groups" and not getattr(theirs, "group_query_attention", False))]
+    if wrong:
+        raise ConfigError(f"--like {run}: that run's model is not this one ({'; '.join(wrong)})")
+    found = {"--tp": getattr(theirs, "tensor_model_parallel_size", 1) or 1,
+             "--pp": getattr(theirs, "pipeline_model_parallel_size", 1) or 1,
+             "--vocab-divisible-by": getattr(theirs, "make_vocab_size_divisible_by", DIVISIBLE_BY) or DIVISIBLE_BY}
+    for flag, given in (("--tp", tp), ("--pp", pp), ("--vocab-divisible-by", divisible_by)):
+        if given is not None and given != found[flag]:
+            raise ConfigError(f"{flag} {given} contradicts --like {run}, which was run with {flag} {found[flag]}")
+    return int(found["--tp"]), int(found["--pp"]), int(found["--vocab-divisible-by"])
+
+
+def write(source: Any, extras: Path | None, out: Path, *, tp: int | None, pp: int | None, layout: str, iteration: int,
+          divisible_by: int | None = None, like: str | Path | None = None) -> None:
+    """The run folder ``out`` (new), appearing whole: written beside it, then renamed into place.
+
+    ``tp``/``pp``/``divisible_by`` default to 1, 1 and Megatron-LM's 128; ``like``: an existing Megatron run
+    whose recorded arguments give them (and whose model sizes must be this model's)."""
     from .common import read_json
 
     if layout not in ("dist", "legacy"):
         raise ConfigError(f"megatron layout {layout!r}: use 'dist' (torch_dist) or 'legacy' (mp_rank_*)")
-    if tp < 1 or pp < 1:
-        raise ConfigError(f"--tp and --pp must be at least 1, got TP={tp} PP={pp}")
     cfg = None if extras is None else extras / "config.json"
     if cfg is None or not cfg.is_file():
         raise CheckpointError("a Megatron export needs the model's config.json beside its weights (a Llama config)")
     config = read_json(cfg)
     _check_llama(config, cfg)
-    args = megatron_args(config, tp, pp, "torch_dist" if layout == "dist" else "torch")
+    ckpt_format = "torch_dist" if layout == "dist" else "torch"
+    if like is not None:
+        tp, pp, divisible_by = like_run(Path(like), megatron_args(config, 1, 1, ckpt_format), tp, pp, divisible_by)
+    tp, pp = (1 if tp is None else int(tp)), (1 if pp is None else int(pp))
+    if tp < 1 or pp < 1:
+        raise ConfigError(f"--tp and --pp must be at least 1, got TP={tp} PP={pp}")
+    args = megatron_args(config, tp, pp, ckpt_format, DIVISIBLE_BY if divisible_by is None else divisible_by)
     tensors = _tensors(source, config, args)
     from ..storage import LocalFolderWriter
 
