@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import pickle
 import shutil
@@ -471,3 +472,59 @@ def test_consolidate_into_a_checkpoint_updates_its_manifest_atomically(tmp_path)
     assert (step / "manifest.json").read_bytes() == manifest_before
     assert _cli("verify", str(step)).returncode == 0
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+
+
+# ---------------------------------------------------------------------------------------- damaged is not absent
+def _edit_step(path: Path) -> None:
+    """An edited manifest (step 2 -> 3, its self-checksum now wrong): what a careless hand or a bad copy leaves."""
+    text = path.read_text()
+    path.write_text(text.replace('"step": 2', '"step": 3', 1))
+
+
+def test_when_every_step_directory_is_damaged_auto_resume_refuses_to_start_over(tmp_path, caplog):
+    from ckptio import NoUsableCheckpointError
+
+    _save_two(tmp_path)
+    _edit_step(tmp_path / "epoch_0_step_2" / "manifest.json")
+    (tmp_path / "epoch_0_step_1" / "manifest.json").unlink()
+    (tmp_path / "tensorboard").mkdir()  # not a step directory: never reported, never a reason to refuse
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    model = _mlp(seed=7)
+    weights = [p.detach().clone() for p in model.parameters()]
+    with caplog.at_level(logging.WARNING, logger="ckptio"):
+        with pytest.raises(NoUsableCheckpointError, match="holds 2 step directories and none is usable") as err:
+            _manager(tmp_path, model).restore()
+    assert [name for name, _ in err.value.skipped] == ["epoch_0_step_1", "epoch_0_step_2"]
+    assert "start_fresh_if_damaged" in str(err.value) and "No checkpoint found" not in caplog.text
+    for name, why in (("epoch_0_step_1", "manifest.json is missing"), ("epoch_0_step_2", "checksum")):
+        assert any(name in r.getMessage() and why in r.getMessage() for r in caplog.records), (name, caplog.text)
+    assert "tensorboard" not in caplog.text
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))  # nothing was loaded
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before  # nothing was changed
+    # LATEST pointing at a damaged step falls back to discovery, which refuses the same way
+    with pytest.raises(NoUsableCheckpointError):
+        _manager(tmp_path, _mlp(), restore_from="LATEST").restore()
+
+    # the user's choice: start from scratch anyway, said in the log
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ckptio"):
+        assert _manager(tmp_path, model, start_fresh_if_damaged=True).restore() is None
+    assert "starting from scratch as start_fresh_if_damaged asks" in caplog.text
+    assert "Skipping" in caplog.text and "epoch_0_step_2" in caplog.text
+
+
+def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_loads(tmp_path, caplog):
+    _save_two(tmp_path)
+    _edit_step(tmp_path / "epoch_0_step_2" / "manifest.json")
+    model = _mlp()
+    with caplog.at_level(logging.WARNING, logger="ckptio"):
+        assert _manager(tmp_path, model).restore().step == 1
+    assert any("Skipping" in r.getMessage() and "epoch_0_step_2" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_an_empty_folder_or_one_with_unrelated_folders_starts_fresh(tmp_path, caplog):
+    (tmp_path / "logs").mkdir()
+    (tmp_path / ".tmp-epoch_0_step_3-abc").mkdir()  # an interrupted save: swept, not damage
+    with caplog.at_level(logging.INFO, logger="ckptio"):
+        assert _manager(tmp_path, _mlp()).restore() is None
+    assert "No checkpoint found" in caplog.text and "Skipping" not in caplog.text

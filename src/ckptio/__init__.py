@@ -42,13 +42,14 @@ _EXPORTS = {
     "CheckpointMismatchError": "errors",
     "CheckpointCorruptError": "errors",
     "ConfigError": "errors",
+    "NoUsableCheckpointError": "errors",
 }
 
 __all__ = [  # the same names as _EXPORTS (tests/test_packaging.py keeps them in step)
     "__version__", "CheckpointConfig", "CheckpointManager", "RestoreInfo", "Stateful", "load_pretrained", "save_nemo",
     "restore_nemo", "NemoModel", "ModelState", "OptimizerState", "RNGState", "ResumableDataLoader", "ResumableSampler",
     "StepScheduler", "LoadReport", "Manifest", "read_manifest", "committed_checkpoints", "newest_checkpoint", "CheckpointError",
-    "CheckpointNotFoundError", "CheckpointMismatchError", "CheckpointCorruptError", "ConfigError",
+    "CheckpointNotFoundError", "CheckpointMismatchError", "CheckpointCorruptError", "ConfigError", "NoUsableCheckpointError",
 ]
 
 
@@ -71,7 +72,8 @@ if TYPE_CHECKING:  # what IDEs and type checkers see
     from .config import CheckpointConfig
     from .data import ResumableDataLoader, ResumableSampler
     from .partial import LoadReport
-    from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointNotFoundError, ConfigError
+    from .errors import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointNotFoundError,
+                         ConfigError, NoUsableCheckpointError)
     from .formats.nemo_model import NemoModel, restore_nemo, save_nemo
     from .layout import committed_checkpoints, newest_checkpoint
     from .manager import CheckpointManager, Stateful

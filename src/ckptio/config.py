@@ -54,6 +54,12 @@ class CheckpointConfig:
     """``None``: newest complete checkpoint in ``checkpoint_dir`` (start fresh if none); ``"LATEST"``:
     the LATEST pointer; a step directory name inside ``checkpoint_dir``; or a path to a step directory."""
 
+    start_fresh_if_damaged: bool = False
+    """When an automatic resume finds step directories in ``checkpoint_dir`` but none that can be loaded
+    (each is named with its reason in a warning): ``False`` refuses to start
+    (:class:`~ckptio.errors.NoUsableCheckpointError`), so a damaged folder never silently restarts a run from
+    step 0; ``True`` starts from scratch with a warning. An empty folder always starts from scratch."""
+
     name_template: str = "epoch_{epoch}_step_{step}"
     """Python format string for step directory names; must contain ``{step}``."""
 
@@ -188,7 +194,7 @@ class CheckpointConfig:
             if value is not None and (not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value)):
                 raise ConfigError(f"{name} must be a list of names, got {value!r}")
         for name in ("is_peft", "enabled", "strict", "auto_insert_field_names", "save_last", "async_save",
-                     "load_cast_dtype"):
+                     "load_cast_dtype", "start_fresh_if_damaged"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ConfigError(f"{name} must be true or false, got {value!r}")

@@ -14,6 +14,7 @@ __all__ = [
     "CheckpointCorruptError",
     "ConfigError",
     "MissingDependencyError",
+    "NoUsableCheckpointError",
     "require",
 ]
 
@@ -32,6 +33,18 @@ class CheckpointMismatchError(CheckpointError, ValueError):
 
 class CheckpointCorruptError(CheckpointError, ValueError):
     """A checkpoint's files are unreadable, truncated, or disagree with its manifest."""
+
+
+class NoUsableCheckpointError(CheckpointCorruptError):
+    """A checkpoint folder holds step directories, but none of them can be loaded; ``skipped`` lists each with why.
+
+    Raised by an automatic resume instead of starting from scratch (which would silently throw the run's
+    progress away), unless ``CheckpointConfig.start_fresh_if_damaged`` asks for a fresh start.
+    """
+
+    def __init__(self, message: str, skipped: "list[tuple[str, str]] | None" = None) -> None:
+        super().__init__(message)
+        self.skipped = list(skipped or [])
 
 
 class ConfigError(CheckpointError, ValueError):

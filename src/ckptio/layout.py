@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, NoUsableCheckpointError
 from .manifest import MANIFEST_NAME, Manifest, check_files, read_manifest
 from .storage import as_storage, open_storage
 from .storage.base import Storage
@@ -107,6 +107,9 @@ class CheckpointEntry:
     manifest: Manifest | None
     problem: str | None = None
     """Why this directory is not usable (``None`` for a complete checkpoint)."""
+    candidate: bool = True
+    """Whether the directory looks like a step directory (a manifest, or a ``model/`` or ``optim/`` folder): an
+    unusable one is damage to report, not an unrelated folder (logs, a temporary of a save in flight)."""
 
     @property
     def committed(self) -> bool:
@@ -129,22 +132,27 @@ def inspect_step(storage: Storage, name: str, verify: str = "size", *, top: Any 
     has it open already (its listing is reused: one listing of an object store for a whole scan)."""
     path = storage.root / name
     if name.startswith(TMP_PREFIX):
-        return CheckpointEntry(name, path, None, "uncommitted temporary (an interrupted or running save)")
+        return CheckpointEntry(name, path, None, "uncommitted temporary (an interrupted or running save)",
+                               candidate=False)
     try:
         top = storage.folder() if top is None else top
         kind = top.kind(name)
         if kind != "dir":
             return CheckpointEntry(name, path, None, "not a directory (a link or a file is never a checkpoint)"
-                                   if kind is not None else "no such directory")
+                                   if kind is not None else "no such directory", candidate=kind == "link")
         folder = top.sub(name)
         present = folder.kind(MANIFEST_NAME) is not None
     except CheckpointError as exc:
         return CheckpointEntry(name, path, None, str(exc))
     if not present:
+        try:
+            shaped = any(folder.kind(sub) is not None for sub in (MODEL_DIR, OPTIM_DIR))
+        except CheckpointError:
+            shaped = True
         return CheckpointEntry(
             name, path, None,
             f"{MANIFEST_NAME} is missing: not a committed ckptio checkpoint (an interrupted save, or a folder "
-            "written by another tool)",
+            "written by another tool)", candidate=shaped,
         )
     try:
         manifest = read_manifest(folder)
@@ -215,9 +223,10 @@ def restore_candidates(checkpoint_dir: "str | Path | Storage", restore_from: str
                        verify: str = "size") -> list[Path]:
     """The step directories a run should try to load, best first, following :attr:`CheckpointConfig.restore_from`.
 
-    ``None`` (auto-resume): every usable checkpoint, newest first (damaged ones are skipped with a
-    warning); the caller falls back to the next one when a load finds damage the discovery could not
-    see. ``"LATEST"``: the pointer's target, or, when the pointer is missing or damaged, the same list
+    ``None`` (auto-resume): every usable checkpoint, newest first (each unusable step directory is named
+    with its reason in a warning; when there are such directories and no usable one,
+    :class:`~ckptio.errors.NoUsableCheckpointError`); the caller falls back to the next one when a load
+    finds damage the discovery could not see. ``"LATEST"``: the pointer's target, or, when the pointer is missing or damaged, the same list
     as auto-resume (with a warning). ``"BEST"``, a name or a path: exactly that checkpoint.
     Raises :class:`CheckpointNotFoundError` when an explicitly requested checkpoint does not exist or is
     not usable; returns ``[]`` when auto-resume finds nothing.
@@ -227,9 +236,16 @@ def restore_candidates(checkpoint_dir: "str | Path | Storage", restore_from: str
     if restore_from is None:
         entries = scan(storage, verify)
         good = [e for e in entries if e.committed]
-        for bad in entries:
-            if bad.manifest is not None and bad.problem and (not good or bad.manifest.step >= (good[-1].step or 0)):
-                log.warning("Skipping damaged checkpoint %s: %s", bad.path, bad.problem)
+        skipped = [e for e in entries if not e.committed and e.candidate]
+        for bad in skipped:
+            log.warning("Skipping %s: %s", bad.path, bad.problem)
+        if skipped and not good:
+            raise NoUsableCheckpointError(
+                f"{root} holds {len(skipped)} step director{'y' if len(skipped) == 1 else 'ies'} and none is usable: "
+                + "; ".join(f"{e.name}: {e.problem}" for e in skipped[:5]) + ("; ..." if len(skipped) > 5 else "")
+                + ". Nothing was loaded and the run does not start from scratch over them: repair or remove them, "
+                "name a checkpoint to restore, or set start_fresh_if_damaged: true",
+                [(e.name, e.problem or "") for e in skipped])
         return [e.path for e in reversed(good)]
     if restore_from in POINTER_NAMES:
         try:

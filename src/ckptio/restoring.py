@@ -28,7 +28,8 @@ from . import _dist
 from ._memory import populate_async
 from ._progress import progress
 from .config import VERIFY_MODES, CheckpointConfig
-from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointNotFoundError, ConfigError
+from .errors import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointNotFoundError, ConfigError,
+                     NoUsableCheckpointError)
 from .formats import pt as pt_format
 from .formats import registry
 from .formats.common import TensorInfo, check_compatible, torch_dtype
@@ -89,7 +90,15 @@ class Restorer:
                 return []
             return restore_candidates(self.storage, restore_from, verify="none" if verify == "none" else "size")
 
-        candidates = _dist.broadcast_object(_dist.run_collectively("finding the checkpoint to restore", find))
+        try:
+            candidates = _dist.broadcast_object(_dist.run_collectively("finding the checkpoint to restore", find))
+        except NoUsableCheckpointError:
+            if not (automatic and self.config.start_fresh_if_damaged):
+                raise
+            if rank == 0:
+                self.log.warning("No usable checkpoint in %s (every step directory found is damaged); starting from "
+                                 "scratch as start_fresh_if_damaged asks", root)
+            return None
         if not candidates:
             if rank == 0:
                 self.log.info("No checkpoint found in %s; starting from scratch", root)
