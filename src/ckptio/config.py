@@ -35,10 +35,12 @@ class CheckpointConfig:
     model_save_format: ModelSaveFormat = "safetensors"
     """``safetensors``: one safetensors file of local shards per rank; ``torch_save``: a PyTorch DCP folder."""
 
-    optimizer_save_format: ModelSaveFormat | None = None
-    """How the optimizer state is saved: ``safetensors`` (tensors as per-rank safetensors shards keyed by
-    parameter name, hyper-parameters in ``values.json``; the fast path) or ``torch_save`` (a PyTorch DCP
-    folder). ``None``: the same as ``model_save_format``. Both reshard on load."""
+    optimizer_save_format: ModelSaveFormat | None = "torch_save"
+    """How the optimizer state is saved: ``torch_save`` (the default, whatever the model's format: a PyTorch
+    DCP folder ``optim/`` with one ``__R_0.distcp`` per rank and ``.metadata``, the layout NeMo AutoModel
+    writes and loads) or ``safetensors`` (opt-in: per-rank safetensors shards keyed by parameter name,
+    hyper-parameters in ``values.json``; ckptio reads it, other tools do not). ``None`` means the default.
+    Both reshard on load."""
 
     save_consolidated: SaveConsolidated = False
     """Also write a Hugging Face bundle under ``model/consolidated``: ``False``, ``True`` (every
@@ -123,12 +125,11 @@ class CheckpointConfig:
     ``save()``, ``wait()`` or ``close()``."""
 
     io_threads: int = 2
-    """Threads per rank that write the model and optimizer tensors: the rank's tensors are split over that
-    many files (safetensors shards, or DCP's ``__R_0.distcp``, ``__R_1.distcp``, …). Measured on the
-    reference machine (``benchmarks/save_load.py --io-threads 1``), 2 saves 2-44% faster than 1, in
-    both formats: checksumming overlaps writing, and this disk takes two streams faster than one. An
-    error on one of DCP's writer threads, which DCP itself does not report, is raised by the save. Reads
-    use one thread (``benchmarks/parallel_io.py``: parallel reads were slower here)."""
+    """Threads per rank that write the model and optimizer tensors: safetensors tensors are split over that
+    many shard files per rank; a DCP folder keeps one ``__R_0.distcp`` per rank, written as that many regions
+    at once. Two streams write faster than one on the reference machine (``benchmarks/save_load.py``
+    compares ``io_threads=1``): checksumming overlaps writing. An error on one of the writer threads is
+    raised by the save. Reads use one thread (``benchmarks/parallel_io.py``: parallel reads were slower)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -164,7 +165,7 @@ class CheckpointConfig:
             )
         if self.optimizer_save_format is not None and self.optimizer_save_format not in MODEL_SAVE_FORMATS:
             raise ConfigError(f"optimizer_save_format={self.optimizer_save_format!r} is not supported; use one of "
-                              f"{list(MODEL_SAVE_FORMATS)} or null (the same as model_save_format)")
+                              f"{list(MODEL_SAVE_FORMATS)} (null: torch_save, a DCP folder)")
         self.save_consolidated = _parse_save_consolidated(self.save_consolidated)
         from .formats.common import parse_size
 

@@ -85,23 +85,8 @@ class Restorer:
         if _dist.broadcast_object(is_foreign(restore_from) if rank == 0 else None):
             return self._restore_foreign(Path(restore_from))  # type: ignore[arg-type]
 
-        def find() -> list[Path]:
-            if rank != 0:
-                return []
-            return restore_candidates(self.storage, restore_from, verify="none" if verify == "none" else "size")
-
-        try:
-            candidates = _dist.broadcast_object(_dist.run_collectively("finding the checkpoint to restore", find))
-        except NoUsableCheckpointError:
-            if not (automatic and self.config.start_fresh_if_damaged):
-                raise
-            if rank == 0:
-                self.log.warning("No usable checkpoint in %s (every step directory found is damaged); starting from "
-                                 "scratch as start_fresh_if_damaged asks", root)
-            return None
+        candidates = find_candidates(self.storage, restore_from, verify, self.config, self.log)
         if not candidates:
-            if rank == 0:
-                self.log.info("No checkpoint found in %s; starting from scratch", root)
             return None
         for i, found in enumerate(candidates):
             try:
@@ -317,6 +302,32 @@ class Restorer:
             _dist.run_collectively(f"loading {name!r}",
                                    lambda obj=obj, rel=rel, value=value:  # type: ignore[misc]
                                    None if rel is None else apply_state(obj, value, step.display(rel)))
+
+
+def find_candidates(storage: Storage, restore_from: str | None, verify: str, config: CheckpointConfig,
+                    log: Any) -> list[Path]:
+    """Collective: the step directories to try, best first, chosen on rank 0 (:func:`restore_candidates`);
+    ``[]`` (said in the log) for a fresh start. A folder whose step directories are all unusable raises
+    :class:`NoUsableCheckpointError`, unless an automatic resume may start fresh (``start_fresh_if_damaged``)."""
+    rank = _dist.rank()
+
+    def find() -> list[Path]:
+        if rank != 0:
+            return []
+        return restore_candidates(storage, restore_from, verify="none" if verify == "none" else "size")
+
+    try:
+        candidates = _dist.broadcast_object(_dist.run_collectively("finding the checkpoint to restore", find))
+    except NoUsableCheckpointError:
+        if not (restore_from in (None, LATEST) and config.start_fresh_if_damaged):
+            raise
+        if rank == 0:
+            log.warning("No usable checkpoint in %s (every step directory found is damaged); starting from "
+                        "scratch as start_fresh_if_damaged asks", storage.root)
+        return []
+    if not candidates and rank == 0:
+        log.info("No checkpoint found in %s; starting from scratch", storage.root)
+    return candidates
 
 
 OPTIM_KEY = "optim."

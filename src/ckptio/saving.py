@@ -86,8 +86,8 @@ def model_format(config: CheckpointConfig) -> str:
 
 
 def optimizer_format(config: CheckpointConfig) -> str:
-    """The registry name of the format the optimizer state is saved in."""
-    return _REGISTRY_NAMES[config.optimizer_save_format or config.model_save_format]
+    """The registry name of the format the optimizer state is saved in (DCP unless safetensors is asked for)."""
+    return _REGISTRY_NAMES[config.optimizer_save_format or "torch_save"]
 
 
 class Saver:

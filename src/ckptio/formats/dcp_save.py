@@ -1,10 +1,11 @@
 """Saving DCP folders through ``torch.distributed.checkpoint``, with every file checksummed as it is written.
 
 :func:`save` runs DCP's own ``FileSystemWriter`` (so plain DCP reads what it writes) on a file system
-whose streams go through a :class:`FolderWriter`. With ``thread_count`` > 1 DCP writes that many files
-per rank on its own threads; a failure on one of them, which DCP does not report, is caught at the
-stream and raised by :func:`save` on every rank, and no thread is left writing into a folder that is
-about to be removed. Also here: the mapping of DCP's ``CheckpointException`` to ckptio's errors, shared
+whose streams go through a :class:`FolderWriter`. Each rank writes one data file (``__R_0.distcp``, as
+other tools lay DCP folders out); with ``thread_count`` > 1 that file is written as that many regions at
+once, one per DCP writer thread (:class:`_OneFilePerRank`). A failure on one of those threads, which DCP
+does not report, is caught at the stream and raised by :func:`save` on every rank, and no thread is left
+writing into a folder that is about to be removed. Also here: the mapping of DCP's ``CheckpointException`` to ckptio's errors, shared
 with loading (:mod:`ckptio.formats.dcp`).
 
 Call sequence: :func:`save` is a collective when a process group is initialised.
@@ -13,7 +14,9 @@ Call sequence: :func:`save` is a collective when a process group is initialised.
 from __future__ import annotations
 
 import io
+import math
 import os
+import queue
 import threading
 import warnings
 from contextlib import contextmanager
@@ -48,12 +51,24 @@ class _WriterFileSystem(FileSystem):
         self._caller = threading.get_ident()
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._open = 0  # files being written
+        self._writing = 0  # files (or regions of one) being written
         self._closed = False  # set by quiesce(): no new file
+        self._regioned: dict[str, Any] = {}  # files written as regions by several threads (plan_regions)
 
     def _rel(self, path: str | os.PathLike) -> str:
-        inner = Path(path).relative_to(self.base).as_posix()
+        inner = Path(str(path).partition(_REGION)[0]).relative_to(self.base).as_posix()
         return f"{self.rel}/{inner}" if self.rel else inner
+
+    def plan_regions(self, path: str, lengths: list[int]) -> list[str]:
+        """Open the new file ``path`` as consecutive regions of ``lengths`` bytes; the names that address them."""
+        from ..storage.regions import RegionedFile
+
+        self._regioned[self._rel(path)] = RegionedFile(self.writer.open(self._rel(path)), lengths)
+        return [f"{path}{_REGION}{i}" for i in range(len(lengths))]
+
+    def _open(self, path: str | os.PathLike, name: str) -> Any:
+        where, _, region = str(path).partition(_REGION)
+        return self._regioned[name].region(int(region)) if region else self.writer.open(name)
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
@@ -62,9 +77,9 @@ class _WriterFileSystem(FileSystem):
         name = self._rel(path)
         with self._cond:
             live = not self._closed
-            self._open += live
+            self._writing += live
         try:
-            stream: Any = self.writer.open(name) if live else _Refused(name)
+            stream: Any = self._open(path, name) if live else _Refused(name)
             try:
                 yield stream
             except Exception as exc:
@@ -83,13 +98,14 @@ class _WriterFileSystem(FileSystem):
                 if stream.error is not None:
                     with self._lock:
                         self.errors.append(stream.error)
-            digest = stream.close()
-            with self._lock:
-                self.digests[name] = digest
+            digest = stream.close()  # a region of a file: the file's digest once its last region closed
+            if digest is not None:
+                with self._lock:
+                    self.digests[name] = digest
         finally:
             if live:
                 with self._cond:
-                    self._open -= 1
+                    self._writing -= 1
                     self._cond.notify_all()
 
     def quiesce(self) -> None:
@@ -100,7 +116,9 @@ class _WriterFileSystem(FileSystem):
         """
         with self._cond:
             self._closed = True
-            self._cond.wait_for(lambda: self._open == 0)
+            self._cond.wait_for(lambda: self._writing == 0)
+        for file in self._regioned.values():  # a region no writer thread got to: the file is never finished
+            file.abandon()
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         old, new = self._rel(path), self._rel(new_path)
@@ -117,14 +135,115 @@ class _WriterFileSystem(FileSystem):
         return self.writer.exists(self._rel(path))
 
 
+_REGION = "#region-"
+"""Marks the path of one region of a file written by several threads (see :meth:`_WriterFileSystem.plan_regions`)."""
+
+
+class _OneFilePerRank(FileSystemWriter):
+    """DCP's ``FileSystemWriter`` with one data file per rank (``__R_0.distcp``) however many threads write it.
+
+    With ``thread_count`` > 1 the rank's items are split into that many groups of about equal size; each
+    group's length is found by a dry run of its serialisation (``torch.save`` into a byte counter: headers
+    and pickles only, the tensor bytes are not touched) and becomes one region of the file, written by one
+    of DCP's writer threads through :class:`~ckptio.storage.regions.Region`. DCP itself records every item's
+    offset as its stream reports it, so the metadata is the one a single-threaded write would give."""
+
+    fs: "_WriterFileSystem"
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        if self.thread_count <= 1 or len(plan.items) < 2:
+            self.thread_count = 1  # one item or one thread: DCP's own single stream
+            return super().write_data(plan, planner)
+        from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
+
+        cached = _CachingPlanner(planner)
+        groups = [g for g in _balanced(plan.items, self.thread_count) if g]
+        name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+        path = str(self.fs.concat_path(self.path, name))
+        regions = self.fs.plan_regions(path, [sum(cached.length(item) for item in g) for g in groups])
+        work: queue.Queue = queue.Queue()
+        for region, group in zip(regions, groups):
+            work.put((region, name, group))
+        return self._write_data(cached, work)  # type: ignore[arg-type]  # a SavePlanner by delegation
+
+
+def _item_bytes(item: Any) -> int:
+    data = getattr(item, "tensor_data", None)
+    if data is None:
+        return 1  # a pickled value: small
+    return math.prod(data.chunk.sizes) * data.properties.dtype.itemsize
+
+
+def _balanced(items: list[Any], n: int) -> list[list[Any]]:
+    """``items`` in ``n`` groups of about equal bytes (the largest first, each to the lightest group)."""
+    groups: list[list[Any]] = [[] for _ in range(n)]
+    sizes = [0] * n
+    for item in sorted(items, key=_item_bytes, reverse=True):
+        i = sizes.index(min(sizes))
+        groups[i].append(item)
+        sizes[i] += _item_bytes(item)
+    return groups
+
+
+class _CachingPlanner:
+    """The planner as DCP's writer threads see it, plus the byte length of each item as written.
+
+    A pickled value (``BYTE_IO``) is resolved once, measured, and handed out again as the same bytes (a second
+    pickling could differ). A tensor's length is that of ``torch.save`` of the compact tensor DCP's loader
+    writes (a view is cloned to its own storage first), measured by writing it into a counter."""
+
+    def __init__(self, planner: Any) -> None:
+        self.planner = planner
+        self._values: dict[Any, Any] = {}
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.planner, name)
+
+    def resolve_data(self, item: Any) -> Any:
+        with self._lock:
+            value = self._values.pop(item.index, None)
+        return value if value is not None else self.planner.resolve_data(item)
+
+    def length(self, item: Any) -> int:
+        import torch
+
+        data = self.planner.resolve_data(item)
+        if isinstance(data, io.BytesIO):
+            self._values[item.index] = data
+            return data.getbuffer().nbytes
+        tensor = data.detach()
+        if tensor.untyped_storage().size() != tensor.nbytes:
+            tensor = tensor.clone()
+        counter = _Counter()
+        torch.save(tensor, counter)  # type: ignore[arg-type]  # a binary sink
+        return counter.n
+
+
+class _Counter(io.RawIOBase):
+    """A sink that only counts what is written to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        n = memoryview(data).nbytes
+        self.n += n
+        return n
+
+
 def save(state_dict: dict[str, Any], writer: "FolderWriter | str | Path", rel: str = "", *,
          thread_count: int = 1) -> dict[str, str]:
     """Collective: write ``state_dict`` (local shards on each rank) as the DCP folder ``rel`` of ``writer``
     (a :class:`FolderWriter`, or a local folder written in place).
 
-    With ``thread_count`` > 1 each rank's items are split by size over that many files
-    (``__R_0.distcp``, ``__R_1.distcp``, …), written concurrently by DCP's writer threads; plain DCP reads
-    them like any folder. A failure on any of those threads is raised here, on every rank.
+    Each rank writes one file, ``__R_0.distcp``; with ``thread_count`` > 1 its items are split by size into
+    that many regions of the file, written concurrently by DCP's writer threads. A failure on any of those
+    threads is raised here, on every rank.
 
     Returns the files this rank wrote (relative to the writer's folder) with checksums computed as the
     bytes went out.
@@ -134,7 +253,7 @@ def save(state_dict: dict[str, Any], writer: "FolderWriter | str | Path", rel: s
 
         writer = LocalFolderWriter.in_place(writer)
     base = writer.local_path(rel)
-    storage = FileSystemWriter(str(base), sync_files=True, thread_count=thread_count)
+    storage = _OneFilePerRank(str(base), sync_files=True, thread_count=thread_count)
     fs = _WriterFileSystem(writer, rel, base)
     storage.fs = fs
     where = base if rel else writer.local_path()
@@ -147,6 +266,9 @@ def save(state_dict: dict[str, Any], writer: "FolderWriter | str | Path", rel: s
         except BaseException:
             fs.quiesce()  # before the caller removes the folder
             raise
+        unfinished = [name for name, file in fs._regioned.items() if file.digest is None]
+        if unfinished and not fs.failed:
+            raise CheckpointError(f"saving DCP folder {where}: {unfinished[0]} was not written whole")
         if fs.failed:  # on one of DCP's extra writer threads, which DCP does not report
             name, exc = fs.failed[0]
             cause = fs.errors[0] if fs.errors else exc

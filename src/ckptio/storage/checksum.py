@@ -36,6 +36,41 @@ class RunningChecksum:
         return format_digest(self.value)
 
 
+_POLY = 0x82F63B78  # CRC-32C (Castagnoli), bit-reflected
+
+
+def _multmodp(a: int, b: int) -> int:
+    """``a`` times ``b`` modulo the CRC polynomial (bit-reflected, as the CRC registers are)."""
+    m, p = 1 << 31, 0
+    while m:
+        if a & m:
+            p ^= b
+            if not a & (m - 1):
+                break
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+    return p
+
+
+_X2N = [1 << 30]  # x^(2^k) modulo the polynomial, k = 0..31
+for _ in range(31):
+    _X2N.append(_multmodp(_X2N[-1], _X2N[-1]))
+
+
+def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32C of ``A + B`` from the CRC-32C of ``A``, that of ``B`` and ``B``'s length (as zlib's
+    ``crc32_combine`` does for CRC-32): ``crc1`` shifted over ``len2`` zero bytes, plus ``crc2``."""
+    if len2 <= 0:
+        return crc1
+    shift, k, n = 1 << 31, 3, len2  # x^(8 * len2): one factor x^(2^k) per set bit of len2, starting at x^8
+    while n:
+        if n & 1:
+            shift = _multmodp(_X2N[k & 31], shift)
+        n >>= 1
+        k += 1
+    return _multmodp(shift, crc1) ^ crc2
+
+
 def bytes_checksum(data: bytes) -> str:
     return format_digest(crc32c(data))
 

@@ -52,6 +52,10 @@ class LocalWriteStream:
     def write(self, data: object) -> int:
         return self._out.write(data)
 
+    def adopt_checksum(self, value: int, size: int) -> None:
+        """Take the CRC-32C of content written past this stream (in regions, see :mod:`ckptio.storage.regions`)."""
+        self._out.checksum.value, self._out.checksum.size = value, size
+
     def fileno(self) -> int:
         return self._raw.fileno()
 
