@@ -30,3 +30,20 @@ def test_docs_build_strict(tmp_path):
     for page in ("migrate-automodel", "migrate-lightning", "migrate-dcp", "migrate-hf-trainer"):
         assert (site / page / "index.html").is_file()
     assert not (site / "hooks.py").exists()
+
+
+def test_the_readme_is_a_first_page_and_everything_else_is_in_the_docs():
+    """The README opens with the two commands (set up + demo, set up + tests), stays short, and every page of
+    the docs site is reachable from it through a link (directly or through docs/index.md)."""
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    lines = text.splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines; move the detail to docs/"
+    assert lines[0] == "# ckptio" and lines[2] == "```bash"
+    assert lines[3].startswith("bash scripts/demo.sh") and lines[4].startswith("bash scripts/test.sh")
+    linked = set(re.findall(r"\]\(docs/([\w-]+\.md)", text))
+    index = (ROOT / "docs" / "index.md").read_text()
+    linked |= set(re.findall(r"\]\(([\w-]+\.md)", index)) if "index.md" in linked else set()
+    pages = {p.name for p in (ROOT / "docs").glob("*.md")}
+    assert pages <= linked | {"index.md"}, f"not reachable from the README: {sorted(pages - linked)}"

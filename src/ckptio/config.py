@@ -100,7 +100,7 @@ class CheckpointConfig:
     file is present, a regular file inside the step directory, with its recorded size; ``"none"``: the
     manifest only (readers still refuse truncated data). Damage found during an auto-resume makes it
     fall back to the previous good checkpoint, with a warning. The cost of ``full``, measured by
-    ``benchmarks/verify_cost.py``, is in the README."""
+    ``benchmarks/verify_cost.py``, is in docs/guarantees.md."""
 
     strict: bool = True
     """Refuse to load a checkpoint whose model or optimizer keys differ from the live objects. ``False``
