@@ -276,7 +276,7 @@ def test_the_vocabulary_is_padded_for_the_runs_divisor(hf, tmp_path, layout):
 def test_like_takes_tp_pp_and_the_divisor_from_an_existing_run(hf, tmp_path):
     run = convert(hf, tmp_path / "run", "megatron", options={"tp": 2, "pp": 2, "layout": "legacy", "divisible_by": 64})
     out = convert(hf, tmp_path / "like", "megatron", options={"like": str(run)})
-    from ckptio.formats.megatron import run_args
+    from ckptio.formats.megatron_layout import run_args
 
     args = run_args(out)
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,

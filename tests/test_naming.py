@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from ckptio import CheckpointError
 from ckptio.convert import CONVERTERS, check_invertible, get_converter
-from ckptio.convert.naming import apply
+from ckptio.formats.naming import apply
 
 CKPTIO = str(Path(sys.executable).parent / "ckptio")
 

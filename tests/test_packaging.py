@@ -73,7 +73,7 @@ def test_a_missing_optional_dependency_names_the_extra(tmp_path):
         import sys
         sys.modules["transformers"] = None
         from ckptio.errors import MissingDependencyError
-        from ckptio.convert.training import parameter_order
+        from ckptio.formats.training_state import parameter_order
         try:
             parameter_order(__import__("pathlib").Path({str(tmp_path / "config.json")!r}))
         except MissingDependencyError as exc:

@@ -32,7 +32,7 @@ from .errors import (CheckpointCorruptError, CheckpointError, CheckpointMismatch
                      NoUsableCheckpointError)
 from .formats import pt as pt_format
 from .formats import registry
-from .formats.common import TensorInfo, check_compatible, torch_dtype
+from .formats.common import TensorInfo, check_compatible
 from .formats.registry import ShardContext
 from .foreign import is_foreign, restore_foreign, restore_foreign_adam
 from .partial import LoadOptions, LoadReport, load_model_partially, plan_partially, refuse
@@ -80,7 +80,6 @@ class Restorer:
         if verify not in VERIFY_MODES:
             raise ConfigError(f"verify must be one of {list(VERIFY_MODES)}, got {verify!r}")
         rank = _dist.rank()
-        root = self.storage.root
         automatic = restore_from in (None, LATEST)
         if _dist.broadcast_object(is_foreign(restore_from) if rank == 0 else None):
             return self._restore_foreign(Path(restore_from))  # type: ignore[arg-type]

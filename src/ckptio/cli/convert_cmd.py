@@ -42,7 +42,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..convert import formats
-    from ..convert import naming as naming_mod
+    from ..formats import naming as naming_mod
     from ..formats import registry
 
     if args.list_formats:

@@ -86,7 +86,7 @@ def convert(src: str | Path, dst: str | Path, to: str, *, dtype: str | torch.dty
             options: dict[str, Any] | None = None) -> Path:
     """Convert the model weights at ``src`` into the new path ``dst`` in format ``to``.
 
-    ``naming`` applies a registered naming converter (see :mod:`ckptio.convert.naming`) on the way;
+    ``naming`` applies a registered naming converter (see :mod:`ckptio.formats.naming`) on the way;
     ``options`` are the target format's own choices (``{"tp": 2, "pp": 2, "layout": "legacy"}`` for megatron).
     ``progress``, once the source is open, is called with its format and total bytes and may return a
     callback that is fed the bytes as they are written. Returns ``dst``.
@@ -110,7 +110,7 @@ def convert(src: str | Path, dst: str | Path, to: str, *, dtype: str | torch.dty
             total = sum(i.numel * torch_dtype(i.dtype).itemsize for i in opened.source.index().values())
             update = progress(opened.kind, total)
         if naming is not None:
-            from .naming import renamed_source
+            from ..formats.naming import renamed_source
 
             opened.source = renamed_source(opened.source, naming, opened.extras)
             opened.step_dir = None  # optimizer state is keyed by the old names: it cannot follow

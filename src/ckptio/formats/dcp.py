@@ -229,7 +229,7 @@ class DCPFormat(Format):
 
     def write(self, opened: Opened, source: "TensorSource", out: Path, options: WriteOptions) -> None:
         from ..storage import LocalFolderWriter
-        from .hf_bundle import copy_extras
+        from .extras import copy_extras
 
         tensors = {}
         for key in source.index():

@@ -23,7 +23,7 @@ from itertools import groupby
 from typing import Any, Callable
 
 import torch
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 from ..errors import CheckpointCorruptError
 from ..plan import local_view, overlap

@@ -30,16 +30,14 @@ from . import _st_writer
 from . import dcp as dcp_format
 from . import safetensors_sharded
 from .common import TensorInfo, natural_key, parse_size, torch_dtype
+from .extras import INDEX_FILE, copy_extras, join as _join
 from .registry import Format, Opened, WriteOptions, register
 
 if TYPE_CHECKING:
     from ..storage.base import FolderWriter
     from .registry import TensorSource
 
-INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = "5GB"
-_WEIGHT_SUFFIXES = (".safetensors", ".distcp")
-_NOT_EXTRAS = {dcp_format.METADATA_FILE, INDEX_FILE, "manifest.json"}
 
 
 
@@ -123,40 +121,11 @@ def write_files(plan: BundlePlan, source: "TensorSource", writer: "FolderWriter"
     return written
 
 
-def _join(rel: str, name: str) -> str:
-    return f"{rel}/{name}" if rel else name
-
-
 def write_index(plan: BundlePlan, writer: "FolderWriter", rel: str) -> dict[str, str]:
     """Write ``model.safetensors.index.json`` (once, by rank 0)."""
     data = {"metadata": {"total_size": plan.total_size}, "weight_map": plan.weight_map()}
     name = _join(rel, INDEX_FILE)
     return {name: writer.write_bytes(name, (json.dumps(data, indent=2, sort_keys=True) + "\n").encode())}
-
-
-_MAX_EXTRA_BYTES = 1 << 30
-
-
-def copy_extras(src_dir: "str | Path | Folder", writer: "FolderWriter", rel: str,
-                dtype: torch.dtype | None = None) -> dict[str, str]:
-    """Copy config, generation config and tokenizer files (every regular file that is not weights) into
-    ``rel`` of ``writer``; with ``dtype``, ``config.json`` records the cast (so that
-    ``from_pretrained(dtype="auto")`` keeps it).
-
-    Only regular files directly inside ``src_dir`` are copied (through the confined folder: a link there
-    is skipped, never followed).
-    """
-    src = safetensors_sharded.as_folder(src_dir)
-    written = {}
-    for entry in src.listdir():
-        name = entry.name
-        if entry.kind == "file" and not name.endswith(_WEIGHT_SUFFIXES) and name not in _NOT_EXTRAS \
-                and not name.startswith("."):
-            data = src.read_bytes(name, max_size=_MAX_EXTRA_BYTES)
-            if name == "config.json" and dtype is not None:
-                data = _config_with_dtype(data, dtype)
-            written[_join(rel, name)] = writer.write_bytes(_join(rel, name), data)
-    return written
 
 
 def save_hf_extras(model: torch.nn.Module, out_dir: str | Path, tokenizer: Any = None) -> list[str]:
@@ -198,17 +167,6 @@ def write_bundle(source: "TensorSource", plan: BundlePlan, writer: "FolderWriter
         written.update(copy_extras(extras if extras is not None else getattr(source, "root", None) or source.folder,
                                    writer, rel, dtype=plan.dtype))
     return written
-
-
-def _config_with_dtype(data: bytes, dtype: torch.dtype) -> bytes:
-    config = json.loads(data)
-    name = str(dtype).removeprefix("torch.")
-    for key in ("dtype", "torch_dtype"):
-        if key in config:
-            config[key] = name
-    if "dtype" not in config and "torch_dtype" not in config:
-        config["dtype"] = name
-    return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
 
 
 def consolidate(src_folder: "str | Path | Folder", writer: "FolderWriter", rel: str, *,

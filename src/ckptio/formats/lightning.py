@@ -270,13 +270,13 @@ class LightningFile(Format):
 
         optim = sched = None
         if opened.step_dir is not None:
-            from ..convert.training import read_training_state
+            from .training_state import read_training_state
 
             optim, sched = read_training_state(opened.step_dir)
         weights = all_tensors(source, options.progress)
         config = None if opened.extras is None else opened.extras / "config.json"
         if config is not None and config.is_file():
-            from ..convert.training import tied_aliases
+            from .training_state import tied_aliases
 
             # a LightningModule loads strictly: a tied alias that the weights store once is written under
             # both names, as nn.Module.state_dict() does

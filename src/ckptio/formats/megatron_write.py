@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, ConfigError
-from .megatron import GLOBAL_SPLIT, ITERATION_FILE, LAYER_SPLIT, RANK_FILE, VOCAB_KEYS
+from .megatron_layout import GLOBAL_SPLIT, ITERATION_FILE, LAYER_SPLIT, RANK_FILE, VOCAB_KEYS
 
 DIVISIBLE_BY = 128
 """Megatron-LM's default ``--make-vocab-size-divisible-by``."""
@@ -81,7 +81,7 @@ def _check_llama(config: dict[str, Any], where: object) -> None:
 
 def _tensors(source: Any, config: dict[str, Any], args: argparse.Namespace) -> dict[str, torch.Tensor]:
     """The whole model under per-layer Megatron-Core names, the vocabulary padded with zero rows."""
-    from ..convert.naming import _RenamedSource, get_converter
+    from .naming import _RenamedSource, get_converter
 
     index = source.index()
     tied = "lm_head.weight" not in index
@@ -182,7 +182,7 @@ def like_run(run: Path, ours: argparse.Namespace, tp: int | None, pp: int | None
              divisible_by: int | None) -> tuple[int, int, int]:
     """TP, PP and vocabulary divisor taken from the Megatron run ``run`` (explicit values must agree with it),
     after checking that the run's model has the sizes of the model being exported."""
-    from .megatron import run_args
+    from .megatron_layout import run_args
 
     theirs = run_args(Path(run))
     wrong = [f"{k}: the run has {getattr(theirs, k)}, the model {getattr(ours, k)}" for k in _SIZES

@@ -215,7 +215,7 @@ class NemoArchive(Format):
     def write(self, opened: Opened, source: "TensorSource", out: Path, options: WriteOptions) -> None:
         import json
 
-        from .hf_bundle import INDEX_FILE
+        from .extras import INDEX_FILE
         from .torch_file import all_tensors
 
         with tempfile.TemporaryDirectory(prefix="ckptio-nemo-", dir=out.parent) as tmp:

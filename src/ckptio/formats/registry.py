@@ -16,7 +16,7 @@ A format says what it can do by the methods it overrides:
 The manager, ``convert``, ``inspect``, ``consolidate``, ``verify`` and the CLI ask the registry
 (:func:`get`, :func:`detect`, :func:`names`) and never branch on a format's name. Adding a format is one
 new module that defines a :class:`Format` subclass and calls :func:`register`, plus its tests; it is
-loaded with the built-in ones by :func:`_load_builtins`.
+loaded with the built-in ones (the list :data:`ckptio.formats.BUILTIN_FORMATS`) by :func:`_load_builtins`.
 
 Call sequence: ``save_shards`` and ``load_shards`` are called by every rank with its own state dict
 (a format may run collectives inside; the others read and write only what the rank owns); the other
@@ -235,7 +235,12 @@ def _load_builtins() -> None:
     if _loaded:
         return
     _loaded = True
-    from . import dcp, hf_bundle, lightning, megatron, nemo, peft_adapter, safetensors_format, step_dir, torch_file  # noqa: F401
+    import importlib
+
+    from . import BUILTIN_FORMATS
+
+    for module in BUILTIN_FORMATS:
+        importlib.import_module(f"{__package__}.{module}")
 
 
 def get(name: str) -> Format:

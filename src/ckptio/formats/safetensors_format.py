@@ -44,7 +44,7 @@ class ShardedSafetensors(Format):
 
     def write(self, opened: Opened, source: "TensorSource", out: Path, options: WriteOptions) -> None:
         from ..storage import LocalFolderWriter
-        from .hf_bundle import copy_extras
+        from .extras import copy_extras
 
         writer = LocalFolderWriter.create(out)
         try:

@@ -48,7 +48,7 @@ class StepDirectory(Format):
     def write(self, opened: Opened, source: "TensorSource", out: Path, options: WriteOptions) -> None:
         from ..storage import LocalFolderWriter
         from .common import read_json
-        from .hf_bundle import copy_extras
+        from .extras import copy_extras
         from .safetensors_sharded import save_whole
 
         writer = LocalFolderWriter.create(out)

@@ -191,7 +191,6 @@ def read_pointer(checkpoint_dir: Path, name: str) -> str | None:
     text file is larger than a pointer can be. The target itself is not checked here: callers resolve
     it with :func:`ckptio.layout.pointer_target`, which also refuses a target that is a link.
     """
-    from ..errors import CheckpointCorruptError
 
     link = Path(checkpoint_dir) / name
     if link.is_symlink():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any
 
 from ...errors import CheckpointCorruptError, CheckpointNotFoundError
 from ..confined import Entry, FolderReads, ReadHandle, UnsafePathError, check_relative

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointCorruptError, CheckpointError, require
-from ..formats import registry
-from ..formats.common import read_json
-from ..formats import pt as pt_format
+from . import pt as pt_format
+from . import registry
+from .common import read_json
 from ..storage.confined import Folder
 
 __all__ = ["parameter_order", "index_keyed_optimizer", "read_training_state"]

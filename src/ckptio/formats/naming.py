@@ -22,10 +22,8 @@ from typing import Any
 
 import torch
 
-from ..formats.common import read_json
 from ..errors import CheckpointError, ConfigError
-from ..formats.common import TensorInfo, dtype_name
-from ..formats.hf_bundle import torch_dtype
+from .common import TensorInfo, dtype_name, read_json, torch_dtype
 
 __all__ = ["Rule", "Converter", "CONVERTERS", "register", "get_converter", "apply", "check_invertible",
            "renamed_source"]

@@ -1,0 +1,68 @@
+"""The side files of a model folder: its config, generation config and tokenizer, copied beside the weights.
+
+Every format that writes a whole model (a Hugging Face bundle, sharded safetensors, DCP, a step directory)
+carries them over from its source with :func:`copy_extras`; weights, indexes and ckptio's own files are
+not side files.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from . import safetensors_sharded
+
+if TYPE_CHECKING:
+    from ..storage.base import FolderWriter
+    from ..storage.confined import Folder
+
+__all__ = ["INDEX_FILE", "copy_extras", "config_with_dtype", "join"]
+
+INDEX_FILE = "model.safetensors.index.json"
+"""The index of a Hugging Face bundle: which file holds each tensor."""
+
+_WEIGHT_SUFFIXES = (".safetensors", ".distcp")
+_NOT_EXTRAS = {".metadata", INDEX_FILE, "manifest.json"}  # DCP's metadata, the bundle's index, ckptio's manifest
+_MAX_EXTRA_BYTES = 1 << 30
+
+
+def join(rel: str, name: str) -> str:
+    """``name`` inside the folder ``rel`` of a writer (``""``: its top)."""
+    return f"{rel}/{name}" if rel else name
+
+
+def copy_extras(src_dir: "str | Path | Folder", writer: "FolderWriter", rel: str,
+                dtype: torch.dtype | None = None) -> dict[str, str]:
+    """Copy config, generation config and tokenizer files (every regular file that is not weights) into
+    ``rel`` of ``writer``; with ``dtype``, ``config.json`` records the cast (so that
+    ``from_pretrained(dtype="auto")`` keeps it). Returns the files written with their checksums.
+
+    Only regular files directly inside ``src_dir`` are copied (through the confined folder: a link there
+    is skipped, never followed).
+    """
+    src = safetensors_sharded.as_folder(src_dir)
+    written = {}
+    for entry in src.listdir():
+        name = entry.name
+        if entry.kind == "file" and not name.endswith(_WEIGHT_SUFFIXES) and name not in _NOT_EXTRAS \
+                and not name.startswith("."):
+            data = src.read_bytes(name, max_size=_MAX_EXTRA_BYTES)
+            if name == "config.json" and dtype is not None:
+                data = config_with_dtype(data, dtype)
+            written[join(rel, name)] = writer.write_bytes(join(rel, name), data)
+    return written
+
+
+def config_with_dtype(data: bytes, dtype: torch.dtype) -> bytes:
+    """A ``config.json``'s bytes, recording ``dtype`` as the weights' dtype."""
+    config = json.loads(data)
+    name = str(dtype).removeprefix("torch.")
+    for key in ("dtype", "torch_dtype"):
+        if key in config:
+            config[key] = name
+    if "dtype" not in config and "torch_dtype" not in config:
+        config["dtype"] = name
+    return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
