@@ -347,16 +347,16 @@ def test_a_state_file_with_the_wrong_structure_is_skipped_by_auto_resume(tmp_pat
                            extra_states={"box": Box(1)}) as mgr:
         mgr.save(step=1)
         mgr.save(step=2)
-    rng = tmp_path / "epoch_0_step_2" / "rng.pt"
+    rng = tmp_path / "epoch_0_step_2" / "rng" / "rng_global_rank_0.pt"
     data = pt_format.to_bytes({"something": torch.zeros(1)}, "rng")  # valid file, wrong structure
     rng.write_bytes(data)
     _reseal(tmp_path / "epoch_0_step_2" / "manifest.json", lambda d: (
-        d["files"].update({"rng.pt": len(data)}), d["checksums"].pop("rng.pt")))
+        d["files"].update({"rng/rng_global_rank_0.pt": len(data)}), d["checksums"].pop("rng/rng_global_rank_0.pt")))
     box = Box(0)
     mgr = CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path), verify="size"), model=_mlp(),
                             extra_states={"box": box})
     assert mgr.restore().step == 1 and box.v == 1
-    with pytest.raises(CheckpointCorruptError, match=r"rng\.pt.*RNGState"):
+    with pytest.raises(CheckpointCorruptError, match=r"rng_global_rank_0\.pt.*RNGState"):
         CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path), restore_from="epoch_0_step_2", verify="size"),
                           model=_mlp()).restore()
 

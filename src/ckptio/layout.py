@@ -305,8 +305,3 @@ def resolve_restore_path(checkpoint_dir: str | Path, restore_from: str | None, *
 def clean_temporaries(checkpoint_dir: "str | Path | Storage", older_than_s: float = 0.0) -> list[Path]:
     """Remove leftovers of interrupted saves and deletions (``.tmp-*``, ``.trash-*``)."""
     return as_storage(checkpoint_dir).sweep(older_than_s)
-
-
-def rank_file(rank: int) -> str:
-    """The file name of one rank's copy of a small state saved per rank."""
-    return f"rank_{rank:05d}.pt"

@@ -47,6 +47,15 @@ class StateEntry:
     """File or folder, relative to the step directory."""
     per_rank: bool = False
     """``.pt`` states only: one file per rank under ``path/`` instead of one shared file."""
+    rank_file: str | None = None
+    """Per-rank states: the name of rank ``r``'s file, ``{rank}`` standing for ``r`` (AutoModel's
+    ``rng_global_rank_{rank}.pt``); ``None``: ``rank_{rank:05d}.pt``, the names of earlier ckptio versions."""
+    identical: bool = False
+    """Per-rank states: every rank saved the same bytes (a rank beyond the saved count takes rank 0's file)."""
+
+    def file_of(self, rank: int) -> str:
+        """The file (relative to the step directory) holding ``rank``'s copy of a per-rank state."""
+        return f"{self.path}/{(self.rank_file or 'rank_{rank:05d}.pt').format(rank=rank)}"
 
 
 @dataclass
@@ -99,6 +108,9 @@ class Manifest:
                     "corrupted (or was edited by hand)"
                 )
         return _parse(data, source)
+
+
+_RANK_FILE = re.compile(r"[\w.-]*\{rank(?::0?\d*d)?\}[\w.-]*")
 
 
 def _self_checksum(data: dict[str, Any]) -> str:
@@ -156,7 +168,11 @@ def _parse(data: dict[str, Any], source: Path) -> Manifest:
         s = _Fields(raw, source, f"states.{key}.")
         kind = s.get("kind", str, check=lambda v: v in STATE_KINDS, what=f"one of {list(STATE_KINDS)}")
         states[key] = StateEntry(kind=kind, format=s.get("format", str), path=s.get("path", str),
-                                 per_rank=s.get("per_rank", bool, default=False))
+                                 per_rank=s.get("per_rank", bool, default=False),
+                                 rank_file=s.get("rank_file", (str, type(None)), default=None,
+                                                 check=lambda v: v is None or bool(_RANK_FILE.fullmatch(v)),
+                                                 what="a file name with one {rank} field"),
+                                 identical=s.get("identical", bool, default=False))
     files = f.mapping("files", (int,), what="a size in bytes", check=lambda v: v >= 0, required=True)
     checksums = f.mapping("checksums", (str,), what="a crc32c digest", check=lambda v: bool(_DIGEST.fullmatch(v)))
     signature = f.get("model_signature", dict, default={})

@@ -36,7 +36,7 @@ from .formats.common import TensorInfo, check_compatible
 from .formats.registry import ShardContext
 from .foreign import is_foreign, restore_foreign, restore_foreign_adam
 from .partial import LoadOptions, LoadReport, load_model_partially, plan_partially, refuse
-from .layout import LATEST, parse_step_name, rank_file, restore_candidates
+from .layout import LATEST, parse_step_name, restore_candidates
 from .manifest import Manifest, StateEntry, merge_shapes, model_signature, read_manifest
 from .saving import Tracked
 from .storage import open_storage
@@ -276,8 +276,10 @@ class Restorer:
                     self.log.warning("%s has no %r state; %s keeps its current state", step.path, name, name)
                 continue
             rel: str | None = entry.path
-            if entry.per_rank:
-                rel = f"{entry.path}/{rank_file(rank)}"
+            if entry.per_rank and entry.identical:  # the same state on every rank: any copy will do
+                rel = entry.file_of(min(rank, manifest.world_size - 1))
+            elif entry.per_rank:
+                rel = entry.file_of(rank)
                 if manifest.world_size != world:
                     if rank == 0:
                         rest = (f"ranks {manifest.world_size}-{world - 1} keep their own" if world > manifest.world_size

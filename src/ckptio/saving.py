@@ -32,7 +32,7 @@ from .formats import pt as pt_format
 from .formats import registry
 from .formats.hf_bundle import consolidate, save_hf_extras
 from .formats.registry import ShardContext
-from .layout import CONSOLIDATED_DIR, LATEST, MODEL_DIR, OPTIM_DIR, format_step_name, rank_file
+from .layout import CONSOLIDATED_DIR, LATEST, MODEL_DIR, OPTIM_DIR, format_step_name
 from .manifest import MANIFEST_NAME, Manifest, StateEntry, merge_shapes, model_signature, software_versions
 from .staging import Stager
 from .storage.base import FolderWriter, Storage
@@ -90,6 +90,21 @@ def optimizer_format(config: CheckpointConfig) -> str:
     return _REGISTRY_NAMES[config.optimizer_save_format or "torch_save"]
 
 
+PER_RANK_FILES = {"rng": "rng_global_rank_{rank}.pt", "dataloader": "dataloader_dp_rank_{rank}.pt"}
+"""Small states always saved per rank, under the names NeMo AutoModel gives them (its recipe loads its RNG from
+``rng/rng_global_rank_R.pt`` and its dataloader from ``dataloader/dataloader_dp_rank_R.pt``)."""
+
+
+def small_state_entry(name: str, identical: bool) -> StateEntry:
+    """Where the small state ``name`` goes: ``<name>.pt`` once when every rank's bytes are the same, else one file
+    per rank, ``<name>/<name>_global_rank_R.pt`` (AutoModel's layout); ``rng`` and ``dataloader`` always per rank."""
+    if name in PER_RANK_FILES:
+        return StateEntry("object", "pt", name, per_rank=True, rank_file=PER_RANK_FILES[name], identical=identical)
+    if identical:
+        return StateEntry("object", "pt", f"{name}.pt")
+    return StateEntry("object", "pt", name, per_rank=True, rank_file=f"{name}_global_rank_{{rank}}.pt")
+
+
 class Saver:
     """Runs saves for one manager. Not thread-safe: one save at a time (the manager waits first)."""
 
@@ -131,6 +146,11 @@ class Saver:
             del model_sd
         if t.optim_state is not None:
             live["optim"] = t.optim_state.state_dict()
+            scheduler = t.objects.get("lr_scheduler")
+            if scheduler is not None and registry.get(optimizer_format(self.config)).any_values:
+                # AutoModel keeps the scheduler beside the optimizer ("sched" in optim/); so does ckptio, so that
+                # AutoModel's load_optimizer(optimizer, model, path, scheduler) finds it
+                live["optim"]["sched"] = scheduler.state_dict()
         if stage:
             live = self.stager.stage(live)
         job.model, job.optim = live.get("model"), live.get("optim")
@@ -202,15 +222,16 @@ class Saver:
             states["optim"] = StateEntry("optimizer", fmt.name, OPTIM_DIR)
             job.optim = None
         for name, data in job.objects.items():
-            per_rank = len(set(_dist.all_gather_object(hashlib.sha256(data).hexdigest()))) > 1
+            identical = len(set(_dist.all_gather_object(hashlib.sha256(data).hexdigest()))) == 1
+            entry = small_state_entry(name, identical)
 
-            def write(name: str = name, data: bytes = data, per_rank: bool = per_rank) -> None:
-                rel = f"{name}/{rank_file(rank)}" if per_rank else f"{name}.pt"
-                if per_rank or rank == 0:
+            def write(data: bytes = data, entry: StateEntry = entry) -> None:
+                if entry.per_rank or rank == 0:
+                    rel = entry.file_of(rank) if entry.per_rank else entry.path
                     job.sums[rel] = writer.write_bytes(rel, data)
 
             _dist.run_collectively(f"writing {name!r}", write)
-            states[name] = StateEntry("object", "pt", name if per_rank else f"{name}.pt", per_rank=per_rank)
+            states[name] = entry
         return states
 
     def _consolidate(self, job: SaveJob, writer: FolderWriter, rank: int, world: int) -> None:

@@ -220,6 +220,7 @@ class DCPFormat(Format):
     summary = "PyTorch DCP folder"
     priority = 30
     full_model = True
+    any_values = True
 
     def detect(self, path: Path) -> bool:
         return path.is_dir() and (path / METADATA_FILE).is_file()

@@ -109,6 +109,9 @@ class Format:
     full_model: bool = False
     """Inside a step directory: holds the whole model (then its config, tokenizer and consolidated bundle
     are written beside it), rather than a part of it such as an adapter."""
+    any_values: bool = False
+    """``save_state`` keeps values of any structure beside the tensors (DCP pickles them): the optimizer's folder
+    can then also carry the LR scheduler's state, where NeMo AutoModel keeps it."""
 
     # capabilities -----------------------------------------------------------------------------------
     def detect(self, path: Path) -> bool:

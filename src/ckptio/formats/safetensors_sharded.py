@@ -6,7 +6,12 @@ local shard inside it, so a load on any number of ranks can find and read exactl
 
     __metadata__ = {"format": "pt", "ckptio_format": "sharded-safetensors/1",
                     "ckptio_rank": "0", "ckptio_world_size": "2",
-                    "ckptio_shards": '{"lm_head.weight": {"shape": [67, 32], "offsets": [0, 0]}, ...}'}
+                    "ckptio_shards": '{"lm_head.weight": {"shape": [67, 32], "offsets": [0, 0]}, ...}',
+                    "DCP_SHARDING_INFO": '{"lm_head.weight": {"saved_offsets": [0, 0]}, ...}'}
+
+``DCP_SHARDING_INFO`` is what NeMo AutoModel (torch DCP's Hugging Face writer) records in its shards; ckptio
+writes it too, so AutoModel's reader places every piece, and reads AutoModel's shards by it (the whole
+tensor is then as large as its pieces reach; the exact-cover check below still applies).
 
 A replicated tensor is written once (by the first rank that holds it), so the files together hold
 every element exactly once. Files without ckptio metadata (any Hugging Face safetensors file) load
@@ -104,13 +109,7 @@ def save(state_dict: dict[str, torch.Tensor], writer: "FolderWriter | str | Path
             continue
         tensors[key] = view.local
         shards[key] = {"shape": list(view.shape), "offsets": list(view.offsets)}
-    metadata = {
-        "format": "pt",
-        "ckptio_format": FORMAT_TAG,
-        "ckptio_rank": str(rank),
-        "ckptio_world_size": str(world_size),
-        "ckptio_shards": json.dumps(shards, separators=(",", ":")),
-    }
+    metadata = _metadata(shards, rank, world_size)
     entries = [_st_writer.Entry(k, t.dtype, tuple(t.shape), lambda t=t: t) for k, t in tensors.items()]  # type: ignore[misc]
     groups = _balance(entries, max(1, min(threads, len(entries))))
     names = [f"{rel}/{n}" if rel else n for n in (shard_file_name(rank, world_size, i, len(groups), stem)
@@ -128,12 +127,25 @@ def save_whole(source: "TensorSource", writer: "FolderWriter", rel: str,
     index = source.index()
     keys = sorted(index, key=natural_key)
     shards = {k: {"shape": list(index[k].shape), "offsets": [0] * len(index[k].shape)} for k in keys}
-    metadata = {"format": "pt", "ckptio_format": FORMAT_TAG, "ckptio_rank": "0", "ckptio_world_size": "1",
-                "ckptio_shards": json.dumps(shards, separators=(",", ":"))}
+    metadata = _metadata(shards, 0, 1)
     entries = [_st_writer.Entry(k, torch_dtype(index[k].dtype), index[k].shape, lambda k=k: source.read(k))  # type: ignore[misc]
                for k in keys]
     name = f"{rel}/{shard_file_name(0, 1)}" if rel else shard_file_name(0, 1)
     return {name: _st_writer.write(writer.open(name), entries, metadata, progress=progress)}
+
+
+DCP_SHARDING_KEY = "DCP_SHARDING_INFO"
+"""Header metadata of the shards NeMo AutoModel writes (torch DCP's Hugging Face writer): each tensor's
+``saved_offsets`` in the whole tensor, whose shape is the largest extent of its pieces."""
+
+
+def _metadata(shards: dict[str, dict[str, list[int]]], rank: int, world_size: int) -> dict[str, str]:
+    """A shard file's header metadata: ckptio's placement (global shapes too) and AutoModel's (offsets), so
+    that AutoModel's reader places every piece of a sharded tensor where ckptio's does."""
+    offsets = {k: {"saved_offsets": v["offsets"]} for k, v in shards.items()}
+    return {"format": "pt", "ckptio_format": FORMAT_TAG, "ckptio_rank": str(rank), "ckptio_world_size": str(world_size),
+            "ckptio_shards": json.dumps(shards, separators=(",", ":")),
+            DCP_SHARDING_KEY: json.dumps(offsets, separators=(",", ":"))}
 
 
 def _in_threads(tasks: list, name: str) -> list:
@@ -184,18 +196,30 @@ def as_folder(folder: "str | Path | Folder") -> Folder:
 
 
 def _shard_meta(st: SafetensorsFile) -> dict:
+    """Each tensor's placement from the file's header: ckptio's ``{"shape", "offsets"}``, or, in a file written
+    by NeMo AutoModel (torch DCP's Hugging Face writer), ``{"offsets"}`` alone (``DCP_SHARDING_INFO``)."""
     raw = st.metadata.get("ckptio_shards")
+    if raw is not None:
+        return json_object(raw, st.path, "ckptio_shards metadata ")
+    raw = st.metadata.get(DCP_SHARDING_KEY)
     if raw is None:
         return {}
-    return json_object(raw, st.path, "ckptio_shards metadata ")
+    info = json_object(raw, st.path, f"{DCP_SHARDING_KEY} metadata ")
+    return {k: {"offsets": v.get("saved_offsets")} if isinstance(v, dict) else v for k, v in info.items()}
 
 
-def _placement(st: SafetensorsFile, key: str, local_shape: tuple[int, ...], meta: dict) -> tuple[tuple, tuple]:
-    """(global shape, offsets) of a stored chunk, from the file's ckptio metadata (whole when absent)."""
+def _placement(st: SafetensorsFile, key: str, local_shape: tuple[int, ...], meta: dict) -> tuple[tuple | None, tuple]:
+    """(global shape, offsets) of a stored chunk, from the file's metadata (whole when absent). The global shape
+    is ``None`` when the file gives offsets only: the whole tensor is then as large as its pieces reach."""
     entry = meta.get(key)
     if entry is None:
         return local_shape, (0,) * len(local_shape)
     shape, offsets = (entry.get(k) if isinstance(entry, dict) else None for k in ("shape", "offsets"))
+    if isinstance(entry, dict) and "shape" not in entry and isinstance(offsets, list):
+        if len(offsets) != len(local_shape) or not all(type(o) is int and o >= 0 for o in offsets):
+            raise CheckpointCorruptError(f"{st.path}: tensor {key!r} of shape {list(local_shape)} has saved_offsets "
+                                         f"{offsets!r:.80}, which do not fit it")
+        return None, tuple(offsets)
     if not (isinstance(shape, list) and isinstance(offsets, list)
             and all(type(d) is int and d >= 0 for d in shape + offsets) and len(shape) == len(offsets) == len(local_shape)
             and all(o + n <= g for o, n, g in zip(offsets, local_shape, shape))):
@@ -219,12 +243,20 @@ def _scan(folder: "str | Path | Folder", files: list[str] | None = None) -> tupl
         raise CheckpointNotFoundError(f"{folder.path} holds no .safetensors files")
     chunks: dict[str, list[_Chunk]] = {}
     infos: dict[str, TensorInfo] = {}
+    reach: dict[str, tuple[int, ...]] = {}  # tensors placed by offsets alone: the extent of their pieces so far
     for rel in files:
         with SafetensorsFile(folder, rel) as st:
             meta = _shard_meta(st)
             for key, e in st.entries.items():
                 global_shape, offsets = _placement(st, key, e.shape, meta)
                 dtype = dtype_name(e.dtype)
+                if global_shape is None:
+                    end = tuple(o + n for o, n in zip(offsets, e.shape))
+                    before = reach.get(key, end)
+                    global_shape = tuple(max(a, b) for a, b in zip(before, end)) if len(before) == len(end) else end
+                    reach[key] = global_shape
+                    if key in infos:
+                        infos[key] = TensorInfo(global_shape, infos[key].dtype)
                 known = infos.get(key)
                 if known is not None and (known.shape != global_shape or known.dtype != dtype):
                     raise CheckpointCorruptError(
@@ -250,7 +282,8 @@ def read_index_file(path: str | Path) -> dict[str, TensorInfo]:
     with SafetensorsFile(Folder(path.parent), path.name) as st:
         meta = _shard_meta(st)
         for key, e in st.entries.items():
-            out[key] = TensorInfo(_placement(st, key, e.shape, meta)[0], dtype_name(e.dtype))
+            shape, offsets = _placement(st, key, e.shape, meta)
+            out[key] = TensorInfo(shape or tuple(o + n for o, n in zip(offsets, e.shape)), dtype_name(e.dtype))
     return out
 
 
