@@ -17,11 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from . import _dist
-from .errors import CheckpointMismatchError
+from .automodel import NAME, adopt
+from .errors import CheckpointError, CheckpointMismatchError
 from .formats import registry
 from .formats.common import TensorInfo, check_compatible, dtype_name
 from .manifest import MANIFEST_NAME
 from .plan import local_view
+from .storage.confined import Folder
 
 __all__ = ["is_foreign", "restore_foreign", "restore_foreign_adam"]
 
@@ -33,6 +35,12 @@ def is_foreign(restore_from: str | None) -> bool:
     path = Path(restore_from)
     if not path.exists() or (path / MANIFEST_NAME).is_file():
         return False
+    if path.is_dir() and NAME.fullmatch(path.name):  # a NeMo AutoModel step: resumed whole, like a step directory
+        try:
+            if adopt(Folder(path), path.name) is not None:
+                return False
+        except CheckpointError:
+            return False  # the step-directory path reports what is wrong with it
     try:
         fmt = registry.detect(path)
     except Exception:  # not a format at all: the step-directory path reports it

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, NoUsableCheckpointError
+from .automodel import adopt
 from .manifest import MANIFEST_NAME, Manifest, check_files, read_manifest
 from .storage import as_storage, open_storage
 from .storage.base import Storage
@@ -119,6 +120,21 @@ class CheckpointEntry:
     def step(self) -> int | None:
         return self.manifest.step if self.manifest else None
 
+    @property
+    def adopted(self) -> bool:
+        """A step directory another tool wrote (NeMo AutoModel's): loaded as it is, never deleted by retention."""
+        return self.manifest is not None and self.manifest.foreign is not None
+
+
+def step_manifest(folder: Any) -> Manifest:
+    """The manifest of the step directory ``folder``: its own, or the one made up for a NeMo AutoModel step
+    (:func:`ckptio.automodel.adopt`); a folder that is neither raises :class:`CheckpointNotFoundError`."""
+    if folder.kind(MANIFEST_NAME) is None:
+        adopted = adopt(folder, folder.path.name)
+        if adopted is not None:
+            return adopted
+    return read_manifest(folder)
+
 
 def _inspect_dir(path: Path, verify: str = "size") -> CheckpointEntry:
     """What the directory ``path`` is: a committed checkpoint, or why not (see :func:`inspect_step`)."""
@@ -145,6 +161,12 @@ def inspect_step(storage: Storage, name: str, verify: str = "size", *, top: Any 
     except CheckpointError as exc:
         return CheckpointEntry(name, path, None, str(exc))
     if not present:
+        try:
+            adopted = adopt(folder, name)
+        except CheckpointError as exc:
+            return CheckpointEntry(name, path, None, str(exc))
+        if adopted is not None:  # a NeMo AutoModel step: resumable as it is, nothing to check it against
+            return CheckpointEntry(name, path, adopted)
         try:
             shaped = any(folder.kind(sub) is not None for sub in (MODEL_DIR, OPTIM_DIR))
         except CheckpointError:

@@ -18,7 +18,7 @@ import json
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from .errors import CheckpointCorruptError, CheckpointNotFoundError
 from .formats.common import json_object
@@ -52,6 +52,9 @@ class StateEntry:
     ``rng_global_rank_{rank}.pt``); ``None``: ``rank_{rank:05d}.pt``, the names of earlier ckptio versions."""
     identical: bool = False
     """Per-rank states: every rank saved the same bytes (a rank beyond the saved count takes rank 0's file)."""
+    key: str | None = None
+    """A value stored inside another state's folder rather than a file of its own (NeMo AutoModel keeps the LR
+    scheduler as ``sched`` in the optimizer's DCP folder): the top-level key there."""
 
     def file_of(self, rank: int) -> str:
         """The file (relative to the step directory) holding ``rank``'s copy of a per-rank state."""
@@ -78,6 +81,10 @@ class Manifest:
     versions: dict[str, str] = field(default_factory=dict)
     created: str = field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
     manifest_version: int = MANIFEST_VERSION
+
+    foreign: ClassVar[str | None] = None
+    """The tool that wrote a step directory described by a manifest ckptio made up for it (``"automodel"``: no
+    sizes or checksums to verify, never deleted by retention); ``None`` for a manifest read from disk."""
 
     def to_json(self) -> str:
         data = json.loads(json.dumps(asdict(self), allow_nan=True))  # the values exactly as a reader parses them
@@ -172,7 +179,8 @@ def _parse(data: dict[str, Any], source: Path) -> Manifest:
                                  rank_file=s.get("rank_file", (str, type(None)), default=None,
                                                  check=lambda v: v is None or bool(_RANK_FILE.fullmatch(v)),
                                                  what="a file name with one {rank} field"),
-                                 identical=s.get("identical", bool, default=False))
+                                 identical=s.get("identical", bool, default=False),
+                                 key=s.get("key", (str, type(None)), default=None))
     files = f.mapping("files", (int,), what="a size in bytes", check=lambda v: v >= 0, required=True)
     checksums = f.mapping("checksums", (str,), what="a crc32c digest", check=lambda v: bool(_DIGEST.fullmatch(v)))
     signature = f.get("model_signature", dict, default={})

@@ -77,7 +77,8 @@ def best_checkpoint(entries: list[CheckpointEntry], monitor: str | None, mode: M
 def decide(entries: list[CheckpointEntry], policy: RetentionPolicy, *, protected: AbstractSet[str] = frozenset(),
            now: _dt.datetime | None = None) -> RetentionDecision:
     """Split committed ``entries`` into keep and delete under ``policy``; ``protected`` names are always kept."""
-    committed = sorted((e for e in entries if e.committed), key=lambda e: (e.step or 0, e.name))
+    # a step another tool wrote (NeMo AutoModel's, adopted for resuming) is never ranked or deleted here
+    committed = sorted((e for e in entries if e.committed and not e.adopted), key=lambda e: (e.step or 0, e.name))
     decision = RetentionDecision()
     reasons = decision.reasons
 

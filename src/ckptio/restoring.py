@@ -36,8 +36,8 @@ from .formats.common import TensorInfo, check_compatible
 from .formats.registry import ShardContext
 from .foreign import is_foreign, restore_foreign, restore_foreign_adam
 from .partial import LoadOptions, LoadReport, load_model_partially, plan_partially, refuse
-from .layout import LATEST, parse_step_name, restore_candidates
-from .manifest import Manifest, StateEntry, merge_shapes, model_signature, read_manifest
+from .layout import LATEST, parse_step_name, restore_candidates, step_manifest
+from .manifest import Manifest, StateEntry, merge_shapes, model_signature
 from .saving import Tracked
 from .storage import open_storage
 from .storage.base import Storage
@@ -117,7 +117,12 @@ class Restorer:
         start = time.perf_counter()
         where = self.storage if step_dir.parent == self.storage.root else open_storage(step_dir.parent)
         base = _dist.run_collectively("opening the checkpoint", lambda: where.folder(step_dir.name))
-        manifest = _dist.run_collectively("reading the manifest", lambda: read_manifest(base))
+        manifest = _dist.run_collectively("reading the manifest", lambda: step_manifest(base))
+        if manifest.foreign is not None:
+            verify = "none"  # no sizes or checksums were recorded: the readers' own checks are what is left
+            if rank == 0:
+                self.log.warning("resuming from an AutoModel checkpoint: no manifest, sizes and checksums not verified "
+                                 "(%s; DCP chunk coverage and safetensors headers are still checked)", step_dir)
         verifier = Verifier(base, manifest.checksums) if verify == "full" else None
         folder = where.folder(step_dir.name, verifier=verifier) if verifier is not None else base
         self._report = LoadReport(skipped_states=[k for k in manifest.states if not self.options.wants(k)])
@@ -292,7 +297,7 @@ class Restorer:
 
             # every rank takes part, even one with nothing to load, so the collectives stay matched
             value = _dist.run_collectively(f"reading {name!r}",
-                                           lambda rel=rel: None if rel is None else pt_format.load_from(step, rel))  # type: ignore[misc]
+                                           lambda rel=rel, entry=entry: None if rel is None else _read_small(step, rel, entry))  # type: ignore[misc]
             if rel is not None:
                 out[name] = (rel, value)
         return out
@@ -303,6 +308,13 @@ class Restorer:
             _dist.run_collectively(f"loading {name!r}",
                                    lambda obj=obj, rel=rel, value=value:  # type: ignore[misc]
                                    None if rel is None else apply_state(obj, value, step.display(rel)))
+
+
+def _read_small(step: Folder, rel: str, entry: StateEntry) -> Any:
+    """A small state: its own ``.pt`` file, or a value kept inside another state's folder (``entry.key``)."""
+    if entry.key is not None:
+        return registry.get(entry.format).read_value(step.sub(rel), entry.key)
+    return pt_format.load_from(step, rel)
 
 
 def find_candidates(storage: Storage, restore_from: str | None, verify: str, config: CheckpointConfig,

@@ -164,11 +164,12 @@ def read_index(folder: "str | Path | Folder") -> dict[str, TensorInfo | None]:
     return index
 
 
-def load_all(folder: "str | Path | Folder") -> dict[str, Any]:
+def load_all(folder: "str | Path | Folder", under: str | None = None) -> dict[str, Any]:
     """Every value of a DCP folder, in the nesting it was saved with, without a template from the caller.
 
     The template is built from the folder's own metadata (tensor shapes and dtypes, and the flattening
-    map DCP records); tensor values are read whole, non-tensor values with ``weights_only=True``.
+    map DCP records); tensor values are read whole, non-tensor values with ``weights_only=True``. With
+    ``under``, only what was saved under that top-level key, returned without it (nothing else is read).
     """
     metadata = read_metadata(folder)
     mapping = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
@@ -177,6 +178,8 @@ def load_all(folder: "str | Path | Folder") -> dict[str, Any]:
         path = mapping.get(key, (key,))
         if not isinstance(path, (tuple, list)) or not path or not all(isinstance(p, (str, int)) for p in path):
             raise CheckpointCorruptError(f"{folder}: malformed DCP flattening entry for {key!r}")
+        if under is not None and path[0] != under:
+            continue
         node: Any = template
         for part in path[:-1]:
             node = node.setdefault(part, {})
@@ -186,8 +189,10 @@ def load_all(folder: "str | Path | Folder") -> dict[str, Any]:
             node[path[-1]] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
         else:
             node[path[-1]] = None
+    if under is not None and under not in template:
+        raise CheckpointCorruptError(f"{folder}: holds no {under!r} (its keys: {sorted(metadata.state_dict_metadata)[:5]}...)")
     load(template, folder, no_dist=True)
-    return template
+    return template if under is None else template[under]
 
 
 class DCPSource:
@@ -270,6 +275,9 @@ class DCPFormat(Format):
 
     def read_state(self, folder: Folder) -> dict:
         return flatten(load_all(folder))
+
+    def read_value(self, folder: Folder, key: str) -> Any:
+        return load_all(folder, under=key)
 
 
 register(DCPFormat())

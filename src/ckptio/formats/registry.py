@@ -131,6 +131,10 @@ class Format:
         per moment (``exp_avg``, ``exp_avg_sq``); ``None`` when the format or this checkpoint has none."""
         return None
 
+    def read_value(self, folder: "Folder", key: str) -> Any:
+        """The value saved under the top-level ``key`` of a state folder (a scheduler kept beside an optimizer)."""
+        raise ConfigError(f"the {self.name} format keeps no values beside its tensors")
+
     def snapshot(self, state_dict: dict[str, Any], model: Any) -> dict[str, Any]:
         """Training thread, collective: the state dict as this format will write it (by default as is;
         a format that writes whole tensors gathers them here, before the state is staged)."""
