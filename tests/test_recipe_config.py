@@ -16,6 +16,7 @@ sys.path.insert(0, str(ROOT / "examples" / "llm"))
 from recipe_config import RecipeConfig, RecipeConfigError, load_config, to_dict  # noqa: E402
 
 from ckptio import CheckpointConfig  # noqa: E402
+from ckptio.errors import ConfigError  # noqa: E402
 
 YAML = str(ROOT / "examples" / "llm" / "tiny_llama.yaml")
 
@@ -58,7 +59,8 @@ def test_print_config_is_the_effective_yaml_and_reads_back(tmp_path, capsys):
     assert to_dict(load_config(["--config", str(tmp_path / "effective.yaml")])) == to_dict(load_config(argv))
 
 
-@pytest.mark.parametrize("value,expected", [("true", True), ("True", True), ("false", False), ("final", "final")])
+@pytest.mark.parametrize("value,expected", [("true", True), ("True", True), ("false", False), ("final", "final"),
+                                            ("every", True), ("False", False)])
 def test_the_automodel_checkpoint_section_is_accepted_as_written(tmp_path, value, expected):
     (tmp_path / "automodel.yaml").write_text(f"""
 checkpoint:
@@ -102,3 +104,28 @@ def test_overrides_apply_in_order_after_the_file():
     assert cfg.step_scheduler.max_steps == 7 and cfg.checkpoint.checkpoint_dir == "/tmp/x"
     assert cfg.checkpoint.restore_from is None and cfg.optimizer.lr == 2.0 and isinstance(cfg.optimizer.lr, float)
     assert cfg.model.hidden_size == 64  # from the file
+
+
+def test_automodels_other_checkpoint_keys_mean_what_they_mean_there(tmp_path):
+    """``max_recent_checkpoints``, ``best_metric_key`` and ``is_async`` are AutoModel's names for ckptio's
+    ``keep_latest``, ``monitor`` and ``async_save``; keys with no ckptio meaning are refused with the reason."""
+    (tmp_path / "am.yaml").write_text("""
+checkpoint:
+  checkpoint_dir: checkpoints/
+  save_consolidated: every
+  max_recent_checkpoints: 2
+  best_metric_key: val_loss
+  is_async: true
+""")
+    c = load_config(["--config", str(tmp_path / "am.yaml")]).checkpoint
+    assert (c.save_consolidated, c.keep_latest, c.monitor, c.mode, c.async_save) == (True, 2, "val_loss", "min", True)
+    assert c.retention_policy().keep_latest == 2
+    (tmp_path / "hub.yaml").write_text("checkpoint:\n  model_repo_id: meta-llama/Llama-3.2-1B\n")
+    with pytest.raises(RecipeConfigError, match="checkpoint.model_repo_id: NeMo AutoModel's key has no meaning in ckptio"):
+        load_config(["--config", str(tmp_path / "hub.yaml")])
+    with pytest.raises(ConfigError, match="allow_legacy_pickle_restore.*never unpickles"):
+        CheckpointConfig(allow_legacy_pickle_restore=True)
+    with pytest.raises(ConfigError, match="contradicts keep_latest=3"):
+        CheckpointConfig(keep_latest=3, max_recent_checkpoints=2)
+    with pytest.raises(ConfigError, match="save_consolidated must be false, 'final', 'every'"):
+        CheckpointConfig(save_consolidated="sometimes")

@@ -166,6 +166,12 @@ def _explain(parser: Any, message: str) -> str:
         re.search(r"Group '([\w.]+)' does not accept option '(\w+)'", message)
     if unknown:
         key = unknown.group(1) if unknown.lastindex == 1 else f"--{unknown.group(1)}.{unknown.group(2)}"
+        from ckptio.config import AUTOMODEL_ONLY
+
+        name = key.rsplit(".", 1)[-1]
+        if key.startswith("--checkpoint.") and name in AUTOMODEL_ONLY:
+            return (f"checkpoint.{name}: NeMo AutoModel's key has no meaning in ckptio ({AUTOMODEL_ONLY[name]}); "
+                    "remove it (docs/migrate-automodel.md lists every key)")
         close = difflib.get_close_matches(key, _options(parser), n=1)
         if close:
             message += f"; did you mean {close[0].removeprefix('--')!r}?"

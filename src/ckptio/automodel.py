@@ -99,12 +99,10 @@ def _losses(folder: Folder) -> dict[str, float]:
 
 def _written_by_ckptio(folder: Folder) -> bool:
     """Whether a step directory without a manifest holds what only ckptio writes: its manifest is then lost (a
-    damaged ckptio checkpoint, never adopted): ckptio's shard metadata, the model's config.json beside its
-    weights (AutoModel keeps it in .hf_metadata/ or consolidated/), or an lr_scheduler.pt of its own."""
+    damaged ckptio checkpoint, never adopted): ckptio's shard metadata, or the model's config.json beside its
+    weights (AutoModel keeps it in .hf_metadata/ or consolidated/)."""
     from .formats._st_reader import SafetensorsFile
 
-    if folder.kind("lr_scheduler.pt") == "file":
-        return True
     if folder.kind("model") != "dir":
         return False
     model = folder.sub("model")

@@ -18,7 +18,7 @@ MODEL_SAVE_FORMATS = ("safetensors", "torch_save")
 VERIFY_MODES = ("none", "size", "full")
 _TEMPLATE_FIELDS_REQUIRED = ("step",)
 
-SaveConsolidated = Union[bool, Literal["final"]]
+SaveConsolidated = Union[bool, Literal["final", "every"]]
 ModelSaveFormat = Literal["safetensors", "torch_save"]
 VerifyMode = Literal["none", "size", "full"]
 Mode = Literal["min", "max"]
@@ -43,8 +43,8 @@ class CheckpointConfig:
     Both reshard on load."""
 
     save_consolidated: SaveConsolidated = False
-    """Also write a Hugging Face bundle under ``model/consolidated``: ``False``, ``True`` (every
-    checkpoint) or ``"final"`` (only the last checkpoint of a run)."""
+    """Also write a Hugging Face bundle under ``model/consolidated``: ``False``, ``True`` or ``"every"`` (every
+    checkpoint) or ``"final"`` (only the last checkpoint of a run), as NeMo AutoModel 0.7 reads the same values."""
 
     consolidated_max_shard_size: str = "5GB"
     """Largest file of the consolidated bundle (``"5GB"``, ``"500MB"``, ``"2GiB"``); a bigger tensor gets its own file."""
@@ -90,6 +90,15 @@ class CheckpointConfig:
 
     keep_newer_than_s: float | None = None
     """Also keep checkpoints younger than this many seconds."""
+
+    max_recent_checkpoints: int | None = None
+    """NeMo AutoModel's name for ``keep_latest`` (the newest n are kept; so are the LATEST and BEST targets)."""
+
+    best_metric_key: str = "default"
+    """NeMo AutoModel's name for ``monitor`` (with ``mode: min``); ``"default"``: unset."""
+
+    is_async: bool | None = None
+    """NeMo AutoModel's name for ``async_save``."""
 
     enabled: bool = True
     """``False`` turns every save and restore into a no-op (dry runs, debugging)."""
@@ -167,6 +176,7 @@ class CheckpointConfig:
             raise ConfigError(f"optimizer_save_format={self.optimizer_save_format!r} is not supported; use one of "
                               f"{list(MODEL_SAVE_FORMATS)} (null: torch_save, a DCP folder)")
         self.save_consolidated = _parse_save_consolidated(self.save_consolidated)
+        self._apply_automodel_names()
         from .formats.common import parse_size
 
         try:
@@ -175,7 +185,7 @@ class CheckpointConfig:
             raise ConfigError(f"consolidated_max_shard_size: {exc}") from exc
         if self.mode not in ("min", "max"):
             raise ConfigError(f"mode must be 'min' or 'max', got {self.mode!r}")
-        for name in ("save_top_k", "keep_latest", "keep_every_n_steps"):
+        for name in ("save_top_k", "keep_latest", "keep_every_n_steps", "max_recent_checkpoints"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)
                                       or value < (-1 if name == "save_top_k" else 1)):
@@ -194,6 +204,8 @@ class CheckpointConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value)):
                 raise ConfigError(f"{name} must be a list of names, got {value!r}")
+        if self.is_async is not None and not isinstance(self.is_async, bool):
+            raise ConfigError(f"is_async must be true, false or null, got {self.is_async!r}")
         for name in ("is_peft", "enabled", "strict", "auto_insert_field_names", "save_last", "async_save",
                      "load_cast_dtype", "start_fresh_if_damaged"):
             value = getattr(self, name)
@@ -202,6 +214,21 @@ class CheckpointConfig:
         if self.restore_from is not None and (not isinstance(self.restore_from, str) or not self.restore_from):
             raise ConfigError("restore_from must be null, 'LATEST', a step directory name, or a path")
         _validate_template(self.name_template)
+
+    def _apply_automodel_names(self) -> None:
+        """Fold NeMo AutoModel's names for three settings into ckptio's; both given and different is an error."""
+        for theirs, ours, value in (("max_recent_checkpoints", "keep_latest", self.max_recent_checkpoints),
+                                    ("best_metric_key", "monitor",
+                                     None if self.best_metric_key in (None, "default") else self.best_metric_key),
+                                    ("is_async", "async_save", self.is_async)):
+            if value is None:
+                continue
+            current = getattr(self, ours)
+            default = {"keep_latest": None, "monitor": None, "async_save": False}[ours]
+            if current != default and current != value:
+                raise ConfigError(f"{theirs}={value!r} (NeMo AutoModel's name for {ours}) contradicts {ours}={current!r}; "
+                                  "give one of them")
+            setattr(self, ours, value)
 
     def retention_policy(self):
         """The :class:`~ckptio.policies.RetentionPolicy` these fields describe."""
@@ -222,6 +249,26 @@ class CheckpointConfig:
         return [f.name for f in fields(cls)]
 
 
+AUTOMODEL_ONLY = {
+    "model_repo_id": "the Hub id AutoModel loads base weights from; ckptio never downloads",
+    "model_cache_dir": "AutoModel's Hub cache; ckptio never downloads",
+    "model_state_dict_keys": "kept by AutoModel for its own backward compatibility",
+    "dequantize_base_checkpoint": "AutoModel's loading of quantized base weights",
+    "original_model_root_dir": "AutoModel's loading of base weights",
+    "skip_task_head_prefixes_for_base_model": "AutoModel's loading of base weights",
+    "v4_compatible": "AutoModel's config.json variant for transformers 4",
+    "legacy_paramwrapper_layout": "AutoModel's export of fused expert LoRA weights",
+    "diffusers_compatible": "AutoModel's diffusers index file name",
+    "single_rank_consolidation": "ckptio consolidates on every rank in parallel",
+    "staging_dir": "ckptio writes the bundle into the step directory being committed",
+    "consolidation_timeout_minutes": "ckptio's consolidation is part of the save",
+    "cpu_offload": "ckptio copies to host memory only for async_save",
+    "wait_for_staging": "async_save returns once staging is done",
+    "allow_legacy_pickle_restore": "ckptio never unpickles arbitrary objects, trusted or not",
+}
+"""Keys of NeMo AutoModel's ``checkpoint:`` section that ckptio has no equivalent for, with why."""
+
+
 def _refuse_unknown_fields(cls: type) -> None:
     """Wrap the dataclass ``__init__`` so that a misspelt field names the closest valid one (the signature
     seen by IDEs, type checkers and configuration libraries stays the generated one)."""
@@ -231,6 +278,9 @@ def _refuse_unknown_fields(cls: type) -> None:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         known = {f.name for f in fields(cls)}
         for key in kwargs:
+            if key in AUTOMODEL_ONLY:
+                raise ConfigError(f"{cls.__name__}: NeMo AutoModel's {key!r} has no meaning in ckptio "
+                                  f"({AUTOMODEL_ONLY[key]}); remove it (docs/migrate-automodel.md lists every key)")
             if key not in known:
                 close = difflib.get_close_matches(key, sorted(known), n=1)
                 raise ConfigError(f"{cls.__name__} has no field {key!r}"
@@ -254,7 +304,9 @@ def _parse_save_consolidated(value: object) -> SaveConsolidated:
             return False
         if low == "final":
             return "final"
-    raise ConfigError(f"save_consolidated must be true, false or 'final', got {value!r}")
+        if low == "every":
+            return True
+    raise ConfigError(f"save_consolidated must be false, 'final', 'every' or true (the same as 'every'), got {value!r}")
 
 
 def _validate_template(template: object) -> None:
