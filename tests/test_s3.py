@@ -20,7 +20,7 @@ import torch
 pytest.importorskip("boto3")
 pytest.importorskip("moto")
 
-from ckptio import CheckpointConfig, CheckpointManager, committed_checkpoints  # noqa: E402
+from ckptio import CheckpointConfig, CheckpointManager, _faults, committed_checkpoints  # noqa: E402
 from ckptio.errors import CheckpointError, ConfigError  # noqa: E402
 from ckptio.layout import LATEST, pointer_target, scan  # noqa: E402
 from ckptio.storage import open_storage  # noqa: E402
@@ -115,6 +115,39 @@ def test_an_uncommitted_step_is_never_resumed_and_is_swept(bucket):
     removed = storage.sweep()
     assert [p.name for p in removed] == ["epoch_0_step_2"]
     assert not _keys(bucket, "r/epoch_0_step_2/")
+
+
+def test_sweep_and_retention_never_remove_a_folder_ckptio_did_not_begin(bucket):
+    """A step folder without ckptio's in-progress mark (copied from NeMo AutoModel, say) is not an interrupted
+    save: sweep leaves it, and a step whose removal was cut short is marked so that the next sweep finishes it."""
+    url = f"s3://{bucket}/r"
+    s3 = s3mod.client()
+    s3.put_object(Bucket=bucket, Key="r/epoch_0_step_9/model/shard-00001-model-00001-of-00001.safetensors",
+                  Body=b"not ours")
+    model, opt, mgr = _setup(url)
+    with mgr:
+        mgr.save(step=1)
+    storage = open_storage(url)
+    assert ".ckptio-pending" not in "".join(_keys(bucket, "r/epoch_0_step_1/"))  # committed: the mark is gone
+    assert storage.sweep() == []
+    assert _keys(bucket, "r/epoch_0_step_9/")
+    class Killed(BaseException):
+        pass
+
+    def die(point: str) -> None:
+        if point == "delete.after_hide":
+            raise Killed
+
+    _faults.set_hook(die)
+    try:
+        with pytest.raises(Killed):
+            storage.remove_step("epoch_0_step_1")
+    finally:
+        _faults.set_hook(None)
+    entry = {e.name: e for e in scan(storage)}["epoch_0_step_1"]
+    assert not entry.committed and not entry.candidate and "uncommitted" in entry.problem
+    assert [p.name for p in storage.sweep()] == ["epoch_0_step_1"]
+    assert not _keys(bucket, "r/epoch_0_step_1/") and _keys(bucket, "r/epoch_0_step_9/")
 
 
 def test_two_writers_cannot_both_commit_a_step(bucket):

@@ -16,7 +16,7 @@ from typing import Any
 
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, NoUsableCheckpointError
 from .automodel import adopt
-from .manifest import MANIFEST_NAME, Manifest, check_files, read_manifest
+from .manifest import MANIFEST_NAME, PENDING_NAME, Manifest, check_files, read_manifest
 from .storage import as_storage, open_storage
 from .storage.base import Storage
 from .storage.local import TMP_PREFIX, TRASH_PREFIX  # noqa: F401  (TRASH_PREFIX: re-exported)
@@ -158,8 +158,12 @@ def inspect_step(storage: Storage, name: str, verify: str = "size", *, top: Any 
                                    if kind is not None else "no such directory", candidate=kind == "link")
         folder = top.sub(name)
         present = folder.kind(MANIFEST_NAME) is not None
+        pending = not present and folder.kind(PENDING_NAME) == "file"
     except CheckpointError as exc:
         return CheckpointEntry(name, path, None, str(exc))
+    if pending:  # an object store's step being written in place (or whose save died before its manifest)
+        return CheckpointEntry(name, path, None, f"{MANIFEST_NAME} is missing: uncommitted (an interrupted or "
+                               "running save)", candidate=False)
     if not present:
         try:
             adopted = adopt(folder, name)

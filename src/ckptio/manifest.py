@@ -27,6 +27,10 @@ from .storage.confined import Folder, UnsafePathError, as_folder, check_relative
 from .storage.verify import Verifier
 
 MANIFEST_NAME = "manifest.json"
+PENDING_NAME = ".ckptio-pending"
+"""An object store has no rename: a step there is written in place, and this empty object, written before anything
+else and removed after the manifest, says that ckptio is (or was, if the save died) writing it. A folder without a
+manifest and without it is someone else's (a NeMo AutoModel step): never swept."""
 MANIFEST_VERSION = 2
 """2: carries ``manifest_checksum``. Version 1 manifests (no self-checksum) are still read."""
 _READABLE_VERSIONS = (1, 2)

@@ -42,6 +42,7 @@ from ._common import (
     MANIFEST,
     MAX_ATTEMPTS,
     MAX_POINTER_BYTES,
+    PENDING,
     READ_TIMEOUT,
     S3Error,
     S3Path,
@@ -91,11 +92,14 @@ class S3Storage:
         where = S3Path(self.bucket, *prefix.split("/"))
         keys = sorted(self._objects(prefix) if objects is None else objects)
         if manifest_first and MANIFEST in keys:
+            # marked in progress before it is uncommitted, unmarked last: a removal cut short leaves a folder
+            # sweep() recognises as ckptio's own, never one that looks like another tool's
+            _call("writing", where / PENDING, s3.put_object, Bucket=self.bucket, Key=f"{prefix}/{PENDING}", Body=b"")
             _call("removing", where / MANIFEST, s3.delete_object, Bucket=self.bucket, Key=f"{prefix}/{MANIFEST}")
             from ... import _faults
 
             _faults.point("delete.after_hide")
-            keys.remove(MANIFEST)
+            keys = [k for k in keys if k not in (MANIFEST, PENDING)] + [PENDING]
         for i in range(0, len(keys), 1000):
             batch = [{"Key": f"{prefix}/{k}"} for k in keys[i:i + 1000]]
             result = _call("removing objects under", where, s3.delete_objects, Bucket=self.bucket,
@@ -110,7 +114,9 @@ class S3Storage:
         # whatever sits under this name (an interrupted save, an older step of the same name) goes first,
         # manifest first, so no object of it can end up in the new step's listing
         self._delete_prefix(self._key(name), manifest_first=True)
-        return S3FolderWriter(self, name)
+        writer = S3FolderWriter(self, name)
+        writer.mark_pending()
+        return writer
 
     def attach_step(self, token: str, name: str) -> S3FolderWriter:
         return S3FolderWriter(self, name)
@@ -119,8 +125,9 @@ class S3Storage:
         self._delete_prefix(self._key(name), manifest_first=True)
 
     def sweep(self, older_than_s: float = 0.0) -> list[S3Path]:  # type: ignore[override]
-        """Remove steps without a manifest (interrupted saves) whose newest object is at least ``older_than_s``
-        old, and abort multipart uploads under the folder started that long ago."""
+        """Remove steps ckptio began and never committed (in-progress mark, no manifest) whose newest object is at
+        least ``older_than_s`` old, and abort multipart uploads under the folder started that long ago. A folder
+        without the mark (another tool's, such as a NeMo AutoModel step) is never removed."""
         s3 = client()
         now = time.time()
         removed: list[S3Path] = []
@@ -131,7 +138,7 @@ class S3Storage:
             prefix = self._key(entry.name)
             objects = self._objects(prefix)
             newest = max((o["LastModified"].timestamp() for o in objects.values()), default=0.0)
-            if MANIFEST not in objects and now - newest >= older_than_s:
+            if MANIFEST not in objects and PENDING in objects and now - newest >= older_than_s:
                 self._delete_prefix(prefix, manifest_first=False, objects=objects)
                 removed.append(self.root / entry.name)  # type: ignore[arg-type]
         uploads = _call("listing the unfinished uploads of", self.root, s3.list_multipart_uploads,

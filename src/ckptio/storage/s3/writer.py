@@ -14,7 +14,7 @@ from ...errors import CheckpointError, CheckpointNotFoundError
 from ..confined import check_relative
 from ..local import LocalWriteStream
 from . import _common
-from ._common import MANIFEST, S3Error, S3Path, _call, client
+from ._common import MANIFEST, PENDING, S3Error, S3Path, _call, client
 
 if TYPE_CHECKING:
     from . import S3Storage
@@ -150,7 +150,13 @@ class S3FolderWriter:
     def files(self) -> dict[str, int]:
         """Every object written so far under this step, by every rank (files of :meth:`local_path` uploaded first)."""
         self._upload_local()
-        return {rel: int(obj["Size"]) for rel, obj in self.storage._objects(self.prefix).items() if rel != MANIFEST}
+        return {rel: int(obj["Size"]) for rel, obj in self.storage._objects(self.prefix).items()
+                if rel not in (MANIFEST, PENDING)}
+
+    def mark_pending(self) -> None:
+        """Write the step's in-progress mark (before any of its files; see :data:`ckptio.manifest.PENDING_NAME`)."""
+        _call("writing", self._where(PENDING), client().put_object, Bucket=self.storage.bucket,
+              Key=self._key(PENDING), Body=b"")
 
     def commit(self, manifest: tuple[str, bytes] | None = None) -> S3Path:
         self._upload_local()
@@ -165,6 +171,10 @@ class S3FolderWriter:
                     raise CheckpointError(f"{self._where('')}: another writer committed this step first; this save "
                                           "is not committed (two jobs must not share a checkpoint_dir)") from None
                 raise
+            try:  # committed: the mark goes (a leftover one is harmless, the manifest decides)
+                client().delete_object(Bucket=self.storage.bucket, Key=self._key(PENDING))
+            except Exception:  # noqa: BLE001
+                pass
         shutil.rmtree(self.spool, ignore_errors=True)
         return self._where("").parent / self.name  # type: ignore[return-value]
 
