@@ -22,6 +22,7 @@ from ._log import get_logger
 from .background import BackgroundWriter
 from .config import CheckpointConfig
 from .errors import ConfigError
+from .formats.peft_adapter import adapter_name
 from .layout import MODEL_DIR, OPTIM_DIR
 from .manifest import MANIFEST_NAME
 from .restoring import Restorer, RestoreInfo
@@ -36,6 +37,8 @@ _RESERVED = {MODEL_DIR, OPTIM_DIR, MANIFEST_NAME, "manifest"}
 
 @runtime_checkable
 class Stateful(Protocol):
+    """Anything with ``state_dict()`` and ``load_state_dict()``: what the manager saves and restores."""
+
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
@@ -90,7 +93,8 @@ class CheckpointManager:
         self.tracked = Tracked(
             model=model, tokenizer=tokenizer, base_model_path=base_model_path,
             model_state=ModelState(model, key_prefix=model_key_prefix, trainable_only=config.is_peft) if model else None,
-            optim_state=OptimizerState(model, optimizer) if optimizer is not None and model is not None else None,
+            optim_state=OptimizerState(model, optimizer, peft_adapter=adapter_name(model) if config.is_peft else None)
+            if optimizer is not None and model is not None else None,
         )
         self.step_scheduler = step_scheduler
         for name, obj in (("lr_scheduler", lr_scheduler), ("dataloader", dataloader),

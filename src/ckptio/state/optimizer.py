@@ -47,24 +47,61 @@ def _fqn(model: nn.Module, name: str) -> str:
     return name
 
 
-class OptimizerState:
-    """Stateful view of an optimizer for checkpointing (see the module docstring)."""
+def adapter_param_name(fqn: str, adapter: str) -> str:
+    """A peft model's parameter under the name the model has without peft's wrappers:
+    ``base_model.model.model.layers.0.q_proj.lora_A.default.weight`` -> ``model.layers.0.q_proj.lora_A.weight``.
+    NeMo AutoModel's LoRA modules carry exactly these names, and its optimizer checkpoints key state by them."""
+    name = fqn.replace(f".{adapter}.", ".") if f".{adapter}." in fqn else fqn
+    return name[len(_PEFT_PREFIX):] if name.startswith(_PEFT_PREFIX) else name
 
-    def __init__(self, model: nn.Module, optimizer: Any) -> None:
+
+_PEFT_PREFIX = "base_model.model."
+
+
+class OptimizerState:
+    """Stateful view of an optimizer for checkpointing (see the module docstring).
+
+    ``peft_adapter``: the active adapter of a peft model; state is then keyed by :func:`adapter_param_name`
+    (what NeMo AutoModel writes and reads for its LoRA models), and the full peft names of earlier ckptio
+    checkpoints still load."""
+
+    def __init__(self, model: nn.Module, optimizer: Any, *, peft_adapter: str | None = None) -> None:
         self.model = model
         self.optimizer = optimizer
+        self.peft_adapter = peft_adapter
+
+    def _saved_name(self, fqn: str) -> str:
+        return fqn if self.peft_adapter is None else adapter_param_name(fqn, self.peft_adapter)
+
+    def _rename(self, flat: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+        """``flat`` with the parameter name inside every ``state.``/``param_groups.`` key mapped through ``names``."""
+        out = {}
+        for key, value in flat.items():
+            for prefix in (STATE, GROUPS):
+                if key.startswith(prefix):
+                    fqn, name = _split_state_key(key[len(prefix):], names)
+                    if fqn is not None:
+                        key = f"{prefix}{names[fqn]}.{name}"
+                    break
+            out[key] = value
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         """``{"optim": flat}``: state tensors and hyper-parameters keyed by parameter name."""
-        return {"optim": get_optimizer_state_dict(self.model, self.optimizer, options=_OPTIONS)}
+        flat = get_optimizer_state_dict(self.model, self.optimizer, options=_OPTIONS)
+        if self.peft_adapter is not None:
+            flat = self._rename(flat, {fqn: self._saved_name(fqn) for fqn, _ in self._raw_params()})
+        return {"optim": flat}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's own path (used for states :meth:`template` does not cover)."""
-        set_optimizer_state_dict(self.model, self.optimizer, state_dict["optim"], options=_OPTIONS)
+        flat = state_dict["optim"]
+        if self.peft_adapter is not None:
+            flat = self._rename(flat, {self._saved_name(fqn): fqn for fqn, _ in self._raw_params()})
+        set_optimizer_state_dict(self.model, self.optimizer, flat, options=_OPTIONS)
 
     # ---------------------------------------------------------------------------------------------- fast path
-    def params(self) -> list[tuple[str, torch.nn.Parameter]]:
-        """(name, parameter) in the optimizer's order (the positions its own state dict uses)."""
+    def _raw_params(self) -> list[tuple[str, torch.nn.Parameter]]:
         names = {id(p): _fqn(self.model, n) for n, p in self.model.named_parameters()}
         out = []
         for p in chain.from_iterable(g["params"] for g in self.optimizer.param_groups):
@@ -73,13 +110,26 @@ class OptimizerState:
             out.append((names[id(p)], p))
         return out
 
+    def params(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """(name as saved, parameter) in the optimizer's order (the positions its own state dict uses)."""
+        return [(self._saved_name(fqn), p) for fqn, p in self._raw_params()]
+
+    def _lookup(self) -> dict[str, int]:
+        """Position of each parameter by its saved name and, for a peft model, by its full name too."""
+        found = {}
+        for i, (fqn, _) in enumerate(self._raw_params()):
+            found[fqn] = i
+            found[self._saved_name(fqn)] = i
+        return found
+
     def template(self, index: dict[str, TensorInfo | None]) -> dict[str, Any] | None:
         """Empty targets for every ``state.*`` entry of a checkpoint's index, shaped and sharded like their
         parameters (``None`` where the value is not a tensor); ``None`` when the index has a state this path
         does not cover (then use :meth:`state_dict` as the template and :meth:`load_state_dict`)."""
         from torch.distributed.tensor import DTensor
 
-        by_fqn = dict(self.params())
+        params = self.params()
+        by_fqn = {name: params[i][1] for name, i in self._lookup().items()}
         out: dict[str, Any] = {}
         for key, info in index.items():
             if not key.startswith(STATE):
@@ -108,8 +158,8 @@ class OptimizerState:
 
     def apply(self, flat: dict[str, Any]) -> None:
         """Load a filled flat state (see :meth:`template`) into the optimizer, keyed by position."""
-        params = self.params()
-        pid = {fqn: i for i, (fqn, _) in enumerate(params)}
+        params, raw = self.params(), self._raw_params()
+        pid = self._lookup()
         state: dict[int, dict[str, Any]] = {}
         for key, value in flat.items():
             if key.startswith(STATE):
@@ -119,11 +169,15 @@ class OptimizerState:
         for group in self.optimizer.param_groups:
             ids = list(range(i, i + len(group["params"])))
             i += len(group["params"])
-            first = params[ids[0]][0] if ids else None
-            hyper = {k[len(GROUPS) + len(first) + 1:]: v for k, v in flat.items()
-                     if first is not None and k.startswith(f"{GROUPS}{first}.")}
+            hyper = {}
+            for first in ({params[ids[0]][0], raw[ids[0]][0]} if ids else ()):  # as saved, or a full peft name
+                hyper.update({k[len(GROUPS) + len(first) + 1:]: v for k, v in flat.items()
+                              if k.startswith(f"{GROUPS}{first}.")})
             groups.append({**{k: v for k, v in group.items() if k != "params"}, **hyper, "params": ids})
-        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        # in parameter order, the same on every rank: the optimizer's state keeps this order, and code that walks
+        # it collectively (torch's get_optimizer_state_dict with full_state_dict) would otherwise hang or mix
+        # tensors up across ranks that filled their state in another order
+        self.optimizer.load_state_dict({"state": dict(sorted(state.items())), "param_groups": groups})
 
 
 def _split_state_key(rest: str, fqns: dict[str, Any]) -> tuple[str | None, str]:

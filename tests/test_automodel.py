@@ -1,0 +1,170 @@
+"""Both ways with the real NeMo AutoModel 0.7: its checkpoints resume in ckptio, ckptio's resume in AutoModel.
+
+Every case runs ``tests/automodel_harness.py`` in an environment with ``nemo-automodel==0.7.0`` (installed
+``--no-deps``, as its checkpoint component needs only torch, transformers at its exact pin, safetensors and
+pyyaml) and ckptio from this checkout on ``PYTHONPATH``. The environment is built once per content of
+:data:`PINS` under ``~/.cache/ckptio-automodel`` (``CKPTIO_AUTOMODEL_CACHE`` moves it); building it needs the
+package index. A run interrupted by one checkpointer is resumed by the other, and must end bitwise equal
+(every loss, the model, AdamW's state, the scheduler) to the same run left uninterrupted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+HARNESS = Path(__file__).with_name("automodel_harness.py")
+PINS = ["torch==2.13.0", "transformers==5.18.0", "peft==0.21.2", "safetensors", "pyyaml", "numpy", "psutil", "crc32c",
+        "tqdm"]
+NO_DEPS = ["nemo-automodel==0.7.0", "torchdata==0.11.0"]
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+
+
+def _environment() -> Path:
+    key = hashlib.sha256(" ".join(PINS + NO_DEPS).encode() + sys.version.encode()).hexdigest()[:12]
+    cache = Path(os.environ.get("CKPTIO_AUTOMODEL_CACHE", Path.home() / ".cache" / "ckptio-automodel"))
+    env = cache / key
+    python = env / "bin" / "python"
+    if (env / "ready").is_file():
+        return python
+    shutil.rmtree(env, ignore_errors=True)
+    env.parent.mkdir(parents=True, exist_ok=True)
+
+    def run(cmd: list[str]) -> None:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
+        assert out.returncode == 0, f"{' '.join(cmd)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+
+    run([sys.executable, "-m", "venv", str(env)])
+    pip = [str(python), "-m", "pip", "--disable-pip-version-check", "install", "--quiet"]
+    run(pip + PINS)
+    run(pip + ["--no-deps"] + NO_DEPS)
+    (env / "ready").write_text("built\n")
+    return python
+
+
+@pytest.fixture(scope="module")
+def am_python() -> Path:
+    return _environment()
+
+
+def _run(python: Path, by: str, ckpt_dir: Path, out: Path, *, world: int = 1, fmt: str = "safetensors",
+         stop_after: int | None = None, steps: int = 8, check_restore: bool = False, peft: bool = False) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONWARNINGS": "ignore"}
+    launch = [str(python)] if world == 1 else [str(python), "-m", "torch.distributed.run", "--standalone",
+                                                f"--nproc-per-node={world}"]
+    cmd = launch + [str(HARNESS), "--by", by, "--dir", str(ckpt_dir), "--out", str(out), "--format", fmt,
+                    "--steps", str(steps), "--ckpt-every", "4"]
+    if stop_after is not None:
+        cmd += ["--stop-after", str(stop_after)]
+    if check_restore:
+        cmd += ["--check-restore"]
+    if peft:
+        cmd += ["--peft"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, f"{by} run failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+    return {"result": torch.load(out, weights_only=False), "log": done.stdout + done.stderr}
+
+
+def _same(a: dict, b: dict, what: str) -> None:
+    assert a["losses"] == b["losses"], f"{what}: losses differ: {a['losses']} vs {b['losses']}"
+    assert a["model"].keys() == b["model"].keys()
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), f"{what}: {k} differs"
+    for p, state in a["optim"].items():
+        for name, value in state.items():
+            other = b["optim"][p][name]
+            assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other, (what, p, name)
+    assert a["sched"] == b["sched"] and a["step"] == b["step"], what
+
+
+@pytest.fixture(scope="module")
+def straight(am_python, tmp_path_factory) -> dict:
+    """The uninterrupted run, checkpointed by AutoModel, for each format and rank count used below."""
+    root = tmp_path_factory.mktemp("straight")
+    out = {}
+    for fmt, world in (("safetensors", 1), ("torch_save", 1), ("safetensors", 2)):
+        out[(fmt, world)] = _run(am_python, "automodel", root / f"{fmt}{world}", root / f"{fmt}{world}.pt",
+                                 world=world, fmt=fmt)["result"]
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch_save"])
+def test_an_automodel_checkpoint_resumes_in_ckptio_and_goes_on_as_automodel_would(am_python, straight, tmp_path, fmt):
+    ckpt = tmp_path / "ckpt"
+    _run(am_python, "automodel", ckpt, tmp_path / "first.pt", fmt=fmt, stop_after=3)
+    names = sorted(p.name for p in ckpt.iterdir() if not p.name.startswith("."))
+    assert "epoch_0_step_3" in names and not (ckpt / "epoch_0_step_3" / "manifest.json").exists()
+    second = _run(am_python, "ckptio", ckpt, tmp_path / "second.pt", fmt=fmt)  # auto-resume in the same folder
+    assert "Loading checkpoint from" in second["log"] and "epoch_0_step_3" in second["log"]
+    assert "resuming from an AutoModel checkpoint: no manifest, sizes and checksums not verified" in second["log"]
+    first = torch.load(tmp_path / "first.pt", weights_only=False)
+    merged = {**second["result"], "losses": {**first["losses"], **second["result"]["losses"]}}
+    _same(merged, straight[(fmt, 1)], f"AutoModel -> ckptio ({fmt})")
+    assert (ckpt / "epoch_0_step_3").is_dir()  # ckptio never deletes or rewrites AutoModel's folder
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch_save"])
+def test_a_ckptio_checkpoint_resumes_in_automodels_recipe(am_python, straight, tmp_path, fmt):
+    ckpt = tmp_path / "ckpt"
+    first = _run(am_python, "ckptio", ckpt, tmp_path / "first.pt", fmt=fmt, stop_after=3)["result"]
+    step = ckpt / "epoch_0_step_3"
+    assert (step / "manifest.json").is_file()
+    assert sorted(p.name for p in (step / "optim").iterdir()) == [".metadata", "__0_0.distcp"]  # the seed's layout
+    assert (step / "rng" / "rng_global_rank_0.pt").is_file() and (step / "step_scheduler.pt").is_file()
+    assert (step / "dataloader" / "dataloader_dp_rank_0.pt").is_file()
+    second = _run(am_python, "automodel", ckpt, tmp_path / "second.pt", fmt=fmt)  # AutoModel's own auto-resume
+    assert f"Loading checkpoint from {step}" in second["log"]
+    merged = {**second["result"], "losses": {**first["losses"], **second["result"]["losses"]}}
+    _same(merged, straight[(fmt, 1)], f"ckptio -> AutoModel ({fmt})")
+
+
+def test_two_ranks_both_ways(am_python, straight, tmp_path):
+    """FSDP2 on 2 gloo ranks: AutoModel's checkpoint resumes in ckptio and ckptio's in AutoModel."""
+    a = tmp_path / "a"
+    first = _run(am_python, "automodel", a, tmp_path / "a1.pt", world=2, stop_after=3)["result"]
+    second = _run(am_python, "ckptio", a, tmp_path / "a2.pt", world=2)["result"]
+    _same({**second, "losses": {**first["losses"], **second["losses"]}}, straight[("safetensors", 2)], "AM->ckptio 2")
+    b = tmp_path / "b"
+    first = _run(am_python, "ckptio", b, tmp_path / "b1.pt", world=2, stop_after=3)["result"]
+    second = _run(am_python, "automodel", b, tmp_path / "b2.pt", world=2)["result"]
+    _same({**second, "losses": {**first["losses"], **second["losses"]}}, straight[("safetensors", 2)], "ckptio->AM 2")
+
+
+def _same_state(saved: dict, restored: dict, what: str) -> None:
+    for k in saved["model"]:
+        assert torch.equal(saved["model"][k], restored["model"][k]), f"{what}: {k} differs"
+    for p, state in saved["optim"].items():
+        for name, value in state.items():
+            assert torch.equal(value, restored["optim"][p][name]), (what, p, name)
+    assert saved["sched"] == restored["sched"], what
+
+
+@pytest.mark.parametrize("saved_on,restored_on,peft", [(2, 1, False), (1, 2, False), (1, 1, True), (2, 1, True),
+                                                      (1, 2, True)])
+@pytest.mark.parametrize("writer,reader", [("automodel", "ckptio"), ("ckptio", "automodel")])
+def test_another_number_of_ranks_gets_the_same_state(am_python, tmp_path, saved_on, restored_on, peft, writer, reader):
+    """A checkpoint saved on 1 or 2 ranks by one checkpointer restores on the other rank count through the other
+    to the same model, AdamW state and scheduler (AutoModel's side through Checkpointer.load_model/load_optimizer:
+    its recipe keeps the data position per DP rank and cannot resume on another number of ranks).
+
+    With ``peft``: LoRA on q/v, AutoModel's own LinearLoRA on its side and Hugging Face peft on ckptio's (what
+    each user has); the adapter folder and the optimizer's state of the adapter weights cross both ways."""
+    ckpt = tmp_path / "ckpt"
+    saved = _run(am_python, writer, ckpt, tmp_path / "saved.pt", world=saved_on, stop_after=3, peft=peft)["result"]
+    if peft:
+        model = ckpt / "epoch_0_step_3" / "model"
+        assert sorted(p.name for p in model.iterdir() if p.suffix == ".safetensors") == ["adapter_model.safetensors"]
+    restored = _run(am_python, reader, ckpt, tmp_path / "restored.pt", world=restored_on, check_restore=True,
+                    peft=peft)
+    assert any("lora_A" in k for k in saved["optim"]) == peft
+    _same_state(saved, restored["result"], f"{writer} on {saved_on} -> {reader} on {restored_on}, peft={peft}")
