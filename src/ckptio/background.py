@@ -28,6 +28,9 @@ class _Pending:
 
 
 class BackgroundWriter:
+    """Runs a save's write phase on a background thread, one at a time: the next save, restore or close waits for it
+    and raises its failure."""
+
     def __init__(self, log: logging.Logger) -> None:
         self.log = log
         self._pending: _Pending | None = None

@@ -144,12 +144,24 @@ class CheckpointConfig:
         self.validate()
 
     def validate(self) -> None:
+        """Check every setting (and normalise paths, AutoModel's names and ``save_consolidated``); a wrong one
+        raises :class:`~ckptio.errors.ConfigError` naming the key, the value and what it may be."""
+        self._validate_locations()
+        self._validate_formats()
+        self._apply_automodel_names()
+        self._validate_retention()
+        self._validate_switches()
+        _validate_template(self.name_template)
+
+    def _validate_locations(self) -> None:
         if isinstance(self.checkpoint_dir, os.PathLike):
             self.checkpoint_dir = os.fspath(self.checkpoint_dir)
         if isinstance(self.restore_from, os.PathLike):
             self.restore_from = os.fspath(self.restore_from)
         if not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir:
             raise ConfigError("checkpoint_dir must be a non-empty path, e.g. 'checkpoints'")
+        if self.restore_from is not None and (not isinstance(self.restore_from, str) or not self.restore_from):
+            raise ConfigError("restore_from must be null, 'LATEST', a step directory name, or a path")
         from .storage import url_scheme
 
         for key in ("checkpoint_dir", "restore_from"):
@@ -168,6 +180,8 @@ class CheckpointConfig:
                 # pathlib would read 's3://b/p' as the relative folder 's3:/b/p' and write there silently
                 raise ConfigError(f"{key}={value!r}: {scheme}:// locations are not supported; give a local or "
                                   "mounted folder, or an s3:// location")
+
+    def _validate_formats(self) -> None:
         if self.model_save_format not in MODEL_SAVE_FORMATS:
             raise ConfigError(
                 f"model_save_format={self.model_save_format!r} is not supported; use one of {list(MODEL_SAVE_FORMATS)}"
@@ -176,13 +190,18 @@ class CheckpointConfig:
             raise ConfigError(f"optimizer_save_format={self.optimizer_save_format!r} is not supported; use one of "
                               f"{list(MODEL_SAVE_FORMATS)} (null: torch_save, a DCP folder)")
         self.save_consolidated = _parse_save_consolidated(self.save_consolidated)
-        self._apply_automodel_names()
         from .formats.common import parse_size
 
         try:
             parse_size(self.consolidated_max_shard_size)
         except ConfigError as exc:
             raise ConfigError(f"consolidated_max_shard_size: {exc}") from exc
+        if not isinstance(self.io_threads, int) or isinstance(self.io_threads, bool) or not 1 <= self.io_threads <= 64:
+            raise ConfigError(f"io_threads must be an integer from 1 to 64, got {self.io_threads!r}")
+        if self.verify not in VERIFY_MODES:
+            raise ConfigError(f"verify must be one of {list(VERIFY_MODES)}, got {self.verify!r}")
+
+    def _validate_retention(self) -> None:
         if self.mode not in ("min", "max"):
             raise ConfigError(f"mode must be 'min' or 'max', got {self.mode!r}")
         for name in ("save_top_k", "keep_latest", "keep_every_n_steps", "max_recent_checkpoints"):
@@ -196,10 +215,8 @@ class CheckpointConfig:
             raise ConfigError(f"keep_newer_than_s must be a non-negative number of seconds, got {self.keep_newer_than_s!r}")
         if self.monitor is not None and not isinstance(self.monitor, str):
             raise ConfigError(f"monitor must be a metric name, got {self.monitor!r}")
-        if not isinstance(self.io_threads, int) or isinstance(self.io_threads, bool) or not 1 <= self.io_threads <= 64:
-            raise ConfigError(f"io_threads must be an integer from 1 to 64, got {self.io_threads!r}")
-        if self.verify not in VERIFY_MODES:
-            raise ConfigError(f"verify must be one of {list(VERIFY_MODES)}, got {self.verify!r}")
+
+    def _validate_switches(self) -> None:
         for name in ("load_states", "load_exclude"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value)):
@@ -211,9 +228,6 @@ class CheckpointConfig:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ConfigError(f"{name} must be true or false, got {value!r}")
-        if self.restore_from is not None and (not isinstance(self.restore_from, str) or not self.restore_from):
-            raise ConfigError("restore_from must be null, 'LATEST', a step directory name, or a path")
-        _validate_template(self.name_template)
 
     def _apply_automodel_names(self) -> None:
         """Fold NeMo AutoModel's names for three settings into ckptio's; both given and different is an error."""

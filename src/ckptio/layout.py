@@ -258,68 +258,85 @@ def restore_candidates(checkpoint_dir: "str | Path | Storage", restore_from: str
     not usable; returns ``[]`` when auto-resume finds nothing.
     """
     storage = as_storage(checkpoint_dir)
-    root = storage.root
     if restore_from is None:
-        entries = scan(storage, verify)
-        good = [e for e in entries if e.committed]
-        skipped = [e for e in entries if not e.committed and e.candidate]
-        for bad in skipped:
-            log.warning("Skipping %s: %s", bad.path, bad.problem)
-        if skipped and not good:
-            raise NoUsableCheckpointError(
-                f"{root} holds {len(skipped)} step director{'y' if len(skipped) == 1 else 'ies'} and none is usable: "
-                + "; ".join(f"{e.name}: {e.problem}" for e in skipped[:5]) + ("; ..." if len(skipped) > 5 else "")
-                + ". Nothing was loaded and the run does not start from scratch over them: repair or remove them, "
-                "name a checkpoint to restore, or set start_fresh_if_damaged: true",
-                [(e.name, e.problem or "") for e in skipped])
-        return [e.path for e in reversed(good)]
+        return _auto_resume_candidates(storage, verify)
     if restore_from in POINTER_NAMES:
-        try:
-            path = pointer_target(storage, restore_from)
-        except CheckpointError as exc:
-            if restore_from != LATEST:
-                raise CheckpointNotFoundError(f"restore_from={restore_from!r}: {exc}") from exc
-            log.warning("Ignoring the LATEST pointer (%s); resuming from the newest usable checkpoint instead", exc)
-            path = None
-        if path is None:
-            if restore_from == LATEST:
-                found = restore_candidates(storage, None, verify=verify)
-                if found:
-                    return found
-            raise CheckpointNotFoundError(f"restore_from={restore_from!r}: there is no {restore_from} pointer in {root}")
-        entry = inspect_step(storage, path.name, verify)
-        if not entry.committed:
-            if restore_from == LATEST:
-                log.warning("LATEST leads to %s, which is not usable (%s); resuming from the newest usable "
-                            "checkpoint instead", path, entry.problem)
-                found = restore_candidates(storage, None, verify=verify)
-                if found:
-                    return found
-            raise CheckpointNotFoundError(
-                f"restore_from={restore_from!r}: the pointer leads to {path}, which is not usable ({entry.problem})"
-            )
-        return [path]
-    # a step name inside checkpoint_dir, or a path to a step directory anywhere
-    if not Path(restore_from).is_absolute() and "/" not in restore_from and _exists(storage, restore_from):
-        where, name = storage, restore_from
-    else:
-        from .storage import url_scheme
-
-        if url_scheme(restore_from) is not None:  # a step directory anywhere in a bucket
-            parent, _, leaf = restore_from.rstrip("/").rpartition("/")
-            where, name = open_storage(parent), leaf
-            candidate: Any = where.root / name
-        else:
-            candidate = Path(restore_from)
-            where, name = open_storage(candidate.parent), candidate.name
-        if not name or not _exists(where, name):
-            raise CheckpointNotFoundError(
-                f"restore_from={restore_from!r}: no such checkpoint (looked for {candidate} and {root / restore_from})"
-            )
+        return _pointer_candidates(storage, restore_from, verify)
+    where, name = _named_step(storage, restore_from)
     entry = inspect_step(where, name, verify)
     if not entry.committed:
         raise CheckpointNotFoundError(f"restore_from={restore_from!r}: {entry.path} is not usable ({entry.problem})")
     return [entry.path]
+
+
+def _auto_resume_candidates(storage: Storage, verify: str) -> list[Path]:
+    """Every usable checkpoint, newest first; damaged step directories are warned about, and refused when they
+    are all there is."""
+    entries = scan(storage, verify)
+    good = [e for e in entries if e.committed]
+    skipped = [e for e in entries if not e.committed and e.candidate]
+    for bad in skipped:
+        log.warning("Skipping %s: %s", bad.path, bad.problem)
+    if skipped and not good:
+        raise NoUsableCheckpointError(
+            f"{storage.root} holds {len(skipped)} step director{'y' if len(skipped) == 1 else 'ies'} and none is "
+            "usable: " + "; ".join(f"{e.name}: {e.problem}" for e in skipped[:5]) + ("; ..." if len(skipped) > 5 else "")
+            + ". Nothing was loaded and the run does not start from scratch over them: repair or remove them, "
+            "name a checkpoint to restore, or set start_fresh_if_damaged: true",
+            [(e.name, e.problem or "") for e in skipped])
+    return [e.path for e in reversed(good)]
+
+
+def _pointer_candidates(storage: Storage, restore_from: str, verify: str) -> list[Path]:
+    """The target of the pointer ``restore_from``; for ``LATEST``, auto-resume's list when it is missing, damaged
+    or leads to an unusable step (with a warning)."""
+    try:
+        path = pointer_target(storage, restore_from)
+    except CheckpointError as exc:
+        if restore_from != LATEST:
+            raise CheckpointNotFoundError(f"restore_from={restore_from!r}: {exc}") from exc
+        log.warning("Ignoring the LATEST pointer (%s); resuming from the newest usable checkpoint instead", exc)
+        path = None
+    if path is None:
+        if restore_from == LATEST:
+            found = restore_candidates(storage, None, verify=verify)
+            if found:
+                return found
+        raise CheckpointNotFoundError(f"restore_from={restore_from!r}: there is no {restore_from} pointer in "
+                                      f"{storage.root}")
+    entry = inspect_step(storage, path.name, verify)
+    if not entry.committed:
+        if restore_from == LATEST:
+            log.warning("LATEST leads to %s, which is not usable (%s); resuming from the newest usable "
+                        "checkpoint instead", path, entry.problem)
+            found = restore_candidates(storage, None, verify=verify)
+            if found:
+                return found
+        raise CheckpointNotFoundError(
+            f"restore_from={restore_from!r}: the pointer leads to {path}, which is not usable ({entry.problem})"
+        )
+    return [path]
+
+
+def _named_step(storage: Storage, restore_from: str) -> tuple[Storage, str]:
+    """Where the step ``restore_from`` (a name inside the checkpoint folder, a path or a URL anywhere) is."""
+    if not Path(restore_from).is_absolute() and "/" not in restore_from and _exists(storage, restore_from):
+        return storage, restore_from
+    from .storage import url_scheme
+
+    if url_scheme(restore_from) is not None:  # a step directory anywhere in a bucket
+        parent, _, leaf = restore_from.rstrip("/").rpartition("/")
+        where, name = open_storage(parent), leaf
+        candidate: Any = where.root / name
+    else:
+        candidate = Path(restore_from)
+        where, name = open_storage(candidate.parent), candidate.name
+    if not name or not _exists(where, name):
+        raise CheckpointNotFoundError(
+            f"restore_from={restore_from!r}: no such checkpoint (looked for {candidate} and "
+            f"{storage.root / restore_from})"
+        )
+    return where, name
 
 
 def resolve_restore_path(checkpoint_dir: str | Path, restore_from: str | None, *, verify: str = "size") -> Path | None:

@@ -67,6 +67,8 @@ class StateEntry:
 
 @dataclass
 class Manifest:
+    """A step directory's ``manifest.json``: what the step holds (states, files, sizes, checksums) and its step,
+    epoch and metrics; written last, it commits the step."""
     name: str
     step: int
     epoch: int

@@ -26,6 +26,7 @@ __all__ = ["LocalView", "local_view", "Box", "overlap", "spans_whole_rows", "chu
 
 @dataclass(frozen=True)
 class LocalView:
+    """The part of a tensor this rank holds: its data, the global shape and where the part sits in it."""
     local: torch.Tensor
     """This rank's data (a DTensor's local shard, or the whole tensor)."""
     shape: tuple[int, ...]

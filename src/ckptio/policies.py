@@ -50,6 +50,7 @@ class RetentionPolicy:
 
 @dataclass
 class RetentionDecision:
+    """Which checkpoints a retention policy keeps and deletes, and why each kept one is kept."""
     keep: list[CheckpointEntry] = field(default_factory=list)
     delete: list[CheckpointEntry] = field(default_factory=list)
     reasons: dict[str, list[str]] = field(default_factory=dict)
@@ -57,6 +58,7 @@ class RetentionDecision:
 
 
 def metric_of(entry: CheckpointEntry, monitor: str | None) -> float | None:
+    """The monitored metric of a committed checkpoint; ``None`` when it is missing or NaN."""
     if monitor is None or entry.manifest is None:
         return None
     value = entry.manifest.metrics.get(monitor)

@@ -28,6 +28,9 @@ __all__ = ["Stager"]
 
 
 class Stager:
+    """Reusable host buffers into which a background save copies device tensors, so the next training step can
+    change them."""
+
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
         self._wrapped: dict[str, tuple[torch.Tensor, tuple, DTensor]] = {}  # a DTensor around each buffer

@@ -14,6 +14,7 @@ _COMMANDS = (inspect_cmd, list_cmd, consolidate_cmd, prune_cmd, verify_cmd, nemo
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``ckptio`` argument parser with every subcommand registered."""
     from .. import __version__
 
     parser = argparse.ArgumentParser(prog="ckptio", description="Inspect and manage PyTorch training checkpoints.")
@@ -25,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the ``ckptio`` command line; returns the exit code (1 with a one-line error for a bad checkpoint or path)."""
     args = build_parser().parse_args(argv)
     try:
         return int(args.run(args) or 0)

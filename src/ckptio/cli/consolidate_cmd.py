@@ -23,6 +23,7 @@ DEFAULT_MAX_SHARD_SIZE = "5GB"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``ckptio consolidate``."""
     p = sub.add_parser(
         "consolidate", help="write a Hugging Face bundle from sharded safetensors or DCP model files",
         description="Stream a saved model (sharded safetensors or DCP) into model-K-of-N.safetensors files with "
@@ -61,6 +62,7 @@ def _model_folder(path: Path) -> tuple[Path, Path | None]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Write a Hugging Face bundle from a step's sharded model files."""
     from ..formats import hf_bundle
 
     from ..storage import url_scheme

@@ -12,6 +12,7 @@ from .._progress import progress
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``ckptio convert``."""
     p = sub.add_parser("convert", help="convert model weights between formats (and namings)",
                        description="Convert the model weights of a checkpoint into another format. The source "
                                    "format is detected from its layout; --list-formats lists the formats.")
@@ -41,6 +42,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Convert a checkpoint's model weights to another format (or list the formats)."""
     from ..convert import formats
     from ..formats import naming as naming_mod
     from ..formats import registry

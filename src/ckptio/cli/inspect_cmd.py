@@ -10,6 +10,7 @@ from ._fmt import human_bytes, print_json
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``ckptio inspect``."""
     p = sub.add_parser("inspect", help="describe any checkpoint ckptio reads (step directory, DCP, safetensors, HF, "
                                        "PEFT, .nemo, Lightning .ckpt, .pt)",
                        description="Describe a checkpoint without loading its tensors.")
@@ -60,6 +61,7 @@ def _tensor_list(path: str) -> dict[str, dict]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Print what a checkpoint holds, without loading its tensors."""
     info = inspect_path(args.path)
     if args.tensors:
         info["tensor_list"] = _tensor_list(args.path)

@@ -9,6 +9,7 @@ from ._fmt import human_bytes, print_json, table
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``ckptio list``."""
     p = sub.add_parser("list", help="list the checkpoints of a checkpoint folder",
                        description="List step directories, committed or not, oldest step first.")
     p.add_argument("checkpoint_dir", help="the folder holding step directories (checkpoint_dir)")
@@ -17,6 +18,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Print the step directories of a checkpoint folder, committed or not."""
     info = list_checkpoints(args.checkpoint_dir)
     if args.json:
         print_json(info)

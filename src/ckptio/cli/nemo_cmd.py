@@ -10,6 +10,7 @@ from .._progress import progress
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``ckptio nemo pack|unpack``."""
     p = sub.add_parser("nemo", help="pack or unpack a .nemo archive",
                        description="Pack a folder into a .nemo archive or unpack one, safely.")
     actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -25,6 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Pack a folder into a ``.nemo`` archive or unpack one."""
     from ..formats import nemo
 
     if args.action == "pack":

@@ -15,6 +15,7 @@ from ._fmt import human_bytes, print_json
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``ckptio prune``."""
     p = sub.add_parser("prune", help="delete checkpoints a retention policy does not keep",
                        description="Keep what any given rule keeps, plus the newest and the best checkpoint; "
                                    "delete the other committed checkpoints (uncommitted folders are left alone).")
@@ -47,6 +48,7 @@ def _positive(name: str, value: int | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Delete the committed checkpoints a retention policy does not keep (``--dry-run`` only lists them)."""
     if args.top_k is not None and not args.monitor:
         raise ConfigError("--save-top-k needs --monitor (use --keep-latest to keep the newest)")
     _positive("--save-top-k", args.top_k)

@@ -10,6 +10,7 @@ from ._fmt import human_bytes
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``ckptio quantize``."""
     p = sub.add_parser("quantize", help="export a Llama as a quantized .qnemo (TensorRT-LLM layout)",
                        description="Quantize the linear layers of a Hugging Face Llama folder (e.g. a step's "
                                    "model/consolidated) and write a TensorRT-LLM-style checkpoint.")
@@ -24,6 +25,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Quantize a Hugging Face Llama folder into a ``.qnemo`` export."""
     import os
 
     import torch

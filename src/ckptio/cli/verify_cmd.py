@@ -17,6 +17,7 @@ from .._progress import progress
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``ckptio verify``."""
     p = sub.add_parser("verify", help="check sizes and checksums of every file; exit 1 if anything is wrong",
                        description="Verify a step directory, or every step directory of a checkpoint folder, "
                                    "against the sizes and checksums recorded in its manifest.")
@@ -50,6 +51,7 @@ def _verify_one(step_dir: Path, show_progress: bool) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Check a step directory (or every one in a folder) against its manifest; exit 1 on any problem."""
     storage = open_storage(args.path)  # a local folder or s3://bucket/prefix
     path = storage.root
     try:

@@ -28,10 +28,12 @@ class TensorInfo:
 
 
 def dtype_name(dtype) -> str:
+    """A torch dtype's short name as checkpoints record it (``torch.bfloat16`` -> ``bfloat16``)."""
     return str(dtype).removeprefix("torch.")
 
 
 def dtype_itemsize(name: str) -> int:
+    """Bytes per element of a dtype named as :func:`dtype_name` writes it; 0 for a name torch does not know."""
     import torch
 
     dtype = getattr(torch, name, None)
@@ -142,6 +144,7 @@ class TensorSummary:
 
 
 def summarize_index(index: Mapping[str, TensorInfo | None]) -> TensorSummary:
+    """Tensor count, element count, bytes and dtypes of a whole tensor index."""
     summary = TensorSummary()
     for info in index.values():
         if info is not None:

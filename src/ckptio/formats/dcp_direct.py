@@ -48,6 +48,7 @@ class _Read:
 
 @dataclass
 class Plan:
+    """What one rank reads of a DCP folder: the byte ranges and the state dict they fill."""
     folder: Folder
     reads: list[_Read]
     state_dict: dict

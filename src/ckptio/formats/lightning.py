@@ -45,6 +45,7 @@ LIGHTNING_VERSION = "2.6.6"  # the version whose layout the loop counters follow
 
 @dataclass
 class LightningPosition:
+    """Where a Lightning ``.ckpt`` stopped: global step, epoch, and batches done in that epoch."""
     step: int
     epoch: int
     batches_in_epoch: int

@@ -51,6 +51,7 @@ class Rule:
 
 @dataclass(frozen=True)
 class Converter:
+    """A named set of renaming (and reshaping) rules between two checkpoint namings, with its inverse."""
     name: str
     rules: tuple[Rule, ...]
     needs: tuple[str, ...] = ()
@@ -76,6 +77,7 @@ def register(converter: Converter) -> None:
 
 
 def get_converter(name: str) -> Converter:
+    """The registered converter called ``name``; a :class:`~ckptio.errors.ConfigError` listing them otherwise."""
     if name not in CONVERTERS:
         raise ConfigError(f"unknown naming converter {name!r}; registered: {sorted(CONVERTERS)}")
     return CONVERTERS[name]
@@ -206,6 +208,7 @@ class _RenamedSource:
 
 
 def renamed_source(source: Any, name: str, extras: Path | None) -> _RenamedSource:
+    """``source`` seen through the converter ``name`` (its config fields read from ``extras/config.json``)."""
     converter = get_converter(name)
     config: dict[str, Any] = {}
     if converter.needs:

@@ -34,6 +34,7 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
 def adapter_name(model: torch.nn.Module) -> str:
+    """The active adapter of a peft model (``default`` when it does not say)."""
     name = getattr(model, "active_adapter", None)
     if isinstance(name, (list, tuple)):
         name = name[0] if name else None
@@ -106,6 +107,7 @@ def load(target: dict[str, torch.Tensor], folder: "str | Path | Folder", adapter
 
 
 def read_config(folder: "str | Path | Folder") -> dict:
+    """The adapter folder's ``adapter_config.json``, parsed with a size limit."""
     folder = safetensors_sharded.as_folder(folder)
     return json_object(folder.read_bytes(ADAPTER_CONFIG, max_size=16 << 20), folder.display(ADAPTER_CONFIG))
 

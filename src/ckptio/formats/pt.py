@@ -21,6 +21,8 @@ MAX_STATE_BYTES = 2 << 30
 
 
 def to_bytes(obj: Any, what: str) -> bytes:
+    """``obj`` as ``torch.save`` bytes, refused (naming ``what``) unless ``torch.load(weights_only=True)`` reads it
+    back."""
     buf = io.BytesIO()
     torch.save(obj, buf)
     data = buf.getvalue()

@@ -67,6 +67,7 @@ def quantize(weight: torch.Tensor, algo: str) -> tuple[torch.Tensor, torch.Tenso
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The floating-point weight of a quantized one: int8 rows times their per-row scale, FP8 times its scale."""
     if q.dtype == torch.int8:
         return (q.float() * scale.float()[:, None]).to(dtype)
     return (q.float() * scale.float()).to(dtype)
@@ -79,6 +80,94 @@ def _llama_config(model: torch.nn.Module) -> Any:
     return cfg
 
 
+def _check_tp(cfg: Any, tp_size: int) -> None:
+    heads, kv_heads = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    if not isinstance(tp_size, int) or tp_size < 1 or heads % tp_size or kv_heads % tp_size \
+            or cfg.intermediate_size % tp_size or cfg.hidden_size % tp_size:
+        raise ConfigError(f"tp_size={tp_size} must divide the attention heads ({heads}), KV heads ({kv_heads}), "
+                          f"hidden size ({cfg.hidden_size}) and intermediate size ({cfg.intermediate_size})")
+
+
+class _RankFiles:
+    """The tensors of each TP rank's ``rank{r}.safetensors``: weights split column- or row-wise (or whole), the
+    linear ones quantized with their scales."""
+
+    def __init__(self, algo: str, tp_size: int, dtype: torch.dtype) -> None:
+        self.algo, self.tp_size, self.dtype = algo, tp_size, dtype
+        self.ranks: list[dict[str, torch.Tensor]] = [{} for _ in range(tp_size)]
+
+    def put(self, name: str, weight: torch.Tensor, kind: str, quant: bool) -> None:
+        algo, tp_size = self.algo, self.tp_size
+        q, scale = quantize(weight, algo) if quant else (weight.to(self.dtype), None)
+        for r in range(tp_size):
+            if kind == "column":
+                part, sc = q.chunk(tp_size, dim=0)[r], None if scale is None else (
+                    scale.chunk(tp_size)[r] if algo == "int8_wo" else scale)
+            elif kind == "row":
+                part, sc = q.chunk(tp_size, dim=1)[r], scale
+            else:
+                part, sc = q, scale
+            self.ranks[r][f"{name}.weight"] = part.clone(memory_format=torch.contiguous_format)  # no shared storage
+            if sc is not None:
+                suffix = "per_channel_scale" if algo == "int8_wo" else "weights_scaling_factor"
+                self.ranks[r][f"{name}.{suffix}"] = sc.contiguous().float()
+
+    def llama(self, sd: dict[str, torch.Tensor], cfg: Any) -> None:
+        """Every weight of a transformers Llama state dict, under TensorRT-LLM's names."""
+        tp_size = self.tp_size
+        self.put("transformer.vocab_embedding", sd["model.embed_tokens.weight"], "replicated", False)
+        for i in range(cfg.num_hidden_layers):
+            hf, tl = f"model.layers.{i}", f"transformer.layers.{i}"
+            q_w, k_w, v_w = (sd[f"{hf}.self_attn.{p}_proj.weight"] for p in "qkv")
+            # fuse per TP rank so that each rank holds its own heads of q, k and v
+            fused = torch.cat([torch.cat([q_w.chunk(tp_size)[r], k_w.chunk(tp_size)[r], v_w.chunk(tp_size)[r]])
+                               for r in range(tp_size)])
+            self.put(f"{tl}.attention.qkv", fused, "column", True)
+            for tl_name, hf_name in _HF_LINEAR.items():
+                self.put(f"{tl}.{tl_name}", sd[f"{hf}.{hf_name}.weight"], "row" if tl_name in _ROW else "column", True)
+            self.put(f"{tl}.input_layernorm", sd[f"{hf}.input_layernorm.weight"], "replicated", False)
+            self.put(f"{tl}.post_layernorm", sd[f"{hf}.post_attention_layernorm.weight"], "replicated", False)
+        self.put("transformer.ln_f", sd["model.norm.weight"], "replicated", False)
+        lm_head = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
+        if lm_head.shape[0] % tp_size:
+            raise ConfigError(f"tp_size={tp_size} must divide the vocabulary ({lm_head.shape[0]})")
+        self.put("lm_head", lm_head, "column", False)
+
+
+def _trtllm_config(cfg: Any, sd: dict[str, torch.Tensor], dtype: torch.dtype, algo: str, tp_size: int) -> dict:
+    """The export's ``config.json``: TensorRT-LLM's model description, with the source config for the way back."""
+    heads = cfg.num_attention_heads
+    return {
+        "architecture": "LlamaForCausalLM",
+        "dtype": str(dtype).removeprefix("torch."),
+        "logits_dtype": "float32",
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": getattr(cfg, "num_key_value_heads", None) or heads,
+        "head_size": getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+        "intermediate_size": cfg.intermediate_size,
+        "hidden_act": cfg.hidden_act,
+        "norm_epsilon": cfg.rms_norm_eps,
+        "position_embedding_type": "rope_gpt_neox",
+        "rotary_base": getattr(cfg, "rope_theta", None) or (getattr(cfg, "rope_parameters", None) or {}).get(
+            "rope_theta", 10000.0),
+        "share_embedding_table": "lm_head.weight" not in sd,
+        "quantization": {"quant_algo": ALGOS[algo], "kv_cache_quant_algo": None, "per_channel": algo == "int8_wo"},
+        "mapping": {"world_size": tp_size, "tp_size": tp_size, "pp_size": 1},
+        "ckptio": {"algo": algo, "hf_config": json.loads(cfg.to_json_string())},
+    }
+
+
+def _write_tokenizer(stage: Path, tokenizer: Any) -> None:
+    tokenizer.save_pretrained(stage)
+    files = sorted(p.name for p in stage.iterdir() if p.name not in ("config.json",) and not p.name.startswith("rank"))
+    (stage / "tokenizer_config.yaml").write_text(yaml.safe_dump(
+        {"library": "huggingface", "type": ".", "files": files}, sort_keys=False))
+
+
 def export_qnemo(model: torch.nn.Module, out: str | Path, *, algo: str = "int8_wo", tp_size: int = 1,
                  tokenizer: Any | None = None, compress: bool = False) -> Path:
     """Quantize ``model`` (a plain, unsharded transformers Llama) and write it to ``out``.
@@ -88,14 +177,9 @@ def export_qnemo(model: torch.nn.Module, out: str | Path, *, algo: str = "int8_w
     if algo not in ALGOS:
         raise ConfigError(f"unknown quantization {algo!r}; use one of {sorted(ALGOS)}")
     cfg = _llama_config(model)
-    heads, kv_heads = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    if not isinstance(tp_size, int) or tp_size < 1 or heads % tp_size or kv_heads % tp_size \
-            or cfg.intermediate_size % tp_size or cfg.hidden_size % tp_size:
-        raise ConfigError(f"tp_size={tp_size} must divide the attention heads ({heads}), KV heads ({kv_heads}), "
-                          f"hidden size ({cfg.hidden_size}) and intermediate size ({cfg.intermediate_size})")
+    _check_tp(cfg, tp_size)
     sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     dtype = next(iter(sd.values())).dtype
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     out = Path(out)
     if out.exists():
         raise CheckpointError(f"{out} already exists; choose a new path")
@@ -104,76 +188,14 @@ def export_qnemo(model: torch.nn.Module, out: str | Path, *, algo: str = "int8_w
     writer = LocalFolderWriter.create(out if not compress else out.parent / f".{out.name}.stage")
     stage = writer.local_path()
     try:
-        ranks: list[dict[str, torch.Tensor]] = [{} for _ in range(tp_size)]
-
-        def put(name: str, weight: torch.Tensor, kind: str, quant: bool) -> None:
-            if quant:
-                q, scale = quantize(weight, algo)
-            else:
-                q, scale = weight.to(dtype), None
-            for r in range(tp_size):
-                if kind == "column":
-                    part, sc = q.chunk(tp_size, dim=0)[r], None if scale is None else (
-                        scale.chunk(tp_size)[r] if algo == "int8_wo" else scale)
-                elif kind == "row":
-                    part, sc = q.chunk(tp_size, dim=1)[r], scale
-                else:
-                    part, sc = q, scale
-                ranks[r][f"{name}.weight"] = part.clone(memory_format=torch.contiguous_format)  # no shared storage
-                if sc is not None:
-                    suffix = "per_channel_scale" if algo == "int8_wo" else "weights_scaling_factor"
-                    ranks[r][f"{name}.{suffix}"] = sc.contiguous().float()
-
-        put("transformer.vocab_embedding", sd["model.embed_tokens.weight"], "replicated", False)
-        for i in range(cfg.num_hidden_layers):
-            hf, tl = f"model.layers.{i}", f"transformer.layers.{i}"
-            q_w, k_w, v_w = (sd[f"{hf}.self_attn.{p}_proj.weight"] for p in "qkv")
-            # fuse per TP rank so that each rank holds its own heads of q, k and v
-            fused_parts = [torch.cat([q_w.chunk(tp_size)[r], k_w.chunk(tp_size)[r], v_w.chunk(tp_size)[r]])
-                           for r in range(tp_size)]
-            fused = torch.cat(fused_parts)
-            put(f"{tl}.attention.qkv", fused, "column", True)
-            for tl_name, hf_name in _HF_LINEAR.items():
-                put(f"{tl}.{tl_name}", sd[f"{hf}.{hf_name}.weight"], "row" if tl_name in _ROW else "column", True)
-            put(f"{tl}.input_layernorm", sd[f"{hf}.input_layernorm.weight"], "replicated", False)
-            put(f"{tl}.post_layernorm", sd[f"{hf}.post_attention_layernorm.weight"], "replicated", False)
-        put("transformer.ln_f", sd["model.norm.weight"], "replicated", False)
-        lm_head = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
-        if lm_head.shape[0] % tp_size:
-            raise ConfigError(f"tp_size={tp_size} must divide the vocabulary ({lm_head.shape[0]})")
-        put("lm_head", lm_head, "column", False)
-        for r, tensors in enumerate(ranks):
+        files = _RankFiles(algo, tp_size, dtype)
+        files.llama(sd, cfg)
+        for r, tensors in enumerate(files.ranks):
             save_file(tensors, str(stage / f"rank{r}.safetensors"), metadata={"format": "pt"})
-        config = {
-            "architecture": "LlamaForCausalLM",
-            "dtype": str(dtype).removeprefix("torch."),
-            "logits_dtype": "float32",
-            "vocab_size": cfg.vocab_size,
-            "max_position_embeddings": cfg.max_position_embeddings,
-            "hidden_size": cfg.hidden_size,
-            "num_hidden_layers": cfg.num_hidden_layers,
-            "num_attention_heads": heads,
-            "num_key_value_heads": kv_heads,
-            "head_size": head_dim,
-            "intermediate_size": cfg.intermediate_size,
-            "hidden_act": cfg.hidden_act,
-            "norm_epsilon": cfg.rms_norm_eps,
-            "position_embedding_type": "rope_gpt_neox",
-            "rotary_base": getattr(cfg, "rope_theta", None) or (getattr(cfg, "rope_parameters", None) or {}).get(
-                "rope_theta", 10000.0),
-            "share_embedding_table": "lm_head.weight" not in sd,
-            "quantization": {"quant_algo": ALGOS[algo], "kv_cache_quant_algo": None,
-                             "per_channel": algo == "int8_wo"},
-            "mapping": {"world_size": tp_size, "tp_size": tp_size, "pp_size": 1},
-            "ckptio": {"algo": algo, "hf_config": json.loads(cfg.to_json_string())},
-        }
+        config = _trtllm_config(cfg, sd, dtype, algo, tp_size)
         (stage / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         if tokenizer is not None:
-            tokenizer.save_pretrained(stage)
-            files = sorted(p.name for p in stage.iterdir()
-                           if p.name not in ("config.json",) and not p.name.startswith("rank"))
-            (stage / "tokenizer_config.yaml").write_text(yaml.safe_dump(
-                {"library": "huggingface", "type": ".", "files": files}, sort_keys=False))
+            _write_tokenizer(stage, tokenizer)
         if compress:
             from .nemo import _tar_folder
 

@@ -251,6 +251,7 @@ def _load_builtins() -> None:
 
 
 def get(name: str) -> Format:
+    """The registered format called ``name``; a :class:`~ckptio.errors.ConfigError` listing the known ones otherwise."""
     _load_builtins()
     fmt = _REGISTRY.get(name)
     if fmt is None:

@@ -51,6 +51,8 @@ FILE_GLOB = "*.safetensors"
 def shard_file_name(rank: int, world_size: int, part: int = 0, parts: int = 1, stem: str = "model") -> str:
     # Named after NeMo AutoModel's layout: the shard index is the writing rank, then which of the rank's
     # files this is (several when the rank writes with several threads).
+    """The file name of one rank's model shard, in NeMo AutoModel's pattern
+    (``shard-0000R-model-0000P-of-0000N.safetensors``)."""
     return f"shard-{rank + 1:05d}-{stem}-{part + 1:05d}-of-{parts:05d}.safetensors"
 
 
@@ -192,6 +194,7 @@ def _balance(entries: list[_st_writer.Entry], n: int) -> list[list[_st_writer.En
 
 
 def as_folder(folder: "str | Path | Folder") -> Folder:
+    """A confined :class:`~ckptio.storage.confined.Folder` for a path, URL or folder."""
     return _as_folder(folder)
 
 

@@ -25,6 +25,7 @@ MODEL_DIR = "model"
 
 
 class StepDirectory(Format):
+    """A ckptio step directory as a conversion source: its model state, in whatever format it was saved."""
     name = "step_dir"
     summary = "ckptio step directory"
     priority = 10

@@ -54,6 +54,8 @@ def read_tensors(path: Path, *, unwrap: bool = True) -> dict[str, torch.Tensor]:
 
 
 def only_tensors(sd: dict[str, Any], path: Path) -> dict[str, torch.Tensor]:
+    """``sd`` when every value is a tensor; a :class:`~ckptio.errors.CheckpointCorruptError` naming ``path``
+    otherwise."""
     bad = [k for k, v in sd.items() if not isinstance(v, torch.Tensor)]
     if bad:
         raise CheckpointCorruptError(f"{path}: the state dict has non-tensor entries, e.g. {bad[:3]}")
@@ -80,6 +82,7 @@ def save_tensors_file(obj: Any, out: Path) -> None:
 
 
 class TorchFile(Format):
+    """A ``torch.save`` file of a flat state dict (``.pt``, ``.bin``), read with ``weights_only=True``."""
     name = "torch"
     summary = "torch.save file of a state dict"
     priority = 90

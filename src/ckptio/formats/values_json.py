@@ -29,6 +29,8 @@ _MAX_TENSOR_ELEMENTS = 1 << 16
 
 
 def encode(value: Any) -> Any:
+    """A small value of a state dict as JSON data (tuples, string-keyed dicts and small tensors tagged so they come
+    back as they were)."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, tuple):
@@ -44,6 +46,7 @@ def encode(value: Any) -> Any:
 
 
 def decode(value: Any, where: object = "values") -> Any:
+    """The inverse of :func:`encode`; malformed data is an error naming ``where``."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, list):
@@ -67,9 +70,11 @@ def decode(value: Any, where: object = "values") -> Any:
 
 
 def dumps(values: dict[str, Any]) -> bytes:
+    """A dict of values as the bytes of a JSON file (sorted keys, one value per line)."""
     return (json.dumps({k: encode(v) for k, v in values.items()}, indent=1, sort_keys=True, allow_nan=True)
             + "\n").encode()
 
 
 def loads(data: bytes, where: object) -> dict[str, Any]:
+    """A dict of values from :func:`dumps` bytes; malformed data is an error naming ``where``."""
     return {str(k): decode(v, where) for k, v in json_object(data, where).items()}

@@ -18,10 +18,13 @@ _CHUNK = 8 * 1024 * 1024
 
 
 def format_digest(value: int) -> str:
+    """A CRC-32C value as manifests record it (``crc32c:1a2b3c4d``)."""
     return f"{ALGORITHM}:{value:08x}"
 
 
 class RunningChecksum:
+    """The CRC-32C of a stream of bytes, updated chunk by chunk, and its length."""
+
     def __init__(self) -> None:
         self.value = 0
         self.size = 0
@@ -72,6 +75,7 @@ def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
 
 
 def bytes_checksum(data: bytes) -> str:
+    """The digest of ``data`` as manifests record it."""
     return format_digest(crc32c(data))
 
 

@@ -56,6 +56,9 @@ def parse_holder(text: str) -> tuple[int | None, str | None]:
 
 
 class DirectoryLock:
+    """One writer per checkpoint folder: an exclusive lock on a file naming its holder, refused while another
+    process holds it."""
+
     def __init__(self, folder: str | Path) -> None:
         self.path = Path(folder) / LOCK_NAME
         self._key: tuple[int, int] | None = None

@@ -23,6 +23,7 @@ POINTER_TEXT_SUFFIX = ".txt"
 
 
 def fsync_file(path: str | os.PathLike) -> None:
+    """Flush a file's data to disk (``fsync`` through a read-only descriptor)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
