@@ -27,6 +27,26 @@ def test_combined_crc_is_the_crc_of_the_concatenation(a, b):
     assert crc32c_combine(crc32c(a), crc32c(b), len(b)) == crc32c(a + b)
 
 
+@pytest.mark.parametrize("length", [(1 << 29) - 1, (1 << 29) + 4097, (3 << 30) + 5])
+def test_combining_holds_for_regions_of_half_a_gigabyte_and_more(length):
+    """Regions of a big optimizer file are hundreds of MB: the combination must hold past 2^29 bytes, where a
+    32-entry power table (as zlib keeps for CRC-32) would wrap. The B part is zeros, checksummed in chunks."""
+    head = bytes(range(256)) * 3
+    chunk = bytes(64 << 20)
+    crc_b, left = 0, length
+    while left:
+        n = min(left, len(chunk))
+        crc_b = crc32c(memoryview(chunk)[:n], crc_b)
+        left -= n
+    crc_ab = crc32c(head)
+    left = length
+    while left:
+        n = min(left, len(chunk))
+        crc_ab = crc32c(memoryview(chunk)[:n], crc_ab)
+        left -= n
+    assert crc32c_combine(crc32c(head), crc_b, length) == crc_ab
+
+
 def test_regions_written_at_once_give_the_file_and_its_checksum(tmp_path):
     parts = [os.urandom(n) for n in (1 << 20, 3, 0, 777_777)]
     writer = LocalFolderWriter.in_place(tmp_path)

@@ -55,8 +55,8 @@ def _multmodp(a: int, b: int) -> int:
     return p
 
 
-_X2N = [1 << 30]  # x^(2^k) modulo the polynomial, k = 0..31
-for _ in range(31):
+_X2N = [1 << 30]  # x^(2^k) modulo the polynomial, k = 0..66, for lengths up to 2^64 bytes: cycling a table of 32
+for _ in range(66):  # would be wrong from 2^29 bytes on, since x^(2^32) is not x modulo CRC-32C's polynomial
     _X2N.append(_multmodp(_X2N[-1], _X2N[-1]))
 
 
@@ -68,7 +68,7 @@ def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
     shift, k, n = 1 << 31, 3, len2  # x^(8 * len2): one factor x^(2^k) per set bit of len2, starting at x^8
     while n:
         if n & 1:
-            shift = _multmodp(_X2N[k & 31], shift)
+            shift = _multmodp(_X2N[k], shift)
         n >>= 1
         k += 1
     return _multmodp(shift, crc1) ^ crc2
