@@ -194,6 +194,7 @@ def test_converted_step_dir_reshards_onto_two_ranks(hf_model, tmp_path):
         assert torch.equal(got[k], v), k
 
 
+@pytest.mark.slow  # converts into every format: ~45 s
 def test_inspect_describes_every_format_convert_reads(hf_model, tmp_path):
     """``ckptio inspect --tensors`` on each format: the same tensors, element count and dtype as the model,
     and the architecture wherever the config travelled with the weights."""

@@ -158,6 +158,7 @@ def test_a_second_manager_in_the_same_process_works_and_another_process_is_refus
 MYPY = Path(sys.executable).parent / "mypy"
 
 
+@pytest.mark.slow  # mypy over the whole package: ~30 s
 @pytest.mark.skipif(not MYPY.exists(), reason="mypy is not installed (it is part of ckptio[test])")
 def test_sources_type_check_and_users_get_the_option_types(tmp_path):
     root = Path(__file__).resolve().parents[1]
