@@ -32,6 +32,9 @@ HARNESS = ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "moto[server
 TESTS = ["tests/test_pretrained.py", "tests/test_consolidated.py", "tests/test_convert.py", "tests/test_cli.py",
          "tests/test_ondisk_stability.py", "tests/test_recipe_config.py", "tests/test_peft.py",
          "tests/test_lightning.py", "tests/test_log_lines.py", "tests/test_s3.py"]
+# ckptio's own logic, run in the main environment; nothing in them leans on a package's floor (~60 s saved)
+NOT_HERE = ["tests/test_convert.py::test_inspect_describes_every_format_convert_reads",
+            "tests/test_s3.py::test_sigkill_during_saves_to_a_bucket_never_leaves_a_torn_checkpoint"]
 
 
 def _pins() -> dict[str, str]:
@@ -97,7 +100,8 @@ def test_the_declared_lower_bounds_install_and_pass(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "OMP_NUM_THREADS": "1"}
     env.pop("PYTHONPATH", None)  # the installed copy, not this checkout's src/
-    out = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *TESTS],
+    deselect = [arg for test in NOT_HERE for arg in ("--deselect", test)]
+    out = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *deselect, *TESTS],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
     assert out.returncode == 0, f"tests fail at the lower bounds:\n{out.stdout[-6000:]}\n{out.stderr[-2000:]}"
     located = _run([str(python), "-c", "import ckptio; print(ckptio.__file__)"], env=env, cwd=tmp_path).stdout

@@ -139,6 +139,16 @@ class SafetensorsFile:
             self.handle.readinto(_bytes_of(out), e.begin)
         return out
 
+    def read_into(self, key: str, out: torch.Tensor) -> torch.Tensor:
+        """The whole tensor ``key`` into ``out`` (contiguous, its shape and dtype): no new memory."""
+        e = self.entry(key)
+        if tuple(out.shape) != tuple(e.shape) or out.dtype != e.dtype or not out.is_contiguous():
+            raise ValueError(f"{key!r}: cannot read a {e.dtype} {list(e.shape)} tensor into a {out.dtype} "
+                             f"{list(out.shape)} one")
+        if e.nbytes:
+            self.handle.readinto(_bytes_of(out), e.begin)
+        return out
+
     def read_box(self, key: str, lo: list[int], hi: list[int]) -> torch.Tensor:
         """The sub-tensor ``[lo:hi]`` (per dimension) of ``key``: the rows it spans are read, then sliced."""
         e = self.entry(key)

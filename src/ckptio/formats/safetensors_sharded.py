@@ -385,9 +385,18 @@ class SafetensorsSource:
         chunks = self._chunks[key]
         if len(chunks) == 1 and chunks[0].shape == info.shape:
             return self._file(chunks[0].file).read(key)
-        out = torch.empty(info.shape, dtype=torch_dtype(info.dtype))
-        for chunk in chunks:
-            part = self._file(chunk.file).read(key)
-            out[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.shape))].copy_(part)
-            del part
+        return self.read_into(key, torch.empty(info.shape, dtype=torch_dtype(info.dtype)))
+
+    def read_into(self, key: str, out: torch.Tensor) -> torch.Tensor:
+        """The whole tensor ``key`` assembled into ``out`` (contiguous, its shape and stored dtype), returned: a
+        piece whose place in ``out`` is contiguous (a whole tensor, rows of a dim-0 shard) is read straight
+        into it, so a caller that reuses one buffer touches no new memory."""
+        if key not in self._infos:
+            raise CheckpointCorruptError(f"{self.folder}: no tensor {key!r} in its safetensors files")
+        for chunk in self._chunks[key]:
+            target = out[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.shape))]
+            if target.is_contiguous():
+                self._file(chunk.file).read_into(key, target)
+            else:
+                target.copy_(self._file(chunk.file).read(key))
         return out
