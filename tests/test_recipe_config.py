@@ -129,3 +129,21 @@ checkpoint:
         CheckpointConfig(keep_latest=3, max_recent_checkpoints=2)
     with pytest.raises(ConfigError, match="save_consolidated must be false, 'final', 'every'"):
         CheckpointConfig(save_consolidated="sometimes")
+
+
+def test_io_threads_default_leaves_each_writing_stream_a_core(monkeypatch):
+    """``io_threads: null`` writes with two streams per rank only when the rank has two cores of its own: on a
+    node whose cores are all taken by ranks (torchrun's LOCAL_WORLD_SIZE), a second stream only competes."""
+    import os
+
+    from ckptio import CheckpointConfig
+    from ckptio.errors import ConfigError
+
+    assert CheckpointConfig(checkpoint_dir="c", io_threads=3).io_thread_count() == 3
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores))  # one core per rank
+    assert CheckpointConfig(checkpoint_dir="c").io_thread_count() == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert CheckpointConfig(checkpoint_dir="c").io_thread_count() == (2 if cores >= 2 else 1)
+    with pytest.raises(ConfigError, match="io_threads must be null"):
+        CheckpointConfig(checkpoint_dir="c", io_threads=0)

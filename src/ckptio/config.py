@@ -133,12 +133,19 @@ class CheckpointConfig:
     thread writes and commits it. One save is in flight at a time; its error is raised at the next
     ``save()``, ``wait()`` or ``close()``."""
 
-    io_threads: int = 2
+    io_threads: int | None = None
     """Threads per rank that write the model and optimizer tensors: safetensors tensors are split over that
     many shard files per rank; a DCP folder keeps one ``__R_0.distcp`` per rank, written as that many regions
-    at once. Two streams write faster than one on the reference machine (``benchmarks/save_load.py``
-    compares ``io_threads=1``): checksumming overlaps writing. An error on one of the writer threads is
-    raised by the save. Reads use one thread (``benchmarks/parallel_io.py``: parallel reads were slower)."""
+    at once. ``None`` (default): 2 when this process has at least two cores of its own (the cores it may run
+    on divided by the ranks on the node, ``LOCAL_WORLD_SIZE``), else 1; each stream serialises and checksums
+    on a core (two streams per rank wrote faster on 1 rank of 2 cores, the ``io_threads=1`` lanes of
+    ``benchmarks/save_load.py``; on 2 ranks of 2 cores, saves took 1.2-1.6x as long as with one). An error on
+    one of the writer threads is raised by the save. Reads use one thread (``benchmarks/parallel_io.py``:
+    parallel reads were slower)."""
+
+    def io_thread_count(self) -> int:
+        """:attr:`io_threads`, or the automatic choice when it is ``None`` (see there)."""
+        return self.io_threads if self.io_threads is not None else _auto_io_threads()
 
     def __post_init__(self) -> None:
         self.validate()
@@ -196,8 +203,10 @@ class CheckpointConfig:
             parse_size(self.consolidated_max_shard_size)
         except ConfigError as exc:
             raise ConfigError(f"consolidated_max_shard_size: {exc}") from exc
-        if not isinstance(self.io_threads, int) or isinstance(self.io_threads, bool) or not 1 <= self.io_threads <= 64:
-            raise ConfigError(f"io_threads must be an integer from 1 to 64, got {self.io_threads!r}")
+        if self.io_threads is not None and (not isinstance(self.io_threads, int) or isinstance(self.io_threads, bool)
+                                            or not 1 <= self.io_threads <= 64):
+            raise ConfigError(f"io_threads must be null (automatic) or an integer from 1 to 64, got "
+                              f"{self.io_threads!r}")
         if self.verify not in VERIFY_MODES:
             raise ConfigError(f"verify must be one of {list(VERIFY_MODES)}, got {self.verify!r}")
 
@@ -337,3 +346,16 @@ def _validate_template(template: object) -> None:
             )
     if "/" in template or "\\" in template or template.startswith("."):
         raise ConfigError(f"name_template {template!r} must name a single directory (no '/', no leading '.')")
+
+
+def _auto_io_threads() -> int:
+    """2 when this process has two cores of its own (the cores it may run on over the node's ranks), else 1."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    return 2 if cores // local >= 2 else 1

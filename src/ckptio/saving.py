@@ -203,7 +203,7 @@ class Saver:
         t = self.tracked
         states: dict[str, StateEntry] = {}
         if job.model is not None:
-            ctx = ShardContext(rank=rank, world_size=world, threads=self.config.io_threads,
+            ctx = ShardContext(rank=rank, world_size=world, threads=self.config.io_thread_count(),
                                extra={"model": t.model, "tokenizer": t.tokenizer, "base_model_path": t.base_model_path,
                                       "log": self.log.warning})
             job.sums.update(self.format.save_shards(job.model, writer, MODEL_DIR, ctx))
@@ -217,7 +217,7 @@ class Saver:
         job.model = None
         if job.optim is not None:
             fmt = registry.get(optimizer_format(self.config))
-            ctx = ShardContext(rank, world, self.config.io_threads, {"stem": "optim"})
+            ctx = ShardContext(rank, world, self.config.io_thread_count(), {"stem": "optim"})
             job.sums.update(fmt.save_state(job.optim, writer, OPTIM_DIR, ctx))
             states["optim"] = StateEntry("optimizer", fmt.name, OPTIM_DIR)
             job.optim = None
