@@ -506,6 +506,8 @@ def _rank_main(rank: int, world: int, store: str, args: argparse.Namespace, base
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    # what torchrun tells each rank (ckptio's io_threads default counts the ranks on the node)
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         run(args, base)

@@ -171,7 +171,7 @@ _EXIT_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_normal_exit_waits_for_the_save_in_flight(tmp_path, fmt):
-    # io_threads=2 (the default) writes on extra threads: they must start even while the interpreter exits
+    # io_threads=2 (the automatic default for 1 rank here) writes on extra threads: they must start even while the interpreter exits
     out = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, str(tmp_path), fmt], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr

@@ -27,8 +27,8 @@ def _saved(tmp_path):
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_plain_dcp_reads_our_model_and_optimizer_folders(tmp_path):
     model, step_dir = _saved(tmp_path)
-    # the layout other tools lay out (one __R_0.distcp per rank), though io_threads=2 (the default) writes
-    # that file as two regions at once
+    # the layout other tools lay out (one __R_0.distcp per rank), though io_threads=2 (automatic for 1 rank on
+    # this machine) writes that file as two regions at once
     for folder in ("model", "optim"):
         assert sorted(p.name for p in (step_dir / folder).iterdir()) == [".metadata", "__0_0.distcp"]
     target = {"weight": torch.zeros(3, 4), "bias": torch.zeros(3)}

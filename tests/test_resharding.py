@@ -80,7 +80,7 @@ def test_sharded_files_are_plain_safetensors(saved_on_two):
     root, saved = saved_on_two
     step_dir = Path(root) / "safetensors" / "epoch_0_step_3"
     files = sorted((step_dir / "model").glob("*.safetensors"))
-    assert [f.name for f in files] == [  # two ranks, each writing its shard as io_threads=2 files
+    assert [f.name for f in files] == [  # two ranks spawned without LOCAL_WORLD_SIZE: io_threads resolves to 2 files
         "shard-00001-model-00001-of-00002.safetensors",
         "shard-00001-model-00002-of-00002.safetensors",
         "shard-00002-model-00001-of-00002.safetensors",
