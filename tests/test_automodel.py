@@ -10,15 +10,13 @@ package index. A run interrupted by one checkpointer is resumed by the other, an
 
 from __future__ import annotations
 
-import hashlib
 import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from venvs import cached_venv, run
 
 REPO = Path(__file__).resolve().parents[1]
 HARNESS = Path(__file__).with_name("automodel_harness.py")
@@ -30,25 +28,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 def _environment() -> Path:
-    key = hashlib.sha256(" ".join(PINS + NO_DEPS).encode() + sys.version.encode()).hexdigest()[:12]
-    cache = Path(os.environ.get("CKPTIO_AUTOMODEL_CACHE", Path.home() / ".cache" / "ckptio-automodel"))
-    env = cache / key
-    python = env / "bin" / "python"
-    if (env / "ready").is_file():
-        return python
-    shutil.rmtree(env, ignore_errors=True)
-    env.parent.mkdir(parents=True, exist_ok=True)
+    def install(pip: list[str], env: Path) -> None:
+        run(pip + PINS, timeout=1500)
+        run(pip + ["--no-deps"] + NO_DEPS, timeout=1500)
 
-    def run(cmd: list[str]) -> None:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
-        assert out.returncode == 0, f"{' '.join(cmd)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
-
-    run([sys.executable, "-m", "venv", str(env)])
-    pip = [str(python), "-m", "pip", "--disable-pip-version-check", "install", "--quiet"]
-    run(pip + PINS)
-    run(pip + ["--no-deps"] + NO_DEPS)
-    (env / "ready").write_text("built\n")
-    return python
+    return cached_venv("ckptio-automodel", "CKPTIO_AUTOMODEL_CACHE", " ".join(PINS + NO_DEPS).encode(), install)
 
 
 @pytest.fixture(scope="module")

@@ -10,17 +10,16 @@ index. torch stays at the one CPU build this machine has; its declared floor (2.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from test_install import _copy_sources, _versions
+from venvs import cached_venv
+from venvs import run as _run
 
 REPO = Path(__file__).resolve().parent.parent
 BOUNDS = REPO / "scripts" / "lower-bounds.txt"
@@ -47,30 +46,16 @@ def _pins() -> dict[str, str]:
     return pins
 
 
-def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
-    out = subprocess.run(cmd, capture_output=True, text=True, **kw)
-    assert out.returncode == 0, f"{' '.join(cmd)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
-    return out
-
-
 def _environment() -> Path:
-    key = hashlib.sha256(BOUNDS.read_bytes() + " ".join(HARNESS).encode() + sys.version.encode()).hexdigest()[:12]
-    cache = Path(os.environ.get("CKPTIO_LOWER_BOUNDS_CACHE", Path.home() / ".cache" / "ckptio-lower-bounds"))
-    env = cache / key
-    python = env / "bin" / "python"
-    if (env / "ready").is_file():
-        return python
-    shutil.rmtree(env, ignore_errors=True)
-    env.parent.mkdir(parents=True, exist_ok=True)
-    _run([sys.executable, "-m", "venv", str(env)], timeout=300)
-    pip = [str(python), "-m", "pip", "--disable-pip-version-check", "install", "--quiet"]
-    torch_pin = f"torch=={_pins()['torch']}"
-    _run(pip + [torch_pin], timeout=1200)  # first, as a user's environment has it
-    constraint = env / "torch-pin.txt"
-    constraint.write_text(torch_pin + "\n")
-    _run(pip + ["-r", str(BOUNDS), "-c", str(constraint)] + HARNESS, timeout=1200)
-    (env / "ready").write_text("built\n")
-    return python
+    def install(pip: list[str], env: Path) -> None:
+        torch_pin = f"torch=={_pins()['torch']}"
+        _run(pip + [torch_pin], timeout=1200)  # first, as a user's environment has it
+        constraint = env / "torch-pin.txt"
+        constraint.write_text(torch_pin + "\n")
+        _run(pip + ["-r", str(BOUNDS), "-c", str(constraint)] + HARNESS, timeout=1200)
+
+    return cached_venv("ckptio-lower-bounds", "CKPTIO_LOWER_BOUNDS_CACHE",
+                       BOUNDS.read_bytes() + " ".join(HARNESS).encode(), install)
 
 
 def _normalised(versions: dict[str, str]) -> dict[str, str]:

@@ -61,6 +61,25 @@ class WriteStream(Protocol):
         """Close on success; discard (not durable) when the block raised."""
 
 
+class ClosedOnSuccess:
+    """``with`` for a write stream: :meth:`close` (durable) when the block succeeds, :meth:`discard` when it raised."""
+
+    def close(self) -> Any:
+        raise NotImplementedError
+
+    def discard(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.discard()
+
+
 class FolderWriter(Protocol):
     """A new folder written file by file; nothing of it is visible under its name before :meth:`commit`."""
 

@@ -13,6 +13,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .base import ClosedOnSuccess
 from .posix import commit_directory, fsync_dir, fsync_tree, read_pointer, remove_tree, write_pointer
 
 if TYPE_CHECKING:
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = ["LocalStorage", "LocalFolderWriter", "LocalFileWriter", "LocalWriteStream", "TMP_PREFIX", "TRASH_PREFIX"]
 
-class LocalWriteStream:
+class LocalWriteStream(ClosedOnSuccess):
     """A new local file written front to back with a running CRC-32C; :meth:`close` fsyncs it.
 
     Short writes are retried until done, so a full disk or a file-size limit surfaces as its own
@@ -90,15 +91,6 @@ class LocalWriteStream:
         if self._digest is None:
             self._raw.close()
             self._digest = self.digest
-
-    def __enter__(self) -> "LocalWriteStream":
-        return self
-
-    def __exit__(self, exc_type: object, *exc: object) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.discard()
 
 
 class LocalFolderWriter:

@@ -18,6 +18,7 @@ import os
 import threading
 from typing import Any
 
+from .base import ClosedOnSuccess
 from .checksum import RunningChecksum, crc32c_combine
 
 __all__ = ["RegionedFile", "Region"]
@@ -74,7 +75,7 @@ class RegionedFile:
         return self.digest
 
 
-class Region:
+class Region(ClosedOnSuccess):
     """The stream of one region: sequential writes from the region's start, ``tell()`` in file offsets."""
 
     def __init__(self, file: RegionedFile, i: int) -> None:
@@ -137,12 +138,3 @@ class Region:
         if not self._done:
             self._done = True
             self.file._finish(self.i, None)
-
-    def __enter__(self) -> "Region":
-        return self
-
-    def __exit__(self, exc_type: object, *exc: object) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.discard()
