@@ -102,6 +102,7 @@ class OptimizerState:
 
     # ---------------------------------------------------------------------------------------------- fast path
     def _raw_params(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """(model name, parameter) in the optimizer's order (the positions its own state dict uses)."""
         names = {id(p): _fqn(self.model, n) for n, p in self.model.named_parameters()}
         out = []
         for p in chain.from_iterable(g["params"] for g in self.optimizer.param_groups):
@@ -110,14 +111,11 @@ class OptimizerState:
             out.append((names[id(p)], p))
         return out
 
-    def params(self) -> list[tuple[str, torch.nn.Parameter]]:
-        """(name as saved, parameter) in the optimizer's order (the positions its own state dict uses)."""
-        return [(self._saved_name(fqn), p) for fqn, p in self._raw_params()]
-
-    def _lookup(self) -> dict[str, int]:
-        """Position of each parameter by its saved name and, for a peft model, by its full name too."""
+    def _lookup(self, raw: list[tuple[str, torch.nn.Parameter]]) -> dict[str, int]:
+        """Position of each parameter (``raw``: :meth:`_raw_params`) by its saved name and, for a peft model, by
+        its full name too."""
         found = {}
-        for i, (fqn, _) in enumerate(self._raw_params()):
+        for i, (fqn, _) in enumerate(raw):
             found[fqn] = i
             found[self._saved_name(fqn)] = i
         return found
@@ -128,8 +126,8 @@ class OptimizerState:
         does not cover (then use :meth:`state_dict` as the template and :meth:`load_state_dict`)."""
         from torch.distributed.tensor import DTensor
 
-        params = self.params()
-        by_fqn = {name: params[i][1] for name, i in self._lookup().items()}
+        raw = self._raw_params()
+        by_fqn = {name: raw[i][1] for name, i in self._lookup(raw).items()}
         out: dict[str, Any] = {}
         for key, info in index.items():
             if not key.startswith(STATE):
@@ -158,8 +156,9 @@ class OptimizerState:
 
     def apply(self, flat: dict[str, Any]) -> None:
         """Load a filled flat state (see :meth:`template`) into the optimizer, keyed by position."""
-        params, raw = self.params(), self._raw_params()
-        pid = self._lookup()
+        raw = self._raw_params()
+        params = [(self._saved_name(fqn), p) for fqn, p in raw]
+        pid = self._lookup(raw)
         state: dict[int, dict[str, Any]] = {}
         for key, value in flat.items():
             if key.startswith(STATE):
