@@ -60,6 +60,24 @@ def _digests(root: Path, ignore: frozenset[str] = frozenset()) -> dict[str, str]
             and p.relative_to(root).as_posix() not in ignore}
 
 
+def _exact(t: torch.Tensor, salt: int) -> torch.Tensor:
+    """Values that every CPU computes bit for bit (integer arithmetic, one correctly rounded division), so the
+    digests do not depend on the machine's vector unit: a forward, backward and AdamW step do (the golden file
+    made on one CPU did not match on another)."""
+    n = torch.arange(t.numel(), dtype=torch.int64).reshape(t.shape)
+    return ((n * 2654435761 + salt * 40503) % 2003).to(torch.float32).div(2003.0).sub(0.5).to(t.dtype)
+
+
+@torch.no_grad()
+def _pin_values(model: torch.nn.Module, opt: torch.optim.Optimizer | None = None) -> None:
+    """Overwrite every parameter (and optimizer moment) with :func:`_exact` values after the state exists."""
+    for i, p in enumerate(model.parameters()):
+        p.copy_(_exact(p, i))
+        for j, (name, v) in enumerate(sorted((opt.state.get(p, {}) if opt else {}).items())):
+            if torch.is_tensor(v) and v.dim() > 0:
+                v.copy_(_exact(v, 1000 * (j + 1) + i).abs() if name == "exp_avg_sq" else _exact(v, 1000 * (j + 1) + i))
+
+
 def snapshot(tmp: Path) -> dict[str, dict[str, str]]:
     sys.path.insert(0, str(Path(__file__).parent))
     from toy import Counter, make_model, make_tokenizer
@@ -75,6 +93,7 @@ def snapshot(tmp: Path) -> dict[str, dict[str, str]]:
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         sched.step()
+        _pin_values(model, opt)
         root = tmp / fmt
         cfg = CheckpointConfig(checkpoint_dir=str(root), model_save_format=fmt, save_consolidated=True)
         with CheckpointManager(cfg, model=model, optimizer=opt, lr_scheduler=sched, rng=False,
@@ -82,6 +101,7 @@ def snapshot(tmp: Path) -> dict[str, dict[str, str]]:
             mgr.save(step=7, epoch=1, metrics={"val_loss": 1.5}, counters={"consumed_samples": 14})
         out[fmt] = _digests(root / "epoch_1_step_7")
     model = make_model(seed=0, peft=True, base_dir=str(tmp / "base"))
+    _pin_values(model)
     root = tmp / "peft"
     with CheckpointManager(CheckpointConfig(checkpoint_dir=str(root), is_peft=True), model=model, rng=False,
                            base_model_path=str(tmp / "base")) as mgr:
