@@ -135,6 +135,7 @@ def main() -> int:
     p.add_argument("--ckpt-every", type=int, default=4)
     p.add_argument("--format", default="safetensors")
     p.add_argument("--stop-after", type=int, default=None)
+    p.add_argument("--keep-latest", type=int, default=None, help="ckptio's retention: keep this many of its own steps")
     p.add_argument("--out", required=True)
     p.add_argument("--peft", action="store_true", help="LoRA: AutoModel's own with --by automodel, peft's with ckptio")
     p.add_argument("--check-restore", action="store_true",
@@ -161,7 +162,7 @@ def main() -> int:
         from ckptio import CheckpointConfig, CheckpointManager, RNGState  # noqa: F401
 
         mgr = CheckpointManager(CheckpointConfig(checkpoint_dir=args.dir, model_save_format=args.format,
-                                                 is_peft=args.peft),
+                                                 is_peft=args.peft, keep_latest=args.keep_latest),
                                 model=objects["model"], optimizer=objects["optimizer"],
                                 lr_scheduler=objects["lr_scheduler"], dataloader=objects["dataloader"],
                                 step_scheduler=steps)

@@ -41,7 +41,8 @@ def am_python() -> Path:
 
 
 def _run(python: Path, by: str, ckpt_dir: Path, out: Path, *, world: int = 1, fmt: str = "safetensors",
-         stop_after: int | None = None, steps: int = 8, check_restore: bool = False, peft: bool = False) -> dict:
+         stop_after: int | None = None, steps: int = 8, check_restore: bool = False, peft: bool = False,
+         keep_latest: int | None = None) -> dict:
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
            "PYTHONWARNINGS": "ignore"}
     launch = [str(python)] if world == 1 else [str(python), "-m", "torch.distributed.run", "--standalone",
@@ -54,6 +55,8 @@ def _run(python: Path, by: str, ckpt_dir: Path, out: Path, *, world: int = 1, fm
         cmd += ["--check-restore"]
     if peft:
         cmd += ["--peft"]
+    if keep_latest is not None:
+        cmd += ["--keep-latest", str(keep_latest)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, f"{by} run failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
     return {"result": torch.load(out, weights_only=False), "log": done.stdout + done.stderr}
@@ -94,7 +97,12 @@ def test_an_automodel_checkpoint_resumes_in_ckptio_and_goes_on_as_automodel_woul
     first = torch.load(tmp_path / "first.pt", weights_only=False)
     merged = {**second["result"], "losses": {**first["losses"], **second["result"]["losses"]}}
     _same(merged, straight[(fmt, 1)], f"AutoModel -> ckptio ({fmt})")
-    assert (ckpt / "epoch_0_step_3").is_dir()  # ckptio never deletes or rewrites AutoModel's folder
+    # retention (keep one of its own) runs on ckptio's steps and never on AutoModel's, which stays as it was
+    third = _run(am_python, "ckptio", ckpt, tmp_path / "third.pt", fmt=fmt, steps=16, keep_latest=1)
+    saves = 1 + third["log"].count("Saved checkpoint ")
+    own = [p.name for p in ckpt.iterdir() if not p.is_symlink() and (p / "manifest.json").is_file()]
+    assert third["log"].count("Saved checkpoint ") >= 2 and len(own) < saves, (own, saves)
+    assert (ckpt / "epoch_0_step_3").is_dir() and not (ckpt / "epoch_0_step_3" / "manifest.json").exists()
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "torch_save"])
