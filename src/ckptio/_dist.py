@@ -84,25 +84,67 @@ def run_collectively(what: str, fn: Callable[[], T]) -> T:
     Every rank raises: the failing rank re-raises its own exception (chained, with its traceback), the
     others raise a :class:`CheckpointError` that names the failing ranks and their messages (a
     :class:`CheckpointCorruptError` when every failing rank found damage, so that all fall back alike).
+    ``fn`` itself must not run a collective: a rank that failed before it would not be there.
     """
+    return agree(what, fn)[0]
+
+
+def agree(what: str, fn: Callable[[], T], share: Callable[[T], Any] | None = None) -> tuple[T, list[Any]]:
+    """Collective: :func:`run_collectively`, whose one round also hands every rank each rank's ``share(result)``
+    (something small and picklable: a flag, a list of shapes), indexed by rank. Returns this rank's result and
+    the shares; a round that fails raises on every rank as :func:`run_collectively` does."""
     result = None
     error: BaseException | None = None
+    shared = None
     try:
         result = fn()
+        shared = share(result) if share is not None else None
     except Exception as exc:  # gathered and re-raised below on every rank
         error = exc
     report = None if error is None else (f"{type(error).__name__}: {error}",
                                          isinstance(error, (CheckpointCorruptError, CheckpointNotFoundError)))
-    reports = all_gather_object(report)
-    failed = {r: rep for r, rep in enumerate(reports) if rep is not None}
+    rounds = all_gather_object((report, shared))
+    failed = {r: rep for r, (rep, _) in enumerate(rounds) if rep is not None}
     if not failed:
-        return result  # type: ignore[return-value]
+        return result, [part for _, part in rounds]  # type: ignore[return-value]
     if error is not None:
         raise error
     summary = "; ".join(f"rank {r}: {msg}" for r, (msg, _) in sorted(failed.items()))
     # damage another rank found is damage here too: an automatic resume falls back on every rank together
     cls = CheckpointCorruptError if all(damaged for _, damaged in failed.values()) else CheckpointError
     raise cls(f"{what} failed on rank(s) {sorted(failed)}: {summary}")
+
+
+def decide_on_rank0(what: str, fn: Callable[[], T]) -> T:
+    """Collective, one broadcast: rank 0 runs ``fn`` and every rank returns its result, or raises its exception
+    (the same class and message on every rank; one that cannot travel becomes a :class:`CheckpointError`)."""
+    if not is_dist():
+        return fn()
+    outcome: tuple[bool, Any] | None = None
+    own: Exception | None = None
+    if rank() == 0:
+        try:
+            outcome = (True, fn())
+        except Exception as exc:  # sent to every rank below, raised there and here
+            own, outcome = exc, (False, _portable(what, exc))
+    received: tuple[bool, Any] = broadcast_object(outcome)  # type: ignore[assignment]  # rank 0 sends a tuple
+    ok, value = received
+    if ok:
+        return value
+    raise own if own is not None else value
+
+
+def _portable(what: str, exc: Exception) -> Exception:
+    """``exc`` if it survives a pickle round trip (as a broadcast makes it), else a :class:`CheckpointError` saying it."""
+    import pickle
+
+    try:
+        back = pickle.loads(pickle.dumps(exc))
+        if type(back) is type(exc) and str(back) == str(exc):
+            return exc
+    except Exception:  # an exception that cannot be pickled or rebuilt: sent as its message
+        pass
+    return CheckpointError(f"{what} failed on rank 0: {type(exc).__name__}: {exc}")
 
 
 def format_exc_short(exc: BaseException) -> str:

@@ -81,10 +81,9 @@ class Restorer:
             raise ConfigError(f"verify must be one of {list(VERIFY_MODES)}, got {verify!r}")
         rank = _dist.rank()
         automatic = restore_from in (None, LATEST)
-        if _dist.broadcast_object(is_foreign(restore_from) if rank == 0 else None):
+        foreign, candidates = find_candidates(self.storage, restore_from, verify, self.config, self.log)
+        if foreign:
             return self._restore_foreign(Path(restore_from))  # type: ignore[arg-type]
-
-        candidates = find_candidates(self.storage, restore_from, verify, self.config, self.log)
         if not candidates:
             return None
         for i, found in enumerate(candidates):
@@ -116,24 +115,22 @@ class Restorer:
             self.log.info("Loading checkpoint from %s", step_dir)
         start = time.perf_counter()
         where = self.storage if step_dir.parent == self.storage.root else open_storage(step_dir.parent)
-        base = _dist.run_collectively("opening the checkpoint", lambda: where.folder(step_dir.name))
-        manifest = _dist.run_collectively("reading the manifest", lambda: step_manifest(base))
-        if manifest.foreign is not None:
-            verify = "none"  # no sizes or checksums were recorded: the readers' own checks are what is left
-            if rank == 0:
-                self.log.warning("resuming from an AutoModel checkpoint: no manifest, sizes and checksums not verified "
-                                 "(%s; DCP chunk coverage and safetensors headers are still checked)", step_dir)
-        verifier = Verifier(base, manifest.checksums) if verify == "full" else None
-        folder = where.folder(step_dir.name, verifier=verifier) if verifier is not None else base
+        model_state = self.tracked.model_state if self.options.wants("model") else None
+        target = model_state.state_dict() if model_state is not None else None
+        # one round: open the step, read its manifest and small states, describe the live model's keys
+        opened, signatures = _dist.agree("opening the checkpoint",
+                                         lambda: self._open(where, step_dir, verify, target),
+                                         share=lambda o: o.signature)
+        manifest, folder = opened.manifest, opened.folder
+        if manifest.foreign is not None and rank == 0:
+            self.log.warning("resuming from an AutoModel checkpoint: no manifest, sizes and checksums not verified "
+                             "(%s; DCP chunk coverage and safetensors headers are still checked)", step_dir)
         self._report = LoadReport(skipped_states=[k for k in manifest.states if not self.options.wants(k)])
-        objects = self._read_objects(folder, manifest)  # small and first: damage there fails fast
-        if self.options.wants("model"):
-            self._load_model(folder, manifest)
-        if self.options.wants("optim"):
-            self._load_optimizer(folder, manifest)
-        if verifier is not None:
-            self._finish_verification(verifier)
-        self._apply_objects(folder, objects)
+        if target is not None:
+            self._load_model(folder, manifest, target, signatures)
+        apply_optimizer = self._load_optimizer(folder, manifest) if self.options.wants("optim") else None
+        self._finish(opened.verifier, apply_optimizer)
+        self._apply_objects(folder, opened.objects)
         info = RestoreInfo(step_dir, manifest.step, manifest.epoch, dict(manifest.metrics),
                            dict(manifest.counters), manifest.world_size, self._name_fields(step_dir, manifest),
                            self._report)
@@ -144,19 +141,49 @@ class Restorer:
             self.log.info(
                 "Loaded checkpoint %s (step %d, epoch %d, saved on %d rank(s)%s) in %.2f s",
                 step_dir, info.step, info.epoch, info.saved_world_size,
-                ", every byte read checksummed" if verifier is not None else "", time.perf_counter() - start,
+                ", every byte read checksummed" if opened.verifier is not None else "", time.perf_counter() - start,
             )
         return info
 
-    def _finish_verification(self, verifier: Verifier) -> None:
-        """Collective: each file read during the load is completed and compared by the rank that hashed most of it
-        (the lowest of those, on a tie), so a file every rank opened for its header is not read twice."""
-        rank = _dist.rank()
-        mine = finishers(_dist.all_gather_object(verifier.hashed()))[rank]
-        problems = _dist.run_collectively("verifying checksums", lambda: verifier.finish(mine))
-        found = [p for part in _dist.all_gather_object(problems) for p in part]
-        if found:
-            raise CheckpointCorruptError(f"{len(found)} file(s) do not match their checksums: " + "; ".join(found[:3]))
+    def _open(self, where: Storage, step_dir: Path, verify: str, target: dict[str, Any] | None) -> "_Opened":
+        """This rank's part of opening a step (no collective): the manifest, a verifier when every byte is to be
+        checked, the small states read and decoded (small and first: damage there fails fast), and the live
+        model's shapes and dtypes against the manifest's signature, for the ranks to check together."""
+        base = where.folder(step_dir.name)
+        manifest = step_manifest(base)
+        if manifest.foreign is not None:
+            verify = "none"  # no sizes or checksums were recorded: the readers' own checks are what is left
+        verifier = Verifier(base, manifest.checksums) if verify == "full" else None
+        folder = where.folder(step_dir.name, verifier=verifier) if verifier is not None else base
+        objects = self._read_objects(folder, manifest)
+        signature = None
+        if target is not None and self.options.plain and isinstance(manifest.model_signature.get("shapes"), dict):
+            _entry(step_dir, manifest, "model")
+            ours = model_signature(self.tracked.model, target)
+            dtypes = manifest.model_signature.get("dtypes")
+            wrong = [k for k, v in target.items() if isinstance(dtypes, dict) and k in dtypes
+                     and dtypes[k] != str(v.dtype).removeprefix("torch.")]
+            signature = (ours["shapes"], wrong[:3], ours["architecture"])
+        return _Opened(manifest, folder, verifier, objects, signature)
+
+    def _finish(self, verifier: Verifier | None, apply_optimizer: Any) -> None:
+        """Collective: hand the optimizer its filled state, then have each file read during the load completed and
+        compared by the rank that hashed most of it (the lowest of those, on a tie), so a file every rank opened
+        for its header is not read twice. Two rounds: the hashed ranges travel with the first."""
+        if verifier is None and apply_optimizer is None:
+            return
+        _, hashed = _dist.agree("applying the optimizer state", apply_optimizer or (lambda: None),
+                                share=lambda _: verifier.hashed() if verifier is not None else None)
+        if verifier is None:
+            return
+        mine = finishers(hashed)[_dist.rank()]
+
+        def finish() -> None:
+            found = verifier.finish(mine)
+            if found:
+                raise CheckpointCorruptError(f"{len(found)} file(s) do not match their checksums: " + "; ".join(found[:3]))
+
+        _dist.run_collectively("verifying checksums", finish)
 
     def _name_fields(self, step_dir: Path, manifest: Manifest) -> dict[str, Any]:
         fields_ = parse_step_name(self.config.name_template, step_dir.name, self.config.auto_insert_field_names) or {}
@@ -166,34 +193,22 @@ class Restorer:
                                  step_dir, key, fields_[key], getattr(manifest, key))
         return fields_
 
-    @staticmethod
-    def _entry(step_dir: Path, manifest: Manifest, key: str) -> StateEntry:
-        entry = manifest.states.get(key)
-        if entry is None:
-            raise CheckpointMismatchError(
-                f"{step_dir} holds no {key!r} state (it has {sorted(manifest.states)}); "
-                f"it was saved without one, so it cannot restore this run's {key}"
-            )
-        return entry
-
-    def _load_model(self, step: Folder, manifest: Manifest) -> None:
+    def _load_model(self, step: Folder, manifest: Manifest, target: dict[str, Any], signatures: list[Any]) -> None:
         t = self.tracked
-        if t.model_state is None:
-            return
-        entry = self._entry(step.path, manifest, "model")
+        assert t.model_state is not None
+        entry = _entry(step.path, manifest, "model")
         fmt = registry.get(entry.format)
-        target = t.model_state.state_dict()
         if not self.options.plain:
             self._load_model_partially(step, entry, fmt, target)
             return
         self._report.loaded = sorted(target)
         strict = self.config.strict and not self.config.is_peft
         try:
-            checked = self._check_signature(step.path, manifest, target)
+            checked = _check_signature(step.path, manifest, signatures, strict)
         except CheckpointMismatchError:  # every rank raised: refuse with the report's table, key by key
             refuse(plan_partially(step, entry.path, fmt, target, self.options)[2], step.path)
             raise  # the manifest and the files disagree: the manifest's verdict stands
-        folder = _dist.run_collectively("opening the model folder", lambda: step.sub(entry.path))
+        folder = step.sub(entry.path)  # a folder that is not there fails in the format's load, on every rank
         # once the signature was checked against every rank's keys together, each rank's own read only needs
         # its keys present (a pipeline stage holds some of the model's keys)
         with _Progress(target, f"restoring the model of {step.path.name}", self.log) as progress:
@@ -211,43 +226,29 @@ class Restorer:
                                                                               f"{step.path.name}", self.log))
         self._report.skipped_states = skipped
 
-    def _check_signature(self, step_dir: Path, manifest: Manifest, target: dict[str, torch.Tensor]) -> bool:
-        """Collective: refuse a checkpoint of another model from its manifest alone, before any tensor file is
-        read. The live model is every rank's keys together (pipeline stages hold different ones). Returns
-        whether the check ran (manifests without a signature leave it to the format)."""
-        shapes = manifest.model_signature.get("shapes")
-        if not isinstance(shapes, dict):
-            return False
-        saved = {k: TensorInfo(tuple(int(d) for d in v), "?") for k, v in shapes.items()}
-        ours = model_signature(self.tracked.model, target)
-        live = merge_shapes(_dist.all_gather_object(ours["shapes"])) if _dist.world_size() > 1 else ours["shapes"]
-        theirs = manifest.model_signature.get("architecture")
-        where = f"{step_dir} (a checkpoint of {theirs})" if theirs and theirs != ours["architecture"] else str(step_dir)
-        check_compatible(saved, {k: TensorInfo(tuple(v), "?") for k, v in live.items()}, where,
-                         strict=self.config.strict and not self.config.is_peft)
-        dtypes = manifest.model_signature.get("dtypes")
-        if isinstance(dtypes, dict):  # another dtype loads only by explicit choice (cast_dtype)
-            wrong = [k for k, v in target.items() if k in dtypes and dtypes[k] != str(v.dtype).removeprefix("torch.")]
-            if any(_dist.all_gather_object(bool(wrong)) if _dist.world_size() > 1 else [bool(wrong)]):
-                raise CheckpointMismatchError(f"{where}: dtypes differ, e.g. {wrong[:3]}")
-        return True
-
-    def _load_optimizer(self, step: Folder, manifest: Manifest) -> None:
+    def _load_optimizer(self, step: Folder, manifest: Manifest) -> Any:
         """Fill the optimizer's state from the checkpoint: targets allocated from the checkpoint's index, shaped
-        and sharded like their parameters, filled in place by the format, then handed to the optimizer (no
-        optimizer step to initialise a template, no second copy of the state)."""
+        and sharded like their parameters, filled in place by the format (no optimizer step to initialise a
+        template, no second copy of the state). Returns what hands the filled state to the optimizer, for
+        :meth:`_finish` to run on every rank together (``None`` when no optimizer is tracked)."""
         optim_state = self.tracked.optim_state
         if optim_state is None:
-            return
-        entry = self._entry(step.path, manifest, "optim")
+            return None
+        entry = _entry(step.path, manifest, "optim")
         fmt = registry.get(entry.format)
-        folder = _dist.run_collectively("opening the optimizer folder", lambda: step.sub(entry.path))
-        index = _dist.run_collectively("reading the optimizer index", lambda: fmt.state_index(folder))
-        saved = {k[len(OPTIM_KEY):]: v for k, v in index.items() if k.startswith(OPTIM_KEY)}
-        template = _dist.run_collectively("planning the optimizer load", lambda: optim_state.template(saved))
-        fast = all(_dist.all_gather_object(template is not None))
+
+        def plan() -> tuple[Folder, dict[str, Any], dict[str, Any] | None]:
+            folder = step.sub(entry.path)
+            index = fmt.state_index(folder)
+            saved = {k[len(OPTIM_KEY):]: v for k, v in index.items() if k.startswith(OPTIM_KEY)}
+            return folder, saved, optim_state.template(saved)
+
+        (folder, saved, template), covered = _dist.agree("planning the optimizer load", plan,
+                                                         share=lambda planned: planned[2] is not None)
+        fast = all(covered)
         if not fast:  # a state this path does not cover: torch's own (initialises the state first)
             template = optim_state.state_dict()["optim"]
+        assert template is not None
         missing = sorted(k for k in template if k not in saved)
         if missing:
             raise CheckpointMismatchError(
@@ -264,12 +265,10 @@ class Restorer:
                 fmt.load_state(target, folder, ShardContext(_dist.rank(), _dist.world_size(), progress=progress.update))
         finally:
             join()
-        _dist.run_collectively(
-            f"applying the optimizer state of {folder.path}",
-            lambda: apply_state(_Apply(optim_state) if fast else optim_state, target, folder.path))
+        return lambda: apply_state(_Apply(optim_state) if fast else optim_state, target, folder.path)
 
     def _read_objects(self, step: Folder, manifest: Manifest) -> dict[str, tuple[str, Any]]:
-        """Collective: the saved state of every registered object, read and decoded but not yet applied."""
+        """The saved state of every registered object on this rank, read and decoded but not yet applied."""
         rank, world = _dist.rank(), _dist.world_size()
         out: dict[str, tuple[str, Any]] = {}
         for name in self.tracked.objects:
@@ -295,19 +294,60 @@ class Restorer:
                     if rank >= manifest.world_size:
                         rel = None
 
-            # every rank takes part, even one with nothing to load, so the collectives stay matched
-            value = _dist.run_collectively(f"reading {name!r}",
-                                           lambda rel=rel, entry=entry: None if rel is None else _read_small(step, rel, entry))  # type: ignore[misc]
             if rel is not None:
-                out[name] = (rel, value)
+                out[name] = (rel, _read_small(step, rel, entry))
         return out
 
     def _apply_objects(self, step: Folder, objects: dict[str, tuple[str, Any]]) -> None:
-        for name, obj in self.tracked.objects.items():
-            rel, value = objects.get(name, (None, None))
-            _dist.run_collectively(f"loading {name!r}",
-                                   lambda obj=obj, rel=rel, value=value:  # type: ignore[misc]
-                                   None if rel is None else apply_state(obj, value, step.display(rel)))
+        """Collective (one round): hand every registered object the state :meth:`_read_objects` read for it."""
+        if not self.tracked.objects:
+            return
+
+        def apply() -> None:
+            for name, (rel, value) in objects.items():
+                apply_state(self.tracked.objects[name], value, step.display(rel))
+
+        _dist.run_collectively("loading the saved states", apply)
+
+
+@dataclass
+class _Opened:
+    """What :meth:`Restorer._open` found on this rank."""
+
+    manifest: Manifest
+    folder: Folder
+    verifier: Verifier | None
+    objects: dict[str, tuple[str, Any]]
+    signature: tuple[dict[str, list[int]], list[str], str | None] | None
+
+
+def _entry(step_dir: Path, manifest: Manifest, key: str) -> StateEntry:
+    entry = manifest.states.get(key)
+    if entry is None:
+        raise CheckpointMismatchError(
+            f"{step_dir} holds no {key!r} state (it has {sorted(manifest.states)}); "
+            f"it was saved without one, so it cannot restore this run's {key}"
+        )
+    return entry
+
+
+def _check_signature(step_dir: Path, manifest: Manifest, signatures: list[Any], strict: bool) -> bool:
+    """Refuse a checkpoint of another model from its manifest alone, before any tensor file is read. The live
+    model is every rank's keys together (pipeline stages hold different ones), as :meth:`Restorer._open`
+    described them on each rank. Returns whether the check ran (manifests without a signature leave it to the
+    format)."""
+    if signatures[_dist.rank()] is None:
+        return False
+    shapes = manifest.model_signature["shapes"]
+    saved = {k: TensorInfo(tuple(int(d) for d in v), "?") for k, v in shapes.items()}
+    live = merge_shapes([s[0] for s in signatures])
+    ours, theirs = signatures[_dist.rank()][2], manifest.model_signature.get("architecture")
+    where = f"{step_dir} (a checkpoint of {theirs})" if theirs and theirs != ours else str(step_dir)
+    check_compatible(saved, {k: TensorInfo(tuple(v), "?") for k, v in live.items()}, where, strict=strict)
+    wrong = [k for s in signatures for k in s[1]]
+    if wrong:  # another dtype loads only by explicit choice (cast_dtype)
+        raise CheckpointMismatchError(f"{where}: dtypes differ, e.g. {wrong[:3]}")
+    return True
 
 
 def _read_small(step: Folder, rel: str, entry: StateEntry) -> Any:
@@ -318,29 +358,31 @@ def _read_small(step: Folder, rel: str, entry: StateEntry) -> Any:
 
 
 def find_candidates(storage: Storage, restore_from: str | None, verify: str, config: CheckpointConfig,
-                    log: Any) -> list[Path]:
-    """Collective: the step directories to try, best first, chosen on rank 0 (:func:`restore_candidates`);
-    ``[]`` (said in the log) for a fresh start. A folder whose step directories are all unusable raises
-    :class:`NoUsableCheckpointError`, unless an automatic resume may start fresh (``start_fresh_if_damaged``)."""
+                    log: Any) -> tuple[bool, list[Path]]:
+    """Collective, one broadcast: whether ``restore_from`` is a checkpoint of another kind (weights only, see
+    :mod:`ckptio.foreign`), else the step directories to try, best first, chosen on rank 0
+    (:func:`restore_candidates`); ``[]`` (said in the log) for a fresh start. A folder whose step directories are
+    all unusable raises :class:`NoUsableCheckpointError` on every rank, unless an automatic resume may start fresh
+    (``start_fresh_if_damaged``)."""
     rank = _dist.rank()
 
-    def find() -> list[Path]:
-        if rank != 0:
-            return []
-        return restore_candidates(storage, restore_from, verify="none" if verify == "none" else "size")
+    def choose() -> tuple[bool, list[Path]]:
+        if is_foreign(restore_from):
+            return True, []
+        return False, restore_candidates(storage, restore_from, verify="none" if verify == "none" else "size")
 
     try:
-        candidates = _dist.broadcast_object(_dist.run_collectively("finding the checkpoint to restore", find))
+        foreign, candidates = _dist.decide_on_rank0("finding the checkpoint to restore", choose)
     except NoUsableCheckpointError:
         if not (restore_from in (None, LATEST) and config.start_fresh_if_damaged):
             raise
         if rank == 0:
             log.warning("No usable checkpoint in %s (every step directory found is damaged); starting from "
                         "scratch as start_fresh_if_damaged asks", storage.root)
-        return []
-    if not candidates and rank == 0:
+        return False, []
+    if not foreign and not candidates and rank == 0:
         log.info("No checkpoint found in %s; starting from scratch", storage.root)
-    return candidates
+    return foreign, candidates
 
 
 OPTIM_KEY = "optim."

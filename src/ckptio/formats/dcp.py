@@ -124,27 +124,30 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 def load(state_dict: dict[str, Any], folder: "str | Path | Folder", *, no_dist: bool = False,
-         progress: Callable[[int], None] | None = None) -> None:
+         progress: Callable[[int], None] | None = None, check: Callable[[], None] | None = None) -> None:
     """Collective: fill ``state_dict`` in place from a DCP folder, resharding as DCP does.
 
     ``no_dist=True`` makes it a local read on this rank alone, whatever the process group. ``progress``:
-    called with the bytes of each chunk read into place.
+    called with the bytes of each chunk read into place. ``check``: run first on every rank (e.g. the keys
+    against the folder's index); what it raises fails the load on every rank.
     """
     from . import dcp_direct
 
     reader = SafeFileSystemReader(folder)
     local = no_dist or not _dist.is_dist()
-    # each rank plans its own reads from the metadata when DCP's load would do exactly that (dcp_direct);
-    # the choice is made together, so that DCP's collective load runs on every rank or on none
-    planned = dcp_direct.plan(state_dict, reader.root) if local else \
-        _dist.run_collectively(f"planning the load of {reader.root.path}", lambda: dcp_direct.plan(state_dict, reader.root))
-    direct = planned is not None if local else all(_dist.all_gather_object(planned is not None))
-    if direct:
-        assert planned is not None
-        if local:
+
+    def direct() -> bool:
+        """Each rank plans its own reads from the metadata and makes them, when DCP's load would do exactly that
+        (:mod:`dcp_direct`); whether every rank could is agreed in the same round, so that DCP's collective load
+        runs on every rank or on none (reading again what a direct rank read: rare, and the same bytes)."""
+        if check is not None:
+            check()
+        planned = dcp_direct.plan(state_dict, reader.root)
+        if planned is not None:
             dcp_direct.execute(planned, progress)
-        else:
-            _dist.run_collectively(f"loading DCP folder {reader.root.path}", lambda: dcp_direct.execute(planned, progress))
+        return planned is not None
+
+    if direct() if local else all(_dist.agree(f"loading DCP folder {reader.root.path}", direct, share=bool)[1]):
         return
     with _quiet_single_process(), _plain_errors("loading", reader.root.path):
         dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(progress=progress),
@@ -260,9 +263,8 @@ class DCPFormat(Format):
         return save(state_dict, writer, rel, thread_count=ctx.threads)
 
     def load_shards(self, target: dict, folder: Folder, *, strict: bool, ctx: ShardContext) -> None:
-        index = _dist.run_collectively("reading the DCP index", lambda: read_index(folder))
-        check_compatible(index, target, str(folder.path), strict=strict)
-        load(target, folder, progress=ctx.progress)
+        load(target, folder, progress=ctx.progress,
+             check=lambda: check_compatible(read_index(folder), target, str(folder.path), strict=strict))
 
     def save_state(self, state: dict, writer: "FolderWriter", rel: str, ctx: ShardContext) -> dict[str, str]:
         return save(state, writer, rel, thread_count=ctx.threads)
