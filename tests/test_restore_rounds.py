@@ -18,11 +18,11 @@ from distributed import run_ranks
 
 pytestmark = pytest.mark.slow
 
-ROUNDS = 8
+ROUNDS = 6
 """A 2-rank restore of model, optimizer, scheduler, RNG and a user object with ``verify: full``: one broadcast
-(the checkpoint to restore), one round to open it and read its small states, one per format load (the model,
-the optimizer's DCP folder), one to plan the optimizer, one to apply it with the verifier's ranges, one to
-finish the verification, one to apply the small states."""
+(the checkpoint to restore), one round to open it (manifest, small states, the live model's shapes, the
+optimizer's plan), one per format load (the model, the optimizer's DCP folder), one to apply what was loaded
+with the verifier's ranges, one to finish the verification."""
 
 COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list", "barrier",
                "all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter_tensor", "gather",

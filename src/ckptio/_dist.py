@@ -94,19 +94,32 @@ def agree(what: str, fn: Callable[[], T], share: Callable[[T], Any] | None = Non
     (something small and picklable: a flag, a list of shapes), indexed by rank. Returns this rank's result and
     the shares; a round that fails raises on every rank as :func:`run_collectively` does."""
     result = None
-    error: BaseException | None = None
+    error: Exception | None = None
     shared = None
     try:
         result = fn()
         shared = share(result) if share is not None else None
     except Exception as exc:  # gathered and re-raised below on every rank
         error = exc
-    report = None if error is None else (f"{type(error).__name__}: {error}",
-                                         isinstance(error, (CheckpointCorruptError, CheckpointNotFoundError)))
-    rounds = all_gather_object((report, shared))
-    failed = {r: rep for r, (rep, _) in enumerate(rounds) if rep is not None}
+    rounds = all_gather_object((report_of(error), shared))
+    raise_if_any_failed(what, error, [report for report, _ in rounds])
+    return result, [part for _, part in rounds]  # type: ignore[return-value]
+
+
+def report_of(error: Exception | None) -> tuple[str, bool] | None:
+    """What other ranks are told of this rank's ``error`` in a round: its message, and whether it is damage."""
+    if error is None:
+        return None
+    return f"{type(error).__name__}: {error}", isinstance(error, (CheckpointCorruptError, CheckpointNotFoundError))
+
+
+def raise_if_any_failed(what: str, error: Exception | None, reports: list[tuple[str, bool] | None]) -> None:
+    """Raise on every rank when any rank's report (:func:`report_of`, gathered in a round) says it failed: the
+    failing rank its own ``error``, the others a :class:`CheckpointError` naming the failing ranks and their
+    messages (a :class:`CheckpointCorruptError` when every failing rank found damage)."""
+    failed = {r: rep for r, rep in enumerate(reports) if rep is not None}
     if not failed:
-        return result, [part for _, part in rounds]  # type: ignore[return-value]
+        return
     if error is not None:
         raise error
     summary = "; ".join(f"rank {r}: {msg}" for r, (msg, _) in sorted(failed.items()))

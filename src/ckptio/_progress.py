@@ -59,3 +59,36 @@ def progress(total: int, desc: str, *, enabled: bool = True, log: Callable[[str]
         return tqdm(total=total, unit="B", unit_scale=True, desc=desc, file=sys.stderr, leave=log is None,
                     ncols=None if size.columns > 0 else 100, nrows=None if size.lines > 0 else 24)
     return _Lines(total, desc, log or _stderr_line)
+
+
+PROGRESS_MIN_BYTES = 1 << 30
+"""A state whose tensors on rank 0 hold at least this many bytes shows its restore's progress (a bar on a
+terminal, a log line per tenth otherwise); ``CKPTIO_PROGRESS_MIN_BYTES`` in the environment overrides it."""
+
+
+class StateProgress:
+    """The progress of filling one state's tensors (plain or DTensor; others are not counted) during a restore,
+    reported by rank 0 when the state is large. ``update`` may be called from I/O threads."""
+
+    def __init__(self, tensors: dict[str, Any], desc: str, log: Any) -> None:
+        import threading
+
+        from . import _dist
+
+        local = [getattr(t, "to_local", lambda t=t: t)() for t in tensors.values()]
+        total = sum(t.numel() * t.element_size() for t in local if hasattr(t, "element_size"))
+        setting = os.environ.get("CKPTIO_PROGRESS_MIN_BYTES", "")
+        threshold = int(setting) if setting.strip().isdigit() else PROGRESS_MIN_BYTES
+        enabled = _dist.rank() == 0 and total > 0 and total >= threshold
+        self.bar = progress(total, desc, enabled=enabled, log=log.info)
+        self._lock = threading.Lock()
+
+    def update(self, n: int) -> None:
+        with self._lock:  # the reads may report from I/O threads
+            self.bar.update(n)
+
+    def __enter__(self) -> "StateProgress":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.close()

@@ -6,8 +6,9 @@
    checked, and read the small states first (a damaged one fails fast, before the large reads).
 3. **Load** the model through its format in the registry (each rank reads only the bytes of its own
    shards) after checking the manifest's model signature, then the optimizer (DCP, resharded).
-4. **Verify** the checksums of every file read (each file by the lowest rank that read it), then apply the
-   small states.
+4. **Apply** the optimizer's state and the small states, then **verify** the checksums of every file read
+   (each file by the rank that hashed most of it). A restore that fails after its first load leaves the live
+   objects partly changed; an automatic resume then falls back and loads every one of them again.
 
 Damage found while loading (a corrupt or missing file, a state that does not fit) during an auto-resume
 makes every rank fall back to the next candidate together; anything else is raised on every rank.
@@ -15,18 +16,16 @@ makes every rank fall back to the next candidate together; anything else is rais
 
 from __future__ import annotations
 
-import os
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from . import _dist
 from ._memory import populate_async
-from ._progress import progress
+from ._progress import StateProgress
 from .config import VERIFY_MODES, CheckpointConfig
 from .errors import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointNotFoundError, ConfigError,
                      NoUsableCheckpointError)
@@ -117,20 +116,23 @@ class Restorer:
         where = self.storage if step_dir.parent == self.storage.root else open_storage(step_dir.parent)
         model_state = self.tracked.model_state if self.options.wants("model") else None
         target = model_state.state_dict() if model_state is not None else None
-        # one round: open the step, read its manifest and small states, describe the live model's keys
-        opened, signatures = _dist.agree("opening the checkpoint",
-                                         lambda: self._open(where, step_dir, verify, target),
-                                         share=lambda o: o.signature)
+        # one round: open the step, read its manifest and small states, describe the live model's keys, plan the
+        # optimizer's load (its failure is told in the same round and raised after the model's checks)
+        opened, shares = _dist.agree("opening the checkpoint", lambda: self._open(where, step_dir, verify, target),
+                                     share=lambda o: (o.signature, _dist.report_of(o.optim_error),
+                                                      o.optim_plan is not None and o.optim_plan.template is not None))
         manifest, folder = opened.manifest, opened.folder
         if manifest.foreign is not None and rank == 0:
             self.log.warning("resuming from an AutoModel checkpoint: no manifest, sizes and checksums not verified "
                              "(%s; DCP chunk coverage and safetensors headers are still checked)", step_dir)
         self._report = LoadReport(skipped_states=[k for k in manifest.states if not self.options.wants(k)])
         if target is not None:
-            self._load_model(folder, manifest, target, signatures)
-        apply_optimizer = self._load_optimizer(folder, manifest) if self.options.wants("optim") else None
-        self._finish(opened.verifier, apply_optimizer)
-        self._apply_objects(folder, opened.objects)
+            self._load_model(folder, manifest, target, [signature for signature, _, _ in shares])
+        _dist.raise_if_any_failed("planning the optimizer load", opened.optim_error, [report for _, report, _ in shares])
+        apply_optimizer = None
+        if opened.optim_plan is not None:
+            apply_optimizer = self._load_optimizer(step_dir, opened.optim_plan, all(covered for _, _, covered in shares))
+        self._finish(folder, opened, apply_optimizer)
         info = RestoreInfo(step_dir, manifest.step, manifest.epoch, dict(manifest.metrics),
                            dict(manifest.counters), manifest.world_size, self._name_fields(step_dir, manifest),
                            self._report)
@@ -164,15 +166,29 @@ class Restorer:
             wrong = [k for k, v in target.items() if isinstance(dtypes, dict) and k in dtypes
                      and dtypes[k] != str(v.dtype).removeprefix("torch.")]
             signature = (ours["shapes"], wrong[:3], ours["architecture"])
-        return _Opened(manifest, folder, verifier, objects, signature)
+        opened = _Opened(manifest, folder, verifier, objects, signature)
+        if self.options.wants("optim") and self.tracked.optim_state is not None:
+            try:
+                opened.optim_plan = _plan_optimizer(self.tracked.optim_state, folder, manifest)
+            except Exception as exc:  # told to the other ranks with the round, raised after the model's checks
+                opened.optim_error = exc
+        return opened
 
-    def _finish(self, verifier: Verifier | None, apply_optimizer: Any) -> None:
-        """Collective: hand the optimizer its filled state, then have each file read during the load completed and
-        compared by the rank that hashed most of it (the lowest of those, on a tie), so a file every rank opened
-        for its header is not read twice. Two rounds: the hashed ranges travel with the first."""
-        if verifier is None and apply_optimizer is None:
+    def _finish(self, step: Folder, opened: "_Opened", apply_optimizer: Any) -> None:
+        """Collective, two rounds: hand the optimizer and every registered object what was read for them (the
+        verifier's hashed ranges travel with this round), then have each file read completed and compared by the
+        rank that hashed most of it (the lowest, on a tie): a file every rank opened for its header is read once."""
+        verifier = opened.verifier
+
+        def apply() -> None:
+            if apply_optimizer is not None:
+                apply_optimizer()
+            for name, (rel, value) in opened.objects.items():
+                apply_state(self.tracked.objects[name], value, step.display(rel))
+
+        if verifier is None and apply_optimizer is None and not self.tracked.objects:
             return
-        _, hashed = _dist.agree("applying the optimizer state", apply_optimizer or (lambda: None),
+        _, hashed = _dist.agree("applying the loaded state", apply,
                                 share=lambda _: verifier.hashed() if verifier is not None else None)
         if verifier is None:
             return
@@ -211,7 +227,7 @@ class Restorer:
         folder = step.sub(entry.path)  # a folder that is not there fails in the format's load, on every rank
         # once the signature was checked against every rank's keys together, each rank's own read only needs
         # its keys present (a pipeline stage holds some of the model's keys)
-        with _Progress(target, f"restoring the model of {step.path.name}", self.log) as progress:
+        with StateProgress(target, f"restoring the model of {step.path.name}", self.log) as progress:
             fmt.load_shards(target, folder, strict=strict and not checked,
                             ctx=ShardContext(_dist.rank(), _dist.world_size(), extra={"model": t.model},
                                              progress=progress.update))
@@ -222,31 +238,19 @@ class Restorer:
         skipped = self._report.skipped_states
         self._report = load_model_partially(step, entry.path, fmt, target, self.options, self.tracked,
                                             strict=self.options.strict and not self.config.is_peft, log=self.log,
-                                            progress=lambda subset: _Progress(subset, f"restoring the model of "
+                                            progress=lambda subset: StateProgress(subset, f"restoring the model of "
                                                                               f"{step.path.name}", self.log))
         self._report.skipped_states = skipped
 
-    def _load_optimizer(self, step: Folder, manifest: Manifest) -> Any:
-        """Fill the optimizer's state from the checkpoint: targets allocated from the checkpoint's index, shaped
-        and sharded like their parameters, filled in place by the format (no optimizer step to initialise a
-        template, no second copy of the state). Returns what hands the filled state to the optimizer, for
-        :meth:`_finish` to run on every rank together (``None`` when no optimizer is tracked)."""
+    def _load_optimizer(self, step_dir: Path, plan: "_OptimPlan", fast: bool) -> Any:
+        """Fill the optimizer's state from the checkpoint into the planned targets (no optimizer step to initialise
+        a template, no second copy of the state); ``fast``: every rank's plan covers the state, else torch's own
+        path (which initialises the state first). Returns what hands the filled state to the optimizer, for
+        :meth:`_finish` to run on every rank together."""
         optim_state = self.tracked.optim_state
-        if optim_state is None:
-            return None
-        entry = _entry(step.path, manifest, "optim")
-        fmt = registry.get(entry.format)
-
-        def plan() -> tuple[Folder, dict[str, Any], dict[str, Any] | None]:
-            folder = step.sub(entry.path)
-            index = fmt.state_index(folder)
-            saved = {k[len(OPTIM_KEY):]: v for k, v in index.items() if k.startswith(OPTIM_KEY)}
-            return folder, saved, optim_state.template(saved)
-
-        (folder, saved, template), covered = _dist.agree("planning the optimizer load", plan,
-                                                         share=lambda planned: planned[2] is not None)
-        fast = all(covered)
-        if not fast:  # a state this path does not cover: torch's own (initialises the state first)
+        assert optim_state is not None
+        fmt, folder, saved, template = plan
+        if not fast:
             template = optim_state.state_dict()["optim"]
         assert template is not None
         missing = sorted(k for k in template if k not in saved)
@@ -261,7 +265,7 @@ class Restorer:
         # the state is fresh memory: have its pages provided while the reads fill the tensors before them
         join = populate_async(_local(t) for t in tensors.values()) if fast else (lambda: None)
         try:
-            with _Progress(tensors, f"restoring the optimizer of {step.path.name}", self.log) as progress:
+            with StateProgress(tensors, f"restoring the optimizer of {step_dir.name}", self.log) as progress:
                 fmt.load_state(target, folder, ShardContext(_dist.rank(), _dist.world_size(), progress=progress.update))
         finally:
             join()
@@ -298,16 +302,16 @@ class Restorer:
                 out[name] = (rel, _read_small(step, rel, entry))
         return out
 
-    def _apply_objects(self, step: Folder, objects: dict[str, tuple[str, Any]]) -> None:
-        """Collective (one round): hand every registered object the state :meth:`_read_objects` read for it."""
-        if not self.tracked.objects:
-            return
 
-        def apply() -> None:
-            for name, (rel, value) in objects.items():
-                apply_state(self.tracked.objects[name], value, step.display(rel))
+class _OptimPlan(NamedTuple):
+    """This rank's plan of the optimizer's load (:func:`_plan_optimizer`)."""
 
-        _dist.run_collectively("loading the saved states", apply)
+    fmt: Any
+    folder: Folder
+    saved: dict[str, Any]
+    """The checkpoint's index of the optimizer's state, keys without the ``optim.`` prefix."""
+    template: dict[str, Any] | None
+    """Targets for every saved entry, or ``None`` where torch's own path has to load the state."""
 
 
 @dataclass
@@ -319,6 +323,19 @@ class _Opened:
     verifier: Verifier | None
     objects: dict[str, tuple[str, Any]]
     signature: tuple[dict[str, list[int]], list[str], str | None] | None
+    optim_plan: _OptimPlan | None = None
+    optim_error: Exception | None = None
+
+
+def _plan_optimizer(optim_state: Any, step: Folder, manifest: Manifest) -> "_OptimPlan":
+    """This rank's plan of the optimizer's load (no collective): its format, its folder, the checkpoint's index
+    of it, and targets allocated from that index, shaped and sharded like their parameters (``None`` when the
+    state holds something that path does not cover)."""
+    entry = _entry(step.path, manifest, "optim")
+    fmt = registry.get(entry.format)
+    folder = step.sub(entry.path)
+    saved = {k[len(OPTIM_KEY):]: v for k, v in fmt.state_index(folder).items() if k.startswith(OPTIM_KEY)}
+    return _OptimPlan(fmt, folder, saved, optim_state.template(saved))
 
 
 def _entry(step_dir: Path, manifest: Manifest, key: str) -> StateEntry:
@@ -386,33 +403,6 @@ def find_candidates(storage: Storage, restore_from: str | None, verify: str, con
 
 
 OPTIM_KEY = "optim."
-
-PROGRESS_MIN_BYTES = 1 << 30
-"""A state whose tensors on rank 0 hold at least this many bytes shows its restore's progress (a bar on a
-terminal, a log line per tenth otherwise); ``CKPTIO_PROGRESS_MIN_BYTES`` in the environment overrides it."""
-
-
-class _Progress:
-    """The progress of filling one state's tensors, reported by rank 0 when the state is large."""
-
-    def __init__(self, tensors: dict[str, Any], desc: str, log: Any) -> None:
-        total = sum(_local(t).numel() * _local(t).element_size() for t in tensors.values() if isinstance(t, torch.Tensor))
-        setting = os.environ.get("CKPTIO_PROGRESS_MIN_BYTES", "")
-        threshold = int(setting) if setting.strip().isdigit() else PROGRESS_MIN_BYTES
-        enabled = _dist.rank() == 0 and total > 0 and total >= threshold
-        self.bar = progress(total, desc, enabled=enabled, log=log.info)
-        self._lock = threading.Lock()
-
-    def update(self, n: int) -> None:
-        with self._lock:  # the reads may report from I/O threads
-            self.bar.update(n)
-
-    def __enter__(self) -> "_Progress":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.bar.close()
-
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     to_local = getattr(t, "to_local", None)
