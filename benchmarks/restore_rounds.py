@@ -13,7 +13,6 @@ Small states are where the rounds show: the bytes take no time, the waits do.
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import statistics
 import sys
@@ -22,10 +21,6 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list", "barrier",
-               "all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter_tensor")
-
 
 def _state(layers: int, hidden: int, seed: int):
     import torch
@@ -39,6 +34,7 @@ def _state(layers: int, hidden: int, seed: int):
 def _rank(root: str, repeats: int, layers: int, hidden: int) -> dict:
     import torch
     import torch.distributed as dist
+    from distributed import counting_collectives
 
     from ckptio import CheckpointConfig, CheckpointManager
 
@@ -49,37 +45,23 @@ def _rank(root: str, repeats: int, layers: int, hidden: int) -> dict:
     opt.step()
     with CheckpointManager(cfg, model=model, optimizer=opt, lr_scheduler=sched, extra_states={"c": counter}) as mgr:
         mgr.save(step=1)
-    counts: collections.Counter = collections.Counter()
-    real = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
-
-    def counting(name, fn):
-        def call(*args, **kwargs):
-            counts[name] += 1
-            return fn(*args, **kwargs)
-        return call
-
-    times, rounds = [], []
+    times, rounds, counts = [], [], {}
     for _ in range(repeats):
         model, opt, sched, counter = _state(layers, hidden, 1)
         mgr = CheckpointManager(cfg, model=model, optimizer=opt, lr_scheduler=sched, extra_states={"c": counter})
         dist.barrier()
-        counts.clear()
-        for name, fn in real.items():
-            setattr(dist, name, counting(name, fn))
-        start = time.perf_counter()
-        try:
+        with counting_collectives() as counted:
+            start = time.perf_counter()
             mgr.restore()
-        finally:
-            for name, fn in real.items():
-                setattr(dist, name, fn)
-        times.append(time.perf_counter() - start)
+            times.append(time.perf_counter() - start)
+        counts = dict(counted)
         mgr.close()
         dist.barrier()
         start = time.perf_counter()
         for _ in range(20):
             dist.all_gather_object([None] * dist.get_world_size(), {"a": list(range(8))})
         rounds.append((time.perf_counter() - start) / 20)
-    return {"collectives": sum(counts.values()), "by_kind": dict(counts), "restore": statistics.median(times),
+    return {"collectives": sum(counts.values()), "by_kind": counts, "restore": statistics.median(times),
             "round": statistics.median(rounds)}
 
 

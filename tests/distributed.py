@@ -15,6 +15,7 @@ traceback printed.
 
 from __future__ import annotations
 
+import collections
 import multiprocessing as mp
 import os
 import signal
@@ -22,8 +23,9 @@ import sys
 import tempfile
 import time
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -91,3 +93,32 @@ def run_ranks(world: int, fn: Callable[..., Any], timeout: float = 300, **kwargs
         if any(c != 0 for c in codes):
             raise AssertionError(f"{fn.__name__} on {world} rank(s) failed; exit codes by rank: {codes}")
         return [torch.load(Path(tmp) / f"result_{r}.pt", weights_only=True) for r in range(world)]
+
+
+COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list", "barrier",
+               "all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter_tensor", "gather",
+               "scatter", "all_to_all", "monitored_barrier")
+
+
+@contextmanager
+def counting_collectives() -> Iterator[collections.Counter]:
+    """Within this block, count each call that reaches ``torch.distributed``'s collectives, by name (every call
+    still runs for real: the functions are wrapped, not replaced)."""
+    import torch.distributed as dist
+
+    counts: collections.Counter = collections.Counter()
+    real = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+
+    def counting(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    for name, fn in real.items():
+        setattr(dist, name, counting(name, fn))
+    try:
+        yield counts
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)

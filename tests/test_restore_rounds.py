@@ -10,11 +10,9 @@ as the same error.
 
 from __future__ import annotations
 
-import collections
-
 import pytest
 import torch
-from distributed import run_ranks
+from distributed import counting_collectives, run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -23,11 +21,6 @@ ROUNDS = 6
 (the checkpoint to restore), one round to open it (manifest, small states, the live model's shapes, the
 optimizer's plan), one per format load (the model, the optimizer's DCP folder), one to apply what was loaded
 with the verifier's ranges, one to finish the verification."""
-
-COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list", "barrier",
-               "all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter_tensor", "gather",
-               "scatter", "all_to_all", "monitored_barrier")
-
 
 def _objects(seed: int):
     from toy import Counter, make_model
@@ -39,7 +32,6 @@ def _objects(seed: int):
 
 
 def _count_restore(root: str, fmt: str) -> tuple[dict[str, int], bool]:
-    import torch.distributed as dist
     from toy import full_state
 
     from ckptio import CheckpointConfig, CheckpointManager
@@ -57,22 +49,8 @@ def _count_restore(root: str, fmt: str) -> tuple[dict[str, int], bool]:
 
     model2, opt2, sched2, counter2 = _objects(1)
     mgr = CheckpointManager(cfg, model=model2, optimizer=opt2, lr_scheduler=sched2, extra_states={"c": counter2})
-    counts: collections.Counter = collections.Counter()
-    real = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
-
-    def counting(name, fn):
-        def call(*args, **kwargs):
-            counts[name] += 1
-            return fn(*args, **kwargs)
-        return call
-
-    for name, fn in real.items():
-        setattr(dist, name, counting(name, fn))
-    try:
+    with counting_collectives() as counts:
         info = mgr.restore()
-    finally:
-        for name, fn in real.items():
-            setattr(dist, name, fn)
     mgr.close()
     got = full_state(model2, opt2)
     exact = (info is not None and info.step == 1 and counter2.seen == 5 and sched2.state_dict() == sched.state_dict()
