@@ -3,6 +3,7 @@ ranks; dtype casts; memory stays bounded on a model larger than the bound; clear
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -166,12 +167,16 @@ def test_streaming_conversion_memory_is_bounded(tmp_path, to):
     tensors = {f"layers.{i}.weight": torch.randn(2048, 2048, generator=g) for i in range(12)}
     safetensors_sharded.save(tensors, tmp_path / "src", rank=0, world_size=1, threads=2)
     del tensors
+    # glibc raises its mmap threshold each time a large block is freed, after which freed 16 MiB tensors stay in
+    # its heap and RSS shows the allocator's retention (18 to 66 MiB from run to run here) instead of what
+    # ckptio holds; a fixed threshold returns every freed block, so the peak is ckptio's working set (18 MiB)
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
     out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, str(tmp_path / "src"), str(tmp_path / "out"), to],
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr
     extra = int(out.stdout.split("EXTRA")[1].split()[0])
     print(f"convert -> {to}: peak extra RSS {extra / mib:.1f} MiB for a 192 MiB model")
-    assert extra < 64 * mib
+    assert extra < 40 * mib  # about two of its largest tensors
 
 
 def _restore_converted(root: str) -> dict:
