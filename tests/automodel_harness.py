@@ -136,6 +136,7 @@ def main() -> int:
     p.add_argument("--format", default="safetensors")
     p.add_argument("--stop-after", type=int, default=None)
     p.add_argument("--keep-latest", type=int, default=None, help="ckptio's retention: keep this many of its own steps")
+    p.add_argument("--restore-from", default=None, help="ckptio: restore(PATH) this step directory, not the newest of --dir")
     p.add_argument("--out", required=True)
     p.add_argument("--peft", action="store_true", help="LoRA: AutoModel's own with --by automodel, peft's with ckptio")
     p.add_argument("--check-restore", action="store_true",
@@ -166,7 +167,7 @@ def main() -> int:
                                 model=objects["model"], optimizer=objects["optimizer"],
                                 lr_scheduler=objects["lr_scheduler"], dataloader=objects["dataloader"],
                                 step_scheduler=steps)
-        mgr.restore()  # ckptio's auto-resume: the newest step of --dir, ckptio's or AutoModel's
+        mgr.restore(args.restore_from)  # by default ckptio's auto-resume: the newest step of --dir, either's
         save = lambda: mgr.save(step=steps.step, epoch=steps.epoch)  # noqa: E731
     losses = {}
     objects["model"].train()

@@ -42,7 +42,7 @@ def am_python() -> Path:
 
 def _run(python: Path, by: str, ckpt_dir: Path, out: Path, *, world: int = 1, fmt: str = "safetensors",
          stop_after: int | None = None, steps: int = 8, check_restore: bool = False, peft: bool = False,
-         keep_latest: int | None = None) -> dict:
+         keep_latest: int | None = None, restore_from: Path | None = None) -> dict:
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
            "PYTHONWARNINGS": "ignore"}
     launch = [str(python)] if world == 1 else [str(python), "-m", "torch.distributed.run", "--standalone",
@@ -57,6 +57,8 @@ def _run(python: Path, by: str, ckpt_dir: Path, out: Path, *, world: int = 1, fm
         cmd += ["--peft"]
     if keep_latest is not None:
         cmd += ["--keep-latest", str(keep_latest)]
+    if restore_from is not None:
+        cmd += ["--restore-from", str(restore_from)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, f"{by} run failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
     return {"result": torch.load(out, weights_only=False), "log": done.stdout + done.stderr}
@@ -97,6 +99,12 @@ def test_an_automodel_checkpoint_resumes_in_ckptio_and_goes_on_as_automodel_woul
     first = torch.load(tmp_path / "first.pt", weights_only=False)
     merged = {**second["result"], "losses": {**first["losses"], **second["result"]["losses"]}}
     _same(merged, straight[(fmt, 1)], f"AutoModel -> ckptio ({fmt})")
+    # restore(path) of AutoModel's step, from a run whose own folder is empty: the same continuation
+    by_path = _run(am_python, "ckptio", tmp_path / "elsewhere", tmp_path / "by_path.pt", fmt=fmt,
+                   restore_from=ckpt / "epoch_0_step_3")
+    assert f"Loading checkpoint from {ckpt / 'epoch_0_step_3'}" in by_path["log"]
+    _same({**by_path["result"], "losses": {**first["losses"], **by_path["result"]["losses"]}}, straight[(fmt, 1)],
+          f"AutoModel -> ckptio by path ({fmt})")
     # retention (keep one of its own) runs on ckptio's steps and never on AutoModel's, which stays as it was
     third = _run(am_python, "ckptio", ckpt, tmp_path / "third.pt", fmt=fmt, steps=16, keep_latest=1)
     saves = 1 + third["log"].count("Saved checkpoint ")
