@@ -148,11 +148,14 @@ def decide_on_rank0(what: str, fn: Callable[[], T]) -> T:
 
 
 def _portable(what: str, exc: Exception) -> Exception:
-    """``exc`` if it survives a pickle round trip (as a broadcast makes it), else a :class:`CheckpointError` saying it."""
+    """``exc`` if a broadcast can carry it (it pickles, and rebuilding it from its class and arguments, as the
+    receiving ranks will, gives the same message), else a :class:`CheckpointError` saying it."""
+    import copy
     import pickle
 
     try:
-        back = pickle.loads(pickle.dumps(exc))
+        pickle.dumps(exc)
+        back = copy.copy(exc)  # rebuilt through __reduce__, as unpickling on the other ranks does
         if type(back) is type(exc) and str(back) == str(exc):
             return exc
     except Exception:  # an exception that cannot be pickled or rebuilt: sent as its message
