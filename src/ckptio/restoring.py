@@ -163,8 +163,7 @@ class Restorer:
             _entry(step_dir, manifest, "model")
             ours = model_signature(self.tracked.model, target)
             dtypes = manifest.model_signature.get("dtypes")
-            wrong = [k for k, v in target.items() if isinstance(dtypes, dict) and k in dtypes
-                     and dtypes[k] != str(v.dtype).removeprefix("torch.")]
+            wrong = [k for k, d in ours["dtypes"].items() if isinstance(dtypes, dict) and k in dtypes and dtypes[k] != d]
             signature = (ours["shapes"], wrong[:3], ours["architecture"])
         opened = _Opened(manifest, folder, verifier, objects, signature)
         if self.options.wants("optim") and self.tracked.optim_state is not None:
