@@ -101,3 +101,30 @@ def test_sharded_files_are_plain_safetensors(saved_on_two):
     assert set(rebuilt) == model_keys - {"lm_head.weight"}
     for key, tensor in rebuilt.items():
         assert torch.equal(tensor, saved["safetensors"][f"model/{key}"]), key
+
+
+def test_the_chunk_index_rank_0_writes_for_both_ranks_says_what_their_headers_say(saved_on_two, tmp_path):
+    """Rank 0 plans every rank's files from the ownership round and writes one index: a restore on any number of
+    ranks (the loads above) plans from it, and it must agree with the four headers chunk by chunk."""
+    import shutil
+    from pathlib import Path
+
+    from ckptio.formats import chunk_index
+    from ckptio.formats.safetensors_sharded import _scan
+
+    root, _ = saved_on_two
+    model = Path(root) / "safetensors" / "epoch_0_step_3" / "model"
+    assert (model / chunk_index.INDEX_NAME).is_file()
+    plain = tmp_path / "plain"
+    shutil.copytree(model, plain)
+    (plain / chunk_index.INDEX_NAME).unlink()
+    indexed, infos = _scan(model)
+    headers, header_infos = _scan(plain)
+    assert infos == header_infos and set(indexed) == set(headers)
+    files = set()
+    for key, table in indexed.items():
+        assert isinstance(table, chunk_index.ChunkTable)
+        pieces = sorted((p.file, p.offsets, p.shape) for p in table)
+        assert pieces == sorted((p.file, p.offsets, p.shape) for p in headers[key]), key
+        files.update(p[0] for p in pieces)
+    assert len(files) == 4  # both ranks' files, two each

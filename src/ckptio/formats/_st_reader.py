@@ -60,6 +60,9 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 class SafetensorsFile:
     """An open, validated safetensors file. Close it (or use ``with``) when done."""
 
+    data_start: int
+    """Where the data section begins (the header's ``data_offsets`` count from here)."""
+
     def __init__(self, folder: Folder, rel: str) -> None:
         self.handle: ReadHandle = folder.open(rel)
         self.path = self.handle.path
@@ -94,7 +97,7 @@ class SafetensorsFile:
             raise self._bad(f"header is not valid JSON: {exc}") from exc
         if not isinstance(header, dict):
             raise self._bad("header is not a JSON object")
-        start = 8 + n
+        start = self.data_start = 8 + n
         metadata = header.pop("__metadata__", None) or {}
         if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
             raise self._bad("__metadata__ is not a mapping of strings")

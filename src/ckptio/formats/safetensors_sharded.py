@@ -36,7 +36,7 @@ from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFound
 from ..plan import chunk_of, chunk_owners, local_view, overlap, spans_whole_rows
 from ..storage.confined import Folder
 from ..storage.confined import as_folder as _as_folder
-from . import _st_writer
+from . import _st_writer, chunk_index
 from ._st_reader import SafetensorsFile
 from .common import TensorInfo, check_compatible, check_exact_cover, dtype_name, json_object, natural_key, torch_dtype
 
@@ -56,12 +56,7 @@ def shard_file_name(rank: int, world_size: int, part: int = 0, parts: int = 1, s
     return f"shard-{rank + 1:05d}-{stem}-{part + 1:05d}-of-{parts:05d}.safetensors"
 
 
-@dataclass(frozen=True)
-class _Chunk:
-    file: str
-    """Relative to the folder."""
-    offsets: tuple[int, ...]
-    shape: tuple[int, ...]
+_Chunk = chunk_index.Piece
 
 
 def save(state_dict: dict[str, torch.Tensor], writer: "FolderWriter | str | Path", rel: str = "", *, rank: int,
@@ -91,36 +86,55 @@ def save(state_dict: dict[str, torch.Tensor], writer: "FolderWriter | str | Path
             views[key] = local_view(value)
     except Exception as exc:  # raised below, after the gather every rank takes part in
         error = exc
+    plans: list[list[chunk_index.FilePlan]] | None = None
+
+    def name_files(r: int) -> Callable[[int, int], str]:
+        return lambda part, parts: shard_file_name(r, world_size, part, parts, stem)
+
     if gather is not None:
-        offered = None if error else [c for c in (chunk_of(k, v) for k, v in views.items()) if c is not None]
+        offered = None if error else (threads, [_item(k, v) for k, v in views.items() if chunk_of(k, v) is not None])
         everyone = gather(offered)
-        failed = [r for r, chunks in enumerate(everyone) if chunks is None]
+        failed = [r for r, part in enumerate(everyone) if part is None]
         if error is None and failed:
             raise CheckpointError(f"rank(s) {failed} could not prepare their {stem} shards")
     if error is not None:
         raise error
     if gather is not None:
-        owners = chunk_owners(everyone)  # type: ignore[arg-type]
-        mine = {k for k, v in views.items() if owners.get((k, v.offsets)) == rank}  # only offered chunks are owned
+        owners = chunk_owners([[(i.key, i.offsets) for i in items] for _, items in everyone])
+        plans = [chunk_index.files_of([i for i in items if owners.get((i.key, i.offsets)) == r], n, name_files(r))
+                 for r, (n, items) in enumerate(everyone)]  # the same plan every rank makes for itself
+        mine = plans[rank]
     else:
-        mine = {k for k, v in views.items() if (rank == 0 if v.owner is None else v.owner)}
-    tensors: dict[str, torch.Tensor] = {}
-    shards: dict[str, dict[str, list[int]]] = {}
-    for key, view in views.items():
-        if key not in mine or view.local.numel() == 0 and len(view.shape) > 0 and any(view.shape):
-            continue
-        tensors[key] = view.local
-        shards[key] = {"shape": list(view.shape), "offsets": list(view.offsets)}
+        mine = chunk_index.files_of([_item(k, v) for k, v in views.items() if (rank == 0 if v.owner is None else v.owner)],
+                                    threads, name_files(rank))
+        plans = [mine] if world_size == 1 else None  # alone, this rank knows every chunk
+    sums = _write_files(mine, views, writer, rel, rank, world_size)
+    if plans is not None and rank == 0:  # rank 0 knows where every rank put every chunk: one index for the restore
+        name = f"{rel}/{chunk_index.INDEX_NAME}" if rel else chunk_index.INDEX_NAME
+        sums[name] = writer.write_bytes(name, chunk_index.encode([f for p in plans for f in p], world_size))
+    return sums
+
+
+def _item(key: str, view: Any) -> chunk_index.Item:
+    return chunk_index.Item(key, view.local.dtype, tuple(view.local.shape), view.offsets, view.shape)
+
+
+def _write_files(files: list[chunk_index.FilePlan], views: dict, writer: "FolderWriter", rel: str, rank: int,
+                 world_size: int) -> dict[str, str]:
+    """Write this rank's planned files, concurrently when there are several; their checksums by relative path."""
+    shards = {i.key: {"shape": list(i.global_shape), "offsets": list(i.offsets)} for f in files for i in f.items}
     metadata = _metadata(shards, rank, world_size)
-    entries = [_st_writer.Entry(k, t.dtype, tuple(t.shape), lambda t=t: t) for k, t in tensors.items()]  # type: ignore[misc]
-    groups = _balance(entries, max(1, min(threads, len(entries))))
-    names = [f"{rel}/{n}" if rel else n for n in (shard_file_name(rank, world_size, i, len(groups), stem)
-                                                  for i in range(len(groups)))]
-    if len(groups) == 1:
-        return {names[0]: _st_writer.write(writer.open(names[0]), groups[0], metadata)}
-    digests = _in_threads([lambda i=i: _st_writer.write(writer.open(names[i]), groups[i], metadata)
-                           for i in range(len(groups))], "ckptio-write")
-    return dict(zip(names, digests))
+    names = [f"{rel}/{f.name}" if rel else f.name for f in files]
+
+    def task(f: chunk_index.FilePlan, name: str) -> Callable[[], str]:
+        entries = [_st_writer.Entry(i.key, i.dtype, i.shape, lambda k=i.key: views[k].local)  # type: ignore[misc]
+                   for i in f.items]
+        return lambda: _st_writer.write(writer.open(name), entries, metadata)
+
+    tasks = [task(f, name) for f, name in zip(files, names)]
+    if len(tasks) == 1:
+        return {names[0]: tasks[0]()}
+    return dict(zip(names, _in_threads(tasks, "ckptio-write")))
 
 
 def save_whole(source: "TensorSource", writer: "FolderWriter", rel: str,
@@ -178,21 +192,6 @@ def _in_threads(tasks: list, name: str) -> list:
     return results
 
 
-def _balance(entries: list[_st_writer.Entry], n: int) -> list[list[_st_writer.Entry]]:
-    """Split ``entries`` into ``n`` runs of consecutive entries with about the same bytes each."""
-    if n <= 1:
-        return [entries]
-    total = sum(e.nbytes for e in entries) or 1
-    groups: list[list[_st_writer.Entry]] = [[]]
-    done = 0
-    for e in entries:
-        if groups[-1] and len(groups) < n and done >= total * len(groups) / n:
-            groups.append([])
-        groups[-1].append(e)
-        done += e.nbytes
-    return groups
-
-
 def as_folder(folder: "str | Path | Folder") -> Folder:
     """A confined :class:`~ckptio.storage.confined.Folder` for a path, URL or folder."""
     return _as_folder(folder)
@@ -233,14 +232,18 @@ def _placement(st: SafetensorsFile, key: str, local_shape: tuple[int, ...], meta
     return tuple(shape), tuple(offsets)
 
 
-def _scan(folder: "str | Path | Folder", files: list[str] | None = None) -> tuple[dict[str, list[_Chunk]], dict[str, TensorInfo]]:
-    """Every stored chunk of every tensor, and each tensor's global shape and dtype (headers only).
+def _scan(folder: "str | Path | Folder", files: list[str] | None = None) -> tuple[dict[str, Any], dict[str, TensorInfo]]:
+    """Every stored chunk of every tensor, and each tensor's global shape and dtype: from the folder's chunk index
+    when it has one and every file is wanted (:mod:`ckptio.formats.chunk_index`), else from the headers.
 
     Refuses, naming the files: unreadable headers, a tensor whose shards disagree on its shape or
     dtype, and chunks that do not cover each tensor exactly once (overlaps or gaps).
     """
     folder = as_folder(folder)
     if files is None:
+        indexed = chunk_index.read(folder)
+        if indexed is not None:
+            return indexed
         files = [e.name for e in folder.listdir() if e.name.endswith(".safetensors") and e.kind == "file"]
     if not files:
         raise CheckpointNotFoundError(f"{folder.path} holds no .safetensors files")
@@ -306,11 +309,11 @@ def load_files(target: dict[str, torch.Tensor], folder: "str | Path | Folder", f
     folder = as_folder(folder)
     chunks, infos = _scan(folder, files)
     check_compatible(infos, target, str(folder.path), strict=strict)
-    _fill(target, list(target), chunks, folder, progress)
+    _fill(target, list(target), chunks, infos, folder, progress)
 
 
-def _fill(target: dict[str, torch.Tensor], keys: list[str], chunks: dict[str, list[_Chunk]], folder: Folder,
-          progress: Callable[[int], None] | None = None) -> None:
+def _fill(target: dict[str, torch.Tensor], keys: list[str], chunks: dict[str, Any], infos: dict[str, TensorInfo],
+          folder: Folder, progress: Callable[[int], None] | None = None) -> None:
     """Copy, for each key, the overlap of every stored chunk with this rank's part of the tensor.
 
     When the overlap spans whole rows on both sides and dtypes match, the bytes are contiguous on both
@@ -331,11 +334,13 @@ def _fill(target: dict[str, torch.Tensor], keys: list[str], chunks: dict[str, li
             local = view.local
             if local.numel() == 0:
                 continue
-            for chunk in chunks[key]:
+            parts = chunks[key]
+            for chunk in parts.overlapping(view.offsets, local.shape) if isinstance(parts, chunk_index.ChunkTable) else parts:
                 box = overlap(view.offsets, tuple(local.shape), chunk.offsets, chunk.shape)
                 if box is None:
                     continue
                 st = open_file(chunk.file)
+                _check_piece(st, key, chunk, infos[key])
                 with torch.no_grad():
                     if local.dim() == 0:
                         local.copy_(st.read(key).to(local.dtype))
@@ -346,6 +351,17 @@ def _fill(target: dict[str, torch.Tensor], keys: list[str], chunks: dict[str, li
                         local[box.dst_index()].copy_(st.read_box(key, list(box.src_lo), list(box.src_hi)))
             if progress is not None:
                 progress(local.numel() * local.element_size())
+
+
+def _check_piece(st: SafetensorsFile, key: str, piece: _Chunk, info: TensorInfo) -> None:
+    """A piece planned from the chunk index must be what the file's own header says (fail closed)."""
+    if piece.span is None:
+        return
+    meta = getattr(st, "_placements", None)
+    if meta is None:
+        meta = st._placements = _shard_meta(st)  # type: ignore[attr-defined]
+    placement = _placement(st, key, st.entry(key).shape, meta) if key in meta else None
+    chunk_index.check_against_header(st, key, piece, placement, info)
 
 
 # ---------------------------------------------------------------------------------------- reading whole tensors
@@ -382,9 +398,11 @@ class SafetensorsSource:
         if key not in self._infos:
             raise CheckpointCorruptError(f"{self.folder}: no tensor {key!r} in its safetensors files")
         info = self._infos[key]
-        chunks = self._chunks[key]
+        chunks = list(self._chunks[key])
         if len(chunks) == 1 and chunks[0].shape == info.shape:
-            return self._file(chunks[0].file).read(key)
+            st = self._file(chunks[0].file)
+            _check_piece(st, key, chunks[0], info)
+            return st.read(key)
         return self.read_into(key, torch.empty(info.shape, dtype=torch_dtype(info.dtype)))
 
     def read_into(self, key: str, out: torch.Tensor) -> torch.Tensor:
@@ -395,8 +413,10 @@ class SafetensorsSource:
             raise CheckpointCorruptError(f"{self.folder}: no tensor {key!r} in its safetensors files")
         for chunk in self._chunks[key]:
             target = out[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.shape))]
+            st = self._file(chunk.file)
+            _check_piece(st, key, chunk, self._infos[key])
             if target.is_contiguous():
-                self._file(chunk.file).read_into(key, target)
+                st.read_into(key, target)
             else:
-                target.copy_(self._file(chunk.file).read(key))
+                target.copy_(st.read(key))
         return out
