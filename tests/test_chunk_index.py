@@ -12,6 +12,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -88,16 +89,32 @@ def test_a_part_of_a_tensor_reads_only_the_pieces_it_overlaps(tmp_path):
 
 
 def _rewrite(folder: Path, edit) -> None:
-    """Change the index's body with ``edit`` and re-seal it with a valid checksum: what an attacker (or a bug)
-    that knows the format would produce."""
+    """Change the index with ``edit`` (on ``{"files", "tensors": {key: [dtype, shape, rows]}}``) and re-seal it
+    with a valid checksum: what an attacker (or a bug) that knows the format would produce."""
     data = (folder / INDEX).read_bytes()
-    head, _, body = data.partition(b"\n")
-    parsed = json.loads(body)
-    edit(parsed)
-    new = json.dumps(parsed).encode()
-    meta = json.loads(head)
-    meta.update(body_bytes=len(new), body_crc32c=bytes_checksum(new))
-    (folder / INDEX).write_bytes(json.dumps(meta).encode() + b"\n" + new)
+    first, _, body = data.partition(b"\n")
+    head = json.loads(first)
+    meta = json.loads(body[:head["meta_bytes"]])
+    table = np.frombuffer(body, dtype="<i8", offset=head["meta_bytes"]).tolist()
+    for key, (dtype, shape, at, count) in list(meta["tensors"].items()):
+        width = 3 + 2 * len(shape)
+        meta["tensors"][key] = [dtype, shape, [table[at + i * width:at + (i + 1) * width] for i in range(count)]]
+    edit(meta)
+    flat: list = []
+    for key, entry in meta["tensors"].items():
+        if isinstance(entry, list) and len(entry) == 3 and isinstance(entry[2], list):
+            rows = entry[2]
+            meta["tensors"][key] = [entry[0], entry[1], len(flat), len(rows)]
+            for row in rows:
+                flat.extend(row)
+    raw = json.dumps(meta).encode()
+    raw += b" " * (-len(raw) % 8)
+    try:
+        new = raw + np.asarray(flat, dtype="<i8").tobytes()
+    except (OverflowError, TypeError, ValueError):  # a number the int64 table cannot hold: write it as a float
+        new = raw + np.asarray(flat, dtype="<f8").tobytes()
+    head.update(meta_bytes=len(raw), body_bytes=len(new), body_crc32c=bytes_checksum(new))
+    (folder / INDEX).write_bytes(json.dumps(head).encode() + b"\n" + new)
 
 
 def _first_file_of(body: dict, key: str) -> int:
@@ -105,8 +122,9 @@ def _first_file_of(body: dict, key: str) -> int:
 
 
 HOSTILE = {
-    "a file outside the folder": (lambda b: b["files"].__setitem__(0, "../escape.safetensors"), "not a shard file"),
-    "a file in a subfolder": (lambda b: b["files"].__setitem__(0, "x/y.safetensors"), "not a shard file"),
+    "a file outside the folder": (lambda b: b["files"].__setitem__(0, "../escape.safetensors"), "not a data file"),
+    "a file in a subfolder": (lambda b: b["files"].__setitem__(0, "x/y.safetensors"), "not a data file"),
+    "a file of another kind": (lambda b: b["files"].__setitem__(0, "x.distcp"), "not a data file"),
     "a file named twice": (lambda b: b["files"].__setitem__(1, b["files"][0]), "twice"),
     "a file number out of range": (lambda b: b["tensors"]["a"][2][0].__setitem__(0, 99), "file number"),
     "overlapping chunks": (lambda b: b["tensors"]["a"][2].append(list(b["tensors"]["a"][2][0])), "overlap"),
@@ -116,16 +134,17 @@ HOSTILE = {
     "a byte range of another tensor": (lambda b: b["tensors"]["a"][2][0].__setitem__(-2, 8) or
                                        b["tensors"]["a"][2][0].__setitem__(-1, 104), "different saves"),
     "an unknown dtype": (lambda b: b["tensors"]["a"].__setitem__(0, "Q9"), "dtype"),
-    "a dtype the header does not have": (lambda b: b["tensors"]["e"].__setitem__(0, "F64"), "different saves"),
-    "a huge number": (lambda b: b["tensors"]["a"][2][0].__setitem__(1, 2**70), "integers"),
+    "a dtype that is not a dtype": (lambda b: b["tensors"]["a"].__setitem__(0, "Tensor"), "dtype"),
+    "a dtype the header does not have": (lambda b: b["tensors"]["e"].__setitem__(0, "float64"), "different saves"),
+    "a huge number": (lambda b: b["tensors"]["a"][2][0].__setitem__(1, 2**62), "out of range"),
     "a negative size": (lambda b: b["tensors"]["a"][2][0].__setitem__(3, -6), "does not fit|byte range|cover"),
-    "floats for integers": (lambda b: b["tensors"]["a"][2][0].__setitem__(1, 0.5), "integers"),
     "a huge shape": (lambda b: b["tensors"]["a"].__setitem__(1, [2**40, 2**40]), "shape"),
-    "not a triple": (lambda b: b["tensors"].__setitem__("a", {"x": 1}), "triple"),
+    "not an entry": (lambda b: b["tensors"].__setitem__("a", {"x": 1}), "entry"),
+    "rows past the table": (lambda b: b["tensors"].__setitem__("a", ["float32", [6, 4], 10**6, 2]), "table"),
     "no files list": (lambda b: b.pop("files"), "'files'"),
-    "no chunks": (lambda b: b["tensors"]["a"].__setitem__(2, []), "no chunks"),
+    "no chunks": (lambda b: b["tensors"]["a"].__setitem__(2, []), "rows"),
     "a tensor the files do not hold": (lambda b: b["tensors"].__setitem__(
-        "zz", ["F32", [6, 4], [[_first_file_of(b, "a"), 0, 0, 6, 4, 0, 96]]]), "holds no tensor"),
+        "zz", ["float32", [6, 4], [[_first_file_of(b, "a"), 0, 0, 6, 4, 0, 96]]]), "holds no tensor"),
 }
 
 
@@ -142,15 +161,17 @@ def test_a_hostile_index_with_a_valid_checksum_is_refused_naming_the_file(tmp_pa
     assert INDEX in str(caught.value) or ".safetensors" in str(caught.value)
 
 
-@pytest.mark.parametrize("damage", ["flip a body byte", "flip a first-line byte", "truncate", "empty", "not json"])
+@pytest.mark.parametrize("damage", ["flip a body byte", "flip a first-line byte", "flip a table byte", "truncate", "empty", "not json"])
 def test_a_damaged_index_is_refused_before_it_is_used(tmp_path, damage):
     _saved(tmp_path / "s")
     path = tmp_path / "s" / INDEX
     data = bytearray(path.read_bytes())
     if damage == "flip a body byte":
-        data[-5] ^= 0x04
+        data[data.index(b"\n") + 20] ^= 0x04
     elif damage == "flip a first-line byte":
         data[data.index(b"crc32c:") + 8] ^= 0x01
+    elif damage == "flip a table byte":
+        data[-3] ^= 0x40
     elif damage == "truncate":
         data = data[:len(data) // 2]
     elif damage == "empty":
@@ -195,3 +216,59 @@ def test_any_bit_flip_in_the_index_gives_a_ckptio_error_or_the_right_data(tmp_pa
     except CheckpointError:
         return
     assert all(torch.equal(target[k], v) for k, v in tensors.items())  # never wrong data silently
+
+
+# ---------------------------------------------------------------------------------------------------- DCP folders
+def _dcp_saved(folder: Path) -> dict:
+    from ckptio.formats import dcp
+
+    state = {"w": torch.randn(6, 4), "nest": {"b": torch.arange(5), "step": 3, "name": "adam"}}
+    written = dcp.save(state, folder)
+    assert INDEX in written and ".metadata" in written
+    return state
+
+
+def test_a_dcp_folder_loads_the_same_from_its_index_and_from_its_metadata(tmp_path):
+    from ckptio.formats import dcp
+    from ckptio.formats.dcp_direct import layout
+    from ckptio.storage.confined import Folder
+
+    state = _dcp_saved(tmp_path / "d")
+    plain = _as_headers_say(tmp_path / "d", tmp_path / "plain")
+    with_index, without = layout(Folder(tmp_path / "d")), layout(Folder(plain))
+    assert with_index.index is not None and without.index is None
+    assert with_index.tensors == without.tensors and with_index.values == without.values
+    assert with_index.order == without.order and with_index.paths == without.paths
+    for key in with_index.tensors:
+        assert with_index.pieces(key, (0, 0)[:len(with_index.tensors[key].shape)], with_index.tensors[key].shape) == \
+            without.pieces(key, (0, 0)[:len(without.tensors[key].shape)], without.tensors[key].shape)
+    for folder in (tmp_path / "d", plain):
+        loaded = dcp.load_all(folder)
+        assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["nest"]["b"], state["nest"]["b"])
+        assert loaded["nest"]["step"] == 3 and loaded["nest"]["name"] == "adam"
+        assert list(dcp.read_index(folder)) == with_index.order and set(with_index.order) == {
+            "w", "nest.b", "nest.step", "nest.name"}
+
+
+@pytest.mark.parametrize("case", ["a value past the end of its file", "a value of an unknown file", "a bad order",
+                                  "a truncated data file", "a safetensors index in a DCP folder"])
+def test_a_hostile_dcp_index_is_refused(tmp_path, case):
+    from ckptio.formats import dcp
+
+    _dcp_saved(tmp_path / "d")
+    if case == "a truncated data file":
+        data = tmp_path / "d" / "__0_0.distcp"
+        data.write_bytes(data.read_bytes()[:100])
+        message = "truncated or from another save"
+    elif case == "a safetensors index in a DCP folder":
+        _saved(tmp_path / "s")
+        (tmp_path / "d" / INDEX).write_bytes((tmp_path / "s" / INDEX).read_bytes())
+        message = "kind"
+    else:
+        edit = {"a value past the end of its file": lambda b: b["values"]["nest.step"].__setitem__(2, 10**9),
+                "a value of an unknown file": lambda b: b["values"]["nest.step"].__setitem__(0, 5),
+                "a bad order": lambda b: b["order"].pop()}[case]
+        _rewrite(tmp_path / "d", edit)
+        message = "past|malformed|order|truncated"
+    with pytest.raises(CheckpointCorruptError, match=message):
+        dcp.load_all(tmp_path / "d")

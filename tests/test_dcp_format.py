@@ -28,9 +28,9 @@ def _saved(tmp_path):
 def test_plain_dcp_reads_our_model_and_optimizer_folders(tmp_path):
     model, step_dir = _saved(tmp_path)
     # the layout other tools lay out (one __R_0.distcp per rank), though io_threads=2 (automatic for 1 rank on
-    # this machine) writes that file as two regions at once
+    # this machine) writes that file as two regions at once; beside it, ckptio's chunk index of the folder
     for folder in ("model", "optim"):
-        assert sorted(p.name for p in (step_dir / folder).iterdir()) == [".metadata", "__0_0.distcp"]
+        assert sorted(p.name for p in (step_dir / folder).iterdir()) == [".ckptio-chunks", ".metadata", "__0_0.distcp"]
     target = {"weight": torch.zeros(3, 4), "bias": torch.zeros(3)}
     dcp.load(target, checkpoint_id=str(step_dir / "model"))  # torch alone, no ckptio reader
     assert torch.equal(target["weight"], model.weight.detach()) and torch.equal(target["bias"], model.bias.detach())

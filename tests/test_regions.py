@@ -90,7 +90,7 @@ def test_two_writer_threads_write_the_same_dcp_folder_as_one(tmp_path):
     state["hyper"] = {"lr": 0.1, "betas": (0.9, 0.99)}
     sums = {n: dcp_save.save(state, tmp_path / f"t{n}", thread_count=n) for n in (1, 2, 3)}
     names = {n: sorted(p.name for p in (tmp_path / f"t{n}").iterdir()) for n in sums}
-    assert names[1] == names[2] == names[3] == [".metadata", "__0_0.distcp"]
+    assert names[1] == names[2] == names[3] == [".ckptio-chunks", ".metadata", "__0_0.distcp"]
     for n in (2, 3):  # DCP frames every item the same way; only the order of the items in the file differs
         assert (tmp_path / f"t{n}" / "__0_0.distcp").stat().st_size == (tmp_path / "t1" / "__0_0.distcp").stat().st_size
         assert sums[n]["__0_0.distcp"] == file_checksum(tmp_path / f"t{n}" / "__0_0.distcp")

@@ -1,29 +1,35 @@
-"""The chunk index of a sharded safetensors folder: where every stored piece of every tensor is, in one file.
+"""The chunk index of a sharded folder: where every stored piece of every tensor is, in one file.
 
 A restore on any number of ranks must know, for each tensor, its global shape and dtype and which file holds
-which box of it. Without an index every rank reads the header of every shard file: at 1,024 writing ranks
-that is 1,024 opens and JSON parses per reading rank, seconds of planning before the first byte moves. The
-save therefore writes the map once, beside the shards (rank 0 knows every rank's chunks from the ownership
-round the ranks take anyway), as ``.ckptio-chunks.json``::
+which box of it. Without an index, every rank reads the header of every safetensors shard (1,024 opens and
+JSON parses per reading rank at 1,024 writers) and unpickles DCP's ``.metadata`` (several Python objects per
+chunk: 4 s at 1,024 ranks and 400 optimizer tensors). The save therefore writes the map once, beside the data
+(rank 0 knows every rank's chunks: for safetensors from the ownership round the ranks take anyway, for DCP
+from the metadata it has just written), as ``.ckptio-chunks``::
 
-    {"ckptio_chunk_index": 1, "world_size": 2, "body_bytes": 1234, "body_crc32c": "crc32c:1a2b3c4d"}
+    {"ckptio_chunk_index": 1, "kind": "safetensors", "world_size": 2, "meta_bytes": 248, "body_bytes": 472,
+     "body_crc32c": "crc32c:1a2b3c4d"}
     {"files": ["shard-00001-model-00001-of-00001.safetensors", ...],
-     "tensors": {"lm_head.weight": ["F32", [64, 32], [[0, 0, 0, 32, 32, 0, 4096], [1, 32, 0, 32, 32, 0, 4096]]]}}
+     "tensors": {"lm_head.weight": ["float32", [64, 32], 0, 2], ...}}   <- padded with spaces to 8 bytes
+    <int64 little-endian rows>
 
-Each chunk row is ``[file number, offsets..., sizes..., first byte, end byte]`` (the byte range inside the
-file's data section, as its header's ``data_offsets`` say). The first line checks the second: a flipped bit
-or a truncated body is refused before anything in it is used, and the file is listed with its checksum in
-the manifest like every other. The index is checked like headers are (shapes, dtypes, byte lengths, exact
-cover) and, when a rank opens a shard to read, each piece it reads is checked against that file's own header
-(:func:`check_against_header`), so an index that disagrees with the files fails closed. A folder without the
-index (NeMo AutoModel's, an older ckptio's, a hand-made one) is planned from its headers as before.
+Each tensor names its dtype, global shape and its run of rows in the table; a row is ``[file number,
+offsets..., sizes..., first byte, end byte]`` (for safetensors the range inside the file's data section, as
+its header's ``data_offsets`` say; for DCP the stored record's range in the file). A DCP index also lists the
+non-tensor values' records and DCP's flattening paths. The first line seals the rest (size and CRC-32C): a
+flipped bit or a truncated body is refused before anything in it is used, and the file is listed with its
+checksum in the manifest like every other. The rows are checked as headers and metadata are (dtypes, bounds,
+byte lengths, exact cover), and each piece read is checked against what the data file itself says (a
+safetensors header: :func:`check_against_header`; a DCP record's own framing), so an index that disagrees
+with the files fails closed. A folder without the index (NeMo AutoModel's, an older ckptio's, plain DCP's) is
+planned from its headers or ``.metadata`` as before.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 
 import numpy as np
@@ -31,16 +37,17 @@ import torch
 
 from ..errors import CheckpointCorruptError
 from ..storage.checksum import bytes_checksum
-from ._st_writer import ST_DTYPES, ST_NAMES
+from ._st_writer import ST_DTYPES
 from .common import TensorInfo, check_exact_cover, dtype_name
 
 if TYPE_CHECKING:
     from ..storage.confined import Folder
     from ._st_reader import SafetensorsFile
 
-__all__ = ["INDEX_NAME", "Item", "FilePlan", "files_of", "Piece", "ChunkTable", "encode", "read", "check_cover", "check_against_header"]
+__all__ = ["INDEX_NAME", "Item", "FilePlan", "files_of", "Piece", "ChunkTable", "overlapping_rows", "Index", "encode",
+           "encode_dcp", "read", "check_cover", "check_against_header"]
 
-INDEX_NAME = ".ckptio-chunks.json"
+INDEX_NAME = ".ckptio-chunks"
 VERSION = 1
 MAX_INDEX_BYTES = 512 << 20
 _LIMIT = 1 << 60
@@ -80,12 +87,18 @@ class ChunkTable:
 
     def overlapping(self, offsets: Sequence[int], shape: Sequence[int]) -> list[Piece]:
         """The chunks that share at least one element with the box at ``offsets`` of size ``shape``."""
-        if not len(offsets):
-            return list(self)
-        lo = np.asarray(offsets, dtype=np.int64)
-        hi = lo + np.asarray(shape, dtype=np.int64)
-        hit = ((self.offsets < hi) & (lo < self.offsets + self.sizes)).all(axis=1)
-        return [self._piece(int(i)) for i in np.flatnonzero(hit)]
+        return [self._piece(i) for i in overlapping_rows(self.offsets, self.sizes, offsets, shape)]
+
+
+def overlapping_rows(offsets: np.ndarray, sizes: np.ndarray, lo: Sequence[int], shape: Sequence[int]) -> list[int]:
+    """Which of the chunks (``(n, dims)`` arrays of offsets and sizes) share an element with the box at ``lo`` of
+    size ``shape``: one vectorised test instead of a loop over every rank's chunks."""
+    if not len(lo):
+        return list(range(len(offsets)))
+    start = np.asarray(lo, dtype=np.int64)
+    end = start + np.asarray(shape, dtype=np.int64)
+    hit = ((offsets < end) & (start < offsets + sizes)).all(axis=1)
+    return [int(i) for i in np.flatnonzero(hit)]
 
 
 # ------------------------------------------------------------------------------------------------- writing
@@ -138,51 +151,142 @@ def _balance(entries: list[Item], n: int) -> list[list[Item]]:
 
 
 def encode(files: list[FilePlan], world_size: int) -> bytes:
-    """The index file's bytes for every rank's ``files`` (the byte ranges follow from the order of each file's
-    items, as the writer lays them out)."""
-    names = [f.name for f in files]
-    tensors: dict[str, list[Any]] = {}
+    """The index file's bytes for every rank's safetensors ``files`` (the byte ranges follow from the order of
+    each file's items, as the writer lays them out)."""
+    out = _Encoder([f.name for f in files])
     for number, f in enumerate(files):
         begin = 0
         for item in f.items:
             if item.dtype not in ST_DTYPES:
                 raise TypeError(f"{item.key!r}: dtype {item.dtype} cannot be stored in safetensors")
-            entry = tensors.setdefault(item.key, [ST_DTYPES[item.dtype], list(item.global_shape), []])
-            entry[2].append([number, *item.offsets, *item.shape, begin, begin + item.nbytes])
+            out.chunk(item.key, dtype_name(item.dtype), item.global_shape,
+                      [number, *item.offsets, *item.shape, begin, begin + item.nbytes])
             begin += item.nbytes
-    body = json.dumps({"files": names, "tensors": tensors}, separators=(",", ":")).encode()
-    head = {"ckptio_chunk_index": VERSION, "world_size": world_size, "body_bytes": len(body),
-            "body_crc32c": bytes_checksum(body)}
-    return json.dumps(head, separators=(",", ":")).encode() + b"\n" + body
+    return out.finish("safetensors", world_size)
+
+
+def encode_dcp(metadata: Any, world_size: int) -> bytes:
+    """The index of a DCP folder, from the ``Metadata`` its save just wrote: every chunk with the file and byte
+    range of its stored record, every non-tensor value's record, and DCP's flattening paths. A restore reads
+    this instead of unpickling ``.metadata`` (seconds at a thousand ranks: several objects per chunk)."""
+    names: dict[str, int] = {}
+    out = _Encoder([])
+    values: dict[str, list[int]] = {}
+    for key, entry in metadata.state_dict_metadata.items():
+        if not hasattr(entry, "chunks"):
+            info = metadata.storage_data[_index(key, None)]
+            values[key] = [names.setdefault(info.relative_path, len(names)), info.offset, info.offset + info.length]
+            continue
+        for chunk in entry.chunks:
+            info = metadata.storage_data[_index(key, chunk.offsets)]
+            out.chunk(key, dtype_name(entry.properties.dtype), tuple(entry.size),
+                      [names.setdefault(info.relative_path, len(names)), *chunk.offsets, *chunk.sizes,
+                       info.offset, info.offset + info.length])
+    out.files = list(names)
+    paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    out.extra = {"values": values, "paths": {k: list(v) for k, v in paths.items()},
+                 "order": list(metadata.state_dict_metadata)}
+    return out.finish("dcp", world_size)
+
+
+def _index(key: str, offsets: Any) -> Any:
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    return MetadataIndex(key, offsets)
+
+
+class _Encoder:
+    def __init__(self, files: list[str]) -> None:
+        self.files = files
+        self.tensors: dict[str, list[Any]] = {}
+        self.rows: dict[str, list[list[int]]] = {}
+        self.extra: dict[str, Any] = {}
+
+    def chunk(self, key: str, dtype: str, shape: Sequence[int], row: list[int]) -> None:
+        if key not in self.tensors:
+            self.tensors[key] = [dtype, list(shape)]
+            self.rows[key] = []
+        self.rows[key].append(row)
+
+    def finish(self, kind: str, world_size: int) -> bytes:
+        table: list[int] = []
+        for key, rows in self.rows.items():
+            self.tensors[key] += [len(table), len(rows)]
+            for row in rows:
+                table.extend(row)
+        meta = json.dumps({"files": self.files, "tensors": self.tensors, **self.extra}, separators=(",", ":")).encode()
+        meta += b" " * (-len(meta) % 8)
+        body = meta + np.asarray(table, dtype="<i8").tobytes()
+        head = {"ckptio_chunk_index": VERSION, "kind": kind, "world_size": world_size, "meta_bytes": len(meta),
+                "body_bytes": len(body), "body_crc32c": bytes_checksum(body)}
+        return json.dumps(head, separators=(",", ":")).encode() + b"\n" + body
 
 
 # ------------------------------------------------------------------------------------------------- reading
-def read(folder: "Folder") -> tuple[dict[str, ChunkTable], dict[str, TensorInfo]] | None:
-    """The folder's index, checked (``None`` when it has none): each tensor's chunks and its global shape and
-    dtype, as :func:`ckptio.formats.safetensors_sharded._scan` finds them in the headers."""
+@dataclass
+class Index:
+    """A checked chunk index: each tensor's global shape and dtype with its chunks, and (DCP) each non-tensor
+    value's record and DCP's flattening paths."""
+
+    kind: str
+    files: list[str]
+    tensors: dict[str, tuple[TensorInfo, ChunkTable]]
+    values: dict[str, tuple[str, int, int]]
+    """DCP: key -> (file, first byte, end byte) of a pickled value."""
+    paths: dict[str, tuple]
+    """DCP: key -> the nesting it was flattened from (``planner_data``)."""
+    order: list[str]
+    """DCP: every key, tensors and values, in the order of the metadata."""
+
+
+def read(folder: "Folder", kind: str = "safetensors") -> Index | None:
+    """The folder's index of ``kind``, checked (``None`` when it has none): chunk rows that lie inside their tensor,
+    cover it exactly once, name files the index lists and (safetensors) span exactly the chunk's bytes."""
     if folder.kind(INDEX_NAME) is None:
         return None
     where = folder.display(INDEX_NAME)
     data = folder.read_bytes(INDEX_NAME, max_size=MAX_INDEX_BYTES)
-    body = _checked_body(data, where)
-    files = body.get("files")
-    tensors = body.get("tensors")
+    head, meta, table = _checked_body(data, where)
+    if head.get("kind") != kind:
+        raise CheckpointCorruptError(f"{where}: a chunk index of kind {head.get('kind')!r:.20}, not {kind!r}")
+    files, tensors = meta.get("files"), meta.get("tensors")
     if not isinstance(files, list) or not isinstance(tensors, dict):
         raise CheckpointCorruptError(f"{where}: the chunk index has no 'files' list or no 'tensors' object")
+    suffix = ".safetensors" if kind == "safetensors" else ".distcp"
     for name in files:
-        if not isinstance(name, str) or "/" in name or "\\" in name or name.startswith(".") \
-                or not name.endswith(".safetensors"):
-            raise CheckpointCorruptError(f"{where}: the chunk index names {name!r:.80}, not a shard file of the folder")
+        if not isinstance(name, str) or "/" in name or "\\" in name or name.startswith(".") or not name.endswith(suffix):
+            raise CheckpointCorruptError(f"{where}: the chunk index names {name!r:.80}, not a data file of the folder")
     if len(set(files)) != len(files):
-        raise CheckpointCorruptError(f"{where}: the chunk index names a shard file twice")
-    chunks: dict[str, ChunkTable] = {}
-    infos: dict[str, TensorInfo] = {}
+        raise CheckpointCorruptError(f"{where}: the chunk index names a data file twice")
+    out = Index(kind, files, {}, {}, {}, list(tensors))
     for key, entry in tensors.items():
-        chunks[key], infos[key] = _table(key, entry, files, where)
-    return chunks, infos
+        out.tensors[key] = _table(key, entry, files, table, where, exact_bytes=kind == "safetensors")
+    if kind == "dcp":
+        _dcp_extras(out, meta, where)
+    return out
 
 
-def _checked_body(data: bytes, where: object) -> dict[str, Any]:
+def _dcp_extras(out: Index, meta: dict[str, Any], where: object) -> None:
+    values, paths = meta.get("values"), meta.get("paths")
+    if not isinstance(values, dict) or not isinstance(paths, dict):
+        raise CheckpointCorruptError(f"{where}: the DCP chunk index has no 'values' or 'paths' object")
+    for key, row in values.items():
+        if not (isinstance(row, list) and len(row) == 3 and all(type(x) is int and 0 <= x < _LIMIT for x in row)
+                and row[0] < len(out.files) and row[1] <= row[2]) or key in out.tensors:
+            raise CheckpointCorruptError(f"{where}: value {key!r:.80} in the chunk index has a malformed record")
+        out.values[key] = (out.files[row[0]], row[1], row[2])
+    for key, path in paths.items():
+        if not isinstance(path, list) or not path or not all(isinstance(p, (str, int)) for p in path):
+            raise CheckpointCorruptError(f"{where}: malformed flattening path for {key!r:.80} in the chunk index")
+        out.paths[key] = tuple(path)
+    order = meta.get("order")
+    if not isinstance(order, list) or len(order) != len(out.tensors) + len(out.values) \
+            or set(order) != set(out.tensors) | set(out.values):
+        raise CheckpointCorruptError(f"{where}: the chunk index's key order does not list its tensors and values")
+    out.order = order
+
+
+def _checked_body(data: bytes, where: object) -> tuple[dict[str, Any], dict[str, Any], np.ndarray]:
     first, _, body = data.partition(b"\n")
     try:
         head = json.loads(first)
@@ -195,41 +299,52 @@ def _checked_body(data: bytes, where: object) -> dict[str, Any]:
             f"{where}: the chunk index is damaged: its body has {len(body)} bytes with checksum "
             f"{bytes_checksum(body)}, its first line records {head.get('body_bytes')!r:.20} and "
             f"{head.get('body_crc32c')!r:.40}")
+    split = head.get("meta_bytes")
+    if type(split) is not int or not 0 <= split <= len(body) or split % 8 or (len(body) - split) % 8:
+        raise CheckpointCorruptError(f"{where}: the chunk index's meta_bytes {split!r:.20} does not fit its body")
     try:
-        parsed = json.loads(body)
+        meta = json.loads(body[:split])
     except (ValueError, RecursionError) as exc:
         raise CheckpointCorruptError(f"{where}: the chunk index's body is not valid JSON ({exc})") from exc
-    if not isinstance(parsed, dict):
+    if not isinstance(meta, dict):
         raise CheckpointCorruptError(f"{where}: the chunk index's body is not a JSON object")
-    return parsed
+    return head, meta, np.frombuffer(body, dtype="<i8", offset=split).astype(np.int64, copy=False)
 
 
-def _table(key: str, entry: Any, files: list[str], where: object) -> tuple[ChunkTable, TensorInfo]:
+def _table(key: str, entry: Any, files: list[str], table: np.ndarray, where: object, *,
+           exact_bytes: bool) -> tuple[TensorInfo, ChunkTable]:
     def bad(what: str) -> CheckpointCorruptError:
-        return CheckpointCorruptError(f"{where}: tensor {key!r} in the chunk index: {what}")
+        return CheckpointCorruptError(f"{where}: tensor {key!r:.80} in the chunk index: {what}")
 
-    if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[1], list) and isinstance(entry[2], list)):
-        raise bad("not a [dtype, shape, chunks] triple")
-    st_dtype, shape, rows = entry
-    dtype = ST_NAMES.get(st_dtype) if isinstance(st_dtype, str) else None
+    if not (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[1], list)):
+        raise bad("not a [dtype, shape, first row, rows] entry")
+    name, shape, at, count = entry
+    dtype = torch_dtype_or_none(name)
     if dtype is None:
-        raise bad(f"unknown dtype {st_dtype!r:.40}")
-    if not all(type(d) is int and 0 <= d < _LIMIT for d in shape) or int(np.prod(shape, dtype=object)) * 8 >= _LIMIT:
+        raise bad(f"unknown dtype {name!r:.40}")
+    if not all(type(d) is int and 0 <= d < _LIMIT for d in shape) or math.prod(shape) * 8 >= _LIMIT:
         raise bad(f"invalid shape {shape!r:.80}")
     d = len(shape)
-    if not rows:
-        raise bad("no chunks")
-    table = np.array(rows)
-    if table.dtype.kind != "i" or table.ndim != 2 or table.shape[1] != 3 + 2 * d or ((table >= _LIMIT) | (table <= -_LIMIT)).any():
-        raise bad(f"chunk rows are not rows of {3 + 2 * d} integers")
-    file, offsets, sizes, spans = table[:, 0], table[:, 1:1 + d], table[:, 1 + d:1 + 2 * d], table[:, 1 + 2 * d:]
+    width = 3 + 2 * d
+    if type(at) is not int or type(count) is not int or count < 1 or at < 0 or at + count * width > len(table):
+        raise bad(f"its rows ({at!r:.20}, {count!r:.20}) are not inside the index's table")
+    rows = table[at:at + count * width].reshape(count, width)
+    if ((rows >= _LIMIT) | (rows <= -_LIMIT)).any():
+        raise bad("a number out of range")
+    file, offsets, sizes, spans = rows[:, 0], rows[:, 1:1 + d], rows[:, 1 + d:1 + 2 * d], rows[:, 1 + 2 * d:]
     if (file < 0).any() or (file >= len(files)).any():
         raise bad("a chunk names a file number the index does not list")
-    sources = [files[int(i)] for i in file]
-    check_cover(key, tuple(shape), offsets, sizes, sources, where)  # sizes now lie inside the shape: no overflow below
-    if (spans < 0).any() or ((spans[:, 1] - spans[:, 0]) != sizes.prod(axis=1) * dtype.itemsize).any():
-        raise bad(f"a chunk's byte range does not match its sizes and dtype {st_dtype}")
-    return ChunkTable(files, file, offsets, sizes, spans), TensorInfo(tuple(shape), dtype_name(dtype))
+    check_cover(key, tuple(shape), offsets, sizes, [files[int(i)] for i in file], where)  # sizes now fit the shape
+    length = spans[:, 1] - spans[:, 0]
+    if (spans < 0).any() or (length < 0).any() or exact_bytes and (length != sizes.prod(axis=1) * dtype.itemsize).any():
+        raise bad(f"a chunk's byte range does not match its sizes and dtype {name}")
+    return TensorInfo(tuple(shape), name), ChunkTable(files, file, offsets, sizes, spans)
+
+
+def torch_dtype_or_none(name: object) -> Any:
+    """The torch dtype a checkpoint names (``float32``), or ``None`` for anything else."""
+    value = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
+    return value if isinstance(value, torch.dtype) else None
 
 
 # ------------------------------------------------------------------------------------------------ checking

@@ -157,14 +157,10 @@ def load(state_dict: dict[str, Any], folder: "str | Path | Folder", *, no_dist: 
 
 def read_index(folder: "str | Path | Folder") -> dict[str, TensorInfo | None]:
     """Every key of a DCP folder: tensor keys map to their global shape and dtype, others to ``None``."""
-    metadata = read_metadata(folder)
-    index: dict[str, TensorInfo | None] = {}
-    for key, md in metadata.state_dict_metadata.items():
-        if isinstance(md, TensorStorageMetadata):
-            index[key] = TensorInfo(tuple(md.size), dtype_name(md.properties.dtype))
-        else:
-            index[key] = None
-    return index
+    from .dcp_direct import layout
+
+    where = layout(as_folder(folder))
+    return {key: where.tensors.get(key) for key in where.order}
 
 
 def load_all(folder: "str | Path | Folder", under: str | None = None) -> dict[str, Any]:
@@ -174,10 +170,13 @@ def load_all(folder: "str | Path | Folder", under: str | None = None) -> dict[st
     map DCP records); tensor values are read whole, non-tensor values with ``weights_only=True``. With
     ``under``, only what was saved under that top-level key, returned without it (nothing else is read).
     """
-    metadata = read_metadata(folder)
-    mapping = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    from .dcp_direct import layout
+
+    root = as_folder(folder)
+    where = layout(root)
+    mapping = where.paths
     template: dict[str, Any] = {}
-    for key, md in metadata.state_dict_metadata.items():
+    for key in where.order:
         path = mapping.get(key, (key,))
         if not isinstance(path, (tuple, list)) or not path or not all(isinstance(p, (str, int)) for p in path):
             raise CheckpointCorruptError(f"{folder}: malformed DCP flattening entry for {key!r}")
@@ -188,13 +187,11 @@ def load_all(folder: "str | Path | Folder", under: str | None = None) -> dict[st
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise CheckpointCorruptError(f"{folder}: DCP key {key!r} nests inside a value")
-        if isinstance(md, TensorStorageMetadata):
-            node[path[-1]] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-        else:
-            node[path[-1]] = None
+        info = where.tensors.get(key)
+        node[path[-1]] = None if info is None else torch.empty(info.shape, dtype=torch_dtype(info.dtype))
     if under is not None and under not in template:
-        raise CheckpointCorruptError(f"{folder}: holds no {under!r} (its keys: {sorted(metadata.state_dict_metadata)[:5]}...)")
-    load(template, folder, no_dist=True)
+        raise CheckpointCorruptError(f"{root.path}: holds no {under!r} (its keys: {sorted(where.tensors)[:5]}...)")
+    load(template, root, no_dist=True)
     return template if under is None else template[under]
 
 

@@ -18,6 +18,7 @@ stay DCP's. :func:`execute` then reads every chunk in file order, straight into 
 from __future__ import annotations
 
 import io
+import weakref
 from dataclasses import dataclass
 from itertools import groupby
 from typing import Any, Callable
@@ -29,9 +30,12 @@ from ..errors import CheckpointCorruptError
 from ..plan import local_view, overlap
 from ..storage.confined import Folder
 from .dcp_items import parse, plain_value, read_into
-from .dcp_metadata import read_metadata
+from . import chunk_index
+from .chunk_index import overlapping_rows
+from .common import TensorInfo, dtype_name
+from .dcp_metadata import boxes, read_metadata
 
-__all__ = ["Plan", "plan", "execute"]
+__all__ = ["Plan", "Layout", "layout", "plan", "pieces_of", "execute"]
 
 
 @dataclass
@@ -54,14 +58,90 @@ class Plan:
     state_dict: dict
 
 
+class Layout:
+    """What a load needs of a DCP folder: every tensor's shape and dtype and where its chunks are, every value's
+    record and DCP's flattening paths. Read from the folder's chunk index (:mod:`.chunk_index`, one small file)
+    when ckptio wrote it, else from its ``.metadata`` (:func:`read_metadata`, validated)."""
+
+    def __init__(self, folder: Folder) -> None:
+        self.index = chunk_index.read(folder, "dcp")
+        self.metadata = read_metadata(folder) if self.index is None else None
+        if self.index is not None:
+            self._check_files(folder)
+            self.tensors = {k: info for k, (info, _) in self.index.tensors.items()}
+            self.values = set(self.index.values)
+            self.paths = dict(self.index.paths)
+            self.order = self.index.order
+            self.transforms = False
+            return
+        md: Any = self.metadata
+        self.tensors = {k: TensorInfo(tuple(e.size), dtype_name(e.properties.dtype))
+                        for k, e in md.state_dict_metadata.items() if not isinstance(e, BytesStorageMetadata)}
+        self.values = {k for k, e in md.state_dict_metadata.items() if isinstance(e, BytesStorageMetadata)}
+        self.paths = md.planner_data if isinstance(md.planner_data, dict) else {}
+        self.order = list(md.state_dict_metadata)
+        self.transforms = any(info.transform_descriptors for info in md.storage_data.values())
+
+    def _check_files(self, folder: Folder) -> None:
+        """Every data file the index names is a regular file of the folder holding the bytes it places there."""
+        assert self.index is not None
+        needed: dict[str, int] = {}
+        for _, table in self.index.tensors.values():
+            for i, end in zip(table.file.tolist(), table.spans[:, 1].tolist()):
+                name = table.names[i]
+                needed[name] = max(needed.get(name, 0), end)
+        for name, _, end in self.index.values.values():
+            needed[name] = max(needed.get(name, 0), end)
+        for name, end in sorted(needed.items()):
+            if folder.size(name) < end:
+                raise CheckpointCorruptError(f"{folder.display(name)}: {folder.size(name)} bytes, but the folder's "
+                                             f"chunk index places data up to byte {end} (truncated or from another save)")
+
+    def value(self, key: str) -> tuple[str, int, int]:
+        """File, offset and length of a non-tensor value's record."""
+        if self.index is not None:
+            name, begin, end = self.index.values[key]
+            return name, begin, end - begin
+        assert self.metadata is not None
+        info = self.metadata.storage_data[MetadataIndex(key)]
+        return info.relative_path, info.offset, info.length
+
+    def pieces(self, key: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> list[tuple[str, int, int, tuple, tuple]]:
+        """The stored chunks of ``key`` that share an element with the part at ``offsets`` of size ``shape``, as
+        (file, offset, length, chunk offsets, chunk sizes): one vectorised test, not a loop over every rank's chunks."""
+        if self.index is not None:
+            out = []
+            for piece in self.index.tensors[key][1].overlapping(offsets, shape):
+                assert piece.span is not None
+                out.append((piece.file, piece.span[0], piece.span[1] - piece.span[0], piece.offsets, piece.shape))
+            return out
+        md: Any = self.metadata
+        offs, sizes = boxes(md, key)
+        chunks = md.state_dict_metadata[key].chunks
+        infos = [(md.storage_data[MetadataIndex(key, chunks[i].offsets)], chunks[i])
+                 for i in overlapping_rows(offs, sizes, offsets, shape)]
+        return [(info.relative_path, info.offset, info.length, tuple(c.offsets), tuple(c.sizes)) for info, c in infos]
+
+
+_layouts: "weakref.WeakKeyDictionary[Folder, Layout]" = weakref.WeakKeyDictionary()
+
+
+def layout(folder: Folder) -> Layout:
+    """The folder's :class:`Layout`, read once per :class:`Folder` object (the index check, the plan and the reads
+    of one load share it)."""
+    found = _layouts.get(folder)
+    if found is None:
+        found = _layouts[folder] = Layout(folder)
+    return found
+
+
 def plan(state_dict: dict, folder: Folder) -> Plan | None:
     """This rank's reads to fill ``state_dict`` from ``folder``; ``None`` when DCP's own load should run."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     from torch.distributed.tensor import DTensor
 
-    metadata = read_metadata(folder)
-    entries, storage = metadata.state_dict_metadata, metadata.storage_data
-    if any(info.transform_descriptors for info in storage.values()):
+    where = layout(folder)
+    if where.transforms:
         return None
     try:
         flat, mappings = flatten_state_dict(state_dict)
@@ -69,17 +149,16 @@ def plan(state_dict: dict, folder: Folder) -> Plan | None:
         return None
     reads: list[_Read] = []
     for key, obj in flat.items():
-        md = entries.get(key)
-        if md is None:
-            return None
-        if isinstance(md, BytesStorageMetadata):
+        if key in where.values:
             if isinstance(obj, torch.Tensor):
                 return None
-            info = storage[MetadataIndex(key)]
-            reads.append(_Read(info.relative_path, info.offset, info.length, key, [], None, tuple(mappings[key])))
+            reads.append(_Read(*where.value(key), key, [], None, tuple(mappings[key])))
             continue
+        info = where.tensors.get(key)
+        if info is None:
+            return None
         if not isinstance(obj, torch.Tensor) or type(obj) not in (torch.Tensor, torch.nn.Parameter, DTensor) \
-                or tuple(obj.shape) != tuple(md.size):
+                or tuple(obj.shape) != info.shape:
             return None
         if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
             continue  # this rank is not on the tensor's mesh: nothing of it is here
@@ -87,14 +166,17 @@ def plan(state_dict: dict, folder: Folder) -> Plan | None:
         local = view.local.detach()
         if local.numel() == 0:
             continue
-        for chunk in md.chunks:
-            box = overlap(view.offsets, tuple(local.shape), tuple(chunk.offsets), tuple(chunk.sizes))
+        for file, offset, length, chunk_offsets, chunk_sizes in where.pieces(key, view.offsets, tuple(local.shape)):
+            box = overlap(view.offsets, tuple(local.shape), chunk_offsets, chunk_sizes)
             if box is None:
                 continue
-            info = storage[MetadataIndex(key, chunk.offsets)]
-            reads.append(_Read(info.relative_path, info.offset, info.length, key, list(box.src_lo),
-                               local[box.dst_index()], chunk=tuple(chunk.sizes)))
+            reads.append(_Read(file, offset, length, key, list(box.src_lo), local[box.dst_index()], chunk=chunk_sizes))
     return Plan(folder, sorted(reads, key=lambda r: (r.file, r.offset)), state_dict)
+
+
+def pieces_of(folder: Folder, key: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> list[tuple]:
+    """:meth:`Layout.pieces` of the folder's layout (what one rank of a load reads of ``key``)."""
+    return layout(folder).pieces(key, offsets, shape)
 
 
 def execute(p: Plan, progress: Callable[[int], None] | None = None) -> None:

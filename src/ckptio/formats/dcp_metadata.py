@@ -15,6 +15,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
@@ -27,9 +28,9 @@ from torch.distributed.checkpoint.metadata import (
 
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError
 from ..storage.confined import Folder, as_folder, check_relative
-from .common import check_exact_cover
+from .chunk_index import check_cover
 
-__all__ = ["METADATA_FILE", "read_metadata"]
+__all__ = ["METADATA_FILE", "read_metadata", "boxes"]
 
 METADATA_FILE = ".metadata"
 
@@ -116,6 +117,38 @@ def _check_files(md: Metadata, root: Folder, path: Path) -> None:
                                          "(truncated or from another save)")
 
 
+_BOXES = "_ckptio_chunk_boxes"
+"""Where a validated :class:`Metadata` keeps each tensor's chunk offsets and sizes as arrays (see :func:`boxes`)."""
+
+
+def boxes(md: Metadata, key: str) -> tuple[np.ndarray, np.ndarray]:
+    """The offsets and sizes of every chunk of tensor ``key`` as ``(chunks, dims)`` arrays, in the order of its
+    ``chunks`` list: made once while :func:`read_metadata` validated them, so that each rank's plan selects its
+    chunks with one vectorised test (:func:`ckptio.formats.chunk_index.overlapping_rows`)."""
+    return md.__dict__[_BOXES][key]
+
+
+def _boxes(chunks: object, dims: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The chunks' offsets and sizes as int64 arrays, or ``None`` when they are not a list of chunk records holding
+    ``dims`` non-negative integers each (a string, a float, a nested list, a negative or a huge number)."""
+    if not isinstance(chunks, list) or not all(isinstance(c, ChunkStorageMetadata) for c in chunks):
+        return None
+    out = []
+    for field in ("offsets", "sizes"):
+        values = [getattr(c, field, None) for c in chunks]
+        if not all(isinstance(v, (tuple, list, torch.Size)) and len(v) == dims and all(type(x) is int for x in v)
+                   for v in values):
+            return None
+        try:
+            array = np.array(values, dtype=np.int64).reshape(len(values), dims)
+        except OverflowError:
+            return None
+        if (array < 0).any() or (array >= 1 << 60).any():
+            return None
+        out.append(array)
+    return out[0], out[1]
+
+
 def _ints(value: object) -> bool:
     return isinstance(value, (tuple, list, torch.Size)) and all(type(d) is int and d >= 0 for d in value)
 
@@ -128,6 +161,8 @@ def _validate(md: Metadata, path: Path) -> None:
     entries = getattr(md, "state_dict_metadata", None)
     if not isinstance(entries, dict):
         raise bad("no state_dict_metadata mapping")
+    tables: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    md.__dict__[_BOXES] = tables
     for key, entry in entries.items():
         if not isinstance(key, str):
             raise bad(f"key {key!r} is not a string")
@@ -135,18 +170,17 @@ def _validate(md: Metadata, path: Path) -> None:
             continue
         if not isinstance(entry, TensorStorageMetadata):
             raise bad(f"{key!r} has a {type(entry).__name__} entry")
+        size: Any
         size, props, chunks = (getattr(entry, a, None) for a in ("size", "properties", "chunks"))
         if not _ints(size):
             raise bad(f"{key!r} has an invalid size {size!r}")
         if not isinstance(getattr(props, "dtype", None), torch.dtype):
             raise bad(f"{key!r} has no valid dtype")
-        if not isinstance(chunks, list) or not all(
-            isinstance(c, ChunkStorageMetadata) and _ints(getattr(c, "offsets", None)) and _ints(getattr(c, "sizes", None))
-            for c in chunks
-        ):
+        boxes = _boxes(chunks, len(size))
+        if boxes is None:
             raise bad(f"{key!r} has malformed chunks")
-        check_exact_cover(key, tuple(size or ()), [(tuple(c.offsets), tuple(c.sizes), f"chunk {i}")
-                                              for i, c in enumerate(chunks)], path)
+        check_cover(key, tuple(size), *boxes, [f"chunk {i}" for i in range(len(boxes[0]))], path)
+        tables[key] = boxes
     storage = getattr(md, "storage_data", None)
     if storage is None:
         storage = md.storage_data = {}

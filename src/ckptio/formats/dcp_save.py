@@ -150,6 +150,17 @@ class _OneFilePerRank(FileSystemWriter):
 
     fs: "_WriterFileSystem"
 
+    def finish(self, metadata: Any, results: list[list[Any]]) -> None:
+        """DCP's ``.metadata``, then ckptio's chunk index of the same folder (read by restores instead of unpickling
+        the metadata: :mod:`ckptio.formats.chunk_index`)."""
+        super().finish(metadata, results)
+        if not self.use_collectives and self.rank is not None:
+            return  # DCP wrote a per-rank metadata file: no one index describes the folder
+        from .chunk_index import INDEX_NAME, encode_dcp
+
+        with self.fs.create_stream(self.fs.concat_path(self.path, INDEX_NAME), "wb") as stream:
+            stream.write(encode_dcp(metadata, len(results)))
+
     def write_data(self, plan: Any, planner: Any) -> Any:
         if self.thread_count <= 1 or len(plan.items) < 2:
             self.thread_count = 1  # one item or one thread: DCP's own single stream

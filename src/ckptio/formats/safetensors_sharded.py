@@ -243,7 +243,8 @@ def _scan(folder: "str | Path | Folder", files: list[str] | None = None) -> tupl
     if files is None:
         indexed = chunk_index.read(folder)
         if indexed is not None:
-            return indexed
+            return ({k: table for k, (_, table) in indexed.tensors.items()},
+                    {k: info for k, (info, _) in indexed.tensors.items()})
         files = [e.name for e in folder.listdir() if e.name.endswith(".safetensors") and e.kind == "file"]
     if not files:
         raise CheckpointNotFoundError(f"{folder.path} holds no .safetensors files")
