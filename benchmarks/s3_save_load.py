@@ -1,97 +1,154 @@
 """ckptio save and restore to an ``s3://`` folder against the same client's raw upload and download of the
-same bytes, on a local S3-compatible server (moto's, started here on 127.0.0.1).
+same bytes, on a local S3-compatible server (moto's, started here on 127.0.0.1), on 1 or more ranks.
 
-    .venv/bin/python benchmarks/s3_save_load.py --size 256MiB --repeats 3
+    .venv/bin/python benchmarks/s3_save_load.py --size 256MB --repeats 3
+    .venv/bin/python benchmarks/s3_save_load.py --size 256MB --repeats 3 --world 2   # gloo ranks, FSDP2 state
 
-The loopback server is slow and does most of the work, so only the ratios mean anything: ckptio's save
-(manifest, checksums, commit protocol) over a raw ``put_object`` of every file of the same checkpoint,
-and ckptio's restore (``verify="size"``) over a raw ``get_object`` of every file. Medians over
-``--repeats`` interleaved rounds.
+The state is the Llama + AdamW of ``save_load.py`` (``--size`` bytes in all, FSDP2-sharded on several ranks),
+saved in the default layout. The loopback server is slow and does most of the work, so only the ratios mean
+anything: ckptio's save (manifest, checksums, commit protocol) over a raw ``put_object`` of every object of
+the same checkpoint, and ckptio's restore (``verify: size``) over a raw ``get_object`` of every object. On
+several ranks the objects are dealt out to the ranks by size for the raw rows, every rank moving its share at
+once, and each time is the slowest rank's (barrier to barrier). Medians over ``--repeats`` rounds, the
+contenders interleaved in each round.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def _size(text: str) -> int:
-    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
-    for unit, factor in units.items():
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * factor)
-    return int(text)
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _timed(fn) -> float:
+    _barrier()
+    start = time.perf_counter()
+    fn()
+    _barrier()
+    return time.perf_counter() - start
+
+
+def run(args: argparse.Namespace, bucket: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from ckptio import CheckpointConfig, CheckpointManager
+    from ckptio.storage.s3 import client
+    from save_load import _size, build_state
+
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    s3 = client()
+    model, opt = build_state(_size(args.size), shard=world > 1)
+    times: dict[str, list[float]] = {"save": [], "raw put": [], "restore": [], "raw get": []}
+    total, count = 0, 0
+    for round_ in range(args.repeats + 1):  # round 0 warms up and is not counted
+        root = f"s3://{bucket}/r{round_}"
+
+        def save() -> None:
+            with CheckpointManager(CheckpointConfig(checkpoint_dir=root), model=model, optimizer=opt, rng=False) as m:
+                m.save(step=1)
+
+        def restore() -> None:
+            fresh = torch.optim.AdamW(model.parameters())
+            with CheckpointManager(CheckpointConfig(checkpoint_dir=root, verify="size"), model=model, optimizer=fresh,
+                                   rng=False) as again:
+                assert again.restore() is not None
+
+        saved = _timed(save)
+        prefix = f"r{round_}/epoch_0_step_1/"
+        objects: dict[str, int] = {}
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+            objects.update({o["Key"]: o["Size"] for o in page.get("Contents", [])})
+        total, count = sum(objects.values()), len(objects)
+        mine = sorted(objects, key=lambda k: (-objects[k], k))[rank::world]  # dealt out by size
+        blobs = {k: s3.get_object(Bucket=bucket, Key=k)["Body"].read() for k in mine}
+
+        def raw_put() -> None:
+            for key, data in blobs.items():
+                s3.put_object(Bucket=bucket, Key=f"raw{round_}/{key}", Body=data)
+
+        def raw_get() -> None:
+            for key in mine:
+                s3.get_object(Bucket=bucket, Key=f"raw{round_}/{key}")["Body"].read()
+
+        put = _timed(raw_put)
+        del blobs
+        # the restores alternate with the raw reads in their order from round to round
+        first, second = (restore, raw_get) if round_ % 2 else (raw_get, restore)
+        a, b = _timed(first), _timed(second)
+        got, restored = (a, b) if first is raw_get else (b, a)
+        if round_:
+            for key, value in (("save", saved), ("raw put", put), ("restore", restored), ("raw get", got)):
+                times[key].append(value)
+        if rank == 0:
+            print(f"  round {round_}{' (warm-up)' if not round_ else ''}: save {saved:.2f} s, raw put {put:.2f} s, "
+                  f"restore {restored:.2f} s, raw get {got:.2f} s", flush=True)
+    if rank == 0:
+        med = {k: statistics.median(v) for k, v in times.items()}
+        print(f"\ncheckpoint: {total / 1e6:.0f} MB in {count} objects on {world} rank(s); medians of {args.repeats} rounds")
+        print(f"  save     {med['save']:7.2f} s   x{med['save'] / med['raw put']:.2f} of raw put ({med['raw put']:.2f} s)")
+        print(f"  restore  {med['restore']:7.2f} s   x{med['restore'] / med['raw get']:.2f} of raw get "
+              f"({med['raw get']:.2f} s)", flush=True)
+
+
+def _rank_main(rank: int, world: int, store: str, args: argparse.Namespace, bucket: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        run(args, bucket)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+        sys.stdout.flush()
+    os._exit(0)  # see tests/distributed.py: a rare abort at interpreter teardown must not fail the run
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size", default="256MiB", help="model parameters in bytes (fp32); the optimizer adds 2x")
+    p.add_argument("--size", default="256MB", help="approximate bytes of model + optimizer state (all ranks)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--world", type=int, default=1)
     args = p.parse_args()
-
-    import os
-
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import s3server
-    import torch
 
     proc, url = s3server.start()
     try:
         os.environ.update(AWS_ENDPOINT_URL=url, **s3server.ENV)
-        from ckptio import CheckpointConfig, CheckpointManager
         from ckptio.storage.s3 import client
 
-        s3 = client()
         bucket = f"bench-{uuid.uuid4().hex[:8]}"
-        s3.create_bucket(Bucket=bucket)
-        width = 1024
-        layers = max(1, _size(args.size) // (width * width * 4))
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
-        opt = torch.optim.AdamW(model.parameters())
-        model(torch.randn(2, width)).sum().backward()
-        opt.step()
-        times: dict[str, list[float]] = {"save": [], "raw put": [], "restore": [], "raw get": []}
-        total = 0
-        for round_ in range(args.repeats):
-            root = f"s3://{bucket}/r{round_}"
-            start = time.perf_counter()
-            with CheckpointManager(CheckpointConfig(checkpoint_dir=root), model=model, optimizer=opt, rng=False) as mgr:
-                mgr.save(step=1)
-            times["save"].append(time.perf_counter() - start)
-            prefix = f"r{round_}/epoch_0_step_1/"
-            objects = {}
-            for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-                objects.update({o["Key"]: o["Size"] for o in page.get("Contents", [])})
-            total = sum(objects.values())
-            # the raw baseline: the same files' bytes, read back once, then put and got with the same client
-            blobs = {k: s3.get_object(Bucket=bucket, Key=k)["Body"].read() for k in objects}
-            start = time.perf_counter()
-            for key, data in blobs.items():
-                s3.put_object(Bucket=bucket, Key=f"raw{round_}/{key}", Body=data)
-            times["raw put"].append(time.perf_counter() - start)
-            del blobs
-            start = time.perf_counter()
-            for key in objects:
-                s3.get_object(Bucket=bucket, Key=f"raw{round_}/{key}")["Body"].read()
-            times["raw get"].append(time.perf_counter() - start)
-            fresh = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
-            fresh_opt = torch.optim.AdamW(fresh.parameters())
-            start = time.perf_counter()
-            with CheckpointManager(CheckpointConfig(checkpoint_dir=root, verify="size"), model=fresh,
-                                   optimizer=fresh_opt, rng=False) as again:
-                again.restore()
-            times["restore"].append(time.perf_counter() - start)
-            assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
-        med = {k: statistics.median(v) for k, v in times.items()}
-        print(f"\ncheckpoint: {total / 1e6:.0f} MB in {len(objects)} objects; medians of {args.repeats} rounds")
-        print(f"  save     {med['save']:7.2f} s   ×{med['save'] / med['raw put']:.2f} of raw put ({med['raw put']:.2f} s)")
-        print(f"  restore  {med['restore']:7.2f} s   ×{med['restore'] / med['raw get']:.2f} of raw get ({med['raw get']:.2f} s)")
+        client().create_bucket(Bucket=bucket)
+        if args.world == 1:
+            import torch
+
+            torch.set_num_threads(1)
+            run(args, bucket)
+        else:
+            import torch.multiprocessing as mp
+
+            with tempfile.TemporaryDirectory() as tmp:
+                mp.start_processes(_rank_main, args=(args.world, os.path.join(tmp, "store"), args, bucket),
+                                   nprocs=args.world, start_method="spawn")
     finally:
         proc.terminate()
     return 0

@@ -119,7 +119,8 @@ def test_a_ckptio_checkpoint_resumes_in_automodels_recipe(am_python, straight, t
     first = _run(am_python, "ckptio", ckpt, tmp_path / "first.pt", fmt=fmt, stop_after=3)["result"]
     step = ckpt / "epoch_0_step_3"
     assert (step / "manifest.json").is_file()
-    assert sorted(p.name for p in (step / "optim").iterdir()) == [".metadata", "__0_0.distcp"]  # the seed's layout
+    # the seed's layout, plus ckptio's chunk index (a dot-file AutoModel's loader never opens)
+    assert sorted(p.name for p in (step / "optim").iterdir()) == [".ckptio-chunks", ".metadata", "__0_0.distcp"]
     assert (step / "rng" / "rng_global_rank_0.pt").is_file() and (step / "step_scheduler.pt").is_file()
     assert (step / "dataloader" / "dataloader_dp_rank_0.pt").is_file()
     second = _run(am_python, "automodel", ckpt, tmp_path / "second.pt", fmt=fmt)  # AutoModel's own auto-resume
