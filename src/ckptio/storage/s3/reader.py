@@ -8,12 +8,12 @@ from ...errors import CheckpointCorruptError, CheckpointNotFoundError
 from ..confined import Entry, FolderReads, ReadHandle, UnsafePathError, check_relative
 from ._common import S3Path, _call, client
 
-WINDOW = 64 << 20
+WINDOW = 256 << 20
 """Smallest ranged ``GET``: a shorter read fetches this much from its offset, kept in the folder's
 :class:`WindowCache`, and the reads that follow inside it (the next tensors, the same file opened again
 to load after its header was scanned) are served from memory. One request per tensor piece made a
 restore from a bucket ×8 slower than a raw download of the same files (``benchmarks/s3_save_load.py``)."""
-CACHE_BYTES = 256 << 20
+CACHE_BYTES = 512 << 20
 """Most bytes of windows a folder tree keeps (least recently used dropped first)."""
 
 
