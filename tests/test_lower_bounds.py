@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 HARNESS = ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "moto[server]>=5.0.14"]
 TESTS = ["tests/test_pretrained.py", "tests/test_consolidated.py", "tests/test_convert.py", "tests/test_cli.py",
          "tests/test_ondisk_stability.py", "tests/test_recipe_config.py", "tests/test_peft.py",
-         "tests/test_lightning.py", "tests/test_log_lines.py", "tests/test_s3.py"]
+         "tests/test_lightning.py", "tests/test_lightning_plugin.py", "tests/test_log_lines.py", "tests/test_s3.py"]
 # ckptio's own logic, run in the main environment; nothing in them leans on a package's floor (~60 s saved)
 NOT_HERE = ["tests/test_convert.py::test_inspect_describes_every_format_convert_reads",
             "tests/test_s3.py::test_sigkill_during_saves_to_a_bucket_never_leaves_a_torn_checkpoint"]

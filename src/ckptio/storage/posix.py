@@ -146,7 +146,11 @@ def copy_on_write(src: Path, dest: Path, *, skip: Callable[[str], bool]) -> None
 
 
 def remove_tree(path: Path) -> None:
-    """Delete a directory so that no crash leaves a half-deleted directory under its real name."""
+    """Delete a directory so that no crash leaves a half-deleted directory under its real name (a file or a link
+    in its place, such as a Lightning ``.ckpt`` file a ckptio folder replaced, is simply unlinked)."""
+    if path.is_symlink() or path.exists() and not path.is_dir():
+        path.unlink()
+        return
     if not path.exists():
         return
     if not path.name.startswith(".trash-"):

@@ -1,0 +1,248 @@
+"""Lightning's ``Trainer`` saves and loads through ckptio: ``Trainer(plugins=[CkptioCheckpointIO()])``.
+
+Everything else stays Lightning's: ``ModelCheckpoint`` decides when to save, which ``top_k`` to keep, what
+``last.ckpt`` is, and ``Trainer.fit(ckpt_path="last" | path)`` finds and restores the checkpoint; this plugin
+changes what a checkpoint *is*. Each path Lightning names (``epoch=1-step=8.ckpt``, ``last.ckpt``) becomes a
+ckptio folder instead of one pickle::
+
+    epoch=1-step=8.ckpt/
+    ├── model/shard-00001-model-00001-of-00001.safetensors   # the LightningModule's state_dict, by its keys
+    ├── state/shard-00001-state-00001-of-00001.safetensors   # every other tensor (optimizer moments, metrics)
+    ├── trainer_state.pt        # the rest of Lightning's dict (loops, callbacks, schedulers, hyper-parameters),
+    │                           # tensors left out; read back with torch.load(weights_only=True)
+    └── manifest.json           # written last: sizes and CRC-32C of every file
+
+A save is written under a hidden name and renamed into place once every file is durable (an existing
+``last.ckpt`` is exchanged atomically), so a crash never leaves a torn checkpoint under a name Lightning
+would resume from. A load checks the manifest and every byte's checksum before handing the dict to Lightning,
+and nothing in it is unpickled beyond ``weights_only``. A path that is a Lightning ``.ckpt`` *file* (a run
+checkpointed before the switch) loads too, through the same safe loader. ``async_save=True`` copies the
+tensors into reusable host buffers and writes in a background thread; the next save, a load, a removal and
+the end of ``fit`` wait for it.
+
+Single device and DDP (rank 0 writes, as Lightning arranges) are supported; strategies that write their own
+sharded checkpoints (FSDP, DeepSpeed) do not go through a ``CheckpointIO`` for the weights, and a state dict
+holding sharded tensors is refused.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+
+try:
+    from pytorch_lightning.plugins.io import CheckpointIO
+except ImportError as _missing:  # the integration is an extra
+    raise ImportError("ckptio.lightning needs PyTorch Lightning: pip install 'ckptio[lightning]'") from _missing
+
+__all__ = ["CkptioCheckpointIO", "write_checkpoint", "read_checkpoint"]
+
+MODEL_DIR, STATE_DIR, TRAINER_STATE = "model", "state", "trainer_state.pt"
+_FORMAT = "lightning-checkpoint/1"
+_REF = "__ckptio_tensor__"
+
+
+class CkptioCheckpointIO(CheckpointIO):
+    """A Lightning ``CheckpointIO`` that writes each checkpoint as a committed, checksummed ckptio folder.
+
+    ``async_save``: stage the tensors into host buffers (reused from save to save) and write in the background;
+    ``save_checkpoint`` returns once the copy is taken. ``verify``: ``"full"`` (every byte's checksum, the
+    default) or ``"size"`` when a checkpoint is loaded.
+    """
+
+    def __init__(self, *, async_save: bool = False, verify: str = "full") -> None:
+        if verify not in ("full", "size"):
+            raise ValueError(f"verify must be 'full' or 'size', not {verify!r}")
+        super().__init__()
+        self.async_save, self.verify = async_save, verify
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._stager: Any = None
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        """Write ``checkpoint`` as the folder ``path`` (in the background with ``async_save``)."""
+        if storage_options is not None:
+            raise TypeError(f"CkptioCheckpointIO takes no storage_options (got {storage_options!r})")
+        self.wait()
+        if not self.async_save:
+            write_checkpoint(checkpoint, path)
+            return
+        from .staging import Stager
+
+        self._stager = self._stager or Stager()
+        staged = self._stager.stage(checkpoint)  # training may change its tensors as soon as this returns
+
+        def write() -> None:
+            try:
+                write_checkpoint(staged, path)
+            except BaseException as exc:  # raised on the training thread by the next call
+                self._error = exc
+
+        self._thread = threading.Thread(target=write, name="ckptio-lightning-save", daemon=False)
+        self._thread.start()
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Any = None) -> dict[str, Any]:
+        """The checkpoint at ``path`` (a ckptio folder, or a Lightning ``.ckpt`` file), checked before it is
+        returned."""
+        self.wait()
+        return read_checkpoint(path, verify=self.verify)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Delete a checkpoint Lightning no longer keeps (``save_top_k``), hidden first so a crash never leaves
+        half of it under its name."""
+        from .storage.posix import remove_tree
+
+        self.wait()
+        target = Path(path)
+        if target.is_dir() and not target.is_symlink():
+            remove_tree(target)
+        elif target.exists() or target.is_symlink():
+            target.unlink()
+
+    def wait(self) -> None:
+        """Block until the background save (if any) is durable; raise its error if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise CheckpointError(f"the background save of a Lightning checkpoint failed: {error}") from error
+
+    def teardown(self) -> None:
+        """Lightning calls this at the end of ``fit``: the last background save finishes first."""
+        self.wait()
+
+
+# ------------------------------------------------------------------------------------------------- writing
+def write_checkpoint(checkpoint: dict[str, Any], path: str | Path) -> Path:
+    """Write Lightning's checkpoint dict as a committed ckptio folder at ``path`` (replacing one that is there)."""
+    from .formats import pt as pt_format
+    from .formats import safetensors_sharded
+    from .manifest import MANIFEST_NAME, Manifest, StateEntry, software_versions
+    from .storage import LocalFolderWriter
+
+    path = Path(path)
+    weights = checkpoint.get("state_dict")
+    if not isinstance(weights, dict):
+        raise TypeError("a Lightning checkpoint has a 'state_dict' mapping; this one does not")
+    model = {k: v for k, v in weights.items() if isinstance(v, torch.Tensor)}
+    tensors: list[torch.Tensor] = []
+    values = {k: v for k, v in weights.items() if not isinstance(v, torch.Tensor)}
+    rest = {k: values if k == "state_dict" else v for k, v in checkpoint.items()}  # Lightning's order kept
+    skeleton = _without_tensors(rest, tensors)
+    for t in list(model.values()) + tensors:
+        if type(t) not in (torch.Tensor, torch.nn.Parameter):
+            raise TypeError(f"CkptioCheckpointIO writes plain tensors; this checkpoint holds a {type(t).__name__} "
+                            "(a sharded strategy writes its own checkpoints)")
+    data = pt_format.to_bytes({"format": _FORMAT, "skeleton": skeleton, "model_keys": list(model), "state_dict_keys": list(weights),
+                               "tensors": len(tensors)}, "Lightning's checkpoint")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = LocalFolderWriter.create(path)
+    try:
+        sums = safetensors_sharded.save(model, writer, MODEL_DIR, rank=0, world_size=1)
+        sums.update(safetensors_sharded.save({f"{i:06d}": t for i, t in enumerate(tensors)}, writer, STATE_DIR,
+                                             rank=0, world_size=1, stem="state"))
+        sums[TRAINER_STATE] = writer.write_bytes(TRAINER_STATE, data)
+        states = {"model": StateEntry("model", "safetensors", MODEL_DIR),
+                  "lightning": StateEntry("object", "pt", TRAINER_STATE)}
+        manifest = Manifest(name=path.name, step=_int(checkpoint.get("global_step")), epoch=_int(checkpoint.get("epoch")),
+                            world_size=1, model_save_format="safetensors", states=states, files=writer.files(),
+                            checksums=sums, versions=software_versions())
+        writer.commit((MANIFEST_NAME, manifest.to_json().encode()))
+    except BaseException:
+        writer.abort()
+        raise
+    return path
+
+
+def _int(value: Any) -> int:
+    return value if type(value) is int and value >= 0 else 0
+
+
+def _without_tensors(value: Any, out: list[torch.Tensor]) -> Any:
+    """``value`` with every tensor replaced by ``{"__ckptio_tensor__": i}`` (a plain dict: it loads with
+    ``weights_only``), the tensor appended to ``out`` at ``i``; containers are rebuilt with their own types."""
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+        return {_REF: len(out) - 1}
+    if isinstance(value, dict) and set(value) == {_REF}:
+        raise TypeError(f"a Lightning checkpoint holds a dict whose only key is {_REF!r}, which ckptio uses to mark "
+                        "where a tensor was")
+    if isinstance(value, dict):
+        return type(value)((k, _without_tensors(v, out)) for k, v in value.items()) if type(value) is not dict \
+            else {k: _without_tensors(v, out) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_without_tensors(v, out) for v in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_without_tensors(v, out) for v in value)
+    return value
+
+
+# ------------------------------------------------------------------------------------------------- reading
+def read_checkpoint(path: str | Path, *, verify: str = "full") -> dict[str, Any]:
+    """Lightning's checkpoint dict from a ckptio folder (manifest, sizes and checksums checked first) or from a
+    Lightning ``.ckpt`` file (``weights_only``)."""
+    from .formats import pt as pt_format
+    from .formats.lightning import read_lightning
+    from .formats.safetensors_sharded import SafetensorsSource
+    from .manifest import check_files, read_manifest
+    from .storage.confined import Folder
+
+    path = Path(path)
+    if path.is_file():
+        return read_lightning(path)
+    if not path.is_dir():
+        raise CheckpointNotFoundError(f"{path}: no such checkpoint")
+    folder = Folder(path)
+    manifest = read_manifest(folder)
+    problems = check_files(folder, manifest, checksums=verify == "full")
+    if problems:
+        raise CheckpointCorruptError(f"{path}: {len(problems)} file(s) damaged: " + "; ".join(problems[:3]))
+    meta = pt_format.load_from(folder, TRAINER_STATE)
+    if not (isinstance(meta, dict) and meta.get("format") == _FORMAT and isinstance(meta.get("skeleton"), dict)
+            and isinstance(meta.get("model_keys"), list) and type(meta.get("tensors")) is int
+            and isinstance(meta.get("state_dict_keys"), list)):
+        raise CheckpointCorruptError(f"{folder.display(TRAINER_STATE)}: not a Lightning checkpoint written by ckptio")
+    weights = _read_all(SafetensorsSource(folder.sub(MODEL_DIR)), meta["model_keys"], folder.display(MODEL_DIR))
+    names = [f"{i:06d}" for i in range(meta["tensors"])]
+    tensors = _read_all(SafetensorsSource(folder.sub(STATE_DIR)), names, folder.display(STATE_DIR)) if names else {}
+    out = _with_tensors(meta["skeleton"], [tensors[n] for n in names], folder.display(TRAINER_STATE))
+    values = out.get("state_dict")
+    if not isinstance(values, dict) or set(meta["state_dict_keys"]) != set(weights) | set(values):
+        raise CheckpointCorruptError(f"{folder.display(TRAINER_STATE)}: its state_dict keys do not match the tensors "
+                                     f"in {folder.display(MODEL_DIR)}")
+    out["state_dict"] = {k: weights[k] if k in weights else values[k] for k in meta["state_dict_keys"]}
+    return out
+
+
+def _read_all(source: Any, keys: list[str], where: object) -> dict[str, torch.Tensor]:
+    try:
+        index = source.index()
+        missing = [k for k in keys if k not in index]
+        if missing:
+            raise CheckpointCorruptError(f"{where}: holds no tensor {missing[0]!r} ({len(missing)} missing)")
+        return {k: source.read(k) for k in keys}
+    finally:
+        source.close()
+
+
+def _with_tensors(value: Any, tensors: list[torch.Tensor], where: object) -> Any:
+    if isinstance(value, dict):
+        if set(value) == {_REF}:
+            i = value[_REF]
+            if type(i) is not int or not 0 <= i < len(tensors):
+                raise CheckpointCorruptError(f"{where}: a tensor reference {i!r:.20} outside the {len(tensors)} stored")
+            return tensors[i]
+        rebuilt = {k: _with_tensors(v, tensors, where) for k, v in value.items()}
+        return rebuilt if type(value) is dict else type(value)(rebuilt.items())
+    if isinstance(value, list):
+        return [_with_tensors(v, tensors, where) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_with_tensors(v, tensors, where) for v in value)
+    return value
+
