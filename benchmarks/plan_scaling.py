@@ -77,7 +77,9 @@ def write_optimizer(folder: Path, ranks: int, tensors: int, with_index: bool) ->
     if with_index:
         from ckptio.formats.chunk_index import INDEX_NAME, encode_dcp
 
-        (folder / INDEX_NAME).write_bytes(encode_dcp(metadata, ranks))
+        data = encode_dcp(metadata, ranks)
+        assert data is not None  # every chunk has its record
+        (folder / INDEX_NAME).write_bytes(data)
     for r in range(ranks):
         with open(folder / f"__{r}_0.distcp", "wb") as f:
             os.truncate(f.fileno(), len(keys) * nbytes)

@@ -272,3 +272,17 @@ def test_a_hostile_dcp_index_is_refused(tmp_path, case):
         message = "past|malformed|order|truncated"
     with pytest.raises(CheckpointCorruptError, match=message):
         dcp.load_all(tmp_path / "d")
+
+
+def test_no_dcp_index_is_made_from_metadata_missing_a_record(tmp_path):
+    """A writer thread that failed leaves DCP's metadata without some records; the save is refused afterwards
+    (test_integrity.py), and no index may describe bytes that were never written."""
+    import pickle
+
+    from ckptio.formats.chunk_index import encode_dcp
+
+    _dcp_saved(tmp_path / "d")
+    md = pickle.loads((tmp_path / "d" / ".metadata").read_bytes())  # our own test file
+    assert encode_dcp(md, 1) is not None
+    md.storage_data.pop(next(iter(md.storage_data)))
+    assert encode_dcp(md, 1) is None

@@ -165,20 +165,27 @@ def encode(files: list[FilePlan], world_size: int) -> bytes:
     return out.finish("safetensors", world_size)
 
 
-def encode_dcp(metadata: Any, world_size: int) -> bytes:
+def encode_dcp(metadata: Any, world_size: int) -> bytes | None:
     """The index of a DCP folder, from the ``Metadata`` its save just wrote: every chunk with the file and byte
     range of its stored record, every non-tensor value's record, and DCP's flattening paths. A restore reads
-    this instead of unpickling ``.metadata`` (seconds at a thousand ranks: several objects per chunk)."""
+    this instead of unpickling ``.metadata`` (seconds at a thousand ranks: several objects per chunk).
+
+    ``None`` when the metadata lacks a record (a writer thread failed, and the save is about to be refused):
+    no index is better than one that describes bytes that were never written."""
     names: dict[str, int] = {}
     out = _Encoder([])
     values: dict[str, list[int]] = {}
     for key, entry in metadata.state_dict_metadata.items():
         if not hasattr(entry, "chunks"):
-            info = metadata.storage_data[_index(key, None)]
+            info = metadata.storage_data.get(_index(key, None))
+            if info is None:
+                return None
             values[key] = [names.setdefault(info.relative_path, len(names)), info.offset, info.offset + info.length]
             continue
         for chunk in entry.chunks:
-            info = metadata.storage_data[_index(key, chunk.offsets)]
+            info = metadata.storage_data.get(_index(key, chunk.offsets))
+            if info is None:
+                return None
             out.chunk(key, dtype_name(entry.properties.dtype), tuple(entry.size),
                       [names.setdefault(info.relative_path, len(names)), *chunk.offsets, *chunk.sizes,
                        info.offset, info.offset + info.length])

@@ -158,8 +158,11 @@ class _OneFilePerRank(FileSystemWriter):
             return  # DCP wrote a per-rank metadata file: no one index describes the folder
         from .chunk_index import INDEX_NAME, encode_dcp
 
+        data = encode_dcp(metadata, len(results))
+        if data is None:
+            return  # an item was never written: save() raises for it (see run); the restore would refuse it too
         with self.fs.create_stream(self.fs.concat_path(self.path, INDEX_NAME), "wb") as stream:
-            stream.write(encode_dcp(metadata, len(results)))
+            stream.write(data)
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         if self.thread_count <= 1 or len(plan.items) < 2:
