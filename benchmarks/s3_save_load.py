@@ -106,22 +106,6 @@ def run(args: argparse.Namespace, bucket: str) -> None:
               f"({med['raw get']:.2f} s)", flush=True)
 
 
-def _rank_main(rank: int, world: int, store: str, args: argparse.Namespace, bucket: str) -> None:
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        run(args, bucket)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-        sys.stdout.flush()
-    os._exit(0)  # see tests/distributed.py: a rare abort at interpreter teardown must not fail the run
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", default="256MB", help="approximate bytes of model + optimizer state (all ranks)")
@@ -145,9 +129,10 @@ def main() -> int:
             run(args, bucket)
         else:
             import torch.multiprocessing as mp
+            from save_load import rank_main
 
             with tempfile.TemporaryDirectory() as tmp:
-                mp.start_processes(_rank_main, args=(args.world, os.path.join(tmp, "store"), args, bucket),
+                mp.start_processes(rank_main, args=(args.world, os.path.join(tmp, "store"), run, args, bucket),
                                    nprocs=args.world, start_method="spawn")
     finally:
         proc.terminate()

@@ -502,7 +502,8 @@ def run(args: argparse.Namespace, base: Path) -> None:
                                                "samples": bench.samples}, indent=1))
 
 
-def _rank_main(rank: int, world: int, store: str, args: argparse.Namespace, base: Path) -> None:
+def rank_main(rank: int, world: int, store: str, fn: Callable[..., None], *fn_args: object) -> None:
+    """One spawned rank: a gloo group through ``store``, the environment torchrun gives a rank, then ``fn(*fn_args)``."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -510,7 +511,7 @@ def _rank_main(rank: int, world: int, store: str, args: argparse.Namespace, base
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        run(args, base)
+        fn(*fn_args)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -549,7 +550,7 @@ def main() -> int:
             import torch.multiprocessing as mp
 
             with tempfile.TemporaryDirectory() as tmp:
-                mp.start_processes(_rank_main, args=(args.world, os.path.join(tmp, "store"), args, base),
+                mp.start_processes(rank_main, args=(args.world, os.path.join(tmp, "store"), run, args, base),
                                    nprocs=args.world, start_method="spawn")
     finally:
         shutil.rmtree(base, ignore_errors=True)

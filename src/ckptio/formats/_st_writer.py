@@ -35,10 +35,15 @@ class Entry:
 
     @property
     def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for d in self.shape:
-            n *= d
-        return n
+        return nbytes_of(self.dtype, self.shape)
+
+
+def nbytes_of(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    """The bytes of a tensor of ``dtype`` and ``shape``."""
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    return n
 
 
 def write(out: "WriteStream", entries: Iterable[Entry], metadata: dict[str, str] | None = None,

@@ -37,7 +37,7 @@ import torch
 
 from ..errors import CheckpointCorruptError
 from ..storage.checksum import bytes_checksum
-from ._st_writer import ST_DTYPES
+from ._st_writer import ST_DTYPES, nbytes_of
 from .common import TensorInfo, check_exact_cover, dtype_name
 
 if TYPE_CHECKING:
@@ -112,10 +112,7 @@ class Item(NamedTuple):
 
     @property
     def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for d in self.shape:
-            n *= d
-        return n
+        return nbytes_of(self.dtype, self.shape)
 
 
 class FilePlan(NamedTuple):
@@ -341,7 +338,7 @@ def _table(key: str, entry: Any, files: list[str], table: np.ndarray, where: obj
     file, offsets, sizes, spans = rows[:, 0], rows[:, 1:1 + d], rows[:, 1 + d:1 + 2 * d], rows[:, 1 + 2 * d:]
     if (file < 0).any() or (file >= len(files)).any():
         raise bad("a chunk names a file number the index does not list")
-    check_cover(key, tuple(shape), offsets, sizes, [files[int(i)] for i in file], where)  # sizes now fit the shape
+    check_cover(key, tuple(shape), offsets, sizes, lambda: [files[int(i)] for i in file], where)  # sizes now fit
     length = spans[:, 1] - spans[:, 0]
     if (spans < 0).any() or (length < 0).any() or exact_bytes and (length != sizes.prod(axis=1) * dtype.itemsize).any():
         raise bad(f"a chunk's byte range does not match its sizes and dtype {name}")
@@ -372,14 +369,15 @@ def _rows_cover(shape: Sequence[int], offsets: np.ndarray, sizes: np.ndarray) ->
     return bool(starts[0] == 0 and ends[-1] == shape[0] and (starts[1:] == ends[:-1]).all())
 
 
-def check_cover(key: str, shape: tuple[int, ...], offsets: np.ndarray, sizes: np.ndarray, sources: Sequence[str],
+def check_cover(key: str, shape: tuple[int, ...], offsets: np.ndarray, sizes: np.ndarray, sources: Callable[[], Sequence[str]],
                 where: object) -> None:
     """:func:`ckptio.formats.common.check_exact_cover` for chunks given as ``(n, dims)`` integer arrays: a tensor
     split along dim 0 (every chunk spanning the trailing dimensions) is checked with a sort in numpy; any other
-    split, and every failure, goes through the general check, which names the chunks and files at fault."""
+    split, and every failure, goes through the general check, which names the chunks and files at fault
+    (``sources()``: where each chunk is stored, made only then)."""
     if offsets.shape[1] == len(shape) and _rows_cover(shape, offsets, sizes):
         return
-    boxes = [(tuple(int(x) for x in o), tuple(int(x) for x in s), src) for o, s, src in zip(offsets, sizes, sources)]
+    boxes = [(tuple(int(x) for x in o), tuple(int(x) for x in s), src) for o, s, src in zip(offsets, sizes, sources())]
     check_exact_cover(key, shape, boxes, where)
 
 

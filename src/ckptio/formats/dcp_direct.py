@@ -33,9 +33,9 @@ from .dcp_items import parse, plain_value, read_into
 from . import chunk_index
 from .chunk_index import overlapping_rows
 from .common import TensorInfo, dtype_name
-from .dcp_metadata import boxes, read_metadata
+from .dcp_metadata import boxes, check_data_files, read_metadata
 
-__all__ = ["Plan", "Layout", "layout", "plan", "pieces_of", "execute"]
+__all__ = ["Plan", "Layout", "layout", "plan", "execute"]
 
 
 @dataclass
@@ -85,17 +85,10 @@ class Layout:
     def _check_files(self, folder: Folder) -> None:
         """Every data file the index names is a regular file of the folder holding the bytes it places there."""
         assert self.index is not None
-        needed: dict[str, int] = {}
-        for _, table in self.index.tensors.values():
-            for i, end in zip(table.file.tolist(), table.spans[:, 1].tolist()):
-                name = table.names[i]
-                needed[name] = max(needed.get(name, 0), end)
-        for name, _, end in self.index.values.values():
-            needed[name] = max(needed.get(name, 0), end)
-        for name, end in sorted(needed.items()):
-            if folder.size(name) < end:
-                raise CheckpointCorruptError(f"{folder.display(name)}: {folder.size(name)} bytes, but the folder's "
-                                             f"chunk index places data up to byte {end} (truncated or from another save)")
+        ends = [(table.names[i], end) for _, table in self.index.tensors.values()
+                for i, end in zip(table.file.tolist(), table.spans[:, 1].tolist())]
+        ends += [(name, end) for name, _, end in self.index.values.values()]
+        check_data_files(folder, ends, folder.display(chunk_index.INDEX_NAME))
 
     def value(self, key: str) -> tuple[str, int, int]:
         """File, offset and length of a non-tensor value's record."""
@@ -172,11 +165,6 @@ def plan(state_dict: dict, folder: Folder) -> Plan | None:
                 continue
             reads.append(_Read(file, offset, length, key, list(box.src_lo), local[box.dst_index()], chunk=chunk_sizes))
     return Plan(folder, sorted(reads, key=lambda r: (r.file, r.offset)), state_dict)
-
-
-def pieces_of(folder: Folder, key: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> list[tuple]:
-    """:meth:`Layout.pieces` of the folder's layout (what one rank of a load reads of ``key``)."""
-    return layout(folder).pieces(key, offsets, shape)
 
 
 def execute(p: Plan, progress: Callable[[int], None] | None = None) -> None:

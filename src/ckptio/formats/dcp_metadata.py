@@ -30,7 +30,7 @@ from ..errors import CheckpointCorruptError, CheckpointNotFoundError
 from ..storage.confined import Folder, as_folder, check_relative
 from .chunk_index import check_cover
 
-__all__ = ["METADATA_FILE", "read_metadata", "boxes"]
+__all__ = ["METADATA_FILE", "read_metadata", "boxes", "check_data_files"]
 
 METADATA_FILE = ".metadata"
 
@@ -107,13 +107,20 @@ _parsed: "weakref.WeakKeyDictionary[Folder, dict[str, tuple[int, Metadata]]]" = 
 
 def _check_files(md: Metadata, root: Folder, path: Path) -> None:
     """Every file the metadata names is a regular file inside ``root`` that holds the bytes it needs."""
+    check_data_files(root, ((info.relative_path, info.offset + info.length) for info in (md.storage_data or {}).values()),
+                     path)
+
+
+def check_data_files(root: Folder, ends: Any, where: object) -> None:
+    """Each file of ``ends`` (``(name, end byte)`` pairs, a file may come many times) is a regular file inside
+    ``root`` that reaches its largest end byte, or a :class:`CheckpointCorruptError` names it and ``where``."""
     needed: dict[str, int] = {}
-    for info in (md.storage_data or {}).values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for rel, end in ends:
+        needed[rel] = max(needed.get(rel, 0), end)
     for rel, end in sorted(needed.items()):
         size = root.size(rel)  # refuses links, FIFOs, devices and paths leaving the folder, naming them
         if size < end:
-            raise CheckpointCorruptError(f"{root.display(rel)}: {size} bytes, but {path} places data up to byte {end} "
+            raise CheckpointCorruptError(f"{root.display(rel)}: {size} bytes, but {where} places data up to byte {end} "
                                          "(truncated or from another save)")
 
 
@@ -179,7 +186,8 @@ def _validate(md: Metadata, path: Path) -> None:
         boxes = _boxes(chunks, len(size))
         if boxes is None:
             raise bad(f"{key!r} has malformed chunks")
-        check_cover(key, tuple(size), *boxes, [f"chunk {i}" for i in range(len(boxes[0]))], path)
+        count = len(boxes[0])
+        check_cover(key, tuple(size), *boxes, lambda: [f"chunk {i}" for i in range(count)], path)
         tables[key] = boxes
     storage = getattr(md, "storage_data", None)
     if storage is None:

@@ -101,9 +101,14 @@ def save(state_dict: dict[str, torch.Tensor], writer: "FolderWriter | str | Path
         raise error
     if gather is not None:
         owners = chunk_owners([[(i.key, i.offsets) for i in items] for _, items in everyone])
-        plans = [chunk_index.files_of([i for i in items if owners.get((i.key, i.offsets)) == r], n, name_files(r))
-                 for r, (n, items) in enumerate(everyone)]  # the same plan every rank makes for itself
-        mine = plans[rank]
+
+        def plan_of(r: int) -> list[chunk_index.FilePlan]:  # the plan rank r makes for itself
+            n, items = everyone[r]
+            return chunk_index.files_of([i for i in items if owners.get((i.key, i.offsets)) == r], n, name_files(r))
+
+        # rank 0 plans every rank's files for the index; the others only their own
+        plans = [plan_of(r) for r in range(len(everyone))] if rank == 0 else None
+        mine = plans[rank] if plans is not None else plan_of(rank)
     else:
         mine = chunk_index.files_of([_item(k, v) for k, v in views.items() if (rank == 0 if v.owner is None else v.owner)],
                                     threads, name_files(rank))
