@@ -82,7 +82,7 @@ def test_the_whole_dict_comes_back(tmp_path):
     _fit(tmp_path / "a", 1)
     _fit(tmp_path / "b", 1, [CkptioCheckpointIO()])
     name = sorted(p.name for p in (tmp_path / "a").iterdir())[-1]
-    theirs = torch.load(tmp_path / "a" / name, weights_only=False)
+    theirs = torch.load(tmp_path / "a" / name, weights_only=True)
     ours = read_checkpoint(tmp_path / "b" / name)
 
     def walk(x, y, where):
