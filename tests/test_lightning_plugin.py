@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("pytorch_lightning")
+pytorch_lightning = pytest.importorskip("pytorch_lightning")
 
 from lit_tiny import Tiny, loader, state, trainer  # noqa: E402
 
@@ -117,34 +117,101 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(tmp_path):
         _fit(tmp_path, 2, [CkptioCheckpointIO()], ckpt_path="last")
 
 
-# ------------------------------------------------------------------------------------------ DDP and the example
+# ------------------------------------------------------------------ preemption, kills, DDP and the example
 ROOT = Path(__file__).resolve().parents[1]
+RUNNER = str(ROOT / "tests" / "lit_run.py")
 
 
-def _torchrun(*args: str) -> None:
+def _run(*args: str, ranks: int = 1, ok: bool = True) -> str:
+    """``tests/lit_run.py`` in a process of its own (``ranks=1``) or under torchrun; ``ok=False``: the run must
+    end early, preempted (Lightning exits with status 0 on SIGTERM) or killed, before writing its OUT file."""
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(ROOT / "tests" / "lit_ddp_run.py"), *args]
+    cmd = [sys.executable, RUNNER, *args] if ranks == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", RUNNER, *args,
+         "--ddp"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    errors = [line for line in (done.stdout + done.stderr).splitlines() if "rank0]" in line or "Error" in line]
-    assert done.returncode == 0, "\n".join(errors[-40:]) or done.stderr[-3000:]
+    text = done.stdout + done.stderr
+    if ok:
+        errors = [line for line in text.splitlines() if "rank0]" in line or "Error" in line]
+        assert done.returncode == 0, "\n".join(errors[-40:]) or text[-3000:]
+    else:
+        assert not Path(args[2]).exists(), f"{args}: the run was meant to stop early and did not"
+    return text
+
+
+def _preempt_kill_resume(root: Path, ranks: int, *extra: str) -> dict:
+    """SIGTERM after step 12 (mid-epoch 1: the last checkpoint is epoch 0's), then a rerun SIGKILLed while its
+    second save is written and not yet in place (``last.ckpt`` being replaced), then a rerun to the end."""
+    per_epoch = 8 // ranks
+    text = _run(str(root), str(EPOCHS), str(root / "x.pt"), "--sigterm-at", str(per_epoch + per_epoch // 2),
+                *extra, ranks=ranks, ok=False)
+    assert "Received SIGTERM" in text
+    assert (root / "last.ckpt" / "manifest.json").is_file()
+    assert read_checkpoint(root / "last.ckpt")["global_step"] == per_epoch  # epoch 0's save; epoch 1 was cut
+    _run(str(root), str(EPOCHS), str(root / "y.pt"), "--resume", "--kill-at", "commit.before_rename:2", *extra,
+         ranks=ranks, ok=False)
+    assert read_checkpoint(root / "last.ckpt")["global_step"] == per_epoch  # the old last.ckpt, whole
+    assert any(p.name.startswith(".last.ckpt.tmp-") for p in root.iterdir())  # the killed save's folder
+    _run(str(root), str(EPOCHS), str(root / "resumed.pt"), "--resume", *extra, ranks=ranks)
+    assert not [p.name for p in root.iterdir() if p.name.startswith(".")]  # swept by the next save
+    return torch.load(root / "resumed.pt", weights_only=True)
 
 
 @pytest.mark.slow
-def test_ddp_on_two_ranks_resumes_bitwise_from_ckptio_and_from_lightnings_files(tmp_path):
-    _torchrun(str(tmp_path / "straight"), str(EPOCHS), str(tmp_path / "straight.pt"))
-    _torchrun(str(tmp_path / "ours"), "2", str(tmp_path / "first.pt"))
-    assert (tmp_path / "ours" / "last.ckpt" / "manifest.json").is_file()  # rank 0 wrote a committed folder
-    _torchrun(str(tmp_path / "ours"), str(EPOCHS), str(tmp_path / "resumed.pt"), "--resume")
-    # a DDP run checkpointed by Lightning itself, resumed under the plugin
-    _torchrun(str(tmp_path / "theirs"), "2", str(tmp_path / "theirs.pt"), "--plain")
+@pytest.mark.parametrize("async_save", [False, True])
+def test_preempted_and_killed_mid_save_then_resumed_ends_bitwise_equal(tmp_path, straight, async_save):
+    extra = ("--async",) if async_save else ()
+    _same(_preempt_kill_resume(tmp_path, 1, *extra), straight, f"1 rank, SIGTERM + SIGKILL (async={async_save})")
+
+
+@pytest.mark.slow
+def test_ddp_on_two_ranks_preempted_killed_resumed_and_adopted(tmp_path):
+    """2 DDP ranks: SIGTERM, SIGKILL mid-save and resume end bitwise equal to the straight run; Lightning's own
+    files of a DDP run resume under the plugin; the 2-rank checkpoint resumes on 1 rank."""
+    _run(str(tmp_path / "straight"), str(EPOCHS), str(tmp_path / "straight.pt"), "--plain", ranks=2)
+    straight = torch.load(tmp_path / "straight.pt", weights_only=True)
+    _same(_preempt_kill_resume(tmp_path / "ours", 2), straight, "DDP, SIGTERM + SIGKILL -> ckptio resume")
+    _run(str(tmp_path / "theirs"), "2", str(tmp_path / "theirs.pt"), "--plain", ranks=2)
     assert (tmp_path / "theirs" / "last.ckpt").is_file()
-    _torchrun(str(tmp_path / "theirs"), str(EPOCHS), str(tmp_path / "adopted.pt"), "--resume")
-    straight = torch.load(tmp_path / "straight.pt")
-    _same(torch.load(tmp_path / "resumed.pt"), straight, "DDP, ckptio -> ckptio")
-    _same(torch.load(tmp_path / "adopted.pt"), straight, "DDP, Lightning .ckpt -> ckptio")
+    _run(str(tmp_path / "theirs"), str(EPOCHS), str(tmp_path / "adopted.pt"), "--resume", ranks=2)
+    _same(torch.load(tmp_path / "adopted.pt", weights_only=True), straight, "DDP, Lightning .ckpt -> ckptio")
+    # another number of ranks: the 2-rank run's last.ckpt (step 16 of 4 steps an epoch) goes on on 1 rank
+    saved = read_checkpoint(tmp_path / "ours" / "last.ckpt")
+    torch.manual_seed(0)
+    module, tr = Tiny(), trainer(tmp_path / "ours", EPOCHS + 1, [CkptioCheckpointIO()], every_n_epochs=1,
+                                 save_top_k=-1, save_last=True)
+    seen = {}
+    tr.callbacks.append(_Peek(seen))
+    tr.fit(module, loader(), ckpt_path="last")
+    _same(seen["weights"], {k: v for k, v in saved["state_dict"].items()}, "2 ranks -> 1 rank, restored weights")
+    assert saved["global_step"] == 4 * EPOCHS and tr.global_step == 4 * EPOCHS + 8  # one more epoch of 8 steps
+
+
+class _Peek(pytorch_lightning.Callback):
+    def __init__(self, seen: dict) -> None:
+        self.seen = seen
+
+    def on_train_start(self, trainer, module) -> None:  # noqa: ANN001
+        self.seen["weights"] = {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def test_leftovers_of_killed_saves_are_swept_and_nothing_else(tmp_path):
+    from ckptio.lightning import sweep_leftovers, write_checkpoint
+
+    kept = {"epoch=0-step=8.ckpt", "last.ckpt", ".hidden-by-the-user", "notes.replaced-0badc0de"}
+    write_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 8}, tmp_path / "last.ckpt")
+    write_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 8}, tmp_path / "epoch=0-step=8.ckpt")
+    gone = {".last.ckpt.tmp-0123abcd", ".trash-last.ckpt-89abcdef", "last.ckpt.replaced-00ff00ff"}
+    for name in gone | {".hidden-by-the-user", "notes.replaced-0badc0de"}:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "f").write_bytes(b"x")
+    (tmp_path / ".link.tmp-0123abcd").symlink_to(tmp_path / "last.ckpt")
+    kept.add(".link.tmp-0123abcd")
+    assert {p.name for p in sweep_leftovers(tmp_path)} == gone
+    assert {p.name for p in tmp_path.iterdir()} == kept
+    assert read_checkpoint(tmp_path / "last.ckpt")["global_step"] == 8
 
 
 def test_the_example_trains_and_resumes(tmp_path):

@@ -1,0 +1,84 @@
+"""Run the tiny Lightning module in a process of its own (1 device) or under torchrun (DDP on CPU ranks).
+
+    python tests/lit_run.py DIR EPOCHS OUT [--resume] [--plain] [--async] [--sigterm-at STEP] [--kill-at POINT:N]
+    python -m torch.distributed.run --nproc-per-node=2 tests/lit_run.py DIR EPOCHS OUT --ddp [...]
+
+``--resume``: ``fit(ckpt_path="last")``; ``--plain``: Lightning's own checkpoint files (no plugin); ``--async``:
+background saves. ``--sigterm-at STEP``: every rank sends itself SIGTERM after global step STEP, as torchrun
+forwards a preemption notice (Lightning stops at the next batch). ``--kill-at POINT:N``: global rank 0 SIGKILLs
+itself the N-th time a ckptio save reaches the named point (``ckptio._faults``), e.g. ``commit.before_rename:2``
+with the files written and not yet in place. Global rank 0 writes the final weights and optimizer moments to OUT.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import pytorch_lightning as pl  # noqa: E402
+import torch  # noqa: E402
+
+from lit_tiny import Tiny, loader, state  # noqa: E402
+
+
+def _arg(name: str) -> str | None:
+    return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else None
+
+
+class Preempt(pl.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args) -> None:  # noqa: ANN001
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _kill_at(spec: str) -> None:
+    from ckptio import _faults
+
+    point, n = spec.split(":")
+    seen = [0]
+
+    def hook(name: str) -> None:
+        if name == point:
+            seen[0] += 1
+            if seen[0] == int(n):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    _faults.set_hook(hook)
+
+
+def main() -> None:
+    root, epochs, out = Path(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
+    ddp = "--ddp" in sys.argv
+    plugins = []
+    if "--plain" not in sys.argv:
+        from ckptio.lightning import CkptioCheckpointIO
+
+        plugins = [CkptioCheckpointIO(async_save="--async" in sys.argv)]
+    callbacks = [pl.callbacks.ModelCheckpoint(dirpath=str(root), every_n_epochs=1, save_top_k=-1, save_last=True)]
+    if _arg("--sigterm-at"):
+        callbacks.append(Preempt(int(_arg("--sigterm-at"))))
+    if _arg("--kill-at") and int(os.environ.get("RANK", "0")) == 0:
+        _kill_at(_arg("--kill-at"))
+    torch.manual_seed(0)
+    module = Tiny()
+    tr = pl.Trainer(max_epochs=epochs, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                    accelerator="cpu", devices=2 if ddp else 1, strategy="ddp" if ddp else "auto", plugins=plugins,
+                    deterministic=True, callbacks=callbacks)
+    tr.fit(module, loader(), ckpt_path="last" if "--resume" in sys.argv else None)
+    if tr.global_rank == 0:
+        torch.save(state(module, tr), out)
+    if ddp:
+        tr.strategy.barrier()
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()
+    os._exit(0)  # see tests/distributed.py: a rare abort at interpreter teardown must not fail the run
