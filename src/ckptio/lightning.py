@@ -135,7 +135,8 @@ def sweep_leftovers(folder: str | Path) -> list[Path]:
     alone. Returns what was removed."""
     from .storage.posix import remove_tree
 
-    folder, removed = Path(folder), []
+    folder = Path(folder)
+    removed: list[Path] = []
     if not folder.is_dir():
         return removed
     for p in sorted(folder.iterdir()):
