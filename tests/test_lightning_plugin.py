@@ -198,7 +198,8 @@ class _Peek(pytorch_lightning.Callback):
 
 
 def test_leftovers_of_killed_saves_are_swept_and_nothing_else(tmp_path):
-    from ckptio.lightning import sweep_leftovers, write_checkpoint
+    from ckptio.lightning import write_checkpoint
+    from ckptio.storage.posix import sweep_leftovers
 
     kept = {"epoch=0-step=8.ckpt", "last.ckpt", ".hidden-by-the-user", "notes.replaced-0badc0de"}
     write_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 8}, tmp_path / "last.ckpt")

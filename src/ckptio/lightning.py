@@ -27,7 +27,6 @@ holding sharded tensors is refused.
 
 from __future__ import annotations
 
-import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -41,7 +40,7 @@ try:
 except ImportError as _missing:  # the integration is an extra
     raise ImportError("ckptio.lightning needs PyTorch Lightning: pip install 'ckptio[lightning]'") from _missing
 
-__all__ = ["CkptioCheckpointIO", "write_checkpoint", "read_checkpoint", "sweep_leftovers"]
+__all__ = ["CkptioCheckpointIO", "write_checkpoint", "read_checkpoint"]
 
 MODEL_DIR, STATE_DIR, TRAINER_STATE = "model", "state", "trainer_state.pt"
 _FORMAT = "lightning-checkpoint/1"
@@ -74,6 +73,8 @@ class CkptioCheckpointIO(CheckpointIO):
         parent = Path(path).absolute().parent
         if parent not in self._swept:  # once per folder: what a save or a removal killed mid-way left behind
             self._swept.add(parent)
+            from .storage.posix import sweep_leftovers
+
             sweep_leftovers(parent)
         if not self.async_save:
             write_checkpoint(checkpoint, path)
@@ -125,31 +126,6 @@ class CkptioCheckpointIO(CheckpointIO):
 
 
 # ------------------------------------------------------------------------------------------------- writing
-_LEFTOVER = re.compile(r"^(\..+\.tmp-[0-9a-f]{8}|\.trash-.+-[0-9a-f]{8}|.+\.replaced-[0-9a-f]{8})$")
-
-
-def sweep_leftovers(folder: str | Path) -> list[Path]:
-    """Remove what a killed save or removal left in ``folder``: the hidden folder a save was writing
-    (``.NAME.tmp-*``), a hidden deletion (``.trash-*``) and, where directories cannot be exchanged atomically,
-    the old copy of a replaced checkpoint (``NAME.replaced-*``, only once ``NAME`` is in place). Links are left
-    alone. Returns what was removed."""
-    from .storage.posix import remove_tree
-
-    folder = Path(folder)
-    removed: list[Path] = []
-    if not folder.is_dir():
-        return removed
-    for p in sorted(folder.iterdir()):
-        if not _LEFTOVER.match(p.name) or p.is_symlink() or not p.is_dir():
-            continue
-        if ".replaced-" in p.name and not p.name.startswith(".") and \
-                not (folder / p.name.rsplit(".replaced-", 1)[0] / "manifest.json").is_file():
-            continue  # its replacement is not in place: this is still the only copy
-        remove_tree(p)
-        removed.append(p)
-    return removed
-
-
 def write_checkpoint(checkpoint: dict[str, Any], path: str | Path) -> Path:
     """Write Lightning's checkpoint dict as a committed ckptio folder at ``path`` (replacing one that is there)."""
     from .formats import pt as pt_format

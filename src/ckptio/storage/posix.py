@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import uuid
 from pathlib import Path
@@ -223,3 +224,26 @@ def check_pointer_target(target: str, where: object, checkpoint_dir: object) -> 
             f"{where}: the pointer names {target!r:.200}, not a checkpoint directory directly inside {checkpoint_dir}"
         )
     return target
+
+
+_LEFTOVER = re.compile(r"^(\..+\.tmp-[0-9a-f]{8}|\.trash-.+-[0-9a-f]{8}|.+\.replaced-[0-9a-f]{8})$")
+
+
+def sweep_leftovers(folder: str | Path) -> list[Path]:
+    """Remove what a killed save or removal left in ``folder``: the hidden folder a save was writing
+    (``.NAME.tmp-*``), a hidden deletion (``.trash-*``) and, where directories cannot be exchanged atomically,
+    the old copy of a replaced checkpoint (``NAME.replaced-*``, only once ``NAME`` is in place). Links are left
+    alone. Returns what was removed."""
+    folder = Path(folder)
+    removed: list[Path] = []
+    if not folder.is_dir():
+        return removed
+    for p in sorted(folder.iterdir()):
+        if not _LEFTOVER.match(p.name) or p.is_symlink() or not p.is_dir():
+            continue
+        if ".replaced-" in p.name and not p.name.startswith(".") and \
+                not (folder / p.name.rsplit(".replaced-", 1)[0] / "manifest.json").is_file():
+            continue  # its replacement is not in place: this is still the only copy
+        remove_tree(p)
+        removed.append(p)
+    return removed

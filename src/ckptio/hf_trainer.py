@@ -1,0 +1,340 @@
+"""The Hugging Face ``Trainer`` checkpoints through ckptio: ``CkptioTrainer`` in place of ``Trainer``.
+
+The layout stays the Trainer's, so everything that reads a ``checkpoint-N/`` folder still does (the plain
+``Trainer`` resumes from it, ``from_pretrained`` loads its weights)::
+
+    out/checkpoint-500/
+    ├── model.safetensors, config.json, …  # save_model's output, tokenizer included: from_pretrained loads it
+    ├── optimizer.pt, scheduler.pt         # plain state dicts (torch.load(weights_only=True) reads them)
+    ├── rng_state.pth | rng_state_R.pth    # one per rank on several ranks
+    ├── trainer_state.json, training_args.bin
+    └── manifest.json                      # written last: every file's size and CRC-32C
+
+What changes is how it gets there and how it is read back:
+
+* **No torn checkpoint.** Every rank writes into one hidden folder (``.checkpoint-500.tmp-…``); once all are
+  done, rank 0 fsyncs it, writes the manifest and renames it into place. A crash at any instant leaves either
+  the whole checkpoint or none under its name; the leftovers of a killed save are swept at the next save.
+* **Resume from the newest complete checkpoint.** ``train(resume_from_checkpoint=True)`` takes the newest
+  ``checkpoint-N`` whose files all match its manifest (every byte checksummed unless ``verify="size"``);
+  damaged or torn ones are skipped with a warning naming the reason. A folder without a manifest (written by
+  the plain ``Trainer``) is taken when its ``trainer_state.json`` is valid and its state files are present.
+  When folders exist but none is usable, :class:`~ckptio.errors.NoUsableCheckpointError` is raised instead of
+  silently starting over; an empty ``output_dir`` starts a fresh run (the plain ``Trainer`` raises there, which
+  makes one command for the first start and every restart impossible).
+* **Safe reads.** Optimizer and scheduler states load with ``weights_only``, the RNG files through ckptio's
+  restricted unpickler, each opened as a regular file inside the checkpoint (no links); ``training_args.bin``
+  (a full pickle) is never read. A resume that lacks the optimizer or scheduler state is refused instead of
+  restarting them silently.
+* **Retention** follows the Trainer's own rule (``save_total_limit`` newest, the newest and the best by
+  ``metric_for_best_model`` always kept), counts only complete checkpoints, and deletes a checkpoint by hiding
+  it first, so a crash never leaves half of one under its name.
+
+Single process and DDP (``torchrun``) are supported. Under DeepSpeed or FSDP the Trainer writes sharded states
+through its own code; ``CkptioTrainer`` refuses them at construction rather than pretend.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import CheckpointCorruptError, CheckpointError, MissingDependencyError, NoUsableCheckpointError
+
+try:
+    from transformers import Trainer
+    from transformers.trainer_callback import ExportableState, TrainerState
+except ImportError as _missing:  # the integration is an extra
+    raise MissingDependencyError("ckptio.hf_trainer needs transformers: pip install 'ckptio[hf]'") from _missing
+
+__all__ = ["CkptioTrainerMixin", "CkptioTrainer", "usable_checkpoints", "last_checkpoint"]
+
+log = logging.getLogger("ckptio")
+_NAME = re.compile(r"^checkpoint-(\d+)$")
+_MAX_JSON = 256 << 20
+_MAX_RNG = 64 << 20
+_TRAINER_STATE, _OPTIMIZER, _SCHEDULER = "trainer_state.json", "optimizer.pt", "scheduler.pt"
+_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json",
+            "adapter_model.safetensors", "adapter_model.bin")
+_INCOMPLETE = "checkpoint-is-incomplete.txt"  # the Trainer's own marker of a save it began on SIGTERM
+
+
+class CkptioTrainerMixin:
+    """Mixed in before a ``Trainer`` class (``class MyTrainer(CkptioTrainerMixin, SFTTrainer)``): its checkpoints are
+    committed, checksummed ckptio folders in the Trainer's layout (see the module's documentation).
+
+    ``ckptio_verify``: ``"full"`` (every byte checked against its checksum before a resume, the default) or
+    ``"size"``.
+    """
+
+    ckptio_verify: str = "full"
+
+    def __init__(self, *args: Any, ckptio_verify: str = "full", **kwargs: Any) -> None:
+        if ckptio_verify not in ("full", "size"):
+            raise ValueError(f"ckptio_verify must be 'full' or 'size', not {ckptio_verify!r}")
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        self.ckptio_verify = ckptio_verify
+        self._ckptio_swept = False
+        me: Any = self
+        if me.is_deepspeed_enabled or me.is_fsdp_enabled:
+            raise CheckpointError("CkptioTrainer checkpoints single-process and DDP runs; under DeepSpeed or FSDP the "
+                                  "Trainer writes sharded states through its own code (use ckptio.CheckpointManager "
+                                  "in a loop of your own for FSDP2)")
+
+    # ------------------------------------------------------------------------------------------- resuming
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``; ``resume_from_checkpoint=True`` takes ckptio's newest complete checkpoint (a fresh run
+        when ``output_dir`` holds none), and a named checkpoint is checked before anything is loaded."""
+        me: Any = self
+        if resume_from_checkpoint is True:
+            found = last_checkpoint(me.args.output_dir, verify=self.ckptio_verify)
+            if found is None:
+                log.info("ckptio: no checkpoint in %s, starting a fresh run", me.args.output_dir)
+            resume_from_checkpoint = str(found) if found is not None else None
+        elif resume_from_checkpoint:
+            _check(Path(str(resume_from_checkpoint)), self.ckptio_verify, me.args.save_only_model)
+        return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        from .formats import pt as pt_format
+
+        me: Any = self
+        if checkpoint is None:
+            return
+        if me.args.save_only_model:
+            log.warning("ckptio: save_only_model is set, the optimizer and scheduler of %s are not restored",
+                        checkpoint)
+            return
+        optimizer = pt_format.load(Path(checkpoint) / _OPTIMIZER)
+        scheduler = pt_format.load(Path(checkpoint) / _SCHEDULER)
+        try:
+            me.optimizer.load_state_dict(optimizer)
+            me.lr_scheduler.load_state_dict(scheduler)
+        except (KeyError, ValueError, TypeError, RuntimeError) as exc:
+            raise CheckpointCorruptError(f"{checkpoint}: its optimizer or scheduler state does not fit this run's "
+                                         f"({type(exc).__name__}: {exc})") from exc
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        me: Any = self
+        if checkpoint is None:
+            return
+        name = f"rng_state_{me.args.process_index}.pth" if me.args.world_size > 1 else "rng_state.pth"
+        if not (Path(checkpoint) / name).is_file():
+            log.warning("ckptio: %s has no %s (saved on another number of ranks): the random streams start anew",
+                        checkpoint, name)
+            return
+        _apply_rng(read_rng_state(Path(checkpoint), name), me.args.parallel_mode)
+
+    def _load_best_model(self) -> None:
+        me: Any = self
+        best = me.state.best_model_checkpoint
+        if best:
+            _check(Path(best), self.ckptio_verify, True)
+        super()._load_best_model()  # type: ignore[misc]
+
+    # --------------------------------------------------------------------------------------------- saving
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """The Trainer's save, written into a hidden folder by every rank and committed by rank 0."""
+        from .storage.local import LocalFolderWriter
+        from .storage.posix import sweep_leftovers
+
+        me: Any = self
+        if me.hp_search_backend is None and trial is None:
+            me.store_flos()
+        run_dir = Path(me._get_output_dir(trial=trial))
+        final = run_dir / f"checkpoint-{me.state.global_step}"
+        tmp = run_dir / f".{final.name}.tmp-{me.state.global_step & 0xFFFFFFFF:08x}"
+        if me.args.should_save:
+            if not self._ckptio_swept:
+                self._ckptio_swept = True
+                sweep_leftovers(run_dir)
+            shutil.rmtree(tmp, ignore_errors=True)  # an earlier attempt at this step, killed
+            tmp.mkdir(parents=True)
+        me.accelerator.wait_for_everyone()
+        me.save_model(str(tmp), _internal_call=True)
+        if me.state.best_global_step:
+            best = run_dir / f"checkpoint-{me.state.best_global_step}"
+            if me.state.best_global_step == me.state.global_step or best.is_dir():
+                me.state.best_model_checkpoint = str(best)
+        if not me.args.save_only_model:
+            me._save_optimizer_and_scheduler(str(tmp))
+            me._save_scaler(str(tmp))
+            me._save_rng_state(str(tmp))
+        me.accelerator.wait_for_everyone()  # every rank's files are in
+        if me.args.should_save:
+            self._store_callback_states()
+            me.state.save_to_json(str(tmp / _TRAINER_STATE))
+            _commit(LocalFolderWriter(final, tmp), me.state, me.args)
+            _rotate(run_dir, me.args.save_total_limit, me.state.best_model_checkpoint)
+        me.accelerator.wait_for_everyone()  # committed before any rank reads it
+        if me.args.push_to_hub:
+            me._push_from_checkpoint(str(final))
+
+    def _store_callback_states(self) -> None:
+        me: Any = self
+        for cb in [c for c in me.callback_handler.callbacks + [me.control] if isinstance(c, ExportableState)]:
+            name, state = cb.__class__.__name__, cb.state()
+            if isinstance(me.state.stateful_callbacks[name], list):
+                me.state.stateful_callbacks[name].append(state)
+            else:
+                me.state.stateful_callbacks[name] = state
+
+
+class CkptioTrainer(CkptioTrainerMixin, Trainer):
+    """``transformers.Trainer`` whose checkpoints are committed, checksummed ckptio folders (see
+    :class:`CkptioTrainerMixin`)."""
+
+
+# --------------------------------------------------------------------------------------------- the folders
+def usable_checkpoints(output_dir: str | Path, *, verify: str = "full") -> tuple[list[Path], list[tuple[str, str]]]:
+    """The ``checkpoint-N`` folders of ``output_dir`` a run can resume from, newest first, and the others with the
+    reason each is skipped (torn, damaged, a link, an interrupted save)."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return [], []
+    found = sorted(((int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name))), reverse=True)
+    good, skipped = [], []
+    for _, path in found:
+        try:
+            _check(path, verify, False)
+        except CheckpointError as exc:
+            skipped.append((path.name, str(exc)))
+        else:
+            good.append(path)
+    return good, skipped
+
+
+def last_checkpoint(output_dir: str | Path, *, verify: str = "full") -> Path | None:
+    """The newest complete checkpoint in ``output_dir`` (a safe ``transformers.trainer_utils.get_last_checkpoint``);
+    ``None`` when there is none at all; :class:`~ckptio.errors.NoUsableCheckpointError` when there are folders but
+    none is usable. Each skipped folder is logged with its reason."""
+    good, skipped = usable_checkpoints(output_dir, verify=verify)
+    for name, why in skipped:
+        log.warning("ckptio: skipping %s: %s", name, why)
+    if good:
+        return good[0]
+    if skipped:
+        raise NoUsableCheckpointError(f"{output_dir}: {len(skipped)} checkpoint folder(s), none usable: "
+                                      + "; ".join(f"{n}: {w}" for n, w in skipped[:3]), skipped)
+    return None
+
+
+def _check(path: Path, verify: str, model_only: bool) -> None:
+    """Raise a :class:`CheckpointError` naming what is wrong unless ``path`` is a complete checkpoint."""
+    from .manifest import MANIFEST_NAME, check_files, read_manifest
+    from .storage.confined import Folder
+
+    if path.is_symlink() or not path.is_dir():
+        raise CheckpointCorruptError(f"{path}: not a directory (a link is never a checkpoint)")
+    folder = Folder(path)
+    if folder.kind(MANIFEST_NAME) is not None:
+        problems = check_files(folder, read_manifest(folder), checksums=verify == "full")
+        if problems:
+            raise CheckpointCorruptError(f"{path}: {len(problems)} file(s) damaged: " + "; ".join(problems[:3]))
+    elif folder.kind(_INCOMPLETE) is not None:
+        raise CheckpointCorruptError(f"{path}: the Trainer marked this save incomplete ({_INCOMPLETE})")
+    state = _trainer_state(folder)
+    if not any(folder.kind(n) == "file" for n in _WEIGHTS):
+        raise CheckpointCorruptError(f"{path}: holds no model weights")
+    if not model_only:
+        missing = [n for n in (_OPTIMIZER, _SCHEDULER) if folder.kind(n) != "file"]
+        if missing:
+            raise CheckpointCorruptError(f"{path}: has no {' or '.join(missing)} (step {state.global_step}: a save "
+                                         "cut short, or one made with save_only_model)")
+
+
+def _trainer_state(folder: Any) -> TrainerState:
+    import dataclasses
+
+    where = folder.display(_TRAINER_STATE)
+    if folder.kind(_TRAINER_STATE) != "file":
+        raise CheckpointCorruptError(f"{where}: missing (a save cut short)")
+    try:
+        data = json.loads(folder.read_bytes(_TRAINER_STATE, max_size=_MAX_JSON))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointCorruptError(f"{where}: not valid JSON ({exc})") from exc
+    known = {f.name for f in dataclasses.fields(TrainerState)}
+    if not isinstance(data, dict) or set(data) - known or type(data.get("global_step")) is not int:
+        raise CheckpointCorruptError(f"{where}: not a Trainer state (unknown keys or no integer global_step)")
+    return TrainerState(**data)
+
+
+def read_rng_state(checkpoint: Path, name: str) -> dict[str, Any]:
+    """The Trainer's ``rng_state*.pth`` through ckptio's restricted unpickler (numpy arrays and tensors only)."""
+    from .formats import megatron_pickle
+    from .storage.confined import Folder
+
+    folder = Folder(checkpoint)
+    state, placeholders = megatron_pickle.load(folder, name, max_size=_MAX_RNG)
+    where = folder.display(name)
+    if placeholders or not isinstance(state, dict) or not {"python", "numpy", "cpu"} <= set(state):
+        raise CheckpointCorruptError(f"{where}: not a Trainer RNG state (expected python, numpy and cpu states)")
+    if not isinstance(state["cpu"], torch.Tensor) or state["cpu"].dtype != torch.uint8:
+        raise CheckpointCorruptError(f"{where}: its cpu state is not a byte tensor")
+    return state
+
+
+def _apply_rng(state: dict[str, Any], parallel_mode: Any) -> None:
+    import numpy as np
+
+    try:
+        py = state["python"]
+        random.setstate((py[0], tuple(py[1]), py[2]))
+        np.random.set_state(state["numpy"])
+        torch.random.set_rng_state(state["cpu"])
+    except (TypeError, ValueError, IndexError, RuntimeError) as exc:
+        raise CheckpointCorruptError(f"an RNG state that cannot be restored ({type(exc).__name__}: {exc})") from exc
+    if torch.cuda.is_available() and "cuda" in state:
+        from transformers.trainer_pt_utils import set_rng_state_for_device
+        from transformers.training_args import ParallelMode
+
+        set_rng_state_for_device("CUDA", torch.cuda, state, parallel_mode == ParallelMode.DISTRIBUTED)
+
+
+def _commit(writer: Any, state: TrainerState, args: Any) -> None:
+    from .manifest import MANIFEST_NAME, Manifest, StateEntry, software_versions
+
+    files = writer.files()
+    sums = {rel: writer.checksum_of(rel) for rel in files}
+    metrics = {}
+    key = args.metric_for_best_model
+    if key:
+        key = key if key.startswith("eval_") else f"eval_{key}"
+        for entry in state.log_history:
+            if entry.get("step") == state.global_step and isinstance(entry.get(key), (int, float)):
+                metrics[key] = float(entry[key])
+    weights = next((n for n in _WEIGHTS if n in files), None)
+    states = {"model": StateEntry("model", "hf", weights)} if weights else {}
+    if _OPTIMIZER in files:
+        states.update(optimizer=StateEntry("optimizer", "pt", _OPTIMIZER),
+                      lr_scheduler=StateEntry("object", "pt", _SCHEDULER))
+    manifest = Manifest(name=writer.final.name, step=state.global_step, epoch=int(state.epoch or 0),
+                        world_size=args.world_size, model_save_format="safetensors", states=states, files=files,
+                        metrics=metrics, checksums=sums, versions=software_versions())
+    writer.commit((MANIFEST_NAME, manifest.to_json().encode()))
+
+
+def _rotate(run_dir: Path, limit: int | None, best: str | None) -> list[Path]:
+    """The Trainer's rule on complete checkpoints: at most ``limit``, the newest and the best always kept, the
+    oldest deleted first (hidden, then removed)."""
+    from .storage.posix import remove_tree
+
+    if not limit or limit <= 0:
+        return []
+    steps = sorted((int(m.group(1)), p) for p in run_dir.iterdir() if (m := _NAME.match(p.name)) and p.is_dir()
+                   and not p.is_symlink())
+    if len(steps) <= limit:
+        return []
+    keep = {steps[-1][1].name} | ({Path(best).name} if best else set())
+    doomed = [p for _, p in steps if p.name not in keep][: len(steps) - max(limit, len(keep))]
+    for p in doomed:
+        log.info("ckptio: deleting %s (save_total_limit=%d)", p.name, limit)
+        remove_tree(p)
+    return doomed

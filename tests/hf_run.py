@@ -1,0 +1,76 @@
+"""Run the tiny Trainer in a process of its own (1 rank) or under torchrun (DDP on CPU ranks).
+
+    python tests/hf_run.py DIR MAX_STEPS OUT [--plain] [--resume] [--sigterm-at STEP] [--kill-at POINT:N]
+    python -m torch.distributed.run --nproc-per-node=2 tests/hf_run.py DIR MAX_STEPS OUT [...]
+
+``--plain``: the plain ``Trainer`` (its own checkpoints); otherwise ``CkptioTrainer``. ``--resume``:
+``train(resume_from_checkpoint=True)``. ``--sigterm-at STEP``: every rank receives SIGTERM after global step STEP
+(a preemption: the Trainer has no handler, the process ends). ``--kill-at POINT:N``: global rank 0 SIGKILLs itself
+the N-th time a ckptio save reaches the named point (``ckptio._faults``). Global rank 0 writes the final weights
+and optimizer moments to OUT.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from transformers import Trainer, TrainerCallback  # noqa: E402
+
+from hf_tiny import state, trainer  # noqa: E402
+
+
+def _arg(name: str) -> str | None:
+    return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else None
+
+
+class Preempt(TrainerCallback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kw) -> None:  # noqa: ANN001
+        if state.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _kill_at(spec: str) -> None:
+    from ckptio import _faults
+
+    point, n = spec.split(":")
+    seen = [0]
+
+    def hook(name: str) -> None:
+        if name == point:
+            seen[0] += 1
+            if seen[0] == int(n):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    _faults.set_hook(hook)
+
+
+def main() -> None:
+    root, steps, out = Path(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
+    if "--plain" in sys.argv:
+        cls = Trainer
+    else:
+        from ckptio.hf_trainer import CkptioTrainer as cls
+    if _arg("--kill-at") and int(os.environ.get("RANK", "0")) == 0:
+        _kill_at(_arg("--kill-at"))
+    tr = trainer(cls, root, steps)
+    if _arg("--sigterm-at"):
+        tr.add_callback(Preempt(int(_arg("--sigterm-at"))))
+    tr.train(resume_from_checkpoint=True if "--resume" in sys.argv else None)
+    if tr.is_world_process_zero():
+        torch.save(state(tr), out)
+    tr.accelerator.wait_for_everyone()
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()
+    os._exit(0)  # see tests/distributed.py: a rare abort at interpreter teardown must not fail the run
