@@ -2,11 +2,14 @@
 integration, in one run.
 
     .venv/bin/python benchmarks/framework_pause.py --framework lightning --size 300MB --repeats 5
+    .venv/bin/python benchmarks/framework_pause.py --framework hf --size 300MB --repeats 5
 
 ``lightning``: ``trainer.save_checkpoint(path)`` after a fit of one step, with the checkpoint IO swapped between
 contenders on the same trainer: Lightning's default (``TorchCheckpointIO``: one ``torch.save`` pickle, not
 fsynced), Lightning's ``AsyncCheckpointIO`` around it, ``CkptioCheckpointIO()`` (a committed folder, every file
-fsynced) and ``CkptioCheckpointIO(async_save=True)``. The *pause* is the time the call blocks the training
+fsynced) and ``CkptioCheckpointIO(async_save=True)``. ``hf``: the Trainer's ``_save_checkpoint`` (what a ``save_steps`` step
+runs: ``checkpoint-N/`` with weights, optimizer, scheduler, RNG and trainer state) of a ``Trainer`` against a
+``CkptioTrainer`` sharing its model and optimizer (the same files, fsynced, committed, with a manifest). The *pause* is the time the call blocks the training
 thread; *total* also waits for a background write to be durable. Baselines of the same run: ``torch.save`` of the
 same dict, with and without fsync, and a raw write + fsync of as many bytes. One untimed warm-up round, then
 every round runs every contender in a shuffled order (seeded); medians, min-max and ratios to the baselines are
@@ -101,7 +104,57 @@ def lightning_contenders(size: int, root: Path) -> tuple[dict[str, Callable[[Pat
     return out, state_bytes
 
 
+def hf_contenders(size: int, root: Path) -> tuple[dict[str, Callable[[Path], Any]], int]:
+    """The Trainer's checkpoint save against CkptioTrainer's, on one Llama + AdamW state of about ``size`` bytes."""
+    import itertools
+
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+    from transformers.utils import logging as hf_logging
+
+    from ckptio.hf_trainer import CkptioTrainer
+
+    hf_logging.set_verbosity_error()
+    hidden, inter, vocab = 1024, 2816, 8192
+    per_layer = (4 * hidden * hidden + 3 * hidden * inter + 2 * hidden) * 4
+    layers = max(1, round((size / 3 - 2 * vocab * hidden * 4) / per_layer))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                                         num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=8))
+    ids = torch.randint(0, vocab, (2, 16))
+    data = [{"input_ids": ids[i], "labels": ids[i]} for i in range(2)]
+
+    def args(out: Path) -> Any:
+        return TrainingArguments(output_dir=str(out), max_steps=1, per_device_train_batch_size=2, use_cpu=True,
+                                 report_to=[], save_strategy="no", disable_tqdm=True, logging_strategy="no")
+
+    plain = Trainer(model=model, args=args(root / "hf"), train_dataset=data)
+    plain.train()
+    ours = CkptioTrainer(model=model, args=args(root / "ckptio"), train_dataset=data)
+    ours.optimizer, ours.lr_scheduler, ours.state = plain.optimizer, plain.lr_scheduler, plain.state
+    state_bytes = 3 * sum(p.numel() * 4 for p in model.parameters())
+    steps = itertools.count(1)
+
+    def contender(tr: Any) -> Callable[[Path], Any]:
+        def save(path: Path) -> Any:
+            tr.args.output_dir = str(path)
+            tr.state.global_step = next(steps)
+            tr._save_checkpoint(tr.model, None)
+            return None
+
+        return save
+
+    out = {"hf": contender(plain), "ckptio": contender(ours)}
+    block = bytearray(os.urandom(1 << 20)) * 64
+    out["torch.save"] = lambda path: torch.save({"model": model.state_dict(), "optim": plain.optimizer.state_dict()},
+                                                path)
+    out["torch.save + fsync"] = lambda path: (out["torch.save"](path), _fsync_tree(path))
+    out["raw write + fsync"] = lambda path: _raw_write(path, state_bytes, block)
+    return out, state_bytes
+
+
 def _finish(io: Any) -> None:
+    if io is None:
+        return
     if hasattr(io, "wait"):
         io.wait()
     elif hasattr(io, "_executor"):  # Lightning's AsyncCheckpointIO: teardown waits for its thread
@@ -111,14 +164,16 @@ def _finish(io: Any) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--framework", choices=["lightning"], default="lightning")
+    p.add_argument("--framework", choices=["lightning", "hf"], default="lightning")
     p.add_argument("--size", default="300MB", help="model + optimizer state, about (default 300MB)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
     args = p.parse_args()
     root = Path(tempfile.mkdtemp(prefix="ckptio-pause-", dir=args.dir))
     try:
-        contenders, nbytes = lightning_contenders(_size(args.size), root)
+        build = lightning_contenders if args.framework == "lightning" else hf_contenders
+        contenders, nbytes = build(_size(args.size), root)
+        ref = "lightning" if args.framework == "lightning" else "hf"
         pause: dict[str, list[float]] = {n: [] for n in contenders}
         total: dict[str, list[float]] = {n: [] for n in contenders}
         rng = random.Random(0)
@@ -140,11 +195,11 @@ def main() -> None:
         med = {n: statistics.median(v) for n, v in pause.items()}
         tot = {n: statistics.median(v) for n, v in total.items()}
         print(f"\n{args.framework}: a state of {nbytes / 1e6:.0f} MB, {args.repeats} rounds, medians (min-max)")
-        print(f"{'contender':22s} {'pause s':>22s} {'total s':>9s} {'÷ lightning':>12s} {'÷ torch.save':>13s}"
+        print(f"{'contender':22s} {'pause s':>22s} {'total s':>9s} {'÷ ' + ref:>12s} {'÷ torch.save':>13s}"
               f" {'÷ raw+fsync':>12s}")
         for n in contenders:
             lo, hi = min(pause[n]), max(pause[n])
-            print(f"{n:22s} {med[n]:8.3f} ({lo:5.3f}-{hi:5.3f}) {tot[n]:9.3f} {med[n] / med['lightning']:12.2f}"
+            print(f"{n:22s} {med[n]:8.3f} ({lo:5.3f}-{hi:5.3f}) {tot[n]:9.3f} {med[n] / med[ref]:12.2f}"
                   f" {med[n] / med['torch.save']:13.2f} {med[n] / med['raw write + fsync']:12.2f}")
     finally:
         shutil.rmtree(root, ignore_errors=True)

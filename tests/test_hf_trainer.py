@@ -205,3 +205,13 @@ class _Peek(__import__("transformers").TrainerCallback):
 
     def on_step_begin(self, args, state, control, model=None, **kw) -> None:  # noqa: ANN001
         self.seen.setdefault("weights", {k: v.detach().clone() for k, v in model.state_dict().items()})
+
+
+def test_the_example_trains_and_resumes(tmp_path):
+    script = ROOT / "examples" / "hf_trainer" / "train.py"
+    for steps in (10, 20):
+        done = subprocess.run([sys.executable, str(script), "--dir", str(tmp_path), "--steps", str(steps)],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0 and f"trained to step {steps}" in done.stdout, done.stderr[-2000:]
+    assert _names(tmp_path) == ["checkpoint-15", "checkpoint-20"]  # save_total_limit=2
+    assert (tmp_path / "checkpoint-20" / "manifest.json").is_file()

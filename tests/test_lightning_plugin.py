@@ -234,3 +234,26 @@ def test_a_ckptio_folder_replaces_a_lightning_file_of_the_same_name(tmp_path):
     _fit(tmp_path, 2, [CkptioCheckpointIO()], ckpt_path="last", save_last=True)
     assert (tmp_path / "last.ckpt" / "manifest.json").is_file()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no leftover of the exchange
+
+
+def test_a_state_dict_of_sharded_tensors_is_refused_naming_the_type(tmp_path):
+    """What FSDP/TP strategies would hand over if they went through a CheckpointIO with sharded states: DTensors on
+    a real (1-rank gloo) process group, refused before anything is written."""
+    import subprocess
+    import sys
+
+    code = f"""
+import torch, torch.distributed as dist
+from torch.distributed.tensor import distribute_tensor, Shard, init_device_mesh
+dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+from ckptio.lightning import write_checkpoint
+try:
+    write_checkpoint({{"state_dict": {{"w": distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)])}}}}, "{tmp_path}/x.ckpt")
+except TypeError as exc:
+    print("REFUSED", exc)
+dist.destroy_process_group()
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "REFUSED" in done.stdout and "DTensor" in done.stdout, done.stderr[-2000:]
+    assert not [p.name for p in tmp_path.iterdir() if p.name != "store"]  # nothing written, no hidden leftover
