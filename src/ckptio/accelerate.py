@@ -1,0 +1,215 @@
+"""``accelerate``'s ``save_state`` / ``load_state`` through ckptio: ``CkptioAccelerator`` in place of ``Accelerator``.
+
+The folder stays accelerate's (``model.safetensors``, ``optimizer.bin``, ``scheduler.bin``,
+``random_states_R.pkl``, ``custom_checkpoint_I.pkl`` for the objects given to ``register_for_checkpointing``), so
+the plain ``Accelerator.load_state`` still reads it; ckptio adds what accelerate leaves out:
+
+* every rank writes into one hidden folder that the main process fsyncs, describes in ``manifest.json`` (sizes
+  and CRC-32C) and renames into place once all are done: no torn checkpoint under a name ``load_state`` picks;
+* ``load_state()`` with automatic naming takes the newest *complete* ``checkpoint_N`` (damaged or torn ones are
+  skipped with the reason; accelerate takes the highest number, whatever it holds) and sets the iteration
+  counter after it, so the next ``save_state`` does not reuse a number;
+* ``total_limit`` counts complete checkpoints only and deletes hide-first, after the new one is in place (accelerate
+  deletes before writing, so a crash mid-save can leave fewer checkpoints than the limit promises);
+* the registered objects' states are read with ``weights_only`` (accelerate unpickles them without restriction),
+  every file through ckptio's confined reads; a file missing for a registered object is an error.
+
+Single process and multi-process CPU/GPU DDP are supported; FSDP, DeepSpeed and Megatron-LM write their own
+sharded states and are refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from .errors import CheckpointCorruptError, CheckpointError, MissingDependencyError, NoUsableCheckpointError
+
+try:
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+except ImportError as _missing:  # the integration is an extra
+    raise MissingDependencyError("ckptio.accelerate needs accelerate: pip install accelerate") from _missing
+
+__all__ = ["CkptioAccelerator", "usable_checkpoints"]
+
+log = logging.getLogger("ckptio")
+_NAME = re.compile(r"^checkpoint_(\d+)$")
+_CUSTOM = re.compile(r"^custom_checkpoint_(\d+)\.pkl$")
+
+
+class CkptioAccelerator(Accelerator):
+    """An ``Accelerator`` whose ``save_state`` commits a checksummed folder and whose ``load_state`` checks it first
+    and reads nothing unsafely (see the module's documentation). ``ckptio_verify``: ``"full"`` (every byte, the
+    default) or ``"size"``."""
+
+    def __init__(self, *args: Any, ckptio_verify: str = "full", **kwargs: Any) -> None:
+        if ckptio_verify not in ("full", "size"):
+            raise ValueError(f"ckptio_verify must be 'full' or 'size', not {ckptio_verify!r}")
+        super().__init__(*args, **kwargs)
+        self.ckptio_verify = ckptio_verify
+        self._ckptio_swept = False
+        if self.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
+            raise CheckpointError(f"CkptioAccelerator checkpoints single-process and DDP runs; under "
+                                  f"{self.distributed_type} accelerate writes sharded states through its own code")
+
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> str:
+        """``Accelerator.save_state``, written into a hidden folder by every process and committed by the main one;
+        returns the checkpoint's folder."""
+        from .storage.local import LocalFolderWriter
+        from .storage.posix import sweep_leftovers
+
+        config = self.project_configuration
+        auto = config.automatic_checkpoint_naming
+        if auto:
+            final = Path(self.project_dir) / "checkpoints" / f"checkpoint_{self.save_iteration}"
+        elif output_dir is None:
+            raise ValueError("save_state needs an output_dir when automatic checkpoint naming is off")
+        else:
+            final = Path(output_dir).expanduser()
+        tmp = final.parent / f".{final.name}.tmp-{config.iteration & 0xFFFFFFFF:08x}"
+        if self.is_main_process:
+            if not self._ckptio_swept:
+                self._ckptio_swept = True
+                sweep_leftovers(final.parent)
+            shutil.rmtree(tmp, ignore_errors=True)  # an earlier attempt at this iteration, killed
+            tmp.mkdir(parents=True)
+        self.wait_for_everyone()
+        config.automatic_checkpoint_naming = False
+        try:
+            super().save_state(str(tmp), safe_serialization, **kwargs)
+        finally:
+            config.automatic_checkpoint_naming = auto
+        self.wait_for_everyone()  # every process's files are in
+        if self.is_main_process:
+            _commit(LocalFolderWriter(final, tmp), self)
+            if auto and config.total_limit:
+                _rotate(final.parent, config.total_limit)
+        self.wait_for_everyone()  # committed before any process reads it
+        return str(final)
+
+    def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any) -> str | None:
+        """``Accelerator.load_state`` from a checked folder: ``input_dir``, or with automatic naming the newest
+        complete ``checkpoint_N`` (``None`` is returned, nothing loaded, when there is none at all). The registered
+        objects are read with ``weights_only``."""
+        from .formats import pt as pt_format
+
+        if load_kwargs and load_kwargs.get("weights_only") is False:
+            raise ValueError("CkptioAccelerator never loads with weights_only=False")
+        auto = self.project_configuration.automatic_checkpoint_naming
+        if input_dir is None:
+            if not auto:
+                raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
+            found = _newest(Path(self.project_dir) / "checkpoints", self.ckptio_verify)
+            if found is None:
+                log.info("ckptio: no checkpoint in %s/checkpoints", self.project_dir)
+                return None
+            path = found
+        else:
+            path = Path(input_dir).expanduser()
+            _check(path, self.ckptio_verify)
+        customs = sorted((int(m.group(1)) for p in path.iterdir() if (m := _CUSTOM.match(p.name))))
+        if customs != list(range(len(self._custom_objects))):
+            raise CheckpointCorruptError(f"{path}: holds the states of {len(customs)} registered object(s), this run "
+                                         f"registered {len(self._custom_objects)}")
+        self._load_accelerate_state(path, load_kwargs, kwargs)
+        for i, obj in enumerate(self._custom_objects):
+            obj.load_state_dict(pt_format.load(path / f"custom_checkpoint_{i}.pkl"))
+        if auto and (m := _NAME.match(path.name)):
+            self.project_configuration.iteration = int(m.group(1)) + 1
+        return str(path)
+
+
+    def _load_accelerate_state(self, path: Path, load_kwargs: dict | None, kwargs: dict[str, Any]) -> None:
+        """What ``Accelerator.load_state`` loads for a DDP or single-process run (models, optimizers, schedulers,
+        dataloaders, scaler, RNG, ``step``) through accelerate's own reader, which reads them with
+        ``weights_only``; the registered objects, which it would unpickle without restriction, are left out."""
+        from accelerate.checkpointing import load_accelerator_state
+
+        models = list(self._models)
+        for hook in self._load_model_state_pre_hook.values():
+            hook(models, str(path))
+        map_location = kwargs.pop("map_location", None)
+        if map_location is None:
+            map_location = "on_device" if self.num_processes > 1 and self.multi_device and \
+                self.distributed_type != DistributedType.MULTI_XPU else "cpu"
+        override = load_accelerator_state(str(path), models, self._optimizers, self._schedulers, self._dataloaders,
+                                          self.state.process_index, self.scaler, map_location, load_kwargs, **kwargs)
+        if "step" in override:
+            self.step = override["step"]
+
+
+def usable_checkpoints(folder: str | Path, *, verify: str = "full") -> tuple[list[Path], list[tuple[str, str]]]:
+    """The ``checkpoint_N`` folders in ``folder`` (``project_dir/checkpoints``) that can be loaded, newest first,
+    and the others with the reason each is skipped."""
+    root = Path(folder)
+    if not root.is_dir():
+        return [], []
+    found = sorted(((int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name))), reverse=True)
+    good, skipped = [], []
+    for _, path in found:
+        try:
+            _check(path, verify)
+        except CheckpointError as exc:
+            skipped.append((path.name, str(exc)))
+        else:
+            good.append(path)
+    return good, skipped
+
+
+def _newest(folder: Path, verify: str) -> Path | None:
+    good, skipped = usable_checkpoints(folder, verify=verify)
+    for name, why in skipped:
+        log.warning("ckptio: skipping %s: %s", name, why)
+    if good:
+        return good[0]
+    if skipped:
+        raise NoUsableCheckpointError(f"{folder}: {len(skipped)} checkpoint folder(s), none usable: "
+                                      + "; ".join(f"{n}: {w}" for n, w in skipped[:3]), skipped)
+    return None
+
+
+def _check(path: Path, verify: str) -> None:
+    from .manifest import MANIFEST_NAME, check_files, read_manifest
+    from .storage.confined import Folder
+
+    if path.is_symlink() or not path.is_dir():
+        raise CheckpointCorruptError(f"{path}: not a directory (a link is never a checkpoint)")
+    folder = Folder(path)
+    if folder.kind(MANIFEST_NAME) is None:
+        if folder.kind("random_states_0.pkl") is None:  # accelerate writes it last but the custom states
+            raise CheckpointCorruptError(f"{path}: no manifest and no random_states_0.pkl (a save cut short)")
+        return
+    problems = check_files(folder, read_manifest(folder), checksums=verify == "full")
+    if problems:
+        raise CheckpointCorruptError(f"{path}: {len(problems)} file(s) damaged: " + "; ".join(problems[:3]))
+
+
+def _commit(writer: Any, accelerator: Any) -> None:
+    from .manifest import MANIFEST_NAME, Manifest, StateEntry, software_versions
+
+    files = writer.files()
+    sums = {rel: writer.checksum_of(rel) for rel in files}
+    states = {name.split(".")[0]: StateEntry("object" if name.startswith(("custom", "scheduler")) else
+                                             "optimizer" if name.startswith("optimizer") else "model",
+                                             "safetensors" if name.endswith(".safetensors") else "pt", name)
+              for name in files if not name.startswith("random_states_")}
+    manifest = Manifest(name=writer.final.name, step=accelerator.project_configuration.iteration, epoch=0,
+                        world_size=accelerator.num_processes, model_save_format="safetensors", states=states,
+                        files=files, checksums=sums, versions=software_versions())
+    writer.commit((MANIFEST_NAME, manifest.to_json().encode()))
+
+
+def _rotate(folder: Path, limit: int) -> list[Path]:
+    from .storage.posix import remove_tree
+
+    steps = sorted((int(m.group(1)), p) for p in folder.iterdir() if (m := _NAME.match(p.name)) and p.is_dir()
+                   and not p.is_symlink())
+    doomed = [p for _, p in steps[: max(0, len(steps) - limit)]]
+    for p in doomed:
+        log.info("ckptio: deleting %s (total_limit=%d)", p.name, limit)
+        remove_tree(p)
+    return doomed
