@@ -122,3 +122,21 @@ def counting_collectives() -> Iterator[collections.Counter]:
     finally:
         for name, fn in real.items():
             setattr(dist, name, fn)
+
+
+def kill_at(spec: str) -> None:
+    """``POINT:N``: this process SIGKILLs itself the N-th time a ckptio save reaches the fault point POINT
+    (``ckptio._faults``), as a preemption without notice would at that instant."""
+    from ckptio import _faults
+
+    point, n = spec.split(":")
+    seen = [0]
+
+    def hook(name: str) -> None:
+        if name == point:
+            seen[0] += 1
+            if seen[0] == int(n):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    _faults.set_hook(hook)
+

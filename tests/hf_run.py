@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from transformers import Trainer, TrainerCallback  # noqa: E402
 
+from distributed import kill_at  # noqa: E402
 from hf_tiny import state, trainer  # noqa: E402
 
 
@@ -38,21 +39,6 @@ class Preempt(TrainerCallback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _kill_at(spec: str) -> None:
-    from ckptio import _faults
-
-    point, n = spec.split(":")
-    seen = [0]
-
-    def hook(name: str) -> None:
-        if name == point:
-            seen[0] += 1
-            if seen[0] == int(n):
-                os.kill(os.getpid(), signal.SIGKILL)
-
-    _faults.set_hook(hook)
-
-
 def main() -> None:
     root, steps, out = Path(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
     if "--plain" in sys.argv:
@@ -60,7 +46,7 @@ def main() -> None:
     else:
         from ckptio.hf_trainer import CkptioTrainer as cls
     if _arg("--kill-at") and int(os.environ.get("RANK", "0")) == 0:
-        _kill_at(_arg("--kill-at"))
+        kill_at(_arg("--kill-at"))
     tr = trainer(cls, root, steps)
     if _arg("--sigterm-at"):
         tr.add_callback(Preempt(int(_arg("--sigterm-at"))))

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pytorch_lightning as pl  # noqa: E402
 import torch  # noqa: E402
 
+from distributed import kill_at  # noqa: E402
 from lit_tiny import Tiny, loader, state  # noqa: E402
 
 
@@ -38,21 +39,6 @@ class Preempt(pl.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _kill_at(spec: str) -> None:
-    from ckptio import _faults
-
-    point, n = spec.split(":")
-    seen = [0]
-
-    def hook(name: str) -> None:
-        if name == point:
-            seen[0] += 1
-            if seen[0] == int(n):
-                os.kill(os.getpid(), signal.SIGKILL)
-
-    _faults.set_hook(hook)
-
-
 def main() -> None:
     root, epochs, out = Path(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
     ddp = "--ddp" in sys.argv
@@ -65,7 +51,7 @@ def main() -> None:
     if _arg("--sigterm-at"):
         callbacks.append(Preempt(int(_arg("--sigterm-at"))))
     if _arg("--kill-at") and int(os.environ.get("RANK", "0")) == 0:
-        _kill_at(_arg("--kill-at"))
+        kill_at(_arg("--kill-at"))
     torch.manual_seed(0)
     module = Tiny()
     tr = pl.Trainer(max_epochs=epochs, logger=False, enable_progress_bar=False, enable_model_summary=False,

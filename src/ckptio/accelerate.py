@@ -26,7 +26,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from .errors import CheckpointCorruptError, CheckpointError, MissingDependencyError, NoUsableCheckpointError
+from .errors import CheckpointCorruptError, CheckpointError, MissingDependencyError
 
 try:
     from accelerate import Accelerator
@@ -59,6 +59,7 @@ class CkptioAccelerator(Accelerator):
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> str:
         """``Accelerator.save_state``, written into a hidden folder by every process and committed by the main one;
         returns the checkpoint's folder."""
+        from .framework_dirs import remove_oldest
         from .storage.local import LocalFolderWriter
         from .storage.posix import sweep_leftovers
 
@@ -86,8 +87,8 @@ class CkptioAccelerator(Accelerator):
         self.wait_for_everyone()  # every process's files are in
         if self.is_main_process:
             _commit(LocalFolderWriter(final, tmp), self)
-            if auto and config.total_limit:
-                _rotate(final.parent, config.total_limit)
+            if auto:
+                remove_oldest(final.parent, _NAME, config.total_limit, setting="total_limit")
         self.wait_for_everyone()  # committed before any process reads it
         return str(final)
 
@@ -95,6 +96,7 @@ class CkptioAccelerator(Accelerator):
         """``Accelerator.load_state`` from a checked folder: ``input_dir``, or with automatic naming the newest
         complete ``checkpoint_N`` (``None`` is returned, nothing loaded, when there is none at all). The registered
         objects are read with ``weights_only``."""
+        from . import framework_dirs
         from .formats import pt as pt_format
 
         if load_kwargs and load_kwargs.get("weights_only") is False:
@@ -103,7 +105,8 @@ class CkptioAccelerator(Accelerator):
         if input_dir is None:
             if not auto:
                 raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
-            found = _newest(Path(self.project_dir) / "checkpoints", self.ckptio_verify)
+            root = Path(self.project_dir) / "checkpoints"
+            found = framework_dirs.newest(root, usable_checkpoints(root, verify=self.ckptio_verify))
             if found is None:
                 log.info("ckptio: no checkpoint in %s/checkpoints", self.project_dir)
                 return None
@@ -145,71 +148,31 @@ class CkptioAccelerator(Accelerator):
 def usable_checkpoints(folder: str | Path, *, verify: str = "full") -> tuple[list[Path], list[tuple[str, str]]]:
     """The ``checkpoint_N`` folders in ``folder`` (``project_dir/checkpoints``) that can be loaded, newest first,
     and the others with the reason each is skipped."""
-    root = Path(folder)
-    if not root.is_dir():
-        return [], []
-    found = sorted(((int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name))), reverse=True)
-    good, skipped = [], []
-    for _, path in found:
-        try:
-            _check(path, verify)
-        except CheckpointError as exc:
-            skipped.append((path.name, str(exc)))
-        else:
-            good.append(path)
-    return good, skipped
+    from . import framework_dirs
 
-
-def _newest(folder: Path, verify: str) -> Path | None:
-    good, skipped = usable_checkpoints(folder, verify=verify)
-    for name, why in skipped:
-        log.warning("ckptio: skipping %s: %s", name, why)
-    if good:
-        return good[0]
-    if skipped:
-        raise NoUsableCheckpointError(f"{folder}: {len(skipped)} checkpoint folder(s), none usable: "
-                                      + "; ".join(f"{n}: {w}" for n, w in skipped[:3]), skipped)
-    return None
+    return framework_dirs.usable(folder, _NAME, lambda path: _check(path, verify))
 
 
 def _check(path: Path, verify: str) -> None:
-    from .manifest import MANIFEST_NAME, check_files, read_manifest
+    from .framework_dirs import check_manifest
     from .storage.confined import Folder
 
     if path.is_symlink() or not path.is_dir():
         raise CheckpointCorruptError(f"{path}: not a directory (a link is never a checkpoint)")
     folder = Folder(path)
-    if folder.kind(MANIFEST_NAME) is None:
-        if folder.kind("random_states_0.pkl") is None:  # accelerate writes it last but the custom states
-            raise CheckpointCorruptError(f"{path}: no manifest and no random_states_0.pkl (a save cut short)")
-        return
-    problems = check_files(folder, read_manifest(folder), checksums=verify == "full")
-    if problems:
-        raise CheckpointCorruptError(f"{path}: {len(problems)} file(s) damaged: " + "; ".join(problems[:3]))
+    if not check_manifest(folder, verify, required=False) and folder.kind("random_states_0.pkl") is None:
+        # accelerate writes the RNG states after everything but the registered objects' states
+        raise CheckpointCorruptError(f"{path}: no manifest and no random_states_0.pkl (a save cut short)")
 
 
 def _commit(writer: Any, accelerator: Any) -> None:
-    from .manifest import MANIFEST_NAME, Manifest, StateEntry, software_versions
+    from .framework_dirs import commit
+    from .manifest import StateEntry
 
     files = writer.files()
-    sums = {rel: writer.checksum_of(rel) for rel in files}
     states = {name.split(".")[0]: StateEntry("object" if name.startswith(("custom", "scheduler")) else
                                              "optimizer" if name.startswith("optimizer") else "model",
                                              "safetensors" if name.endswith(".safetensors") else "pt", name)
               for name in files if not name.startswith("random_states_")}
-    manifest = Manifest(name=writer.final.name, step=accelerator.project_configuration.iteration, epoch=0,
-                        world_size=accelerator.num_processes, model_save_format="safetensors", states=states,
-                        files=files, checksums=sums, versions=software_versions())
-    writer.commit((MANIFEST_NAME, manifest.to_json().encode()))
-
-
-def _rotate(folder: Path, limit: int) -> list[Path]:
-    from .storage.posix import remove_tree
-
-    steps = sorted((int(m.group(1)), p) for p in folder.iterdir() if (m := _NAME.match(p.name)) and p.is_dir()
-                   and not p.is_symlink())
-    doomed = [p for _, p in steps[: max(0, len(steps) - limit)]]
-    for p in doomed:
-        log.info("ckptio: deleting %s (total_limit=%d)", p.name, limit)
-        remove_tree(p)
-    return doomed
+    commit(writer, step=accelerator.project_configuration.iteration, epoch=0, world_size=accelerator.num_processes,
+           states=states)

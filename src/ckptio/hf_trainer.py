@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointCorruptError, CheckpointError, MissingDependencyError, NoUsableCheckpointError
+from .errors import CheckpointCorruptError, CheckpointError, MissingDependencyError
 
 try:
     from transformers import Trainer
@@ -142,6 +142,7 @@ class CkptioTrainerMixin:
     # --------------------------------------------------------------------------------------------- saving
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """The Trainer's save, written into a hidden folder by every rank and committed by rank 0."""
+        from .framework_dirs import remove_oldest
         from .storage.local import LocalFolderWriter
         from .storage.posix import sweep_leftovers
 
@@ -172,7 +173,9 @@ class CkptioTrainerMixin:
             self._store_callback_states()
             me.state.save_to_json(str(tmp / _TRAINER_STATE))
             _commit(LocalFolderWriter(final, tmp), me.state, me.args)
-            _rotate(run_dir, me.args.save_total_limit, me.state.best_model_checkpoint)
+            best = me.state.best_model_checkpoint
+            remove_oldest(run_dir, _NAME, me.args.save_total_limit, keep=frozenset({Path(best).name} if best else ()),
+                          setting="save_total_limit")
         me.accelerator.wait_for_everyone()  # committed before any rank reads it
         if me.args.push_to_hub:
             me._push_from_checkpoint(str(final))
@@ -196,49 +199,29 @@ class CkptioTrainer(CkptioTrainerMixin, Trainer):
 def usable_checkpoints(output_dir: str | Path, *, verify: str = "full") -> tuple[list[Path], list[tuple[str, str]]]:
     """The ``checkpoint-N`` folders of ``output_dir`` a run can resume from, newest first, and the others with the
     reason each is skipped (torn, damaged, a link, an interrupted save)."""
-    root = Path(output_dir)
-    if not root.is_dir():
-        return [], []
-    found = sorted(((int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name))), reverse=True)
-    good, skipped = [], []
-    for _, path in found:
-        try:
-            _check(path, verify, False)
-        except CheckpointError as exc:
-            skipped.append((path.name, str(exc)))
-        else:
-            good.append(path)
-    return good, skipped
+    from . import framework_dirs
+
+    return framework_dirs.usable(output_dir, _NAME, lambda path: _check(path, verify, False))
 
 
 def last_checkpoint(output_dir: str | Path, *, verify: str = "full") -> Path | None:
     """The newest complete checkpoint in ``output_dir`` (a safe ``transformers.trainer_utils.get_last_checkpoint``);
     ``None`` when there is none at all; :class:`~ckptio.errors.NoUsableCheckpointError` when there are folders but
     none is usable. Each skipped folder is logged with its reason."""
-    good, skipped = usable_checkpoints(output_dir, verify=verify)
-    for name, why in skipped:
-        log.warning("ckptio: skipping %s: %s", name, why)
-    if good:
-        return good[0]
-    if skipped:
-        raise NoUsableCheckpointError(f"{output_dir}: {len(skipped)} checkpoint folder(s), none usable: "
-                                      + "; ".join(f"{n}: {w}" for n, w in skipped[:3]), skipped)
-    return None
+    from . import framework_dirs
+
+    return framework_dirs.newest(output_dir, usable_checkpoints(output_dir, verify=verify))
 
 
 def _check(path: Path, verify: str, model_only: bool) -> None:
     """Raise a :class:`CheckpointError` naming what is wrong unless ``path`` is a complete checkpoint."""
-    from .manifest import MANIFEST_NAME, check_files, read_manifest
+    from .framework_dirs import check_manifest
     from .storage.confined import Folder
 
     if path.is_symlink() or not path.is_dir():
         raise CheckpointCorruptError(f"{path}: not a directory (a link is never a checkpoint)")
     folder = Folder(path)
-    if folder.kind(MANIFEST_NAME) is not None:
-        problems = check_files(folder, read_manifest(folder), checksums=verify == "full")
-        if problems:
-            raise CheckpointCorruptError(f"{path}: {len(problems)} file(s) damaged: " + "; ".join(problems[:3]))
-    elif folder.kind(_INCOMPLETE) is not None:
+    if not check_manifest(folder, verify, required=False) and folder.kind(_INCOMPLETE) is not None:
         raise CheckpointCorruptError(f"{path}: the Trainer marked this save incomplete ({_INCOMPLETE})")
     state = _trainer_state(folder)
     if not any(folder.kind(n) == "file" for n in _WEIGHTS):
@@ -299,10 +282,10 @@ def _apply_rng(state: dict[str, Any], parallel_mode: Any) -> None:
 
 
 def _commit(writer: Any, state: TrainerState, args: Any) -> None:
-    from .manifest import MANIFEST_NAME, Manifest, StateEntry, software_versions
+    from .framework_dirs import commit
+    from .manifest import StateEntry
 
     files = writer.files()
-    sums = {rel: writer.checksum_of(rel) for rel in files}
     metrics = {}
     key = args.metric_for_best_model
     if key:
@@ -315,26 +298,5 @@ def _commit(writer: Any, state: TrainerState, args: Any) -> None:
     if _OPTIMIZER in files:
         states.update(optimizer=StateEntry("optimizer", "pt", _OPTIMIZER),
                       lr_scheduler=StateEntry("object", "pt", _SCHEDULER))
-    manifest = Manifest(name=writer.final.name, step=state.global_step, epoch=int(state.epoch or 0),
-                        world_size=args.world_size, model_save_format="safetensors", states=states, files=files,
-                        metrics=metrics, checksums=sums, versions=software_versions())
-    writer.commit((MANIFEST_NAME, manifest.to_json().encode()))
-
-
-def _rotate(run_dir: Path, limit: int | None, best: str | None) -> list[Path]:
-    """The Trainer's rule on complete checkpoints: at most ``limit``, the newest and the best always kept, the
-    oldest deleted first (hidden, then removed)."""
-    from .storage.posix import remove_tree
-
-    if not limit or limit <= 0:
-        return []
-    steps = sorted((int(m.group(1)), p) for p in run_dir.iterdir() if (m := _NAME.match(p.name)) and p.is_dir()
-                   and not p.is_symlink())
-    if len(steps) <= limit:
-        return []
-    keep = {steps[-1][1].name} | ({Path(best).name} if best else set())
-    doomed = [p for _, p in steps if p.name not in keep][: len(steps) - max(limit, len(keep))]
-    for p in doomed:
-        log.info("ckptio: deleting %s (save_total_limit=%d)", p.name, limit)
-        remove_tree(p)
-    return doomed
+    commit(writer, step=state.global_step, epoch=int(state.epoch or 0), world_size=args.world_size, states=states,
+           metrics=metrics)

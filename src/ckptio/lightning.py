@@ -197,7 +197,7 @@ def read_checkpoint(path: str | Path, *, verify: str = "full") -> dict[str, Any]
     from .formats import pt as pt_format
     from .formats.lightning import read_lightning
     from .formats.safetensors_sharded import SafetensorsSource
-    from .manifest import check_files, read_manifest
+    from .framework_dirs import check_manifest
     from .storage.confined import Folder
 
     path = Path(path)
@@ -206,10 +206,7 @@ def read_checkpoint(path: str | Path, *, verify: str = "full") -> dict[str, Any]
     if not path.is_dir():
         raise CheckpointNotFoundError(f"{path}: no such checkpoint")
     folder = Folder(path)
-    manifest = read_manifest(folder)
-    problems = check_files(folder, manifest, checksums=verify == "full")
-    if problems:
-        raise CheckpointCorruptError(f"{path}: {len(problems)} file(s) damaged: " + "; ".join(problems[:3]))
+    check_manifest(folder, verify, required=True)
     meta = pt_format.load_from(folder, TRAINER_STATE)
     if not (isinstance(meta, dict) and meta.get("format") == _FORMAT and isinstance(meta.get("skeleton"), dict)
             and isinstance(meta.get("model_keys"), list) and type(meta.get("tensors")) is int
