@@ -146,6 +146,11 @@ def test_hostile_registered_state_and_nothing_usable_are_refused(tmp_path, capsy
     custom.write_bytes(pickle.dumps(Boom()))
     with pytest.raises(CheckpointCorruptError, match="custom_checkpoint_0.pkl"):
         _run(tmp_path, CkptioAccelerator, resume=True)
+    model = tmp_path / "checkpoints" / "checkpoint_0" / "model.safetensors"
+    model.rename(tmp_path / "model.safetensors")
+    model.symlink_to(tmp_path / "model.safetensors")  # accelerate's own reader would follow it
+    with pytest.raises(NoUsableCheckpointError, match="a link or special file"):
+        _run(tmp_path, CkptioAccelerator, resume=True)
     (tmp_path / "checkpoints" / "checkpoint_0" / "random_states_0.pkl").unlink()
     with pytest.raises(NoUsableCheckpointError, match="checkpoint_0"):
         _run(tmp_path, CkptioAccelerator, resume=True)

@@ -115,6 +115,7 @@ def test_hostile_and_incomplete_files_of_a_trainer_checkpoint_are_refused(tmp_pa
     trainer(Trainer, tmp_path, 4).train()
     step = tmp_path / "checkpoint-4"
     good_rng = (step / "rng_state.pth").read_bytes()
+    good_optimizer = torch.load(step / "optimizer.pt", weights_only=True)
     torch.save({"python": _Boom(), "numpy": 0, "cpu": torch.zeros(1, dtype=torch.uint8)}, step / "rng_state.pth")
     with pytest.raises(CheckpointCorruptError, match="rng_state.pth"):
         trainer(CkptioTrainer, tmp_path, 8).train(resume_from_checkpoint=str(step))
@@ -122,6 +123,11 @@ def test_hostile_and_incomplete_files_of_a_trainer_checkpoint_are_refused(tmp_pa
     (step / "rng_state.pth").write_bytes(good_rng)
     (step / "optimizer.pt").write_bytes(pickle.dumps(_Boom()))
     with pytest.raises(CheckpointCorruptError, match="optimizer.pt"):
+        trainer(CkptioTrainer, tmp_path, 8).train(resume_from_checkpoint=str(step))
+    (step / "optimizer.pt").unlink()
+    (step / "optimizer.pt").symlink_to(tmp_path / "elsewhere.pt")  # the Trainer's readers would follow it
+    torch.save(good_optimizer, tmp_path / "elsewhere.pt")
+    with pytest.raises(CheckpointCorruptError, match="a link or special file"):
         trainer(CkptioTrainer, tmp_path, 8).train(resume_from_checkpoint=str(step))
     (step / "optimizer.pt").unlink()  # the plain Trainer would restart the optimizer silently
     with pytest.raises(CheckpointCorruptError, match="no optimizer.pt"):

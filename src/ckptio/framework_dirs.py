@@ -20,9 +20,16 @@ log = logging.getLogger("ckptio")
 def check_manifest(folder: Any, verify: str, *, required: bool) -> bool:
     """Check ``folder``'s files against its manifest (sizes; with ``verify="full"`` every byte's checksum) and raise
     a :class:`CheckpointCorruptError` naming the damage; ``False`` when there is no manifest and none is
-    ``required`` (a folder the framework wrote itself)."""
+    ``required`` (a folder the framework wrote itself).
+
+    A link or a special file anywhere in the folder is refused first, manifest or not: the frameworks' own
+    readers, which load some of these files, open paths without ckptio's confinement and would follow it."""
     from .manifest import MANIFEST_NAME, check_files, read_manifest
 
+    odd = [rel for rel, entry in folder.walk_files() if entry.kind != "file"]
+    if odd:
+        raise CheckpointCorruptError(f"{folder.display(odd[0])}: a link or special file inside a checkpoint "
+                                     f"({len(odd)} in all); a checkpoint holds regular files only")
     if not required and folder.kind(MANIFEST_NAME) is None:
         return False
     problems = check_files(folder, read_manifest(folder), checksums=verify == "full")
