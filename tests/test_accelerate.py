@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import json
 import pickle
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,67 +21,20 @@ import torch
 
 pytest.importorskip("accelerate")
 
+from acc_tiny import STEPS, Counter, accelerator, train  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
-from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 
 from ckptio import CheckpointCorruptError, NoUsableCheckpointError  # noqa: E402
 from ckptio.accelerate import CkptioAccelerator, usable_checkpoints  # noqa: E402
 
-STEPS, EVERY = 12, 3
-
-
-class Counter:
-    """A registered object: how many batches were seen, and their running sum."""
-
-    def __init__(self) -> None:
-        self.n, self.total = 0, torch.zeros(())
-
-    def state_dict(self) -> dict:
-        return {"n": self.n, "total": self.total.clone()}
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.n, self.total = sd["n"], sd["total"]
+ROOT = Path(__file__).resolve().parents[1]
+RUNNER = str(ROOT / "tests" / "acc_run.py")
 
 
 def _run(root: Path, cls: type, stop: int = STEPS, resume: bool = False, limit: int | None = None) -> dict:
-    """Train a tiny model for ``STEPS`` steps with a save every ``EVERY``, stopping after ``stop`` steps."""
-    torch.manual_seed(0)
-    acc = cls(cpu=True, project_config=ProjectConfiguration(project_dir=str(root), automatic_checkpoint_naming=True,
-                                                            total_limit=limit),
-              dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
-    x = torch.randn(48, 8, generator=torch.Generator().manual_seed(1))
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4,
-                                       shuffle=True)
-    model, opt, sched, data = acc.prepare(model, opt, sched, data)
-    counter = Counter()
-    acc.register_for_checkpointing(counter)
-    done = 0
-    if resume:
-        acc.load_state()
-        done = counter.n
-        if cls is Accelerator:  # its load_state leaves the counter at 0: the next save_state would collide
-            acc.project_configuration.iteration = len(list((root / "checkpoints").iterdir()))
-    batches = acc.skip_first_batches(data, done) if done else data
-    for xb, yb in batches:
-        if done >= stop:
-            break
-        loss = torch.nn.functional.mse_loss(model(xb), yb)
-        acc.backward(loss)
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        done += 1
-        counter.n, counter.total = done, counter.total + xb.sum()
-        if done % EVERY == 0:
-            acc.save_state()
-    out = {f"w/{k}": v.detach().clone() for k, v in acc.unwrap_model(model).state_dict().items()}
-    out.update({f"o/{i}/{k}": v.clone() for i, s in enumerate(opt.optimizer.state.values()) for k, v in s.items()})
-    # (the global RNG is not compared: a DataLoader draws its base seed from it when an iterator starts, which a
-    # resumed run does after load_state and the straight run did at step 0; that is the DataLoader's, not ours)
-    out.update(lr=torch.tensor(opt.param_groups[0]["lr"]), total=counter.total)
+    out = train(root, cls, stop=stop, resume=resume, limit=limit)
+    out.pop("main")
     return out
 
 
@@ -155,3 +111,57 @@ def test_hostile_registered_state_and_nothing_usable_are_refused(tmp_path, capsy
     with pytest.raises(NoUsableCheckpointError, match="checkpoint_0"):
         _run(tmp_path, CkptioAccelerator, resume=True)
     assert "pwned" not in capsys.readouterr().out
+
+
+def _launch(*args: str, ranks: int = 1, ok: bool = True) -> None:
+    """``tests/acc_run.py`` in a process of its own (``ranks=1``) or under torchrun; ``ok=False``: it must stop
+    before its end (SIGTERM or SIGKILL), writing no result."""
+    cmd = [sys.executable, RUNNER, *args] if ranks == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", RUNNER, *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if ok:
+        assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    else:
+        assert done.returncode != 0 and not Path(args[1]).exists(), f"{args}: meant to stop early"
+
+
+def _names(root: Path) -> list[str]:
+    return sorted((p.name for p in (root / "checkpoints").iterdir()), key=lambda n: (n.startswith("."), len(n), n))
+
+
+def _preempt_kill_resume(root: Path, ranks: int) -> dict:
+    """SIGTERM after step 7 (checkpoint_1, step 6, is the newest), then a rerun SIGKILLed while its second save
+    (checkpoint_3, step 12) is written and not yet in place, then a rerun to the end."""
+    _launch(str(root), str(root / "x.pt"), "--sigterm-at", "7", ranks=ranks, ok=False)
+    assert _names(root) == ["checkpoint_0", "checkpoint_1"]
+    _launch(str(root), str(root / "y.pt"), "--resume", "--kill-at", "commit.before_rename:2", ranks=ranks, ok=False)
+    names = _names(root)
+    assert names[:3] == ["checkpoint_0", "checkpoint_1", "checkpoint_2"] and \
+        names[3].startswith(".checkpoint_3.tmp-"), names
+    _launch(str(root), str(root / "resumed.pt"), "--resume", ranks=ranks)
+    assert _names(root) == [f"checkpoint_{i}" for i in range(4)]  # the killed save's leftover swept
+    return torch.load(root / "resumed.pt", weights_only=True)
+
+
+@pytest.mark.slow
+def test_preempted_and_killed_mid_save_then_resumed_ends_bitwise_equal(tmp_path, straight):
+    _same(_preempt_kill_resume(tmp_path, 1), straight, "1 process, SIGTERM + SIGKILL -> resume")
+
+
+@pytest.mark.slow
+def test_two_ranks_preempted_killed_resumed_adopted_and_resumed_on_one(tmp_path):
+    _launch(str(tmp_path / "plain"), str(tmp_path / "straight.pt"), "--plain", ranks=2)
+    straight = torch.load(tmp_path / "straight.pt", weights_only=True)
+    _same(_preempt_kill_resume(tmp_path / "ours", 2), straight, "2 ranks, SIGTERM + SIGKILL -> resume")
+    # the plain Accelerator's 2-rank folders (random_states_0/1.pkl) resume under ckptio on 2 ranks
+    shutil.rmtree(tmp_path / "plain" / "checkpoints" / "checkpoint_3")
+    _launch(str(tmp_path / "plain"), str(tmp_path / "adopted.pt"), "--resume", ranks=2)
+    _same(torch.load(tmp_path / "adopted.pt", weights_only=True), straight, "2 ranks, plain accelerate -> ckptio")
+    # another number of processes: the 2-rank checkpoint_3 loads on 1 (random_states_0.pkl is this process's)
+    acc = accelerator(CkptioAccelerator, tmp_path / "ours")
+    model = acc.prepare(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)))
+    acc.register_for_checkpointing(Counter())
+    assert acc.load_state().endswith("checkpoint_3")
+    saved = load_file(tmp_path / "ours" / "checkpoints" / "checkpoint_3" / "model.safetensors")
+    _same(dict(model.state_dict()), saved, "2 ranks -> 1 process, restored weights")
+    assert acc.project_configuration.iteration == 4
