@@ -30,12 +30,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 HARNESS = ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "moto[server]>=5.0.14"]
 TESTS = ["tests/test_pretrained.py", "tests/test_consolidated.py", "tests/test_convert.py", "tests/test_cli.py",
          "tests/test_ondisk_stability.py", "tests/test_recipe_config.py", "tests/test_peft.py",
-         "tests/test_lightning.py", "tests/test_lightning_plugin.py", "tests/test_log_lines.py", "tests/test_s3.py"]
+         "tests/test_lightning.py", "tests/test_lightning_plugin.py", "tests/test_log_lines.py", "tests/test_s3.py",
+         "tests/test_hf_trainer.py", "tests/test_accelerate.py"]
 # ckptio's own logic, run in the main environment; nothing in them leans on a package's floor (~60 s saved)
 NOT_HERE = ["tests/test_convert.py::test_inspect_describes_every_format_convert_reads",
             "tests/test_s3.py::test_sigkill_during_saves_to_a_bucket_never_leaves_a_torn_checkpoint",
-            # the 2-rank case below runs the same preemption and kill sequence at the floor (~25 s saved)
-            "tests/test_lightning_plugin.py::test_preempted_and_killed_mid_save_then_resumed_ends_bitwise_equal"]
+            # the 2-rank cases run the same preemption and kill sequences at the floor (~45 s saved)
+            "tests/test_lightning_plugin.py::test_preempted_and_killed_mid_save_then_resumed_ends_bitwise_equal",
+            "tests/test_hf_trainer.py::test_preempted_and_killed_mid_save_then_resumed_ends_bitwise_equal",
+            "tests/test_accelerate.py::test_preempted_and_killed_mid_save_then_resumed_ends_bitwise_equal"]
 
 
 def _pins() -> dict[str, str]:

@@ -85,6 +85,25 @@ def test_a_missing_optional_dependency_names_the_extra(tmp_path):
     assert "pip install 'ckptio[hf]'" in out.stdout and "transformers" in out.stdout
 
 
+@pytest.mark.parametrize("module, hidden, extra", [("ckptio.accelerate", "accelerate", "ckptio[accelerate]"),
+                                                  ("ckptio.hf_trainer", "accelerate", "ckptio[hf]"),
+                                                  ("ckptio.hf_trainer", "transformers", "ckptio[hf]"),
+                                                  ("ckptio.lightning", "pytorch_lightning", "ckptio[lightning]")])
+def test_an_integration_without_its_framework_names_the_extra(module, hidden, extra):
+    out = python(f"""
+        import sys
+        sys.modules[{hidden!r}] = None
+        from ckptio.errors import MissingDependencyError
+        try:
+            __import__({module!r})
+        except MissingDependencyError as exc:
+            print("MDE", exc)
+        except ImportError as exc:
+            print("RAW", exc)""")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("MDE") and f"pip install '{extra}'" in out.stdout, out.stdout
+
+
 def test_quantize_without_transformers_is_a_clear_cli_error(tmp_path):
     out = python(f"""
         import sys

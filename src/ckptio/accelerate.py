@@ -32,7 +32,7 @@ try:
     from accelerate import Accelerator
     from accelerate.utils import DistributedType
 except ImportError as _missing:  # the integration is an extra
-    raise MissingDependencyError("ckptio.accelerate needs accelerate: pip install accelerate") from _missing
+    raise MissingDependencyError("ckptio.accelerate needs accelerate: pip install 'ckptio[accelerate]'") from _missing
 
 __all__ = ["CkptioAccelerator", "usable_checkpoints"]
 

@@ -49,10 +49,12 @@ import torch
 from .errors import CheckpointCorruptError, CheckpointError, MissingDependencyError
 
 try:
+    import accelerate  # noqa: F401  (the Trainer's own requirement, imported lazily by transformers)
     from transformers import Trainer
     from transformers.trainer_callback import ExportableState, TrainerState
 except ImportError as _missing:  # the integration is an extra
-    raise MissingDependencyError("ckptio.hf_trainer needs transformers: pip install 'ckptio[hf]'") from _missing
+    raise MissingDependencyError(f"ckptio.hf_trainer needs transformers and accelerate (missing: {_missing.name}): "
+                                 f"pip install 'ckptio[hf]'") from _missing
 
 __all__ = ["CkptioTrainerMixin", "CkptioTrainer", "usable_checkpoints", "last_checkpoint"]
 

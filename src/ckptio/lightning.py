@@ -33,12 +33,12 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, MissingDependencyError
 
 try:
     from pytorch_lightning.plugins.io import CheckpointIO
 except ImportError as _missing:  # the integration is an extra
-    raise ImportError("ckptio.lightning needs PyTorch Lightning: pip install 'ckptio[lightning]'") from _missing
+    raise MissingDependencyError("ckptio.lightning needs PyTorch Lightning: pip install 'ckptio[lightning]'") from _missing
 
 __all__ = ["CkptioCheckpointIO", "write_checkpoint", "read_checkpoint"]
 
