@@ -3,14 +3,16 @@ integration, in one run.
 
     .venv/bin/python benchmarks/framework_pause.py --framework lightning --size 300MB --repeats 5
     .venv/bin/python benchmarks/framework_pause.py --framework hf --size 300MB --repeats 5
+    .venv/bin/python benchmarks/framework_pause.py --framework accelerate --size 300MB --repeats 5
 
 ``lightning``: ``trainer.save_checkpoint(path)`` after a fit of one step, with the checkpoint IO swapped between
 contenders on the same trainer: Lightning's default (``TorchCheckpointIO``: one ``torch.save`` pickle, not
 fsynced), Lightning's ``AsyncCheckpointIO`` around it, ``CkptioCheckpointIO()`` (a committed folder, every file
 fsynced) and ``CkptioCheckpointIO(async_save=True)``. ``hf``: the Trainer's ``_save_checkpoint`` (what a ``save_steps`` step
 runs: ``checkpoint-N/`` with weights, optimizer, scheduler, RNG and trainer state) of a ``Trainer`` against a
-``CkptioTrainer`` sharing its model and optimizer (the same files, fsynced, committed, with a manifest). The *pause* is the time the call blocks the training
-thread; *total* also waits for a background write to be durable. Baselines of the same run: ``torch.save`` of the
+``CkptioTrainer`` sharing its model and optimizer (the same files, fsynced, committed, with a manifest).
+``accelerate``: ``Accelerator.save_state(dir)`` against ``CkptioAccelerator.save_state(dir)`` on the same prepared
+model and optimizer. The *pause* is the time the call blocks the training thread; *total* also waits for a background write to be durable. Baselines of the same run: ``torch.save`` of the
 same dict, with and without fsync, and a raw write + fsync of as many bytes. One untimed warm-up round, then
 every round runs every contender in a shuffled order (seeded); medians, min-max and ratios to the baselines are
 printed, because this machine's disk speed varies ±2x between runs.
@@ -152,6 +154,36 @@ def hf_contenders(size: int, root: Path) -> tuple[dict[str, Callable[[Path], Any
     return out, state_bytes
 
 
+def accelerate_contenders(size: int, root: Path) -> tuple[dict[str, Callable[[Path], Any]], int]:
+    """``Accelerator.save_state`` against ``CkptioAccelerator.save_state`` on one MLP + AdamW state of about
+    ``size`` bytes, each accelerator preparing the same model and optimizer."""
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    from ckptio.accelerate import CkptioAccelerator
+
+    width = 1024
+    layers = max(1, round(size / 3 / (width * width * 4)))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model(torch.randn(8, width)).square().mean().backward()
+    opt.step()
+    state_bytes = 3 * sum(p.numel() * 4 for p in model.parameters())
+
+    def contender(cls: type) -> Callable[[Path], Any]:
+        acc = cls(cpu=True, project_config=ProjectConfiguration(project_dir=str(root / cls.__name__)))
+        acc.prepare(model, opt)
+        return lambda path: (acc.save_state(str(path)), None)[1]
+
+    out = {"accelerate": contender(Accelerator), "ckptio": contender(CkptioAccelerator)}
+    block = bytearray(os.urandom(1 << 20)) * 64
+    out["torch.save"] = lambda path: torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, path)
+    out["torch.save + fsync"] = lambda path: (out["torch.save"](path), _fsync_tree(path))
+    out["raw write + fsync"] = lambda path: _raw_write(path, state_bytes, block)
+    return out, state_bytes
+
+
 def _finish(io: Any) -> None:
     if io is None:
         return
@@ -164,16 +196,17 @@ def _finish(io: Any) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--framework", choices=["lightning", "hf"], default="lightning")
+    p.add_argument("--framework", choices=["lightning", "hf", "accelerate"], default="lightning")
     p.add_argument("--size", default="300MB", help="model + optimizer state, about (default 300MB)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
     args = p.parse_args()
     root = Path(tempfile.mkdtemp(prefix="ckptio-pause-", dir=args.dir))
     try:
-        build = lightning_contenders if args.framework == "lightning" else hf_contenders
+        build = {"lightning": lightning_contenders, "hf": hf_contenders,
+                 "accelerate": accelerate_contenders}[args.framework]
         contenders, nbytes = build(_size(args.size), root)
-        ref = "lightning" if args.framework == "lightning" else "hf"
+        ref = args.framework
         pause: dict[str, list[float]] = {n: [] for n in contenders}
         total: dict[str, list[float]] = {n: [] for n in contenders}
         rng = random.Random(0)

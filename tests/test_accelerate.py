@@ -165,3 +165,13 @@ def test_two_ranks_preempted_killed_resumed_adopted_and_resumed_on_one(tmp_path)
     saved = load_file(tmp_path / "ours" / "checkpoints" / "checkpoint_3" / "model.safetensors")
     _same(dict(model.state_dict()), saved, "2 ranks -> 1 process, restored weights")
     assert acc.project_configuration.iteration == 4
+
+
+def test_the_example_trains_and_resumes(tmp_path):
+    script = ROOT / "examples" / "accelerate" / "train.py"
+    for steps in (10, 20):
+        done = subprocess.run([sys.executable, str(script), "--dir", str(tmp_path), "--steps", str(steps)],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0 and f"trained to step {steps}" in done.stdout, done.stderr[-2000:]
+    assert _names(tmp_path) == ["checkpoint_2", "checkpoint_3"]  # total_limit=2
+    assert (tmp_path / "checkpoints" / "checkpoint_3" / "manifest.json").is_file()
