@@ -25,6 +25,8 @@ import torch  # noqa: E402
 from distributed import kill_at  # noqa: E402
 from lit_tiny import Tiny, loader, state  # noqa: E402
 
+from ckptio.lightning import last_checkpoint  # noqa: E402
+
 
 def _arg(name: str) -> str | None:
     return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else None
@@ -40,14 +42,14 @@ class Preempt(pl.Callback):
 
 
 def main() -> None:
-    root, epochs, out = Path(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
+    root, epochs, out = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])  # root: a folder or s3://bucket/prefix
     ddp = "--ddp" in sys.argv
     plugins = []
     if "--plain" not in sys.argv:
         from ckptio.lightning import CkptioCheckpointIO
 
         plugins = [CkptioCheckpointIO(async_save="--async" in sys.argv)]
-    callbacks = [pl.callbacks.ModelCheckpoint(dirpath=str(root), every_n_epochs=1, save_top_k=-1, save_last=True)]
+    callbacks = [pl.callbacks.ModelCheckpoint(dirpath=root, every_n_epochs=1, save_top_k=-1, save_last=True)]
     if _arg("--sigterm-at"):
         callbacks.append(Preempt(int(_arg("--sigterm-at"))))
     if _arg("--kill-at") and int(os.environ.get("RANK", "0")) == 0:
@@ -57,7 +59,10 @@ def main() -> None:
     tr = pl.Trainer(max_epochs=epochs, logger=False, enable_progress_bar=False, enable_model_summary=False,
                     accelerator="cpu", devices=2 if ddp else 1, strategy="ddp" if ddp else "auto", plugins=plugins,
                     deterministic=True, callbacks=callbacks)
-    tr.fit(module, loader(), ckpt_path="last" if "--resume" in sys.argv else None)
+    ckpt_path = None
+    if "--resume" in sys.argv:  # Lightning's "last" finds nothing in a bucket: ckptio's helper does
+        ckpt_path = last_checkpoint(root) if root.startswith("s3://") else "last"
+    tr.fit(module, loader(), ckpt_path=ckpt_path)
     if tr.global_rank == 0:
         torch.save(state(module, tr), out)
     if ddp:

@@ -21,6 +21,8 @@ POINTS = (
     "commit.before_retention",
     "retention.before_delete",
     "delete.after_hide",
+    "s3.swap.uncommitted",
+    "s3.swap.copied",
 )
 
 

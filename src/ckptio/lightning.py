@@ -27,6 +27,7 @@ holding sharded tensors is refused.
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,13 @@ try:
 except ImportError as _missing:  # the integration is an extra
     raise MissingDependencyError("ckptio.lightning needs PyTorch Lightning: pip install 'ckptio[lightning]'") from _missing
 
-__all__ = ["CkptioCheckpointIO", "write_checkpoint", "read_checkpoint"]
+__all__ = ["CkptioCheckpointIO", "write_checkpoint", "read_checkpoint", "last_checkpoint"]
+
+log = logging.getLogger("ckptio")
+
+from .storage.s3.fsspec_fs import register as _register_s3  # noqa: E402
+
+_register_s3()  # ModelCheckpoint(dirpath="s3://...") lists and times its folder through fsspec
 
 MODEL_DIR, STATE_DIR, TRAINER_STATE = "model", "state", "trainer_state.pt"
 _FORMAT = "lightning-checkpoint/1"
@@ -63,19 +70,14 @@ class CkptioCheckpointIO(CheckpointIO):
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._stager: Any = None
-        self._swept: set[Path] = set()
+        self._swept: set[Any] = set()
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         """Write ``checkpoint`` as the folder ``path`` (in the background with ``async_save``)."""
         if storage_options is not None:
             raise TypeError(f"CkptioCheckpointIO takes no storage_options (got {storage_options!r})")
         self.wait()
-        parent = Path(path).absolute().parent
-        if parent not in self._swept:  # once per folder: what a save or a removal killed mid-way left behind
-            self._swept.add(parent)
-            from .storage.posix import sweep_leftovers
-
-            sweep_leftovers(parent)
+        self._sweep(path)
         if not self.async_save:
             write_checkpoint(checkpoint, path)
             return
@@ -93,6 +95,23 @@ class CkptioCheckpointIO(CheckpointIO):
         self._thread = threading.Thread(target=write, name="ckptio-lightning-save", daemon=False)
         self._thread.start()
 
+    def _sweep(self, path: Any) -> None:
+        """Once per folder, before the first save there: remove what a save or a removal killed mid-way left
+        behind (on S3, a replacement cut short is finished first)."""
+        s3 = _s3(path)
+        parent = str(s3[0].root) if s3 is not None else Path(path).absolute().parent
+        if parent in self._swept:
+            return
+        self._swept.add(parent)
+        if s3 is not None:
+            from .storage.s3.replace import recover
+
+            recover(s3[0])
+        else:
+            from .storage.posix import sweep_leftovers
+
+            sweep_leftovers(parent)
+
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Any = None) -> dict[str, Any]:
         """The checkpoint at ``path`` (a ckptio folder, or a Lightning ``.ckpt`` file), checked before it is
         returned."""
@@ -105,6 +124,10 @@ class CkptioCheckpointIO(CheckpointIO):
         from .storage.posix import remove_tree
 
         self.wait()
+        s3 = _s3(path)
+        if s3 is not None:
+            s3[0].remove_step(s3[1])
+            return
         target = Path(path)
         if target.is_dir() and not target.is_symlink():
             remove_tree(target)
@@ -126,14 +149,42 @@ class CkptioCheckpointIO(CheckpointIO):
 
 
 # ------------------------------------------------------------------------------------------------- writing
-def write_checkpoint(checkpoint: dict[str, Any], path: str | Path) -> Path:
-    """Write Lightning's checkpoint dict as a committed ckptio folder at ``path`` (replacing one that is there)."""
-    from .formats import pt as pt_format
-    from .formats import safetensors_sharded
-    from .manifest import MANIFEST_NAME, Manifest, StateEntry, software_versions
+def write_checkpoint(checkpoint: dict[str, Any], path: str | Path) -> str | Path:
+    """Write Lightning's checkpoint dict as a committed ckptio folder at ``path`` (replacing one that is there): a
+    local path, or ``s3://bucket/prefix/NAME``."""
     from .storage import LocalFolderWriter
 
+    parts = _split(checkpoint)  # checked before anything is created
+    s3 = _s3(path)
+    if s3 is not None:
+        from .storage.s3.replace import write_folder
+
+        storage, name = s3
+        write_folder(storage, name, lambda writer: _write_into(checkpoint, parts, writer, name))
+        return str(path)
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_into(checkpoint, parts, LocalFolderWriter.create(path), path.name)
+    return path
+
+
+def _s3(path: Any) -> tuple[Any, str] | None:
+    """(the storage of the parent folder, the name) for an ``s3://`` path; ``None`` for a local one."""
+    from .storage import url_scheme
+
+    text = str(path)
+    if url_scheme(text) != "s3":
+        return None
+    from .storage.s3 import S3Storage
+
+    parent, _, name = text.rstrip("/").rpartition("/")
+    return S3Storage(parent), name
+
+
+def _split(checkpoint: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[torch.Tensor], bytes]:
+    """(the model's tensors, every other tensor, the rest of the dict as bytes), refusing what cannot be written."""
+    from .formats import pt as pt_format
+
     weights = checkpoint.get("state_dict")
     if not isinstance(weights, dict):
         raise TypeError("a Lightning checkpoint has a 'state_dict' mapping; this one does not")
@@ -146,10 +197,18 @@ def write_checkpoint(checkpoint: dict[str, Any], path: str | Path) -> Path:
         if type(t) not in (torch.Tensor, torch.nn.Parameter):
             raise TypeError(f"CkptioCheckpointIO writes plain tensors; this checkpoint holds a {type(t).__name__} "
                             "(a sharded strategy writes its own checkpoints)")
-    data = pt_format.to_bytes({"format": _FORMAT, "skeleton": skeleton, "model_keys": list(model), "state_dict_keys": list(weights),
-                               "tensors": len(tensors)}, "Lightning's checkpoint")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    writer = LocalFolderWriter.create(path)
+    data = pt_format.to_bytes({"format": _FORMAT, "skeleton": skeleton, "model_keys": list(model),
+                               "state_dict_keys": list(weights), "tensors": len(tensors)}, "Lightning's checkpoint")
+    return model, tensors, data
+
+
+def _write_into(checkpoint: dict[str, Any], parts: tuple[dict[str, torch.Tensor], list[torch.Tensor], bytes],
+                writer: Any, name: str) -> None:
+    """Write the folder with ``writer`` and commit it with its manifest."""
+    from .formats import safetensors_sharded
+    from .manifest import MANIFEST_NAME, Manifest, StateEntry, software_versions
+
+    model, tensors, data = parts
     try:
         sums = safetensors_sharded.save(model, writer, MODEL_DIR, rank=0, world_size=1)
         sums.update(safetensors_sharded.save({f"{i:06d}": t for i, t in enumerate(tensors)}, writer, STATE_DIR,
@@ -157,14 +216,13 @@ def write_checkpoint(checkpoint: dict[str, Any], path: str | Path) -> Path:
         sums[TRAINER_STATE] = writer.write_bytes(TRAINER_STATE, data)
         states = {"model": StateEntry("model", "safetensors", MODEL_DIR),
                   "lightning": StateEntry("object", "pt", TRAINER_STATE)}
-        manifest = Manifest(name=path.name, step=_int(checkpoint.get("global_step")), epoch=_int(checkpoint.get("epoch")),
+        manifest = Manifest(name=name, step=_int(checkpoint.get("global_step")), epoch=_int(checkpoint.get("epoch")),
                             world_size=1, model_save_format="safetensors", states=states, files=writer.files(),
                             checksums=sums, versions=software_versions())
         writer.commit((MANIFEST_NAME, manifest.to_json().encode()))
     except BaseException:
         writer.abort()
         raise
-    return path
 
 
 def _int(value: Any) -> int:
@@ -191,6 +249,46 @@ def _without_tensors(value: Any, out: list[torch.Tensor]) -> Any:
 
 
 # ------------------------------------------------------------------------------------------------- reading
+def last_checkpoint(dirpath: str | Path, name: str = "last") -> str | None:
+    """The newest complete ``last.ckpt`` (or ``last-N.ckpt``; ``name`` is ``ModelCheckpoint.CHECKPOINT_NAME_LAST``)
+    in ``dirpath``, a local folder or ``s3://bucket/prefix``, for ``trainer.fit(..., ckpt_path=...)``; ``None`` when
+    there is none. Lightning's own ``ckpt_path="last"`` finds nothing in an object store (it normalises the listed
+    paths, which drops the ``s3://``), so a run checkpointed to S3 resumes with this."""
+    import re
+
+    pattern = re.compile(rf"^{re.escape(name)}(-\d+)?\.ckpt$")
+    s3 = _s3(str(dirpath).rstrip("/") + "/x")
+    found: list[tuple[float, str]] = []
+    if s3 is not None:
+        from .storage.s3.fsspec_fs import CkptioS3FileSystem
+
+        fs, root = CkptioS3FileSystem(), str(s3[0].root)
+        try:
+            entries = fs.ls(root, detail=False)
+        except FileNotFoundError:
+            return None
+        for entry in entries:
+            leaf = entry.rsplit("/", 1)[-1]
+            if pattern.match(leaf) and _s3_complete(s3[0], leaf):
+                found.append((fs.modified(entry).timestamp(), f"{root}/{leaf}"))
+    else:
+        root_path = Path(dirpath)
+        for p in root_path.iterdir() if root_path.is_dir() else []:
+            if pattern.match(p.name) and not p.is_symlink() and (p.is_file() or (p / "manifest.json").is_file()):
+                found.append((((p / "manifest.json") if p.is_dir() else p).stat().st_mtime, str(p)))
+    return max(found)[1] if found else None
+
+
+def _s3_complete(storage: Any, name: str) -> bool:
+    from .storage.s3.replace import complete_copy
+
+    folder = storage.folder()
+    if folder.kind(name) == "file":
+        return True
+    return folder.kind(name) == "dir" and (folder.sub(name).kind("manifest.json") == "file" or
+                                           complete_copy(storage, name) is not None)
+
+
 def read_checkpoint(path: str | Path, *, verify: str = "full") -> dict[str, Any]:
     """Lightning's checkpoint dict from a ckptio folder (manifest, sizes and checksums checked first) or from a
     Lightning ``.ckpt`` file (``weights_only``)."""
@@ -200,12 +298,18 @@ def read_checkpoint(path: str | Path, *, verify: str = "full") -> dict[str, Any]
     from .framework_dirs import check_manifest
     from .storage.confined import Folder
 
-    path = Path(path)
-    if path.is_file():
-        return read_lightning(path)
-    if not path.is_dir():
-        raise CheckpointNotFoundError(f"{path}: no such checkpoint")
-    folder = Folder(path)
+    s3 = _s3(path)
+    if s3 is not None:
+        folder = _s3_folder(*s3)
+        if folder is None:
+            return _read_lightning_object(str(path))
+    else:
+        path = Path(path)
+        if path.is_file():
+            return read_lightning(path)
+        if not path.is_dir():
+            raise CheckpointNotFoundError(f"{path}: no such checkpoint")
+        folder = Folder(path)
     check_manifest(folder, verify, required=True)
     meta = pt_format.load_from(folder, TRAINER_STATE)
     if not (isinstance(meta, dict) and meta.get("format") == _FORMAT and isinstance(meta.get("skeleton"), dict)
@@ -222,6 +326,41 @@ def read_checkpoint(path: str | Path, *, verify: str = "full") -> dict[str, Any]
                                      f"in {folder.display(MODEL_DIR)}")
     out["state_dict"] = {k: weights[k] if k in weights else values[k] for k in meta["state_dict_keys"]}
     return out
+
+
+def _s3_folder(storage: Any, name: str) -> Any:
+    """The folder to read for ``name`` in ``storage``: itself, or the complete copy a replacement cut short left (the
+    next save finishes that replacement); ``None`` when ``name`` is an object (a Lightning ``.ckpt`` file)."""
+    from .storage.s3.replace import complete_copy
+
+    kind = storage.folder().kind(name)
+    if kind == "file":
+        return None
+    copy = complete_copy(storage, name)
+    if copy is not None:
+        log.info("ckptio: %s was being replaced when its writer stopped; reading the complete new copy %s",
+                 storage.root / name, copy)
+        return storage.folder(copy)
+    if kind is None:
+        raise CheckpointNotFoundError(f"{storage.root / name}: no such checkpoint")
+    return storage.folder(name)
+
+
+def _read_lightning_object(url: str) -> dict[str, Any]:
+    """A Lightning ``.ckpt`` file in an object store, copied to a temporary folder and read like a local one."""
+    import tempfile
+
+    from .formats.lightning import read_lightning
+    from .storage.s3 import S3Storage
+
+    parent, _, name = url.rpartition("/")
+    with tempfile.TemporaryDirectory(prefix="ckptio-lightning-") as tmp:
+        local = Path(tmp) / name
+        folder = S3Storage(parent).folder()
+        with folder.open(name) as handle, open(local, "wb") as fh:
+            for offset in range(0, handle.size, 64 << 20):
+                fh.write(handle.read(offset, min(64 << 20, handle.size - offset)))
+        return read_lightning(local)
 
 
 def _read_all(source: Any, keys: list[str], where: object) -> dict[str, torch.Tensor]:

@@ -161,6 +161,9 @@ class S3FolderWriter:
     def commit(self, manifest: tuple[str, bytes] | None = None) -> S3Path:
         self._upload_local()
         if manifest is not None:
+            from ... import _faults
+
+            _faults.point("commit.before_manifest")
             name, data = manifest
             path = self.spool / "manifest"
             path.write_bytes(data)

@@ -1,0 +1,116 @@
+"""Folders of an object store written under a name that may already be taken (Lightning's ``last.ckpt``), with
+no moment at which neither the old nor the new folder can be had.
+
+A local folder is replaced by an atomic rename; an object store has none. So a folder whose name is taken is
+written complete under a hidden name (``.NAME.tmp-xxxxxxxx``, committed by its manifest) and then *swapped in*:
+
+1. the old folder is marked in progress and its manifest deleted (it is no longer complete, but its objects keep
+   the name listed, so a framework that looks for ``NAME`` still sees it);
+2. every object of the hidden folder is copied server-side over it, objects the new one lacks are deleted;
+3. the manifest is copied last, the mark removed, and the hidden folder deleted (manifest first).
+
+A crash inside step 1-3 leaves ``NAME`` incomplete beside a complete hidden copy: :func:`complete_copy` names
+that copy, which a reader then reads in place of ``NAME`` (read-only: readers never change the store), and
+:func:`recover`, which the next writer runs, finishes the swap. A crash before the hidden folder is committed
+leaves ``NAME`` as it was and a hidden leftover that :func:`recover` removes.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import secrets
+from typing import TYPE_CHECKING, Any, Callable
+
+from ._common import MANIFEST, PENDING, S3Path, _call, client
+
+if TYPE_CHECKING:
+    from . import S3Storage
+    from .writer import S3FolderWriter
+
+__all__ = ["write_folder", "complete_copy", "recover"]
+
+log = logging.getLogger("ckptio")
+_HIDDEN = re.compile(r"^\.(.+)\.tmp-[0-9a-f]{8}$")
+
+
+def write_folder(storage: "S3Storage", name: str, write: Callable[["S3FolderWriter"], None]) -> None:
+    """Write the folder ``name`` of ``storage`` with ``write(writer)``, which writes its files and commits it
+    with a manifest; a folder already under that name is replaced as this module describes."""
+    taken = storage.folder().kind(name) is not None
+    target = f".{name}.tmp-{secrets.token_hex(4)}" if taken else name
+    writer = storage.begin_step(target)
+    try:
+        write(writer)
+    except BaseException:
+        writer.abort()
+        raise
+    if taken:
+        _swap_in(storage, target, name)
+
+
+def _swap_in(storage: "S3Storage", hidden: str, name: str) -> None:
+    from ... import _faults
+
+    s3, bucket = client(), storage.bucket
+    src, dst = storage._key(hidden), storage._key(name)
+    new, old = storage._objects(src), storage._objects(dst)
+    where = storage.root / name
+    _call("writing", where / PENDING, s3.put_object, Bucket=bucket, Key=f"{dst}/{PENDING}", Body=b"")
+    _call("removing", where / MANIFEST, s3.delete_object, Bucket=bucket, Key=f"{dst}/{MANIFEST}")
+    _faults.point("s3.swap.uncommitted")
+    files = sorted(rel for rel in new if rel not in (MANIFEST, PENDING))
+    for rel in files:
+        _call("copying", storage.root / hidden / rel, s3.copy, {"Bucket": bucket, "Key": f"{src}/{rel}"}, bucket,
+              f"{dst}/{rel}")
+    _faults.point("s3.swap.copied")
+    stale = [{"Key": f"{dst}/{rel}"} for rel in old if rel not in new and rel not in (MANIFEST, PENDING)]
+    for i in range(0, len(stale), 1000):
+        _call("removing objects under", where, s3.delete_objects, Bucket=bucket,
+              Delete={"Objects": stale[i:i + 1000], "Quiet": True})
+    _call("copying", where / MANIFEST, s3.copy_object, Bucket=bucket, Key=f"{dst}/{MANIFEST}",
+          CopySource={"Bucket": bucket, "Key": f"{src}/{MANIFEST}"})
+    _call("removing", where / PENDING, s3.delete_object, Bucket=bucket, Key=f"{dst}/{PENDING}")
+    storage._delete_prefix(src, manifest_first=True)
+
+
+def _hidden_copies(storage: "S3Storage") -> dict[str, list[tuple[float, str]]]:
+    """target name -> [(manifest time or -1 when the copy is not committed, hidden name)], newest first."""
+    out: dict[str, list[tuple[float, str]]] = {}
+    for entry in storage.folder().listdir():
+        m = _HIDDEN.match(entry.name)
+        if entry.kind != "dir" or not m:
+            continue
+        objects = storage._objects(storage._key(entry.name))
+        stamp = objects[MANIFEST]["LastModified"].timestamp() if MANIFEST in objects else -1.0
+        out.setdefault(m.group(1), []).append((stamp, entry.name))
+    for copies in out.values():
+        copies.sort(reverse=True)
+    return out
+
+
+def complete_copy(storage: "S3Storage", name: str) -> str | None:
+    """The hidden folder holding the complete new ``name`` when a swap of ``name`` was cut short (``name`` has no
+    manifest and the copy has one), else ``None``."""
+    folder = storage.folder()
+    if folder.kind(name) == "dir" and folder.sub(name).kind(MANIFEST) == "file":
+        return None
+    copies = _hidden_copies(storage).get(name, [])
+    return copies[0][1] if copies and copies[0][0] >= 0 else None
+
+
+def recover(storage: "S3Storage") -> list[S3Path]:
+    """Finish the swaps that were cut short and remove what killed writes left (hidden copies that were not
+    committed or are no longer needed, folders ckptio began and never committed). Returns what was removed."""
+    removed: list[Any] = []
+    for name, copies in _hidden_copies(storage).items():
+        folder = storage.folder()
+        target_done = folder.kind(name) == "dir" and folder.sub(name).kind(MANIFEST) == "file"
+        if not target_done and copies[0][0] >= 0:
+            log.info("ckptio: finishing the replacement of %s that was cut short", storage.root / name)
+            _swap_in(storage, copies[0][1], name)
+            copies = copies[1:]
+        for _, hidden in copies:
+            storage._delete_prefix(storage._key(hidden), manifest_first=True)
+            removed.append(storage.root / hidden)
+    return removed + storage.sweep()

@@ -1,0 +1,135 @@
+"""The Lightning plugin with ``ModelCheckpoint(dirpath="s3://bucket/prefix")``, against a real S3-compatible server.
+
+An object store has no rename: a ``last.ckpt`` that is saved again is written complete under a hidden name and
+swapped in (``ckptio.storage.s3.replace``). Proven here, with the real Lightning and boto3 against moto's server:
+top-k and last keep the names Lightning keeps locally; a run stopped and resumed with ``ckpt_path="last"`` ends
+bitwise equal to the run uninterrupted; a run SIGKILLed while ``last.ckpt`` is being swapped (old one no longer
+committed, new one complete beside it) resumes from the new one, and the next save finishes the swap; a run
+killed while writing the hidden copy keeps the old ``last.ckpt``; Lightning's own ``.ckpt`` object resumes.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("pytorch_lightning")
+pytest.importorskip("boto3")
+pytest.importorskip("moto")
+
+import s3server  # noqa: E402
+from lit_tiny import Tiny, loader, state, trainer  # noqa: E402
+
+from ckptio.lightning import CkptioCheckpointIO, last_checkpoint, read_checkpoint  # noqa: E402
+from ckptio.storage import s3 as s3mod  # noqa: E402
+
+EPOCHS = 4
+ROOT = Path(__file__).resolve().parents[1]
+RUNNER = str(ROOT / "tests" / "lit_run.py")
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, url = s3server.start()
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture
+def bucket(server, monkeypatch) -> str:
+    for key, value in {"AWS_ENDPOINT_URL": server, **s3server.ENV}.items():
+        monkeypatch.setenv(key, value)
+    name = f"lit-{uuid.uuid4().hex[:8]}"
+    s3mod.client().create_bucket(Bucket=name)
+    return name
+
+
+def _fit(root: str, epochs: int, plugins=None, ckpt_path=None, **checkpoint) -> dict:
+    torch.manual_seed(0)
+    module = Tiny()
+    checkpoint.setdefault("every_n_epochs", 1)
+    checkpoint.setdefault("save_top_k", -1)
+    tr = trainer(root, epochs, plugins, **checkpoint)
+    tr.fit(module, loader(), ckpt_path=ckpt_path)
+    return state(module, tr)
+
+
+def _same(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys(), what
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), f"{what}: {k} differs"
+
+
+def _top(bucket: str, prefix: str = "run") -> dict[str, set[str]]:
+    """name directly under ``prefix`` -> the objects below it."""
+    out: dict[str, set[str]] = {}
+    for page in s3mod.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/"):
+        for obj in page.get("Contents", []):
+            name, _, rest = obj["Key"][len(prefix) + 1:].partition("/")
+            out.setdefault(name, set()).add(rest)
+    return out
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> dict:
+    return _fit(str(tmp_path_factory.mktemp("straight")), EPOCHS)
+
+
+def test_top_k_last_and_resume_in_a_bucket(bucket, tmp_path, straight):
+    local = tmp_path / "local"
+    options = dict(monitor="train_loss", mode="min", save_top_k=2, save_last=True, every_n_epochs=None,
+                   every_n_train_steps=3)
+    _fit(str(local), EPOCHS, **options)
+    _fit(f"s3://{bucket}/top", EPOCHS, [CkptioCheckpointIO()], **options)
+    top = _top(bucket, "top")
+    assert sorted(top) == sorted(p.name for p in local.iterdir()), (sorted(top), sorted(local.iterdir()))
+    assert all("manifest.json" in files for files in top.values())
+
+    url = f"s3://{bucket}/run"
+    _fit(url, 2, [CkptioCheckpointIO()], save_last=True)
+    assert last_checkpoint(url) == f"{url}/last.ckpt"
+    resumed = _fit(url, EPOCHS, [CkptioCheckpointIO()], ckpt_path=last_checkpoint(url), save_last=True)
+    _same(resumed, straight, "s3: stopped, resumed from last")
+    assert read_checkpoint(f"{url}/last.ckpt")["global_step"] == 8 * EPOCHS
+    assert sorted(_top(bucket)) == ["epoch=0-step=8.ckpt", "epoch=1-step=16.ckpt", "epoch=2-step=24.ckpt",
+                                    "epoch=3-step=32.ckpt", "last.ckpt"]
+
+
+def _run(*args: str, ok: bool = True) -> None:
+    done = subprocess.run([sys.executable, RUNNER, *args], capture_output=True, text=True, timeout=600)
+    if ok:
+        assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    else:
+        assert not Path(args[2]).exists(), f"{args}: the run was meant to stop early and did not"
+
+
+@pytest.mark.parametrize("point", ["s3.swap.uncommitted", "s3.swap.copied", "commit.before_manifest"])
+def test_killed_while_last_is_replaced_resumes_and_ends_bitwise_equal(bucket, tmp_path, straight, point):
+    """SIGKILL in the second save of a rerun (``last.ckpt`` already there): inside the swap the old one is no
+    longer committed and the new one is complete beside it; before the swap the old one is whole. Either way the
+    next run resumes from a complete ``last.ckpt`` and ends bitwise equal; its first save clears what was left."""
+    url = f"s3://{bucket}/run"
+    _run(url, "1", str(tmp_path / "a.pt"))  # epoch 0: last.ckpt at step 8
+    # the rerun's first save writes epoch=1-step=16.ckpt (a new name: written in place), then replaces last.ckpt
+    _run(url, "3", str(tmp_path / "x.pt"), "--resume", "--kill-at", f"{point}:{2 if 'manifest' in point else 1}",
+         ok=False)
+    hidden = [n for n in _top(bucket) if n.startswith(".last.ckpt.tmp-")]
+    assert len(hidden) == 1, _top(bucket)
+    step = read_checkpoint(f"{url}/last.ckpt")["global_step"]
+    assert step == (8 if point == "commit.before_manifest" else 16)  # the old one whole / the new copy
+    _run(url, str(EPOCHS), str(tmp_path / "resumed.pt"), "--resume")
+    _same(torch.load(tmp_path / "resumed.pt", weights_only=True), straight, f"s3: killed at {point}, resumed")
+    assert not [n for n in _top(bucket) if n.startswith(".")], _top(bucket)
+
+
+def test_lightnings_own_ckpt_object_resumes(bucket, tmp_path, straight):
+    _fit(str(tmp_path), 2, save_last=True)  # Lightning's own .ckpt file, then put in the bucket
+    s3mod.client().upload_file(str(tmp_path / "last.ckpt"), bucket, "theirs/last.ckpt")
+    resumed = _fit(f"s3://{bucket}/run", EPOCHS, [CkptioCheckpointIO()], ckpt_path=f"s3://{bucket}/theirs/last.ckpt")
+    _same(resumed, straight, "Lightning .ckpt in a bucket -> ckptio")
