@@ -109,6 +109,7 @@ def _run(*args: str, ok: bool = True) -> None:
         assert not Path(args[2]).exists(), f"{args}: the run was meant to stop early and did not"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point", ["s3.swap.uncommitted", "s3.swap.copied", "commit.before_manifest"])
 def test_killed_while_last_is_replaced_resumes_and_ends_bitwise_equal(bucket, tmp_path, straight, point):
     """SIGKILL in the second save of a rerun (``last.ckpt`` already there): inside the swap the old one is no
