@@ -99,6 +99,11 @@ def test_top_k_last_and_resume_in_a_bucket(bucket, tmp_path, straight):
     assert read_checkpoint(f"{url}/last.ckpt")["global_step"] == 8 * EPOCHS
     assert sorted(_top(bucket)) == ["epoch=0-step=8.ckpt", "epoch=1-step=16.ckpt", "epoch=2-step=24.ckpt",
                                     "epoch=3-step=32.ckpt", "last.ckpt"]
+    # background saves to the bucket
+    url = f"s3://{bucket}/async"
+    _fit(url, 2, [CkptioCheckpointIO(async_save=True)], save_last=True)
+    resumed = _fit(url, EPOCHS, [CkptioCheckpointIO(async_save=True)], ckpt_path=last_checkpoint(url), save_last=True)
+    _same(resumed, straight, "s3, background saves: stopped, resumed from last")
 
 
 def _run(*args: str, ok: bool = True) -> None:
