@@ -130,6 +130,9 @@ class CkptioAccelerator(Accelerator):
         """What ``Accelerator.load_state`` loads for a DDP or single-process run (models, optimizers, schedulers,
         dataloaders, scaler, RNG, ``step``) through accelerate's own reader, which reads them with
         ``weights_only``; the registered objects, which it would unpickle without restriction, are left out."""
+        import inspect
+
+        from accelerate import __version__ as accelerate_version
         from accelerate.checkpointing import load_accelerator_state
 
         models = list(self._models)
@@ -137,10 +140,17 @@ class CkptioAccelerator(Accelerator):
             hook(models, str(path))
         map_location = kwargs.pop("map_location", None)
         if map_location is None:
-            map_location = "on_device" if self.num_processes > 1 and self.multi_device and \
+            # as accelerate decides it (older releases have no multi_device: the accelerator types they listed)
+            multi = getattr(self, "multi_device", str(self.distributed_type.value) in (
+                "MULTI_GPU", "MULTI_MLU", "MULTI_MUSA", "MULTI_NPU"))
+            map_location = "on_device" if self.num_processes > 1 and multi and \
                 self.distributed_type != DistributedType.MULTI_XPU else "cpu"
+        if "load_kwargs" in inspect.signature(load_accelerator_state).parameters:  # newer accelerate
+            kwargs["load_kwargs"] = load_kwargs
+        elif load_kwargs:
+            raise ValueError(f"load_kwargs needs a newer accelerate than {accelerate_version}")
         override = load_accelerator_state(str(path), models, self._optimizers, self._schedulers, self._dataloaders,
-                                          self.state.process_index, self.scaler, map_location, load_kwargs, **kwargs)
+                                          self.state.process_index, self.scaler, map_location, **kwargs)
         if "step" in override:
             self.step = override["step"]
 
