@@ -10,6 +10,7 @@ pip's own report must list ckptio as the one package it installs.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -70,8 +71,9 @@ def test_pip_install_into_an_environment_with_torch_and_transformers_moves_neith
     assert after["torch"] == before["torch"] and after["transformers"] == before["transformers"]
 
     # the installed copy is the one that runs, console script included
+    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # a checkout's src/ must not shadow it
     where = subprocess.run([str(python), "-c", "import ckptio, sys; print(ckptio.__file__)"],
-                           capture_output=True, text=True, check=True, timeout=120).stdout.strip()
+                           capture_output=True, text=True, check=True, timeout=120, env=clean).stdout.strip()
     assert where.startswith(str(tmp_path / "env")), where
     help_ = subprocess.run([str(tmp_path / "env" / "bin" / "ckptio"), "--help"], capture_output=True, text=True,
                            timeout=120)
