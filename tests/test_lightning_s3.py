@@ -129,6 +129,7 @@ def test_killed_while_last_is_replaced_resumes_and_ends_bitwise_equal(bucket, tm
     assert len(hidden) == 1, _top(bucket)
     step = read_checkpoint(f"{url}/last.ckpt")["global_step"]
     assert step == (8 if point == "commit.before_manifest" else 16)  # the old one whole / the new copy
+    assert last_checkpoint(url) == f"{url}/last.ckpt"  # listed and found, not taken for a save in progress
     _run(url, str(EPOCHS), str(tmp_path / "resumed.pt"), "--resume")
     _same(torch.load(tmp_path / "resumed.pt", weights_only=True), straight, f"s3: killed at {point}, resumed")
     assert not [n for n in _top(bucket) if n.startswith(".")], _top(bucket)

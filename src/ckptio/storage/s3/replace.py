@@ -4,10 +4,10 @@ no moment at which neither the old nor the new folder can be had.
 A local folder is replaced by an atomic rename; an object store has none. So a folder whose name is taken is
 written complete under a hidden name (``.NAME.tmp-xxxxxxxx``, committed by its manifest) and then *swapped in*:
 
-1. the old folder is marked in progress and its manifest deleted (it is no longer complete, but its objects keep
-   the name listed, so a framework that looks for ``NAME`` still sees it);
+1. the old folder's manifest is deleted (it is no longer complete, but its objects keep the name listed, so a
+   framework that looks for ``NAME`` still sees it: it is not marked in progress, which would hide it);
 2. every object of the hidden folder is copied server-side over it, objects the new one lacks are deleted;
-3. the manifest is copied last, the mark removed, and the hidden folder deleted (manifest first).
+3. the manifest is copied last and the hidden folder deleted (manifest first).
 
 A crash inside step 1-3 leaves ``NAME`` incomplete beside a complete hidden copy: :func:`complete_copy` names
 that copy, which a reader then reads in place of ``NAME`` (read-only: readers never change the store), and
@@ -56,7 +56,8 @@ def _swap_in(storage: "S3Storage", hidden: str, name: str) -> None:
     src, dst = storage._key(hidden), storage._key(name)
     new, old = storage._objects(src), storage._objects(dst)
     where = storage.root / name
-    _call("writing", where / PENDING, s3.put_object, Bucket=bucket, Key=f"{dst}/{PENDING}", Body=b"")
+    # no in-progress mark here: the old folder must stay listed (and must not be swept) while it has no manifest;
+    # the complete copy beside it is what tells a reader, and recover(), what to do with it
     _call("removing", where / MANIFEST, s3.delete_object, Bucket=bucket, Key=f"{dst}/{MANIFEST}")
     _faults.point("s3.swap.uncommitted")
     files = sorted(rel for rel in new if rel not in (MANIFEST, PENDING))
@@ -70,7 +71,6 @@ def _swap_in(storage: "S3Storage", hidden: str, name: str) -> None:
               Delete={"Objects": stale[i:i + 1000], "Quiet": True})
     _call("copying", where / MANIFEST, s3.copy_object, Bucket=bucket, Key=f"{dst}/{MANIFEST}",
           CopySource={"Bucket": bucket, "Key": f"{src}/{MANIFEST}"})
-    _call("removing", where / PENDING, s3.delete_object, Bucket=bucket, Key=f"{dst}/{PENDING}")
     storage._delete_prefix(src, manifest_first=True)
 
 
