@@ -19,6 +19,7 @@ import collections
 import multiprocessing as mp
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -140,3 +141,11 @@ def kill_at(spec: str) -> None:
 
     _faults.set_hook(hook)
 
+
+
+def launch(script: str, *args: str, ranks: int = 1, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python script args`` in a process of its own (``ranks=1``) or under torchrun with ``ranks`` CPU ranks on
+    this machine; its output captured as text."""
+    cmd = [sys.executable, script, *args] if ranks == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", script, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)

@@ -36,7 +36,7 @@ def loader(n: int = 32, batch: int = 4, width: int = 16) -> DataLoader:
     return DataLoader(TensorDataset(x, x.sum(1, keepdim=True).tanh()), batch_size=batch, shuffle=False)
 
 
-def trainer(root: Path, max_epochs: int, plugins: list | None = None, **checkpoint: Any) -> pl.Trainer:
+def trainer(root: Path | str, max_epochs: int, plugins: list | None = None, **checkpoint: Any) -> pl.Trainer:
     callback = pl.callbacks.ModelCheckpoint(dirpath=str(root), **checkpoint)
     return pl.Trainer(max_epochs=max_epochs, logger=False, enable_progress_bar=False, enable_model_summary=False,
                       accelerator="cpu", devices=1, callbacks=[callback], plugins=plugins or [],
@@ -51,3 +51,23 @@ def state(module: Tiny, tr: pl.Trainer) -> dict[str, torch.Tensor]:
         out.update({f"o/{i}/{k}": v.detach().clone() for k, v in st.items()})
     out["lr"] = torch.tensor(opt.param_groups[0]["lr"])
     return out
+
+
+def fit(root: Path | str, epochs: int, plugins: list | None = None, ckpt_path: str | None = None,
+        **checkpoint: Any) -> dict[str, torch.Tensor]:
+    """A seeded fit of ``Tiny`` checkpointing into ``root`` (a folder or ``s3://``) every epoch, all kept unless
+    ``checkpoint`` says otherwise; its final :func:`state`."""
+    torch.manual_seed(0)
+    module = Tiny()
+    checkpoint.setdefault("every_n_epochs", 1)
+    checkpoint.setdefault("save_top_k", -1)
+    tr = trainer(root, epochs, plugins, **checkpoint)
+    tr.fit(module, loader(), ckpt_path=ckpt_path)
+    return state(module, tr)
+
+
+def same(a: dict, b: dict, what: str) -> None:
+    """Two states hold the same names, dtypes and bits."""
+    assert a.keys() == b.keys(), what
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), f"{what}: {k} differs"

@@ -13,8 +13,6 @@ import json
 import pickle
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +21,7 @@ import torch
 pytest.importorskip("accelerate")
 
 from acc_tiny import STEPS, Counter, accelerator, train  # noqa: E402
+from distributed import launch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
@@ -117,9 +116,7 @@ def test_hostile_registered_state_and_nothing_usable_are_refused(tmp_path, capsy
 def _launch(*args: str, ranks: int = 1, ok: bool = True) -> None:
     """``tests/acc_run.py`` in a process of its own (``ranks=1``) or under torchrun; ``ok=False``: it must stop
     before its end (SIGTERM or SIGKILL), writing no result."""
-    cmd = [sys.executable, RUNNER, *args] if ranks == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", RUNNER, *args]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    done = launch(RUNNER, *args, ranks=ranks)
     if ok:
         assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     else:  # stopped by the signal it was given, not by an error (rank 1 may fail on rank 0's death: not counted)
@@ -174,8 +171,7 @@ def test_two_ranks_preempted_killed_resumed_adopted_and_resumed_on_one(tmp_path)
 def test_the_example_trains_and_resumes(tmp_path):
     script = ROOT / "examples" / "accelerate" / "train.py"
     for steps in (10, 20):
-        done = subprocess.run([sys.executable, str(script), "--dir", str(tmp_path), "--steps", str(steps)],
-                              capture_output=True, text=True, timeout=300)
+        done = launch(str(script), "--dir", str(tmp_path), "--steps", str(steps), timeout=300)
         assert done.returncode == 0 and f"trained to step {steps}" in done.stdout, done.stderr[-2000:]
     assert _names(tmp_path) == ["checkpoint_2", "checkpoint_3"]  # total_limit=2
     assert (tmp_path / "checkpoints" / "checkpoint_3" / "manifest.json").is_file()

@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +19,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from distributed import launch  # noqa: E402
 from hf_tiny import model, state, trainer  # noqa: E402
 from transformers import AutoModelForCausalLM, Trainer  # noqa: E402
 
@@ -155,9 +154,7 @@ def test_the_checkpoints_kept_are_the_ones_the_trainer_keeps(tmp_path, limit):
 
 # ---------------------------------------------------------------------- preemption and kills, 1 and 2 ranks
 def _run(*args: str, ranks: int = 1, ok: bool = True) -> str:
-    cmd = [sys.executable, RUNNER, *args] if ranks == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", RUNNER, *args]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    done = launch(RUNNER, *args, ranks=ranks)
     text = done.stdout + done.stderr
     if ok:
         assert done.returncode == 0, text[-4000:]
@@ -216,8 +213,7 @@ class _Peek(__import__("transformers").TrainerCallback):
 def test_the_example_trains_and_resumes(tmp_path):
     script = ROOT / "examples" / "hf_trainer" / "train.py"
     for steps in (10, 20):
-        done = subprocess.run([sys.executable, str(script), "--dir", str(tmp_path), "--steps", str(steps)],
-                              capture_output=True, text=True, timeout=300)
+        done = launch(str(script), "--dir", str(tmp_path), "--steps", str(steps), timeout=300)
         assert done.returncode == 0 and f"trained to step {steps}" in done.stdout, done.stderr[-2000:]
     assert _names(tmp_path) == ["checkpoint-15", "checkpoint-20"]  # save_total_limit=2
     assert (tmp_path / "checkpoint-20" / "manifest.json").is_file()

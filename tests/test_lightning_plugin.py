@@ -17,7 +17,8 @@ import torch
 
 pytorch_lightning = pytest.importorskip("pytorch_lightning")
 
-from lit_tiny import Tiny, loader, state, trainer  # noqa: E402
+from distributed import launch  # noqa: E402
+from lit_tiny import Tiny, fit, loader, same, trainer  # noqa: E402
 
 from ckptio import CheckpointCorruptError  # noqa: E402
 from ckptio.lightning import CkptioCheckpointIO, read_checkpoint  # noqa: E402
@@ -25,42 +26,26 @@ from ckptio.lightning import CkptioCheckpointIO, read_checkpoint  # noqa: E402
 EPOCHS = 4
 
 
-def _fit(root: Path, epochs: int, plugins=None, ckpt_path=None, **checkpoint) -> dict:
-    torch.manual_seed(0)
-    module = Tiny()
-    checkpoint.setdefault("every_n_epochs", 1)
-    checkpoint.setdefault("save_top_k", -1)
-    tr = trainer(root, epochs, plugins, **checkpoint)
-    tr.fit(module, loader(), ckpt_path=ckpt_path)
-    return state(module, tr)
-
-
-def _same(a: dict, b: dict, what: str) -> None:
-    assert a.keys() == b.keys(), what
-    for k in a:
-        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), f"{what}: {k} differs"
-
-
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory) -> dict:
-    return _fit(tmp_path_factory.mktemp("straight"), EPOCHS)
+    return fit(tmp_path_factory.mktemp("straight"), EPOCHS)
 
 
 @pytest.mark.parametrize("async_save", [False, True])
 def test_a_stopped_fit_resumes_from_last_bitwise(tmp_path, straight, async_save):
     io = CkptioCheckpointIO(async_save=async_save)
-    _fit(tmp_path, 2, [io], save_last=True)
+    fit(tmp_path, 2, [io], save_last=True)
     last = tmp_path / "last.ckpt"
     assert last.is_dir() and (last / "manifest.json").is_file() and (last / "model").is_dir()
-    resumed = _fit(tmp_path, EPOCHS, [CkptioCheckpointIO(async_save=async_save)], ckpt_path="last", save_last=True)
-    _same(resumed, straight, f"ckptio resume (async={async_save})")
+    resumed = fit(tmp_path, EPOCHS, [CkptioCheckpointIO(async_save=async_save)], ckpt_path="last", save_last=True)
+    same(resumed, straight, f"ckptio resume (async={async_save})")
 
 
 def test_the_checkpoints_kept_are_the_ones_lightning_keeps(tmp_path):
     kept = {}
     for name, plugins in (("lightning", None), ("ckptio", [CkptioCheckpointIO()])):
         root = tmp_path / name
-        _fit(root, EPOCHS, plugins, monitor="train_loss", mode="min", save_top_k=2, save_last=True,
+        fit(root, EPOCHS, plugins, monitor="train_loss", mode="min", save_top_k=2, save_last=True,
              every_n_epochs=None, every_n_train_steps=3)
         kept[name] = sorted(p.name for p in root.iterdir() if not p.name.startswith("."))
     assert kept["ckptio"] == kept["lightning"] and len(kept["ckptio"]) == 3, kept
@@ -70,17 +55,17 @@ def test_the_checkpoints_kept_are_the_ones_lightning_keeps(tmp_path):
 
 
 def test_lightnings_own_ckpt_resumes_under_the_plugin(tmp_path, straight):
-    _fit(tmp_path, 2, save_last=True)  # Lightning's own .ckpt files
+    fit(tmp_path, 2, save_last=True)  # Lightning's own .ckpt files
     assert (tmp_path / "last.ckpt").is_file()
-    resumed = _fit(tmp_path, EPOCHS, [CkptioCheckpointIO()], ckpt_path=str(tmp_path / "last.ckpt"))
-    _same(resumed, straight, "Lightning .ckpt -> ckptio")
+    resumed = fit(tmp_path, EPOCHS, [CkptioCheckpointIO()], ckpt_path=str(tmp_path / "last.ckpt"))
+    same(resumed, straight, "Lightning .ckpt -> ckptio")
 
 
 def test_the_whole_dict_comes_back(tmp_path):
     """Everything Lightning put in the dict (loops, callbacks, schedulers, hyper-parameters, the precision state)
     reads back with the same structure, tensors included."""
-    _fit(tmp_path / "a", 1)
-    _fit(tmp_path / "b", 1, [CkptioCheckpointIO()])
+    fit(tmp_path / "a", 1)
+    fit(tmp_path / "b", 1, [CkptioCheckpointIO()])
     name = sorted(p.name for p in (tmp_path / "a").iterdir())[-1]
     theirs = torch.load(tmp_path / "a" / name, weights_only=True)
     ours = read_checkpoint(tmp_path / "b" / name)
@@ -108,13 +93,13 @@ def test_the_whole_dict_comes_back(tmp_path):
 
 
 def test_a_damaged_checkpoint_is_refused_naming_the_file(tmp_path):
-    _fit(tmp_path, 1, [CkptioCheckpointIO()], save_last=True)
+    fit(tmp_path, 1, [CkptioCheckpointIO()], save_last=True)
     shard = next((tmp_path / "last.ckpt" / "state").glob("*.safetensors"))
     data = bytearray(shard.read_bytes())
     data[-3] ^= 0x10
     shard.write_bytes(bytes(data))
     with pytest.raises(CheckpointCorruptError, match=shard.name):
-        _fit(tmp_path, 2, [CkptioCheckpointIO()], ckpt_path="last")
+        fit(tmp_path, 2, [CkptioCheckpointIO()], ckpt_path="last")
 
 
 # ------------------------------------------------------------------ preemption, kills, DDP and the example
@@ -125,13 +110,7 @@ RUNNER = str(ROOT / "tests" / "lit_run.py")
 def _run(*args: str, ranks: int = 1, ok: bool = True) -> str:
     """``tests/lit_run.py`` in a process of its own (``ranks=1``) or under torchrun; ``ok=False``: the run must
     end early, preempted (Lightning exits with status 0 on SIGTERM) or killed, before writing its OUT file."""
-    import subprocess
-    import sys
-
-    cmd = [sys.executable, RUNNER, *args] if ranks == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", RUNNER, *args,
-         "--ddp"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    done = launch(RUNNER, *args, *(("--ddp",) if ranks > 1 else ()), ranks=ranks)
     text = done.stdout + done.stderr
     if ok:
         errors = [line for line in text.splitlines() if "rank0]" in line or "Error" in line]
@@ -163,7 +142,7 @@ def _preempt_kill_resume(root: Path, ranks: int, *extra: str) -> dict:
 @pytest.mark.parametrize("async_save", [False, True])
 def test_preempted_and_killed_mid_save_then_resumed_ends_bitwise_equal(tmp_path, straight, async_save):
     extra = ("--async",) if async_save else ()
-    _same(_preempt_kill_resume(tmp_path, 1, *extra), straight, f"1 rank, SIGTERM + SIGKILL (async={async_save})")
+    same(_preempt_kill_resume(tmp_path, 1, *extra), straight, f"1 rank, SIGTERM + SIGKILL (async={async_save})")
 
 
 @pytest.mark.slow
@@ -172,11 +151,11 @@ def test_ddp_on_two_ranks_preempted_killed_resumed_and_adopted(tmp_path):
     files of a DDP run resume under the plugin; the 2-rank checkpoint resumes on 1 rank."""
     _run(str(tmp_path / "straight"), str(EPOCHS), str(tmp_path / "straight.pt"), "--plain", ranks=2)
     straight = torch.load(tmp_path / "straight.pt", weights_only=True)
-    _same(_preempt_kill_resume(tmp_path / "ours", 2), straight, "DDP, SIGTERM + SIGKILL -> ckptio resume")
+    same(_preempt_kill_resume(tmp_path / "ours", 2), straight, "DDP, SIGTERM + SIGKILL -> ckptio resume")
     _run(str(tmp_path / "theirs"), "2", str(tmp_path / "theirs.pt"), "--plain", ranks=2)
     assert (tmp_path / "theirs" / "last.ckpt").is_file()
     _run(str(tmp_path / "theirs"), str(EPOCHS), str(tmp_path / "adopted.pt"), "--resume", ranks=2)
-    _same(torch.load(tmp_path / "adopted.pt", weights_only=True), straight, "DDP, Lightning .ckpt -> ckptio")
+    same(torch.load(tmp_path / "adopted.pt", weights_only=True), straight, "DDP, Lightning .ckpt -> ckptio")
     # another number of ranks: the 2-rank run's last.ckpt (step 16 of 4 steps an epoch) goes on on 1 rank
     saved = read_checkpoint(tmp_path / "ours" / "last.ckpt")
     torch.manual_seed(0)
@@ -185,7 +164,7 @@ def test_ddp_on_two_ranks_preempted_killed_resumed_and_adopted(tmp_path):
     seen = {}
     tr.callbacks.append(_Peek(seen))
     tr.fit(module, loader(), ckpt_path="last")
-    _same(seen["weights"], {k: v for k, v in saved["state_dict"].items()}, "2 ranks -> 1 rank, restored weights")
+    same(seen["weights"], {k: v for k, v in saved["state_dict"].items()}, "2 ranks -> 1 rank, restored weights")
     assert saved["global_step"] == 4 * EPOCHS and tr.global_step == 4 * EPOCHS + 8  # one more epoch of 8 steps
 
 
@@ -216,22 +195,18 @@ def test_leftovers_of_killed_saves_are_swept_and_nothing_else(tmp_path):
 
 
 def test_the_example_trains_and_resumes(tmp_path):
-    import subprocess
-    import sys
-
     script = ROOT / "examples" / "lightning" / "train.py"
     for epochs, step in ((1, 16), (2, 32)):
-        done = subprocess.run([sys.executable, str(script), "--dir", str(tmp_path), "--epochs", str(epochs)],
-                              capture_output=True, text=True, timeout=300)
+        done = launch(str(script), "--dir", str(tmp_path), "--epochs", str(epochs), timeout=300)
         assert done.returncode == 0 and f"trained to step {step}" in done.stdout, done.stderr[-2000:]
     assert (tmp_path / "last.ckpt" / "manifest.json").is_file()
 
 
 def test_a_ckptio_folder_replaces_a_lightning_file_of_the_same_name(tmp_path):
     """A run that switches to the plugin writes last.ckpt over Lightning's own last.ckpt file: exchanged whole."""
-    _fit(tmp_path, 1, save_last=True)
+    fit(tmp_path, 1, save_last=True)
     assert (tmp_path / "last.ckpt").is_file()
-    _fit(tmp_path, 2, [CkptioCheckpointIO()], ckpt_path="last", save_last=True)
+    fit(tmp_path, 2, [CkptioCheckpointIO()], ckpt_path="last", save_last=True)
     assert (tmp_path / "last.ckpt" / "manifest.json").is_file()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no leftover of the exchange
 

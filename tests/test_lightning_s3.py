@@ -10,8 +10,6 @@ killed while writing the hidden copy keeps the old ``last.ckpt``; Lightning's ow
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -23,7 +21,8 @@ pytest.importorskip("boto3")
 pytest.importorskip("moto")
 
 import s3server  # noqa: E402
-from lit_tiny import Tiny, loader, state, trainer  # noqa: E402
+from distributed import launch  # noqa: E402
+from lit_tiny import fit, same  # noqa: E402
 
 from ckptio.lightning import CkptioCheckpointIO, last_checkpoint, read_checkpoint  # noqa: E402
 from ckptio.storage import s3 as s3mod  # noqa: E402
@@ -50,22 +49,6 @@ def bucket(server, monkeypatch) -> str:
     return name
 
 
-def _fit(root: str, epochs: int, plugins=None, ckpt_path=None, **checkpoint) -> dict:
-    torch.manual_seed(0)
-    module = Tiny()
-    checkpoint.setdefault("every_n_epochs", 1)
-    checkpoint.setdefault("save_top_k", -1)
-    tr = trainer(root, epochs, plugins, **checkpoint)
-    tr.fit(module, loader(), ckpt_path=ckpt_path)
-    return state(module, tr)
-
-
-def _same(a: dict, b: dict, what: str) -> None:
-    assert a.keys() == b.keys(), what
-    for k in a:
-        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), f"{what}: {k} differs"
-
-
 def _top(bucket: str, prefix: str = "run") -> dict[str, set[str]]:
     """name directly under ``prefix`` -> the objects below it."""
     out: dict[str, set[str]] = {}
@@ -78,36 +61,36 @@ def _top(bucket: str, prefix: str = "run") -> dict[str, set[str]]:
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory) -> dict:
-    return _fit(str(tmp_path_factory.mktemp("straight")), EPOCHS)
+    return fit(str(tmp_path_factory.mktemp("straight")), EPOCHS)
 
 
 def test_top_k_last_and_resume_in_a_bucket(bucket, tmp_path, straight):
     local = tmp_path / "local"
     options = dict(monitor="train_loss", mode="min", save_top_k=2, save_last=True, every_n_epochs=None,
                    every_n_train_steps=3)
-    _fit(str(local), EPOCHS, **options)
-    _fit(f"s3://{bucket}/top", EPOCHS, [CkptioCheckpointIO()], **options)
+    fit(str(local), EPOCHS, **options)
+    fit(f"s3://{bucket}/top", EPOCHS, [CkptioCheckpointIO()], **options)
     top = _top(bucket, "top")
     assert sorted(top) == sorted(p.name for p in local.iterdir()), (sorted(top), sorted(local.iterdir()))
     assert all("manifest.json" in files for files in top.values())
 
     url = f"s3://{bucket}/run"
-    _fit(url, 2, [CkptioCheckpointIO()], save_last=True)
+    fit(url, 2, [CkptioCheckpointIO()], save_last=True)
     assert last_checkpoint(url) == f"{url}/last.ckpt"
-    resumed = _fit(url, EPOCHS, [CkptioCheckpointIO()], ckpt_path=last_checkpoint(url), save_last=True)
-    _same(resumed, straight, "s3: stopped, resumed from last")
+    resumed = fit(url, EPOCHS, [CkptioCheckpointIO()], ckpt_path=last_checkpoint(url), save_last=True)
+    same(resumed, straight, "s3: stopped, resumed from last")
     assert read_checkpoint(f"{url}/last.ckpt")["global_step"] == 8 * EPOCHS
     assert sorted(_top(bucket)) == ["epoch=0-step=8.ckpt", "epoch=1-step=16.ckpt", "epoch=2-step=24.ckpt",
                                     "epoch=3-step=32.ckpt", "last.ckpt"]
     # background saves to the bucket
     url = f"s3://{bucket}/async"
-    _fit(url, 2, [CkptioCheckpointIO(async_save=True)], save_last=True)
-    resumed = _fit(url, EPOCHS, [CkptioCheckpointIO(async_save=True)], ckpt_path=last_checkpoint(url), save_last=True)
-    _same(resumed, straight, "s3, background saves: stopped, resumed from last")
+    fit(url, 2, [CkptioCheckpointIO(async_save=True)], save_last=True)
+    resumed = fit(url, EPOCHS, [CkptioCheckpointIO(async_save=True)], ckpt_path=last_checkpoint(url), save_last=True)
+    same(resumed, straight, "s3, background saves: stopped, resumed from last")
 
 
 def _run(*args: str, ok: bool = True) -> None:
-    done = subprocess.run([sys.executable, RUNNER, *args], capture_output=True, text=True, timeout=600)
+    done = launch(RUNNER, *args)
     if ok:
         assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     else:
@@ -131,12 +114,12 @@ def test_killed_while_last_is_replaced_resumes_and_ends_bitwise_equal(bucket, tm
     assert step == (8 if point == "commit.before_manifest" else 16)  # the old one whole / the new copy
     assert last_checkpoint(url) == f"{url}/last.ckpt"  # listed and found, not taken for a save in progress
     _run(url, str(EPOCHS), str(tmp_path / "resumed.pt"), "--resume")
-    _same(torch.load(tmp_path / "resumed.pt", weights_only=True), straight, f"s3: killed at {point}, resumed")
+    same(torch.load(tmp_path / "resumed.pt", weights_only=True), straight, f"s3: killed at {point}, resumed")
     assert not [n for n in _top(bucket) if n.startswith(".")], _top(bucket)
 
 
 def test_lightnings_own_ckpt_object_resumes(bucket, tmp_path, straight):
-    _fit(str(tmp_path), 2, save_last=True)  # Lightning's own .ckpt file, then put in the bucket
+    fit(str(tmp_path), 2, save_last=True)  # Lightning's own .ckpt file, then put in the bucket
     s3mod.client().upload_file(str(tmp_path / "last.ckpt"), bucket, "theirs/last.ckpt")
-    resumed = _fit(f"s3://{bucket}/run", EPOCHS, [CkptioCheckpointIO()], ckpt_path=f"s3://{bucket}/theirs/last.ckpt")
-    _same(resumed, straight, "Lightning .ckpt in a bucket -> ckptio")
+    resumed = fit(f"s3://{bucket}/run", EPOCHS, [CkptioCheckpointIO()], ckpt_path=f"s3://{bucket}/theirs/last.ckpt")
+    same(resumed, straight, "Lightning .ckpt in a bucket -> ckptio")

@@ -262,15 +262,11 @@ def last_checkpoint(dirpath: str | Path, name: str = "last") -> str | None:
     if s3 is not None:
         from .storage.s3.fsspec_fs import CkptioS3FileSystem
 
-        fs, root = CkptioS3FileSystem(), str(s3[0].root)
-        try:
-            entries = fs.ls(root, detail=False)
-        except FileNotFoundError:
-            return None
-        for entry in entries:
-            leaf = entry.rsplit("/", 1)[-1]
-            if pattern.match(leaf) and _s3_complete(s3[0], leaf):
-                found.append((fs.modified(entry).timestamp(), f"{root}/{leaf}"))
+        storage, root = s3[0], str(s3[0].root)
+        for entry in storage.folder().listdir():
+            if pattern.match(entry.name) and _s3_complete(storage, entry.name):
+                found.append((CkptioS3FileSystem().modified(f"{root}/{entry.name}").timestamp(),
+                              f"{root}/{entry.name}"))
     else:
         root_path = Path(dirpath)
         for p in root_path.iterdir() if root_path.is_dir() else []:
@@ -280,13 +276,12 @@ def last_checkpoint(dirpath: str | Path, name: str = "last") -> str | None:
 
 
 def _s3_complete(storage: Any, name: str) -> bool:
-    from .storage.s3.replace import complete_copy
+    """A Lightning ``.ckpt`` object, a committed folder, or one whose replacement was cut short beside a complete
+    copy (read from that copy)."""
+    from .storage.s3.replace import committed, complete_copy
 
-    folder = storage.folder()
-    if folder.kind(name) == "file":
-        return True
-    return folder.kind(name) == "dir" and (folder.sub(name).kind("manifest.json") == "file" or
-                                           complete_copy(storage, name) is not None)
+    kind = storage.folder().kind(name)
+    return kind == "file" or (kind == "dir" and (committed(storage, name) or complete_copy(storage, name) is not None))
 
 
 def read_checkpoint(path: str | Path, *, verify: str = "full") -> dict[str, Any]:
@@ -352,15 +347,11 @@ def _read_lightning_object(url: str) -> dict[str, Any]:
 
     from .formats.lightning import read_lightning
     from .storage.s3 import S3Storage
+    from .storage.transfer import copy_file_down
 
     parent, _, name = url.rpartition("/")
     with tempfile.TemporaryDirectory(prefix="ckptio-lightning-") as tmp:
-        local = Path(tmp) / name
-        folder = S3Storage(parent).folder()
-        with folder.open(name) as handle, open(local, "wb") as fh:
-            for offset in range(0, handle.size, 64 << 20):
-                fh.write(handle.read(offset, min(64 << 20, handle.size - offset)))
-        return read_lightning(local)
+        return read_lightning(copy_file_down(S3Storage(parent).folder(), name, Path(tmp) / name))
 
 
 def _read_all(source: Any, keys: list[str], where: object) -> dict[str, torch.Tensor]:

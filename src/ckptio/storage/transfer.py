@@ -10,10 +10,11 @@ with an ``s3://`` destination the result is written locally and copied up (:func
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from ..errors import CheckpointError
 
-__all__ = ["copy_down", "copy_up", "exists"]
+__all__ = ["copy_down", "copy_file_down", "copy_up", "exists"]
 
 CHUNK = 8 << 20
 
@@ -31,16 +32,21 @@ def copy_down(url: str, dest: Path) -> Path:
         raise CheckpointError(f"{url}: no such folder, or it is empty")
     dest.mkdir(parents=True)
     for rel in files:
-        out = dest / rel
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with folder.open(rel) as handle, open(out, "wb") as fh:
-            for offset in range(0, handle.size, CHUNK):
-                fh.write(handle.read(offset, min(CHUNK, handle.size - offset)))
+        copy_file_down(folder, rel, dest / rel)
     if MANIFEST_NAME in files:
         problems = check_files(dest, read_manifest(dest), checksums=True)
         if problems:
             raise CheckpointCorruptError(f"{url}: {len(problems)} file(s) do not match the manifest: {problems[0]}")
     return dest
+
+
+def copy_file_down(folder: Any, rel: str, out: Path) -> Path:
+    """Copy the file ``rel`` of ``folder`` (local or in object storage, read confined) to the local path ``out``."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with folder.open(rel) as handle, open(out, "wb") as fh:
+        for offset in range(0, handle.size, CHUNK):
+            fh.write(handle.read(offset, min(CHUNK, handle.size - offset)))
+    return out
 
 
 def copy_up(src: Path, url: str) -> str:

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from . import S3Storage
     from .writer import S3FolderWriter
 
-__all__ = ["write_folder", "complete_copy", "recover"]
+__all__ = ["write_folder", "committed", "complete_copy", "recover"]
 
 log = logging.getLogger("ckptio")
 _HIDDEN = re.compile(r"^\.(.+)\.tmp-[0-9a-f]{8}$")
@@ -89,11 +89,16 @@ def _hidden_copies(storage: "S3Storage") -> dict[str, list[tuple[float, str]]]:
     return out
 
 
+def committed(storage: "S3Storage", name: str) -> bool:
+    """Whether the folder ``name`` has its manifest."""
+    folder = storage.folder()
+    return folder.kind(name) == "dir" and folder.sub(name).kind(MANIFEST) == "file"
+
+
 def complete_copy(storage: "S3Storage", name: str) -> str | None:
     """The hidden folder holding the complete new ``name`` when a swap of ``name`` was cut short (``name`` has no
     manifest and the copy has one), else ``None``."""
-    folder = storage.folder()
-    if folder.kind(name) == "dir" and folder.sub(name).kind(MANIFEST) == "file":
+    if committed(storage, name):
         return None
     copies = _hidden_copies(storage).get(name, [])
     return copies[0][1] if copies and copies[0][0] >= 0 else None
@@ -104,9 +109,7 @@ def recover(storage: "S3Storage") -> list[S3Path]:
     committed or are no longer needed, folders ckptio began and never committed). Returns what was removed."""
     removed: list[Any] = []
     for name, copies in _hidden_copies(storage).items():
-        folder = storage.folder()
-        target_done = folder.kind(name) == "dir" and folder.sub(name).kind(MANIFEST) == "file"
-        if not target_done and copies[0][0] >= 0:
+        if not committed(storage, name) and copies[0][0] >= 0:
             log.info("ckptio: finishing the replacement of %s that was cut short", storage.root / name)
             _swap_in(storage, copies[0][1], name)
             copies = copies[1:]
