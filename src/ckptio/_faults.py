@@ -23,6 +23,10 @@ POINTS = (
     "delete.after_hide",
     "s3.swap.uncommitted",
     "s3.swap.copied",
+    "memory.states_written",
+    "memory.replicating",
+    "memory.replicated",
+    "memory.committed",
 )
 
 

@@ -31,8 +31,9 @@ class BackgroundWriter:
     """Runs a save's write phase on a background thread, one at a time: the next save, restore or close waits for it
     and raises its failure."""
 
-    def __init__(self, log: logging.Logger) -> None:
+    def __init__(self, log: logging.Logger, what: str = "save") -> None:
         self.log = log
+        self.what = what
         self._pending: _Pending | None = None
         self._group = None
         if _dist.is_dist():
@@ -41,6 +42,12 @@ class BackgroundWriter:
             # its collectives never interleave with the training loop's on the default group
             self._group = dist.new_group(backend="gloo")
         atexit.register(_wait_at_exit, weakref.ref(self))
+
+    @property
+    def group(self) -> object:
+        """This writer's process group (gloo; ``None`` in one process): its collectives never meet the training
+        loop's. Usable from the training thread while nothing is in flight."""
+        return self._group
 
     @property
     def in_flight(self) -> bool:
@@ -58,8 +65,8 @@ class BackgroundWriter:
                     work()
             except BaseException as exc:  # kept for the training thread: raised at its next wait
                 pending.error = exc
-                self.log.error("Background save to %s failed: %s (raised at the next save, wait or close)",
-                               label, _dist.format_exc_short(exc))
+                self.log.error("Background %s to %s failed: %s (raised at the next save, wait or close)",
+                               self.what, label, _dist.format_exc_short(exc))
 
         pending.thread = threading.Thread(target=run, name=f"ckptio-save-{label.name}", daemon=False)
         pending.thread.start()
@@ -72,7 +79,7 @@ class BackgroundWriter:
         assert pending.thread is not None
         pending.thread.join()
         if pending.error is not None:
-            pending.error.add_note(f"raised by the background save to {pending.label}")
+            pending.error.add_note(f"raised by the background {self.what} to {pending.label}")
             raise pending.error
         return pending.label
 

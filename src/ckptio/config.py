@@ -143,6 +143,21 @@ class CheckpointConfig:
     one of the writer threads is raised by the save. Reads use one thread (``benchmarks/parallel_io.py``:
     parallel reads were slower)."""
 
+    memory_every_steps: int | None = None
+    """The memory tier: every this many steps, :meth:`~ckptio.CheckpointManager.maybe_save` takes a snapshot of the
+    whole state into node-local shared memory (``memory_dir``) and replicates each rank's part to a rank on the
+    next node, in the background; a restart resumes from the newest snapshot that survived (or the newest durable
+    checkpoint, whichever is newer). ``None``: off. See docs/memory-tier.md."""
+
+    persist_every_steps: int | None = None
+    """With :meth:`~ckptio.CheckpointManager.maybe_save`: a durable save (to ``checkpoint_dir``) every this many
+    steps. ``None``: when the step scheduler says so (``ckpt_every_steps``)."""
+
+    memory_dir: PathLike | None = None
+    """Where the memory tier keeps its snapshots on each node: a folder in a RAM-backed filesystem that outlives the
+    training processes. ``None``: ``$CKPTIO_MEMORY_DIR``, else ``/dev/shm/ckptio`` (the system's temporary folder
+    where there is no ``/dev/shm``). Each run (``checkpoint_dir``) gets a private folder of its own inside."""
+
     def io_thread_count(self) -> int:
         """:attr:`io_threads`, or the automatic choice when it is ``None`` (see there)."""
         return self.io_threads if self.io_threads is not None else _auto_io_threads()
@@ -158,6 +173,7 @@ class CheckpointConfig:
         self._apply_automodel_names()
         self._validate_retention()
         self._validate_switches()
+        self._validate_memory_tier()
         _validate_template(self.name_template)
 
     def _validate_locations(self) -> None:
@@ -237,6 +253,18 @@ class CheckpointConfig:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ConfigError(f"{name} must be true or false, got {value!r}")
+
+    def _validate_memory_tier(self) -> None:
+        for name in ("memory_every_steps", "persist_every_steps"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ConfigError(f"{name} must be a positive integer or null, got {value!r}")
+        if isinstance(self.memory_dir, os.PathLike):
+            self.memory_dir = os.fspath(self.memory_dir)
+        if self.memory_dir is not None and (not isinstance(self.memory_dir, str) or not self.memory_dir
+                                            or "://" in self.memory_dir):
+            raise ConfigError(f"memory_dir must be a local folder (a RAM-backed one such as /dev/shm/ckptio), got "
+                              f"{self.memory_dir!r}")
 
     def _apply_automodel_names(self) -> None:
         """Fold NeMo AutoModel's names for three settings into ckptio's; both given and different is an error."""

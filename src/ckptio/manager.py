@@ -107,7 +107,12 @@ class CheckpointManager:
         self.storage = open_storage(config.checkpoint_dir)
         self._lock = self.storage.lock()
         self._saver = Saver(config, self.tracked, self.storage, self._lock, self.log)
-        self._restorer = Restorer(config, self.tracked, self.log, self.storage)
+        self._memory = None
+        if config.memory_every_steps is not None:
+            from .tier import MemoryTier
+
+            self._memory = MemoryTier(config, self.tracked, self.log)
+        self._restorer = Restorer(config, self.tracked, self.log, self.storage, self._memory)
         # made at the first background save (a collective: it builds a gloo group), so that a manager used
         # only to restore starts no thread and creates no process group
         self._writer: BackgroundWriter | None = None
@@ -135,21 +140,26 @@ class CheckpointManager:
         """The step directory of the last save committed by this manager."""
         return self._saver.last_saved
 
-    def close(self) -> None:
+    def close(self, *, free_memory: bool = True) -> None:
         """Wait for a background save in flight (raising its error), then release the checkpoint folder.
 
-        Also done when the manager is garbage-collected or the process exits (an error is then logged).
+        With the memory tier, this run's snapshots are also removed from every node's memory (``free_memory``):
+        a run that ends cleanly resumes from its durable checkpoints, so save durably first. Leaving a ``with``
+        block by an exception keeps them, for the restart. Also done when the manager is garbage-collected or
+        the process exits (an error is then logged; the memory tier is then kept).
         """
         try:
             self.wait()
+            if self._memory is not None:
+                self._memory.close(free=free_memory)
         finally:
             self._lock.release()
 
     def __enter__(self) -> "CheckpointManager":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(free_memory=exc_type is None)
 
     def register(self, name: str, obj: Stateful) -> None:
         """Save and restore ``obj`` under ``name`` (a ``<name>.pt`` file, or ``<name>/`` per rank)."""
@@ -201,9 +211,52 @@ class CheckpointManager:
         """Block until the background save in flight (if any) is committed; re-raise its error here.
 
         Returns the directory it committed (``None`` when nothing was in flight). Every rank should call
-        it at the same point, like :meth:`save`.
+        it at the same point, like :meth:`save`. A memory snapshot in flight is waited for too.
         """
+        if self._memory is not None:
+            self._memory.wait()
         return self._writer.wait() if self._writer is not None else None
+
+    # ------------------------------------------------------------------ the memory tier
+    def save_memory(self, *, step: int | None = None, epoch: int | None = None,
+                    counters: dict[str, Any] | None = None) -> Path | None:
+        """Collective: a snapshot of everything into the memory tier (``memory_every_steps`` must be set).
+
+        Returns once the state is staged (the training pause); the snapshot is written into this node's memory,
+        replicated on the next node and committed in the background. Returns where it will be on this node, or
+        ``None`` when a node has no room for it (a warning says which).
+        """
+        if not self.config.enabled:
+            return None
+        if self._memory is None:
+            raise ConfigError("save_memory() needs the memory tier: set memory_every_steps in the CheckpointConfig")
+        step, epoch = self._position(step, epoch)
+        base = self._saver.last_step if self._saver.last_step is not None else self._memory.durable_step
+        return self._memory.save(step, epoch, dict(counters or {}), base)
+
+    def maybe_save(self, *, step: int | None = None, epoch: int | None = None, metrics: dict[str, float] | None = None,
+                   counters: dict[str, Any] | None = None) -> Path | None:
+        """Collective; call after every training step. Saves durably when one is due (every ``persist_every_steps``
+        steps, or when the step scheduler says so, and at the last step), else takes a memory snapshot when one is
+        due (every ``memory_every_steps`` steps). Returns what :meth:`save` or :meth:`save_memory` returned, or
+        ``None`` when nothing was due."""
+        step, epoch = self._position(step, epoch)
+        sched = self.step_scheduler
+        every = self.config.persist_every_steps
+        is_due = getattr(sched, "is_ckpt_step", None)
+        durable = step % every == 0 if every is not None else bool(is_due()) if callable(is_due) else False
+        if durable or getattr(sched, "done", False):
+            return self.save(step=step, epoch=epoch, metrics=metrics, counters=counters)
+        mem = self.config.memory_every_steps
+        if mem is not None and step % mem == 0:
+            return self.save_memory(step=step, epoch=epoch, counters=counters)
+        return None
+
+    @property
+    def memory_tier(self) -> Any:
+        """The memory tier (``None`` without ``memory_every_steps``); its ``last`` dict has the figures of the last
+        snapshot (``pause_s``, ``write_s``, ``replicate_s``, ``replicated_bytes``, ``node_bytes``)."""
+        return self._memory
 
     @property
     def staging_bytes(self) -> int:

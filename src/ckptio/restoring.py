@@ -60,13 +60,17 @@ class RestoreInfo:
     """Fields parsed back from the directory name by the name template (the manifest wins on conflicts)."""
     report: LoadReport | None = None
     """What became of each model key (loaded, excluded, missing, unexpected, mismatched, cast)."""
+    tier: str = "durable"
+    """``"memory"`` when the state came from a memory tier snapshot (``path`` is then that snapshot on this node)."""
 
 
 class Restorer:
     """Runs restores for one manager (collectives: every rank calls :meth:`restore` at the same point)."""
 
-    def __init__(self, config: CheckpointConfig, tracked: Tracked, log: Any, storage: Storage) -> None:
+    def __init__(self, config: CheckpointConfig, tracked: Tracked, log: Any, storage: Storage, memory: Any = None) -> None:
         self.config, self.tracked, self.log, self.storage = config, tracked, log, storage
+        self.memory = memory
+        """The manager's :class:`~ckptio.tier.MemoryTier` (``None``: none): an automatic resume asks it first."""
         self.options = LoadOptions(config.load_states, list(config.load_exclude or []), config.strict,
                                    config.load_cast_dtype)
         self._report = LoadReport()
@@ -83,6 +87,10 @@ class Restorer:
         foreign, candidates = find_candidates(self.storage, restore_from, verify, self.config, self.log)
         if foreign:
             return self._restore_foreign(Path(restore_from))  # type: ignore[arg-type]
+        if automatic and self.memory is not None:
+            info = self.memory.restore(self, candidates[0] if candidates else None)
+            if info is not None:
+                return info
         if not candidates:
             return None
         for i, found in enumerate(candidates):
@@ -108,6 +116,10 @@ class Restorer:
                            saved_world_size=0)
 
     # ---------------------------------------------------------------------------------------------- 2-4
+    def load(self, step_dir: Path, verify: str) -> RestoreInfo:
+        """Collective: restore everything from the step directory ``step_dir`` (no choice, no fallback)."""
+        return self._restore_from(step_dir, verify)
+
     def _restore_from(self, step_dir: Path, verify: str) -> RestoreInfo:
         rank = _dist.rank()
         if rank == 0:

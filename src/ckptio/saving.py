@@ -64,6 +64,8 @@ class SaveJob:
     root: Path
     start: float
     consolidate: bool
+    extras: bool = True
+    """Write the model's config and tokenizer beside a full model (a memory snapshot does not need them)."""
     signature: dict[str, Any] = field(default_factory=dict)
     model: dict[str, Any] | None = None
     optim: dict[str, Any] | None = None
@@ -117,6 +119,8 @@ class Saver:
         """Step names retention must keep whatever the rules say (the one this run resumed from)."""
         self._swept = False
         self.last_saved: Path | None = None
+        self.last_step: int | None = None
+        """The step of :attr:`last_saved` (set once it is committed, possibly by the background writer)."""
 
     # ---------------------------------------------------------------------------------------------- 1
     def snapshot(self, step: int, epoch: int, metrics: dict[str, float], counters: dict[str, Any], final: bool,
@@ -172,7 +176,7 @@ class Saver:
         assert token is not None  # rank 0 always names the folder
         writer = self.storage.attach_step(token, job.name)
         try:
-            states = self._write_states(job, writer, rank, world)
+            states = self.write_states(job, writer, rank, world)
             _faults.point("save.states_written")
             sums: dict[str, str] = {}
             for part in _dist.all_gather_object(job.sums):
@@ -185,7 +189,7 @@ class Saver:
             if rank == 0:
                 writer.abort()
             raise
-        self.last_saved = job.final_dir
+        self.last_saved, self.last_step = job.final_dir, job.step
         if rank == 0:
             self.log.info("Saved checkpoint %s in %.2f s", job.final_dir, time.perf_counter() - job.start)
 
@@ -199,7 +203,8 @@ class Saver:
                 self.log.info("Removed leftover of an interrupted save: %s", leftover)
         return self.storage.begin_step(job.name).token
 
-    def _write_states(self, job: SaveJob, writer: FolderWriter, rank: int, world: int) -> dict[str, StateEntry]:
+    def write_states(self, job: SaveJob, writer: FolderWriter, rank: int, world: int) -> dict[str, StateEntry]:
+        """Collective: write this rank's files of every state into ``writer``; returns the manifest's states."""
         t = self.tracked
         states: dict[str, StateEntry] = {}
         if job.model is not None:
@@ -208,7 +213,7 @@ class Saver:
                                       "log": self.log.warning})
             job.sums.update(self.format.save_shards(job.model, writer, MODEL_DIR, ctx))
             states["model"] = StateEntry("model", self.format.name, MODEL_DIR)
-            if self.format.full_model:
+            if self.format.full_model and job.extras:
                 _dist.run_collectively(
                     "writing the model config and tokenizer",
                     lambda: save_hf_extras(t.model, writer.local_path(MODEL_DIR), t.tokenizer) if rank == 0 else None)
@@ -257,15 +262,20 @@ class Saver:
         for rel in files:  # files written by libraries (config, tokenizer, adapter) are summed here
             if rel not in sums:
                 sums[rel] = writer.checksum_of(rel)
-        manifest = Manifest(
-            name=job.name, step=job.step, epoch=job.epoch, world_size=world,
-            model_save_format=self.config.model_save_format, states=states,
-            files=files, metrics=job.metrics, counters=job.counters, checksums=sums,
-            model_signature=job.signature, is_peft=self.config.is_peft, versions=software_versions(),
-        )
+        manifest = self.manifest_of(job, states, files, sums, world)
         writer.commit((MANIFEST_NAME, manifest.to_json().encode()))
         _faults.point("commit.before_pointer")
         self.storage.write_pointer(LATEST, job.name)
         _faults.point("commit.before_retention")
         for path in policies.after_commit(self.storage, self.config.retention_policy(), protected=self.protected):
             self.log.info("Removed checkpoint %s (retention)", path)
+
+    def manifest_of(self, job: SaveJob, states: dict[str, StateEntry], files: dict[str, int], sums: dict[str, str],
+                    world: int) -> Manifest:
+        """The manifest of ``job``: its ``files`` (relative path -> size) with their checksums ``sums``."""
+        return Manifest(
+            name=job.name, step=job.step, epoch=job.epoch, world_size=world,
+            model_save_format=self.config.model_save_format, states=states,
+            files=files, metrics=job.metrics, counters=job.counters, checksums=sums,
+            model_signature=job.signature, is_peft=self.config.is_peft, versions=software_versions(),
+        )

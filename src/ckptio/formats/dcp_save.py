@@ -289,8 +289,9 @@ def save(state_dict: dict[str, Any], writer: "FolderWriter | str | Path", rel: s
             raise CheckpointError(f"saving DCP folder {where} failed writing {Path(name).name}: {cause}") from exc
         return dict(fs.digests)
 
-    # a failure only a writer thread saw surfaces after DCP's own collectives: every rank raises together
-    return _dist.run_collectively(f"saving DCP folder {where}", run) if thread_count > 1 else run()
+    # a failure only a writer thread saw surfaces after DCP's own collectives: every rank raises together (on every
+    # rank alike: ranks of nodes with different core counts may use different thread counts)
+    return _dist.run_collectively(f"saving DCP folder {where}", run)
 
 
 class _Refused(io.RawIOBase):

@@ -1,0 +1,405 @@
+"""The memory tier: snapshots of the whole state in node-local memory, each rank's part replicated on another node.
+
+A durable save (disk, object storage) is too slow to take every few steps; a snapshot into host memory is not.
+Every ``memory_every_steps`` steps the state is copied into staging buffers (the training pause) and, in the
+background, written as a step directory into the node's folder of the memory tier (:mod:`.node`) — the same
+files, manifest and checksums as a durable checkpoint, each rank writing its own files into its own node's
+memory — then each rank sends its files to its peer: the rank of the same local index on the next node, in
+ring order of the nodes (:class:`Nodes`). On one node the folder is already shared by all its ranks, so
+nothing is sent. A snapshot is committed, on every node, only once every rank has written its files and its
+peer holds them; the snapshot before it is dropped only after that commit, so a node holds at most two
+snapshots and a crash at any instant leaves one that is complete on the surviving nodes, or falls back to the
+durable tier.
+
+Restore (automatic resume only): every node lists what it holds (:meth:`.node.NodeFolder.inventory`), rank 0
+takes the newest snapshot whose every file is on some surviving node (own copy or replica) if it is newer
+than the newest durable checkpoint, and each node then gets the files its ranks will read, from the nodes
+that hold them (:mod:`.needs` says which: a replaced node gets its ranks' shards from their replicas; a
+restore on another number of ranks gets the pieces the new layout needs). The ordinary restore path then
+reads the snapshot, with every byte checked against the manifest. A snapshot that cannot be used, for any
+reason the log states, leaves the restore to the durable tier.
+
+Call sequence (every rank, like the manager's other calls): :meth:`MemoryTier.save` on the training thread
+(stages, then returns; the rest runs on a background thread with a gloo group of its own), :meth:`wait`,
+:meth:`restore` and :meth:`close`. Not thread-safe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from .. import _dist, _faults
+from ..background import BackgroundWriter
+from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from ..manifest import MANIFEST_NAME, read_manifest
+from ..saving import SaveJob, Saver
+from ..storage.confined import Folder
+from ..storage.local import TMP_PREFIX, LocalFolderWriter, LocalStorage
+from ..storage.posix import remove_tree
+from .needs import shard_files, side_files
+from .node import TIER_FILE, Held, NodeFolder, default_memory_dir, stand_ins
+from .transfer import Move, send_and_receive
+
+__all__ = ["MemoryTier", "Nodes", "pick"]
+
+
+class Nodes:
+    """Which ranks share a node (a memory folder), and who keeps whose replica."""
+
+    def __init__(self, ids: list[str]) -> None:
+        self.ids = ids
+        """Each rank's node id, by rank."""
+        self._ranks: dict[str, list[int]] = {}
+        for r, node in enumerate(ids):
+            self._ranks.setdefault(node, []).append(r)
+        self.order = list(self._ranks)
+        """The nodes in ring order: by their lowest rank."""
+        after = {node: self.order[(i + 1) % len(self.order)] for i, node in enumerate(self.order)}
+        self._peers = []
+        for r, node in enumerate(ids):
+            mine, theirs = self._ranks[node], self._ranks[after[node]]
+            self._peers.append(theirs[mine.index(r) % len(theirs)])
+
+    def ranks(self, node: str) -> list[int]:
+        return self._ranks[node]
+
+    def leader(self, rank: int) -> int:
+        """The rank that commits, drops and frees for ``rank``'s node: its lowest."""
+        return self._ranks[self.ids[rank]][0]
+
+    def peer(self, rank: int) -> int:
+        """The rank that keeps ``rank``'s replica: the same local index (modulo) on the next node of the ring."""
+        return self._peers[rank]
+
+
+class MemoryTier:
+    """The memory tier of one manager (see the module's docstring)."""
+
+    def __init__(self, config: Any, tracked: Any, log: Any) -> None:
+        self.config, self.tracked, self.log = config, tracked, log
+        self.node = NodeFolder(config.memory_dir or default_memory_dir(), str(config.checkpoint_dir))
+        # a snapshot is a step directory of per-rank shard files (what a restore on any layout plans from), and
+        # never a consolidated bundle, a tokenizer or a config
+        own = dataclasses.replace(config, checkpoint_dir=str(self.node.root), model_save_format="safetensors",
+                                  optimizer_save_format="safetensors", save_consolidated=False, async_save=True,
+                                  is_async=None, memory_every_steps=None, persist_every_steps=None)
+        self.saver = Saver(own, tracked, LocalStorage(self.node.root), None, log)
+        self.writer: BackgroundWriter | None = None
+        self.nodes: Nodes | None = None
+        self.durable_step: int | None = None
+        """The newest durable checkpoint's step, as the last restore found it (recorded in each snapshot: a snapshot
+        whose durable checkpoint is gone belongs to an earlier run in the same folder)."""
+        self.last: dict[str, Any] = {}
+        """Figures of the last snapshot: ``pause_s``, ``write_s``, ``replicate_s``, ``replicated_bytes``,
+        ``node_bytes`` (this node's memory tier), ``step``."""
+
+    # ---------------------------------------------------------------------------------------------- set-up
+    def _ensure(self) -> Nodes:
+        """Collective, once: the background writer's gloo group, this node's folder and id, and the node map."""
+        if self.writer is None:
+            self.writer = BackgroundWriter(self.log, "memory snapshot")
+        if self.nodes is None:
+            with _dist.using_group(self.writer.group):
+                _, ids = _dist.agree(f"opening the memory tier under {self.node.parent}", self.node.open,
+                                     share=lambda node_id: node_id)
+            self.nodes = Nodes(list(ids))
+            if _dist.rank() == 0:
+                self.log.info("Memory tier in %s on %d node(s) (%s)", self.node.root, len(self.nodes.order),
+                              "each rank's part replicated on the next node" if len(self.nodes.order) > 1 else
+                              "one node: its folder holds every rank's part, nothing to replicate")
+        return self.nodes
+
+    @property
+    def group(self) -> Any:
+        assert self.writer is not None
+        return self.writer.group
+
+    # ---------------------------------------------------------------------------------------------- save
+    def save(self, step: int, epoch: int, counters: dict[str, Any], durable_step: int | None) -> Path | None:
+        """Collective, training thread: stage a snapshot of everything and hand it to the background; ``None`` (and
+        a warning) when some node has no room for it."""
+        nodes = self._ensure()
+        assert self.writer is not None
+        self.writer.wait()
+        start = time.perf_counter()
+        job = self.saver.snapshot(step, epoch, {}, counters, False, stage=True)
+        job.extras = False
+        with _dist.using_group(self.group):
+            room = self._room(nodes, self.saver.stager.nbytes + sum(len(b) for b in job.objects.values()))
+        pause = time.perf_counter() - start
+        if room is not None:
+            if _dist.rank() == 0:
+                self.log.warning("Memory snapshot of step %d skipped: %s", step, room)
+            return None
+        self.last = {"step": step, "pause_s": pause}
+        self.writer.start(self.node.root / job.name, lambda: self._persist(job, durable_step, nodes))
+        return self.node.root / job.name
+
+    def _room(self, nodes: Nodes, nbytes: int) -> str | None:
+        """Collective: why some node cannot take this snapshot beside the one it keeps (``None``: all can)."""
+        facts = _dist.all_gather_object((nbytes, self.node.free_bytes()))
+        need = dict.fromkeys(nodes.order, 0)
+        for r, (n, _) in enumerate(facts):
+            need[nodes.ids[r]] += n
+            if nodes.ids[nodes.peer(r)] != nodes.ids[r]:
+                need[nodes.ids[nodes.peer(r)]] += n
+        for node in nodes.order:
+            free = facts[nodes.ranks(node)[0]][1]
+            if need[node] > free:
+                return (f"the node of rank {nodes.ranks(node)[0]} needs {need[node] / 1e6:.1f} MB for it and has "
+                        f"{free / 1e6:.1f} MB free in {self.node.parent}")
+        return None
+
+    def _persist(self, job: SaveJob, durable_step: int | None, nodes: Nodes) -> None:
+        """Background thread, collective on the writer's group: write, replicate, commit, drop the older."""
+        rank, world = _dist.rank(), _dist.world_size()
+        leader = nodes.leader(rank) == rank
+        start = time.perf_counter()
+        token = _dist.broadcast_object(f"{TMP_PREFIX}{job.name}-{uuid.uuid4().hex[:8]}" if rank == 0 else None)
+        tmp = self.node.root / token
+        writer = LocalFolderWriter(self.node.root / job.name, tmp)
+        _dist.run_collectively("starting a memory snapshot", lambda: tmp.mkdir(mode=0o700, exist_ok=True))
+        try:
+            states = self.saver.write_states(job, writer, rank, world)
+            if rank == 0:
+                record = {"run": self.node.key, "checkpoint_dir": str(self.config.checkpoint_dir),
+                          "durable_step": durable_step}
+                job.sums[TIER_FILE] = writer.write_bytes(TIER_FILE, json.dumps(record).encode())
+            _faults.point("memory.states_written")
+            written = time.perf_counter()
+            manifest, owners = self._describe(job, writer, states, world)
+            moves = [Move(r, nodes.peer(r), rel, size, digest) for r in range(world)
+                     if nodes.ids[nodes.peer(r)] != nodes.ids[r] for rel, (size, digest) in sorted(owners[r].items())]
+            send_and_receive(moves, tmp, tmp, point="memory.replicating")
+            replicated = time.perf_counter()
+            _faults.point("memory.replicated")
+            _dist.run_collectively(f"committing memory snapshot {job.name}",
+                                   lambda: writer.commit((MANIFEST_NAME, manifest)) if leader else None)
+            _faults.point("memory.committed")
+        except Exception:
+            if leader:
+                remove_tree(tmp)
+            raise
+        _, used = _dist.agree("dropping older memory snapshots", lambda: self._drop(job.name) if leader else None,
+                              share=lambda u: u)
+        node_bytes = used[nodes.leader(rank)]
+        self.last.update(write_s=written - start, replicate_s=replicated - written, commit_s=time.perf_counter() - replicated,
+                         replicated_bytes=sum(m.size for m in moves), node_bytes=node_bytes)
+        if rank == 0:
+            self.log.info("Memory snapshot %s committed in %.2f s (written %.2f s, replicated %.1f MB in %.2f s); "
+                          "memory tier: %.1f MB on this node, %.1f MB on all %d", job.name,
+                          time.perf_counter() - start, written - start, sum(m.size for m in moves) / 1e6,
+                          replicated - written, node_bytes / 1e6, sum(u for u in used if u) / 1e6, len(nodes.order))
+
+    def _describe(self, job: SaveJob, writer: LocalFolderWriter, states: dict, world: int) -> tuple[bytes, list[dict]]:
+        """Collective: the manifest (bytes) and every rank's own files (rel -> (size, checksum)); rank 0 also owns what
+        libraries wrote into its node's folder."""
+        mine = {rel: ((writer.tmp / rel).stat().st_size, digest) for rel, digest in job.sums.items()}
+        owners = _dist.all_gather_object(mine)
+
+        def build() -> tuple[bytes, dict] | None:
+            if _dist.rank() != 0:
+                return None
+            claimed = {rel for part in owners for rel in part}
+            extra = {rel: (size, writer.checksum_of(rel)) for rel, size in writer.files().items() if rel not in claimed}
+            everything = {rel: v for part in owners for rel, v in part.items()} | extra
+            manifest = self.saver.manifest_of(job, states, {rel: s for rel, (s, _) in sorted(everything.items())},
+                                              {rel: d for rel, (_, d) in everything.items()}, world)
+            return manifest.to_json().encode(), extra
+
+        built = _dist.broadcast_object(_dist.run_collectively("describing the memory snapshot", build))
+        assert built is not None
+        manifest, extra = built
+        owners[0] = {**owners[0], **extra}
+        return manifest, owners
+
+    def _drop(self, keep: str) -> int:
+        for name in self.node.drop_except({keep}):
+            self.log.debug("Memory tier: dropped %s", self.node.root / name)
+        return self.node.used_bytes()
+
+    def wait(self) -> None:
+        """Block until the snapshot in flight is committed; raise its error here."""
+        if self.writer is not None:
+            self.writer.wait()
+
+    @property
+    def in_flight(self) -> bool:
+        return self.writer is not None and self.writer.in_flight
+
+    # ---------------------------------------------------------------------------------------------- restore
+    def restore(self, restorer: Any, durable: Path | None) -> Any:
+        """Collective: restore from the newest usable snapshot if it is newer than the durable checkpoint ``durable``
+        (the newest one, or ``None``); returns its :class:`~ckptio.RestoreInfo`, or ``None`` to leave the restore
+        to the durable tier (the log says why)."""
+        nodes = self._ensure()
+        self.wait()
+        with _dist.using_group(self.group):
+            held = self.node.inventory(self.log) if nodes.leader(_dist.rank()) == _dist.rank() else {}
+            everyone = _dist.all_gather_object(held)
+            def decide() -> tuple[tuple[str, str] | None, str, int | None]:
+                newest = _durable_step(restorer.storage, durable)
+                return (*pick(everyone, self.node.key, newest), newest)
+
+            choice, message, self.durable_step = _dist.decide_on_rank0("choosing a memory snapshot", decide)
+        if _dist.rank() == 0 and message:
+            (self.log.info if choice is not None or "newer" in message else self.log.warning)(message)
+        if choice is None:
+            return None
+        name, digest = choice
+        token = _dist.broadcast_object(uuid.uuid4().hex[:8])
+        try:
+            with _dist.using_group(self.group):
+                view, moved = self._gather_files(nodes, name, digest, everyone, token)
+            info = restorer.load(view, "full")
+        except CheckpointError as exc:
+            damaged = isinstance(exc, (CheckpointCorruptError, CheckpointNotFoundError))
+            with _dist.using_group(self.group):
+                if not all(_dist.all_gather_object(damaged)):
+                    raise
+            if _dist.rank() == 0:
+                self.log.warning("Memory snapshot %s could not be restored (%s); falling back to the durable tier",
+                                 name, exc)
+            return None
+        finally:
+            with _dist.using_group(self.group):
+                _dist.barrier()
+            if nodes.leader(_dist.rank()) == _dist.rank():
+                remove_tree(self.node.view(token, name).parent)
+        info.path, info.tier = self.node.root / name, "memory"
+        if _dist.rank() == 0:
+            self.log.info("Restored step %d from the memory tier (%.1f MB moved between nodes)", info.step, moved / 1e6)
+        return info
+
+    def _gather_files(self, nodes: Nodes, name: str, digest: str, everyone: list[dict[str, Held]],
+                      token: str) -> tuple[Path, int]:
+        """Collective: a view of snapshot ``name`` on every node holding the files its ranks will read."""
+        rank, world = _dist.rank(), _dist.world_size()
+        leader = nodes.leader(rank) == rank
+        present = {node: set() for node in nodes.order}
+        holders: dict[str, list[int]] = {}
+        manifest_at: tuple[int, int] | None = None
+        for r, held in enumerate(everyone):
+            h = held.get(name)
+            if h is None or h.digest != digest:
+                continue
+            present[nodes.ids[r]] = set(h.files) | {MANIFEST_NAME}
+            manifest_at = manifest_at or (r, h.extra["manifest_size"])
+            for rel in h.files:
+                holders.setdefault(rel, []).append(r)
+        assert manifest_at is not None
+        holders[MANIFEST_NAME] = [r for r, held in enumerate(everyone) if held.get(name, None) is not None
+                                  and held[name].digest == digest]
+        here = sorted(present[nodes.ids[rank]])
+
+        def prepare() -> None:
+            if not leader:
+                return
+            if here:
+                self.node.make_view(token, name, here)
+            else:
+                self.node.view(token, name).mkdir(parents=True, mode=0o700)
+
+        _dist.run_collectively("preparing the restore", prepare)
+        view = self.node.view(token, name)
+        sizes = {MANIFEST_NAME: (manifest_at[1], digest)}
+        source = self.node.root / name
+        moved = 0
+
+        def move(needs: list[set[str]]) -> None:
+            nonlocal moved
+            plan = plan_moves(nodes, needs, present, holders, sizes)
+            moved += sum(m.size for m in plan)
+            send_and_receive(plan, source, view)
+
+        move([{MANIFEST_NAME}] * world)
+        manifest = _dist.run_collectively("reading the snapshot's manifest", lambda: read_manifest(Folder(view)))
+        sizes.update({rel: (size, manifest.checksums.get(rel, "")) for rel, size in manifest.files.items()})
+        move(_dist.all_gather_object(side_files(manifest, rank, world)))
+        need = _dist.run_collectively("planning the restore", lambda: shard_files(Folder(view), manifest, self.tracked))
+        move(_dist.all_gather_object(need))
+        _dist.run_collectively("completing the restore view", lambda: stand_ins(view, manifest.files) if leader else 0)
+        return view, moved
+
+    # ---------------------------------------------------------------------------------------------- end
+    def close(self, free: bool) -> None:
+        """Collective: wait for the snapshot in flight; with ``free``, remove this run's snapshots from every node."""
+        self.wait()
+        if not free or self.nodes is None:
+            return
+        with _dist.using_group(self.group):
+            _dist.barrier()
+        if self.nodes.leader(_dist.rank()) == _dist.rank():
+            self.node.free()
+        if _dist.rank() == 0:
+            self.log.info("Memory tier freed (%s on every node)", self.node.root)
+
+
+def plan_moves(nodes: Nodes, needs: list[set[str]], present: dict[str, set[str]], holders: dict[str, list[int]],
+               sizes: dict[str, tuple[int, str]]) -> list[Move]:
+    """The moves that bring every rank's ``needs`` to its node, each file once per node, from the holders in turn
+    (``present`` is updated with what will have arrived). Every rank computes the same list."""
+    moves: list[Move] = []
+    turn = 0
+    for r, wanted in enumerate(needs):
+        node = nodes.ids[r]
+        for rel in sorted(wanted):
+            if rel in present[node]:
+                continue
+            sources = holders.get(rel)
+            if not sources:
+                raise CheckpointCorruptError(f"{rel}: no surviving node holds this file of the snapshot")
+            held_by = nodes.ranks(nodes.ids[sources[turn % len(sources)]])
+            size, digest = sizes[rel]
+            moves.append(Move(held_by[turn % len(held_by)], r, rel, size, digest))
+            turn += 1
+            present[node].add(rel)
+    return moves
+
+
+def pick(everyone: list[dict[str, Held]], run: str, durable_step: int | None) -> tuple[tuple[str, str] | None, str]:
+    """Rank 0: the snapshot to restore, as ``(name, manifest digest)``, or ``None``; and what to say about it."""
+    found: dict[tuple[str, str], dict[str, Any]] = {}
+    for held in everyone:
+        for name, h in held.items():
+            c = found.setdefault((name, h.digest), {"step": h.step, "files": set(), "total": h.extra["total"],
+                                                   "info": None})
+            c["files"].update(h.files)
+            c["info"] = c["info"] or h.info
+    notes = []
+    for (name, digest), c in sorted(found.items(), key=lambda kv: (-kv[1]["step"], kv[0])):
+        if durable_step is not None and durable_step >= c["step"]:
+            notes.append(f"the newest durable checkpoint (step {durable_step}) is as new as the newest usable "
+                         f"memory snapshot ({name}) or newer")
+            return None, "Memory tier: " + "; ".join(notes)
+        if len(c["files"]) < c["total"]:
+            notes.append(f"snapshot {name} is incomplete: {c['total'] - len(c['files'])} of its {c['total']} files "
+                         "are on no surviving node")
+            continue
+        info = c["info"] or {}
+        if info.get("run") != run:
+            notes.append(f"snapshot {name} belongs to another run")
+            continue
+        base = info.get("durable_step")
+        if base is not None and (durable_step is None or durable_step < base):
+            notes.append(f"snapshot {name} follows the durable checkpoint of step {base}, which checkpoint_dir no "
+                         "longer has (a snapshot of an earlier run in the same folder?)")
+            continue
+        return (name, digest), "Memory tier: " + "; ".join([*notes, f"restoring snapshot {name} (step {c['step']})"])
+    if not found:
+        return None, ""
+    return None, "Memory tier: no usable snapshot (" + "; ".join(notes) + "); restoring from the durable tier"
+
+
+def _durable_step(storage: Any, durable: Path | None) -> int | None:
+    """The step of the durable checkpoint ``durable`` (one of ``storage``'s step directories)."""
+    if durable is None:
+        return None
+    from ..layout import step_manifest
+
+    return step_manifest(storage.folder(durable.name)).step

@@ -1,0 +1,248 @@
+"""One node's folder of the memory tier: where its snapshots live, and what it holds of each.
+
+Layout, inside ``memory_dir`` (RAM-backed: ``/dev/shm`` by default, so it outlives the training processes but
+not the machine)::
+
+    <memory_dir>/run-<key>/              # one per run: key = a hash of the run's checkpoint_dir
+        node-id                          # this node's identity (a random id, made once by the first rank here)
+        epoch_0_step_40/                 # a committed snapshot: its manifest, and the files this node holds
+        .tmp-epoch_0_step_45-1a2b3c4d/   # a snapshot being written (never read)
+        .view-5e6f7a8b/epoch_0_step_40/  # a restore in progress: links, fetched files, empty stand-ins
+
+A committed snapshot folder holds the full manifest (every file of every rank, with sizes and checksums) but
+only some of the files: those of this node's ranks and those of the ranks whose replicas it keeps. Which ones
+it holds is what is found there (a regular file of the recorded size); their bytes are checked against the
+manifest when a restore reads them.
+
+The folders are private to the user that runs the job: each one ckptio makes is created ``0700``, and an
+existing one that is a link, belongs to someone else or can be written by others is refused, since anyone
+who can write there could hand the next restart a state of their choosing.
+
+Which rank touches what: every rank creates the folders and the node id (safely concurrent); only the node's
+leader (its lowest rank) commits, drops, builds views and frees.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import stat
+import tempfile
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointCorruptError, CheckpointError, ConfigError
+from ..manifest import MANIFEST_NAME, Manifest, read_manifest
+from ..storage.checksum import bytes_checksum
+from ..storage.confined import Folder
+from ..storage.local import TMP_PREFIX
+from ..storage.posix import remove_tree
+
+__all__ = ["NodeFolder", "Held", "default_memory_dir", "run_key", "TIER_FILE", "VIEW_PREFIX"]
+
+NODE_ID = "node-id"
+TIER_FILE = "memory_tier.json"
+"""Written into every snapshot by rank 0 (and listed in its manifest): the run it belongs to and the newest
+durable checkpoint when it was taken."""
+VIEW_PREFIX = ".view-"
+_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def default_memory_dir() -> Path:
+    """``$CKPTIO_MEMORY_DIR``, else ``/dev/shm/ckptio-<uid>``, else the same name in the temporary folder."""
+    env = os.environ.get("CKPTIO_MEMORY_DIR")
+    if env:
+        return Path(env)
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    return base / f"ckptio-{os.geteuid() if hasattr(os, 'geteuid') else 'user'}"
+
+
+def run_key(checkpoint_dir: str) -> str:
+    """The run's identity: a hash of where its durable checkpoints go (an absolute path, or the ``s3://`` URL)."""
+    where = checkpoint_dir if "://" in checkpoint_dir else os.path.abspath(checkpoint_dir)
+    return hashlib.sha256(where.encode()).hexdigest()[:16]
+
+
+@dataclass
+class Held:
+    """What a node holds of one committed snapshot."""
+    step: int
+    digest: str
+    """Checksum of the manifest's bytes: two nodes hold the same snapshot when these agree."""
+    world_size: int
+    files: list[str]
+    info: dict[str, Any] | None = None
+    """The snapshot's ``memory_tier.json`` when this node holds it."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class NodeFolder:
+    """The run's folder on this node (see the module's docstring)."""
+
+    def __init__(self, memory_dir: str | os.PathLike, checkpoint_dir: str) -> None:
+        self.key = run_key(checkpoint_dir)
+        self.parent = Path(memory_dir)
+        self.root = self.parent / f"run-{self.key}"
+
+    # ------------------------------------------------------------------------------------------ identity
+    def open(self) -> str:
+        """Create (or check) the run's folder and return this node's id; every rank of the node may call it at once."""
+        for path in (self.parent, self.root):
+            try:
+                path.mkdir(mode=0o700, exist_ok=True)
+            except FileNotFoundError as exc:
+                raise ConfigError(f"memory_dir: cannot create {path}: its parent does not exist") from exc
+            except OSError as exc:
+                raise ConfigError(f"memory_dir: cannot create {path}: {exc.strerror}") from exc
+            _check_private(path)
+        id_path = self.root / NODE_ID
+        if not id_path.exists() and not id_path.is_symlink():
+            tmp = self.root / f".{NODE_ID}-{uuid.uuid4().hex[:8]}"
+            tmp.write_text(uuid.uuid4().hex)
+            try:
+                os.link(tmp, id_path)  # atomic, and refused if another rank of this node got there first
+            except FileExistsError:
+                pass
+            finally:
+                tmp.unlink()
+        text = Folder(self.root).read_text(NODE_ID, max_size=64).strip()
+        if not _ID.fullmatch(text):
+            raise CheckpointCorruptError(f"{id_path}: not a node id ({text[:40]!r}); remove the file")
+        return text
+
+    # ------------------------------------------------------------------------------------------ contents
+    def inventory(self, log: Any) -> dict[str, Held]:
+        """Every committed snapshot here, with the files this node holds of it (a damaged one is skipped, said in
+        the log)."""
+        out: dict[str, Held] = {}
+        if not self.root.is_dir():
+            return out
+        top = Folder(self.root)
+        for entry in top.listdir():
+            if entry.kind != "dir" or entry.name.startswith("."):
+                continue
+            try:
+                folder = top.sub(entry.name)
+                raw = folder.read_bytes(MANIFEST_NAME, max_size=64 << 20)
+                manifest = read_manifest(folder)
+                files = [rel for rel, size in manifest.files.items() if _holds(folder, rel, size)]
+                info = None
+                if TIER_FILE in files:
+                    info = _tier_info(folder)
+                out[entry.name] = Held(manifest.step, bytes_checksum(raw), manifest.world_size, files, info,
+                                       {"manifest_size": len(raw), "total": len(manifest.files)})
+            except (CheckpointError, OSError) as exc:
+                log.warning("Memory tier: skipping snapshot %s on this node: %s", self.root / entry.name, exc)
+        return out
+
+    def manifest_of(self, name: str) -> tuple[bytes, Manifest]:
+        folder = Folder(self.root).sub(name)
+        return folder.read_bytes(MANIFEST_NAME, max_size=64 << 20), read_manifest(folder)
+
+    def drop_except(self, keep: set[str]) -> list[str]:
+        """Leader: remove every snapshot, unfinished write and view here but ``keep``; returns what was removed."""
+        removed = []
+        if not self.root.is_dir():
+            return removed
+        for path in sorted(self.root.iterdir()):
+            if path.name == NODE_ID or path.name in keep or path.is_symlink() or not path.is_dir():
+                continue
+            if any(path.name.startswith(f"{TMP_PREFIX}{k}-") for k in keep):
+                continue  # the snapshot being written right now
+            remove_tree(path)
+            removed.append(path.name)
+        return removed
+
+    def free(self) -> None:
+        """Leader: remove the run's folder on this node with everything in it."""
+        if self.root.is_dir() and not self.root.is_symlink():
+            import shutil
+
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    def used_bytes(self) -> int:
+        """Memory the run's folder takes on this node (allocated blocks: empty stand-ins count nothing)."""
+        total = 0
+        for dirpath, _dirs, files in os.walk(self.root):
+            for name in files:
+                try:
+                    total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+                except OSError:
+                    continue
+        return total
+
+    def free_bytes(self) -> int:
+        """Room left in the filesystem that holds the folder."""
+        st = os.statvfs(self.root)
+        return st.f_bavail * st.f_frsize
+
+    # ------------------------------------------------------------------------------------------ restore views
+    def make_view(self, token: str, name: str, files: list[str]) -> Path:
+        """Leader: ``.view-<token>/<name>/`` holding this node's ``files`` of snapshot ``name`` as hard links."""
+        view = self.root / f"{VIEW_PREFIX}{token}" / name
+        view.mkdir(parents=True, mode=0o700)
+        src = self.root / name
+        for rel in files:
+            (view / rel).parent.mkdir(parents=True, exist_ok=True)
+            os.link(src / rel, view / rel)
+        return view
+
+    def view(self, token: str, name: str) -> Path:
+        return self.root / f"{VIEW_PREFIX}{token}" / name
+
+
+def stand_ins(view: Path, files: dict[str, int]) -> int:
+    """Leader: an empty (sparse: no memory) file of the recorded size for every file of the snapshot this node did
+    not fetch, so that checks of presence and size pass; none of their bytes is meant to be read, and a read of
+    one would fail the checksum. Returns how many were made."""
+    made = 0
+    for rel, size in files.items():
+        path = view / rel
+        if path.exists() or path.is_symlink():
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "xb") as fh:
+            fh.truncate(size)
+        made += 1
+    return made
+
+
+def _holds(folder: Folder, rel: str, size: int) -> bool:
+    try:
+        return folder.kind(rel) == "file" and folder.size(rel) == size
+    except (CheckpointError, OSError):
+        return False
+
+
+def _tier_info(folder: Folder) -> dict[str, Any]:
+    import json
+
+    where = folder.display(TIER_FILE)
+    try:
+        info = json.loads(folder.read_bytes(TIER_FILE, max_size=1 << 16))
+    except ValueError as exc:
+        raise CheckpointCorruptError(f"{where}: not JSON ({exc})") from exc
+    if not isinstance(info, dict) or not isinstance(info.get("run"), str) \
+            or not (info.get("durable_step") is None or type(info.get("durable_step")) is int):
+        raise CheckpointCorruptError(f"{where}: malformed memory tier record")
+    return info
+
+
+def _check_private(path: Path) -> None:
+    """Refuse a memory tier folder that someone else could write into (see the module's docstring)."""
+    st = os.lstat(path)
+    why = None
+    if stat.S_ISLNK(st.st_mode):
+        why = "is a symbolic link"
+    elif not stat.S_ISDIR(st.st_mode):
+        why = "is not a directory"
+    elif hasattr(os, "geteuid") and st.st_uid != os.geteuid():
+        why = f"belongs to user id {st.st_uid}, not to this process's ({os.geteuid()})"
+    elif st.st_mode & 0o022:
+        why = f"can be written by other users (mode {stat.S_IMODE(st.st_mode):o})"
+    if why:
+        raise ConfigError(f"memory_dir: {path} {why}; the memory tier keeps training state there and refuses a "
+                          "folder others could write (remove it, or set memory_dir to a private folder)")

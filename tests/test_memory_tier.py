@@ -1,0 +1,314 @@
+"""The memory tier: snapshots in node-local memory, replicated on the next node, restored before the durable tier.
+
+The multi-node cases run real jobs: two ``torchrun`` "nodes" of 2 ranks on 127.0.0.1, each with its own memory
+folder (``CKPTIO_MEMORY_DIR``) and no folder in common for the memory tier (the durable tier is a local folder).
+The job trains the tiny Llama for 12 steps with a memory snapshot every 2 steps and a durable save every 6; an
+uninterrupted run records the whole state at every save and at the end. Interrupted runs must end bitwise equal
+to it, having lost at most 2 steps, whichever way they were interrupted.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from ckptio import CheckpointConfig, ConfigError  # noqa: E402
+from ckptio.tier.memory import Nodes, pick  # noqa: E402
+from ckptio.tier.node import Held  # noqa: E402
+
+WORKER = Path(__file__).with_name("memory_node_worker.py")
+COMMON = ("--steps", "12", "--memory-every", "2", "--persist-every", "6")
+
+
+# ------------------------------------------------------------------------------------------------- the plan
+def test_each_rank_replicates_to_the_same_local_rank_on_the_next_node():
+    nodes = Nodes(["a", "a", "b", "b"])
+    assert [nodes.peer(r) for r in range(4)] == [2, 3, 0, 1]
+    assert [nodes.leader(r) for r in range(4)] == [0, 0, 2, 2]
+    uneven = Nodes(["a", "a", "b", "c", "c", "c"])
+    assert [uneven.peer(r) for r in range(6)] == [2, 2, 3, 0, 1, 0]
+    alone = Nodes(["a", "a"])
+    assert {alone.ids[alone.peer(r)] for r in range(2)} == {"a"}  # one node: its folder is shared, nothing is sent
+
+
+def _held(step: int, files: list[str], total: int = 3, run: str = "r", base: int | None = None, digest: str = "d"):
+    return Held(step, f"{digest}{step}", 2, files, {"run": run, "durable_step": base} if "memory_tier.json" in files
+                else None, {"total": total, "manifest_size": 10})
+
+
+def test_the_newest_snapshot_whole_on_the_surviving_nodes_is_chosen():
+    everyone = [{"s8": _held(8, ["a", "memory_tier.json"]), "s10": _held(10, ["a", "memory_tier.json"])},
+                {"s8": _held(8, ["b"])}]
+    choice, message = pick(everyone, "r", durable_step=6)
+    assert choice == ("s8", "d8")
+    assert "s10 is incomplete: 1 of its 3 files are on no surviving node" in message
+    assert pick(everyone, "r", durable_step=8)[0] is None  # the durable tier is as new: it is taken
+    assert "as new" in pick(everyone, "r", durable_step=9)[1]
+
+
+def test_a_snapshot_of_another_run_or_of_a_run_whose_durable_checkpoints_are_gone_is_refused():
+    theirs = [{"s8": _held(8, ["a", "b", "memory_tier.json"], run="other")}]
+    assert pick(theirs, "r", None) == (None, "Memory tier: no usable snapshot (snapshot s8 belongs to another run); "
+                                             "restoring from the durable tier")
+    stale = [{"s8": _held(8, ["a", "b", "memory_tier.json"], base=6)}]
+    choice, message = pick(stale, "r", durable_step=None)
+    assert choice is None and "follows the durable checkpoint of step 6" in message
+    assert pick(stale, "r", durable_step=6)[0] == ("s8", "d8")
+
+
+def test_two_nodes_disagreeing_on_a_snapshot_of_the_same_name_are_two_snapshots():
+    everyone = [{"s8": _held(8, ["a", "memory_tier.json"], digest="x")}, {"s8": _held(8, ["b"], digest="y")}]
+    assert pick(everyone, "r", None)[0] is None
+
+
+# ------------------------------------------------------------------------------------------------- one process
+def _train(run, to: int) -> None:
+    while run.steps.step < to:
+        for batch in run.loader:
+            run.model(input_ids=batch, labels=batch).loss.backward()
+            run.opt.step()
+            run.sched.step()
+            run.opt.zero_grad()
+            run.steps.step += 1
+            run.counter.seen += batch.shape[0]
+            run.mgr.maybe_save()
+            if run.steps.step >= to:
+                return
+        run.steps.epoch += 1
+
+
+@pytest.fixture
+def memory(tmp_path, monkeypatch):
+    folder = tmp_path / "shm"
+    monkeypatch.setenv("CKPTIO_MEMORY_DIR", str(folder))
+    return folder
+
+
+def _same(a: dict, b: dict, where: str) -> None:
+    assert a.keys() == b.keys() and len([k for k in a if k.startswith("optim/")]) > 10, where
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{where}: {k} differs"
+
+
+def test_a_snapshot_newer_than_the_durable_checkpoint_resumes_bitwise_and_close_frees_it(tmp_path, memory, caplog):
+    from toy import Run, full_state
+
+    run = Run(tmp_path / "ckpt", max_steps=20, memory_every_steps=2, persist_every_steps=5)
+    _train(run, 8)
+    expected = full_state(run.model, run.opt)
+    _train(run, 9)
+    with pytest.raises(RuntimeError):
+        with run.mgr:
+            raise RuntimeError("the training loop died")
+    assert sorted(p.name for p in next(memory.iterdir()).iterdir()) == ["epoch_0_step_8", "node-id"]
+
+    again = Run(tmp_path / "ckpt", max_steps=20, memory_every_steps=2, persist_every_steps=5)
+    info = again.mgr.restore()
+    assert (info.step, info.tier) == (8, "memory") and info.path.parent.parent == memory
+    _same(expected, full_state(again.model, again.opt), "restored from memory")
+    again.mgr.close()
+    assert not any(memory.iterdir()), "a clean close frees the memory tier"
+
+
+def test_the_durable_checkpoint_wins_when_newer_and_a_damaged_snapshot_falls_back(tmp_path, memory, caplog):
+    from toy import Run
+
+    run = Run(tmp_path / "ckpt", max_steps=20, memory_every_steps=2, persist_every_steps=5)
+    _train(run, 5)
+    run.mgr.close(free_memory=False)
+    info = Run(tmp_path / "ckpt", max_steps=20, memory_every_steps=2, persist_every_steps=5).mgr.restore()
+    assert (info.step, info.tier) == (5, "durable")  # the snapshot of step 4 is older
+
+    run = Run(tmp_path / "ckpt", max_steps=20, memory_every_steps=2, persist_every_steps=5)
+    run.mgr.restore()
+    _train(run, 8)
+    run.mgr.close(free_memory=False)
+    snapshot = next(memory.iterdir()) / "epoch_0_step_8"
+    shard = next((snapshot / "optim").glob("shard-*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x10
+    os.chmod(shard, stat.S_IWUSR | stat.S_IRUSR)
+    shard.write_bytes(bytes(data))
+    caplog.clear()
+    info = Run(tmp_path / "ckpt", max_steps=20, memory_every_steps=2, persist_every_steps=5).mgr.restore()
+    assert (info.step, info.tier) == (5, "durable")
+    assert any("could not be restored" in r.message and "falling back to the durable tier" in r.message and
+               shard.name in r.message for r in caplog.records)
+
+
+def test_a_snapshot_of_another_run_in_the_same_memory_folder_is_never_read(tmp_path, memory):
+    from toy import Run
+
+    run = Run(tmp_path / "a", max_steps=20, memory_every_steps=2, persist_every_steps=5)
+    _train(run, 8)
+    run.mgr.close(free_memory=False)
+    assert Run(tmp_path / "b", max_steps=20, memory_every_steps=2).mgr.restore() is None
+    shutil.rmtree(tmp_path / "a")  # the durable checkpoints are gone: a new run in that folder starts afresh
+    assert Run(tmp_path / "a", max_steps=20, memory_every_steps=2).mgr.restore() is None
+
+
+def test_a_memory_folder_others_could_write_is_refused(tmp_path):
+    from toy import Run
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    with pytest.raises(ConfigError, match="can be written by other users"):
+        Run(tmp_path / "ckpt", memory_every_steps=2, memory_dir=str(shared)).mgr.restore()
+    target = tmp_path / "elsewhere"
+    target.mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(target)
+    with pytest.raises(ConfigError, match="is a symbolic link"):
+        Run(tmp_path / "ckpt", memory_every_steps=2, memory_dir=str(tmp_path / "link")).mgr.restore()
+    with pytest.raises(ConfigError, match="memory_every_steps must be a positive integer"):
+        CheckpointConfig(memory_every_steps=0)
+
+
+# ------------------------------------------------------------------------------------------------- nodes
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _job(base: Path, node: int, nodes: int, ranks: int, port: int, *args: str, restarts: int = 0) -> subprocess.Popen:
+    env = {**os.environ, "CKPTIO_MEMORY_DIR": str(base / f"mem{node}"), "OMP_NUM_THREADS": "1",
+           "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+    log = open(base / f"log{node}.txt", "a")
+    launch = ["--standalone"] if nodes == 1 else [f"--nnodes={nodes}", f"--node-rank={node}",
+                                                 "--master-addr=127.0.0.1", f"--master-port={port}"]
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *launch, f"--nproc-per-node={ranks}",
+                             f"--max-restarts={restarts}",
+                             str(WORKER), "--ckpt", str(base / "ckpt"), *COMMON, "--out", str(base / f"out{node}"),
+                             *args], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def _wait(proc: subprocess.Popen, base: Path, timeout: float = 300) -> int:
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(f"job timed out; its log:\n{_logs(base)}") from None
+
+
+def _logs(base: Path) -> str:
+    return "\n".join(p.read_text()[-3000:] for p in sorted(base.glob("log*.txt")))
+
+
+def _run(base: Path, ranks: tuple[int, ...] = (2, 2), every: tuple[str, ...] = (), restarts: int = 0) -> None:
+    port = _port()
+    procs = [_job(base, i, len(ranks), n, port, *every, restarts=restarts) for i, n in enumerate(ranks)]
+    for proc in procs:
+        assert _wait(proc, base) == 0, f"job failed:\n{_logs(base)}"
+
+
+def _lose_node1(base: Path, *node1: str) -> None:
+    """Run the job until node 1's ranks die as told; then take node 0 down as a scheduler would."""
+    port = _port()
+    node0, node1_ = _job(base, 0, 2, 2, port), _job(base, 1, 2, 2, port, *node1)
+    assert _wait(node1_, base) != 0, f"node 1 was to die:\n{_logs(base)}"
+    time.sleep(1)
+    os.killpg(node0.pid, signal.SIGKILL)
+    node0.wait()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted job on 2 nodes: the state at every save, and at the end."""
+    base = tmp_path_factory.mktemp("reference")
+    _run(base, every=("--dump",))
+    assert not any((base / "mem0").iterdir()) and not any((base / "mem1").iterdir()), "a clean end frees the tier"
+    return {**{s: torch.load(base / "out0" / f"state_{s}.pt") for s in (2, 4, 6, 8, 10, 12)},
+            "final": torch.load(base / "out0" / "final.pt")["state"]}
+
+
+def _restored(base: Path) -> dict:
+    return torch.load(base / "out0" / "restored.pt")
+
+
+def _reset(base: Path, backup: Path) -> None:
+    """The folders as the interrupted job left them (the run's identity is its checkpoint folder's path)."""
+    for name in ("ckpt", "mem0", "mem1", "out0", "out1"):
+        shutil.rmtree(base / name, ignore_errors=True)
+        if (backup / name).exists():
+            shutil.copytree(backup / name, base / name, symlinks=True)
+    for log in base.glob("log*.txt"):
+        log.unlink()
+
+
+@pytest.mark.slow
+def test_a_lost_node_resumes_from_memory_bitwise_also_when_replaced_or_on_three_ranks(tmp_path, reference):
+    base, backup = tmp_path / "job", tmp_path / "backup"
+    base.mkdir()
+    _lose_node1(base, "--die-at", "9")  # snapshot of step 8 committed, durable step 6; step 9 is lost
+    shutil.copytree(base, backup, symlinks=True)
+
+    _run(base)
+    assert (_restored(base)["step"], _restored(base)["tier"]) == (8, "memory"), _logs(base)
+    _same(reference[8], _restored(base)["state"], "restored from memory")
+    _same(reference["final"], torch.load(base / "out0" / "final.pt")["state"], "resumed from memory, at the end")
+
+    _reset(base, backup)
+    shutil.rmtree(base / "mem1")  # node 1 replaced: a new machine, empty memory
+    _run(base)
+    assert (_restored(base)["step"], _restored(base)["tier"]) == (8, "memory"), _logs(base)
+    moved = [line for line in _logs(base).splitlines() if "from the memory tier" in line]
+    assert moved and "(0.0 MB moved" not in moved[0], "the new node got its ranks' shards from their replicas"
+    _same(reference["final"], torch.load(base / "out0" / "final.pt")["state"], "a replaced node, at the end")
+
+    _reset(base, backup)
+    _run(base, ranks=(2, 1))  # 3 ranks: the snapshot of 4 is resharded
+    assert (_restored(base)["step"], _restored(base)["tier"]) == (8, "memory"), _logs(base)
+    _same(reference[8], _restored(base)["state"], "restored from memory on 3 ranks")
+
+
+@pytest.mark.slow
+def test_both_copies_of_a_shard_lost_fall_back_to_the_durable_tier(tmp_path, reference):
+    base = tmp_path / "job"
+    base.mkdir()
+    _lose_node1(base, "--die-at", "9")
+    shutil.rmtree(base / "mem1")
+    replica = next((base / "mem0").glob("run-*/epoch_1_step_8/model/shard-00003-*.safetensors"))
+    replica.unlink()  # node 0's replica of rank 2's model shard: no copy of it is left
+    _run(base)
+    assert (_restored(base)["step"], _restored(base)["tier"]) == (6, "durable")
+    assert "incomplete: 1 of its" in _logs(base)
+    _same(reference["final"], torch.load(base / "out0" / "final.pt")["state"], "resumed from the durable tier")
+
+
+@pytest.mark.slow
+def test_a_snapshot_killed_mid_replication_is_never_used(tmp_path, reference):
+    base = tmp_path / "job"
+    base.mkdir()
+    _lose_node1(base, "--die-at-point", "memory.replicating:4")  # the snapshot of step 10 (2, 4, 8, 10), files sent half-way
+    assert list((base / "mem1").glob("run-*/.tmp-epoch_1_step_10-*")), "node 1 died while writing step 10"
+    assert not list(base.glob("mem*/run-*/epoch_1_step_10")), "and no node committed it"
+    _run(base)
+    assert (_restored(base)["step"], _restored(base)["tier"]) == (8, "memory"), _logs(base)
+    _same(reference["final"], torch.load(base / "out0" / "final.pt")["state"], "resumed after a torn snapshot")
+    assert not any((base / "mem0").iterdir())
+
+
+@pytest.mark.slow
+def test_a_torchrun_restart_resumes_from_memory(tmp_path):
+    ref, base = tmp_path / "ref", tmp_path / "job"
+    ref.mkdir()
+    base.mkdir()
+    _run(ref, ranks=(2,))
+    _run(base, ranks=(2,), every=("--die-at", "9", "--once-marker", str(base / "died")), restarts=1)
+    assert (base / "died").exists() and "Restored step 8 from the memory tier" in _logs(base)
+    assert _restored(base)["step"] == 8 and _restored(base)["tier"] == "memory", _logs(base)
+    _same(torch.load(ref / "out0" / "final.pt")["state"], torch.load(base / "out0" / "final.pt")["state"],
+          "after torchrun's restart")
