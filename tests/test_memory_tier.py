@@ -312,3 +312,15 @@ def test_a_torchrun_restart_resumes_from_memory(tmp_path):
     assert _restored(base)["step"] == 8 and _restored(base)["tier"] == "memory", _logs(base)
     _same(torch.load(ref / "out0" / "final.pt")["state"], torch.load(base / "out0" / "final.pt")["state"],
           "after torchrun's restart")
+
+
+def test_a_node_without_room_for_a_snapshot_beside_the_kept_one_is_named():
+    from ckptio.tier.memory import no_room
+
+    nodes = Nodes(["a", "a", "b", "b"])
+    mb = 1_000_000
+    facts = [(100 * mb, 1000 * mb)] * 2 + [(100 * mb, 350 * mb)] * 2  # node b keeps its 200 MB and a's 200 MB
+    assert no_room(nodes, facts, Path("/dev/shm/x")) == ("the node of rank 2 needs 400.0 MB for it and has 350.0 MB "
+                                                          "free in /dev/shm/x")
+    assert no_room(nodes, [(100, 1000)] * 2 + [(100, 400)] * 2, Path("/x")) is None
+    assert no_room(Nodes(["a", "a"]), [(100, 250), (100, 250)], Path("/x")) is None  # one node: no replicas

@@ -170,10 +170,10 @@ class CheckpointConfig:
         raises :class:`~ckptio.errors.ConfigError` naming the key, the value and what it may be."""
         self._validate_locations()
         self._validate_formats()
-        self._apply_automodel_names()
+        _apply_automodel_names(self)
         self._validate_retention()
         self._validate_switches()
-        self._validate_memory_tier()
+        _validate_memory_tier(self)
         _validate_template(self.name_template)
 
     def _validate_locations(self) -> None:
@@ -254,33 +254,6 @@ class CheckpointConfig:
             if not isinstance(value, bool):
                 raise ConfigError(f"{name} must be true or false, got {value!r}")
 
-    def _validate_memory_tier(self) -> None:
-        for name in ("memory_every_steps", "persist_every_steps"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ConfigError(f"{name} must be a positive integer or null, got {value!r}")
-        if isinstance(self.memory_dir, os.PathLike):
-            self.memory_dir = os.fspath(self.memory_dir)
-        if self.memory_dir is not None and (not isinstance(self.memory_dir, str) or not self.memory_dir
-                                            or "://" in self.memory_dir):
-            raise ConfigError(f"memory_dir must be a local folder (a RAM-backed one such as /dev/shm/ckptio), got "
-                              f"{self.memory_dir!r}")
-
-    def _apply_automodel_names(self) -> None:
-        """Fold NeMo AutoModel's names for three settings into ckptio's; both given and different is an error."""
-        for theirs, ours, value in (("max_recent_checkpoints", "keep_latest", self.max_recent_checkpoints),
-                                    ("best_metric_key", "monitor",
-                                     None if self.best_metric_key in (None, "default") else self.best_metric_key),
-                                    ("is_async", "async_save", self.is_async)):
-            if value is None:
-                continue
-            current = getattr(self, ours)
-            default = {"keep_latest": None, "monitor": None, "async_save": False}[ours]
-            if current != default and current != value:
-                raise ConfigError(f"{theirs}={value!r} (NeMo AutoModel's name for {ours}) contradicts {ours}={current!r}; "
-                                  "give one of them")
-            setattr(self, ours, value)
-
     def retention_policy(self):
         """The :class:`~ckptio.policies.RetentionPolicy` these fields describe."""
         from .policies import RetentionPolicy
@@ -298,6 +271,34 @@ class CheckpointConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+def _validate_memory_tier(self: CheckpointConfig) -> None:
+    for name in ("memory_every_steps", "persist_every_steps"):
+        value = getattr(self, name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ConfigError(f"{name} must be a positive integer or null, got {value!r}")
+    if isinstance(self.memory_dir, os.PathLike):
+        self.memory_dir = os.fspath(self.memory_dir)
+    if self.memory_dir is not None and (not isinstance(self.memory_dir, str) or not self.memory_dir
+                                        or "://" in self.memory_dir):
+        raise ConfigError(f"memory_dir must be a local folder (a RAM-backed one such as /dev/shm/ckptio), got "
+                          f"{self.memory_dir!r}")
+
+def _apply_automodel_names(self: CheckpointConfig) -> None:
+    """Fold NeMo AutoModel's names for three settings into ckptio's; both given and different is an error."""
+    for theirs, ours, value in (("max_recent_checkpoints", "keep_latest", self.max_recent_checkpoints),
+                                ("best_metric_key", "monitor",
+                                 None if self.best_metric_key in (None, "default") else self.best_metric_key),
+                                ("is_async", "async_save", self.is_async)):
+        if value is None:
+            continue
+        current = getattr(self, ours)
+        default = {"keep_latest": None, "monitor": None, "async_save": False}[ours]
+        if current != default and current != value:
+            raise ConfigError(f"{theirs}={value!r} (NeMo AutoModel's name for {ours}) contradicts {ours}={current!r}; "
+                              "give one of them")
+        setattr(self, ours, value)
 
 
 AUTOMODEL_ONLY = {

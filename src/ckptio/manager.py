@@ -163,18 +163,7 @@ class CheckpointManager:
 
     def register(self, name: str, obj: Stateful) -> None:
         """Save and restore ``obj`` under ``name`` (a ``<name>.pt`` file, or ``<name>/`` per rank)."""
-        if not isinstance(name, str) or not name.replace("_", "").replace("-", "").isalnum():
-            raise ConfigError(f"state name {name!r} must be letters, digits, '_' or '-' (it becomes a file name)")
-        if name in _RESERVED:
-            raise ConfigError(f"state name {name!r} is reserved; pass models and optimizers as model=/optimizer=")
-        if name in self.tracked.objects:
-            raise ConfigError(f"a state named {name!r} is already registered")
-        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
-            hint = ""
-            if isinstance(obj, torch.utils.data.DataLoader):
-                hint = (": a plain DataLoader cannot say where it is, so a resumed run would repeat data; use "
-                        "ckptio.ResumableDataLoader or torchdata's StatefulDataLoader")
-            raise ConfigError(f"state {name!r} ({type(obj).__name__}) needs state_dict() and load_state_dict(){hint}")
+        check_state(name, obj, self.tracked.objects)
         self.tracked.objects[name] = obj
 
     # ------------------------------------------------------------------ save
@@ -193,9 +182,10 @@ class CheckpointManager:
         if not self.config.enabled:
             return None
         self.wait()
-        step, epoch = self._position(step, epoch)
+        step, epoch = position(self.step_scheduler, step, epoch)
         metrics = {k: float(v) for k, v in (metrics or {}).items()}
-        self._check_monitor(metrics)
+        if not self._monitor_checked and metrics:
+            self._monitor_checked = check_monitor(self.config.monitor, metrics)
         if final is None:
             final = bool(getattr(self.step_scheduler, "done", False))
         if self.config.async_save and self._writer is None:
@@ -223,14 +213,14 @@ class CheckpointManager:
         """Collective: a snapshot of everything into the memory tier (``memory_every_steps`` must be set).
 
         Returns once the state is staged (the training pause); the snapshot is written into this node's memory,
-        replicated on the next node and committed in the background. Returns where it will be on this node, or
-        ``None`` when a node has no room for it (a warning says which).
+        replicated on the next node and committed in the background (or skipped with a warning when a node has no
+        room for it). Returns where it will be on this node.
         """
         if not self.config.enabled:
             return None
         if self._memory is None:
             raise ConfigError("save_memory() needs the memory tier: set memory_every_steps in the CheckpointConfig")
-        step, epoch = self._position(step, epoch)
+        step, epoch = position(self.step_scheduler, step, epoch)
         base = self._saver.last_step if self._saver.last_step is not None else self._memory.durable_step
         return self._memory.save(step, epoch, dict(counters or {}), base)
 
@@ -240,22 +230,15 @@ class CheckpointManager:
         steps, or when the step scheduler says so, and at the last step), else takes a memory snapshot when one is
         due (every ``memory_every_steps`` steps). Returns what :meth:`save` or :meth:`save_memory` returned, or
         ``None`` when nothing was due."""
-        step, epoch = self._position(step, epoch)
-        sched = self.step_scheduler
-        every = self.config.persist_every_steps
-        is_due = getattr(sched, "is_ckpt_step", None)
-        durable = step % every == 0 if every is not None else bool(is_due()) if callable(is_due) else False
-        if durable or getattr(sched, "done", False):
+        step, epoch = position(self.step_scheduler, step, epoch)
+        due = what_is_due(self.config, self.step_scheduler, step)
+        if due == "durable":
             return self.save(step=step, epoch=epoch, metrics=metrics, counters=counters)
-        mem = self.config.memory_every_steps
-        if mem is not None and step % mem == 0:
-            return self.save_memory(step=step, epoch=epoch, counters=counters)
-        return None
+        return self.save_memory(step=step, epoch=epoch, counters=counters) if due == "memory" else None
 
     @property
     def memory_tier(self) -> Any:
-        """The memory tier (``None`` without ``memory_every_steps``); its ``last`` dict has the figures of the last
-        snapshot (``pause_s``, ``write_s``, ``replicate_s``, ``replicated_bytes``, ``node_bytes``)."""
+        """The memory tier (``None`` without it); ``.last`` holds the figures of its last snapshot."""
         return self._memory
 
     @property
@@ -267,36 +250,6 @@ class CheckpointManager:
     def save_in_flight(self) -> bool:
         """Whether a background save has been started and not yet waited for."""
         return self._writer is not None and self._writer.in_flight
-
-    def _position(self, step: int | None, epoch: int | None) -> tuple[int, int]:
-        sched = self.step_scheduler
-        if step is None:
-            step = getattr(sched, "step", None)
-        if epoch is None:
-            epoch = getattr(sched, "epoch", 0)
-        if not isinstance(step, int) or step < 0:
-            raise ConfigError("save() needs step= (a non-negative int) or a step_scheduler with a .step attribute")
-        return step, int(epoch or 0)
-
-    def _check_monitor(self, metrics: dict[str, float]) -> None:
-        """Refuse, at the first save that passes metrics, a ``monitor`` that is not among them.
-
-        A misspelt monitor would rank nothing, and top-k retention would then have nothing to keep the best
-        checkpoints by. (Later saves without it are allowed: a step without validation is simply unranked.)
-        """
-        monitor = self.config.monitor
-        if monitor is None or not metrics or self._monitor_checked:
-            return
-        if monitor not in metrics:
-            import difflib
-
-            close = difflib.get_close_matches(monitor, list(metrics), n=1)
-            raise ConfigError(
-                f"monitor={monitor!r} is not among the metrics passed to save(): {sorted(metrics)}"
-                + (f"; did you mean {close[0]!r}?" if close else "")
-                + " (top-k retention and the BEST pointer rank checkpoints by it; nothing was saved)"
-            )
-        self._monitor_checked = True
 
     # ------------------------------------------------------------------ restore
     def restore(self, path: str | Path | None = None, *, verify: str | None = None, states: list[str] | None = None,
@@ -341,3 +294,63 @@ class CheckpointManager:
             if info.path.parent == self.storage.root:
                 self._saver.protected = {info.path.name}  # retention keeps what this run resumed from
         return info
+
+
+def position(sched: Any, step: int | None, epoch: int | None) -> tuple[int, int]:
+    """``step`` and ``epoch``, from the step scheduler where not given."""
+    if step is None:
+        step = getattr(sched, "step", None)
+    if epoch is None:
+        epoch = getattr(sched, "epoch", 0)
+    if not isinstance(step, int) or step < 0:
+        raise ConfigError("save() needs step= (a non-negative int) or a step_scheduler with a .step attribute")
+    return step, int(epoch or 0)
+
+
+def what_is_due(config: CheckpointConfig, sched: Any, step: int) -> str | None:
+    """For :meth:`CheckpointManager.maybe_save`: ``"durable"`` every ``persist_every_steps`` steps (without it, when
+    the step scheduler says so) and at the last step, else ``"memory"`` every ``memory_every_steps``, else ``None``."""
+    every = config.persist_every_steps
+    is_due = getattr(sched, "is_ckpt_step", None)
+    durable = step % every == 0 if every is not None else bool(is_due()) if callable(is_due) else False
+    if durable or getattr(sched, "done", False):
+        return "durable"
+    mem = config.memory_every_steps
+    return "memory" if mem is not None and step % mem == 0 else None
+
+
+def check_monitor(monitor: str | None, metrics: dict[str, float]) -> bool:
+    """Refuse a ``monitor`` that is not among the ``metrics`` of the first save that passes some; returns whether it
+    was checked.
+
+    A misspelt monitor would rank nothing, and top-k retention would then have nothing to keep the best
+    checkpoints by. (Later saves without it are allowed: a step without validation is simply unranked.)
+    """
+    if monitor is None:
+        return False
+    if monitor not in metrics:
+        import difflib
+
+        close = difflib.get_close_matches(monitor, list(metrics), n=1)
+        raise ConfigError(
+            f"monitor={monitor!r} is not among the metrics passed to save(): {sorted(metrics)}"
+            + (f"; did you mean {close[0]!r}?" if close else "")
+            + " (top-k retention and the BEST pointer rank checkpoints by it; nothing was saved)"
+        )
+    return True
+
+
+def check_state(name: str, obj: Any, registered: dict[str, Any]) -> None:
+    """Refuse a state :meth:`CheckpointManager.register` cannot keep, naming why."""
+    if not isinstance(name, str) or not name.replace("_", "").replace("-", "").isalnum():
+        raise ConfigError(f"state name {name!r} must be letters, digits, '_' or '-' (it becomes a file name)")
+    if name in _RESERVED:
+        raise ConfigError(f"state name {name!r} is reserved; pass models and optimizers as model=/optimizer=")
+    if name in registered:
+        raise ConfigError(f"a state named {name!r} is already registered")
+    if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+        hint = ""
+        if isinstance(obj, torch.utils.data.DataLoader):
+            hint = (": a plain DataLoader cannot say where it is, so a resumed run would repeat data; use "
+                    "ckptio.ResumableDataLoader or torchdata's StatefulDataLoader")
+        raise ConfigError(f"state {name!r} ({type(obj).__name__}) needs state_dict() and load_state_dict(){hint}")

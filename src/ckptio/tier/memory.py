@@ -120,47 +120,33 @@ class MemoryTier:
         return self.writer.group
 
     # ---------------------------------------------------------------------------------------------- save
-    def save(self, step: int, epoch: int, counters: dict[str, Any], durable_step: int | None) -> Path | None:
-        """Collective, training thread: stage a snapshot of everything and hand it to the background; ``None`` (and
-        a warning) when some node has no room for it."""
+    def save(self, step: int, epoch: int, counters: dict[str, Any], durable_step: int | None) -> Path:
+        """Collective, training thread: stage a snapshot of everything and hand it to the background (which skips it,
+        with a warning, when some node has no room for it)."""
         nodes = self._ensure()
         assert self.writer is not None
         self.writer.wait()
         start = time.perf_counter()
         job = self.saver.snapshot(step, epoch, {}, counters, False, stage=True)
         job.extras = False
-        with _dist.using_group(self.group):
-            room = self._room(nodes, self.saver.stager.nbytes + sum(len(b) for b in job.objects.values()))
-        pause = time.perf_counter() - start
-        if room is not None:
-            if _dist.rank() == 0:
-                self.log.warning("Memory snapshot of step %d skipped: %s", step, room)
-            return None
-        self.last = {"step": step, "pause_s": pause}
+        self.last = {"step": step, "pause_s": time.perf_counter() - start}
         self.writer.start(self.node.root / job.name, lambda: self._persist(job, durable_step, nodes))
         return self.node.root / job.name
-
-    def _room(self, nodes: Nodes, nbytes: int) -> str | None:
-        """Collective: why some node cannot take this snapshot beside the one it keeps (``None``: all can)."""
-        facts = _dist.all_gather_object((nbytes, self.node.free_bytes()))
-        need = dict.fromkeys(nodes.order, 0)
-        for r, (n, _) in enumerate(facts):
-            need[nodes.ids[r]] += n
-            if nodes.ids[nodes.peer(r)] != nodes.ids[r]:
-                need[nodes.ids[nodes.peer(r)]] += n
-        for node in nodes.order:
-            free = facts[nodes.ranks(node)[0]][1]
-            if need[node] > free:
-                return (f"the node of rank {nodes.ranks(node)[0]} needs {need[node] / 1e6:.1f} MB for it and has "
-                        f"{free / 1e6:.1f} MB free in {self.node.parent}")
-        return None
 
     def _persist(self, job: SaveJob, durable_step: int | None, nodes: Nodes) -> None:
         """Background thread, collective on the writer's group: write, replicate, commit, drop the older."""
         rank, world = _dist.rank(), _dist.world_size()
         leader = nodes.leader(rank) == rank
         start = time.perf_counter()
-        token = _dist.broadcast_object(f"{TMP_PREFIX}{job.name}-{uuid.uuid4().hex[:8]}" if rank == 0 else None)
+        facts = _dist.all_gather_object((self.saver.stager.nbytes + sum(len(b) for b in job.objects.values()),
+                                         self.node.free_bytes()))
+        room = no_room(nodes, facts, self.node.parent)
+        if room is not None:
+            self.last["skipped"] = room
+            if rank == 0:
+                self.log.warning("Memory snapshot of step %d skipped: %s", job.step, room)
+            return
+        token = _dist.broadcast_object(f"{TMP_PREFIX}{job.name}-{uuid.uuid4().hex[:8]}" if rank == 0 else "")
         tmp = self.node.root / token
         writer = LocalFolderWriter(self.node.root / job.name, tmp)
         _dist.run_collectively("starting a memory snapshot", lambda: tmp.mkdir(mode=0o700, exist_ok=True))
@@ -281,7 +267,7 @@ class MemoryTier:
         """Collective: a view of snapshot ``name`` on every node holding the files its ranks will read."""
         rank, world = _dist.rank(), _dist.world_size()
         leader = nodes.leader(rank) == rank
-        present = {node: set() for node in nodes.order}
+        present: dict[str, set[str]] = {node: set() for node in nodes.order}
         holders: dict[str, list[int]] = {}
         manifest_at: tuple[int, int] | None = None
         for r, held in enumerate(everyone):
@@ -338,6 +324,23 @@ class MemoryTier:
             self.node.free()
         if _dist.rank() == 0:
             self.log.info("Memory tier freed (%s on every node)", self.node.root)
+
+
+def no_room(nodes: Nodes, facts: list[tuple[int, int]], where: Path) -> str | None:
+    """Why some node cannot take a snapshot beside the one it keeps (``None``: all can), from each rank's
+    ``(bytes of its part, free bytes of its node's folder)``: a node keeps its ranks' parts and the replicas of the
+    ranks whose peer it holds."""
+    need = dict.fromkeys(nodes.order, 0)
+    for r, (n, _) in enumerate(facts):
+        need[nodes.ids[r]] += n
+        if nodes.ids[nodes.peer(r)] != nodes.ids[r]:
+            need[nodes.ids[nodes.peer(r)]] += n
+    for node in nodes.order:
+        free = facts[nodes.ranks(node)[0]][1]
+        if need[node] > free:
+            return (f"the node of rank {nodes.ranks(node)[0]} needs {need[node] / 1e6:.1f} MB for it and has "
+                    f"{free / 1e6:.1f} MB free in {where}")
+    return None
 
 
 def plan_moves(nodes: Nodes, needs: list[set[str]], present: dict[str, set[str]], holders: dict[str, list[int]],

@@ -144,7 +144,7 @@ class NodeFolder:
 
     def drop_except(self, keep: set[str]) -> list[str]:
         """Leader: remove every snapshot, unfinished write and view here but ``keep``; returns what was removed."""
-        removed = []
+        removed: list[str] = []
         if not self.root.is_dir():
             return removed
         for path in sorted(self.root.iterdir()):
