@@ -208,3 +208,48 @@ def test_the_recipe_checkpoints_to_a_bucket_and_resumes_from_it(tmp_path):
         for key in ("AWS_ENDPOINT_URL", "XDG_CACHE_HOME", *s3server.ENV):
             ENV.pop(key, None)
         proc.terminate()
+
+
+def test_a_run_killed_without_notice_resumes_from_the_memory_tier(tmp_path):
+    """SIGKILL (no chance to save) between durable checkpoints: the rerun resumes from the newest memory snapshot,
+    re-runs the few steps after it with the same losses, and ends with the uninterrupted run's weights."""
+    every, total = 2, 120
+
+    def overrides(name: str) -> list[str]:
+        return ["--checkpoint.checkpoint_dir", str(tmp_path / name), "--step_scheduler.max_steps", str(total),
+                "--step_scheduler.ckpt_every_steps", "50", "--checkpoint.memory_every_steps", str(every),
+                "--log_file", str(tmp_path / f"{name}.jsonl"), "--data.num_sentences", "600",
+                "--checkpoint.save_consolidated", "final"]
+
+    env = {**ENV, "CKPTIO_MEMORY_DIR": str(tmp_path / "shm")}
+    straight = subprocess.run(command(1, "tiny_llama.yaml", *overrides("straight")), capture_output=True, text=True,
+                              timeout=300, env=env)
+    assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
+    proc = subprocess.Popen(command(1, "tiny_llama.yaml", *overrides("killed")), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    for line in proc.stdout:
+        if "_step_60 committed" in line:
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+    proc.wait(60)
+    assert proc.returncode == -signal.SIGKILL, "the run was to be killed mid-way"
+    second = subprocess.run(command(1, "tiny_llama.yaml", *overrides("killed")), capture_output=True, text=True,
+                            timeout=300, env=env)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    out = second.stdout + second.stderr
+    restored = int(out.split("Restored step ")[1].split()[0])
+    assert "from the memory tier" in out and restored >= 60
+
+    want = losses(tmp_path / "straight.jsonl")
+    seen: dict[int, list[float]] = {}
+    for line in (tmp_path / "killed.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        seen.setdefault(rec["step"], []).append(rec["loss"])
+    assert sorted(seen) == list(range(1, total + 1))
+    assert all(v == [want[s]] * len(v) for s, v in seen.items()), "a step re-run after the resume differs"
+    assert max(s for s, v in seen.items() if len(v) > 1) - restored <= 2 * every  # lost work: the steps re-run
+    final = (tmp_path / "straight" / "LATEST").resolve().name
+    assert final.endswith(f"_step_{total}")
+    a, b = final_weights(tmp_path / "straight" / final, False), final_weights(tmp_path / "killed" / final, False)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not any((tmp_path / "shm").iterdir()), "the clean end of the rerun freed the memory tier"

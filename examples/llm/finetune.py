@@ -231,9 +231,12 @@ class FinetuneRecipe:
                     self.best.update(steps.step, metrics["val_loss"])
                     log(f"step {steps.step:>5} | val_loss {metrics['val_loss']:.4f}")
                 stop = self._any_rank(preempted["flag"])
+                consumed = steps.step * self.cfg.data.batch_size * self.world
                 if steps.is_ckpt_step() or steps.done or stop:
-                    consumed = steps.step * self.cfg.data.batch_size * self.world
                     self.checkpointer.save(metrics=metrics, counters={"consumed_samples": consumed}, final=steps.done)
+                elif self.cfg.checkpoint.memory_every_steps and steps.step % self.cfg.checkpoint.memory_every_steps == 0:
+                    # the memory tier: a snapshot in node-local memory, replicated on the next node (docs/memory-tier.md)
+                    self.checkpointer.save_memory(counters={"consumed_samples": consumed})
                 if stop:
                     self.checkpointer.wait()
                     log(f"SIGTERM received: saved step {steps.step} and stopping; rerun the command to resume")

@@ -12,6 +12,7 @@ It holds the configuration and the registered states and orchestrates; the work 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -140,14 +141,17 @@ class CheckpointManager:
         """The step directory of the last save committed by this manager."""
         return self._saver.last_saved
 
-    def close(self, *, free_memory: bool = True) -> None:
+    def close(self, *, free_memory: bool | None = None) -> None:
         """Wait for a background save in flight (raising its error), then release the checkpoint folder.
 
-        With the memory tier, this run's snapshots are also removed from every node's memory (``free_memory``):
-        a run that ends cleanly resumes from its durable checkpoints, so save durably first. Leaving a ``with``
-        block by an exception keeps them, for the restart. Also done when the manager is garbage-collected or
-        the process exits (an error is then logged; the memory tier is then kept).
+        With the memory tier, this run's snapshots are also removed from the node's memory when ``free_memory``
+        (by default: when no exception is propagating, so that ``close()`` in a ``finally`` keeps them for the
+        restart of a run that failed): a run that ends cleanly resumes from its durable checkpoints, so save
+        durably first. Also done when the manager is garbage-collected or the process exits (an error is then
+        logged; the memory tier is then kept).
         """
+        if free_memory is None:
+            free_memory = sys.exc_info()[0] is None
         try:
             self.wait()
             if self._memory is not None:

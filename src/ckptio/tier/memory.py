@@ -314,16 +314,14 @@ class MemoryTier:
 
     # ---------------------------------------------------------------------------------------------- end
     def close(self, free: bool) -> None:
-        """Collective: wait for the snapshot in flight; with ``free``, remove this run's snapshots from every node."""
+        """Wait for the snapshot in flight; with ``free``, remove this run's snapshots from this node (its leader does;
+        no collective: a rank whose own write is done has passed every round of its node's ranks' writes)."""
         self.wait()
         if not free or self.nodes is None:
             return
-        with _dist.using_group(self.group):
-            _dist.barrier()
         if self.nodes.leader(_dist.rank()) == _dist.rank():
             self.node.free()
-        if _dist.rank() == 0:
-            self.log.info("Memory tier freed (%s on every node)", self.node.root)
+            self.log.info("Memory tier freed on this node (%s)", self.node.root)
 
 
 def no_room(nodes: Nodes, facts: list[tuple[int, int]], where: Path) -> str | None:
