@@ -324,3 +324,20 @@ def test_a_node_without_room_for_a_snapshot_beside_the_kept_one_is_named():
                                                           "free in /dev/shm/x")
     assert no_room(nodes, [(100, 1000)] * 2 + [(100, 400)] * 2, Path("/x")) is None
     assert no_room(Nodes(["a", "a"]), [(100, 250), (100, 250)], Path("/x")) is None  # one node: no replicas
+
+
+def test_a_link_planted_in_a_snapshot_is_never_followed(tmp_path, memory, caplog):
+    from toy import Run
+
+    run = Run(tmp_path / "ckpt", max_steps=20, memory_every_steps=2, persist_every_steps=5)
+    _train(run, 8)
+    run.mgr.close(free_memory=False)
+    shard = next((next(memory.iterdir()) / "epoch_0_step_8" / "model").glob("shard-*.safetensors"))
+    outside = tmp_path / "elsewhere.safetensors"
+    outside.write_bytes(shard.read_bytes())
+    shard.unlink()
+    shard.symlink_to(outside)  # the same bytes, but outside the snapshot: not a file the snapshot holds
+    caplog.clear()
+    info = Run(tmp_path / "ckpt", max_steps=20, memory_every_steps=2, persist_every_steps=5).mgr.restore()
+    assert (info.step, info.tier) == (5, "durable")
+    assert any("incomplete: 1 of its" in r.message for r in caplog.records)

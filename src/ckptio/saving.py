@@ -118,6 +118,8 @@ class Saver:
         self.protected: set[str] = set()
         """Step names retention must keep whatever the rules say (the one this run resumed from)."""
         self._swept = False
+        self.what = "checkpoint"
+        """What the log calls a save of this saver's."""
         self.last_saved: Path | None = None
         self.last_step: int | None = None
         """The step of :attr:`last_saved` (set once it is committed, possibly by the background writer)."""
@@ -162,8 +164,8 @@ class Saver:
         job.objects = _dist.run_collectively("serialising the registered states", lambda: {
             obj_name: pt_format.to_bytes(obj.state_dict(), obj_name) for obj_name, obj in t.objects.items()})
         if stage and _dist.rank() == 0:
-            self.log.info("Staged checkpoint %s in %.2f s (%.1f MB of staging buffers); writing it in the background",
-                          name, time.perf_counter() - start, self.stager.nbytes / 1e6)
+            self.log.info("Staged %s %s in %.2f s (%.1f MB of staging buffers); writing it in the background",
+                          self.what, name, time.perf_counter() - start, self.stager.nbytes / 1e6)
         return job
 
     # ---------------------------------------------------------------------------------------------- 2-4

@@ -187,7 +187,7 @@ class NodeFolder:
         src = self.root / name
         for rel in files:
             (view / rel).parent.mkdir(parents=True, exist_ok=True)
-            os.link(src / rel, view / rel)
+            os.link(src / rel, view / rel, follow_symlinks=False)
         return view
 
     def view(self, token: str, name: str) -> Path:
