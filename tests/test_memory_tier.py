@@ -341,3 +341,37 @@ def test_a_link_planted_in_a_snapshot_is_never_followed(tmp_path, memory, caplog
     info = Run(tmp_path / "ckpt", max_steps=20, memory_every_steps=2, persist_every_steps=5).mgr.restore()
     assert (info.step, info.tier) == (5, "durable")
     assert any("incomplete: 1 of its" in r.message for r in caplog.records)
+
+
+def _needs_on_two_ranks(ckpt: str, memory: str) -> list[str]:
+    import torch.distributed as dist
+    from toy import Run
+
+    from ckptio.manifest import read_manifest
+    from ckptio.storage.confined import Folder
+    from ckptio.tier.needs import shard_files
+
+    os.environ["CKPTIO_MEMORY_DIR"] = memory
+    run = Run(ckpt, max_steps=20, memory_every_steps=2, io_threads=1)
+    _train(run, 2)
+    run.mgr.wait()
+    snapshot = Folder(next(Path(memory).iterdir()) / "epoch_0_step_2")
+    needs = sorted(shard_files(snapshot, read_manifest(snapshot), run.mgr.tracked))
+    run.mgr.close(free_memory=False)
+    dist.barrier()
+    return needs
+
+
+@pytest.mark.slow
+def test_a_rank_needs_its_own_shards_and_the_small_file_of_whole_tensors(tmp_path):
+    from distributed import run_ranks
+
+    needs = run_ranks(2, _needs_on_two_ranks, ckpt=str(tmp_path / "ckpt"), memory=str(tmp_path / "shm"))
+    whole = "optim/shard-00001-optim-00002-of-00002.safetensors"  # rank 0's: the step counters every rank reads
+    assert needs[0] == ["model/shard-00001-model-00001-of-00001.safetensors",
+                        "optim/shard-00001-optim-00001-of-00002.safetensors", whole]
+    assert needs[1] == ["model/shard-00002-model-00001-of-00001.safetensors", whole,
+                        "optim/shard-00002-optim-00001-of-00001.safetensors"]
+    snapshot = next((tmp_path / "shm").iterdir()) / "epoch_0_step_2" / "optim"
+    assert (snapshot / whole.split("/")[1]).stat().st_size < (snapshot / "shard-00002-optim-00001-of-00001.safetensors"
+                                                              ).stat().st_size / 4

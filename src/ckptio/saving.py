@@ -120,6 +120,9 @@ class Saver:
         self._swept = False
         self.what = "checkpoint"
         """What the log calls a save of this saver's."""
+        self.whole_apart = False
+        """Sharded safetensors: whole tensors in files of their own (the memory tier: a rank's restore then needs
+        its own shard files and those small ones, not another rank's shards)."""
         self.last_saved: Path | None = None
         self.last_step: int | None = None
         """The step of :attr:`last_saved` (set once it is committed, possibly by the background writer)."""
@@ -212,7 +215,7 @@ class Saver:
         if job.model is not None:
             ctx = ShardContext(rank=rank, world_size=world, threads=self.config.io_thread_count(),
                                extra={"model": t.model, "tokenizer": t.tokenizer, "base_model_path": t.base_model_path,
-                                      "log": self.log.warning})
+                                      "log": self.log.warning, "whole_apart": self.whole_apart})
             job.sums.update(self.format.save_shards(job.model, writer, MODEL_DIR, ctx))
             states["model"] = StateEntry("model", self.format.name, MODEL_DIR)
             if self.format.full_model and job.extras:
@@ -224,7 +227,7 @@ class Saver:
         job.model = None
         if job.optim is not None:
             fmt = registry.get(optimizer_format(self.config))
-            ctx = ShardContext(rank, world, self.config.io_thread_count(), {"stem": "optim"})
+            ctx = ShardContext(rank, world, self.config.io_thread_count(), {"stem": "optim", "whole_apart": self.whole_apart})
             job.sums.update(fmt.save_state(job.optim, writer, OPTIM_DIR, ctx))
             states["optim"] = StateEntry("optimizer", fmt.name, OPTIM_DIR)
             job.optim = None

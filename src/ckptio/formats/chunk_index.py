@@ -122,12 +122,19 @@ class FilePlan(NamedTuple):
     items: list[Item]
 
 
-def files_of(items: list[Item], threads: int, name: Callable[[int, int], str]) -> list[FilePlan]:
+def files_of(items: list[Item], threads: int, name: Callable[[int, int], str], *,
+             whole_apart: bool = False) -> list[FilePlan]:
     """The files a rank writes (``name(part, parts)``) and the chunks in each, in order: the chunks it owns,
     less the empty local parts of non-empty tensors, divided by size into ``threads`` files. Every rank plans
     its own files with this, and rank 0 plans everyone's with it for the index, so the index says what the
-    files hold."""
+    files hold. ``whole_apart``: whole tensors (what every rank reads: an optimizer's step counters) go into a
+    file of their own after the others, so that a reader of this rank's shards alone does not need it."""
     kept = [i for i in items if math.prod(i.shape) or not math.prod(i.global_shape)]
+    whole = [i for i in kept if tuple(i.shape) == tuple(i.global_shape)] if whole_apart else []
+    parts = [i for i in kept if tuple(i.shape) != tuple(i.global_shape)] if whole_apart else kept
+    if whole and parts:
+        groups = [*_balance(parts, max(1, min(threads, len(parts)))), whole]
+        return [FilePlan(name(g, len(groups)), group) for g, group in enumerate(groups)]
     groups = _balance(kept, max(1, min(threads, len(kept))))
     return [FilePlan(name(g, len(groups)), group) for g, group in enumerate(groups)]
 

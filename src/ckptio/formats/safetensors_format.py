@@ -67,7 +67,7 @@ class ShardedSafetensors(Format):
         gather = _dist.all_gather_object if ctx.world_size > 1 else None
         return _dist.run_collectively(f"writing {stem} shards", lambda: save(
             state_dict, writer, rel, rank=ctx.rank, world_size=ctx.world_size, threads=ctx.threads,
-            gather=gather, stem=stem))
+            gather=gather, stem=stem, whole_apart=bool(ctx.extra.get("whole_apart"))))
 
     def load_shards(self, target: dict, folder: Folder, *, strict: bool, ctx: ShardContext) -> None:
         from .. import _dist

@@ -61,7 +61,7 @@ _Chunk = chunk_index.Piece
 
 def save(state_dict: dict[str, torch.Tensor], writer: "FolderWriter | str | Path", rel: str = "", *, rank: int,
          world_size: int, threads: int = 1, gather: "Callable[[Any], list[Any]] | None" = None,
-         stem: str = "model") -> dict[str, str]:
+         stem: str = "model", whole_apart: bool = False) -> dict[str, str]:
     """Write this rank's shards of ``state_dict`` as ``rel/shard-…safetensors`` through ``writer``.
 
     Every chunk is written exactly once. With ``gather`` (an all-gather over the ranks, e.g.
@@ -104,14 +104,15 @@ def save(state_dict: dict[str, torch.Tensor], writer: "FolderWriter | str | Path
 
         def plan_of(r: int) -> list[chunk_index.FilePlan]:  # the plan rank r makes for itself
             n, items = everyone[r]
-            return chunk_index.files_of([i for i in items if owners.get((i.key, i.offsets)) == r], n, name_files(r))
+            return chunk_index.files_of([i for i in items if owners.get((i.key, i.offsets)) == r], n, name_files(r),
+                                        whole_apart=whole_apart)
 
         # rank 0 plans every rank's files for the index; the others only their own
         plans = [plan_of(r) for r in range(len(everyone))] if rank == 0 else None
         mine = plans[rank] if plans is not None else plan_of(rank)
     else:
         mine = chunk_index.files_of([_item(k, v) for k, v in views.items() if (rank == 0 if v.owner is None else v.owner)],
-                                    threads, name_files(rank))
+                                    threads, name_files(rank), whole_apart=whole_apart)
         plans = [mine] if world_size == 1 else None  # alone, this rank knows every chunk
     sums = _write_files(mine, views, writer, rel, rank, world_size)
     if plans is not None and rank == 0:  # rank 0 knows where every rank put every chunk: one index for the restore

@@ -89,7 +89,7 @@ class MemoryTier:
                                   optimizer_save_format="safetensors", save_consolidated=False, async_save=True,
                                   is_async=None, memory_every_steps=None, persist_every_steps=None)
         self.saver = Saver(own, tracked, LocalStorage(self.node.root), None, log)
-        self.saver.what = "memory snapshot"
+        self.saver.what, self.saver.whole_apart = "memory snapshot", True
         self.writer: BackgroundWriter | None = None
         self.nodes: Nodes | None = None
         self.durable_step: int | None = None
