@@ -7,6 +7,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).parent))
 
+import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 # "ci": what the suite runs; "fuzz": the long run of benchmarks/fuzz_readers.py
@@ -23,3 +24,33 @@ def pytest_sessionfinish(session, exitstatus):
         session.config.get_terminal_writer().line(f"ERROR: an s3:// location was written as a local folder: {leaked}",
                                                   red=True)
         session.exitstatus = 1
+
+
+@pytest.fixture(scope="module")
+def s3_server():
+    """A real S3-compatible server (moto) on 127.0.0.1 for the module's tests: its endpoint URL."""
+    import s3server
+
+    try:
+        proc, url = s3server.start()
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture
+def bucket(s3_server, monkeypatch):
+    """A new bucket on that server, with the environment (endpoint, credentials) pointing boto3 at it."""
+    import uuid
+
+    import s3server
+
+    from ckptio.storage import s3 as s3mod
+
+    for key, value in {"AWS_ENDPOINT_URL": s3_server, **s3server.ENV}.items():
+        monkeypatch.setenv(key, value)
+    name = f"ckpt-{uuid.uuid4().hex[:8]}"
+    s3mod.client().create_bucket(Bucket=name)
+    return name

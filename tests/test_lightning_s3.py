@@ -10,7 +10,6 @@ killed while writing the hidden copy keeps the old ``last.ckpt``; Lightning's ow
 
 from __future__ import annotations
 
-import uuid
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,6 @@ pytest.importorskip("pytorch_lightning")
 pytest.importorskip("boto3")
 pytest.importorskip("moto")
 
-import s3server  # noqa: E402
 from distributed import launch  # noqa: E402
 from lit_tiny import fit, same  # noqa: E402
 
@@ -30,23 +28,6 @@ from ckptio.storage import s3 as s3mod  # noqa: E402
 EPOCHS = 4
 ROOT = Path(__file__).resolve().parents[1]
 RUNNER = str(ROOT / "tests" / "lit_run.py")
-
-
-@pytest.fixture(scope="module")
-def server():
-    proc, url = s3server.start()
-    yield url
-    proc.terminate()
-    proc.wait(timeout=30)
-
-
-@pytest.fixture
-def bucket(server, monkeypatch) -> str:
-    for key, value in {"AWS_ENDPOINT_URL": server, **s3server.ENV}.items():
-        monkeypatch.setenv(key, value)
-    name = f"lit-{uuid.uuid4().hex[:8]}"
-    s3mod.client().create_bucket(Bucket=name)
-    return name
 
 
 def _top(bucket: str, prefix: str = "run") -> dict[str, set[str]]:

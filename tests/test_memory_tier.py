@@ -375,3 +375,22 @@ def test_a_rank_needs_its_own_shards_and_the_small_file_of_whole_tensors(tmp_pat
     snapshot = next((tmp_path / "shm").iterdir()) / "epoch_0_step_2" / "optim"
     assert (snapshot / whole.split("/")[1]).stat().st_size < (snapshot / "shard-00002-optim-00001-of-00001.safetensors"
                                                               ).stat().st_size / 4
+
+
+def test_with_the_durable_tier_in_a_bucket(bucket, tmp_path, memory):
+    from toy import Run, full_state
+
+    url = f"s3://{bucket}/run"
+    run = Run(url, max_steps=20, memory_every_steps=2, persist_every_steps=5)
+    _train(run, 8)
+    expected = full_state(run.model, run.opt)
+    run.mgr.close(free_memory=False)
+    info = Run(url, max_steps=20, memory_every_steps=2, persist_every_steps=5).mgr.restore()
+    assert (info.step, info.tier) == (8, "memory")
+    again = Run(url, max_steps=20, memory_every_steps=2, persist_every_steps=5)
+    again.mgr.restore()
+    _same(expected, full_state(again.model, again.opt), "restored from memory, durable tier in a bucket")
+    _train(again, 10)  # a durable save of step 10 in the bucket: newer than every snapshot
+    again.mgr.close(free_memory=False)
+    info = Run(url, max_steps=20, memory_every_steps=2, persist_every_steps=5).mgr.restore()
+    assert (info.step, info.tier) == (10, "durable")

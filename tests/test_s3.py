@@ -11,7 +11,6 @@ import subprocess
 import sys
 import textwrap
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -26,30 +25,6 @@ from ckptio.layout import LATEST, pointer_target, scan  # noqa: E402
 from ckptio.storage import open_storage  # noqa: E402
 from ckptio.storage import s3 as s3mod  # noqa: E402
 from ckptio.storage.verify import Verifier  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def s3_server():
-    import s3server
-
-    try:
-        proc, url = s3server.start()
-    except RuntimeError as exc:
-        pytest.fail(str(exc))
-    yield url
-    proc.terminate()
-    proc.wait(timeout=30)
-
-
-@pytest.fixture
-def bucket(s3_server, monkeypatch):
-    import s3server
-
-    for key, value in {"AWS_ENDPOINT_URL": s3_server, **s3server.ENV}.items():
-        monkeypatch.setenv(key, value)
-    name = f"ckpt-{uuid.uuid4().hex[:8]}"
-    s3mod.client().create_bucket(Bucket=name)
-    return name
 
 
 def _keys(bucket: str, prefix: str = "") -> dict[str, int]:
