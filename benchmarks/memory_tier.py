@@ -113,23 +113,21 @@ def _rank(root: str, size: int, repeats: int, nodes: int, durable: str) -> dict:
             b.copy_(t)
         times["memcpy"].append(time.perf_counter() - start)
 
-    def memory() -> None:
+    def timed(mgr, save, name: str) -> None:  # the pause until ``save`` returns, the total until committed
         step[0] += 1
         start = time.perf_counter()
-        mem.save_memory(step=step[0])
-        times["memory pause"].append(time.perf_counter() - start)
-        mem.wait()
-        times["memory total"].append(time.perf_counter() - start)
+        save(step=step[0])
+        times[f"{name} pause"].append(time.perf_counter() - start)
+        mgr.wait()
+        times[f"{name} total"].append(time.perf_counter() - start)
+
+    def memory() -> None:
+        timed(mem, mem.save_memory, "memory")
         times["replicate"].append(mem.memory_tier.last["replicate_s"])
         replicated.append(mem.memory_tier.last["replicated_bytes"])
 
     def durable_async() -> None:
-        step[0] += 1
-        start = time.perf_counter()
-        dur_async.save(step=step[0])
-        times["async pause"].append(time.perf_counter() - start)
-        dur_async.wait()
-        times["async total"].append(time.perf_counter() - start)
+        timed(dur_async, dur_async.save, "async")
 
     def durable_sync() -> None:
         step[0] += 1

@@ -149,3 +149,21 @@ def launch(script: str, *args: str, ranks: int = 1, timeout: float = 600) -> sub
     cmd = [sys.executable, script, *args] if ranks == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", script, *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a torchrun rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_or_kill(proc: subprocess.Popen, timeout: float, log: Callable[[], str]) -> int:
+    """``proc``'s exit code; past ``timeout``, its whole process group is killed and the test fails with ``log()``."""
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(f"job timed out; its log:\n{log()}") from None

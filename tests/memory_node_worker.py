@@ -53,7 +53,7 @@ def main() -> int:
         dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt-{attempt}", store),
                                 rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
                                 timeout=datetime.timedelta(seconds=60))
-    from toy import Run, full_state
+    from toy import Run, finish, full_state
 
     from distributed import kill_at
 
@@ -72,39 +72,20 @@ def main() -> int:
     if rank == 0:
         torch.save({"step": -1 if info is None else info.step, "tier": None if info is None else info.tier,
                     "state": state}, out / "restored.pt")
-    while run.steps.step < args.steps:
-        for batch in run.loader:
-            loss = run.model(input_ids=batch, labels=batch).loss
-            loss.backward()
-            run.opt.step()
-            run.sched.step()
-            run.opt.zero_grad()
-            run.steps.step += 1
-            run.counter.seen += batch.shape[0]
-            saved = run.mgr.maybe_save()
-            if saved is not None and args.dump:
-                state = full_state(run.model, run.opt)
-                if rank == 0:
-                    torch.save(state, out / f"state_{run.steps.step}.pt")
-            if args.die_at is not None and run.steps.step == args.die_at and dying:
-                run.mgr.wait()  # the snapshots before this step are committed
-                os.kill(os.getpid(), signal.SIGKILL)  # a node lost: no cleanup, nothing flushed
-            if run.steps.step >= args.steps:
-                break
-        else:
-            run.steps.epoch += 1
-    run.mgr.wait()
-    state = full_state(run.model, run.opt)
-    if rank == 0:
-        torch.save({"step": run.steps.step, "state": state}, out / "final.pt")
-    run.mgr.close()
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # the known interpreter-exit abort after destroy_process_group: the work is done and saved
 
+    def after_step() -> None:
+        saved = run.mgr.maybe_save()
+        if saved is not None and args.dump:
+            state = full_state(run.model, run.opt)
+            if rank == 0:
+                torch.save(state, out / f"state_{run.steps.step}.pt")
+        if args.die_at is not None and run.steps.step == args.die_at and dying:
+            run.mgr.wait()  # the snapshots before this step are committed
+            os.kill(os.getpid(), signal.SIGKILL)  # a node lost: no cleanup, nothing flushed
+
+    run.train(after_step=after_step)
+    finish(run, out)
+    return 0
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -36,7 +36,7 @@ def main() -> int:
     torch.set_num_threads(1)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=90))
-    from toy import Run, full_state
+    from toy import Run, finish, full_state
 
     from ckptio import _faults
 
@@ -63,18 +63,8 @@ def main() -> int:
     if rank == 0:
         torch.save({"step": -1 if info is None else info.step, "state": state}, Path(args.out) / "restored.pt")
     run.train()
-    run.mgr.wait()
-    state = full_state(run.model, run.opt)
-    if rank == 0:
-        torch.save({"step": run.steps.step, "state": state}, Path(args.out) / "final.pt")
-    run.mgr.close()
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # the known interpreter-exit abort after destroy_process_group: the work is done and saved
-
+    finish(run, Path(args.out))
+    return 0
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -23,6 +22,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+from distributed import free_port, wait_or_kill  # noqa: E402
 
 from ckptio import CheckpointConfig, ConfigError  # noqa: E402
 from ckptio.tier.memory import Nodes, pick  # noqa: E402
@@ -75,18 +76,7 @@ def test_two_nodes_disagreeing_on_a_snapshot_of_the_same_name_are_two_snapshots(
 
 # ------------------------------------------------------------------------------------------------- one process
 def _train(run, to: int) -> None:
-    while run.steps.step < to:
-        for batch in run.loader:
-            run.model(input_ids=batch, labels=batch).loss.backward()
-            run.opt.step()
-            run.sched.step()
-            run.opt.zero_grad()
-            run.steps.step += 1
-            run.counter.seen += batch.shape[0]
-            run.mgr.maybe_save()
-            if run.steps.step >= to:
-                return
-        run.steps.epoch += 1
+    run.train(stop_at=to, after_step=run.mgr.maybe_save)
 
 
 @pytest.fixture
@@ -177,12 +167,6 @@ def test_a_memory_folder_others_could_write_is_refused(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------- nodes
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _job(base: Path, node: int, nodes: int, ranks: int, port: int, *args: str, restarts: int = 0) -> subprocess.Popen:
     env = {**os.environ, "CKPTIO_MEMORY_DIR": str(base / f"mem{node}"), "OMP_NUM_THREADS": "1",
            "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
@@ -196,11 +180,7 @@ def _job(base: Path, node: int, nodes: int, ranks: int, port: int, *args: str, r
 
 
 def _wait(proc: subprocess.Popen, base: Path, timeout: float = 300) -> int:
-    try:
-        return proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise AssertionError(f"job timed out; its log:\n{_logs(base)}") from None
+    return wait_or_kill(proc, timeout, lambda: _logs(base))
 
 
 def _logs(base: Path) -> str:
@@ -208,7 +188,7 @@ def _logs(base: Path) -> str:
 
 
 def _run(base: Path, ranks: tuple[int, ...] = (2, 2), every: tuple[str, ...] = (), restarts: int = 0) -> None:
-    port = _port()
+    port = free_port()
     procs = [_job(base, i, len(ranks), n, port, *every, restarts=restarts) for i, n in enumerate(ranks)]
     for proc in procs:
         assert _wait(proc, base) == 0, f"job failed:\n{_logs(base)}"
@@ -216,7 +196,7 @@ def _run(base: Path, ranks: tuple[int, ...] = (2, 2), every: tuple[str, ...] = (
 
 def _lose_node1(base: Path, *node1: str) -> None:
     """Run the job until node 1's ranks die as told; then take node 0 down as a scheduler would."""
-    port = _port()
+    port = free_port()
     node0, node1_ = _job(base, 0, 2, 2, port), _job(base, 1, 2, 2, port, *node1)
     assert _wait(node1_, base) != 0, f"node 1 was to die:\n{_logs(base)}"
     time.sleep(1)

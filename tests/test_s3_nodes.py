@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import pytest
 import torch
 
 import s3server
+from distributed import free_port, wait_or_kill
 
 pytest.importorskip("boto3")
 pytestmark = pytest.mark.slow  # several multi-rank torchrun jobs
@@ -45,12 +45,6 @@ def s3():
         proc.wait(10)
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _job(s3: dict, scratch: Path, launch: list[str], *args: str) -> subprocess.Popen:
     (scratch / "tmp").mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **s3, "TMPDIR": str(scratch / "tmp"), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
@@ -62,18 +56,14 @@ def _job(s3: dict, scratch: Path, launch: list[str], *args: str) -> subprocess.P
 
 
 def _nodes(s3: dict, scratches: list[Path], *args: str, node1_extra: tuple[str, ...] = ()) -> list[subprocess.Popen]:
-    port = _port()
+    port = free_port()
     return [_job(s3, scratch, ["--nnodes=2", f"--node-rank={i}", "--nproc-per-node=2", "--master-addr=127.0.0.1",
                                f"--master-port={port}"], *args, *(node1_extra if i == 1 else ()))
             for i, scratch in enumerate(scratches)]
 
 
 def _wait(proc: subprocess.Popen, scratch: Path, timeout: float = 400) -> int:
-    try:
-        return proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise AssertionError(f"job timed out; its log:\n{(scratch / 'log.txt').read_text()[-3000:]}") from None
+    return wait_or_kill(proc, timeout, lambda: (scratch / "log.txt").read_text()[-3000:])
 
 
 def _ok(proc: subprocess.Popen, scratch: Path) -> None:

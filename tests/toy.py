@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -106,7 +106,10 @@ class Run:
         )
         self.losses: dict[int, float] = {}
 
-    def train(self, save_at: tuple[int, ...] = (), stop_at: int | None = None) -> None:
+    def train(self, save_at: tuple[int, ...] = (), stop_at: int | None = None,
+              after_step: Callable[[], None] | None = None) -> None:
+        """Train to ``stop_at`` (default: the end); after each step, ``after_step()`` if given, else a save at the
+        steps of ``save_at`` and at the step scheduler's checkpoint steps."""
         stop = stop_at if stop_at is not None else self.steps.max_steps
         while self.steps.step < stop:
             for batch in self.loader:
@@ -118,7 +121,9 @@ class Run:
                 self.steps.step += 1
                 self.counter.seen += batch.shape[0]
                 self.losses[self.steps.step] = loss.item()
-                if self.steps.step in save_at or self.steps.is_ckpt_step():
+                if after_step is not None:
+                    after_step()
+                elif self.steps.step in save_at or self.steps.is_ckpt_step():
                     self.mgr.save()
                 if self.steps.step >= stop:
                     break
@@ -162,3 +167,23 @@ def fsdp_mlp(width: int, layers: int, seed: int = 0) -> tuple[torch.nn.Module, t
         fully_shard(layer)
     fully_shard(model)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def finish(run: Run, out: Path) -> None:
+    """The end of a worker process started by torchrun: wait for the saves, rank 0 writes ``out/final.pt`` (the step
+    and the whole state), close, leave the group, and exit with ``os._exit(0)`` (the known interpreter-exit abort
+    after ``destroy_process_group``: the work is done and saved)."""
+    import os
+    import sys
+
+    run.mgr.wait()
+    state = full_state(run.model, run.opt)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        torch.save({"step": run.steps.step, "state": state}, out / "final.pt")
+    run.mgr.close()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
