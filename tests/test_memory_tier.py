@@ -237,6 +237,7 @@ def test_a_lost_node_resumes_from_memory_bitwise_also_when_replaced_or_on_three_
 
     _run(base)
     assert (_restored(base)["step"], _restored(base)["tier"]) == (8, "memory"), _logs(base)
+    assert 9 - _restored(base)["step"] <= 2, "at most memory_every_steps steps lost"
     _same(reference[8], _restored(base)["state"], "restored from memory")
     _same(reference["final"], torch.load(base / "out0" / "final.pt")["state"], "resumed from memory, at the end")
 
@@ -252,6 +253,14 @@ def test_a_lost_node_resumes_from_memory_bitwise_also_when_replaced_or_on_three_
     _run(base, ranks=(2, 1))  # 3 ranks: the snapshot of 4 is resharded
     assert (_restored(base)["step"], _restored(base)["tier"]) == (8, "memory"), _logs(base)
     _same(reference[8], _restored(base)["state"], "restored from memory on 3 ranks")
+    # the same job moved to 3 ranks at step 8 without a failure (a durable checkpoint of step 8, then 3 ranks)
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    _run(moved, every=("--steps", "8", "--persist-every", "8"))
+    _run(moved, ranks=(2, 1))
+    assert (_restored(moved)["step"], _restored(moved)["tier"]) == (8, "durable")
+    _same(torch.load(moved / "out0" / "final.pt")["state"], torch.load(base / "out0" / "final.pt")["state"],
+          "on 3 ranks from step 8: from the memory tier, and from a durable checkpoint of an unbroken run")
 
 
 @pytest.mark.slow

@@ -187,7 +187,12 @@ class NodeFolder:
         src = self.root / name
         for rel in files:
             (view / rel).parent.mkdir(parents=True, exist_ok=True)
-            os.link(src / rel, view / rel, follow_symlinks=False)
+            try:
+                os.link(src / rel, view / rel, follow_symlinks=False)
+            except OSError:  # a filesystem without hard links: a copy (the inventory found a regular file there)
+                import shutil
+
+                shutil.copyfile(src / rel, view / rel, follow_symlinks=False)
         return view
 
     def view(self, token: str, name: str) -> Path:
