@@ -102,7 +102,7 @@ def _rank(root: str, size: int, repeats: int, nodes: int, durable: str) -> dict:
                                  model=model, optimizer=opt, rng=False)
 
     mem, dur_async, dur_sync = manager("m", memory_every_steps=1), manager("a", async_save=True), manager("s")
-    times: dict[str, list[float]] = {k: [] for k in ("memcpy", "memory pause", "memory total", "replicate",
+    times: dict[str, list[float]] = {k: [] for k in ("memcpy", "memory pause", "memory total", "write", "replicate",
                                                      "async pause", "async total", "sync total")}
     replicated: list[int] = []
     step = [0]
@@ -124,6 +124,7 @@ def _rank(root: str, size: int, repeats: int, nodes: int, durable: str) -> dict:
     def memory() -> None:
         timed(mem, mem.save_memory, "memory")
         times["replicate"].append(mem.memory_tier.last["replicate_s"])
+        times["write"].append(mem.memory_tier.last["write_s"])
         replicated.append(mem.memory_tier.last["replicated_bytes"])
 
     def durable_async() -> None:
@@ -215,12 +216,13 @@ def _report(args: argparse.Namespace, rows: list) -> None:
     size = _size(args.size)
     print(f"\ndurable tier: {'a loopback S3 server' if args.durable == 's3' else 'a local folder'}; "
           f"state {size / 1e6:.0f} MB in all; medians of {args.repeats} rounds; times are the slowest rank's\n")
-    head = ("ranks", "MB/rank", "memcpy", "mem pause", "x memcpy", "replicate (MB)", "mem total", "async pause",
+    head = ("ranks", "MB/rank", "memcpy", "mem pause", "x memcpy", "write", "replicate (MB)", "mem total", "async pause",
             "async total", "sync total", "restore mem", "restore durable")
     print(" | ".join(head))
     for world, r in rows:
         print(" | ".join([str(world), f"{r['bytes'] / 1e6:.0f}", f"{r['memcpy']:.3f}", f"{r['memory pause']:.3f}",
-                          f"{r['memory pause'] / r['memcpy']:.2f}", f"{r['replicate']:.3f} ({r['replicated'] / 1e6:.0f})",
+                          f"{r['memory pause'] / r['memcpy']:.2f}", f"{r['write']:.3f}",
+                          f"{r['replicate']:.3f} ({r['replicated'] / 1e6:.0f})",
                           f"{r['memory total']:.3f}", f"{r['async pause']:.3f}", f"{r['async total']:.3f}",
                           f"{r['sync total']:.3f}", f"{r['restore memory']:.3f}", f"{r['restore durable']:.3f}"]))
     print(f"\nintervals and steps lost per failure, at most {args.overhead:.0%} of the time paused:")
