@@ -144,11 +144,9 @@ class CheckpointManager:
     def close(self, *, free_memory: bool | None = None) -> None:
         """Wait for a background save in flight (raising its error), then release the checkpoint folder.
 
-        With the memory tier, this run's snapshots are also removed from the node's memory when ``free_memory``
-        (by default: when no exception is propagating, so that ``close()`` in a ``finally`` keeps them for the
-        restart of a run that failed): a run that ends cleanly resumes from its durable checkpoints, so save
-        durably first. Also done when the manager is garbage-collected or the process exits (an error is then
-        logged; the memory tier is then kept).
+        With the memory tier, its snapshots leave the node's memory when ``free_memory`` (default: unless an
+        exception is propagating, so that a ``finally`` keeps them for the restart): save durably first. Also done
+        when the process exits (an error is then logged; the memory tier is kept).
         """
         if free_memory is None:
             free_memory = sys.exc_info()[0] is None
