@@ -212,12 +212,9 @@ class CheckpointManager:
     # ------------------------------------------------------------------ the memory tier
     def save_memory(self, *, step: int | None = None, epoch: int | None = None,
                     counters: dict[str, Any] | None = None) -> Path | None:
-        """Collective: a snapshot of everything into the memory tier (``memory_every_steps`` must be set).
-
-        Returns once the state is staged (the training pause); the snapshot is written into this node's memory,
-        replicated on the next node and committed in the background (or skipped with a warning when a node has no
-        room for it). Returns where it will be on this node.
-        """
+        """Collective: a snapshot of everything into the memory tier (``memory_every_steps`` must be set). Returns
+        once the state is staged (the pause) with where it will be on this node; it is written, replicated on the
+        next node and committed in the background (skipped, with a warning, when a node has no room for it)."""
         if not self.config.enabled:
             return None
         if self._memory is None:
