@@ -165,5 +165,14 @@ def wait_or_kill(proc: subprocess.Popen, timeout: float, log: Callable[[], str])
     try:
         return proc.wait(timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_group(proc)
         raise AssertionError(f"job timed out; its log:\n{log()}") from None
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group ``proc`` leads (a job scheduler taking a job down), if anything of it is left."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # it ended on its own (its ranks saw a peer die)
+    proc.wait()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import stat
 import subprocess
 import sys
@@ -23,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from distributed import free_port, wait_or_kill  # noqa: E402
+from distributed import free_port, kill_group, wait_or_kill  # noqa: E402
 
 from ckptio import CheckpointConfig, ConfigError  # noqa: E402
 from ckptio.tier.memory import Nodes, pick  # noqa: E402
@@ -200,8 +199,7 @@ def _lose_node1(base: Path, *node1: str) -> None:
     node0, node1_ = _job(base, 0, 2, 2, port), _job(base, 1, 2, 2, port, *node1)
     assert _wait(node1_, base) != 0, f"node 1 was to die:\n{_logs(base)}"
     time.sleep(1)
-    os.killpg(node0.pid, signal.SIGKILL)
-    node0.wait()
+    kill_group(node0)  # the scheduler takes the rest of the job down
 
 
 @pytest.fixture(scope="module")

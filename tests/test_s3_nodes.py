@@ -12,7 +12,6 @@ ranks of one node, from step 2 with exactly the uninterrupted run's state; that 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ import pytest
 import torch
 
 import s3server
-from distributed import free_port, wait_or_kill
+from distributed import free_port, kill_group, wait_or_kill
 
 pytest.importorskip("boto3")
 pytestmark = pytest.mark.slow  # several multi-rank torchrun jobs
@@ -89,8 +88,7 @@ def test_a_node_lost_mid_save_resumes_on_three_ranks_then_one(s3, tmp_path):
     node0, node1 = _nodes(s3, nodes, *common, node1_extra=("--die-at-save", "4"))
     assert _wait(node1, nodes[1]) != 0, "node 1 was to be lost while saving step 4"
     time.sleep(2)
-    os.killpg(node0.pid, signal.SIGKILL)  # the scheduler takes the rest of the job down
-    node0.wait()
+    kill_group(node0)  # the scheduler takes the rest of the job down
     assert (nodes[0] / "state_2.pt").exists() and not (nodes[0] / "state_4.pt").exists()
 
     three = tmp_path / "three"
