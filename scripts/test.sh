@@ -4,4 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1
-exec .venv/bin/python -m pytest -q --durations=15 "$@"
+# two workers, each test file on one of them (its module fixtures built once); the longest files go first (conftest.py)
+exec .venv/bin/python -m pytest -q -n 2 --dist loadfile --durations=15 "$@"

@@ -32,13 +32,19 @@ TESTS = ["tests/test_pretrained.py", "tests/test_consolidated.py", "tests/test_c
          "tests/test_ondisk_stability.py", "tests/test_recipe_config.py", "tests/test_peft.py",
          "tests/test_lightning.py", "tests/test_lightning_plugin.py", "tests/test_log_lines.py", "tests/test_s3.py",
          "tests/test_hf_trainer.py", "tests/test_accelerate.py"]
-# ckptio's own logic, run in the main environment; nothing in them leans on a package's floor (~60 s saved)
+# ckptio's own logic, run in the main environment; nothing in them leans on a package's floor (~110 s saved)
 NOT_HERE = ["tests/test_convert.py::test_inspect_describes_every_format_convert_reads",
             "tests/test_s3.py::test_sigkill_during_saves_to_a_bucket_never_leaves_a_torn_checkpoint",
-            # the 2-rank cases run the same preemption and kill sequences at the floor (~45 s saved)
+            "tests/test_s3.py::test_consolidate_a_checkpoint_in_a_bucket",  # the command line over the client the
+            "tests/test_s3.py::test_inspect_and_convert_work_on_bucket_paths",  # other S3 tests run at its floor
+            "tests/test_s3.py::test_list_verify_and_prune_on_a_bucket",
+            "tests/test_cli.py::test_every_reporting_command_speaks_json",
+            "tests/test_cli.py::test_progress_is_plain_lines_when_piped",
+            # Lightning's 2-rank case runs the preemption and kill sequence at the floor, through its own DDP strategy;
+            # the Trainer's and accelerate's run there on 1 rank (on 2 ranks, with the tested set only: ~60 s saved)
             "tests/test_lightning_plugin.py::test_preempted_and_killed_mid_save_then_resumed_ends_bitwise_equal",
-            "tests/test_hf_trainer.py::test_preempted_and_killed_mid_save_then_resumed_ends_bitwise_equal",
-            "tests/test_accelerate.py::test_preempted_and_killed_mid_save_then_resumed_ends_bitwise_equal"]
+            "tests/test_hf_trainer.py::test_two_ranks_preempted_killed_resumed_adopted_and_resumed_on_one",
+            "tests/test_accelerate.py::test_two_ranks_preempted_killed_resumed_adopted_and_resumed_on_one"]
 
 
 def _pins() -> dict[str, str]:
