@@ -96,6 +96,11 @@ def test_a_snapshot_newer_than_the_durable_checkpoint_resumes_bitwise_and_close_
 
     run = Run(tmp_path / "ckpt", max_steps=20, memory_every_steps=2, persist_every_steps=5)
     _train(run, 8)
+    run.mgr.wait()
+    held = sum(f.lstat().st_blocks * 512 for f in memory.rglob("*") if f.is_file())  # pages, not file sizes
+    figures = run.mgr.memory_tier.last
+    assert figures["step"] == 8 and figures["node_bytes"] == held > 0, "the memory used is what the tier reports"
+    assert any(f"{held / 1e6:.1f} MB on this node" in r.message for r in caplog.records)
     expected = full_state(run.model, run.opt)
     _train(run, 9)
     with pytest.raises(RuntimeError):
