@@ -87,5 +87,6 @@ def main() -> int:
     finish(run, out)
     return 0
 
+
 if __name__ == "__main__":
     sys.exit(main())

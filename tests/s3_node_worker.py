@@ -66,5 +66,6 @@ def main() -> int:
     finish(run, Path(args.out))
     return 0
 
+
 if __name__ == "__main__":
     sys.exit(main())

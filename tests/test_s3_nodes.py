@@ -30,18 +30,13 @@ WORKER = Path(__file__).with_name("s3_node_worker.py")
 
 
 @pytest.fixture(scope="module")
-def s3():
-    proc, endpoint = s3server.start()
-    env = {**s3server.ENV, "AWS_ENDPOINT_URL": endpoint}
+def s3(s3_server):
+    """The environment of the jobs: the module's S3 server, with a bucket ``nodes`` on it."""
     import boto3
 
-    boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="test", aws_secret_access_key="test",
+    boto3.client("s3", endpoint_url=s3_server, aws_access_key_id="test", aws_secret_access_key="test",
                  region_name="us-east-1").create_bucket(Bucket="nodes")
-    try:
-        yield env
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    return {**s3server.ENV, "AWS_ENDPOINT_URL": s3_server}
 
 
 def _job(s3: dict, scratch: Path, launch: list[str], *args: str) -> subprocess.Popen:

@@ -155,8 +155,8 @@ class CheckpointConfig:
 
     memory_dir: PathLike | None = None
     """Where the memory tier keeps its snapshots on each node: a folder in a RAM-backed filesystem that outlives the
-    training processes. ``None``: ``$CKPTIO_MEMORY_DIR``, else ``/dev/shm/ckptio`` (the system's temporary folder
-    where there is no ``/dev/shm``). Each run (``checkpoint_dir``) gets a private folder of its own inside."""
+    training processes. ``None``: ``$CKPTIO_MEMORY_DIR``, else ``/dev/shm/ckptio-<uid>`` (the system's temporary
+    folder where there is no ``/dev/shm``). Each run (``checkpoint_dir``) gets a private folder of its own inside."""
 
     def io_thread_count(self) -> int:
         """:attr:`io_threads`, or the automatic choice when it is ``None`` (see there)."""
@@ -284,6 +284,7 @@ def _validate_memory_tier(self: CheckpointConfig) -> None:
                                         or "://" in self.memory_dir):
         raise ConfigError(f"memory_dir must be a local folder (a RAM-backed one such as /dev/shm/ckptio), got "
                           f"{self.memory_dir!r}")
+
 
 def _apply_automodel_names(self: CheckpointConfig) -> None:
     """Fold NeMo AutoModel's names for three settings into ckptio's; both given and different is an error."""

@@ -131,11 +131,11 @@ def files_of(items: list[Item], threads: int, name: Callable[[int, int], str], *
     file of their own after the others, so that a reader of this rank's shards alone does not need it."""
     kept = [i for i in items if math.prod(i.shape) or not math.prod(i.global_shape)]
     whole = [i for i in kept if tuple(i.shape) == tuple(i.global_shape)] if whole_apart else []
-    parts = [i for i in kept if tuple(i.shape) != tuple(i.global_shape)] if whole_apart else kept
+    parts = [i for i in kept if tuple(i.shape) != tuple(i.global_shape)] if whole else []
     if whole and parts:
         groups = [*_balance(parts, max(1, min(threads, len(parts)))), whole]
-        return [FilePlan(name(g, len(groups)), group) for g, group in enumerate(groups)]
-    groups = _balance(kept, max(1, min(threads, len(kept))))
+    else:
+        groups = _balance(kept, max(1, min(threads, len(kept))))
     return [FilePlan(name(g, len(groups)), group) for g, group in enumerate(groups)]
 
 

@@ -174,13 +174,13 @@ class MemoryTier:
             raise
         _, used = _dist.agree("dropping older memory snapshots", lambda: self._drop(job.name) if leader else None,
                               share=lambda u: u)
-        node_bytes = used[nodes.leader(rank)]
+        node_bytes, sent = used[nodes.leader(rank)], sum(m.size for m in moves)
         self.last.update(write_s=written - start, replicate_s=replicated - written, commit_s=time.perf_counter() - replicated,
-                         replicated_bytes=sum(m.size for m in moves), node_bytes=node_bytes)
+                         replicated_bytes=sent, node_bytes=node_bytes)
         if rank == 0:
             self.log.info("Memory snapshot %s committed in %.2f s (written %.2f s, replicated %.1f MB in %.2f s); "
                           "memory tier: %.1f MB on this node, %.1f MB on all %d", job.name,
-                          time.perf_counter() - start, written - start, sum(m.size for m in moves) / 1e6,
+                          time.perf_counter() - start, written - start, sent / 1e6,
                           replicated - written, node_bytes / 1e6, sum(u for u in used if u) / 1e6, len(nodes.order))
 
     def _describe(self, job: SaveJob, writer: LocalFolderWriter, states: dict, world: int) -> tuple[bytes, list[dict]]:
@@ -215,10 +215,6 @@ class MemoryTier:
         if self.writer is not None:
             self.writer.wait()
 
-    @property
-    def in_flight(self) -> bool:
-        return self.writer is not None and self.writer.in_flight
-
     # ---------------------------------------------------------------------------------------------- restore
     def restore(self, restorer: Any, durable: Path | None) -> Any:
         """Collective: restore from the newest usable snapshot if it is newer than the durable checkpoint ``durable``
@@ -229,6 +225,7 @@ class MemoryTier:
         with _dist.using_group(self.group):
             held = self.node.inventory(self.log) if nodes.leader(_dist.rank()) == _dist.rank() else {}
             everyone = _dist.all_gather_object(held)
+
             def decide() -> tuple[tuple[str, str] | None, str, int | None]:
                 newest = _durable_step(restorer.storage, durable)
                 return (*pick(everyone, self.node.key, newest), newest)
@@ -277,11 +274,9 @@ class MemoryTier:
                 continue
             present[nodes.ids[r]] = set(h.files) | {MANIFEST_NAME}
             manifest_at = manifest_at or (r, h.extra["manifest_size"])
-            for rel in h.files:
+            for rel in [MANIFEST_NAME, *h.files]:
                 holders.setdefault(rel, []).append(r)
         assert manifest_at is not None
-        holders[MANIFEST_NAME] = [r for r, held in enumerate(everyone) if held.get(name, None) is not None
-                                  and held[name].digest == digest]
         here = sorted(present[nodes.ids[rank]])
 
         def prepare() -> None:

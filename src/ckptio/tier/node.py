@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointCorruptError, CheckpointError, ConfigError
-from ..manifest import MANIFEST_NAME, Manifest, read_manifest
+from ..manifest import MANIFEST_NAME, read_manifest
 from ..storage.checksum import bytes_checksum
 from ..storage.confined import Folder
 from ..storage.local import TMP_PREFIX
@@ -137,10 +137,6 @@ class NodeFolder:
             except (CheckpointError, OSError) as exc:
                 log.warning("Memory tier: skipping snapshot %s on this node: %s", self.root / entry.name, exc)
         return out
-
-    def manifest_of(self, name: str) -> tuple[bytes, Manifest]:
-        folder = Folder(self.root).sub(name)
-        return folder.read_bytes(MANIFEST_NAME, max_size=64 << 20), read_manifest(folder)
 
     def drop_except(self, keep: set[str]) -> list[str]:
         """Leader: remove every snapshot, unfinished write and view here but ``keep``; returns what was removed."""
