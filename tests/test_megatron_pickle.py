@@ -113,7 +113,7 @@ def _tensor_pickle(offset: int, size: tuple, stride: tuple, numel: int) -> bytes
     (0, (2, 2), (2, 1), 4, 16, None),  # well formed
     (2, (2, 2), (2, 1), 4, 16, "runs past its storage"),
     (0, (4, 4), (4, 1), 4, 16, "runs past its storage"),
-    (0, (2, 2), (2, 1), 8, 16, "holds 16 bytes, not 8"),
+    (0, (2, 2), (2, 1), 8, 16, "holds 16 bytes, expected 32"),
     (0, (2,), (-1,), 4, 16, "strides"),
 ])
 def test_tensors_are_checked_against_their_storage(tmp_path, offset, size, stride, numel, data, match):
@@ -130,3 +130,23 @@ def test_not_an_archive_is_refused_with_the_file_name(tmp_path):
     (tmp_path / "old.pt").write_bytes(pickle.dumps({"a": 1}))
     with pytest.raises(CheckpointCorruptError, match=r"old\.pt: not a torch.save archive"):
         _load(tmp_path / "old.pt")
+
+
+def test_a_compressed_storage_cannot_inflate_past_the_file(tmp_path):
+    """A 0.4 MB archive whose storage member is 384 MiB of deflated zeros (a zip bomb): refused from the member's
+    declared size, before anything is inflated (torch.save never compresses, so its members fit in the file)."""
+    import resource
+
+    numel = (384 << 20) // 4
+    path = tmp_path / "rng_state.pth"
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("archive/data.pkl", _tensor_pickle(0, (numel,), (1,), numel))
+        with zf.open("archive/data/0", "w", force_zip64=True) as member:
+            block = bytes(16 << 20)
+            for _ in range(24):
+                member.write(block)
+    assert path.stat().st_size < 1 << 20
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(CheckpointCorruptError, match="rng_state.pth.*would expand to 402653184 bytes"):
+        _load(path)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100 << 10  # KiB: nothing was inflated

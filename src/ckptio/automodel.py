@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 from .errors import CheckpointError
-from .formats.common import json_object
+from .storage.parse import json_object
 from .manifest import Manifest, StateEntry
 from .storage.confined import Folder
 

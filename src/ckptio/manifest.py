@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from .errors import CheckpointCorruptError, CheckpointNotFoundError
-from .formats.common import json_object
+from .storage.parse import json_object
 from .storage.checksum import bytes_checksum
 from .storage.confined import Folder, UnsafePathError, as_folder, check_relative
 from .storage.verify import Verifier

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,24 +102,13 @@ def check_exact_cover(key: str, shape: tuple[int, ...], boxes: list[tuple[tuple[
         )
 
 
-def json_object(data: "str | bytes", where: object, what: str = "") -> dict[str, Any]:
-    """``data`` parsed as a JSON object; anything else (bad JSON, nesting too deep, another JSON type) is a
-    :class:`CheckpointCorruptError` naming ``where`` (and ``what`` it should be, e.g. ``"manifest "``)."""
-    try:
-        parsed = json.loads(data)
-    except (ValueError, RecursionError) as exc:
-        raise CheckpointCorruptError(f"{where}: {what}is not valid JSON ({exc})") from exc
-    if not isinstance(parsed, dict):
-        raise CheckpointCorruptError(f"{where}: {what}holds a JSON {type(parsed).__name__}, not an object")
-    return parsed
-
-
 def read_json(path: "str | Path", *, max_size: int = 64 << 20) -> dict[str, Any]:
     """A JSON object from a small file (a config, an index), read through the confined folder of its parent."""
     from ..storage.confined import Folder
+    from ..storage.parse import read_json as read
 
     path = Path(path)
-    return json_object(Folder(path.parent).read_bytes(path.name, max_size=max_size), path)
+    return read(Folder(path.parent), path.name, max_size=max_size)
 
 
 @dataclass

@@ -32,7 +32,8 @@ import torch
 
 from ..errors import CheckpointCorruptError, CheckpointError
 from ..storage.confined import Folder
-from .common import TensorInfo, dtype_name, json_object
+from ..storage.parse import json_object
+from .common import TensorInfo, dtype_name
 from .megatron_config import _arg, args_from_files, llama_config
 from .megatron_layout import (GLOBAL_SPLIT, ITERATION_FILE, LAYER_SPLIT, MAX_COMMON_BYTES, MAX_RANK_FILE_BYTES,
                               NEMO_RANK_FILE, VOCAB_KEYS, _LAYER,

@@ -29,6 +29,7 @@ import torch
 
 from ..errors import CheckpointCorruptError
 from ..storage.confined import Folder
+from ..storage.parse import Budget, parsing, zip_member
 
 __all__ = ["Placeholder", "load", "loads"]
 
@@ -153,9 +154,9 @@ def _rebuild_tensor(storage: Any, offset: int, size: Any, stride: Any, *_: Any) 
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, archive: zipfile.ZipFile, prefix: str, where: object) -> None:
+    def __init__(self, data: bytes, archive: zipfile.ZipFile, prefix: str, budget: Budget) -> None:
         super().__init__(io.BytesIO(data))
-        self.archive, self.prefix, self.where = archive, prefix, where
+        self.archive, self.prefix, self.budget = archive, prefix, budget
         self.table = _allowed()
         self.placeholders: set[str] = set()
         self.classes: dict[str, type] = {}
@@ -181,23 +182,24 @@ class _Unpickler(pickle.Unpickler):
         if not isinstance(key, str) or not key.isalnum():
             raise pickle.UnpicklingError(f"a storage key {key!r}")
         if key not in self.storages:
-            try:
-                raw = self.archive.read(f"{self.prefix}data/{key}")
-            except KeyError:
-                raise pickle.UnpicklingError(f"storage {key} is not in the archive") from None
             itemsize = torch.empty((), dtype=kind.dtype).element_size()
-            if not isinstance(numel, int) or len(raw) != numel * itemsize:
-                raise pickle.UnpicklingError(f"storage {key} holds {len(raw)} bytes, not {numel} x {itemsize}")
+            if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
+                raise pickle.UnpicklingError(f"storage {key} claims {str(numel)[:40]} elements")
+            # the size is checked, and taken from the file's budget, before a byte is inflated
+            raw = zip_member(self.archive, f"{self.prefix}data/{key}", self.budget, expect=numel * itemsize)
             self.storages[key] = torch.frombuffer(bytearray(raw), dtype=kind.dtype) if raw else \
                 torch.empty(0, dtype=kind.dtype)
         return self.storages[key]
 
 
 def loads(data: bytes, where: object) -> tuple[Any, list[str]]:
-    """The object in a ``torch.save`` archive held in ``data``, and the placeholder classes met in it."""
+    """The object in a ``torch.save`` archive held in ``data``, and the placeholder classes met in it.
+
+    ``torch.save`` stores its members uncompressed, so all of them together never hold more bytes than the
+    archive: a member that would inflate past that is refused before it is read."""
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as archive:
-            return _load_archive(archive, where)
+            return _load_archive(archive, Budget(len(data), where))
     except zipfile.BadZipFile as exc:
         raise CheckpointCorruptError(f"{where}: not a torch.save archive ({exc}); files of the pre-1.6 "
                                      "format are not read") from exc
@@ -208,7 +210,8 @@ def load(folder: Folder, rel: str, *, max_size: int) -> tuple[Any, list[str]]:
     return loads(folder.read_bytes(rel, max_size=max_size), folder.display(rel))
 
 
-def _load_archive(archive: zipfile.ZipFile, where: object) -> tuple[Any, list[str]]:
+def _load_archive(archive: zipfile.ZipFile, budget: Budget) -> tuple[Any, list[str]]:
+    where = budget.where
     names = archive.namelist()
     if len(names) > MAX_MEMBERS:
         raise CheckpointCorruptError(f"{where}: {len(names)} archive members")
@@ -218,10 +221,7 @@ def _load_archive(archive: zipfile.ZipFile, where: object) -> tuple[Any, list[st
     info = archive.getinfo(pickles[0])
     if info.file_size > MAX_PICKLE_BYTES:
         raise CheckpointCorruptError(f"{where}: data.pkl is {info.file_size} bytes")
-    unpickler = _Unpickler(archive.read(info), archive, pickles[0][: -len("data.pkl")], where)
-    try:
+    unpickler = _Unpickler(zip_member(archive, pickles[0], budget), archive, pickles[0][: -len("data.pkl")], budget)
+    with parsing(where):
         obj = unpickler.load()
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError,
-            RuntimeError, OverflowError, MemoryError, RecursionError, zipfile.BadZipFile) as exc:
-        raise CheckpointCorruptError(f"{where}: cannot be read safely ({type(exc).__name__}: {exc})") from exc
     return obj, sorted(unpickler.placeholders)

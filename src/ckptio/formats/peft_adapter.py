@@ -22,7 +22,7 @@ import torch
 from ..errors import CheckpointError, CheckpointNotFoundError
 from ..storage.confined import Folder
 from . import safetensors_sharded
-from .common import json_object
+from ..storage.parse import json_object
 from .registry import Format, Opened, register
 
 if TYPE_CHECKING:

@@ -38,7 +38,8 @@ from ..storage.confined import Folder
 from ..storage.confined import as_folder as _as_folder
 from . import _st_writer, chunk_index
 from ._st_reader import SafetensorsFile
-from .common import TensorInfo, check_compatible, check_exact_cover, dtype_name, json_object, natural_key, torch_dtype
+from ..storage.parse import json_object
+from .common import TensorInfo, check_compatible, check_exact_cover, dtype_name, natural_key, torch_dtype
 
 if TYPE_CHECKING:
     from ..storage.base import FolderWriter

@@ -76,7 +76,7 @@ class StepDirectory(Format):
     def describe(self, path: Any) -> dict[str, Any]:
         """From the manifest and the formats' indexes only; ``path`` may be a local or remote (``s3://``) folder."""
         from ..storage.confined import as_folder
-        from .common import json_object
+        from ..storage.parse import json_object
 
         root = as_folder(path)
         m = read_manifest(root)

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointCorruptError
-from .common import dtype_name, json_object, torch_dtype
+from ..storage.parse import json_object
+from .common import dtype_name, torch_dtype
 
 __all__ = ["encode", "decode", "dumps", "loads", "VALUES_FILE", "MAX_VALUES_BYTES"]
 

@@ -1,0 +1,190 @@
+"""Turning a checkpoint's bytes into values: the second half of the one gate (:mod:`.confined` opens the files).
+
+Every reader of ckptio — step directories, the frameworks' folders, adopted AutoModel steps, memory
+snapshots, chunk indexes, configs and JSON side files, pickles through the restricted unpicklers — parses
+what it read through these pieces, so that a hostile or damaged file meets the same rules everywhere:
+
+* **sizes before allocation**: a file is read only up to the cap its kind allows (``Folder.read_bytes``);
+  a compressed archive member is checked against a :class:`Budget` of decompressed bytes before a byte of
+  it is inflated (:func:`zip_member`);
+* **nesting bounded**: JSON deeper than :data:`MAX_DEPTH` is refused (:func:`json_value`), so no reader
+  walking it can recurse without end;
+* **types checked**: :func:`field`, :func:`as_int` and :func:`as_float` take a value of the expected type
+  and range or refuse it naming the file and the field (a 400-digit integer is refused, never an
+  ``OverflowError`` later);
+* **one error**: whatever a parser still raises about its input (``ValueError``, ``TypeError``,
+  ``KeyError``, ``OverflowError``, ``RecursionError``, a bad zip, a bad pickle...) becomes, inside
+  :class:`parsing`, a :class:`~ckptio.errors.CheckpointCorruptError` naming the file — never a bare traceback.
+
+A reader that finds a folder damaged through any of these raises a ckptio error; the discovery of each
+folder kind then skips that folder with its reason and takes the next older complete one, or raises
+:class:`~ckptio.errors.NoUsableCheckpointError` when there is none.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pickle
+import struct
+import zipfile
+import zlib
+from typing import Any
+
+from ..errors import CheckpointCorruptError, CheckpointError
+
+__all__ = ["MAX_DEPTH", "DATA_ERRORS", "parsing", "json_value", "json_object", "read_json", "check_depth",
+           "field", "as_int", "as_float", "Budget", "zip_member"]
+
+MAX_DEPTH = 64
+"""Deepest nesting of lists and dicts any checkpoint side file may have (real ones stay under 10)."""
+
+DATA_ERRORS: tuple[type[BaseException], ...] = (
+    ValueError, TypeError, KeyError, IndexError, AttributeError, LookupError, ArithmeticError, RecursionError,
+    UnicodeError, EOFError, struct.error, pickle.UnpicklingError, zipfile.BadZipFile, zipfile.LargeZipFile,
+    zlib.error, RuntimeError,
+)
+"""What a parser raises about bad input. Inside :class:`parsing` each becomes a ckptio error naming the file."""
+
+
+class parsing:  # noqa: N801 - used as a statement: ``with parsing(path):``
+    """Context in which bad input to a parser becomes a :class:`CheckpointCorruptError` naming ``where``.
+
+    ckptio's own errors pass through unchanged (they name their file already). Use it around the parsing
+    of one file (or one folder's side files), never around collectives or user code.
+    """
+
+    def __init__(self, where: object, what: str = "") -> None:
+        self.where, self.what = where, what
+
+    def __enter__(self) -> "parsing":
+        return self
+
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> bool:
+        if exc is None or isinstance(exc, CheckpointError) or not isinstance(exc, DATA_ERRORS):
+            return False
+        text = str(exc).splitlines()[0][:300] if str(exc) else ""
+        what = f"{self.what} " if self.what else ""
+        raise CheckpointCorruptError(f"{self.where}: {what}cannot be read safely ({type(exc).__name__}: {text})") from exc
+
+
+def check_depth(value: Any, where: object, *, max_depth: int = MAX_DEPTH) -> Any:
+    """``value`` when its lists/dicts/tuples nest at most ``max_depth`` deep; walked without recursion."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children: Any = node.values()
+        elif isinstance(node, (list, tuple)):
+            children = node
+        else:
+            continue
+        if depth > max_depth:
+            raise CheckpointCorruptError(f"{where}: nested deeper than {max_depth} levels")
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list, tuple)))
+    return value
+
+
+def json_value(data: "str | bytes", where: object, what: str = "", *, max_depth: int = MAX_DEPTH) -> Any:
+    """``data`` parsed as JSON, nested at most ``max_depth`` deep; anything else is a
+    :class:`CheckpointCorruptError` naming ``where`` (and ``what`` it should be, e.g. ``"manifest "``)."""
+    try:
+        parsed = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise CheckpointCorruptError(f"{where}: {what}is not valid JSON ({str(exc)[:200]})") from exc
+    return check_depth(parsed, where, max_depth=max_depth)
+
+
+def json_object(data: "str | bytes", where: object, what: str = "", *, max_depth: int = MAX_DEPTH) -> dict[str, Any]:
+    """:func:`json_value` that must be a JSON object."""
+    parsed = json_value(data, where, what, max_depth=max_depth)
+    if not isinstance(parsed, dict):
+        raise CheckpointCorruptError(f"{where}: {what}holds a JSON {type(parsed).__name__}, not an object")
+    return parsed
+
+
+def read_json(folder: Any, rel: str, *, max_size: int = 64 << 20, what: str = "") -> dict[str, Any]:
+    """The JSON object in the small file ``rel`` of the confined ``folder`` (at most ``max_size`` bytes)."""
+    return json_object(folder.read_bytes(rel, max_size=max_size), folder.display(rel), what)
+
+
+_MISSING = object()
+_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an integer", float: "a number",
+          bool: "true or false", tuple: "a list"}
+
+
+def _type_name(kind: Any) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join(_NAMES.get(k, k.__name__) for k in kinds)
+
+
+def field(obj: Any, key: str, kind: Any, where: object, *, default: Any = _MISSING) -> Any:
+    """``obj[key]`` when ``obj`` is a dict and the value has type ``kind`` (a type or tuple of types; ``bool``
+    never passes for ``int``); ``default`` when the key is absent and one is given; else an error naming it."""
+    if not isinstance(obj, dict):
+        raise CheckpointCorruptError(f"{where}: expected an object holding {key!r}, found {type(obj).__name__}")
+    if key not in obj:
+        if default is not _MISSING:
+            return default
+        raise CheckpointCorruptError(f"{where}: {key!r} is missing")
+    value = obj[key]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kinds) or isinstance(value, bool) and bool not in kinds:
+        raise CheckpointCorruptError(f"{where}: {key!r} must be {_type_name(kind)}, "
+                                     f"found {type(value).__name__} {str(value)[:60]}")
+    return value
+
+
+def as_int(value: Any, where: object, what: str, *, lo: int = 0, hi: int = (1 << 63) - 1) -> int:
+    """``value`` as an ``int`` in ``[lo, hi]`` (an integer, not a bool or a float), or an error naming ``what``."""
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        shown = str(value)[:40] + ("..." if len(str(value)) > 40 else "") if isinstance(value, int) else repr(value)[:60]
+        raise CheckpointCorruptError(f"{where}: {what} must be an integer in [{lo}, {hi}], found {shown}")
+    return value
+
+
+def as_float(value: Any, where: object, what: str) -> float:
+    """``value`` (an int or float, not a bool) as a finite ``float``, or an error naming ``what``."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            out = float(value)
+        except OverflowError:
+            out = math.inf
+        if math.isfinite(out) or isinstance(value, float):
+            return out
+    shown = str(value)[:40] + "..." if len(str(value)) > 40 else repr(value)
+    raise CheckpointCorruptError(f"{where}: {what} must be a finite number, found {shown}")
+
+
+class Budget:
+    """Decompressed bytes an archive may still yield: checked before each member is inflated."""
+
+    def __init__(self, limit: int, where: object) -> None:
+        self.left, self.limit, self.where = limit, limit, where
+
+    def take(self, nbytes: int, what: str) -> None:
+        if nbytes < 0 or nbytes > self.left:
+            raise CheckpointCorruptError(
+                f"{self.where}: {what} would expand to {nbytes} bytes, more than the {self.limit} this file may hold "
+                "in all (a compressed member larger than the file's kind allows)")
+        self.left -= nbytes
+
+
+def zip_member(archive: zipfile.ZipFile, name: str, budget: Budget, *, expect: int | None = None) -> bytes:
+    """The bytes of member ``name``: its declared size is checked against ``expect`` and taken from ``budget``
+    before anything is inflated, and no more than that size is ever produced (``zipfile`` stops at it and checks
+    the CRC)."""
+    try:
+        info = archive.getinfo(name)
+    except KeyError:
+        raise CheckpointCorruptError(f"{budget.where}: the archive has no member {name!r}") from None
+    if expect is not None and info.file_size != expect:
+        raise CheckpointCorruptError(f"{budget.where}: member {name!r} holds {info.file_size} bytes, expected {expect}")
+    budget.take(info.file_size, f"member {name!r}")
+    with parsing(budget.where, f"member {name!r}"):
+        with archive.open(info) as fh:
+            data = fh.read(info.file_size + 1)
+    if len(data) != info.file_size:
+        raise CheckpointCorruptError(f"{budget.where}: member {name!r} holds {len(data)} bytes, "
+                                     f"its header says {info.file_size}")
+    return data
