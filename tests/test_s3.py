@@ -210,6 +210,18 @@ def test_a_second_process_is_refused_by_the_lease(bucket, s3_server):
     assert [e.name for e in committed_checkpoints(open_storage(url))] == ["epoch_0_step_1", "epoch_0_step_3"]
 
 
+def test_a_hostile_lease_is_read_as_unreadable_and_taken_over(bucket):
+    """A lease object whose fields have the wrong types or a number no float holds (a 400-digit integer) is an
+    unreadable lease, never a bare OverflowError: a holder that cannot be read is one that stopped renewing."""
+    import json
+
+    for body in ({"holder": "pid 1 on elsewhere", "renewed": 10 ** 400}, {"holder": ["x"], "renewed": "soon"}, [1]):
+        s3mod.client().put_object(Bucket=bucket, Key="hostile/.ckptio.lock", Body=json.dumps(body).encode())
+        model, opt, mgr = _setup(f"s3://{bucket}/hostile")
+        with mgr:
+            mgr.save(step=1)
+
+
 def test_configuration_of_s3_locations(bucket):
     with pytest.raises(ConfigError, match="no bucket name"):
         CheckpointConfig(checkpoint_dir="s3:///prefix")

@@ -7,7 +7,6 @@ a memory map, only the slices of each tensor it holds, so no rank ever holds the
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +15,12 @@ from torch import nn
 
 from . import _dist
 from ._log import get_logger
-from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, require
+from .errors import CheckpointError, CheckpointNotFoundError, require
 from .formats import safetensors_sharded
 from .formats.hf_bundle import INDEX_FILE
 from .state import ModelState
 from .storage.confined import Folder, check_relative
+from .storage.parse import field, read_json
 
 __all__ = ["load_pretrained"]
 
@@ -30,12 +30,9 @@ _MAX_INDEX_BYTES = 64 * 1024 * 1024
 def _weight_files(folder: Folder) -> list[str]:
     """Names of the weight files of a Hugging Face folder: those its index lists, else every ``.safetensors``."""
     if folder.kind(INDEX_FILE) is not None:
-        text = folder.read_bytes(INDEX_FILE, max_size=_MAX_INDEX_BYTES)
-        try:
-            weight_map = json.loads(text)["weight_map"]
-            names = sorted(set(weight_map.values()))
-        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
-            raise CheckpointCorruptError(f"{folder.display(INDEX_FILE)}: not a valid safetensors index ({exc!r})") from exc
+        where = folder.display(INDEX_FILE)
+        weight_map = field(read_json(folder, INDEX_FILE, max_size=_MAX_INDEX_BYTES), "weight_map", dict, where)
+        names = sorted({field(weight_map, key, str, where) for key in weight_map})
         for name in names:
             check_relative(name, folder.display(INDEX_FILE))
         missing = [n for n in names if folder.kind(n) is None]

@@ -16,7 +16,6 @@ Reads go straight into the destination tensor when its memory is laid out like t
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +23,7 @@ import torch
 
 from ..errors import CheckpointCorruptError
 from ..storage.confined import Folder, ReadHandle
+from ..storage.parse import json_value
 from ._st_writer import ST_NAMES
 
 __all__ = ["SafetensorsFile", "StEntry", "MAX_HEADER_BYTES"]
@@ -46,15 +46,6 @@ class StEntry:
         for d in self.shape:
             n *= d
         return n
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate key {k!r}")
-        out[k] = v
-    return out
 
 
 class SafetensorsFile:
@@ -92,9 +83,9 @@ class SafetensorsFile:
         if n > MAX_HEADER_BYTES or 8 + n > size:
             raise self._bad(f"header length {n} does not fit the file ({size} bytes)")
         try:
-            header = json.loads(self.handle.read(8, n), object_pairs_hook=_no_duplicates)
-        except (ValueError, RecursionError, UnicodeDecodeError) as exc:
-            raise self._bad(f"header is not valid JSON: {exc}") from exc
+            header = json_value(self.handle.read(8, n), "header", unique_keys=True)
+        except CheckpointCorruptError as exc:
+            raise self._bad(str(exc)) from exc
         if not isinstance(header, dict):
             raise self._bad("header is not a JSON object")
         start = self.data_start = 8 + n

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..storage.parse import json_object
 from . import safetensors_sharded
 
 if TYPE_CHECKING:
@@ -51,14 +52,14 @@ def copy_extras(src_dir: "str | Path | Folder", writer: "FolderWriter", rel: str
                 and not name.startswith("."):
             data = src.read_bytes(name, max_size=_MAX_EXTRA_BYTES)
             if name == "config.json" and dtype is not None:
-                data = config_with_dtype(data, dtype)
+                data = config_with_dtype(data, dtype, src.display(name))
             written[join(rel, name)] = writer.write_bytes(join(rel, name), data)
     return written
 
 
-def config_with_dtype(data: bytes, dtype: torch.dtype) -> bytes:
-    """A ``config.json``'s bytes, recording ``dtype`` as the weights' dtype."""
-    config = json.loads(data)
+def config_with_dtype(data: bytes, dtype: torch.dtype, where: object) -> bytes:
+    """A ``config.json``'s bytes (read from ``where``), recording ``dtype`` as the weights' dtype."""
+    config = json_object(data, where)
     name = str(dtype).removeprefix("torch.")
     for key in ("dtype", "torch_dtype"):
         if key in config:

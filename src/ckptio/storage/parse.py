@@ -85,14 +85,25 @@ def check_depth(value: Any, where: object, *, max_depth: int = MAX_DEPTH) -> Any
     return value
 
 
-def json_value(data: "str | bytes", where: object, what: str = "", *, max_depth: int = MAX_DEPTH) -> Any:
-    """``data`` parsed as JSON, nested at most ``max_depth`` deep; anything else is a
-    :class:`CheckpointCorruptError` naming ``where`` (and ``what`` it should be, e.g. ``"manifest "``)."""
+def json_value(data: "str | bytes", where: object, what: str = "", *, max_depth: int = MAX_DEPTH,
+               unique_keys: bool = False) -> Any:
+    """``data`` parsed as JSON, nested at most ``max_depth`` deep (``unique_keys``: an object naming a key twice is
+    refused too); anything else is a :class:`CheckpointCorruptError` naming ``where`` (and ``what`` it should be,
+    e.g. ``"manifest "``)."""
     try:
-        parsed = json.loads(data)
+        parsed = json.loads(data, object_pairs_hook=_unique if unique_keys else None)
     except (ValueError, RecursionError) as exc:
         raise CheckpointCorruptError(f"{where}: {what}is not valid JSON ({str(exc)[:200]})") from exc
     return check_depth(parsed, where, max_depth=max_depth)
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"the key {key!r} appears twice")
+        out[key] = value
+    return out
 
 
 def json_object(data: "str | bytes", where: object, what: str = "", *, max_depth: int = MAX_DEPTH) -> dict[str, Any]:

@@ -9,7 +9,9 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from ...errors import CheckpointCorruptError
 from ..lock import LOCK_NAME, CheckpointDirLocked, parse_holder
+from ..parse import as_float, field, json_object
 from ._common import LEASE_SECONDS, MAX_POINTER_BYTES, S3Error, _call, client
 
 if TYPE_CHECKING:
@@ -58,9 +60,10 @@ class S3Lease:
                 current = _call("reading the lock", self.where, s3.get_object, Bucket=self.storage.bucket, Key=self.key)
                 text = current["Body"].read(MAX_POINTER_BYTES)
                 try:
-                    doc = json.loads(text)
-                    holder, renewed = str(doc["holder"]), float(doc["renewed"])
-                except (ValueError, KeyError, TypeError):
+                    doc = json_object(text, self.key)
+                    holder = field(doc, "holder", str, self.key)
+                    renewed = as_float(field(doc, "renewed", (int, float), self.key), self.key, "renewed")
+                except CheckpointCorruptError:
                     holder, renewed = "an unreadable lease", 0.0
                 from ..lock import _alive
 
