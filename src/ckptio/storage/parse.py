@@ -29,7 +29,7 @@ import pickle
 import struct
 import zipfile
 import zlib
-from typing import Any
+from typing import Any, Literal
 
 from ..errors import CheckpointCorruptError, CheckpointError
 
@@ -60,7 +60,7 @@ class parsing:  # noqa: N801 - used as a statement: ``with parsing(path):``
     def __enter__(self) -> "parsing":
         return self
 
-    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> bool:
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> Literal[False]:
         if exc is None or isinstance(exc, CheckpointError) or not isinstance(exc, DATA_ERRORS):
             return False
         text = str(exc).splitlines()[0][:300] if str(exc) else ""
