@@ -1,0 +1,162 @@
+"""The memory tier behind the one gate: whatever a snapshot holds is read bounded and typed, a snapshot that fails a
+check is skipped with its reason (the next older complete one or the durable tier is used), a model that does not
+fit a snapshot is refused as the durable tier refuses it, and dropping older snapshots keeps what a restore needs.
+
+One process, a memory folder of the test's own (``CKPTIO_MEMORY_DIR``): the tiny Llama of ``toy.Run`` with a
+snapshot every 2 steps and a durable save every 5, so that after step 8 the memory tier holds the snapshot of step 8
+and the durable tier the checkpoint of step 5.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from ckptio import CheckpointMismatchError  # noqa: E402
+from ckptio.manifest import MANIFEST_NAME, read_manifest  # noqa: E402
+from ckptio.storage.checksum import bytes_checksum  # noqa: E402
+from ckptio.tier.node import TIER_FILE, NodeFolder  # noqa: E402
+
+CONFIG = dict(max_steps=20, memory_every_steps=2, persist_every_steps=5)
+
+
+@pytest.fixture
+def memory(tmp_path, monkeypatch):
+    folder = tmp_path / "shm"
+    monkeypatch.setenv("CKPTIO_MEMORY_DIR", str(folder))
+    return folder
+
+
+def _run(tmp_path: Path):
+    from toy import Run
+
+    return Run(tmp_path / "ckpt", **CONFIG)
+
+
+def _snapshots_to(tmp_path: Path, step: int) -> None:
+    """Train to ``step`` with snapshots and durable saves, and stop without freeing the memory tier."""
+    run = _run(tmp_path)
+    run.train(stop_at=step, after_step=run.mgr.maybe_save)
+    run.mgr.close(free_memory=False)
+
+
+def _replace(snapshot: Path, rel: str, data: bytes) -> None:
+    """``rel`` of ``snapshot`` holds ``data``, and the manifest says so (size and checksum): only the reader of the
+    file itself can tell it is bad."""
+    manifest = read_manifest(snapshot)
+    path = snapshot / rel
+    os.chmod(path, 0o600)
+    path.write_bytes(data)
+    manifest.files[rel] = len(data)
+    manifest.checksums[rel] = bytes_checksum(data)
+    os.chmod(snapshot / MANIFEST_NAME, 0o600)
+    (snapshot / MANIFEST_NAME).write_text(manifest.to_json())
+
+
+def _warned(caplog, *parts: str) -> bool:
+    return any(all(p in r.getMessage() for p in parts) for r in caplog.records if r.levelno >= logging.WARNING)
+
+
+# ------------------------------------------------------------------------------------------------- reading
+def test_a_deeply_nested_tier_record_skips_the_snapshot_with_its_reason(tmp_path, memory, caplog):
+    _snapshots_to(tmp_path, 8)
+    snapshot = next(memory.iterdir()) / "epoch_0_step_8"
+    _replace(snapshot, TIER_FILE, b"[" * 30_000 + b"]" * 30_000)  # 60 KB, within the file's cap: nesting refused
+    caplog.clear()
+    info = _run(tmp_path).mgr.restore()
+    assert (info.step, info.tier) == (5, "durable")
+    assert _warned(caplog, "skipping snapshot", str(snapshot / TIER_FILE), "memory tier record is not valid JSON")
+
+
+@pytest.mark.parametrize("record", [b'{"run": "x", "durable_step": 1' + b"0" * 400 + b"}",
+                                    b'{"run": "x", "durable_step": null, "x": ' + b"[" * 80 + b"]" * 80 + b"}",
+                                    b'{"run": 7, "durable_step": null}', b'["run"]', b"\xff\xfe{"])
+def test_a_malformed_tier_record_skips_the_snapshot_naming_the_file(tmp_path, memory, caplog, record):
+    _snapshots_to(tmp_path, 8)
+    snapshot = next(memory.iterdir()) / "epoch_0_step_8"
+    _replace(snapshot, TIER_FILE, record)
+    caplog.clear()
+    info = _run(tmp_path).mgr.restore()
+    assert (info.step, info.tier) == (5, "durable")
+    assert _warned(caplog, "skipping snapshot", str(snapshot / TIER_FILE))
+
+
+# ------------------------------------------------------------------------------------------------- shapes
+def _with_another_rank_of_tensor(run) -> None:
+    """A projection's weight, a 32 x 64 matrix in the checkpoints, becomes a 1 x 32 x 64 tensor in the live model
+    (and in its optimizer)."""
+    mlp = run.model.model.layers[0].mlp
+    old = mlp.down_proj.weight
+    new = torch.nn.Parameter(old.detach().clone().unsqueeze(0))
+    mlp.down_proj.weight = new
+    for group in run.opt.param_groups:
+        group["params"] = [new if p is old else p for p in group["params"]]
+
+
+MISMATCH = r"model\.layers\.0\.mlp\.down_proj\.weight: checkpoint \[32, 64\] float32, model \[1, 32, 64\]"
+
+
+def test_a_model_whose_tensor_has_other_dimensions_is_refused_as_the_durable_tier_refuses_it(tmp_path, memory):
+    from toy import Run
+
+    _snapshots_to(tmp_path, 8)
+    durable = Run(tmp_path / "ckpt", max_steps=20, persist_every_steps=5)  # no memory tier: the step of 5
+    _with_another_rank_of_tensor(durable)
+    with pytest.raises(CheckpointMismatchError, match=MISMATCH):
+        durable.mgr.restore()
+
+    again = _run(tmp_path)
+    _with_another_rank_of_tensor(again)
+    with pytest.raises(CheckpointMismatchError, match=MISMATCH) as from_memory:
+        again.mgr.restore()
+    assert "epoch_0_step_8" in str(from_memory.value) and str(memory) in str(from_memory.value)
+
+
+# ------------------------------------------------------------------------------------------------- retention
+def _snapshot_like(source: Path, root: Path, step: int) -> str:
+    """A committed snapshot of ``step`` in ``root``: ``source``'s files under a manifest that says ``step``."""
+    import shutil
+
+    name = f"epoch_0_step_{step}"
+    shutil.copytree(source, root / name)
+    manifest = read_manifest(root / name)
+    manifest.step, manifest.name = step, name
+    os.chmod(root / name / MANIFEST_NAME, 0o600)
+    (root / name / MANIFEST_NAME).write_text(manifest.to_json())
+    return name
+
+
+def test_dropping_older_snapshots_keeps_the_newest_complete_and_the_one_just_written(tmp_path, memory):
+    _snapshots_to(tmp_path, 6)
+    node = NodeFolder(memory, str(tmp_path / "ckpt"))
+    written = node.root / "epoch_0_step_6"
+    older = _snapshot_like(written, node.root, 4)
+    newer = _snapshot_like(written, node.root, 10)  # complete, and newer than the one just written
+    torn = [node.root / "epoch_0_step_12", node.root / ".tmp-epoch_0_step_6-0badc0de", node.root / ".view-0f0f0f0f"]
+    for path in torn:
+        path.mkdir(mode=0o700)
+        (path / "model").mkdir()
+    _snapshot_like(written, node.root, 14)
+    (node.root / "epoch_0_step_14" / MANIFEST_NAME).write_text('{"step": 14')  # damaged: not a complete snapshot
+
+    removed = node.drop_except({"epoch_0_step_6"})
+    assert sorted(p.name for p in node.root.iterdir()) == ["epoch_0_step_10", "epoch_0_step_6", "node-id"]
+    assert sorted(removed) == sorted([older, "epoch_0_step_14", *(p.name for p in torn)])
+    assert newer not in removed
+
+
+def test_a_torn_snapshot_is_never_what_is_kept(tmp_path, memory):
+    _snapshots_to(tmp_path, 6)
+    node = NodeFolder(memory, str(tmp_path / "ckpt"))
+    torn = node.root / "epoch_0_step_8"
+    torn.mkdir(mode=0o700)  # uncommitted, under the name of the one just written: no manifest
+    removed = node.drop_except({"epoch_0_step_8"})
+    assert removed == [] and (node.root / "epoch_0_step_6" / MANIFEST_NAME).is_file(), \
+        "the newest complete snapshot stays while the one to keep is not committed"
