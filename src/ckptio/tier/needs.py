@@ -70,7 +70,8 @@ def shard_files(view: Folder, manifest: Manifest, tracked: Any) -> set[str]:
         prefix = f"{entry.path}/"
         for key, (info, table) in index.tensors.items():
             target = targets.get(key)
-            if not hasattr(target, "shape") or tuple(target.shape) != info.shape:
+            shape = getattr(target, "shape", None)
+            if shape is None or tuple(shape) != info.shape:
                 # unknown here, or a tensor of another shape, which the restore's own check refuses (as it does
                 # from the durable tier): every piece, so that the check sees what it would see there
                 out.update(prefix + piece.file for piece in table)

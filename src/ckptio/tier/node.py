@@ -230,8 +230,8 @@ def _held(folder: Folder) -> Held:
         manifest = Manifest.from_json(raw, folder.display(MANIFEST_NAME))
         files = [rel for rel, size in manifest.files.items() if _holds(folder, rel, size)]
         info = tier_record(folder) if TIER_FILE in files else None
-        return Held(manifest.step, bytes_checksum(raw), manifest.world_size, files, info,
-                    {"manifest_size": len(raw), "total": len(manifest.files)})
+    return Held(manifest.step, bytes_checksum(raw), manifest.world_size, files, info,
+                {"manifest_size": len(raw), "total": len(manifest.files)})
 
 
 def _committed_step(top: Folder, name: str) -> int | None:
@@ -239,9 +239,10 @@ def _committed_step(top: Folder, name: str) -> int | None:
     try:
         folder = top.sub(name)
         with parsing(folder.path, "memory snapshot"):
-            return read_manifest(folder).step
+            manifest = read_manifest(folder)
     except (CheckpointError, OSError):
         return None
+    return manifest.step
 
 
 def tier_record(folder: Folder) -> dict[str, Any]:
