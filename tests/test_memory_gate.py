@@ -88,6 +88,52 @@ def test_a_malformed_tier_record_skips_the_snapshot_naming_the_file(tmp_path, me
     assert _warned(caplog, "skipping snapshot", str(snapshot / TIER_FILE))
 
 
+def test_a_snapshot_damaged_while_restoring_gives_way_to_the_next_older_one(tmp_path, memory, caplog):
+    import shutil
+
+    from toy import full_state
+
+    run = _run(tmp_path)
+    run.train(stop_at=6, after_step=run.mgr.maybe_save)
+    run.mgr.wait()
+    at6 = full_state(run.model, run.opt)
+    root = next(memory.iterdir())
+    shutil.copytree(root / "epoch_0_step_6", tmp_path / "aside", symlinks=True)
+    run.train(stop_at=8, after_step=run.mgr.maybe_save)
+    run.mgr.close(free_memory=False)
+    shutil.copytree(tmp_path / "aside", root / "epoch_0_step_6", symlinks=True)  # two complete snapshots: 6 and 8
+    shard = next((root / "epoch_0_step_8" / "optim").glob("shard-*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x10  # found only when its bytes are checked, while restoring
+    os.chmod(shard, 0o600)
+    shard.write_bytes(bytes(data))
+    caplog.clear()
+    again = _run(tmp_path)
+    info = again.mgr.restore()
+    assert (info.step, info.tier) == (6, "memory")
+    assert _warned(caplog, "epoch_0_step_8 could not be restored", shard.name, "falling back to snapshot epoch_0_step_6")
+    after = full_state(again.model, again.opt)
+    assert all(torch.equal(at6[k], after[k]) for k in at6) and at6.keys() == after.keys()
+
+
+def test_the_candidates_are_every_usable_snapshot_newer_than_the_durable_checkpoint_newest_first():
+    from ckptio.tier.choice import candidates
+    from ckptio.tier.node import Held
+
+    def held(step: int, files: list[str]) -> Held:
+        return Held(step, f"d{step}", 1, files, {"run": "r", "durable_step": 4}, {"total": 2, "manifest_size": 10})
+
+    everyone = [{"s10": held(10, ["a", TIER_FILE]), "s8": held(8, ["a", TIER_FILE]), "s9": held(9, [TIER_FILE]),
+                 "s6": held(6, ["a", TIER_FILE])}]
+    usable, message = candidates(everyone, "r", 6)
+    assert usable == [("s10", "d10"), ("s8", "d8")] and message == "Memory tier: restoring snapshot s10 (step 10)"
+    usable, message = candidates([{"s9": everyone[0]["s9"], "s8": everyone[0]["s8"]}], "r", 6)
+    assert usable == [("s8", "d8")] and "s9 is incomplete: 1 of its 2 files" in message
+    assert candidates(everyone, "r", 10) == ([], "Memory tier: the newest durable checkpoint (step 10) is as new as "
+                                                 "the newest usable memory snapshot (s10) or newer")
+    assert candidates(everyone, "r", 3)[0] == [], "every snapshot follows a durable checkpoint that is gone"
+
+
 # ------------------------------------------------------------------------------------------------- shapes
 def _with_another_rank_of_tensor(run) -> None:
     """A projection's weight, a 32 x 64 matrix in the checkpoints, becomes a 1 x 32 x 64 tensor in the live model
