@@ -88,6 +88,36 @@ def test_a_malformed_tier_record_skips_the_snapshot_naming_the_file(tmp_path, me
     assert _warned(caplog, "skipping snapshot", str(snapshot / TIER_FILE))
 
 
+def _sealed_index(meta: bytes) -> bytes:
+    """A chunk index whose seal (size and checksum of its body) is right and whose body is ``meta``."""
+    import json
+
+    body = meta + b" " * (-len(meta) % 8)
+    head = {"ckptio_chunk_index": 1, "kind": "safetensors", "world_size": 1, "meta_bytes": len(body),
+            "body_bytes": len(body), "body_crc32c": bytes_checksum(body)}
+    return json.dumps(head).encode() + b"\n" + body
+
+
+NESTED = b"[" * 30_000 + b"]" * 30_000
+
+
+@pytest.mark.parametrize("rel, data", [
+    ("model/.ckptio-chunks", _sealed_index(NESTED)),
+    ("optim/.ckptio-chunks", _sealed_index(b'{"files": [], "tensors": ' + NESTED + b"}")),
+    ("optim/values.json", NESTED),
+])
+def test_a_snapshot_whose_side_file_fails_a_check_leaves_the_restore_to_the_durable_tier(tmp_path, memory, caplog,
+                                                                                        rel, data):
+    _snapshots_to(tmp_path, 8)
+    snapshot = next(memory.iterdir()) / "epoch_0_step_8"
+    _replace(snapshot, rel, data)
+    caplog.clear()
+    info = _run(tmp_path).mgr.restore()
+    assert (info.step, info.tier) == (5, "durable")
+    assert _warned(caplog, "epoch_0_step_8 could not be restored", rel.split("/")[-1],
+                   "falling back to the durable tier")
+
+
 def test_a_snapshot_damaged_while_restoring_gives_way_to_the_next_older_one(tmp_path, memory, caplog):
     import shutil
 
@@ -111,7 +141,8 @@ def test_a_snapshot_damaged_while_restoring_gives_way_to_the_next_older_one(tmp_
     again = _run(tmp_path)
     info = again.mgr.restore()
     assert (info.step, info.tier) == (6, "memory")
-    assert _warned(caplog, "epoch_0_step_8 could not be restored", shard.name, "falling back to snapshot epoch_0_step_6")
+    assert _warned(caplog, "epoch_0_step_8 could not be restored", shard.name,
+                   "falling back to snapshot epoch_0_step_6")
     after = full_state(again.model, again.opt)
     assert all(torch.equal(at6[k], after[k]) for k in at6) and at6.keys() == after.keys()
 

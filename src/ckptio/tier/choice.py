@@ -85,7 +85,8 @@ def plan_moves(nodes: Nodes, needs: list[set[str]], present: dict[str, set[str]]
     return moves
 
 
-def candidates(everyone: list[dict[str, Held]], run: str, durable_step: int | None) -> tuple[list[tuple[str, str]], str]:
+def candidates(everyone: list[dict[str, Held]], run: str,
+               durable_step: int | None) -> tuple[list[tuple[str, str]], str]:
     """Rank 0: the snapshots a restore may take, newest first, as ``(name, manifest digest)``: each whole on the
     surviving nodes, of this run, newer than the durable checkpoint of step ``durable_step`` and following one
     that is still there; and what to say about them (why each newer one is skipped). A restore tries them in turn
@@ -113,8 +114,8 @@ def candidates(everyone: list[dict[str, Held]], run: str, durable_step: int | No
         elif not usable:
             notes.append(why)
     if usable:
-        first = found[usable[0]]
-        return usable, "Memory tier: " + "; ".join([*notes, f"restoring snapshot {usable[0][0]} (step {first['step']})"])
+        first = f"restoring snapshot {usable[0][0]} (step {found[usable[0]]['step']})"
+        return usable, "Memory tier: " + "; ".join([*notes, first])
     if not found:
         return [], ""
     if durable_wins:

@@ -37,14 +37,14 @@ from typing import Any
 from .. import _dist, _faults
 from ..background import BackgroundWriter
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
-from ..manifest import MANIFEST_NAME, read_manifest
+from ..manifest import MANIFEST_NAME
 from ..saving import SaveJob, Saver
 from ..storage.confined import Folder
 from ..storage.local import TMP_PREFIX, LocalFolderWriter, LocalStorage
 from ..storage.posix import remove_tree
 from .choice import Nodes, candidates, no_room, pick, plan_moves
 from .needs import shard_files, side_files
-from .node import TIER_FILE, Held, NodeFolder, default_memory_dir, stand_ins
+from .node import TIER_FILE, Held, NodeFolder, default_memory_dir, snapshot_manifest, stand_ins
 from .transfer import Move, send_and_receive
 
 __all__ = ["MemoryTier", "Nodes", "pick", "no_room"]
@@ -281,7 +281,7 @@ class MemoryTier:
             send_and_receive(plan, source, view)
 
         move([{MANIFEST_NAME}] * world)
-        manifest = _dist.run_collectively("reading the snapshot's manifest", lambda: read_manifest(Folder(view)))
+        manifest = _dist.run_collectively("reading the snapshot's manifest", lambda: snapshot_manifest(Folder(view)))
         sizes.update({rel: (size, manifest.checksums.get(rel, "")) for rel, size in manifest.files.items()})
         move(_dist.all_gather_object(side_files(manifest, rank, world)))
         need = _dist.run_collectively("planning the restore", lambda: shard_files(Folder(view), manifest, self.tracked))

@@ -43,7 +43,8 @@ from ..storage.parse import field as typed
 from ..storage.local import TMP_PREFIX
 from ..storage.posix import remove_tree
 
-__all__ = ["NodeFolder", "Held", "default_memory_dir", "run_key", "tier_record", "TIER_FILE", "VIEW_PREFIX"]
+__all__ = ["NodeFolder", "Held", "default_memory_dir", "run_key", "snapshot_manifest", "tier_record", "TIER_FILE",
+           "VIEW_PREFIX"]
 
 NODE_ID = "node-id"
 TIER_FILE = "memory_tier.json"
@@ -234,15 +235,19 @@ def _held(folder: Folder) -> Held:
                 {"manifest_size": len(raw), "total": len(manifest.files)})
 
 
+def snapshot_manifest(folder: Folder) -> Manifest:
+    """The manifest of the snapshot (or restore view) ``folder``; whatever is wrong with it is a ckptio error."""
+    with parsing(folder.path, "memory snapshot"):
+        manifest = read_manifest(folder)
+    return manifest
+
+
 def _committed_step(top: Folder, name: str) -> int | None:
     """The step of the committed snapshot ``name`` (its manifest reads through the gate), else ``None``."""
     try:
-        folder = top.sub(name)
-        with parsing(folder.path, "memory snapshot"):
-            manifest = read_manifest(folder)
+        return snapshot_manifest(top.sub(name)).step
     except (CheckpointError, OSError):
         return None
-    return manifest.step
 
 
 def tier_record(folder: Folder) -> dict[str, Any]:
