@@ -12,7 +12,12 @@ not the machine)::
 A committed snapshot folder holds the full manifest (every file of every rank, with sizes and checksums) but
 only some of the files: those of this node's ranks and those of the ranks whose replicas it keeps. Which ones
 it holds is what is found there (a regular file of the recorded size); their bytes are checked against the
-manifest when a restore reads them.
+manifest when a restore reads them. Every file here is read through the one gate (:class:`Folder` and
+:mod:`ckptio.storage.parse`): a snapshot that fails a check is skipped with its reason.
+
+After each commit the leader drops what no restore needs (:meth:`NodeFolder.drop_except`): only committed
+snapshots are ranked (by step) and counted; the newest of them and the one just written stay, and a torn write
+is never what is kept.
 
 The folders are private to the user that runs the job: each one ckptio makes is created ``0700``, and an
 existing one that is a link, belongs to someone else or can be written by others is refused, since anyone
@@ -40,7 +45,6 @@ from ..storage.checksum import bytes_checksum
 from ..storage.confined import Folder
 from ..storage.parse import as_int, parsing, read_json
 from ..storage.parse import field as typed
-from ..storage.local import TMP_PREFIX
 from ..storage.posix import remove_tree
 
 __all__ = ["NodeFolder", "Held", "default_memory_dir", "run_key", "snapshot_manifest", "tier_record", "TIER_FILE",
