@@ -16,8 +16,9 @@ takes the newest snapshot whose every file is on some surviving node (own copy o
 than the newest durable checkpoint, and each node then gets the files its ranks will read, from the nodes
 that hold them (:mod:`.needs` says which: a replaced node gets its ranks' shards from their replicas; a
 restore on another number of ranks gets the pieces the new layout needs). The ordinary restore path then
-reads the snapshot, with every byte checked against the manifest. A snapshot that cannot be used, for any
-reason the log states, leaves the restore to the durable tier.
+reads the snapshot, with every byte checked against the manifest. Every byte of a snapshot is read through the
+one gate (:mod:`ckptio.storage.confined`, :mod:`ckptio.storage.parse`); a snapshot that fails a check, for the
+reason the log states, gives way to the next older usable one, and the last to the durable tier.
 
 Call sequence (every rank, like the manager's other calls): :meth:`MemoryTier.save` on the training thread
 (stages, then returns; the rest runs on a background thread with a gloo group of its own), :meth:`wait`,
@@ -36,45 +37,17 @@ from typing import Any
 from .. import _dist, _faults
 from ..background import BackgroundWriter
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
-from ..manifest import MANIFEST_NAME, read_manifest
+from ..manifest import MANIFEST_NAME
 from ..saving import SaveJob, Saver
 from ..storage.confined import Folder
 from ..storage.local import TMP_PREFIX, LocalFolderWriter, LocalStorage
 from ..storage.posix import remove_tree
+from .choice import Nodes, candidates, no_room, pick, plan_moves
 from .needs import shard_files, side_files
-from .node import TIER_FILE, Held, NodeFolder, default_memory_dir, stand_ins
+from .node import TIER_FILE, Held, NodeFolder, default_memory_dir, snapshot_manifest, stand_ins
 from .transfer import Move, send_and_receive
 
-__all__ = ["MemoryTier", "Nodes", "pick"]
-
-
-class Nodes:
-    """Which ranks share a node (a memory folder), and who keeps whose replica."""
-
-    def __init__(self, ids: list[str]) -> None:
-        self.ids = ids
-        """Each rank's node id, by rank."""
-        self._ranks: dict[str, list[int]] = {}
-        for r, node in enumerate(ids):
-            self._ranks.setdefault(node, []).append(r)
-        self.order = list(self._ranks)
-        """The nodes in ring order: by their lowest rank."""
-        after = {node: self.order[(i + 1) % len(self.order)] for i, node in enumerate(self.order)}
-        self._peers = []
-        for r, node in enumerate(ids):
-            mine, theirs = self._ranks[node], self._ranks[after[node]]
-            self._peers.append(theirs[mine.index(r) % len(theirs)])
-
-    def ranks(self, node: str) -> list[int]:
-        return self._ranks[node]
-
-    def leader(self, rank: int) -> int:
-        """The rank that commits, drops and frees for ``rank``'s node: its lowest."""
-        return self._ranks[self.ids[rank]][0]
-
-    def peer(self, rank: int) -> int:
-        """The rank that keeps ``rank``'s replica: the same local index (modulo) on the next node of the ring."""
-        return self._peers[rank]
+__all__ = ["MemoryTier", "Nodes", "pick", "no_room"]
 
 
 class MemoryTier:
@@ -218,24 +191,33 @@ class MemoryTier:
     # ---------------------------------------------------------------------------------------------- restore
     def restore(self, restorer: Any, durable: Path | None) -> Any:
         """Collective: restore from the newest usable snapshot if it is newer than the durable checkpoint ``durable``
-        (the newest one, or ``None``); returns its :class:`~ckptio.RestoreInfo`, or ``None`` to leave the restore
-        to the durable tier (the log says why)."""
+        (the newest one, or ``None``); one found damaged while restoring gives way to the next older usable one.
+        Returns the :class:`~ckptio.RestoreInfo`, or ``None`` to leave the restore to the durable tier (the log
+        says why)."""
         nodes = self._ensure()
         self.wait()
         with _dist.using_group(self.group):
             held = self.node.inventory(self.log) if nodes.leader(_dist.rank()) == _dist.rank() else {}
             everyone = _dist.all_gather_object(held)
 
-            def decide() -> tuple[tuple[str, str] | None, str, int | None]:
+            def decide() -> tuple[list[tuple[str, str]], str, int | None]:
                 newest = _durable_step(restorer.storage, durable)
-                return (*pick(everyone, self.node.key, newest), newest)
+                return (*candidates(everyone, self.node.key, newest), newest)
 
-            choice, message, self.durable_step = _dist.decide_on_rank0("choosing a memory snapshot", decide)
+            usable, message, self.durable_step = _dist.decide_on_rank0("choosing a memory snapshot", decide)
         if _dist.rank() == 0 and message:
-            (self.log.info if choice is not None or "newer" in message else self.log.warning)(message)
-        if choice is None:
-            return None
-        name, digest = choice
+            (self.log.info if usable or "newer" in message else self.log.warning)(message)
+        for i, (name, digest) in enumerate(usable):
+            then = f"snapshot {usable[i + 1][0]}" if i + 1 < len(usable) else "the durable tier"
+            info = self._restore_snapshot(restorer, nodes, name, digest, everyone, then)
+            if info is not None:
+                return info
+        return None
+
+    def _restore_snapshot(self, restorer: Any, nodes: Nodes, name: str, digest: str, everyone: list[dict[str, Held]],
+                          then: str) -> Any:
+        """Collective: restore snapshot ``name``; ``None`` when every rank found it damaged (said in the log, with
+        what is tried ``then``); any other error is raised."""
         token = _dist.broadcast_object(uuid.uuid4().hex[:8])
         try:
             with _dist.using_group(self.group):
@@ -247,8 +229,7 @@ class MemoryTier:
                 if not all(_dist.all_gather_object(damaged)):
                     raise
             if _dist.rank() == 0:
-                self.log.warning("Memory snapshot %s could not be restored (%s); falling back to the durable tier",
-                                 name, exc)
+                self.log.warning("Memory snapshot %s could not be restored (%s); falling back to %s", name, exc, then)
             return None
         finally:
             with _dist.using_group(self.group):
@@ -300,7 +281,7 @@ class MemoryTier:
             send_and_receive(plan, source, view)
 
         move([{MANIFEST_NAME}] * world)
-        manifest = _dist.run_collectively("reading the snapshot's manifest", lambda: read_manifest(Folder(view)))
+        manifest = _dist.run_collectively("reading the snapshot's manifest", lambda: snapshot_manifest(Folder(view)))
         sizes.update({rel: (size, manifest.checksums.get(rel, "")) for rel, size in manifest.files.items()})
         move(_dist.all_gather_object(side_files(manifest, rank, world)))
         need = _dist.run_collectively("planning the restore", lambda: shard_files(Folder(view), manifest, self.tracked))
@@ -318,79 +299,6 @@ class MemoryTier:
         if self.nodes.leader(_dist.rank()) == _dist.rank():
             self.node.free()
             self.log.info("Memory tier freed on this node (%s)", self.node.root)
-
-
-def no_room(nodes: Nodes, facts: list[tuple[int, int]], where: Path) -> str | None:
-    """Why some node cannot take a snapshot beside the one it keeps (``None``: all can), from each rank's
-    ``(bytes of its part, free bytes of its node's folder)``: a node keeps its ranks' parts and the replicas of the
-    ranks whose peer it holds."""
-    need = dict.fromkeys(nodes.order, 0)
-    for r, (n, _) in enumerate(facts):
-        need[nodes.ids[r]] += n
-        if nodes.ids[nodes.peer(r)] != nodes.ids[r]:
-            need[nodes.ids[nodes.peer(r)]] += n
-    for node in nodes.order:
-        free = facts[nodes.ranks(node)[0]][1]
-        if need[node] > free:
-            return (f"the node of rank {nodes.ranks(node)[0]} needs {need[node] / 1e6:.1f} MB for it and has "
-                    f"{free / 1e6:.1f} MB free in {where}")
-    return None
-
-
-def plan_moves(nodes: Nodes, needs: list[set[str]], present: dict[str, set[str]], holders: dict[str, list[int]],
-               sizes: dict[str, tuple[int, str]]) -> list[Move]:
-    """The moves that bring every rank's ``needs`` to its node, each file once per node, from the holders in turn
-    (``present`` is updated with what will have arrived). Every rank computes the same list."""
-    moves: list[Move] = []
-    turn = 0
-    for r, wanted in enumerate(needs):
-        node = nodes.ids[r]
-        for rel in sorted(wanted):
-            if rel in present[node]:
-                continue
-            sources = holders.get(rel)
-            if not sources:
-                raise CheckpointCorruptError(f"{rel}: no surviving node holds this file of the snapshot")
-            held_by = nodes.ranks(nodes.ids[sources[turn % len(sources)]])
-            size, digest = sizes[rel]
-            moves.append(Move(held_by[turn % len(held_by)], r, rel, size, digest))
-            turn += 1
-            present[node].add(rel)
-    return moves
-
-
-def pick(everyone: list[dict[str, Held]], run: str, durable_step: int | None) -> tuple[tuple[str, str] | None, str]:
-    """Rank 0: the snapshot to restore, as ``(name, manifest digest)``, or ``None``; and what to say about it."""
-    found: dict[tuple[str, str], dict[str, Any]] = {}
-    for held in everyone:
-        for name, h in held.items():
-            c = found.setdefault((name, h.digest), {"step": h.step, "files": set(), "total": h.extra["total"],
-                                                   "info": None})
-            c["files"].update(h.files)
-            c["info"] = c["info"] or h.info
-    notes = []
-    for (name, digest), c in sorted(found.items(), key=lambda kv: (-kv[1]["step"], kv[0])):
-        if durable_step is not None and durable_step >= c["step"]:
-            notes.append(f"the newest durable checkpoint (step {durable_step}) is as new as the newest usable "
-                         f"memory snapshot ({name}) or newer")
-            return None, "Memory tier: " + "; ".join(notes)
-        if len(c["files"]) < c["total"]:
-            notes.append(f"snapshot {name} is incomplete: {c['total'] - len(c['files'])} of its {c['total']} files "
-                         "are on no surviving node")
-            continue
-        info = c["info"] or {}
-        if info.get("run") != run:
-            notes.append(f"snapshot {name} belongs to another run")
-            continue
-        base = info.get("durable_step")
-        if base is not None and (durable_step is None or durable_step < base):
-            notes.append(f"snapshot {name} follows the durable checkpoint of step {base}, which checkpoint_dir no "
-                         "longer has (a snapshot of an earlier run in the same folder?)")
-            continue
-        return (name, digest), "Memory tier: " + "; ".join([*notes, f"restoring snapshot {name} (step {c['step']})"])
-    if not found:
-        return None, ""
-    return None, "Memory tier: no usable snapshot (" + "; ".join(notes) + "); restoring from the durable tier"
 
 
 def _durable_step(storage: Any, durable: Path | None) -> int | None:

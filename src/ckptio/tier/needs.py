@@ -20,6 +20,7 @@ from ..formats import chunk_index, registry
 from ..manifest import Manifest
 from ..plan import local_view
 from ..storage.confined import Folder
+from ..storage.parse import parsing
 
 __all__ = ["side_files", "shard_files", "shard_folders"]
 
@@ -60,16 +61,20 @@ def shard_files(view: Folder, manifest: Manifest, tracked: Any) -> set[str]:
     for name, files in shard_folders(manifest).items():
         entry = manifest.states[name]
         folder = view.sub(entry.path)
-        index = chunk_index.read(folder) if entry.format == "safetensors" and files else None
+        with parsing(folder.display(chunk_index.INDEX_NAME), "chunk index"):
+            index = chunk_index.read(folder) if entry.format == "safetensors" and files else None
         targets = _targets(name, entry, folder, tracked) if index is not None else None
         if index is None or targets is None:
             out.update(files)
             continue
         prefix = f"{entry.path}/"
-        for key, (_info, table) in index.tensors.items():
+        for key, (info, table) in index.tensors.items():
             target = targets.get(key)
-            if not hasattr(target, "shape"):
-                out.update(prefix + piece.file for piece in table)  # unknown here: every piece
+            shape = getattr(target, "shape", None)
+            if shape is None or tuple(shape) != info.shape:
+                # unknown here, or a tensor of another shape, which the restore's own check refuses (as it does
+                # from the durable tier): every piece, so that the check sees what it would see there
+                out.update(prefix + piece.file for piece in table)
                 continue
             mesh = getattr(target, "device_mesh", None)
             if mesh is not None and mesh.get_coordinate() is None:
@@ -87,8 +92,9 @@ def _targets(name: str, entry: Any, folder: Folder, tracked: Any) -> dict[str, A
         return tracked.model_state.state_dict() if tracked.model_state is not None else {}
     if tracked.optim_state is None:
         return {}
-    saved = {k[len(_OPTIM):]: v for k, v in registry.get(entry.format).state_index(folder).items()
-             if k.startswith(_OPTIM)}
+    with parsing(folder.path, "optimizer index"):
+        index = registry.get(entry.format).state_index(folder)
+    saved = {k[len(_OPTIM):]: v for k, v in index.items() if k.startswith(_OPTIM)}
     template = tracked.optim_state.template(saved)
     if template is None:
         return None

@@ -12,7 +12,12 @@ not the machine)::
 A committed snapshot folder holds the full manifest (every file of every rank, with sizes and checksums) but
 only some of the files: those of this node's ranks and those of the ranks whose replicas it keeps. Which ones
 it holds is what is found there (a regular file of the recorded size); their bytes are checked against the
-manifest when a restore reads them.
+manifest when a restore reads them. Every file here is read through the one gate (:class:`Folder` and
+:mod:`ckptio.storage.parse`): a snapshot that fails a check is skipped with its reason.
+
+After each commit the leader drops what no restore needs (:meth:`NodeFolder.drop_except`): only committed
+snapshots are ranked (by step) and counted; the newest of them and the one just written stay, and a torn write
+is never what is kept.
 
 The folders are private to the user that runs the job: each one ckptio makes is created ``0700``, and an
 existing one that is a link, belongs to someone else or can be written by others is refused, since anyone
@@ -35,19 +40,23 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointCorruptError, CheckpointError, ConfigError
-from ..manifest import MANIFEST_NAME, read_manifest
+from ..manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, read_manifest
 from ..storage.checksum import bytes_checksum
 from ..storage.confined import Folder
-from ..storage.local import TMP_PREFIX
+from ..storage.parse import as_int, parsing, read_json
+from ..storage.parse import field as typed
 from ..storage.posix import remove_tree
 
-__all__ = ["NodeFolder", "Held", "default_memory_dir", "run_key", "TIER_FILE", "VIEW_PREFIX"]
+__all__ = ["NodeFolder", "Held", "default_memory_dir", "run_key", "snapshot_manifest", "tier_record", "TIER_FILE",
+           "VIEW_PREFIX"]
 
 NODE_ID = "node-id"
 TIER_FILE = "memory_tier.json"
 """Written into every snapshot by rank 0 (and listed in its manifest): the run it belongs to and the newest
 durable checkpoint when it was taken."""
 VIEW_PREFIX = ".view-"
+MAX_TIER_BYTES = 1 << 16
+"""Cap on a snapshot's ``memory_tier.json`` (what ckptio writes there is under 200 bytes)."""
 _ID = re.compile(r"[0-9a-f]{32}")
 
 
@@ -115,8 +124,8 @@ class NodeFolder:
 
     # ------------------------------------------------------------------------------------------ contents
     def inventory(self, log: Any) -> dict[str, Held]:
-        """Every committed snapshot here, with the files this node holds of it (a damaged one is skipped, said in
-        the log)."""
+        """Every committed snapshot here, with the files this node holds of it (a snapshot that fails a check is
+        skipped, its reason said in the log)."""
         out: dict[str, Held] = {}
         if not self.root.is_dir():
             return out
@@ -125,31 +134,31 @@ class NodeFolder:
             if entry.kind != "dir" or entry.name.startswith("."):
                 continue
             try:
-                folder = top.sub(entry.name)
-                raw = folder.read_bytes(MANIFEST_NAME, max_size=64 << 20)
-                manifest = read_manifest(folder)
-                files = [rel for rel, size in manifest.files.items() if _holds(folder, rel, size)]
-                info = None
-                if TIER_FILE in files:
-                    info = _tier_info(folder)
-                out[entry.name] = Held(manifest.step, bytes_checksum(raw), manifest.world_size, files, info,
-                                       {"manifest_size": len(raw), "total": len(manifest.files)})
+                out[entry.name] = _held(top.sub(entry.name))
             except (CheckpointError, OSError) as exc:
                 log.warning("Memory tier: skipping snapshot %s on this node: %s", self.root / entry.name, exc)
         return out
 
     def drop_except(self, keep: set[str]) -> list[str]:
-        """Leader: remove every snapshot, unfinished write and view here but ``keep``; returns what was removed."""
-        removed: list[str] = []
+        """Leader, once ``keep`` (the snapshot just written) is committed: remove what no restore needs; returns
+        what was removed.
+
+        Only committed snapshots (a manifest that reads) are ranked, by step, and counted: the newest of them and
+        every name in ``keep`` stay, every other one goes. A folder that is not a committed snapshot (an unfinished
+        or torn write, a damaged snapshot, a restore's view) is never what is kept: it goes too, unless ``keep``
+        names it, and then the newest committed snapshot stays beside it."""
         if not self.root.is_dir():
-            return removed
-        for path in sorted(self.root.iterdir()):
-            if path.name == NODE_ID or path.name in keep or path.is_symlink() or not path.is_dir():
-                continue
-            if any(path.name.startswith(f"{TMP_PREFIX}{k}-") for k in keep):
-                continue  # the snapshot being written right now
-            remove_tree(path)
-            removed.append(path.name)
+            return []
+        top = Folder(self.root)
+        steps: dict[str, int | None] = {}
+        for entry in top.listdir():
+            if entry.kind == "dir":  # the node id, links and other files are left alone
+                steps[entry.name] = None if entry.name.startswith(".") else _committed_step(top, entry.name)
+        ranked = sorted((step, name) for name, step in steps.items() if step is not None)
+        spared = set(keep) | ({ranked[-1][1]} if ranked else set())
+        removed = [name for name in sorted(steps) if name not in spared]
+        for name in removed:
+            remove_tree(self.root / name)
         return removed
 
     def free(self) -> None:
@@ -218,18 +227,42 @@ def _holds(folder: Folder, rel: str, size: int) -> bool:
         return False
 
 
-def _tier_info(folder: Folder) -> dict[str, Any]:
-    import json
+def _held(folder: Folder) -> Held:
+    """What this node holds of the snapshot in ``folder``, every byte of it read through the gate: the manifest
+    (bounded, typed, checksummed), the files of the recorded size, and the tier record when held."""
+    with parsing(folder.path, "memory snapshot"):
+        raw = folder.read_bytes(MANIFEST_NAME, max_size=MAX_MANIFEST_BYTES)
+        manifest = Manifest.from_json(raw, folder.display(MANIFEST_NAME))
+        files = [rel for rel, size in manifest.files.items() if _holds(folder, rel, size)]
+        info = tier_record(folder) if TIER_FILE in files else None
+    return Held(manifest.step, bytes_checksum(raw), manifest.world_size, files, info,
+                {"manifest_size": len(raw), "total": len(manifest.files)})
 
-    where = folder.display(TIER_FILE)
+
+def snapshot_manifest(folder: Folder) -> Manifest:
+    """The manifest of the snapshot (or restore view) ``folder``; whatever is wrong with it is a ckptio error."""
+    with parsing(folder.path, "memory snapshot"):
+        manifest = read_manifest(folder)
+    return manifest
+
+
+def _committed_step(top: Folder, name: str) -> int | None:
+    """The step of the committed snapshot ``name`` (its manifest reads through the gate), else ``None``."""
     try:
-        info = json.loads(folder.read_bytes(TIER_FILE, max_size=1 << 16))
-    except ValueError as exc:
-        raise CheckpointCorruptError(f"{where}: not JSON ({exc})") from exc
-    if not isinstance(info, dict) or not isinstance(info.get("run"), str) \
-            or not (info.get("durable_step") is None or type(info.get("durable_step")) is int):
-        raise CheckpointCorruptError(f"{where}: malformed memory tier record")
-    return info
+        return snapshot_manifest(top.sub(name)).step
+    except (CheckpointError, OSError):
+        return None
+
+
+def tier_record(folder: Folder) -> dict[str, Any]:
+    """The snapshot's ``memory_tier.json``, read bounded and typed: ``{"run": str, "durable_step": int | None}``."""
+    where = folder.display(TIER_FILE)
+    record = read_json(folder, TIER_FILE, max_size=MAX_TIER_BYTES, what="memory tier record ")
+    run = typed(record, "run", str, where)
+    base = typed(record, "durable_step", (int, type(None)), where)
+    if base is not None:
+        base = as_int(base, where, "'durable_step'")
+    return {"run": run, "durable_step": base}
 
 
 def _check_private(path: Path) -> None:
