@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, ConfigError
+from . import hf_fields
 from .megatron_layout import GLOBAL_SPLIT, ITERATION_FILE, LAYER_SPLIT, RANK_FILE, VOCAB_KEYS
 
 DIVISIBLE_BY = 128
@@ -39,9 +40,13 @@ _LEGACY_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm
 
 
 def megatron_args(config: dict[str, Any], tp: int, pp: int, layout: str,
-                  divisible_by: int = DIVISIBLE_BY) -> argparse.Namespace:
+                  divisible_by: int = DIVISIBLE_BY, where: object = "config.json") -> argparse.Namespace:
     """The Megatron-LM arguments that describe a Hugging Face Llama ``config`` split over ``tp`` × ``pp``, the
-    vocabulary padded to a multiple of ``divisible_by`` × ``tp`` (Megatron-LM's ``--make-vocab-size-divisible-by``)."""
+    vocabulary padded to a multiple of ``divisible_by`` × ``tp`` (Megatron-LM's ``--make-vocab-size-divisible-by``).
+
+    The config may use transformers 5's or 4's spelling (:mod:`ckptio.formats.hf_fields`); a field Megatron
+    cannot hold (a scaled RoPE, biases...) is refused by name."""
+    rope = hf_fields.refuse(config, where, "Megatron")
     heads = int(config["num_attention_heads"])
     groups = int(config.get("num_key_value_heads") or heads)
     layers, ffn, hidden = int(config["num_hidden_layers"]), int(config["intermediate_size"]), int(config["hidden_size"])
@@ -54,29 +59,19 @@ def megatron_args(config: dict[str, Any], tp: int, pp: int, layout: str,
         raise ConfigError(f"--vocab-divisible-by must be a positive integer, got {divisible_by!r}")
     vocab = int(config["vocab_size"])
     step = divisible_by * tp
+    dtype = hf_fields.dtype_name(config)
     return argparse.Namespace(
         num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads,
         num_query_groups=groups, group_query_attention=groups != heads,
         kv_channels=int(config.get("head_dim") or hidden // heads), vocab_size=vocab,
         padded_vocab_size=-(-vocab // step) * step, make_vocab_size_divisible_by=divisible_by,
         max_position_embeddings=int(config.get("max_position_embeddings") or 4096),
-        norm_epsilon=float(config.get("rms_norm_eps", 1e-5)), rotary_base=float(config.get("rope_theta", 10000)),
+        norm_epsilon=float(config.get("rms_norm_eps", 1e-5)), rotary_base=rope.theta, rotary_percent=1.0,
         position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
         untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, ckpt_format=layout,
-        bf16=config.get("torch_dtype") == "bfloat16", fp16=config.get("torch_dtype") == "float16",
+        bf16=dtype == "bfloat16", fp16=dtype == "float16",
     )
-
-
-def _check_llama(config: dict[str, Any], where: object) -> None:
-    problems = [f"{k}={config.get(k)!r}" for k, ok in (
-        ("model_type", config.get("model_type") in ("llama", "mistral", "qwen2", None)),
-        ("hidden_act", config.get("hidden_act", "silu") == "silu"),
-        ("attention_bias", not config.get("attention_bias", False)), ("mlp_bias", not config.get("mlp_bias", False)),
-        ("rope_scaling", not config.get("rope_scaling"))) if not ok]
-    if problems:
-        raise CheckpointError(f"{where}: ckptio exports Llama-style models (SiLU, no biases, plain RoPE) to Megatron; "
-                              f"this one has {', '.join(problems)}")
 
 
 def _tensors(source: Any, config: dict[str, Any], args: argparse.Namespace) -> dict[str, torch.Tensor]:
@@ -213,14 +208,15 @@ def write(source: Any, extras: Path | None, out: Path, *, tp: int | None, pp: in
     if cfg is None or not cfg.is_file():
         raise CheckpointError("a Megatron export needs the model's config.json beside its weights (a Llama config)")
     config = read_json(cfg)
-    _check_llama(config, cfg)
     ckpt_format = "torch_dist" if layout == "dist" else "torch"
     if like is not None:
-        tp, pp, divisible_by = like_run(Path(like), megatron_args(config, 1, 1, ckpt_format), tp, pp, divisible_by)
+        tp, pp, divisible_by = like_run(Path(like), megatron_args(config, 1, 1, ckpt_format, where=cfg), tp, pp,
+                                           divisible_by)
     tp, pp = (1 if tp is None else int(tp)), (1 if pp is None else int(pp))
     if tp < 1 or pp < 1:
         raise ConfigError(f"--tp and --pp must be at least 1, got TP={tp} PP={pp}")
-    args = megatron_args(config, tp, pp, ckpt_format, DIVISIBLE_BY if divisible_by is None else divisible_by)
+    args = megatron_args(config, tp, pp, ckpt_format, DIVISIBLE_BY if divisible_by is None else divisible_by,
+                         where=cfg)
     tensors = _tensors(source, config, args)
     from ..storage import LocalFolderWriter
 

@@ -41,6 +41,7 @@ from safetensors.torch import save_file
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, ConfigError, require
 from ..storage import LocalFolderWriter
 from ..storage.confined import Folder
+from . import hf_fields
 from ._st_reader import SafetensorsFile
 
 __all__ = ["ALGOS", "export_qnemo", "load_qnemo", "quantize", "dequantize"]
@@ -135,8 +136,12 @@ class _RankFiles:
 
 
 def _trtllm_config(cfg: Any, sd: dict[str, torch.Tensor], dtype: torch.dtype, algo: str, tp_size: int) -> dict:
-    """The export's ``config.json``: TensorRT-LLM's model description, with the source config for the way back."""
+    """The export's ``config.json``: TensorRT-LLM's model description, with the source config for the way back.
+
+    The rotary embedding is read from either transformers spelling (:mod:`ckptio.formats.hf_fields`); a
+    scaled one is kept as TensorRT-LLM's ``rotary_scaling``. A field the export cannot hold is refused."""
     heads = cfg.num_attention_heads
+    r = hf_fields.refuse(cfg.to_dict(), "the model's config", "qnemo (TensorRT-LLM)", holds=("rope_type",))
     return {
         "architecture": "LlamaForCausalLM",
         "dtype": str(dtype).removeprefix("torch."),
@@ -152,8 +157,8 @@ def _trtllm_config(cfg: Any, sd: dict[str, torch.Tensor], dtype: torch.dtype, al
         "hidden_act": cfg.hidden_act,
         "norm_epsilon": cfg.rms_norm_eps,
         "position_embedding_type": "rope_gpt_neox",
-        "rotary_base": getattr(cfg, "rope_theta", None) or (getattr(cfg, "rope_parameters", None) or {}).get(
-            "rope_theta", 10000.0),
+        "rotary_base": r.theta,
+        "rotary_scaling": {"type": r.kind, "rope_type": r.kind, **r.scaling} if r.kind != "default" else None,
         "share_embedding_table": "lm_head.weight" not in sd,
         "quantization": {"quant_algo": ALGOS[algo], "kv_cache_quant_algo": None, "per_channel": algo == "int8_wo"},
         "mapping": {"world_size": tp_size, "tp_size": tp_size, "pp_size": 1},
@@ -177,6 +182,7 @@ def export_qnemo(model: torch.nn.Module, out: str | Path, *, algo: str = "int8_w
     if algo not in ALGOS:
         raise ConfigError(f"unknown quantization {algo!r}; use one of {sorted(ALGOS)}")
     cfg = _llama_config(model)
+    hf_fields.refuse(cfg.to_dict(), "the model's config", "qnemo (TensorRT-LLM)", holds=("rope_type",))
     _check_tp(cfg, tp_size)
     sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     dtype = next(iter(sd.values())).dtype

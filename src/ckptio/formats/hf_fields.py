@@ -1,0 +1,132 @@
+"""The fields of a Hugging Face model config that a conversion reads, in every spelling transformers uses.
+
+transformers 5 keeps the rotary embedding's settings in one ``rope_parameters`` mapping
+(``{"rope_theta": 50000, "rope_type": "default"}``, scaling parameters beside them) and the weights' dtype
+in ``dtype``; transformers 4 wrote ``rope_theta`` at the top level, scaling as ``rope_scaling`` (its kind
+under ``rope_type`` or the older ``type``) and ``torch_dtype``. Every converter reads these fields here, so a
+config in either spelling gives the same values, with transformers' own priority: ``rope_scaling`` when
+present, else ``rope_parameters``; a ``rope_theta`` inside the mapping before the top-level one; 10000
+when neither is given.
+
+A target that cannot hold a field refuses it by name (:func:`refuse`, :class:`UnsupportedFieldError`)
+instead of writing a model that computes something else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import CheckpointCorruptError, ConfigError
+
+__all__ = ["DEFAULT_THETA", "Rope", "UnsupportedFieldError", "rope", "dtype_name", "refuse", "rope_config"]
+
+DEFAULT_THETA = 10000.0
+"""transformers' (and Megatron's) rotary base when a config gives none."""
+_KEYS = ("rope_theta", "rope_type", "type", "partial_rotary_factor")
+
+
+class UnsupportedFieldError(ConfigError):
+    """A config field the conversion's target cannot hold; ``field`` names it (dotted for nested keys)."""
+
+    def __init__(self, where: object, name: str, value: Any, target: str, hint: str) -> None:
+        self.field, self.value, self.target = name, value, target
+        super().__init__(f"{where}: {name} = {value!r:.120}: a {target} checkpoint cannot hold it, so the converted "
+                         f"model would compute something else; nothing was written. {hint}")
+
+
+@dataclass(frozen=True)
+class Rope:
+    """A config's rotary embedding, whichever spelling it used."""
+
+    theta: float
+    kind: str = "default"
+    """``default`` (plain RoPE), or a scaling: ``linear``, ``dynamic``, ``llama3``, ``yarn``, ``longrope``..."""
+    scaling: dict[str, Any] = field(default_factory=dict)
+    """The scaling's parameters (``factor``...), without the theta, the kind or ``partial_rotary_factor``."""
+    partial: float = 1.0
+    """The fraction of each head's dimensions that rotate (``partial_rotary_factor``)."""
+    source: str = "rope_theta"
+    """The field the kind was read from (``rope_parameters``, ``rope_scaling``), for messages."""
+
+
+def _number(value: Any, where: object, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise CheckpointCorruptError(f"{where}: {name} must be a positive number, found {value!r:.60}")
+    return float(value)
+
+
+def rope(config: dict[str, Any], where: object) -> Rope:
+    """The rotary embedding of a config in the transformers 5 (``rope_parameters``) or 4 (``rope_theta``,
+    ``rope_scaling``) spelling; a malformed value is a :class:`~ckptio.errors.CheckpointCorruptError`."""
+    source = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
+    params = config.get(source) or {}
+    if not isinstance(params, dict):
+        raise CheckpointCorruptError(f"{where}: {source} must be a mapping, found {type(params).__name__}")
+    nested = [k for k, v in params.items() if isinstance(v, dict)]
+    if nested:  # one mapping per layer type (sliding and full attention layers): no single-RoPE target holds it
+        raise UnsupportedFieldError(where, f"{source}.{nested[0]}", params[nested[0]], "single-RoPE",
+                                    "Each layer type has its own rotary settings; ckptio converts models with one.")
+    theta = params.get("rope_theta", config.get("rope_theta"))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if not isinstance(kind, str):
+        raise CheckpointCorruptError(f"{where}: {source}.rope_type must be a string, found {kind!r:.60}")
+    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    return Rope(theta=DEFAULT_THETA if theta is None else _number(theta, where, "rope_theta"), kind=kind,
+                scaling={k: v for k, v in params.items() if k not in _KEYS} if kind != "default" else {},
+                partial=1.0 if partial is None else _number(partial, where, "partial_rotary_factor"),
+                source=source)
+
+
+def rope_config(r: Rope) -> dict[str, Any]:
+    """The config fields that describe ``r`` in both spellings (``rope_parameters`` for transformers 5;
+    ``rope_theta``, and ``rope_scaling`` when it scales, for transformers 4), which either version reads."""
+    params: dict[str, Any] = {"rope_theta": r.theta, "rope_type": r.kind, **r.scaling}
+    if r.partial != 1.0:
+        params["partial_rotary_factor"] = r.partial
+    out: dict[str, Any] = {"rope_theta": r.theta, "rope_parameters": params}
+    if r.kind != "default":
+        out["rope_scaling"] = {"rope_type": r.kind, **r.scaling}
+    return out
+
+
+def dtype_name(config: dict[str, Any]) -> str | None:
+    """The weights' dtype a config records (``dtype`` in transformers 5, ``torch_dtype`` in 4), or ``None``."""
+    for key in ("dtype", "torch_dtype"):
+        value = config.get(key)
+        if isinstance(value, str):
+            return value.removeprefix("torch.")
+    return None
+
+
+# what a field must be for a target that cannot hold any other value: (dotted name, the value, allowed, hint)
+def _llama_checks(config: dict[str, Any], r: Rope) -> list[tuple[str, Any, bool, str]]:
+    window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
+    return [
+        ("model_type", config.get("model_type"), config.get("model_type") in ("llama", "mistral", None),
+         "ckptio maps Llama-style decoders (RMSNorm, SwiGLU, RoPE, no biases): llama, and mistral without a "
+         "sliding window. Qwen2 has q/k/v biases."),
+        ("hidden_act", config.get("hidden_act", "silu"), config.get("hidden_act", "silu") == "silu",
+         "Only SwiGLU MLPs (hidden_act silu) are mapped."),
+        ("attention_bias", config.get("attention_bias", False), not config.get("attention_bias", False),
+         "Attention projections with biases are not mapped; convert to hf, safetensors or nemo instead."),
+        ("mlp_bias", config.get("mlp_bias", False), not config.get("mlp_bias", False),
+         "MLP projections with biases are not mapped; convert to hf, safetensors or nemo instead."),
+        (f"{r.source}.rope_type", r.kind, r.kind == "default",
+         "Only plain RoPE (rope_type default, any rope_theta) is carried; a scaled RoPE (linear, dynamic, llama3, "
+         "yarn...) would be dropped. Convert to hf, safetensors or nemo to keep it."),
+        ("partial_rotary_factor", r.partial, r.partial == 1.0, "Only a rotary embedding over whole heads is carried."),
+        ("sliding_window", window, window is None,
+         "Only full attention is carried; set sliding_window to null if the model never sees longer sequences."),
+    ]
+
+
+def refuse(config: dict[str, Any], where: object, target: str, *, holds: tuple[str, ...] = ()) -> Rope:
+    """Check that a ``target`` checkpoint of a Llama-style model can hold every field of ``config`` that shapes
+    its computation, except those named in ``holds`` (which the target carries); raise
+    :class:`UnsupportedFieldError` naming the first that it cannot. Returns the config's rotary embedding."""
+    r = rope(config, where)
+    for name, value, ok, hint in _llama_checks(config, r):
+        if not ok and name.rpartition(".")[2] not in holds and name not in holds:
+            raise UnsupportedFieldError(where, name, value, target, hint)
+    return r
