@@ -157,20 +157,25 @@ def adopt(folder: Folder, name: str) -> AdoptedManifest | None:
     if match is None:
         return None
     with parsing(folder.display(), "AutoModel step directory"):
-        model = _model_entry(folder)
-        has_optim = folder.kind("optim") == "dir" and folder.sub("optim").kind(".metadata") == "file"
-        if model is None and not has_optim or ckptio_mark(folder) is not None:
-            return None
-        step = as_int(int(match.group(2)), folder.display(), "the step in its name", hi=_MAX_STEP)
-        epoch = as_int(int(match.group(1)), folder.display(), "the epoch in its name", hi=_MAX_STEP)
-        states, ranks = _small_states(folder)
-        if model is not None:
-            states["model"] = model[0]
-        if has_optim:
-            states["optim"] = StateEntry("optimizer", "dcp", "optim")
-            if "lr_scheduler" not in states and _has_key(folder.sub("optim"), "sched"):
-                states["lr_scheduler"] = StateEntry("object", "dcp", "optim", key="sched")  # where AutoModel keeps it
-        return AdoptedManifest(name=name, step=step, epoch=epoch, world_size=ranks,
-                               model_save_format=model[1] if model else "safetensors", states=states, files={},
-                               metrics=_losses(folder), counters={"source_format": "automodel"},
-                               is_peft=model is not None and model[0].format == "peft")
+        made = _adopted(folder, name, match)
+    return made
+
+
+def _adopted(folder: Folder, name: str, match: "re.Match[str]") -> AdoptedManifest | None:
+    model = _model_entry(folder)
+    has_optim = folder.kind("optim") == "dir" and folder.sub("optim").kind(".metadata") == "file"
+    if model is None and not has_optim or ckptio_mark(folder) is not None:
+        return None
+    step = as_int(int(match.group(2)), folder.display(), "the step in its name", hi=_MAX_STEP)
+    epoch = as_int(int(match.group(1)), folder.display(), "the epoch in its name", hi=_MAX_STEP)
+    states, ranks = _small_states(folder)
+    if model is not None:
+        states["model"] = model[0]
+    if has_optim:
+        states["optim"] = StateEntry("optimizer", "dcp", "optim")
+        if "lr_scheduler" not in states and _has_key(folder.sub("optim"), "sched"):
+            states["lr_scheduler"] = StateEntry("object", "dcp", "optim", key="sched")  # where AutoModel keeps it
+    return AdoptedManifest(name=name, step=step, epoch=epoch, world_size=ranks,
+                           model_save_format=model[1] if model else "safetensors", states=states, files={},
+                           metrics=_losses(folder), counters={"source_format": "automodel"},
+                           is_peft=model is not None and model[0].format == "peft")
