@@ -72,7 +72,8 @@ def _cli_list(root: Path) -> subprocess.CompletedProcess:
 LOST = {
     # format, optimizer format, what is left besides the data, the mark the report names
     "DCP model, chunk indexes kept": ("torch_save", None, [], "model/.ckptio-chunks"),
-    "DCP model, only the optimizer's index left": ("torch_save", None, ["model/.ckptio-chunks"], "optim/.ckptio-chunks"),
+    "DCP model, only the optimizer's index left": ("torch_save", None, ["model/.ckptio-chunks"],
+                                                   "optim/.ckptio-chunks"),
     "safetensors model, no indexes": ("safetensors", None, ["model/.ckptio-chunks", "optim/.ckptio-chunks"],
                                       "model/shard-"),
     "safetensors optimizer, no indexes and no model": (

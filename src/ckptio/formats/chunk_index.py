@@ -269,7 +269,8 @@ def read(folder: "Folder", kind: str = "safetensors") -> Index | None:
         for name in files:
             if not isinstance(name, str) or "/" in name or "\\" in name or name.startswith(".") \
                     or not name.endswith(suffix):
-                raise CheckpointCorruptError(f"{where}: the chunk index names {name!r:.80}, not a data file of the folder")
+                raise CheckpointCorruptError(f"{where}: the chunk index names {name!r:.80}, not a data file of the "
+                                             "folder")
         if len(set(files)) != len(files):
             raise CheckpointCorruptError(f"{where}: the chunk index names a data file twice")
         out = Index(kind, files, {}, {}, {}, list(tensors))

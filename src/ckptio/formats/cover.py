@@ -33,7 +33,8 @@ def _meet(o1: Box, s1: Box, o2: Box, s2: Box, dims: Sequence[int]) -> bool:
     return all(o1[d] < o2[d] + s2[d] and o2[d] < o1[d] + s1[d] for d in dims)
 
 
-def find_overlap(offsets: Sequence[Box], sizes: Sequence[Box], shape: Sequence[int]) -> tuple[tuple[int, int] | None, int]:
+def find_overlap(offsets: Sequence[Box], sizes: Sequence[Box],
+                 shape: Sequence[int]) -> tuple[tuple[int, int] | None, int]:
     """An overlapping pair ``(i, j)`` of the boxes (``offsets[i]``, ``sizes[i]``), or ``None``, and the number of
     pairwise tests made. Every box must have a positive volume and lie inside ``shape``."""
     n = len(offsets)
