@@ -251,7 +251,9 @@ def test_a_dcp_folder_loads_the_same_from_its_index_and_from_its_metadata(tmp_pa
 
 
 @pytest.mark.parametrize("case", ["a value past the end of its file", "a value of an unknown file", "a bad order",
-                                  "a truncated data file", "a safetensors index in a DCP folder"])
+                                  "a truncated data file", "a safetensors index in a DCP folder",
+                                  "a key in the order that is a list", "values that are a list",
+                                  "a path holding true", "a path holding a huge index"])
 def test_a_hostile_dcp_index_is_refused(tmp_path, case):
     from ckptio.formats import dcp
 
@@ -267,11 +269,17 @@ def test_a_hostile_dcp_index_is_refused(tmp_path, case):
     else:
         edit = {"a value past the end of its file": lambda b: b["values"]["nest.step"].__setitem__(2, 10**9),
                 "a value of an unknown file": lambda b: b["values"]["nest.step"].__setitem__(0, 5),
-                "a bad order": lambda b: b["order"].pop()}[case]
+                "a bad order": lambda b: b["order"].pop(),
+                "a key in the order that is a list": lambda b: b["order"].__setitem__(0, [b["order"][0]]),
+                "values that are a list": lambda b: b.__setitem__("values", []),
+                "a path holding true": lambda b: b["paths"].__setitem__("nest.step", ["nest", True]),
+                "a path holding a huge index": lambda b: b["paths"].__setitem__("nest.step", ["nest", 10**400]),
+                }[case]
         _rewrite(tmp_path / "d", edit)
-        message = "past|malformed|order|truncated"
-    with pytest.raises(CheckpointCorruptError, match=message):
+        message = "past|malformed|order|truncated|'values'"
+    with pytest.raises(CheckpointCorruptError, match=message) as caught:
         dcp.load_all(tmp_path / "d")
+    assert INDEX in str(caught.value) or ".distcp" in str(caught.value)
 
 
 def test_no_dcp_index_is_made_from_metadata_missing_a_record(tmp_path):

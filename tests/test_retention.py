@@ -217,3 +217,47 @@ def test_nemo_style_names_are_written_and_parsed_back(tmp_path):
     assert info.name_fields == {"val_loss": 0.432, "step": 1000, "consumed_samples": 32000.0}
     assert info.metrics == {"val_loss": 0.4321}  # the manifest is the source of truth (unrounded)
     assert info.counters == {"consumed_samples": 32000.0, "rl_step": 7}
+
+
+def _automodel_step(root: Path, name: str) -> None:
+    """A step directory as NeMo AutoModel writes it (torch DCP's own files, no manifest): adopted, never deleted."""
+    import torch
+    import torch.distributed.checkpoint as torch_dcp
+
+    torch_dcp.save({"w": torch.ones(2)}, storage_writer=torch_dcp.FileSystemWriter(str(root / name / "model")),
+                   no_dist=True)
+
+
+def test_the_step_just_written_and_the_newest_complete_stay_whatever_lies_around(tmp_path):
+    """A run resumed from an older step (restore_from) writes a step below the newest one on disk: with
+    keep_latest=1 neither the step just written nor the newest complete one is deleted. A step with a bad manifest,
+    a torn step, a ckptio step that lost its manifest and an adopted AutoModel step lie around: none is counted,
+    ranked or deleted."""
+    root = tmp_path / "ck"
+    mgr, box = manager(root)
+    with mgr:
+        for step in (1, 2, 4, 5, 6, 7):
+            box.v = step
+            mgr.save(step=step, metrics={"val_loss": float(step)})
+    (root / "epoch_0_step_7" / "manifest.json").unlink()  # lost its manifest: damaged, ckptio's own
+    (root / "epoch_0_step_4" / "manifest.json").write_text("{not json")  # a bad manifest
+    torn = root / "epoch_0_step_5" / "box.pt"
+    torn.write_bytes(torn.read_bytes()[:-1])  # one file short: torn
+    _automodel_step(root, "epoch_0_step_9")
+    before = {e.name: (e.committed, e.adopted) for e in scan(root)}
+    assert before == {"epoch_0_step_1": (True, False), "epoch_0_step_2": (True, False),
+                      "epoch_0_step_4": (False, False),
+                      "epoch_0_step_5": (False, False), "epoch_0_step_6": (True, False),
+                      "epoch_0_step_7": (False, False),
+                      "epoch_0_step_9": (True, True)}
+    mgr, box = manager(root, keep_latest=1, restore_from=str(root / "epoch_0_step_1"))
+    with mgr:
+        assert mgr.restore().step == 1
+        box.v = 3
+        mgr.save(step=3, metrics={"val_loss": 3.0})
+    left = {p.name for p in root.iterdir() if p.is_dir() and not p.is_symlink() and not p.name.startswith(".")}
+    # step 3 (just written) and step 6 (the newest complete) stay, and step 1 (this run resumed from it); step 2
+    # goes; the torn, the manifest-less and the adopted steps are untouched
+    assert left == {"epoch_0_step_1", "epoch_0_step_3", "epoch_0_step_4", "epoch_0_step_5", "epoch_0_step_6",
+                    "epoch_0_step_7", "epoch_0_step_9"}, left
+    assert read_pointer(root, "LATEST") == "epoch_0_step_3"

@@ -22,17 +22,19 @@ from __future__ import annotations
 
 import re
 from .errors import CheckpointError
-from .storage.parse import json_object
+from .storage.parse import as_float, as_int, json_object, parsing
 from .manifest import Manifest, StateEntry
 from .storage.confined import Folder
 
-__all__ = ["AdoptedManifest", "NAME", "adopt"]
+__all__ = ["AdoptedManifest", "NAME", "adopt", "ckptio_mark"]
 
 NAME = re.compile(r"epoch_(\d+)_step_(\d+)")
 """AutoModel's step directory names (its recipe's only template)."""
 
 _PER_RANK = re.compile(r"(?P<stem>[\w-]+)_(?P<kind>global|dp)_rank_(?P<rank>\d+)\.pt")
 _MAX_LOSSES = 1 << 16
+_MAX_RANK = 1 << 24
+_MAX_STEP = (1 << 63) - 1
 
 
 class AdoptedManifest(Manifest):
@@ -70,7 +72,8 @@ def _small_states(folder: Folder) -> tuple[dict[str, StateEntry], int]:
             for item in folder.sub(name).listdir():
                 m = _PER_RANK.fullmatch(item.name)
                 if item.kind == "file" and m and m.group("stem") == name:
-                    found.setdefault(m.group("kind"), set()).add(int(m.group("rank")))
+                    rank = as_int(int(m.group("rank")), folder.display(f"{name}/{item.name}"), "the rank", hi=_MAX_RANK)
+                    found.setdefault(m.group("kind"), set()).add(rank)
             if not found:
                 continue
             kind = "global" if "global" in found else "dp"
@@ -91,42 +94,80 @@ def _has_key(folder: Folder, key: str) -> bool:
 
 
 def _losses(folder: Folder) -> dict[str, float]:
+    """The numbers of ``losses.json`` (others, such as a ``null`` validation loss, are left out); a number no float
+    holds (a 400-digit integer) is an error naming the file."""
     if folder.kind("losses.json") != "file":
         return {}
-    data = json_object(folder.read_bytes("losses.json", max_size=_MAX_LOSSES), folder.display("losses.json"))
-    return {k: float(v) for k, v in data.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    where = folder.display("losses.json")
+    data = json_object(folder.read_bytes("losses.json", max_size=_MAX_LOSSES), where)
+    return {k: as_float(v, where, repr(k)[:80]) for k, v in data.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
-def _written_by_ckptio(folder: Folder) -> bool:
-    """Whether a step directory without a manifest holds what only ckptio writes: its manifest is then lost (a
-    damaged ckptio checkpoint, never adopted): ckptio's shard metadata, or the model's config.json beside its
-    weights (AutoModel keeps it in .hf_metadata/ or consolidated/)."""
+_OWN_PREFIX = ".ckptio"
+"""ckptio's own dot-files (the chunk index ``.ckptio-chunks``, an object store's ``.ckptio-pending``...)."""
+_OWN_NAMES = {"values.json"}
+"""Files only ckptio writes in a state folder (a safetensors optimizer's non-tensor values)."""
+
+
+def ckptio_mark(folder: Folder) -> str | None:
+    """What in the step directory ``folder`` only ckptio writes (its path relative to ``folder``), or ``None``.
+
+    A step directory holding such a mark but no manifest is a ckptio checkpoint that lost its manifest: damaged,
+    never adopted as another tool's folder. The marks: a ``.ckptio*`` file at the top or in any state folder (the
+    chunk index of a DCP or safetensors folder, ``model/`` and ``optim/`` alike), ``values.json`` in ``model/`` or
+    ``optim/``, safetensors metadata ``ckptio_*`` in their shards, and the model's ``config.json`` beside its
+    weights (AutoModel keeps that in ``.hf_metadata/`` or ``consolidated/``). None of these is AutoModel's (0.7)."""
+    top = folder.listdir()
+    for entry in top:
+        if entry.name.startswith(_OWN_PREFIX):
+            return entry.name
+    for entry in top:
+        if entry.kind != "dir" or entry.name.startswith("."):
+            continue
+        sub = folder.sub(entry.name)
+        files = sorted(e.name for e in sub.listdir() if e.kind == "file")
+        own = [n for n in files if n.startswith(_OWN_PREFIX)]
+        if entry.name in ("model", "optim"):
+            own += [n for n in files if n in _OWN_NAMES or n == "config.json" and entry.name == "model"]
+            own += [n for n in _first_shard(files) if _ckptio_metadata(sub, n)]
+        if own:
+            return f"{entry.name}/{own[0]}"
+    return None
+
+
+def _first_shard(files: list[str]) -> list[str]:
+    """The first safetensors shard (not a PEFT adapter) of a sorted listing: ckptio marks every shard it writes."""
+    return [n for n in files if n.endswith(".safetensors") and n != "adapter_model.safetensors"][:1]
+
+
+def _ckptio_metadata(folder: Folder, name: str) -> bool:
     from .formats._st_reader import SafetensorsFile
 
-    if folder.kind("model") != "dir":
-        return False
-    model = folder.sub("model")
-    entries = [e for e in model.listdir() if e.kind == "file"]
-    if any(e.name == "config.json" for e in entries):
-        return True
-    for e in entries:
-        if e.name.endswith(".safetensors") and e.name != "adapter_model.safetensors":
-            with SafetensorsFile(model, e.name) as st:
-                return "ckptio_format" in st.metadata
-    return False
+    with SafetensorsFile(folder, name) as st:
+        return any(k.startswith("ckptio_") for k in st.metadata)
 
 
 def adopt(folder: Folder, name: str) -> AdoptedManifest | None:
-    """A manifest for the AutoModel step directory ``folder`` (named ``name``), or ``None`` when it is not one.
+    """A manifest for the AutoModel step directory ``folder`` (named ``name``), or ``None`` when it is not one (or
+    when ckptio wrote it: see :func:`ckptio_mark`).
 
     Raises :class:`~ckptio.errors.CheckpointError` naming the file when it looks like one but is malformed."""
     match = NAME.fullmatch(name)
     if match is None:
         return None
+    with parsing(folder.display(), "AutoModel step directory"):
+        made = _adopted(folder, name, match)
+    return made
+
+
+def _adopted(folder: Folder, name: str, match: "re.Match[str]") -> AdoptedManifest | None:
     model = _model_entry(folder)
     has_optim = folder.kind("optim") == "dir" and folder.sub("optim").kind(".metadata") == "file"
-    if model is None and not has_optim or _written_by_ckptio(folder):
+    if model is None and not has_optim or ckptio_mark(folder) is not None:
         return None
+    step = as_int(int(match.group(2)), folder.display(), "the step in its name", hi=_MAX_STEP)
+    epoch = as_int(int(match.group(1)), folder.display(), "the epoch in its name", hi=_MAX_STEP)
     states, ranks = _small_states(folder)
     if model is not None:
         states["model"] = model[0]
@@ -134,7 +175,7 @@ def adopt(folder: Folder, name: str) -> AdoptedManifest | None:
         states["optim"] = StateEntry("optimizer", "dcp", "optim")
         if "lr_scheduler" not in states and _has_key(folder.sub("optim"), "sched"):
             states["lr_scheduler"] = StateEntry("object", "dcp", "optim", key="sched")  # where AutoModel keeps it
-    return AdoptedManifest(name=name, step=int(match.group(2)), epoch=int(match.group(1)), world_size=ranks,
+    return AdoptedManifest(name=name, step=step, epoch=epoch, world_size=ranks,
                            model_save_format=model[1] if model else "safetensors", states=states, files={},
                            metrics=_losses(folder), counters={"source_format": "automodel"},
                            is_peft=model is not None and model[0].format == "peft")

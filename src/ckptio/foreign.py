@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from . import _dist
-from .automodel import NAME, adopt
+from .automodel import NAME, adopt, ckptio_mark
 from .errors import CheckpointError, CheckpointMismatchError
 from .formats import registry
 from .formats.common import TensorInfo, check_compatible, dtype_name
@@ -35,9 +35,12 @@ def is_foreign(restore_from: str | None) -> bool:
     path = Path(restore_from)
     if not path.exists() or (path / MANIFEST_NAME).is_file():
         return False
-    if path.is_dir() and NAME.fullmatch(path.name):  # a NeMo AutoModel step: resumed whole, like a step directory
+    if path.is_dir() and ((path / "model").is_dir() or (path / "optim").is_dir()):
+        # a step directory: a NeMo AutoModel step is resumed whole, like a ckptio step; one ckptio wrote that lost
+        # its manifest is damaged, never another tool's checkpoint: the step-directory path reports both
         try:
-            if adopt(Folder(path), path.name) is not None:
+            folder = Folder(path)
+            if NAME.fullmatch(path.name) and adopt(folder, path.name) is not None or ckptio_mark(folder) is not None:
                 return False
         except CheckpointError:
             return False  # the step-directory path reports what is wrong with it

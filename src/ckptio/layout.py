@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, NoUsableCheckpointError
-from .automodel import adopt
+from .automodel import adopt, ckptio_mark
 from .manifest import MANIFEST_NAME, PENDING_NAME, Manifest, check_files, read_manifest
 from .storage import as_storage, open_storage
 from .storage.base import Storage
@@ -173,8 +173,12 @@ def inspect_step(storage: Storage, name: str, verify: str = "size", *, top: Any 
             return CheckpointEntry(name, path, adopted)
         try:
             shaped = any(folder.kind(sub) is not None for sub in (MODEL_DIR, OPTIM_DIR))
-        except CheckpointError:
-            shaped = True
+            mark = ckptio_mark(folder) if shaped else None
+        except CheckpointError as exc:
+            return CheckpointEntry(name, path, None, f"{MANIFEST_NAME} is missing, and {exc}")
+        if mark is not None:
+            return CheckpointEntry(name, path, None, f"{MANIFEST_NAME} is missing from a folder ckptio wrote (it holds "
+                                   f"{mark}): damaged, not loaded and never taken for another tool's checkpoint")
         return CheckpointEntry(
             name, path, None,
             f"{MANIFEST_NAME} is missing: not a committed ckptio checkpoint (an interrupted save, or a folder "

@@ -19,6 +19,7 @@ from typing import AbstractSet, Literal
 
 from typing import TYPE_CHECKING
 
+from .errors import CheckpointError
 from .layout import CheckpointEntry
 
 if TYPE_CHECKING:
@@ -150,12 +151,14 @@ def apply(storage: "Storage | Path", decision: RetentionDecision) -> list[Path]:
 
 
 def after_commit(storage: "Storage | Path", policy: RetentionPolicy, *,
-                 protected: AbstractSet[str] = frozenset()) -> list[Path]:
+                 protected: AbstractSet[str] = frozenset(), written: str | None = None) -> list[Path]:
     """After a commit (rank 0): move the BEST pointer, then delete what ``policy`` does not keep.
 
-    The newest and the best are always kept, and so is every name in ``protected``. Returns what was removed.
+    The newest and the best are always kept, and so is every name in ``protected``, and the step just written:
+    ``written``, and the target of the LATEST pointer (the commit moves it there before calling this), even when
+    a newer step lies in the folder (a run resumed from an older one). Returns what was removed.
     """
-    from .layout import BEST, committed_checkpoints
+    from .layout import BEST, LATEST, committed_checkpoints
 
     storage = _storage(storage)
     entries = committed_checkpoints(storage)
@@ -165,7 +168,14 @@ def after_commit(storage: "Storage | Path", policy: RetentionPolicy, *,
             storage.write_pointer(BEST, best.name)
     if not policy.active:
         return []
-    return apply(storage, decide(entries, policy, protected=protected))
+    try:
+        latest = storage.read_pointer(LATEST)
+    except CheckpointError:  # the step just written cannot be told: delete nothing rather than it
+        if written is None:
+            return []
+        latest = None
+    keep = set(protected) | {name for name in (written, latest) if name}
+    return apply(storage, decide(entries, policy, protected=keep))
 
 
 def _storage(storage: "Storage | Path") -> "Storage":

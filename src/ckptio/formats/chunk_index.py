@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointCorruptError
+from ..storage.parse import as_int, field, json_object, parsing
 from ..storage.checksum import bytes_checksum
 from ._st_writer import ST_DTYPES, nbytes_of
 from .common import TensorInfo, check_exact_cover, dtype_name
@@ -252,73 +253,69 @@ class Index:
 
 def read(folder: "Folder", kind: str = "safetensors") -> Index | None:
     """The folder's index of ``kind``, checked (``None`` when it has none): chunk rows that lie inside their tensor,
-    cover it exactly once, name files the index lists and (safetensors) span exactly the chunk's bytes."""
+    cover it exactly once, name files the index lists and (safetensors) span exactly the chunk's bytes. Every field
+    is checked for its type, and anything wrong with the file is a :class:`CheckpointCorruptError` naming it."""
     if folder.kind(INDEX_NAME) is None:
         return None
     where = folder.display(INDEX_NAME)
     data = folder.read_bytes(INDEX_NAME, max_size=MAX_INDEX_BYTES)
-    head, meta, table = _checked_body(data, where)
-    if head.get("kind") != kind:
-        raise CheckpointCorruptError(f"{where}: a chunk index of kind {head.get('kind')!r:.20}, not {kind!r}")
-    files, tensors = meta.get("files"), meta.get("tensors")
-    if not isinstance(files, list) or not isinstance(tensors, dict):
-        raise CheckpointCorruptError(f"{where}: the chunk index has no 'files' list or no 'tensors' object")
-    suffix = ".safetensors" if kind == "safetensors" else ".distcp"
-    for name in files:
-        if not isinstance(name, str) or "/" in name or "\\" in name or name.startswith(".") or not name.endswith(suffix):
-            raise CheckpointCorruptError(f"{where}: the chunk index names {name!r:.80}, not a data file of the folder")
-    if len(set(files)) != len(files):
-        raise CheckpointCorruptError(f"{where}: the chunk index names a data file twice")
-    out = Index(kind, files, {}, {}, {}, list(tensors))
-    for key, entry in tensors.items():
-        out.tensors[key] = _table(key, entry, files, table, where, exact_bytes=kind == "safetensors")
-    if kind == "dcp":
-        _dcp_extras(out, meta, where)
+    with parsing(where, "the chunk index"):
+        head, meta, table = _checked_body(data, where)
+        found = field(head, "kind", str, where)
+        if found != kind:
+            raise CheckpointCorruptError(f"{where}: a chunk index of kind {found!r:.20}, not {kind!r}")
+        files, tensors = field(meta, "files", list, where), field(meta, "tensors", dict, where)
+        suffix = ".safetensors" if kind == "safetensors" else ".distcp"
+        for name in files:
+            if not isinstance(name, str) or "/" in name or "\\" in name or name.startswith(".") \
+                    or not name.endswith(suffix):
+                raise CheckpointCorruptError(f"{where}: the chunk index names {name!r:.80}, not a data file of the "
+                                             "folder")
+        if len(set(files)) != len(files):
+            raise CheckpointCorruptError(f"{where}: the chunk index names a data file twice")
+        out = Index(kind, files, {}, {}, {}, list(tensors))
+        for key, entry in tensors.items():
+            out.tensors[key] = _table(key, entry, files, table, where, exact_bytes=kind == "safetensors")
+        if kind == "dcp":
+            _dcp_extras(out, meta, where)
     return out
 
 
 def _dcp_extras(out: Index, meta: dict[str, Any], where: object) -> None:
-    values, paths = meta.get("values"), meta.get("paths")
-    if not isinstance(values, dict) or not isinstance(paths, dict):
-        raise CheckpointCorruptError(f"{where}: the DCP chunk index has no 'values' or 'paths' object")
+    values, paths = field(meta, "values", dict, where), field(meta, "paths", dict, where)
     for key, row in values.items():
         if not (isinstance(row, list) and len(row) == 3 and all(type(x) is int and 0 <= x < _LIMIT for x in row)
                 and row[0] < len(out.files) and row[1] <= row[2]) or key in out.tensors:
             raise CheckpointCorruptError(f"{where}: value {key!r:.80} in the chunk index has a malformed record")
         out.values[key] = (out.files[row[0]], row[1], row[2])
     for key, path in paths.items():
-        if not isinstance(path, list) or not path or not all(isinstance(p, (str, int)) for p in path):
+        if not isinstance(path, list) or not path or not all(
+                isinstance(p, str) or type(p) is int and 0 <= p < _LIMIT for p in path):
             raise CheckpointCorruptError(f"{where}: malformed flattening path for {key!r:.80} in the chunk index")
         out.paths[key] = tuple(path)
-    order = meta.get("order")
-    if not isinstance(order, list) or len(order) != len(out.tensors) + len(out.values) \
-            or set(order) != set(out.tensors) | set(out.values):
+    order = field(meta, "order", list, where)
+    strange = next((k for k in order if not isinstance(k, str)), None)
+    if strange is not None:
+        raise CheckpointCorruptError(f"{where}: the chunk index's key order lists {strange!r:.60}, not a key")
+    if len(order) != len(out.tensors) + len(out.values) or set(order) != set(out.tensors) | set(out.values):
         raise CheckpointCorruptError(f"{where}: the chunk index's key order does not list its tensors and values")
     out.order = order
 
 
 def _checked_body(data: bytes, where: object) -> tuple[dict[str, Any], dict[str, Any], np.ndarray]:
     first, _, body = data.partition(b"\n")
-    try:
-        head = json.loads(first)
-    except (ValueError, RecursionError) as exc:
-        raise CheckpointCorruptError(f"{where}: the chunk index's first line is not valid JSON ({exc})") from exc
-    if not isinstance(head, dict) or head.get("ckptio_chunk_index") != VERSION:
+    head = json_object(first, where, "the chunk index's first line ")
+    if field(head, "ckptio_chunk_index", int, where, default=None) != VERSION:
         raise CheckpointCorruptError(f"{where}: not a chunk index of version {VERSION} ({first[:80]!r})")
     if head.get("body_bytes") != len(body) or head.get("body_crc32c") != bytes_checksum(body):
         raise CheckpointCorruptError(
             f"{where}: the chunk index is damaged: its body has {len(body)} bytes with checksum "
             f"{bytes_checksum(body)}, its first line records {head.get('body_bytes')!r:.20} and "
             f"{head.get('body_crc32c')!r:.40}")
-    split = head.get("meta_bytes")
-    if type(split) is not int or not 0 <= split <= len(body) or split % 8 or (len(body) - split) % 8:
+    split = as_int(field(head, "meta_bytes", int, where), where, "meta_bytes", hi=len(body))
+    if split % 8 or (len(body) - split) % 8:
         raise CheckpointCorruptError(f"{where}: the chunk index's meta_bytes {split!r:.20} does not fit its body")
-    try:
-        meta = json.loads(body[:split])
-    except (ValueError, RecursionError) as exc:
-        raise CheckpointCorruptError(f"{where}: the chunk index's body is not valid JSON ({exc})") from exc
-    if not isinstance(meta, dict):
-        raise CheckpointCorruptError(f"{where}: the chunk index's body is not a JSON object")
+    meta = json_object(body[:split], where, "the chunk index's body ")
     return head, meta, np.frombuffer(body, dtype="<i8", offset=split).astype(np.int64, copy=False)
 
 
@@ -360,7 +357,8 @@ def torch_dtype_or_none(name: object) -> Any:
 
 # ------------------------------------------------------------------------------------------------ checking
 def _rows_cover(shape: Sequence[int], offsets: np.ndarray, sizes: np.ndarray) -> bool:
-    """Whether chunks that each span every trailing dimension tile dim 0 of ``shape`` exactly once."""
+    """Whether chunks that differ along one dimension only (each spanning every other one whole) tile it exactly
+    once: a sort in numpy."""
     if not len(shape) or (offsets < 0).any() or (sizes < 0).any():
         return False
     live = sizes.prod(axis=1) > 0
@@ -368,23 +366,27 @@ def _rows_cover(shape: Sequence[int], offsets: np.ndarray, sizes: np.ndarray) ->
     if not live.any():
         return total == 0
     o, s = offsets[live], sizes[live]
-    if (o[:, 1:] != 0).any() or (s[:, 1:] != np.asarray(shape[1:], dtype=np.int64)).any():
+    whole = ((o == 0) & (s == np.asarray(shape, dtype=np.int64))).all(axis=0)
+    split = np.flatnonzero(~whole)
+    if len(split) > 1:
         return False
-    order = np.argsort(o[:, 0], kind="stable")
-    starts = o[order, 0]
-    ends = starts + s[order, 0]
-    return bool(starts[0] == 0 and ends[-1] == shape[0] and (starts[1:] == ends[:-1]).all())
+    dim = int(split[0]) if len(split) else 0
+    order = np.argsort(o[:, dim], kind="stable")
+    starts = o[order, dim]
+    ends = starts + s[order, dim]
+    return bool(starts[0] == 0 and ends[-1] == shape[dim] and (starts[1:] == ends[:-1]).all())
 
 
 def check_cover(key: str, shape: tuple[int, ...], offsets: np.ndarray, sizes: np.ndarray, sources: Callable[[], Sequence[str]],
                 where: object) -> None:
     """:func:`ckptio.formats.common.check_exact_cover` for chunks given as ``(n, dims)`` integer arrays: a tensor
-    split along dim 0 (every chunk spanning the trailing dimensions) is checked with a sort in numpy; any other
-    split, and every failure, goes through the general check, which names the chunks and files at fault
-    (``sources()``: where each chunk is stored, made only then)."""
+    split along one dimension (every chunk spanning the others) is checked with a sort in numpy; any other
+    split, and every failure, goes through the general check (a sweep, ``O(n log n)`` for a split along any
+    dimension or a grid), which names the chunks and files at fault (``sources()``: where each chunk is stored,
+    made only then)."""
     if offsets.shape[1] == len(shape) and _rows_cover(shape, offsets, sizes):
         return
-    boxes = [(tuple(int(x) for x in o), tuple(int(x) for x in s), src) for o, s, src in zip(offsets, sizes, sources())]
+    boxes = [(tuple(o), tuple(s), src) for o, s, src in zip(offsets.tolist(), sizes.tolist(), sources())]
     check_exact_cover(key, shape, boxes, where)
 
 

@@ -54,15 +54,19 @@ def full_tensors(state_dict: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_exact_cover(key: str, shape: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...], str]],
-                      where: object) -> None:
+                      where: object) -> int:
     """Refuse, naming ``key`` and the files, a set of stored chunks that does not cover ``shape`` exactly once.
 
     ``boxes``: ``(offsets, sizes, source)`` of every stored chunk of the tensor, ``source`` naming the
     file (or rank) it comes from. Each chunk must lie inside ``shape``, no two may share an element, and
     together they must hold every element; otherwise some elements would be loaded from a stale or
-    foreign chunk, or left as uninitialised memory. Cost: a sort and a sweep along dim 0, so a tensor
-    split over many ranks along one dimension is checked in ``O(n log n)``.
+    foreign chunk, or left as uninitialised memory. Cost: a sort and a sweep along the dimension the chunks
+    are split along most (:func:`ckptio.formats.cover.find_overlap`), so a tensor split over many ranks along
+    any one dimension, or in a grid along two, is checked in ``O(n log n)``. Returns the number of pairwise
+    tests the sweep made (what bounds its work).
     """
+    from .cover import find_overlap
+
     total = 1
     for d in shape:
         total *= d
@@ -82,24 +86,20 @@ def check_exact_cover(key: str, shape: tuple[int, ...], boxes: list[tuple[tuple[
     if len(shape) == 0 and len(live) > 1:
         raise CheckpointCorruptError(f"{where}: the scalar {key!r} is stored {len(live)} times "
                                      f"({', '.join(str(b[2]) for b in live[:3])})")
-    live.sort(key=lambda b: b[0][0] if b[0] else 0)
-    active: list[tuple[tuple[int, ...], tuple[int, ...], str]] = []
-    for box in live:
-        start = box[0][0] if box[0] else 0
-        active = [a for a in active if a[0][0] + a[1][0] > start]
-        for other in active:
-            if all(a < c + m and c < a + n for a, n, c, m in zip(box[0], box[1], other[0], other[1])):
-                raise CheckpointCorruptError(
-                    f"{where}: chunks of {key!r} overlap: {other[2]} (offsets {list(other[0])}, sizes {list(other[1])}) "
-                    f"and {box[2]} (offsets {list(box[0])}, sizes {list(box[1])}) both hold some of its elements; "
-                    "one of them is stale or belongs to another save"
-                )
-        active.append(box)
+    pair, tests = find_overlap([b[0] for b in live], [b[1] for b in live], shape)
+    if pair is not None:
+        other, box = live[pair[0]], live[pair[1]]
+        raise CheckpointCorruptError(
+            f"{where}: chunks of {key!r} overlap: {other[2]} (offsets {list(other[0])}, sizes {list(other[1])}) "
+            f"and {box[2]} (offsets {list(box[0])}, sizes {list(box[1])}) both hold some of its elements; "
+            "one of them is stale or belongs to another save"
+        )
     if covered != total:
         raise CheckpointCorruptError(
             f"{where}: the chunks of {key!r} cover {covered} of its {total} elements "
             "(a shard file is missing or belongs to another save)"
         )
+    return tests
 
 
 def read_json(path: "str | Path", *, max_size: int = 64 << 20) -> dict[str, Any]:
