@@ -272,7 +272,8 @@ class Saver:
         _faults.point("commit.before_pointer")
         self.storage.write_pointer(LATEST, job.name)
         _faults.point("commit.before_retention")
-        for path in policies.after_commit(self.storage, self.config.retention_policy(), protected=self.protected):
+        for path in policies.after_commit(self.storage, self.config.retention_policy(), protected=self.protected,
+                                           written=job.name):
             self.log.info("Removed checkpoint %s (retention)", path)
 
     def manifest_of(self, job: SaveJob, states: dict[str, StateEntry], files: dict[str, int], sums: dict[str, str],
