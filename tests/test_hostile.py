@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from ckptio import CheckpointError
+from ckptio.errors import CheckpointCorruptError
 from ckptio.describe import inspect_path
 from ckptio.formats import dcp as dcp_format
 from ckptio.formats import pt as pt_format
@@ -160,3 +161,33 @@ def test_fuzz_families_smoke():
     tally = fuzz_readers.run(list(fuzz_readers.FAMILIES), inputs=40, seed=7, verbose=True)
     assert all(t["other"] == 0 for t in tally.values()), tally
     assert all(t["clean"] > 0 for t in tally.values()), tally  # the attacks are really generated
+
+
+def test_a_pt_file_whose_members_inflate_past_it_is_refused_before_torch_reads_it(tmp_path):
+    """torch.load inflates a deflated member of a .pt to the size its header claims. A 0.4 MB state file whose
+    tensor is 384 MiB of deflated zeros is refused by every .pt reader (a step directory's small states, a whole
+    file) naming it, before anything is inflated; the same state stored as torch.save stores it loads."""
+    import resource
+    import zipfile
+
+    from ckptio.formats import pt as pt_format
+    from ckptio.storage.confined import Folder
+
+    plain = tmp_path / "plain.pt"
+    torch.save({"w": torch.zeros((96 << 20) + 1)}, plain)  # one more element than 384 MiB: not a multiple of 16 MiB
+    bomb = tmp_path / "dataloader.pt"
+    with zipfile.ZipFile(plain) as src, zipfile.ZipFile(bomb, "w", compression=zipfile.ZIP_DEFLATED) as dst:
+        for info in src.infolist():
+            with src.open(info) as fin, dst.open(info.filename, "w", force_zip64=True) as fout:
+                while chunk := fin.read(16 << 20):
+                    fout.write(chunk)
+    plain.unlink()
+    assert bomb.stat().st_size < 1 << 20
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(CheckpointCorruptError, match=r"dataloader.pt.*would expand to"):
+        pt_format.load_from(Folder(tmp_path), "dataloader.pt")
+    with pytest.raises(CheckpointCorruptError, match=r"dataloader.pt.*would expand to"):
+        pt_format.load(bomb)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100 << 10  # KiB: nothing was inflated
+    torch.save({"w": torch.arange(4.0)}, tmp_path / "ok.pt")
+    assert torch.equal(pt_format.load_from(Folder(tmp_path), "ok.pt")["w"], torch.arange(4.0))

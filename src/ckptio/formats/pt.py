@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import os
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch
 
 from ..errors import CheckpointCorruptError
 from ..storage.confined import Folder
+from ..storage.parse import Budget
 
 MAX_STATE_BYTES = 2 << 30
 """Largest small state (``.pt``) read into memory: a dataloader's or a user object's state."""
@@ -44,6 +46,23 @@ def write_bytes(path: str | Path, data: bytes) -> None:
         os.fsync(fh.fileno())
 
 
+def _check_members(fileobj: Any, size: int, where: Path) -> None:
+    """Refuse a ``torch.save`` archive whose members would inflate past the file itself, before torch reads it.
+
+    ``torch.save`` stores its members uncompressed, but ``torch.load`` inflates a deflated one to the size its
+    header claims: a few kilobytes could ask for gigabytes. A file that is not a zip archive is left to
+    ``torch.load``, whose error names it."""
+    try:
+        with zipfile.ZipFile(fileobj) as archive:
+            budget = Budget(size, where)
+            for info in archive.infolist():
+                budget.take(info.file_size, f"member {info.filename!r}")
+    except zipfile.BadZipFile:
+        pass
+    finally:
+        fileobj.seek(0)
+
+
 def _safe_load(source: Any, where: Path, *, mmap: bool = False) -> Any:
     try:
         return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
@@ -56,6 +75,7 @@ def _safe_load(source: Any, where: Path, *, mmap: bool = False) -> Any:
 def load_from(folder: Folder, rel: str, *, max_size: int = MAX_STATE_BYTES) -> Any:
     """A small ``.pt`` state inside a checkpoint, read through the confined folder (checksummed as read)."""
     data = folder.read_bytes(rel, max_size=max_size)
+    _check_members(io.BytesIO(data), len(data), folder.display(rel))
     return _safe_load(io.BytesIO(data), folder.display(rel))
 
 
@@ -67,6 +87,8 @@ def load(path: str | Path, *, mmap: bool = False) -> Any:
     """
     path = Path(path)
     with Folder(path.parent).open(path.name) as handle:
+        with io.BufferedReader(handle.stream(), buffer_size=1 << 16) as fh:
+            _check_members(fh, handle.size, path)
         if mmap:
             proc = Path(f"/proc/self/fd/{handle.fd}")
             return _safe_load(str(proc) if proc.exists() else str(path), path, mmap=True)
