@@ -399,8 +399,8 @@ class HandleStream(io.RawIOBase):
 
     def seek(self, offset: int, whence: int = 0) -> int:
         base = {0: 0, 1: self.pos, 2: self.handle.size}[whence]
-        if base + offset < 0:
-            raise ValueError("negative seek position")
+        if base + offset < 0:  # as a file does: zipfile, probing for its end record, expects OSError
+            raise OSError(errno.EINVAL, f"{self.name}: negative seek position")
         self.pos = base + offset
         return self.pos
 
