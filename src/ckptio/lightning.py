@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, MissingDependencyError
+from .storage.parse import MAX_DEPTH, check_depth, parsing
 
 try:
     from pytorch_lightning.plugins.io import CheckpointIO
@@ -52,6 +53,7 @@ _register_s3()  # ModelCheckpoint(dirpath="s3://...") lists and times its folder
 MODEL_DIR, STATE_DIR, TRAINER_STATE = "model", "state", "trainer_state.pt"
 _FORMAT = "lightning-checkpoint/1"
 _REF = "__ckptio_tensor__"
+_META_BYTES = 256 << 20  # trainer_state.pt holds no tensor: loops, callbacks, hyper-parameters
 
 
 class CkptioCheckpointIO(CheckpointIO):
@@ -192,6 +194,10 @@ def _split(checkpoint: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[to
     tensors: list[torch.Tensor] = []
     values = {k: v for k, v in weights.items() if not isinstance(v, torch.Tensor)}
     rest = {k: values if k == "state_dict" else v for k, v in checkpoint.items()}  # Lightning's order kept
+    try:  # what could not be read back is refused before anything is written (a tensor's mark and the
+        check_depth(rest, "Lightning's checkpoint", max_depth=MAX_DEPTH - 2)  # trainer state add 2 levels)
+    except CheckpointCorruptError as exc:
+        raise ValueError(str(exc)) from None
     skeleton = _without_tensors(rest, tensors)
     for t in list(model.values()) + tensors:
         if type(t) not in (torch.Tensor, torch.nn.Parameter):
@@ -287,7 +293,6 @@ def _s3_complete(storage: Any, name: str) -> bool:
 def read_checkpoint(path: str | Path, *, verify: str = "full") -> dict[str, Any]:
     """Lightning's checkpoint dict from a ckptio folder (manifest, sizes and checksums checked first) or from a
     Lightning ``.ckpt`` file (``weights_only``)."""
-    from .formats import pt as pt_format
     from .formats.lightning import read_lightning
     from .formats.safetensors_sharded import SafetensorsSource
     from .framework_dirs import check_manifest
@@ -306,21 +311,60 @@ def read_checkpoint(path: str | Path, *, verify: str = "full") -> dict[str, Any]
             raise CheckpointNotFoundError(f"{path}: no such checkpoint")
         folder = Folder(path)
     check_manifest(folder, verify, required=True)
-    meta = pt_format.load_from(folder, TRAINER_STATE)
-    if not (isinstance(meta, dict) and meta.get("format") == _FORMAT and isinstance(meta.get("skeleton"), dict)
-            and isinstance(meta.get("model_keys"), list) and type(meta.get("tensors")) is int
-            and isinstance(meta.get("state_dict_keys"), list)):
-        raise CheckpointCorruptError(f"{folder.display(TRAINER_STATE)}: not a Lightning checkpoint written by ckptio")
+    meta, where = _read_meta(folder), folder.display(TRAINER_STATE)
     weights = _read_all(SafetensorsSource(folder.sub(MODEL_DIR)), meta["model_keys"], folder.display(MODEL_DIR))
-    names = [f"{i:06d}" for i in range(meta["tensors"])]
-    tensors = _read_all(SafetensorsSource(folder.sub(STATE_DIR)), names, folder.display(STATE_DIR)) if names else {}
-    out = _with_tensors(meta["skeleton"], [tensors[n] for n in names], folder.display(TRAINER_STATE))
+    tensors = _read_state(folder, meta["tensors"], where)
+    with parsing(where, "Lightning's trainer state"):
+        out = _with_tensors(meta["skeleton"], tensors, where)
     values = out.get("state_dict")
     if not isinstance(values, dict) or set(meta["state_dict_keys"]) != set(weights) | set(values):
-        raise CheckpointCorruptError(f"{folder.display(TRAINER_STATE)}: its state_dict keys do not match the tensors "
-                                     f"in {folder.display(MODEL_DIR)}")
+        raise CheckpointCorruptError(f"{where}: its state_dict keys do not match the tensors in "
+                                     f"{folder.display(MODEL_DIR)}")
     out["state_dict"] = {k: weights[k] if k in weights else values[k] for k in meta["state_dict_keys"]}
     return out
+
+
+def _read_meta(folder: Any) -> dict[str, Any]:
+    """``trainer_state.pt``, every field checked: the format, the skeleton (a mapping nested at most
+    :data:`~ckptio.storage.parse.MAX_DEPTH` deep), the key lists (distinct strings), the tensor count."""
+    from .formats import pt as pt_format
+    from .storage.parse import as_int, check_depth, field
+
+    where = folder.display(TRAINER_STATE)
+    with parsing(where, "Lightning's trainer state"):
+        meta = pt_format.load_from(folder, TRAINER_STATE, max_size=_META_BYTES)
+        if field(meta, "format", str, where) != _FORMAT:
+            raise CheckpointCorruptError(f"{where}: not a Lightning checkpoint written by ckptio "
+                                         f"(format {meta['format']!r:.60})")
+        field(meta, "skeleton", dict, where)
+        check_depth(meta, where)
+        for key in ("model_keys", "state_dict_keys"):
+            names = field(meta, key, list, where)
+            odd = next((n for n in names if type(n) is not str), None)
+            if odd is not None or len(set(names)) != len(names):
+                raise CheckpointCorruptError(f"{where}: {key!r} must list distinct names, found "
+                                             f"{'a ' + type(odd).__name__ if odd is not None else 'one twice'}")
+        as_int(field(meta, "tensors", int, where), where, "'tensors'")
+    return meta
+
+
+def _read_state(folder: Any, count: int, where: object) -> list[torch.Tensor]:
+    """The ``count`` tensors of ``state/`` by position; ``count`` is checked against the tensors the folder holds
+    before a name is made for them."""
+    from .formats.safetensors_sharded import SafetensorsSource
+
+    if count == 0:
+        return []
+    source = SafetensorsSource(folder.sub(STATE_DIR))
+    try:
+        held = len(source.index())
+        if count != held:
+            raise CheckpointCorruptError(f"{where}: names {count} tensors, {folder.display(STATE_DIR)} holds {held}")
+    finally:
+        source.close()
+    names = [f"{i:06d}" for i in range(count)]
+    tensors = _read_all(SafetensorsSource(folder.sub(STATE_DIR)), names, folder.display(STATE_DIR))
+    return [tensors[n] for n in names]
 
 
 def _s3_folder(storage: Any, name: str) -> Any:
