@@ -28,6 +28,7 @@ holding sharded tensors is refused.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, MissingDependencyError
+from .lightning_keep import last_checkpoint, s3_location as _s3
 from .storage.parse import MAX_DEPTH, check_depth, parsing
 
 try:
@@ -73,6 +75,7 @@ class CkptioCheckpointIO(CheckpointIO):
         self._error: BaseException | None = None
         self._stager: Any = None
         self._swept: set[Any] = set()
+        self._written: Any = None  # the checkpoint saved last: never deleted
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         """Write ``checkpoint`` as the folder ``path`` (in the background with ``async_save``)."""
@@ -80,6 +83,7 @@ class CkptioCheckpointIO(CheckpointIO):
             raise TypeError(f"CkptioCheckpointIO takes no storage_options (got {storage_options!r})")
         self.wait()
         self._sweep(path)
+        self._written = str(path) if _s3(path) is not None else Path(os.path.abspath(path))
         if not self.async_save:
             write_checkpoint(checkpoint, path)
             return
@@ -116,22 +120,45 @@ class CkptioCheckpointIO(CheckpointIO):
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Any = None) -> dict[str, Any]:
         """The checkpoint at ``path`` (a ckptio folder, or a Lightning ``.ckpt`` file), checked before it is
-        returned."""
+        returned. When ``path`` is a ``last`` checkpoint that cannot be read (``fit(ckpt_path="last")`` picks the one
+        modified last, torn or not), the newest other ``last`` one that can is read instead. ``ModelCheckpoint``
+        states in it no longer count torn folders among the checkpoints kept."""
+        from .lightning_keep import forget_torn, resume_instead
+
         self.wait()
-        return read_checkpoint(path, verify=self.verify)
+        try:
+            checkpoint = read_checkpoint(path, verify=self.verify)
+        except CheckpointError as exc:
+            if _s3(path) is not None:
+                raise
+            from pytorch_lightning.callbacks import ModelCheckpoint
+
+            checkpoint = resume_instead(Path(path), exc, lambda p: read_checkpoint(p, verify=self.verify),
+                                        last_name=ModelCheckpoint.CHECKPOINT_NAME_LAST,
+                                        suffix=ModelCheckpoint.FILE_EXTENSION)
+        forget_torn(checkpoint)
+        return checkpoint
 
     def remove_checkpoint(self, path: Any) -> None:
         """Delete a checkpoint Lightning no longer keeps (``save_top_k``), hidden first so a crash never leaves
-        half of it under its name."""
+        half of it under its name; refused, with a warning naming it, for the checkpoint just written and the newest
+        complete one in its folder."""
+        from .lightning_keep import keep_reason
         from .storage.posix import remove_tree
 
         self.wait()
         s3 = _s3(path)
         if s3 is not None:
-            s3[0].remove_step(s3[1])
+            if str(path) == self._written:
+                log.warning("ckptio: not deleting %s: it is the checkpoint just written", path)
+            else:
+                s3[0].remove_step(s3[1])
             return
         target = Path(path)
-        if target.is_dir() and not target.is_symlink():
+        why = keep_reason(target, self._written)
+        if why is not None:
+            log.warning("ckptio: not deleting %s: %s", target, why)
+        elif target.is_dir() and not target.is_symlink():
             remove_tree(target)
         elif target.exists() or target.is_symlink():
             target.unlink()
@@ -168,19 +195,6 @@ def write_checkpoint(checkpoint: dict[str, Any], path: str | Path) -> str | Path
     path.parent.mkdir(parents=True, exist_ok=True)
     _write_into(checkpoint, parts, LocalFolderWriter.create(path), path.name)
     return path
-
-
-def _s3(path: Any) -> tuple[Any, str] | None:
-    """(the storage of the parent folder, the name) for an ``s3://`` path; ``None`` for a local one."""
-    from .storage import url_scheme
-
-    text = str(path)
-    if url_scheme(text) != "s3":
-        return None
-    from .storage.s3 import S3Storage
-
-    parent, _, name = text.rstrip("/").rpartition("/")
-    return S3Storage(parent), name
 
 
 def _split(checkpoint: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[torch.Tensor], bytes]:
@@ -255,41 +269,6 @@ def _without_tensors(value: Any, out: list[torch.Tensor]) -> Any:
 
 
 # ------------------------------------------------------------------------------------------------- reading
-def last_checkpoint(dirpath: str | Path, name: str = "last") -> str | None:
-    """The newest complete ``last.ckpt`` (or ``last-N.ckpt``; ``name`` is ``ModelCheckpoint.CHECKPOINT_NAME_LAST``)
-    in ``dirpath``, a local folder or ``s3://bucket/prefix``, for ``trainer.fit(..., ckpt_path=...)``; ``None`` when
-    there is none. Lightning's own ``ckpt_path="last"`` finds nothing in an object store (it normalises the listed
-    paths, which drops the ``s3://``), so a run checkpointed to S3 resumes with this."""
-    import re
-
-    pattern = re.compile(rf"^{re.escape(name)}(-\d+)?\.ckpt$")
-    s3 = _s3(str(dirpath).rstrip("/") + "/x")
-    found: list[tuple[float, str]] = []
-    if s3 is not None:
-        from .storage.s3.fsspec_fs import CkptioS3FileSystem
-
-        storage, root = s3[0], str(s3[0].root)
-        for entry in storage.folder().listdir():
-            if pattern.match(entry.name) and _s3_complete(storage, entry.name):
-                found.append((CkptioS3FileSystem().modified(f"{root}/{entry.name}").timestamp(),
-                              f"{root}/{entry.name}"))
-    else:
-        root_path = Path(dirpath)
-        for p in root_path.iterdir() if root_path.is_dir() else []:
-            if pattern.match(p.name) and not p.is_symlink() and (p.is_file() or (p / "manifest.json").is_file()):
-                found.append((((p / "manifest.json") if p.is_dir() else p).stat().st_mtime, str(p)))
-    return max(found)[1] if found else None
-
-
-def _s3_complete(storage: Any, name: str) -> bool:
-    """A Lightning ``.ckpt`` object, a committed folder, or one whose replacement was cut short beside a complete
-    copy (read from that copy)."""
-    from .storage.s3.replace import committed, complete_copy
-
-    kind = storage.folder().kind(name)
-    return kind == "file" or (kind == "dir" and (committed(storage, name) or complete_copy(storage, name) is not None))
-
-
 def read_checkpoint(path: str | Path, *, verify: str = "full") -> dict[str, Any]:
     """Lightning's checkpoint dict from a ckptio folder (manifest, sizes and checksums checked first) or from a
     Lightning ``.ckpt`` file (``weights_only``)."""
