@@ -307,7 +307,7 @@ def _read_meta(folder: Any) -> dict[str, Any]:
     """``trainer_state.pt``, every field checked: the format, the skeleton (a mapping nested at most
     :data:`~ckptio.storage.parse.MAX_DEPTH` deep), the key lists (distinct strings), the tensor count."""
     from .formats import pt as pt_format
-    from .storage.parse import as_int, check_depth, field
+    from .storage.parse import as_int, field
 
     where = folder.display(TRAINER_STATE)
     with parsing(where, "Lightning's trainer state"):
@@ -328,22 +328,13 @@ def _read_meta(folder: Any) -> dict[str, Any]:
 
 
 def _read_state(folder: Any, count: int, where: object) -> list[torch.Tensor]:
-    """The ``count`` tensors of ``state/`` by position; ``count`` is checked against the tensors the folder holds
-    before a name is made for them."""
+    """The ``count`` tensors of ``state/`` by position (``count`` is checked against the tensors there first)."""
     from .formats.safetensors_sharded import SafetensorsSource
 
     if count == 0:
         return []
-    source = SafetensorsSource(folder.sub(STATE_DIR))
-    try:
-        held = len(source.index())
-        if count != held:
-            raise CheckpointCorruptError(f"{where}: names {count} tensors, {folder.display(STATE_DIR)} holds {held}")
-    finally:
-        source.close()
-    names = [f"{i:06d}" for i in range(count)]
-    tensors = _read_all(SafetensorsSource(folder.sub(STATE_DIR)), names, folder.display(STATE_DIR))
-    return [tensors[n] for n in names]
+    tensors = _read_all(SafetensorsSource(folder.sub(STATE_DIR)), count, folder.display(STATE_DIR), where)
+    return list(tensors.values())
 
 
 def _s3_folder(storage: Any, name: str) -> Any:
@@ -377,9 +368,15 @@ def _read_lightning_object(url: str) -> dict[str, Any]:
         return read_lightning(copy_file_down(S3Storage(parent).folder(), name, Path(tmp) / name))
 
 
-def _read_all(source: Any, keys: list[str], where: object) -> dict[str, torch.Tensor]:
+def _read_all(source: Any, keys: list[str] | int, where: object, told: object = None) -> dict[str, torch.Tensor]:
+    """The tensors ``keys`` of ``source`` (at ``where``); ``keys`` as a number ``n`` (what ``told`` says) is the
+    ``n`` tensors named by position, and must be the number ``source`` holds before a name is made for them."""
     try:
         index = source.index()
+        if isinstance(keys, int):
+            if keys != len(index):
+                raise CheckpointCorruptError(f"{told}: names {keys} tensors, {where} holds {len(index)}")
+            keys = [f"{i:06d}" for i in range(keys)]
         missing = [k for k in keys if k not in index]
         if missing:
             raise CheckpointCorruptError(f"{where}: holds no tensor {missing[0]!r} ({len(missing)} missing)")
