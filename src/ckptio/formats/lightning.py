@@ -194,7 +194,7 @@ def read_lightning(path: str | Path) -> dict[str, Any]:
     return ckpt
 
 
-def _one_state(ckpt: dict[str, Any], key: str, what: str, path: Path) -> dict[str, Any] | None:
+def _one_state(ckpt: dict[str, Any], key: str, what: str, path: Path) -> dict[str, Any]:
     """The single ``what`` state a Lightning checkpoint holds under ``key`` (a list of one mapping)."""
     from ..storage.parse import field
 
