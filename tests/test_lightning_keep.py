@@ -136,3 +136,15 @@ def test_the_checkpoint_just_written_is_never_deleted(tmp_path, caplog):
     io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 3}, tmp_path / "c.ckpt")
     io.remove_checkpoint(tmp_path / "b.ckpt")  # no longer the one just written, nor the newest: removed
     assert not (tmp_path / "b.ckpt").exists()
+
+
+def test_on_whole_second_timestamps_the_checkpoint_written_last_is_the_newest(tmp_path):
+    """Two folders committed within the same recorded second: the older one is still Lightning's to delete."""
+    io = CkptioCheckpointIO()
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 1}, tmp_path / "z.ckpt")
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 2}, tmp_path / "a.ckpt")
+    second = int(time.time())
+    for name in ("z.ckpt", "a.ckpt"):
+        os.utime(tmp_path / name / "manifest.json", (second, second))
+    io.remove_checkpoint(tmp_path / "z.ckpt")
+    assert not (tmp_path / "z.ckpt").exists() and (tmp_path / "a.ckpt" / "manifest.json").is_file()

@@ -58,14 +58,15 @@ def is_complete(path: Path) -> bool:
     return True
 
 
-def newest_complete(parent: Path) -> Path | None:
-    """The complete ckptio folder in ``parent`` committed last (``None`` when there is none)."""
+def newest_complete(parent: Path, *, written: Path | None = None) -> Path | None:
+    """The complete ckptio folder in ``parent`` committed last (``None`` when there is none); of folders committed
+    at the same recorded time (a file system keeping whole seconds), the one ``written`` last by this process."""
     found = []
     for p in parent.iterdir() if parent.is_dir() else []:
         when = _committed_at(p)
         if when is not None:
-            found.append((when, p.name, p))
-    for _, _, p in sorted(found, reverse=True):
+            found.append((when, p == written, p.name, p))
+    for *_, p in sorted(found, reverse=True):
         if is_complete(p):
             return p
     return None
@@ -76,7 +77,7 @@ def keep_reason(path: Path, written: Path | None) -> str | None:
     path = Path(os.path.abspath(path))
     if written is not None and path == written:
         return "it is the checkpoint just written"
-    if path.is_dir() and not path.is_symlink() and newest_complete(path.parent) == path:
+    if path.is_dir() and not path.is_symlink() and newest_complete(path.parent, written=written) == path:
         return "it is the newest complete checkpoint in its folder"
     return None
 
