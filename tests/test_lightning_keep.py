@@ -148,3 +148,10 @@ def test_on_whole_second_timestamps_the_checkpoint_written_last_is_the_newest(tm
         os.utime(tmp_path / name / "manifest.json", (second, second))
     io.remove_checkpoint(tmp_path / "z.ckpt")
     assert not (tmp_path / "z.ckpt").exists() and (tmp_path / "a.ckpt" / "manifest.json").is_file()
+
+
+def test_a_missing_last_path_is_reported_as_missing(tmp_path):
+    from ckptio import CheckpointNotFoundError
+
+    with pytest.raises(CheckpointNotFoundError, match="last.ckpt"):
+        CkptioCheckpointIO().load_checkpoint(tmp_path / "nowhere" / "last.ckpt")

@@ -96,9 +96,9 @@ def resume_instead(path: Path, failure: CheckpointError, read: Callable[[Path], 
                    last_name: str = "last", suffix: str = ".ckpt") -> dict[str, Any]:
     """The checkpoint to resume from when ``path``, a ``last`` checkpoint Lightning picked, failed with ``failure``:
     the newest other ``last`` checkpoint beside it that ``read`` accepts; ``failure`` itself when ``path`` is not a
-    ``last`` one (the user named it); :class:`NoUsableCheckpointError` when none is usable."""
-    if not _is_last(path, last_name, suffix):
-        raise failure
+    ``last`` one (the user named it) or nothing is there; :class:`NoUsableCheckpointError` when none is usable."""
+    if not _is_last(path, last_name, suffix) or not (path.exists() or path.is_symlink()):
+        raise failure  # a path the user named, or nothing at all: nothing else to take
     skipped = [(path.name, str(failure))]
     others = [p for p in path.parent.iterdir() if p != path and _is_last(p, last_name, suffix)
               and not p.is_symlink() and (p.is_file() or _committed_at(p) is not None)]
