@@ -18,7 +18,9 @@ would resume from. A load checks the manifest and every byte's checksum before h
 and nothing in it is unpickled beyond ``weights_only``. A path that is a Lightning ``.ckpt`` *file* (a run
 checkpointed before the switch) loads too, through the same safe loader. ``async_save=True`` copies the
 tensors into reusable host buffers and writes in a background thread; the next save, a load, a removal and
-the end of ``fit`` wait for it.
+the end of ``fit`` wait for it. Beside a torn folder (no manifest, damaged files) Lightning cannot tell: the plugin
+never resumes from one, never lets it count among ``save_top_k``, and never deletes the checkpoint it just wrote nor
+the newest complete one (:mod:`ckptio.lightning_keep`).
 
 Single device and DDP (rank 0 writes, as Lightning arranges) are supported; strategies that write their own
 sharded checkpoints (FSDP, DeepSpeed) do not go through a ``CheckpointIO`` for the weights, and a state dict
