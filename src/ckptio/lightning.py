@@ -18,7 +18,9 @@ would resume from. A load checks the manifest and every byte's checksum before h
 and nothing in it is unpickled beyond ``weights_only``. A path that is a Lightning ``.ckpt`` *file* (a run
 checkpointed before the switch) loads too, through the same safe loader. ``async_save=True`` copies the
 tensors into reusable host buffers and writes in a background thread; the next save, a load, a removal and
-the end of ``fit`` wait for it.
+the end of ``fit`` wait for it. Beside a torn folder (no manifest, damaged files) Lightning cannot tell: the plugin
+never resumes from one, never lets it count among ``save_top_k``, and never deletes the checkpoint it just wrote nor
+the newest complete one (:mod:`ckptio.lightning_keep`).
 
 Single device and DDP (rank 0 writes, as Lightning arranges) are supported; strategies that write their own
 sharded checkpoints (FSDP, DeepSpeed) do not go through a ``CheckpointIO`` for the weights, and a state dict
@@ -28,6 +30,7 @@ holding sharded tensors is refused.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -35,6 +38,8 @@ from typing import Any
 import torch
 
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, MissingDependencyError
+from .lightning_keep import last_checkpoint, s3_location as _s3
+from .storage.parse import MAX_DEPTH, check_depth, parsing
 
 try:
     from pytorch_lightning.plugins.io import CheckpointIO
@@ -52,6 +57,7 @@ _register_s3()  # ModelCheckpoint(dirpath="s3://...") lists and times its folder
 MODEL_DIR, STATE_DIR, TRAINER_STATE = "model", "state", "trainer_state.pt"
 _FORMAT = "lightning-checkpoint/1"
 _REF = "__ckptio_tensor__"
+_META_BYTES = 256 << 20  # trainer_state.pt holds no tensor: loops, callbacks, hyper-parameters
 
 
 class CkptioCheckpointIO(CheckpointIO):
@@ -71,6 +77,7 @@ class CkptioCheckpointIO(CheckpointIO):
         self._error: BaseException | None = None
         self._stager: Any = None
         self._swept: set[Any] = set()
+        self._written: Any = None  # the checkpoint saved last: never deleted
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         """Write ``checkpoint`` as the folder ``path`` (in the background with ``async_save``)."""
@@ -78,6 +85,7 @@ class CkptioCheckpointIO(CheckpointIO):
             raise TypeError(f"CkptioCheckpointIO takes no storage_options (got {storage_options!r})")
         self.wait()
         self._sweep(path)
+        self._written = str(path) if _s3(path) is not None else Path(os.path.abspath(path))
         if not self.async_save:
             write_checkpoint(checkpoint, path)
             return
@@ -114,22 +122,45 @@ class CkptioCheckpointIO(CheckpointIO):
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Any = None) -> dict[str, Any]:
         """The checkpoint at ``path`` (a ckptio folder, or a Lightning ``.ckpt`` file), checked before it is
-        returned."""
+        returned. When ``path`` is a ``last`` checkpoint that cannot be read (``fit(ckpt_path="last")`` picks the one
+        modified last, torn or not), the newest other ``last`` one that can is read instead. ``ModelCheckpoint``
+        states in it no longer count torn folders among the checkpoints kept."""
+        from .lightning_keep import forget_torn, resume_instead
+
         self.wait()
-        return read_checkpoint(path, verify=self.verify)
+        try:
+            checkpoint = read_checkpoint(path, verify=self.verify)
+        except CheckpointError as exc:
+            if _s3(path) is not None:
+                raise
+            from pytorch_lightning.callbacks import ModelCheckpoint
+
+            checkpoint = resume_instead(Path(path), exc, lambda p: read_checkpoint(p, verify=self.verify),
+                                        last_name=ModelCheckpoint.CHECKPOINT_NAME_LAST,
+                                        suffix=ModelCheckpoint.FILE_EXTENSION)
+        forget_torn(checkpoint)
+        return checkpoint
 
     def remove_checkpoint(self, path: Any) -> None:
         """Delete a checkpoint Lightning no longer keeps (``save_top_k``), hidden first so a crash never leaves
-        half of it under its name."""
+        half of it under its name; refused, with a warning naming it, for the checkpoint just written and the newest
+        complete one in its folder."""
+        from .lightning_keep import keep_reason
         from .storage.posix import remove_tree
 
         self.wait()
         s3 = _s3(path)
         if s3 is not None:
-            s3[0].remove_step(s3[1])
+            if str(path) == self._written:
+                log.warning("ckptio: not deleting %s: it is the checkpoint just written", path)
+            else:
+                s3[0].remove_step(s3[1])
             return
         target = Path(path)
-        if target.is_dir() and not target.is_symlink():
+        why = keep_reason(target, self._written)
+        if why is not None:
+            log.warning("ckptio: not deleting %s: %s", target, why)
+        elif target.is_dir() and not target.is_symlink():
             remove_tree(target)
         elif target.exists() or target.is_symlink():
             target.unlink()
@@ -168,19 +199,6 @@ def write_checkpoint(checkpoint: dict[str, Any], path: str | Path) -> str | Path
     return path
 
 
-def _s3(path: Any) -> tuple[Any, str] | None:
-    """(the storage of the parent folder, the name) for an ``s3://`` path; ``None`` for a local one."""
-    from .storage import url_scheme
-
-    text = str(path)
-    if url_scheme(text) != "s3":
-        return None
-    from .storage.s3 import S3Storage
-
-    parent, _, name = text.rstrip("/").rpartition("/")
-    return S3Storage(parent), name
-
-
 def _split(checkpoint: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[torch.Tensor], bytes]:
     """(the model's tensors, every other tensor, the rest of the dict as bytes), refusing what cannot be written."""
     from .formats import pt as pt_format
@@ -192,6 +210,10 @@ def _split(checkpoint: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[to
     tensors: list[torch.Tensor] = []
     values = {k: v for k, v in weights.items() if not isinstance(v, torch.Tensor)}
     rest = {k: values if k == "state_dict" else v for k, v in checkpoint.items()}  # Lightning's order kept
+    try:  # what could not be read back is refused before anything is written (a tensor's mark and the
+        check_depth(rest, "Lightning's checkpoint", max_depth=MAX_DEPTH - 2)  # trainer state add 2 levels)
+    except CheckpointCorruptError as exc:
+        raise ValueError(str(exc)) from None
     skeleton = _without_tensors(rest, tensors)
     for t in list(model.values()) + tensors:
         if type(t) not in (torch.Tensor, torch.nn.Parameter):
@@ -249,45 +271,9 @@ def _without_tensors(value: Any, out: list[torch.Tensor]) -> Any:
 
 
 # ------------------------------------------------------------------------------------------------- reading
-def last_checkpoint(dirpath: str | Path, name: str = "last") -> str | None:
-    """The newest complete ``last.ckpt`` (or ``last-N.ckpt``; ``name`` is ``ModelCheckpoint.CHECKPOINT_NAME_LAST``)
-    in ``dirpath``, a local folder or ``s3://bucket/prefix``, for ``trainer.fit(..., ckpt_path=...)``; ``None`` when
-    there is none. Lightning's own ``ckpt_path="last"`` finds nothing in an object store (it normalises the listed
-    paths, which drops the ``s3://``), so a run checkpointed to S3 resumes with this."""
-    import re
-
-    pattern = re.compile(rf"^{re.escape(name)}(-\d+)?\.ckpt$")
-    s3 = _s3(str(dirpath).rstrip("/") + "/x")
-    found: list[tuple[float, str]] = []
-    if s3 is not None:
-        from .storage.s3.fsspec_fs import CkptioS3FileSystem
-
-        storage, root = s3[0], str(s3[0].root)
-        for entry in storage.folder().listdir():
-            if pattern.match(entry.name) and _s3_complete(storage, entry.name):
-                found.append((CkptioS3FileSystem().modified(f"{root}/{entry.name}").timestamp(),
-                              f"{root}/{entry.name}"))
-    else:
-        root_path = Path(dirpath)
-        for p in root_path.iterdir() if root_path.is_dir() else []:
-            if pattern.match(p.name) and not p.is_symlink() and (p.is_file() or (p / "manifest.json").is_file()):
-                found.append((((p / "manifest.json") if p.is_dir() else p).stat().st_mtime, str(p)))
-    return max(found)[1] if found else None
-
-
-def _s3_complete(storage: Any, name: str) -> bool:
-    """A Lightning ``.ckpt`` object, a committed folder, or one whose replacement was cut short beside a complete
-    copy (read from that copy)."""
-    from .storage.s3.replace import committed, complete_copy
-
-    kind = storage.folder().kind(name)
-    return kind == "file" or (kind == "dir" and (committed(storage, name) or complete_copy(storage, name) is not None))
-
-
 def read_checkpoint(path: str | Path, *, verify: str = "full") -> dict[str, Any]:
     """Lightning's checkpoint dict from a ckptio folder (manifest, sizes and checksums checked first) or from a
     Lightning ``.ckpt`` file (``weights_only``)."""
-    from .formats import pt as pt_format
     from .formats.lightning import read_lightning
     from .formats.safetensors_sharded import SafetensorsSource
     from .framework_dirs import check_manifest
@@ -306,21 +292,51 @@ def read_checkpoint(path: str | Path, *, verify: str = "full") -> dict[str, Any]
             raise CheckpointNotFoundError(f"{path}: no such checkpoint")
         folder = Folder(path)
     check_manifest(folder, verify, required=True)
-    meta = pt_format.load_from(folder, TRAINER_STATE)
-    if not (isinstance(meta, dict) and meta.get("format") == _FORMAT and isinstance(meta.get("skeleton"), dict)
-            and isinstance(meta.get("model_keys"), list) and type(meta.get("tensors")) is int
-            and isinstance(meta.get("state_dict_keys"), list)):
-        raise CheckpointCorruptError(f"{folder.display(TRAINER_STATE)}: not a Lightning checkpoint written by ckptio")
+    meta, where = _read_meta(folder), folder.display(TRAINER_STATE)
     weights = _read_all(SafetensorsSource(folder.sub(MODEL_DIR)), meta["model_keys"], folder.display(MODEL_DIR))
-    names = [f"{i:06d}" for i in range(meta["tensors"])]
-    tensors = _read_all(SafetensorsSource(folder.sub(STATE_DIR)), names, folder.display(STATE_DIR)) if names else {}
-    out = _with_tensors(meta["skeleton"], [tensors[n] for n in names], folder.display(TRAINER_STATE))
+    tensors = _read_state(folder, meta["tensors"], where)
+    with parsing(where, "Lightning's trainer state"):
+        out = _with_tensors(meta["skeleton"], tensors, where)
     values = out.get("state_dict")
     if not isinstance(values, dict) or set(meta["state_dict_keys"]) != set(weights) | set(values):
-        raise CheckpointCorruptError(f"{folder.display(TRAINER_STATE)}: its state_dict keys do not match the tensors "
-                                     f"in {folder.display(MODEL_DIR)}")
+        raise CheckpointCorruptError(f"{where}: its state_dict keys do not match the tensors in "
+                                     f"{folder.display(MODEL_DIR)}")
     out["state_dict"] = {k: weights[k] if k in weights else values[k] for k in meta["state_dict_keys"]}
     return out
+
+
+def _read_meta(folder: Any) -> dict[str, Any]:
+    """``trainer_state.pt``, every field checked: the format, the skeleton (a mapping nested at most
+    :data:`~ckptio.storage.parse.MAX_DEPTH` deep), the key lists (distinct strings), the tensor count."""
+    from .formats import pt as pt_format
+    from .storage.parse import as_int, field
+
+    where = folder.display(TRAINER_STATE)
+    with parsing(where, "Lightning's trainer state"):
+        meta = pt_format.load_from(folder, TRAINER_STATE, max_size=_META_BYTES)
+        if field(meta, "format", str, where) != _FORMAT:
+            raise CheckpointCorruptError(f"{where}: not a Lightning checkpoint written by ckptio "
+                                         f"(format {meta['format']!r:.60})")
+        field(meta, "skeleton", dict, where)
+        check_depth(meta, where)
+        for key in ("model_keys", "state_dict_keys"):
+            names = field(meta, key, list, where)
+            odd = next((n for n in names if type(n) is not str), None)
+            if odd is not None or len(set(names)) != len(names):
+                raise CheckpointCorruptError(f"{where}: {key!r} must list distinct names, found "
+                                             f"{'a ' + type(odd).__name__ if odd is not None else 'one twice'}")
+        as_int(field(meta, "tensors", int, where), where, "'tensors'")
+    return meta
+
+
+def _read_state(folder: Any, count: int, where: object) -> list[torch.Tensor]:
+    """The ``count`` tensors of ``state/`` by position (``count`` is checked against the tensors there first)."""
+    from .formats.safetensors_sharded import SafetensorsSource
+
+    if count == 0:
+        return []
+    tensors = _read_all(SafetensorsSource(folder.sub(STATE_DIR)), count, folder.display(STATE_DIR), where)
+    return list(tensors.values())
 
 
 def _s3_folder(storage: Any, name: str) -> Any:
@@ -354,9 +370,15 @@ def _read_lightning_object(url: str) -> dict[str, Any]:
         return read_lightning(copy_file_down(S3Storage(parent).folder(), name, Path(tmp) / name))
 
 
-def _read_all(source: Any, keys: list[str], where: object) -> dict[str, torch.Tensor]:
+def _read_all(source: Any, keys: list[str] | int, where: object, told: object = None) -> dict[str, torch.Tensor]:
+    """The tensors ``keys`` of ``source`` (at ``where``); ``keys`` as a number ``n`` (what ``told`` says) is the
+    ``n`` tensors named by position, and must be the number ``source`` holds before a name is made for them."""
     try:
         index = source.index()
+        if isinstance(keys, int):
+            if keys != len(index):
+                raise CheckpointCorruptError(f"{told}: names {keys} tensors, {where} holds {len(index)}")
+            keys = [f"{i:06d}" for i in range(keys)]
         missing = [k for k in keys if k not in index]
         if missing:
             raise CheckpointCorruptError(f"{where}: holds no tensor {missing[0]!r} ({len(missing)} missing)")

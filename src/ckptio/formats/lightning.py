@@ -172,17 +172,46 @@ def save_lightning(path: str | Path, model: nn.Module, optimizer: torch.optim.Op
 
 
 def read_lightning(path: str | Path) -> dict[str, Any]:
-    """A Lightning checkpoint, loaded with ``weights_only=True`` and checked for the entries ckptio uses."""
+    """A Lightning checkpoint, loaded with ``weights_only=True`` and checked for the entries ckptio uses: nested
+    at most :data:`~ckptio.storage.parse.MAX_DEPTH` deep, a ``state_dict`` mapping names to values, integer
+    ``global_step`` and ``epoch`` (when present). Anything else is a :class:`CheckpointCorruptError` naming
+    ``path``."""
+    from ..storage.parse import as_int, check_depth, field, parsing
+
     path = Path(path)
     if not path.is_file():
         raise CheckpointNotFoundError(f"{path}: no such Lightning checkpoint")
-    ckpt = pt_format.load(path)  # entries holding arbitrary Python objects are refused, never executed
-    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):
-        raise CheckpointCorruptError(f"{path}: not a Lightning checkpoint (no state_dict mapping)")
-    for key in ("global_step", "epoch"):
-        if not isinstance(ckpt.get(key, 0), int):
-            raise CheckpointCorruptError(f"{path}: {key} is not an integer")
+    with parsing(path, "Lightning checkpoint"):
+        ckpt = pt_format.load(path)  # entries holding arbitrary Python objects are refused, never executed
+        if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):
+            raise CheckpointCorruptError(f"{path}: not a Lightning checkpoint (no state_dict mapping)")
+        check_depth(ckpt, path)
+        odd = next((k for k in ckpt["state_dict"] if type(k) is not str), None)
+        if odd is not None:
+            raise CheckpointCorruptError(f"{path}: the state_dict holds a key that is not a string ({odd!r:.60})")
+        for key in ("global_step", "epoch"):
+            as_int(field(ckpt, key, int, path, default=0), path, repr(key))
     return ckpt
+
+
+def _one_state(ckpt: dict[str, Any], key: str, what: str, path: Path) -> dict[str, Any]:
+    """The single ``what`` state a Lightning checkpoint holds under ``key`` (a list of one mapping)."""
+    from ..storage.parse import field
+
+    states = field(ckpt, key, list, path, default=[])
+    if len(states) != 1:
+        raise CheckpointMismatchError(f"{path}: holds {len(states)} {what} states; ckptio imports exactly one")
+    if not isinstance(states[0], dict):
+        raise CheckpointCorruptError(f"{path}: its {what} state is a {type(states[0]).__name__}, not a mapping")
+    return states[0]
+
+
+def _batches_done(ckpt: dict[str, Any], step: int) -> int:
+    """Batches done in the current epoch, from the fit loop's progress (``step`` when it does not say)."""
+    node: Any = ckpt.get("loops")
+    for key in ("fit_loop", "epoch_loop.batch_progress", "current", "ready"):
+        node = node.get(key) if isinstance(node, dict) else None
+    return node if type(node) is int and node >= 0 else step
 
 
 def _strip(keys: set[str], wanted: set[str], prefix: str | None) -> str:
@@ -218,29 +247,23 @@ def load_lightning(path: str | Path, model: nn.Module, optimizer: torch.optim.Op
             f"missing {missing[:3]}, unexpected {unexpected[:3]}"
         )
     for key, value in weights.items():
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointCorruptError(f"{path}: state_dict entry {prefix + key!r} is a {type(value).__name__}, "
+                                         "not a tensor")
         if tuple(value.shape) != tuple(model.state_dict()[key].shape):
             raise CheckpointMismatchError(f"{path}: {key} has shape {list(value.shape)}, the model expects "
                                           f"{list(model.state_dict()[key].shape)}")
     model.load_state_dict(weights)
     if optimizer is not None:
-        states = ckpt.get("optimizer_states") or []
-        if len(states) != 1:
-            raise CheckpointMismatchError(f"{path}: holds {len(states)} optimizer states; ckptio imports exactly one")
+        optim_state = _one_state(ckpt, "optimizer_states", "optimizer", path)
         try:
-            optimizer.load_state_dict(states[0])
+            optimizer.load_state_dict(optim_state)
         except (ValueError, KeyError) as exc:
             raise CheckpointMismatchError(f"{path}: its optimizer state does not fit this optimizer ({exc})") from exc
     if lr_scheduler is not None:
-        scheds = ckpt.get("lr_schedulers") or []
-        if len(scheds) != 1:
-            raise CheckpointMismatchError(f"{path}: holds {len(scheds)} LR scheduler states; expected one")
-        lr_scheduler.load_state_dict(scheds[0])
-    step, epoch = int(ckpt.get("global_step", 0)), int(ckpt.get("epoch", 0))
-    try:
-        batches = int(ckpt["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]["ready"])
-    except (KeyError, TypeError, ValueError):
-        batches = step
-    return LightningPosition(step=step, epoch=epoch, batches_in_epoch=batches)
+        lr_scheduler.load_state_dict(_one_state(ckpt, "lr_schedulers", "LR scheduler", path))
+    step, epoch = ckpt.get("global_step", 0), ckpt.get("epoch", 0)
+    return LightningPosition(step=step, epoch=epoch, batches_in_epoch=_batches_done(ckpt, step))
 
 
 class LightningFile(Format):
@@ -264,7 +287,7 @@ class LightningFile(Format):
         if sd and all(k.startswith("model.") for k in sd):  # the LightningModule's model attribute
             sd = {k[len("model."):]: v for k, v in sd.items()}
         return Opened(self.name, DictSource(only_tensors(sd, path), path.parent), None,
-                      int(ckpt.get("global_step", 0)), int(ckpt.get("epoch", 0)))
+                      ckpt.get("global_step", 0), ckpt.get("epoch", 0))
 
     def write(self, opened: "Opened", source: "TensorSource", out: Path, options: "WriteOptions") -> None:
         from .torch_file import all_tensors, save_tensors_file
