@@ -34,11 +34,13 @@ try:
 except ImportError as _missing:  # the integration is an extra
     raise MissingDependencyError("ckptio.accelerate needs accelerate: pip install 'ckptio[accelerate]'") from _missing
 
-__all__ = ["CkptioAccelerator", "usable_checkpoints"]
+__all__ = ["CkptioAccelerator", "usable_checkpoints", "read_random_states"]
 
 log = logging.getLogger("ckptio")
 _NAME = re.compile(r"^checkpoint_(\d+)$")
 _CUSTOM = re.compile(r"^custom_checkpoint_(\d+)\.pkl$")
+_RANDOM = re.compile(r"^random_states_(\d+)\.pkl$")
+_MAX_RNG = 64 << 20
 
 
 class CkptioAccelerator(Accelerator):
@@ -50,8 +52,12 @@ class CkptioAccelerator(Accelerator):
         if ckptio_verify not in ("full", "size"):
             raise ValueError(f"ckptio_verify must be 'full' or 'size', not {ckptio_verify!r}")
         super().__init__(*args, **kwargs)
+        from .framework_dirs import CheckedOnce
+
         self.ckptio_verify = ckptio_verify
         self._ckptio_swept = False
+        # what total_limit counts: the folders load_state would take (each read once in this run)
+        self._ckptio_complete = CheckedOnce(lambda path: _check(path, ckptio_verify))
         if self.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
             raise CheckpointError(f"CkptioAccelerator checkpoints single-process and DDP runs; under "
                                   f"{self.distributed_type} accelerate writes sharded states through its own code")
@@ -88,7 +94,8 @@ class CkptioAccelerator(Accelerator):
         if self.is_main_process:
             _commit(LocalFolderWriter(final, tmp), self)
             if auto:
-                remove_oldest(final.parent, _NAME, config.total_limit, setting="total_limit")
+                remove_oldest(final.parent, _NAME, config.total_limit, check=self._ckptio_complete, saved=final.name,
+                              setting="total_limit")
         self.wait_for_everyone()  # committed before any process reads it
         return str(final)
 
@@ -164,15 +171,58 @@ def usable_checkpoints(folder: str | Path, *, verify: str = "full") -> tuple[lis
 
 
 def _check(path: Path, verify: str) -> None:
+    """Raise a :class:`CheckpointError` naming what is wrong unless ``path`` is a complete folder: its manifest
+    matches, or (accelerate's own folder, no manifest) every file reads through ckptio's safe readers. The RNG
+    states are read and checked in every folder (accelerate would skip a bad one silently)."""
     from .framework_dirs import check_manifest
     from .storage.confined import Folder
 
     if path.is_symlink() or not path.is_dir():
         raise CheckpointCorruptError(f"{path}: not a directory (a link is never a checkpoint)")
     folder = Folder(path)
-    if not check_manifest(folder, verify, required=False) and folder.kind("random_states_0.pkl") is None:
+    committed = check_manifest(folder, verify, required=False)
+    if not committed and folder.kind("random_states_0.pkl") is None:
         # accelerate writes the RNG states after everything but the registered objects' states
         raise CheckpointCorruptError(f"{path}: no manifest and no random_states_0.pkl (a save cut short)")
+    for name in sorted(e.name for e in folder.listdir() if e.kind == "file"):
+        if _RANDOM.match(name):
+            read_random_states(folder, name)
+        elif committed:
+            continue
+        elif name.endswith(".safetensors"):
+            from .formats._st_reader import SafetensorsFile
+
+            SafetensorsFile(folder, name).close()  # header, offsets and the file's size agree
+        elif name.endswith((".bin", ".pt")) or _CUSTOM.match(name):
+            from .formats import pt as pt_format
+
+            pt_format.load(folder.display(name), mmap=True)  # weights_only; the archive's records all present
+
+
+def read_random_states(folder: Any, name: str) -> dict[str, Any]:
+    """accelerate's ``random_states_R.pkl`` in ``folder`` through ckptio's restricted unpickler, each generator's
+    state checked for the structure and ranges its ``set_state`` takes."""
+    from .formats import megatron_pickle
+    from .framework_dirs import check_numpy_rng, check_python_rng, check_torch_rng
+    from .storage.parse import as_int, check_depth
+
+    where = folder.display(name)
+    states, placeholders = megatron_pickle.load(folder, name, max_size=_MAX_RNG)
+    if placeholders or not isinstance(states, dict) or \
+            not {"random_state", "numpy_random_seed", "torch_manual_seed"} <= set(states):
+        raise CheckpointCorruptError(f"{where}: not accelerate's random states (expected random_state, "
+                                     "numpy_random_seed and torch_manual_seed)")
+    check_depth(states, where)
+    if "step" in states:
+        as_int(states["step"], where, "step")
+    check_python_rng(states["random_state"], where, "random_state")
+    check_numpy_rng(states["numpy_random_seed"], where, "numpy_random_seed")
+    check_torch_rng(states["torch_manual_seed"], where, "torch_manual_seed")
+    for key in set(states) - {"step", "random_state", "numpy_random_seed", "torch_manual_seed"}:
+        if not isinstance(key, str) or not key.endswith("_seed"):
+            raise CheckpointCorruptError(f"{where}: an unknown entry {str(key)[:40]!r}")
+        check_torch_rng(states[key], where, key, many=True)
+    return states
 
 
 def _commit(writer: Any, accelerator: Any) -> None:
