@@ -67,6 +67,20 @@ def test_trainer_retention_never_counts_a_torn_folder_nor_deletes_the_newest_com
     assert again.state.global_step == 6 and _names(tmp_path) == ["checkpoint-6", "checkpoint-8"]
 
 
+def test_the_end_of_training_keeps_the_best_and_the_newest_and_leaves_a_torn_folder(tmp_path):
+    """save_total_limit=1 with a best (step 8 of 12): the plain Trainer ends deleting every folder but the best, the
+    newest complete one and a torn one included; ckptio keeps the best and the newest, and leaves the torn one."""
+    torn = tmp_path / "checkpoint-40"
+    torn.mkdir(parents=True)
+    (torn / "config.json").write_text("{}")
+    ours = trainer(CkptioTrainer, tmp_path, 12, evaluate=True, save_total_limit=1, metric_for_best_model="score",
+                   greater_is_better=True, load_best_model_at_end=True)
+    ours.train()
+    assert Path(ours.state.best_model_checkpoint).name == "checkpoint-8" and ours.args.save_total_limit == 1
+    assert _names(tmp_path) == ["checkpoint-8", "checkpoint-12", "checkpoint-40"]
+    assert last_checkpoint(tmp_path).name == "checkpoint-12"
+
+
 def test_accelerate_total_limit_never_counts_a_torn_folder(tmp_path):
     acc_train(tmp_path, CkptioAccelerator, stop=3, limit=1)  # checkpoint_0
     ckpts = tmp_path / "checkpoints"

@@ -145,6 +145,19 @@ class CkptioTrainerMixin:
             _check(Path(best), self.ckptio_verify, True)
         super()._load_best_model()  # type: ignore[misc]
 
+    def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer._finalize_training`` without its last deletion: with ``save_total_limit=1`` and a best checkpoint
+        the Trainer would now delete every folder but the best (the newest complete one and any torn one too).
+        ckptio's retention already ran at the last save, keeping the best and the newest complete checkpoint."""
+        me: Any = self
+        limit = me.args.save_total_limit
+        if limit == 1:
+            me.args.save_total_limit = None
+        try:
+            return super()._finalize_training(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            me.args.save_total_limit = limit
+
     # --------------------------------------------------------------------------------------------- saving
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """The Trainer's save, written into a hidden folder by every rank and committed by rank 0."""
