@@ -158,6 +158,20 @@ def test_a_trainer_state_of_the_wrong_shape_is_skipped_for_the_older_folder(tmp_
         trainer(CkptioTrainer, root, 8).train(resume_from_checkpoint=True)
 
 
+@pytest.mark.parametrize("bad", ["deep", "version", "not_an_object"])
+def test_the_model_configuration_the_trainer_reads_is_checked(tmp_path, plain_hf, bad):
+    root = _copy(plain_hf, tmp_path / "out")
+    config = root / "checkpoint-8" / "config.json"
+    text = {"deep": '{"transformers_version": "5.0", "x": ' + "[" * 100_000 + "]" * 100_000 + "}",
+            "version": json.dumps({**json.loads(config.read_text()), "transformers_version": 5}),
+            "not_an_object": "[1, 2]"}[bad]
+    config.write_text(text)
+    good, skipped = usable_checkpoints(root)
+    assert [p.name for p in good] == ["checkpoint-4"] and "config.json" in dict(skipped)["checkpoint-8"]
+    with pytest.raises(CheckpointCorruptError, match="config.json"):
+        trainer(CkptioTrainer, root, 12).train(resume_from_checkpoint=str(root / "checkpoint-8"))
+
+
 # ------------------------------------------------------------------------------------------- row 3: the RNG state
 def _rng_file(path: Path, python: tuple) -> None:
     torch.save({"python": python, "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()}, path)

@@ -9,8 +9,11 @@ the plain ``Accelerator.load_state`` still reads it; ckptio adds what accelerate
 * ``load_state()`` with automatic naming takes the newest *complete* ``checkpoint_N`` (damaged or torn ones are
   skipped with the reason; accelerate takes the highest number, whatever it holds) and sets the iteration
   counter after it, so the next ``save_state`` does not reuse a number;
-* ``total_limit`` counts complete checkpoints only and deletes hide-first, after the new one is in place (accelerate
-  deletes before writing, so a crash mid-save can leave fewer checkpoints than the limit promises);
+* ``total_limit`` counts complete checkpoints only (those ``load_state`` would take: a torn folder is neither
+  counted nor deleted, the newest complete one never deleted) and deletes hide-first, after the new one is in place
+  (accelerate deletes before writing, so a crash mid-save can leave fewer checkpoints than the limit promises);
+* a folder without a manifest (the plain ``Accelerator``'s) is taken only when each of its files reads whole
+  through ckptio's safe readers, and every folder's RNG states are checked (accelerate skips a bad one silently);
 * the registered objects' states are read with ``weights_only`` (accelerate unpickles them without restriction),
   every file through ckptio's confined reads; a file missing for a registered object is an error.
 

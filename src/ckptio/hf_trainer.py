@@ -18,17 +18,21 @@ What changes is how it gets there and how it is read back:
 * **Resume from the newest complete checkpoint.** ``train(resume_from_checkpoint=True)`` takes the newest
   ``checkpoint-N`` whose files all match its manifest (every byte checksummed unless ``verify="size"``);
   damaged or torn ones are skipped with a warning naming the reason. A folder without a manifest (written by
-  the plain ``Trainer``) is taken when its ``trainer_state.json`` is valid and its state files are present.
+  the plain ``Trainer``) is taken when each of its files reads whole through ckptio's safe readers.
   When folders exist but none is usable, :class:`~ckptio.errors.NoUsableCheckpointError` is raised instead of
   silently starting over; an empty ``output_dir`` starts a fresh run (the plain ``Trainer`` raises there, which
   makes one command for the first start and every restart impossible).
 * **Safe reads.** Optimizer and scheduler states load with ``weights_only``, the RNG files through ckptio's
   restricted unpickler, each opened as a regular file inside the checkpoint (no links); ``training_args.bin``
-  (a full pickle) is never read. A resume that lacks the optimizer or scheduler state is refused instead of
-  restarting them silently.
+  (a full pickle) is never read. ``trainer_state.json``, ``config.json`` and the weights' index are read
+  bounded (size, nesting) and every field the Trainer uses is type-checked; each RNG state is checked for what
+  its ``setstate`` takes when its folder is checked, not when it is applied. A resume that lacks the optimizer or
+  scheduler state is refused instead of restarting them silently.
 * **Retention** follows the Trainer's own rule (``save_total_limit`` newest, the newest and the best by
-  ``metric_for_best_model`` always kept), counts only complete checkpoints, and deletes a checkpoint by hiding
-  it first, so a crash never leaves half of one under its name.
+  ``metric_for_best_model`` always kept) over complete checkpoints only (those a resume accepts: a torn folder is
+  neither counted as kept nor deleted; the one just written and the newest complete one are never deleted), and
+  deletes a checkpoint by hiding it first, so a crash never leaves half of one under its name. The Trainer's
+  last deletion at the end of a run (``save_total_limit=1``: all but the best) is left out.
 
 Single process and DDP (``torchrun``) are supported. Under DeepSpeed or FSDP the Trainer writes sharded states
 through its own code; ``CkptioTrainer`` refuses them at construction rather than pretend.
@@ -136,7 +140,7 @@ class CkptioTrainerMixin:
             log.warning("ckptio: %s has no %s (saved on another number of ranks): the random streams start anew",
                         checkpoint, name)
             return
-        _apply_rng(read_rng_state(Path(checkpoint), name), me.args.parallel_mode)
+        _apply_rng(read_rng_state(Path(checkpoint), name), me.args.parallel_mode, Path(checkpoint) / name)
 
     def _load_best_model(self) -> None:
         me: Any = self
@@ -258,29 +262,46 @@ def _check(path: Path, verify: str, model_only: bool) -> None:
     for entry in folder.listdir():
         if _RNG.match(entry.name):
             read_rng_state(path, entry.name)
+    _side_files(folder)
     if not committed:
         _read_files(folder)
+
+
+def _side_files(folder: Any) -> None:
+    """The JSON files the Trainer reads when it resumes (``config.json`` for its version, the weights' index, the
+    adapter's configuration), read bounded and typed as the readers use them."""
+    from transformers.configuration_utils import PreTrainedConfig
+
+    from .storage.parse import field, parsing, read_json
+
+    names = {e.name for e in folder.listdir() if e.kind == "file"}
+    if "config.json" in names:
+        where = folder.display("config.json")
+        config = read_json(folder, "config.json", max_size=_MAX_JSON, what="a model configuration ")
+        field(config, "transformers_version", (str, type(None)), where, default=None)
+        with parsing(where, "as a model configuration"):
+            PreTrainedConfig.from_dict(config)
+    if "adapter_config.json" in names:
+        read_json(folder, "adapter_config.json", max_size=_MAX_JSON, what="an adapter configuration ")
+    for name in sorted(n for n in names if n.endswith(".index.json")):
+        where = folder.display(name)
+        shards = field(read_json(folder, name, max_size=_MAX_JSON), "weight_map", dict, where)
+        for shard in set(shards.values()):
+            if not isinstance(shard, str) or shard not in names:
+                raise CheckpointCorruptError(f"{where}: names a shard {str(shard)[:80]!r} the folder does not hold")
 
 
 def _read_files(folder: Any) -> None:
     """Read the weights and states of a folder without a manifest as a resume will, refusing any that is torn."""
     from .formats import pt as pt_format
     from .formats._st_reader import SafetensorsFile
-    from .storage.parse import field, read_json
 
-    names = {e.name for e in folder.listdir() if e.kind == "file"}
-    for name in sorted(names):
+    for name in sorted(e.name for e in folder.listdir() if e.kind == "file"):
         if name.endswith(".safetensors"):
             SafetensorsFile(folder, name).close()  # header, offsets and the file's size agree
         elif name in (_OPTIMIZER, _SCHEDULER, "scaler.pt", "pytorch_model.bin", "adapter_model.bin") or \
                 name.startswith("pytorch_model-") and name.endswith(".bin"):
             pt_format.load(folder.display(name), mmap=True)  # weights_only, the archive's records all present
-        elif name.endswith(".index.json"):
-            where = folder.display(name)
-            shards = field(read_json(folder, name, max_size=_MAX_JSON), "weight_map", dict, where)
-            for shard in set(shards.values()):
-                if not isinstance(shard, str) or shard not in names:
-                    raise CheckpointCorruptError(f"{where}: names a shard {str(shard)[:80]!r} the folder does not hold")
 
 
 _NUMBER = (int, float)
@@ -372,16 +393,16 @@ def read_rng_state(checkpoint: Path, name: str) -> dict[str, Any]:
     return state
 
 
-def _apply_rng(state: dict[str, Any], parallel_mode: Any) -> None:
+def _apply_rng(state: dict[str, Any], parallel_mode: Any, where: object) -> None:
     import numpy as np
 
-    try:
+    from .storage.parse import parsing
+
+    with parsing(where, "its RNG state"):  # checked by read_rng_state: anything left is named, not raised bare
         py = state["python"]
         random.setstate((py[0], tuple(py[1]), py[2]))
         np.random.set_state(state["numpy"])
         torch.random.set_rng_state(state["cpu"])
-    except (TypeError, ValueError, IndexError, RuntimeError) as exc:
-        raise CheckpointCorruptError(f"an RNG state that cannot be restored ({type(exc).__name__}: {exc})") from exc
     if torch.cuda.is_available() and "cuda" in state:
         from transformers.trainer_pt_utils import set_rng_state_for_device
         from transformers.training_args import ParallelMode
