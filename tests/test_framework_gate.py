@@ -172,6 +172,16 @@ def test_the_model_configuration_the_trainer_reads_is_checked(tmp_path, plain_hf
         trainer(CkptioTrainer, root, 12).train(resume_from_checkpoint=str(root / "checkpoint-8"))
 
 
+def test_a_callback_state_that_does_not_fit_its_class_is_named(tmp_path, plain_hf):
+    root = _copy(plain_hf, tmp_path / "out")
+    path = root / "checkpoint-8" / "trainer_state.json"
+    state = json.loads(path.read_text())
+    state["stateful_callbacks"]["TrainerControl"]["args"]["no_such_argument"] = True
+    path.write_text(json.dumps(state))
+    with pytest.raises(CheckpointCorruptError, match="trainer_state.json.*TrainerControl"):
+        trainer(CkptioTrainer, root, 12, restore_callback_states_from_checkpoint=True).train(resume_from_checkpoint=True)
+
+
 # ------------------------------------------------------------------------------------------- row 3: the RNG state
 def _rng_file(path: Path, python: tuple) -> None:
     torch.save({"python": python, "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()}, path)

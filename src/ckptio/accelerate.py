@@ -207,24 +207,28 @@ def read_random_states(folder: Any, name: str) -> dict[str, Any]:
     state checked for the structure and ranges its ``set_state`` takes."""
     from .formats import megatron_pickle
     from .framework_dirs import check_numpy_rng, check_python_rng, check_torch_rng
-    from .storage.parse import as_int, check_depth
+    from .storage.parse import as_int, check_depth, parsing
 
     where = folder.display(name)
     states, placeholders = megatron_pickle.load(folder, name, max_size=_MAX_RNG)
-    if placeholders or not isinstance(states, dict) or \
-            not {"random_state", "numpy_random_seed", "torch_manual_seed"} <= set(states):
-        raise CheckpointCorruptError(f"{where}: not accelerate's random states (expected random_state, "
-                                     "numpy_random_seed and torch_manual_seed)")
-    check_depth(states, where)
-    if "step" in states:
-        as_int(states["step"], where, "step")
-    check_python_rng(states["random_state"], where, "random_state")
-    check_numpy_rng(states["numpy_random_seed"], where, "numpy_random_seed")
-    check_torch_rng(states["torch_manual_seed"], where, "torch_manual_seed")
-    for key in set(states) - {"step", "random_state", "numpy_random_seed", "torch_manual_seed"}:
-        if not isinstance(key, str) or not key.endswith("_seed"):
-            raise CheckpointCorruptError(f"{where}: an unknown entry {str(key)[:40]!r}")
-        check_torch_rng(states[key], where, key, many=True)
+    with parsing(where, "as accelerate's random states"):
+        if placeholders or not isinstance(states, dict) or \
+                not {"random_state", "numpy_random_seed", "torch_manual_seed"} <= set(states):
+            raise CheckpointCorruptError(f"{where}: not accelerate's random states (expected random_state, "
+                                         "numpy_random_seed and torch_manual_seed)")
+        check_depth(states, where)
+        if "step" in states:
+            as_int(states["step"], where, "step")
+        check_python_rng(states["random_state"], where, "random_state")
+        check_numpy_rng(states["numpy_random_seed"], where, "numpy_random_seed")
+        check_torch_rng(states["torch_manual_seed"], where, "torch_manual_seed")
+        for key in set(states) - {"step", "random_state", "numpy_random_seed", "torch_manual_seed"}:
+            if key == "xm_seed":  # an XLA device's seed: an integer
+                as_int(states[key], where, key)
+            elif not isinstance(key, str) or not key.endswith("_manual_seed"):
+                raise CheckpointCorruptError(f"{where}: an unknown entry {str(key)[:40]!r}")
+            else:
+                check_torch_rng(states[key], where, key, many=True)
     return states
 
 

@@ -170,7 +170,7 @@ def check_numpy_rng(value: Any, where: object, what: str) -> Any:
     position in [0, 624], a gauss flag and a float); else an error naming ``where`` and ``what``."""
     import numpy as np
 
-    if not isinstance(value, (tuple, list)) or len(value) != 5 or value[0] != "MT19937":
+    if not isinstance(value, (tuple, list)) or len(value) != 5 or not isinstance(value[0], str) or value[0] != "MT19937":
         raise CheckpointCorruptError(f"{where}: {what} is not a numpy MT19937 state")
     _, words, pos, has_gauss, gauss = value
     if not isinstance(words, np.ndarray) or words.dtype != np.uint32 or words.shape != (_MT_WORDS,):

@@ -90,6 +90,7 @@ class CkptioTrainerMixin:
 
         self.ckptio_verify = ckptio_verify
         self._ckptio_swept = False
+        self._ckptio_resuming: Path | None = None
         me: Any = self
         # what retention counts: the folders a resume would take (each read once in this run)
         self._ckptio_complete = CheckedOnce(lambda path: _check(path, ckptio_verify, me.args.save_only_model))
@@ -110,7 +111,25 @@ class CkptioTrainerMixin:
             resume_from_checkpoint = str(found) if found is not None else None
         elif resume_from_checkpoint:
             _check(Path(str(resume_from_checkpoint)), self.ckptio_verify, me.args.save_only_model)
+        self._ckptio_resuming = Path(resume_from_checkpoint) if resume_from_checkpoint else None
         return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
+
+    def _load_callback_state(self) -> None:
+        """``Trainer._load_callback_state`` once the arguments stored for each callback of this run are known to fit
+        its class (the Trainer calls the class with them): a state that does not is an error naming the file."""
+        import inspect
+
+        me: Any = self
+        if me.args.restore_callback_states_from_checkpoint:
+            classes = {type(cb).__name__: type(cb) for cb in me.callback_handler.callbacks + [me.control]}
+            for name, states in me.state.stateful_callbacks.items():
+                for state in (states if isinstance(states, list) else [states]) if name in classes else ():
+                    try:
+                        inspect.signature(classes[name]).bind(**state.get("args", {}))
+                    except TypeError as exc:
+                        raise CheckpointCorruptError(f"{self._ckptio_resuming}/{_TRAINER_STATE}: the stored state of "
+                                                     f"the callback {name} does not fit its class ({exc})") from exc
+        super()._load_callback_state()  # type: ignore[misc]
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         from .formats import pt as pt_format
@@ -377,19 +396,20 @@ def read_rng_state(checkpoint: Path, name: str) -> dict[str, Any]:
     from .formats import megatron_pickle
     from .framework_dirs import check_numpy_rng, check_python_rng, check_torch_rng
     from .storage.confined import Folder
-    from .storage.parse import check_depth
+    from .storage.parse import check_depth, parsing
 
     folder = Folder(checkpoint)
     state, placeholders = megatron_pickle.load(folder, name, max_size=_MAX_RNG)
     where = folder.display(name)
-    if placeholders or not isinstance(state, dict) or not {"python", "numpy", "cpu"} <= set(state):
-        raise CheckpointCorruptError(f"{where}: not a Trainer RNG state (expected python, numpy and cpu states)")
-    check_depth(state, where)
-    check_python_rng(state["python"], where, "its python state")
-    check_numpy_rng(state["numpy"], where, "its numpy state")
-    check_torch_rng(state["cpu"], where, "its cpu state")
-    for device in set(state) - {"python", "numpy", "cpu"}:
-        check_torch_rng(state[device], where, f"its {str(device)[:20]} state", many=True)
+    with parsing(where, "as a Trainer RNG state"):
+        if placeholders or not isinstance(state, dict) or not {"python", "numpy", "cpu"} <= set(state):
+            raise CheckpointCorruptError(f"{where}: not a Trainer RNG state (expected python, numpy and cpu states)")
+        check_depth(state, where)
+        check_python_rng(state["python"], where, "its python state")
+        check_numpy_rng(state["numpy"], where, "its numpy state")
+        check_torch_rng(state["cpu"], where, "its cpu state")
+        for device in set(state) - {"python", "numpy", "cpu"}:
+            check_torch_rng(state[device], where, f"its {str(device)[:20]} state", many=True)
     return state
 
 
