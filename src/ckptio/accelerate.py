@@ -177,7 +177,7 @@ def _check(path: Path, verify: str) -> None:
     """Raise a :class:`CheckpointError` naming what is wrong unless ``path`` is a complete folder: its manifest
     matches, or (accelerate's own folder, no manifest) every file reads through ckptio's safe readers. The RNG
     states are read and checked in every folder (accelerate would skip a bad one silently)."""
-    from .framework_dirs import check_manifest
+    from .framework_dirs import check_manifest, read_files
     from .storage.confined import Folder
 
     if path.is_symlink() or not path.is_dir():
@@ -187,19 +187,11 @@ def _check(path: Path, verify: str) -> None:
     if not committed and folder.kind("random_states_0.pkl") is None:
         # accelerate writes the RNG states after everything but the registered objects' states
         raise CheckpointCorruptError(f"{path}: no manifest and no random_states_0.pkl (a save cut short)")
-    for name in sorted(e.name for e in folder.listdir() if e.kind == "file"):
-        if _RANDOM.match(name):
-            read_random_states(folder, name)
-        elif committed:
-            continue
-        elif name.endswith(".safetensors"):
-            from .formats._st_reader import SafetensorsFile
-
-            SafetensorsFile(folder, name).close()  # header, offsets and the file's size agree
-        elif name.endswith((".bin", ".pt")) or _CUSTOM.match(name):
-            from .formats import pt as pt_format
-
-            pt_format.load(folder.display(name), mmap=True)  # weights_only; the archive's records all present
+    for entry in folder.listdir():
+        if _RANDOM.match(entry.name):
+            read_random_states(folder, entry.name)
+    if not committed:  # nothing says its files are whole: read them (the RNG states were, above)
+        read_files(folder, lambda name: name.endswith((".bin", ".pt")) or bool(_CUSTOM.match(name)))
 
 
 def read_random_states(folder: Any, name: str) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from typing import Any, Callable
 from .errors import CheckpointCorruptError, CheckpointError, NoUsableCheckpointError
 from .storage.parse import as_float, as_int
 
-__all__ = ["check_manifest", "usable", "newest", "commit", "remove_oldest", "CheckedOnce", "check_python_rng",
+__all__ = ["check_manifest", "usable", "newest", "commit", "remove_oldest", "read_files", "CheckedOnce", "check_python_rng",
            "check_numpy_rng", "check_torch_rng"]
 
 log = logging.getLogger("ckptio")
@@ -121,6 +121,20 @@ def remove_oldest(root: Path, name: re.Pattern[str], limit: int | None, *, keep:
         log.info("ckptio: deleting %s (%s=%d)", p.name, setting, limit)
         remove_tree(p)
     return doomed
+
+
+def read_files(folder: Any, is_state: Callable[[str], bool]) -> None:
+    """Read the files of ``folder`` (one without a manifest) as a load will, raising an error naming the first that
+    is torn or unsafe: each ``.safetensors`` file's header against its size, each pickled state ``is_state`` names
+    through ``torch.load(weights_only=True)`` (mapped, so every record of its archive must be present)."""
+    from .formats import pt as pt_format
+    from .formats._st_reader import SafetensorsFile
+
+    for name in sorted(e.name for e in folder.listdir() if e.kind == "file"):
+        if name.endswith(".safetensors"):
+            SafetensorsFile(folder, name).close()
+        elif is_state(name):
+            pt_format.load(folder.display(name), mmap=True)
 
 
 class CheckedOnce:

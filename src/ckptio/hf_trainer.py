@@ -70,6 +70,7 @@ _WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.
             "adapter_model.safetensors", "adapter_model.bin")
 _INCOMPLETE = "checkpoint-is-incomplete.txt"  # the Trainer's own marker of a save it began on SIGTERM
 _RNG = re.compile(r"^rng_state(_\d+)?\.pth$")
+_STATES = (_OPTIMIZER, _SCHEDULER, "scaler.pt", "pytorch_model.bin", "adapter_model.bin")  # read weights_only
 
 
 class CkptioTrainerMixin:
@@ -261,7 +262,7 @@ def _check(path: Path, verify: str, model_only: bool) -> None:
     Every folder's ``trainer_state.json`` is checked field by field and its RNG files read and checked (both are
     small); a folder without a manifest (the plain Trainer's) has its other files read through ckptio's safe
     readers too, as nothing else says they are whole."""
-    from .framework_dirs import check_manifest
+    from .framework_dirs import check_manifest, read_files
     from .storage.confined import Folder
 
     if path.is_symlink() or not path.is_dir():
@@ -282,8 +283,8 @@ def _check(path: Path, verify: str, model_only: bool) -> None:
         if _RNG.match(entry.name):
             read_rng_state(path, entry.name)
     _side_files(folder)
-    if not committed:
-        _read_files(folder)
+    if not committed:  # nothing says its files are whole: read them
+        read_files(folder, lambda n: n in _STATES or n.startswith("pytorch_model-") and n.endswith(".bin"))
 
 
 def _side_files(folder: Any) -> None:
@@ -308,19 +309,6 @@ def _side_files(folder: Any) -> None:
         for shard in set(shards.values()):
             if not isinstance(shard, str) or shard not in names:
                 raise CheckpointCorruptError(f"{where}: names a shard {str(shard)[:80]!r} the folder does not hold")
-
-
-def _read_files(folder: Any) -> None:
-    """Read the weights and states of a folder without a manifest as a resume will, refusing any that is torn."""
-    from .formats import pt as pt_format
-    from .formats._st_reader import SafetensorsFile
-
-    for name in sorted(e.name for e in folder.listdir() if e.kind == "file"):
-        if name.endswith(".safetensors"):
-            SafetensorsFile(folder, name).close()  # header, offsets and the file's size agree
-        elif name in (_OPTIMIZER, _SCHEDULER, "scaler.pt", "pytorch_model.bin", "adapter_model.bin") or \
-                name.startswith("pytorch_model-") and name.endswith(".bin"):
-            pt_format.load(folder.display(name), mmap=True)  # weights_only, the archive's records all present
 
 
 _NUMBER = (int, float)
