@@ -56,6 +56,8 @@ def usable(root: str | Path, name: re.Pattern[str], check: Callable[[Path], None
             check(path)
         except CheckpointError as exc:
             skipped.append((path.name, str(exc)))
+        except OSError as exc:  # a folder that cannot be read is not usable either; the reason is kept
+            skipped.append((path.name, f"{path}: cannot be read ({exc})"))
         else:
             good.append(path)
     return good, skipped
@@ -109,7 +111,7 @@ def remove_oldest(root: Path, name: re.Pattern[str], limit: int | None, *, keep:
         if path.name != saved and check is not None:
             try:
                 check(path)
-            except CheckpointError as exc:
+            except (CheckpointError, OSError) as exc:  # not provably complete: left alone
                 log.info("ckptio: %s is not a complete checkpoint, neither counted nor deleted (%s)", path.name, exc)
                 continue
         complete.append(path)  # newest first
