@@ -144,7 +144,8 @@ class CheckedOnce:
     (its inode or modification time), so retention does not re-read every kept checkpoint at each save."""
 
     def __init__(self, check: Callable[[Path], None]) -> None:
-        self.check, self.passed = check, set()
+        self.check = check
+        self.passed: set[tuple[str, int, int]] = set()
 
     def __call__(self, path: Path) -> None:
         """Raise what ``check`` raises for ``path``, unless it passed before as it is now."""

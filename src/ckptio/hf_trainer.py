@@ -360,7 +360,8 @@ def _trainer_state(folder: Any) -> TrainerState:
             raise CheckpointCorruptError(f"{where}: log_history[{i}] must be an object, found {type(entry).__name__}")
     _check_callbacks(data.get("stateful_callbacks") or {}, where)
     with parsing(where):
-        return TrainerState(**data)
+        state = TrainerState(**data)
+    return state
 
 
 def _check_callbacks(callbacks: dict[str, Any], where: object) -> None:
