@@ -290,9 +290,11 @@ def _check(path: Path, verify: str, model_only: bool) -> None:
 def _side_files(folder: Any) -> None:
     """The JSON files the Trainer reads when it resumes (``config.json`` for its version, the weights' index, the
     adapter's configuration), read bounded and typed as the readers use them."""
-    from transformers.configuration_utils import PreTrainedConfig
+    from transformers import configuration_utils
 
     from .storage.parse import field, parsing, read_json
+
+    config_class = getattr(configuration_utils, "PreTrainedConfig", None) or configuration_utils.PretrainedConfig
 
     names = {e.name for e in folder.listdir() if e.kind == "file"}
     if "config.json" in names:
@@ -300,7 +302,7 @@ def _side_files(folder: Any) -> None:
         config = read_json(folder, "config.json", max_size=_MAX_JSON, what="a model configuration ")
         field(config, "transformers_version", (str, type(None)), where, default=None)
         with parsing(where, "as a model configuration"):
-            PreTrainedConfig.from_dict(config)
+            config_class.from_dict(config)
     if "adapter_config.json" in names:
         read_json(folder, "adapter_config.json", max_size=_MAX_JSON, what="an adapter configuration ")
     for name in sorted(n for n in names if n.endswith(".index.json")):
