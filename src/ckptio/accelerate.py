@@ -9,8 +9,11 @@ the plain ``Accelerator.load_state`` still reads it; ckptio adds what accelerate
 * ``load_state()`` with automatic naming takes the newest *complete* ``checkpoint_N`` (damaged or torn ones are
   skipped with the reason; accelerate takes the highest number, whatever it holds) and sets the iteration
   counter after it, so the next ``save_state`` does not reuse a number;
-* ``total_limit`` counts complete checkpoints only and deletes hide-first, after the new one is in place (accelerate
-  deletes before writing, so a crash mid-save can leave fewer checkpoints than the limit promises);
+* ``total_limit`` counts complete checkpoints only (those ``load_state`` would take: a torn folder is neither
+  counted nor deleted, the newest complete one never deleted) and deletes hide-first, after the new one is in place
+  (accelerate deletes before writing, so a crash mid-save can leave fewer checkpoints than the limit promises);
+* a folder without a manifest (the plain ``Accelerator``'s) is taken only when each of its files reads whole
+  through ckptio's safe readers, and every folder's RNG states are checked (accelerate skips a bad one silently);
 * the registered objects' states are read with ``weights_only`` (accelerate unpickles them without restriction),
   every file through ckptio's confined reads; a file missing for a registered object is an error.
 
@@ -34,11 +37,13 @@ try:
 except ImportError as _missing:  # the integration is an extra
     raise MissingDependencyError("ckptio.accelerate needs accelerate: pip install 'ckptio[accelerate]'") from _missing
 
-__all__ = ["CkptioAccelerator", "usable_checkpoints"]
+__all__ = ["CkptioAccelerator", "usable_checkpoints", "read_random_states"]
 
 log = logging.getLogger("ckptio")
 _NAME = re.compile(r"^checkpoint_(\d+)$")
 _CUSTOM = re.compile(r"^custom_checkpoint_(\d+)\.pkl$")
+_RANDOM = re.compile(r"^random_states_(\d+)\.pkl$")
+_MAX_RNG = 64 << 20
 
 
 class CkptioAccelerator(Accelerator):
@@ -50,8 +55,12 @@ class CkptioAccelerator(Accelerator):
         if ckptio_verify not in ("full", "size"):
             raise ValueError(f"ckptio_verify must be 'full' or 'size', not {ckptio_verify!r}")
         super().__init__(*args, **kwargs)
+        from .framework_dirs import CheckedOnce
+
         self.ckptio_verify = ckptio_verify
         self._ckptio_swept = False
+        # what total_limit counts: the folders load_state would take (each read once in this run)
+        self._ckptio_complete = CheckedOnce(lambda path: _check(path, ckptio_verify))
         if self.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
             raise CheckpointError(f"CkptioAccelerator checkpoints single-process and DDP runs; under "
                                   f"{self.distributed_type} accelerate writes sharded states through its own code")
@@ -88,7 +97,8 @@ class CkptioAccelerator(Accelerator):
         if self.is_main_process:
             _commit(LocalFolderWriter(final, tmp), self)
             if auto:
-                remove_oldest(final.parent, _NAME, config.total_limit, setting="total_limit")
+                remove_oldest(final.parent, _NAME, config.total_limit, check=self._ckptio_complete, saved=final.name,
+                              setting="total_limit")
         self.wait_for_everyone()  # committed before any process reads it
         return str(final)
 
@@ -164,15 +174,54 @@ def usable_checkpoints(folder: str | Path, *, verify: str = "full") -> tuple[lis
 
 
 def _check(path: Path, verify: str) -> None:
-    from .framework_dirs import check_manifest
+    """Raise a :class:`CheckpointError` naming what is wrong unless ``path`` is a complete folder: its manifest
+    matches, or (accelerate's own folder, no manifest) every file reads through ckptio's safe readers. The RNG
+    states are read and checked in every folder (accelerate would skip a bad one silently)."""
+    from .framework_dirs import check_manifest, read_files
     from .storage.confined import Folder
 
     if path.is_symlink() or not path.is_dir():
         raise CheckpointCorruptError(f"{path}: not a directory (a link is never a checkpoint)")
     folder = Folder(path)
-    if not check_manifest(folder, verify, required=False) and folder.kind("random_states_0.pkl") is None:
+    committed = check_manifest(folder, verify, required=False)
+    if not committed and folder.kind("random_states_0.pkl") is None:
         # accelerate writes the RNG states after everything but the registered objects' states
         raise CheckpointCorruptError(f"{path}: no manifest and no random_states_0.pkl (a save cut short)")
+    for entry in folder.listdir():
+        if _RANDOM.match(entry.name):
+            read_random_states(folder, entry.name)
+    if not committed:  # nothing says its files are whole: read them (the RNG states were, above)
+        read_files(folder, lambda name: name.endswith((".bin", ".pt")) or bool(_CUSTOM.match(name)))
+
+
+def read_random_states(folder: Any, name: str) -> dict[str, Any]:
+    """accelerate's ``random_states_R.pkl`` in ``folder`` through ckptio's restricted unpickler, each generator's
+    state checked for the structure and ranges its ``set_state`` takes."""
+    from .formats import megatron_pickle
+    from .framework_dirs import check_numpy_rng, check_python_rng, check_torch_rng
+    from .storage.parse import as_int, check_depth, parsing
+
+    where = folder.display(name)
+    states, placeholders = megatron_pickle.load(folder, name, max_size=_MAX_RNG)
+    with parsing(where, "as accelerate's random states"):
+        if placeholders or not isinstance(states, dict) or \
+                not {"random_state", "numpy_random_seed", "torch_manual_seed"} <= set(states):
+            raise CheckpointCorruptError(f"{where}: not accelerate's random states (expected random_state, "
+                                         "numpy_random_seed and torch_manual_seed)")
+        check_depth(states, where)
+        if "step" in states:
+            as_int(states["step"], where, "step")
+        check_python_rng(states["random_state"], where, "random_state")
+        check_numpy_rng(states["numpy_random_seed"], where, "numpy_random_seed")
+        check_torch_rng(states["torch_manual_seed"], where, "torch_manual_seed")
+        for key in set(states) - {"step", "random_state", "numpy_random_seed", "torch_manual_seed"}:
+            if key == "xm_seed":  # an XLA device's seed: an integer
+                as_int(states[key], where, key)
+            elif not isinstance(key, str) or not key.endswith("_manual_seed"):
+                raise CheckpointCorruptError(f"{where}: an unknown entry {str(key)[:40]!r}")
+            else:
+                check_torch_rng(states[key], where, key, many=True)
+    return states
 
 
 def _commit(writer: Any, accelerator: Any) -> None:

@@ -18,17 +18,21 @@ What changes is how it gets there and how it is read back:
 * **Resume from the newest complete checkpoint.** ``train(resume_from_checkpoint=True)`` takes the newest
   ``checkpoint-N`` whose files all match its manifest (every byte checksummed unless ``verify="size"``);
   damaged or torn ones are skipped with a warning naming the reason. A folder without a manifest (written by
-  the plain ``Trainer``) is taken when its ``trainer_state.json`` is valid and its state files are present.
+  the plain ``Trainer``) is taken when each of its files reads whole through ckptio's safe readers.
   When folders exist but none is usable, :class:`~ckptio.errors.NoUsableCheckpointError` is raised instead of
   silently starting over; an empty ``output_dir`` starts a fresh run (the plain ``Trainer`` raises there, which
   makes one command for the first start and every restart impossible).
 * **Safe reads.** Optimizer and scheduler states load with ``weights_only``, the RNG files through ckptio's
   restricted unpickler, each opened as a regular file inside the checkpoint (no links); ``training_args.bin``
-  (a full pickle) is never read. A resume that lacks the optimizer or scheduler state is refused instead of
-  restarting them silently.
+  (a full pickle) is never read. ``trainer_state.json``, ``config.json`` and the weights' index are read
+  bounded (size, nesting) and every field the Trainer uses is type-checked; each RNG state is checked for what
+  its ``setstate`` takes when its folder is checked, not when it is applied. A resume that lacks the optimizer or
+  scheduler state is refused instead of restarting them silently.
 * **Retention** follows the Trainer's own rule (``save_total_limit`` newest, the newest and the best by
-  ``metric_for_best_model`` always kept), counts only complete checkpoints, and deletes a checkpoint by hiding
-  it first, so a crash never leaves half of one under its name.
+  ``metric_for_best_model`` always kept) over complete checkpoints only (those a resume accepts: a torn folder is
+  neither counted as kept nor deleted; the one just written and the newest complete one are never deleted), and
+  deletes a checkpoint by hiding it first, so a crash never leaves half of one under its name. The Trainer's
+  last deletion at the end of a run (``save_total_limit=1``: all but the best) is left out.
 
 Single process and DDP (``torchrun``) are supported. Under DeepSpeed or FSDP the Trainer writes sharded states
 through its own code; ``CkptioTrainer`` refuses them at construction rather than pretend.
@@ -36,7 +40,6 @@ through its own code; ``CkptioTrainer`` refuses them at construction rather than
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import re
@@ -66,6 +69,8 @@ _TRAINER_STATE, _OPTIMIZER, _SCHEDULER = "trainer_state.json", "optimizer.pt", "
 _WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json",
             "adapter_model.safetensors", "adapter_model.bin")
 _INCOMPLETE = "checkpoint-is-incomplete.txt"  # the Trainer's own marker of a save it began on SIGTERM
+_RNG = re.compile(r"^rng_state(_\d+)?\.pth$")
+_STATES = (_OPTIMIZER, _SCHEDULER, "scaler.pt", "pytorch_model.bin", "adapter_model.bin")  # read weights_only
 
 
 class CkptioTrainerMixin:
@@ -82,9 +87,14 @@ class CkptioTrainerMixin:
         if ckptio_verify not in ("full", "size"):
             raise ValueError(f"ckptio_verify must be 'full' or 'size', not {ckptio_verify!r}")
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        from .framework_dirs import CheckedOnce
+
         self.ckptio_verify = ckptio_verify
         self._ckptio_swept = False
+        self._ckptio_resuming: Path | None = None
         me: Any = self
+        # what retention counts: the folders a resume would take (each read once in this run)
+        self._ckptio_complete = CheckedOnce(lambda path: _check(path, ckptio_verify, me.args.save_only_model))
         if me.is_deepspeed_enabled or me.is_fsdp_enabled:
             raise CheckpointError("CkptioTrainer checkpoints single-process and DDP runs; under DeepSpeed or FSDP the "
                                   "Trainer writes sharded states through its own code (use ckptio.CheckpointManager "
@@ -102,7 +112,25 @@ class CkptioTrainerMixin:
             resume_from_checkpoint = str(found) if found is not None else None
         elif resume_from_checkpoint:
             _check(Path(str(resume_from_checkpoint)), self.ckptio_verify, me.args.save_only_model)
+        self._ckptio_resuming = Path(resume_from_checkpoint) if resume_from_checkpoint else None
         return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
+
+    def _load_callback_state(self) -> None:
+        """``Trainer._load_callback_state`` once the arguments stored for each callback of this run are known to fit
+        its class (the Trainer calls the class with them): a state that does not is an error naming the file."""
+        import inspect
+
+        me: Any = self
+        if me.args.restore_callback_states_from_checkpoint:
+            classes = {type(cb).__name__: type(cb) for cb in me.callback_handler.callbacks + [me.control]}
+            for name, states in me.state.stateful_callbacks.items():
+                for state in (states if isinstance(states, list) else [states]) if name in classes else ():
+                    try:
+                        inspect.signature(classes[name]).bind(**state.get("args", {}))
+                    except TypeError as exc:
+                        raise CheckpointCorruptError(f"{self._ckptio_resuming}/{_TRAINER_STATE}: the stored state of "
+                                                     f"the callback {name} does not fit its class ({exc})") from exc
+        super()._load_callback_state()  # type: ignore[misc]
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         from .formats import pt as pt_format
@@ -132,7 +160,7 @@ class CkptioTrainerMixin:
             log.warning("ckptio: %s has no %s (saved on another number of ranks): the random streams start anew",
                         checkpoint, name)
             return
-        _apply_rng(read_rng_state(Path(checkpoint), name), me.args.parallel_mode)
+        _apply_rng(read_rng_state(Path(checkpoint), name), me.args.parallel_mode, Path(checkpoint) / name)
 
     def _load_best_model(self) -> None:
         me: Any = self
@@ -140,6 +168,19 @@ class CkptioTrainerMixin:
         if best:
             _check(Path(best), self.ckptio_verify, True)
         super()._load_best_model()  # type: ignore[misc]
+
+    def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer._finalize_training`` without its last deletion: with ``save_total_limit=1`` and a best checkpoint
+        the Trainer would now delete every folder but the best (the newest complete one and any torn one too).
+        ckptio's retention already ran at the last save, keeping the best and the newest complete checkpoint."""
+        me: Any = self
+        limit = me.args.save_total_limit
+        if limit == 1:
+            me.args.save_total_limit = None
+        try:
+            return super()._finalize_training(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            me.args.save_total_limit = limit
 
     # --------------------------------------------------------------------------------------------- saving
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
@@ -177,7 +218,7 @@ class CkptioTrainerMixin:
             _commit(LocalFolderWriter(final, tmp), me.state, me.args)
             best = me.state.best_model_checkpoint
             remove_oldest(run_dir, _NAME, me.args.save_total_limit, keep=frozenset({Path(best).name} if best else ()),
-                          setting="save_total_limit")
+                          check=self._ckptio_complete, saved=final.name, setting="save_total_limit")
         me.accelerator.wait_for_everyone()  # committed before any rank reads it
         if me.args.push_to_hub:
             me._push_from_checkpoint(str(final))
@@ -216,14 +257,19 @@ def last_checkpoint(output_dir: str | Path, *, verify: str = "full") -> Path | N
 
 
 def _check(path: Path, verify: str, model_only: bool) -> None:
-    """Raise a :class:`CheckpointError` naming what is wrong unless ``path`` is a complete checkpoint."""
-    from .framework_dirs import check_manifest
+    """Raise a :class:`CheckpointError` naming what is wrong unless ``path`` is a complete checkpoint.
+
+    Every folder's ``trainer_state.json`` is checked field by field and its RNG files read and checked (both are
+    small); a folder without a manifest (the plain Trainer's) has its other files read through ckptio's safe
+    readers too, as nothing else says they are whole."""
+    from .framework_dirs import check_manifest, read_files
     from .storage.confined import Folder
 
     if path.is_symlink() or not path.is_dir():
         raise CheckpointCorruptError(f"{path}: not a directory (a link is never a checkpoint)")
     folder = Folder(path)
-    if not check_manifest(folder, verify, required=False) and folder.kind(_INCOMPLETE) is not None:
+    committed = check_manifest(folder, verify, required=False)
+    if not committed and folder.kind(_INCOMPLETE) is not None:
         raise CheckpointCorruptError(f"{path}: the Trainer marked this save incomplete ({_INCOMPLETE})")
     state = _trainer_state(folder)
     if not any(folder.kind(n) == "file" for n in _WEIGHTS):
@@ -233,49 +279,141 @@ def _check(path: Path, verify: str, model_only: bool) -> None:
         if missing:
             raise CheckpointCorruptError(f"{path}: has no {' or '.join(missing)} (step {state.global_step}: a save "
                                          "cut short, or one made with save_only_model)")
+    for entry in folder.listdir():
+        if _RNG.match(entry.name):
+            read_rng_state(path, entry.name)
+    _side_files(folder)
+    if not committed:  # nothing says its files are whole: read them
+        read_files(folder, lambda n: n in _STATES or n.startswith("pytorch_model-") and n.endswith(".bin"))
+
+
+def _side_files(folder: Any) -> None:
+    """The JSON files the Trainer reads when it resumes (``config.json`` for its version, the weights' index, the
+    adapter's configuration), read bounded and typed as the readers use them."""
+    from transformers import configuration_utils
+
+    from .storage.parse import field, parsing, read_json
+
+    config_class = getattr(configuration_utils, "PreTrainedConfig", None) or configuration_utils.PretrainedConfig
+
+    names = {e.name for e in folder.listdir() if e.kind == "file"}
+    if "config.json" in names:
+        where = folder.display("config.json")
+        config = read_json(folder, "config.json", max_size=_MAX_JSON, what="a model configuration ")
+        field(config, "transformers_version", (str, type(None)), where, default=None)
+        with parsing(where, "as a model configuration"):
+            config_class.from_dict(config)
+    if "adapter_config.json" in names:
+        read_json(folder, "adapter_config.json", max_size=_MAX_JSON, what="an adapter configuration ")
+    for name in sorted(n for n in names if n.endswith(".index.json")):
+        where = folder.display(name)
+        shards = field(read_json(folder, name, max_size=_MAX_JSON), "weight_map", dict, where)
+        for shard in set(shards.values()):
+            if not isinstance(shard, str) or shard not in names:
+                raise CheckpointCorruptError(f"{where}: names a shard {str(shard)[:80]!r} the folder does not hold")
+
+
+_NUMBER = (int, float)
+_STATE_FIELDS: dict[str, tuple[Any, ...]] = {  # field -> the types TrainerState and the Trainer use it with
+    "epoch": (int, float, type(None)), "global_step": (int,), "max_steps": (int,), "logging_steps": _NUMBER,
+    "eval_steps": _NUMBER, "save_steps": _NUMBER, "train_batch_size": (int,), "num_train_epochs": _NUMBER,
+    "num_input_tokens_seen": _NUMBER, "total_flos": _NUMBER, "log_history": (list,),
+    "best_metric": (int, float, type(None)), "best_global_step": (int, type(None)),
+    "best_model_checkpoint": (str, type(None)), "is_local_process_zero": (bool,), "is_world_process_zero": (bool,),
+    "is_hyper_param_search": (bool,), "trial_name": (str, type(None)), "trial_params": (dict, type(None)),
+    "stateful_callbacks": (dict, type(None)),
+}
+_COUNTS = ("epoch", "global_step", "max_steps", "num_train_epochs", "num_input_tokens_seen", "total_flos",
+           "best_global_step")
+_REQUIRED = ("global_step", "train_batch_size")  # the Trainer divides by the batch size when it resumes
 
 
 def _trainer_state(folder: Any) -> TrainerState:
+    """``trainer_state.json`` read bounded, every field the Trainer reads checked for its type and range."""
     import dataclasses
+
+    from .storage.parse import as_float, as_int, field, parsing, read_json
 
     where = folder.display(_TRAINER_STATE)
     if folder.kind(_TRAINER_STATE) != "file":
         raise CheckpointCorruptError(f"{where}: missing (a save cut short)")
-    try:
-        data = json.loads(folder.read_bytes(_TRAINER_STATE, max_size=_MAX_JSON))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointCorruptError(f"{where}: not valid JSON ({exc})") from exc
+    data = read_json(folder, _TRAINER_STATE, max_size=_MAX_JSON, what="a Trainer state ")
     known = {f.name for f in dataclasses.fields(TrainerState)}
-    if not isinstance(data, dict) or set(data) - known or type(data.get("global_step")) is not int:
-        raise CheckpointCorruptError(f"{where}: not a Trainer state (unknown keys or no integer global_step)")
-    return TrainerState(**data)
+    if set(data) - known:
+        raise CheckpointCorruptError(f"{where}: not a Trainer state (unknown keys {sorted(set(data) - known)[:5]})")
+    for key, kinds in _STATE_FIELDS.items():
+        value = field(data, key, kinds, where, default=None)
+        if value is None and key in _REQUIRED:
+            raise CheckpointCorruptError(f"{where}: {key!r} is missing (the Trainer needs it to resume)")
+        if isinstance(value, int) and not isinstance(value, bool):
+            as_int(value, where, key, lo=0 if key in _COUNTS else -(1 << 63))
+        elif isinstance(value, float):
+            as_float(value, where, key)
+            if key in _COUNTS and value < 0:
+                raise CheckpointCorruptError(f"{where}: {key!r} must not be negative, found {value}")
+    if data.get("train_batch_size") == 0 or any(data.get(k) is not None and data[k] <= 0
+                                                for k in ("logging_steps", "eval_steps", "save_steps")):
+        raise CheckpointCorruptError(f"{where}: the batch size, logging, eval and save steps must be positive")
+    if isinstance(data.get("best_model_checkpoint"), str) and (len(data["best_model_checkpoint"]) > 4096 or
+                                                               "\0" in data["best_model_checkpoint"]):
+        raise CheckpointCorruptError(f"{where}: 'best_model_checkpoint' is not a path")
+    for i, entry in enumerate(data.get("log_history") or ()):
+        if not isinstance(entry, dict):
+            raise CheckpointCorruptError(f"{where}: log_history[{i}] must be an object, found {type(entry).__name__}")
+    _check_callbacks(data.get("stateful_callbacks") or {}, where)
+    with parsing(where):
+        state = TrainerState(**data)
+    return state
+
+
+def _check_callbacks(callbacks: dict[str, Any], where: object) -> None:
+    """``stateful_callbacks`` as ``Trainer._load_callback_state`` reads it: by class name, one state or a list of
+    them, each ``{"args": {name: value}, "attributes": {name: value}}`` (public names only: they are set on the
+    callback)."""
+    for name, states in callbacks.items():
+        for i, state in enumerate(states if isinstance(states, list) else [states]):
+            what = f"stateful_callbacks[{name!r}]" + (f"[{i}]" if isinstance(states, list) else "")
+            if not isinstance(state, dict):
+                raise CheckpointCorruptError(f"{where}: {what} must be an object, found {type(state).__name__}")
+            for part in ("args", "attributes"):
+                names = state.get(part, {})
+                if not isinstance(names, dict) or not all(k.isidentifier() and not k.startswith("_") for k in names):
+                    raise CheckpointCorruptError(f"{where}: {what}[{part!r}] must map public names to values")
 
 
 def read_rng_state(checkpoint: Path, name: str) -> dict[str, Any]:
-    """The Trainer's ``rng_state*.pth`` through ckptio's restricted unpickler (numpy arrays and tensors only)."""
+    """The Trainer's ``rng_state*.pth`` through ckptio's restricted unpickler (numpy arrays and tensors only), each
+    generator's state checked for the structure and ranges its ``set_state`` takes."""
     from .formats import megatron_pickle
+    from .framework_dirs import check_numpy_rng, check_python_rng, check_torch_rng
     from .storage.confined import Folder
+    from .storage.parse import check_depth, parsing
 
     folder = Folder(checkpoint)
     state, placeholders = megatron_pickle.load(folder, name, max_size=_MAX_RNG)
     where = folder.display(name)
-    if placeholders or not isinstance(state, dict) or not {"python", "numpy", "cpu"} <= set(state):
-        raise CheckpointCorruptError(f"{where}: not a Trainer RNG state (expected python, numpy and cpu states)")
-    if not isinstance(state["cpu"], torch.Tensor) or state["cpu"].dtype != torch.uint8:
-        raise CheckpointCorruptError(f"{where}: its cpu state is not a byte tensor")
+    with parsing(where, "as a Trainer RNG state"):
+        if placeholders or not isinstance(state, dict) or not {"python", "numpy", "cpu"} <= set(state):
+            raise CheckpointCorruptError(f"{where}: not a Trainer RNG state (expected python, numpy and cpu states)")
+        check_depth(state, where)
+        check_python_rng(state["python"], where, "its python state")
+        check_numpy_rng(state["numpy"], where, "its numpy state")
+        check_torch_rng(state["cpu"], where, "its cpu state")
+        for device in set(state) - {"python", "numpy", "cpu"}:
+            check_torch_rng(state[device], where, f"its {str(device)[:20]} state", many=True)
     return state
 
 
-def _apply_rng(state: dict[str, Any], parallel_mode: Any) -> None:
+def _apply_rng(state: dict[str, Any], parallel_mode: Any, where: object) -> None:
     import numpy as np
 
-    try:
+    from .storage.parse import parsing
+
+    with parsing(where, "its RNG state"):  # checked by read_rng_state: anything left is named, not raised bare
         py = state["python"]
         random.setstate((py[0], tuple(py[1]), py[2]))
         np.random.set_state(state["numpy"])
         torch.random.set_rng_state(state["cpu"])
-    except (TypeError, ValueError, IndexError, RuntimeError) as exc:
-        raise CheckpointCorruptError(f"an RNG state that cannot be restored ({type(exc).__name__}: {exc})") from exc
     if torch.cuda.is_available() and "cuda" in state:
         from transformers.trainer_pt_utils import set_rng_state_for_device
         from transformers.training_args import ParallelMode
