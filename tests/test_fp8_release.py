@@ -177,6 +177,22 @@ def test_load_pretrained_bf16_model_is_the_cast(release):
         assert value.dtype == torch.bfloat16 and torch.equal(value, want[key].to(torch.bfloat16)), key
 
 
+def test_any_box_dequantizes_as_the_whole(release):
+    """The slice a rank holds (rows and columns starting mid-block, as tensor parallelism cuts them)
+    dequantizes to the same bits as that box of the whole weight."""
+    from ckptio.formats.fp8_blocks import Blocks, dequantize, scale_rows
+
+    _, stored, want, _ = release
+    blocks = Blocks(*BLOCK, "config.json")
+    key = "model.layers.1.mlp.down_proj.weight"  # [40, 72]
+    q, scale = stored[key], stored[key + "_scale_inv"]
+    for lo, hi in [((0, 0), (40, 72)), ((5, 7), (23, 70)), ((17, 33), (18, 34)), ((16, 32), (40, 72)),
+                   ((31, 0), (33, 72)), ((0, 63), (40, 72))]:
+        (a, b), (c, d) = scale_rows(blocks, lo, hi)
+        got = dequantize(q[lo[0]:hi[0], lo[1]:hi[1]], scale[a:c, b:d], blocks, lo)
+        assert torch.equal(got, want[key][lo[0]:hi[0], lo[1]:hi[1]]), (lo, hi)
+
+
 def _tensor_ranges(folder: Path) -> dict[str, tuple[str, int, int]]:
     """Where each tensor's bytes lie: file name, first byte, end."""
     out = {}
@@ -249,6 +265,25 @@ def test_convert_to_hf_dequantizes(release, tmp_path, dtype, torch_dtype):
     with torch.no_grad():
         logits = model(input_ids=PROMPT).logits
     assert torch.equal(logits, _reference_logits(config, {k: v.to(torch_dtype).float() for k, v in want.items()}))
+
+
+def test_convert_without_dtype_keeps_the_exact_values(release, tmp_path):
+    """No --dtype: the quantized weights in float32 (exact), the others as stored; the config keeps its dtype
+    and loses its quantization_config (to any format that carries config.json)."""
+    from safetensors.torch import load_file
+
+    from ckptio.convert import convert
+
+    folder, stored, want, _ = release
+    out = convert(folder, tmp_path / "out", "safetensors")
+    got = {}
+    for f in out.glob("*.safetensors"):
+        got.update(load_file(str(f)))
+    assert set(got) == set(want)
+    for key, value in got.items():
+        assert torch.equal(value, want[key] if stored[key].dtype == torch.float8_e4m3fn else stored[key]), key
+    written = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in written and written["dtype"] == "bfloat16"
 
 
 # ------------------------------------------------------------------------------------------------ refusals

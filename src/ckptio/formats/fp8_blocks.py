@@ -133,11 +133,17 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, blocks: Blocks, lo: tuple[i
     """``float32(q) * scale`` broadcast over each block, as a new ``float32`` tensor.
 
     ``q`` is the box of the weight starting at ``lo``; ``scale`` the box of the scale :func:`scale_rows` gives
-    for it (the whole scale for a whole weight).
+    for it (the whole scale for a whole weight). One row of blocks at a time: no memory beyond the result
+    and one row of the scale widened to the box's columns.
     """
-    r0, c0 = lo[0] % blocks.rows, lo[1] % blocks.cols  # where q starts inside its first block
-    wide = scale.repeat_interleave(blocks.rows, dim=0).repeat_interleave(blocks.cols, dim=1)
-    return q.to(torch.float32).mul_(wide[r0:r0 + q.shape[0], c0:c0 + q.shape[1]])
+    out = q.to(torch.float32)
+    first = lo[1] % blocks.cols  # where q's columns start inside their first block
+    start = 0
+    for i in range(scale.shape[0]):
+        end = min(out.shape[0], (i + 1) * blocks.rows - lo[0] % blocks.rows)
+        out[start:end].mul_(scale[i].repeat_interleave(blocks.cols)[first:first + out.shape[1]])
+        start = end
+    return out
 
 
 def load_files(target: dict[str, torch.Tensor], folder: "Folder", files: list[str], blocks: Blocks, *,
