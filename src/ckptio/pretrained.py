@@ -16,7 +16,7 @@ from torch import nn
 from . import _dist
 from ._log import get_logger
 from .errors import CheckpointError, CheckpointNotFoundError, require
-from .formats import safetensors_sharded
+from .formats import fp8_blocks, safetensors_sharded
 from .formats.hf_bundle import INDEX_FILE
 from .state import ModelState
 from .storage.confined import Folder, check_relative
@@ -95,7 +95,10 @@ def load_pretrained(model: nn.Module, folder: str | Path, *, strict: bool = True
         model: built from the same config; may be FSDP2-sharded and may live on the ``meta`` device; may be
             a peft model wrapping such a model (the base weights are filled, adapters keep their init —
             build it on a real device, since adapters created on ``meta`` have no values).
-        folder: ``config.json`` plus ``model.safetensors`` or ``model-K-of-N.safetensors`` with an index.
+        folder: ``config.json`` plus ``model.safetensors`` or ``model-K-of-N.safetensors`` with an index. A
+            block FP8 release (``quantization_config`` ``{"quant_method": "fp8", "weight_block_size": [R, C]}``)
+            is dequantized as it is read: ``float32(weight) * weight_scale_inv`` per block, then cast to the
+            model's dtype (:mod:`ckptio.formats.fp8_blocks`).
         strict: refuse checkpoints with keys the model lacks (missing keys and other shapes always fail).
         key_prefix: outer prefix the model's keys carry but the folder's do not.
         device: where to materialise a meta model (default: CPU, or the current accelerator).
@@ -121,10 +124,15 @@ def load_pretrained(model: nn.Module, folder: str | Path, *, strict: bool = True
     # into blobs/); everything read still has to be a regular file
     tree = Folder(folder, links=True)
     files = _weight_files(tree)
-    _dist.run_collectively(
-        f"loading pretrained weights from {folder}",
-        lambda: safetensors_sharded.load_files(target, tree, files, strict=strict),
-    )
+
+    def load() -> None:
+        blocks = fp8_blocks.read_blocks(tree)  # a block FP8 release is dequantized as it is read
+        if blocks is None:
+            safetensors_sharded.load_files(target, tree, files, strict=strict)
+        else:
+            fp8_blocks.load_files(target, tree, files, blocks, strict=strict)
+
+    _dist.run_collectively(f"loading pretrained weights from {folder}", load)
     if is_peft:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 

@@ -21,7 +21,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("dest", nargs="?", help="the new file or folder to write")
     p.add_argument("--to", metavar="FORMAT", help="target format: step_dir, hf, safetensors, dcp, torch, nemo, "
                                                   "lightning, megatron (--list-formats lists every registered one)")
-    p.add_argument("--dtype", default=None, help="cast floating-point tensors, e.g. bfloat16")
+    p.add_argument("--dtype", default=None, help="cast floating-point tensors: bfloat16 (bf16), float16 (fp16), float32 (fp32); "
+                                               "a block FP8 release is dequantized in float32, then cast")
     p.add_argument("--naming", default=None, help="apply a naming converter, e.g. llama-to-megatron")
     p.add_argument("--max-shard-size", default="5GB", help="largest file of an hf target (default 5GB)")
     p.add_argument("--tp", type=int, default=None, help="megatron target: tensor-parallel size to split for (default 1)")

@@ -28,6 +28,10 @@ from ..formats.registry import Opened, WriteOptions
 __all__ = ["FORMATS", "convert", "detect", "open_any", "write"]
 
 
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+"""Short dtype names ``--dtype`` takes besides torch's own."""
+
+
 def _formats() -> tuple[str, ...]:
     return tuple(registry.names(writable=True))
 
@@ -102,7 +106,7 @@ def convert(src: str | Path, dst: str | Path, to: str, *, dtype: str | torch.dty
         raise CheckpointError(f"{dst} already exists; convert into a new path")
     if not dst.parent.is_dir():
         raise CheckpointNotFoundError(f"{dst.parent}: no such folder")
-    cast = torch_dtype(dtype) if isinstance(dtype, str) else dtype
+    cast = torch_dtype(DTYPE_ALIASES.get(dtype, dtype)) if isinstance(dtype, str) else dtype
     opened = open_any(src)
     try:
         update = None

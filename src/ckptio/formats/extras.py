@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..storage.parse import json_object
-from . import safetensors_sharded
+from . import fp8_blocks, safetensors_sharded
 
 if TYPE_CHECKING:
     from ..storage.base import FolderWriter
@@ -39,7 +39,8 @@ def copy_extras(src_dir: "str | Path | Folder", writer: "FolderWriter", rel: str
                 dtype: torch.dtype | None = None) -> dict[str, str]:
     """Copy config, generation config and tokenizer files (every regular file that is not weights) into
     ``rel`` of ``writer``; with ``dtype``, ``config.json`` records the cast (so that
-    ``from_pretrained(dtype="auto")`` keeps it). Returns the files written with their checksums.
+    ``from_pretrained(dtype="auto")`` keeps it); the ``quantization_config`` of a block FP8 release is dropped
+    (the weights written are dequantized). Returns the files written with their checksums.
 
     Only regular files directly inside ``src_dir`` are copied (through the confined folder: a link there
     is skipped, never followed).
@@ -51,10 +52,21 @@ def copy_extras(src_dir: "str | Path | Folder", writer: "FolderWriter", rel: str
         if entry.kind == "file" and not name.endswith(_WEIGHT_SUFFIXES) and name not in _NOT_EXTRAS \
                 and not name.startswith("."):
             data = src.read_bytes(name, max_size=_MAX_EXTRA_BYTES)
-            if name == "config.json" and dtype is not None:
-                data = config_with_dtype(data, dtype, src.display(name))
+            if name == "config.json":
+                data = _config_for(data, dtype, src.display(name))
             written[join(rel, name)] = writer.write_bytes(join(rel, name), data)
     return written
+
+
+def _config_for(data: bytes, dtype: torch.dtype | None, where: object) -> bytes:
+    """A source's ``config.json`` for the weights written beside it: the FP8 ``quantization_config`` of a block
+    FP8 release goes (ckptio's readers dequantize its weights), and ``dtype`` is recorded when given; the
+    bytes are kept as they are when neither applies."""
+    config = json_object(data, where)
+    plain = fp8_blocks.plain_config(config)
+    if plain is not config:
+        data = (json.dumps(plain, indent=2, sort_keys=True) + "\n").encode()
+    return config_with_dtype(data, dtype, where) if dtype is not None else data
 
 
 def config_with_dtype(data: bytes, dtype: torch.dtype, where: object) -> bytes:

@@ -28,7 +28,7 @@ import torch
 from ..storage.confined import Folder
 from . import _st_writer
 from . import dcp as dcp_format
-from . import safetensors_sharded
+from . import fp8_blocks, safetensors_sharded
 from .common import TensorInfo, natural_key, parse_size, torch_dtype
 from .extras import INDEX_FILE, copy_extras, join as _join
 from .registry import Format, Opened, WriteOptions, register
@@ -224,7 +224,15 @@ class HFBundle(Format):
             and any(path.glob("*.safetensors")) and not any(path.glob("shard-*.safetensors"))
 
     def open(self, path: Path) -> Opened:
-        return Opened(self.name, safetensors_sharded.SafetensorsSource(path), path)
+        source: Any = safetensors_sharded.SafetensorsSource(path)
+        try:
+            blocks = fp8_blocks.read_blocks(source.root)  # a block FP8 release reads dequantized
+            if blocks is not None:
+                source = fp8_blocks.DequantizedSource(source, blocks)
+        except BaseException:
+            source.close()
+            raise
+        return Opened(self.name, source, path)
 
     def write(self, opened: Opened, source: "TensorSource", out: Path, options: WriteOptions) -> None:
         from ..storage import LocalFolderWriter

@@ -397,6 +397,12 @@ class SafetensorsSource:
             self._open[rel] = SafetensorsFile(self.root, rel)
         return self._open[rel]
 
+    def file_of(self, key: str) -> str:
+        """The file (relative to the folder) holding ``key``, or its first piece: what an error about it names."""
+        if key not in self._chunks:
+            raise CheckpointCorruptError(f"{self.folder}: no tensor {key!r} in its safetensors files")
+        return next(iter(self._chunks[key])).file
+
     def close(self) -> None:
         for f in self._open.values():
             f.close()
