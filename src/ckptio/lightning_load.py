@@ -96,14 +96,18 @@ def _router(original: Callable[..., Any]) -> Callable[..., Any]:
 def _folder(path: Any) -> str | Path | None:
     """What to read when ``path`` names a folder (a local directory, or an ``s3://`` name that is no object);
     ``None`` for anything else."""
+    from .errors import MissingDependencyError
     from .lightning_keep import s3_location
 
     if not isinstance(path, (str, os.PathLike)):
         return None
     text = os.fspath(path)
-    s3 = s3_location(text)
-    if s3 is not None:
-        return text if s3[0].folder().kind(s3[1]) != "file" else None
+    try:
+        s3 = s3_location(text)
+        if s3 is not None:
+            return text if s3[0].folder().kind(s3[1]) != "file" else None
+    except MissingDependencyError:  # no ckptio S3 client (boto3): the bucket is Lightning's (s3fs) to read
+        return None
     local = Path(text[len("file://"):] if text.startswith("file://") else text)
     return local if "://" not in str(local) and local.is_dir() else None
 
