@@ -166,3 +166,14 @@ def test_map_location_places_the_tensors_as_torch_load_would(tmp_path):
     for where in (None, "cpu", {"cuda:0": "cpu"}, lambda storage, loc: storage, lambda storage, loc: None):
         weights = saving.pl_load(best, map_location=where)["state_dict"]
         assert {t.device.type for t in weights.values()} == {"cpu"}, where
+
+
+def test_a_trainer_without_the_plugin_resumes_fit_from_a_folder(tmp_path):
+    """An evaluation or follow-up script that forgot the plugin: ``fit(ckpt_path=folder)`` restores everything
+    (weights, optimizer moments, scheduler, loops) and ends bitwise equal to the run uninterrupted."""
+    from lit_tiny import fit, same
+
+    straight = fit(tmp_path / "straight", 4)
+    fit(tmp_path / "ours", 2, [CkptioCheckpointIO()], save_last=True)
+    resumed = fit(tmp_path / "theirs", 4, None, ckpt_path=str(tmp_path / "ours" / "last.ckpt"))
+    same(resumed, straight, "a folder resumed by a Trainer without the plugin")
