@@ -132,17 +132,19 @@ def test_the_loader_is_explicit_and_lightnings_own_files_stay_lightnings(tmp_pat
     from lightning_fabric.utilities.cloud_io import _load as lightnings_load
     from pytorch_lightning.core import saving
 
+    from ckptio.lightning_load import installed
+
     best = _fit_one(tmp_path / "ours")
     try:
         uninstall_loader()
-        assert saving.pl_load is lightnings_load
+        assert saving.pl_load is lightnings_load and not installed()
         with pytest.raises(IsADirectoryError):  # what Lightning alone does with a folder
             Evaluated.load_from_checkpoint(best)
         CkptioCheckpointIO(install_loader=False)
         assert saving.pl_load is lightnings_load
         install_loader()
         install_loader()  # idempotent: wrapped once
-        assert saving.pl_load._ckptio_original is lightnings_load
+        assert saving.pl_load._ckptio_original is lightnings_load and installed()
         assert dict(Evaluated.load_from_checkpoint(best).hparams) == HPARAMS
     finally:
         install_loader()
