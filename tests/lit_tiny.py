@@ -71,3 +71,43 @@ def same(a: dict, b: dict, what: str) -> None:
     assert a.keys() == b.keys(), what
     for k in a:
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), f"{what}: {k} differs"
+
+
+class Evaluated(Tiny):
+    """``Tiny`` with validation, test and predict steps (what ``ckpt_path="best"`` runs are for)."""
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch: Any, idx: int) -> None:
+        self.log("val_loss", self._loss(batch))
+
+    def test_step(self, batch: Any, idx: int) -> None:
+        self.log("test_loss", self._loss(batch))
+
+    def predict_step(self, batch: Any, idx: int) -> torch.Tensor:
+        return self.net(batch[0])
+
+
+class TinyData(pl.LightningDataModule):
+    """The :func:`loader` data as a ``LightningDataModule`` with hyper-parameters (checkpointed by Lightning)."""
+
+    def __init__(self, n: int = 32, batch: int = 4, width: int = 16) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+    def _loader(self) -> DataLoader:
+        return loader(self.hparams.n, self.hparams.batch, self.hparams.width)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader()
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader()
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader()
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._loader()

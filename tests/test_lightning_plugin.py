@@ -199,6 +199,7 @@ def test_the_example_trains_and_resumes(tmp_path):
     for epochs, step in ((1, 16), (2, 32)):
         done = launch(str(script), "--dir", str(tmp_path), "--epochs", str(epochs), timeout=300)
         assert done.returncode == 0 and f"trained to step {step}" in done.stdout, done.stderr[-2000:]
+        assert f"best model: {tmp_path}" in done.stdout and "(width 32)" in done.stdout, done.stdout[-2000:]
     assert (tmp_path / "last.ckpt" / "manifest.json").is_file()
 
 

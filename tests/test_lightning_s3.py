@@ -104,3 +104,20 @@ def test_lightnings_own_ckpt_object_resumes(bucket, tmp_path, straight):
     s3mod.client().upload_file(str(tmp_path / "last.ckpt"), bucket, "theirs/last.ckpt")
     resumed = fit(f"s3://{bucket}/run", EPOCHS, [CkptioCheckpointIO()], ckpt_path=f"s3://{bucket}/theirs/last.ckpt")
     same(resumed, straight, "Lightning .ckpt in a bucket -> ckptio")
+
+
+def test_load_from_checkpoint_reads_a_folder_in_a_bucket(bucket, tmp_path):
+    """``LitModel.load_from_checkpoint(best_model_path)`` on a checkpoint in a bucket: read by ckptio, checksums
+    checked, the weights the fit ended with and the hyper-parameters."""
+    from lit_tiny import Tiny, loader, trainer
+
+    url = f"s3://{bucket}/best"
+    torch.manual_seed(0)
+    module = Tiny(width=8)
+    tr = trainer(url, 1, [CkptioCheckpointIO()], every_n_epochs=1, save_top_k=-1)
+    tr.fit(module, loader(width=8))
+    best = tr.checkpoint_callback.best_model_path
+    assert best.startswith(url) and "manifest.json" in _top(bucket, "best")[best.rsplit("/", 1)[1]]
+    loaded = Tiny.load_from_checkpoint(best)
+    assert loaded.hparams.width == 8
+    same(dict(loaded.state_dict()), dict(module.state_dict()), "load_from_checkpoint from a bucket")

@@ -4,7 +4,8 @@
     python examples/lightning/train.py --dir /tmp/lit --epochs 4     # resumes from last.ckpt, trains on
 
 Each checkpoint (``epoch=1-step=16.ckpt``, ``last.ckpt``) is a ckptio folder: safetensors weights, the optimizer
-moments, Lightning's loop and callback state, and a manifest of checksums written last.
+moments, Lightning's loop and callback state, and a manifest of checksums written last. After ``fit``,
+``Regressor.load_from_checkpoint(trainer.checkpoint_callback.best_model_path)`` loads the best one as usual.
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ def main() -> None:
     )
     trainer.fit(Regressor(), data, ckpt_path="last")  # resumes when last.ckpt is there, starts fresh otherwise
     print(f"trained to step {trainer.global_step}; checkpoints in {args.dir}")
+    # as in any Lightning script: the best model (read from its ckptio folder, every checksum verified)
+    best = Regressor.load_from_checkpoint(trainer.checkpoint_callback.best_model_path)
+    print(f"best model: {trainer.checkpoint_callback.best_model_path} (width {best.hparams.width})")
 
 
 if __name__ == "__main__":

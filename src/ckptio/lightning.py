@@ -20,7 +20,9 @@ checkpointed before the switch) loads too, through the same safe loader. ``async
 tensors into reusable host buffers and writes in a background thread; the next save, a load, a removal and
 the end of ``fit`` wait for it. Beside a torn folder (no manifest, damaged files) Lightning cannot tell: the plugin
 never resumes from one, never lets it count among ``save_top_k``, and never deletes the checkpoint it just wrote nor
-the newest complete one (:mod:`ckptio.lightning_keep`).
+the newest complete one (:mod:`ckptio.lightning_keep`). Constructing the plugin also lets Lightning's loads outside
+``fit`` (``LitModel.load_from_checkpoint(best_model_path)``, a ``Trainer`` without the plugin) read these folders
+(:mod:`ckptio.lightning_load`; :func:`install_loader` does it without a plugin).
 
 Single device and DDP (rank 0 writes, as Lightning arranges) are supported; strategies that write their own
 sharded checkpoints (FSDP, DeepSpeed) do not go through a ``CheckpointIO`` for the weights, and a state dict
@@ -38,6 +40,7 @@ from typing import Any
 import torch
 
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, MissingDependencyError
+from . import lightning_load
 from .lightning_keep import last_checkpoint, s3_location as _s3
 from .storage.parse import MAX_DEPTH, check_depth, parsing
 
@@ -46,7 +49,8 @@ try:
 except ImportError as _missing:  # the integration is an extra
     raise MissingDependencyError("ckptio.lightning needs PyTorch Lightning: pip install 'ckptio[lightning]'") from _missing
 
-__all__ = ["CkptioCheckpointIO", "write_checkpoint", "read_checkpoint", "last_checkpoint"]
+__all__ = ["CkptioCheckpointIO", "write_checkpoint", "read_checkpoint", "last_checkpoint", "install_loader",
+           "uninstall_loader"]
 
 log = logging.getLogger("ckptio")
 
@@ -65,10 +69,11 @@ class CkptioCheckpointIO(CheckpointIO):
 
     ``async_save``: stage the tensors into host buffers (reused from save to save) and write in the background;
     ``save_checkpoint`` returns once the copy is taken. ``verify``: ``"full"`` (every byte's checksum, the
-    default) or ``"size"`` when a checkpoint is loaded.
+    default) or ``"size"`` when a checkpoint is loaded. ``install_loader``: let Lightning's loads outside ``fit``
+    read ckptio folders, every byte checked (:func:`install_loader`).
     """
 
-    def __init__(self, *, async_save: bool = False, verify: str = "full") -> None:
+    def __init__(self, *, async_save: bool = False, verify: str = "full", install_loader: bool = True) -> None:
         if verify not in ("full", "size"):
             raise ValueError(f"verify must be 'full' or 'size', not {verify!r}")
         super().__init__()
@@ -78,6 +83,8 @@ class CkptioCheckpointIO(CheckpointIO):
         self._stager: Any = None
         self._swept: set[Any] = set()
         self._written: Any = None  # the checkpoint saved last: never deleted
+        if install_loader:
+            lightning_load.install(read_checkpoint, self)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         """Write ``checkpoint`` as the folder ``path`` (in the background with ``async_save``)."""
@@ -177,6 +184,18 @@ class CkptioCheckpointIO(CheckpointIO):
     def teardown(self) -> None:
         """Lightning calls this at the end of ``fit``: the last background save finishes first."""
         self.wait()
+
+
+def install_loader() -> None:
+    """Let ``LitModel.load_from_checkpoint(path)``, ``LightningDataModule.load_from_checkpoint(path)`` and a
+    ``Trainer`` without the plugin read a ckptio checkpoint folder through :func:`read_checkpoint` (every byte's
+    checksum checked); other paths stay Lightning's. The plugin's construction does this; idempotent."""
+    lightning_load.install(read_checkpoint)
+
+
+def uninstall_loader() -> None:
+    """Undo :func:`install_loader`: Lightning's loads outside ``fit`` are Lightning's own again."""
+    lightning_load.uninstall()
 
 
 # ------------------------------------------------------------------------------------------------- writing
