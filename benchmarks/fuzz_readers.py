@@ -40,16 +40,18 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 
 from ckptio import CheckpointError  # noqa: E402
 
 TIMEOUT_S = 10
+RSS_MB = 256
 CANARY = b"CANARY-outside-the-checkpoint"
 
 
@@ -386,52 +388,76 @@ FAMILIES: dict[str, Callable[[random.Random, Path], None]] = {
 }
 
 
-def run(families: list[str], inputs: int, seed: int, verbose: bool = True) -> dict[str, dict[str, int]]:
-    """Fuzz ``inputs`` inputs of each family; return ``{family: {"ok", "clean", "other"}}``."""
-    tally: dict[str, dict[str, int]] = {}
+def _all_families() -> dict[str, Callable[[random.Random, Path], None]]:
+    from fuzz_frameworks import FAMILIES as FRAMEWORKS
+
+    return {**FAMILIES, **FRAMEWORKS}
+
+
+def run(families: list[str], inputs: int, seed: int, verbose: bool = True, *, timeout: float = TIMEOUT_S,
+        rss_mb: int = RSS_MB, replay: list[int] | None = None) -> dict[str, dict[str, Any]]:
+    """Fuzz ``inputs`` inputs (or the inputs numbered ``replay``) of each family, each family in worker processes
+    (:func:`fuzz_kit.run_family`); return ``{family: {"ok", "clean", "other", "rss_kb", "seconds", "failures"}}``."""
+    from fuzz_kit import run_family
+
+    every = _all_families()
+    tally: dict[str, dict[str, Any]] = {}
     for family in families:
-        counts = {"ok": 0, "clean": 0, "other": 0}
-        start = time.perf_counter()
-        for i in range(inputs):
-            case_seed = seed * 1_000_003 + i
-            rng = random.Random(f"{family}-{case_seed}")
-            tmp = Path(tempfile.mkdtemp(prefix=f"ckptio-fuzz-{family}-"))
-            try:
-                with _deadline(TIMEOUT_S), contextlib.redirect_stdout(io.StringIO()):
-                    FAMILIES[family](rng, tmp)
-                counts["ok"] += 1
-            except CheckpointError:
-                counts["clean"] += 1
-            except BaseException as exc:  # noqa: BLE001 - every other outcome is a finding
-                if isinstance(exc, KeyboardInterrupt):
-                    raise
-                counts["other"] += 1
-                if verbose:
-                    print(f"  OTHER {family} seed={case_seed}: {type(exc).__name__}: {exc}")
-                    traceback.print_exc(limit=4)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
+        counts = run_family(family, every[family], list(replay) if replay is not None else list(range(inputs)), seed,
+                            timeout=timeout, rss_mb=rss_mb, verbose=verbose)
         tally[family] = counts
         if verbose:
-            print(f"{family:<12} {inputs:>6} inputs  ok {counts['ok']:>6}  clean errors {counts['clean']:>6}  "
-                  f"OTHER {counts['other']:>3}   ({time.perf_counter() - start:.1f} s)", flush=True)
+            n = counts["ok"] + counts["clean"] + counts["other"] + counts["harness"]
+            print(f"{family:<12} {n:>7} inputs  loaded right {counts['ok']:>7}  clean errors {counts['clean']:>7}  "
+                  f"failures {counts['other']:>4}  peak RSS {counts['rss_kb'] >> 10:>5} MiB (bound: baseline + "
+                  f"{rss_mb} MiB)  ({counts['seconds']:.1f} s, {n / max(counts['seconds'], 1e-9):.0f} inputs/s)"
+                  + (f"  HARNESS ERRORS {counts['harness']}" if counts["harness"] else ""), flush=True)
     return tally
+
+
+def _debug(families: list[str], indices: list[int], seed: int) -> int:
+    """Run the inputs ``indices`` of ``families`` here, printing what was done to each and its full traceback."""
+    from fuzz_kit import Case, case_seed, scratch_root
+
+    every = _all_families()
+    for family in families:
+        fn = every[family]
+        if hasattr(fn, "prepare"):
+            fn.prepare()
+        for i in indices:
+            rng = Case(f"{family}-{case_seed(seed, i)}")
+            tmp = scratch_root()
+            print(f"--- {family} input {i} in {tmp}")
+            try:
+                fn(rng, tmp)
+                print("returned (loaded right)")
+            except BaseException as exc:  # noqa: BLE001 - shown, whatever it is
+                traceback.print_exc()
+                print(f"raised {type(exc).__name__}")
+            print("input: " + "; ".join(rng.notes))
+    return 0
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--inputs", type=int, default=500, help="inputs per family (default 500)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--family", action="append", choices=sorted(FAMILIES), help="only these families")
+    p.add_argument("--family", action="append", choices=sorted(_all_families()), help="only these families")
+    p.add_argument("--replay", type=int, action="append", help="only the input with this number (repeatable)")
+    p.add_argument("--timeout", type=float, default=TIMEOUT_S, help=f"seconds per input (default {TIMEOUT_S})")
+    p.add_argument("--rss-mb", type=int, default=RSS_MB,
+                   help=f"peak RSS bound, MiB above the worker's baseline (default {RSS_MB})")
+    p.add_argument("--debug", action="store_true",
+                   help="with --replay: run in this process, print the full traceback and keep the input's folder")
     args = p.parse_args()
-    import logging
-
-    logging.getLogger("ckptio").setLevel(logging.ERROR)
-    tally = run(args.family or list(FAMILIES), args.inputs, args.seed)
-    total = {k: sum(t[k] for t in tally.values()) for k in ("ok", "clean", "other")}
+    if args.debug:
+        return _debug(args.family or [], args.replay or [], args.seed)
+    tally = run(args.family or list(_all_families()), args.inputs, args.seed, timeout=args.timeout,
+                rss_mb=args.rss_mb, replay=args.replay)
+    total = {k: sum(t[k] for t in tally.values()) for k in ("ok", "clean", "other", "harness")}
     print(f"\n{sum(total.values())} inputs tried: {total['ok']} loaded right, {total['clean']} clean errors, "
-          f"{total['other']} anything else")
-    return 1 if total["other"] else 0
+          f"{total['other']} failures" + (f", {total['harness']} errors of the fuzzer itself" if total["harness"] else ""))
+    return 1 if total["other"] or total["harness"] else 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,625 @@
+"""The pieces the reader fuzzer's families share: folders held in memory, structural mutations, re-signing, and
+the runner that tries each input in a worker process under a time limit and a bound on peak memory.
+
+A family builds a valid folder once with ckptio's own writers (an :class:`Image`: relative path -> bytes), then
+for each input copies it, damages it structurally (:func:`mutate_json`, :func:`mutate_pickle`,
+:func:`mutate_entry`...), re-signs what seals it (:func:`resign` for a ckptio manifest) so that the reader
+itself is reached and not only the checksum gate, writes it into a fresh folder on tmpfs and calls the reader.
+Every mutation is noted on the input's :class:`Case`, so a failure prints a one-line reproducer.
+
+The runner (:func:`run_family`) forks one worker per family. The worker reports the start and the end of each
+input over a pipe; the parent kills it when an input runs longer than the time limit (a hang, even inside C
+code), or when it dies (a crash), records that input as a failure and starts a new worker after it. Peak RSS
+is the worker's ``ru_maxrss``: an input after which it exceeds the worker's own baseline (measured after a
+valid input) by more than the bound is a failure, and the worker is replaced so the next inputs are measured
+afresh.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import pickle
+import random
+import resource
+import shutil
+import struct
+import sys
+import tempfile
+import time
+import traceback
+import zipfile
+import zlib
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "src") not in sys.path:
+    sys.path.insert(0, str(ROOT / "src"))
+
+from ckptio import CheckpointError  # noqa: E402
+
+CANARY = b"CANARY-outside-the-checkpoint"
+MARKER = "PWNED"
+"""A hostile pickle in an input tries to create this folder beside the input: if it exists after the read, the
+reader ran code from the checkpoint."""
+
+
+class WrongResult(Exception):
+    """The reader returned, but what it returned (or did) is wrong."""
+
+
+class Case(random.Random):
+    """The random source of one input, with the notes of what was done to it (its reproducer)."""
+
+    def __init__(self, seed: Any, pristine: bool = False) -> None:
+        super().__init__(seed)
+        self.notes: list[str] = []
+        self.pristine = pristine
+        self.reading: bool | None = None
+        """Set by a family once its input is made and the readers run (``False`` before): an exception before
+        that is the harness's own, reported apart."""
+        """The warm-up input: no damage at all; the family must load it right (a check of the harness)."""
+
+        self.conn: Any = None
+        """The worker's pipe: each note is sent at once, so that the input that hangs or kills its worker has its
+        reproducer too."""
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+        if self.conn is not None:
+            self.conn.send(("note", text))
+
+
+# ---------------------------------------------------------------------------------------------- folders
+class Special(tuple):
+    """A non-regular entry of an :class:`Image`: ``("link", target)``, ``("fifo",)``, ``("dir",)`` or
+    ``("sparse", size)`` (a file of that size with no bytes stored)."""
+
+
+Image = dict  # relative path -> bytes | Special
+
+
+def load_image(folder: Path) -> dict[str, Any]:
+    """The regular files under ``folder`` (recursively) as an image."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def materialize(image: dict[str, Any], dest: Path) -> Path:
+    """Write ``image`` as the folder ``dest`` (created)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for rel, value in image.items():
+        path = dest / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(value, Special):
+            kind = value[0]
+            if kind == "link":
+                os.symlink(value[1], path)
+            elif kind == "fifo":
+                os.mkfifo(path)
+            elif kind == "dir":
+                path.mkdir(exist_ok=True)
+            else:
+                with open(path, "wb") as fh:
+                    fh.truncate(value[1])
+        else:
+            path.write_bytes(value)
+    return dest
+
+
+def resign(image: dict[str, Any], manifest_rel: str = "manifest.json") -> None:
+    """Rewrite the ckptio manifest in ``image`` so that it records the current size and CRC-32C of every regular
+    file it lists and re-seals itself (``manifest_checksum``); a manifest that is no JSON object is left alone."""
+    from ckptio.manifest import _self_checksum
+    from ckptio.storage.checksum import bytes_checksum
+
+    raw = image.get(manifest_rel)
+    if not isinstance(raw, bytes):
+        return
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return
+    if not isinstance(data, dict):
+        return
+    prefix = manifest_rel.rpartition("/")[0]
+    files, sums = data.get("files"), data.get("checksums")
+    if isinstance(files, dict):
+        for rel in list(files):
+            value = image.get(f"{prefix}/{rel}" if prefix else rel)
+            if isinstance(value, bytes):
+                files[rel] = len(value)
+                if isinstance(sums, dict):
+                    sums[rel] = bytes_checksum(value)
+    data.pop("manifest_checksum", None)
+    data["manifest_checksum"] = _self_checksum(data)
+    image[manifest_rel] = json.dumps(data, allow_nan=True).encode()
+
+
+# ---------------------------------------------------------------------------------------------- bytes
+def flip(rng: Case, data: bytes) -> bytes:
+    """Random damage: flipped bits, a cut, overwritten or inserted bytes."""
+    buf = bytearray(data)
+    for _ in range(rng.randint(1, 4)):
+        if not buf:
+            break
+        kind = rng.choice(["flip", "truncate", "set", "insert"])
+        i = rng.randrange(len(buf))
+        if kind == "flip":
+            buf[i] ^= 1 << rng.randrange(8)
+        elif kind == "truncate":
+            del buf[i:]
+        elif kind == "set":
+            buf[i:i + 4] = rng.randbytes(rng.randint(1, 4))
+        else:
+            buf[i:i] = rng.randbytes(rng.randint(1, 16))
+    return bytes(buf)
+
+
+# ---------------------------------------------------------------------------------------------- JSON
+HOSTILE_JSON = ["null", "true", "-1", "0", "1e400", "-1e400", "NaN", "Infinity", "-Infinity", "1.5", '""', '"x"',
+                '"../../etc/passwd"', "[]", "{}", "[1, 2]", '{"a": 1}', "9" * 4000, "-" + "9" * 4000,
+                str(2 ** 63), str(2 ** 64), str(-(2 ** 63) - 1), '"' + "A" * 100000 + '"', "[" * 5000 + "]" * 5000,
+                '{"a":' * 3000 + "1" + "}" * 3000]
+
+
+def _paths(value: Any, at: tuple = ()) -> list[tuple]:
+    out = [at]
+    if isinstance(value, dict):
+        for k, v in value.items():
+            out += _paths(v, at + (k,))
+    elif isinstance(value, list):
+        for i, v in enumerate(value[:8]):
+            out += _paths(v, at + (i,))
+    return out
+
+
+def _set_raw(doc: Any, path: tuple, raw: str) -> str:
+    """The JSON text of ``doc`` with the value at ``path`` replaced by the raw JSON text ``raw`` (which may be
+    deeper, larger or stranger than ``json.dumps`` writes)."""
+    token = "\u0000FUZZ\u0000"
+    if not path:
+        return raw
+    node = doc
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = token
+    return json.dumps(doc, allow_nan=True).replace(json.dumps(token), raw)
+
+
+def mutate_json(rng: Case, data: bytes, what: str) -> bytes:
+    """A structural mutation of the JSON document ``data``: a value of another type or a hostile one (deep, huge,
+    negative, NaN), a key dropped, duplicated or added, or random damage."""
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError):
+        rng.note(f"{what}: bytes flipped")
+        return flip(rng, data)
+    kind = rng.choice(["set", "set", "set", "drop", "dup", "add", "flip", "whole"])
+    paths = _paths(doc)
+    if kind in ("drop", "dup") and not any(p for p in paths if p and isinstance(p[-1], str)):
+        kind = "set"
+    if kind == "set":
+        path = rng.choice(paths)
+        raw = rng.choice(HOSTILE_JSON)
+        rng.note(f"{what}: {'/'.join(map(str, path)) or '<root>'} <- {raw[:40]}{'...' if len(raw) > 40 else ''}")
+        return _set_raw(doc, path, raw).encode()
+    if kind == "drop":
+        path = rng.choice([p for p in paths if p and isinstance(p[-1], str)])
+        node = doc
+        for key in path[:-1]:
+            node = node[key]
+        del node[path[-1]]
+        rng.note(f"{what}: key {'/'.join(map(str, path))} dropped")
+        return json.dumps(doc, allow_nan=True).encode()
+    if kind == "dup":  # the same key twice in one object: JSON parsers keep the last
+        path = rng.choice([p for p in paths if p and isinstance(p[-1], str) and len(p) == 1] or [paths[0]])
+        raw = rng.choice(HOSTILE_JSON[:17])
+        text = json.dumps(doc, allow_nan=True)
+        if not (isinstance(doc, dict) and path and text.endswith("}")):
+            return text.encode()
+        rng.note(f"{what}: key {path[0]} duplicated with {raw[:40]}")
+        return (text[:-1] + f", {json.dumps(path[0])}: {raw}}}").encode()
+    if kind == "add":
+        path = rng.choice([p for p in paths if isinstance(_get(doc, p), dict)] or [()])
+        raw = rng.choice(HOSTILE_JSON)
+        node = _get(doc, path)
+        if isinstance(node, dict):
+            node["fuzz_extra"] = 0
+            rng.note(f"{what}: key {'/'.join(map(str, path + ('fuzz_extra',)))} added = {raw[:40]}")
+            return _set_raw(doc, path + ("fuzz_extra",), raw).encode()
+    if kind == "whole":
+        raw = rng.choice(HOSTILE_JSON)
+        rng.note(f"{what}: replaced by {raw[:40]}")
+        return raw.encode()
+    rng.note(f"{what}: bytes flipped")
+    return flip(rng, data)
+
+
+def _get(doc: Any, path: tuple) -> Any:
+    for key in path:
+        doc = doc[key]
+    return doc
+
+
+# ---------------------------------------------------------------------------------------------- pickles
+def hostile_pickle(rng: Case, marker_dir: Path) -> tuple[bytes, str]:
+    """A pickle that attacks its reader: runs code (creates :data:`MARKER`), nests without end, or claims a huge
+    string."""
+    kind = rng.choice(["exec", "exec_reduce", "deep_list", "deep_tuple", "huge_bytes", "huge_list", "global"])
+    target = str(marker_dir / MARKER)
+    if kind == "exec":  # protocol 0: GLOBAL posix.mkdir, called with the marker's path
+        return f"cposix\nmkdir\n(V{target}\ntR.".encode(), "a pickle calling os.mkdir"
+    if kind == "exec_reduce":
+        payload = b"\x80\x02cbuiltins\nexec\nX" + struct.pack("<I", len(f"import os;os.mkdir({target!r})")) \
+            + f"import os;os.mkdir({target!r})".encode() + b"\x85R."
+        return payload, "a pickle calling builtins.exec"
+    if kind == "deep_list":
+        n = rng.choice([1000, 100_000])
+        return b"\x80\x02" + b"]" * n + b"a" * (n - 1) + b".", f"a list nested {n} deep"
+    if kind == "deep_tuple":
+        n = rng.choice([1000, 100_000])
+        return b"\x80\x02N" + b"\x85" * n + b".", f"a tuple nested {n} deep"
+    if kind == "huge_bytes":
+        return b"\x80\x04\x8e" + struct.pack("<Q", 1 << 40) + b"xx", "BINBYTES8 claiming 1 TiB"
+    if kind == "huge_list":  # a list of 2**24 references to one object: small pickle, large list
+        return b"\x80\x02](" + b"N" * (1 << 20) + b"e.", "a list of 1M Nones"
+    return b"\x80\x02ctorch\nload\n.", "a pickle naming torch.load"
+
+
+_BOMBS: dict[int, tuple[bytes, int]] = {}
+BOMB_SIZES = (64 << 20, 384 << 20)
+"""What a zip bomb's member inflates to: more than any file of these tiny checkpoints may hold, and (the larger)
+more than the RSS bound."""
+
+
+def _deflated_zeros(size: int) -> tuple[bytes, int]:
+    """``size`` zero bytes deflated (raw, as in a zip member) and their CRC-32, made once."""
+    if size not in _BOMBS:
+        comp, crc, chunk = zlib.compressobj(9, zlib.DEFLATED, -15), 0, b"\0" * (1 << 20)
+        parts = []
+        for _ in range(size >> 20):
+            parts.append(comp.compress(chunk))
+            crc = zlib.crc32(chunk, crc)
+        parts.append(comp.flush())
+        _BOMBS[size] = (b"".join(parts), crc)
+    return _BOMBS[size]
+
+
+def _zip(members: list[tuple[str, bytes, int, int, int]]) -> bytes:
+    """A zip archive of ``(name, stored bytes, method, crc, uncompressed size)`` members, written by hand so that a
+    member can be given already deflated (a bomb is made once, not for every input)."""
+    out, central = io.BytesIO(), []
+    for name, data, method, crc, size in members:
+        raw = name.encode()
+        central.append(struct.pack("<4s6H3L5H2L", b"PK\x01\x02", 20, 20, 0, method, 0, 0, crc, len(data), size,
+                                   len(raw), 0, 0, 0, 0, 0, out.tell()) + raw)
+        out.write(struct.pack("<4s5H3L2H", b"PK\x03\x04", 20, 0, method, 0, 0, crc, len(data), size, len(raw), 0) + raw)
+        out.write(data)
+    at = out.tell()
+    for c in central:
+        out.write(c)
+    out.write(struct.pack("<4s4H2LH", b"PK\x05\x06", 0, 0, len(central), len(central), out.tell() - at, at, 0))
+    return out.getvalue()
+
+
+def rebuild_zip(data: bytes, change: Callable[[str, bytes], "bytes | None"], *, bomb: tuple[set[str], int] = (set(), 0)
+                ) -> bytes:
+    """The zip archive ``data`` with each member's bytes replaced by ``change(name, bytes)`` (``None`` drops it);
+    the members named in ``bomb[0]`` become ``bomb[1]`` zero bytes, deflated."""
+    members = []
+    with zipfile.ZipFile(io.BytesIO(data)) as src:
+        for info in src.infolist():
+            if info.filename in bomb[0]:
+                packed, crc = _deflated_zeros(bomb[1])
+                members.append((info.filename, packed, zipfile.ZIP_DEFLATED, crc, bomb[1]))
+                continue
+            new = change(info.filename, src.read(info))
+            if new is not None:
+                members.append((info.filename, new, zipfile.ZIP_STORED, zlib.crc32(new), len(new)))
+    return _zip(members)
+
+
+def _lie_about_size(data: bytes, claim: int) -> bytes:
+    """Patch every central-directory and local header of a zip archive to claim ``claim`` bytes uncompressed."""
+    buf = bytearray(data)
+    for sig, off in ((b"PK\x01\x02", 24), (b"PK\x03\x04", 22)):
+        i = buf.find(sig)
+        while i >= 0:
+            buf[i + off:i + off + 4] = struct.pack("<I", claim & 0xFFFFFFFF)
+            i = buf.find(sig, i + 4)
+    return bytes(buf)
+
+
+def mutate_pickle(rng: Case, data: bytes, what: str, marker_dir: Path, obj: Any = None) -> bytes:
+    """A mutation of a pickle or a ``torch.save`` file: cut, flipped, a hostile pickle in its place or inside its
+    archive, a zip bomb (a member deflated from hundreds of MiB of zeros, or a header lying about its size), an
+    archive member dropped, or (given the saved ``obj``) the object itself changed and saved again."""
+    is_zip = data[:2] == b"PK"
+    kinds = ["truncate", "flip", "hostile", "hostile"] + (["bomb", "lie", "drop", "inner_hostile"] if is_zip else [])
+    kinds += ["object", "object", "object"] if obj is not None else []
+    kind = rng.choice(kinds)
+    if kind == "truncate":
+        cut = rng.randrange(len(data))
+        rng.note(f"{what}: cut to {cut} of {len(data)} bytes")
+        return data[:cut]
+    if kind == "flip":
+        rng.note(f"{what}: bytes flipped")
+        return flip(rng, data)
+    if kind == "hostile":
+        payload, told = hostile_pickle(rng, marker_dir)
+        rng.note(f"{what}: replaced by {told}")
+        return payload
+    if kind == "inner_hostile":
+        payload, told = hostile_pickle(rng, marker_dir)
+        rng.note(f"{what}: its data.pkl replaced by {told}")
+        return rebuild_zip(data, lambda n, b: payload if n.endswith("data.pkl") else b)
+    if kind == "bomb":
+        size = rng.choice(BOMB_SIZES)
+        victim = rng.choice(["data.pkl", "data/0", "version", "byteorder"])
+        rng.note(f"{what}: member */{victim} replaced by {size >> 20} MiB of zeros, deflated (a zip bomb)")
+        names = {n for n in zipfile.ZipFile(io.BytesIO(data)).namelist() if n.endswith("/" + victim)}
+        return rebuild_zip(data, lambda n, b: b, bomb=(names, size))
+    if kind == "lie":
+        claim = rng.choice([1 << 31, (1 << 32) - 1, 0])
+        rng.note(f"{what}: zip headers claim {claim} bytes per member")
+        return _lie_about_size(data, claim)
+    if kind == "drop":
+        names = zipfile.ZipFile(io.BytesIO(data)).namelist()
+        gone = rng.choice(names)
+        rng.note(f"{what}: archive member {gone} dropped")
+        return rebuild_zip(data, lambda n, b: None if n == gone else b)
+    import torch
+
+    changed, told = mutate_object(rng, obj)
+    rng.note(f"{what}: object changed and saved again: {told}")
+    buf = io.BytesIO()
+    try:
+        torch.save(changed, buf)
+    except RecursionError:  # torch.save's own limit: a deep list it cannot write; the pickle kinds cover deeper
+        rng.note(f"{what}: (too deep for torch.save: a deep pickle instead)")
+        return b"\x80\x02" + b"]" * 5000 + b"a" * 4999 + b"."
+    return buf.getvalue()
+
+
+def mutate_object(rng: Case, obj: Any) -> tuple[Any, str]:
+    """A copy of the saved object with one value changed in type or size, or a key dropped or added."""
+    import copy
+
+    import torch
+
+    obj = copy.deepcopy(obj)
+    slots: list[tuple[Any, Any, str]] = []
+
+    def walk(node: Any, where: str, depth: int) -> None:
+        if depth > 6:
+            return
+        if isinstance(node, dict):
+            for k in list(node)[:20]:
+                slots.append((node, k, f"{where}/{k}"))
+                walk(node[k], f"{where}/{k}", depth + 1)
+        elif isinstance(node, list):
+            for i in range(min(len(node), 8)):
+                slots.append((node, i, f"{where}[{i}]"))
+                walk(node[i], f"{where}[{i}]", depth + 1)
+
+    walk(obj, "", 0)
+    if not slots:
+        return rng.choice([None, "x", [obj], {"x": obj}]), "replaced whole"
+    parent, key, where = rng.choice(slots)
+    choice = rng.choice(["type", "type", "big", "neg", "deep", "tensor", "drop", "add"])
+    if choice == "drop" and isinstance(parent, dict):
+        del parent[key]
+        return obj, f"{where} dropped"
+    if choice == "add" and isinstance(parent, dict):
+        parent[rng.choice(["fuzz", 7, None, ("t",)])] = 1
+        return obj, f"a key added beside {where}"
+    value = {
+        "type": lambda: rng.choice([None, "x", 1.5, -3, True, [], {}, (1, 2), b"raw"]),
+        "big": lambda: rng.choice([10 ** 30, 2 ** 63, 2 ** 64, float("nan"), float("inf")]),
+        "neg": lambda: -rng.randint(1, 10 ** 6),
+        "deep": lambda: _deep(rng.choice([100, 250])),
+        "tensor": lambda: rng.choice([torch.zeros(0), torch.zeros(3, dtype=torch.int64), torch.zeros(2, 2),
+                                      torch.zeros(5000, dtype=torch.uint8), torch.tensor(float("nan"))]),
+        "drop": lambda: None, "add": lambda: None,
+    }[choice]()
+    parent[key] = value
+    return obj, f"{where} <- {type(value).__name__} {str(value)[:30]}"
+
+
+def _deep(n: int) -> Any:
+    value: Any = []
+    for _ in range(n):
+        value = [value]
+    return value
+
+
+# ---------------------------------------------------------------------------------------------- entries
+def mutate_entry(rng: Case, image: dict[str, Any], rel: str, outside: Path) -> None:
+    """Replace, in ``image``, the file ``rel`` by something else: nothing, a link (leading out, to a sibling,
+    dangling, to itself), a FIFO, a folder, an empty or a huge sparse file, or move it under another name."""
+    kind = rng.choice(["missing", "link_out", "link_sibling", "dangling", "loop", "fifo", "dir", "empty", "sparse",
+                       "rename", "copy_over"])
+    siblings = [r for r in image if r != rel and isinstance(image[r], bytes)]
+    rng.note(f"{rel}: {kind}")
+    value = image.pop(rel, None)
+    if kind == "missing":
+        return
+    if kind == "link_out":
+        image[rel] = Special(("link", str(outside / "canary.bin")))
+    elif kind == "link_sibling" and siblings:
+        image[rel] = Special(("link", os.path.relpath(rng.choice(siblings), os.path.dirname(rel) or ".")))
+    elif kind == "dangling":
+        image[rel] = Special(("link", "no-such-file"))
+    elif kind == "loop":
+        image[rel] = Special(("link", os.path.basename(rel)))
+    elif kind == "fifo":
+        image[rel] = Special(("fifo",))
+    elif kind == "dir":
+        image[rel] = Special(("dir",))
+    elif kind == "empty":
+        image[rel] = b""
+    elif kind == "sparse":
+        image[rel] = Special(("sparse", rng.choice([1 << 30, 1 << 40])))
+    elif kind == "rename" and value is not None:
+        image[rel + rng.choice([".bak", "~", ".1"])] = value
+    elif kind == "copy_over" and siblings:
+        image[rel] = image[rng.choice(siblings)]
+    else:
+        image[rel] = b""
+
+
+def outside_dir(tmp: Path) -> Path:
+    """A folder beside the input holding a canary no reader may read."""
+    out = tmp / "outside"
+    out.mkdir(exist_ok=True)
+    (out / "canary.bin").write_bytes(CANARY * 64)
+    return out
+
+
+def check_no_code_ran(tmp: Path) -> None:
+    if (tmp / MARKER).exists():
+        raise WrongResult("a pickle in the checkpoint ran code (the marker folder it creates exists)")
+
+
+# ---------------------------------------------------------------------------------------------- running
+def scratch_root() -> Path:
+    """A private folder for the inputs: on tmpfs (``/dev/shm``) when there is one."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    return Path(tempfile.mkdtemp(prefix="ckptio-fuzz-", dir=base))
+
+
+def case_seed(seed: int, i: int) -> int:
+    return seed * 1_000_003 + i
+
+
+def _one(family: str, fn: Callable[[Case, Path], None], rng: Case, root: Path) -> tuple[str, str]:
+    tmp = Path(tempfile.mkdtemp(dir=root))
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            fn(rng, tmp)
+        check_no_code_ran(tmp)
+        return "ok", ""
+    except CheckpointError as exc:
+        try:
+            check_no_code_ran(tmp)
+        except WrongResult as wrong:
+            return "other", f"WrongResult: {wrong}"
+        return "clean", f"{type(exc).__name__}: {str(exc)[:160]}"
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - every other outcome is a finding
+        tb = traceback.extract_tb(exc.__traceback__)
+        if rng.reading is False:
+            return "harness", f"HARNESS {type(exc).__name__}: {exc}; " + "".join(traceback.format_tb(exc.__traceback__))
+        ours = next((f"{Path(f.filename).name}:{f.lineno}" for f in reversed(tb) if "/src/ckptio/" in f.filename), None)
+        where = f"{Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else "?"
+        where += f" (from ckptio {ours})" if ours and not tb[-1].filename.endswith(ours.split(":")[0]) else ""
+        return "other", f"{type(exc).__name__} at {where}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _worker(conn: Any, family: str, fn: Callable, indices: list[int], seed: int, root: Path, rss_mb: int) -> None:
+    import logging
+
+    logging.getLogger("ckptio").setLevel(logging.CRITICAL)
+    warm = Case("warm-up", pristine=True)
+    outcome, detail = _one(family, fn, warm, root)
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    conn.send(("ready", outcome, detail, base))
+    bound = base + rss_mb * 1024
+    for i in indices:
+        conn.send(("start", i))
+        rng = Case(f"{family}-{case_seed(seed, i)}")
+        rng.conn = conn
+        outcome, detail = _one(family, fn, rng, root)
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        if rss > bound:
+            outcome, detail = "other", f"peak RSS {rss >> 10} MiB, {(rss - base) >> 10} MiB above the worker's " \
+                                       f"baseline (bound {rss_mb} MiB); " + detail
+        conn.send(("done", i, outcome, detail, rng.notes, rss))
+        if rss > bound:
+            return  # ru_maxrss never falls: a fresh worker measures the next inputs
+    conn.send(("end",))
+
+
+def run_family(family: str, fn: Callable[[Case, Path], None], indices: list[int], seed: int, *, timeout: float = 10.0,
+               rss_mb: int = 256, verbose: bool = True, warmup_timeout: float = 300.0) -> dict[str, Any]:
+    """Try the inputs ``indices`` of ``family`` in worker processes; returns the tally ``{"ok", "clean", "other",
+    "rss_kb", "seconds", "failures": [(index, detail, notes)]}``."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    counts: dict[str, Any] = {"ok": 0, "clean": 0, "other": 0, "harness": 0, "rss_kb": 0, "failures": []}
+    pending = list(indices)
+    start = time.perf_counter()
+    for size in BOMB_SIZES:
+        _deflated_zeros(size)  # made here once: deflating them inside an input would count against its time
+    if hasattr(fn, "prepare"):
+        with contextlib.redirect_stdout(io.StringIO()):
+            fn.prepare()  # the valid folders, built once here: every worker forked after inherits them
+    root = scratch_root()
+    try:
+        while pending:
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker, args=(child, family, fn, pending, seed, root, rss_mb), daemon=True)
+            proc.start()
+            child.close()
+            current: int | None = None
+            notes: list[str] = []
+            progressed = False
+            waited = warmup_timeout
+            while True:
+                if not parent.poll(waited):
+                    proc.kill()
+                    proc.join()
+                    why = f"no answer within {waited:.0f} s (a hang)"
+                    break
+                try:
+                    msg = parent.recv()
+                except EOFError:
+                    proc.join()
+                    why = f"the worker died (exit code {proc.exitcode})"
+                    break
+                if msg[0] == "ready":
+                    if msg[1] == "other" and hasattr(fn, "prepare"):
+                        raise RuntimeError(f"{family}: the unmutated warm-up input failed: {msg[2]}")
+                    waited = timeout
+                elif msg[0] == "start":
+                    current, notes = msg[1], []
+                elif msg[0] == "note":
+                    notes.append(msg[1])
+                elif msg[0] == "done":
+                    _, i, outcome, detail, notes, rss = msg
+                    counts[outcome] += 1
+                    counts["rss_kb"] = max(counts["rss_kb"], rss)
+                    if outcome == "harness" and verbose:
+                        print(f"  HARNESS ERROR {family} input={i}: {detail}", flush=True)
+                    if outcome == "other":
+                        counts["failures"].append((i, detail, notes))
+                        if verbose:
+                            print(f"  FAIL {family} seed={seed} input={i}: {detail}\n       input: {'; '.join(notes)}",
+                                  flush=True)
+                    pending.remove(i)
+                    current, progressed = None, True
+                elif msg[0] == "end":
+                    proc.join()
+                    why = ""
+                    break
+            parent.close()
+            if current is not None:
+                counts["other"] += 1
+                counts["failures"].append((current, why, notes))
+                if verbose:
+                    print(f"  FAIL {family} seed={seed} input={current}: {why}\n       input: {'; '.join(notes)}",
+                          flush=True)
+                pending.remove(current)
+            elif why and pending and not progressed:
+                raise RuntimeError(f"{family}: the worker stopped before any input: {why}")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    counts["seconds"] = time.perf_counter() - start
+    return counts
