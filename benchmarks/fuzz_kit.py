@@ -257,15 +257,15 @@ def hostile_pickle(rng: Case, marker_dir: Path) -> tuple[bytes, str]:
             + f"import os;os.mkdir({target!r})".encode() + b"\x85R."
         return payload, "a pickle calling builtins.exec"
     if kind == "deep_list":
-        n = rng.choice([1000, 100_000])
+        n = rng.choice([1000, 50_000])
         return b"\x80\x02" + b"]" * n + b"a" * (n - 1) + b".", f"a list nested {n} deep"
     if kind == "deep_tuple":
-        n = rng.choice([1000, 100_000])
+        n = rng.choice([1000, 50_000])
         return b"\x80\x02N" + b"\x85" * n + b".", f"a tuple nested {n} deep"
     if kind == "huge_bytes":
         return b"\x80\x04\x8e" + struct.pack("<Q", 1 << 40) + b"xx", "BINBYTES8 claiming 1 TiB"
     if kind == "huge_list":  # a list of 2**24 references to one object: small pickle, large list
-        return b"\x80\x02](" + b"N" * (1 << 20) + b"e.", "a list of 1M Nones"
+        return b"\x80\x02](" + b"N" * (1 << 16) + b"e.", "a list of 65536 Nones"
     return b"\x80\x02ctorch\nload\n.", "a pickle naming torch.load"
 
 

@@ -1,6 +1,7 @@
 """Fuzz ckptio's readers with hostile and damaged inputs; every outcome must be "loaded right" or a clean error.
 
     .venv/bin/python benchmarks/fuzz_readers.py [--inputs 500] [--seed 0] [--family NAME ...]
+        [--timeout 10] [--rss-mb 256] [--replay N ... [--debug]]
 
 Families (each generates structured attacks and random byte damage of valid files):
 
@@ -13,14 +14,34 @@ Families (each generates structured attacks and random byte damage of valid file
                duplicates, and random byte damage
   yaml         alias bombs, deep nesting and random documents as a .nemo model_config.yaml
 
+and, in ``fuzz_frameworks.py``, each starting from valid folders written by the real code on a tiny model,
+damaged structurally (JSON: other types, deep nesting, huge and negative numbers, NaN, keys dropped, duplicated
+or added; pickles and torch files: cut, flipped, hostile pickles that run code or nest without end, zip bombs,
+members dropped, the saved object changed; files: missing, renamed, links, FIFOs, folders, huge sparse files),
+with the manifest re-signed four times in five so that the reader behind the checksums is reached:
+
+  hf_trainer   checkpoint-N/ of CkptioTrainer: last_checkpoint over a pristine and a damaged folder, then the
+               Trainer's load path (optimizer, scheduler, RNG state, trainer_state.json)
+  accelerate   checkpoint_N/ of CkptioAccelerator: load_state() with automatic naming
+  lightning    folders of CkptioCheckpointIO: load_checkpoint and lightning.last_checkpoint
+  automodel    AutoModel step folders (no manifest): layout.scan, `ckptio list`, CheckpointManager.restore
+  memory       memory-tier snapshots (memory_tier.json, the snapshot, node-id): CheckpointManager.restore
+  chunk_index  .ckptio-chunks of safetensors and DCP folders, damaged and sealed again (size and CRC-32C)
+
 Each input ends in one of three ways, tallied per family:
 
   ok          the reader returned, and what it returned is right (the values written, nothing outside)
   clean       the reader raised ckptio's own CheckpointError (with a message naming the file)
-  OTHER       anything else: another exception type, a hang (10 s), wrong values loaded, a file read
-              or written outside the target. Must be 0; each is printed with its input's seed.
+  failure     anything else: another exception type, a crash, a hang (more than --timeout s), peak RSS more
+              than --rss-mb MiB above the worker's baseline (its RSS after one valid input), wrong values
+              loaded, a pickle that ran code, a file read or written outside the target. Must be 0; each is
+              printed with what was done to the input, and --replay N --debug reruns it with its traceback.
 
-The suite runs a few inputs of every family (tests/test_hostile.py::test_fuzz_families_smoke).
+Every family runs in a forked worker process (fuzz_kit.run_family) so that a hang or a crash costs one input,
+and ends with one line: inputs, loaded right, clean errors, failures, peak RSS.
+
+The suite runs a few inputs of the first six families (tests/test_hostile.py::test_fuzz_families_smoke) and 200
+of each of the others (tests/test_fuzz_readers.py).
 """
 
 from __future__ import annotations
@@ -33,7 +54,6 @@ import os
 import pickle
 import random
 import shutil
-import signal
 import sys
 import tarfile
 import tempfile
@@ -55,26 +75,7 @@ RSS_MB = 256
 CANARY = b"CANARY-outside-the-checkpoint"
 
 
-class WrongResult(Exception):
-    """The reader returned, but what it returned (or did on disk) is wrong."""
-
-
-class Timeout(Exception):
-    pass
-
-
-@contextlib.contextmanager
-def _deadline(seconds: int):
-    def fire(*_):
-        raise Timeout(f"no answer within {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, fire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
+from fuzz_kit import WrongResult  # noqa: E402  (the reader returned, but what it returned or did is wrong)
 
 
 def _mutate(rng: random.Random, data: bytes) -> bytes:
