@@ -337,7 +337,11 @@ def mutate_pickle(rng: Case, data: bytes, what: str, marker_dir: Path, obj: Any 
     """A mutation of a pickle or a ``torch.save`` file: cut, flipped, a hostile pickle in its place or inside its
     archive, a zip bomb (a member deflated from hundreds of MiB of zeros, or a header lying about its size), an
     archive member dropped, or (given the saved ``obj``) the object itself changed and saved again."""
-    is_zip = data[:2] == b"PK"
+    try:
+        # an archive a mutation before this one made a bomb is not rebuilt (that would inflate it here)
+        is_zip = all(i.file_size < (16 << 20) for i in zipfile.ZipFile(io.BytesIO(data)).infolist())
+    except (zipfile.BadZipFile, ValueError, EOFError, OSError, struct.error, KeyError, IndexError, zlib.error):
+        is_zip = False  # not an archive, or one a mutation before this one broke: byte-level damage only
     kinds = ["truncate", "flip", "hostile", "hostile"] + (["bomb", "lie", "drop", "inner_hostile"] if is_zip else [])
     kinds += ["object", "object", "object"] if obj is not None else []
     kind = rng.choice(kinds)
@@ -352,6 +356,26 @@ def mutate_pickle(rng: Case, data: bytes, what: str, marker_dir: Path, obj: Any 
         payload, told = hostile_pickle(rng, marker_dir)
         rng.note(f"{what}: replaced by {told}")
         return payload
+    if kind in ("inner_hostile", "bomb", "lie", "drop"):
+        try:
+            return _mutate_archive(rng, data, what, marker_dir, kind)
+        except (zipfile.BadZipFile, ValueError, EOFError, OSError, struct.error, KeyError, IndexError, zlib.error):
+            rng.note(f"{what}: bytes flipped (an earlier mutation broke the archive)")
+            return flip(rng, data)
+    import torch
+
+    changed, told = mutate_object(rng, obj)
+    rng.note(f"{what}: object changed and saved again: {told}")
+    buf = io.BytesIO()
+    try:
+        torch.save(changed, buf)
+    except RecursionError:  # torch.save's own limit: a deep list it cannot write; the pickle kinds cover deeper
+        rng.note(f"{what}: (too deep for torch.save: a deep pickle instead)")
+        return b"\x80\x02" + b"]" * 5000 + b"a" * 4999 + b"."
+    return buf.getvalue()
+
+
+def _mutate_archive(rng: Case, data: bytes, what: str, marker_dir: Path, kind: str) -> bytes:
     if kind == "inner_hostile":
         payload, told = hostile_pickle(rng, marker_dir)
         rng.note(f"{what}: its data.pkl replaced by {told}")
@@ -371,17 +395,7 @@ def mutate_pickle(rng: Case, data: bytes, what: str, marker_dir: Path, obj: Any 
         gone = rng.choice(names)
         rng.note(f"{what}: archive member {gone} dropped")
         return rebuild_zip(data, lambda n, b: None if n == gone else b)
-    import torch
-
-    changed, told = mutate_object(rng, obj)
-    rng.note(f"{what}: object changed and saved again: {told}")
-    buf = io.BytesIO()
-    try:
-        torch.save(changed, buf)
-    except RecursionError:  # torch.save's own limit: a deep list it cannot write; the pickle kinds cover deeper
-        rng.note(f"{what}: (too deep for torch.save: a deep pickle instead)")
-        return b"\x80\x02" + b"]" * 5000 + b"a" * 4999 + b"."
-    return buf.getvalue()
+    raise ValueError(kind)
 
 
 def mutate_object(rng: Case, obj: Any) -> tuple[Any, str]:

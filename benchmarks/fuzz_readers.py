@@ -395,6 +395,19 @@ def _all_families() -> dict[str, Callable[[random.Random, Path], None]]:
     return {**FAMILIES, **FRAMEWORKS}
 
 
+def _distinct(failures: list[tuple[int, str, list[str]]]) -> dict[str, tuple[int, int, list[str]]]:
+    """The failures grouped by what went wrong (the exception and where, paths and numbers left out)."""
+    import re
+
+    groups: dict[str, tuple[int, int, list[str]]] = {}
+    for i, detail, notes in failures:
+        head = detail.split("; CheckpointCorruptError")[0] if detail.startswith("peak RSS") else detail
+        sig = re.sub(r"\d+", "N", re.sub(r"/\S+", "<path>", head))[:140]
+        n, first, first_notes = groups.get(sig, (0, i, notes))
+        groups[sig] = (n + 1, first, first_notes)
+    return dict(sorted(groups.items(), key=lambda kv: -kv[1][0]))
+
+
 def run(families: list[str], inputs: int, seed: int, verbose: bool = True, *, timeout: float = TIMEOUT_S,
         rss_mb: int = RSS_MB, replay: list[int] | None = None) -> dict[str, dict[str, Any]]:
     """Fuzz ``inputs`` inputs (or the inputs numbered ``replay``) of each family, each family in worker processes
@@ -407,6 +420,10 @@ def run(families: list[str], inputs: int, seed: int, verbose: bool = True, *, ti
         counts = run_family(family, every[family], list(replay) if replay is not None else list(range(inputs)), seed,
                             timeout=timeout, rss_mb=rss_mb, verbose=verbose)
         tally[family] = counts
+        if verbose and counts["failures"]:
+            print(f"  distinct failures of {family} (how many, the first input, what was done to it):")
+            for sig, (n, i, notes) in _distinct(counts["failures"]).items():
+                print(f"    {n:>5} x {sig}\n          e.g. --family {family} --seed {seed} --replay {i}: {'; '.join(notes)[:300]}")
         if verbose:
             n = counts["ok"] + counts["clean"] + counts["other"] + counts["harness"]
             print(f"{family:<12} {n:>7} inputs  loaded right {counts['ok']:>7}  clean errors {counts['clean']:>7}  "
