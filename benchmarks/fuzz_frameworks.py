@@ -19,8 +19,10 @@ from typing import Any
 
 import torch
 
-from fuzz_kit import (Case, Special, WrongResult, flip, load_image, materialize, mutate_entry, mutate_json,  # noqa: E402
-                      mutate_pickle, outside_dir, resign, scratch_root)
+from fuzz_kit import (Case, Special, WrongResult, flip, load_image, materialize, mutate_entry, mutate_json,  # noqa: I001
+                      mutate_pickle, outside_dir, resign, scratch_root)  # (first: it puts ckptio's src on the path)
+
+from ckptio import CheckpointError  # noqa: E402
 
 _SCRATCH: list[Path] = []
 
@@ -375,8 +377,7 @@ class AutoModel:
             damage(rng, image, _kinds(image), tmp, self.objs, manifest=None)
         _place(rng, image, root / "epoch_0_step_2", tmp)
         rng.reading = True
-        scan(root)
-        list_checkpoints(str(root))
+        scan(root) if rng.random() < 0.5 else list_checkpoints(str(root))  # (each costs as much as the restore)
         rng.reading = True
         with torch.no_grad():
             for p in self.model.parameters():
@@ -440,6 +441,8 @@ class Memory:
             raise WrongResult(f"the undamaged snapshot was not restored ({info})")
         if info is not None and touched <= {"manifest.json", "memory_tier.json"}:
             _same_tensors(dict(self.model.state_dict()), self.want, "the snapshot's model")
+        if info is None:  # the snapshot was refused with its reason (logged): a clean refusal
+            raise CheckpointError("the memory snapshot was refused; the restore fell back to the (empty) durable tier")
 
 
 # ---------------------------------------------------------------------------------------------- chunk index
