@@ -396,15 +396,18 @@ def _all_families() -> dict[str, Callable[[random.Random, Path], None]]:
 
 
 def _distinct(failures: list[tuple[int, str, list[str]]]) -> dict[str, tuple[int, int, list[str]]]:
-    """The failures grouped by what went wrong (the exception and where, paths and numbers left out)."""
+    """The failures grouped by what went wrong (the exception and where, paths and numbers left out), each with the
+    input that shows it with the fewest changes."""
     import re
 
     groups: dict[str, tuple[int, int, list[str]]] = {}
     for i, detail, notes in failures:
         head = detail.split("; CheckpointCorruptError")[0] if detail.startswith("peak RSS") else detail
         sig = re.sub(r"\d+", "N", re.sub(r"/\S+", "<path>", head))[:140]
-        n, first, first_notes = groups.get(sig, (0, i, notes))
-        groups[sig] = (n + 1, first, first_notes)
+        n, best, best_notes = groups.get(sig, (0, i, notes))
+        if len(notes) < len(best_notes):  # the input with the fewest changes: the shortest reproducer
+            best, best_notes = i, notes
+        groups[sig] = (n + 1, best, best_notes)
     return dict(sorted(groups.items(), key=lambda kv: -kv[1][0]))
 
 
@@ -421,7 +424,7 @@ def run(families: list[str], inputs: int, seed: int, verbose: bool = True, *, ti
                             timeout=timeout, rss_mb=rss_mb, verbose=verbose)
         tally[family] = counts
         if verbose and counts["failures"]:
-            print(f"  distinct failures of {family} (how many, the first input, what was done to it):")
+            print(f"  distinct failures of {family} (how many, the input with the fewest changes, what they were):")
             for sig, (n, i, notes) in _distinct(counts["failures"]).items():
                 print(f"    {n:>5} x {sig}\n          e.g. --family {family} --seed {seed} --replay {i}: {'; '.join(notes)[:300]}")
         if verbose:
