@@ -174,8 +174,8 @@ class HFTrainer:
         _place(rng, image, root / "checkpoint-2", tmp)
         rng.reading = True
         found = last_checkpoint(root)  # NoUsableCheckpointError here is wrong: checkpoint-1 is whole
-        if found not in (root / "checkpoint-1", root / "checkpoint-2"):
-            raise WrongResult(f"last_checkpoint chose {found}")
+        if found not in (root / "checkpoint-1", root / "checkpoint-2") or found.is_symlink():
+            raise WrongResult(f"last_checkpoint chose {found}{' (a link)' if found.is_symlink() else ''}")
         if rng.pristine and found.name != "checkpoint-2":
             raise WrongResult("the undamaged checkpoint-2 was skipped")
         self.trainer._load_optimizer_and_scheduler(str(found))
@@ -247,8 +247,8 @@ class Accelerate:
                 p.fill_(float("nan"))
         self.counter.n = -1
         path = self.acc.load_state()
-        if path not in (str(root / "checkpoint_0"), str(root / "checkpoint_1")):
-            raise WrongResult(f"load_state took {path}")
+        if path not in (str(root / "checkpoint_0"), str(root / "checkpoint_1")) or Path(path).is_symlink():
+            raise WrongResult(f"load_state took {path}{' (a link)' if Path(path).is_symlink() else ''}")
         if rng.pristine and not path.endswith("checkpoint_1"):
             raise WrongResult("the undamaged checkpoint_1 was skipped")
         if path.endswith("checkpoint_0"):
@@ -383,7 +383,7 @@ class AutoModel:
             for p in self.model.parameters():
                 p.fill_(float("nan"))
         info = self.mgr.restore()
-        if info is None or info.step not in (1, 2):
+        if info is None or info.step not in (1, 2) or Path(info.path).is_symlink():
             raise WrongResult(f"restore returned {info}")
         if rng.pristine and info.step != 2:
             raise WrongResult("the undamaged step 2 was skipped")
@@ -437,6 +437,8 @@ class Memory:
             for p in self.model.parameters():
                 p.fill_(float("nan"))
         info = self.mgr.restore()
+        if info is not None and Path(info.path).is_symlink():
+            raise WrongResult(f"restored from {info.path}, a link")
         if rng.pristine and (info is None or info.tier != "memory"):
             raise WrongResult(f"the undamaged snapshot was not restored ({info})")
         if info is not None and touched <= {"manifest.json", "memory_tier.json"}:
