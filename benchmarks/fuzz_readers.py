@@ -14,10 +14,10 @@ Families (each generates structured attacks and random byte damage of valid file
                duplicates, and random byte damage
   yaml         alias bombs, deep nesting and random documents as a .nemo model_config.yaml
 
-and, in ``fuzz_frameworks.py``, each starting from valid folders written by the real code on a tiny model,
-damaged structurally (JSON: other types, deep nesting, huge and negative numbers, NaN, keys dropped, duplicated
-or added; pickles and torch files: cut, flipped, hostile pickles that run code or nest without end, zip bombs,
-members dropped, the saved object changed; files: missing, renamed, links, FIFOs, folders, huge sparse files),
+and, in ``fuzz_frameworks.py`` and ``fuzz_steps.py`` (their mutations in ``fuzz_mutations.py``), each starting
+from valid folders written by the real code on a tiny model, damaged structurally (JSON: other types, deep
+nesting, huge and negative numbers, NaN, keys dropped, duplicated or added; pickles and torch files: cut,
+flipped, hostile pickles that run code or nest without end, zip bombs, members dropped, the saved object changed; files: missing, renamed, links, FIFOs, folders, huge sparse files),
 with the manifest re-signed four times in five so that the reader behind the checksums is reached:
 
   hf_trainer   checkpoint-N/ of CkptioTrainer: last_checkpoint over a pristine and a damaged folder, then the
@@ -37,7 +37,7 @@ Each input ends in one of three ways, tallied per family:
               loaded, a pickle that ran code, a file read or written outside the target. Must be 0; each is
               printed with what was done to the input, and --replay N --debug reruns it with its traceback.
 
-Every family runs in a forked worker process (fuzz_kit.run_family) so that a hang or a crash costs one input,
+Every family runs in a forked worker process (fuzz_runner.run_family) so that a hang or a crash costs one input,
 and ends with one line: inputs, loaded right, clean errors, failures, peak RSS.
 
 The suite runs a few inputs of the first six families (tests/test_hostile.py::test_fuzz_families_smoke) and 200
@@ -391,31 +391,16 @@ FAMILIES: dict[str, Callable[[random.Random, Path], None]] = {
 
 def _all_families() -> dict[str, Callable[[random.Random, Path], None]]:
     from fuzz_frameworks import FAMILIES as FRAMEWORKS
+    from fuzz_steps import FAMILIES as STEPS
 
-    return {**FAMILIES, **FRAMEWORKS}
-
-
-def _distinct(failures: list[tuple[int, str, list[str]]]) -> dict[str, tuple[int, int, list[str]]]:
-    """The failures grouped by what went wrong (the exception and where, paths and numbers left out), each with the
-    input that shows it with the fewest changes."""
-    import re
-
-    groups: dict[str, tuple[int, int, list[str]]] = {}
-    for i, detail, notes in failures:
-        head = detail.split("; CheckpointCorruptError")[0] if detail.startswith("peak RSS") else detail
-        sig = re.sub(r"\d+", "N", re.sub(r"/\S+", "<path>", head))[:140]
-        n, best, best_notes = groups.get(sig, (0, i, notes))
-        if len(notes) < len(best_notes):  # the input with the fewest changes: the shortest reproducer
-            best, best_notes = i, notes
-        groups[sig] = (n + 1, best, best_notes)
-    return dict(sorted(groups.items(), key=lambda kv: -kv[1][0]))
+    return {**FAMILIES, **FRAMEWORKS, **STEPS}
 
 
 def run(families: list[str], inputs: int, seed: int, verbose: bool = True, *, timeout: float = TIMEOUT_S,
         rss_mb: int = RSS_MB, replay: list[int] | None = None) -> dict[str, dict[str, Any]]:
     """Fuzz ``inputs`` inputs (or the inputs numbered ``replay``) of each family, each family in worker processes
-    (:func:`fuzz_kit.run_family`); return ``{family: {"ok", "clean", "other", "rss_kb", "seconds", "failures"}}``."""
-    from fuzz_kit import run_family
+    (:func:`fuzz_runner.run_family`); return ``{family: {"ok", "clean", "other", "rss_kb", "seconds", "failures"}}``."""
+    from fuzz_runner import distinct, run_family
 
     every = _all_families()
     tally: dict[str, dict[str, Any]] = {}
@@ -425,8 +410,9 @@ def run(families: list[str], inputs: int, seed: int, verbose: bool = True, *, ti
         tally[family] = counts
         if verbose and counts["failures"]:
             print(f"  distinct failures of {family} (how many, the input with the fewest changes, what they were):")
-            for sig, (n, i, notes) in _distinct(counts["failures"]).items():
-                print(f"    {n:>5} x {sig}\n          e.g. --family {family} --seed {seed} --replay {i}: {'; '.join(notes)[:300]}")
+            for sig, (n, i, notes) in distinct(counts["failures"]).items():
+                print(f"    {n:>5} x {sig}\n          e.g. --family {family} --seed {seed} --replay {i}: "
+                      f"{'; '.join(notes)[:300]}")
         if verbose:
             n = counts["ok"] + counts["clean"] + counts["other"] + counts["harness"]
             print(f"{family:<12} {n:>7} inputs  loaded right {counts['ok']:>7}  clean errors {counts['clean']:>7}  "
@@ -434,29 +420,6 @@ def run(families: list[str], inputs: int, seed: int, verbose: bool = True, *, ti
                   f"{rss_mb} MiB)  ({counts['seconds']:.1f} s, {n / max(counts['seconds'], 1e-9):.0f} inputs/s)"
                   + (f"  HARNESS ERRORS {counts['harness']}" if counts["harness"] else ""), flush=True)
     return tally
-
-
-def _debug(families: list[str], indices: list[int], seed: int) -> int:
-    """Run the inputs ``indices`` of ``families`` here, printing what was done to each and its full traceback."""
-    from fuzz_kit import Case, case_seed, scratch_root
-
-    every = _all_families()
-    for family in families:
-        fn = every[family]
-        if hasattr(fn, "prepare"):
-            fn.prepare()
-        for i in indices:
-            rng = Case(f"{family}-{case_seed(seed, i)}")
-            tmp = scratch_root()
-            print(f"--- {family} input {i} in {tmp}")
-            try:
-                fn(rng, tmp)
-                print("returned (loaded right)")
-            except BaseException as exc:  # noqa: BLE001 - shown, whatever it is
-                traceback.print_exc()
-                print(f"raised {type(exc).__name__}")
-            print("input: " + "; ".join(rng.notes))
-    return 0
 
 
 def main() -> int:
@@ -472,12 +435,16 @@ def main() -> int:
                    help="with --replay: run in this process, print the full traceback and keep the input's folder")
     args = p.parse_args()
     if args.debug:
-        return _debug(args.family or [], args.replay or [], args.seed)
+        from fuzz_runner import debug
+
+        every = _all_families()
+        return debug({f: every[f] for f in args.family or []}, args.replay or [], args.seed)
     tally = run(args.family or list(_all_families()), args.inputs, args.seed, timeout=args.timeout,
                 rss_mb=args.rss_mb, replay=args.replay)
     total = {k: sum(t[k] for t in tally.values()) for k in ("ok", "clean", "other", "harness")}
     print(f"\n{sum(total.values())} inputs tried: {total['ok']} loaded right, {total['clean']} clean errors, "
-          f"{total['other']} failures" + (f", {total['harness']} errors of the fuzzer itself" if total["harness"] else ""))
+          f"{total['other']} failures"
+          + (f", {total['harness']} errors of the fuzzer itself" if total["harness"] else ""))
     return 1 if total["other"] or total["harness"] else 0
 
 
