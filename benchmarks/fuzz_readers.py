@@ -1,6 +1,7 @@
 """Fuzz ckptio's readers with hostile and damaged inputs; every outcome must be "loaded right" or a clean error.
 
     .venv/bin/python benchmarks/fuzz_readers.py [--inputs 500] [--seed 0] [--family NAME ...]
+        [--timeout 10] [--rss-mb 256] [--replay N ... [--debug]]
 
 Families (each generates structured attacks and random byte damage of valid files):
 
@@ -13,14 +14,34 @@ Families (each generates structured attacks and random byte damage of valid file
                duplicates, and random byte damage
   yaml         alias bombs, deep nesting and random documents as a .nemo model_config.yaml
 
+and, in ``fuzz_frameworks.py`` and ``fuzz_steps.py`` (their mutations in ``fuzz_mutations.py``), each starting
+from valid folders written by the real code on a tiny model, damaged structurally (JSON: other types, deep
+nesting, huge and negative numbers, NaN, keys dropped, duplicated or added; pickles and torch files: cut,
+flipped, hostile pickles that run code or nest without end, zip bombs, members dropped, the saved object changed; files: missing, renamed, links, FIFOs, folders, huge sparse files),
+with the manifest re-signed four times in five so that the reader behind the checksums is reached:
+
+  hf_trainer   checkpoint-N/ of CkptioTrainer: last_checkpoint over a pristine and a damaged folder, then the
+               Trainer's load path (optimizer, scheduler, RNG state, trainer_state.json)
+  accelerate   checkpoint_N/ of CkptioAccelerator: load_state() with automatic naming
+  lightning    folders of CkptioCheckpointIO: load_checkpoint and lightning.last_checkpoint
+  automodel    AutoModel step folders (no manifest): layout.scan, `ckptio list`, CheckpointManager.restore
+  memory       memory-tier snapshots (memory_tier.json, the snapshot, node-id): CheckpointManager.restore
+  chunk_index  .ckptio-chunks of safetensors and DCP folders, damaged and sealed again (size and CRC-32C)
+
 Each input ends in one of three ways, tallied per family:
 
   ok          the reader returned, and what it returned is right (the values written, nothing outside)
   clean       the reader raised ckptio's own CheckpointError (with a message naming the file)
-  OTHER       anything else: another exception type, a hang (10 s), wrong values loaded, a file read
-              or written outside the target. Must be 0; each is printed with its input's seed.
+  failure     anything else: another exception type, a crash, a hang (more than --timeout s), peak RSS more
+              than --rss-mb MiB above the worker's baseline (its RSS after one valid input), wrong values
+              loaded, a pickle that ran code, a file read or written outside the target. Must be 0; each is
+              printed with what was done to the input, and --replay N --debug reruns it with its traceback.
 
-The suite runs a few inputs of every family (tests/test_hostile.py::test_fuzz_families_smoke).
+Every family runs in a forked worker process (fuzz_runner.run_family) so that a hang or a crash costs one input,
+and ends with one line: inputs, loaded right, clean errors, failures, peak RSS.
+
+The suite runs a few inputs of the first six families (tests/test_hostile.py::test_fuzz_families_smoke) and 200
+of each of the others (tests/test_fuzz_readers.py).
 """
 
 from __future__ import annotations
@@ -33,46 +54,28 @@ import os
 import pickle
 import random
 import shutil
-import signal
 import sys
 import tarfile
 import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 
 from ckptio import CheckpointError  # noqa: E402
 
 TIMEOUT_S = 10
+RSS_MB = 256
 CANARY = b"CANARY-outside-the-checkpoint"
 
 
-class WrongResult(Exception):
-    """The reader returned, but what it returned (or did on disk) is wrong."""
-
-
-class Timeout(Exception):
-    pass
-
-
-@contextlib.contextmanager
-def _deadline(seconds: int):
-    def fire(*_):
-        raise Timeout(f"no answer within {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, fire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
+from fuzz_kit import WrongResult  # noqa: E402  (the reader returned, but what it returned or did is wrong)
 
 
 def _mutate(rng: random.Random, data: bytes) -> bytes:
@@ -386,35 +389,36 @@ FAMILIES: dict[str, Callable[[random.Random, Path], None]] = {
 }
 
 
-def run(families: list[str], inputs: int, seed: int, verbose: bool = True) -> dict[str, dict[str, int]]:
-    """Fuzz ``inputs`` inputs of each family; return ``{family: {"ok", "clean", "other"}}``."""
-    tally: dict[str, dict[str, int]] = {}
+def _all_families() -> dict[str, Callable[[random.Random, Path], None]]:
+    from fuzz_frameworks import FAMILIES as FRAMEWORKS
+    from fuzz_steps import FAMILIES as STEPS
+
+    return {**FAMILIES, **FRAMEWORKS, **STEPS}
+
+
+def run(families: list[str], inputs: int, seed: int, verbose: bool = True, *, timeout: float = TIMEOUT_S,
+        rss_mb: int = RSS_MB, replay: list[int] | None = None) -> dict[str, dict[str, Any]]:
+    """Fuzz ``inputs`` inputs (or the inputs numbered ``replay``) of each family, each family in worker processes
+    (:func:`fuzz_runner.run_family`); return ``{family: {"ok", "clean", "other", "rss_kb", "seconds", "failures"}}``."""
+    from fuzz_runner import distinct, run_family
+
+    every = _all_families()
+    tally: dict[str, dict[str, Any]] = {}
     for family in families:
-        counts = {"ok": 0, "clean": 0, "other": 0}
-        start = time.perf_counter()
-        for i in range(inputs):
-            case_seed = seed * 1_000_003 + i
-            rng = random.Random(f"{family}-{case_seed}")
-            tmp = Path(tempfile.mkdtemp(prefix=f"ckptio-fuzz-{family}-"))
-            try:
-                with _deadline(TIMEOUT_S), contextlib.redirect_stdout(io.StringIO()):
-                    FAMILIES[family](rng, tmp)
-                counts["ok"] += 1
-            except CheckpointError:
-                counts["clean"] += 1
-            except BaseException as exc:  # noqa: BLE001 - every other outcome is a finding
-                if isinstance(exc, KeyboardInterrupt):
-                    raise
-                counts["other"] += 1
-                if verbose:
-                    print(f"  OTHER {family} seed={case_seed}: {type(exc).__name__}: {exc}")
-                    traceback.print_exc(limit=4)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
+        counts = run_family(family, every[family], list(replay) if replay is not None else list(range(inputs)), seed,
+                            timeout=timeout, rss_mb=rss_mb, verbose=verbose)
         tally[family] = counts
+        if verbose and counts["failures"]:
+            print(f"  distinct failures of {family} (how many, the input with the fewest changes, what they were):")
+            for sig, (n, i, notes) in distinct(counts["failures"]).items():
+                print(f"    {n:>5} x {sig}\n          e.g. --family {family} --seed {seed} --replay {i}: "
+                      f"{'; '.join(notes)[:300]}")
         if verbose:
-            print(f"{family:<12} {inputs:>6} inputs  ok {counts['ok']:>6}  clean errors {counts['clean']:>6}  "
-                  f"OTHER {counts['other']:>3}   ({time.perf_counter() - start:.1f} s)", flush=True)
+            n = counts["ok"] + counts["clean"] + counts["other"] + counts["harness"]
+            print(f"{family:<12} {n:>7} inputs  loaded right {counts['ok']:>7}  clean errors {counts['clean']:>7}  "
+                  f"failures {counts['other']:>4}  peak RSS {counts['rss_kb'] >> 10:>5} MiB (bound: baseline + "
+                  f"{rss_mb} MiB)  ({counts['seconds']:.1f} s, {n / max(counts['seconds'], 1e-9):.0f} inputs/s)"
+                  + (f"  HARNESS ERRORS {counts['harness']}" if counts["harness"] else ""), flush=True)
     return tally
 
 
@@ -422,16 +426,26 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--inputs", type=int, default=500, help="inputs per family (default 500)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--family", action="append", choices=sorted(FAMILIES), help="only these families")
+    p.add_argument("--family", action="append", choices=sorted(_all_families()), help="only these families")
+    p.add_argument("--replay", type=int, action="append", help="only the input with this number (repeatable)")
+    p.add_argument("--timeout", type=float, default=TIMEOUT_S, help=f"seconds per input (default {TIMEOUT_S})")
+    p.add_argument("--rss-mb", type=int, default=RSS_MB,
+                   help=f"peak RSS bound, MiB above the worker's baseline (default {RSS_MB})")
+    p.add_argument("--debug", action="store_true",
+                   help="with --replay: run in this process, print the full traceback and keep the input's folder")
     args = p.parse_args()
-    import logging
+    if args.debug:
+        from fuzz_runner import debug
 
-    logging.getLogger("ckptio").setLevel(logging.ERROR)
-    tally = run(args.family or list(FAMILIES), args.inputs, args.seed)
-    total = {k: sum(t[k] for t in tally.values()) for k in ("ok", "clean", "other")}
+        every = _all_families()
+        return debug({f: every[f] for f in args.family or []}, args.replay or [], args.seed)
+    tally = run(args.family or list(_all_families()), args.inputs, args.seed, timeout=args.timeout,
+                rss_mb=args.rss_mb, replay=args.replay)
+    total = {k: sum(t[k] for t in tally.values()) for k in ("ok", "clean", "other", "harness")}
     print(f"\n{sum(total.values())} inputs tried: {total['ok']} loaded right, {total['clean']} clean errors, "
-          f"{total['other']} anything else")
-    return 1 if total["other"] else 0
+          f"{total['other']} failures"
+          + (f", {total['harness']} errors of the fuzzer itself" if total["harness"] else ""))
+    return 1 if total["other"] or total["harness"] else 0
 
 
 if __name__ == "__main__":
