@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CheckpointCorruptError, CheckpointError, MissingDependencyError
+from .storage.parse import parsing
 
 try:
     from accelerate import Accelerator
@@ -128,9 +129,14 @@ class CkptioAccelerator(Accelerator):
         if customs != list(range(len(self._custom_objects))):
             raise CheckpointCorruptError(f"{path}: holds the states of {len(customs)} registered object(s), this run "
                                          f"registered {len(self._custom_objects)}")
-        self._load_accelerate_state(path, load_kwargs, kwargs)
+        from safetensors import SafetensorError
+
+        with parsing(path, "(accelerate's reader)", also=(SafetensorError,)):  # its errors name no file
+            self._load_accelerate_state(path, load_kwargs, kwargs)
         for i, obj in enumerate(self._custom_objects):
-            obj.load_state_dict(pt_format.load(path / f"custom_checkpoint_{i}.pkl"))
+            state = pt_format.load(path / f"custom_checkpoint_{i}.pkl")
+            with parsing(path / f"custom_checkpoint_{i}.pkl", f"(loading it into {type(obj).__name__})"):
+                obj.load_state_dict(state)
         if auto and (m := _NAME.match(path.name)):
             self.project_configuration.iteration = int(m.group(1)) + 1
         return str(path)

@@ -25,13 +25,19 @@ def check_manifest(folder: Any, verify: str, *, required: bool) -> bool:
     ``required`` (a folder the framework wrote itself).
 
     A link or a special file anywhere in the folder is refused first, manifest or not: the frameworks' own
-    readers, which load some of these files, open paths without ckptio's confinement and would follow it."""
+    readers, which load some of these files, open paths without ckptio's confinement and would follow it; so is a
+    ``torch.save`` archive whose members would inflate past its file, which their ``torch.load`` would inflate."""
+    from .formats.pt import check_archive
     from .manifest import MANIFEST_NAME, check_files, read_manifest
 
-    odd = [rel for rel, entry in folder.walk_files() if entry.kind != "file"]
+    files = list(folder.walk_files())
+    odd = [rel for rel, entry in files if entry.kind != "file"]
     if odd:
         raise CheckpointCorruptError(f"{folder.display(odd[0])}: a link or special file inside a checkpoint "
                                      f"({len(odd)} in all); a checkpoint holds regular files only")
+    for rel, _ in files:
+        if rel.endswith((".bin", ".pt", ".pth", ".pkl", ".ckpt")):
+            check_archive(folder, rel)
     if not required and folder.kind(MANIFEST_NAME) is None:
         return False
     problems = check_files(folder, read_manifest(folder), checksums=verify == "full")

@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from .errors import CheckpointCorruptError, CheckpointError, MissingDependencyError
+from .storage.parse import DATA_ERRORS
 
 try:
     import accelerate  # noqa: F401  (the Trainer's own requirement, imported lazily by transformers)
@@ -147,7 +148,7 @@ class CkptioTrainerMixin:
         try:
             me.optimizer.load_state_dict(optimizer)
             me.lr_scheduler.load_state_dict(scheduler)
-        except (KeyError, ValueError, TypeError, RuntimeError) as exc:
+        except DATA_ERRORS as exc:  # a state of another shape, or a file re-signed after it was changed
             raise CheckpointCorruptError(f"{checkpoint}: its optimizer or scheduler state does not fit this run's "
                                          f"({type(exc).__name__}: {exc})") from exc
 
@@ -256,6 +257,12 @@ def last_checkpoint(output_dir: str | Path, *, verify: str = "full") -> Path | N
     return framework_dirs.newest(output_dir, usable_checkpoints(output_dir, verify=verify))
 
 
+def _config_errors() -> tuple[type[BaseException], ...]:
+    """What else transformers raises about a configuration it refuses: huggingface_hub's validators, where they exist."""
+    errors = __import__("huggingface_hub.errors", fromlist=["_"])
+    return tuple(e for e in [getattr(errors, "StrictDataclassError", None)] if e is not None)
+
+
 def _check(path: Path, verify: str, model_only: bool) -> None:
     """Raise a :class:`CheckpointError` naming what is wrong unless ``path`` is a complete checkpoint.
 
@@ -301,7 +308,7 @@ def _side_files(folder: Any) -> None:
         where = folder.display("config.json")
         config = read_json(folder, "config.json", max_size=_MAX_JSON, what="a model configuration ")
         field(config, "transformers_version", (str, type(None)), where, default=None)
-        with parsing(where, "as a model configuration"):
+        with parsing(where, "as a model configuration", also=_config_errors()):
             config_class.from_dict(config)
     if "adapter_config.json" in names:
         read_json(folder, "adapter_config.json", max_size=_MAX_JSON, what="an adapter configuration ")

@@ -87,17 +87,22 @@ def read_metadata(folder: "str | Path | Folder", filename: str = METADATA_FILE) 
     cache = _parsed.get(root) if isinstance(folder, Folder) else None
     if cache is not None and filename in cache and cache[filename][0] == root.size(filename):
         return cache[filename][1]  # the same folder object during one load: index, plan and reads share it
-    data = root.read_bytes(filename, max_size=MAX_METADATA_BYTES)
-    try:
-        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
-    except Exception as exc:  # any failure to decode is a corrupt or hostile file
-        raise CheckpointCorruptError(f"{path}: unreadable DCP metadata ({type(exc).__name__}: {exc})") from exc
+    with root.open(filename) as handle:  # unpickled as it is read: a file of garbage fails on its first bytes
+        if handle.size > MAX_METADATA_BYTES:
+            raise CheckpointCorruptError(f"{path}: {handle.size} bytes, more than the {MAX_METADATA_BYTES} DCP metadata "
+                                         "may have")
+        size = handle.size
+        try:
+            with io.BufferedReader(handle.stream(), buffer_size=1 << 20) as stream:
+                metadata = _MetadataUnpickler(stream).load()
+        except Exception as exc:  # any failure to decode is a corrupt or hostile file
+            raise CheckpointCorruptError(f"{path}: unreadable DCP metadata ({type(exc).__name__}: {exc})") from exc
     if not isinstance(metadata, Metadata):
         raise CheckpointCorruptError(f"{path}: DCP metadata holds a {type(metadata).__name__}, not Metadata")
     _validate(metadata, path)
     _check_files(metadata, root, path)
     if isinstance(folder, Folder):
-        _parsed.setdefault(root, {})[filename] = (len(data), metadata)
+        _parsed.setdefault(root, {})[filename] = (size, metadata)
     return metadata
 
 

@@ -222,6 +222,6 @@ def _load_archive(archive: zipfile.ZipFile, budget: Budget) -> tuple[Any, list[s
     if info.file_size > MAX_PICKLE_BYTES:
         raise CheckpointCorruptError(f"{where}: data.pkl is {info.file_size} bytes")
     unpickler = _Unpickler(zip_member(archive, pickles[0], budget), archive, pickles[0][: -len("data.pkl")], budget)
-    with parsing(where):
+    with parsing(where, also=(MemoryError,)):  # a length field claiming a terabyte fails its allocation
         obj = unpickler.load()
     return obj, sorted(unpickler.placeholders)

@@ -63,6 +63,13 @@ def _check_members(fileobj: Any, size: int, where: Path) -> None:
         fileobj.seek(0)
 
 
+def check_archive(folder: Folder, rel: str) -> None:
+    """Refuse the file ``rel`` of ``folder`` if it is a zip archive whose members would inflate past it (only its
+    directory is read): for files another library's ``torch.load`` reads."""
+    with folder.open(rel) as handle, io.BufferedReader(handle.stream(), buffer_size=1 << 16) as fh:
+        _check_members(fh, handle.size, folder.display(rel))
+
+
 def _safe_load(source: Any, where: Path, *, mmap: bool = False) -> Any:
     try:
         return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
@@ -73,10 +80,17 @@ def _safe_load(source: Any, where: Path, *, mmap: bool = False) -> Any:
 
 
 def load_from(folder: Folder, rel: str, *, max_size: int = MAX_STATE_BYTES) -> Any:
-    """A small ``.pt`` state inside a checkpoint, read through the confined folder (checksummed as read)."""
-    data = folder.read_bytes(rel, max_size=max_size)
-    _check_members(io.BytesIO(data), len(data), folder.display(rel))
-    return _safe_load(io.BytesIO(data), folder.display(rel))
+    """A small ``.pt`` state inside a checkpoint, read through the confined folder (checksummed as read).
+
+    torch reads the archive from the file as it needs it, so a file that is not what it claims (a huge sparse
+    one, a member inflating past the file) fails on its first records, before memory is spent on the rest."""
+    where = folder.display(rel)
+    with folder.open(rel) as handle:
+        if handle.size > max_size:
+            raise CheckpointCorruptError(f"{where}: {handle.size} bytes, more than the {max_size} a state file may have")
+        with io.BufferedReader(handle.stream(), buffer_size=1 << 20) as fh:
+            _check_members(fh, handle.size, where)
+            return _safe_load(fh, where)
 
 
 def load(path: str | Path, *, mmap: bool = False) -> Any:

@@ -50,18 +50,19 @@ DATA_ERRORS: tuple[type[BaseException], ...] = (
 class parsing:  # noqa: N801 - used as a statement: ``with parsing(path):``
     """Context in which bad input to a parser becomes a :class:`CheckpointCorruptError` naming ``where``.
 
-    ckptio's own errors pass through unchanged (they name their file already). Use it around the parsing
-    of one file (or one folder's side files), never around collectives or user code.
+    ckptio's own errors pass through unchanged (they name their file already); ``also`` adds a reader's own
+    error types (``SafetensorError``). Use it around the parsing of one file (or one folder's files), never
+    around collectives.
     """
 
-    def __init__(self, where: object, what: str = "") -> None:
-        self.where, self.what = where, what
+    def __init__(self, where: object, what: str = "", *, also: tuple[type[BaseException], ...] = ()) -> None:
+        self.where, self.what, self.errors = where, what, DATA_ERRORS + also
 
     def __enter__(self) -> "parsing":
         return self
 
     def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> Literal[False]:
-        if exc is None or isinstance(exc, CheckpointError) or not isinstance(exc, DATA_ERRORS):
+        if exc is None or isinstance(exc, CheckpointError) or not isinstance(exc, self.errors):
             return False
         text = str(exc).splitlines()[0][:300] if str(exc) else ""
         what = f"{self.what} " if self.what else ""
