@@ -249,7 +249,7 @@ def _restart(base: Path, backup: Path, lost: tuple[int, ...], domains: tuple[str
 
 def _shards(base: Path, node: int) -> list[str]:
     """The model's shard files node ``node`` holds of the snapshot of step 8 (``shard-0000<rank+1>-...``)."""
-    return sorted(p.name[:11] for p in base.glob(f"mem{node}/run-*/epoch_*_step_8/model/shard-*.safetensors"))
+    return sorted({p.name[:11] for p in base.glob(f"mem{node}/run-*/epoch_*_step_8/model/shard-*.safetensors")})
 
 
 @pytest.mark.slow
@@ -284,3 +284,49 @@ def test_one_copy_a_lost_node_falls_back_to_the_durable_tier_and_says_why(tmp_pa
     assert (restored["step"], restored["tier"]) == (6, "durable"), _logs(base)
     assert "are on no surviving node (memory_replicas=1: each part was on its own node only)" in _logs(base)
     _same(reference["final"], torch.load(base / "out0" / "final.pt")["state"], "resumed from the durable tier")
+
+
+# ------------------------------------------------------------------------------------------------- a damaged copy
+def _damaged_own_copy(ckpt: str, memory: str) -> dict:
+    import logging
+
+    import torch.distributed as dist
+    from toy import Run, full_state
+
+    rank = dist.get_rank()
+    os.environ["CKPTIO_MEMORY_DIR"] = f"{memory}{rank}"  # each rank a node of its own
+    run = Run(ckpt, max_steps=20, memory_every_steps=2, persist_every_steps=5)
+    run.train(stop_at=8, after_step=run.mgr.maybe_save)
+    run.mgr.wait()
+    expected = full_state(run.model, run.opt)
+    run.mgr.close(free_memory=False)
+    damaged = ""
+    if rank == 0:  # node 0's own copy of rank 0's model shard: a bit flipped
+        shard = sorted(Path(f"{memory}0").glob("run-*/epoch_*_step_8/model/shard-00001-*.safetensors"))[0]
+        data = bytearray(shard.read_bytes())
+        data[-3] ^= 0x10
+        os.chmod(shard, 0o600)
+        shard.write_bytes(bytes(data))
+        damaged = shard.name
+    dist.barrier()
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("ckptio").addHandler(handler)
+    again = Run(ckpt, max_steps=20, memory_every_steps=2, persist_every_steps=5)
+    info = again.mgr.restore()
+    now = full_state(again.model, again.opt)
+    again.mgr.close()
+    return {"step": info.step, "tier": info.tier, "said": said, "damaged": damaged,
+            "same": expected.keys() == now.keys() and all(torch.equal(expected[k], now[k]) for k in now)}
+
+
+@pytest.mark.slow
+def test_a_damaged_own_copy_is_taken_from_the_next_holder(tmp_path):
+    from distributed import run_ranks
+
+    out = run_ranks(2, _damaged_own_copy, ckpt=str(tmp_path / "ckpt"), memory=str(tmp_path / "mem"))
+    assert (out[0]["step"], out[0]["tier"]) == (8, "memory"), out[0]["said"]
+    assert out[0]["same"] and out[1]["same"], "bitwise the state of step 8"
+    assert any(out[0]["damaged"] in line and "this node's copy is damaged" in line and "trying another node" in line
+               for line in out[0]["said"]), out[0]["said"]

@@ -290,21 +290,7 @@ class MemoryTier:
 
         def move(needs: list[set[str]]) -> None:
             nonlocal moved
-            mine = {rel: sizes[rel] for rel in needs[rank] if rel in present[nodes.ids[rank]] and rel != MANIFEST_NAME}
-            bad = _dist.all_gather_object(damaged_copies(view, mine))  # this node's own copies, checked first
-            failed = [(Move(r, r, rel, *sizes[rel]), why) for r, found in enumerate(bad) for rel, why in found]
-            while True:
-                for m, why in failed:  # that holder's copy is damaged: the next holder is tried
-                    holders[m.rel] = [h for h in holders.get(m.rel, []) if nodes.ids[h] != nodes.ids[m.src]]
-                    present[nodes.ids[m.dst]].discard(m.rel)
-                    if rank == 0:
-                        self.log.warning("Memory tier: %s; trying another node that holds it", why)
-                plan = plan_moves(nodes, needs, present, holders, sizes)
-                moved += sum(m.size for m in plan)
-                failed = []
-                send_and_receive(plan, source, view, failed=failed)
-                if not failed:
-                    return
+            moved += self._bring(nodes, needs, present, holders, sizes, source, view)
 
         move([{MANIFEST_NAME}] * world)
         manifest = _dist.run_collectively("reading the snapshot's manifest", lambda: snapshot_manifest(Folder(view)))
@@ -314,6 +300,28 @@ class MemoryTier:
         move(_dist.all_gather_object(need))
         _dist.run_collectively("completing the restore view", lambda: stand_ins(view, manifest.files) if leader else 0)
         return view, moved
+
+    def _bring(self, nodes: Nodes, needs: list[set[str]], present: dict[str, set[str]], holders: dict[str, list[int]],
+               sizes: dict[str, tuple[int, str]], source: Path, view: Path) -> int:
+        """Collective: bring every rank's ``needs`` into its node's ``view``, from the holders in turn: a node's own
+        copy that fails its checksum, or a copy that arrives damaged, is taken from the part's next holder (when
+        none is left, :func:`plan_moves` raises). Returns the bytes moved."""
+        rank, moved = _dist.rank(), 0
+        mine = {rel: sizes[rel] for rel in needs[rank] if rel in present[nodes.ids[rank]] and rel != MANIFEST_NAME}
+        bad = _dist.all_gather_object(damaged_copies(view, mine))  # this node's own copies, checked first
+        failed = [(Move(r, r, rel, *sizes[rel]), why) for r, found in enumerate(bad) for rel, why in found]
+        while True:
+            for m, why in failed:  # that holder's copy is damaged: the next holder is tried
+                holders[m.rel] = [h for h in holders.get(m.rel, []) if nodes.ids[h] != nodes.ids[m.src]]
+                present[nodes.ids[m.dst]].discard(m.rel)
+                if rank == 0:
+                    self.log.warning("Memory tier: %s; trying another node that holds it", why)
+            plan = plan_moves(nodes, needs, present, holders, sizes)
+            moved += sum(m.size for m in plan)
+            failed = []
+            send_and_receive(plan, source, view, failed=failed)
+            if not failed:
+                return moved
 
     # ---------------------------------------------------------------------------------------------- end
     def close(self, free: bool) -> None:

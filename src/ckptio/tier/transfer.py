@@ -101,14 +101,19 @@ def send_and_receive(moves: list[Move], source: Path, target: Path, point: str |
             if part is not None:
                 part.unlink(missing_ok=True)  # left only when this rank failed before checking it
     if failed is not None:
-        seen: dict[int, str] = {}
-        for i, why in sorted(x for part in _dist.all_gather_object(broken) for x in part):
-            seen.setdefault(i, why)
-        failed.extend((moves[i], why) for i, why in sorted(seen.items()))
+        failed.extend(_gather_failures(moves, broken))
         return received, time.perf_counter() - start
     error = CheckpointCorruptError("; ".join(problems[:3])) if problems else None
     _dist.run_collectively("moving memory snapshot files", lambda: _raise(error))
     return received, time.perf_counter() - start
+
+
+def _gather_failures(moves: list[Move], broken: list[tuple[int, str]]) -> list[tuple[Move, str]]:
+    """Collective: every rank's failed moves (each once, with the first reason given), in move order."""
+    seen: dict[int, str] = {}
+    for i, why in sorted(x for part in _dist.all_gather_object(broken) for x in part):
+        seen.setdefault(i, why)
+    return [(moves[i], why) for i, why in sorted(seen.items())]
 
 
 def _raise(error: Exception | None) -> None:
