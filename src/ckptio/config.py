@@ -154,10 +154,8 @@ class CheckpointConfig:
     steps. ``None``: when the step scheduler says so (``ckpt_every_steps``)."""
 
     memory_replicas: int = 2
-    """The memory tier: on how many distinct nodes each rank's part of a snapshot is held: its own and
-    ``memory_replicas - 1`` others (1: no copy elsewhere; a lost node then loses the snapshot). The copies go to
-    nodes of distinct failure domains first (``CKPTIO_FAILURE_DOMAIN`` on each node; unset: each node is its own),
-    spread so that no node holds more copies than it must. See docs/memory-tier.md."""
+    """The memory tier: each rank's part is held on this many distinct nodes (its own and the rest on others, of
+    distinct failure domains first: ``$CKPTIO_FAILURE_DOMAIN``); 1: no copy elsewhere. See docs/memory-tier.md."""
 
     memory_dir: PathLike | None = None
     """Where the memory tier keeps its snapshots on each node: a folder in a RAM-backed filesystem that outlives the

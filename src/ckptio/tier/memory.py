@@ -85,23 +85,8 @@ class MemoryTier:
                                      lambda: (self.node.open(), failure_domain()), share=lambda opened: opened)
             self.nodes = Nodes([i for i, _ in ids], [d for _, d in ids], self.config.memory_replicas)
             if _dist.rank() == 0:
-                self._say_placement(self.nodes)
+                _say_placement(self.log, self.node.root, self.nodes)
         return self.nodes
-
-    def _say_placement(self, nodes: Nodes) -> None:
-        """Rank 0, once: where the copies go, and (a warning) why they span fewer nodes or domains than asked."""
-        p, count = nodes.placement, len(nodes.order)
-        if count == 1:
-            how = "one node: its folder holds every rank's part, nothing to replicate"
-        elif p.copies == 1:
-            how = "memory_replicas=1: each rank's part on its own node only, no copy elsewhere"
-        else:
-            how = (f"each rank's part on {p.copies} nodes of {p.spread} failure domain(s); copies of other nodes' "
-                   f"parts per node: {min(p.load())} to {max(p.load())}")
-        self.log.info("Memory tier in %s on %d node(s) in %d failure domain(s) (%s)", self.node.root, count,
-                      len(set(nodes.domains)), how)
-        if p.shortfall is not None:
-            self.log.warning("Memory tier: %s", p.shortfall)
 
     @property
     def group(self) -> Any:
@@ -290,7 +275,7 @@ class MemoryTier:
 
         def move(needs: list[set[str]]) -> None:
             nonlocal moved
-            moved += self._bring(nodes, needs, present, holders, sizes, source, view)
+            moved += _bring(self.log, nodes, needs, present, holders, sizes, source, view)
 
         move([{MANIFEST_NAME}] * world)
         manifest = _dist.run_collectively("reading the snapshot's manifest", lambda: snapshot_manifest(Folder(view)))
@@ -300,28 +285,6 @@ class MemoryTier:
         move(_dist.all_gather_object(need))
         _dist.run_collectively("completing the restore view", lambda: stand_ins(view, manifest.files) if leader else 0)
         return view, moved
-
-    def _bring(self, nodes: Nodes, needs: list[set[str]], present: dict[str, set[str]], holders: dict[str, list[int]],
-               sizes: dict[str, tuple[int, str]], source: Path, view: Path) -> int:
-        """Collective: bring every rank's ``needs`` into its node's ``view``, from the holders in turn: a node's own
-        copy that fails its checksum, or a copy that arrives damaged, is taken from the part's next holder (when
-        none is left, :func:`plan_moves` raises). Returns the bytes moved."""
-        rank, moved = _dist.rank(), 0
-        mine = {rel: sizes[rel] for rel in needs[rank] if rel in present[nodes.ids[rank]] and rel != MANIFEST_NAME}
-        bad = _dist.all_gather_object(damaged_copies(view, mine))  # this node's own copies, checked first
-        failed = [(Move(r, r, rel, *sizes[rel]), why) for r, found in enumerate(bad) for rel, why in found]
-        while True:
-            for m, why in failed:  # that holder's copy is damaged: the next holder is tried
-                holders[m.rel] = [h for h in holders.get(m.rel, []) if nodes.ids[h] != nodes.ids[m.src]]
-                present[nodes.ids[m.dst]].discard(m.rel)
-                if rank == 0:
-                    self.log.warning("Memory tier: %s; trying another node that holds it", why)
-            plan = plan_moves(nodes, needs, present, holders, sizes)
-            moved += sum(m.size for m in plan)
-            failed = []
-            send_and_receive(plan, source, view, failed=failed)
-            if not failed:
-                return moved
 
     # ---------------------------------------------------------------------------------------------- end
     def close(self, free: bool) -> None:
@@ -342,3 +305,42 @@ def _durable_step(storage: Any, durable: Path | None) -> int | None:
     from ..layout import step_manifest
 
     return step_manifest(storage.folder(durable.name)).step
+
+
+def _say_placement(log: Any, root: Path, nodes: Nodes) -> None:
+    """Rank 0, once: where the copies go, and (a warning) why they span fewer nodes or domains than asked."""
+    p, count = nodes.placement, len(nodes.order)
+    if count == 1:
+        how = "one node: its folder holds every rank's part, nothing to replicate"
+    elif p.copies == 1:
+        how = "memory_replicas=1: each rank's part on its own node only, no copy elsewhere"
+    else:
+        how = (f"each rank's part on {p.copies} nodes of {p.spread} failure domain(s); copies of other nodes' "
+               f"parts per node: {min(p.load())} to {max(p.load())}")
+    log.info("Memory tier in %s on %d node(s) in %d failure domain(s) (%s)", root, count,
+             len(set(nodes.domains)), how)
+    if p.shortfall is not None:
+        log.warning("Memory tier: %s", p.shortfall)
+
+
+def _bring(log: Any, nodes: Nodes, needs: list[set[str]], present: dict[str, set[str]], holders: dict[str, list[int]],
+           sizes: dict[str, tuple[int, str]], source: Path, view: Path) -> int:
+    """Collective: bring every rank's ``needs`` into its node's ``view``, from the holders in turn: a node's own
+    copy that fails its checksum, or a copy that arrives damaged, is taken from the part's next holder (when
+    none is left, :func:`plan_moves` raises). Returns the bytes moved."""
+    rank, moved = _dist.rank(), 0
+    mine = {rel: sizes[rel] for rel in needs[rank] if rel in present[nodes.ids[rank]] and rel != MANIFEST_NAME}
+    bad = _dist.all_gather_object(damaged_copies(view, mine))  # this node's own copies, checked first
+    failed = [(Move(r, r, rel, *sizes[rel]), why) for r, found in enumerate(bad) for rel, why in found]
+    while True:
+        for m, why in failed:  # that holder's copy is damaged: the next holder is tried
+            holders[m.rel] = [h for h in holders.get(m.rel, []) if nodes.ids[h] != nodes.ids[m.src]]
+            present[nodes.ids[m.dst]].discard(m.rel)
+            if rank == 0:
+                log.warning("Memory tier: %s; trying another node that holds it", why)
+        plan = plan_moves(nodes, needs, present, holders, sizes)
+        moved += sum(m.size for m in plan)
+        failed = []
+        send_and_receive(plan, source, view, failed=failed)
+        if not failed:
+            return moved

@@ -296,7 +296,7 @@ def tier_record(folder: Folder) -> dict[str, Any]:
     return {"run": run, "durable_step": base, "placement": None if placement is None else _placement(placement, where)}
 
 
-def _placement(value: Any, where: str) -> dict[str, Any]:
+def _placement(value: Any, where: object) -> dict[str, Any]:
     """The placement a snapshot records, every field typed and bounded (a node number names a recorded node)."""
     nodes = typed(value, "nodes", list, where)
     count = len(nodes)

@@ -63,7 +63,7 @@ def send_and_receive(moves: list[Move], source: Path, target: Path, point: str |
     problems: list[str] = []
     broken: list[tuple[int, str]] = []  # (move number, why): the moves this rank saw fail
     maps: list[Any] = []  # closed once no tensor refers to them
-    arriving: list[tuple[Move, Path | None, Any]] = []
+    arriving: list[tuple[int, Move, Path | None, Any]] = []
     received = 0
     try:
         works: list[Any] = []
