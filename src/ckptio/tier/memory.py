@@ -17,7 +17,9 @@ takes the newest snapshot whose every file is on some surviving node (own copy o
 than the newest durable checkpoint, and each node then gets the files its ranks will read, from the nodes
 that hold them (:mod:`.needs` says which: a replaced node gets its ranks' shards from their replicas; a
 restore on another number of ranks gets the pieces the new layout needs). The ordinary restore path then
-reads the snapshot, with every byte checked against the manifest. Every byte of a snapshot is read through the
+reads the snapshot, with every byte checked against the manifest; before it, each node checks its own copies
+of the files its ranks will read, and a damaged copy (or one that arrives damaged) is taken from the part's
+next holder. Every byte of a snapshot is read through the
 one gate (:mod:`ckptio.storage.confined`, :mod:`ckptio.storage.parse`); a snapshot that fails a check, for the
 reason the log states, gives way to the next older usable one, and the last to the durable tier.
 
