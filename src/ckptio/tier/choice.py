@@ -33,11 +33,12 @@ class Nodes:
                         for node in self.order]
         """Each node's failure domain (its lowest rank's), in :attr:`order`; unset: the node is its own."""
         self.placement = place(self.domains, replicas)
+        number = {node: i for i, node in enumerate(self.order)}
+        local = {r: i for node in self.order for i, r in enumerate(self._ranks[node])}
         self._holders: list[list[int]] = []
         for r, node in enumerate(ids):
-            mine = self._ranks[node]
-            self._holders.append([self._ranks[self.order[h]][mine.index(r) % len(self._ranks[self.order[h]])]
-                                  for h in self.placement.holders[self.order.index(node)][1:]])
+            there = [self._ranks[self.order[h]] for h in self.placement.holders[number[node]][1:]]
+            self._holders.append([theirs[local[r] % len(theirs)] for theirs in there])
 
     def ranks(self, node: str) -> list[int]:
         return self._ranks[node]

@@ -8,9 +8,9 @@ memory — then each rank sends its files to its holders: the rank of the same l
 that the placement (:mod:`.placement`, ``memory_replicas`` nodes per part, spread over failure domains) gives
 its node (:class:`Nodes`); the snapshot's record (``memory_tier.json``, with the placement) goes to every node.
 On one node the folder is already shared by all its ranks, so nothing is sent. A snapshot is committed, on
-every node, only once every rank has written its files and every holder has them; the snapshot before it is dropped only after that commit, so a node holds at most two
-snapshots and a crash at any instant leaves one that is complete on the surviving nodes, or falls back to the
-durable tier.
+every node, only once every rank has written its files and every holder has them; the snapshot before it is
+dropped only after that commit, so a node holds at most two snapshots and a crash at any instant leaves one
+that is complete on the surviving nodes, or falls back to the durable tier.
 
 Restore (automatic resume only): every node lists what it holds (:meth:`.node.NodeFolder.inventory`), rank 0
 takes the newest snapshot whose every file is on some surviving node (own copy or replica) if it is newer
@@ -19,9 +19,9 @@ that hold them (:mod:`.needs` says which: a replaced node gets its ranks' shards
 restore on another number of ranks gets the pieces the new layout needs). The ordinary restore path then
 reads the snapshot, with every byte checked against the manifest; before it, each node checks its own copies
 of the files its ranks will read, and a damaged copy (or one that arrives damaged) is taken from the part's
-next holder. Every byte of a snapshot is read through the
-one gate (:mod:`ckptio.storage.confined`, :mod:`ckptio.storage.parse`); a snapshot that fails a check, for the
-reason the log states, gives way to the next older usable one, and the last to the durable tier.
+next holder. Every byte of a snapshot is read through the one gate (:mod:`ckptio.storage.confined`,
+:mod:`ckptio.storage.parse`); a snapshot that fails a check, for the reason the log states, gives way to the
+next older usable one, and the last to the durable tier.
 
 Call sequence (every rank, like the manager's other calls): :meth:`MemoryTier.save` on the training thread
 (stages, then returns; the rest runs on a background thread with a gloo group of its own), :meth:`wait`,
