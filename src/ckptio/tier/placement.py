@@ -53,8 +53,9 @@ def place(domains: list[str], replicas: int) -> Placement:
     chosen: list[list[int]] = [[] for _ in range(n)]
     load = [0] * n
     for _round in range(copies - 1):  # one more copy of every part per round: the counts grow evenly
+        floor = min(load)  # no count is lower during the round: a node at it is the best there is
         for i in range(n):
-            j = min(_allowed(domains, i, chosen[i], spread), key=lambda j: (load[j], (j - i) % n))
+            j = _next_holder(domains, i, chosen[i], spread, load, floor)
             chosen[i].append(j)
             load[j] += 1
     _even_out(domains, chosen, load, spread)
@@ -72,15 +73,22 @@ def _domains_of(domains: list[str], nodes: list[int]) -> set[str]:
     return {domains[j] for j in nodes}
 
 
-def _allowed(domains: list[str], i: int, mine: list[int], spread: int) -> list[int]:
-    """The nodes that may take node ``i``'s next copy: not already holders; of a new domain while the copies span
-    fewer than ``spread`` domains."""
-    taken = {i, *mine}
-    covered = _domains_of(domains, [i, *mine])
-    free = [j for j in range(len(domains)) if j not in taken]
-    if len(covered) < spread:
-        return [j for j in free if domains[j] not in covered]
-    return free
+def _next_holder(domains: list[str], i: int, mine: list[int], spread: int, load: list[int], floor: int) -> int:
+    """The least-loaded node that may take node ``i``'s next copy, the nearest after ``i`` in ring order among
+    equals: not already a holder; of a new domain while the copies span fewer than ``spread`` domains."""
+    n = len(domains)
+    covered = {domains[h] for h in (i, *mine)}
+    new_domain = len(covered) < spread
+    best = -1
+    for step in range(1, n):
+        j = (i + step) % n
+        if j in mine or (new_domain and domains[j] in covered):
+            continue
+        if best < 0 or load[j] < load[best]:
+            best = j
+            if load[j] <= floor:
+                break
+    return best
 
 
 def _keeps_spread(domains: list[str], i: int, mine: list[int], old: int, new: int, spread: int) -> bool:
@@ -93,7 +101,8 @@ def _even_out(domains: list[str], chosen: list[list[int]], load: list[int], spre
     each one lowers the sum of the squared counts, so this ends."""
     while True:
         stuck: set[int] = set()  # reached by a search that found no way out: as stuck as its start, at that count
-        for start in sorted((j for j in range(len(load)) if load[j] >= min(load) + 2), key=lambda j: (-load[j], j)):
+        low = min(load)
+        for start in sorted((j for j in range(len(load)) if load[j] >= low + 2), key=lambda j: (-load[j], j)):
             if start in stuck:
                 continue
             path, reached = _relief(domains, chosen, load, spread, start)
