@@ -103,6 +103,9 @@ def test_larger_placements_keep_the_properties_and_balance_when_the_domains_allo
     for n in (4, 16, 64):
         for k in (1, 2, 3):
             assert place([str(i) for i in range(n)], k).load() == [k - 1] * n, "one node per domain: K-1 copies each"
+    cluster = [f"rack{i // 16}" for i in range(1024)]  # 1,024 nodes in 64 racks of 16
+    _check(cluster, 3)
+    assert place(cluster, 3).load() == [2] * 1024
 
 
 def test_with_each_node_its_own_domain_and_two_copies_a_part_goes_to_the_next_node():
