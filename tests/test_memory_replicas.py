@@ -128,6 +128,7 @@ def test_fewer_domains_or_nodes_than_copies_is_said():
     p = place(["a", "a", "b"], 3)
     assert p.spread == 2 and p.copies == 3 and "span 2 failure domain(s)" in p.shortfall
     assert "has 2 node(s): each part is held on 2 node(s)" in place(["a", "b"], 3).shortfall
+    assert place(["a"], 2).shortfall is None, "one node: nothing to replicate, no warning"
 
 
 def test_each_rank_sends_to_the_same_local_rank_on_every_holder_node_and_the_record_goes_everywhere():
@@ -260,6 +261,8 @@ def test_a_rack_of_two_nodes_lost_and_replaced_resumes_from_memory_bitwise(tmp_p
     rack = ("rack-a", "rack-a", "rack-b")
     base, backup = _died(tmp_path, rack)
     assert _shards(backup, 2) == ["shard-00001", "shard-00002", "shard-00003"], "rack b's node holds rack a's parts"
+    assert ("on 3 node(s) in 2 failure domain(s) (each rank's part on 2 nodes of 2 failure domain(s); copies of other "
+            "nodes' parts per node: 0 to 2)") in (backup / "log0.txt").read_text()
     restored = _restart(base, backup, (0, 1), rack)
     assert (restored["step"], restored["tier"]) == (8, "memory"), _logs(base)
     assert "Restored step 8 from the memory tier" in _logs(base)
@@ -298,11 +301,17 @@ def _damaged_own_copy(ckpt: str, memory: str) -> dict:
 
     rank = dist.get_rank()
     os.environ["CKPTIO_MEMORY_DIR"] = f"{memory}{rank}"  # each rank a node of its own
+    os.environ["CKPTIO_FAILURE_DOMAIN"] = "rack-a"  # both in one rack: said once, as a warning
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("ckptio").addHandler(handler)
     run = Run(ckpt, max_steps=20, memory_every_steps=2, persist_every_steps=5)
     run.train(stop_at=8, after_step=run.mgr.maybe_save)
     run.mgr.wait()
     expected = full_state(run.model, run.opt)
     run.mgr.close(free_memory=False)
+    first = list(said)
     damaged = ""
     if rank == 0:  # node 0's own copy of rank 0's model shard: a bit flipped
         shard = sorted(Path(f"{memory}0").glob("run-*/epoch_*_step_8/model/shard-00001-*.safetensors"))[0]
@@ -312,20 +321,17 @@ def _damaged_own_copy(ckpt: str, memory: str) -> dict:
         shard.write_bytes(bytes(data))
         damaged = shard.name
     dist.barrier()
-    said: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("ckptio").addHandler(handler)
+    said.clear()
     again = Run(ckpt, max_steps=20, memory_every_steps=2, persist_every_steps=5)
     info = again.mgr.restore()
     now = full_state(again.model, again.opt)
     again.mgr.close()
-    return {"step": info.step, "tier": info.tier, "said": said, "damaged": damaged,
+    return {"step": info.step, "tier": info.tier, "said": said, "damaged": damaged, "first": first,
             "same": expected.keys() == now.keys() and all(torch.equal(expected[k], now[k]) for k in now)}
 
 
 @pytest.mark.slow
-def test_a_damaged_own_copy_is_taken_from_the_next_holder(tmp_path):
+def test_a_damaged_own_copy_is_taken_from_the_next_holder_and_one_rack_is_said_once(tmp_path):
     from distributed import run_ranks
 
     out = run_ranks(2, _damaged_own_copy, ckpt=str(tmp_path / "ckpt"), memory=str(tmp_path / "mem"))
@@ -333,3 +339,6 @@ def test_a_damaged_own_copy_is_taken_from_the_next_holder(tmp_path):
     assert out[0]["same"] and out[1]["same"], "bitwise the state of step 8"
     assert any(out[0]["damaged"] in line and "this node's copy is damaged" in line and "trying another node" in line
                for line in out[0]["said"]), out[0]["said"]
+    shortfall = [line for line in out[0]["first"] if "span 1 failure domain(s)" in line]
+    assert len(shortfall) == 1, f"said once over 4 snapshots: {out[0]['first']}"
+    assert not [line for line in out[1]["first"] if "failure domain" in line], "by rank 0 only"

@@ -60,7 +60,7 @@ def place(domains: list[str], replicas: int) -> Placement:
             load[j] += 1
     _even_out(domains, chosen, load, spread)
     shortfall = None
-    if replicas > n:
+    if replicas > n > 1:  # one node: nothing is replicated, and the log says so without a warning
         shortfall = (f"memory_replicas={replicas} but the job has {n} node(s): each part is held on {copies} "
                      f"node(s)")
     elif spread < copies:
