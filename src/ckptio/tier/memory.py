@@ -341,6 +341,8 @@ def _bring(log: Any, nodes: Nodes, needs: list[set[str]], present: dict[str, set
             if rank == 0:
                 log.warning("Memory tier: %s; trying another node that holds it", why)
         plan = plan_moves(nodes, needs, present, holders, sizes)
+        if not plan:  # the same list on every rank: none of them sends or waits
+            return moved
         moved += sum(m.size for m in plan)
         failed = []
         send_and_receive(plan, source, view, failed=failed)
