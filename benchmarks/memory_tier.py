@@ -1,9 +1,11 @@
 """The memory tier against a durable-only configuration, on 1, 2 and 4 ranks, in one run.
 
     .venv/bin/python benchmarks/memory_tier.py --size 256MB --repeats 5 [--worlds 1,2,4] [--durable s3]
+        [--replicas 1,2,3] [--nodes 4]
 
-Each world runs on real processes (gloo on CPU); its ranks form 2 "nodes" (1 node for 1 rank), each with its own
-memory folder, so snapshots are replicated across nodes as on a cluster. The state is an MLP (FSDP2 over the
+Each world runs on real processes (gloo on CPU); its ranks form ``min(--nodes, ranks)`` "nodes" (default 2),
+each with its own memory folder, so snapshots are replicated across nodes as on a cluster; each world runs once
+per ``--replicas`` value (``memory_replicas``; a value above the node count is run once, capped). The state is an MLP (FSDP2 over the
 ranks) with AdamW, about ``--size`` bytes in all. After one warm-up round, every round times, in a shuffled
 order (seeded):
 
@@ -14,7 +16,10 @@ order (seeded):
 * ``durable async``: ``save()`` with ``async_save`` to a local folder, or with ``--durable s3`` to a bucket of a
   loopback S3 server (moto) (pause, and total until committed);
 * ``durable sync``: ``save()`` without it;
-* restores: the newest state from the memory tier, and from the durable folder (warm page cache).
+* restarts: a new manager (as a restarted process makes: the memory tier's group, node map and placement are set
+  up again), ``restore()`` and one training step, timed to the end of that step: from the memory tier, and from
+  the durable folder or bucket (a local folder's files are in the page cache);
+* the memory the tier holds per node once a snapshot is committed (the fullest node's).
 
 It prints medians (and ratios to ``memcpy``), then what follows for a run with a training step of ``--step-s``
 seconds (default: this model's measured step) that may spend at most ``--overhead`` of its time pausing for
@@ -82,7 +87,7 @@ def _local_tensors(model, opt) -> list:
     return [t.detach() for t in out]
 
 
-def _rank(root: str, size: int, repeats: int, nodes: int, durable: str) -> dict:
+def _rank(root: str, size: int, repeats: int, nodes: int, durable: str, replicas: int) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -90,7 +95,7 @@ def _rank(root: str, size: int, repeats: int, nodes: int, durable: str) -> dict:
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    node = rank // max(1, world // nodes)
+    node = rank * nodes // world
     os.environ["CKPTIO_MEMORY_DIR"] = f"{root}/mem{node}"
     model, opt, width = _build(size, world)
     steps = [_step(model, opt, width) for _ in range(4)][1:]
@@ -101,10 +106,12 @@ def _rank(root: str, size: int, repeats: int, nodes: int, durable: str) -> dict:
         return CheckpointManager(CheckpointConfig(checkpoint_dir=f"{durable}/{name}", keep_latest=1, **kw),
                                  model=model, optimizer=opt, rng=False)
 
-    mem, dur_async, dur_sync = manager("m", memory_every_steps=1), manager("a", async_save=True), manager("s")
+    tier = {"memory_every_steps": 1, "memory_replicas": replicas}
+    mem, dur_async, dur_sync = manager("m", **tier), manager("a", async_save=True), manager("s")
     times: dict[str, list[float]] = {k: [] for k in ("memcpy", "memory pause", "memory total", "write", "replicate",
                                                      "async pause", "async total", "sync total")}
     replicated: list[int] = []
+    held: list[int] = []
     step = [0]
 
     def memcpy() -> None:
@@ -126,6 +133,7 @@ def _rank(root: str, size: int, repeats: int, nodes: int, durable: str) -> dict:
         times["replicate"].append(mem.memory_tier.last["replicate_s"])
         times["write"].append(mem.memory_tier.last["write_s"])
         replicated.append(mem.memory_tier.last["replicated_bytes"])
+        held.append(mem.memory_tier.last["node_bytes"])
 
     def durable_async() -> None:
         timed(dur_async, dur_async.save, "async")
@@ -146,19 +154,24 @@ def _rank(root: str, size: int, repeats: int, nodes: int, durable: str) -> dict:
     for _ in range(repeats):
         for c in order.sample(contenders, len(contenders)):  # the same order on every rank (same seed)
             c()
-    restores = {"restore memory": [], "restore durable": []}
+    restores: dict[str, list[float]] = {"restart memory": [], "restart durable": []}
     for _ in range(repeats):
-        for name, mgr in (("restore memory", mem), ("restore durable", dur_sync)):
+        for name, made in (("restart memory", lambda: manager("m", **tier)), ("restart durable", lambda: manager("s"))):
             start = time.perf_counter()
-            info = mgr.restore()
+            again = made()
+            info = again.restore()
+            _step(model, opt, width)
             restores[name].append(time.perf_counter() - start)
-            assert info is not None and (info.tier == "memory") == (mgr is mem)
+            assert info is not None and info.tier == name.split()[1], (name, info)
+            again.close(free_memory=False)
     for mgr in (mem, dur_async, dur_sync):
         mgr.close()
     out = {k: statistics.median(v) for k, v in {**times, **restores}.items()}
     out["step"] = statistics.median(steps)
     out["bytes"] = sum(t.numel() * t.element_size() for t in tensors)
     out["replicated"] = statistics.median(replicated) if replicated else 0
+    out["held"] = statistics.median(held)
+    out["copies"] = mem.memory_tier.nodes.placement.copies if mem.memory_tier.nodes is not None else 1
     return out
 
 
@@ -176,6 +189,8 @@ def main() -> None:
     p.add_argument("--step-s", type=float, default=None, help="training step time for the derived figures")
     p.add_argument("--overhead", type=float, default=0.05, help="share of training time checkpoints may pause it")
     p.add_argument("--durable", choices=("local", "s3"), default="local")
+    p.add_argument("--replicas", default="2", help="memory_replicas values to run, e.g. 1,2,3")
+    p.add_argument("--nodes", type=int, default=2, help="memory folders ('nodes') the ranks are spread over")
     args = p.parse_args()
     server = None
     if args.durable == "s3":
@@ -203,12 +218,14 @@ def _measure(args: argparse.Namespace, bucket: str | None) -> list:
     size = _size(args.size)
     rows = []
     for world in (int(w) for w in args.worlds.split(",")):
-        with tempfile.TemporaryDirectory(prefix="ckptio-memtier-") as root:
-            durable = root if bucket is None else f"s3://{bucket}/w{world}"
-            results = run_ranks(world, _rank, timeout=3600, root=root, size=size, repeats=args.repeats,
-                                nodes=1 if world == 1 else 2, durable=durable)
-        worst = {k: max(r[k] for r in results) for k in results[0]}  # the slowest rank sets the pace
-        rows.append((world, worst))
+        nodes = min(world, args.nodes)
+        for k in sorted({min(int(k), nodes) for k in args.replicas.split(",")}):
+            with tempfile.TemporaryDirectory(prefix="ckptio-memtier-") as root:
+                durable = root if bucket is None else f"s3://{bucket}/w{world}k{k}"
+                results = run_ranks(world, _rank, timeout=3600, root=root, size=size, repeats=args.repeats,
+                                    nodes=nodes, durable=durable, replicas=k)
+            worst = {key: max(r[key] for r in results) for key in results[0]}  # the slowest rank sets the pace
+            rows.append((f"{world} on {nodes}, K={k}", worst))
     return rows
 
 
@@ -216,15 +233,17 @@ def _report(args: argparse.Namespace, rows: list) -> None:
     size = _size(args.size)
     print(f"\ndurable tier: {'a loopback S3 server' if args.durable == 's3' else 'a local folder'}; "
           f"state {size / 1e6:.0f} MB in all; medians of {args.repeats} rounds; times are the slowest rank's\n")
-    head = ("ranks", "MB/rank", "memcpy", "mem pause", "x memcpy", "write", "replicate (MB)", "mem total", "async pause",
-            "async total", "sync total", "restore mem", "restore durable")
+    head = ("ranks on nodes, K", "MB/rank", "MB held/node", "memcpy", "mem pause", "x memcpy", "write",
+            "replicate (MB)", "mem total", "async pause", "async total", "sync total", "restart->step: mem",
+            "durable", "durable/mem")
     print(" | ".join(head))
     for world, r in rows:
-        print(" | ".join([str(world), f"{r['bytes'] / 1e6:.0f}", f"{r['memcpy']:.3f}", f"{r['memory pause']:.3f}",
-                          f"{r['memory pause'] / r['memcpy']:.2f}", f"{r['write']:.3f}",
+        print(" | ".join([str(world), f"{r['bytes'] / 1e6:.0f}", f"{r['held'] / 1e6:.0f}", f"{r['memcpy']:.3f}",
+                          f"{r['memory pause']:.3f}", f"{r['memory pause'] / r['memcpy']:.2f}", f"{r['write']:.3f}",
                           f"{r['replicate']:.3f} ({r['replicated'] / 1e6:.0f})",
                           f"{r['memory total']:.3f}", f"{r['async pause']:.3f}", f"{r['async total']:.3f}",
-                          f"{r['sync total']:.3f}", f"{r['restore memory']:.3f}", f"{r['restore durable']:.3f}"]))
+                          f"{r['sync total']:.3f}", f"{r['restart memory']:.3f}", f"{r['restart durable']:.3f}",
+                          f"{r['restart durable'] / r['restart memory']:.2f}"]))
     print(f"\nintervals and steps lost per failure, at most {args.overhead:.0%} of the time paused:")
     print("ranks | step s | memory: every / lost | durable async: every / lost | durable sync: every / lost")
     for world, r in rows:

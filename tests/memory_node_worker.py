@@ -5,6 +5,7 @@
         [--die-at 9]          # this node's ranks SIGKILL themselves after step 9 (its snapshot work done)
         [--die-at-point memory.replicating:5]   # ... the 5th time a memory snapshot reaches that point
         [--once-marker FILE]  # die only if FILE does not exist yet (then create it): a torchrun restart lives
+        [--replicas K]        # memory_replicas (default: the config's)
 
 Trains the tiny Llama (FSDP2 over all ranks, ``toy.Run``) with ``maybe_save()`` after every step: a memory
 snapshot every ``--memory-every`` steps into this node's ``CKPTIO_MEMORY_DIR``, a durable save into ``--ckpt``
@@ -35,6 +36,7 @@ def main() -> int:
     p.add_argument("--die-at", type=int, default=None)
     p.add_argument("--die-at-point", default=None)
     p.add_argument("--once-marker", default=None)
+    p.add_argument("--replicas", type=int, default=None)
     args = p.parse_args()
 
     import logging
@@ -65,8 +67,9 @@ def main() -> int:
         kill_at(args.die_at_point)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    replicas = {} if args.replicas is None else {"memory_replicas": args.replicas}
     run = Run(args.ckpt, max_steps=args.steps, memory_every_steps=args.memory_every,
-              persist_every_steps=args.persist_every)
+              persist_every_steps=args.persist_every, **replicas)
     info = run.mgr.restore()
     state = full_state(run.model, run.opt)
     if rank == 0:

@@ -153,6 +153,10 @@ class CheckpointConfig:
     """With :meth:`~ckptio.CheckpointManager.maybe_save`: a durable save (to ``checkpoint_dir``) every this many
     steps. ``None``: when the step scheduler says so (``ckpt_every_steps``)."""
 
+    memory_replicas: int = 2
+    """The memory tier: each rank's part is held on this many distinct nodes (its own and the rest on others, of
+    distinct failure domains first: ``$CKPTIO_FAILURE_DOMAIN``); 1: no copy elsewhere. See docs/memory-tier.md."""
+
     memory_dir: PathLike | None = None
     """Where the memory tier keeps its snapshots on each node: a folder in a RAM-backed filesystem that outlives the
     training processes. ``None``: ``$CKPTIO_MEMORY_DIR``, else ``/dev/shm/ckptio-<uid>`` (the system's temporary
@@ -278,6 +282,9 @@ def _validate_memory_tier(self: CheckpointConfig) -> None:
         value = getattr(self, name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ConfigError(f"{name} must be a positive integer or null, got {value!r}")
+    k = self.memory_replicas
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ConfigError(f"memory_replicas must be a positive integer (the nodes holding each part), got {k!r}")
     if isinstance(self.memory_dir, os.PathLike):
         self.memory_dir = os.fspath(self.memory_dir)
     if self.memory_dir is not None and (not isinstance(self.memory_dir, str) or not self.memory_dir

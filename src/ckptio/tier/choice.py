@@ -12,27 +12,33 @@ from typing import Any
 
 from ..errors import CheckpointCorruptError
 from .node import Held
+from .placement import place
 from .transfer import Move
 
-__all__ = ["Nodes", "no_room", "plan_moves", "candidates", "pick"]
+__all__ = ["Nodes", "copies", "no_room", "plan_moves", "candidates", "pick"]
 
 
 class Nodes:
-    """Which ranks share a node (a memory folder), and who keeps whose replica."""
+    """Which ranks share a node (a memory folder), and which ranks keep the copies of whose part."""
 
-    def __init__(self, ids: list[str]) -> None:
+    def __init__(self, ids: list[str], domains: list[str] | None = None, replicas: int = 2) -> None:
         self.ids = ids
         """Each rank's node id, by rank."""
         self._ranks: dict[str, list[int]] = {}
         for r, node in enumerate(ids):
             self._ranks.setdefault(node, []).append(r)
         self.order = list(self._ranks)
-        """The nodes in ring order: by their lowest rank."""
-        after = {node: self.order[(i + 1) % len(self.order)] for i, node in enumerate(self.order)}
-        self._peers = []
+        """The nodes by their lowest rank (the node numbers of the placement)."""
+        self.domains = [node if domains is None or not domains[self._ranks[node][0]] else domains[self._ranks[node][0]]
+                        for node in self.order]
+        """Each node's failure domain (its lowest rank's), in :attr:`order`; unset: the node is its own."""
+        self.placement = place(self.domains, replicas)
+        number = {node: i for i, node in enumerate(self.order)}
+        local = {r: i for node in self.order for i, r in enumerate(self._ranks[node])}
+        self._holders: list[list[int]] = []
         for r, node in enumerate(ids):
-            mine, theirs = self._ranks[node], self._ranks[after[node]]
-            self._peers.append(theirs[mine.index(r) % len(theirs)])
+            there = [self._ranks[self.order[h]] for h in self.placement.holders[number[node]][1:]]
+            self._holders.append([theirs[local[r] % len(theirs)] for theirs in there])
 
     def ranks(self, node: str) -> list[int]:
         return self._ranks[node]
@@ -41,20 +47,41 @@ class Nodes:
         """The rank that commits, drops and frees for ``rank``'s node: its lowest."""
         return self._ranks[self.ids[rank]][0]
 
+    def holders(self, rank: int) -> list[int]:
+        """The ranks that keep copies of ``rank``'s part, one on each other node of its part's placement: the rank of
+        the same local index (modulo) there."""
+        return self._holders[rank]
+
     def peer(self, rank: int) -> int:
-        """The rank that keeps ``rank``'s replica: the same local index (modulo) on the next node of the ring."""
-        return self._peers[rank]
+        """The first of :meth:`holders` (``rank`` itself when its part has no copy elsewhere)."""
+        return (self._holders[rank] or [rank])[0]
+
+    def record(self) -> dict[str, Any]:
+        """The placement as a snapshot records it: node ids, domains and holders by node number."""
+        return {"replicas": self.placement.copies, "nodes": list(self.order), "domains": list(self.domains),
+                "holders": [list(h) for h in self.placement.holders]}
+
+
+def copies(nodes: Nodes, owners: list[dict[str, tuple[int, str]]], everywhere: str) -> list[Move]:
+    """The moves that put each rank's files (``owners[r]``: rel -> (size, checksum)) on its holders, and the file
+    ``everywhere`` (rank 0's: the snapshot's record) on every node."""
+    moves = [Move(r, h, rel, size, digest) for r in range(len(owners)) for h in nodes.holders(r)
+             for rel, (size, digest) in sorted(owners[r].items())]
+    if everywhere in owners[0]:
+        has = {nodes.ids[m.dst] for m in moves if m.rel == everywhere} | {nodes.ids[0]}
+        size, digest = owners[0][everywhere]
+        moves += [Move(0, nodes.ranks(node)[0], everywhere, size, digest) for node in nodes.order if node not in has]
+    return moves
 
 
 def no_room(nodes: Nodes, facts: list[tuple[int, int]], where: Path) -> str | None:
     """Why some node cannot take a snapshot beside the one it keeps (``None``: all can), from each rank's
-    ``(bytes of its part, free bytes of its node's folder)``: a node keeps its ranks' parts and the replicas of the
-    ranks whose peer it holds."""
+    ``(bytes of its part, free bytes of its node's folder)``: a node keeps its ranks' parts and the copies the
+    placement gives it."""
     need = dict.fromkeys(nodes.order, 0)
     for r, (n, _) in enumerate(facts):
-        need[nodes.ids[r]] += n
-        if nodes.ids[nodes.peer(r)] != nodes.ids[r]:
-            need[nodes.ids[nodes.peer(r)]] += n
+        for h in [r, *nodes.holders(r)]:
+            need[nodes.ids[h]] += n
     for node in nodes.order:
         free = facts[nodes.ranks(node)[0]][1]
         if need[node] > free:
@@ -127,7 +154,7 @@ def _unusable(name: str, c: dict[str, Any], run: str, durable_step: int | None) 
     """Why the snapshot ``name`` (what the nodes hold of it: ``c``) cannot be restored, or ``None``."""
     if len(c["files"]) < c["total"]:
         return (f"snapshot {name} is incomplete: {c['total'] - len(c['files'])} of its {c['total']} files are on no "
-                "surviving node")
+                f"surviving node{_held_on(c['info'])}")
     info = c["info"] or {}
     if info.get("run") != run:
         return f"snapshot {name} belongs to another run"
@@ -136,6 +163,16 @@ def _unusable(name: str, c: dict[str, Any], run: str, durable_step: int | None) 
         return (f"snapshot {name} follows the durable checkpoint of step {base}, which checkpoint_dir no longer has "
                 "(a snapshot of an earlier run in the same folder?)")
     return None
+
+
+def _held_on(info: dict[str, Any] | None) -> str:
+    """Where the snapshot's record says its parts were held (said when it is incomplete)."""
+    p = (info or {}).get("placement")
+    if p is None:
+        return ""
+    if p["replicas"] == 1:
+        return " (memory_replicas=1: each part was on its own node only)"
+    return f" (each part was on {p['replicas']} nodes, over {len(set(p['domains']))} failure domain(s) in all)"
 
 
 def pick(everyone: list[dict[str, Held]], run: str, durable_step: int | None) -> tuple[tuple[str, str] | None, str]:

@@ -1,24 +1,27 @@
-"""The memory tier: snapshots of the whole state in node-local memory, each rank's part replicated on another node.
+"""The memory tier: snapshots of the whole state in node-local memory, each rank's part held on several nodes.
 
 A durable save (disk, object storage) is too slow to take every few steps; a snapshot into host memory is not.
 Every ``memory_every_steps`` steps the state is copied into staging buffers (the training pause) and, in the
 background, written as a step directory into the node's folder of the memory tier (:mod:`.node`) — the same
 files, manifest and checksums as a durable checkpoint, each rank writing its own files into its own node's
-memory — then each rank sends its files to its peer: the rank of the same local index on the next node, in
-ring order of the nodes (:class:`Nodes`). On one node the folder is already shared by all its ranks, so
-nothing is sent. A snapshot is committed, on every node, only once every rank has written its files and its
-peer holds them; the snapshot before it is dropped only after that commit, so a node holds at most two
-snapshots and a crash at any instant leaves one that is complete on the surviving nodes, or falls back to the
-durable tier.
+memory — then each rank sends its files to its holders: the rank of the same local index on each other node
+that the placement (:mod:`.placement`, ``memory_replicas`` nodes per part, spread over failure domains) gives
+its node (:class:`Nodes`); the snapshot's record (``memory_tier.json``, with the placement) goes to every node.
+On one node the folder is already shared by all its ranks, so nothing is sent. A snapshot is committed, on
+every node, only once every rank has written its files and every holder has them; the snapshot before it is
+dropped only after that commit, so a node holds at most two snapshots and a crash at any instant leaves one
+that is complete on the surviving nodes, or falls back to the durable tier.
 
 Restore (automatic resume only): every node lists what it holds (:meth:`.node.NodeFolder.inventory`), rank 0
 takes the newest snapshot whose every file is on some surviving node (own copy or replica) if it is newer
 than the newest durable checkpoint, and each node then gets the files its ranks will read, from the nodes
 that hold them (:mod:`.needs` says which: a replaced node gets its ranks' shards from their replicas; a
 restore on another number of ranks gets the pieces the new layout needs). The ordinary restore path then
-reads the snapshot, with every byte checked against the manifest. Every byte of a snapshot is read through the
-one gate (:mod:`ckptio.storage.confined`, :mod:`ckptio.storage.parse`); a snapshot that fails a check, for the
-reason the log states, gives way to the next older usable one, and the last to the durable tier.
+reads the snapshot, with every byte checked against the manifest; before it, each node checks its own copies
+of the files its ranks will read, and a damaged copy (or one that arrives damaged) is taken from the part's
+next holder. Every byte of a snapshot is read through the one gate (:mod:`ckptio.storage.confined`,
+:mod:`ckptio.storage.parse`); a snapshot that fails a check, for the reason the log states, gives way to the
+next older usable one, and the last to the durable tier.
 
 Call sequence (every rank, like the manager's other calls): :meth:`MemoryTier.save` on the training thread
 (stages, then returns; the rest runs on a background thread with a gloo group of its own), :meth:`wait`,
@@ -42,9 +45,10 @@ from ..saving import SaveJob, Saver
 from ..storage.confined import Folder
 from ..storage.local import TMP_PREFIX, LocalFolderWriter, LocalStorage
 from ..storage.posix import remove_tree
-from .choice import Nodes, candidates, no_room, pick, plan_moves
+from .choice import Nodes, candidates, copies, no_room, pick, plan_moves
 from .needs import shard_files, side_files
-from .node import TIER_FILE, Held, NodeFolder, default_memory_dir, snapshot_manifest, stand_ins
+from .node import (TIER_FILE, Held, NodeFolder, damaged_copies, default_memory_dir, failure_domain, snapshot_manifest,
+                   stand_ins)
 from .transfer import Move, send_and_receive
 
 __all__ = ["MemoryTier", "Nodes", "pick", "no_room"]
@@ -79,13 +83,11 @@ class MemoryTier:
             self.writer = BackgroundWriter(self.log, "memory snapshot")
         if self.nodes is None:
             with _dist.using_group(self.writer.group):
-                _, ids = _dist.agree(f"opening the memory tier under {self.node.parent}", self.node.open,
-                                     share=lambda node_id: node_id)
-            self.nodes = Nodes(list(ids))
+                _, ids = _dist.agree(f"opening the memory tier under {self.node.parent}",
+                                     lambda: (self.node.open(), failure_domain()), share=lambda opened: opened)
+            self.nodes = Nodes([i for i, _ in ids], [d for _, d in ids], self.config.memory_replicas)
             if _dist.rank() == 0:
-                self.log.info("Memory tier in %s on %d node(s) (%s)", self.node.root, len(self.nodes.order),
-                              "each rank's part replicated on the next node" if len(self.nodes.order) > 1 else
-                              "one node: its folder holds every rank's part, nothing to replicate")
+                _say_placement(self.log, self.node.root, self.nodes)
         return self.nodes
 
     @property
@@ -128,13 +130,12 @@ class MemoryTier:
             states = self.saver.write_states(job, writer, rank, world)
             if rank == 0:
                 record = {"run": self.node.key, "checkpoint_dir": str(self.config.checkpoint_dir),
-                          "durable_step": durable_step}
+                          "durable_step": durable_step, "placement": nodes.record()}
                 job.sums[TIER_FILE] = writer.write_bytes(TIER_FILE, json.dumps(record).encode())
             _faults.point("memory.states_written")
             written = time.perf_counter()
             manifest, owners = self._describe(job, writer, states, world)
-            moves = [Move(r, nodes.peer(r), rel, size, digest) for r in range(world)
-                     if nodes.ids[nodes.peer(r)] != nodes.ids[r] for rel, (size, digest) in sorted(owners[r].items())]
+            moves = copies(nodes, owners, TIER_FILE)
             send_and_receive(moves, tmp, tmp, point="memory.replicating")
             replicated = time.perf_counter()
             _faults.point("memory.replicated")
@@ -276,9 +277,7 @@ class MemoryTier:
 
         def move(needs: list[set[str]]) -> None:
             nonlocal moved
-            plan = plan_moves(nodes, needs, present, holders, sizes)
-            moved += sum(m.size for m in plan)
-            send_and_receive(plan, source, view)
+            moved += _bring(self.log, nodes, needs, present, holders, sizes, source, view)
 
         move([{MANIFEST_NAME}] * world)
         manifest = _dist.run_collectively("reading the snapshot's manifest", lambda: snapshot_manifest(Folder(view)))
@@ -308,3 +307,44 @@ def _durable_step(storage: Any, durable: Path | None) -> int | None:
     from ..layout import step_manifest
 
     return step_manifest(storage.folder(durable.name)).step
+
+
+def _say_placement(log: Any, root: Path, nodes: Nodes) -> None:
+    """Rank 0, once: where the copies go, and (a warning) why they span fewer nodes or domains than asked."""
+    p, count = nodes.placement, len(nodes.order)
+    if count == 1:
+        how = "one node: its folder holds every rank's part, nothing to replicate"
+    elif p.copies == 1:
+        how = "memory_replicas=1: each rank's part on its own node only, no copy elsewhere"
+    else:
+        how = (f"each rank's part on {p.copies} nodes of {p.spread} failure domain(s); copies of other nodes' "
+               f"parts per node: {min(p.load())} to {max(p.load())}")
+    log.info("Memory tier in %s on %d node(s) in %d failure domain(s) (%s)", root, count,
+             len(set(nodes.domains)), how)
+    if p.shortfall is not None:
+        log.warning("Memory tier: %s", p.shortfall)
+
+
+def _bring(log: Any, nodes: Nodes, needs: list[set[str]], present: dict[str, set[str]], holders: dict[str, list[int]],
+           sizes: dict[str, tuple[int, str]], source: Path, view: Path) -> int:
+    """Collective: bring every rank's ``needs`` into its node's ``view``, from the holders in turn: a node's own
+    copy that fails its checksum, or a copy that arrives damaged, is taken from the part's next holder (when
+    none is left, :func:`plan_moves` raises). Returns the bytes moved."""
+    rank, moved = _dist.rank(), 0
+    mine = {rel: sizes[rel] for rel in needs[rank] if rel in present[nodes.ids[rank]] and rel != MANIFEST_NAME}
+    bad = _dist.all_gather_object(damaged_copies(view, mine))  # this node's own copies, checked first
+    failed = [(Move(r, r, rel, *sizes[rel]), why) for r, found in enumerate(bad) for rel, why in found]
+    while True:
+        for m, why in failed:  # that holder's copy is damaged: the next holder is tried
+            holders[m.rel] = [h for h in holders.get(m.rel, []) if nodes.ids[h] != nodes.ids[m.src]]
+            present[nodes.ids[m.dst]].discard(m.rel)
+            if rank == 0:
+                log.warning("Memory tier: %s; trying another node that holds it", why)
+        plan = plan_moves(nodes, needs, present, holders, sizes)
+        if not plan:  # the same list on every rank: none of them sends or waits
+            return moved
+        moved += sum(m.size for m in plan)
+        failed = []
+        send_and_receive(plan, source, view, failed=failed)
+        if not failed:
+            return moved

@@ -30,6 +30,7 @@ leader (its lowest rank) commits, drops, builds views and frees.
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import re
 import stat
@@ -41,13 +42,13 @@ from typing import Any
 
 from ..errors import CheckpointCorruptError, CheckpointError, ConfigError
 from ..manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, read_manifest
-from ..storage.checksum import bytes_checksum
+from ..storage.checksum import RunningChecksum, bytes_checksum
 from ..storage.confined import Folder
 from ..storage.parse import as_int, parsing, read_json
 from ..storage.parse import field as typed
 from ..storage.posix import remove_tree
 
-__all__ = ["NodeFolder", "Held", "default_memory_dir", "run_key", "snapshot_manifest", "tier_record", "TIER_FILE",
+__all__ = ["NodeFolder", "Held", "damaged_copies", "default_memory_dir", "failure_domain", "run_key", "snapshot_manifest", "tier_record", "TIER_FILE",
            "VIEW_PREFIX"]
 
 NODE_ID = "node-id"
@@ -55,8 +56,9 @@ TIER_FILE = "memory_tier.json"
 """Written into every snapshot by rank 0 (and listed in its manifest): the run it belongs to and the newest
 durable checkpoint when it was taken."""
 VIEW_PREFIX = ".view-"
-MAX_TIER_BYTES = 1 << 16
-"""Cap on a snapshot's ``memory_tier.json`` (what ckptio writes there is under 200 bytes)."""
+MAX_TIER_BYTES = 1 << 22
+"""Cap on a snapshot's ``memory_tier.json`` (what ckptio writes there: about 100 bytes per node)."""
+MAX_NODES = 1 << 16
 _ID = re.compile(r"[0-9a-f]{32}")
 
 
@@ -67,6 +69,12 @@ def default_memory_dir() -> Path:
         return Path(env)
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
     return base / f"ckptio-{os.geteuid() if hasattr(os, 'geteuid') else 'user'}"
+
+
+def failure_domain() -> str:
+    """This node's failure domain: ``$CKPTIO_FAILURE_DOMAIN`` (a rack, a switch, a power feed); empty when unset
+    (the node is then a domain of its own)."""
+    return os.environ.get("CKPTIO_FAILURE_DOMAIN", "").strip()
 
 
 def run_key(checkpoint_dir: str) -> str:
@@ -220,6 +228,27 @@ def stand_ins(view: Path, files: dict[str, int]) -> int:
     return made
 
 
+def damaged_copies(view: Path, files: dict[str, tuple[int, str]]) -> list[tuple[str, str]]:
+    """Of ``files`` (rel -> (size, checksum)) in the restore view ``view``, those whose bytes do not match, with
+    why; each one found damaged is removed from the view, so that a good copy can take its place."""
+    out = []
+    folder = Folder(view)
+    for rel, (size, digest) in sorted(files.items()):
+        crc = RunningChecksum()
+        try:
+            with folder.open(rel, size=size) as handle:
+                if size:
+                    with mmap.mmap(handle.fd, size, access=mmap.ACCESS_READ) as mapped:
+                        crc.update(mapped)
+            why = None if crc.digest == digest else f"checksum {crc.digest}, the manifest records {digest}"
+        except (CheckpointError, OSError) as exc:
+            why = str(exc)
+        if why is not None:
+            out.append((rel, f"{view / rel}: this node's copy is damaged ({why})"))
+            (view / rel).unlink(missing_ok=True)
+    return out
+
+
 def _holds(folder: Folder, rel: str, size: int) -> bool:
     try:
         return folder.kind(rel) == "file" and folder.size(rel) == size
@@ -255,14 +284,36 @@ def _committed_step(top: Folder, name: str) -> int | None:
 
 
 def tier_record(folder: Folder) -> dict[str, Any]:
-    """The snapshot's ``memory_tier.json``, read bounded and typed: ``{"run": str, "durable_step": int | None}``."""
+    """The snapshot's ``memory_tier.json``, read bounded and typed: ``{"run": str, "durable_step": int | None,
+    "placement": dict | None}`` (the placement: ``replicas``, and by node number its id, domain and holders)."""
     where = folder.display(TIER_FILE)
     record = read_json(folder, TIER_FILE, max_size=MAX_TIER_BYTES, what="memory tier record ")
     run = typed(record, "run", str, where)
     base = typed(record, "durable_step", (int, type(None)), where)
     if base is not None:
         base = as_int(base, where, "'durable_step'")
-    return {"run": run, "durable_step": base}
+    placement = typed(record, "placement", (dict, type(None)), where, default=None)
+    return {"run": run, "durable_step": base, "placement": None if placement is None else _placement(placement, where)}
+
+
+def _placement(value: Any, where: object) -> dict[str, Any]:
+    """The placement a snapshot records, every field typed and bounded (a node number names a recorded node)."""
+    nodes = typed(value, "nodes", list, where)
+    count = len(nodes)
+    if not 1 <= count <= MAX_NODES:
+        raise CheckpointCorruptError(f"{where}: 'placement' names {count} nodes")
+    replicas = as_int(typed(value, "replicas", int, where), where, "'placement.replicas'", lo=1, hi=count)
+    domains, holders = typed(value, "domains", list, where), typed(value, "holders", list, where)
+    if len(domains) != count or len(holders) != count:
+        raise CheckpointCorruptError(f"{where}: 'placement' has {count} nodes but {len(domains)} domains and "
+                                     f"{len(holders)} holder lists")
+    for i, (node, domain, held) in enumerate(zip(nodes, domains, holders)):
+        if not isinstance(node, str) or not isinstance(domain, str) or not isinstance(held, list) or len(held) != replicas:
+            raise CheckpointCorruptError(f"{where}: 'placement' entry {i} is not a node id, a domain and {replicas} "
+                                         "holders")
+        for h in held:
+            as_int(h, where, f"'placement.holders[{i}]'", lo=0, hi=count - 1)
+    return {"replicas": replicas, "nodes": nodes, "domains": domains, "holders": holders}
 
 
 def _check_private(path: Path) -> None:

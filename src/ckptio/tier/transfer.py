@@ -48,19 +48,22 @@ class Move:
     checksum: str
 
 
-def send_and_receive(moves: list[Move], source: Path, target: Path, point: str | None = None) -> tuple[int, float]:
+def send_and_receive(moves: list[Move], source: Path, target: Path, point: str | None = None,
+                     failed: list[tuple[Move, str]] | None = None) -> tuple[int, float]:
     """Collective: run every move this rank takes part in; files are read under ``source`` and written under
     ``target`` (this rank's node folders, the same relative path). Returns the bytes this rank received and the
     seconds it took. Raises :class:`CheckpointCorruptError` on every rank when a file could not be sent or
-    arrived damaged (nothing is then left under its name)."""
+    arrived damaged (nothing is then left under its name); with ``failed``, appends to it instead, on every
+    rank, each move that failed (of any rank) with why, and raises nothing."""
     import torch.distributed as dist
 
     rank = _dist.rank()
     group = _dist.current_group()
     start = time.perf_counter()
     problems: list[str] = []
+    broken: list[tuple[int, str]] = []  # (move number, why): the moves this rank saw fail
     maps: list[Any] = []  # closed once no tensor refers to them
-    arriving: list[tuple[Move, Path | None, Any]] = []
+    arriving: list[tuple[int, Move, Path | None, Any]] = []
     received = 0
     try:
         works: list[Any] = []
@@ -69,10 +72,14 @@ def send_and_receive(moves: list[Move], source: Path, target: Path, point: str |
                 continue
             if m.src == rank:
                 buf, mapped = _source(source, m, problems)
+                if len(problems) > len(broken):
+                    broken.append((i, problems[-1]))
                 works += [dist.isend(piece, m.dst, group=group, tag=_tag(i, j)) for j, piece in _pieces(buf)]
             else:
                 part, buf, mapped = _target(target, m, problems)
-                arriving.append((m, part, mapped))
+                if len(problems) > len(broken):
+                    broken.append((i, problems[-1]))
+                arriving.append((i, m, part, mapped))
                 works += [dist.irecv(piece, m.src, group=group, tag=_tag(i, j)) for j, piece in _pieces(buf)]
             maps.append(mapped)
             del buf
@@ -81,20 +88,32 @@ def send_and_receive(moves: list[Move], source: Path, target: Path, point: str |
         for work in works:
             work.wait()
         del works  # the last references to the mapped tensors
-        for m, part, mapped in arriving:
+        for i, m, part, mapped in arriving:
             problem = _finish(m, part, mapped)
             if problem:
                 problems.append(problem)
+                broken.append((i, problem))
             received += m.size
     finally:
         for mapped in maps:
             _close(mapped)
-        for _m, part, _mapped in arriving:
+        for _i, _m, part, _mapped in arriving:
             if part is not None:
                 part.unlink(missing_ok=True)  # left only when this rank failed before checking it
+    if failed is not None:
+        failed.extend(_gather_failures(moves, broken))
+        return received, time.perf_counter() - start
     error = CheckpointCorruptError("; ".join(problems[:3])) if problems else None
     _dist.run_collectively("moving memory snapshot files", lambda: _raise(error))
     return received, time.perf_counter() - start
+
+
+def _gather_failures(moves: list[Move], broken: list[tuple[int, str]]) -> list[tuple[Move, str]]:
+    """Collective: every rank's failed moves (each once, with the first reason given), in move order."""
+    seen: dict[int, str] = {}
+    for i, why in sorted(x for part in _dist.all_gather_object(broken) for x in part):
+        seen.setdefault(i, why)
+    return [(moves[i], why) for i, why in sorted(seen.items())]
 
 
 def _raise(error: Exception | None) -> None:
