@@ -114,6 +114,22 @@ def test_trainer_async_keeps_the_checkpoints_the_trainer_keeps(tmp_path, limit):
     _same(ends["async"][3], ends["plain"][3], "the best model loaded at the end")
 
 
+def test_trainer_async_hands_frozen_weights_on_uncopied_and_still_saves_them(tmp_path):
+    """A frozen parameter (an adapter's base weights) is written from the model, not copied at each save: the
+    checkpoint equals the plain Trainer's with the same parameter frozen, and no staging buffer holds it."""
+    ends = {}
+    for name, cls in (("plain", Trainer), ("async", AsyncTrainer)):
+        tr = trainer(cls, tmp_path / name, 8)
+        tr.model.model.embed_tokens.weight.requires_grad_(False)
+        tr.train()
+        ends[name] = (state(tr), load_file(tmp_path / name / "checkpoint-8" / "model.safetensors"))
+        if name == "async":
+            buffers = tr._ckptio_saves._stager._buffers
+            assert buffers and not [k for k in buffers if "embed_tokens" in k], sorted(buffers)[:3]
+    _same(ends["async"][0], ends["plain"][0], "frozen embedding, end of the run")
+    _same(ends["async"][1], ends["plain"][1], "frozen embedding, checkpoint-8")
+
+
 def test_trainer_async_failure_is_raised_on_the_training_thread(tmp_path, faults):
     def fail(name: str) -> None:
         if name == WRITING:

@@ -289,7 +289,8 @@ def _staged_writer(acc: Any, tmp: Path, safe: bool) -> Any:
         hook(acc._models, weights, str(tmp))
     save_accelerator_state(str(tmp), [], [], [], acc._dataloaders, acc.state.process_index, acc.step, acc.scaler,
                            save_on_each_node=each_node, safe_serialization=safe)
-    weights, others = acc._ckptio_saves.stage(weights, optimizers=[o.state_dict() for o in acc._optimizers],
+    weights, others = acc._ckptio_saves.stage(weights, acc._models,
+                                              optimizers=[o.state_dict() for o in acc._optimizers],
                                               schedulers=[s.state_dict() for s in acc._schedulers],
                                               custom=[obj.state_dict() for obj in acc._custom_objects])
 

@@ -57,10 +57,13 @@ class FolderSaves:
         Returns the folder it wrote (``None``: nothing was in flight)."""
         return self._writer.wait() if self._writer is not None else None
 
-    def stage(self, models: list[dict[str, Any]], **others: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    def stage(self, models: list[dict[str, Any]], modules: list[Any], **others: Any) \
+            -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """Host copies, taken now, of each of ``models`` (state dicts, each keeping its mapping type; its tensors that
         share storage still share one buffer, as the frameworks' writers drop tied weights by storage) and of each
-        of ``others`` (nested states)."""
+        of ``others`` (nested states). The frozen parameters of ``modules`` (``requires_grad=False``: no optimizer
+        changes them, as a fine-tuned model's base weights under an adapter) are handed on as they are, not copied."""
+        frozen = {_storage_key(p) for module in modules for p in module.parameters() if not p.requires_grad}
         aliases: list[dict[str, str]] = []
         unique: list[dict[str, Any]] = []
         for model in models:
@@ -69,6 +72,9 @@ class FolderSaves:
             unique.append({})
             for name, value in model.items():
                 key = _storage_key(value)
+                if key is not None and key in frozen:
+                    aliases[-1][name] = f"\0{name}"
+                    continue
                 if key is not None and key in first:
                     aliases[-1][name] = first[key]
                     continue
@@ -80,7 +86,8 @@ class FolderSaves:
         for model, alias, copies in zip(models, aliases, staged["models"]):
             out.append(type(model)())
             for name in model:
-                out[-1][name] = copies[alias.get(name, name)]
+                kept = alias.get(name, name)
+                out[-1][name] = model[name] if kept.startswith("\0") else copies[kept]
         return out, staged["others"]
 
     def start(self, final: Path, write: Callable[[], None], commit: Callable[[], None] | None) -> None:

@@ -91,7 +91,7 @@ def _staged_writer(me: Any, tmp: Path, saves: Any) -> Callable[[], None]:
     should, full = me.args.should_save, not me.args.save_only_model
     others = {"optimizer": me.optimizer.state_dict(), "scheduler": me.lr_scheduler.state_dict()} if should and full \
         else {}
-    (weights,), others = saves.stage([me.model.state_dict() if should else {}], **others)
+    (weights,), others = saves.stage([me.model.state_dict() if should else {}], [me.model], **others)
 
     def write() -> None:
         if should:
