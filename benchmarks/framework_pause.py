@@ -10,8 +10,9 @@ contenders on the same trainer: Lightning's default (``TorchCheckpointIO``: one 
 fsynced), Lightning's ``AsyncCheckpointIO`` around it, ``CkptioCheckpointIO()`` (a committed folder, every file
 fsynced) and ``CkptioCheckpointIO(async_save=True)``. ``hf``: the Trainer's ``_save_checkpoint`` (what a ``save_steps`` step
 runs: ``checkpoint-N/`` with weights, optimizer, scheduler, RNG and trainer state) of a ``Trainer`` against a
-``CkptioTrainer`` sharing its model and optimizer (the same files, fsynced, committed, with a manifest).
-``accelerate``: ``Accelerator.save_state(dir)`` against ``CkptioAccelerator.save_state(dir)`` on the same prepared
+``CkptioTrainer`` sharing its model and optimizer (the same files, fsynced, committed, with a manifest) and a
+``CkptioTrainer(async_save=True)``. ``accelerate``: ``Accelerator.save_state(dir)`` against
+``CkptioAccelerator.save_state(dir)`` and ``CkptioAccelerator(async_save=True).save_state(dir)`` on the same prepared
 model and optimizer. The *pause* is the time the call blocks the training thread; *total* also waits for a background write to be durable. Baselines of the same run: ``torch.save`` of the
 same dict, with and without fsync, and a raw write + fsync of as many bytes. One untimed warm-up round, then
 every round runs every contender in a shuffled order (seeded); medians, min-max and ratios to the baselines are
@@ -133,6 +134,8 @@ def hf_contenders(size: int, root: Path) -> tuple[dict[str, Callable[[Path], Any
     plain.train()
     ours = CkptioTrainer(model=model, args=args(root / "ckptio"), train_dataset=data)
     ours.optimizer, ours.lr_scheduler, ours.state = plain.optimizer, plain.lr_scheduler, plain.state
+    background = CkptioTrainer(model=model, args=args(root / "async"), train_dataset=data, async_save=True)
+    background.optimizer, background.lr_scheduler, background.state = plain.optimizer, plain.lr_scheduler, plain.state
     state_bytes = 3 * sum(p.numel() * 4 for p in model.parameters())
     steps = itertools.count(1)
 
@@ -141,11 +144,11 @@ def hf_contenders(size: int, root: Path) -> tuple[dict[str, Callable[[Path], Any
             tr.args.output_dir = str(path)
             tr.state.global_step = next(steps)
             tr._save_checkpoint(tr.model, None)
-            return None
+            return _Waiter(tr.ckptio_wait) if hasattr(tr, "ckptio_wait") else None
 
         return save
 
-    out = {"hf": contender(plain), "ckptio": contender(ours)}
+    out = {"hf": contender(plain), "ckptio": contender(ours), "ckptio async": contender(background)}
     block = bytearray(os.urandom(1 << 20)) * 64
     out["torch.save"] = lambda path: torch.save({"model": model.state_dict(), "optim": plain.optimizer.state_dict()},
                                                 path)
@@ -171,17 +174,27 @@ def accelerate_contenders(size: int, root: Path) -> tuple[dict[str, Callable[[Pa
     opt.step()
     state_bytes = 3 * sum(p.numel() * 4 for p in model.parameters())
 
-    def contender(cls: type) -> Callable[[Path], Any]:
-        acc = cls(cpu=True, project_config=ProjectConfiguration(project_dir=str(root / cls.__name__)))
+    def contender(cls: type, **kw: Any) -> Callable[[Path], Any]:
+        acc = cls(cpu=True, project_config=ProjectConfiguration(project_dir=str(root / f"{cls.__name__}{len(kw)}")),
+                  **kw)
         acc.prepare(model, opt)
-        return lambda path: (acc.save_state(str(path)), None)[1]
+        waiter = _Waiter(acc.wait_for_save) if kw else None
+        return lambda path: (acc.save_state(str(path)), waiter)[1]
 
-    out = {"accelerate": contender(Accelerator), "ckptio": contender(CkptioAccelerator)}
+    out = {"accelerate": contender(Accelerator), "ckptio": contender(CkptioAccelerator),
+           "ckptio async": contender(CkptioAccelerator, async_save=True)}
     block = bytearray(os.urandom(1 << 20)) * 64
     out["torch.save"] = lambda path: torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, path)
     out["torch.save + fsync"] = lambda path: (out["torch.save"](path), _fsync_tree(path))
     out["raw write + fsync"] = lambda path: _raw_write(path, state_bytes, block)
     return out, state_bytes
+
+
+class _Waiter:
+    """What a background contender hands back: ``wait`` blocks until its save is durable."""
+
+    def __init__(self, wait: Callable[[], Any]) -> None:
+        self.wait = wait
 
 
 def _finish(io: Any) -> None:

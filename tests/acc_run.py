@@ -1,9 +1,12 @@
 """Run the tiny accelerate loop (``acc_tiny.train``) in a process of its own or under torchrun (DDP on CPU ranks).
 
-    python tests/acc_run.py DIR OUT [--plain] [--resume] [--sigterm-at STEP] [--kill-at POINT:N]
+    python tests/acc_run.py DIR OUT [--plain | --async] [--resume] [--sigterm-at STEP | --sigkill-at STEP]
+                            [--kill-at POINT:N] [--fail-at POINT:RANK]
     python -m torch.distributed.run --nproc-per-node=2 tests/acc_run.py DIR OUT [...]
 
-``--plain``: the plain ``Accelerator``; otherwise ``CkptioAccelerator``. ``--resume``: ``load_state()`` first.
+``--plain``: the plain ``Accelerator``; otherwise ``CkptioAccelerator`` (``--async``: ``async_save=True``).
+``--sigkill-at STEP``: every rank SIGKILLs itself after step STEP and its save (a background write still in flight).
+``--fail-at POINT:RANK``: global rank RANK raises an ``OSError`` the first time a ckptio save reaches the point. ``--resume``: ``load_state()`` first.
 ``--sigterm-at STEP``: every rank receives SIGTERM after step STEP (a preemption: accelerate has no handler, the
 process ends). ``--kill-at POINT:N``: global rank 0 SIGKILLs itself the N-th time a ckptio save reaches the named
 point (``ckptio._faults``). The main process writes the final state to OUT.
@@ -29,6 +32,22 @@ def _arg(name: str) -> str | None:
     return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else None
 
 
+def fail_at(spec: str) -> None:
+    """``POINT:RANK``: global rank RANK raises an ``OSError`` (a disk full) the first time a ckptio save reaches the
+    fault point POINT."""
+    from ckptio import _faults
+
+    point, rank = spec.split(":")
+    seen = [0]
+
+    def hook(name: str) -> None:
+        if name == point and int(os.environ.get("RANK", "0")) == int(rank) and not seen[0]:
+            seen[0] = 1
+            raise OSError(28, f"No space left on device (injected at {point} on rank {rank})")
+
+    _faults.set_hook(hook)
+
+
 def main() -> None:
     root, out = Path(sys.argv[1]), Path(sys.argv[2])
     if "--plain" in sys.argv:
@@ -37,13 +56,17 @@ def main() -> None:
         from ckptio.accelerate import CkptioAccelerator as cls
     if _arg("--kill-at") and int(os.environ.get("RANK", "0")) == 0:
         kill_at(_arg("--kill-at"))
-    at = int(_arg("--sigterm-at") or 0)
+    if _arg("--fail-at"):
+        fail_at(_arg("--fail-at"))
+    at = int(_arg("--sigterm-at") or _arg("--sigkill-at") or 0)
+    how = signal.SIGKILL if _arg("--sigkill-at") else signal.SIGTERM
 
     def on_step(done: int) -> None:
         if done == at:
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), how)
 
-    result = train(root, cls, resume="--resume" in sys.argv, on_step=on_step)
+    kw = {"async_save": True} if "--async" in sys.argv else {}
+    result = train(root, cls, resume="--resume" in sys.argv, on_step=on_step, **kw)
     if result.pop("main"):
         torch.save(result, out)
     if torch.distributed.is_initialized():

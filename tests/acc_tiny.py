@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from accelerate import Accelerator
@@ -30,18 +30,18 @@ class Counter:
         self.n, self.total = sd["n"], sd["total"]
 
 
-def accelerator(cls: type, root: Path, limit: int | None = None) -> Accelerator:
-    return cls(cpu=True, project_config=ProjectConfiguration(project_dir=str(root), automatic_checkpoint_naming=True,
+def accelerator(cls: type, root: Path, limit: int | None = None, **kw: Any) -> Accelerator:
+    return cls(cpu=True, **kw, project_config=ProjectConfiguration(project_dir=str(root), automatic_checkpoint_naming=True,
                                                              total_limit=limit),
                dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
 
 
 def train(root: Path, cls: type, stop: int = STEPS, resume: bool = False, limit: int | None = None,
-          on_step: Callable[[int], None] | None = None) -> dict:
+          on_step: Callable[[int], None] | None = None, **kw: Any) -> dict:
     """Train for ``STEPS`` steps with a save every ``EVERY``, stopping after ``stop`` steps; ``on_step(done)`` runs
-    after every step and its save."""
+    after every step and its save; ``kw`` go to the accelerator (``async_save=True``); ``end_training`` at the end."""
     torch.manual_seed(0)
-    acc = accelerator(cls, root, limit)
+    acc = accelerator(cls, root, limit, **kw)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
@@ -75,6 +75,7 @@ def train(root: Path, cls: type, stop: int = STEPS, resume: bool = False, limit:
             acc.save_state()
         if on_step is not None:
             on_step(done)
+    acc.end_training()  # a background save is committed before the results are read
     out = {f"w/{k}": v.detach().clone() for k, v in acc.unwrap_model(model).state_dict().items()}
     out.update({f"o/{i}/{k}": v.clone() for i, s in enumerate(opt.optimizer.state.values()) for k, v in s.items()})
     # (the global RNG is not compared: a DataLoader draws its base seed from it when an iterator starts, which a

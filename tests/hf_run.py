@@ -1,9 +1,13 @@
 """Run the tiny Trainer in a process of its own (1 rank) or under torchrun (DDP on CPU ranks).
 
-    python tests/hf_run.py DIR MAX_STEPS OUT [--plain] [--resume] [--sigterm-at STEP] [--kill-at POINT:N]
+    python tests/hf_run.py DIR MAX_STEPS OUT [--plain | --async] [--resume] [--sigterm-at STEP] [--kill-at POINT:N]
+                           [--sigkill-after-save STEP] [--fail-at POINT:RANK]
     python -m torch.distributed.run --nproc-per-node=2 tests/hf_run.py DIR MAX_STEPS OUT [...]
 
-``--plain``: the plain ``Trainer`` (its own checkpoints); otherwise ``CkptioTrainer``. ``--resume``:
+``--plain``: the plain ``Trainer`` (its own checkpoints); otherwise ``CkptioTrainer`` (``--async``: with
+``async_save=True``). ``--sigkill-after-save STEP``: every rank SIGKILLs itself as soon as the save of global step
+STEP returns (with ``--async``, its write is still in flight). ``--fail-at POINT:RANK``: global rank RANK raises an
+``OSError`` the first time a ckptio save reaches the named point (a disk failing under the background write). ``--resume``:
 ``train(resume_from_checkpoint=True)``. ``--sigterm-at STEP``: every rank receives SIGTERM after global step STEP
 (a preemption: the Trainer has no handler, the process ends). ``--kill-at POINT:N``: global rank 0 SIGKILLs itself
 the N-th time a ckptio save reaches the named point (``ckptio._faults``). Global rank 0 writes the final weights
@@ -12,6 +16,7 @@ and optimizer moments to OUT.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
@@ -22,12 +27,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from transformers import Trainer, TrainerCallback  # noqa: E402
 
+from acc_run import fail_at  # noqa: E402
 from distributed import kill_at  # noqa: E402
 from hf_tiny import state, trainer  # noqa: E402
 
 
 def _arg(name: str) -> str | None:
     return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else None
+
+
+class KillAfterSave(TrainerCallback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_save(self, args, state, control, **kw) -> None:  # noqa: ANN001
+        if state.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Preempt(TrainerCallback):
@@ -45,11 +60,18 @@ def main() -> None:
         cls = Trainer
     else:
         from ckptio.hf_trainer import CkptioTrainer as cls
+
+        if "--async" in sys.argv:
+            cls = functools.partial(cls, async_save=True)
     if _arg("--kill-at") and int(os.environ.get("RANK", "0")) == 0:
         kill_at(_arg("--kill-at"))
+    if _arg("--fail-at"):
+        fail_at(_arg("--fail-at"))
     tr = trainer(cls, root, steps)
     if _arg("--sigterm-at"):
         tr.add_callback(Preempt(int(_arg("--sigterm-at"))))
+    if _arg("--sigkill-after-save"):
+        tr.add_callback(KillAfterSave(int(_arg("--sigkill-after-save"))))
     tr.train(resume_from_checkpoint=True if "--resume" in sys.argv else None)
     if tr.is_world_process_zero():
         torch.save(state(tr), out)

@@ -16,6 +16,11 @@ the plain ``Accelerator.load_state`` still reads it; ckptio adds what accelerate
   through ckptio's safe readers, and every folder's RNG states are checked (accelerate skips a bad one silently);
 * the registered objects' states are read with ``weights_only`` (accelerate unpickles them without restriction),
   every file through ckptio's confined reads; a file missing for a registered object is an error.
+* ``CkptioAccelerator(..., async_save=True)`` saves in the background (accelerate has no such option):
+  ``save_state`` copies the states into host buffers and returns; every process writes its part and the main one
+  commits once all are in, then applies ``total_limit``. The next ``save_state``, ``load_state``,
+  ``wait_for_save()`` and ``end_training()`` wait for it and raise its failure; a kill during the write leaves the
+  previous checkpoint the newest complete one.
 
 Single process and multi-process CPU/GPU DDP are supported; FSDP, DeepSpeed and Megatron-LM write their own
 sharded states and are refused.
@@ -50,15 +55,19 @@ _MAX_RNG = 64 << 20
 class CkptioAccelerator(Accelerator):
     """An ``Accelerator`` whose ``save_state`` commits a checksummed folder and whose ``load_state`` checks it first
     and reads nothing unsafely (see the module's documentation). ``ckptio_verify``: ``"full"`` (every byte, the
-    default) or ``"size"``."""
+    default) or ``"size"``. ``async_save``: ``save_state`` copies the states into host buffers (reused from save to
+    save) and returns; the folder is written, committed and rotated in the background. The next ``save_state``,
+    ``load_state``, :meth:`wait_for_save` and ``end_training`` wait for it and raise its failure."""
 
-    def __init__(self, *args: Any, ckptio_verify: str = "full", **kwargs: Any) -> None:
+    def __init__(self, *args: Any, ckptio_verify: str = "full", async_save: bool = False, **kwargs: Any) -> None:
         if ckptio_verify not in ("full", "size"):
             raise ValueError(f"ckptio_verify must be 'full' or 'size', not {ckptio_verify!r}")
         super().__init__(*args, **kwargs)
+        from .framework_async import FolderSaves
         from .framework_dirs import CheckedOnce
 
         self.ckptio_verify = ckptio_verify
+        self._ckptio_saves = FolderSaves("accelerate checkpoint save") if async_save else None
         self._ckptio_swept = False
         # what total_limit counts: the folders load_state would take (each read once in this run)
         self._ckptio_complete = CheckedOnce(lambda path: _check(path, ckptio_verify))
@@ -67,12 +76,11 @@ class CkptioAccelerator(Accelerator):
                                   f"{self.distributed_type} accelerate writes sharded states through its own code")
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> str:
-        """``Accelerator.save_state``, written into a hidden folder by every process and committed by the main one;
-        returns the checkpoint's folder."""
-        from .framework_dirs import remove_oldest
-        from .storage.local import LocalFolderWriter
+        """``Accelerator.save_state``, written into a hidden folder by every process and committed by the main one
+        (in the background with ``async_save``); returns the checkpoint's folder."""
         from .storage.posix import sweep_leftovers
 
+        self.wait_for_save()  # the previous save is committed and its staging buffers are free
         config = self.project_configuration
         auto = config.automatic_checkpoint_naming
         if auto:
@@ -89,19 +97,36 @@ class CkptioAccelerator(Accelerator):
             shutil.rmtree(tmp, ignore_errors=True)  # an earlier attempt at this iteration, killed
             tmp.mkdir(parents=True)
         self.wait_for_everyone()
-        config.automatic_checkpoint_naming = False
-        try:
-            super().save_state(str(tmp), safe_serialization, **kwargs)
-        finally:
-            config.automatic_checkpoint_naming = auto
+        if self._ckptio_saves is not None:
+            write = _staged_writer(self, tmp, safe_serialization)
+            config.iteration += 1
+        else:
+            config.automatic_checkpoint_naming = False
+            try:
+                super().save_state(str(tmp), safe_serialization, **kwargs)
+            finally:
+                config.automatic_checkpoint_naming = auto
+        commit = _committer(self, final, tmp, auto) if self.is_main_process else None
+        if self._ckptio_saves is not None:
+            self._ckptio_saves.start(final, write, commit)
+            return str(final)
         self.wait_for_everyone()  # every process's files are in
-        if self.is_main_process:
-            _commit(LocalFolderWriter(final, tmp), self)
-            if auto:
-                remove_oldest(final.parent, _NAME, config.total_limit, check=self._ckptio_complete, saved=final.name,
-                              setting="total_limit")
+        if commit is not None:
+            commit()
         self.wait_for_everyone()  # committed before any process reads it
         return str(final)
+
+    def wait_for_save(self) -> None:
+        """Block until the background save in flight (``async_save``) is committed and ``total_limit`` applied on
+        every process; raise its failure. Call it (or ``end_training``) before the process ends; a no-op without
+        ``async_save``."""
+        if self._ckptio_saves is not None:
+            self._ckptio_saves.wait()
+
+    def end_training(self) -> None:
+        """``Accelerator.end_training``, once the background save in flight is committed."""
+        self.wait_for_save()
+        super().end_training()
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any) -> str | None:
         """``Accelerator.load_state`` from a checked folder: ``input_dir``, or with automatic naming the newest
@@ -112,6 +137,7 @@ class CkptioAccelerator(Accelerator):
 
         if load_kwargs and load_kwargs.get("weights_only") is False:
             raise ValueError("CkptioAccelerator never loads with weights_only=False")
+        self.wait_for_save()
         auto = self.project_configuration.automatic_checkpoint_naming
         if input_dir is None:
             if not auto:
@@ -230,14 +256,60 @@ def read_random_states(folder: Any, name: str) -> dict[str, Any]:
     return states
 
 
-def _commit(writer: Any, accelerator: Any) -> None:
-    from .framework_dirs import commit
+def _committer(accelerator: Any, final: Path, tmp: Path, auto: bool) -> Any:
+    """The main process's commit of ``tmp`` as ``final`` and ``total_limit`` after it (with automatic naming), with
+    what they need of the accelerator read now (a background save commits while training goes on)."""
+    from .framework_dirs import commit, remove_oldest
     from .manifest import StateEntry
+    from .storage.local import LocalFolderWriter
 
-    files = writer.files()
-    states = {name.split(".")[0]: StateEntry("object" if name.startswith(("custom", "scheduler")) else
-                                             "optimizer" if name.startswith("optimizer") else "model",
-                                             "safetensors" if name.endswith(".safetensors") else "pt", name)
-              for name in files if not name.startswith("random_states_")}
-    commit(writer, step=accelerator.project_configuration.iteration, epoch=0, world_size=accelerator.num_processes,
-           states=states)
+    step, world = accelerator.project_configuration.iteration, accelerator.num_processes
+    limit, complete = accelerator.project_configuration.total_limit, accelerator._ckptio_complete
+
+    def run() -> None:
+        writer = LocalFolderWriter(final, tmp)
+        states = {name.split(".")[0]: StateEntry("object" if name.startswith(("custom", "scheduler")) else
+                                                 "optimizer" if name.startswith("optimizer") else "model",
+                                                 "safetensors" if name.endswith(".safetensors") else "pt", name)
+                  for name in writer.files() if not name.startswith("random_states_")}
+        commit(writer, step=step, epoch=0, world_size=world, states=states)
+        if auto:
+            remove_oldest(final.parent, _NAME, limit, check=complete, saved=final.name, setting="total_limit")
+
+    return run
+
+
+def _staged_writer(acc: Any, tmp: Path, safe: bool) -> Any:
+    """What ``Accelerator.save_state`` writes for a DDP or single-process run, split for a background save: the
+    samplers, the scaler and the RNG states (small, of this instant) written now through accelerate's own
+    ``save_accelerator_state``; the models, optimizers, schedulers and registered objects copied now and written by
+    the returned function through accelerate's ``save``, under accelerate's names."""
+    from accelerate.checkpointing import save_accelerator_state
+    from accelerate.utils import OPTIMIZER_NAME, SAFE_WEIGHTS_NAME, SCHEDULER_NAME, WEIGHTS_NAME, save
+
+    from .framework_async import reached_writing
+
+    each_node = acc.project_configuration.save_on_each_node
+    weights = [acc.get_state_dict(model, unwrap=False) for model in acc._models]
+    for hook in acc._save_model_state_pre_hook.values():
+        hook(acc._models, weights, str(tmp))
+    save_accelerator_state(str(tmp), [], [], [], acc._dataloaders, acc.state.process_index, acc.step, acc.scaler,
+                           save_on_each_node=each_node, safe_serialization=safe)
+    weights, others = acc._ckptio_saves.stage(weights, acc._models,
+                                              optimizers=[o.state_dict() for o in acc._optimizers],
+                                              schedulers=[s.state_dict() for s in acc._schedulers],
+                                              custom=[obj.state_dict() for obj in acc._custom_objects])
+
+    def write() -> None:
+        for i, state in enumerate(weights):
+            name = SAFE_WEIGHTS_NAME if safe else WEIGHTS_NAME
+            save(state, tmp / (name.replace(".", f"_{i}.") if i else name), save_on_each_node=each_node,
+                 safe_serialization=safe)
+        reached_writing()
+        for what, prefix in (("optimizers", OPTIMIZER_NAME), ("schedulers", SCHEDULER_NAME)):
+            for i, state in enumerate(others[what]):
+                save(state, tmp / f"{prefix}{f'_{i}' if i else ''}.bin", save_on_each_node=each_node)
+        for i, state in enumerate(others["custom"]):
+            save(state, tmp / f"custom_checkpoint_{i}.pkl", save_on_each_node=each_node)
+
+    return write

@@ -33,6 +33,10 @@ What changes is how it gets there and how it is read back:
   neither counted as kept nor deleted; the one just written and the newest complete one are never deleted), and
   deletes a checkpoint by hiding it first, so a crash never leaves half of one under its name. The Trainer's
   last deletion at the end of a run (``save_total_limit=1``: all but the best) is left out.
+* **Background saves** (``CkptioTrainer(..., async_save=True)``; the Trainer has none): the save copies the states
+  into host buffers and returns; the files are written, committed and rotated in the background, every rank's part
+  before rank 0 commits. The next save, ``train`` and the end of training wait for it and raise its failure; a kill
+  during the write leaves the previous checkpoint the newest complete one.
 
 Single process and DDP (``torchrun``) are supported. Under DeepSpeed or FSDP the Trainer writes sharded states
 through its own code; ``CkptioTrainer`` refuses them at construction rather than pretend.
@@ -43,19 +47,20 @@ from __future__ import annotations
 import logging
 import random
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .errors import CheckpointCorruptError, CheckpointError, MissingDependencyError
+from .hf_trainer_save import NAME as _NAME, OPTIMIZER as _OPTIMIZER, SCHEDULER as _SCHEDULER
+from .hf_trainer_save import TRAINER_STATE as _TRAINER_STATE, WEIGHTS as _WEIGHTS
 from .storage.parse import DATA_ERRORS
 
 try:
     import accelerate  # noqa: F401  (the Trainer's own requirement, imported lazily by transformers)
     from transformers import Trainer
-    from transformers.trainer_callback import ExportableState, TrainerState
+    from transformers.trainer_callback import TrainerState
 except ImportError as _missing:  # the integration is an extra
     raise MissingDependencyError(f"ckptio.hf_trainer needs transformers and accelerate (missing: {_missing.name}): "
                                  f"pip install 'ckptio[hf]'") from _missing
@@ -63,12 +68,8 @@ except ImportError as _missing:  # the integration is an extra
 __all__ = ["CkptioTrainerMixin", "CkptioTrainer", "usable_checkpoints", "last_checkpoint"]
 
 log = logging.getLogger("ckptio")
-_NAME = re.compile(r"^checkpoint-(\d+)$")
 _MAX_JSON = 256 << 20
 _MAX_RNG = 64 << 20
-_TRAINER_STATE, _OPTIMIZER, _SCHEDULER = "trainer_state.json", "optimizer.pt", "scheduler.pt"
-_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json",
-            "adapter_model.safetensors", "adapter_model.bin")
 _INCOMPLETE = "checkpoint-is-incomplete.txt"  # the Trainer's own marker of a save it began on SIGTERM
 _RNG = re.compile(r"^rng_state(_\d+)?\.pth$")
 _STATES = (_OPTIMIZER, _SCHEDULER, "scaler.pt", "pytorch_model.bin", "adapter_model.bin")  # read weights_only
@@ -79,18 +80,22 @@ class CkptioTrainerMixin:
     committed, checksummed ckptio folders in the Trainer's layout (see the module's documentation).
 
     ``ckptio_verify``: ``"full"`` (every byte checked against its checksum before a resume, the default) or
-    ``"size"``.
+    ``"size"``. ``async_save``: copy the states into host buffers (reused from save to save) and write, commit and
+    rotate in the background (:mod:`ckptio.hf_trainer_save`); the next save, ``train`` and the end of training wait
+    for it and raise its failure.
     """
 
     ckptio_verify: str = "full"
 
-    def __init__(self, *args: Any, ckptio_verify: str = "full", **kwargs: Any) -> None:
+    def __init__(self, *args: Any, ckptio_verify: str = "full", async_save: bool = False, **kwargs: Any) -> None:
         if ckptio_verify not in ("full", "size"):
             raise ValueError(f"ckptio_verify must be 'full' or 'size', not {ckptio_verify!r}")
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        from .framework_async import FolderSaves
         from .framework_dirs import CheckedOnce
 
         self.ckptio_verify = ckptio_verify
+        self._ckptio_saves = FolderSaves("Trainer checkpoint save") if async_save else None
         self._ckptio_swept = False
         self._ckptio_resuming: Path | None = None
         me: Any = self
@@ -100,12 +105,16 @@ class CkptioTrainerMixin:
             raise CheckpointError("CkptioTrainer checkpoints single-process and DDP runs; under DeepSpeed or FSDP the "
                                   "Trainer writes sharded states through its own code (use ckptio.CheckpointManager "
                                   "in a loop of your own for FSDP2)")
+        if async_save and me.args.push_to_hub:
+            raise CheckpointError("CkptioTrainer(async_save=True) does not push checkpoints to the Hub (push_to_hub): "
+                                  "save synchronously to push each one")
 
     # ------------------------------------------------------------------------------------------- resuming
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``; ``resume_from_checkpoint=True`` takes ckptio's newest complete checkpoint (a fresh run
         when ``output_dir`` holds none), and a named checkpoint is checked before anything is loaded."""
         me: Any = self
+        self.ckptio_wait()
         if resume_from_checkpoint is True:
             found = last_checkpoint(me.args.output_dir, verify=self.ckptio_verify)
             if found is None:
@@ -165,6 +174,7 @@ class CkptioTrainerMixin:
 
     def _load_best_model(self) -> None:
         me: Any = self
+        self.ckptio_wait()
         best = me.state.best_model_checkpoint
         if best:
             _check(Path(best), self.ckptio_verify, True)
@@ -173,8 +183,10 @@ class CkptioTrainerMixin:
     def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
         """``Trainer._finalize_training`` without its last deletion: with ``save_total_limit=1`` and a best checkpoint
         the Trainer would now delete every folder but the best (the newest complete one and any torn one too).
-        ckptio's retention already ran at the last save, keeping the best and the newest complete checkpoint."""
+        ckptio's retention already ran at the last save, keeping the best and the newest complete checkpoint. The
+        background save in flight is committed first."""
         me: Any = self
+        self.ckptio_wait()
         limit = me.args.save_total_limit
         if limit == 1:
             me.args.save_total_limit = None
@@ -185,53 +197,17 @@ class CkptioTrainerMixin:
 
     # --------------------------------------------------------------------------------------------- saving
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        """The Trainer's save, written into a hidden folder by every rank and committed by rank 0."""
-        from .framework_dirs import remove_oldest
-        from .storage.local import LocalFolderWriter
-        from .storage.posix import sweep_leftovers
+        """The Trainer's save, written into a hidden folder by every rank and committed by rank 0 (in the background
+        with ``async_save``)."""
+        from .hf_trainer_save import save_checkpoint
 
-        me: Any = self
-        if me.hp_search_backend is None and trial is None:
-            me.store_flos()
-        run_dir = Path(me._get_output_dir(trial=trial))
-        final = run_dir / f"checkpoint-{me.state.global_step}"
-        tmp = run_dir / f".{final.name}.tmp-{me.state.global_step & 0xFFFFFFFF:08x}"
-        if me.args.should_save:
-            if not self._ckptio_swept:
-                self._ckptio_swept = True
-                sweep_leftovers(run_dir)
-            shutil.rmtree(tmp, ignore_errors=True)  # an earlier attempt at this step, killed
-            tmp.mkdir(parents=True)
-        me.accelerator.wait_for_everyone()
-        me.save_model(str(tmp), _internal_call=True)
-        if me.state.best_global_step:
-            best = run_dir / f"checkpoint-{me.state.best_global_step}"
-            if me.state.best_global_step == me.state.global_step or best.is_dir():
-                me.state.best_model_checkpoint = str(best)
-        if not me.args.save_only_model:
-            me._save_optimizer_and_scheduler(str(tmp))
-            me._save_scaler(str(tmp))
-            me._save_rng_state(str(tmp))
-        me.accelerator.wait_for_everyone()  # every rank's files are in
-        if me.args.should_save:
-            self._store_callback_states()
-            me.state.save_to_json(str(tmp / _TRAINER_STATE))
-            _commit(LocalFolderWriter(final, tmp), me.state, me.args)
-            best = me.state.best_model_checkpoint
-            remove_oldest(run_dir, _NAME, me.args.save_total_limit, keep=frozenset({Path(best).name} if best else ()),
-                          check=self._ckptio_complete, saved=final.name, setting="save_total_limit")
-        me.accelerator.wait_for_everyone()  # committed before any rank reads it
-        if me.args.push_to_hub:
-            me._push_from_checkpoint(str(final))
+        save_checkpoint(self, trial, self._ckptio_saves, self._ckptio_complete)
 
-    def _store_callback_states(self) -> None:
-        me: Any = self
-        for cb in [c for c in me.callback_handler.callbacks + [me.control] if isinstance(c, ExportableState)]:
-            name, state = cb.__class__.__name__, cb.state()
-            if isinstance(me.state.stateful_callbacks[name], list):
-                me.state.stateful_callbacks[name].append(state)
-            else:
-                me.state.stateful_callbacks[name] = state
+    def ckptio_wait(self) -> None:
+        """Block until the background save in flight (``async_save``) is committed and its retention done; raise its
+        failure. Called by the next save, ``train`` and the end of training; a no-op without ``async_save``."""
+        if self._ckptio_saves is not None:
+            self._ckptio_saves.wait()
 
 
 class CkptioTrainer(CkptioTrainerMixin, Trainer):
@@ -427,23 +403,3 @@ def _apply_rng(state: dict[str, Any], parallel_mode: Any, where: object) -> None
 
         set_rng_state_for_device("CUDA", torch.cuda, state, parallel_mode == ParallelMode.DISTRIBUTED)
 
-
-def _commit(writer: Any, state: TrainerState, args: Any) -> None:
-    from .framework_dirs import commit
-    from .manifest import StateEntry
-
-    files = writer.files()
-    metrics = {}
-    key = args.metric_for_best_model
-    if key:
-        key = key if key.startswith("eval_") else f"eval_{key}"
-        for entry in state.log_history:
-            if entry.get("step") == state.global_step and isinstance(entry.get(key), (int, float)):
-                metrics[key] = float(entry[key])
-    weights = next((n for n in _WEIGHTS if n in files), None)
-    states = {"model": StateEntry("model", "hf", weights)} if weights else {}
-    if _OPTIMIZER in files:
-        states.update(optimizer=StateEntry("optimizer", "pt", _OPTIMIZER),
-                      lr_scheduler=StateEntry("object", "pt", _SCHEDULER))
-    commit(writer, step=state.global_step, epoch=int(state.epoch or 0), world_size=args.world_size, states=states,
-           metrics=metrics)
