@@ -145,8 +145,8 @@ class CheckpointConfig:
 
     memory_every_steps: int | None = None
     """The memory tier: every this many steps, :meth:`~ckptio.CheckpointManager.maybe_save` takes a snapshot of the
-    whole state into node-local shared memory (``memory_dir``) and replicates each rank's part to a rank on the
-    next node, in the background; a restart resumes from the newest snapshot that survived (or the newest durable
+    whole state into node-local shared memory (``memory_dir``) and copies each rank's part to ``memory_replicas``
+    nodes in all, in the background; a restart resumes from the newest snapshot that survived (or the newest durable
     checkpoint, whichever is newer). ``None``: off. See docs/memory-tier.md."""
 
     persist_every_steps: int | None = None
