@@ -531,3 +531,18 @@ def test_an_empty_folder_or_one_with_unrelated_folders_starts_fresh(tmp_path, ca
     with caplog.at_level(logging.INFO, logger="ckptio"):
         assert _manager(tmp_path, _mlp()).restore() is None
     assert "No checkpoint found" in caplog.text and "Skipping" not in caplog.text
+
+
+def test_opening_sub_folders_holds_no_descriptor(tmp_path):
+    """Folder.sub checks the path through real folders and keeps nothing open: a long-lived process (a trainer
+    resuming many times, a scan of a large run folder) must not run out of descriptors."""
+    import os
+
+    from ckptio.storage.confined import Folder
+
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    root = Folder(tmp_path)
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(200):
+        root.sub("a").sub("b")
+    assert len(os.listdir("/proc/self/fd")) <= before

@@ -166,7 +166,8 @@ class Folder(FolderReads):
         """The folder ``rel`` below this one (checked now: it must be a real directory, not a link)."""
         if rel in ("", "."):
             return self
-        self._walk(check_relative(rel, self.path) + ("",), want_dir=True)
+        fd, _ = self._walk(check_relative(rel, self.path) + ("",), want_dir=True)
+        os.close(fd)
         return Folder(self.path / rel, links=self.links, verifier=self.verifier)
 
     # ------------------------------------------------------------------ resolution
