@@ -230,6 +230,13 @@ class Accelerate:
         self.objs = _objects(self.images["checkpoint_1"])
         self.acc, self.model = acc, model
 
+    def own_dirs(self) -> None:
+        """In a worker process: a project folder of its own (workers run side by side)."""
+        import os
+
+        self.project = _fixed_dir(f"accelerate-{os.getpid()}")
+        self.acc.project_configuration.set_directories(str(self.project))
+
     def __call__(self, rng: Case, tmp: Path) -> None:
         self.prepare()
         rng.reading = False

@@ -1,7 +1,7 @@
 """Fuzz ckptio's readers with hostile and damaged inputs; every outcome must be "loaded right" or a clean error.
 
-    .venv/bin/python benchmarks/fuzz_readers.py [--inputs 500] [--seed 0] [--family NAME ...]
-        [--timeout 10] [--rss-mb 256] [--replay N ... [--debug]]
+    .venv/bin/python benchmarks/fuzz_readers.py [--inputs 500] [--seed 0] [--family NAME ...] [--jobs 2]
+        [--minutes M] [--timeout 10] [--rss-mb 256] [--replay N ... [--debug]]
 
 Families (each generates structured attacks and random byte damage of valid files):
 
@@ -397,16 +397,18 @@ def _all_families() -> dict[str, Callable[[random.Random, Path], None]]:
 
 
 def run(families: list[str], inputs: int, seed: int, verbose: bool = True, *, timeout: float = TIMEOUT_S,
-        rss_mb: int = RSS_MB, replay: list[int] | None = None) -> dict[str, dict[str, Any]]:
-    """Fuzz ``inputs`` inputs (or the inputs numbered ``replay``) of each family, each family in worker processes
-    (:func:`fuzz_runner.run_family`); return ``{family: {"ok", "clean", "other", "rss_kb", "seconds", "failures"}}``."""
+        rss_mb: int = RSS_MB, replay: list[int] | None = None, jobs: int = 1,
+        minutes: float | None = None) -> dict[str, dict[str, Any]]:
+    """Fuzz ``inputs`` inputs (or the inputs numbered ``replay``) of each family, each family in ``jobs`` worker
+    processes side by side (:func:`fuzz_runner.run_family`), at most ``minutes`` per family after its preparation;
+    return ``{family: {"ok", "clean", "other", "harness", "rss_kb", "seconds", "prepare_s", "failures"}}``."""
     from fuzz_runner import distinct, run_family
 
     every = _all_families()
     tally: dict[str, dict[str, Any]] = {}
     for family in families:
         counts = run_family(family, every[family], list(replay) if replay is not None else list(range(inputs)), seed,
-                            timeout=timeout, rss_mb=rss_mb, verbose=verbose)
+                            timeout=timeout, rss_mb=rss_mb, verbose=verbose, jobs=jobs, minutes=minutes)
         tally[family] = counts
         if verbose and counts["failures"]:
             print(f"  distinct failures of {family} (how many, the input with the fewest changes, what they were):")
@@ -414,12 +416,17 @@ def run(families: list[str], inputs: int, seed: int, verbose: bool = True, *, ti
                 print(f"    {n:>5} x {sig}\n          e.g. --family {family} --seed {seed} --replay {i}: "
                       f"{'; '.join(notes)[:300]}")
         if verbose:
-            n = counts["ok"] + counts["clean"] + counts["other"] + counts["harness"]
-            print(f"{family:<12} {n:>7} inputs  loaded right {counts['ok']:>7}  clean errors {counts['clean']:>7}  "
-                  f"failures {counts['other']:>4}  peak RSS {counts['rss_kb'] >> 10:>5} MiB (bound: baseline + "
-                  f"{rss_mb} MiB)  ({counts['seconds']:.1f} s, {n / max(counts['seconds'], 1e-9):.0f} inputs/s)"
-                  + (f"  HARNESS ERRORS {counts['harness']}" if counts["harness"] else ""), flush=True)
+            print(_line(family, counts, rss_mb), flush=True)
     return tally
+
+
+def _line(family: str, counts: dict[str, Any], rss_mb: int) -> str:
+    n = counts["ok"] + counts["clean"] + counts["other"] + counts["harness"]
+    return (f"{family:<12} {n:>7} inputs  loaded right {counts['ok']:>7}  clean errors {counts['clean']:>7}  "
+            f"failures {counts['other']:>4}  peak RSS {counts['rss_kb'] >> 10:>5} MiB (bound: baseline + {rss_mb} "
+            f"MiB)  {n / max(counts['seconds'], 1e-9):.1f} inputs/s ({counts['seconds']:.1f} s, after "
+            f"{counts['prepare_s']:.1f} s of preparation)"
+            + (f"  HARNESS ERRORS {counts['harness']}" if counts["harness"] else ""))
 
 
 def main() -> int:
@@ -431,6 +438,8 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=TIMEOUT_S, help=f"seconds per input (default {TIMEOUT_S})")
     p.add_argument("--rss-mb", type=int, default=RSS_MB,
                    help=f"peak RSS bound, MiB above the worker's baseline (default {RSS_MB})")
+    p.add_argument("--jobs", type=int, default=1, help="worker processes side by side per family (default 1)")
+    p.add_argument("--minutes", type=float, help="stop each family after this many minutes of inputs")
     p.add_argument("--debug", action="store_true",
                    help="with --replay: run in this process, print the full traceback and keep the input's folder")
     args = p.parse_args()
@@ -440,10 +449,11 @@ def main() -> int:
         every = _all_families()
         return debug({f: every[f] for f in args.family or []}, args.replay or [], args.seed)
     tally = run(args.family or list(_all_families()), args.inputs, args.seed, timeout=args.timeout,
-                rss_mb=args.rss_mb, replay=args.replay)
-    total = {k: sum(t[k] for t in tally.values()) for k in ("ok", "clean", "other", "harness")}
-    print(f"\n{sum(total.values())} inputs tried: {total['ok']} loaded right, {total['clean']} clean errors, "
-          f"{total['other']} failures"
+                rss_mb=args.rss_mb, replay=args.replay, jobs=args.jobs, minutes=args.minutes)
+    total = {k: sum(t[k] for t in tally.values()) for k in ("ok", "clean", "other", "harness", "seconds")}
+    n = sum(total[k] for k in ("ok", "clean", "other", "harness"))
+    print(f"\n{n} inputs tried ({n / max(total['seconds'], 1e-9):.1f} inputs/s): {total['ok']} loaded right, "
+          f"{total['clean']} clean errors, {total['other']} failures"
           + (f", {total['harness']} errors of the fuzzer itself" if total["harness"] else ""))
     return 1 if total["other"] or total["harness"] else 0
 

@@ -69,6 +69,14 @@ class AutoModel:
                                      optimizer=self.opt)
         self.objs = _objects(self.images["epoch_0_step_2"])
 
+    def own_dirs(self) -> None:
+        """In a worker process: a checkpoint folder of its own (workers run side by side)."""
+        from ckptio import CheckpointConfig, CheckpointManager
+
+        self.root = _fixed_dir(f"automodel-{os.getpid()}")
+        self.mgr = CheckpointManager(CheckpointConfig(checkpoint_dir=str(self.root)), model=self.model,
+                                     optimizer=self.opt)
+
     def __call__(self, rng: Case, tmp: Path) -> None:
         from ckptio.describe import list_checkpoints
         from ckptio.layout import scan
@@ -121,6 +129,23 @@ class Memory:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=0.1)
         self.mgr = CheckpointManager(config, model=self.model, optimizer=self.opt)
         self.objs = _objects(self.image)
+
+    def own_dirs(self) -> None:
+        """In a worker process: a memory folder of its own (workers run side by side); the run's folder in it has
+        the same name (a hash of the durable folder, which stays shared and empty)."""
+        import dataclasses
+        import shutil
+
+        from ckptio import CheckpointManager
+
+        mine = _fixed_dir(f"memory-{os.getpid()}")
+        shutil.rmtree(mine)
+        shutil.copytree(self.memory_dir, mine, symlinks=True)
+        self.snapshot = mine / self.snapshot.relative_to(self.memory_dir)
+        self.run_dir = mine / self.run_dir.relative_to(self.memory_dir)
+        self.memory_dir = mine
+        config = dataclasses.replace(self.mgr.config, memory_dir=str(mine))
+        self.mgr = CheckpointManager(config, model=self.model, optimizer=self.opt)
 
     def __call__(self, rng: Case, tmp: Path) -> None:
         self.prepare()
