@@ -236,6 +236,16 @@ def run_family(family: str, fn: Callable[[Case, Path], None], indices: list[int]
     return tally
 
 
+def summary_line(family: str, counts: dict[str, Any], rss_mb: int) -> str:
+    """The one line that ends a family's run: its tally, peak RSS and inputs per second."""
+    n = counts["ok"] + counts["clean"] + counts["other"] + counts["harness"]
+    return (f"{family:<12} {n:>7} inputs  loaded right {counts['ok']:>7}  clean errors {counts['clean']:>7}  "
+            f"failures {counts['other']:>4}  peak RSS {counts['rss_kb'] >> 10:>5} MiB (bound: baseline + {rss_mb} "
+            f"MiB)  {n / max(counts['seconds'], 1e-9):.1f} inputs/s ({counts['seconds']:.1f} s, after "
+            f"{counts['prepare_s']:.1f} s of preparation)"
+            + (f"  HARNESS ERRORS {counts['harness']}" if counts["harness"] else ""))
+
+
 def distinct(failures: list[tuple[int, str, list[str]]]) -> dict[str, tuple[int, int, list[str]]]:
     """The failures grouped by what went wrong (the exception and where, paths and numbers left out), each with the
     input that shows it with the fewest changes."""
