@@ -356,9 +356,9 @@ def fuzz_yaml(rng: random.Random, tmp: Path) -> None:
         lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * width)}]" for i in range(1, levels)]
         text = "\n".join(lines)
     elif how == "deep":
-        # past ~1000 levels every depth costs the same ~0.4 s (PyYAML's scanner looks 1024 characters ahead for a
-        # key on each bracket before the depth bound is reached): those are one deep input in twenty
-        depth = rng.randint(50, 300) if rng.random() < 0.95 else rng.randint(300, 5000)
+        # around the bound (100 levels) mostly: PyYAML's scanner looks up to 1024 characters ahead for a key on
+        # each bracket, so a depth d costs it ~min(d, 1000)**2 steps (~0.4 s past 1000): one deep input in twenty
+        depth = rng.randint(50, 150) if rng.random() < 0.95 else rng.randint(150, 5000)
         text = "k: " + "[" * depth + "]" * depth
     elif how == "refs":
         text = "tokenizer:\n  files: {tokenizer.json: " + json.dumps(rng.choice(
