@@ -206,7 +206,7 @@ def mutate_pickle(rng: Case, data: bytes, what: str, marker_dir: Path, obj: Any 
     kinds += ["object", "object", "object"] if obj is not None else []
     kind = rng.choice(kinds)
     if kind == "truncate":
-        cut = rng.randrange(len(data))
+        cut = rng.randrange(len(data)) if data else 0  # a mutation before this one may have emptied it
         rng.note(f"{what}: cut to {cut} of {len(data)} bytes")
         return data[:cut]
     if kind == "flip":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import re
 import resource
 import shutil
@@ -54,35 +55,52 @@ def _one(family: str, fn: Callable[[Case, Path], None], rng: Case, root: Path) -
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _worker(conn: Any, family: str, fn: Callable, indices: list[int], seed: int, root: Path, rss_mb: int) -> None:
+def _open_fds() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:  # no /proc: descriptors are not counted
+        return 0
+
+
+def _worker(conn: Any, family: str, fn: Callable, indices: list[int], seed: int, root: Path, rss_mb: int,
+            deadline: float | None, fd_bound: int) -> None:
     import logging
 
     logging.getLogger("ckptio").setLevel(logging.CRITICAL)
+    if hasattr(fn, "own_dirs"):
+        with contextlib.redirect_stdout(io.StringIO()):
+            fn.own_dirs()  # the folders a family reuses, private to this worker: workers run side by side
     warm = Case("warm-up", pristine=True)
     outcome, detail = _one(family, fn, warm, root)
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    base, base_fds = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, _open_fds()
     conn.send(("ready", outcome, detail, base))
     bound = base + rss_mb * 1024
     for i in indices:
+        if deadline is not None and time.monotonic() > deadline:
+            break
         conn.send(("start", i))
         rng = Case(f"{family}-{case_seed(seed, i)}")
         rng.conn = conn
         outcome, detail = _one(family, fn, rng, root)
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        rss, fds = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, _open_fds()
         if rss > bound:
             outcome, detail = "other", f"peak RSS {rss >> 10} MiB, {(rss - base) >> 10} MiB above the worker's " \
                                        f"baseline (bound {rss_mb} MiB); " + detail
+        elif fds > base_fds + fd_bound:
+            outcome, detail = "other", f"descriptor leak: {fds - base_fds} more open descriptors than after the " \
+                                       f"warm-up input (bound {fd_bound}); " + detail
         conn.send(("done", i, outcome, detail, rng.notes, rss))
-        if rss > bound:
-            return  # ru_maxrss never falls: a fresh worker measures the next inputs
+        if rss > bound or fds > base_fds + fd_bound:
+            return  # ru_maxrss never falls (and leaked descriptors stay): a fresh worker measures the next inputs
     conn.send(("end",))
 
 
 class _Tally(dict):
-    """``{"ok", "clean", "other", "harness", "rss_kb", "seconds", "failures": [(index, detail, notes)]}``."""
+    """``{"ok", "clean", "other", "harness", "rss_kb", "seconds", "prepare_s", "failures": [(index, detail,
+    notes)]}``."""
 
     def __init__(self) -> None:
-        super().__init__(ok=0, clean=0, other=0, harness=0, rss_kb=0, seconds=0.0, failures=[])
+        super().__init__(ok=0, clean=0, other=0, harness=0, rss_kb=0, seconds=0.0, prepare_s=0.0, failures=[])
 
     def fail(self, family: str, seed: int, i: int, detail: str, notes: list[str], verbose: bool) -> None:
         self["other"] += 1
@@ -91,80 +109,141 @@ class _Tally(dict):
             print(f"  FAIL {family} seed={seed} input={i}: {detail}\n       input: {'; '.join(notes)}", flush=True)
 
 
-def _supervise(family: str, fn: Callable, pending: list[int], seed: int, root: Path, tally: _Tally, *, timeout: float,
-               rss_mb: int, verbose: bool, warmup_timeout: float) -> None:
-    """One worker over ``pending`` (the inputs done are removed from it) until it ends, hangs or dies; an input it
-    was on then is a failure."""
-    import multiprocessing
+class _Slot:
+    """One worker process and the inputs left to it; replaced by a fresh one after a hang, a crash or a bound."""
 
-    ctx = multiprocessing.get_context("fork")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_worker, args=(child, family, fn, list(pending), seed, root, rss_mb), daemon=True)
-    proc.start()
-    child.close()
-    current, notes, progressed, waited, why = None, [], False, warmup_timeout, ""
-    while True:
-        if not parent.poll(waited):
-            proc.kill()
-            why = f"no answer within {waited:.0f} s (a hang)"
-            break
-        try:
-            msg = parent.recv()
-        except EOFError:
-            why = "the worker died" if current is not None else ""
-            break
+    def __init__(self, run: "_Run", pending: list[int]) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("fork")
+        self.run, self.pending = run, pending
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker, args=(child, run.family, run.fn, list(pending), run.seed, run.root,
+                                                      run.rss_mb, run.deadline, run.fd_bound), daemon=True)
+        self.proc.start()
+        child.close()
+        self.current: int | None = None
+        self.notes: list[str] = []
+        self.progressed = False
+        self.until = time.monotonic() + run.warmup_timeout
+
+    def handle(self, msg: tuple) -> bool:
+        """Take one message; False once the worker said it is done."""
+        run = self.run
         if msg[0] == "ready":
-            if msg[1] == "other" and hasattr(fn, "prepare"):
-                raise RuntimeError(f"{family}: the unmutated warm-up input failed: {msg[2]}")
-            waited = timeout
+            if msg[1] == "other" and hasattr(run.fn, "prepare"):
+                raise RuntimeError(f"{run.family}: the unmutated warm-up input failed: {msg[2]}")
         elif msg[0] == "start":
-            current, notes = msg[1], []
+            self.current, self.notes = msg[1], []
         elif msg[0] == "note":
-            notes.append(msg[1])
+            self.notes.append(msg[1])
         elif msg[0] == "done":
             _, i, outcome, detail, notes, rss = msg
-            tally["rss_kb"] = max(tally["rss_kb"], rss)
+            run.tally["rss_kb"] = max(run.tally["rss_kb"], rss)
             if outcome == "other":
-                tally.fail(family, seed, i, detail, notes, verbose)
+                run.tally.fail(run.family, run.seed, i, detail, notes, run.verbose)
             else:
-                tally[outcome] += 1
-                if outcome == "harness" and verbose:
-                    print(f"  HARNESS ERROR {family} input={i}: {detail}", flush=True)
-            pending.remove(i)
-            current, progressed = None, True
+                run.tally[outcome] += 1
+                if outcome == "harness" and run.verbose:
+                    print(f"  HARNESS ERROR {run.family} input={i}: {detail}", flush=True)
+            self.pending.remove(i)
+            self.current, self.progressed = None, True
         elif msg[0] == "end":
-            break
-    proc.join()
-    parent.close()
-    if current is not None:
-        exit_code = f" (exit code {proc.exitcode})" if why == "the worker died" else ""
-        tally.fail(family, seed, current, why + exit_code, notes, verbose)
-        pending.remove(current)
-    elif pending and not progressed:
-        raise RuntimeError(f"{family}: the worker stopped before any input (exit code {proc.exitcode})")
+            return False
+        self.until = time.monotonic() + run.timeout
+        return True
+
+    def finish(self, why: str) -> None:
+        """The worker ended (``why`` is empty), hung or died: reap it; the input it was on is a failure."""
+        if why:
+            self.proc.kill()
+        self.proc.join()
+        self.conn.close()
+        run = self.run
+        if self.current is not None:
+            exit_code = f" (exit code {self.proc.exitcode})" if why == "the worker died" else ""
+            run.tally.fail(run.family, run.seed, self.current, why + exit_code, self.notes, run.verbose)
+            self.pending.remove(self.current)
+        elif self.pending and not self.progressed and not run.over():
+            raise RuntimeError(f"{run.family}: the worker stopped before any input (exit code {self.proc.exitcode})")
+
+
+class _Run:
+    """The settings of one family's run, shared by its worker slots."""
+
+    def __init__(self, family: str, fn: Callable, seed: int, root: Path, tally: _Tally, **opts: Any) -> None:
+        self.family, self.fn, self.seed, self.root, self.tally = family, fn, seed, root, tally
+        self.timeout, self.rss_mb, self.verbose = opts["timeout"], opts["rss_mb"], opts["verbose"]
+        self.warmup_timeout, self.deadline, self.fd_bound = opts["warmup_timeout"], opts["deadline"], opts["fd_bound"]
+
+    def over(self) -> bool:
+        return self.deadline is not None and time.monotonic() > self.deadline
+
+
+def _supervise(run: _Run, shares: list[list[int]]) -> None:
+    """Workers over ``shares`` (one list of inputs each) side by side, each replaced after a hang or a death until
+    its inputs are done (or the time budget is spent)."""
+    from multiprocessing.connection import wait
+
+    slots = {id(s): s for s in (_Slot(run, share) for share in shares if share)}
+    while slots:
+        now = time.monotonic()
+        ready = wait([s.conn for s in slots.values()], timeout=max(0.0, min(s.until for s in slots.values()) - now))
+        for slot in list(slots.values()):
+            why = None
+            if slot.conn in ready:
+                try:
+                    while why is None and slot.conn.poll():
+                        why = None if slot.handle(slot.conn.recv()) else ""
+                except EOFError:
+                    why = "the worker died" if slot.current is not None else ""
+            elif time.monotonic() > slot.until:
+                why = f"no answer within {run.timeout if slot.progressed else run.warmup_timeout:.0f} s (a hang)"
+            if why is not None:
+                slot.finish(why)
+                del slots[id(slot)]
+                if slot.pending and not run.over():
+                    fresh = _Slot(run, slot.pending)
+                    slots[id(fresh)] = fresh
 
 
 def run_family(family: str, fn: Callable[[Case, Path], None], indices: list[int], seed: int, *, timeout: float = 10.0,
-               rss_mb: int = 256, verbose: bool = True, warmup_timeout: float = 300.0) -> dict[str, Any]:
-    """Try the inputs ``indices`` of ``family`` in worker processes, a new one after each that hangs, dies or
-    passes the RSS bound; returns the tally (see :class:`_Tally`)."""
+               rss_mb: int = 256, verbose: bool = True, warmup_timeout: float = 300.0, jobs: int = 1,
+               minutes: float | None = None, fd_bound: int = 256) -> dict[str, Any]:
+    """Try the inputs ``indices`` of ``family`` in ``jobs`` worker processes side by side, a new one after each
+    that hangs, dies or passes the RSS or descriptor bound, stopping early once ``minutes`` (counted after the
+    family's preparation) are spent; returns the tally (see :class:`_Tally`; ``seconds`` is the time spent on the
+    inputs, ``prepare_s`` the preparation before them)."""
     tally = _Tally()
-    pending = list(indices)
     start = time.perf_counter()
     for size in BOMB_SIZES:
         _deflated_zeros(size)  # made here once: deflating them inside an input would count against its time
     if hasattr(fn, "prepare"):
         with contextlib.redirect_stdout(io.StringIO()):
             fn.prepare()  # the valid folders, built once here: every worker forked after inherits them
+    tally["prepare_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    deadline = time.monotonic() + minutes * 60 if minutes else None
     root = scratch_root()
+    jobs = max(1, jobs)
     try:
-        while pending:
-            _supervise(family, fn, pending, seed, root, tally, timeout=timeout, rss_mb=rss_mb, verbose=verbose,
-                       warmup_timeout=warmup_timeout)
+        run = _Run(family, fn, seed, root, tally, timeout=timeout, rss_mb=rss_mb, verbose=verbose,
+                   warmup_timeout=warmup_timeout, deadline=deadline, fd_bound=fd_bound)
+        _supervise(run, [list(indices[j::jobs]) for j in range(jobs)])
     finally:
         shutil.rmtree(root, ignore_errors=True)
     tally["seconds"] = time.perf_counter() - start
     return tally
+
+
+def summary_line(family: str, counts: dict[str, Any], rss_mb: int) -> str:
+    """The one line that ends a family's run: its tally, peak RSS and inputs per second."""
+    n = counts["ok"] + counts["clean"] + counts["other"] + counts["harness"]
+    return (f"{family:<12} {n:>7} inputs  loaded right {counts['ok']:>7}  clean errors {counts['clean']:>7}  "
+            f"failures {counts['other']:>4}  peak RSS {counts['rss_kb'] >> 10:>5} MiB (bound: baseline + {rss_mb} "
+            f"MiB)  {n / max(counts['seconds'], 1e-9):.1f} inputs/s ({counts['seconds']:.1f} s, after "
+            f"{counts['prepare_s']:.1f} s of preparation)"
+            + (f"  HARNESS ERRORS {counts['harness']}" if counts["harness"] else ""))
 
 
 def distinct(failures: list[tuple[int, str, list[str]]]) -> dict[str, tuple[int, int, list[str]]]:

@@ -42,8 +42,10 @@ def _write_steps(config: Any, steps: int) -> tuple[list[Path], list[dict[str, to
 class AutoModel:
     """NeMo AutoModel step directories (``epoch_E_step_S/`` with ``model/`` and ``optim/`` DCP folders, per-rank
     ``rng/``, no manifest), written by ckptio's own DCP writer and stripped of everything only ckptio writes, so
-    that ``automodel.adopt`` takes them: ``layout.scan``, ``ckptio list`` (``describe.list_checkpoints``) and an
-    automatic ``CheckpointManager.restore`` over a pristine step 1 and a damaged step 2."""
+    that ``automodel.adopt`` takes them: over a pristine step 1 and a damaged step 2, the auto-resume discovery
+    (``layout.restore_candidates``: ``layout.scan``, ``adopt``) on every input, ``ckptio list``
+    (``describe.list_checkpoints``) on one in four, and an automatic ``CheckpointManager.restore`` on every input
+    whose step 2 the discovery took (and on one in ten of the others, where it can only load step 1)."""
 
     def prepare(self) -> None:
         if hasattr(self, "images"):
@@ -69,9 +71,17 @@ class AutoModel:
                                      optimizer=self.opt)
         self.objs = _objects(self.images["epoch_0_step_2"])
 
+    def own_dirs(self) -> None:
+        """In a worker process: a checkpoint folder of its own (workers run side by side)."""
+        from ckptio import CheckpointConfig, CheckpointManager
+
+        self.root = _fixed_dir(f"automodel-{os.getpid()}")
+        self.mgr = CheckpointManager(CheckpointConfig(checkpoint_dir=str(self.root)), model=self.model,
+                                     optimizer=self.opt)
+
     def __call__(self, rng: Case, tmp: Path) -> None:
         from ckptio.describe import list_checkpoints
-        from ckptio.layout import scan
+        from ckptio.layout import restore_candidates
 
         self.prepare()
         rng.reading = False
@@ -82,8 +92,13 @@ class AutoModel:
             damage(rng, image, _kinds(image), tmp, self.objs, manifest=None)
         _place(rng, image, root / "epoch_0_step_2", tmp)
         rng.reading = True
-        scan(root) if rng.random() < 0.5 else list_checkpoints(str(root))  # (each costs as much as the restore)
-        rng.reading = True
+        found = restore_candidates(root, None)  # discovery: layout.scan and adopt on both steps
+        if [p.name for p in found] not in (["epoch_0_step_2", "epoch_0_step_1"], ["epoch_0_step_1"]):
+            raise WrongResult(f"auto-resume would try {[str(p) for p in found]}")
+        if rng.random() < 0.25:
+            list_checkpoints(str(root))  # the same discovery, described (each costs a third of a restore)
+        if found[0].name == "epoch_0_step_1" and not rng.pristine and rng.random() >= 0.1:
+            return  # step 2 refused at discovery: the restore loads the pristine step 1 (done on one such input in ten)
         with torch.no_grad():
             for p in self.model.parameters():
                 p.fill_(float("nan"))
@@ -121,6 +136,23 @@ class Memory:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=0.1)
         self.mgr = CheckpointManager(config, model=self.model, optimizer=self.opt)
         self.objs = _objects(self.image)
+
+    def own_dirs(self) -> None:
+        """In a worker process: a memory folder of its own (workers run side by side); the run's folder in it has
+        the same name (a hash of the durable folder, which stays shared and empty)."""
+        import dataclasses
+        import shutil
+
+        from ckptio import CheckpointManager
+
+        mine = _fixed_dir(f"memory-{os.getpid()}")
+        shutil.rmtree(mine)
+        shutil.copytree(self.memory_dir, mine, symlinks=True)
+        self.snapshot = mine / self.snapshot.relative_to(self.memory_dir)
+        self.run_dir = mine / self.run_dir.relative_to(self.memory_dir)
+        self.memory_dir = mine
+        config = dataclasses.replace(self.mgr.config, memory_dir=str(mine))
+        self.mgr = CheckpointManager(config, model=self.model, optimizer=self.opt)
 
     def __call__(self, rng: Case, tmp: Path) -> None:
         self.prepare()

@@ -28,3 +28,44 @@ def test_fuzz_family_smoke(family):
     assert tally["clean"] > 0, "the mutations reach no reader"  # the attacks are really generated
     assert tally["harness"] == 0, "the fuzzer itself failed (see its HARNESS ERROR lines)"
     assert tally["ok"] + tally["clean"] == n
+
+
+# ---------------------------------------------------------------------------------------------- the runner itself
+def _family(kind: str):
+    """A stand-in family for checks of the runner: ``leak`` keeps a descriptor open per input, ``slow`` sleeps,
+    ``even`` raises a ckptio error on even-numbered inputs."""
+    import os
+    import time
+
+    from ckptio import CheckpointError
+
+    held = []
+
+    def fn(rng, tmp):
+        if kind == "leak":
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        elif kind == "slow":
+            time.sleep(0.05)
+        elif rng.random() < 0.5:
+            raise CheckpointError("refused")
+
+    return fn
+
+
+def test_runner_counts_a_descriptor_leak_as_a_failure():
+    from fuzz_runner import run_family
+
+    tally = run_family("leak", _family("leak"), list(range(40)), 0, verbose=False, fd_bound=16)
+    assert tally["other"] >= 1 and all("descriptor leak" in d for _, d, _ in tally["failures"])
+    assert tally["ok"] + tally["other"] == 40  # a fresh worker after each leak that passes the bound
+
+
+def test_runner_jobs_split_the_inputs_and_minutes_stop_the_run():
+    from fuzz_runner import run_family
+
+    one = run_family("even", _family("even"), list(range(60)), 3, verbose=False)
+    two = run_family("even", _family("even"), list(range(60)), 3, verbose=False, jobs=2)
+    assert (one["ok"], one["clean"], one["other"]) == (two["ok"], two["clean"], two["other"])  # an input's own seed
+    assert one["clean"] > 0 and one["ok"] > 0
+    budget = run_family("slow", _family("slow"), list(range(10_000)), 0, verbose=False, jobs=2, minutes=0.02)
+    assert 0 < budget["ok"] < 10_000 and budget["other"] == 0 and budget["seconds"] < 10
