@@ -16,7 +16,7 @@ import torch
 
 from ..errors import CheckpointCorruptError
 from ..storage.confined import Folder
-from ..storage.parse import Budget
+from ..storage.parse import Budget, parsing
 
 MAX_STATE_BYTES = 2 << 30
 """Largest small state (``.pt``) read into memory: a dataloader's or a user object's state."""
@@ -53,12 +53,15 @@ def _check_members(fileobj: Any, size: int, where: Path) -> None:
     header claims: a few kilobytes could ask for gigabytes. A file that is not a zip archive is left to
     ``torch.load``, whose error names it."""
     try:
-        with zipfile.ZipFile(fileobj) as archive:
-            budget = Budget(size, where)
-            for info in archive.infolist():
-                budget.take(info.file_size, f"member {info.filename!r}")
-    except zipfile.BadZipFile:
-        pass
+        with parsing(where, "(its zip directory)"):  # names that are not UTF-8, sizes that do not parse...
+            try:
+                archive = zipfile.ZipFile(fileobj)
+            except zipfile.BadZipFile:
+                return
+            with archive:
+                budget = Budget(size, where)
+                for info in archive.infolist():
+                    budget.take(info.file_size, f"member {info.filename!r}")
     finally:
         fileobj.seek(0)
 
