@@ -272,6 +272,7 @@ def mutate_index(rng: Case, data: bytes) -> bytes:
                 i = rng.randrange(len(table))
                 value = rng.choice([-1, 0, 1, 2 ** 62, 2 ** 63 - 1, -(2 ** 63), int(table[i]) + rng.choice([-1, 1]),
                                     int(table[i]) * 2])
+                value = (value + 2 ** 63) % 2 ** 64 - 2 ** 63  # wrapped as an int64 field overflows on disk
                 rng.note(f"index table[{i}] {int(table[i])} -> {value}")
                 table[i] = value
             elif how == "cut":
