@@ -157,7 +157,7 @@ class CkptioAccelerator(Accelerator):
                                          f"registered {len(self._custom_objects)}")
         from safetensors import SafetensorError
 
-        with parsing(path, "(accelerate's reader)", also=(SafetensorError,)):  # its errors name no file
+        with parsing(path, "(accelerate's reader)", also=(SafetensorError, OSError)):  # its errors name no file
             self._load_accelerate_state(path, load_kwargs, kwargs)
         for i, obj in enumerate(self._custom_objects):
             state = pt_format.load(path / f"custom_checkpoint_{i}.pkl")
