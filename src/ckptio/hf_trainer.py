@@ -235,8 +235,11 @@ def last_checkpoint(output_dir: str | Path, *, verify: str = "full") -> Path | N
 
 def _config_errors() -> tuple[type[BaseException], ...]:
     """What else transformers raises about a configuration it refuses: huggingface_hub's validators, where they exist."""
-    errors = __import__("huggingface_hub.errors", fromlist=["_"])
-    return tuple(e for e in [getattr(errors, "StrictDataclassError", None)] if e is not None)
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return ()
+    return (StrictDataclassError,)
 
 
 def _check(path: Path, verify: str, model_only: bool) -> None:
