@@ -286,6 +286,33 @@ def test_convert_without_dtype_keeps_the_exact_values(release, tmp_path):
     assert "quantization_config" not in written and written["dtype"] == "bfloat16"
 
 
+def test_a_model_built_from_the_release_saves_a_plain_config(release, tmp_path):
+    """The usual fine-tune: a model built from the release's config (which keeps its quantization_config), loaded
+    with load_pretrained, saved by the manager with a consolidated bundle. Neither config.json ckptio writes names
+    the FP8 quantization (the weights are plain); transformers loads the bundle with the model's logits."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ckptio import CheckpointConfig, CheckpointManager, load_pretrained
+
+    folder, _, _, _ = release
+    config = AutoConfig.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    assert getattr(model.config, "quantization_config", None)  # what made the saved config wrong
+    load_pretrained(model, folder)
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=PROMPT).logits
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path), save_consolidated=True), model=model) as mgr:
+        step = mgr.save(step=1)
+    step = Path(step)
+    for where in (step / "model", step / "model" / "consolidated"):
+        assert "quantization_config" not in json.loads((where / "config.json").read_text()), where
+    loaded = AutoModelForCausalLM.from_pretrained(step / "model" / "consolidated", dtype=torch.float32)
+    loaded.eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=PROMPT).logits, logits)
+
+
 # ------------------------------------------------------------------------------------------------ refusals
 def _broken(release, tmp_path, change=None, quant="default") -> Path:
     folder, stored, _, config = release

@@ -161,6 +161,7 @@ def save_hf_extras(model: torch.nn.Module, out_dir: str | Path, tokenizer: Any =
     config = getattr(model, "config", None)
     if config is not None and callable(getattr(config, "save_pretrained", None)):
         config.save_pretrained(out_dir)
+        _drop_fp8_quantization(out_dir / "config.json")
     gen: Any = getattr(model, "generation_config", None)
     can_generate = getattr(model, "can_generate", None)
     if gen is not None and callable(getattr(gen, "save_pretrained", None)) and (not callable(can_generate) or can_generate()):
@@ -168,6 +169,20 @@ def save_hf_extras(model: torch.nn.Module, out_dir: str | Path, tokenizer: Any =
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
     return sorted(set(os.listdir(out_dir)) - before)
+
+
+def _drop_fp8_quantization(path: Path) -> None:
+    """A model built from a block FP8 release's config keeps its ``quantization_config``, but the weights ckptio
+    writes are the dequantized ones: the saved ``config.json`` loses it, or transformers would read the plain
+    weights as FP8 blocks without their scales."""
+    if not path.is_file():
+        return
+    from . import fp8_blocks
+
+    config = json.loads(path.read_text())
+    plain = fp8_blocks.plain_config(config)
+    if plain is not config:
+        path.write_text(json.dumps(plain, indent=2, sort_keys=True) + "\n")
 
 
 def prepare(src_folder: "str | Path | Folder", *, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
