@@ -31,7 +31,10 @@ HARNESS = ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "moto[server
 TESTS = ["tests/test_pretrained.py", "tests/test_consolidated.py", "tests/test_convert.py", "tests/test_cli.py",
          "tests/test_ondisk_stability.py", "tests/test_recipe_config.py", "tests/test_peft.py",
          "tests/test_lightning.py", "tests/test_lightning_plugin.py", "tests/test_log_lines.py", "tests/test_s3.py",
-         "tests/test_hf_trainer.py", "tests/test_accelerate.py"]
+         "tests/test_hf_trainer.py", "tests/test_accelerate.py", "tests/test_lightning_load.py",
+         # the Trainer's and accelerate's private hooks the background saves and the gate override (transformers
+         # 5.1 has no _finalize_training: the end of train deleted the newest complete checkpoint, unwaited)
+         "tests/test_framework_gate.py", "tests/test_framework_async.py"]
 # ckptio's own logic, run in the main environment; nothing in them leans on a package's floor (~110 s saved)
 NOT_HERE = ["tests/test_convert.py::test_inspect_describes_every_format_convert_reads",
             "tests/test_s3.py::test_sigkill_during_saves_to_a_bucket_never_leaves_a_torn_checkpoint",
@@ -44,7 +47,12 @@ NOT_HERE = ["tests/test_convert.py::test_inspect_describes_every_format_convert_
             # the Trainer's and accelerate's run there on 1 rank (on 2 ranks, with the tested set only: ~60 s saved)
             "tests/test_lightning_plugin.py::test_preempted_and_killed_mid_save_then_resumed_ends_bitwise_equal",
             "tests/test_hf_trainer.py::test_two_ranks_preempted_killed_resumed_adopted_and_resumed_on_one",
-            "tests/test_accelerate.py::test_two_ranks_preempted_killed_resumed_adopted_and_resumed_on_one"]
+            "tests/test_accelerate.py::test_two_ranks_preempted_killed_resumed_adopted_and_resumed_on_one",
+            # the background saves' kill sequences go through the hooks the synchronous ones test at the floor
+            "tests/test_framework_async.py::test_trainer_async_killed_mid_write_and_after_a_save_resumes_bitwise_equal",
+            "tests/test_framework_async.py::test_accelerate_async_killed_mid_write_and_after_a_save_resumes_bitwise_equal",
+            "tests/test_framework_async.py::test_trainer_async_two_ranks_killed_resumed_and_a_rank_1_failure_commits_nothing",
+            "tests/test_framework_async.py::test_accelerate_async_two_ranks_killed_resumed_and_a_rank_1_failure_commits_nothing"]
 
 
 def _pins() -> dict[str, str]:

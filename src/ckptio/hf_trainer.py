@@ -123,7 +123,9 @@ class CkptioTrainerMixin:
         elif resume_from_checkpoint:
             _check(Path(str(resume_from_checkpoint)), self.ckptio_verify, me.args.save_only_model)
         self._ckptio_resuming = Path(resume_from_checkpoint) if resume_from_checkpoint else None
-        return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
+        out = super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
+        self.ckptio_wait()  # committed when train returns, whichever end-of-training hook this transformers has
+        return out
 
     def _load_callback_state(self) -> None:
         """``Trainer._load_callback_state`` once the arguments stored for each callback of this run are known to fit
@@ -194,6 +196,15 @@ class CkptioTrainerMixin:
             return super()._finalize_training(*args, **kwargs)  # type: ignore[misc]
         finally:
             me.args.save_total_limit = limit
+
+    def _sorted_checkpoints(self, *args: Any, **kwargs: Any) -> list[str]:
+        """What the end of ``train`` deletes in transformers without ``_finalize_training`` (5.1 to 5.x): it lists
+        the checkpoints here and, with ``save_total_limit=1``, deletes every one but the best. ckptio's retention
+        already ran at the last save (keeping the best and the newest complete checkpoint), so nothing is listed; the
+        background save in flight is committed first, as ``_finalize_training`` does. ckptio's own saves never call
+        this (their retention is :func:`ckptio.framework_dirs.remove_oldest`)."""
+        self.ckptio_wait()
+        return []
 
     # --------------------------------------------------------------------------------------------- saving
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
