@@ -240,7 +240,8 @@ def main() -> None:
                 print(f"  round {r} {name:20s} pause {t1 - t0:7.3f} s  total {t2 - t0:7.3f} s", file=sys.stderr)
         med = {n: statistics.median(v) for n, v in pause.items()}
         tot = {n: statistics.median(v) for n, v in total.items()}
-        print(f"\n{args.framework}: a state of {nbytes / 1e6:.0f} MB, {args.repeats} rounds, medians (min-max)")
+        print(f"\n{args.framework}: a state of {nbytes / 1e6:.0f} MB, {args.repeats} rounds, medians (min-max); "
+              f"{torch.get_num_threads()} torch threads (a background save's pause is a host copy, which uses them)")
         print(f"{'contender':22s} {'pause s':>22s} {'total s':>9s} {'÷ ' + ref:>12s} {'÷ torch.save':>13s}"
               f" {'÷ raw+fsync':>12s}")
         for n in contenders:
