@@ -130,14 +130,17 @@ def test_bad_archives_are_refused_with_the_file_named(tmp_path):
     # a truncated archive
     data = good.read_bytes()
     (tmp_path / "t.nemo").write_bytes(data[: len(data) // 2])
+    work = tmp_path / "work"
+    work.mkdir()
     with pytest.raises(CheckpointError, match="t.nemo"):
-        restore_nemo(tmp_path / "t.nemo", make_model())
+        restore_nemo(tmp_path / "t.nemo", make_model(), workdir=work)
     # a hostile member path
     with tarfile.open(tmp_path / "h.nemo", "w") as tar:
         tar.add(d / "model_config.yaml", arcname="../evil.yaml")
     with pytest.raises(CheckpointError, match=r"h\.nemo: member '\.\./evil\.yaml' is refused"):
-        restore_nemo(tmp_path / "h.nemo", make_model())
+        restore_nemo(tmp_path / "h.nemo", make_model(), workdir=work)
     assert not (tmp_path.parent / "evil.yaml").exists()
+    assert not list(work.iterdir()), "a refused archive left its unpacking folder behind"
     # a pickle that would run code inside model_weights.ckpt
     shutil.rmtree(d / "model_weights", ignore_errors=True)
     (d / "model_weights.ckpt").write_bytes(b"\x80\x04\x95\x1c\x00\x00\x00\x00\x00\x00\x00\x8c\x08builtins\x94\x8c\x04eval\x94\x93\x94.")

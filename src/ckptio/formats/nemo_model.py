@@ -185,12 +185,9 @@ def restore_nemo(path: str | Path, model: nn.Module | None = None, *, workdir: s
     if not path.exists():
         raise CheckpointNotFoundError(f"{path}: no such .nemo file or folder")
     temporary = path.is_file()
-    if temporary:
-        base = Path(tempfile.mkdtemp(prefix="ckptio-nemo-", dir=workdir))
-        folder = unpack(path, base / "unpacked")
-    else:
-        folder = path
+    base = Path(tempfile.mkdtemp(prefix="ckptio-nemo-", dir=workdir)) if temporary else None
     try:
+        folder = unpack(path, base / "unpacked") if base is not None else path
         config = read_config(folder, archive=path)
         if model is None:
             model = model_from_config(config, path)
@@ -213,8 +210,8 @@ def restore_nemo(path: str | Path, model: nn.Module | None = None, *, workdir: s
             _load_full(model, state, full)
         artifacts = {name: folder / name for name in artifact_refs(config, path).values()}
     except BaseException:
-        if temporary:
-            shutil.rmtree(folder.parent, ignore_errors=True)
+        if base is not None:  # nothing of a refused archive stays behind, however far its unpacking got
+            shutil.rmtree(base, ignore_errors=True)
         raise
     return NemoModel(path=path, folder=folder, config=config, artifacts=artifacts, model=model,
                      weights_format=fmt, _temporary=temporary)
