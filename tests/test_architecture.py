@@ -123,7 +123,7 @@ def test_every_module_and_public_name_says_what_it_is_for():
     assert not missing, missing
 
 
-ORCHESTRATORS = ["manager.py", "saving.py", "restoring.py", "describe.py", "convert/formats.py", "cli"]
+ORCHESTRATORS = ["manager.py", "engine/saving.py", "engine/restoring.py", "engine/describe.py", "convert/formats.py", "cli"]
 FORMAT_NAMES = ["safetensors", "dcp", "peft", "hf", "torch", "nemo", "lightning", "step_dir", "torch_save"]
 
 
