@@ -36,7 +36,7 @@ import torch
 
 
 def _size(text: str) -> int:
-    from ckptio.formats.hf_bundle import parse_size
+    from ckptio.formats.safetensors.hf_bundle import parse_size
 
     return parse_size(text)
 

@@ -95,7 +95,7 @@ def materialize(image: dict[str, Any], dest: Path) -> Path:
 def resign(image: dict[str, Any], manifest_rel: str = "manifest.json") -> None:
     """Rewrite the ckptio manifest in ``image`` so that it records the current size and CRC-32C of every regular
     file it lists and re-seals itself (``manifest_checksum``); a manifest that is no JSON object is left alone."""
-    from ckptio.manifest import _self_checksum
+    from ckptio.engine.manifest import _self_checksum
     from ckptio.storage.checksum import bytes_checksum
 
     raw = image.get(manifest_rel)

@@ -105,7 +105,7 @@ def fuzz_safetensors(rng: random.Random, tmp: Path) -> None:
     """Shard sets whose placements may lie (overlap, leave gaps, fall outside). The oracle is independent
     of ckptio: a count of how many chunks claim each element. A load may succeed only when every element
     is claimed exactly once, and must then hold exactly what the chunks hold."""
-    from ckptio.formats import _st_writer, safetensors_sharded
+    from ckptio.formats.safetensors import _writer as _st_writer, sharded as safetensors_sharded
     from ckptio.storage import LocalWriteStream
 
     rows, cols = rng.randint(1, 6), rng.randint(1, 3)
@@ -146,7 +146,7 @@ def fuzz_safetensors(rng: random.Random, tmp: Path) -> None:
 def fuzz_dcp(rng: random.Random, tmp: Path) -> None:
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-    from ckptio.formats import dcp as dcp_format
+    from ckptio.formats.dcp import format as dcp_format
 
     folder = tmp / "ck"
     reference = torch.arange(12, dtype=torch.float32).reshape(3, 4)
@@ -215,8 +215,8 @@ def _random_value(rng: random.Random, depth: int = 0):
 
 
 def fuzz_manifest(rng: random.Random, tmp: Path) -> None:
-    from ckptio.layout import scan
-    from ckptio.manifest import _self_checksum, check_files, read_manifest
+    from ckptio.engine.layout import scan
+    from ckptio.engine.manifest import _self_checksum, check_files, read_manifest
 
     step = _valid_checkpoint(tmp)
     path = step / "manifest.json"
@@ -274,7 +274,7 @@ def _valid_checkpoint(tmp: Path) -> Path:
 
 # ---------------------------------------------------------------------------------------------- pointer
 def fuzz_pointer(rng: random.Random, tmp: Path) -> None:
-    from ckptio.layout import LATEST, pointer_target, restore_candidates
+    from ckptio.engine.layout import LATEST, pointer_target, restore_candidates
 
     root = tmp / "root"
     root.mkdir()
@@ -347,7 +347,7 @@ def fuzz_archive(rng: random.Random, tmp: Path) -> None:
 
 # ---------------------------------------------------------------------------------------------- yaml
 def fuzz_yaml(rng: random.Random, tmp: Path) -> None:
-    from ckptio.formats import nemo
+    from ckptio.formats.nemo import format as nemo
 
     how = rng.choice(["bomb", "deep", "random", "refs"])
     if how == "bomb":

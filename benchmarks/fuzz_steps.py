@@ -80,8 +80,8 @@ class AutoModel:
                                      optimizer=self.opt)
 
     def __call__(self, rng: Case, tmp: Path) -> None:
-        from ckptio.describe import list_checkpoints
-        from ckptio.layout import restore_candidates
+        from ckptio.engine.describe import list_checkpoints
+        from ckptio.engine.layout import restore_candidates
 
         self.prepare()
         rng.reading = False
@@ -194,7 +194,8 @@ class ChunkIndex:
     def prepare(self) -> None:
         if hasattr(self, "images"):
             return
-        from ckptio.formats import dcp_save, safetensors_sharded
+        from ckptio.formats.dcp import save as dcp_save
+        from ckptio.formats.safetensors import sharded as safetensors_sharded
 
         torch.manual_seed(0)
         self.want = {"w": torch.randn(6, 4), "b": torch.arange(5, dtype=torch.int64), "s": torch.tensor(3.5),
@@ -216,7 +217,8 @@ class ChunkIndex:
         return folders[kind][1]
 
     def __call__(self, rng: Case, tmp: Path) -> None:
-        from ckptio.formats import chunk_index, dcp, safetensors_sharded
+        from ckptio.formats.safetensors import chunk_index, sharded as safetensors_sharded
+        from ckptio.formats.dcp import format as dcp
         from ckptio.storage.confined import Folder
 
         self.prepare()

@@ -34,7 +34,7 @@ def main() -> int:
     p.add_argument("--threads", default="1,2,4,8")
     p.add_argument("--dir", default="/var/tmp")
     args = p.parse_args()
-    from ckptio.formats.hf_bundle import parse_size
+    from ckptio.formats.safetensors.hf_bundle import parse_size
 
     size, chunk = parse_size(args.size), 8 << 20
     size -= size % chunk

@@ -36,8 +36,8 @@ COLS = 4
 def write_model(folder: Path, ranks: int, tensors: int) -> None:
     import torch
 
-    from ckptio.formats import _st_writer, chunk_index
-    from ckptio.formats.safetensors_sharded import _metadata, shard_file_name
+    from ckptio.formats.safetensors import _writer as _st_writer, chunk_index
+    from ckptio.formats.safetensors.sharded import _metadata, shard_file_name
     from ckptio.storage import LocalFolderWriter
 
     writer = LocalFolderWriter.in_place(folder)
@@ -75,7 +75,7 @@ def write_optimizer(folder: Path, ranks: int, tensors: int, with_index: bool) ->
     with open(folder / ".metadata", "wb") as f:
         pickle.dump(metadata, f)
     if with_index:
-        from ckptio.formats.chunk_index import INDEX_NAME, encode_dcp
+        from ckptio.formats.safetensors.chunk_index import INDEX_NAME, encode_dcp
 
         data = encode_dcp(metadata, ranks)
         assert data is not None  # every chunk has its record
@@ -91,9 +91,9 @@ def _my_rows(rows: int, loaders: int, me: int) -> tuple[int, int]:
 
 def plan_model(folder: Path, ranks: int, from_index: bool) -> int:
     """One rank of an N/2-rank job: the chunks it reads of every tensor (the restore's ``_scan`` + ``_fill`` plan)."""
-    from ckptio.formats import chunk_index
-    from ckptio.formats.safetensors_sharded import _scan
-    from ckptio.plan import overlap
+    from ckptio.formats.safetensors import chunk_index
+    from ckptio.formats.safetensors.sharded import _scan
+    from ckptio.engine.plan import overlap
 
     files = None if from_index else sorted(p.name for p in folder.glob("*.safetensors"))
     chunks, infos = _scan(folder, files)
@@ -110,7 +110,7 @@ def plan_model(folder: Path, ranks: int, from_index: bool) -> int:
 def plan_optimizer(folder: Path, ranks: int) -> int:
     """One rank of an N/2-rank job: the chunks it reads of every optimizer tensor (``dcp_direct.plan``'s selection),
     from the folder's chunk index when it has one, else from its ``.metadata``."""
-    from ckptio.formats.dcp_direct import layout
+    from ckptio.formats.dcp.direct import layout
     from ckptio.storage.confined import Folder
 
     where = layout(Folder(folder))  # a new Folder object: nothing cached from the previous round

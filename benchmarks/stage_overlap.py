@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from ckptio.formats.hf_bundle import parse_size
+from ckptio.formats.safetensors.hf_bundle import parse_size
 from ckptio.storage.checksum import RunningChecksum
 
 

@@ -21,8 +21,8 @@ import torch
 import torch.distributed.checkpoint as torch_dcp
 
 from ckptio import CheckpointConfig, CheckpointManager, CheckpointNotFoundError
-from ckptio.foreign import is_foreign
-from ckptio.layout import scan
+from ckptio.adopt.foreign import is_foreign
+from ckptio.engine.layout import scan
 
 
 def _mlp(fill: float | None = None) -> torch.nn.Module:

@@ -123,7 +123,7 @@ def test_every_module_and_public_name_says_what_it_is_for():
     assert not missing, missing
 
 
-ORCHESTRATORS = ["manager.py", "saving.py", "restoring.py", "describe.py", "convert/formats.py", "cli"]
+ORCHESTRATORS = ["manager.py", "engine/saving.py", "engine/restoring.py", "engine/describe.py", "convert/formats.py", "cli"]
 FORMAT_NAMES = ["safetensors", "dcp", "peft", "hf", "torch", "nemo", "lightning", "step_dir", "torch_save"]
 
 
@@ -155,3 +155,135 @@ def test_every_writable_format_detects_what_it_writes(tmp_path):
         fmt = registry.get(name)
         out = convert(src, tmp_path / f"out-{name}{fmt.file_suffix}", name)
         assert registry.detect(out).name == name, f"{name}: its output is detected as {registry.detect(out).name}"
+
+
+# --- the map of the folders (docs/architecture.md, "The map") and what users import -------------------------------
+
+ROOT = SRC.parents[1]
+
+# What users are told to import: every name of ``ckptio.__all__`` plus the module paths docs/, README.md and
+# examples/ name (docs/api.md, the migration guides, docs/formats.md, docs/memory-tier.md, docs/retention.md,
+# docs/converters.md, the ``ckptio`` entry point of pyproject.toml).
+DOCUMENTED = {
+    "ckptio.lightning": ["CkptioCheckpointIO", "last_checkpoint", "install_loader"],
+    "ckptio.hf_trainer": ["CkptioTrainer", "CkptioTrainerMixin", "last_checkpoint", "usable_checkpoints"],
+    "ckptio.accelerate": ["CkptioAccelerator", "usable_checkpoints"],
+    "ckptio.errors": ["CheckpointError", "CheckpointNotFoundError", "CheckpointMismatchError", "CheckpointCorruptError",
+                      "ConfigError", "NoUsableCheckpointError", "MissingDependencyError"],
+    "ckptio.config": ["CheckpointConfig", "AUTOMODEL_ONLY"],
+    "ckptio.convert": ["Converter", "Rule", "register", "check_invertible", "get_converter"],
+    "ckptio.storage": ["url_scheme"],
+    "ckptio.cli": ["main", "build_parser"],
+    "ckptio.formats.lightning": ["load_lightning", "save_lightning"],
+    "ckptio.formats.nemo.qnemo": ["export_qnemo", "load_qnemo"],
+    "ckptio.tier.placement": ["place"],
+    "ckptio.engine.layout": ["parse_step_name"],
+}
+
+
+def test_every_documented_import_resolves():
+    import importlib
+
+    import ckptio
+
+    missing = [name for name in ckptio.__all__ if getattr(ckptio, name, None) is None]
+    for module, names in DOCUMENTED.items():
+        mod = importlib.import_module(module)
+        missing += [f"{module}.{name}" for name in names if not hasattr(mod, name)]
+    assert not missing, missing
+
+
+def test_every_module_path_the_docs_name_exists():
+    """A dotted ``ckptio.…`` path in the docs, the README or the examples names a module or something in one."""
+    import importlib
+
+    found = set()
+    for path in [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "examples").rglob("*.py")]:
+        found.update(re.findall(r"(?<![\w.])ckptio(?:\.[A-Za-z_]\w*)+", path.read_text()))
+    stale = []
+    for dotted in sorted(found):
+        parts = dotted.split(".")
+        for i in range(len(parts), 0, -1):  # the longest importable prefix, then attributes
+            try:
+                obj = importlib.import_module(".".join(parts[:i]))
+            except ImportError:
+                continue
+            for attr in parts[i:]:
+                obj = getattr(obj, attr, None)
+            if obj is None:
+                stale.append(dotted)
+            break
+    assert not stale, f"the docs name what does not exist: {stale}"
+
+
+def test_the_top_level_shows_the_parts():
+    public = sorted(p.stem for p in SRC.glob("*.py") if not p.name.startswith("_"))
+    assert len(public) <= 12, f"{len(public)} public modules at the top of ckptio/: {public}"
+
+
+def test_no_folder_holds_more_than_fifteen_modules():
+    crowded = {str(d.relative_to(SRC)): n for d in [SRC, *SRC.rglob("*")] if d.is_dir() and d.name != "__pycache__"
+               and (n := len(list(d.glob("*.py")))) > 15}
+    assert not crowded, f"split these folders: {crowded}"
+
+
+def _folders() -> set[str]:
+    return {"./" if d == SRC else d.relative_to(SRC).as_posix() + "/"
+            for d in [SRC, *SRC.rglob("*")] if d.is_dir() and any(d.glob("*.py"))}
+
+
+def _map() -> str:
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    start, end = text.index("<!-- the map"), text.index("<!-- end of the map -->")
+    return text[start:end]
+
+
+def test_the_map_comes_first_and_names_every_folder():
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    assert re.findall(r"^## (.+)$", text, re.M)[0] == "The map", "the map opens the document"
+    named = set(re.findall(r"^- `([\w./]+/)`", _map(), re.M))
+    assert named == _folders(), f"not in the map: {_folders() - named}; in the map, not in src: {named - _folders()}"
+
+
+# The shared pieces every folder may import (docs/architecture.md says which), then what the map allows each folder.
+SHARED = {"ckptio", "ckptio.errors", "ckptio._dist", "ckptio._faults", "ckptio._log", "ckptio._memory", "ckptio._progress",
+          "ckptio.engine.manifest", "ckptio.engine.plan"}
+FAMILIES = {"formats/dcp/", "formats/safetensors/", "formats/megatron/", "formats/nemo/"}
+ALLOWED = {
+    "engine/": {"ckptio.config", "state/", "formats/", *FAMILIES, "storage/", "adopt/"},
+    "state/": {"formats/"},
+    "formats/": {"formats/safetensors/", "storage/"},
+    "formats/dcp/": {"formats/", "formats/safetensors/", "storage/"},
+    "formats/safetensors/": {"formats/", "formats/dcp/", "storage/"},
+    "formats/megatron/": {"formats/", "formats/dcp/", "storage/"},
+    "formats/nemo/": {"formats/", *FAMILIES, "state/", "storage/"},
+    "storage/": {"storage/s3/"},
+    "storage/s3/": {"storage/"},
+    "tier/": {"engine/", "formats/", "formats/safetensors/", "storage/"},
+    "adopt/": {"state/", "formats/", "formats/dcp/", "formats/safetensors/", "storage/"},
+    "integrations/": {"engine/", "formats/", "formats/safetensors/", "storage/", "storage/s3/"},
+    "convert/": {"formats/", "storage/"},
+    "cli/": {"engine/", "convert/", "formats/", *FAMILIES, "storage/", "storage/s3/"},
+}
+
+
+def test_each_folder_imports_only_what_the_map_allows():
+    modules = _modules()
+
+    def folder(name: str) -> str:
+        parent = modules[name].parent
+        return "./" if parent == SRC else parent.relative_to(SRC).as_posix() + "/"
+
+    assert set(ALLOWED) == _folders() - {"./"}, "every folder but the top level has its line in ALLOWED"
+    wrong = []
+    for name, path in modules.items():
+        here = folder(name)
+        if here == "./":
+            continue  # the top level may import everything
+        for dep in _imports(name, path, modules):
+            there = folder(dep)
+            if dep in SHARED or there == here or dep in ALLOWED[here] or (there != "./" and there in ALLOWED[here]):
+                continue
+            wrong.append(f"{name} imports {dep}")
+    assert not wrong, "not in docs/architecture.md's map (fix the import, or the map and ALLOWED together):\n" + \
+        "\n".join(wrong)

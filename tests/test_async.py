@@ -20,7 +20,7 @@ import torch
 
 from ckptio import CheckpointConfig, CheckpointManager, committed_checkpoints
 from ckptio import _faults
-from ckptio.layout import TMP_PREFIX
+from ckptio.engine.layout import TMP_PREFIX
 from distributed import run_ranks
 
 FORMATS = ("safetensors", "torch_save")
@@ -101,7 +101,7 @@ def test_checkpoint_holds_the_state_of_the_call_not_later_updates(tmp_path, fmt)
 _STAGING_SCRIPT = r"""
 import json, os, sys, torch
 from ckptio import CheckpointConfig, CheckpointManager
-from ckptio.layout import committed_checkpoints
+from ckptio.engine.layout import committed_checkpoints
 def rss():
     with open("/proc/self/statm") as fh:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

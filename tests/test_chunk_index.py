@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckptio import CheckpointCorruptError, CheckpointError
-from ckptio.formats import chunk_index, safetensors_sharded
-from ckptio.formats.safetensors_sharded import SafetensorsSource, _scan
+from ckptio.formats.safetensors import chunk_index, sharded as safetensors_sharded
+from ckptio.formats.safetensors.sharded import SafetensorsSource, _scan
 from ckptio.storage.checksum import bytes_checksum
 
 INDEX = chunk_index.INDEX_NAME
@@ -220,7 +220,7 @@ def test_any_bit_flip_in_the_index_gives_a_ckptio_error_or_the_right_data(tmp_pa
 
 # ---------------------------------------------------------------------------------------------------- DCP folders
 def _dcp_saved(folder: Path) -> dict:
-    from ckptio.formats import dcp
+    from ckptio.formats.dcp import format as dcp
 
     state = {"w": torch.randn(6, 4), "nest": {"b": torch.arange(5), "step": 3, "name": "adam"}}
     written = dcp.save(state, folder)
@@ -229,8 +229,8 @@ def _dcp_saved(folder: Path) -> dict:
 
 
 def test_a_dcp_folder_loads_the_same_from_its_index_and_from_its_metadata(tmp_path):
-    from ckptio.formats import dcp
-    from ckptio.formats.dcp_direct import layout
+    from ckptio.formats.dcp import format as dcp
+    from ckptio.formats.dcp.direct import layout
     from ckptio.storage.confined import Folder
 
     state = _dcp_saved(tmp_path / "d")
@@ -255,7 +255,7 @@ def test_a_dcp_folder_loads_the_same_from_its_index_and_from_its_metadata(tmp_pa
                                   "a key in the order that is a list", "values that are a list",
                                   "a path holding true", "a path holding a huge index"])
 def test_a_hostile_dcp_index_is_refused(tmp_path, case):
-    from ckptio.formats import dcp
+    from ckptio.formats.dcp import format as dcp
 
     _dcp_saved(tmp_path / "d")
     if case == "a truncated data file":
@@ -287,7 +287,7 @@ def test_no_dcp_index_is_made_from_metadata_missing_a_record(tmp_path):
     (test_integrity.py), and no index may describe bytes that were never written."""
     import pickle
 
-    from ckptio.formats.chunk_index import encode_dcp
+    from ckptio.formats.safetensors.chunk_index import encode_dcp
 
     _dcp_saved(tmp_path / "d")
     md = pickle.loads((tmp_path / "d" / ".metadata").read_bytes())  # our own test file

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptio.formats import safetensors_sharded
+from ckptio.formats.safetensors import sharded as safetensors_sharded
 
 CKPTIO = str(Path(sys.executable).parent / "ckptio")
 
@@ -53,7 +53,7 @@ def hwm():
             return int(line.split()[1]) * 1024
 import torch, safetensors.torch, tqdm
 from ckptio.cli import main
-import ckptio.formats.hf_bundle, ckptio.formats.registry  # the code itself, imported lazily by the command
+import ckptio.formats.safetensors.hf_bundle, ckptio.formats.registry  # the code itself, imported lazily by the command
 ckptio.formats.registry.names()
 before = hwm()
 code = main(["consolidate", sys.argv[1], "--out", sys.argv[2], "--max-shard-size", sys.argv[3], "--no-progress"])

@@ -160,7 +160,7 @@ print("EXTRA", peak[0] - base)
 @pytest.mark.parametrize("to", ["hf", "step_dir"])
 def test_streaming_conversion_memory_is_bounded(tmp_path, to):
     """A 192 MiB model whose largest tensor is 16 MiB converts with far less than its size in memory."""
-    from ckptio.formats import safetensors_sharded
+    from ckptio.formats.safetensors import sharded as safetensors_sharded
 
     mib = 1024 * 1024
     g = torch.Generator().manual_seed(0)

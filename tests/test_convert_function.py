@@ -9,7 +9,7 @@ hold (a scaled RoPE, biases) is refused by name, in either spelling, and nothing
 
 Targets without a place for the config (``torch``, ``lightning``: weights only, docs/converters.md) come back
 without ``config.json``; there the source's config is put beside the weights, which proves the weights. The
-``qnemo`` export is quantized (int8) and only read back by :func:`ckptio.formats.qnemo.load_qnemo`: its
+``qnemo`` export is quantized (int8) and only read back by :func:`ckptio.formats.nemo.qnemo.load_qnemo`: its
 TensorRT-LLM config carries the rotary base and scaling, and the model it rebuilds predicts like the source.
 """
 
@@ -115,7 +115,7 @@ def test_a_round_trip_through_every_target_keeps_the_logits(source, tmp_path, ta
 
 def test_megatron_records_the_rotary_base_of_either_spelling(tmp_path):
     """The Megatron run's own ``args`` (what Megatron-LM reads on resume) carry the base, from 5.x and 4.x."""
-    from ckptio.formats.megatron_layout import run_args
+    from ckptio.formats.megatron.layout import run_args
 
     five = _llama(tmp_path / "five", tied=False)
     four = _respell_4x(_llama(tmp_path / "four", tied=False))
@@ -128,7 +128,7 @@ def test_megatron_records_the_rotary_base_of_either_spelling(tmp_path):
 
 
 def test_the_weights_dtype_is_read_in_either_spelling(tmp_path):
-    from ckptio.formats.megatron_write import megatron_args
+    from ckptio.formats.megatron.write import megatron_args
 
     config = _config(_llama(tmp_path / "m", tied=False))
     for key in ("dtype", "torch_dtype"):
@@ -209,7 +209,7 @@ def _qnemo(src: Path, out: Path) -> dict:
 
 def _quantized_like_qnemo(model):
     """``model`` with every decoder linear weight replaced by its int8 round trip (what the export holds)."""
-    from ckptio.formats.qnemo import dequantize, quantize
+    from ckptio.formats.nemo.qnemo import dequantize, quantize
 
     with torch.no_grad():
         for name, module in model.named_modules():
@@ -221,7 +221,7 @@ def _quantized_like_qnemo(model):
 def test_qnemo_carries_the_rotary_base_and_computes_like_the_source(source, tmp_path):
     """No reader turns a quantized export back into an hf folder: the exported config is checked, and the model
     ckptio's reference reader rebuilds gives the logits of the source with its weights quantized the same way."""
-    from ckptio.formats.qnemo import load_qnemo
+    from ckptio.formats.nemo.qnemo import load_qnemo
 
     config = _qnemo(source, tmp_path / "q")
     assert config["rotary_base"] == THETA and config["rotary_scaling"] is None

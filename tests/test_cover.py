@@ -22,7 +22,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptio import CheckpointCorruptError
-from ckptio.formats import chunk_index, cover, safetensors_sharded
+from ckptio.formats.safetensors import chunk_index, sharded as safetensors_sharded
+from ckptio.formats import cover
 from ckptio.formats.common import check_exact_cover
 from ckptio.storage.checksum import bytes_checksum
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ckptio import CheckpointConfig, CheckpointCorruptError, CheckpointManager
-from ckptio.formats import dcp as dcp_format
+from ckptio.formats.dcp import format as dcp_format
 
 
 def _saved(tmp_path):

@@ -13,8 +13,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ckptio.errors import CheckpointCorruptError
-from ckptio.formats import dcp as ck_dcp
-from ckptio.formats.dcp_items import parse, read_into
+from ckptio.formats.dcp import format as ck_dcp
+from ckptio.formats.dcp.items import parse, read_into
 from ckptio.storage.confined import Folder
 
 

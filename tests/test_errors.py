@@ -96,7 +96,7 @@ def test_corrupt_header_with_matching_size_names_the_file(tmp_path):
 
 def reseal(data: dict) -> dict:
     """A hand-edited manifest with a valid self-checksum: what an attacker who knows the format writes."""
-    from ckptio.manifest import _self_checksum
+    from ckptio.engine.manifest import _self_checksum
 
     data.pop("manifest_checksum", None)
     data["manifest_checksum"] = _self_checksum(data)

@@ -34,10 +34,10 @@ from ckptio import (
     CheckpointNotFoundError,
     ConfigError,
 )
-from ckptio.formats import dcp as dcp_format
-from ckptio.formats import safetensors_sharded
-from ckptio.layout import resolve_restore_path
-from ckptio.manifest import _self_checksum
+from ckptio.formats.dcp import format as dcp_format
+from ckptio.formats.safetensors import sharded as safetensors_sharded
+from ckptio.engine.layout import resolve_restore_path
+from ckptio.engine.manifest import _self_checksum
 from ckptio.storage import read_pointer
 
 CKPTIO = str(Path(sys.executable).parent / "ckptio")
@@ -234,7 +234,7 @@ def test_a_second_manager_in_the_same_process_shares_the_lock(tmp_path):
 
 # ---------------------------------------------------------------------------------------- wrong data: coverage
 def _shard(folder: Path, name: str, rows: torch.Tensor, offset: int, total: int) -> None:
-    from ckptio.formats import _st_writer
+    from ckptio.formats.safetensors import _writer as _st_writer
 
     meta = {"format": "pt", "ckptio_format": safetensors_sharded.FORMAT_TAG,
             "ckptio_shards": json.dumps({"w": {"shape": [total, rows.shape[1]], "offsets": [offset, 0]}})}

@@ -180,7 +180,7 @@ def test_load_pretrained_bf16_model_is_the_cast(release):
 def test_any_box_dequantizes_as_the_whole(release):
     """The slice a rank holds (rows and columns starting mid-block, as tensor parallelism cuts them)
     dequantizes to the same bits as that box of the whole weight."""
-    from ckptio.formats.fp8_blocks import Blocks, dequantize, scale_rows
+    from ckptio.formats.safetensors.fp8_blocks import Blocks, dequantize, scale_rows
 
     _, stored, want, _ = release
     blocks = Blocks(*BLOCK, "config.json")

@@ -28,7 +28,7 @@ from safetensors.torch import load_file  # noqa: E402
 from transformers import Trainer, TrainerCallback  # noqa: E402
 
 from ckptio import _faults  # noqa: E402
-from ckptio.framework_async import WRITING  # noqa: E402
+from ckptio.integrations.framework_async import WRITING  # noqa: E402
 from ckptio.hf_trainer import CkptioTrainer, usable_checkpoints  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

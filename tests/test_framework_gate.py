@@ -97,7 +97,7 @@ def test_remove_oldest_ranks_only_complete_folders(tmp_path):
     import re
 
     from ckptio.errors import CheckpointCorruptError as Bad
-    from ckptio.framework_dirs import remove_oldest
+    from ckptio.integrations.framework_dirs import remove_oldest
 
     for n in (1, 2, 3, 7, 9):
         (tmp_path / f"c-{n}").mkdir()

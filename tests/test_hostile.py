@@ -20,12 +20,12 @@ from hypothesis import strategies as st
 
 from ckptio import CheckpointError
 from ckptio.errors import CheckpointCorruptError
-from ckptio.describe import inspect_path
-from ckptio.formats import dcp as dcp_format
+from ckptio.engine.describe import inspect_path
+from ckptio.formats.dcp import format as dcp_format
 from ckptio.formats import pt as pt_format
-from ckptio.formats import safetensors_sharded
-from ckptio.formats.safetensors_sharded import SafetensorsSource
-from ckptio.manifest import read_manifest
+from ckptio.formats.safetensors import sharded as safetensors_sharded
+from ckptio.formats.safetensors.sharded import SafetensorsSource
+from ckptio.engine.manifest import read_manifest
 
 
 def _valid_shard(folder: Path) -> bytes:

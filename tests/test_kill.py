@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from ckptio import CheckpointConfig, CheckpointManager, committed_checkpoints
-from ckptio.layout import TMP_PREFIX, TRASH_PREFIX, scan
-from ckptio.manifest import check_files
+from ckptio.engine.layout import TMP_PREFIX, TRASH_PREFIX, scan
+from ckptio.engine.manifest import check_files
 from distributed import kill_all, start_ranks
 
 pytestmark = pytest.mark.slow  # multi-process: left out of the quick loop (-m 'not slow')

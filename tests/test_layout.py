@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ckptio import CheckpointConfig, CheckpointError, CheckpointManager, ResumableDataLoader, committed_checkpoints
-from ckptio.layout import format_step_name, parse_step_name, resolve_restore_path
+from ckptio.engine.layout import format_step_name, parse_step_name, resolve_restore_path
 from ckptio.storage import read_pointer, write_pointer
 
 

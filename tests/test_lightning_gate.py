@@ -25,7 +25,7 @@ from lit_tiny import fit  # noqa: E402
 from ckptio import CheckpointCorruptError  # noqa: E402
 from ckptio.formats.lightning import read_lightning  # noqa: E402
 from ckptio.lightning import CkptioCheckpointIO, read_checkpoint  # noqa: E402
-from ckptio.manifest import Manifest  # noqa: E402
+from ckptio.engine.manifest import Manifest  # noqa: E402
 from ckptio.storage.checksum import bytes_checksum  # noqa: E402
 
 

@@ -132,7 +132,7 @@ def test_the_loader_is_explicit_and_lightnings_own_files_stay_lightnings(tmp_pat
     from lightning_fabric.utilities.cloud_io import _load as lightnings_load
     from pytorch_lightning.core import saving
 
-    from ckptio.lightning_load import installed
+    from ckptio.integrations.lightning_load import installed
 
     best = _fit_one(tmp_path / "ours")
     try:

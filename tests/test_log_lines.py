@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ckptio import CheckpointConfig, CheckpointManager, committed_checkpoints
-from ckptio.layout import TMP_PREFIX
+from ckptio.engine.layout import TMP_PREFIX
 from toy import llama_config
 
 

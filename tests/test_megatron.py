@@ -15,7 +15,7 @@ import torch
 
 from ckptio.convert.formats import convert
 from ckptio.errors import CheckpointCorruptError, CheckpointError, ConfigError
-from ckptio.formats.safetensors_sharded import SafetensorsSource
+from ckptio.formats.safetensors.sharded import SafetensorsSource
 
 
 def _hf(folder: Path, *, tied: bool = False, vocab: int = 100) -> Path:
@@ -61,7 +61,7 @@ def test_hf_to_megatron_and_back_is_bitwise(hf, tmp_path, layout, tp, pp):
 def test_tied_embeddings_travel_as_megatron_shares_them(tmp_path):
     src = _hf(tmp_path / "tied", tied=True)
     out = convert(src, tmp_path / "megatron", "megatron", options={"tp": 2, "pp": 2, "layout": "legacy"})
-    from ckptio.formats.megatron import MegatronSource
+    from ckptio.formats.megatron.format import MegatronSource
 
     assert "output_layer.weight" not in MegatronSource(out).index()
     back = convert(out, tmp_path / "back", "hf")
@@ -228,7 +228,7 @@ def test_a_nemo2_checkpoint_reads_its_sizes_from_context(hf, tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-    from ckptio.formats.dcp import load_all
+    from ckptio.formats.dcp.format import load_all
 
     out = convert(hf, tmp_path / "mg", "megatron", options={"tp": 1, "pp": 1})
     state = {f"module.{k}": v for k, v in load_all(out / "iter_0000000").items()}
@@ -256,7 +256,7 @@ def test_a_nemo2_checkpoint_reads_its_sizes_from_context(hf, tmp_path):
 
 def _rows(run: Path) -> int:
     """Rows of the embedding as stored (with Megatron's vocabulary padding), all TP shards together."""
-    from ckptio.formats.megatron import MegatronSource
+    from ckptio.formats.megatron.format import MegatronSource
 
     return MegatronSource(run)._read("embedding.word_embeddings.weight").shape[0]
 
@@ -276,7 +276,7 @@ def test_the_vocabulary_is_padded_for_the_runs_divisor(hf, tmp_path, layout):
 def test_like_takes_tp_pp_and_the_divisor_from_an_existing_run(hf, tmp_path):
     run = convert(hf, tmp_path / "run", "megatron", options={"tp": 2, "pp": 2, "layout": "legacy", "divisible_by": 64})
     out = convert(hf, tmp_path / "like", "megatron", options={"like": str(run)})
-    from ckptio.formats.megatron_layout import run_args
+    from ckptio.formats.megatron.layout import run_args
 
     args = run_args(out)
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from ckptio import CheckpointMismatchError  # noqa: E402
-from ckptio.manifest import MANIFEST_NAME, read_manifest  # noqa: E402
+from ckptio.engine.manifest import MANIFEST_NAME, read_manifest  # noqa: E402
 from ckptio.storage.checksum import bytes_checksum  # noqa: E402
 from ckptio.tier.node import TIER_FILE, NodeFolder  # noqa: E402
 

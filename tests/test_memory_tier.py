@@ -334,7 +334,7 @@ def _needs_on_two_ranks(ckpt: str, memory: str) -> list[str]:
     import torch.distributed as dist
     from toy import Run
 
-    from ckptio.manifest import read_manifest
+    from ckptio.engine.manifest import read_manifest
     from ckptio.storage.confined import Folder
     from ckptio.tier.needs import shard_files
 

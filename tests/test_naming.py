@@ -113,7 +113,7 @@ def test_cli_converts_a_hf_folder_to_megatron_naming_and_back(tmp_path):
     run = lambda *a: subprocess.run([CKPTIO, "convert", *a, "--no-progress"], capture_output=True, text=True)  # noqa: E731
     out = run(str(tmp_path / "hf"), str(tmp_path / "mega"), "--to", "safetensors", "--naming", "llama-to-megatron")
     assert out.returncode == 0, out.stderr
-    from ckptio.formats.safetensors_sharded import read_index
+    from ckptio.formats.safetensors.sharded import read_index
 
     assert "decoder.layers.1.mlp.linear_fc1.weight" in read_index(tmp_path / "mega")
     out = run(str(tmp_path / "mega"), str(tmp_path / "back"), "--to", "hf", "--naming", "megatron-to-llama")

@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from ckptio import CheckpointError, restore_nemo, save_nemo
-from ckptio.formats import nemo
+from ckptio.formats.nemo import format as nemo
 from distributed import run_ranks
 
 CKPTIO = str(Path(sys.executable).parent / "ckptio")

@@ -90,7 +90,7 @@ def _same(a: dict, b: dict, where: str) -> None:
 def test_pipeline_stages_save_everything_and_restore_on_other_layouts(tmp_path, fmt):
     pp = str(tmp_path / "pp2")
     saved = _union(run_ranks(2, _save, root=pp, fmt=fmt, stages=2))
-    from ckptio.manifest import read_manifest
+    from ckptio.engine.manifest import read_manifest
 
     manifest = read_manifest(next(p for p in (tmp_path / "pp2").iterdir() if p.name.startswith("epoch")))
     full_keys = {k.removeprefix("model/") for k in saved if k.startswith("model/")}

@@ -55,7 +55,7 @@ def test_lora_adapter_folder_loads_in_peft_and_resumes_exactly(tmp_path, world):
     if world == 1:
         assert keys == straight["peft_keys"]  # exactly the names peft itself writes
     from ckptio.formats import registry
-    from ckptio.manifest import read_manifest
+    from ckptio.engine.manifest import read_manifest
     from ckptio.storage.confined import Folder
 
     optim_entry = read_manifest(step_dir).states["optim"]  # whatever format the optimizer was saved in

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 from ckptio import CheckpointError
-from ckptio.formats import qnemo
+from ckptio.formats.nemo import qnemo
 
 
 def _model():

@@ -16,7 +16,7 @@ from crc32c import crc32c
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ckptio.formats import dcp_save
+from ckptio.formats.dcp import save as dcp_save
 from ckptio.storage import LocalFolderWriter
 from ckptio.storage.checksum import crc32c_combine, file_checksum, format_digest
 from ckptio.storage.regions import RegionedFile

@@ -109,8 +109,8 @@ def test_the_chunk_index_rank_0_writes_for_both_ranks_says_what_their_headers_sa
     import shutil
     from pathlib import Path
 
-    from ckptio.formats import chunk_index
-    from ckptio.formats.safetensors_sharded import _scan
+    from ckptio.formats.safetensors import chunk_index
+    from ckptio.formats.safetensors.sharded import _scan
 
     root, _ = saved_on_two
     model = Path(root) / "safetensors" / "epoch_0_step_3" / "model"

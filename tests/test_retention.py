@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from ckptio import CheckpointConfig, CheckpointManager, committed_checkpoints
 from ckptio import _faults
-from ckptio.layout import TMP_PREFIX, resolve_restore_path, scan
+from ckptio.engine.layout import TMP_PREFIX, resolve_restore_path, scan
 from ckptio.storage import read_pointer
 
 

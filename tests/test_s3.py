@@ -21,7 +21,7 @@ pytest.importorskip("moto")
 
 from ckptio import CheckpointConfig, CheckpointManager, _faults, committed_checkpoints  # noqa: E402
 from ckptio.errors import CheckpointError, ConfigError  # noqa: E402
-from ckptio.layout import LATEST, pointer_target, scan  # noqa: E402
+from ckptio.engine.layout import LATEST, pointer_target, scan  # noqa: E402
 from ckptio.storage import open_storage  # noqa: E402
 from ckptio.storage import s3 as s3mod  # noqa: E402
 from ckptio.storage.verify import Verifier  # noqa: E402

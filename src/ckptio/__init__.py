@@ -20,23 +20,23 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "CheckpointConfig": "config",
     "CheckpointManager": "manager",
-    "RestoreInfo": "restoring",
+    "RestoreInfo": "engine.restoring",
     "Stateful": "manager",
-    "load_pretrained": "pretrained",
-    "save_nemo": "formats.nemo_model",
-    "restore_nemo": "formats.nemo_model",
-    "NemoModel": "formats.nemo_model",
+    "load_pretrained": "adopt.pretrained",
+    "save_nemo": "formats.nemo.model",
+    "restore_nemo": "formats.nemo.model",
+    "NemoModel": "formats.nemo.model",
     "ModelState": "state",
     "OptimizerState": "state",
     "RNGState": "state",
     "ResumableDataLoader": "data",
     "ResumableSampler": "data",
-    "LoadReport": "partial",
+    "LoadReport": "engine.partial",
     "StepScheduler": "step_scheduler",
-    "Manifest": "manifest",
-    "read_manifest": "manifest",
-    "committed_checkpoints": "layout",
-    "newest_checkpoint": "layout",
+    "Manifest": "engine.manifest",
+    "read_manifest": "engine.manifest",
+    "committed_checkpoints": "engine.layout",
+    "newest_checkpoint": "engine.layout",
     "CheckpointError": "errors",
     "CheckpointNotFoundError": "errors",
     "CheckpointMismatchError": "errors",
@@ -71,14 +71,14 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # what IDEs and type checkers see
     from .config import CheckpointConfig
     from .data import ResumableDataLoader, ResumableSampler
-    from .partial import LoadReport
+    from .engine.partial import LoadReport
     from .errors import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointNotFoundError,
                          ConfigError, NoUsableCheckpointError)
-    from .formats.nemo_model import NemoModel, restore_nemo, save_nemo
-    from .layout import committed_checkpoints, newest_checkpoint
+    from .formats.nemo.model import NemoModel, restore_nemo, save_nemo
+    from .engine.layout import committed_checkpoints, newest_checkpoint
     from .manager import CheckpointManager, Stateful
-    from .manifest import Manifest, read_manifest
-    from .pretrained import load_pretrained
-    from .restoring import RestoreInfo
+    from .engine.manifest import Manifest, read_manifest
+    from .adopt.pretrained import load_pretrained
+    from .engine.restoring import RestoreInfo
     from .state import ModelState, OptimizerState, RNGState
     from .step_scheduler import StepScheduler

@@ -63,8 +63,8 @@ class CkptioAccelerator(Accelerator):
         if ckptio_verify not in ("full", "size"):
             raise ValueError(f"ckptio_verify must be 'full' or 'size', not {ckptio_verify!r}")
         super().__init__(*args, **kwargs)
-        from .framework_async import FolderSaves
-        from .framework_dirs import CheckedOnce
+        from .integrations.framework_async import FolderSaves
+        from .integrations.framework_dirs import CheckedOnce
 
         self.ckptio_verify = ckptio_verify
         self._ckptio_saves = FolderSaves("accelerate checkpoint save") if async_save else None
@@ -132,7 +132,7 @@ class CkptioAccelerator(Accelerator):
         """``Accelerator.load_state`` from a checked folder: ``input_dir``, or with automatic naming the newest
         complete ``checkpoint_N`` (``None`` is returned, nothing loaded, when there is none at all). The registered
         objects are read with ``weights_only``."""
-        from . import framework_dirs
+        from .integrations import framework_dirs
         from .formats import pt as pt_format
 
         if load_kwargs and load_kwargs.get("weights_only") is False:
@@ -200,7 +200,7 @@ class CkptioAccelerator(Accelerator):
 def usable_checkpoints(folder: str | Path, *, verify: str = "full") -> tuple[list[Path], list[tuple[str, str]]]:
     """The ``checkpoint_N`` folders in ``folder`` (``project_dir/checkpoints``) that can be loaded, newest first,
     and the others with the reason each is skipped."""
-    from . import framework_dirs
+    from .integrations import framework_dirs
 
     return framework_dirs.usable(folder, _NAME, lambda path: _check(path, verify))
 
@@ -209,7 +209,7 @@ def _check(path: Path, verify: str) -> None:
     """Raise a :class:`CheckpointError` naming what is wrong unless ``path`` is a complete folder: its manifest
     matches, or (accelerate's own folder, no manifest) every file reads through ckptio's safe readers. The RNG
     states are read and checked in every folder (accelerate would skip a bad one silently)."""
-    from .framework_dirs import check_manifest, read_files
+    from .integrations.framework_dirs import check_manifest, read_files
     from .storage.confined import Folder
 
     if path.is_symlink() or not path.is_dir():
@@ -229,8 +229,8 @@ def _check(path: Path, verify: str) -> None:
 def read_random_states(folder: Any, name: str) -> dict[str, Any]:
     """accelerate's ``random_states_R.pkl`` in ``folder`` through ckptio's restricted unpickler, each generator's
     state checked for the structure and ranges its ``set_state`` takes."""
-    from .formats import megatron_pickle
-    from .framework_dirs import check_numpy_rng, check_python_rng, check_torch_rng
+    from .formats.megatron import safe_pickle as megatron_pickle
+    from .integrations.framework_dirs import check_numpy_rng, check_python_rng, check_torch_rng
     from .storage.parse import as_int, check_depth, parsing
 
     where = folder.display(name)
@@ -259,8 +259,8 @@ def read_random_states(folder: Any, name: str) -> dict[str, Any]:
 def _committer(accelerator: Any, final: Path, tmp: Path, auto: bool) -> Any:
     """The main process's commit of ``tmp`` as ``final`` and ``total_limit`` after it (with automatic naming), with
     what they need of the accelerator read now (a background save commits while training goes on)."""
-    from .framework_dirs import commit, remove_oldest
-    from .manifest import StateEntry
+    from .integrations.framework_dirs import commit, remove_oldest
+    from .engine.manifest import StateEntry
     from .storage.local import LocalFolderWriter
 
     step, world = accelerator.project_configuration.iteration, accelerator.num_processes
@@ -287,7 +287,7 @@ def _staged_writer(acc: Any, tmp: Path, safe: bool) -> Any:
     from accelerate.checkpointing import save_accelerator_state
     from accelerate.utils import OPTIMIZER_NAME, SAFE_WEIGHTS_NAME, SCHEDULER_NAME, WEIGHTS_NAME, save
 
-    from .framework_async import reached_writing
+    from .integrations.framework_async import reached_writing
 
     each_node = acc.project_configuration.save_on_each_node
     weights = [acc.get_state_dict(model, unwrap=False) for model in acc._models]

@@ -259,8 +259,8 @@ class CheckpointConfig:
                 raise ConfigError(f"{name} must be true or false, got {value!r}")
 
     def retention_policy(self):
-        """The :class:`~ckptio.policies.RetentionPolicy` these fields describe."""
-        from .policies import RetentionPolicy
+        """The :class:`~ckptio.engine.policies.RetentionPolicy` these fields describe."""
+        from .engine.policies import RetentionPolicy
 
         top_k = None if self.save_top_k in (None, -1) else self.save_top_k
         keep_latest = self.keep_latest

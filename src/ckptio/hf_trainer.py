@@ -53,8 +53,8 @@ from typing import Any
 import torch
 
 from .errors import CheckpointCorruptError, CheckpointError, MissingDependencyError
-from .hf_trainer_save import NAME as _NAME, OPTIMIZER as _OPTIMIZER, SCHEDULER as _SCHEDULER
-from .hf_trainer_save import TRAINER_STATE as _TRAINER_STATE, WEIGHTS as _WEIGHTS
+from .integrations.hf_trainer_save import NAME as _NAME, OPTIMIZER as _OPTIMIZER, SCHEDULER as _SCHEDULER
+from .integrations.hf_trainer_save import TRAINER_STATE as _TRAINER_STATE, WEIGHTS as _WEIGHTS
 from .storage.parse import DATA_ERRORS
 
 try:
@@ -81,7 +81,7 @@ class CkptioTrainerMixin:
 
     ``ckptio_verify``: ``"full"`` (every byte checked against its checksum before a resume, the default) or
     ``"size"``. ``async_save``: copy the states into host buffers (reused from save to save) and write, commit and
-    rotate in the background (:mod:`ckptio.hf_trainer_save`); the next save, ``train`` and the end of training wait
+    rotate in the background (:mod:`ckptio.integrations.hf_trainer_save`); the next save, ``train`` and the end of training wait
     for it and raise its failure.
     """
 
@@ -91,8 +91,8 @@ class CkptioTrainerMixin:
         if ckptio_verify not in ("full", "size"):
             raise ValueError(f"ckptio_verify must be 'full' or 'size', not {ckptio_verify!r}")
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
-        from .framework_async import FolderSaves
-        from .framework_dirs import CheckedOnce
+        from .integrations.framework_async import FolderSaves
+        from .integrations.framework_dirs import CheckedOnce
 
         self.ckptio_verify = ckptio_verify
         self._ckptio_saves = FolderSaves("Trainer checkpoint save") if async_save else None
@@ -202,7 +202,7 @@ class CkptioTrainerMixin:
         the checkpoints here and, with ``save_total_limit=1``, deletes every one but the best. ckptio's retention
         already ran at the last save (keeping the best and the newest complete checkpoint), so nothing is listed; the
         background save in flight is committed first, as ``_finalize_training`` does. ckptio's own saves never call
-        this (their retention is :func:`ckptio.framework_dirs.remove_oldest`)."""
+        this (their retention is :func:`ckptio.integrations.framework_dirs.remove_oldest`)."""
         self.ckptio_wait()
         return []
 
@@ -210,7 +210,7 @@ class CkptioTrainerMixin:
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """The Trainer's save, written into a hidden folder by every rank and committed by rank 0 (in the background
         with ``async_save``)."""
-        from .hf_trainer_save import save_checkpoint
+        from .integrations.hf_trainer_save import save_checkpoint
 
         save_checkpoint(self, trial, self._ckptio_saves, self._ckptio_complete)
 
@@ -230,7 +230,7 @@ class CkptioTrainer(CkptioTrainerMixin, Trainer):
 def usable_checkpoints(output_dir: str | Path, *, verify: str = "full") -> tuple[list[Path], list[tuple[str, str]]]:
     """The ``checkpoint-N`` folders of ``output_dir`` a run can resume from, newest first, and the others with the
     reason each is skipped (torn, damaged, a link, an interrupted save)."""
-    from . import framework_dirs
+    from .integrations import framework_dirs
 
     return framework_dirs.usable(output_dir, _NAME, lambda path: _check(path, verify, False))
 
@@ -239,7 +239,7 @@ def last_checkpoint(output_dir: str | Path, *, verify: str = "full") -> Path | N
     """The newest complete checkpoint in ``output_dir`` (a safe ``transformers.trainer_utils.get_last_checkpoint``);
     ``None`` when there is none at all; :class:`~ckptio.errors.NoUsableCheckpointError` when there are folders but
     none is usable. Each skipped folder is logged with its reason."""
-    from . import framework_dirs
+    from .integrations import framework_dirs
 
     return framework_dirs.newest(output_dir, usable_checkpoints(output_dir, verify=verify))
 
@@ -259,7 +259,7 @@ def _check(path: Path, verify: str, model_only: bool) -> None:
     Every folder's ``trainer_state.json`` is checked field by field and its RNG files read and checked (both are
     small); a folder without a manifest (the plain Trainer's) has its other files read through ckptio's safe
     readers too, as nothing else says they are whole."""
-    from .framework_dirs import check_manifest, read_files
+    from .integrations.framework_dirs import check_manifest, read_files
     from .storage.confined import Folder
 
     if path.is_symlink() or not path.is_dir():
@@ -381,8 +381,8 @@ def _check_callbacks(callbacks: dict[str, Any], where: object) -> None:
 def read_rng_state(checkpoint: Path, name: str) -> dict[str, Any]:
     """The Trainer's ``rng_state*.pth`` through ckptio's restricted unpickler (numpy arrays and tensors only), each
     generator's state checked for the structure and ranges its ``set_state`` takes."""
-    from .formats import megatron_pickle
-    from .framework_dirs import check_numpy_rng, check_python_rng, check_torch_rng
+    from .formats.megatron import safe_pickle as megatron_pickle
+    from .integrations.framework_dirs import check_numpy_rng, check_python_rng, check_torch_rng
     from .storage.confined import Folder
     from .storage.parse import check_depth, parsing
 

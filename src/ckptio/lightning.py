@@ -20,9 +20,9 @@ checkpointed before the switch) loads too, through the same safe loader. ``async
 tensors into reusable host buffers and writes in a background thread; the next save, a load, a removal and
 the end of ``fit`` wait for it. Beside a torn folder (no manifest, damaged files) Lightning cannot tell: the plugin
 never resumes from one, never lets it count among ``save_top_k``, and never deletes the checkpoint it just wrote nor
-the newest complete one (:mod:`ckptio.lightning_keep`). Constructing the plugin also lets Lightning's loads outside
+the newest complete one (:mod:`ckptio.integrations.lightning_keep`). Constructing the plugin also lets Lightning's loads outside
 ``fit`` (``LitModel.load_from_checkpoint(best_model_path)``, a ``Trainer`` without the plugin) read these folders
-(:mod:`ckptio.lightning_load`; :func:`install_loader` does it without a plugin).
+(:mod:`ckptio.integrations.lightning_load`; :func:`install_loader` does it without a plugin).
 
 Single device and DDP (rank 0 writes, as Lightning arranges) are supported; strategies that write their own
 sharded checkpoints (FSDP, DeepSpeed) do not go through a ``CheckpointIO`` for the weights, and a state dict
@@ -40,8 +40,8 @@ from typing import Any
 import torch
 
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, MissingDependencyError
-from . import lightning_load
-from .lightning_keep import last_checkpoint, s3_location as _s3
+from .integrations import lightning_load
+from .integrations.lightning_keep import last_checkpoint, s3_location as _s3
 from .storage.parse import MAX_DEPTH, check_depth, parsing
 
 try:
@@ -96,7 +96,7 @@ class CkptioCheckpointIO(CheckpointIO):
         if not self.async_save:
             write_checkpoint(checkpoint, path)
             return
-        from .staging import Stager
+        from .engine.staging import Stager
 
         self._stager = self._stager or Stager()
         staged = self._stager.stage(checkpoint)  # training may change its tensors as soon as this returns
@@ -132,7 +132,7 @@ class CkptioCheckpointIO(CheckpointIO):
         returned. When ``path`` is a ``last`` checkpoint that cannot be read (``fit(ckpt_path="last")`` picks the one
         modified last, torn or not), the newest other ``last`` one that can is read instead. ``ModelCheckpoint``
         states in it no longer count torn folders among the checkpoints kept."""
-        from .lightning_keep import forget_torn, resume_instead
+        from .integrations.lightning_keep import forget_torn, resume_instead
 
         self.wait()
         try:
@@ -152,7 +152,7 @@ class CkptioCheckpointIO(CheckpointIO):
         """Delete a checkpoint Lightning no longer keeps (``save_top_k``), hidden first so a crash never leaves
         half of it under its name; refused, with a warning naming it, for the checkpoint just written and the newest
         complete one in its folder."""
-        from .lightning_keep import keep_reason
+        from .integrations.lightning_keep import keep_reason
         from .storage.posix import remove_tree
 
         self.wait()
@@ -246,8 +246,8 @@ def _split(checkpoint: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[to
 def _write_into(checkpoint: dict[str, Any], parts: tuple[dict[str, torch.Tensor], list[torch.Tensor], bytes],
                 writer: Any, name: str) -> None:
     """Write the folder with ``writer`` and commit it with its manifest."""
-    from .formats import safetensors_sharded
-    from .manifest import MANIFEST_NAME, Manifest, StateEntry, software_versions
+    from .formats.safetensors import sharded as safetensors_sharded
+    from .engine.manifest import MANIFEST_NAME, Manifest, StateEntry, software_versions
 
     model, tensors, data = parts
     try:
@@ -294,8 +294,8 @@ def read_checkpoint(path: str | Path, *, verify: str = "full") -> dict[str, Any]
     """Lightning's checkpoint dict from a ckptio folder (manifest, sizes and checksums checked first) or from a
     Lightning ``.ckpt`` file (``weights_only``)."""
     from .formats.lightning import read_lightning
-    from .formats.safetensors_sharded import SafetensorsSource
-    from .framework_dirs import check_manifest
+    from .formats.safetensors.sharded import SafetensorsSource
+    from .integrations.framework_dirs import check_manifest
     from .storage.confined import Folder
 
     s3 = _s3(path)
@@ -350,7 +350,7 @@ def _read_meta(folder: Any) -> dict[str, Any]:
 
 def _read_state(folder: Any, count: int, where: object) -> list[torch.Tensor]:
     """The ``count`` tensors of ``state/`` by position (``count`` is checked against the tensors there first)."""
-    from .formats.safetensors_sharded import SafetensorsSource
+    from .formats.safetensors.sharded import SafetensorsSource
 
     if count == 0:
         return []

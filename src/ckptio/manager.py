@@ -2,10 +2,10 @@
 
 It holds the configuration and the registered states and orchestrates; the work lives elsewhere:
 
-* :mod:`ckptio.saving` — the save path, top to bottom (snapshot, write through the formats, commit);
-* :mod:`ckptio.restoring` — the restore path (choose, read, load through the formats, verify, fall back);
-* :mod:`ckptio.background` — the background writer of async saves;
-* :mod:`ckptio.policies` and :mod:`ckptio.layout` — retention, pointers, names and discovery;
+* :mod:`ckptio.engine.saving` — the save path, top to bottom (snapshot, write through the formats, commit);
+* :mod:`ckptio.engine.restoring` — the restore path (choose, read, load through the formats, verify, fall back);
+* :mod:`ckptio.engine.background` — the background writer of async saves;
+* :mod:`ckptio.engine.policies` and :mod:`ckptio.engine.layout` — retention, pointers, names and discovery;
 * :mod:`ckptio.formats` and :mod:`ckptio.storage` — how bytes are laid out, and where they go.
 """
 
@@ -20,14 +20,14 @@ import torch
 from torch import nn
 
 from ._log import get_logger
-from .background import BackgroundWriter
+from .engine.background import BackgroundWriter
 from .config import CheckpointConfig
 from .errors import ConfigError
-from .formats.peft_adapter import adapter_name
-from .layout import MODEL_DIR, OPTIM_DIR
-from .manifest import MANIFEST_NAME
-from .restoring import Restorer, RestoreInfo
-from .saving import Saver, Tracked
+from .formats.safetensors.peft_adapter import adapter_name
+from .engine.layout import MODEL_DIR, OPTIM_DIR
+from .engine.manifest import MANIFEST_NAME
+from .engine.restoring import Restorer, RestoreInfo
+from .engine.saving import Saver, Tracked
 from .state import ModelState, OptimizerState, RNGState
 from .storage import open_storage
 
@@ -260,7 +260,7 @@ class CheckpointManager:
         checksums as it is read, ``"size"`` checks that every file is present with its recorded size,
         ``"none"`` trusts the manifest. ``path`` may also be a checkpoint ckptio did not write (a Megatron-LM
         or Megatron-Core run folder, a ``.nemo``, a Hugging Face folder...): its weights are loaded into the
-        model, on any layout, and the rest starts fresh (:mod:`ckptio.foreign`).
+        model, on any layout, and the rest starts fresh (:mod:`ckptio.adopt.foreign`).
 
         Partial loads (each defaults to the config's ``load_states``, ``load_exclude``, ``strict``,
         ``load_cast_dtype``): ``states`` which states to load (``["model"]``: weights only); ``exclude``
@@ -278,7 +278,7 @@ class CheckpointManager:
         if not self.config.enabled:
             return None
         self.wait()
-        from .partial import LoadOptions, check_states
+        from .engine.partial import LoadOptions, check_states
 
         c = self.config
         known = ["model", "optim", *self.tracked.objects]

@@ -9,8 +9,8 @@ import uuid
 from pathlib import Path
 
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
-from ..layout import TMP_PREFIX
-from ..manifest import MANIFEST_NAME, check_files, read_manifest
+from ..engine.layout import TMP_PREFIX
+from ..engine.manifest import MANIFEST_NAME, check_files, read_manifest
 from ..storage import LocalFolderWriter
 from ..storage.checksum import file_checksum
 from ..storage.confined import Folder
@@ -63,7 +63,7 @@ def _model_folder(path: Path) -> tuple[Path, Path | None]:
 
 def run(args: argparse.Namespace) -> int:
     """Write a Hugging Face bundle from a step's sharded model files."""
-    from ..formats import hf_bundle
+    from ..formats.safetensors import hf_bundle
 
     from ..storage import url_scheme
 
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_remote(args: argparse.Namespace) -> int:
     """A step directory in a bucket: the bundle into the checkpoint, or into a local ``--out`` folder."""
-    from ..formats import hf_bundle
+    from ..formats.safetensors import hf_bundle
     from .consolidate_remote import consolidate_in_bucket, model_folder
 
     _, step, model_rel = model_folder(args.checkpoint)
@@ -132,7 +132,7 @@ def _run_remote(args: argparse.Namespace) -> int:
 
 
 def _into_folder(out: Path, source, plan, bar) -> None:
-    from ..formats import hf_bundle
+    from ..formats.safetensors import hf_bundle
 
     out.parent.mkdir(parents=True, exist_ok=True)
     writer = LocalFolderWriter.create(out)
@@ -152,7 +152,7 @@ def _into_checkpoint(step_dir: Path, out: Path, source, plan, bar, *, force: boo
     and the copy replaces the original in one atomic exchange. A crash leaves the old checkpoint or the
     new one; the original files are never written to.
     """
-    from ..formats import hf_bundle
+    from ..formats.safetensors import hf_bundle
 
     root = step_dir.parent
     lock = DirectoryLock(root)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import CheckpointCorruptError, CheckpointError
-from ..manifest import MANIFEST_NAME, check_files, read_manifest
+from ..engine.manifest import MANIFEST_NAME, check_files, read_manifest
 
 __all__ = ["consolidate_in_bucket", "model_folder"]
 
@@ -38,7 +38,7 @@ def model_folder(url: str) -> tuple[Any, Any, str]:
 
 def consolidate_in_bucket(url: str, source: Any, plan: Any, bar: Any, *, force: bool) -> str:
     """Add the bundle to the checkpoint at ``url`` as a new version of it; returns the bundle's location."""
-    from ..formats import hf_bundle
+    from ..formats.safetensors import hf_bundle
     from ..storage.s3 import client
     from ..storage.s3._common import _call
     from ..storage.s3.writer import S3FolderWriter

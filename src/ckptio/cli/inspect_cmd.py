@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..describe import inspect_path
+from ..engine.describe import inspect_path
 from ._fmt import human_bytes, print_json
 
 
@@ -44,7 +44,7 @@ def _tensor_list(path: str) -> dict[str, dict]:
     from ..storage import url_scheme
 
     if url_scheme(path) is not None:  # a step directory in a bucket: its model's index, no tensor read
-        from ..manifest import read_manifest
+        from ..engine.manifest import read_manifest
         from ..storage.confined import as_folder
 
         root = as_folder(path)

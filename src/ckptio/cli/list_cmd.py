@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..describe import list_checkpoints
+from ..engine.describe import list_checkpoints
 from ._fmt import human_bytes, print_json, table
 
 

@@ -27,7 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Pack a folder into a ``.nemo`` archive or unpack one."""
-    from ..formats import nemo
+    from ..formats.nemo import format as nemo
 
     if args.action == "pack":
         total = sum(p.stat().st_size for p in Path(args.folder).rglob("*") if p.is_file() and not p.is_symlink())

@@ -7,9 +7,9 @@ import re
 
 import sys
 
-from .. import policies
+from ..engine import policies
 from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError
-from ..layout import BEST, pointer_target, scan
+from ..engine.layout import BEST, pointer_target, scan
 from ..storage import open_storage
 from ._fmt import human_bytes, print_json
 

@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     transformers = require("transformers", extra="hf", purpose="ckptio quantize")
     AutoModelForCausalLM, AutoTokenizer = transformers.AutoModelForCausalLM, transformers.AutoTokenizer
 
-    from ..formats import qnemo
+    from ..formats.nemo import qnemo
 
     src = Path(args.source)
     if not (src / "config.json").is_file():

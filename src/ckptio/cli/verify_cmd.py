@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 from ..errors import CheckpointError, CheckpointNotFoundError
-from ..layout import scan
+from ..engine.layout import scan
 from ..formats import registry
-from ..manifest import MANIFEST_NAME, check_files, read_manifest
+from ..engine.manifest import MANIFEST_NAME, check_files, read_manifest
 from ..storage import open_storage
 from ..storage.confined import as_folder
 from .._progress import progress

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..storage.parse import json_object
-from . import fp8_blocks, safetensors_sharded
+from .safetensors import fp8_blocks, sharded as safetensors_sharded
 
 if TYPE_CHECKING:
     from ..storage.base import FolderWriter

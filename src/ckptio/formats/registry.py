@@ -276,7 +276,7 @@ def detect(path: str | Path) -> Format:
         if fmt.detect(path):
             return fmt
     if path.is_dir():
-        from ..manifest import MANIFEST_NAME
+        from ..engine.manifest import MANIFEST_NAME
 
         if any(p.is_dir() and (p / MANIFEST_NAME).is_file() for p in path.iterdir()):
             raise CheckpointError(f"{path} is a checkpoint folder holding several checkpoints; "

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError, ConfigError
-from ..manifest import MANIFEST_NAME, Manifest, StateEntry, read_manifest, software_versions
+from ..engine.manifest import MANIFEST_NAME, Manifest, StateEntry, read_manifest, software_versions
 from ..storage.confined import Folder
 from .common import summarize_index
 from .registry import Format, Opened, WriteOptions, get, register
@@ -50,7 +50,7 @@ class StepDirectory(Format):
         from ..storage import LocalFolderWriter
         from .common import read_json
         from .extras import copy_extras
-        from .safetensors_sharded import save_whole
+        from .safetensors.sharded import save_whole
 
         writer = LocalFolderWriter.create(out)
         try:

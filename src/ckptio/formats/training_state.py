@@ -91,7 +91,7 @@ def index_keyed_optimizer(flat: dict[str, Any], order: list[str]) -> dict[str, A
 
 def read_training_state(step_dir: Path) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """(index-keyed optimizer state, LR scheduler state) of a ckptio step directory; ``None`` when absent."""
-    from ..manifest import read_manifest
+    from ..engine.manifest import read_manifest
 
     manifest = read_manifest(step_dir)
     entry = manifest.states.get("optim")

@@ -195,7 +195,7 @@ def read_pointer(checkpoint_dir: Path, name: str) -> str | None:
     Raises :class:`~ckptio.CheckpointCorruptError` naming the pointer when it exists but does not name a
     direct child of ``checkpoint_dir`` (a path, ``..``, an absolute target, a hidden name), or when its
     text file is larger than a pointer can be. The target itself is not checked here: callers resolve
-    it with :func:`ckptio.layout.pointer_target`, which also refuses a target that is a link.
+    it with :func:`ckptio.engine.layout.pointer_target`, which also refuses a target that is a link.
     """
 
     link = Path(checkpoint_dir) / name

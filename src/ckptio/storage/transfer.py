@@ -23,7 +23,7 @@ def copy_down(url: str, dest: Path) -> Path:
     """Copy the folder at ``url`` into the new local folder ``dest``; a step directory's copy is then checked
     against its manifest (every listed file present, of its size and checksum) before it is used."""
     from ..errors import CheckpointCorruptError
-    from ..manifest import MANIFEST_NAME, check_files, read_manifest
+    from ..engine.manifest import MANIFEST_NAME, check_files, read_manifest
     from .confined import as_folder
 
     folder = as_folder(url)
@@ -52,7 +52,7 @@ def copy_file_down(folder: Any, rel: str, out: Path) -> Path:
 def copy_up(src: Path, url: str) -> str:
     """Upload the local file or folder ``src`` to the new location ``url`` (check it with :func:`exists` first:
     every object is written create-only, so one already there fails the upload rather than being replaced)."""
-    from ..manifest import MANIFEST_NAME
+    from ..engine.manifest import MANIFEST_NAME
     from .s3 import S3Path, parse_s3_url
     from .s3.writer import upload_file
 

@@ -38,10 +38,10 @@ from pathlib import Path
 from typing import Any
 
 from .. import _dist, _faults
-from ..background import BackgroundWriter
+from ..engine.background import BackgroundWriter
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
-from ..manifest import MANIFEST_NAME
-from ..saving import SaveJob, Saver
+from ..engine.manifest import MANIFEST_NAME
+from ..engine.saving import SaveJob, Saver
 from ..storage.confined import Folder
 from ..storage.local import TMP_PREFIX, LocalFolderWriter, LocalStorage
 from ..storage.posix import remove_tree
@@ -304,7 +304,7 @@ def _durable_step(storage: Any, durable: Path | None) -> int | None:
     """The step of the durable checkpoint ``durable`` (one of ``storage``'s step directories)."""
     if durable is None:
         return None
-    from ..layout import step_manifest
+    from ..engine.layout import step_manifest
 
     return step_manifest(storage.folder(durable.name)).step
 

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..formats import chunk_index, registry
-from ..manifest import Manifest
-from ..plan import local_view
+from ..formats.safetensors import chunk_index
+from ..formats import registry
+from ..engine.manifest import Manifest
+from ..engine.plan import local_view
 from ..storage.confined import Folder
 from ..storage.parse import parsing
 

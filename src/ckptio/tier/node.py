@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointCorruptError, CheckpointError, ConfigError
-from ..manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, read_manifest
+from ..engine.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, read_manifest
 from ..storage.checksum import RunningChecksum, bytes_checksum
 from ..storage.confined import Folder
 from ..storage.parse import as_int, parsing, read_json

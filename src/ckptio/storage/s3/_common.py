@@ -8,8 +8,8 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from ...errors import CheckpointError, CheckpointNotFoundError, ConfigError, require
-from ...manifest import MANIFEST_NAME as MANIFEST  # noqa: F401  (the commit point: written last)
-from ...manifest import PENDING_NAME as PENDING  # noqa: F401  (written first, removed after the manifest)
+from ...engine.manifest import MANIFEST_NAME as MANIFEST  # noqa: F401  (the commit point: written last)
+from ...engine.manifest import PENDING_NAME as PENDING  # noqa: F401  (written first, removed after the manifest)
 from ..confined import UnsafePathError, check_relative
 
 PART_SIZE = 64 << 20

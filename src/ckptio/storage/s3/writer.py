@@ -154,7 +154,7 @@ class S3FolderWriter:
                 if rel not in (MANIFEST, PENDING)}
 
     def mark_pending(self) -> None:
-        """Write the step's in-progress mark (before any of its files; see :data:`ckptio.manifest.PENDING_NAME`)."""
+        """Write the step's in-progress mark (before any of its files; see :data:`ckptio.engine.manifest.PENDING_NAME`)."""
         _call("writing", self._where(PENDING), client().put_object, Bucket=self.storage.bucket,
               Key=self._key(PENDING), Body=b"")
 

@@ -1,0 +1,127 @@
+"""``restore(restore_from=...)`` from a checkpoint ckptio did not write: its weights into the live model.
+
+Any format ckptio reads (a Megatron-LM or Megatron-Core run folder, a ``.nemo`` archive, a Hugging Face
+folder, a DCP folder, a Lightning ``.ckpt``...) can start a run: the source is opened through the format
+registry under Hugging Face names, and every rank copies into its own part of each parameter (a plain
+tensor whole, an FSDP/TP shard its slice) the matching slice of the source tensor. Strictness follows
+``CheckpointConfig.strict``; dtypes must match. Weights travel, and Adam's moments and step where the
+source has them in a form ckptio maps (a Megatron-Core distributed checkpoint); the scheduler and data
+position start fresh (said in the log), and the step is the source's iteration where it records one.
+
+Call sequence: collective (every rank calls it at the same point); each rank reads the source itself.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .. import _dist
+from .automodel import NAME, adopt, ckptio_mark
+from ..errors import CheckpointError, CheckpointMismatchError
+from ..formats import registry
+from ..formats.common import TensorInfo, check_compatible, dtype_name
+from ..engine.manifest import MANIFEST_NAME
+from ..engine.plan import local_view
+from ..storage.confined import Folder
+
+__all__ = ["is_foreign", "restore_foreign", "restore_foreign_adam"]
+
+
+def is_foreign(restore_from: str | None) -> bool:
+    """Whether ``restore_from`` is a path to a checkpoint of another kind than a ckptio step directory."""
+    if restore_from is None or "://" in restore_from:
+        return False
+    path = Path(restore_from)
+    if not path.exists() or (path / MANIFEST_NAME).is_file():
+        return False
+    if path.is_dir() and ((path / "model").is_dir() or (path / "optim").is_dir()):
+        # a step directory: a NeMo AutoModel step is resumed whole, like a ckptio step; one ckptio wrote that lost
+        # its manifest is damaged, never another tool's checkpoint: the step-directory path reports both
+        try:
+            folder = Folder(path)
+            if NAME.fullmatch(path.name) and adopt(folder, path.name) is not None or ckptio_mark(folder) is not None:
+                return False
+        except CheckpointError:
+            return False  # the step-directory path reports what is wrong with it
+    try:
+        fmt = registry.detect(path)
+    except Exception:  # not a format at all: the step-directory path reports it
+        return False
+    return fmt.name != "step_dir" and fmt.readable
+
+
+def _slice_of(full: Any, view: Any) -> Any:
+    """The part of a whole source tensor that a rank's local view (``plan.local_view``) covers."""
+    return full[tuple(slice(o, o + n) for o, n in zip(view.offsets, view.local.shape))]
+
+
+def restore_foreign_adam(path: Path, model_state: Any, optimizer: Any, log: Any) -> bool:
+    """Collective: give ``optimizer`` (Adam or AdamW) the source's moments and step, each rank its slices.
+    Returns whether the source had them; any other optimizer, or a source without them, starts fresh."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    fmt = registry.detect(path)
+    if not all("betas" in group for group in optimizer.param_groups):
+        if _dist.rank() == 0:
+            log.warning("%s: only Adam/AdamW state is carried over; %s starts fresh", path, type(optimizer).__name__)
+        return False
+
+    def fill() -> bool:
+        found = fmt.open_adam(path)
+        if found is None:
+            return False
+        step, moments = found
+        names = {id(p): model_state._strip(n) for n, p in model_state.model.named_parameters()}
+        indexes = {moment: source.index() for moment, source in moments.items()}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                state: dict[str, Any] = {"step": torch.tensor(step, dtype=torch.float32)}
+                view = local_view(p.detach())
+                for moment, source in moments.items():
+                    if names[id(p)] not in indexes[moment]:
+                        raise CheckpointMismatchError(f"{path}: no {moment} for {names[id(p)]!r}")
+                    local = _slice_of(source.read(names[id(p)]), view).to(view.local.dtype).clone()
+                    state[moment] = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False) \
+                        if isinstance(p, DTensor) else local
+                optimizer.state[p] = state
+        return True
+
+    carried = _dist.run_collectively(f"loading the optimizer state of {path}", fill)
+    if _dist.rank() == 0:
+        log.info("%s the Adam state (moments and step) of %s", "Loaded" if carried else "Found no", path)
+    return carried
+
+
+def restore_foreign(path: Path, model_state: Any, *, strict: bool, log: Any) -> tuple[int, str]:
+    """Collective: fill the live model from ``path``; returns the source's step (0 if it has none) and format."""
+    fmt = registry.detect(path)
+    target = model_state.state_dict()
+
+    def fill() -> int:
+        opened = fmt.open(path)
+        try:
+            index = opened.source.index()
+            live = {k: TensorInfo(tuple(v.shape), dtype_name(v.dtype)) for k, v in target.items()}
+            check_compatible(index, live, f"{path} ({fmt.name})", strict=strict)
+            wrong = [f"{k}: {index[k].dtype} in the checkpoint, {live[k].dtype} in the model" for k in live
+                     if index[k].dtype != live[k].dtype]
+            if wrong:
+                raise CheckpointMismatchError(f"{path}: dtypes differ ({'; '.join(wrong[:3])}); build the model in "
+                                              "the checkpoint's dtype, or convert the checkpoint with --dtype")
+            for key, value in target.items():
+                view = local_view(value)
+                if view.local.numel() == 0:
+                    continue
+                view.local.copy_(_slice_of(opened.source.read(key), view))
+            return opened.step
+        finally:
+            opened.close()
+
+    step = _dist.run_collectively(f"loading the weights of {path}", fill)
+    _dist.run_collectively("applying the weights", lambda: model_state.load_state_dict(target))
+    if _dist.rank() == 0:
+        log.info("Loaded the weights of %s (%s, step %d); the scheduler and data position start fresh",
+                 path, fmt.summary, step)
+    return step, fmt.name

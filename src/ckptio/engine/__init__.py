@@ -1,0 +1,4 @@
+"""The save and restore machinery behind :class:`~ckptio.CheckpointManager`: the two data paths (:mod:`.saving`,
+:mod:`.restoring`), their plans (:mod:`.plan`), the staging buffers and writer thread of async saves
+(:mod:`.staging`, :mod:`.background`), the manifest (:mod:`.manifest`), step names and discovery (:mod:`.layout`),
+retention (:mod:`.policies`), partial loads (:mod:`.partial`) and ``ckptio inspect`` (:mod:`.describe`)."""

@@ -1,0 +1,93 @@
+"""The background writer of async saves: one save in flight, its own process group, errors kept.
+
+Call sequence: the manager constructs one :class:`BackgroundWriter` on every rank (a collective when a
+process group is initialised: it builds a gloo group), then calls :meth:`start` and :meth:`wait` at the
+same points on every rank. Not thread-safe: both are called from the training thread. The work runs on
+a non-daemon thread, so a normal interpreter exit finishes it; an atexit hook then reports its error.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import weakref
+from pathlib import Path
+from typing import Callable
+
+from .. import _dist
+
+__all__ = ["BackgroundWriter"]
+
+
+class _Pending:
+    def __init__(self, label: Path) -> None:
+        self.label = label
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+
+class BackgroundWriter:
+    """Runs a save's write phase on a background thread, one at a time: the next save, restore or close waits for it
+    and raises its failure."""
+
+    def __init__(self, log: logging.Logger, what: str = "save") -> None:
+        self.log = log
+        self.what = what
+        self._pending: _Pending | None = None
+        self._group = None
+        if _dist.is_dist():
+            import torch.distributed as dist
+
+            # its collectives never interleave with the training loop's on the default group
+            self._group = dist.new_group(backend="gloo")
+        atexit.register(_wait_at_exit, weakref.ref(self))
+
+    @property
+    def group(self) -> object:
+        """This writer's process group (gloo; ``None`` in one process): its collectives never meet the training
+        loop's. Usable from the training thread while nothing is in flight."""
+        return self._group
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether work has been started and not yet waited for."""
+        return self._pending is not None
+
+    def start(self, label: Path, work: Callable[[], None]) -> None:
+        """Run ``work`` on a background thread, its collectives on this writer's group. Wait first."""
+        self.wait()
+        pending = self._pending = _Pending(label)
+
+        def run() -> None:
+            try:
+                with _dist.using_group(self._group):
+                    work()
+            except BaseException as exc:  # kept for the training thread: raised at its next wait
+                pending.error = exc
+                self.log.error("Background %s to %s failed: %s (raised at the next save, wait or close)",
+                               self.what, label, _dist.format_exc_short(exc))
+
+        pending.thread = threading.Thread(target=run, name=f"ckptio-save-{label.name}", daemon=False)
+        pending.thread.start()
+
+    def wait(self) -> Path | None:
+        """Block until the work in flight is done; re-raise its error. Returns its label (``None``: idle)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        assert pending.thread is not None
+        pending.thread.join()
+        if pending.error is not None:
+            pending.error.add_note(f"raised by the background {self.what} to {pending.label}")
+            raise pending.error
+        return pending.label
+
+
+def _wait_at_exit(ref: "weakref.ref[BackgroundWriter]") -> None:
+    writer = ref()
+    if writer is not None and writer.in_flight:
+        try:
+            writer.wait()
+        except BaseException as exc:  # noqa: BLE001 - at exit there is no caller left to raise to
+            writer.log.error("The last background save failed: %s", _dist.format_exc_short(exc))

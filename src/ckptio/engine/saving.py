@@ -1,0 +1,288 @@
+"""The save path, top to bottom: what a :meth:`CheckpointManager.save` does, in order.
+
+1. **Snapshot** (training thread, collective): name the step directory from the training position; take
+   the state dicts of the model, the optimizer and every registered object; with a background save,
+   copy every tensor into reused staging buffers (:class:`~ckptio.engine.staging.Stager`) so training may go on.
+2. **Begin** (rank 0): take the folder's lock, sweep leftovers of interrupted saves once per run, and
+   begin the step directory through the storage (a hidden temporary folder locally); every other rank
+   attaches to it.
+3. **Write** (every rank, its own bytes): the model through its format in the registry (per-rank
+   safetensors shards, DCP, or a PEFT adapter), its config and tokenizer, the consolidated Hugging Face
+   bundle when asked, the optimizer (DCP), then each small state (once when every rank's is the same,
+   else one file per rank). Every file is checksummed as it is written.
+4. **Commit** (rank 0, after every rank's checksums are gathered): the manifest, written last, makes the
+   step visible at once (rename locally); then ``LATEST``, ``BEST`` and retention.
+
+Any ordinary error removes the partial step and is raised on every rank (per-rank failures are gathered,
+so no rank hangs in a collective). Steps 2–4 are the same code for a synchronous save (on the training
+thread) and a background save (on the writer thread, over its own process group).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .. import _dist, _faults
+from . import policies
+from ..config import CheckpointConfig
+from ..formats import pt as pt_format
+from ..formats import registry
+from ..formats.safetensors.hf_bundle import consolidate, save_hf_extras
+from ..formats.registry import ShardContext
+from .layout import CONSOLIDATED_DIR, LATEST, MODEL_DIR, OPTIM_DIR, format_step_name
+from .manifest import MANIFEST_NAME, Manifest, StateEntry, merge_shapes, model_signature, software_versions
+from .staging import Stager
+from ..storage.base import FolderWriter, Storage
+
+__all__ = ["SaveJob", "Saver", "Tracked"]
+
+
+@dataclass
+class Tracked:
+    """What a manager checkpoints: the live objects and their state wrappers."""
+
+    model: Any = None
+    model_state: Any = None
+    optim_state: Any = None
+    objects: dict[str, Any] = field(default_factory=dict)
+    tokenizer: Any = None
+    base_model_path: Any = None
+
+
+@dataclass
+class SaveJob:
+    """One save between its snapshot (training thread) and its commit (possibly a background thread)."""
+
+    step: int
+    epoch: int
+    name: str
+    metrics: dict[str, float]
+    counters: dict[str, Any]
+    root: Path
+    start: float
+    consolidate: bool
+    extras: bool = True
+    """Write the model's config and tokenizer beside a full model (a memory snapshot does not need them)."""
+    signature: dict[str, Any] = field(default_factory=dict)
+    model: dict[str, Any] | None = None
+    optim: dict[str, Any] | None = None
+    objects: dict[str, bytes] = field(default_factory=dict)
+    sums: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def final_dir(self) -> Path:
+        return self.root / self.name
+
+
+_REGISTRY_NAMES = {"safetensors": "safetensors", "torch_save": "dcp"}
+
+
+def model_format(config: CheckpointConfig) -> str:
+    """The registry name of the format the model is saved in."""
+    if config.is_peft:
+        return "peft"
+    return _REGISTRY_NAMES[config.model_save_format]
+
+
+def optimizer_format(config: CheckpointConfig) -> str:
+    """The registry name of the format the optimizer state is saved in (DCP unless safetensors is asked for)."""
+    return _REGISTRY_NAMES[config.optimizer_save_format or "torch_save"]
+
+
+PER_RANK_FILES = {"rng": "rng_global_rank_{rank}.pt", "dataloader": "dataloader_dp_rank_{rank}.pt"}
+"""Small states always saved per rank, under the names NeMo AutoModel gives them (its recipe loads its RNG from
+``rng/rng_global_rank_R.pt`` and its dataloader from ``dataloader/dataloader_dp_rank_R.pt``)."""
+
+
+def small_state_entry(name: str, identical: bool) -> StateEntry:
+    """Where the small state ``name`` goes: ``<name>.pt`` once when every rank's bytes are the same, else one file
+    per rank, ``<name>/<name>_global_rank_R.pt`` (AutoModel's layout); ``rng`` and ``dataloader`` always per rank."""
+    if name in PER_RANK_FILES:
+        return StateEntry("object", "pt", name, per_rank=True, rank_file=PER_RANK_FILES[name], identical=identical)
+    if identical:
+        return StateEntry("object", "pt", f"{name}.pt")
+    return StateEntry("object", "pt", name, per_rank=True, rank_file=f"{name}_global_rank_{{rank}}.pt")
+
+
+class Saver:
+    """Runs saves for one manager. Not thread-safe: one save at a time (the manager waits first)."""
+
+    def __init__(self, config: CheckpointConfig, tracked: Tracked, storage: Storage, lock: Any,
+                 log: Any) -> None:
+        self.config, self.tracked, self.storage, self.lock, self.log = config, tracked, storage, lock, log
+        self.stager = Stager()
+        self.format = registry.get(model_format(config))
+        self.protected: set[str] = set()
+        """Step names retention must keep whatever the rules say (the one this run resumed from)."""
+        self._swept = False
+        self.what = "checkpoint"
+        """What the log calls a save of this saver's."""
+        self.whole_apart = False
+        """Sharded safetensors: whole tensors in files of their own (the memory tier: a rank's restore then needs
+        its own shard files and those small ones, not another rank's shards)."""
+        self.last_saved: Path | None = None
+        self.last_step: int | None = None
+        """The step of :attr:`last_saved` (set once it is committed, possibly by the background writer)."""
+
+    # ---------------------------------------------------------------------------------------------- 1
+    def snapshot(self, step: int, epoch: int, metrics: dict[str, float], counters: dict[str, Any], final: bool,
+                 *, stage: bool) -> SaveJob:
+        """Training thread, collective: name the checkpoint and capture the state (nothing touches the disk).
+
+        With ``stage`` the tensors are copied into the staging buffers; otherwise the job references the
+        live tensors and must be persisted before training goes on.
+        """
+        name = format_step_name(self.config.name_template, step=step, epoch=epoch, metrics=metrics, counters=counters,
+                                insert_field_names=self.config.auto_insert_field_names)
+        start = time.perf_counter()
+        job = SaveJob(step=step, epoch=epoch, name=name, metrics=metrics, counters=counters,
+                      root=self.storage.root, start=start,
+                      consolidate=self.config.save_consolidated is True or (self.config.save_consolidated == "final"
+                                                                           and final))
+        t = self.tracked
+        live: dict[str, Any] = {}
+        if t.model_state is not None:
+            model_sd = t.model_state.state_dict()
+            job.signature = model_signature(t.model, model_sd)
+            if _dist.world_size() > 1:  # pipeline stages hold different tensors: the signature is their union
+                parts = _dist.all_gather_object((job.signature["shapes"], job.signature["dtypes"]))
+                job.signature["shapes"] = merge_shapes([shapes for shapes, _ in parts])
+                job.signature["dtypes"] = {k: v for _, dtypes in parts for k, v in dtypes.items()}
+            live["model"] = self.format.snapshot(model_sd, t.model)  # collective for formats that gather
+            del model_sd
+        if t.optim_state is not None:
+            live["optim"] = t.optim_state.state_dict()
+            scheduler = t.objects.get("lr_scheduler")
+            if scheduler is not None and registry.get(optimizer_format(self.config)).any_values:
+                # AutoModel keeps the scheduler beside the optimizer ("sched" in optim/); so does ckptio, so that
+                # AutoModel's load_optimizer(optimizer, model, path, scheduler) finds it
+                live["optim"]["sched"] = scheduler.state_dict()
+        if stage:
+            live = self.stager.stage(live)
+        job.model, job.optim = live.get("model"), live.get("optim")
+        del live
+        job.objects = _dist.run_collectively("serialising the registered states", lambda: {
+            obj_name: pt_format.to_bytes(obj.state_dict(), obj_name) for obj_name, obj in t.objects.items()})
+        if stage and _dist.rank() == 0:
+            self.log.info("Staged %s %s in %.2f s (%.1f MB of staging buffers); writing it in the background",
+                          self.what, name, time.perf_counter() - start, self.stager.nbytes / 1e6)
+        return job
+
+    # ---------------------------------------------------------------------------------------------- 2-4
+    def persist(self, job: SaveJob) -> None:
+        """Collective (on the current group): write the job's files, then commit them on rank 0."""
+        rank, world = _dist.rank(), _dist.world_size()
+        if rank == 0:
+            self.log.info("Saving checkpoint to %s", job.final_dir)
+        token = _dist.broadcast_object(_dist.run_collectively("preparing the checkpoint", lambda: self._begin(job)))
+        assert token is not None  # rank 0 always names the folder
+        writer = self.storage.attach_step(token, job.name)
+        try:
+            states = self.write_states(job, writer, rank, world)
+            _faults.point("save.states_written")
+            sums: dict[str, str] = {}
+            for part in _dist.all_gather_object(job.sums):
+                sums.update(part)
+            _dist.run_collectively(f"committing {job.final_dir}",
+                                   lambda: self._commit(job, writer, states, sums, world) if rank == 0 else None)
+        except Exception:
+            # An ordinary error: remove the partial save. A BaseException (KeyboardInterrupt, a process
+            # being torn down) leaves the temporary for the next run's sweep, like a crash would.
+            if rank == 0:
+                writer.abort()
+            raise
+        self.last_saved, self.last_step = job.final_dir, job.step
+        if rank == 0:
+            self.log.info("Saved checkpoint %s in %.2f s", job.final_dir, time.perf_counter() - job.start)
+
+    def _begin(self, job: SaveJob) -> str | None:
+        if _dist.rank() != 0:
+            return None
+        self.lock.acquire()
+        if not self._swept:
+            self._swept = True
+            for leftover in self.storage.sweep():
+                self.log.info("Removed leftover of an interrupted save: %s", leftover)
+        return self.storage.begin_step(job.name).token
+
+    def write_states(self, job: SaveJob, writer: FolderWriter, rank: int, world: int) -> dict[str, StateEntry]:
+        """Collective: write this rank's files of every state into ``writer``; returns the manifest's states."""
+        t = self.tracked
+        states: dict[str, StateEntry] = {}
+        if job.model is not None:
+            ctx = ShardContext(rank=rank, world_size=world, threads=self.config.io_thread_count(),
+                               extra={"model": t.model, "tokenizer": t.tokenizer, "base_model_path": t.base_model_path,
+                                      "log": self.log.warning, "whole_apart": self.whole_apart})
+            job.sums.update(self.format.save_shards(job.model, writer, MODEL_DIR, ctx))
+            states["model"] = StateEntry("model", self.format.name, MODEL_DIR)
+            if self.format.full_model and job.extras:
+                _dist.run_collectively(
+                    "writing the model config and tokenizer",
+                    lambda: save_hf_extras(t.model, writer.local_path(MODEL_DIR), t.tokenizer) if rank == 0 else None)
+                if job.consolidate:
+                    self._consolidate(job, writer, rank, world)
+        job.model = None
+        if job.optim is not None:
+            fmt = registry.get(optimizer_format(self.config))
+            ctx = ShardContext(rank, world, self.config.io_thread_count(), {"stem": "optim", "whole_apart": self.whole_apart})
+            job.sums.update(fmt.save_state(job.optim, writer, OPTIM_DIR, ctx))
+            states["optim"] = StateEntry("optimizer", fmt.name, OPTIM_DIR)
+            job.optim = None
+        for name, data in job.objects.items():
+            identical = len(set(_dist.all_gather_object(hashlib.sha256(data).hexdigest()))) == 1
+            entry = small_state_entry(name, identical)
+
+            def write(data: bytes = data, entry: StateEntry = entry) -> None:
+                if entry.per_rank or rank == 0:
+                    rel = entry.file_of(rank) if entry.per_rank else entry.path
+                    job.sums[rel] = writer.write_bytes(rel, data)
+
+            _dist.run_collectively(f"writing {name!r}", write)
+            states[name] = entry
+        return states
+
+    def _consolidate(self, job: SaveJob, writer: FolderWriter, rank: int, world: int) -> None:
+        rel = f"{MODEL_DIR}/{CONSOLIDATED_DIR}"
+        start = time.perf_counter()
+        # every rank reads the model as written so far (on S3: rank 0 publishes the config and tokenizer first)
+        source = _dist.run_collectively("publishing the model's side files", lambda: writer.reader(MODEL_DIR))
+        plan, written = _dist.run_collectively(
+            f"consolidating {job.final_dir / rel}",
+            lambda: consolidate(source, writer, rel,
+                                max_shard_size=self.config.consolidated_max_shard_size, rank=rank, world_size=world),
+        )
+        job.sums.update(written)
+        if rank == 0:
+            self.log.info("Consolidated %d tensors (%.1f MB) into %d file(s) under %s in %.2f s",
+                          len(plan.infos), plan.total_size / 1e6, len(plan.files), job.final_dir / rel,
+                          time.perf_counter() - start)
+
+    def _commit(self, job: SaveJob, writer: FolderWriter, states: dict[str, StateEntry], sums: dict[str, str],
+                world: int) -> None:
+        """Rank 0: the manifest last (the commit point), then the pointers and retention."""
+        files = writer.files()
+        for rel in files:  # files written by libraries (config, tokenizer, adapter) are summed here
+            if rel not in sums:
+                sums[rel] = writer.checksum_of(rel)
+        manifest = self.manifest_of(job, states, files, sums, world)
+        writer.commit((MANIFEST_NAME, manifest.to_json().encode()))
+        _faults.point("commit.before_pointer")
+        self.storage.write_pointer(LATEST, job.name)
+        _faults.point("commit.before_retention")
+        for path in policies.after_commit(self.storage, self.config.retention_policy(), protected=self.protected,
+                                           written=job.name):
+            self.log.info("Removed checkpoint %s (retention)", path)
+
+    def manifest_of(self, job: SaveJob, states: dict[str, StateEntry], files: dict[str, int], sums: dict[str, str],
+                    world: int) -> Manifest:
+        """The manifest of ``job``: its ``files`` (relative path -> size) with their checksums ``sums``."""
+        return Manifest(
+            name=job.name, step=job.step, epoch=job.epoch, world_size=world,
+            model_save_format=self.config.model_save_format, states=states,
+            files=files, metrics=job.metrics, counters=job.counters, checksums=sums,
+            model_signature=job.signature, is_peft=self.config.is_peft, versions=software_versions(),
+        )

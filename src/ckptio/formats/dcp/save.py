@@ -1,0 +1,365 @@
+"""Saving DCP folders through ``torch.distributed.checkpoint``, with every file checksummed as it is written.
+
+:func:`save` runs DCP's own ``FileSystemWriter`` (so plain DCP reads what it writes) on a file system
+whose streams go through a :class:`FolderWriter`. Each rank writes one data file (``__R_0.distcp``, as
+other tools lay DCP folders out); with ``thread_count`` > 1 that file is written as that many regions at
+once, one per DCP writer thread (:class:`_OneFilePerRank`). A failure on one of those threads, which DCP
+does not report, is caught at the stream and raised by :func:`save` on every rank, and no thread is left
+writing into a folder that is about to be removed. Also here: the mapping of DCP's ``CheckpointException`` to ckptio's errors, shared
+with loading (:mod:`ckptio.formats.dcp.format`).
+
+Call sequence: :func:`save` is a collective when a process group is initialised.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import queue
+import threading
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+from ... import _dist
+from ...errors import CheckpointCorruptError, CheckpointError
+
+if TYPE_CHECKING:
+    from ...storage.base import FolderWriter
+
+__all__ = ["save"]
+
+class _WriterFileSystem(FileSystem):
+    """DCP's file system for writing, with every file going through a :class:`FolderWriter` (and so
+    checksummed as it is written). DCP addresses files by path under ``base``, the writer's local path of
+    the DCP folder; they are mapped back to names relative to the writer's folder."""
+
+    def __init__(self, writer: "FolderWriter", rel: str, base: Path) -> None:
+        super().__init__()
+        self.writer, self.rel, self.base = writer, rel, base
+        self.digests: dict[str, str] = {}
+        self.errors: list[OSError] = []
+        self.failed: list[tuple[str, Exception]] = []
+        """Files a writer thread of DCP's gave up on, with why (see :meth:`create_stream`)."""
+        self._caller = threading.get_ident()
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._writing = 0  # files (or regions of one) being written
+        self._closed = False  # set by quiesce(): no new file
+        self._regioned: dict[str, Any] = {}  # files written as regions by several threads (plan_regions)
+
+    def _rel(self, path: str | os.PathLike) -> str:
+        inner = Path(str(path).partition(_REGION)[0]).relative_to(self.base).as_posix()
+        return f"{self.rel}/{inner}" if self.rel else inner
+
+    def plan_regions(self, path: str, lengths: list[int]) -> list[str]:
+        """Open the new file ``path`` as consecutive regions of ``lengths`` bytes; the names that address them."""
+        from ...storage.regions import RegionedFile
+
+        self._regioned[self._rel(path)] = RegionedFile(self.writer.open(self._rel(path)), lengths)
+        return [f"{path}{_REGION}{i}" for i in range(len(lengths))]
+
+    def _open(self, path: str | os.PathLike, name: str) -> Any:
+        where, _, region = str(path).partition(_REGION)
+        return self._regioned[name].region(int(region)) if region else self.writer.open(name)
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        if "w" not in mode:
+            raise CheckpointError(f"{path}: the DCP writer does not read")
+        name = self._rel(path)
+        with self._cond:
+            live = not self._closed
+            self._writing += live
+        try:
+            stream: Any = self._open(path, name) if live else _Refused(name)
+            try:
+                yield stream
+            except Exception as exc:
+                stream.__exit__(type(exc), exc, exc.__traceback__)  # discarded, not durable
+                with self._lock:
+                    self.failed.append((name, exc))
+                if threading.get_ident() == self._caller:  # DCP's own path: every rank raises it together
+                    if stream.error is not None and stream.error is not exc:
+                        # torch's zip writer turns a failed write into "unexpected pos": send the cause
+                        raise stream.error from exc
+                    raise
+                # One of DCP's extra writer threads: an error there would end the thread with a traceback
+                # on stderr and DCP would carry on with the files it got. It is kept and raised by save().
+                return
+            finally:
+                if stream.error is not None:
+                    with self._lock:
+                        self.errors.append(stream.error)
+            digest = stream.close()  # a region of a file: the file's digest once its last region closed
+            if digest is not None:
+                with self._lock:
+                    self.digests[name] = digest
+        finally:
+            if live:
+                with self._cond:
+                    self._writing -= 1
+                    self._cond.notify_all()
+
+    def quiesce(self) -> None:
+        """Refuse new files and wait for those being written to close.
+
+        When the calling thread fails, DCP raises without joining its extra writer threads; the folder
+        is removed next, so none of them may still be creating or writing a file in it.
+        """
+        with self._cond:
+            self._closed = True
+            self._cond.wait_for(lambda: self._writing == 0)
+        for file in self._regioned.values():  # a region no writer thread got to: the file is never finished
+            file.abandon()
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        old, new = self._rel(path), self._rel(new_path)
+        self.writer.rename(old, new)
+        with self._lock:
+            if old in self.digests:
+                self.digests[new] = self.digests.pop(old)
+
+    def mkdir(self, path: str | os.PathLike) -> None:
+        inner = Path(path).relative_to(self.base).as_posix()
+        self.writer.local_path("/".join(p for p in (self.rel, "" if inner == "." else inner) if p))
+
+    def exists(self, path: str | os.PathLike) -> bool:
+        return self.writer.exists(self._rel(path))
+
+
+_REGION = "#region-"
+"""Marks the path of one region of a file written by several threads (see :meth:`_WriterFileSystem.plan_regions`)."""
+
+
+class _OneFilePerRank(FileSystemWriter):
+    """DCP's ``FileSystemWriter`` with one data file per rank (``__R_0.distcp``) however many threads write it.
+
+    With ``thread_count`` > 1 the rank's items are split into that many groups of about equal size; each
+    group's length is found by a dry run of its serialisation (``torch.save`` into a byte counter: headers
+    and pickles only, the tensor bytes are not touched) and becomes one region of the file, written by one
+    of DCP's writer threads through :class:`~ckptio.storage.regions.Region`. DCP itself records every item's
+    offset as its stream reports it, so the metadata is the one a single-threaded write would give."""
+
+    fs: "_WriterFileSystem"
+
+    def finish(self, metadata: Any, results: list[list[Any]]) -> None:
+        """DCP's ``.metadata``, then ckptio's chunk index of the same folder (read by restores instead of unpickling
+        the metadata: :mod:`ckptio.formats.safetensors.chunk_index`)."""
+        super().finish(metadata, results)
+        if not self.use_collectives and self.rank is not None:
+            return  # DCP wrote a per-rank metadata file: no one index describes the folder
+        from ..safetensors.chunk_index import INDEX_NAME, encode_dcp
+
+        data = encode_dcp(metadata, len(results))
+        if data is None:
+            return  # an item was never written: save() raises for it (see run); the restore would refuse it too
+        with self.fs.create_stream(self.fs.concat_path(self.path, INDEX_NAME), "wb") as stream:
+            stream.write(data)
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        if self.thread_count <= 1 or len(plan.items) < 2:
+            self.thread_count = 1  # one item or one thread: DCP's own single stream
+            return super().write_data(plan, planner)
+        from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
+
+        cached = _CachingPlanner(planner)
+        groups = [g for g in _balanced(plan.items, self.thread_count) if g]
+        name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+        path = str(self.fs.concat_path(self.path, name))
+        regions = self.fs.plan_regions(path, [sum(cached.length(item) for item in g) for g in groups])
+        work: queue.Queue = queue.Queue()
+        for region, group in zip(regions, groups):
+            work.put((region, name, group))
+        return self._write_data(cached, work)  # type: ignore[arg-type]  # a SavePlanner by delegation
+
+
+def _item_bytes(item: Any) -> int:
+    data = getattr(item, "tensor_data", None)
+    if data is None:
+        return 1  # a pickled value: small
+    return math.prod(data.chunk.sizes) * data.properties.dtype.itemsize
+
+
+def _balanced(items: list[Any], n: int) -> list[list[Any]]:
+    """``items`` in ``n`` groups of about equal bytes (the largest first, each to the lightest group)."""
+    groups: list[list[Any]] = [[] for _ in range(n)]
+    sizes = [0] * n
+    for item in sorted(items, key=_item_bytes, reverse=True):
+        i = sizes.index(min(sizes))
+        groups[i].append(item)
+        sizes[i] += _item_bytes(item)
+    return groups
+
+
+class _CachingPlanner:
+    """The planner as DCP's writer threads see it, plus the byte length of each item as written.
+
+    A pickled value (``BYTE_IO``) is resolved once, measured, and handed out again as the same bytes (a second
+    pickling could differ). A tensor's length is that of ``torch.save`` of the compact tensor DCP's loader
+    writes (a view is cloned to its own storage first), measured by writing it into a counter."""
+
+    def __init__(self, planner: Any) -> None:
+        self.planner = planner
+        self._values: dict[Any, Any] = {}
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.planner, name)
+
+    def resolve_data(self, item: Any) -> Any:
+        with self._lock:
+            value = self._values.pop(item.index, None)
+        return value if value is not None else self.planner.resolve_data(item)
+
+    def length(self, item: Any) -> int:
+        import torch
+
+        data = self.planner.resolve_data(item)
+        if isinstance(data, io.BytesIO):
+            self._values[item.index] = data
+            return data.getbuffer().nbytes
+        tensor = data.detach()
+        if tensor.untyped_storage().size() != tensor.nbytes:
+            tensor = tensor.clone()
+        counter = _Counter()
+        torch.save(tensor, counter)  # type: ignore[arg-type]  # a binary sink
+        return counter.n
+
+
+class _Counter(io.RawIOBase):
+    """A sink that only counts what is written to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        n = memoryview(data).nbytes
+        self.n += n
+        return n
+
+
+def save(state_dict: dict[str, Any], writer: "FolderWriter | str | Path", rel: str = "", *,
+         thread_count: int = 1) -> dict[str, str]:
+    """Collective: write ``state_dict`` (local shards on each rank) as the DCP folder ``rel`` of ``writer``
+    (a :class:`FolderWriter`, or a local folder written in place).
+
+    Each rank writes one file, ``__R_0.distcp``; with ``thread_count`` > 1 its items are split by size into
+    that many regions of the file, written concurrently by DCP's writer threads. A failure on any of those
+    threads is raised here, on every rank.
+
+    Returns the files this rank wrote (relative to the writer's folder) with checksums computed as the
+    bytes went out.
+    """
+    if isinstance(writer, (str, Path)):
+        from ...storage import LocalFolderWriter
+
+        writer = LocalFolderWriter.in_place(writer)
+    base = writer.local_path(rel)
+    storage = _OneFilePerRank(str(base), sync_files=True, thread_count=thread_count)
+    fs = _WriterFileSystem(writer, rel, base)
+    storage.fs = fs
+    where = base if rel else writer.local_path()
+
+    def run() -> dict[str, str]:
+        try:  # a failure on the calling thread comes back from DCP with its cause (see create_stream)
+            with _quiet_single_process(), _plain_errors("saving", where), _no_zip_crc32():
+                dcp.save(state_dict, storage_writer=storage, no_dist=not _dist.is_dist(),
+                         process_group=_dist.current_group())
+        except BaseException:
+            fs.quiesce()  # before the caller removes the folder
+            raise
+        unfinished = [name for name, file in fs._regioned.items() if file.digest is None]
+        if unfinished and not fs.failed:
+            raise CheckpointError(f"saving DCP folder {where}: {unfinished[0]} was not written whole")
+        if fs.failed:  # on one of DCP's extra writer threads, which DCP does not report
+            name, exc = fs.failed[0]
+            cause = fs.errors[0] if fs.errors else exc
+            raise CheckpointError(f"saving DCP folder {where} failed writing {Path(name).name}: {cause}") from exc
+        return dict(fs.digests)
+
+    # a failure only a writer thread saw surfaces after DCP's own collectives: every rank raises together (on every
+    # rank alike: ranks of nodes with different core counts may use different thread counts)
+    return _dist.run_collectively(f"saving DCP folder {where}", run)
+
+
+class _Refused(io.RawIOBase):
+    """What a writer thread of DCP's gets for a file once the save has failed: writing it raises."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name, self.error = name, None
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        raise CheckpointError(f"{self.name}: not written, the save had already failed")
+
+    def fileno(self) -> int:
+        raise CheckpointError(f"{self.name}: not written, the save had already failed")
+
+
+@contextmanager
+def _plain_errors(what: str, folder: str | Path) -> Iterator[None]:
+    """Turn DCP's ``CheckpointException`` (a ``BaseException``!) into a ckptio error naming the folder.
+
+    Every rank receives the same exception from DCP, so every rank raises the same error here.
+    """
+    try:
+        yield
+    except CheckpointException as exc:
+        failures = {rank: pair[0] if isinstance(pair, tuple) else pair for rank, pair in exc.failures.items()}
+        first = failures[min(failures)]
+        detail = f"{type(first).__name__}: {first}" if not isinstance(first, CheckpointError) else str(first)
+        # a failure inside DCP while loading is a problem with the folder's data (e.g. a chunk whose bytes do
+        # not hold the shape its metadata gives): report it as corruption, so that auto-resume falls back
+        cls = type(first) if isinstance(first, CheckpointError) else (
+            CheckpointCorruptError if what == "loading" else CheckpointError)
+        raise cls(f"{what} DCP folder {folder} failed on rank(s) {sorted(failures)}: {detail}") from exc
+
+
+_crc_lock = threading.Lock()
+_crc_users: list[Any] = [0, True]  # saves in progress, the setting to restore after the last
+
+
+@contextmanager
+def _no_zip_crc32() -> Iterator[None]:
+    """DCP writes each tensor with ``torch.save``, whose zip writer computes a CRC-32 of every record: on the
+    reference machine that made a DCP save 3-4x slower than the disk. ``torch.load`` never checks those
+    CRCs (ckptio's own CRC-32C of every file, in the manifest, is what guards the bytes), so they are left
+    out while a DCP save runs. The setting is process-wide: a ``torch.save`` on another thread meanwhile
+    also writes records without a CRC (they still load; only zip tools that test CRCs would notice)."""
+    from torch import serialization
+
+    with _crc_lock:
+        if _crc_users[0] == 0:
+            _crc_users[1] = serialization.get_crc32_options()
+            serialization.set_crc32_options(False)
+        _crc_users[0] += 1
+    try:
+        yield
+    finally:
+        with _crc_lock:
+            _crc_users[0] -= 1
+            if _crc_users[0] == 0:
+                serialization.set_crc32_options(_crc_users[1])
+
+
+@contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """DCP warns on every single-process call that it assumes a single process; that is our intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield

@@ -1,0 +1,175 @@
+"""The model configuration of a Megatron checkpoint: its ``args``, a NeMo config, or a Hugging Face config.
+
+Megatron-LM checkpoints carry the run's ``args`` (an ``argparse.Namespace``). Others do not, and the
+sizes are found beside the weights instead: NeMo 1.x archives in ``model_config.yaml`` (:func:`nemo_args`),
+NeMo 2.0 checkpoints in ``context/model.yaml`` (the model's config under ``config:``, Megatron-Core
+``TransformerConfig`` names), or a Hugging Face ``config.json``. All become Megatron-LM argument names,
+and :func:`llama_config` turns those into the Hugging Face Llama config of the converted model.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from ...errors import CheckpointError
+from ..hf_fields import DEFAULT_THETA, Rope, dtype_name, rope, rope_config
+
+def _arg(args: Any, name: str, default: Any = None) -> Any:
+    return getattr(args, name, default) if args is not None else default
+
+
+def _not_llama(args: Any) -> list[str]:
+    """What in ``args`` a Hugging Face Llama cannot compute, each named by its Megatron-LM argument."""
+    problems = []
+    if _arg(args, "normalization", "RMSNorm") != "RMSNorm":
+        problems.append(f"normalization={_arg(args, 'normalization')}")
+    if not _arg(args, "swiglu", True):
+        problems.append("no SwiGLU")
+    if _arg(args, "position_embedding_type", "rope") != "rope":
+        problems.append(f"position_embedding_type={_arg(args, 'position_embedding_type')}")
+    if _arg(args, "add_bias_linear", False) or _arg(args, "add_qkv_bias", False):
+        problems.append("linear biases")
+    if _arg(args, "rotary_interleaved", False):
+        problems.append("interleaved rotary embeddings")
+    if _arg(args, "rotary_percent", None) not in (None, 1, 1.0):
+        problems.append(f"rotary_percent={_arg(args, 'rotary_percent')} (a partial rotary embedding)")
+    if _arg(args, "rotary_seq_len_interpolation_factor", None) not in (None, 1, 1.0):
+        problems.append(f"rotary_seq_len_interpolation_factor={_arg(args, 'rotary_seq_len_interpolation_factor')}")
+    return problems
+
+
+# Megatron-Core's Llama 3.1 RoPE scaling (RotaryEmbedding._apply_scaling): only the factor is an argument
+_MCORE_LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _rope(args: Any, where: object) -> Any:
+    """The rotary embedding of a Megatron run: ``rotary_base``, and a scaling given as a Hugging Face-style
+    mapping (``rope_scaling``, from a NeMo config) or as Megatron-LM's ``--use-rope-scaling`` (Llama 3.1)."""
+    theta = float(_arg(args, "rotary_base", None) or DEFAULT_THETA)
+    scaling = _arg(args, "rope_scaling")
+    if isinstance(scaling, dict) and scaling:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if not isinstance(kind, str):
+            raise CheckpointError(f"{where}: rope_scaling {scaling!r:.120} names no rope_type")
+        rest = {k: v for k, v in scaling.items() if k not in ("rope_type", "type", "rope_theta")}
+        return Rope(theta=theta, kind=kind, scaling=rest)
+    if scaling is True or _arg(args, "use_rope_scaling", False):
+        factor = float(_arg(args, "rope_scaling_factor", None) or 8.0)
+        return Rope(theta=theta, kind="llama3", scaling={"factor": factor, **_MCORE_LLAMA3})
+    return Rope(theta=theta)
+
+
+def llama_config(args: Any, where: object, layers: int, vocab_rows: int) -> dict[str, Any]:
+    """The Hugging Face Llama ``config.json`` of a Megatron run's ``args``; refuses non-Llama models by name.
+
+    The rotary embedding is written in both spellings (:func:`ckptio.formats.hf_fields.rope_config`), so that
+    transformers 4 and 5 read the same model."""
+    problems = _not_llama(args)
+    if problems:
+        raise CheckpointError(f"{where}: not a Llama-style model ({', '.join(problems)}); ckptio maps Megatron GPT "
+                              "models with RMSNorm, SwiGLU, RoPE and no linear biases to Hugging Face Llama")
+    hidden, heads = _arg(args, "hidden_size"), _arg(args, "num_attention_heads")
+    if not isinstance(hidden, int) or not isinstance(heads, int):
+        raise CheckpointError(f"{where}: the run's args are missing (hidden_size, num_attention_heads...); put the "
+                              "model's Hugging Face config.json beside the checkpoint")
+    groups = _arg(args, "num_query_groups") if _arg(args, "group_query_attention", False) else heads
+    vocab = _arg(args, "vocab_size") or _arg(args, "padded_vocab_size") or vocab_rows
+    dtype = "bfloat16" if _arg(args, "bf16", False) else "float16" if _arg(args, "fp16", False) else "float32"
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+        "intermediate_size": _arg(args, "ffn_hidden_size") or 4 * hidden, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": groups or heads,
+        "head_dim": _arg(args, "kv_channels") or hidden // heads, "hidden_act": "silu",
+        "rms_norm_eps": float(_arg(args, "norm_epsilon", 1e-5)), **rope_config(_rope(args, where)),
+        "max_position_embeddings": _arg(args, "max_position_embeddings") or 4096, "vocab_size": int(vocab),
+        "tie_word_embeddings": not _arg(args, "untie_embeddings_and_output_weights", False),
+        "attention_bias": False, "mlp_bias": False, "dtype": dtype, "torch_dtype": dtype,
+    }
+
+
+def nemo_args(config: dict[str, Any]) -> Any:
+    """Megatron arguments from a NeMo 1.x ``model_config.yaml`` of a Megatron-Core GPT model."""
+    activation = str(config.get("activation", "gelu")).lower()
+    return argparse.Namespace(
+        hidden_size=config.get("hidden_size"), num_attention_heads=config.get("num_attention_heads"),
+        num_query_groups=config.get("num_query_groups"), group_query_attention=bool(config.get("num_query_groups")),
+        ffn_hidden_size=config.get("ffn_hidden_size"), kv_channels=config.get("kv_channels"),
+        norm_epsilon=config.get("layernorm_epsilon", 1e-5), rotary_base=config.get("rotary_base", 10000),
+        rotary_percent=config.get("rotary_percentage", 1.0),
+        rotary_seq_len_interpolation_factor=config.get("seq_len_interpolation_factor"),
+        max_position_embeddings=config.get("max_position_embeddings") or config.get("encoder_seq_length"),
+        normalization="RMSNorm" if str(config.get("normalization", "")).lower() == "rmsnorm" else config.get("normalization"),
+        swiglu=activation in ("swiglu", "fast-swiglu"), position_embedding_type=config.get("position_embedding_type"),
+        add_bias_linear=bool(config.get("bias", False)), vocab_size=None,
+        untie_embeddings_and_output_weights=not config.get("share_embeddings_and_output_weights", True),
+        tensor_model_parallel_size=config.get("tensor_model_parallel_size"),
+        pipeline_model_parallel_size=config.get("pipeline_model_parallel_size"),
+        bf16=str(config.get("precision", "")).startswith("bf16"))
+
+
+def nemo2_args(model: dict[str, Any]) -> Any:
+    """Megatron arguments from NeMo 2.0's ``context/model.yaml`` (``config:`` holds TransformerConfig fields)."""
+    found = model.get("config")
+    config: dict[str, Any] = found if isinstance(found, dict) else {}
+    activation = config.get("activation_func")
+    target = activation.get("_target_", "") if isinstance(activation, dict) else str(activation or "")
+    glu = bool(config.get("gated_linear_unit")) and target.endswith("silu")
+    scaling = None
+    if config.get("scale_factor") is not None:  # Llama 3.1-style RoPE scaling
+        scaling = {"rope_type": "llama3", "factor": config.get("scale_factor"),
+                   "low_freq_factor": config.get("low_freq_factor", 1.0),
+                   "high_freq_factor": config.get("high_freq_factor", 4.0),
+                   "original_max_position_embeddings": config.get("old_context_len", 8192)}
+    return argparse.Namespace(
+        hidden_size=config.get("hidden_size"), num_attention_heads=config.get("num_attention_heads"),
+        num_query_groups=config.get("num_query_groups"), group_query_attention=bool(config.get("num_query_groups")),
+        ffn_hidden_size=config.get("ffn_hidden_size"), kv_channels=config.get("kv_channels"),
+        norm_epsilon=config.get("layernorm_epsilon", 1e-5), rotary_base=config.get("rotary_base", 10000),
+        rotary_percent=config.get("rotary_percent", 1.0),
+        rotary_seq_len_interpolation_factor=config.get("seq_len_interpolation_factor"),
+        max_position_embeddings=config.get("seq_length"), normalization=config.get("normalization"),
+        swiglu=glu, position_embedding_type=config.get("position_embedding_type", "rope"),
+        add_bias_linear=bool(config.get("add_bias_linear", False)), vocab_size=config.get("vocab_size"),
+        untie_embeddings_and_output_weights=not config.get("share_embeddings_and_output_weights", True),
+        bf16=bool(config.get("bf16")), fp16=bool(config.get("fp16")), rope_scaling=scaling)
+
+
+def args_from_files(folder: Path, run: Path) -> Any:
+    """The model's arguments from files beside a checkpoint without ``args``; ``None`` when there are none."""
+    from ...storage import safe_yaml
+    from ...storage.confined import Folder
+    from ..common import read_json
+
+    for where in (folder, run):
+        if (where / "context" / "model.yaml").is_file():
+            doc = safe_yaml.load(Folder(where / "context").read_bytes("model.yaml", max_size=safe_yaml.MAX_BYTES),
+                                 where / "context" / "model.yaml")
+            if isinstance(doc, dict):
+                return nemo2_args(doc)
+    for where in (folder, run, folder / "context"):
+        cfg = where / "config.json"
+        if cfg.is_file():
+            return hf_args(read_json(cfg), cfg)
+    return None
+
+
+def hf_args(hf: dict[str, Any], where: object) -> Any:
+    """Megatron arguments from a Hugging Face ``config.json`` (transformers 5 or 4 spelling) found beside a
+    checkpoint that records none; its rotary embedding, scaled or not, is kept (``rope_scaling``)."""
+    r = rope(hf, where)
+    if r.partial != 1.0:
+        raise CheckpointError(f"{where}: partial_rotary_factor = {r.partial}: ckptio maps Llama-style models, whose "
+                              "rotary embedding turns whole heads")
+    dtype = dtype_name(hf)
+    return argparse.Namespace(
+        hidden_size=hf.get("hidden_size"), num_attention_heads=hf.get("num_attention_heads"),
+        num_query_groups=hf.get("num_key_value_heads"), group_query_attention=True,
+        ffn_hidden_size=hf.get("intermediate_size"), kv_channels=hf.get("head_dim"),
+        norm_epsilon=hf.get("rms_norm_eps", 1e-5), rotary_base=r.theta,
+        max_position_embeddings=hf.get("max_position_embeddings"), vocab_size=hf.get("vocab_size"),
+        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+        rope_scaling={"rope_type": r.kind, **r.scaling} if r.kind != "default" else None,
+        add_bias_linear=bool(hf.get("attention_bias") or hf.get("mlp_bias")),
+        bf16=dtype == "bfloat16", fp16=dtype == "float16")

@@ -1,0 +1,306 @@
+"""Megatron-LM and Megatron-Core checkpoints, read as one Hugging Face Llama model.
+
+Layouts, detected from the folder (a run folder with ``latest_checkpointed_iteration.txt``, or one
+iteration folder ``iter_NNNNNNN``/``release``):
+
+* **legacy** (Megatron-LM ``--ckpt-format torch``): ``mp_rank_TT/`` (tensor parallel only) or
+  ``mp_rank_TT_PPP/`` (with pipeline stages), each with ``model_optim_rng.pt``: that rank's shard of the
+  weights under per-layer names, the layer index restarting at 0 on every stage. Read with
+  :mod:`ckptio.formats.megatron.safe_pickle` (no Megatron needed, no code run).
+* **distributed** (Megatron-Core ``torch_dist``, also NeMo 2.0's ``weights/``): ``metadata.json``,
+  ``common.pt`` and a DCP folder of whole tensors, the layers stacked along a leading dimension.
+
+Both become the Megatron-Core GPT names of one whole model (``decoder.layers.{i}.self_attention.
+linear_qkv.weight``...), tensor-parallel shards merged along each parameter's split dimension —
+column-parallel ``linear_qkv`` (whole query groups per rank), embeddings and output layer on dim 0,
+row-parallel ``linear_proj`` and ``linear_fc2`` on dim 1, and ``linear_fc1`` whose every shard holds
+``[gate part; up part]`` regathered as ``[gate; up]`` — with pipeline stages renumbered into one layer
+sequence and the vocabulary padding cut off. The ``megatron-to-llama`` naming converter
+(:mod:`ckptio.formats.naming`) then splits the fused tensors into Llama's. The Llama config comes
+from the run's ``args`` (or a ``config.json`` beside the checkpoint).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...errors import CheckpointCorruptError, CheckpointError
+from ...storage.confined import Folder
+from ...storage.parse import json_object
+from ..common import TensorInfo, dtype_name
+from .config import _arg, args_from_files, llama_config
+from .layout import (GLOBAL_SPLIT, ITERATION_FILE, LAYER_SPLIT, MAX_COMMON_BYTES, MAX_RANK_FILE_BYTES, NEMO_RANK_FILE,
+                     VOCAB_KEYS, _LAYER, _RENAME, _rank_files, iteration_folder, layout_of)
+from ..registry import Format, Opened, WriteOptions, register
+
+
+
+def _strip(key: str) -> str:
+    for prefix in ("module.", "model."):
+        key = key.removeprefix(prefix)
+    return key
+
+
+def _kind(key: str, where: object) -> tuple[str, Any, int | None]:
+    """(name with layer index placeholder, split, layer index) of a canonical weight key; refuses others."""
+    m = _LAYER.match(key)
+    if m:
+        suffix = _RENAME.get(m.group(2), m.group(2))
+        if suffix in LAYER_SPLIT:
+            return suffix, LAYER_SPLIT[suffix], int(m.group(1))
+    elif key in GLOBAL_SPLIT:
+        return key, GLOBAL_SPLIT[key], None
+    raise CheckpointError(f"{where}: {key!r} is not a parameter of a Llama-style Megatron GPT model (ckptio maps "
+                          "RMSNorm + SwiGLU + RoPE models without linear biases; see docs/converters.md)")
+
+
+def merge_tp(parts: list[torch.Tensor], split: Any, key: str, where: object) -> torch.Tensor:
+    """One parameter whole from its tensor-parallel shards (in TP rank order)."""
+    if split is None:
+        return parts[0]
+    if len({tuple(p.shape) for p in parts}) != 1:
+        raise CheckpointCorruptError(f"{where}: the TP shards of {key!r} differ in shape: {[list(p.shape) for p in parts]}")
+    if split == "glu":
+        if parts[0].shape[0] % 2:
+            raise CheckpointCorruptError(f"{where}: {key!r} has an odd number of rows; it cannot hold [gate; up]")
+        halves = [p.chunk(2, dim=0) for p in parts]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(parts, dim=split)
+
+
+# ------------------------------------------------------------------------------------------------ the layouts
+def read_legacy(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The whole model (canonical names) and the run's ``args``/``iteration`` of a legacy iteration folder."""
+    from . import safe_pickle as megatron_pickle
+
+    files = _rank_files(folder)
+    tp = 1 + max(t for t, _ in files)
+    pp = 1 + max(s for _, s in files)
+    root = Folder(folder)
+    out: dict[str, torch.Tensor] = {}
+    info: dict[str, Any] = {"tp": tp, "pp": pp, "placeholders": set()}
+    offset = 0
+    for stage in range(pp):
+        shards = []
+        for t in range(tp):
+            rel = files[(t, stage)]
+            obj, placeholders = megatron_pickle.load(root, rel, max_size=MAX_RANK_FILE_BYTES)
+            where = root.display(rel)
+            if isinstance(obj, dict) and rel.endswith(NEMO_RANK_FILE) and not isinstance(obj.get("model"), dict):
+                obj = {"model": obj}  # a NeMo archive's rank file is the state dict itself
+            if not isinstance(obj, dict) or not isinstance(obj.get("model"), dict):
+                extra = " (virtual pipeline stages: model0, model1... are not supported)" if "model0" in obj else ""
+                raise CheckpointCorruptError(f"{where}: no 'model' state dict{extra}")
+            info["placeholders"].update(placeholders)
+            if t == 0 and stage == 0:
+                info["args"], info["iteration"] = obj.get("args"), obj.get("iteration")
+            model = {_strip(k): v for k, v in obj["model"].items() if not k.endswith("_extra_state")}
+            bad = [k for k, v in model.items() if not isinstance(v, torch.Tensor)]
+            if bad:
+                raise CheckpointCorruptError(f"{where}: non-tensor model entries {bad[:3]}")
+            shards.append((where, model))
+        keys = list(shards[0][1])
+        for where, model in shards[1:]:
+            if set(model) != set(keys):
+                raise CheckpointCorruptError(f"{where}: holds other parameters than {shards[0][0]}: "
+                                             f"{sorted(set(model) ^ set(keys))[:3]}")
+        layers = sorted({k[2] for k in (_kind(key, shards[0][0]) for key in keys) if k[2] is not None})
+        # layer indices restart at 0 on each stage; a stage already numbered globally is kept as is
+        base = 0 if layers and layers[0] == offset else offset
+        for key in keys:
+            name, split, layer = _kind(key, shards[0][0])
+            if layer is not None:
+                name = f"decoder.layers.{base + layer}.{name}"
+            if name in out:
+                raise CheckpointCorruptError(f"{shards[0][0]}: {name} is held by two pipeline stages")
+            out[name] = merge_tp([m[key] for _, m in shards], split, key, shards[0][0])
+        offset = base + (layers[-1] + 1 if layers else 0)
+    return out, info
+
+
+class _DistModel:
+    """A Megatron-Core distributed checkpoint's weights, layers unstacked (each stacked tensor read once)."""
+
+    def __init__(self, folder: Path, prefix: str = "") -> None:
+        """``prefix``: read the tensors under it instead of the weights (``optimizer.state.exp_avg.``: Adam's
+        first moments, keyed like the weights)."""
+        from ..dcp import format as dcp_format
+        from . import safe_pickle as megatron_pickle
+
+        if not (folder / "common.pt").is_file() and (folder / "weights").is_dir():
+            folder = folder / "weights"
+        root = Folder(folder)
+        meta = json_object(root.read_bytes("metadata.json", max_size=1 << 20), root.display("metadata.json"))
+        if meta.get("sharded_backend") != "torch_dist":
+            raise CheckpointError(f"{root.display('metadata.json')}: sharded backend {meta.get('sharded_backend')!r}; "
+                                  "ckptio reads torch_dist checkpoints")
+        common, placeholders = megatron_pickle.load(root, "common.pt", max_size=MAX_COMMON_BYTES)
+        common = common if isinstance(common, dict) else {}
+        optimizer = common.get("optimizer")
+        state = optimizer.get("state") if isinstance(optimizer, dict) else None
+        step = state.get("common_step") if isinstance(state, dict) else None
+        self.info: dict[str, Any] = {"args": common.get("args"), "iteration": common.get("iteration"),
+                                     "placeholders": set(placeholders), "optimizer_step": step}
+        self.source = dcp_format.DCPSource(root)
+        self._stacked: dict[str, torch.Tensor] = {}
+        self.index: dict[str, TensorInfo] = {}
+        self._where: dict[str, tuple[str, int | None]] = {}
+        for key, ti in self.source.index().items():
+            if prefix and not key.startswith(prefix):
+                continue
+            name = _strip(key[len(prefix):])
+            if name.startswith("decoder.layers.") and name[len("decoder.layers."):] in LAYER_SPLIT:
+                for i in range(ti.shape[0]):
+                    self._add(f"decoder.layers.{i}.{name[len('decoder.layers.'):]}", TensorInfo(ti.shape[1:], ti.dtype),
+                              key, i)
+            elif name in GLOBAL_SPLIT:
+                self._add(name, ti, key, None)
+            elif not name.startswith(("optimizer.", "rng_state")):
+                _kind(name, root.display())  # refuses, naming the parameter
+        self.info["layers"] = 1 + max((int(_LAYER.match(k).group(1)) for k in self.index if _LAYER.match(k)),  # type: ignore[union-attr]
+                                      default=-1)
+
+    def _add(self, name: str, info: TensorInfo, key: str, layer: int | None) -> None:
+        self.index[name] = info
+        self._where[name] = (key, layer)
+
+    def read(self, name: str) -> torch.Tensor:
+        key, layer = self._where[name]
+        if layer is None:
+            return self.source.read(key)
+        if key not in self._stacked:
+            self._stacked[key] = self.source.read(key)
+        return self._stacked[key][layer]
+
+
+# ------------------------------------------------------------------------------------------------ the source
+class MegatronSource:
+    """A Megatron checkpoint's whole model under Megatron-Core GPT names, vocabulary padding cut off."""
+
+    def __init__(self, path: Path, *, args: Any = None, prefix: str = "") -> None:
+        """``args``: the model's Megatron arguments when the checkpoint does not carry them (a NeMo config);
+        ``prefix``: another set of parameter-shaped tensors of a distributed checkpoint (optimizer moments)."""
+        self.run = path
+        self.folder = iteration_folder(path)
+        self.layout = layout_of(self.folder)
+        if prefix and self.layout != "dist":
+            raise CheckpointError(f"{path}: only distributed (torch_dist) checkpoints are read beyond the weights")
+        if self.layout == "legacy":
+            tensors, self.info = read_legacy(self.folder)
+            self._index = {k: TensorInfo(tuple(v.shape), dtype_name(v.dtype)) for k, v in tensors.items()}
+            self._read = tensors.__getitem__
+            self.info["layers"] = 1 + max((int(m.group(1)) for m in map(_LAYER.match, tensors) if m), default=-1)
+        elif self.layout == "dist":
+            dist = _DistModel(self.folder, prefix)
+            self.info, self._index, self._read = dist.info, dist.index, dist.read
+        else:
+            raise CheckpointError(f"{path}: not a Megatron checkpoint (no mp_rank_* folders, no metadata.json and "
+                                  "common.pt)")
+        named = re.fullmatch(r"iter_(\d+)", self.folder.name)  # the folder's number is the one Megatron resumes at
+        if named:
+            self.info["iteration"] = int(named.group(1))
+        args = self.info.get("args") if args is None else args
+        if args is None:
+            args = args_from_files(self.folder, self.run)
+        rows = self._index["embedding.word_embeddings.weight"].shape[0] if "embedding.word_embeddings.weight" in \
+            self._index else 0
+        self.config = llama_config(args, self.folder, self.info["layers"], rows)
+        if self.config["tie_word_embeddings"]:  # a last-stage copy of the tied embedding is not a weight of its own
+            self._index.pop("output_layer.weight", None)
+        self.vocab = self.config["vocab_size"]
+        for key in VOCAB_KEYS:
+            if key in self._index:
+                shape = self._index[key].shape
+                if shape[0] < self.vocab:
+                    raise CheckpointCorruptError(f"{self.folder}: {key} has {shape[0]} rows for a vocabulary of {self.vocab}")
+                self._index[key] = TensorInfo((self.vocab, *shape[1:]), self._index[key].dtype)
+
+    def index(self) -> dict[str, TensorInfo]:
+        return dict(self._index)
+
+    def read(self, key: str) -> torch.Tensor:
+        if key not in self._index:
+            raise CheckpointError(f"{self.folder}: no tensor {key!r}")
+        t = self._read(key)
+        return t[: self.vocab] if key in VOCAB_KEYS else t
+
+    def close(self) -> None:
+        """Nothing is held open between reads."""
+
+
+def _as_llama(source: MegatronSource) -> Any:
+    from ..naming import _RenamedSource, get_converter
+
+    return _RenamedSource(source, get_converter("megatron-to-llama"), source.config)
+
+
+class MegatronFormat(Format):
+    """Megatron-LM legacy (``mp_rank_*``) and Megatron-Core ``torch_dist`` checkpoints, read as HF Llama."""
+
+    name = "megatron"
+    summary = "Megatron-LM / Megatron-Core checkpoint (mp_rank_* or torch_dist), read as Hugging Face Llama"
+    priority = 25
+
+    def detect(self, path: Path) -> bool:
+        try:
+            return path.is_dir() and ((path / ITERATION_FILE).is_file() or layout_of(path) is not None)
+        except OSError:
+            return False
+
+    def open(self, path: Path) -> Opened:
+        import json
+
+        source = MegatronSource(path)
+        renamed = _as_llama(source)
+        extras = Path(tempfile.mkdtemp(prefix="ckptio-megatron-"))
+        (extras / "config.json").write_text(json.dumps(source.config, indent=2))
+        iteration = source.info.get("iteration")
+        renamed.folder = extras
+        return Opened(self.name, renamed, extras, step=iteration if isinstance(iteration, int) else 0,
+                      cleanup=lambda: shutil.rmtree(extras, ignore_errors=True))
+
+    def open_adam(self, path: Path) -> tuple[float, dict[str, Any]] | None:
+        if layout_of(iteration_folder(path)) != "dist":
+            return None  # the legacy files key Adam's state by parameter position in each rank's groups
+        moments = {m: MegatronSource(path, prefix=f"optimizer.state.{m}.") for m in ("exp_avg", "exp_avg_sq")}
+        step = moments["exp_avg"].info.get("optimizer_step")
+        if not moments["exp_avg"].index() or step is None:
+            return None
+        return float(step), {m: _as_llama(source) for m, source in moments.items()}
+
+    def write(self, opened: Opened, source: Any, out: Path, options: WriteOptions) -> None:
+        from . import write as megatron_write
+
+        extra = options.extra
+        megatron_write.write(source, opened.extras, out, tp=extra.get("tp"), pp=extra.get("pp"),
+                             layout=extra.get("layout", "dist"), iteration=opened.step,
+                             divisible_by=extra.get("divisible_by"), like=extra.get("like"))
+
+    def describe(self, path: Path) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        from ..common import summarize_index
+
+        source = MegatronSource(path)
+        args, info = source.info.get("args"), source.info
+        tp = info.get("tp") or _arg(args, "tensor_model_parallel_size")
+        pp = info.get("pp") or _arg(args, "pipeline_model_parallel_size")
+        folder = Folder(source.folder)
+        files = {rel: e.size for rel, e in folder.walk_files() if e.kind == "file"}
+        layout = {"legacy": "Megatron-LM legacy (mp_rank_*)", "dist": "Megatron-Core torch_dist"}[source.layout or ""]
+        return {"path": str(path), "kind": self.name, "label": self.summary, "iteration": info.get("iteration"),
+                "weights": f"{source.folder.name}: {layout}, saved on TP={tp} PP={pp}",
+                "layout": source.layout, "tp": tp, "pp": pp, "layers": info.get("layers"),
+                "architecture": "LlamaForCausalLM (Megatron GPT)", "config": source.config,
+                "placeholders": sorted(info.get("placeholders", ())),
+                "tensors": asdict(summarize_index(_as_llama(source).index())), "files": files,
+                "total_bytes": sum(files.values())}
+
+
+register(MegatronFormat())

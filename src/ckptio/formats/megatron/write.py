@@ -1,0 +1,231 @@
+"""Hugging Face Llama weights written as a Megatron checkpoint, split for a chosen TP × PP.
+
+``ckptio convert SRC OUT --to megatron --tp T --pp P`` writes a Megatron-LM run folder::
+
+    OUT/latest_checkpointed_iteration.txt          the iteration (the source's step, else 0)
+    OUT/iter_NNNNNNN/                              Megatron-Core torch_dist (the default) ...
+        metadata.json  common.pt  .metadata  __0_0.distcp
+    OUT/iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt   ... or, with --megatron-layout legacy
+
+The model is renamed with the ``llama-to-megatron`` converter (``linear_qkv`` fused per query group,
+``linear_fc1`` = ``[gate; up]``) and the vocabulary padded as Megatron-LM pads it (to a multiple of
+D × T, D being ``--vocab-divisible-by``, Megatron-LM's ``--make-vocab-size-divisible-by``, 128 by default; the
+added rows are zeros). ``--like RUN`` takes T, P and D from an existing Megatron run's recorded arguments. The torch_dist layout holds whole tensors with the layers stacked,
+as Megatron-Core stores them, and Megatron-Core reshards them to its own TP × PP on load; its
+``common.pt`` records the run's ``args`` (sizes, TP, PP) for loaders and for ckptio. The legacy layout
+holds each rank's shard under per-layer names, layer numbers restarting on every pipeline stage. Both
+carry the weights only (no optimizer), like a converted release checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...errors import CheckpointError, ConfigError
+from .. import hf_fields
+from .layout import GLOBAL_SPLIT, ITERATION_FILE, LAYER_SPLIT, RANK_FILE, VOCAB_KEYS
+
+DIVISIBLE_BY = 128
+"""Megatron-LM's default ``--make-vocab-size-divisible-by``."""
+EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+_LEGACY_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+                 "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
+
+
+def megatron_args(config: dict[str, Any], tp: int, pp: int, layout: str,
+                  divisible_by: int = DIVISIBLE_BY, where: object = "config.json") -> argparse.Namespace:
+    """The Megatron-LM arguments that describe a Hugging Face Llama ``config`` split over ``tp`` × ``pp``, the
+    vocabulary padded to a multiple of ``divisible_by`` × ``tp`` (Megatron-LM's ``--make-vocab-size-divisible-by``).
+
+    The config may use transformers 5's or 4's spelling (:mod:`ckptio.formats.hf_fields`); a field Megatron
+    cannot hold (a scaled RoPE, biases...) is refused by name."""
+    rope = hf_fields.refuse(config, where, "Megatron")
+    heads = int(config["num_attention_heads"])
+    groups = int(config.get("num_key_value_heads") or heads)
+    layers, ffn, hidden = int(config["num_hidden_layers"]), int(config["intermediate_size"]), int(config["hidden_size"])
+    problems = [f"{what} ({n}) is not divisible by {by}" for what, n, by in (
+        ("num_attention_heads", heads, tp), ("num_key_value_heads", groups, tp), ("intermediate_size", ffn, tp),
+        ("num_hidden_layers", layers, pp)) if n % by]
+    if problems:
+        raise ConfigError(f"cannot split this model for TP={tp} PP={pp}: " + "; ".join(problems))
+    if not isinstance(divisible_by, int) or divisible_by < 1:
+        raise ConfigError(f"--vocab-divisible-by must be a positive integer, got {divisible_by!r}")
+    vocab = int(config["vocab_size"])
+    step = divisible_by * tp
+    dtype = hf_fields.dtype_name(config)
+    return argparse.Namespace(
+        num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads,
+        num_query_groups=groups, group_query_attention=groups != heads,
+        kv_channels=int(config.get("head_dim") or hidden // heads), vocab_size=vocab,
+        padded_vocab_size=-(-vocab // step) * step, make_vocab_size_divisible_by=divisible_by,
+        max_position_embeddings=int(config.get("max_position_embeddings") or 4096),
+        norm_epsilon=float(config.get("rms_norm_eps", 1e-5)), rotary_base=rope.theta, rotary_percent=1.0,
+        position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+        untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, ckpt_format=layout,
+        bf16=dtype == "bfloat16", fp16=dtype == "float16",
+    )
+
+
+def _tensors(source: Any, config: dict[str, Any], args: argparse.Namespace) -> dict[str, torch.Tensor]:
+    """The whole model under per-layer Megatron-Core names, the vocabulary padded with zero rows."""
+    from ..naming import _RenamedSource, get_converter
+
+    index = source.index()
+    tied = "lm_head.weight" not in index
+    renamed = _RenamedSource(_WithHead(source) if tied else source, get_converter("llama-to-megatron"), config)
+    out = {}
+    for key in renamed.index():
+        t = renamed.read(key).contiguous()
+        if key in VOCAB_KEYS and t.shape[0] < args.padded_vocab_size:
+            t = torch.cat([t, t.new_zeros(args.padded_vocab_size - t.shape[0], *t.shape[1:])])
+        out[key] = t
+    if tied and not args.untie_embeddings_and_output_weights:
+        out.pop("output_layer.weight", None)
+    return out
+
+
+class _WithHead:
+    """A tied model's source with ``lm_head.weight`` named (the embedding) so the converter's rules all match."""
+
+    def __init__(self, source: Any) -> None:
+        self.source, self.folder = source, source.folder
+
+    def index(self) -> dict[str, Any]:
+        index = self.source.index()
+        return {**index, "lm_head.weight": index["model.embed_tokens.weight"]}
+
+    def read(self, key: str) -> torch.Tensor:
+        return self.source.read("model.embed_tokens.weight" if key == "lm_head.weight" else key)
+
+
+def _split(t: torch.Tensor, split: Any, tp: int) -> list[torch.Tensor]:
+    if split is None:
+        return [t] * tp
+    if split == "glu":
+        gate, up = t.chunk(2, dim=0)
+        return [torch.cat([g, u]) for g, u in zip(gate.chunk(tp), up.chunk(tp))]
+    return [p.contiguous() for p in t.chunk(tp, dim=split)]
+
+
+def write_dist(folder: Path, tensors: dict[str, torch.Tensor], args: argparse.Namespace, iteration: int) -> None:
+    """Megatron-Core's torch_dist layout: whole tensors, layers stacked, ``_extra_state`` for each linear."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    layers = args.num_layers
+    state: dict[str, Any] = {k: v for k, v in tensors.items() if k in GLOBAL_SPLIT}
+    for suffix in LAYER_SPLIT:
+        state[f"decoder.layers.{suffix}"] = torch.stack([tensors[f"decoder.layers.{i}.{suffix}"] for i in range(layers)])
+    for module in EXTRA_STATE_MODULES:  # Megatron-Core's strict load asks for these objects (None: no FP8 state)
+        for i in range(layers):
+            state[f"decoder.layers.{module}._extra_state/shard_{i}_{layers}"] = [None]
+    with warnings.catch_warnings():  # a single-process save is what is meant here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder), thread_count=1), no_dist=True,
+                 planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
+    torch.save({"args": args, "iteration": iteration, "checkpoint_version": 3.0}, folder / "common.pt")
+    (folder / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                                                      "common_backend": "torch", "common_backend_version": 1}))
+
+
+def write_legacy(folder: Path, tensors: dict[str, torch.Tensor], args: argparse.Namespace, iteration: int) -> None:
+    """Megatron-LM's legacy layout: each TP × PP rank's shard in ``mp_rank_TT[_PPP]/model_optim_rng.pt``."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    per_stage = args.num_layers // pp
+    for stage in range(pp):
+        shards: list[dict[str, torch.Tensor | None]] = [collections.OrderedDict() for _ in range(tp)]
+        if stage == 0:
+            for t, part in enumerate(_split(tensors["embedding.word_embeddings.weight"], 0, tp)):
+                shards[t]["embedding.word_embeddings.weight"] = part.clone()
+        for local in range(per_stage):
+            i = stage * per_stage + local
+            for suffix, split in LAYER_SPLIT.items():
+                name = f"decoder.layers.{local}.{_LEGACY_NAMES.get(suffix, suffix)}"
+                for t, part in enumerate(_split(tensors[f"decoder.layers.{i}.{suffix}"], split, tp)):
+                    shards[t][name] = part.clone()
+            for module in EXTRA_STATE_MODULES:
+                for shard in shards:
+                    shard[f"decoder.layers.{local}.{module}._extra_state"] = None
+        if stage == pp - 1:
+            for t in range(tp):
+                shards[t]["decoder.final_layernorm.weight"] = tensors["decoder.final_layernorm.weight"].clone()
+            if "output_layer.weight" in tensors:
+                for t, part in enumerate(_split(tensors["output_layer.weight"], 0, tp)):
+                    shards[t]["output_layer.weight"] = part.clone()
+                    shards[t]["output_layer._extra_state"] = None
+        for t, shard in enumerate(shards):
+            rank_dir = folder / (f"mp_rank_{t:02d}" + (f"_{stage:03d}" if pp > 1 else ""))
+            rank_dir.mkdir()
+            torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration, "model": shard},
+                       rank_dir / RANK_FILE)
+
+
+# the model sizes a run's args must share with the exported model (Megatron-LM name, what the Llama config gives)
+_SIZES = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+          "vocab_size", "untie_embeddings_and_output_weights")
+
+
+def like_run(run: Path, ours: argparse.Namespace, tp: int | None, pp: int | None,
+             divisible_by: int | None) -> tuple[int, int, int]:
+    """TP, PP and vocabulary divisor taken from the Megatron run ``run`` (explicit values must agree with it),
+    after checking that the run's model has the sizes of the model being exported."""
+    from .layout import run_args
+
+    theirs = run_args(Path(run))
+    wrong = [f"{k}: the run has {getattr(theirs, k)}, the model {getattr(ours, k)}" for k in _SIZES
+             if getattr(theirs, k, None) is not None and getattr(ours, k) != getattr(theirs, k)
+             and not (k == "num_query_groups" and not getattr(theirs, "group_query_attention", False))]
+    if wrong:
+        raise ConfigError(f"--like {run}: that run's model is not this one ({'; '.join(wrong)})")
+    found = {"--tp": getattr(theirs, "tensor_model_parallel_size", 1) or 1,
+             "--pp": getattr(theirs, "pipeline_model_parallel_size", 1) or 1,
+             "--vocab-divisible-by": getattr(theirs, "make_vocab_size_divisible_by", DIVISIBLE_BY) or DIVISIBLE_BY}
+    for flag, given in (("--tp", tp), ("--pp", pp), ("--vocab-divisible-by", divisible_by)):
+        if given is not None and given != found[flag]:
+            raise ConfigError(f"{flag} {given} contradicts --like {run}, which was run with {flag} {found[flag]}")
+    return int(found["--tp"]), int(found["--pp"]), int(found["--vocab-divisible-by"])
+
+
+def write(source: Any, extras: Path | None, out: Path, *, tp: int | None, pp: int | None, layout: str, iteration: int,
+          divisible_by: int | None = None, like: str | Path | None = None) -> None:
+    """The run folder ``out`` (new), appearing whole: written beside it, then renamed into place.
+
+    ``tp``/``pp``/``divisible_by`` default to 1, 1 and Megatron-LM's 128; ``like``: an existing Megatron run
+    whose recorded arguments give them (and whose model sizes must be this model's)."""
+    from ..common import read_json
+
+    if layout not in ("dist", "legacy"):
+        raise ConfigError(f"megatron layout {layout!r}: use 'dist' (torch_dist) or 'legacy' (mp_rank_*)")
+    cfg = None if extras is None else extras / "config.json"
+    if cfg is None or not cfg.is_file():
+        raise CheckpointError("a Megatron export needs the model's config.json beside its weights (a Llama config)")
+    config = read_json(cfg)
+    ckpt_format = "torch_dist" if layout == "dist" else "torch"
+    if like is not None:
+        tp, pp, divisible_by = like_run(Path(like), megatron_args(config, 1, 1, ckpt_format, where=cfg), tp, pp,
+                                           divisible_by)
+    tp, pp = (1 if tp is None else int(tp)), (1 if pp is None else int(pp))
+    if tp < 1 or pp < 1:
+        raise ConfigError(f"--tp and --pp must be at least 1, got TP={tp} PP={pp}")
+    args = megatron_args(config, tp, pp, ckpt_format, DIVISIBLE_BY if divisible_by is None else divisible_by,
+                         where=cfg)
+    tensors = _tensors(source, config, args)
+    from ...storage import LocalFolderWriter
+
+    writer = LocalFolderWriter.create(out)  # fsynced and renamed into place at commit, like every convert output
+    try:
+        (write_dist if layout == "dist" else write_legacy)(writer.local_path(f"iter_{iteration:07d}"), tensors, args,
+                                                           iteration)
+        writer.write_bytes(ITERATION_FILE, str(iteration).encode())
+        writer.commit()
+    except BaseException:
+        writer.abort()
+        raise

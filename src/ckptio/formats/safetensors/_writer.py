@@ -1,0 +1,80 @@
+"""A streaming safetensors writer: header first, then tensors one at a time, checksummed as written.
+
+The output is byte-for-byte a standard safetensors file (8-byte little-endian header length, JSON
+header padded with spaces to 8-byte alignment, raw little-endian tensor data in header order). Only
+one tensor is materialised at a time, and its bytes go to the file without an extra copy.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterable
+
+import torch
+
+if TYPE_CHECKING:
+    from ...storage.base import WriteStream
+
+ST_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+}
+ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
+
+
+@dataclass
+class Entry:
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    produce: Callable[[], torch.Tensor]
+    """Returns the tensor (any device/layout); called once, right before its bytes are written."""
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes_of(self.dtype, self.shape)
+
+
+def nbytes_of(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    """The bytes of a tensor of ``dtype`` and ``shape``."""
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    return n
+
+
+def write(out: "WriteStream", entries: Iterable[Entry], metadata: dict[str, str] | None = None,
+          progress: Callable[[int], None] | None = None) -> str:
+    """Write ``entries`` as a safetensors file into the new stream ``out`` (closed, durable, on return).
+
+    Returns the file's checksum, computed as the bytes went out.
+    """
+    entries = list(entries)
+    header: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
+    offset = 0
+    for e in entries:
+        if e.dtype not in ST_DTYPES:
+            raise TypeError(f"{e.key!r}: dtype {e.dtype} cannot be stored in safetensors")
+        header[e.key] = {"dtype": ST_DTYPES[e.dtype], "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
+        offset += e.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-(8 + len(blob)) % 8)
+    with out:
+        out.write(len(blob).to_bytes(8, "little"))
+        out.write(blob)
+        for e in entries:
+            tensor = e.produce().detach()
+            if tensor.dtype != e.dtype:
+                tensor = tensor.to(e.dtype)
+            tensor = tensor.to("cpu").contiguous()
+            if tuple(tensor.shape) != tuple(e.shape):
+                raise ValueError(f"{e.key!r}: produced shape {list(tensor.shape)}, planned {list(e.shape)}")
+            if tensor.numel():
+                out.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]
+            if progress is not None:
+                progress(e.nbytes)
+            del tensor
+    return out.close()

@@ -1,0 +1,148 @@
+"""How ``CkptioTrainer`` (:mod:`ckptio.hf_trainer`) writes a ``checkpoint-N`` folder: every rank into one hidden
+folder, rank 0 committing it with its manifest and then applying ``save_total_limit``; synchronously, or with
+``async_save`` staged on the training thread and written, committed and rotated in the background
+(:mod:`ckptio.integrations.framework_async`).
+
+In the background the Trainer's own writers run on the staged copies: ``Trainer._save`` with the staged state dict
+(``save_pretrained``: weights, configuration, tokenizer, ``training_args.bin``), then ``torch.save`` of the staged
+optimizer and scheduler states, as ``_save_optimizer_and_scheduler`` writes them. The RNG states, the scaler and
+``trainer_state.json`` are small and must show the instant of the save: they are written on the training thread.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["NAME", "TRAINER_STATE", "OPTIMIZER", "SCHEDULER", "WEIGHTS", "save_checkpoint"]
+
+NAME = re.compile(r"^checkpoint-(\d+)$")
+"""A Trainer checkpoint's folder name; its group is the global step."""
+TRAINER_STATE, OPTIMIZER, SCHEDULER = "trainer_state.json", "optimizer.pt", "scheduler.pt"
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json",
+           "adapter_model.safetensors", "adapter_model.bin")
+"""The files that hold a Trainer checkpoint's weights (one of them is there)."""
+
+
+def save_checkpoint(me: Any, trial: Any, saves: Any, complete: Callable[[Path], None]) -> None:
+    """The Trainer's ``_save_checkpoint`` for ``me`` (a ``CkptioTrainerMixin``): in the background through ``saves``
+    (a :class:`~ckptio.integrations.framework_async.FolderSaves`), or now when it is ``None``. ``complete`` checks a folder for
+    retention."""
+    if saves is not None:
+        saves.wait()  # the previous save is committed (its folder is there) and its staging buffers are free
+    if me.hp_search_backend is None and trial is None:
+        me.store_flos()
+    run_dir = Path(me._get_output_dir(trial=trial))
+    final = run_dir / f"checkpoint-{me.state.global_step}"
+    tmp = run_dir / f".{final.name}.tmp-{me.state.global_step & 0xFFFFFFFF:08x}"
+    if me.args.should_save:
+        if not me._ckptio_swept:
+            from ..storage.posix import sweep_leftovers
+
+            me._ckptio_swept = True
+            sweep_leftovers(run_dir)
+        shutil.rmtree(tmp, ignore_errors=True)  # an earlier attempt at this step, killed
+        tmp.mkdir(parents=True)
+    me.accelerator.wait_for_everyone()
+    write = _staged_writer(me, tmp, saves) if saves is not None else _writer(me, tmp)
+    if saves is None:
+        write()
+    if me.state.best_global_step:
+        best = run_dir / f"checkpoint-{me.state.best_global_step}"
+        if me.state.best_global_step == me.state.global_step or best.is_dir():
+            me.state.best_model_checkpoint = str(best)
+    if not me.args.save_only_model:
+        me._save_scaler(str(tmp))
+        me._save_rng_state(str(tmp))
+    commit = None
+    if me.args.should_save:
+        _store_callback_states(me)
+        me.state.save_to_json(str(tmp / TRAINER_STATE))
+        commit = _committer(me, run_dir, final, tmp, complete)
+    if saves is not None:
+        saves.start(final, write, commit)
+        return
+    me.accelerator.wait_for_everyone()  # every rank's files are in
+    if commit is not None:
+        commit()
+    me.accelerator.wait_for_everyone()  # committed before any rank reads it
+    if me.args.push_to_hub:
+        me._push_from_checkpoint(str(final))
+
+
+def _writer(me: Any, tmp: Path) -> Callable[[], None]:
+    """The Trainer's own writes of the model, optimizer and scheduler, from the live states."""
+    def write() -> None:
+        me.save_model(str(tmp), _internal_call=True)
+        if not me.args.save_only_model:
+            me._save_optimizer_and_scheduler(str(tmp))
+
+    return write
+
+
+def _staged_writer(me: Any, tmp: Path, saves: Any) -> Callable[[], None]:
+    """The same writes from copies of the states taken now, for the background thread."""
+    from .framework_async import reached_writing
+
+    should, full = me.args.should_save, not me.args.save_only_model
+    others = {"optimizer": me.optimizer.state_dict(), "scheduler": me.lr_scheduler.state_dict()} if should and full \
+        else {}
+    (weights,), others = saves.stage([me.model.state_dict() if should else {}], [me.model], **others)
+
+    def write() -> None:
+        if should:
+            me._save(str(tmp), state_dict=weights)
+        reached_writing()
+        if should and full:
+            torch.save(others["optimizer"], tmp / OPTIMIZER)
+            torch.save(others["scheduler"], tmp / SCHEDULER)
+
+    return write
+
+
+def _store_callback_states(me: Any) -> None:
+    from transformers.trainer_callback import ExportableState
+
+    for cb in [c for c in me.callback_handler.callbacks + [me.control] if isinstance(c, ExportableState)]:
+        name, state = cb.__class__.__name__, cb.state()
+        if isinstance(me.state.stateful_callbacks[name], list):
+            me.state.stateful_callbacks[name].append(state)
+        else:
+            me.state.stateful_callbacks[name] = state
+
+
+def _committer(me: Any, run_dir: Path, final: Path, tmp: Path, complete: Callable[[Path], None]) -> Callable[[], None]:
+    """Rank 0's commit of ``tmp`` as ``final`` and the retention after it, with what they need of the Trainer's state
+    read now (training goes on changing it while a background save commits)."""
+    from .framework_dirs import commit, remove_oldest
+    from ..engine.manifest import StateEntry
+    from ..storage.local import LocalFolderWriter
+
+    step, epoch, world = me.state.global_step, int(me.state.epoch or 0), me.args.world_size
+    metrics = {}
+    key = me.args.metric_for_best_model
+    if key:
+        key = key if key.startswith("eval_") else f"eval_{key}"
+        for entry in me.state.log_history:
+            if entry.get("step") == step and isinstance(entry.get(key), (int, float)):
+                metrics[key] = float(entry[key])
+    best = me.state.best_model_checkpoint
+    keep = frozenset({Path(best).name} if best else ())
+    limit = me.args.save_total_limit
+
+    def run() -> None:
+        writer = LocalFolderWriter(final, tmp)
+        files = writer.files()
+        weights = next((n for n in WEIGHTS if n in files), None)
+        states = {"model": StateEntry("model", "hf", weights)} if weights else {}
+        if OPTIMIZER in files:
+            states.update(optimizer=StateEntry("optimizer", "pt", OPTIMIZER),
+                          lr_scheduler=StateEntry("object", "pt", SCHEDULER))
+        commit(writer, step=step, epoch=epoch, world_size=world, states=states, metrics=metrics)
+        remove_oldest(run_dir, NAME, limit, keep=keep, check=complete, saved=final.name, setting="save_total_limit")
+
+    return run
