@@ -12,6 +12,9 @@ what it read through these pieces, so that a hostile or damaged file meets the s
 * **types checked**: :func:`field`, :func:`as_int` and :func:`as_float` take a value of the expected type
   and range or refuse it naming the file and the field (a 400-digit integer is refused, never an
   ``OverflowError`` later);
+* **pickles walked first**: :func:`check_pickle` reads a pickle's opcodes without building anything before a
+  restricted unpickler loads it, so that no length or memo slot it claims makes the unpickler allocate past
+  the file (the C unpickler sizes its memo by the largest slot stored: one flipped byte asked for gigabytes);
 * **one error**: whatever a parser still raises about its input (``ValueError``, ``TypeError``,
   ``KeyError``, ``OverflowError``, ``RecursionError``, a bad zip, a bad pickle...) becomes, inside
   :class:`parsing`, a :class:`~ckptio.errors.CheckpointCorruptError` naming the file — never a bare traceback.
@@ -23,17 +26,19 @@ folder kind then skips that folder with its reason and takes the next older comp
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import pickle
+import pickletools
 import struct
 import zipfile
 import zlib
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 from ..errors import CheckpointCorruptError, CheckpointError
 
-__all__ = ["MAX_DEPTH", "DATA_ERRORS", "parsing", "json_value", "json_object", "read_json", "check_depth",
+__all__ = ["MAX_DEPTH", "DATA_ERRORS", "parsing", "check_pickle", "json_value", "json_object", "read_json", "check_depth",
            "field", "as_int", "as_float", "Budget", "zip_member"]
 
 MAX_DEPTH = 64
@@ -67,6 +72,72 @@ class parsing:  # noqa: N801 - used as a statement: ``with parsing(path):``
         text = str(exc).splitlines()[0][:300] if str(exc) else ""
         what = f"{self.what} " if self.what else ""
         raise CheckpointCorruptError(f"{self.where}: {what}cannot be read safely ({type(exc).__name__}: {text})") from exc
+
+
+_OPS = {op.name: op for op in pickletools.opcodes}
+_MEMO_STORES = frozenset(_OPS[name] for name in ("PUT", "BINPUT", "LONG_BINPUT"))
+_MEMOIZE, _FRAME = _OPS["MEMOIZE"], _OPS["FRAME"]
+
+
+class _Left(io.RawIOBase):
+    """A stream of ``size`` bytes from its current position whose reads never ask for more than is left (a pickle's
+    length field claiming a terabyte reads what there is, and fails as too short)."""
+
+    def __init__(self, stream: BinaryIO, size: int) -> None:
+        super().__init__()
+        self.stream, self.left, self.start = stream, size, stream.tell()
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.left if n is None or n < 0 else min(n, self.left)
+        data = self.stream.read(n)
+        self.left -= len(data)
+        return data
+
+    def readline(self, limit: int = -1) -> bytes:
+        line = self.stream.readline(self.left if limit is None or limit < 0 else min(limit, self.left))
+        self.left -= len(line)
+        return line
+
+    def tell(self) -> int:
+        return self.stream.tell() - self.start
+
+
+def check_pickle(source: "bytes | BinaryIO", where: object, *, size: int | None = None) -> None:
+    """Walk the pickle in ``source`` (its bytes, or a seekable stream at its start, of ``size`` bytes from there)
+    opcode by opcode without building anything; refuse it, naming ``where``, unless every opcode is one a pickler
+    writes, with arguments inside the input, and every memo slot it stores into is the next one or one already
+    stored (as every pickler numbers them). A stream is left where it started, for the unpickler.
+
+    The restricted unpicklers are ``pickle.Unpickler`` (C) subclasses: their ``find_class`` refuses every global
+    not allowed, but the C unpickler sizes its memo by the largest slot a ``LONG_BINPUT`` names and zeroes it, so
+    one flipped byte there costs gigabytes before any class is looked up. Costs about what the load costs."""
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        stream: Any = io.BytesIO(source)  # its reads already stop at the end
+        walk: Any = stream
+        size = len(source)
+    else:
+        stream = source
+        walk = _Left(stream, size if size is not None else 1 << 62)
+    start = stream.tell()
+    stored = 0
+    try:
+        for op, arg, pos in pickletools.genops(walk):
+            if op in _MEMO_STORES:
+                if type(arg) is not int or not 0 <= arg <= stored:
+                    raise ValueError(f"memo slot {arg} stored after {stored} slots (a pickler stores them in order)")
+                stored += arg == stored
+            elif op is _MEMOIZE:
+                stored += 1
+            elif op is _FRAME and arg > (size or 0) - (pos or 0):
+                raise ValueError(f"a frame of {arg} bytes at byte {pos} of {size}")
+    except (ValueError, EOFError, struct.error, OverflowError, IndexError, KeyError) as exc:
+        text = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+        raise CheckpointCorruptError(f"{where}: not a well-formed pickle ({text})") from None
+    finally:
+        stream.seek(start)
 
 
 def check_depth(value: Any, where: object, *, max_depth: int = MAX_DEPTH) -> Any:

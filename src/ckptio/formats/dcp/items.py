@@ -28,6 +28,7 @@ import torch
 
 from ...errors import CheckpointCorruptError
 from ...storage.confined import ReadHandle
+from ...storage.parse import DATA_ERRORS, check_pickle
 
 __all__ = ["StoredTensor", "parse", "plain_value", "read_into"]
 
@@ -86,7 +87,7 @@ def parse(handle: ReadHandle, base: int, length: int) -> StoredTensor | None:
     """
     try:
         return _parse(_Window(handle, base, length))
-    except (ValueError, struct.error, pickle.UnpicklingError, EOFError, KeyError, IndexError, TypeError) as exc:
+    except DATA_ERRORS as exc:
         raise CheckpointCorruptError(f"{handle.path}: the DCP item at byte {base} ({length} bytes) is not a "
                                      f"readable tensor archive: {exc}") from None
 
@@ -106,7 +107,7 @@ def _parse(win: _Window) -> StoredTensor | None:
     order = records.get(prefix + "byteorder")
     if order is not None and _record(win, *order) != b"little":
         return None
-    stored = _Unpickler(io.BytesIO(_record(win, *records[pkl[0]], limit=_MAX_PICKLE))).load()
+    stored = _Unpickler(io.BytesIO(_pickle(win, records[pkl[0]]))).load()
     if not isinstance(stored, _Rebuilt) or len(storages) != 1:
         return None
     dtype, numel = stored.storage.dtype, stored.storage.numel
@@ -217,6 +218,14 @@ def _rebuild(storage: Any, offset: Any, size: Any, stride: Any, *_: Any) -> _Reb
     return _Rebuilt(storage, offset, tuple(size), tuple(stride))
 
 
+def _pickle(win: _Window, record: Any) -> bytes:
+    """The bytes of the archive's ``data.pkl`` (``record``: where it lies), walked by the gate before any
+    unpickler sees them."""
+    data = _record(win, *record, limit=_MAX_PICKLE)
+    check_pickle(data, f"{win.handle.path}: the DCP item at byte {win.base}")
+    return data
+
+
 class _Unpickler(pickle.Unpickler):
     """The pickle of one tensor, as ``torch.save`` writes it; any other global is refused."""
 
@@ -264,7 +273,7 @@ def plain_value(handle: ReadHandle, base: int, length: int) -> tuple[bool, Any]:
         pkl = [name for name in records if name.endswith("/data.pkl")]
         if len(pkl) != 1 or any(name.startswith(pkl[0][: -len("data.pkl")] + "data/") for name in records):
             return False, None
-        return True, _PlainUnpickler(io.BytesIO(_record(win, *records[pkl[0]], limit=_MAX_PICKLE))).load()
+        return True, _PlainUnpickler(io.BytesIO(_pickle(win, records[pkl[0]]))).load()
     except (_NotPlain, ValueError, struct.error, pickle.UnpicklingError, EOFError, KeyError, IndexError, TypeError,
             AttributeError, RecursionError, MemoryError):
         return False, None

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from ...errors import CheckpointCorruptError, CheckpointNotFoundError
 from ...storage.confined import Folder, as_folder, check_relative
+from ...storage.parse import check_pickle
 from ..safetensors.chunk_index import check_cover
 
 __all__ = ["METADATA_FILE", "read_metadata", "boxes", "check_data_files"]
@@ -92,9 +93,12 @@ def read_metadata(folder: "str | Path | Folder", filename: str = METADATA_FILE) 
             raise CheckpointCorruptError(f"{path}: {handle.size} bytes, more than the {MAX_METADATA_BYTES} DCP metadata "
                                          "may have")
         size = handle.size
+        if handle.read(0, min(size, 1)) != b"\x80":  # a pickle of protocol 2 or later: garbage fails here
+            raise CheckpointCorruptError(f"{path}: unreadable DCP metadata (not a pickle)")
+        data = handle.read(0, size)
+        check_pickle(data, path)  # walked by the gate before the unpickler sees it
         try:
-            with io.BufferedReader(handle.stream(), buffer_size=1 << 20) as stream:
-                metadata = _MetadataUnpickler(stream).load()
+            metadata = _MetadataUnpickler(io.BytesIO(data)).load()
         except Exception as exc:  # any failure to decode is a corrupt or hostile file
             raise CheckpointCorruptError(f"{path}: unreadable DCP metadata ({type(exc).__name__}: {exc})") from exc
     if not isinstance(metadata, Metadata):

@@ -29,7 +29,7 @@ import torch
 
 from ...errors import CheckpointCorruptError
 from ...storage.confined import Folder
-from ...storage.parse import Budget, parsing, zip_member
+from ...storage.parse import Budget, check_pickle, parsing, zip_member
 
 __all__ = ["Placeholder", "load", "loads"]
 
@@ -221,7 +221,9 @@ def _load_archive(archive: zipfile.ZipFile, budget: Budget) -> tuple[Any, list[s
     info = archive.getinfo(pickles[0])
     if info.file_size > MAX_PICKLE_BYTES:
         raise CheckpointCorruptError(f"{where}: data.pkl is {info.file_size} bytes")
-    unpickler = _Unpickler(zip_member(archive, pickles[0], budget), archive, pickles[0][: -len("data.pkl")], budget)
+    data = zip_member(archive, pickles[0], budget)
+    check_pickle(data, f"{where}: {pickles[0]}")
+    unpickler = _Unpickler(data, archive, pickles[0][: -len("data.pkl")], budget)
     with parsing(where, also=(MemoryError,)):  # a length field claiming a terabyte fails its allocation
         obj = unpickler.load()
     return obj, sorted(unpickler.placeholders)
