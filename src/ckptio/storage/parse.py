@@ -90,13 +90,13 @@ class _Left(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def read(self, n: int = -1) -> bytes:
+    def read(self, n: int | None = -1) -> bytes:
         n = self.left if n is None or n < 0 else min(n, self.left)
         data = self.stream.read(n)
         self.left -= len(data)
         return data
 
-    def readline(self, limit: int = -1) -> bytes:
+    def readline(self, limit: int | None = -1) -> bytes:
         line = self.stream.readline(self.left if limit is None or limit < 0 else min(limit, self.left))
         self.left -= len(line)
         return line
@@ -131,7 +131,7 @@ def check_pickle(source: "bytes | BinaryIO", where: object, *, size: int | None 
                 stored += arg == stored
             elif op is _MEMOIZE:
                 stored += 1
-            elif op is _FRAME and arg > (size or 0) - (pos or 0):
+            elif op is _FRAME and type(arg) is int and arg > (size or 0) - (pos or 0):
                 raise ValueError(f"a frame of {arg} bytes at byte {pos} of {size}")
     except (ValueError, EOFError, struct.error, OverflowError, IndexError, KeyError) as exc:
         text = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__

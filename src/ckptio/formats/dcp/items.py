@@ -221,7 +221,8 @@ def _rebuild(storage: Any, offset: Any, size: Any, stride: Any, *_: Any) -> _Reb
 def _pickle(win: _Window, record: Any) -> bytes:
     """The bytes of the archive's ``data.pkl`` (``record``: where it lies), walked by the gate before any
     unpickler sees them."""
-    data = _record(win, *record, limit=_MAX_PICKLE)
+    start, nbytes, method = record
+    data = _record(win, start, nbytes, method, limit=_MAX_PICKLE)
     check_pickle(data, f"{win.handle.path}: the DCP item at byte {win.base}")
     return data
 
