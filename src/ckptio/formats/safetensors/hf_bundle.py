@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from ...storage.confined import Folder
+from ...storage.parse import json_object
 from . import _writer as _st_writer
 from ..dcp import format as dcp_format
 from . import fp8_blocks, sharded as safetensors_sharded
@@ -177,9 +178,7 @@ def _drop_fp8_quantization(path: Path) -> None:
     weights as FP8 blocks without their scales."""
     if not path.is_file():
         return
-    from . import fp8_blocks
-
-    config = json.loads(path.read_text())
+    config = json_object(path.read_bytes(), path)
     plain = fp8_blocks.plain_config(config)
     if plain is not config:
         path.write_text(json.dumps(plain, indent=2, sort_keys=True) + "\n")
