@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .base import ClosedOnSuccess
-from .posix import commit_directory, fsync_dir, fsync_tree, read_pointer, remove_tree, write_pointer
+from .posix import Writeback, commit_directory, fsync_dir, fsync_tree, read_pointer, remove_tree, write_pointer
 
 if TYPE_CHECKING:
     from .confined import Folder
@@ -37,6 +37,7 @@ class LocalWriteStream(ClosedOnSuccess):
         self._out = ChecksummingStream(self._raw)
         self._durable = durable
         self._digest: str | None = None
+        self._writeback = Writeback(self._raw.fileno()) if durable else None
 
     @property
     def error(self) -> OSError | None:
@@ -51,7 +52,10 @@ class LocalWriteStream(ClosedOnSuccess):
         return self._out.checksum.size
 
     def write(self, data: object) -> int:
-        return self._out.write(data)
+        n = self._out.write(data)
+        if self._writeback is not None:
+            self._writeback.advance(self._out.checksum.size)
+        return n
 
     def adopt_checksum(self, value: int, size: int) -> None:
         """Take the CRC-32C of content written past this stream (in regions, see :mod:`ckptio.storage.regions`)."""

@@ -20,6 +20,7 @@ from typing import Any
 
 from .base import ClosedOnSuccess
 from .checksum import RunningChecksum, crc32c_combine
+from .posix import Writeback
 
 __all__ = ["RegionedFile", "Region"]
 
@@ -85,6 +86,7 @@ class Region(ClosedOnSuccess):
         self.checksum = RunningChecksum()
         self.error: OSError | None = None
         self._done = False
+        self._writeback: Writeback | None = None
 
     def writable(self) -> bool:
         return True
@@ -107,6 +109,10 @@ class Region(ClosedOnSuccess):
             done += n
         self.checksum.update(view)
         self.pos += done
+        if getattr(self.file.stream, "_writeback", None) is not None:  # a durable local file: write it out as we go
+            if self._writeback is None:
+                self._writeback = Writeback(fd, self.start)
+            self._writeback.advance(self.pos)
         return done
 
     def tell(self) -> int:

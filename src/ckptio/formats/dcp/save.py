@@ -16,7 +16,6 @@ from __future__ import annotations
 import io
 import math
 import os
-import queue
 import threading
 import warnings
 from contextlib import contextmanager
@@ -165,20 +164,50 @@ class _OneFilePerRank(FileSystemWriter):
             stream.write(data)
 
     def write_data(self, plan: Any, planner: Any) -> Any:
-        if self.thread_count <= 1 or len(plan.items) < 2:
-            self.thread_count = 1  # one item or one thread: DCP's own single stream
-            return super().write_data(plan, planner)
+        """This rank's items into ``__R_0.distcp`` (see :mod:`ckptio.formats.dcp.writer`): one stream, or with
+        ``thread_count`` > 1 that many regions of about equal bytes written at once, each by a thread of ours."""
         from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 
-        cached = _CachingPlanner(planner)
-        groups = [g for g in _balanced(plan.items, self.thread_count) if g]
+        from .writer import archive_length, write_items
+
         name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
         path = str(self.fs.concat_path(self.path, name))
-        regions = self.fs.plan_regions(path, [sum(cached.length(item) for item in g) for g in groups])
-        work: queue.Queue = queue.Queue()
-        for region, group in zip(regions, groups):
-            work.put((region, name, group))
-        return self._write_data(cached, work)  # type: ignore[arg-type]  # a SavePlanner by delegation
+        values = _ResolvedOnce(planner)
+        groups = [g for g in _balanced(plan.items, self.thread_count) if g] if self.thread_count > 1 else []
+        results: list[Any] = []
+        if len(groups) < 2:
+            with self.fs.create_stream(path, "wb") as stream:
+                results = write_items(stream, plan.items, values.resolve, name)
+        else:
+            regions = self.fs.plan_regions(path, [sum(archive_length(values.resolve(i, keep=True)) for i in g)
+                                                  for g in groups])
+            done: list[list[Any]] = [[] for _ in groups]
+            failed: list[BaseException] = []
+
+            def write(k: int) -> None:
+                try:
+                    with _no_zip_crc32(), self.fs.create_stream(regions[k], "wb") as stream:
+                        done[k] = write_items(stream, groups[k], values.resolve, name)
+                except BaseException as exc:  # on the calling thread: raised below, after every thread ended
+                    failed.append(exc)
+
+            threads = [threading.Thread(target=write, args=(k,), name=f"ckptio-dcp-{k}") for k in range(1, len(groups))]
+            for t in threads:
+                t.start()
+            write(0)
+            for t in threads:
+                t.join()
+            if failed:
+                raise failed[0]
+            if self.fs.failed:  # a region's write failed on one of the other threads (kept by create_stream)
+                failed_name, exc = self.fs.failed[0]
+                raise (self.fs.errors[0] if self.fs.errors else exc)
+            results = [r for part in done for r in part]
+        from torch.futures import Future
+
+        fut: Future = Future()
+        fut.set_result(results)
+        return fut
 
 
 def _item_bytes(item: Any) -> int:
@@ -199,55 +228,24 @@ def _balanced(items: list[Any], n: int) -> list[list[Any]]:
     return groups
 
 
-class _CachingPlanner:
-    """The planner as DCP's writer threads see it, plus the byte length of each item as written.
-
-    A pickled value (``BYTE_IO``) is resolved once, measured, and handed out again as the same bytes (a second
-    pickling could differ). A tensor's length is that of ``torch.save`` of the compact tensor DCP's loader
-    writes (a view is cloned to its own storage first), measured by writing it into a counter."""
+class _ResolvedOnce:
+    """The planner's ``resolve_data``, except that a pickled value (``BYTE_IO``) resolved to measure it is handed out
+    again as the same bytes (a second pickling could differ)."""
 
     def __init__(self, planner: Any) -> None:
         self.planner = planner
         self._values: dict[Any, Any] = {}
         self._lock = threading.Lock()
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.planner, name)
-
-    def resolve_data(self, item: Any) -> Any:
+    def resolve(self, item: Any, keep: bool = False) -> Any:
         with self._lock:
             value = self._values.pop(item.index, None)
-        return value if value is not None else self.planner.resolve_data(item)
-
-    def length(self, item: Any) -> int:
-        import torch
-
-        data = self.planner.resolve_data(item)
-        if isinstance(data, io.BytesIO):
-            self._values[item.index] = data
-            return data.getbuffer().nbytes
-        tensor = data.detach()
-        if tensor.untyped_storage().size() != tensor.nbytes:
-            tensor = tensor.clone()
-        counter = _Counter()
-        torch.save(tensor, counter)  # type: ignore[arg-type]  # a binary sink
-        return counter.n
-
-
-class _Counter(io.RawIOBase):
-    """A sink that only counts what is written to it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.n = 0
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: Any) -> int:
-        n = memoryview(data).nbytes
-        self.n += n
-        return n
+        if value is None:
+            value = self.planner.resolve_data(item)
+        if keep and isinstance(value, io.BytesIO):
+            with self._lock:
+                self._values[item.index] = value
+        return value
 
 
 def save(state_dict: dict[str, Any], writer: "FolderWriter | str | Path", rel: str = "", *,
@@ -330,31 +328,22 @@ def _plain_errors(what: str, folder: str | Path) -> Iterator[None]:
         raise cls(f"{what} DCP folder {folder} failed on rank(s) {sorted(failures)}: {detail}") from exc
 
 
-_crc_lock = threading.Lock()
-_crc_users: list[Any] = [0, True]  # saves in progress, the setting to restore after the last
-
-
 @contextmanager
 def _no_zip_crc32() -> Iterator[None]:
-    """DCP writes each tensor with ``torch.save``, whose zip writer computes a CRC-32 of every record: on the
-    reference machine that made a DCP save 3-4x slower than the disk. ``torch.load`` never checks those
-    CRCs (ckptio's own CRC-32C of every file, in the manifest, is what guards the bytes), so they are left
-    out while a DCP save runs. The setting is process-wide: a ``torch.save`` on another thread meanwhile
-    also writes records without a CRC (they still load; only zip tools that test CRCs would notice)."""
+    """DCP writes each tensor as a ``torch.save`` archive, whose zip writer computes a CRC-32 of every record: on the
+    reference machine that made a DCP save 3-4x slower than the disk. ``torch.load`` never checks those CRCs
+    (ckptio's own CRC-32C of every file, in the manifest, is what guards the bytes), so they are left out while a
+    DCP save runs. torch keeps the setting per thread: this turns it off for the calling thread only, and each
+    writer thread of :mod:`ckptio.formats.dcp.writer` turns it off for itself (before, the threads DCP
+    started for a multi-threaded save still computed it, for about half of each data file)."""
     from torch import serialization
 
-    with _crc_lock:
-        if _crc_users[0] == 0:
-            _crc_users[1] = serialization.get_crc32_options()
-            serialization.set_crc32_options(False)
-        _crc_users[0] += 1
+    before = serialization.get_crc32_options()
+    serialization.set_crc32_options(False)
     try:
         yield
     finally:
-        with _crc_lock:
-            _crc_users[0] -= 1
-            if _crc_users[0] == 0:
-                serialization.set_crc32_options(_crc_users[1])
+        serialization.set_crc32_options(before)
 
 
 @contextmanager

@@ -1,0 +1,184 @@
+"""DCP's data files written from the tensors' own memory: each item the exact bytes ``torch.save`` gives, without
+running ``torch.save`` for it.
+
+DCP stores each tensor as a ``torch.save`` archive inside the rank's ``__R_0.distcp``. With the archive's CRC-32
+fields off (``_no_zip_crc32`` in :mod:`ckptio.formats.dcp.save`: ckptio's own checksum guards every file), the
+archive is the tensor's storage bytes between a *prefix* (zip headers, the pickle, the small records) and a
+*suffix* (the last records and the zip directory) that depend only on the tensor's dtype, shape and strides. So
+those two are taken once per such signature — from a real ``torch.save`` of the tensor into a sink that keeps
+every write except the one of the tensor's data (recognised by its address, nothing is copied) — and every
+later item of that signature is written as prefix, its storage bytes straight from memory, suffix. An AdamW
+state of a Llama has about ten signatures: the first save runs ``torch.save`` ten times, later ones never.
+Anything else (a tensor subclass, an empty or non-compact storage, a signature whose capture does not split
+cleanly) is written by ``torch.save`` itself, as before; the bytes are the same either way
+(``tests/test_dcp_writer.py`` compares them, and the golden folders of ``tests/test_ondisk_stability.py``).
+
+Small pieces (prefixes, suffixes, small tensors, pickled values) are gathered into one write; a tensor's data
+goes out in pieces of :data:`PIECE` bytes from its memory, so the storage stream checksums and starts writing
+each piece out while the next is copied.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+from typing import Any
+
+import torch
+
+__all__ = ["archive_length", "write_items"]
+
+PIECE = 32 << 20
+"""The largest single write of a tensor's data (see :class:`~ckptio.storage.posix.Writeback`)."""
+
+_SMALL = 1 << 20
+"""Small pieces are gathered until they reach this many bytes."""
+
+_parts: dict[tuple, tuple[bytes, bytes] | None] = {}
+_parts_lock = threading.Lock()
+
+
+def _signature(t: torch.Tensor) -> tuple | None:
+    """What the archive around ``t``'s data depends on; ``None``: a tensor that is written by ``torch.save`` itself."""
+    from torch import serialization
+
+    if (type(t) is not torch.Tensor or t.layout != torch.strided or t.device.type != "cpu" or t.requires_grad
+            or t.is_quantized or t.is_conj() or t.is_neg() or t.storage_offset() != 0 or not t.nbytes
+            or t.untyped_storage().nbytes() != t.nbytes or serialization.get_crc32_options()):
+        return None
+    if getattr(t, "__dict__", None):  # attributes set on the tensor are pickled with it
+        return None
+    return (t.dtype, tuple(t.shape), t.stride(), torch.__version__, serialization._get_storage_alignment())
+
+
+class _Capture(io.RawIOBase):
+    """A sink for ``torch.save`` that keeps every write except the one of ``address``'s ``nbytes`` bytes."""
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        super().__init__()
+        self.address, self.nbytes = address, nbytes
+        self.before: list[bytes] = []
+        self.after: list[bytes] = []
+        self.hits = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        import numpy as np
+
+        view = memoryview(data).cast("B")
+        if view.nbytes == self.nbytes and np.frombuffer(view, np.uint8).ctypes.data == self.address:
+            self.hits += 1
+        else:
+            (self.after if self.hits else self.before).append(bytes(view))
+        return view.nbytes
+
+
+def _archive_parts(t: torch.Tensor) -> tuple[bytes, bytes] | None:
+    """The prefix and suffix of ``torch.save(t)`` around its storage bytes, or ``None`` (write it whole)."""
+    key = _signature(t)
+    if key is None:
+        return None
+    with _parts_lock:
+        if key in _parts:
+            return _parts[key]
+    sink = _Capture(t.untyped_storage().data_ptr(), t.nbytes)
+    torch.save(t, sink)  # type: ignore[arg-type]  # a binary sink
+    found = (b"".join(sink.before), b"".join(sink.after)) if sink.hits == 1 else None
+    with _parts_lock:
+        if len(_parts) > 4096:  # signatures are few; a run of ever-changing shapes must not grow this forever
+            _parts.clear()
+        _parts[key] = found
+    return found
+
+
+def _loaded(data: torch.Tensor) -> torch.Tensor:
+    """The tensor as DCP's own loader hands it to ``torch.save``: on the CPU, with storage of its own size."""
+    tensor = data.detach().cpu()
+    if tensor.untyped_storage().nbytes() != tensor.nbytes:
+        tensor = tensor.clone()  # a view of a larger storage: DCP saves a compact copy (layout preserved)
+    return tensor
+
+
+def _whole(tensor: torch.Tensor) -> bytes:
+    out = io.BytesIO()
+    torch.save(tensor, out)
+    return out.getvalue()
+
+
+def archive_length(data: Any) -> int:
+    """The bytes item ``data`` (a resolved DCP write item: a tensor or a pickled value) takes in the file."""
+    if isinstance(data, io.BytesIO):
+        return data.getbuffer().nbytes
+    tensor = _loaded(data)
+    parts = _archive_parts(tensor)
+    return len(parts[0]) + tensor.nbytes + len(parts[1]) if parts is not None else len(_whole(tensor))
+
+
+class _Gathered:
+    """Writes to ``stream``: small pieces gathered into one call, a tensor's data in :data:`PIECE`-sized writes."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream, self.pos = stream, stream.tell()
+        self.buf = bytearray()
+
+    def small(self, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        self.buf += view
+        self.pos += view.nbytes
+        if len(self.buf) >= _SMALL:
+            self.flush()
+
+    def large(self, tensor: torch.Tensor) -> None:
+        if tensor.nbytes < _SMALL // 4:
+            self.small(_bytes_of(tensor))
+            return
+        self.flush()
+        view = _bytes_of(tensor)
+        for at in range(0, view.nbytes, PIECE):
+            self.stream.write(view[at:at + PIECE])
+        self.pos += view.nbytes
+
+    def flush(self) -> None:
+        if self.buf:
+            buf, self.buf = self.buf, bytearray()  # a new buffer: the stream may still hold a view of the old
+            self.stream.write(buf)
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """The bytes of ``tensor``'s storage (its own size: see :func:`_loaded`), as they lie in memory."""
+    flat = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())
+    return memoryview(flat.numpy())
+
+
+def write_items(stream: Any, items: list[Any], resolve: Any, storage_key: str) -> list[Any]:
+    """Write DCP's write ``items`` into ``stream`` as DCP's writer would (pickled values first, then tensors, each a
+    ``torch.save`` archive); ``resolve`` is the planner's ``resolve_data``. Returns DCP's ``WriteResult`` of each."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.planner import WriteItemType
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    out = _Gathered(stream)
+    results = []
+    ordered = ([i for i in items if i.type == WriteItemType.BYTE_IO] +
+               [i for i in items if i.type != WriteItemType.BYTE_IO])
+    for item in ordered:
+        data = resolve(item)
+        offset = out.pos
+        if isinstance(data, io.BytesIO):
+            out.small(data.getbuffer())
+        else:
+            tensor = _loaded(data)
+            parts = _archive_parts(tensor)
+            if parts is None:
+                out.small(_whole(tensor))
+            else:
+                out.small(parts[0])
+                out.large(tensor)
+                out.small(parts[1])
+        length = out.pos - offset
+        results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                   storage_data=_StorageInfo(storage_key, offset, length)))
+    out.flush()
+    return results

@@ -1,0 +1,129 @@
+"""DCP data files written without running ``torch.save`` per item (``formats/dcp/writer.py``).
+
+Each item must be, byte for byte, the archive ``torch.save`` writes with its CRC-32 fields off: for every dtype
+and layout a state can hold, for a second tensor of a signature already seen (the cached prefix and suffix), and
+for the cases written by ``torch.save`` itself (empty, non-compact, with attributes). A whole DCP save, on one
+writer thread and on two, holds exactly those archives at the offsets its ``.metadata`` records (no CRC computed
+on any thread: torch keeps that setting per thread), and plain DCP reads it back.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from contextlib import contextmanager
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from ckptio.formats.dcp import writer
+from ckptio.formats.dcp.save import save
+
+
+@contextmanager
+def no_crc():
+    before = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(before)
+
+
+def reference(t: torch.Tensor) -> bytes:
+    out = io.BytesIO()
+    torch.save(writer._loaded(t), out)
+    return out.getvalue()
+
+
+def ours(t: torch.Tensor) -> bytes:
+    loaded = writer._loaded(t)
+    parts = writer._archive_parts(loaded)
+    if parts is None:
+        return writer._whole(loaded)
+    return parts[0] + bytes(writer._bytes_of(loaded)) + parts[1]
+
+
+def _cases() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(6, 10, generator=g)
+    with_attr = torch.randn(3, generator=g)
+    with_attr.note = "kept"  # type: ignore[attr-defined]
+    cases = {
+        "float32": base,
+        "bfloat16": base.to(torch.bfloat16),
+        "float16": base.to(torch.float16),
+        "float8_e4m3fn": base.to(torch.float8_e4m3fn),
+        "int8": (base * 10).to(torch.int8),
+        "int64": torch.arange(7),
+        "bool": base > 0,
+        "complex64": torch.complex(base, -base),
+        "0-dim step counter": torch.tensor(12.0),
+        "transposed (compact, not contiguous)": base.t(),
+        "channels_last": torch.randn(2, 3, 4, 5, generator=g).contiguous(memory_format=torch.channels_last),
+        "a view of a larger storage": base[2:4],
+        "strided view": base[:, ::2],
+        "empty": torch.empty(0, 4),
+        "requires_grad": torch.randn(4, 4, generator=g, requires_grad=True),
+        "parameter": torch.nn.Parameter(torch.randn(5, generator=g)),
+        "with an attribute": with_attr,
+    }
+    return cases
+
+
+@pytest.mark.parametrize("name", list(_cases()))
+def test_each_item_is_the_archive_torch_save_writes(name):
+    t = _cases()[name]
+    with no_crc():
+        expected = reference(t)
+        assert ours(t) == expected, f"{name}: first of its signature"
+        other = writer._loaded(t).clone()
+        if other.numel() and other.dtype != torch.bool:
+            raw = torch.empty(0, dtype=torch.uint8).set_(other.untyped_storage())
+            raw.copy_(torch.randint(0, 255, (raw.numel(),), dtype=torch.uint8))
+        assert ours(other) == reference(other), f"{name}: another tensor of its signature (cached wrapper)"
+        assert writer.archive_length(t) == len(expected)
+
+
+def test_a_tensor_with_the_crc_on_is_written_by_torch_save_itself():
+    t = torch.randn(9, 3)
+    before = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(True)
+    try:
+        assert writer._archive_parts(writer._loaded(t)) is None
+        assert ours(t) == reference(t)
+    finally:
+        torch.serialization.set_crc32_options(before)
+
+
+def _optimizer_state() -> dict:
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 8)).sum().backward()
+    opt.step()
+    return get_optimizer_state_dict(model, opt)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_dcp_save_holds_those_archives_on_every_thread_and_dcp_reads_it(tmp_path, threads):
+    state = _optimizer_state()
+    save(state, tmp_path, thread_count=threads)
+    data = (tmp_path / "__0_0.distcp").read_bytes()
+    md = pickle.loads((tmp_path / ".metadata").read_bytes())
+    spans = sorted((info.offset, info.length, index.fqn) for index, info in md.storage_data.items())
+    assert spans[0][0] == 0 and sum(length for _, length, _ in spans) == len(data), "items tile the file"
+    tensors = {f"state.{p}.{k}": v for p, st in state["state"].items() for k, v in st.items()}
+    with no_crc():
+        for offset, length, fqn in spans:
+            if fqn in tensors:  # every tensor: exactly torch.save's archive without CRCs, whichever thread wrote it
+                assert data[offset:offset + length] == reference(tensors[fqn]), fqn
+    loaded = {"state": {p: {k: torch.zeros_like(v) for k, v in st.items()} for p, st in state["state"].items()},
+              "param_groups": state["param_groups"]}
+    dcp.load(loaded, checkpoint_id=str(tmp_path), no_dist=True)
+    for p, st in state["state"].items():
+        for k, v in st.items():
+            assert torch.equal(loaded["state"][p][k], v), (p, k)
