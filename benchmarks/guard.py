@@ -47,8 +47,6 @@ CONTEXT: list[tuple[str, str, str, str]] = [
     ("DCP FileSystemWriter ÷ raw write + fsync", SAVE, "DCP FileSystemWriter", "raw write + fsync"),
     ("warm restore ÷ raw read into new memory (the floor of a fresh optimizer)", WARM, "ckptio restore (safetensors)",
      "raw read, optimizer part into new memory"),
-    ("background save until committed ÷ raw write + fsync of the state (other table: indicative)", ASYNC,
-     "ckptio async (safetensors): until committed", "memory copy of the state"),
 ]
 
 SKIP = r"HF|consolidated|torch_save|io_threads|torch\.save|torch\.load|safetensors\.|ckptio sync"

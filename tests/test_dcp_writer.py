@@ -127,3 +127,44 @@ def test_a_dcp_save_holds_those_archives_on_every_thread_and_dcp_reads_it(tmp_pa
     for p, st in state["state"].items():
         for k, v in st.items():
             assert torch.equal(loaded["state"][p][k], v), (p, k)
+
+
+def _saves_of_changing_states_in_one_process(tmp: str) -> dict:
+    """On each rank: DCP saves of sharded states under the same folder name, one after the other in one process
+    (what the plan cache sees in a training run), some of them of another shape; each read back by plain DCP."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.planner import SavePlanner
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from ckptio.storage import LocalFolderWriter
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+
+    def full(rows: int, seed: int) -> dict:
+        g = torch.Generator().manual_seed(seed)
+        return {"w": torch.randn(rows, 4, generator=g), "b": torch.randn(rows, generator=g), "step": torch.tensor(seed * 1.0)}
+
+    wrong = []
+    for i, (rows, seed) in enumerate([(8, 1), (8, 2), (12, 3), (8, 4), (8, 4)]):
+        whole = full(rows, seed)
+        sharded = {k: distribute_tensor(v, mesh, [Shard(0)]) if v.dim() else v for k, v in whole.items()}
+        save(sharded, LocalFolderWriter.in_place(f"{tmp}/{i}"), "optim")
+        dist.barrier()
+        into = {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(0)]) if v.dim() else torch.zeros_like(v)
+                for k, v in whole.items()}
+        dcp.load(into, checkpoint_id=f"{tmp}/{i}/optim")
+        for k, v in whole.items():
+            got = into[k].full_tensor() if hasattr(into[k], "full_tensor") else into[k]
+            if not torch.equal(got, v):
+                wrong.append(f"save {i}: {k}")
+    cached = [k for k in SavePlanner._cached_all_plans if k.startswith("ckptio:optim:")]
+    return {"wrong": wrong, "cached": len(cached)}
+
+
+def test_plans_cached_between_saves_on_two_ranks_follow_every_change_of_the_state(tmp_path):
+    from distributed import run_ranks
+
+    out = run_ranks(2, _saves_of_changing_states_in_one_process, tmp=str(tmp_path))
+    assert out[0]["wrong"] == [] and out[1]["wrong"] == [], out
+    assert out[0]["cached"] == 1, "the coordinator kept the plans of the optimizer folder (the cache was in use)"

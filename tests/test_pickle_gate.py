@@ -111,3 +111,22 @@ def test_the_fuzz_runs_findings_replay_as_right_loads():
     tally = fuzz_readers.run(["automodel"], inputs=0, seed=100, replay=found, verbose=False)["automodel"]
     assert tally["other"] == 0 and tally["harness"] == 0, tally["failures"]
     assert tally["ok"] + tally["clean"] == len(found)
+
+
+def test_a_pickle_accepted_once_is_remembered_by_its_very_bytes_and_nothing_else():
+    import pickle
+    import struct
+
+    from ckptio.errors import CheckpointCorruptError
+    from ckptio.storage import parse
+
+    good = pickle.dumps({"lr": 0.1, "betas": (0.9, 0.95)}, protocol=2)
+    parse.check_pickle(good, "good")
+    assert good in parse._known_good
+    parse.check_pickle(bytearray(good), "good again")  # the same bytes, any buffer type
+    # the same pickle with a memo slot far ahead (one flipped byte in a LONG_BINPUT): refused, every time
+    bad = good[:2] + b"r" + struct.pack("<I", 10**9) + good[2:]
+    for _ in range(2):
+        with pytest.raises(CheckpointCorruptError, match="bad"):
+            parse.check_pickle(bad, "bad")
+    assert bad not in parse._known_good

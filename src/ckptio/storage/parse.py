@@ -105,6 +105,11 @@ class _Left(io.RawIOBase):
         return self.stream.tell() - self.start
 
 
+_KNOWN_MAX, _KNOWN_COUNT = 4096, 1024
+_known_good: set[bytes] = set()
+"""Small pickles :func:`check_pickle` accepted (the very bytes: the same bytes always get the same verdict)."""
+
+
 def check_pickle(source: "bytes | BinaryIO", where: object, *, size: int | None = None) -> None:
     """Walk the pickle in ``source`` (its bytes, or a seekable stream at its start, of ``size`` bytes from there)
     opcode by opcode without building anything; refuse it, naming ``where``, unless every opcode is one a pickler
@@ -113,14 +118,20 @@ def check_pickle(source: "bytes | BinaryIO", where: object, *, size: int | None 
 
     The restricted unpicklers are ``pickle.Unpickler`` (C) subclasses: their ``find_class`` refuses every global
     not allowed, but the C unpickler sizes its memo by the largest slot a ``LONG_BINPUT`` names and zeroes it, so
-    one flipped byte there costs gigabytes before any class is looked up. Costs about what the load costs."""
+    one flipped byte there costs gigabytes before any class is looked up. Costs about what the load costs; small
+    pickles seen whole before (a DCP folder's items of one shape carry the same pickle) are not walked again."""
     if isinstance(source, (bytes, bytearray, memoryview)):
-        stream: Any = io.BytesIO(source)  # its reads already stop at the end
-        walk: Any = stream
-        size = len(source)
-    else:
-        stream = source
-        walk = _Left(stream, size if size is not None else 1 << 62)
+        known = bytes(source) if len(source) <= _KNOWN_MAX else None
+        if known is not None and known in _known_good:
+            return
+        check_pickle(io.BytesIO(source), where, size=len(source))
+        if known is not None:
+            if len(_known_good) >= _KNOWN_COUNT:
+                _known_good.clear()
+            _known_good.add(known)
+        return
+    stream: Any = source
+    walk: Any = _Left(stream, size if size is not None else 1 << 62)
     start = stream.tell()
     stored = 0
     try:

@@ -274,7 +274,7 @@ def save(state_dict: dict[str, Any], writer: "FolderWriter | str | Path", rel: s
         try:  # a failure on the calling thread comes back from DCP with its cause (see create_stream)
             with _quiet_single_process(), _plain_errors("saving", where), _no_zip_crc32():
                 dcp.save(state_dict, storage_writer=storage, no_dist=not _dist.is_dist(),
-                         process_group=_dist.current_group())
+                         process_group=_dist.current_group(), planner=_planner(rel))
         except BaseException:
             fs.quiesce()  # before the caller removes the folder
             raise
@@ -290,6 +290,27 @@ def save(state_dict: dict[str, Any], writer: "FolderWriter | str | Path", rel: s
     # a failure only a writer thread saw surfaces after DCP's own collectives: every rank raises together (on every
     # rank alike: ranks of nodes with different core counts may use different thread counts)
     return _dist.run_collectively(f"saving DCP folder {where}", run)
+
+
+def _planner(rel: str) -> Any:
+    """DCP's default planner with its plan cache on (``None`` on 1 rank, and where torch has no such cache).
+
+    Every save on more than one rank sends each rank's plan (an entry per tensor chunk) to the coordinator and the
+    global plan back: for an AdamW state of 1,400 items that was ~0.2 s of pickling on 2 ranks, every save. With
+    the cache, a rank whose plan equals its plan of the last save (the normal case: the same model and optimizer)
+    sends an empty one and the coordinator reuses the global plan; a plan that changed is sent whole (torch
+    compares them item by item). The cache is process-wide and keyed by name: one key per DCP folder name and
+    process group, so a model and an optimizer, or a background save on its own group, never share an entry."""
+    if not _dist.is_dist():
+        return None
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    try:
+        planner = DefaultSavePlanner(enable_plan_caching=True)
+    except TypeError:  # a torch without the plan cache
+        return None
+    planner._cached_plans_key = f"ckptio:{rel}:{id(_dist.current_group())}:{_dist.world_size()}"
+    return planner
 
 
 class _Refused(io.RawIOBase):
