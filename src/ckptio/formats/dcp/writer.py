@@ -149,7 +149,7 @@ class _Gathered:
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
     """The bytes of ``tensor``'s storage (its own size: see :func:`_loaded`), as they lie in memory."""
     flat = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())
-    return memoryview(flat.numpy())
+    return memoryview(flat.numpy())  # type: ignore[arg-type]  # an ndarray is a buffer
 
 
 def write_items(stream: Any, items: list[Any], resolve: Any, storage_key: str) -> list[Any]:
