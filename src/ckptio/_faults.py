@@ -27,6 +27,7 @@ POINTS = (
     "memory.replicating",
     "memory.replicated",
     "memory.committed",
+    "framework.background_write",
 )
 
 
