@@ -57,6 +57,11 @@ class LocalWriteStream(ClosedOnSuccess):
             self._writeback.advance(self._out.checksum.size)
         return n
 
+    def writeback_from(self, start: int) -> Writeback | None:
+        """What writes a region of this file from ``start`` uses to have its bytes written out as they come
+        (:mod:`ckptio.storage.regions`); ``None`` for a file that is not made durable (e.g. an upload's spool)."""
+        return Writeback(self._raw.fileno(), start) if self._durable else None
+
     def adopt_checksum(self, value: int, size: int) -> None:
         """Take the CRC-32C of content written past this stream (in regions, see :mod:`ckptio.storage.regions`)."""
         self._out.checksum.value, self._out.checksum.size = value, size

@@ -86,7 +86,8 @@ class Region(ClosedOnSuccess):
         self.checksum = RunningChecksum()
         self.error: OSError | None = None
         self._done = False
-        self._writeback: Writeback | None = None
+        writeback = getattr(file.stream, "writeback_from", None)  # a durable local file: written out as it comes
+        self._writeback: Writeback | None = writeback(self.start) if writeback is not None else None
 
     def writable(self) -> bool:
         return True
@@ -109,9 +110,7 @@ class Region(ClosedOnSuccess):
             done += n
         self.checksum.update(view)
         self.pos += done
-        if getattr(self.file.stream, "_writeback", None) is not None:  # a durable local file: write it out as we go
-            if self._writeback is None:
-                self._writeback = Writeback(fd, self.start)
+        if self._writeback is not None:
             self._writeback.advance(self.pos)
         return done
 

@@ -200,7 +200,7 @@ class _OneFilePerRank(FileSystemWriter):
             if failed:
                 raise failed[0]
             if self.fs.failed:  # a region's write failed on one of the other threads (kept by create_stream)
-                failed_name, exc = self.fs.failed[0]
+                _, exc = self.fs.failed[0]
                 raise (self.fs.errors[0] if self.fs.errors else exc)
             results = [r for part in done for r in part]
         from torch.futures import Future
