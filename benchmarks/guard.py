@@ -11,6 +11,9 @@ median over rounds of (contender ÷ baseline in that round), because this machin
 run. The rows against AutoModel appear when ``nemo_automodel`` is importable (its own virtual environment, see
 ``../shared/bench/README.md``). The cold rows need root (to drop the page cache); without it they say so.
 
+One more row runs ``benchmarks/shared_reads.py`` (``--replicated-worlds``): a DDP-replicated restore on 2 ranks from
+a bucket (a local S3 server), where each byte is to be read once in all.
+
 A row above its goal prints ``ABOVE``; ``--strict`` then exits with 1 (for a scheduled run on a quiet machine:
 the same command re-run decides whether a regression is real). ``--json FILE`` keeps the rows and the raw samples.
 The last results, and the reasons for the rows that stay above their goals, are in docs/benchmarks.md.
@@ -101,6 +104,34 @@ def report(world: int, data: dict) -> list[dict]:
     return rows
 
 
+REPLICATED_GOAL = 1.05
+"""Bytes a DDP restore reads from storage, summed over the ranks, ÷ the checkpoint's data bytes (each byte once; the
+DCP reader's look-ahead at each record's ends is the rest)."""
+
+
+def run_replicated(world: int, args: argparse.Namespace) -> list[dict]:
+    """``benchmarks/shared_reads.py`` on ``world`` ranks from a bucket (where the reads are shared by default): the
+    bytes read against the checkpoint's size, and the time against every rank reading all it restores."""
+    with tempfile.TemporaryDirectory(prefix="ckptio-guard-") as tmp:
+        out = Path(tmp) / "shared.json"
+        cmd = [sys.executable, str(HERE / "shared_reads.py"), "--world", str(world), "--size", args.replicated_size,
+               "--repeats", str(args.repeats), "--s3", "--json", str(out), "--seed", str(args.seed)]
+        print(f"\n== replicated (DDP) restore, {world} ranks, from a bucket: {' '.join(cmd[1:])}", flush=True)
+        done = subprocess.run(cmd, stdout=None if args.verbose else subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        if done.returncode != 0 or not out.exists():
+            raise SystemExit(f"shared_reads.py on {world} ranks failed (exit {done.returncode}); rerun with --verbose")
+        data = json.loads(out.read_text())
+    shared, alone = data["rows"]["bucket, share_reads=True"], data["rows"]["bucket, share_reads=False"]
+    name = f"DDP restore: bytes read ÷ checkpoint size ({world} ranks, bucket)"
+    ok = shared["read"] <= REPLICATED_GOAL
+    print(f"  {name:<62} {'≤' + str(REPLICATED_GOAL):>6} {shared['read']:6.2f}  {'ok' if ok else 'ABOVE'}")
+    print(f"  {'  the same, every rank reading all it restores':<62} {'':>6} {alone['read']:6.2f}  (context)")
+    print(f"  {'  restore time ÷ every rank reading all it restores':<62} {'':>6} {shared['time_vs_unshared']:6.2f}"
+          "  (context)")
+    return [{"world": world, "row": name, "goal": REPLICATED_GOAL, "ratio": shared["read"], "ok": ok,
+             "time_vs_unshared": shared["time_vs_unshared"]}]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", default="1.8GB", help="state size (model + AdamW), all ranks together")
@@ -111,6 +142,8 @@ def main() -> int:
     p.add_argument("--json", default=None, help="write the rows and samples here")
     p.add_argument("--strict", action="store_true", help="exit 1 when a row is above its goal")
     p.add_argument("--verbose", action="store_true", help="show save_load.py's own tables")
+    p.add_argument("--replicated-worlds", default="2", help="rank counts of the replicated (DDP) restore row ('' none)")
+    p.add_argument("--replicated-size", default="600MB", help="state size of the replicated restore (each rank all)")
     args = p.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     rows, raw = [], {}
@@ -118,6 +151,8 @@ def main() -> int:
         data = run_world(world, args)
         raw[world] = data
         rows += report(world, data)
+    for world in (int(w) for w in args.replicated_worlds.split(",") if w):
+        rows += run_replicated(world, args)
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "runs": raw}, indent=1))
     above = [r for r in rows if r.get("ok") is False]

@@ -134,14 +134,15 @@ class CheckpointConfig:
     ``save()``, ``wait()`` or ``close()``."""
 
     io_threads: int | None = None
-    """Threads per rank that write the model and optimizer tensors: safetensors tensors are split over that
-    many shard files per rank; a DCP folder keeps one ``__R_0.distcp`` per rank, written as that many regions
-    at once. ``None`` (default): 2 when this process has at least two cores of its own (the cores it may run
-    on divided by the ranks on the node, ``LOCAL_WORLD_SIZE``), else 1; each stream serialises and checksums
-    on a core (two streams per rank wrote faster on 1 rank of 2 cores, the ``io_threads=1`` lanes of
-    ``benchmarks/save_load.py``; on 2 ranks of 2 cores, saves took 1.2-1.6x as long as with one). An error on
-    one of the writer threads is raised by the save. Reads use one thread (``benchmarks/parallel_io.py``:
-    parallel reads were slower)."""
+    """Threads per rank that write the model and optimizer tensors (safetensors: that many shard files per rank; DCP:
+    one ``__R_0.distcp`` per rank written as that many regions). ``None``: 2 when this process has two cores of its
+    own (cores over ``LOCAL_WORLD_SIZE``), else 1, as measured by ``benchmarks/save_load.py``. Reads use one thread."""
+
+    share_reads: bool | None = None
+    """On several ranks, a part several ranks restore (DDP's whole state, TP-replicated norms, HSDP replicas) is read
+    once and sent to the others (:mod:`ckptio.engine.shared_reads`): bitwise the same, each stored byte read once.
+    ``None``: when the job spans nodes or reads a bucket (one node's page cache already serves its ranks from one
+    disk read, faster than sending: docs/benchmarks.md, "Each byte read once")."""
 
     memory_every_steps: int | None = None
     """The memory tier: every this many steps, :meth:`~ckptio.CheckpointManager.maybe_save` takes a snapshot of the

@@ -28,14 +28,15 @@ from .._memory import populate_async
 from .._progress import StateProgress
 from ..config import VERIFY_MODES, CheckpointConfig
 from ..errors import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointNotFoundError,
-                      ConfigError, NoUsableCheckpointError)
+                      ConfigError)
 from ..formats import pt as pt_format
 from ..formats import registry
-from ..formats.common import TensorInfo, check_compatible
+from ..formats.common import TensorInfo, check_compatible, flatten
 from ..formats.registry import ShardContext
-from ..adopt.foreign import is_foreign, restore_foreign, restore_foreign_adam
+from ..adopt.foreign import restore_foreign, restore_foreign_adam
+from . import shared_reads
 from .partial import LoadOptions, LoadReport, load_model_partially, plan_partially, refuse
-from .layout import LATEST, parse_step_name, restore_candidates, step_manifest
+from .layout import LATEST, find_candidates, parse_step_name, step_manifest
 from .manifest import Manifest, StateEntry, merge_shapes, model_signature
 from .saving import Tracked
 from ..storage import open_storage
@@ -132,18 +133,23 @@ class Restorer:
         # optimizer's load (its failure is told in the same round and raised after the model's checks)
         opened, shares = _dist.agree("opening the checkpoint", lambda: self._open(where, step_dir, verify, target),
                                      share=lambda o: (o.signature, _dist.report_of(o.optim_error),
-                                                      o.optim_plan is not None and o.optim_plan.template is not None))
+                                                      o.optim_plan is not None and o.optim_plan.template is not None,
+                                                      o.needs))
         manifest, folder = opened.manifest, opened.folder
+        # the parts several ranks restore are read by one of them and sent (every rank computes the same plan)
+        model_share, optim_share = shared_reads.plans([s[3] for s in shares], rank, self.config.share_reads,
+                                                      remote=not isinstance(folder, Folder))
         if manifest.foreign is not None and rank == 0:
             self.log.warning("resuming from an AutoModel checkpoint: no manifest, sizes and checksums not verified "
                              "(%s; DCP chunk coverage and safetensors headers are still checked)", step_dir)
         self._report = LoadReport(skipped_states=[k for k in manifest.states if not self.options.wants(k)])
         if target is not None:
-            self._load_model(folder, manifest, target, [signature for signature, _, _ in shares])
-        _dist.raise_if_any_failed("planning the optimizer load", opened.optim_error, [report for _, report, _ in shares])
+            self._load_model(folder, manifest, target, [s[0] for s in shares], model_share)
+        _dist.raise_if_any_failed("planning the optimizer load", opened.optim_error, [s[1] for s in shares])
         apply_optimizer = None
         if opened.optim_plan is not None:
-            apply_optimizer = self._load_optimizer(step_dir, opened.optim_plan, all(covered for _, _, covered in shares))
+            fast = all(s[2] for s in shares)
+            apply_optimizer = self._load_optimizer(step_dir, opened.optim_plan, fast, optim_share if fast else None)
         self._finish(folder, opened, apply_optimizer)
         info = RestoreInfo(step_dir, manifest.step, manifest.epoch, dict(manifest.metrics),
                            dict(manifest.counters), manifest.world_size, self._name_fields(step_dir, manifest),
@@ -169,7 +175,7 @@ class Restorer:
             verify = "none"  # no sizes or checksums were recorded: the readers' own checks are what is left
         verifier = Verifier(base, manifest.checksums) if verify == "full" else None
         folder = where.folder(step_dir.name, verifier=verifier) if verifier is not None else base
-        objects = self._read_objects(folder, manifest)
+        objects = _read_objects(self, folder, manifest)
         signature = None
         if target is not None and self.options.plain and isinstance(manifest.model_signature.get("shapes"), dict):
             _entry(step_dir, manifest, "model")
@@ -183,6 +189,12 @@ class Restorer:
                 opened.optim_plan = _plan_optimizer(self.tracked.optim_state, folder, manifest)
             except Exception as exc:  # told to the other ranks with the round, raised after the model's checks
                 opened.optim_error = exc
+        if self.config.share_reads is not False and _dist.world_size() > 1:
+            model_entry = manifest.states.get("model")
+            opened.needs = shared_reads.describe_load(
+                target if self.options.plain else None, model_entry.format if model_entry else None,
+                opened.optim_plan.template if opened.optim_plan else None,
+                opened.optim_plan.fmt if opened.optim_plan else None)
         return opened
 
     def _finish(self, step: Folder, opened: "_Opened", apply_optimizer: Any) -> None:
@@ -200,10 +212,11 @@ class Restorer:
         if verifier is None and apply_optimizer is None and not self.tracked.objects:
             return
         _, hashed = _dist.agree("applying the loaded state", apply,
-                                share=lambda _: verifier.hashed() if verifier is not None else None)
+                                share=lambda _: verifier.runs() if verifier is not None else None)
         if verifier is None:
             return
-        mine = finishers(hashed)[_dist.rank()]
+        # each file's finisher joins what every rank hashed of it and reads only the rest
+        mine = {rel: [run for runs in hashed for run in runs.get(rel, ())] for rel in finishers(hashed)[_dist.rank()]}
 
         def finish() -> None:
             found = verifier.finish(mine)
@@ -220,7 +233,8 @@ class Restorer:
                                  step_dir, key, fields_[key], getattr(manifest, key))
         return fields_
 
-    def _load_model(self, step: Folder, manifest: Manifest, target: dict[str, Any], signatures: list[Any]) -> None:
+    def _load_model(self, step: Folder, manifest: Manifest, target: dict[str, Any], signatures: list[Any],
+                    share: "shared_reads.SharedReads") -> None:
         t = self.tracked
         assert t.model_state is not None
         entry = _entry(step.path, manifest, "model")
@@ -240,8 +254,10 @@ class Restorer:
         # its keys present (a pipeline stage holds some of the model's keys)
         with StateProgress(target, f"restoring the model of {step.path.name}", self.log) as progress:
             fmt.load_shards(target, folder, strict=strict and not checked,
-                            ctx=ShardContext(_dist.rank(), _dist.world_size(), extra={"model": t.model},
-                                             progress=progress.update))
+                            ctx=ShardContext(_dist.rank(), _dist.world_size(), progress=progress.update,
+                                             extra={"model": t.model, "skip": share.skip(target)}))
+            if share:  # every rank's reads succeeded: hand the shared parts over
+                share.transfer(target, progress.update)
         t.model_state.load_state_dict(target)
 
     def _load_model_partially(self, step: Folder, entry: StateEntry, fmt: Any, target: dict[str, Any]) -> None:
@@ -253,7 +269,8 @@ class Restorer:
                                                                               f"{step.path.name}", self.log))
         self._report.skipped_states = skipped
 
-    def _load_optimizer(self, step_dir: Path, plan: "_OptimPlan", fast: bool) -> Any:
+    def _load_optimizer(self, step_dir: Path, plan: "_OptimPlan", fast: bool,
+                        share: "shared_reads.SharedReads | None") -> Any:
         """Fill the optimizer's state from the checkpoint into the planned targets (no optimizer step to initialise
         a template, no second copy of the state); ``fast``: every rank's plan covers the state, else torch's own
         path (which initialises the state first). Returns what hands the filled state to the optimizer, for
@@ -276,42 +293,46 @@ class Restorer:
         # the state is fresh memory: have its pages provided while the reads fill the tensors before them
         join = populate_async(_local(t) for t in tensors.values()) if fast else (lambda: None)
         try:
+            flat = flatten(target) if share else {}
             with StateProgress(tensors, f"restoring the optimizer of {step_dir.name}", self.log) as progress:
-                fmt.load_state(target, folder, ShardContext(_dist.rank(), _dist.world_size(), progress=progress.update))
+                fmt.load_state(target, folder, ShardContext(_dist.rank(), _dist.world_size(), progress=progress.update,
+                                                            extra={"skip": share.skip(flat)} if share else {}))
+                if share:
+                    share.transfer(flat, progress.update)
         finally:
             join()
         return lambda: apply_state(_Apply(optim_state) if fast else optim_state, target, folder.path)
 
-    def _read_objects(self, step: Folder, manifest: Manifest) -> dict[str, tuple[str, Any]]:
-        """The saved state of every registered object on this rank, read and decoded but not yet applied."""
-        rank, world = _dist.rank(), _dist.world_size()
-        out: dict[str, tuple[str, Any]] = {}
-        for name in self.tracked.objects:
-            if not self.options.wants(name):
-                continue
-            entry = manifest.states.get(name)
-            if entry is None:
+def _read_objects(restorer: Restorer, step: Folder, manifest: Manifest) -> dict[str, tuple[str, Any]]:
+    """The saved state of every registered object on this rank, read and decoded but not yet applied."""
+    rank, world = _dist.rank(), _dist.world_size()
+    out: dict[str, tuple[str, Any]] = {}
+    for name in restorer.tracked.objects:
+        if not restorer.options.wants(name):
+            continue
+        entry = manifest.states.get(name)
+        if entry is None:
+            if rank == 0:
+                restorer.log.warning("%s has no %r state; %s keeps its current state", step.path, name, name)
+            continue
+        rel: str | None = entry.path
+        if entry.per_rank and entry.identical:  # the same state on every rank: any copy will do
+            rel = entry.file_of(min(rank, manifest.world_size - 1))
+        elif entry.per_rank:
+            rel = entry.file_of(rank)
+            if manifest.world_size != world:
                 if rank == 0:
-                    self.log.warning("%s has no %r state; %s keeps its current state", step.path, name, name)
-                continue
-            rel: str | None = entry.path
-            if entry.per_rank and entry.identical:  # the same state on every rank: any copy will do
-                rel = entry.file_of(min(rank, manifest.world_size - 1))
-            elif entry.per_rank:
-                rel = entry.file_of(rank)
-                if manifest.world_size != world:
-                    if rank == 0:
-                        rest = (f"ranks {manifest.world_size}-{world - 1} keep their own" if world > manifest.world_size
-                                else f"the states of ranks {world}-{manifest.world_size - 1} are not used")
-                        self.log.warning("%s: %r was saved per rank on %d rank(s) and is restored on %d; each rank "
-                                         "takes the state saved by the same rank number, %s",
-                                         step.path, name, manifest.world_size, world, rest)
-                    if rank >= manifest.world_size:
-                        rel = None
+                    rest = (f"ranks {manifest.world_size}-{world - 1} keep their own" if world > manifest.world_size
+                            else f"the states of ranks {world}-{manifest.world_size - 1} are not used")
+                    restorer.log.warning("%s: %r was saved per rank on %d rank(s) and is restored on %d; each rank "
+                                     "takes the state saved by the same rank number, %s",
+                                     step.path, name, manifest.world_size, world, rest)
+                if rank >= manifest.world_size:
+                    rel = None
 
-            if rel is not None:
-                out[name] = (rel, _read_small(step, rel, entry))
-        return out
+        if rel is not None:
+            out[name] = (rel, _read_small(step, rel, entry))
+    return out
 
 
 class _OptimPlan(NamedTuple):
@@ -336,6 +357,8 @@ class _Opened:
     signature: tuple[dict[str, list[int]], list[str], str | None] | None
     optim_plan: _OptimPlan | None = None
     optim_error: Exception | None = None
+    needs: Any = None
+    """What this rank fills and where it runs, for sharing the reads (:func:`.shared_reads.describe_load`)."""
 
 
 def _plan_optimizer(optim_state: Any, step: Folder, manifest: Manifest) -> "_OptimPlan":
@@ -383,34 +406,6 @@ def _read_small(step: Folder, rel: str, entry: StateEntry) -> Any:
     if entry.key is not None:
         return registry.get(entry.format).read_value(step.sub(rel), entry.key)
     return pt_format.load_from(step, rel)
-
-
-def find_candidates(storage: Storage, restore_from: str | None, verify: str, config: CheckpointConfig,
-                    log: Any) -> tuple[bool, list[Path]]:
-    """Collective, one broadcast: whether ``restore_from`` is a checkpoint of another kind (weights only, see
-    :mod:`ckptio.adopt.foreign`), else the step directories to try, best first, chosen on rank 0
-    (:func:`restore_candidates`); ``[]`` (said in the log) for a fresh start. A folder whose step directories are
-    all unusable raises :class:`NoUsableCheckpointError` on every rank, unless an automatic resume may start fresh
-    (``start_fresh_if_damaged``)."""
-    rank = _dist.rank()
-
-    def choose() -> tuple[bool, list[Path]]:
-        if is_foreign(restore_from):
-            return True, []
-        return False, restore_candidates(storage, restore_from, verify="none" if verify == "none" else "size")
-
-    try:
-        foreign, candidates = _dist.decide_on_rank0("finding the checkpoint to restore", choose)
-    except NoUsableCheckpointError:
-        if not (restore_from in (None, LATEST) and config.start_fresh_if_damaged):
-            raise
-        if rank == 0:
-            log.warning("No usable checkpoint in %s (every step directory found is damaged); starting from "
-                        "scratch as start_fresh_if_damaged asks", storage.root)
-        return False, []
-    if not foreign and not candidates and rank == 0:
-        log.info("No checkpoint found in %s; starting from scratch", storage.root)
-    return foreign, candidates
 
 
 OPTIM_KEY = "optim."

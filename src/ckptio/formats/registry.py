@@ -106,6 +106,9 @@ class Format:
     """Detection order: lower is tried first (a step directory before the folders it contains)."""
     file_suffix: str = ""
     """The suffix of a single-file output (``.pt``, ``.nemo``); empty for folders."""
+    shares_reads: bool = False
+    """Loads honour ``ShardContext.extra["skip"]`` (values another rank reads and sends: see
+    :mod:`ckptio.engine.shared_reads`)."""
     full_model: bool = False
     """Inside a step directory: holds the whole model (then its config, tokenizer and consolidated bundle
     are written beside it), rather than a part of it such as an adapter."""

@@ -40,6 +40,8 @@ _O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _PIECE = 4 * 1024 * 1024  # a verified read is hashed in pieces of this size, overlapping the next read
+ADVICE_SLACK = 64 << 10
+"""Advised ranges (:meth:`ReadHandle.advise`) closer than this are one range."""
 
 
 class UnsafePathError(CheckpointCorruptError):
@@ -315,6 +317,19 @@ class ReadHandle:
         self.path = path
         self.size = size
         self._hash: Any = None
+        self._advice: list[tuple[int, int]] | None = None
+
+    def advise(self, spans: "list[tuple[int, int]]") -> None:
+        """Say which byte ranges (start, end) this handle will read from now on (adjacent ones merged): a store that
+        fetches more than a read asks for (an object store's windows) then fetches only inside them, so ranks that
+        share a file's reads do not each fetch all of it. A local file takes it as a hint only."""
+        merged: list[tuple[int, int]] = []
+        for start, end in sorted(spans):
+            if merged and start <= merged[-1][1] + ADVICE_SLACK:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+            else:
+                merged.append((start, end))
+        self._advice = merged
 
     def __enter__(self) -> "ReadHandle":
         return self

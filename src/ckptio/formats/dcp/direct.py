@@ -128,8 +128,9 @@ def layout(folder: Folder) -> Layout:
     return found
 
 
-def plan(state_dict: dict, folder: Folder) -> Plan | None:
-    """This rank's reads to fill ``state_dict`` from ``folder``; ``None`` when DCP's own load should run."""
+def plan(state_dict: dict, folder: Folder, skip: "frozenset[int]" = frozenset()) -> Plan | None:
+    """This rank's reads to fill ``state_dict`` from ``folder``; ``None`` when DCP's own load should run. ``skip``:
+    identities of tensors another rank reads for this one (checked against the metadata, not read)."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     from torch.distributed.tensor import DTensor
 
@@ -155,6 +156,8 @@ def plan(state_dict: dict, folder: Folder) -> Plan | None:
             return None
         if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
             continue  # this rank is not on the tensor's mesh: nothing of it is here
+        if id(obj) in skip:  # its shape was checked above; its bytes come from the rank that reads them
+            continue
         view = local_view(obj)
         local = view.local.detach()
         if local.numel() == 0:
@@ -171,8 +174,10 @@ def execute(p: Plan, progress: Callable[[int], None] | None = None) -> None:
     """Do the reads of :func:`plan`, one forward pass over each file."""
     from torch.distributed.checkpoint._nested_dict import set_element
 
-    for rel, reads in groupby(p.reads, key=lambda r: r.file):  # sorted by file, then offset
+    for rel, group in groupby(p.reads, key=lambda r: r.file):  # sorted by file, then offset
+        reads = list(group)
         with p.folder.open(rel) as handle:
+            handle.advise([(r.offset, r.offset + r.length) for r in reads])
             for r in reads:
                 if r.dst is None:
                     plain, value = plain_value(handle, r.offset, r.length)

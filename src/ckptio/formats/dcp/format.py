@@ -124,12 +124,15 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 def load(state_dict: dict[str, Any], folder: "str | Path | Folder", *, no_dist: bool = False,
-         progress: Callable[[int], None] | None = None, check: Callable[[], None] | None = None) -> None:
+         progress: Callable[[int], None] | None = None, check: Callable[[], None] | None = None,
+         skip: "frozenset[int]" = frozenset()) -> None:
     """Collective: fill ``state_dict`` in place from a DCP folder, resharding as DCP does.
 
     ``no_dist=True`` makes it a local read on this rank alone, whatever the process group. ``progress``:
     called with the bytes of each chunk read into place. ``check``: run first on every rank (e.g. the keys
-    against the folder's index); what it raises fails the load on every rank.
+    against the folder's index); what it raises fails the load on every rank. ``skip``: the identities of tensors
+    of ``state_dict`` another rank reads for this one (:mod:`ckptio.engine.shared_reads`), honoured by the direct
+    path (DCP's own load, when a rank cannot take that path, reads everything on every rank).
     """
     from . import direct as dcp_direct
 
@@ -142,7 +145,7 @@ def load(state_dict: dict[str, Any], folder: "str | Path | Folder", *, no_dist: 
         runs on every rank or on none (reading again what a direct rank read: rare, and the same bytes)."""
         if check is not None:
             check()
-        planned = dcp_direct.plan(state_dict, reader.root)
+        planned = dcp_direct.plan(state_dict, reader.root, skip)
         if planned is not None:
             dcp_direct.execute(planned, progress)
         return planned is not None
@@ -222,6 +225,7 @@ class DCPFormat(Format):
     """PyTorch Distributed Checkpoint folders (``.metadata`` plus ``__R_0.distcp`` per rank)."""
 
     name = "dcp"
+    shares_reads = True
     summary = "PyTorch DCP folder"
     priority = 30
     full_model = True
@@ -260,7 +264,7 @@ class DCPFormat(Format):
         return save(state_dict, writer, rel, thread_count=ctx.threads)
 
     def load_shards(self, target: dict, folder: Folder, *, strict: bool, ctx: ShardContext) -> None:
-        load(target, folder, progress=ctx.progress,
+        load(target, folder, progress=ctx.progress, skip=ctx.extra.get("skip", frozenset()),
              check=lambda: check_compatible(read_index(folder), target, str(folder.path), strict=strict))
 
     def save_state(self, state: dict, writer: "FolderWriter", rel: str, ctx: ShardContext) -> dict[str, str]:
@@ -270,7 +274,7 @@ class DCPFormat(Format):
         return read_index(folder)
 
     def load_state(self, target: dict, folder: Folder, ctx: ShardContext) -> None:
-        load(target, folder, progress=ctx.progress)
+        load(target, folder, progress=ctx.progress, skip=ctx.extra.get("skip", frozenset()))
 
     def read_state(self, folder: Folder) -> dict:
         return flatten(load_all(folder))

@@ -54,11 +54,17 @@ class SafetensorsFile:
     data_start: int
     """Where the data section begins (the header's ``data_offsets`` count from here)."""
 
-    def __init__(self, folder: Folder, rel: str) -> None:
+    def __init__(self, folder: Folder, rel: str, spans: "list[tuple[int, int]] | None" = None) -> None:
+        """``spans``: the data byte ranges (from the data section's start) the caller will read, when it knows them:
+        the handle is told (:meth:`~ckptio.storage.confined.ReadHandle.advise`), the header's reads first."""
         self.handle: ReadHandle = folder.open(rel)
         self.path = self.handle.path
         try:
+            if spans is not None:
+                self.handle.advise([])
             self.metadata, self.entries = self._parse()
+            if spans is not None:
+                self.handle.advise([(self.data_start + a, self.data_start + b) for a, b in spans])
         except BaseException:
             self.handle.close()
             raise

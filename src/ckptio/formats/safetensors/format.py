@@ -26,6 +26,7 @@ class ShardedSafetensors(Format):
     """ckptio's per-rank safetensors layout: a folder of ``shard-R-model-K-of-N.safetensors`` (or one file)."""
 
     name = "safetensors"
+    shares_reads = True
     summary = "safetensors shards (ckptio's per-rank layout, or any plain safetensors files)"
     priority = 60
     full_model = True
@@ -72,7 +73,8 @@ class ShardedSafetensors(Format):
     def load_shards(self, target: dict, folder: Folder, *, strict: bool, ctx: ShardContext) -> None:
         from ... import _dist
 
-        _dist.run_collectively("loading the model", lambda: load(target, folder, strict=strict, progress=ctx.progress))
+        _dist.run_collectively("loading the model", lambda: load(target, folder, strict=strict, progress=ctx.progress,
+                                                                skip=ctx.extra.get("skip", frozenset())))
 
     # a training state: tensors as shards, plain values in values.json (the optimizer's fast path)
     def save_state(self, state: dict, writer: "FolderWriter", rel: str, ctx: ShardContext) -> dict[str, str]:
@@ -133,7 +135,7 @@ class ShardedSafetensors(Format):
 
         def read() -> None:
             if tensors:
-                load(tensors, folder, strict=False, progress=ctx.progress)
+                load(tensors, folder, strict=False, progress=ctx.progress, skip=ctx.extra.get("skip", frozenset()))
             if folder.kind(VALUES_FILE) is not None:
                 values = loads(folder.read_bytes(VALUES_FILE, max_size=MAX_VALUES_BYTES), folder.display(VALUES_FILE))
                 for key in flat:

@@ -302,14 +302,16 @@ def read_index_file(path: str | Path) -> dict[str, TensorInfo]:
 
 
 def load(target: dict[str, torch.Tensor], folder: "str | Path | Folder", *, strict: bool = True,
-         progress: Callable[[int], None] | None = None) -> None:
+         progress: Callable[[int], None] | None = None, skip: "frozenset[int]" = frozenset()) -> None:
     """Fill every tensor of ``target`` (local shards of DTensors, or whole tensors) in place; ``progress`` is
-    called with the bytes of each local tensor once it is filled."""
-    load_files(target, folder, None, strict=strict, progress=progress)
+    called with the bytes of each local tensor once it is filled. ``skip``: the identities of values of
+    ``target`` another rank reads for this one (:mod:`ckptio.engine.shared_reads`): checked, not read."""
+    load_files(target, folder, None, strict=strict, progress=progress, skip=skip)
 
 
 def load_files(target: dict[str, torch.Tensor], folder: "str | Path | Folder", files: list[str] | None, *,
-               strict: bool = True, progress: Callable[[int], None] | None = None) -> None:
+               strict: bool = True, progress: Callable[[int], None] | None = None,
+               skip: "frozenset[int]" = frozenset()) -> None:
     """Like :func:`load`, reading only ``files`` (names relative to ``folder``; ``None``: every ``.safetensors``).
 
     One thread: parallel reads measured slower on the reference machine (``benchmarks/parallel_io.py``).
@@ -317,7 +319,7 @@ def load_files(target: dict[str, torch.Tensor], folder: "str | Path | Folder", f
     folder = as_folder(folder)
     chunks, infos = _scan(folder, files)
     check_compatible(infos, target, str(folder.path), strict=strict)
-    _fill(target, list(target), chunks, infos, folder, progress)
+    _fill(target, [k for k in target if id(target[k]) not in skip], chunks, infos, folder, progress)
 
 
 def _fill(target: dict[str, torch.Tensor], keys: list[str], chunks: dict[str, Any], infos: dict[str, TensorInfo],
@@ -329,21 +331,32 @@ def _fill(target: dict[str, torch.Tensor], keys: list[str], chunks: dict[str, An
     and the box copied. Every element of the rank's part is filled: the chunks were checked to cover the
     tensor exactly once.
     """
+    plan: list[tuple[str, Any, list]] = []  # (key, local view, the chunks it overlaps)
+    spans: dict[str, list[tuple[int, int]] | None] = {}  # per file, the data ranges to read (None: not known)
+    for key in keys:
+        view = local_view(target[key])
+        if view.local.numel() == 0:
+            continue
+        parts = chunks[key]
+        found = list(parts.overlapping(view.offsets, view.local.shape) if isinstance(parts, chunk_index.ChunkTable)
+                     else parts)
+        plan.append((key, view, found))
+        for chunk in found:
+            if chunk.span is None:
+                spans[chunk.file] = None
+            elif spans.setdefault(chunk.file, []) is not None:
+                spans[chunk.file].append(chunk.span)  # type: ignore[union-attr]
     with ExitStack() as stack:
         files: dict[str, SafetensorsFile] = {}
 
         def open_file(rel: str) -> SafetensorsFile:
             if rel not in files:
-                files[rel] = stack.enter_context(SafetensorsFile(folder, rel))
+                files[rel] = stack.enter_context(SafetensorsFile(folder, rel, spans.get(rel)))
             return files[rel]
 
-        for key in keys:
-            view = local_view(target[key])
+        for key, view, found in plan:
             local = view.local
-            if local.numel() == 0:
-                continue
-            parts = chunks[key]
-            for chunk in parts.overlapping(view.offsets, local.shape) if isinstance(parts, chunk_index.ChunkTable) else parts:
+            for chunk in found:
                 box = overlap(view.offsets, tuple(local.shape), chunk.offsets, chunk.shape)
                 if box is None:
                     continue

@@ -67,11 +67,22 @@ class S3ReadHandle(ReadHandle):
         with self.cache.lock:
             found = self.cache.find(self.key, offset, n)
             if found is None:
-                buf = bytearray(min(self.size, offset + WINDOW) - offset)
+                buf = bytearray(self._window_end(offset, n) - offset)
                 self._get(memoryview(buf), offset)
                 self.cache.add(self.key, offset, buf)
                 found = memoryview(buf)[:n]
             view[:] = found
+
+    def _window_end(self, offset: int, n: int) -> int:
+        """Where the window fetched for a short read at ``offset`` ends: :data:`WINDOW` on, but not past the advised
+        range it lies in (:meth:`~ckptio.storage.confined.ReadHandle.advise`), and just the read outside them."""
+        end = min(self.size, offset + WINDOW)
+        if self._advice is None:
+            return end
+        for start, stop in self._advice:
+            if start <= offset < stop:
+                return max(offset + n, min(end, stop))
+        return offset + n
 
     def _get(self, view: memoryview, offset: int) -> None:
         n = view.nbytes

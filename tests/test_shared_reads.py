@@ -1,0 +1,287 @@
+"""Each stored byte read once: parts several ranks restore are read by one and sent to the others
+(ckptio.engine.shared_reads), with every byte still checksummed (the verifier's runs, joined by each file's
+finisher)."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptio import CheckpointConfig, CheckpointManager
+from ckptio.engine.shared_reads import PACK, assign, describe
+from ckptio.errors import CheckpointCorruptError
+from ckptio.storage.checksum import file_checksum
+from ckptio.storage.confined import Folder
+from ckptio.storage.verify import Verifier, finishers
+from distributed import run_ranks
+
+MiB = 1 << 20
+
+
+# ---------------------------------------------------------------------------------------- the plan
+def _need(key: str, nbytes: int, offsets=(0,), device="cpu"):
+    return (key, offsets, (nbytes // 4,), "torch.float32", nbytes, device)
+
+
+def test_a_part_every_rank_needs_is_read_by_one_and_the_load_is_even():
+    needs = [_need(f"w{i}", (i + 1) * MiB) for i in range(8)]  # 36 MiB in all
+    plans = [assign([needs, needs], r) for r in range(2)]
+    assert plans[0].messages == plans[1].messages  # every rank computes the same plan
+    read = [{n[0] for n in needs} - p.skip_keys for p in plans]
+    assert read[0] & read[1] == set() and read[0] | read[1] == {n[0] for n in needs}
+    sizes = {n[0]: n[4] for n in needs}
+    assert abs(sum(sizes[k] for k in read[0]) - sum(sizes[k] for k in read[1])) <= 8 * MiB
+    assert plans[0].shared_bytes == 36 * MiB
+    # each part is sent by the rank that reads it to the rank that skips it, once
+    sent = Counter(k for m in plans[0].messages for k in m.keys)
+    assert set(sent.values()) == {1} and set(sent) == set(sizes)
+    for m in plans[0].messages:
+        assert all(k in read[m.src] for k in m.keys) and m.dsts == (1 - m.src,)
+
+
+def test_only_identical_parts_are_shared_and_small_ones_are_packed():
+    small = [_need(f"norm{i}", 64) for i in range(5)]
+    rank0 = small + [_need("w", 4 * MiB, offsets=(0,))]
+    rank1 = small + [_need("w", 4 * MiB, offsets=(MiB,))]  # another shard of w: each reads its own
+    plans = [assign([rank0, rank1, None], r) for r in range(3)]
+    assert all("w" not in p.skip_keys for p in plans)
+    assert not plans[2].skip_keys  # a rank that shares nothing reads all it needs
+    packed = [m for m in plans[0].messages if m.packed]
+    assert sum(len(m.keys) for m in packed) == 5 and all(m.nbytes < PACK for m in packed)
+    assert len(plans[0].skip_keys) + len(plans[1].skip_keys) == 5
+
+
+def test_subsets_of_ranks_share_among_themselves():
+    a, b = [_need("w", 8 * MiB, offsets=(0,))], [_need("w", 8 * MiB, offsets=(2 * MiB,))]
+    everyone = [a, b, a, b]  # HSDP: ranks 0 and 2 hold one shard, ranks 1 and 3 the other
+    plans = [assign(everyone, r) for r in range(4)]
+    assert sorted(len(p.skip_keys) for p in plans) == [0, 0, 1, 1]
+    for m in plans[0].messages:
+        assert {m.src, *m.dsts} in ({0, 2}, {1, 3})
+
+
+def test_describe_lists_the_local_parts_of_tensors_only():
+    flat = {"w": torch.zeros(3, 4), "empty": torch.zeros(0), "lr": 0.1, "step": torch.tensor(3.0)}
+    assert describe(flat) == [("w", (0, 0), (3, 4), "torch.float32", 48, "cpu"),
+                              ("step", (), (), "torch.float32", 4, "cpu")]
+
+
+# ---------------------------------------------------------------------------------------- hashing in runs
+def test_ranks_reading_parts_of_a_file_each_hash_runs_and_the_finisher_reads_only_the_rest(tmp_path):
+    size = 20 * MiB + 777
+    data = os.urandom(size)
+    (tmp_path / "blob.bin").write_bytes(data)
+    digest = file_checksum(tmp_path / "blob.bin")
+    cut = [0, 3 * MiB, 9 * MiB + 5, 15 * MiB, size]  # ranks alternate over the file's parts
+    verifiers = [Verifier(Folder(tmp_path), {"blob.bin": digest}) for _ in range(2)]
+    for i, (lo, hi) in enumerate(zip(cut, cut[1:])):
+        v = verifiers[i % 2]
+        with Folder(tmp_path, verifier=v).open("blob.bin") as handle:
+            if lo:  # a record's head and tail first (zip readers do), then its body
+                handle.readinto(bytearray(4096), lo)
+                handle.readinto(bytearray(4096), hi - 4096)
+            out = torch.empty(hi - lo, dtype=torch.uint8)
+            handle.readinto(memoryview(out.numpy()), lo, settle=False)
+            assert bytes(out.numpy()) == data[lo:hi]
+    runs = [v.runs() for v in verifiers]
+    assert sum(n for r in runs for _, n, _ in r["blob.bin"]) >= size
+    owner = finishers(runs).index(["blob.bin"])
+    read_again = []
+    shared = {"blob.bin": [run for r in runs for run in r["blob.bin"]]}
+    assert verifiers[owner].finish(shared, progress=read_again.append) == []
+    assert sum(read_again) == 0  # every byte was hashed by some rank as it was read
+    # damage in a part the other verifier read is found by the finisher
+    bad = bytearray(data)
+    bad[cut[1] + 100] ^= 1
+    (tmp_path / "blob.bin").write_bytes(bytes(bad))
+    v = Verifier(Folder(tmp_path), {"blob.bin": digest})
+    with Folder(tmp_path, verifier=v).open("blob.bin") as handle:
+        handle.readinto(bytearray(cut[2] - cut[1]), cut[1])
+    mine = {"blob.bin": runs[0]["blob.bin"] + v.runs()["blob.bin"]}
+    problems = verifiers[0].finish(mine)
+    assert len(problems) == 1 and "blob.bin" in problems[0]
+
+
+# ---------------------------------------------------------------------------------------- real ranks
+def _mlp(width: int, layers: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _counting_reads(under: str) -> Counter:
+    """Bytes read by ``os.preadv`` from the data files under ``under`` in this process, by file name."""
+    counts: Counter = Counter()
+    real = os.preadv
+
+    def preadv(fd, buffers, offset, *args):
+        got = real(fd, buffers, offset, *args)
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if path.startswith(under) and path.endswith((".safetensors", ".distcp")):
+            counts[Path(path).name] += got
+        return got
+
+    os.preadv = preadv
+    return counts
+
+
+def _ddp_restore(root: str, share: bool, damage: str | None = None, optim_format: str = "torch_save") -> dict:
+    import torch.distributed as dist
+
+    model, opt = _mlp(768, 3)  # every rank holds all of it, as under DDP; 2.25 MiB weights, small biases
+    model(torch.randn(4, 768)).sum().backward()
+    opt.step()
+    cfg = CheckpointConfig(checkpoint_dir=root, share_reads=share, optimizer_save_format=optim_format)
+    CheckpointManager(cfg, model=model, optimizer=opt, rng=False).save(step=1)
+    step = Path(root) / "epoch_0_step_1"
+    dist.barrier()
+    if damage is not None and dist.get_rank() == 0:
+        victim = next(step.rglob(damage))
+        raw = bytearray(victim.read_bytes())
+        raw[len(raw) // 2] ^= 0x10
+        victim.write_bytes(bytes(raw))
+    dist.barrier()
+    fresh, fresh_opt = _mlp(768, 3)
+    for p in fresh.parameters():
+        torch.nn.init.zeros_(p)
+    counts = _counting_reads(str(step))
+    try:
+        CheckpointManager(cfg, model=fresh, optimizer=fresh_opt, rng=False).restore(str(step))
+    except CheckpointCorruptError as exc:
+        return {"error": str(exc)}
+    sizes = {p.name: p.stat().st_size for p in step.rglob("*") if p.suffix in (".safetensors", ".distcp")}
+    same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+    saved, loaded = opt.state_dict()["state"], fresh_opt.state_dict()["state"]
+    same_opt = all(torch.equal(saved[i][k], loaded[i][k]) for i in saved for k in saved[i])
+    return {"same": same and same_opt, "read": dict(counts), "sizes": sizes}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optim_format", ["torch_save", "safetensors"])
+def test_a_ddp_restore_on_two_ranks_reads_each_byte_once_and_is_bitwise(tmp_path, optim_format):
+    shared = run_ranks(2, _ddp_restore, root=str(tmp_path / "shared"), share=True, optim_format=optim_format)
+    alone = run_ranks(2, _ddp_restore, root=str(tmp_path / "alone"), share=False, optim_format=optim_format)
+    assert all(r["same"] for r in shared + alone)
+    size = sum(shared[0]["sizes"].values())
+    read_shared = sum(sum(r["read"].values()) for r in shared)
+    read_alone = sum(sum(r["read"].values()) for r in alone)
+    assert read_alone >= 1.9 * size  # each rank read everything
+    assert read_shared <= size + 256 * 1024, (read_shared, size, [r["read"] for r in shared])
+    assert all(sum(r["read"].values()) >= size / 4 for r in shared)  # both ranks read a fair part
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["*.safetensors", "*.distcp"])
+def test_damage_in_bytes_another_rank_read_fails_the_restore_on_every_rank(tmp_path, victim):
+    out = run_ranks(2, _ddp_restore, root=str(tmp_path / "ck"), share=True, damage=victim)
+    assert all("error" in r for r in out), out
+    assert all("checksum" in r["error"] for r in out), out
+
+
+def _hsdp_restore(root: str, share: bool) -> dict:
+    """HSDP on 4 ranks: two replica groups, each sharding the model over 2 ranks (ranks 0 and 2 hold the same
+    shards, as do 1 and 3): each replicated shard is read by one rank of its pair."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+
+    def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(3)])
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    model, opt = build()
+    model(torch.randn(4, 512)).sum().backward()
+    opt.step()
+    cfg = CheckpointConfig(checkpoint_dir=root, share_reads=share)
+    CheckpointManager(cfg, model=model, optimizer=opt, rng=False).save(step=1)
+    step = Path(root) / "epoch_0_step_1"
+    dist.barrier()
+    fresh, fresh_opt = build()
+    counts = _counting_reads(str(step))
+    CheckpointManager(cfg, model=fresh, optimizer=fresh_opt, rng=False).restore(str(step))
+    sizes = {p.name: p.stat().st_size for p in step.rglob("*") if p.suffix in (".safetensors", ".distcp")}
+    same = all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(model.parameters(), fresh.parameters()))
+    saved, loaded = opt.state_dict()["state"], fresh_opt.state_dict()["state"]
+    same_opt = all(torch.equal(getattr(saved[i][k], "to_local", lambda v=saved[i][k]: v)(),
+                               getattr(loaded[i][k], "to_local", lambda v=loaded[i][k]: v)()) for i in saved for k in saved[i])
+    return {"same": same and same_opt, "read": sum(counts.values()), "size": sum(sizes.values())}
+
+
+@pytest.mark.slow
+def test_hsdp_replica_groups_share_their_reads_on_four_ranks(tmp_path):
+    out = run_ranks(4, _hsdp_restore, root=str(tmp_path / "shared"), share=True)
+    alone = run_ranks(4, _hsdp_restore, root=str(tmp_path / "alone"), share=False)
+    assert all(r["same"] for r in out + alone), (out, alone)
+    size = out[0]["size"]
+    # not twice: each pair read its shards once (the DCP reader's small look-ahead reads of each record aside)
+    assert sum(r["read"] for r in alone) >= 1.9 * size, alone
+    assert sum(r["read"] for r in out) <= 1.06 * size, out
+    assert all(r["read"] > 0 for r in out), out
+
+
+def test_the_automatic_setting_shares_across_hosts_or_from_a_bucket_only():
+    from ckptio.engine.shared_reads import plans
+
+    need = [_need("w", 4 * MiB)]
+    one_host = [([*need], None, "node-a"), ([*need], None, "node-a")]
+    two_hosts = [([*need], None, "node-a"), ([*need], None, "node-b")]
+    assert not plans(one_host, 0, None, remote=False)[0]  # the page cache serves both ranks from one read
+    assert plans(one_host, 0, None, remote=True)[0]
+    assert plans(two_hosts, 0, None, remote=False)[0]
+    assert plans(one_host, 0, True, remote=False)[0] and not plans(two_hosts, 0, False, remote=True)[0]
+    assert not plans([one_host[0], None], 0, True, remote=False)[0]  # a rank that does not share: nobody does
+
+
+def _s3_restore(url: str, share: bool | None) -> dict:
+    import torch.distributed as dist
+
+    from ckptio.storage.s3 import client
+    from ckptio.storage.s3.reader import S3ReadHandle
+
+    model, opt = _mlp(768, 3)
+    model(torch.randn(4, 768)).sum().backward()
+    opt.step()
+    cfg = CheckpointConfig(checkpoint_dir=url, share_reads=share)
+    CheckpointManager(cfg, model=model, optimizer=opt, rng=False).save(step=1)
+    dist.barrier()
+    fetched = Counter()
+    real = S3ReadHandle._get
+
+    def get(handle, view, offset):
+        real(handle, view, offset)
+        if str(handle.path).endswith((".safetensors", ".distcp")):
+            fetched["data"] += view.nbytes
+
+    S3ReadHandle._get = get
+    fresh, fresh_opt = _mlp(768, 3)
+    for p in fresh.parameters():
+        torch.nn.init.zeros_(p)
+    CheckpointManager(cfg, model=fresh, optimizer=fresh_opt, rng=False).restore()
+    bucket, _, prefix = url[len("s3://"):].partition("/")
+    listed = client().list_objects_v2(Bucket=bucket, Prefix=prefix + "/")["Contents"]
+    size = sum(o["Size"] for o in listed if o["Key"].endswith((".safetensors", ".distcp")))
+    same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+    saved, loaded = opt.state_dict()["state"], fresh_opt.state_dict()["state"]
+    same = same and all(torch.equal(saved[i][k], loaded[i][k]) for i in saved for k in saved[i])
+    return {"same": same, "fetched": fetched["data"], "size": size}
+
+
+@pytest.mark.slow
+def test_a_restore_from_a_bucket_on_two_ranks_fetches_each_byte_once_by_default(bucket):
+    shared = run_ranks(2, _s3_restore, url=f"s3://{bucket}/auto", share=None)  # automatic: a bucket is shared
+    alone = run_ranks(2, _s3_restore, url=f"s3://{bucket}/alone", share=False)
+    assert all(r["same"] for r in shared + alone)
+    size = shared[0]["size"]
+    assert sum(r["fetched"] for r in alone) >= 1.9 * size, alone
+    assert sum(r["fetched"] for r in shared) <= 1.02 * size, shared
+    assert all(r["fetched"] > size / 4 for r in shared), shared
