@@ -125,6 +125,29 @@ def test_sweep_and_retention_never_remove_a_folder_ckptio_did_not_begin(bucket):
     assert not _keys(bucket, "r/epoch_0_step_1/") and _keys(bucket, "r/epoch_0_step_9/")
 
 
+def test_parts_go_up_while_the_file_is_written_and_a_discarded_file_leaves_no_upload(bucket, monkeypatch):
+    monkeypatch.setattr(s3mod._common, "PART_SIZE", 5 << 20)
+    s3 = s3mod.client()
+    storage = open_storage(f"s3://{bucket}/stream")
+    data = torch.randint(0, 256, (13 << 20,), dtype=torch.uint8).numpy().tobytes()
+    writer = storage.begin_step("s")
+    stream = writer.open("blob.bin")
+    stream.write(data[:11 << 20])  # two whole parts spooled: sent before the file is closed
+    (upload,) = s3.list_multipart_uploads(Bucket=bucket, Prefix="stream/")["Uploads"]
+    stream._parts.futures[-1].result()
+    assert len(s3.list_parts(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])["Parts"]) == 2
+    stream.write(data[11 << 20:])
+    stream.close()  # the last, short part, then the upload is completed
+    assert s3.get_object(Bucket=bucket, Key="stream/s/blob.bin")["Body"].read() == data
+    assert not s3.list_multipart_uploads(Bucket=bucket, Prefix="stream/").get("Uploads")
+    dropped = writer.open("dropped.bin")
+    dropped.write(data)
+    assert s3.list_multipart_uploads(Bucket=bucket, Prefix="stream/").get("Uploads")
+    dropped.discard()
+    assert not s3.list_multipart_uploads(Bucket=bucket, Prefix="stream/").get("Uploads")
+    assert "stream/s/dropped.bin" not in _keys(bucket, "stream/")
+
+
 def test_two_writers_cannot_both_commit_a_step(bucket):
     storage = open_storage(f"s3://{bucket}/race")
     first, second = storage.begin_step("epoch_0_step_5"), s3mod.S3FolderWriter(storage, "epoch_0_step_5")

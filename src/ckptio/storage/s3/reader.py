@@ -13,6 +13,10 @@ WINDOW = 256 << 20
 :class:`WindowCache`, and the reads that follow inside it (the next tensors, the same file opened again
 to load after its header was scanned) are served from memory. One request per tensor piece made a
 restore from a bucket ×8 slower than a raw download of the same files (``benchmarks/s3_save_load.py``)."""
+WINDOW_GAP = 16 << 20
+"""A window goes on over a gap of up to this many bytes between ranges its handle was told it will read: one
+request less costs more than that on the loopback server (~50 ms a request at ~0.5 GB/s; FSDP's optimizer step
+counters, a few bytes each between other ranks' shards, were one request each)."""
 CACHE_BYTES = 512 << 20
 """Most bytes of windows a folder tree keeps (least recently used dropped first)."""
 
@@ -79,10 +83,15 @@ class S3ReadHandle(ReadHandle):
         end = min(self.size, offset + WINDOW)
         if self._advice is None:
             return end
+        reach = None
         for start, stop in self._advice:
-            if start <= offset < stop:
-                return max(offset + n, min(end, stop))
-        return offset + n
+            if reach is None and start <= offset < stop:
+                reach = stop
+            elif reach is not None and start - reach <= WINDOW_GAP and start < end:
+                reach = stop  # a short gap costs less to fetch than another request
+            elif reach is not None:
+                break
+        return offset + n if reach is None else max(offset + n, min(end, reach))
 
     def _get(self, view: memoryview, offset: int) -> None:
         n = view.nbytes

@@ -1,4 +1,5 @@
-"""Writing to object storage: files spooled and uploaded when closed, a step committed by its manifest."""
+"""Writing to object storage: files spooled and uploaded in parts as they are written, a step committed by its
+manifest."""
 
 from __future__ import annotations
 
@@ -21,26 +22,98 @@ if TYPE_CHECKING:
     from .reader import S3Folder
 
 class S3WriteStream(LocalWriteStream):
-    """A file spooled locally with a running CRC-32C and uploaded when closed."""
+    """A file spooled locally with a running CRC-32C and uploaded as it is written: once a part's worth
+    (:data:`~._common.PART_SIZE`) is spooled, it goes up as a part of a multipart upload while the writer goes on;
+    :meth:`close` sends the rest and completes it (a file that stayed under one part is one ``PUT`` at close)."""
 
     def __init__(self, spool: Path, bucket: str, key: str, where: S3Path) -> None:
         spool.parent.mkdir(parents=True, exist_ok=True)
         super().__init__(spool, durable=False)
         self.bucket, self.key, self.where = bucket, key, where
+        self._parts: _Parts | None = None
+
+    def write(self, data: object) -> int:
+        n = super().write(data)
+        size = self.size
+        if size - (self._parts.sent if self._parts is not None else 0) >= _common.PART_SIZE:
+            # a whole part is spooled: it goes up now (only the last part of an upload may be shorter)
+            self._raw.flush()
+            if self._parts is None:
+                self._parts = _Parts(self.path, self.bucket, self.key, self.where)
+            while size - self._parts.sent >= _common.PART_SIZE:
+                self._parts.send(self._parts.sent + _common.PART_SIZE)
+        return n
 
     def close(self) -> str:
         if self._digest is not None:
             return self._digest
         digest = super().close()
         try:
-            upload_file(self.path, self.bucket, self.key, self.where)
+            if self._parts is None:
+                upload_file(self.path, self.bucket, self.key, self.where)
+            else:
+                self._parts.finish(self.path.stat().st_size)
         finally:
             self.path.unlink(missing_ok=True)
         return digest
 
     def discard(self) -> None:
         super().discard()
+        if self._parts is not None:
+            self._parts.abort()
         self.path.unlink(missing_ok=True)
+
+
+class _Parts:
+    """A multipart upload fed while its file is still being written: each part read back from the spool (the page
+    cache) and sent on a pool's thread; :meth:`finish` sends the rest and completes, :meth:`abort` drops it."""
+
+    def __init__(self, path: Path, bucket: str, key: str, where: S3Path) -> None:
+        self.path, self.bucket, self.key, self.where = path, bucket, key, where
+        self.upload = _call("starting the upload of", where, client().create_multipart_upload, Bucket=bucket,
+                            Key=key)["UploadId"]
+        self.pool = ThreadPoolExecutor(_common.UPLOAD_THREADS, thread_name_prefix="ckptio-s3-upload")
+        self.futures: list[Any] = []
+        self.sent = 0
+
+    def send(self, end: int) -> None:
+        """Send the bytes from where the last part ended to ``end`` as the next part (in the background)."""
+        self.futures.append(self.pool.submit(_upload_part, self.path, self.bucket, self.key, self.where, self.upload,
+                                             len(self.futures) + 1, self.sent, end - self.sent))
+        self.sent = end
+
+    def finish(self, size: int) -> None:
+        try:
+            while self.sent < size:
+                self.send(min(size, self.sent + _common.PART_SIZE))
+            parts = [f.result() for f in self.futures]
+            _call("completing the upload of", self.where, client().complete_multipart_upload, Bucket=self.bucket,
+                  Key=self.key, UploadId=self.upload, MultipartUpload={"Parts": parts})
+        except BaseException:
+            self.abort()
+            raise
+        finally:
+            self.pool.shutdown(wait=True)
+
+    def abort(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        try:
+            client().abort_multipart_upload(Bucket=self.bucket, Key=self.key, UploadId=self.upload)
+        except Exception:  # noqa: BLE001 - the sweep aborts what is left
+            pass
+
+
+def _upload_part(path: Path, bucket: str, key: str, where: object, upload: str, number: int, offset: int,
+                 length: int) -> dict[str, Any]:
+    """One part of a multipart upload, read from ``path`` at ``offset``."""
+    with open(path, "rb") as fh:
+        fh.seek(offset)
+        data = fh.read(length)
+    if len(data) != length:
+        raise CheckpointError(f"{where}: its spool file {path} is shorter than written ({offset + len(data)} bytes)")
+    etag = _call(f"uploading part {number} of", where, client().upload_part, Bucket=bucket, Key=key, UploadId=upload,
+                 PartNumber=number, Body=data)["ETag"]
+    return {"PartNumber": number, "ETag": etag}
 
 
 def upload_file(path: Path, bucket: str, key: str, where: object, *, if_none_match: bool = False) -> None:
@@ -56,12 +129,7 @@ def upload_file(path: Path, bucket: str, key: str, where: object, *, if_none_mat
     try:
         def part(number: int) -> dict[str, Any]:
             offset = (number - 1) * _common.PART_SIZE
-            with open(path, "rb") as fh:
-                fh.seek(offset)
-                data = fh.read(min(_common.PART_SIZE, size - offset))
-            etag = _call(f"uploading part {number} of", where, s3.upload_part, Bucket=bucket, Key=key,
-                         UploadId=upload, PartNumber=number, Body=data)["ETag"]
-            return {"PartNumber": number, "ETag": etag}
+            return _upload_part(path, bucket, key, where, upload, number, offset, min(_common.PART_SIZE, size - offset))
 
         count = (size + _common.PART_SIZE - 1) // _common.PART_SIZE
         with ThreadPoolExecutor(min(_common.UPLOAD_THREADS, count), thread_name_prefix="ckptio-s3-upload") as pool:
