@@ -285,3 +285,12 @@ def test_a_restore_from_a_bucket_on_two_ranks_fetches_each_byte_once_by_default(
     assert sum(r["fetched"] for r in alone) >= 1.9 * size, alone
     assert sum(r["fetched"] for r in shared) <= 1.02 * size, shared
     assert all(r["fetched"] > size / 4 for r in shared), shared
+
+
+def test_share_reads_takes_true_false_or_null_only():
+    from ckptio.errors import ConfigError
+
+    for ok in (True, False, None):
+        assert CheckpointConfig(share_reads=ok).share_reads is ok
+    with pytest.raises(ConfigError, match="share_reads must be true, false or null"):
+        CheckpointConfig(share_reads="yes")

@@ -251,8 +251,8 @@ class CheckpointConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value)):
                 raise ConfigError(f"{name} must be a list of names, got {value!r}")
-        if self.is_async is not None and not isinstance(self.is_async, bool):
-            raise ConfigError(f"is_async must be true, false or null, got {self.is_async!r}")
+        for name in [n for n in ("is_async", "share_reads") if type(getattr(self, n)) not in (type(None), bool)]:
+            raise ConfigError(f"{name} must be true, false or null, got {getattr(self, name)!r}")
         for name in ("is_peft", "enabled", "strict", "auto_insert_field_names", "save_last", "async_save",
                      "load_cast_dtype", "start_fresh_if_damaged"):
             value = getattr(self, name)

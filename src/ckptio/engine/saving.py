@@ -36,6 +36,7 @@ from ..formats.registry import ShardContext
 from .layout import CONSOLIDATED_DIR, LATEST, MODEL_DIR, OPTIM_DIR, format_step_name
 from .manifest import MANIFEST_NAME, Manifest, StateEntry, merge_shapes, model_signature, software_versions
 from .staging import Stager
+from ..state.optimizer import model_and_optimizer_state
 from ..storage.base import FolderWriter, Storage
 
 __all__ = ["SaveJob", "Saver", "Tracked"]
@@ -145,8 +146,12 @@ class Saver:
                                                                            and final))
         t = self.tracked
         live: dict[str, Any] = {}
+        optim_sd = None
         if t.model_state is not None:
-            model_sd = t.model_state.state_dict()
+            if t.optim_state is not None:
+                model_sd, optim_sd = model_and_optimizer_state(t.model_state, t.optim_state)
+            else:
+                model_sd = t.model_state.state_dict()
             job.signature = model_signature(t.model, model_sd)
             if _dist.world_size() > 1:  # pipeline stages hold different tensors: the signature is their union
                 parts = _dist.all_gather_object((job.signature["shapes"], job.signature["dtypes"]))
@@ -155,7 +160,8 @@ class Saver:
             live["model"] = self.format.snapshot(model_sd, t.model)  # collective for formats that gather
             del model_sd
         if t.optim_state is not None:
-            live["optim"] = t.optim_state.state_dict()
+            live["optim"] = optim_sd if optim_sd is not None else t.optim_state.state_dict()
+            del optim_sd
             scheduler = t.objects.get("lr_scheduler")
             if scheduler is not None and registry.get(optimizer_format(self.config)).any_values:
                 # AutoModel keeps the scheduler beside the optimizer ("sched" in optim/); so does ckptio, so that

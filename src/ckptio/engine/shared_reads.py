@@ -170,7 +170,7 @@ class SharedReads:
 
         from .plan import local_view
 
-        locals_ = [local_view(flat[k]).local for k in m.keys]
+        locals_ = [local_view(flat[k]).local.detach() for k in m.keys]  # the same memory, outside autograd
         mine = self.rank == m.src
         if mine:
             buf = torch.cat([_bytes_of(t.contiguous()) for t in locals_]) if m.packed else _bytes_of(locals_[0].contiguous())

@@ -46,7 +46,8 @@ class Stager:
         """A copy of ``state`` whose tensors live in this stager's host buffers."""
         self._used = set()
         self._needs_sync = False
-        out = self._stage(state, "")
+        with torch.no_grad():  # a DTensor's to_local is then its local tensor, not an autograd function's output
+            out = self._stage(state, "")
         if self._needs_sync:
             _synchronize()
         for key in set(self._buffers) - self._used:  # keys gone since the last save (a changed model)

@@ -49,9 +49,11 @@ class ModelState:
     def _trainable_keys(self) -> set[str]:
         return {name for name, p in self.model.named_parameters() if p.requires_grad}
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Local shards (DTensors under FSDP2) keyed by FQN, without tied aliases or the prefix."""
-        raw = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=False))
+    def state_dict(self, raw: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Local shards (DTensors under FSDP2) keyed by FQN, without tied aliases or the prefix. ``raw``: torch's
+        ``get_model_state_dict`` of the model, when the caller already has it."""
+        if raw is None:
+            raw = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=False))
         keep: Callable[[str], bool] = lambda k: True  # noqa: E731
         if self.trainable_only:
             trainable = self._trainable_keys()
