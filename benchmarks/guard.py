@@ -147,7 +147,7 @@ def main() -> int:
     args = p.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     rows, raw = [], {}
-    for world in (int(w) for w in args.worlds.split(",")):
+    for world in (int(w) for w in args.worlds.split(",") if w):
         data = run_world(world, args)
         raw[world] = data
         rows += report(world, data)
