@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ckptio import CheckpointConfig, CheckpointManager
-from ckptio.engine.shared_reads import PACK, assign, describe
+from ckptio.engine.shared_reads import PACK, Described, describe, plans
 from ckptio.errors import CheckpointCorruptError
 from ckptio.storage.checksum import file_checksum
 from ckptio.storage.confined import Folder
@@ -27,47 +27,67 @@ def _need(key: str, nbytes: int, offsets=(0,), device="cpu"):
     return (key, offsets, (nbytes // 4,), "torch.float32", nbytes, device)
 
 
+def _plans(everyone, setting=True, hosts=None, remote=False):
+    """Each rank's model plan, ``everyone[r]`` being rank r's (whole tensors, parts of tensors) or None."""
+    described = [Described([*(lists or (None, None)), None, None], (hosts or ["node"] * len(everyone))[r])
+                 for r, lists in enumerate(everyone)]
+    summaries = [d.summary() if everyone[r] is not None else None for r, d in enumerate(described)]
+    return [plans(summaries, described[r] if everyone[r] is not None else None, r, setting, remote=remote)[0]
+            for r in range(len(everyone))]
+
+
 def test_a_part_every_rank_needs_is_read_by_one_and_the_load_is_even():
     needs = [_need(f"w{i}", (i + 1) * MiB) for i in range(8)]  # 36 MiB in all
-    plans = [assign([needs, needs], r) for r in range(2)]
-    assert plans[0].messages == plans[1].messages  # every rank computes the same plan
-    read = [{n[0] for n in needs} - p.skip_keys for p in plans]
+    got = _plans([(needs, []), (needs, [])])
+    read = [{n[0] for n in needs} - p.skip_keys for p in got]
     assert read[0] & read[1] == set() and read[0] | read[1] == {n[0] for n in needs}
     sizes = {n[0]: n[4] for n in needs}
     assert abs(sum(sizes[k] for k in read[0]) - sum(sizes[k] for k in read[1])) <= 8 * MiB
-    assert plans[0].shared_bytes == 36 * MiB
-    # each part is sent by the rank that reads it to the rank that skips it, once
-    sent = Counter(k for m in plans[0].messages for k in m.keys)
-    assert set(sent.values()) == {1} and set(sent) == set(sizes)
-    for m in plans[0].messages:
+    assert got[0].shared_bytes == 36 * MiB
+    assert got[0].messages == got[1].messages  # both ranks take part in every message, with the same tags
+    sent = Counter(k for m in got[0].messages for k in m.keys)
+    assert set(sent.values()) == {1} and set(sent) == set(sizes)  # each part sent once, by the rank that read it
+    for m in got[0].messages:
         assert all(k in read[m.src] for k in m.keys) and m.dsts == (1 - m.src,)
+    assert len({m.tag for m in got[0].messages}) == len(got[0].messages)
 
 
-def test_only_identical_parts_are_shared_and_small_ones_are_packed():
+def test_only_identical_lists_are_shared_and_small_parts_are_packed():
     small = [_need(f"norm{i}", 64) for i in range(5)]
-    rank0 = small + [_need("w", 4 * MiB, offsets=(0,))]
-    rank1 = small + [_need("w", 4 * MiB, offsets=(MiB,))]  # another shard of w: each reads its own
-    plans = [assign([rank0, rank1, None], r) for r in range(3)]
-    assert all("w" not in p.skip_keys for p in plans)
-    assert not plans[2].skip_keys  # a rank that shares nothing reads all it needs
-    packed = [m for m in plans[0].messages if m.packed]
+    rank0, rank1 = [_need("w", 4 * MiB, offsets=(0,))], [_need("w", 4 * MiB, offsets=(MiB,))]
+    got = _plans([(small, rank0), (small, rank1), None])  # rank 2 does not share: nobody does
+    assert not any(p.messages or p.skip_keys for p in got)
+    got = _plans([(small, rank0), (small, rank1)])
+    assert all("w" not in p.skip_keys for p in got)  # each shard read by its own rank
+    packed = [m for m in got[0].messages if m.packed]
     assert sum(len(m.keys) for m in packed) == 5 and all(m.nbytes < PACK for m in packed)
-    assert len(plans[0].skip_keys) + len(plans[1].skip_keys) == 5
+    assert len(got[0].skip_keys) + len(got[1].skip_keys) == 5
 
 
-def test_subsets_of_ranks_share_among_themselves():
+def test_replica_groups_share_among_themselves_with_tags_of_their_own():
     a, b = [_need("w", 8 * MiB, offsets=(0,))], [_need("w", 8 * MiB, offsets=(2 * MiB,))]
-    everyone = [a, b, a, b]  # HSDP: ranks 0 and 2 hold one shard, ranks 1 and 3 the other
-    plans = [assign(everyone, r) for r in range(4)]
-    assert sorted(len(p.skip_keys) for p in plans) == [0, 0, 1, 1]
-    for m in plans[0].messages:
-        assert {m.src, *m.dsts} in ({0, 2}, {1, 3})
+    steps = [_need(f"step{i}", 4) for i in range(3)]
+    got = _plans([(steps, a), (steps, b), (steps, a), (steps, b)])  # HSDP: ranks 0 and 2 hold one shard, 1 and 3 the other
+    assert sorted(len(p.skip_keys - {n[0] for n in steps}) for p in got) == [0, 0, 1, 1]
+    for p in got:
+        for m in p.messages:
+            assert m.keys[0].startswith("step") or {m.src, *m.dsts} in ({0, 2}, {1, 3})
+    # the step counters are one group of all four, the shards two groups of two: tags never collide
+    for r, p in enumerate(got):
+        pairs = Counter((m.src, d, m.tag) for m in p.messages for d in m.dsts)
+        assert max(pairs.values()) == 1
 
 
-def test_describe_lists_the_local_parts_of_tensors_only():
+def test_the_digests_are_what_travels_not_the_lists():
+    needs = [_need(f"w{i}", 4096) for i in range(2000)]
+    summary = Described([needs, [], None, None], "node").summary()
+    assert len(repr(summary)) < 200
+
+
+def test_describe_lists_whole_tensors_then_parts():
     flat = {"w": torch.zeros(3, 4), "empty": torch.zeros(0), "lr": 0.1, "step": torch.tensor(3.0)}
-    assert describe(flat) == [("w", (0, 0), (3, 4), "torch.float32", 48, "cpu"),
-                              ("step", (), (), "torch.float32", 4, "cpu")]
+    assert describe(flat) == ([("w", (0, 0), (3, 4), "torch.float32", 48, "cpu"),
+                               ("step", (), (), "torch.float32", 4, "cpu")], [])
 
 
 # ---------------------------------------------------------------------------------------- hashing in runs
@@ -230,16 +250,12 @@ def test_hsdp_replica_groups_share_their_reads_on_four_ranks(tmp_path):
 
 
 def test_the_automatic_setting_shares_across_hosts_or_from_a_bucket_only():
-    from ckptio.engine.shared_reads import plans
-
     need = [_need("w", 4 * MiB)]
-    one_host = [([*need], None, "node-a"), ([*need], None, "node-a")]
-    two_hosts = [([*need], None, "node-a"), ([*need], None, "node-b")]
-    assert not plans(one_host, 0, None, remote=False)[0]  # the page cache serves both ranks from one read
-    assert plans(one_host, 0, None, remote=True)[0]
-    assert plans(two_hosts, 0, None, remote=False)[0]
-    assert plans(one_host, 0, True, remote=False)[0] and not plans(two_hosts, 0, False, remote=True)[0]
-    assert not plans([one_host[0], None], 0, True, remote=False)[0]  # a rank that does not share: nobody does
+    both = [(need, []), (need, [])]
+    assert not any(p.messages for p in _plans(both, None))  # one host: its page cache serves both ranks
+    assert _plans(both, None, remote=True)[0].messages
+    assert _plans(both, None, hosts=["node-a", "node-b"])[0].messages
+    assert _plans(both, True)[0].messages and not _plans(both, False, remote=True)[0].messages
 
 
 def _s3_restore(url: str, share: bool | None) -> dict:

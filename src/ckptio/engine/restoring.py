@@ -134,11 +134,11 @@ class Restorer:
         opened, shares = _dist.agree("opening the checkpoint", lambda: self._open(where, step_dir, verify, target),
                                      share=lambda o: (o.signature, _dist.report_of(o.optim_error),
                                                       o.optim_plan is not None and o.optim_plan.template is not None,
-                                                      o.needs))
+                                                      o.needs.summary() if o.needs is not None else None))
         manifest, folder = opened.manifest, opened.folder
         # the parts several ranks restore are read by one of them and sent (every rank computes the same plan)
-        model_share, optim_share = shared_reads.plans([s[3] for s in shares], rank, self.config.share_reads,
-                                                      remote=not isinstance(folder, Folder))
+        model_share, optim_share = shared_reads.plans([s[3] for s in shares], opened.needs, rank,
+                                                      self.config.share_reads, remote=not isinstance(folder, Folder))
         if manifest.foreign is not None and rank == 0:
             self.log.warning("resuming from an AutoModel checkpoint: no manifest, sizes and checksums not verified "
                              "(%s; DCP chunk coverage and safetensors headers are still checked)", step_dir)
@@ -357,7 +357,7 @@ class _Opened:
     signature: tuple[dict[str, list[int]], list[str], str | None] | None
     optim_plan: _OptimPlan | None = None
     optim_error: Exception | None = None
-    needs: Any = None
+    needs: "shared_reads.Described | None" = None
     """What this rank fills and where it runs, for sharing the reads (:func:`.shared_reads.describe_load`)."""
 
 

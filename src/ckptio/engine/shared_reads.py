@@ -4,18 +4,20 @@ Under DDP every rank holds the whole model and optimizer; under TP, norms and bi
 ranks; under HSDP every replica group holds the same shards. Read naively, N ranks read the replicated bytes N
 times from storage (a cold disk, a bucket, a shared filesystem all pay it). Instead:
 
-1. **Describe** (:func:`describe`, no collective): every rank lists the parts it will fill — key, offsets inside
-   the whole tensor, local shape, dtype, bytes, device — and the list travels in the restore's existing
-   "opening the checkpoint" round.
-2. **Assign** (:func:`assign`, a pure function of the gathered lists, so every rank computes the same plan): a
-   part needed by one rank is read by it; a part needed by a set S of ranks goes to one of them. The parts of one
-   set are cut, in key order (the order they lie in the files), into one contiguous run per rank of S, of about
-   equal bytes, so each rank's reads stay sequential and the load is shared evenly.
+1. **Describe** (:func:`describe_load`, no collective): every rank lists the parts it will fill — key, offsets
+   inside the whole tensor, local shape, dtype, bytes, device — in two lists: whole tensors (DDP's state, norms and
+   biases replicated over TP ranks, an optimizer's step counters) and parts of tensors (shards). Only a digest of
+   each list travels, in the restore's existing "opening the checkpoint" round: a few bytes per rank, so a restore
+   on 1,024 ranks does not gather a million entries.
+2. **Assign** (:func:`plans`): the ranks whose list has the same digest hold the same parts (DDP's ranks, a TP
+   group's norms, HSDP's replicas of one shard, every rank's step counters under FSDP), so each computes, from its
+   own list alone, the same plan for its group: the list cut in key order into one contiguous run per member, of
+   about equal bytes; each run is read by its member and sent to the others.
 3. **Read**: the formats skip the parts this rank was not given (``ShardContext.extra["skip"]``: the identities of
    the state dict's values), inside the load round where errors are gathered as before.
-4. **Send** (:meth:`SharedReads.transfer`, collective): once every rank's reads succeeded, each reader sends what
-   it filled to the other ranks of its set, point to point over the job's process group: every send and receive
-   posted at once, each with its own tag, then waited for (no order can deadlock). Large contiguous parts go
+4. **Send** (:meth:`SharedReads.transfer`): once every rank's reads succeeded, each reader sends what it filled to
+   the other ranks of its group, point to point over the job's process group: every send and receive posted at
+   once, each with its own tag, then waited for (no order can deadlock). Large contiguous parts go
    straight from and into the tensors' memory; small ones are packed, 64 MiB at most per message.
 
 The result is bitwise what a rank's own read gives: the bytes sent are the filled destination, not re-encoded.
@@ -26,14 +28,15 @@ alone fails the restore on every rank.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import hashlib
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
 
 from .. import _dist
 
-__all__ = ["Need", "describe", "describe_load", "plans", "assign", "SharedReads", "PIECE", "PACK"]
+__all__ = ["Need", "Described", "describe", "describe_load", "plans", "SharedReads", "PIECE", "PACK"]
 
 PIECE = 64 << 20
 """Largest message: a large part is sent in pieces of this size."""
@@ -44,8 +47,9 @@ Need = tuple[str, tuple[int, ...], tuple[int, ...], str, int, str]
 """A part one rank fills: (key, offsets in the whole tensor, local shape, dtype, bytes, device type)."""
 
 
-def describe(flat: dict[str, Any]) -> list[Need]:
-    """The parts of the tensors of ``flat`` (a flattened state dict) this rank will fill, in its order (no collective).
+def describe(flat: dict[str, Any]) -> tuple[list[Need], list[Need]]:
+    """The parts of the tensors of ``flat`` (a flattened state dict) this rank will fill, in its order (no
+    collective): whole tensors, then parts of tensors.
 
     A DTensor with a ``Partial`` placement (reduced before it can be read into) and a DTensor whose mesh this rank
     is not on are left out: they are read as before."""
@@ -53,7 +57,8 @@ def describe(flat: dict[str, Any]) -> list[Need]:
 
     from .plan import local_view
 
-    out: list[Need] = []
+    whole: list[Need] = []
+    parts: list[Need] = []
     for key, value in flat.items():
         if not isinstance(value, torch.Tensor):
             continue
@@ -64,16 +69,32 @@ def describe(flat: dict[str, Any]) -> list[Need]:
         local = view.local
         if local.numel() == 0:
             continue
-        out.append((key, view.offsets, tuple(local.shape), str(local.dtype), local.numel() * local.element_size(),
-                    local.device.type))
-    return out
+        need = (key, view.offsets, tuple(local.shape), str(local.dtype), local.numel() * local.element_size(),
+                local.device.type)
+        (whole if tuple(local.shape) == view.shape else parts).append(need)
+    return whole, parts
+
+
+@dataclass
+class Described:
+    """This rank's parts of the model and of the optimizer (``None``: not shared), and what the other ranks are told."""
+
+    lists: list[list[Need] | None]
+    """Model whole, model parts, optimizer whole, optimizer parts."""
+    host: str
+
+    def summary(self) -> tuple[tuple[str | None, ...], str, bool]:
+        """What travels in the opening round: a digest of each list (``None``: empty or not shared), the host, and
+        whether any part is in host memory (a gloo group may be needed beside NCCL)."""
+        digests = tuple(hashlib.sha256(repr(n).encode()).hexdigest()[:32] if n else None for n in self.lists)
+        return digests, self.host, any(need[5] == "cpu" for n in self.lists if n for need in n)
 
 
 def describe_load(model: dict[str, Any] | None, model_format: str | None, optim_template: dict[str, Any] | None,
-                  optim_format: Any) -> tuple[list[Need] | None, list[Need] | None, str]:
-    """What a restore shares in its opening round (no collective): the model's parts this rank fills (``None``: the
-    model is not loaded whole, or its format cannot skip reads), the optimizer's on its fast path (flattened as the
-    restore flattens it), and this rank's host."""
+                  optim_format: Any) -> Described:
+    """What a restore may share (no collective): the model's parts this rank fills (not when the model is not loaded
+    whole, or its format cannot skip reads), the optimizer's on its fast path (flattened as the restore flattens
+    it), and this rank's host."""
     import socket
 
     from ..formats import registry
@@ -85,19 +106,33 @@ def describe_load(model: dict[str, Any] | None, model_format: str | None, optim_
         except Exception:  # noqa: BLE001 - an unknown format fails in the load itself, with its own message
             return False
 
-    return (describe(model) if model is not None and model_format and shares(model_format) else None,
-            describe(flatten({"optim": optim_template})) if optim_template is not None and shares(optim_format)
-            else None, socket.gethostname())
+    lists: list[list[Need] | None] = [None] * 4
+    if model is not None and model_format and shares(model_format):
+        lists[0], lists[1] = describe(model)
+    if optim_template is not None and shares(optim_format):
+        lists[2], lists[3] = describe(flatten({"optim": optim_template}))
+    return Described(lists, socket.gethostname())
 
 
-def plans(shares: list[Any], rank: int, setting: bool | None, *, remote: bool) -> tuple["SharedReads", "SharedReads"]:
-    """The model's and the optimizer's plans from every rank's :func:`describe_load` (``None``: that rank does not
-    share). ``setting`` is ``CheckpointConfig.share_reads``: ``None`` shares when the ranks span several hosts or
-    the checkpoint is remote (one host's page cache serves its ranks from one read of a local or network disk)."""
-    on = setting if setting is not None else remote or len({s[2] for s in shares if s}) > 1
-    if not on or not all(shares):
-        return SharedReads(rank), SharedReads(rank)
-    return assign([s[0] for s in shares], rank), assign([s[1] for s in shares], rank)
+def plans(summaries: list[Any], mine: "Described | None", rank: int, setting: bool | None, *,
+          remote: bool) -> tuple["SharedReads", "SharedReads"]:
+    """Collective only where a gloo group must be made beside NCCL (every rank calls it at the same point): the
+    model's and the optimizer's plans, from every rank's :meth:`Described.summary` (``None``: that rank does not
+    share) and this rank's lists. ``setting`` is ``CheckpointConfig.share_reads``: ``None`` shares when the ranks
+    span several hosts or the checkpoint is remote (one host's page cache serves its ranks from one read of a local
+    or network disk)."""
+    out = SharedReads(rank), SharedReads(rank)
+    on = setting if setting is not None else remote or len({s[1] for s in summaries if s}) > 1
+    if not on or mine is None or not all(summaries):
+        return out
+    if any(s[2] for s in summaries) and _dist.is_dist():
+        _group_for("cpu")  # made now, on every rank, if it is needed at all
+    for i, needs in enumerate(mine.lists):
+        digest = summaries[rank][0][i]
+        group = [r for r, s in enumerate(summaries) if s[0][i] == digest]
+        if needs and len(group) > 1:
+            _assign(out[i // 2], needs, group, kind=i)
+    return out
 
 
 @dataclass(frozen=True)
@@ -111,11 +146,13 @@ class _Message:
     nbytes: int
     device: str
     packed: bool
+    tag: int = 0
+    """The first piece's tag (each list's messages have tags of their own: groups differ from list to list)."""
 
 
 @dataclass
 class SharedReads:
-    """Every rank's identical plan (:func:`assign`): what this rank skips, and the messages of every rank."""
+    """This rank's part of its groups' plans (:func:`plans`): what it skips, and the messages it sends or receives."""
 
     rank: int
     skip_keys: frozenset[str] = frozenset()
@@ -131,17 +168,17 @@ class SharedReads:
         return bool(self.messages)
 
     def transfer(self, flat: dict[str, Any], progress: Callable[[int], None] | None = None) -> int:
-        """Collective (every rank, after every rank's reads succeeded): send what this rank read to the ranks that
-        share it and receive what it skipped. Returns the bytes this rank received."""
-        # every rank asks for the same groups in the same order (a side group is made collectively)
-        groups = {device: _group_for(device) for device in sorted({m.device for m in self.messages})}
+        """Point to point with the ranks of this rank's groups (each of which calls it too), after every rank's reads
+        succeeded: send what this rank read to the ranks that share it and receive what it skipped. Returns the
+        bytes this rank received."""
+        groups = {device: _group_for(device) for device in {m.device for m in self.messages}}  # made in plans()
         received = 0
         works: list[Any] = []
         unpack: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
         keep: list[torch.Tensor] = []  # buffers alive until their work is done
-        for i, m in enumerate(self.messages):
+        for m in self.messages:
             if self.rank == m.src or self.rank in m.dsts:
-                buf = self._post(i, m, flat, groups[m.device], works, unpack)
+                buf = self._post(m, flat, groups[m.device], works, unpack)
                 keep.append(buf)
                 received += m.nbytes if self.rank != m.src else 0
         for work in works:
@@ -162,9 +199,9 @@ class SharedReads:
             torch.accelerator.synchronize()
         return received
 
-    def _post(self, i: int, m: _Message, flat: dict[str, Any], group: Any, works: list[Any],
+    def _post(self, m: _Message, flat: dict[str, Any], group: Any, works: list[Any],
               unpack: list[tuple[torch.Tensor, list[torch.Tensor]]]) -> torch.Tensor:
-        """Post message ``i``'s sends (this rank reads it) or receives; returns the buffer, which must outlive them.
+        """Post message ``m``'s sends (this rank read it) or receives; returns the buffer, which must outlive them.
         A receive that cannot land in its tensor's memory directly is listed in ``unpack``."""
         import torch.distributed as dist
 
@@ -180,7 +217,7 @@ class SharedReads:
             buf = torch.empty(m.nbytes, dtype=torch.uint8, device=locals_[0].device)
             unpack.append((buf, locals_))
         for j, at in enumerate(range(0, m.nbytes, PIECE)):
-            piece, tag = buf[at:at + PIECE], (i << 10) | j
+            piece, tag = buf[at:at + PIECE], m.tag | j
             if mine:
                 works += [dist.isend(piece, d, group=group, tag=tag) for d in m.dsts]
             else:
@@ -193,43 +230,26 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
 
 
-def assign(everyone: list[list[Need] | None], rank: int) -> SharedReads:
-    """Who reads which shared part, and the messages that hand it to the others (every rank computes the same).
-
-    ``everyone[r]``: rank ``r``'s :func:`describe` (``None``: it shares nothing, and reads all its parts itself).
-    A part is shared by the ranks that list it identically (key, offsets, shape, dtype, device type); the parts of
-    one set of ranks are cut in key order into one run per rank of about equal bytes, the ranks that have read
-    least so far taking the first runs."""
-    holders: dict[Need, list[int]] = {}
-    for r, needs in enumerate(everyone):
-        for need in needs or ():
-            holders.setdefault(need, []).append(r)
-    groups: dict[tuple[int, ...], list[Need]] = {}
-    for need, ranks in holders.items():
-        if len(ranks) > 1:
-            groups.setdefault(tuple(ranks), []).append(need)
-    load = [0] * len(everyone)
-    plan = SharedReads(rank)
-    skip: set[str] = set()
-    for ranks, needs in sorted(groups.items(), key=lambda g: (-sum(n[4] for n in g[1]), g[0])):
-        total = sum(n[4] for n in needs)
-        plan.shared_bytes += total
-        order = sorted(ranks, key=lambda r: (load[r], r))
-        share = total / len(order)
-        done = 0
-        runs: list[tuple[int, list[Need]]] = [(r, []) for r in order]
-        for need in needs:
-            which = min(len(order) - 1, int((done + need[4] / 2) // share)) if share else 0
-            runs[which][1].append(need)
-            done += need[4]
-        for reader, part in runs:
-            load[reader] += sum(n[4] for n in part)
-            others = tuple(r for r in ranks if r != reader)
-            if rank in others:
-                skip.update(n[0] for n in part)
-            plan.messages += _messages(reader, others, part)
-    plan.skip_keys = frozenset(skip)
-    return plan
+def _assign(plan: "SharedReads", needs: list[Need], group: list[int], *, kind: int) -> None:
+    """Add to ``plan`` the reads and messages of ``needs``, a list every rank of ``group`` holds identically: cut in
+    key order into one run per member of about equal bytes, each read by its member and sent to the others."""
+    total = sum(n[4] for n in needs)
+    share = total / len(group)
+    runs: list[list[Need]] = [[] for _ in group]
+    done = 0
+    for need in needs:
+        runs[min(len(group) - 1, int((done + need[4] / 2) // share)) if share else 0].append(need)
+        done += need[4]
+    plan.shared_bytes += total
+    messages: list[_Message] = []
+    for reader, part in zip(group, runs):
+        others = tuple(r for r in group if r != reader)
+        if plan.rank != reader:
+            plan.skip_keys |= {n[0] for n in part}
+        messages += _messages(reader, others, part)
+    for i, m in enumerate(messages):
+        if plan.rank == m.src or plan.rank in m.dsts:
+            plan.messages.append(replace(m, tag=(kind << 27) | (i << 10)))
 
 
 def _messages(src: int, dsts: tuple[int, ...], needs: list[Need]) -> list[_Message]:
@@ -262,7 +282,7 @@ _side_groups: dict[Any, Any] = {}
 def _group_for(device: str) -> Any:
     """The process group a message in ``device`` memory goes on: the current one, unless it is NCCL alone and the
     memory is the host's (an optimizer's ``step`` counters, an offloaded state): then a gloo group beside it, made
-    the first time on every rank (:meth:`SharedReads.transfer` asks on every rank, in the same order)."""
+    the first time on every rank (:func:`plans` asks on every rank when any rank has a part in host memory)."""
     import torch.distributed as dist
 
     group = _dist.current_group()
