@@ -9,7 +9,7 @@ another parameter (re-tied on load by sharing), and can strip an outer key prefi
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -49,11 +49,11 @@ class ModelState:
     def _trainable_keys(self) -> set[str]:
         return {name for name, p in self.model.named_parameters() if p.requires_grad}
 
-    def state_dict(self, raw: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        """Local shards (DTensors under FSDP2) keyed by FQN, without tied aliases or the prefix. ``raw``: torch's
+    def state_dict(self, got: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+        """Local shards (DTensors under FSDP2) keyed by FQN, without tied aliases or the prefix. ``got``: torch's
         ``get_model_state_dict`` of the model, when the caller already has it."""
-        if raw is None:
-            raw = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=False))
+        raw: dict[str, Any] = got if got is not None else get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=False))
         keep: Callable[[str], bool] = lambda k: True  # noqa: E731
         if self.trainable_only:
             trainable = self._trainable_keys()

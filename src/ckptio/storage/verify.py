@@ -303,27 +303,28 @@ def _complete(handle: "ReadHandle", runs: Runs, progress: "Any | None") -> str:
         stop = next((s for s in order if s > pos), handle.size)
         pieces.append((pos, stop, None))
         pos = stop
-    handle.advise([(a, b) for a, b, crc in pieces if crc is None])  # an object store fetches just these
+    handle.advise([(a, b) for a, b, known in pieces if known is None])  # an object store fetches just these
     value, buf = 0, None
-    for start, end, crc in pieces:
-        if crc is not None:
-            value = crc32c_combine(value, crc, end - start)
+    for lo, hi, known in pieces:
+        if known is not None:
+            value = crc32c_combine(value, known, hi - lo)
             continue
         if buf is None:
             buf = bytearray(min(_CHUNK, handle.size))
-        while start < end:
-            n = min(len(buf), end - start)
+        while lo < hi:
+            n = min(len(buf), hi - lo)
             view = memoryview(buf)[:n]
-            handle.readinto(view, start)
+            handle.readinto(view, lo)
             value = crc32c(view, value)
-            start += n
+            lo += n
             if progress is not None:
                 progress(n)
     return format_digest(value)
 
 
-def finishers(hashed: "list[dict[str, int]] | list[dict[str, Runs]]") -> list[list[str]]:
-    """Which rank completes which file's checksum, from every rank's :meth:`Verifier.hashed` (or :meth:`~Verifier.runs`).
+def finishers(hashed: "list[dict[str, Any]]") -> list[list[str]]:
+    """Which rank completes which file's checksum, from every rank's :meth:`Verifier.hashed` (bytes) or
+    :meth:`~Verifier.runs` (runs).
 
     Each file goes to the rank that hashed most of it (the lowest such rank on a tie): the others read
     little of it, often just its header while planning, and the finisher only reads what no rank hashed.
