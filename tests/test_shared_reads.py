@@ -258,6 +258,22 @@ def test_the_automatic_setting_shares_across_hosts_or_from_a_bucket_only():
     assert _plans(both, True)[0].messages and not _plans(both, False, remote=True)[0].messages
 
 
+def test_parts_are_not_described_where_they_cannot_be_shared(monkeypatch):
+    from ckptio import _dist
+    from ckptio.engine.shared_reads import may_share
+
+    monkeypatch.setattr(_dist, "world_size", lambda: 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun: both ranks on this node
+    assert not may_share(None, remote=False) and may_share(None, remote=True) and may_share(True, remote=False)
+    assert not may_share(False, remote=True)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # one rank per node
+    assert may_share(None, remote=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")  # not told: the hosts decide in the opening round
+    assert may_share(None, remote=False)
+    monkeypatch.setattr(_dist, "world_size", lambda: 1)
+    assert not may_share(True, remote=True)
+
+
 def _s3_restore(url: str, share: bool | None) -> dict:
     import torch.distributed as dist
 

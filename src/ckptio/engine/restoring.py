@@ -189,7 +189,7 @@ class Restorer:
                 opened.optim_plan = _plan_optimizer(self.tracked.optim_state, folder, manifest)
             except Exception as exc:  # told to the other ranks with the round, raised after the model's checks
                 opened.optim_error = exc
-        if self.config.share_reads is not False and _dist.world_size() > 1:
+        if shared_reads.may_share(self.config.share_reads, remote=not isinstance(folder, Folder)):
             model_entry = manifest.states.get("model")
             opened.needs = shared_reads.describe_load(
                 target if self.options.plain else None, model_entry.format if model_entry else None,

@@ -36,7 +36,7 @@ import torch
 
 from .. import _dist
 
-__all__ = ["Need", "Described", "describe", "describe_load", "plans", "SharedReads", "PIECE", "PACK"]
+__all__ = ["Need", "Described", "describe", "describe_load", "may_share", "plans", "SharedReads", "PIECE", "PACK"]
 
 PIECE = 64 << 20
 """Largest message: a large part is sent in pieces of this size."""
@@ -112,6 +112,21 @@ def describe_load(model: dict[str, Any] | None, model_format: str | None, optim_
     if optim_template is not None and shares(optim_format):
         lists[2], lists[3] = describe(flatten({"optim": optim_template}))
     return Described(lists, socket.gethostname())
+
+
+def may_share(setting: bool | None, *, remote: bool) -> bool:
+    """Whether describing this rank's parts can pay (no collective; every rank of one job decides alike, and a rank
+    that does not describe turns sharing off for all in :func:`plans`): not alone, not ``share_reads: false``, and,
+    left automatic on a filesystem, not when torchrun says every rank is on this node (describing the medium
+    state's 1,400 parts costs ~70 ms a rank, for nothing there)."""
+    import os
+
+    world = _dist.world_size()
+    if world == 1 or setting is False:
+        return False
+    if setting or remote:
+        return True
+    return os.environ.get("LOCAL_WORLD_SIZE") != str(world)
 
 
 def plans(summaries: list[Any], mine: "Described | None", rank: int, setting: bool | None, *,
