@@ -659,3 +659,12 @@ def test_restore_from_a_step_in_a_bucket_and_a_peft_adapter_there(bucket, tmp_pa
         assert m.restore().step == 1
     trained = {k: v for k, v in peft.state_dict().items() if "lora_" in k}
     assert trained and all(torch.equal(again.state_dict()[k], v) for k, v in trained.items())
+
+
+def test_a_closed_file_larger_than_a_part_goes_up_in_parts(bucket, monkeypatch, tmp_path):
+    monkeypatch.setattr(s3mod._common, "PART_SIZE", 5 << 20)
+    data = torch.randint(0, 256, (12 << 20,), dtype=torch.uint8).numpy().tobytes()
+    (tmp_path / "f.bin").write_bytes(data)
+    s3mod.upload_file(tmp_path / "f.bin", bucket, "whole/f.bin", "s3://whole/f.bin", if_none_match=True)
+    assert s3mod.client().get_object(Bucket=bucket, Key="whole/f.bin")["Body"].read() == data
+    assert not s3mod.client().list_multipart_uploads(Bucket=bucket).get("Uploads")

@@ -68,7 +68,7 @@ class _Parts:
     """A multipart upload fed while its file is still being written: each part read back from the spool (the page
     cache) and sent on a pool's thread; :meth:`finish` sends the rest and completes, :meth:`abort` drops it."""
 
-    def __init__(self, path: Path, bucket: str, key: str, where: S3Path) -> None:
+    def __init__(self, path: Path, bucket: str, key: str, where: object) -> None:
         self.path, self.bucket, self.key, self.where = path, bucket, key, where
         self.upload = _call("starting the upload of", where, client().create_multipart_upload, Bucket=bucket,
                             Key=key)["UploadId"]
@@ -82,13 +82,14 @@ class _Parts:
                                              len(self.futures) + 1, self.sent, end - self.sent))
         self.sent = end
 
-    def finish(self, size: int) -> None:
+    def finish(self, size: int, **extra: Any) -> None:
+        """Send the rest of the file's ``size`` bytes and complete the upload (``extra``: e.g. ``IfNoneMatch``)."""
         try:
             while self.sent < size:
                 self.send(min(size, self.sent + _common.PART_SIZE))
             parts = [f.result() for f in self.futures]
             _call("completing the upload of", self.where, client().complete_multipart_upload, Bucket=self.bucket,
-                  Key=self.key, UploadId=self.upload, MultipartUpload={"Parts": parts})
+                  Key=self.key, UploadId=self.upload, MultipartUpload={"Parts": parts}, **extra)
         except BaseException:
             self.abort()
             raise
@@ -125,23 +126,7 @@ def upload_file(path: Path, bucket: str, key: str, where: object, *, if_none_mat
         with open(path, "rb") as fh:
             _call("uploading", where, s3.put_object, Bucket=bucket, Key=key, Body=fh, **extra)
         return
-    upload = _call("starting the upload of", where, s3.create_multipart_upload, Bucket=bucket, Key=key)["UploadId"]
-    try:
-        def part(number: int) -> dict[str, Any]:
-            offset = (number - 1) * _common.PART_SIZE
-            return _upload_part(path, bucket, key, where, upload, number, offset, min(_common.PART_SIZE, size - offset))
-
-        count = (size + _common.PART_SIZE - 1) // _common.PART_SIZE
-        with ThreadPoolExecutor(min(_common.UPLOAD_THREADS, count), thread_name_prefix="ckptio-s3-upload") as pool:
-            parts = list(pool.map(part, range(1, count + 1)))
-        _call("completing the upload of", where, s3.complete_multipart_upload, Bucket=bucket, Key=key,
-              UploadId=upload, MultipartUpload={"Parts": parts}, **extra)
-    except BaseException:
-        try:
-            s3.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload)
-        except Exception:  # noqa: BLE001 - the sweep aborts what is left
-            pass
-        raise
+    _Parts(path, bucket, key, where).finish(size, **extra)
 
 
 class S3FolderWriter:
