@@ -16,7 +16,7 @@ import torch
 
 from ..errors import CheckpointCorruptError
 from ..storage.confined import Folder
-from ..storage.parse import Budget, parsing
+from ..storage.parse import Budget, check_pickle, parsing, zip_member
 
 MAX_STATE_BYTES = 2 << 30
 """Largest small state (``.pt``) read into memory: a dataloader's or a user object's state."""
@@ -47,23 +47,36 @@ def write_bytes(path: str | Path, data: bytes) -> None:
 
 
 def _check_members(fileobj: Any, size: int, where: Path) -> None:
-    """Refuse a ``torch.save`` archive whose members would inflate past the file itself, before torch reads it.
+    """Refuse a ``torch.save`` archive before torch reads it: members that would inflate past the file itself, a
+    file that is not such an archive, and a ``data.pkl`` the gate's pickle walk refuses (torch's ``weights_only``
+    unpickler admits only plain types, but a tuple nested a million deep or a key that hashes 2^64 times is plain).
 
     ``torch.save`` stores its members uncompressed, but ``torch.load`` inflates a deflated one to the size its
-    header claims: a few kilobytes could ask for gigabytes. A file that is not a zip archive is left to
-    ``torch.load``, whose error names it."""
+    header claims: a few kilobytes could ask for gigabytes. torch's own format before 1.6 (not a zip archive) is
+    refused: its pickles cannot be walked before they are loaded."""
     try:
         with parsing(where, "(its zip directory)"):  # names that are not UTF-8, sizes that do not parse...
             try:
                 archive = zipfile.ZipFile(fileobj)
             except zipfile.BadZipFile:
-                return
+                raise CheckpointCorruptError(f"{where}: not a torch.save archive (a zip file); files in torch's format "
+                                             "before 1.6 are not read") from None
             with archive:
                 budget = Budget(size, where)
+                pickles = []
                 for info in archive.infolist():
                     budget.take(info.file_size, f"member {info.filename!r}")
+                    if info.filename.endswith("/data.pkl") or info.filename == "data.pkl":
+                        pickles.append(info.filename)
+                for name in pickles:
+                    check_pickle(zip_member(archive, name, Budget(size, where)), f"{where}: {name}")
     finally:
         fileobj.seek(0)
+
+
+def check_bytes(data: bytes, where: Any) -> None:
+    """:func:`_check_members` for a ``torch.save`` archive held in memory (a DCP item read whole)."""
+    _check_members(io.BytesIO(data), len(data), where)
 
 
 def check_archive(folder: Folder, rel: str) -> None:

@@ -37,6 +37,7 @@ import zlib
 from typing import Any, BinaryIO, Literal
 
 from ..errors import CheckpointCorruptError, CheckpointError
+from .pickle_walk import PickleTooCostly, Walk
 
 __all__ = ["MAX_DEPTH", "DATA_ERRORS", "parsing", "check_pickle", "json_value", "json_object", "read_json", "check_depth",
            "field", "as_int", "as_float", "Budget", "zip_member"]
@@ -134,8 +135,10 @@ def check_pickle(source: "bytes | BinaryIO", where: object, *, size: int | None 
     walk: Any = _Left(stream, size if size is not None else 1 << 62)
     start = stream.tell()
     stored = 0
+    machine = Walk(size if size is not None else 0)
     try:
         for op, arg, pos in pickletools.genops(walk):
+            machine.step(op.name, arg)
             if op in _MEMO_STORES:
                 if type(arg) is not int or not 0 <= arg <= stored:
                     raise ValueError(f"memo slot {arg} stored after {stored} slots (a pickler stores them in order)")
@@ -144,6 +147,8 @@ def check_pickle(source: "bytes | BinaryIO", where: object, *, size: int | None 
                 stored += 1
             elif op is _FRAME and type(arg) is int and arg > (size or 0) - (pos or 0):
                 raise ValueError(f"a frame of {arg} bytes at byte {pos} of {size}")
+    except PickleTooCostly as exc:
+        raise CheckpointCorruptError(f"{where}: refused as a pickle: {exc}") from None
     except (ValueError, EOFError, struct.error, OverflowError, IndexError, KeyError) as exc:
         text = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
         raise CheckpointCorruptError(f"{where}: not a well-formed pickle ({text})") from None

@@ -33,6 +33,7 @@ from .items import parse, plain_value, read_into
 from ..safetensors import chunk_index
 from ..safetensors.chunk_index import overlapping_rows
 from ..common import TensorInfo, dtype_name
+from ..pt import check_bytes
 from .metadata import boxes, check_data_files, read_metadata
 
 __all__ = ["Plan", "Layout", "layout", "plan", "execute"]
@@ -198,6 +199,7 @@ def execute(p: Plan, progress: Callable[[int], None] | None = None) -> None:
 
 
 def _value(data: bytes, path: Any, key: str) -> Any:
+    check_bytes(data, f"{path}: DCP value {key!r}")
     try:
         return torch.load(io.BytesIO(data), weights_only=True)
     except Exception as exc:
@@ -208,8 +210,10 @@ def _value(data: bytes, path: Any, key: str) -> Any:
 def _read_with_torch(handle: Any, r: _Read) -> None:
     """An archive the direct reader does not take (compressed, say): ``torch.load(weights_only=True)``."""
     assert r.dst is not None
+    data = handle.read(r.offset, r.length)
+    check_bytes(data, f"{handle.path}: chunk of {r.key!r} at byte {r.offset}")
     try:
-        whole = torch.load(io.BytesIO(handle.read(r.offset, r.length)), weights_only=True)
+        whole = torch.load(io.BytesIO(data), weights_only=True)
     except Exception as exc:
         raise CheckpointCorruptError(f"{handle.path}: chunk of {r.key!r} at byte {r.offset} cannot be read: "
                                      f"{exc}") from exc

@@ -36,6 +36,7 @@ from ... import _dist
 from ...errors import CheckpointCorruptError, CheckpointError
 from ...storage.confined import Folder, UnsafePathError, as_folder
 from ..common import TensorInfo, check_compatible, dtype_name, flatten, torch_dtype
+from ..pt import check_bytes
 from .metadata import METADATA_FILE, read_metadata
 from .save import _plain_errors, _quiet_single_process, save
 from ..registry import Format, Opened, ShardContext, WriteOptions, register
@@ -109,6 +110,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.progress(tensor.numel() * tensor.element_size())
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        check_bytes(value.getvalue(), f"DCP value {read_item.dest_index.fqn!r}")
+        value.seek(0)
         try:
             obj = torch.load(value, weights_only=True)
         except Exception as exc:
