@@ -14,6 +14,7 @@ import contextlib
 import io
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -168,3 +169,50 @@ def test_an_adopted_step_with_a_huge_rank_number_is_its_reason(tmp_path):
     torch.save({"pos": 1}, tmp_path / "epoch_0_step_4" / "dataloader" / f"dataloader_dp_rank_{'9' * 220}.pt")
     (entry,) = scan(tmp_path)
     assert not entry.committed and "rank" in entry.problem and "dataloader_dp_rank_" in entry.problem
+
+
+# ------------------------------------------------ pickles that pass an opcode walk but would build too much
+P4 = b"\x80\x04"
+BUILDS_TOO_MUCH = {
+    # 64 tuples, each holding the previous one twice, as a dict key: 2^64 hashes (a hang, not an error)
+    "hash": P4 + b"}N" + b"2\x86" * 64 + b"Ns.",
+    # None inside 1,000,000 tuples as a key: hashing it overflows the C stack (SIGSEGV)
+    "depth": P4 + b"}N" + b"\x85" * 1_000_000 + b"Ns.",
+    # 2.5 MB of empty sets: ~540 MB of memory from one opcode byte each
+    "memory": P4 + b"(" + b"\x8f" * 2_500_000 + b"l.",
+}
+_RESTORE = """
+import logging, sys, torch
+logging.basicConfig(level=logging.WARNING)
+from ckptio import CheckpointConfig, CheckpointManager
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+class Loader:
+    def state_dict(self): return {"pos": 0}
+    def load_state_dict(self, state): assert state == {"pos": 3}, state
+with CheckpointManager(CheckpointConfig(checkpoint_dir=sys.argv[1], model_save_format="torch_save"), model=model,
+                       dataloader=Loader(), rng=False) as mgr:
+    print("RESUMED", mgr.restore().step, float(next(model.parameters()).detach().flatten()[0]))
+"""
+
+
+@pytest.mark.parametrize("where", ["model/.metadata", "dataloader/dataloader_dp_rank_0.pt"])
+@pytest.mark.parametrize("kind", sorted(BUILDS_TOO_MUCH))
+def test_a_pickle_that_would_build_too_much_makes_its_step_damaged_and_the_older_one_resumes(tmp_path, kind, where):
+    """Issue 46, rows 1-3: in a fresh process (a hang or a SIGSEGV there would fail this test, not kill the suite),
+    in an AutoModel folder (DCP's own files, no ckptio index) and in a ``torch.save`` file read weights-only."""
+    _automodel_step(tmp_path, "epoch_0_step_4", 4.0, None)
+    _automodel_step(tmp_path, "epoch_0_step_8", 8.0, None)
+    target = tmp_path / "epoch_0_step_8" / where
+    if where.endswith(".pt"):  # the hostile pickle as the data.pkl of a torch.save archive
+        import zipfile
+
+        with zipfile.ZipFile(target, "w") as z:
+            z.writestr("archive/data.pkl", BUILDS_TOO_MUCH[kind])
+            z.writestr("archive/version", "3\n")
+    else:
+        target.write_bytes(BUILDS_TOO_MUCH[kind])
+    out = subprocess.run([sys.executable, "-c", _RESTORE, str(tmp_path)], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "RESUMED 4 4.0" in out.stdout, out.stdout + out.stderr[-3000:]
+    assert "refused as a pickle" in out.stderr and str(target) in out.stderr, out.stderr[-3000:]

@@ -130,3 +130,33 @@ def test_a_pickle_accepted_once_is_remembered_by_its_very_bytes_and_nothing_else
         with pytest.raises(CheckpointCorruptError, match="bad"):
             parse.check_pickle(bad, "bad")
     assert bad not in parse._known_good
+
+
+def test_the_gate_bounds_what_a_pickle_would_build_and_accepts_what_picklers_write():
+    """Issue 46: nesting, memory and hashing are bounded by the pickle's size (``storage/pickle_walk.py``); real
+    shapes pass: cycles, shared references, sets and frozensets, and a DCP ``.metadata``-sized dict of tuples."""
+    from ckptio.storage.parse import check_pickle
+
+    shared = (1, 2, "x")
+    cyclic: list = []
+    cyclic.append(cyclic)
+    node: dict = {"parent": None}
+    node["self"] = node
+    good = [[shared] * 1000, cyclic, node, {frozenset({1, 2}): {3, 4}, (1, (2, (3,))): 5},
+            {(i, i + 1): [float(i)] * 3 for i in range(20_000)}, tuple(tuple(range(i)) for i in range(90))]
+    for value in good:
+        for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+            check_pickle(pickle.dumps(value, protocol=protocol), "good")
+    big = (1 << 61) - 1  # ints that hash alike: i * (2^61 - 1) all hash to 0
+    colliding = {i * big: None for i in range(1, 40)}
+    bad = {
+        "hashing its keys": b"\x80\x04}N" + b"2\x86" * 64 + b"Ns.",
+        "levels deep": b"\x80\x04}N" + b"\x85" * 5000 + b"Ns.",
+        "bytes of objects": b"\x80\x04(" + b"\x8f" * 400_000 + b"l.",
+        "share the hash 0": pickle.dumps(colliding, protocol=4),
+        # a list taken into the constructor's arguments first, filled with a costly key after
+        "hashing its keys ": b"\x80\x04cbuiltins\nset\n]q\x00\x85h\x00N" + b"2\x86" * 64 + b"a0R.",
+    }
+    for words, data in bad.items():
+        with pytest.raises(CheckpointCorruptError, match=rf"^bad: refused as a pickle: .*{words.strip()}"):
+            check_pickle(data, "bad")
