@@ -398,15 +398,45 @@ def test_cli_names_the_bad_scale(release, tmp_path, capsys):
     assert FIRST in err and UP in err
 
 
-def test_without_quantization_config_scales_stay_unexpected(release, tmp_path):
-    """Only a folder that declares block FP8 is dequantized; without the declaration its scales are
-    keys the model lacks, as before."""
+def test_without_quantization_config_an_fp8_weight_with_a_scale_is_refused_by_name(release, tmp_path):
+    """Issue 46, row 4: a release whose config.json lost its quantization_config (a common workaround) loaded with
+    ``strict=False`` cast the float8 codes as they are (weights off by ~448, no warning). Whatever the config says,
+    an FP8 weight with a scale beside it is refused naming the file, the tensor and the fix, by every reader."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ckptio import CheckpointMismatchError, load_pretrained
+    from ckptio import CheckpointCorruptError, load_pretrained
+    from ckptio.convert import convert
 
     folder = _broken(release, tmp_path, quant=None)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
-    with pytest.raises(CheckpointMismatchError, match="_scale_inv"):
-        load_pretrained(model, folder)
+    for attempt in (lambda: load_pretrained(model, folder, strict=False), lambda: load_pretrained(model, folder),
+                    lambda: convert(folder, tmp_path / "out", "hf")):
+        with pytest.raises(CheckpointCorruptError) as info:
+            attempt()
+        text = str(info.value)
+        assert "_scale_inv" in text and "quantization_config" in text and str(folder) in text, text
+    assert not (tmp_path / "out").exists()
     shutil.rmtree(folder)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_block_scale_that_is_not_finite_is_refused_naming_tensor_and_block(release, tmp_path, bad):
+    """Issue 46, row 5: NaN or infinity in one block scale loaded and made the forward pass NaN."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ckptio import CheckpointCorruptError, load_pretrained
+    from ckptio.convert import convert
+
+    def poison(t):
+        scale = t[UP + "_scale_inv"].clone()
+        scale[3, 1] = bad
+        t[UP + "_scale_inv"] = scale
+
+    folder = _broken(release, tmp_path, poison)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    for attempt in (lambda: load_pretrained(model, folder), lambda: convert(folder, tmp_path / "out", "hf")):
+        with pytest.raises(CheckpointCorruptError) as info:
+            attempt()
+        text = str(info.value)
+        assert FIRST in text and UP + "_scale_inv" in text and "block [3, 1]" in text and str(bad) in text, text
+    assert not (tmp_path / "out").exists()

@@ -128,6 +128,9 @@ def load_pretrained(model: nn.Module, folder: str | Path, *, strict: bool = True
     def load() -> None:
         blocks = fp8_blocks.read_blocks(tree)  # a block FP8 release is dequantized as it is read
         if blocks is None:
+            chunks, infos = safetensors_sharded._scan(tree, files)  # headers only; read again below, cheaply
+            fp8_blocks.refuse_undeclared(infos, lambda k: tree.display(next(iter(chunks[k])).file),
+                                         tree.display("config.json"))
             safetensors_sharded.load_files(target, tree, files, strict=strict)
         else:
             fp8_blocks.load_files(target, tree, files, blocks, strict=strict)

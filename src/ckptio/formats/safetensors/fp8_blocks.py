@@ -42,7 +42,7 @@ from ..common import TensorInfo, check_compatible
 if TYPE_CHECKING:
     from ...storage.confined import Folder
 
-__all__ = ["SCALE_SUFFIX", "Blocks", "read_blocks", "pair_scales", "dequantize", "scale_rows", "load_files",
+__all__ = ["SCALE_SUFFIX", "Blocks", "read_blocks", "pair_scales", "refuse_undeclared", "check_scale", "dequantize", "scale_rows", "load_files",
            "DequantizedSource", "plain_config"]
 
 SCALE_SUFFIX = "_scale_inv"
@@ -118,6 +118,30 @@ def pair_scales(blocks: Blocks, infos: dict[str, TensorInfo], file_of: Callable[
     return pairs
 
 
+def refuse_undeclared(infos: dict[str, TensorInfo], file_of: Callable[[str], object], config: object) -> None:
+    """For a folder whose ``config`` declares no block FP8: refuse an FP8 weight stored with a block scale beside it
+    (its codes read as values would be off by the scale, ~448 times, without a word); plain FP8 weights pass."""
+    for key in infos:
+        weight = key[:-len(SCALE_SUFFIX)] if key.endswith(SCALE_SUFFIX) else None
+        if weight is not None and weight in infos and infos[weight].dtype in _FP8:
+            raise CheckpointCorruptError(
+                f"{file_of(weight)}: FP8 weight {weight!r} is stored with a block scale {key!r} beside it, but {config} "
+                "declares no block FP8 quantization; read as it is, every value would be off by its scale. Put the "
+                "release's \"quantization_config\": {\"quant_method\": \"fp8\", \"weight_block_size\": [R, C]} back "
+                "into config.json")
+
+
+def check_scale(scale: torch.Tensor, key: str, where: object, first: tuple[int, int] = (0, 0)) -> None:
+    """Refuse a block scale (or the box of one starting at block ``first``) holding NaN or infinity, naming the
+    tensor and the block: every value of that block would come out NaN or infinite."""
+    bad = ~torch.isfinite(scale)
+    if bool(bad.any()):
+        i, j = (int(v) for v in bad.nonzero()[0])
+        value = float(scale[i, j])
+        raise CheckpointCorruptError(f"{where}: block scale {key!r} holds {value} at block [{first[0] + i}, "
+                                     f"{first[1] + j}]; the weight's values there would be {value}")
+
+
 def dequantized_index(infos: dict[str, TensorInfo], pairs: dict[str, str]) -> dict[str, TensorInfo]:
     """What the folder holds once dequantized: no scales, the quantized weights in ``float32``."""
     scales = set(pairs.values())
@@ -173,7 +197,9 @@ def load_files(target: dict[str, torch.Tensor], folder: "Folder", files: list[st
             lo = (view.offsets[0], view.offsets[1])
             hi = (lo[0] + local.shape[0], lo[1] + local.shape[1])
             q = read_box(key, list(lo), list(hi))
-            scale = read_box(pairs[key], *scale_rows(blocks, lo, hi))
+            box = scale_rows(blocks, lo, hi)
+            scale = read_box(pairs[key], *box)
+            check_scale(scale, pairs[key], folder.display(files_of[pairs[key]][0]), (box[0][0], box[0][1]))
             with torch.no_grad():
                 local.copy_(dequantize(q, scale, blocks, lo))
 
@@ -204,7 +230,9 @@ class DequantizedSource:
         """The tensor ``key``: a quantized weight dequantized whole, any other as stored."""
         if key not in self.pairs:
             return self.source.read(key)
-        return dequantize(self.source.read(key), self.source.read(self.pairs[key]), self.blocks)
+        scale = self.source.read(self.pairs[key])
+        check_scale(scale, self.pairs[key], self.source.root.display(self.source.file_of(self.pairs[key])))
+        return dequantize(self.source.read(key), scale, self.blocks)
 
     def close(self) -> None:
         self.source.close()

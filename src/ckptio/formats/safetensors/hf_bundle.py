@@ -243,6 +243,9 @@ class HFBundle(Format):
             blocks = fp8_blocks.read_blocks(source.root)  # a block FP8 release reads dequantized
             if blocks is not None:
                 source = fp8_blocks.DequantizedSource(source, blocks)
+            else:
+                fp8_blocks.refuse_undeclared(source.index(), lambda k: source.root.display(source.file_of(k)),
+                                             source.root.display("config.json"))
         except BaseException:
             source.close()
             raise
