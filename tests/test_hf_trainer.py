@@ -217,3 +217,22 @@ def test_the_example_trains_and_resumes(tmp_path):
         assert done.returncode == 0 and f"trained to step {steps}" in done.stdout, done.stderr[-2000:]
     assert _names(tmp_path) == ["checkpoint-15", "checkpoint-20"]  # save_total_limit=2
     assert (tmp_path / "checkpoint-20" / "manifest.json").is_file()
+
+
+def test_a_folder_whose_name_disagrees_with_its_step_is_never_resumed_from_nor_outranks_progress(tmp_path, straight,
+                                                                                                 caplog):
+    """Issue 46, row 6: ``checkpoint-10`` holding a copy of ``checkpoint-4`` was taken by
+    ``resume_from_checkpoint=True``, kept by ``save_total_limit=2`` while the real progress was deleted, and every
+    later resume went back to step 4. The folder is named as what it is and left out of both."""
+    trainer(CkptioTrainer, tmp_path, 8).train()
+    shutil.copytree(tmp_path / "checkpoint-4", tmp_path / "checkpoint-10")
+    good, skipped = usable_checkpoints(tmp_path)
+    assert [p.name for p in good] == ["checkpoint-8", "checkpoint-4"]
+    why = dict(skipped)["checkpoint-10"]
+    assert "named for step 10" in why and "records step 4" in why, why
+    ours = trainer(CkptioTrainer, tmp_path, STEPS, save_total_limit=2)
+    ours.train(resume_from_checkpoint=True)
+    _same(state(ours), straight, "resumed from checkpoint-8 past a misnamed copy of checkpoint-4")
+    assert "skipping checkpoint-10" in caplog.text and "records step 4" in caplog.text
+    # retention counted the real folders only: the misnamed copy is left alone, the newest two real ones are kept
+    assert _names(tmp_path) == ["checkpoint-10", "checkpoint-12", "checkpoint-16"]

@@ -269,6 +269,12 @@ def _check(path: Path, verify: str, model_only: bool) -> None:
     if not committed and folder.kind(_INCOMPLETE) is not None:
         raise CheckpointCorruptError(f"{path}: the Trainer marked this save incomplete ({_INCOMPLETE})")
     state = _trainer_state(folder)
+    named = _NAME.match(path.name)
+    if named and int(named.group(1)) != state.global_step:  # the Trainer names each folder for its step
+        raise CheckpointCorruptError(
+            f"{path}: named for step {named.group(1)}, but its trainer_state.json records step {state.global_step} (a "
+            f"copy of another checkpoint, or one renamed); it is neither resumed from nor counted by save_total_limit. "
+            f"If it is the checkpoint of step {state.global_step}, name it checkpoint-{state.global_step}")
     if not any(folder.kind(n) == "file" for n in _WEIGHTS):
         raise CheckpointCorruptError(f"{path}: holds no model weights")
     if not model_only:
