@@ -243,3 +243,73 @@ def test_qnemo_keeps_a_scaled_rope_and_refuses_biases(tmp_path, capsys):
     assert main(["quantize", str(biased), str(tmp_path / "qb"), "--check", "0"]) == 2
     assert "attention_bias = True: a qnemo (TensorRT-LLM) checkpoint cannot hold it" in capsys.readouterr().err
     assert not (tmp_path / "qb").exists()
+
+
+# ------------------------------------------------------------- every field of the model type, placed (issue 46)
+def test_the_field_lists_place_every_field_of_the_installed_config_classes():
+    """Each field of transformers' LlamaConfig and MistralConfig is carried, inert, or must have the one value a
+    Llama-shaped target computes; a release that adds a field fails here until it is placed."""
+    from ckptio.formats.hf_fields import MODEL_FIELDS, class_fields
+
+    for kind in MODEL_FIELDS:
+        fields = class_fields(kind)
+        assert fields and not fields - MODEL_FIELDS[kind], (kind, sorted(fields - MODEL_FIELDS[kind]))
+
+
+def test_a_field_is_read_as_the_model_type_reads_it(tmp_path):
+    """Issue 46, row 7: a Mistral config with ``sliding_window: 8`` and a stray ``use_sliding_window: false`` (a
+    Qwen2 field Mistral ignores) converted without a word and the logits moved by 0.107: Mistral attends in a
+    window of 8 whatever that field says, so the window is refused by name."""
+    from ckptio.convert import convert
+
+    src = _llama(tmp_path / "src", tied=False)
+    config = _config(src)
+    config.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=8,
+                  use_sliding_window=False)
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedFieldError) as err:
+        convert(src, tmp_path / "mg", "megatron")
+    assert err.value.field == "sliding_window" and err.value.value == 8
+    assert not (tmp_path / "mg").exists()
+
+
+@pytest.mark.parametrize("field,value", [("pretraining_tp", 2), ("attention_dropout", 0.1), ("hidden_act", "gelu")])
+def test_a_llama_field_with_another_value_is_refused_by_name(tmp_path, field, value):
+    from ckptio.convert import convert
+
+    src = _llama(tmp_path / "src", tied=False)
+    (src / "config.json").write_text(json.dumps({**_config(src), field: value}))
+    with pytest.raises(UnsupportedFieldError) as err:
+        convert(src, tmp_path / "mg", "megatron")
+    assert err.value.field == field and not (tmp_path / "mg").exists()
+
+
+def test_a_field_of_the_model_type_the_lists_do_not_place_is_refused_by_name(tmp_path, monkeypatch):
+    """What a newer transformers adds to the model type: refused by name, never guessed."""
+    from ckptio.convert import convert
+    from ckptio.formats import hf_fields
+
+    src = _llama(tmp_path / "src", tied=False)
+    (src / "config.json").write_text(json.dumps({**_config(src), "attn_logit_softcapping": 50.0}))
+    monkeypatch.setattr(hf_fields, "class_fields", lambda kind: frozenset({"attn_logit_softcapping", "hidden_size"}))
+    with pytest.raises(UnsupportedFieldError, match="does not know whether") as err:
+        convert(src, tmp_path / "mg", "megatron")
+    assert err.value.field == "attn_logit_softcapping"
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_every_carried_field_off_its_default_keeps_the_logits_through_megatron(tmp_path, kind):
+    """Each carried field at a value other than its default (head_dim, rms_norm_eps, max_position_embeddings, the
+    rotary base, grouped heads, untied embeddings), for both model types: HF -> Megatron -> HF computes the same."""
+    src = _llama(tmp_path / "src", tied=False, head_dim=16, rms_norm_eps=1e-3)
+    config = _config(src)
+    config["max_position_embeddings"] = 48
+    if kind == "mistral":
+        config.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=None)
+    (src / "config.json").write_text(json.dumps(config))
+    _cli(str(src), str(tmp_path / "mg"), "--to", "megatron", "--tp", "2")
+    _cli(str(tmp_path / "mg"), str(tmp_path / "back"), "--to", "hf")
+    a, b = _load(src), _load(tmp_path / "back")
+    assert (b.config.head_dim, b.config.rms_norm_eps, b.config.max_position_embeddings) == (16, 1e-3, 48)
+    with torch.no_grad():
+        torch.testing.assert_close(b(INPUT).logits, a(INPUT).logits, rtol=0, atol=1e-6)

@@ -14,12 +14,14 @@ instead of writing a model that computes something else.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CheckpointCorruptError, ConfigError
 
-__all__ = ["DEFAULT_THETA", "Rope", "UnsupportedFieldError", "rope", "dtype_name", "refuse", "rope_config"]
+__all__ = ["DEFAULT_THETA", "Rope", "UnsupportedFieldError", "rope", "dtype_name", "refuse", "rope_config", "CARRIED",
+           "INERT", "MODEL_FIELDS", "unknown_fields", "class_fields"]
 
 DEFAULT_THETA = 10000.0
 """transformers' (and Megatron's) rotary base when a config gives none."""
@@ -99,26 +101,72 @@ def dtype_name(config: dict[str, Any]) -> str | None:
     return None
 
 
-# what a field must be for a target that cannot hold any other value: (dotted name, the value, allowed, hint)
+# Every field of the configs of the model types ckptio maps to Llama-shaped targets (transformers 5's LlamaConfig and
+# MistralConfig with PretrainedConfig's own, and transformers 4's spellings of the same), each with what a conversion
+# does with it. tests/test_convert_function.py checks the lists against the installed transformers' classes, so a
+# field a new release adds fails the suite until it is placed here; at run time a field of the model type missing
+# from these lists is refused by name.
+CARRIED = frozenset({
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "rms_norm_eps", "rope_parameters", "rope_theta", "rope_scaling", "partial_rotary_factor", "max_position_embeddings",
+    "vocab_size", "tie_word_embeddings", "dtype", "torch_dtype",
+})
+"""Written into the target and read back the same (the rotary fields through :func:`rope`)."""
+INERT = frozenset({
+    "_name_or_path", "architectures", "transformers_version", "model_type", "id2label", "label2id", "problem_type",
+    "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "use_cache", "output_attentions",
+    "output_hidden_states", "return_dict", "chunk_size_feed_forward",
+})
+"""Names, token ids, weight initialisation and runtime switches: what the model computes does not depend on them."""
+_MUST: dict[str, tuple[Any, str]] = {  # field -> (the value a Llama-shaped target computes, why)
+    "hidden_act": ("silu", "Only SwiGLU MLPs (hidden_act silu) are mapped."),
+    "attention_bias": (False, "Attention projections with biases are not mapped; convert to hf, safetensors or nemo "
+                              "instead."),
+    "mlp_bias": (False, "MLP projections with biases are not mapped; convert to hf, safetensors or nemo instead."),
+    "pretraining_tp": (1, "Llama's pretraining_tp splits the projections' matmuls; only 1 is mapped."),
+    "attention_dropout": (0.0, "Attention dropout is not carried; set it to 0.0 if the model is only evaluated."),
+    "sliding_window": (None, "Only full attention is carried; set sliding_window to null if the model never sees "
+                             "longer sequences."),
+    "is_encoder_decoder": (False, "Only decoder-only models are mapped."),
+}
+MODEL_FIELDS: dict[str, frozenset[str]] = {
+    "llama": CARRIED | INERT | {"hidden_act", "attention_bias", "mlp_bias", "pretraining_tp", "attention_dropout",
+                                "is_encoder_decoder"},
+    "mistral": CARRIED | INERT | {"hidden_act", "attention_dropout", "sliding_window", "is_encoder_decoder"},
+}
+"""The fields each model type reads (anything else in its config.json, a stray field of another type, it ignores)."""
+_DEFAULTS: dict[str, Any] = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "pretraining_tp": 1,
+                             "attention_dropout": 0.0, "sliding_window": None, "is_encoder_decoder": False}
+
+
 def _llama_checks(config: dict[str, Any], r: Rope) -> list[tuple[str, Any, bool, str]]:
-    window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
-    return [
-        ("model_type", config.get("model_type"), config.get("model_type") in ("llama", "mistral", None),
-         "ckptio maps Llama-style decoders (RMSNorm, SwiGLU, RoPE, no biases): llama, and mistral without a "
-         "sliding window. Qwen2 has q/k/v biases."),
-        ("hidden_act", config.get("hidden_act", "silu"), config.get("hidden_act", "silu") == "silu",
-         "Only SwiGLU MLPs (hidden_act silu) are mapped."),
-        ("attention_bias", config.get("attention_bias", False), not config.get("attention_bias", False),
-         "Attention projections with biases are not mapped; convert to hf, safetensors or nemo instead."),
-        ("mlp_bias", config.get("mlp_bias", False), not config.get("mlp_bias", False),
-         "MLP projections with biases are not mapped; convert to hf, safetensors or nemo instead."),
+    """What a field must be for a target that cannot hold any other value: (dotted name, the value, allowed, hint),
+    each field read as the config's model type reads it."""
+    kind = config.get("model_type")
+    checks = [("model_type", kind, kind in (*MODEL_FIELDS, None),
+               "ckptio maps Llama-style decoders (RMSNorm, SwiGLU, RoPE, no biases): llama, and mistral without a "
+               "sliding window. Qwen2 has q/k/v biases.")]
+    reads = MODEL_FIELDS.get(kind if isinstance(kind, str) else "llama", MODEL_FIELDS["llama"])
+    for name in sorted(_MUST):
+        if name in reads:
+            want, hint = _MUST[name]
+            value = config.get(name, _DEFAULTS[name])
+            checks.append((name, value, value == want and isinstance(value, bool) == isinstance(want, bool), hint))
+    checks += [
         (f"{r.source}.rope_type", r.kind, r.kind == "default",
          "Only plain RoPE (rope_type default, any rope_theta) is carried; a scaled RoPE (linear, dynamic, llama3, "
          "yarn...) would be dropped. Convert to hf, safetensors or nemo to keep it."),
         ("partial_rotary_factor", r.partial, r.partial == 1.0, "Only a rotary embedding over whole heads is carried."),
-        ("sliding_window", window, window is None,
-         "Only full attention is carried; set sliding_window to null if the model never sees longer sequences."),
     ]
+    return checks
+
+
+def unknown_fields(config: dict[str, Any], known: "frozenset[str] | set[str]") -> list[str]:
+    """The fields of ``config`` its model type reads (``known``: from transformers' config class, when installed) that
+    the lists above do not place: nothing says whether they change what the model computes."""
+    kind = config.get("model_type")
+    placed = MODEL_FIELDS.get(kind if isinstance(kind, str) else "llama", MODEL_FIELDS["llama"])
+    return sorted(name for name in known if name in config and name not in placed)
 
 
 def refuse(config: dict[str, Any], where: object, target: str, *, holds: tuple[str, ...] = ()) -> Rope:
@@ -129,4 +177,23 @@ def refuse(config: dict[str, Any], where: object, target: str, *, holds: tuple[s
     for name, value, ok, hint in _llama_checks(config, r):
         if not ok and name.rpartition(".")[2] not in holds and name not in holds:
             raise UnsupportedFieldError(where, name, value, target, hint)
+    kind = config.get("model_type")
+    for name in unknown_fields(config, class_fields(kind if isinstance(kind, str) else "llama")):
+        raise UnsupportedFieldError(where, name, config[name], target,
+                                    f"ckptio does not know whether this field of a {kind or 'llama'} config changes "
+                                    "what the model computes (a transformers release newer than its lists); convert "
+                                    "to hf, safetensors or nemo, which keep the config whole.")
     return r
+
+
+@functools.lru_cache(maxsize=None)
+def class_fields(kind: str) -> frozenset[str]:
+    """Every field transformers' config class for ``kind`` has (its own and PretrainedConfig's); empty without
+    transformers (then the lists above alone decide)."""
+    try:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    except ImportError:
+        return frozenset()
+    if kind not in CONFIG_MAPPING:
+        return frozenset()
+    return frozenset(CONFIG_MAPPING[kind]().to_dict())
