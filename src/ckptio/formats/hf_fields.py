@@ -115,28 +115,27 @@ CARRIED = frozenset({
 INERT = frozenset({
     "_name_or_path", "architectures", "transformers_version", "model_type", "id2label", "label2id", "problem_type",
     "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "use_cache", "output_attentions",
-    "output_hidden_states", "return_dict", "chunk_size_feed_forward",
+    "output_hidden_states", "return_dict", "chunk_size_feed_forward", "attention_dropout",
 })
-"""Names, token ids, weight initialisation and runtime switches: what the model computes does not depend on them."""
+"""Names, token ids, weight initialisation, training-time dropout and runtime switches: what the model computes does
+not depend on them (Megatron carries the dropout all the same)."""
 _MUST: dict[str, tuple[Any, str]] = {  # field -> (the value a Llama-shaped target computes, why)
     "hidden_act": ("silu", "Only SwiGLU MLPs (hidden_act silu) are mapped."),
     "attention_bias": (False, "Attention projections with biases are not mapped; convert to hf, safetensors or nemo "
                               "instead."),
     "mlp_bias": (False, "MLP projections with biases are not mapped; convert to hf, safetensors or nemo instead."),
     "pretraining_tp": (1, "Llama's pretraining_tp splits the projections' matmuls; only 1 is mapped."),
-    "attention_dropout": (0.0, "Attention dropout is not carried; set it to 0.0 if the model is only evaluated."),
     "sliding_window": (None, "Only full attention is carried; set sliding_window to null if the model never sees "
                              "longer sequences."),
     "is_encoder_decoder": (False, "Only decoder-only models are mapped."),
 }
 MODEL_FIELDS: dict[str, frozenset[str]] = {
-    "llama": CARRIED | INERT | {"hidden_act", "attention_bias", "mlp_bias", "pretraining_tp", "attention_dropout",
-                                "is_encoder_decoder"},
-    "mistral": CARRIED | INERT | {"hidden_act", "attention_dropout", "sliding_window", "is_encoder_decoder"},
+    "llama": CARRIED | INERT | {"hidden_act", "attention_bias", "mlp_bias", "pretraining_tp", "is_encoder_decoder"},
+    "mistral": CARRIED | INERT | {"hidden_act", "sliding_window", "is_encoder_decoder"},
 }
 """The fields each model type reads (anything else in its config.json, a stray field of another type, it ignores)."""
 _DEFAULTS: dict[str, Any] = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "pretraining_tp": 1,
-                             "attention_dropout": 0.0, "sliding_window": None, "is_encoder_decoder": False}
+                             "sliding_window": None, "is_encoder_decoder": False}
 
 
 def _llama_checks(config: dict[str, Any], r: Rope) -> list[tuple[str, Any, bool, str]]:

@@ -15,6 +15,7 @@ from typing import Any
 
 from ...errors import CheckpointError
 from ..hf_fields import DEFAULT_THETA, Rope, dtype_name, rope, rope_config
+from .fields import MUST, refused
 
 def _arg(args: Any, name: str, default: Any = None) -> Any:
     return getattr(args, name, default) if args is not None else default
@@ -37,7 +38,7 @@ def _not_llama(args: Any) -> list[str]:
         problems.append(f"rotary_percent={_arg(args, 'rotary_percent')} (a partial rotary embedding)")
     if _arg(args, "rotary_seq_len_interpolation_factor", None) not in (None, 1, 1.0):
         problems.append(f"rotary_seq_len_interpolation_factor={_arg(args, 'rotary_seq_len_interpolation_factor')}")
-    return problems
+    return problems + refused(args)  # every other argument that changes the computation (.fields places them all)
 
 
 # Megatron-Core's Llama 3.1 RoPE scaling (RotaryEmbedding._apply_scaling): only the factor is an argument
@@ -86,6 +87,7 @@ def llama_config(args: Any, where: object, layers: int, vocab_rows: int) -> dict
         "max_position_embeddings": _arg(args, "max_position_embeddings") or 4096, "vocab_size": int(vocab),
         "tie_word_embeddings": not _arg(args, "untie_embeddings_and_output_weights", False),
         "attention_bias": False, "mlp_bias": False, "dtype": dtype, "torch_dtype": dtype,
+        "attention_dropout": float(_arg(args, "attention_dropout", 0.0) or 0.0),
     }
 
 
@@ -93,6 +95,7 @@ def nemo_args(config: dict[str, Any]) -> Any:
     """Megatron arguments from a NeMo 1.x ``model_config.yaml`` of a Megatron-Core GPT model."""
     activation = str(config.get("activation", "gelu")).lower()
     return argparse.Namespace(
+        **{k: v for k, v in config.items() if k in MUST},  # refused by llama_config unless off
         hidden_size=config.get("hidden_size"), num_attention_heads=config.get("num_attention_heads"),
         num_query_groups=config.get("num_query_groups"), group_query_attention=bool(config.get("num_query_groups")),
         ffn_hidden_size=config.get("ffn_hidden_size"), kv_channels=config.get("kv_channels"),
@@ -123,6 +126,7 @@ def nemo2_args(model: dict[str, Any]) -> Any:
                    "high_freq_factor": config.get("high_freq_factor", 4.0),
                    "original_max_position_embeddings": config.get("old_context_len", 8192)}
     return argparse.Namespace(
+        **{k: v for k, v in config.items() if k in MUST},  # refused by llama_config unless off
         hidden_size=config.get("hidden_size"), num_attention_heads=config.get("num_attention_heads"),
         num_query_groups=config.get("num_query_groups"), group_query_attention=bool(config.get("num_query_groups")),
         ffn_hidden_size=config.get("ffn_hidden_size"), kv_channels=config.get("kv_channels"),

@@ -71,6 +71,7 @@ def megatron_args(config: dict[str, Any], tp: int, pp: int, layout: str,
         untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, ckpt_format=layout,
         bf16=dtype == "bfloat16", fp16=dtype == "float16",
+        attention_dropout=float(config.get("attention_dropout", 0.0)),
     )
 
 
