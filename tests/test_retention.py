@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -261,3 +262,37 @@ def test_the_step_just_written_and_the_newest_complete_stay_whatever_lies_around
     assert left == {"epoch_0_step_1", "epoch_0_step_3", "epoch_0_step_4", "epoch_0_step_5", "epoch_0_step_6",
                     "epoch_0_step_7", "epoch_0_step_9"}, left
     assert read_pointer(root, "LATEST") == "epoch_0_step_3"
+
+
+def test_a_checkpoint_dir_copied_with_its_pointers_followed_resumes_and_saves_on(tmp_path, caplog):
+    """Issue 46: ``shutil.copytree`` (and ``aws s3 sync``) follow links, so ``LATEST`` and ``BEST`` arrive as folders;
+    every later ``save()`` raised "cannot update pointer ... Is a directory" after committing its step. Now the copy
+    resumes, is said once by name, and the first save moves the folders aside (nothing lost) and links again."""
+    import shutil
+
+    import torch
+
+    from ckptio import CheckpointConfig, CheckpointManager
+
+    model = torch.nn.Linear(3, 2)
+    cfg = dict(model_save_format="torch_save", save_top_k=2, monitor="val_loss")
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path / "a"), **cfg), model=model, rng=False) as mgr:
+        for step in (1, 2):
+            mgr.save(step=step, metrics={"val_loss": 1.0 / step})
+    shutil.copytree(tmp_path / "a", tmp_path / "b")  # symlinks=False: LATEST and BEST become folders
+    assert (tmp_path / "b" / "LATEST").is_dir() and not (tmp_path / "b" / "LATEST").is_symlink()
+    with caplog.at_level("WARNING", logger="ckptio"):
+        with CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path / "b"), **cfg), model=model,
+                               rng=False) as mgr:
+            assert mgr.restore().step == 2
+            for step in (3, 4):
+                mgr.save(step=step, metrics={"val_loss": 1.0 / step})
+    root = tmp_path / "b"
+    assert (root / "LATEST").is_symlink() and os.readlink(root / "LATEST") == "epoch_0_step_4"
+    assert (root / "BEST").is_symlink() and os.readlink(root / "BEST") == "epoch_0_step_4"
+    aside = sorted(p.name for p in root.iterdir() if ".copied-" in p.name)
+    assert [n.split(".copied-")[0] for n in aside] == [".BEST", ".LATEST"]  # kept, hidden, never swept
+    assert all((root / n / "manifest.json").exists() or any((root / n).iterdir()) for n in aside)
+    assert caplog.text.count("a folder, not a link") == 4  # each pointer: once at the first look, once moved
+    assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == [
+        "BEST", "LATEST", "epoch_0_step_2", "epoch_0_step_3", "epoch_0_step_4"]  # 2: the one resumed from

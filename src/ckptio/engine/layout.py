@@ -209,12 +209,29 @@ def scan(checkpoint_dir: "str | Path | Storage", verify: str = "size") -> list[C
         listing = top.listdir()  # links are listed as links, never followed
     except CheckpointNotFoundError:
         return []
+    _warn_pointer_folders(storage, listing)
     entries = [
         inspect_step(storage, e.name, verify, top=top)
         for e in listing
-        if e.kind == "dir" and (e.name.startswith(TMP_PREFIX) or not e.name.startswith("."))
+        if e.kind == "dir" and (e.name.startswith(TMP_PREFIX) or not e.name.startswith(".")) and e.name not in _POINTERS
     ]
     return sorted(entries, key=lambda e: (not e.committed, e.step if e.step is not None else -1, e.name))
+
+
+_POINTERS = (LATEST, BEST)
+_warned: set[str] = set()
+
+
+def _warn_pointer_folders(storage: Any, listing: Any) -> None:
+    """A ``LATEST`` or ``BEST`` that is a folder is a copy made by a tool that follows links: never a step directory
+    of its own (it would be a second copy of one). Said once per folder, at the first look; the next save puts the
+    link back (:func:`ckptio.storage.posix.write_pointer`)."""
+    for e in listing:
+        if e.kind == "dir" and e.name in _POINTERS and f"{storage.root}/{e.name}" not in _warned:
+            _warned.add(f"{storage.root}/{e.name}")
+            log.warning("%s/%s is a folder, not a link (the checkpoint directory was copied by a tool that follows "
+                        "links, such as shutil.copytree or aws s3 sync); it is not read as a checkpoint, and the next "
+                        "save moves it aside and makes %s a link again", storage.root, e.name, e.name)
 
 
 def committed_checkpoints(checkpoint_dir: "str | Path | Storage", verify: str = "size") -> list[CheckpointEntry]:

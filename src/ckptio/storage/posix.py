@@ -216,6 +216,8 @@ def write_pointer(checkpoint_dir: Path, name: str, target: str) -> None:
     missing pointer. Where symlinks are not available, ``name.txt`` holds the target instead.
     """
     link = checkpoint_dir / name
+    if link.is_dir() and not link.is_symlink():
+        _move_aside(link)
     tmp = checkpoint_dir / f".{name}.{uuid.uuid4().hex[:8]}.tmp"
     try:
         os.symlink(target, tmp, target_is_directory=True)
@@ -228,6 +230,22 @@ def write_pointer(checkpoint_dir: Path, name: str, target: str) -> None:
         tmp.unlink(missing_ok=True)
         raise CheckpointError(f"cannot update pointer {link}: {exc}") from exc
     fsync_dir(checkpoint_dir)
+
+
+def _move_aside(link: Path) -> Path:
+    """A pointer that is a folder (the checkpoint directory was copied by a tool that follows links:
+    ``shutil.copytree``'s default, ``aws s3 sync``): moved aside under a hidden name that nothing sweeps, so the
+    link can take its place and nothing the user has is lost; said once, with what to do."""
+    import logging
+
+    aside = link.parent / f".{link.name}.copied-{uuid.uuid4().hex[:8]}"
+    os.rename(link, aside)
+    fsync_dir(link.parent)
+    logging.getLogger("ckptio").warning(
+        "%s was a folder, not a link to a checkpoint (the directory was copied by a tool that follows links, such as "
+        "shutil.copytree or aws s3 sync); it is moved aside to %s and %s is a link again. It holds a copy of a "
+        "checkpoint: delete it once you have checked that you need nothing from it.", link, aside.name, link.name)
+    return aside
 
 
 MAX_POINTER_BYTES = 4096
