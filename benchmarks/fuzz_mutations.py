@@ -108,8 +108,12 @@ def _get(doc: Any, path: tuple) -> Any:
 def hostile_pickle(rng: Case, marker_dir: Path) -> tuple[bytes, str]:
     """A pickle that attacks its reader: runs code (creates :data:`MARKER`), nests without end, or claims a huge
     string."""
-    kind = rng.choice(["exec", "exec_reduce", "deep_list", "deep_tuple", "huge_bytes", "huge_list", "global"])
+    kind = rng.choice(["exec", "exec_reduce", "deep_list", "deep_tuple", "huge_bytes", "huge_list", "global",
+                       "dag_key", "deep_key", "empty_sets", "colliding_keys", "wide_dict", "late_fill"])
     target = str(marker_dir / MARKER)
+    built = _builds_too_much(rng, kind)
+    if built is not None:
+        return built
     if kind == "exec":  # protocol 0: GLOBAL posix.mkdir, called with the marker's path
         return f"cposix\nmkdir\n(V{target}\ntR.".encode(), "a pickle calling os.mkdir"
     if kind == "exec_reduce":
@@ -127,6 +131,33 @@ def hostile_pickle(rng: Case, marker_dir: Path) -> tuple[bytes, str]:
     if kind == "huge_list":  # a list of 2**24 references to one object: small pickle, large list
         return b"\x80\x02](" + b"N" * (1 << 16) + b"e.", "a list of 65536 Nones"
     return b"\x80\x02ctorch\nload\n.", "a pickle naming torch.load"
+
+
+def _builds_too_much(rng: Case, kind: str) -> tuple[bytes, str] | None:
+    """Pickles whose opcodes are all well formed but whose objects cost far more than their bytes (issue 46): a key
+    hashed 2^n times, a key nested past the C stack, empty sets by the million, integer keys that share a hash, a
+    dict wide through memo references, and a list filled with a costly key after a constructor's arguments hold it."""
+    if kind == "dag_key":
+        n = rng.choice([24, 40, 64])
+        return b"\x80\x04}N" + b"2\x86" * n + b"Ns.", f"a dict key of {n} tuples each holding the previous twice"
+    if kind == "deep_key":
+        n = rng.choice([5_000, 200_000, 1_000_000])
+        return b"\x80\x04}N" + b"\x85" * n + b"Ns.", f"a dict key nested {n} tuples deep"
+    if kind == "empty_sets":
+        n = rng.choice([300_000, 1_000_000, 2_500_000])
+        return b"\x80\x04(" + b"\x8f" * n + b"l.", f"{n} empty sets"
+    if kind == "colliding_keys":
+        n, m = rng.choice([40, 2000]), (1 << 61) - 1
+        keys = b"".join(b"\x8a\x0c" + (i * m).to_bytes(12, "little", signed=True) + b"N" for i in range(1, n))
+        return b"\x80\x04}(" + keys + b"u.", f"{n} integer keys sharing one hash"
+    if kind == "wide_dict":
+        n = rng.choice([100_000, 400_000])
+        return (b"\x80\x04}(" + b"N\x94" + b"".join(b"J" + struct.pack("<i", i) + b"h\x00" for i in range(n))
+                + b"u.", f"a dict of {n} keys, each value the same memo reference")
+    if kind == "late_fill":
+        return (b"\x80\x04cbuiltins\nset\n]q\x00\x85h\x00N" + b"2\x86" * 64 + b"a0R.",
+                "a list handed to set() and then filled with a key hashed 2^64 times")
+    return None
 
 
 _BOMBS: dict[int, tuple[bytes, int]] = {}

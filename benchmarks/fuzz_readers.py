@@ -154,7 +154,7 @@ def fuzz_dcp(rng: random.Random, tmp: Path) -> None:
     outside = _outside(tmp)
     md = pickle.loads((folder / ".metadata").read_bytes())  # our own file
     data_file = next(folder.glob("*.distcp"))
-    attack = rng.choice(["path", "path", "chunks", "storage", "special", "bytes"])
+    attack = rng.choice(["path", "path", "chunks", "storage", "special", "bytes", "pickle"])
     if attack == "path":
         target = rng.choice([str(outside / "canary.distcp"), "../outside/canary.distcp", "./" + data_file.name,
                              "sub/../" + data_file.name, "", "/dev/zero", data_file.name + "/x", "a\\b", "ok\0x"])
@@ -187,7 +187,15 @@ def fuzz_dcp(rng: random.Random, tmp: Path) -> None:
         else:
             data_file.mkdir()
     (folder / ".metadata").write_bytes(pickle.dumps(md))
-    if attack == "bytes":
+    if attack == "pickle":  # well-formed opcodes whose objects cost far more than their bytes, or run code
+        from fuzz_mutations import hostile_pickle
+
+        payload, told = hostile_pickle(rng, tmp)
+        if hasattr(rng, "note"):
+            rng.note(f".metadata replaced by {told}")
+        (folder / ".metadata").write_bytes(payload)
+        attack, victim = "bytes", folder / ".metadata"
+    elif attack == "bytes":
         victim = rng.choice([folder / ".metadata", data_file])
         victim.write_bytes(_mutate(rng, victim.read_bytes()))
     target = {"w": torch.full((3, 4), -1.0), "lr": 0.0}
