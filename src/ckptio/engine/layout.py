@@ -12,7 +12,7 @@ import re
 import string
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, NoUsableCheckpointError
 from ..adopt.automodel import adopt, ckptio_mark
@@ -20,9 +20,6 @@ from .manifest import MANIFEST_NAME, PENDING_NAME, Manifest, check_files, read_m
 from ..storage import as_storage, open_storage
 from ..storage.base import Storage
 from ..storage.local import TMP_PREFIX, TRASH_PREFIX  # noqa: F401  (TRASH_PREFIX: re-exported)
-
-if TYPE_CHECKING:
-    from ..config import CheckpointConfig
 
 log = logging.getLogger("ckptio")
 
@@ -374,13 +371,13 @@ def clean_temporaries(checkpoint_dir: "str | Path | Storage", older_than_s: floa
     return as_storage(checkpoint_dir).sweep(older_than_s)
 
 
-def find_candidates(storage: Storage, restore_from: str | None, verify: str, config: "CheckpointConfig",
+def find_candidates(storage: Storage, restore_from: str | None, verify: str, start_fresh_if_damaged: bool,
                     log: Any) -> tuple[bool, list[Path]]:
     """Collective, one broadcast: whether ``restore_from`` is a checkpoint of another kind (weights only, see
     :mod:`ckptio.adopt.foreign`), else the step directories to try, best first, chosen on rank 0
     (:func:`restore_candidates`); ``[]`` (said in the log) for a fresh start. A folder whose step directories are
     all unusable raises :class:`NoUsableCheckpointError` on every rank, unless an automatic resume may start fresh
-    (``start_fresh_if_damaged``)."""
+    (``start_fresh_if_damaged``, :attr:`CheckpointConfig.start_fresh_if_damaged`)."""
     from .. import _dist
     from ..adopt.foreign import is_foreign
 
@@ -394,7 +391,7 @@ def find_candidates(storage: Storage, restore_from: str | None, verify: str, con
     try:
         foreign, candidates = _dist.decide_on_rank0("finding the checkpoint to restore", choose)
     except NoUsableCheckpointError:
-        if not (restore_from in (None, LATEST) and config.start_fresh_if_damaged):
+        if not (restore_from in (None, LATEST) and start_fresh_if_damaged):
             raise
         if rank == 0:
             log.warning("No usable checkpoint in %s (every step directory found is damaged); starting from "

@@ -85,7 +85,8 @@ class Restorer:
             raise ConfigError(f"verify must be one of {list(VERIFY_MODES)}, got {verify!r}")
         rank = _dist.rank()
         automatic = restore_from in (None, LATEST)
-        foreign, candidates = find_candidates(self.storage, restore_from, verify, self.config, self.log)
+        foreign, candidates = find_candidates(self.storage, restore_from, verify, self.config.start_fresh_if_damaged,
+                                                     self.log)
         if foreign:
             return self._restore_foreign(Path(restore_from))  # type: ignore[arg-type]
         if automatic and self.memory is not None:
