@@ -156,3 +156,50 @@ def test_save_twice_at_same_step_replaces_atomically(tmp_path):
 def test_errors_share_one_root():
     for cls in (CheckpointNotFoundError, CheckpointMismatchError, CheckpointCorruptError, ConfigError):
         assert issubclass(cls, CheckpointError)
+
+
+# ---------------------------------------------------------------- what a newcomer trips on (issue 52, rows 3-5)
+def test_a_monitor_with_no_metrics_at_the_first_save_is_refused_saying_what_to_pass(tmp_path):
+    """Row 3: ``save_top_k=1, monitor="val_loss"`` and ``save()`` without metrics kept every checkpoint and never
+    wrote BEST, silently. Refused at the first save, as Lightning does; later saves without it are unranked."""
+    model = torch.nn.Linear(2, 2)
+    cfg = CheckpointConfig(checkpoint_dir=str(tmp_path), save_top_k=1, monitor="val_loss")
+    with CheckpointManager(cfg, model=model, rng=False) as mgr:
+        with pytest.raises(ConfigError, match=r"monitor='val_loss' is set, but the first save\(\) was passed no "
+                                              r"metrics.*save\(metrics=\{'val_loss': value\}\)"):
+            mgr.save(step=1)
+        assert not [p for p in tmp_path.iterdir() if not p.name.startswith(".")]
+        mgr.save(step=2, metrics={"val_loss": 0.5})
+        mgr.save(step=3)  # a step without validation: kept unranked
+        mgr.save(step=4, metrics={"val_loss": 0.7})
+    assert os.readlink(tmp_path / "BEST") == "epoch_0_step_2"
+
+
+@pytest.mark.parametrize("where", ["afile", "afile/sub"])
+def test_a_checkpoint_dir_that_is_a_file_is_a_config_error_naming_the_setting(tmp_path, where):
+    """Row 4: a bare ``FileExistsError: [Errno 17] File exists: 'afile'``."""
+    (tmp_path / "afile").write_text("not a folder")
+    with pytest.raises(ConfigError, match=rf"checkpoint_dir='.*{where}' (is|is inside .*afile, which is) a file, "
+                                          r"not a folder.*checkpoint_dir='checkpoints'"):
+        CheckpointConfig(checkpoint_dir=str(tmp_path / where))
+
+
+@pytest.mark.parametrize("name,ours", [("dirpath", "checkpoint_dir"), ("output_dir", "checkpoint_dir"),
+                                       ("save_total_limit", "keep_latest"), ("filename", "name_template")])
+def test_another_tools_name_is_answered_with_ckptios(name, ours):
+    """Row 5: ``CheckpointConfig(dirpath="x")`` listed 33 field names, some undocumented."""
+    with pytest.raises(ConfigError, match=rf"has no field '{name}'; ckptio's name for it: {ours}"):
+        CheckpointConfig(**{name: "x"})
+
+
+def test_an_unknown_field_lists_only_documented_fields():
+    from dataclasses import fields
+    from pathlib import Path
+
+    with pytest.raises(ConfigError) as err:
+        CheckpointConfig(zzzz_qqqq=1)
+    listed = str(err.value).split("its fields are ")[1].split("]")[0]
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    names = [f.name for f in fields(CheckpointConfig) if f"'{f.name}'" in listed]
+    assert names and all(f"`{n}`" in doc.split("## Saving in the background")[0] for n in names), names
+    assert "max_recent_checkpoints" not in listed and "is_async" not in listed

@@ -236,3 +236,13 @@ def test_a_folder_whose_name_disagrees_with_its_step_is_never_resumed_from_nor_o
     assert "skipping checkpoint-10" in caplog.text and "records step 4" in caplog.text
     # retention counted the real folders only: the misnamed copy is left alone, the newest two real ones are kept
     assert _names(tmp_path) == ["checkpoint-10", "checkpoint-12", "checkpoint-16"]
+
+
+def test_a_resume_says_which_checkpoint_it_loaded(tmp_path, caplog):
+    """Issue 52, row 8: the plain manager says what it loaded; CkptioTrainer said nothing."""
+    trainer(CkptioTrainer, tmp_path, 8).train()
+    with caplog.at_level("INFO", logger="ckptio"):
+        trainer(CkptioTrainer, tmp_path, 12).train(resume_from_checkpoint=True)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Loaded checkpoint")]
+    assert lines == [f"Loaded checkpoint {tmp_path / 'checkpoint-8'} (step 8, epoch {lines[0].split('epoch ')[1][:4]}, "
+                     "saved on 1 rank(s), every byte read checksummed)"], lines

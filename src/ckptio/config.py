@@ -208,6 +208,16 @@ class CheckpointConfig:
                 # pathlib would read 's3://b/p' as the relative folder 's3:/b/p' and write there silently
                 raise ConfigError(f"{key}={value!r}: {scheme}:// locations are not supported; give a local or "
                                   "mounted folder, or an s3:// location")
+        if url_scheme(self.checkpoint_dir) is None:
+            found = Path(self.checkpoint_dir)
+            for parent in (found, *found.parents):  # the folder, or the first of its parents that exists
+                if parent.exists() or parent.is_symlink():
+                    if not parent.is_dir():
+                        where = "is" if parent == found else f"is inside {parent}, which is"
+                        raise ConfigError(
+                            f"checkpoint_dir={self.checkpoint_dir!r} {where} a file, not a folder; give the folder the "
+                            "checkpoints go in (it is created when missing), e.g. checkpoint_dir='checkpoints'")
+                    break
 
     def _validate_formats(self) -> None:
         if self.model_save_format not in MODEL_SAVE_FORMATS:
@@ -330,6 +340,24 @@ AUTOMODEL_ONLY = {
 """Keys of NeMo AutoModel's ``checkpoint:`` section that ckptio has no equivalent for, with why."""
 
 
+OTHER_TOOLS_NAMES = {
+    # Lightning's ModelCheckpoint (docs/migrate-lightning.md)
+    "dirpath": "checkpoint_dir", "filename": "name_template (it must contain {step})",
+    "auto_insert_metric_name": "auto_insert_field_names",
+    "every_n_train_steps": "StepScheduler(ckpt_every_steps=N), with mgr.save() when steps.is_ckpt_step()",
+    "every_n_epochs": "a mgr.save() at the end of every n-th epoch (not a CheckpointConfig field)",
+    "save_weights_only": "model-only loads: mgr.restore() with only model= registered, or ckptio.load_pretrained",
+    # the Hugging Face Trainer's TrainingArguments (docs/migrate-hf-trainer.md)
+    "output_dir": "checkpoint_dir", "save_total_limit": "keep_latest",
+    "save_steps": "StepScheduler(ckpt_every_steps=N)", "resume_from_checkpoint": "restore_from",
+    "metric_for_best_model": "monitor", "greater_is_better": "mode='max' (or 'min')",
+    "save_safetensors": "model_save_format='safetensors' (the default)",
+}
+"""Other tools' names for what a CheckpointConfig field (or another ckptio object) does, said when one is passed."""
+ALIASES = frozenset({"save_last", "max_recent_checkpoints", "best_metric_key", "is_async"})
+"""Fields that only take other tools' names (Lightning's, NeMo AutoModel's): accepted, not offered in messages."""
+
+
 def _refuse_unknown_fields(cls: type) -> None:
     """Wrap the dataclass ``__init__`` so that a misspelt field names the closest valid one (the signature
     seen by IDEs, type checkers and configuration libraries stays the generated one)."""
@@ -342,10 +370,14 @@ def _refuse_unknown_fields(cls: type) -> None:
             if key in AUTOMODEL_ONLY:
                 raise ConfigError(f"{cls.__name__}: NeMo AutoModel's {key!r} has no meaning in ckptio "
                                   f"({AUTOMODEL_ONLY[key]}); remove it (docs/migrate-automodel.md lists every key)")
+            if key in OTHER_TOOLS_NAMES and key not in known:
+                raise ConfigError(f"{cls.__name__} has no field {key!r}; ckptio's name for it: {OTHER_TOOLS_NAMES[key]}")
             if key not in known:
-                close = difflib.get_close_matches(key, sorted(known), n=1)
+                offered = sorted(known - ALIASES)
+                close = difflib.get_close_matches(key, offered, n=1)
                 raise ConfigError(f"{cls.__name__} has no field {key!r}"
-                                  + (f"; did you mean {close[0]!r}?" if close else f"; its fields are {sorted(known)}"))
+                                  + (f"; did you mean {close[0]!r}?" if close else f"; its fields are {offered} "
+                                     "(docs/configuration.md)"))
         generated(self, *args, **kwargs)
 
     cls.__init__ = __init__  # type: ignore[misc]

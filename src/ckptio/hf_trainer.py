@@ -173,6 +173,22 @@ class CkptioTrainerMixin:
                         checkpoint, name)
             return
         _apply_rng(read_rng_state(Path(checkpoint), name), me.args.parallel_mode, Path(checkpoint) / name)
+        self._ckptio_say_loaded(Path(checkpoint))
+
+    def _ckptio_say_loaded(self, checkpoint: Path) -> None:
+        """The manager's line, once the Trainer has loaded everything but its data position: which checkpoint, which
+        step, how it was checked."""
+        me: Any = self
+        if not me.is_world_process_zero():
+            return
+        from .engine.manifest import MANIFEST_NAME
+
+        committed = (checkpoint / MANIFEST_NAME).is_file()
+        how = (", every byte read checksummed" if self.ckptio_verify == "full" else ", sizes checked") if committed \
+            else ", written by the plain Trainer: no manifest, its files read through ckptio's safe readers"
+        ranks = max(1, sum(1 for p in checkpoint.iterdir() if _RNG.match(p.name)))  # one RNG file per rank saved
+        log.info("Loaded checkpoint %s (step %d, epoch %.2f, saved on %d rank(s)%s)", checkpoint, me.state.global_step,
+                 me.state.epoch or 0.0, ranks, how)
 
     def _load_best_model(self) -> None:
         me: Any = self

@@ -186,7 +186,7 @@ class CheckpointManager:
         self.wait()
         step, epoch = position(self.step_scheduler, step, epoch)
         metrics = {k: float(v) for k, v in (metrics or {}).items()}
-        if not self._monitor_checked and metrics:
+        if not self._monitor_checked:
             self._monitor_checked = check_monitor(self.config.monitor, metrics)
         if final is None:
             final = bool(getattr(self.step_scheduler, "done", False))
@@ -319,14 +319,20 @@ def what_is_due(config: CheckpointConfig, sched: Any, step: int) -> str | None:
 
 
 def check_monitor(monitor: str | None, metrics: dict[str, float]) -> bool:
-    """Refuse a ``monitor`` that is not among the ``metrics`` of the first save that passes some; returns whether it
-    was checked.
+    """Refuse a ``monitor`` that is not among the ``metrics`` of a run's first save; returns whether it was checked.
 
-    A misspelt monitor would rank nothing, and top-k retention would then have nothing to keep the best
-    checkpoints by. (Later saves without it are allowed: a step without validation is simply unranked.)
+    A misspelt monitor, or none passed at all, would rank nothing, and top-k retention would then keep every
+    checkpoint and ``BEST`` would never be written (Lightning refuses the same). Later saves without it are allowed:
+    a step without validation is simply unranked.
     """
     if monitor is None:
         return False
+    if not metrics:
+        raise ConfigError(
+            f"monitor={monitor!r} is set, but the first save() was passed no metrics: top-k retention and the BEST "
+            f"pointer rank checkpoints by it, so nothing would ever be ranked or deleted. Pass it, as "
+            f"save(metrics={{{monitor!r}: value}}), at least at the first save (later saves without it are kept "
+            "unranked), or unset monitor and save_top_k. Nothing was saved.")
     if monitor not in metrics:
         import difflib
 
