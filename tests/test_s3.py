@@ -668,3 +668,31 @@ def test_a_closed_file_larger_than_a_part_goes_up_in_parts(bucket, monkeypatch, 
     s3mod.upload_file(tmp_path / "f.bin", bucket, "whole/f.bin", "s3://whole/f.bin", if_none_match=True)
     assert s3mod.client().get_object(Bucket=bucket, Key="whole/f.bin")["Body"].read() == data
     assert not s3mod.client().list_multipart_uploads(Bucket=bucket).get("Uploads")
+
+
+def test_latest_and_best_resolve_in_a_bucket_in_every_command(bucket, tmp_path):
+    """Issue 52, row 2: every CLI example uses ``…/LATEST``; in a bucket ``verify`` said "holds no checkpoints" and
+    ``inspect`` "no such folder". The pointers resolve there as they do on disk, in every command."""
+    import json
+
+    from toy import make_model
+
+    url = f"s3://{bucket}/ptr"
+    model = make_model(seed=3, tie_word_embeddings=False)
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=url, monitor="loss"), model=model, rng=False) as mgr:
+        mgr.save(step=1, metrics={"loss": 0.5})
+        mgr.save(step=2, metrics={"loss": 0.9})
+    cli = [str(Path(sys.executable).parent / "ckptio")]
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        done = subprocess.run(cli + list(args), capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, (args, done.stdout[-2000:], done.stderr[-3000:])
+        return done
+
+    for pointer, step in (("LATEST", 2), ("BEST", 1)):
+        assert f"OK   {url}/epoch_0_step_{step}" in run("verify", f"{url}/{pointer}", "--no-progress").stdout
+        assert json.loads(run("inspect", f"{url}/{pointer}", "--json").stdout)["step"] == step
+    run("convert", f"{url}/BEST", str(tmp_path / "hf"), "--to", "hf", "--no-progress")
+    assert (tmp_path / "hf" / "config.json").is_file()
+    run("consolidate", f"{url}/LATEST", "--no-progress")
+    assert any(k.startswith("ptr/epoch_0_step_2/model/consolidated/") for k in _keys(bucket, "ptr/"))

@@ -65,9 +65,10 @@ def run(args: argparse.Namespace) -> int:
     """Write a Hugging Face bundle from a step's sharded model files."""
     from ..formats.safetensors import hf_bundle
 
-    from ..storage import url_scheme
+    from ..storage import resolve_pointer, url_scheme
 
     if url_scheme(args.checkpoint) is not None:
+        args.checkpoint = resolve_pointer(args.checkpoint)  # .../LATEST in a bucket: the step it names
         return _run_remote(args)
     src, step_dir = _model_folder(Path(args.checkpoint))
     out = Path(args.out) if args.out else src / "consolidated"

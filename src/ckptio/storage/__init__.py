@@ -46,6 +46,22 @@ def url_scheme(text: str) -> str | None:
     return match.group(1) if match else None
 
 
+POINTER_NAMES = ("LATEST", "BEST")
+"""The pointers of a checkpoint folder (a link on a filesystem, an object holding the name in a bucket)."""
+
+
+def resolve_pointer(url: str) -> str:
+    """``s3://bucket/run/LATEST`` (or ``BEST``) as the step directory its pointer names, as a link resolves on a
+    filesystem; any other location unchanged. The pointer's content is checked (a direct child's name)."""
+    head, _, last = url.rstrip("/").rpartition("/")
+    if last not in POINTER_NAMES or url_scheme(url) != "s3" or head.count("/") < 3:
+        return url
+    from .s3 import S3Storage
+
+    target = S3Storage(head).read_pointer(last)
+    return f"{head}/{target}" if target is not None else url
+
+
 def open_storage(location: "str | os.PathLike[str]") -> Storage:
     """The storage behind a checkpoint folder given as a path or a location: the one place that chooses a
     backend (a local POSIX folder, or ``s3://bucket/prefix``; a URL scheme ckptio has no backend for is
@@ -59,7 +75,7 @@ def open_storage(location: "str | os.PathLike[str]") -> Storage:
     if scheme == "s3":
         from .s3 import S3Storage
 
-        return S3Storage(text)  # type: ignore[return-value]
+        return S3Storage(resolve_pointer(text))  # type: ignore[return-value]
     if scheme:
         raise ConfigError(f"{text!r}: {scheme}:// locations are not supported yet; give a local or mounted folder")
     return LocalStorage(text)

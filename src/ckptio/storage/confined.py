@@ -66,9 +66,9 @@ def as_folder(where: Any) -> Any:
     if isinstance(where, (str, os.PathLike)):
         if isinstance(where, PurePath) and not isinstance(where, Path) or \
                 isinstance(where, str) and "://" in where:
-            from . import open_storage
+            from . import open_storage, resolve_pointer
 
-            location = str(where).rstrip("/")
+            location = resolve_pointer(str(where).rstrip("/"))
             parent, _, name = location.rpartition("/")
             return open_storage(parent).folder(name)
         return Folder(where)
