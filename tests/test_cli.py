@@ -114,21 +114,40 @@ def test_every_reporting_command_speaks_json(tmp_path):
         assert "%" not in out.stdout  # progress never mixes into the JSON
 
 
-def test_progress_is_plain_lines_when_piped(tmp_path):
+def test_progress_is_plain_lines_when_piped(tmp_path, monkeypatch):
+    """Issue 52, row 7: a script's ``verify`` of an 872 KiB checkpoint printed ten lines, 40 %-90 % all reading the
+    same bytes. Short work shows no progress (the library's threshold, CKPTIO_PROGRESS_MIN_BYTES); long work a line
+    for each tenth reached, each percentage that of the bytes it shows."""
     root = _fresh(tmp_path / "ck")
     out = cli("verify", str(root / "epoch_0_step_3"))
+    assert out.returncode == 0 and "%" not in out.stderr, out.stderr  # small: nothing
+    monkeypatch.setenv("CKPTIO_PROGRESS_MIN_BYTES", "0")  # as if it were large
+    out = cli("verify", str(root / "epoch_0_step_3"))
     assert out.returncode == 0 and "100%" in out.stderr and "\r" not in out.stderr
+    shown = [line.split(": ", 1)[1] for line in out.stderr.splitlines() if "% (" in line]
+    assert len(shown) == len(set(shown)), shown  # never two lines for the same bytes
     out = cli("verify", str(root / "epoch_0_step_3"), "--no-progress")
     assert "%" not in out.stderr
 
 
-def test_progress_is_a_redrawn_bar_on_a_terminal(tmp_path):
+def test_a_progress_line_is_the_tenth_its_bytes_reached():
+    from ckptio._progress import _Lines
+
+    lines: list[str] = []
+    bar = _Lines(1000, "verifying", lines.append)
+    for n in (50, 880, 20, 50):
+        bar.update(n)
+    assert [line.split(" (")[0] for line in lines] == ["verifying: 90%", "verifying: 100%"], lines
+
+
+def test_progress_is_a_redrawn_bar_on_a_terminal(tmp_path, monkeypatch):
     """The same command with its stderr on a terminal (a pseudo-terminal here) draws a bar that redraws itself
     in place, and its stdout still holds only the report."""
     import os
     import pty
 
     root = _fresh(tmp_path / "ck")
+    monkeypatch.setenv("CKPTIO_PROGRESS_MIN_BYTES", "0")  # a tiny checkpoint shown as if it were large
     leader, follower = pty.openpty()
     try:
         proc = subprocess.run(CKPTIO + ["verify", str(root / "epoch_0_step_3")], stdout=subprocess.PIPE,

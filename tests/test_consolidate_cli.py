@@ -25,7 +25,8 @@ def _save_llama(root: Path, fmt: str):
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "torch_save"])
-def test_consolidate_a_checkpoint_saved_without_it(tmp_path, fmt):
+def test_consolidate_a_checkpoint_saved_without_it(tmp_path, fmt, monkeypatch):
+    monkeypatch.setenv("CKPTIO_PROGRESS_MIN_BYTES", "0")  # progress shown for this tiny model
     from transformers import AutoModelForCausalLM
 
     model = _save_llama(tmp_path, fmt)

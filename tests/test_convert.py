@@ -123,8 +123,9 @@ def test_checkpoints_sharded_over_two_ranks_convert_whole(tmp_path, to):
             assert torch.equal(back[k], v), f"{fmt} -> {to}: {k}"
 
 
-def test_cli_progress_result_and_errors(hf_model, tmp_path):
+def test_cli_progress_result_and_errors(hf_model, tmp_path, monkeypatch):
     src, _ = hf_model
+    monkeypatch.setenv("CKPTIO_PROGRESS_MIN_BYTES", "0")  # progress shown for this tiny model
     out = subprocess.run([CKPTIO, "convert", str(src), str(tmp_path / "m.nemo"), "--to", "nemo"],
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr

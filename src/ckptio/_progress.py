@@ -23,10 +23,11 @@ class _Lines:
         from .cli._fmt import human_bytes
 
         self.done += n
-        while self.next_tenth <= 10 and self.done * 10 >= self.total * self.next_tenth:
-            self.emit(f"{self.desc}: {self.next_tenth * 10}% ({human_bytes(self.done)} of {human_bytes(self.total)}, "
+        tenth = min(10, self.done * 10 // self.total)  # one line for the tenth reached, never one per tenth passed
+        if tenth >= self.next_tenth:
+            self.emit(f"{self.desc}: {tenth * 10}% ({human_bytes(self.done)} of {human_bytes(self.total)}, "
                       f"{time.perf_counter() - self.start:.1f} s)")
-            self.next_tenth += 1
+            self.next_tenth = tenth + 1
 
     def close(self) -> None:
         pass
@@ -46,8 +47,9 @@ def _stderr_line(text: str) -> None:
 
 def progress(total: int, desc: str, *, enabled: bool = True, log: Callable[[str], None] | None = None) -> Any:
     """An object with ``update(bytes)`` and ``close()``: a tqdm bar when stderr is a terminal, otherwise a
-    line per tenth of ``total`` (to stderr, or to ``log`` when given)."""
-    if not enabled:
+    line per tenth of ``total`` (to stderr, or to ``log`` when given); nothing for work under
+    :func:`min_bytes` (short work shows no progress, on the command line as in the library)."""
+    if not enabled or total < min_bytes():
         return _Off()
     if sys.stderr.isatty():
         from tqdm import tqdm
@@ -62,8 +64,14 @@ def progress(total: int, desc: str, *, enabled: bool = True, log: Callable[[str]
 
 
 PROGRESS_MIN_BYTES = 1 << 30
-"""A state whose tensors on rank 0 hold at least this many bytes shows its restore's progress (a bar on a
-terminal, a log line per tenth otherwise); ``CKPTIO_PROGRESS_MIN_BYTES`` in the environment overrides it."""
+"""Work of at least this many bytes shows its progress (a command's, or a state's restore on rank 0: a bar on a
+terminal, a line per tenth otherwise); ``CKPTIO_PROGRESS_MIN_BYTES`` in the environment overrides it."""
+
+
+def min_bytes() -> int:
+    """:data:`PROGRESS_MIN_BYTES`, or ``CKPTIO_PROGRESS_MIN_BYTES`` from the environment."""
+    setting = os.environ.get("CKPTIO_PROGRESS_MIN_BYTES", "")
+    return int(setting) if setting.strip().isdigit() else PROGRESS_MIN_BYTES
 
 
 class StateProgress:
@@ -77,9 +85,7 @@ class StateProgress:
 
         local = [getattr(t, "to_local", lambda t=t: t)() for t in tensors.values()]
         total = sum(t.numel() * t.element_size() for t in local if hasattr(t, "element_size"))
-        setting = os.environ.get("CKPTIO_PROGRESS_MIN_BYTES", "")
-        threshold = int(setting) if setting.strip().isdigit() else PROGRESS_MIN_BYTES
-        enabled = _dist.rank() == 0 and total > 0 and total >= threshold
+        enabled = _dist.rank() == 0 and total > 0
         self.bar = progress(total, desc, enabled=enabled, log=log.info)
         self._lock = threading.Lock()
 
