@@ -342,3 +342,20 @@ def test_every_field_of_megatron_cores_configs_is_placed():
     assert len(names) > 200
     assert not names - CARRIED - MUST - INERT, sorted(names - CARRIED - MUST - INERT)
     assert not (CARRIED & MUST) | (CARRIED & INERT) | (MUST & INERT)
+
+
+def test_megatron_round_trip_carries_the_generation_config_and_tokenizer_files(tmp_path):
+    """Issue 52, row 10: Megatron -> HF dropped ``generation_config.json``. The files a Hugging Face model has
+    besides its config and weights go into the Megatron run folder and come back from it."""
+    src = _llama(tmp_path / "src", tied=False)
+    gen = {"bos_token_id": 1, "eos_token_id": 2, "do_sample": True, "temperature": 0.6, "top_p": 0.9}
+    (src / "generation_config.json").write_text(json.dumps(gen))
+    (src / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 64}))
+    _cli(str(src), str(tmp_path / "mg"), "--to", "megatron")
+    assert (tmp_path / "mg" / "generation_config.json").is_file()
+    _cli(str(tmp_path / "mg"), str(tmp_path / "back"), "--to", "hf")
+    for name in ("generation_config.json", "tokenizer_config.json"):
+        assert json.loads((tmp_path / "back" / name).read_text()) == json.loads((src / name).read_text()), name
+    from transformers import GenerationConfig
+
+    assert GenerationConfig.from_pretrained(tmp_path / "back").temperature == 0.6

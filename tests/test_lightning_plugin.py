@@ -233,3 +233,17 @@ dist.destroy_process_group()
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "REFUSED" in done.stdout and "DTensor" in done.stdout, done.stderr[-2000:]
     assert not [p.name for p in tmp_path.iterdir() if p.name != "store"]  # nothing written, no hidden leftover
+
+
+def test_inspect_of_a_plugin_checkpoint_shows_the_monitored_metric(tmp_path):
+    """Issue 52, row 10: ``ckptio inspect last.ckpt`` of a run that monitored a metric said ``metrics: none``."""
+    import subprocess
+    import sys
+
+    fit(tmp_path, 2, [CkptioCheckpointIO()], monitor="train_loss", mode="min", save_top_k=1, save_last=True)
+    manifest = json.loads((tmp_path / "last.ckpt" / "manifest.json").read_text())
+    assert set(manifest["metrics"]) == {"train_loss"}, manifest["metrics"]
+    cli = [str(Path(sys.executable).parent / "ckptio"), "inspect", str(tmp_path / "last.ckpt")]
+    shown = subprocess.run(cli, capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and f"metrics: train_loss={manifest['metrics']['train_loss']:g}" in shown.stdout, \
+        shown.stdout + shown.stderr

@@ -182,10 +182,8 @@ class CheckpointConfig:
         _validate_template(self.name_template)
 
     def _validate_locations(self) -> None:
-        if isinstance(self.checkpoint_dir, os.PathLike):
-            self.checkpoint_dir = os.fspath(self.checkpoint_dir)
-        if isinstance(self.restore_from, os.PathLike):
-            self.restore_from = os.fspath(self.restore_from)
+        fspath = lambda v: os.fspath(v) if isinstance(v, os.PathLike) else v  # noqa: E731
+        self.checkpoint_dir, self.restore_from = fspath(self.checkpoint_dir), fspath(self.restore_from)
         if not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir:
             raise ConfigError("checkpoint_dir must be a non-empty path, e.g. 'checkpoints'")
         if self.restore_from is not None and (not isinstance(self.restore_from, str) or not self.restore_from):
@@ -208,16 +206,7 @@ class CheckpointConfig:
                 # pathlib would read 's3://b/p' as the relative folder 's3:/b/p' and write there silently
                 raise ConfigError(f"{key}={value!r}: {scheme}:// locations are not supported; give a local or "
                                   "mounted folder, or an s3:// location")
-        if url_scheme(self.checkpoint_dir) is None:
-            found = Path(self.checkpoint_dir)
-            for parent in (found, *found.parents):  # the folder, or the first of its parents that exists
-                if parent.exists() or parent.is_symlink():
-                    if not parent.is_dir():
-                        where = "is" if parent == found else f"is inside {parent}, which is"
-                        raise ConfigError(
-                            f"checkpoint_dir={self.checkpoint_dir!r} {where} a file, not a folder; give the folder the "
-                            "checkpoints go in (it is created when missing), e.g. checkpoint_dir='checkpoints'")
-                    break
+        _refuse_a_file(self.checkpoint_dir)
 
     def _validate_formats(self) -> None:
         if self.model_save_format not in MODEL_SAVE_FORMATS:
@@ -384,6 +373,23 @@ def _refuse_unknown_fields(cls: type) -> None:
 
 
 _refuse_unknown_fields(CheckpointConfig)
+
+
+def _refuse_a_file(checkpoint_dir: str) -> None:
+    """A local ``checkpoint_dir`` that is a file (or lies inside one) is a setting to fix, said by name, not a
+    ``FileExistsError`` from the first save."""
+    from .storage import url_scheme
+
+    if url_scheme(checkpoint_dir) is not None:
+        return
+    found = Path(checkpoint_dir)
+    for parent in (found, *found.parents):  # the folder, or the first of its parents that exists
+        if parent.exists() or parent.is_symlink():
+            if not parent.is_dir():
+                where = "is" if parent == found else f"is inside {parent}, which is"
+                raise ConfigError(f"checkpoint_dir={checkpoint_dir!r} {where} a file, not a folder; give the folder the "
+                                  "checkpoints go in (it is created when missing), e.g. checkpoint_dir='checkpoints'")
+            return
 
 
 def _parse_save_consolidated(value: object) -> SaveConsolidated:

@@ -243,6 +243,25 @@ def _split(checkpoint: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[to
     return model, tensors, data
 
 
+def _monitored(checkpoint: dict[str, Any]) -> dict[str, float]:
+    """The metric each ``ModelCheckpoint`` monitors, at its value for this save (its ``current_score``), for the
+    manifest: ``ckptio inspect`` and ``list`` show it, as for a manager's saves."""
+    import math
+
+    out: dict[str, float] = {}
+    callbacks = checkpoint.get("callbacks")
+    for key, state in (callbacks.items() if isinstance(callbacks, dict) else ()):
+        if not (isinstance(key, str) and key.startswith("ModelCheckpoint") and isinstance(state, dict)):
+            continue
+        monitor, score = state.get("monitor"), state.get("current_score")
+        if isinstance(score, torch.Tensor) and score.numel() == 1:
+            score = score.item()
+        if isinstance(monitor, str) and isinstance(score, (int, float)) and not isinstance(score, bool) \
+                and math.isfinite(score):
+            out[monitor] = float(score)
+    return out
+
+
 def _write_into(checkpoint: dict[str, Any], parts: tuple[dict[str, torch.Tensor], list[torch.Tensor], bytes],
                 writer: Any, name: str) -> None:
     """Write the folder with ``writer`` and commit it with its manifest."""
@@ -259,7 +278,7 @@ def _write_into(checkpoint: dict[str, Any], parts: tuple[dict[str, torch.Tensor]
                   "lightning": StateEntry("object", "pt", TRAINER_STATE)}
         manifest = Manifest(name=name, step=_int(checkpoint.get("global_step")), epoch=_int(checkpoint.get("epoch")),
                             world_size=1, model_save_format="safetensors", states=states, files=writer.files(),
-                            checksums=sums, versions=software_versions())
+                            checksums=sums, metrics=_monitored(checkpoint), versions=software_versions())
         writer.commit((MANIFEST_NAME, manifest.to_json().encode()))
     except BaseException:
         writer.abort()

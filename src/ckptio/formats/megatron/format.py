@@ -36,7 +36,7 @@ from ...storage.parse import json_object
 from ..common import TensorInfo, dtype_name
 from .config import _arg, args_from_files, llama_config
 from .layout import (GLOBAL_SPLIT, ITERATION_FILE, LAYER_SPLIT, MAX_COMMON_BYTES, MAX_RANK_FILE_BYTES, NEMO_RANK_FILE,
-                     VOCAB_KEYS, _LAYER, _RENAME, _rank_files, iteration_folder, layout_of)
+                     VOCAB_KEYS, _LAYER, _RENAME, _rank_files, carry_side_files, iteration_folder, layout_of)
 from ..registry import Format, Opened, WriteOptions, register
 
 
@@ -260,6 +260,7 @@ class MegatronFormat(Format):
         renamed = _as_llama(source)
         extras = Path(tempfile.mkdtemp(prefix="ckptio-megatron-"))
         (extras / "config.json").write_text(json.dumps(source.config, indent=2))
+        carry_side_files(path, extras)  # generation config and tokenizer, when the run folder has them
         iteration = source.info.get("iteration")
         renamed.folder = extras
         return Opened(self.name, renamed, extras, step=iteration if isinstance(iteration, int) else 0,

@@ -112,3 +112,21 @@ def run_args(path: Path) -> Any:
         raise CheckpointError(f"{root.display(rel)}: records no Megatron-LM args (a checkpoint written without "
                               "them, e.g. by NeMo); give --tp, --pp and --vocab-divisible-by instead")
     return args
+
+
+SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+              "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja")
+"""A Hugging Face model's files besides its config and weights: kept at the top of a Megatron run folder ckptio
+writes, and carried from there (or from a NeMo 2 checkpoint's ``context/``) when it is read."""
+
+
+def carry_side_files(run: Path, into: Path) -> None:
+    """Copy the :data:`SIDE_FILES` found in ``run`` (or its ``context/``) into ``into``, read through the confined
+    folder (regular files only, bounded)."""
+    for where in (run, run / "context"):
+        if not where.is_dir():
+            continue
+        folder = Folder(where)
+        for name in SIDE_FILES:
+            if folder.kind(name) == "file" and not (into / name).exists():
+                (into / name).write_bytes(folder.read_bytes(name, max_size=256 << 20))

@@ -30,7 +30,7 @@ import torch
 
 from ...errors import CheckpointError, ConfigError
 from .. import hf_fields
-from .layout import GLOBAL_SPLIT, ITERATION_FILE, LAYER_SPLIT, RANK_FILE, VOCAB_KEYS
+from .layout import GLOBAL_SPLIT, ITERATION_FILE, LAYER_SPLIT, RANK_FILE, SIDE_FILES, VOCAB_KEYS
 
 DIVISIBLE_BY = 128
 """Megatron-LM's default ``--make-vocab-size-divisible-by``."""
@@ -220,12 +220,16 @@ def write(source: Any, extras: Path | None, out: Path, *, tp: int | None, pp: in
                          where=cfg)
     tensors = _tensors(source, config, args)
     from ...storage import LocalFolderWriter
+    from ...storage.confined import Folder
 
     writer = LocalFolderWriter.create(out)  # fsynced and renamed into place at commit, like every convert output
     try:
         (write_dist if layout == "dist" else write_legacy)(writer.local_path(f"iter_{iteration:07d}"), tensors, args,
                                                            iteration)
         writer.write_bytes(ITERATION_FILE, str(iteration).encode())
+        for name in SIDE_FILES:  # generation config and tokenizer, for the way back to Hugging Face
+            if extras is not None and (extras / name).is_file():
+                writer.write_bytes(name, Folder(extras).read_bytes(name, max_size=256 << 20))
         writer.commit()
     except BaseException:
         writer.abort()
