@@ -414,8 +414,13 @@ def test_misspelt_monitor_is_refused_at_the_first_save_and_nothing_is_deleted(tm
     with pytest.raises(ConfigError, match=r"val_los.*\['val_loss'\].*did you mean 'val_loss'"):
         mgr.save(step=1, metrics={"val_loss": 0.5})
     assert not any(tmp_path.glob("epoch_*"))
-    # a save without metrics (a step without validation) is allowed, and never deleted for lack of one
-    for step in (1, 2, 3):
+    # nor can the first save pass no metrics at all (issue 52: top-k would then keep everything, silently)
+    with pytest.raises(ConfigError, match=r"first save\(\) was passed no metrics"):
+        mgr.save(step=1)
+    assert not any(tmp_path.glob("epoch_*"))
+    mgr.save(step=1, metrics={"val_los": 0.5})
+    # after it, a save without metrics (a step without validation) is allowed, and never deleted for lack of one
+    for step in (2, 3):
         mgr.save(step=step)
     assert sorted(p.name for p in tmp_path.glob("epoch_*")) == [f"epoch_0_step_{s}" for s in (1, 2, 3)]
 
