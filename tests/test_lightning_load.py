@@ -179,3 +179,41 @@ def test_a_trainer_without_the_plugin_resumes_fit_from_a_folder(tmp_path):
     fit(tmp_path / "ours", 2, [CkptioCheckpointIO()], save_last=True)
     resumed = fit(tmp_path / "theirs", 4, None, ckpt_path=str(tmp_path / "ours" / "last.ckpt"))
     same(resumed, straight, "a folder resumed by a Trainer without the plugin")
+
+
+_INFERENCE = """
+import sys
+sys.path.insert(0, sys.argv[2])
+from lit_tiny import Evaluated
+{setup}
+model = Evaluated.load_from_checkpoint(sys.argv[1])
+print("LOADED", dict(model.hparams))
+"""
+
+
+def test_an_inference_script_finds_the_one_line_it_needs(tmp_path):
+    """Issue 52, row 1: a separate inference script's ``load_from_checkpoint(best_model_path)`` failed with a bare
+    ``IsADirectoryError`` that named neither ckptio nor ``install_loader()``. The folder carries a note a user finds
+    with ``ls``, ``ckptio inspect`` ends with the line, the docs show it first, and the note's snippet works as
+    written, in a fresh process with the real Lightning."""
+    import subprocess
+    import sys
+
+    best = Path(_fit_one(tmp_path))
+    note = (best / "HOW-TO-LOAD.txt").read_text()
+    assert "from ckptio.lightning import install_loader" in note and "install_loader()" in note
+    tests = str(Path(__file__).resolve().parent)
+    snippet = "\n".join(line.strip() for line in note.splitlines() if line.startswith("    ") and "import" in line
+                        or line.strip() == "install_loader()")
+    plain = subprocess.run([sys.executable, "-c", _INFERENCE.format(setup=""), str(best), tests],
+                           capture_output=True, text=True, timeout=300)
+    assert plain.returncode != 0 and "IsADirectoryError" in plain.stderr  # Lightning alone, as the note says
+    loaded = subprocess.run([sys.executable, "-c", _INFERENCE.format(setup=snippet), str(best), tests],
+                            capture_output=True, text=True, timeout=300)
+    assert loaded.returncode == 0 and f"LOADED {HPARAMS}" in loaded.stdout, loaded.stderr[-3000:]
+    shown = subprocess.run([str(Path(sys.executable).parent / "ckptio"), "inspect", str(best)], capture_output=True,
+                           text=True, timeout=120)
+    assert "from ckptio.lightning import install_loader; install_loader()" in shown.stdout.splitlines()[-1], shown.stdout
+    page = (Path(tests).parent / "docs" / "migrate-lightning.md").read_text()
+    after_fit = page.split("### After `fit`")[1]
+    assert after_fit.index("install_loader()") < after_fit.index("load_from_checkpoint(")

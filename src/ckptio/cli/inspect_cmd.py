@@ -113,4 +113,7 @@ def describe_lines(info: dict) -> list[str]:
                 lines += _tensor_lines(st["tensors"], "      ")
     if info.get("versions"):
         lines.append("  versions: " + ", ".join(f"{k} {v}" for k, v in sorted(info["versions"].items())))
+    if "lightning" in info.get("states", {}):  # a folder CkptioCheckpointIO wrote: the one line a script needs
+        lines.append("  load it in a script without the plugin: from ckptio.lightning import install_loader; "
+                     "install_loader(); then YourModule.load_from_checkpoint(path) as usual")
     return lines
