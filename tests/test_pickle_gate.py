@@ -160,3 +160,20 @@ def test_the_gate_bounds_what_a_pickle_would_build_and_accepts_what_picklers_wri
     for words, data in bad.items():
         with pytest.raises(CheckpointCorruptError, match=rf"^bad: refused as a pickle: .*{words.strip()}"):
             check_pickle(data, "bad")
+
+
+def test_a_seek_before_the_start_a_file_claims_is_named_bad_input(tmp_path):
+    """Fuzz (lightning, seed 400, input 58158): a flipped offset in a torch.save archive's zip records made the
+    reader seek before the file's start; the OSError it raised escaped the gate as a bare error. It is both what
+    zipfile's probing expects (OSError) and bad input the gate names (ValueError)."""
+    from ckptio.storage.confined import Folder, HandleStream
+    from ckptio.storage.parse import parsing
+
+    (tmp_path / "f.pt").write_bytes(b"x" * 10)
+    with Folder(tmp_path).open("f.pt") as handle:
+        stream = HandleStream(handle)
+        with pytest.raises(OSError):
+            stream.seek(-1)
+        with pytest.raises(CheckpointCorruptError, match=r"f\.pt: .*negative seek position"):
+            with parsing(tmp_path / "f.pt"):
+                stream.seek(-20, 2)

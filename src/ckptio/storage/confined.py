@@ -398,6 +398,12 @@ class ReadHandle:
         return HandleStream(self)
 
 
+class NegativeSeek(OSError, ValueError):
+    """A seek before the start of a file: what a probing reader expects (an ``OSError``), and, when an offset the file
+    itself claims leads there, bad input that the gate's :class:`~ckptio.storage.parse.parsing` names (a
+    ``ValueError``)."""
+
+
 class HandleStream(io.RawIOBase):
     """File-like view of a :class:`ReadHandle` (its own position; reads go through the handle)."""
 
@@ -415,8 +421,8 @@ class HandleStream(io.RawIOBase):
 
     def seek(self, offset: int, whence: int = 0) -> int:
         base = {0: 0, 1: self.pos, 2: self.handle.size}[whence]
-        if base + offset < 0:  # as a file does: zipfile, probing for its end record, expects OSError
-            raise OSError(errno.EINVAL, f"{self.name}: negative seek position")
+        if base + offset < 0:  # as a file does: zipfile, probing for its end record, expects OSError; a ValueError
+            raise NegativeSeek(errno.EINVAL, f"{self.name}: negative seek position")  # too: an offset a file claims
         self.pos = base + offset
         return self.pos
 
