@@ -1,5 +1,7 @@
-"""mkdocs hook: the command-line reference is generated from ckptio's own argument parsers at build time,
-so it cannot drift from the commands. Replaces ``<!-- cli-reference -->`` in cli.md."""
+"""The command-line reference of cli.md, generated from ckptio's own argument parsers: written into the page
+between ``<!-- cli-reference -->`` and ``<!-- end of cli-reference -->`` (so the page reads whole where it is
+shown as a file), refreshed by the site build (an mkdocs hook), and kept equal to the commands by
+``tests/test_docs.py``. ``python docs/hooks.py`` rewrites it in cli.md after a command changes."""
 
 from __future__ import annotations
 
@@ -7,7 +9,8 @@ import argparse
 import sys
 from pathlib import Path
 
-MARKER = "<!-- cli-reference -->"
+MARKER, END = "<!-- cli-reference -->", "<!-- end of cli-reference -->"
+PAGE = Path(__file__).resolve().parent / "cli.md"
 
 
 def _reference() -> str:
@@ -30,7 +33,18 @@ def _reference() -> str:
     return "\n".join(out)
 
 
+def with_reference(markdown: str) -> str:
+    """``markdown`` with the reference between the markers made anew."""
+    head, _, rest = markdown.partition(MARKER)
+    _, _, tail = rest.partition(END)
+    return f"{head}{MARKER}\n\n{_reference()}\n{END}{tail or chr(10)}"
+
+
 def on_page_markdown(markdown: str, page, config, files) -> str:  # noqa: ANN001 - mkdocs' hook signature
     if MARKER in markdown:
-        return markdown.replace(MARKER, _reference())
+        return with_reference(markdown)
     return markdown
+
+
+if __name__ == "__main__":
+    PAGE.write_text(with_reference(PAGE.read_text()))

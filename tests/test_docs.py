@@ -77,3 +77,40 @@ def test_the_accelerate_page_loop_resumes_where_a_straight_run_ends(tmp_path):
     stopped = run(tmp_path / "stopped", 17)  # mid-epoch (12 batches an epoch), after the save at step 15
     assert stopped.startswith("step 17")
     assert run(tmp_path / "stopped", 40) == straight and straight.startswith("step 40")
+
+
+def test_the_first_checkpoint_page_runs_as_it_stands_and_resumes_exactly(tmp_path):
+    """Issue 52, row 9: getting-started's loop left ``...`` and ``val_loss`` undefined. Run as it stands, stopped at
+    step 50 and rerun, it ends with the loss of a straight run."""
+    code = _block("getting-started.md", "## Your first checkpoint")
+    assert "..." not in code.replace("# ...", "") and "max_steps=100" in code
+
+    def run(folder: Path, steps: int) -> str:
+        folder.mkdir(exist_ok=True)
+        (folder / "train.py").write_text(code.replace("max_steps=100", f"max_steps={steps}"))
+        done = subprocess.run([sys.executable, "train.py"], cwd=folder, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout.strip().splitlines()[-1]
+
+    straight = run(tmp_path / "straight", 100)
+    assert run(tmp_path / "stopped", 50).startswith("step 50")
+    assert run(tmp_path / "stopped", 100) == straight and straight.startswith("step 100")
+
+
+def test_the_cli_reference_is_on_the_page_and_equal_to_the_commands():
+    """Issue 52, row 9: cli.md's "reference below is generated" was followed by nothing where the page is read as
+    a file. The reference is written into the page and kept equal to the commands' own help."""
+    sys.path.insert(0, str(ROOT / "docs"))
+    try:
+        import hooks
+    finally:
+        sys.path.remove(str(ROOT / "docs"))
+    page = (ROOT / "docs" / "cli.md").read_text()
+    assert hooks.with_reference(page) == page, "run: python docs/hooks.py"
+    assert "## ckptio verify" in page and "## ckptio convert" in page
+
+
+def test_the_index_links_every_migration_page():
+    index = (ROOT / "docs" / "index.md").read_text()
+    for page in sorted(p.name for p in (ROOT / "docs").glob("migrate-*.md")):
+        assert f"({page})" in index, page
