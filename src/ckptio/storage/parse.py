@@ -125,20 +125,24 @@ def check_pickle(source: "bytes | BinaryIO", where: object, *, size: int | None 
         known = bytes(source) if len(source) <= _KNOWN_MAX else None
         if known is not None and known in _known_good:
             return
-        check_pickle(io.BytesIO(source), where, size=len(source))
+        whole = io.BytesIO(source)
+        _walk(whole, whole, where, len(source))  # its own bytes: no read goes past them, no bounding view needed
         if known is not None:
             if len(_known_good) >= _KNOWN_COUNT:
                 _known_good.clear()
             _known_good.add(known)
         return
-    stream: Any = source
-    walk: Any = _Left(stream, size if size is not None else 1 << 62)
+    _walk(source, _Left(source, size if size is not None else 1 << 62), where, size)
+
+
+def _walk(stream: Any, walk: Any, where: object, size: int | None) -> None:
+    """:func:`check_pickle` of ``stream`` read through ``walk`` (the stream itself, or a view bounded to ``size``)."""
     start = stream.tell()
     stored = 0
-    machine = Walk(size if size is not None else 0)
+    ops = Walk(size if size is not None else 0).ops
     try:
         for op, arg, pos in pickletools.genops(walk):
-            machine.step(op.name, arg)
+            ops[op.name](arg)  # an opcode without a handler: KeyError, refused as malformed
             if op in _MEMO_STORES:
                 if type(arg) is not int or not 0 <= arg <= stored:
                     raise ValueError(f"memo slot {arg} stored after {stored} slots (a pickler stores them in order)")

@@ -207,7 +207,8 @@ class Walk(_Ledger):
 
     # -- opcodes ----------------------------------------------------------------------------------------------------
     def _number(self, arg: Any) -> None:
-        self._spend(32 + (arg.bit_length() // 8 if type(arg) is int else 0))
+        if type(arg) is not int or not -5 <= arg <= 256:  # small ints are the interpreter's own: nothing built
+            self._spend(32 + (arg.bit_length() // 8 if type(arg) is int else 0))
         self.stack.append(arg)
 
     def _text(self, arg: Any) -> None:
@@ -308,18 +309,21 @@ class Walk(_Ledger):
     def _dup(self, arg: Any) -> None:
         self.stack.append(self._top())
 
+    # the memo's opcodes are half of what a DCP .metadata holds: kept short (their 16 bytes a slot are counted at
+    # the next opcode that spends, before anything more is built)
     def _put(self, arg: Any) -> None:
-        self._spend(16)
+        self.memory += 16
         self.memo[arg] = self._top()
 
     def _memoize(self, arg: Any) -> None:
-        self._spend(16)
+        self.memory += 16
         self.memo[len(self.memo)] = self._top()
 
     def _get(self, arg: Any) -> None:
-        if arg not in self.memo:
-            raise ValueError(f"memo slot {arg} read before it was stored")
-        self.stack.append(self.memo[arg])
+        try:
+            self.stack.append(self.memo[arg])
+        except KeyError:
+            raise ValueError(f"memo slot {arg} read before it was stored") from None
 
     def _push_leaf(self, arg: Any) -> None:
         self.stack.append(_LEAF)
