@@ -52,9 +52,11 @@ def main() -> None:
     progress = Progress()
     accelerator.register_for_checkpointing(progress)
     accelerator.load_state()  # the newest complete checkpoint; nothing (a fresh run) when there is none
-    batches = accelerator.skip_first_batches(loader, progress.step % len(loader))
     loss = torch.zeros(())
     while progress.step < args.steps:
+        epoch, seen = divmod(progress.step, len(loader))
+        loader.set_epoch(epoch)  # this epoch's batch order, also on a rerun
+        batches = accelerator.skip_first_batches(loader, seen) if seen else loader  # the batches already seen
         for xb, yb in batches:
             loss = torch.nn.functional.mse_loss(model(xb), yb)
             accelerator.backward(loss)
@@ -66,7 +68,6 @@ def main() -> None:
                 accelerator.save_state()
             if progress.step >= args.steps:
                 break
-        batches = loader
     accelerator.print(f"trained to step {progress.step}, loss {loss.item():.4f}; checkpoints in {args.dir}")
     accelerator.end_training()
 
