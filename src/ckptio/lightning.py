@@ -41,6 +41,7 @@ import torch
 
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, MissingDependencyError
 from .integrations import lightning_load
+from .integrations import lightning_keep
 from .integrations.lightning_keep import last_checkpoint, s3_location as _s3
 from .storage.parse import MAX_DEPTH, check_depth, parsing
 
@@ -243,43 +244,6 @@ def _split(checkpoint: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[to
     return model, tensors, data
 
 
-NOTE = "HOW-TO-LOAD.txt"
-NOTE_TEXT = """This folder is one Lightning checkpoint, written by ckptio's CkptioCheckpointIO plugin (a folder, not
-one .ckpt file; its manifest.json checks every byte).
-
-A Trainer with the plugin reads it as usual: fit/test/validate/predict(ckpt_path=...).
-
-In a script without the plugin (an inference script), install ckptio's loader first, then load as usual:
-
-    from ckptio.lightning import install_loader
-    install_loader()
-    model = MyLightningModule.load_from_checkpoint("path/to/this/folder")
-
-Without that line Lightning opens the folder as one file and fails (IsADirectoryError). `ckptio inspect` of this
-folder describes it; `ckptio convert` turns it into a single Lightning .ckpt file or a Hugging Face folder.
-"""
-"""The note in each checkpoint folder the plugin writes: what a user who finds the folder with ``ls`` needs."""
-
-
-def _monitored(checkpoint: dict[str, Any]) -> dict[str, float]:
-    """The metric each ``ModelCheckpoint`` monitors, at its value for this save (its ``current_score``), for the
-    manifest: ``ckptio inspect`` and ``list`` show it, as for a manager's saves."""
-    import math
-
-    out: dict[str, float] = {}
-    callbacks = checkpoint.get("callbacks")
-    for key, state in (callbacks.items() if isinstance(callbacks, dict) else ()):
-        if not (isinstance(key, str) and key.startswith("ModelCheckpoint") and isinstance(state, dict)):
-            continue
-        monitor, score = state.get("monitor"), state.get("current_score")
-        if isinstance(score, torch.Tensor) and score.numel() == 1:
-            score = score.item()
-        if isinstance(monitor, str) and isinstance(score, (int, float)) and not isinstance(score, bool) \
-                and math.isfinite(score):
-            out[monitor] = float(score)
-    return out
-
-
 def _write_into(checkpoint: dict[str, Any], parts: tuple[dict[str, torch.Tensor], list[torch.Tensor], bytes],
                 writer: Any, name: str) -> None:
     """Write the folder with ``writer`` and commit it with its manifest."""
@@ -292,12 +256,12 @@ def _write_into(checkpoint: dict[str, Any], parts: tuple[dict[str, torch.Tensor]
         sums.update(safetensors_sharded.save({f"{i:06d}": t for i, t in enumerate(tensors)}, writer, STATE_DIR,
                                              rank=0, world_size=1, stem="state"))
         sums[TRAINER_STATE] = writer.write_bytes(TRAINER_STATE, data)
-        sums[NOTE] = writer.write_bytes(NOTE, NOTE_TEXT.encode())
+        sums[lightning_keep.NOTE] = writer.write_bytes(lightning_keep.NOTE, lightning_keep.NOTE_TEXT.encode())
         states = {"model": StateEntry("model", "safetensors", MODEL_DIR),
                   "lightning": StateEntry("object", "pt", TRAINER_STATE)}
         manifest = Manifest(name=name, step=_int(checkpoint.get("global_step")), epoch=_int(checkpoint.get("epoch")),
                             world_size=1, model_save_format="safetensors", states=states, files=writer.files(),
-                            checksums=sums, metrics=_monitored(checkpoint), versions=software_versions())
+                            checksums=sums, metrics=lightning_keep.monitored(checkpoint), versions=software_versions())
         writer.commit((MANIFEST_NAME, manifest.to_json().encode()))
     except BaseException:
         writer.abort()

@@ -26,7 +26,7 @@ from typing import Any, Callable
 from ..errors import CheckpointError, NoUsableCheckpointError
 
 __all__ = ["keep_reason", "newest_complete", "is_complete", "resume_instead", "forget_torn", "last_checkpoint",
-           "s3_location"]
+           "s3_location", "NOTE", "NOTE_TEXT", "monitored"]
 
 log = logging.getLogger("ckptio")
 
@@ -188,3 +188,42 @@ def _s3_complete(storage: Any, name: str) -> bool:
 
     kind = storage.folder().kind(name)
     return kind == "file" or (kind == "dir" and (committed(storage, name) or complete_copy(storage, name) is not None))
+
+
+NOTE = "HOW-TO-LOAD.txt"
+NOTE_TEXT = """This folder is one Lightning checkpoint, written by ckptio's CkptioCheckpointIO plugin (a folder, not
+one .ckpt file; its manifest.json checks every byte).
+
+A Trainer with the plugin reads it as usual: fit/test/validate/predict(ckpt_path=...).
+
+In a script without the plugin (an inference script), install ckptio's loader first, then load as usual:
+
+    from ckptio.lightning import install_loader
+    install_loader()
+    model = MyLightningModule.load_from_checkpoint("path/to/this/folder")
+
+Without that line Lightning opens the folder as one file and fails (IsADirectoryError). `ckptio inspect` of this
+folder describes it; `ckptio convert` turns it into a single Lightning .ckpt file or a Hugging Face folder.
+"""
+"""The note in each checkpoint folder the plugin writes: what a user who finds the folder with ``ls`` needs."""
+
+
+def monitored(checkpoint: dict[str, Any]) -> dict[str, float]:
+    """The metric each ``ModelCheckpoint`` monitors, at its value for this save (its ``current_score``), for the
+    manifest: ``ckptio inspect`` and ``list`` show it, as for a manager's saves."""
+    import math
+
+    import torch
+
+    out: dict[str, float] = {}
+    callbacks = checkpoint.get("callbacks")
+    for key, state in (callbacks.items() if isinstance(callbacks, dict) else ()):
+        if not (isinstance(key, str) and key.startswith("ModelCheckpoint") and isinstance(state, dict)):
+            continue
+        monitor, score = state.get("monitor"), state.get("current_score")
+        if isinstance(score, torch.Tensor) and score.numel() == 1:
+            score = score.item()
+        if isinstance(monitor, str) and isinstance(score, (int, float)) and not isinstance(score, bool) \
+                and math.isfinite(score):
+            out[monitor] = float(score)
+    return out
