@@ -17,7 +17,7 @@ from typing import Any
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, NoUsableCheckpointError
 from ..adopt.automodel import adopt, ckptio_mark
 from .manifest import MANIFEST_NAME, PENDING_NAME, Manifest, check_files, read_manifest
-from ..storage import as_storage, open_storage
+from ..storage import POINTER_NAMES, as_storage, open_storage  # noqa: F401  (POINTER_NAMES: LATEST and BEST, re-exported)
 from ..storage.base import Storage
 from ..storage.local import TMP_PREFIX, TRASH_PREFIX  # noqa: F401  (TRASH_PREFIX: re-exported)
 
@@ -28,7 +28,6 @@ OPTIM_DIR = "optim"
 CONSOLIDATED_DIR = "consolidated"
 LATEST = "LATEST"
 BEST = "BEST"
-POINTER_NAMES = (LATEST, BEST)
 
 
 def expand_template(template: str, insert_field_names: bool = True) -> str:
@@ -210,12 +209,11 @@ def scan(checkpoint_dir: "str | Path | Storage", verify: str = "size") -> list[C
     entries = [
         inspect_step(storage, e.name, verify, top=top)
         for e in listing
-        if e.kind == "dir" and (e.name.startswith(TMP_PREFIX) or not e.name.startswith(".")) and e.name not in _POINTERS
+        if e.kind == "dir" and (e.name.startswith(TMP_PREFIX) or not e.name.startswith(".")) and e.name not in POINTER_NAMES
     ]
     return sorted(entries, key=lambda e: (not e.committed, e.step if e.step is not None else -1, e.name))
 
 
-_POINTERS = (LATEST, BEST)
 _warned: set[str] = set()
 
 
@@ -224,7 +222,7 @@ def _warn_pointer_folders(storage: Any, listing: Any) -> None:
     of its own (it would be a second copy of one). Said once per folder, at the first look; the next save puts the
     link back (:func:`ckptio.storage.posix.write_pointer`)."""
     for e in listing:
-        if e.kind == "dir" and e.name in _POINTERS and f"{storage.root}/{e.name}" not in _warned:
+        if e.kind == "dir" and e.name in POINTER_NAMES and f"{storage.root}/{e.name}" not in _warned:
             _warned.add(f"{storage.root}/{e.name}")
             log.warning("%s/%s is a folder, not a link (the checkpoint directory was copied by a tool that follows "
                         "links, such as shutil.copytree or aws s3 sync); it is not read as a checkpoint, and the next "

@@ -134,8 +134,12 @@ MODEL_FIELDS: dict[str, frozenset[str]] = {
     "mistral": CARRIED | INERT | {"hidden_act", "sliding_window", "is_encoder_decoder"},
 }
 """The fields each model type reads (anything else in its config.json, a stray field of another type, it ignores)."""
-_DEFAULTS: dict[str, Any] = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "pretraining_tp": 1,
-                             "sliding_window": None, "is_encoder_decoder": False}
+
+
+def _placed(config: dict[str, Any]) -> frozenset[str]:
+    """The fields the config's model type reads (a config without ``model_type`` is read as a Llama's)."""
+    kind = config.get("model_type")
+    return MODEL_FIELDS.get(kind if isinstance(kind, str) else "llama", MODEL_FIELDS["llama"])
 
 
 def _llama_checks(config: dict[str, Any], r: Rope) -> list[tuple[str, Any, bool, str]]:
@@ -145,11 +149,11 @@ def _llama_checks(config: dict[str, Any], r: Rope) -> list[tuple[str, Any, bool,
     checks = [("model_type", kind, kind in (*MODEL_FIELDS, None),
                "ckptio maps Llama-style decoders (RMSNorm, SwiGLU, RoPE, no biases): llama, and mistral without a "
                "sliding window. Qwen2 has q/k/v biases.")]
-    reads = MODEL_FIELDS.get(kind if isinstance(kind, str) else "llama", MODEL_FIELDS["llama"])
+    reads = _placed(config)
     for name in sorted(_MUST):
         if name in reads:
             want, hint = _MUST[name]
-            value = config.get(name, _DEFAULTS[name])
+            value = config.get(name, want)  # transformers' default for each is the value a Llama computes
             checks.append((name, value, value == want and isinstance(value, bool) == isinstance(want, bool), hint))
     checks += [
         (f"{r.source}.rope_type", r.kind, r.kind == "default",
@@ -163,8 +167,7 @@ def _llama_checks(config: dict[str, Any], r: Rope) -> list[tuple[str, Any, bool,
 def unknown_fields(config: dict[str, Any], known: "frozenset[str] | set[str]") -> list[str]:
     """The fields of ``config`` its model type reads (``known``: from transformers' config class, when installed) that
     the lists above do not place: nothing says whether they change what the model computes."""
-    kind = config.get("model_type")
-    placed = MODEL_FIELDS.get(kind if isinstance(kind, str) else "llama", MODEL_FIELDS["llama"])
+    placed = _placed(config)
     return sorted(name for name in known if name in config and name not in placed)
 
 
