@@ -17,7 +17,7 @@ from typing import Any
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, NoUsableCheckpointError
 from ..adopt.automodel import adopt, ckptio_mark
 from .manifest import MANIFEST_NAME, PENDING_NAME, Manifest, check_files, read_manifest
-from ..storage import POINTER_NAMES, as_storage, open_storage  # noqa: F401  (POINTER_NAMES: LATEST and BEST, re-exported)
+from ..storage import POINTER_NAMES, as_storage, open_storage  # noqa: F401  (POINTER_NAMES: re-exported)
 from ..storage.base import Storage
 from ..storage.local import TMP_PREFIX, TRASH_PREFIX  # noqa: F401  (TRASH_PREFIX: re-exported)
 
@@ -209,7 +209,8 @@ def scan(checkpoint_dir: "str | Path | Storage", verify: str = "size") -> list[C
     entries = [
         inspect_step(storage, e.name, verify, top=top)
         for e in listing
-        if e.kind == "dir" and (e.name.startswith(TMP_PREFIX) or not e.name.startswith(".")) and e.name not in POINTER_NAMES
+        if e.kind == "dir" and (e.name.startswith(TMP_PREFIX) or not e.name.startswith("."))
+        and e.name not in POINTER_NAMES
     ]
     return sorted(entries, key=lambda e: (not e.committed, e.step if e.step is not None else -1, e.name))
 
