@@ -6,6 +6,9 @@
         [--die-at-point memory.replicating:5]   # ... the 5th time a memory snapshot reaches that point
         [--once-marker FILE]  # die only if FILE does not exist yet (then create it): a torchrun restart lives
         [--replicas K]        # memory_replicas (default: the config's)
+        [--natural-exit]      # end as a user's script does: close, destroy the group, return (no os._exit)
+        [--no-ckptio]         # the same training without a checkpoint manager (with --natural-exit: the baseline
+                              # of benchmarks/exit_aborts.py)
 
 Trains the tiny Llama (FSDP2 over all ranks, ``toy.Run``) with ``maybe_save()`` after every step: a memory
 snapshot every ``--memory-every`` steps into this node's ``CKPTIO_MEMORY_DIR``, a durable save into ``--ckpt``
@@ -37,6 +40,8 @@ def main() -> int:
     p.add_argument("--die-at-point", default=None)
     p.add_argument("--once-marker", default=None)
     p.add_argument("--replicas", type=int, default=None)
+    p.add_argument("--natural-exit", action="store_true")
+    p.add_argument("--no-ckptio", action="store_true")
     args = p.parse_args()
 
     import logging
@@ -67,6 +72,8 @@ def main() -> int:
         kill_at(args.die_at_point)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.no_ckptio:
+        return _without_ckptio(args.steps)
     replicas = {} if args.replicas is None else {"memory_replicas": args.replicas}
     run = Run(args.ckpt, max_steps=args.steps, memory_every_steps=args.memory_every,
               persist_every_steps=args.persist_every, **replicas)
@@ -87,7 +94,38 @@ def main() -> int:
             os.kill(os.getpid(), signal.SIGKILL)  # a node lost: no cleanup, nothing flushed
 
     run.train(after_step=after_step)
+    if args.natural_exit:
+        run.mgr.close()
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+        return 0
     finish(run, out)
+    return 0
+
+
+def _without_ckptio(steps: int) -> int:
+    """The job's training, model and data without ckptio; ends as a user's script does."""
+    import torch
+    import torch.distributed as dist
+    from toy import TokenDataset, make_model
+
+    torch.manual_seed(300)
+    model = make_model(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    loader = torch.utils.data.DataLoader(TokenDataset(), batch_size=4, shuffle=True)
+    done = 0
+    while done < steps:
+        for batch in loader:
+            model(input_ids=batch, labels=batch).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            done += 1
+            if done >= steps:
+                break
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
     return 0
 
 

@@ -298,3 +298,37 @@ def test_peft_adapter_saved_in_the_background_is_the_snapshot(tmp_path):
     assert saved.keys() == expected.keys()
     for k, v in expected.items():
         assert torch.equal(saved[k], v), k
+
+
+def _close_ends_what_ckptio_started(root: str, memory: str) -> dict:
+    """2 ranks: async saves and memory snapshots, then ``close()``; what of ours is still alive."""
+    import threading
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    before = len(c10d._world.pg_map)
+    model, opt, sched, box, mgr = _setup(Path(root), "safetensors", async_save=True, memory_every_steps=1,
+                                         memory_dir=memory)
+    for step in (1, 2):
+        _train_step(model, opt, sched, box, step)
+        mgr.save_memory(step=step)
+        mgr.save(step=step)
+    during = len(c10d._world.pg_map)
+    mgr.close()
+    flag = torch.ones(1)
+    dist.all_reduce(flag)  # the job's own group is untouched
+    return {"groups": (before, during, len(c10d._world.pg_map)),
+            "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("ckptio"))}
+
+
+def test_close_joins_every_thread_and_destroys_every_group_ckptio_started(tmp_path):
+    """What ckptio started (background writers of durable saves and memory snapshots, their gloo groups) is gone
+    after ``close()``, so nothing of ours is left for the interpreter's teardown."""
+    memory = tmp_path / "mem"
+    memory.mkdir(mode=0o700)
+    for got in run_ranks(2, _close_ends_what_ckptio_started, root=str(tmp_path / "ck"), memory=str(memory)):
+        before, during, after = got["groups"]
+        assert during == before + 2, "a group for the background saves and one for the memory tier"
+        assert after == before, f"close() left {after - before} group(s) of ckptio's alive"
+        assert got["threads"] == [], f"close() left threads running: {got['threads']}"

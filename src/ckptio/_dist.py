@@ -54,6 +54,39 @@ def world_size() -> int:
     return dist.get_world_size() if is_dist() else 1
 
 
+def new_gloo_group() -> Any:
+    """Collective: a gloo group of every rank, ckptio's own. Destroyed by :func:`destroy_group` when its owner closes,
+    and at the latest at interpreter exit (atexit runs before the interpreter tears down), so that no group of ours is
+    left for a destructor at teardown."""
+    group = dist.new_group(backend="gloo")
+    _owned.append(group)
+    if len(_owned) == 1:
+        import atexit
+
+        atexit.register(_destroy_owned)
+    return group
+
+
+def destroy_group(group: Any) -> None:
+    """Destroy a group of ours, unless the job already did (``destroy_process_group()`` destroys every group)."""
+    if group in _owned:
+        _owned.remove(group)
+    if not is_dist():
+        return  # the default group's destruction shut ours down; the caller drops its handle
+    try:
+        dist.destroy_process_group(group)
+    except ValueError:  # "Invalid process group specified": destroyed already
+        pass
+
+
+def _destroy_owned() -> None:
+    while _owned:
+        destroy_group(_owned[-1])
+
+
+_owned: list[Any] = []
+
+
 def barrier() -> None:
     if is_dist():
         dist.barrier(group=current_group())

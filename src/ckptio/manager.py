@@ -142,7 +142,8 @@ class CheckpointManager:
         return self._saver.last_saved
 
     def close(self, *, free_memory: bool | None = None) -> None:
-        """Wait for a background save in flight (raising its error), then release the checkpoint folder.
+        """Wait for a background save in flight (raising its error), then release the checkpoint folder and end what
+        the manager started: its background threads are joined and its process groups destroyed.
 
         With the memory tier, its snapshots leave the node's memory when ``free_memory`` (default: unless an
         exception is propagating, so that a ``finally`` keeps them for the restart): save durably first. Also done
@@ -151,7 +152,9 @@ class CheckpointManager:
         if free_memory is None:
             free_memory = sys.exc_info()[0] is None
         try:
-            self.wait()
+            writer, self._writer = self._writer, None
+            if writer is not None:
+                writer.close()  # waits, then destroys its group: nothing of ours alive at interpreter exit
             if self._memory is not None:
                 self._memory.close(free=free_memory)
         finally:

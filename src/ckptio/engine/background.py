@@ -4,6 +4,11 @@ Call sequence: the manager constructs one :class:`BackgroundWriter` on every ran
 process group is initialised: it builds a gloo group), then calls :meth:`start` and :meth:`wait` at the
 same points on every rank. Not thread-safe: both are called from the training thread. The work runs on
 a non-daemon thread, so a normal interpreter exit finishes it; an atexit hook then reports its error.
+
+:meth:`close` waits, then destroys the writer's group, so that nothing ckptio started is alive when the interpreter
+tears down: no thread of ours running, no gloo group of ours left for the interpreter's teardown to destroy (its
+worker threads and sockets are then shut down here, in order, not by a destructor at exit). The atexit hook does
+the same for a writer that was never closed.
 """
 
 from __future__ import annotations
@@ -36,11 +41,10 @@ class BackgroundWriter:
         self.what = what
         self._pending: _Pending | None = None
         self._group = None
+        self._closed = False
         if _dist.is_dist():
-            import torch.distributed as dist
-
             # its collectives never interleave with the training loop's on the default group
-            self._group = dist.new_group(backend="gloo")
+            self._group = _dist.new_gloo_group()
         atexit.register(_wait_at_exit, weakref.ref(self))
 
     @property
@@ -56,6 +60,8 @@ class BackgroundWriter:
 
     def start(self, label: Path, work: Callable[[], None]) -> None:
         """Run ``work`` on a background thread, its collectives on this writer's group. Wait first."""
+        if self._closed:
+            raise RuntimeError(f"this background {self.what} writer is closed")
         self.wait()
         pending = self._pending = _Pending(label)
 
@@ -70,6 +76,17 @@ class BackgroundWriter:
 
         pending.thread = threading.Thread(target=run, name=f"ckptio-save-{label.name}", daemon=False)
         pending.thread.start()
+
+    def close(self) -> None:
+        """Wait for the work in flight (raising its error), then destroy this writer's process group. Idempotent; the
+        writer takes no work after it."""
+        self._closed = True
+        try:
+            self.wait()
+        finally:
+            group, self._group = self._group, None
+            if group is not None:
+                _dist.destroy_group(group)
 
     def wait(self) -> Path | None:
         """Block until the work in flight is done; re-raise its error. Returns its label (``None``: idle)."""
@@ -86,8 +103,9 @@ class BackgroundWriter:
 
 def _wait_at_exit(ref: "weakref.ref[BackgroundWriter]") -> None:
     writer = ref()
-    if writer is not None and writer.in_flight:
-        try:
-            writer.wait()
-        except BaseException as exc:  # noqa: BLE001 - at exit there is no caller left to raise to
-            writer.log.error("The last background save failed: %s", _dist.format_exc_short(exc))
+    if writer is None:
+        return
+    try:
+        writer.close()
+    except BaseException as exc:  # noqa: BLE001 - at exit there is no caller left to raise to
+        writer.log.error("The last background %s failed: %s", writer.what, _dist.format_exc_short(exc))

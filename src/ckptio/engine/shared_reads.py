@@ -305,5 +305,5 @@ def _group_for(device: str) -> Any:
         return group
     key = (id(group), dist.get_world_size(group))
     if key not in _side_groups:
-        _side_groups[key] = dist.new_group(backend="gloo")
+        _side_groups[key] = _dist.new_gloo_group()  # destroyed at exit at the latest
     return _side_groups[key]

@@ -291,8 +291,11 @@ class MemoryTier:
     # ---------------------------------------------------------------------------------------------- end
     def close(self, free: bool) -> None:
         """Wait for the snapshot in flight; with ``free``, remove this run's snapshots from this node (its leader does;
-        no collective: a rank whose own write is done has passed every round of its node's ranks' writes)."""
-        self.wait()
+        no collective: a rank whose own write is done has passed every round of its node's ranks' writes). The
+        background writer is closed: its group destroyed."""
+        writer, self.writer = self.writer, None
+        if writer is not None:
+            writer.close()
         if not free or self.nodes is None:
             return
         if self.nodes.leader(_dist.rank()) == _dist.rank():

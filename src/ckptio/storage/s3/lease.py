@@ -17,7 +17,7 @@ from ._common import LEASE_SECONDS, MAX_POINTER_BYTES, S3Error, _call, client
 if TYPE_CHECKING:
     from . import S3Storage
 
-_leases: dict[str, list[Any]] = {}  # location -> [renewing thread stop event, number of holders]
+_leases: dict[str, list[Any]] = {}  # location -> [renewing thread stop event, number of holders, the thread]
 _leases_lock = threading.Lock()
 
 
@@ -88,7 +88,7 @@ class S3Lease:
                     self.forced_over = holder
             stop = threading.Event()
             thread = threading.Thread(target=self._renew, args=(stop,), name="ckptio-s3-lease", daemon=True)
-            _leases[location] = [stop, 1]
+            _leases[location] = [stop, 1, thread]
             thread.start()
             self._held = True
 
@@ -114,6 +114,9 @@ class S3Lease:
                 return
             del _leases[location]
             entry[0].set()
+        # joined, so that no thread of ours is inside the S3 client when the interpreter exits (a renewal in flight
+        # ends within the client's own timeouts)
+        entry[2].join(timeout=60)
         try:
             client().delete_object(Bucket=self.storage.bucket, Key=self.key)
         except Exception:  # noqa: BLE001 - a lease left behind expires
