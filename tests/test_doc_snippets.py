@@ -1,0 +1,384 @@
+"""Every ``python`` block of the README and docs/ runs as it stands on the page (issue 52).
+
+A block on a page assumes names a user's script already has (``model``, ``opt``, a trained Lightning run, a
+checkpoint folder). For each block, :data:`RUNS` gives a *prelude* that makes exactly those (and nothing the block
+defines itself) and a *check* that the block did what the page says. The block itself is pasted between them
+unchanged, and the script runs in a fresh process in an empty folder: with this checkout's interpreter, under
+``torchrun``, or in the NeMo AutoModel environment of ``tests/test_automodel.py``. A new block on a page fails
+:func:`test_every_python_block_of_the_docs_is_run` until it has an entry here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = ROOT / "tests"
+
+
+def blocks() -> dict[str, str]:
+    """Every ``python`` block of README.md and docs/*.md, keyed ``"page: first line"``."""
+    out = {}
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for code in re.findall(r"```python\n(.*?)\n```", page.read_text(), re.S):
+            out[f"{page.relative_to(ROOT)}: {code.splitlines()[0]}"] = code
+    return out
+
+
+@dataclass(frozen=True)
+class Run:
+    prelude: str = ""
+    check: str = ""
+    python: str = "here"  # "here", "automodel" (tests/test_automodel.py's environment) or "torchrun" (2 ranks)
+    elsewhere: str = ""   # run by another test, named here
+
+
+_TINY = """
+import torch
+from toy import Counter
+torch.manual_seed(0)
+x = torch.randn(64, 4)
+dataset = torch.utils.data.TensorDataset(x)
+model = torch.nn.Linear(4, 1)
+opt = optimizer = torch.optim.AdamW(model.parameters())
+sched = torch.optim.lr_scheduler.StepLR(opt, 10)
+counter = Counter()
+val_loss = 0.5
+"""
+
+_AUTOMODEL = """
+import argparse, torch
+from automodel_harness import _automodel_recipe, _gathered, _objects
+from ckptio import CheckpointConfig, CheckpointManager
+
+def objects(seed):
+    torch.manual_seed(seed)
+    args = argparse.Namespace(by="automodel", dir="checkpoints/", format="safetensors", peft=False, ckpt_every=4,
+                              steps=1000)
+    return args, _objects(args, 0, 1)
+
+args, o = objects(0)
+for batch in next(iter(o["step_scheduler"])):  # one step: the optimizer has state
+    o["model"](input_ids=batch, labels=batch).loss.backward()
+o["optimizer"].step()
+o["lr_scheduler"].step()
+o["step_scheduler"].step, o["step_scheduler"].epoch = 99, 0
+WRITER
+saved = _gathered(o)
+args, o = objects(1)  # a new process's objects: other weights, no optimizer state
+rank = 0
+model, opt = o["model"], o["optimizer"]
+optimizer, sched, scheduler = opt, o["lr_scheduler"], o["lr_scheduler"]
+loader = dataloader = o["dataloader"]
+steps = step_scheduler = o["step_scheduler"]
+checkpointer = _automodel_recipe(args, o, 0).checkpointer
+"""
+
+_BY_CKPTIO = """CheckpointManager(CheckpointConfig(checkpoint_dir="checkpoints/"), model=o["model"],
+                  optimizer=o["optimizer"], lr_scheduler=o["lr_scheduler"], dataloader=o["dataloader"],
+                  step_scheduler=o["step_scheduler"]).save(step=99, epoch=0)"""
+
+_SAME_AS_SAVED = """
+got = _gathered(o)
+for k, v in saved["model"].items():
+    assert torch.equal(got["model"][k], v), k
+for p, state in saved["optim"].items():
+    for name, v in state.items():
+        assert torch.equal(got["optim"][p][name], v) if isinstance(v, torch.Tensor) else got["optim"][p][name] == v
+assert got["sched"] == saved["sched"]
+"""
+
+_STEP = "assert steps.step == 100, steps.step  # AutoModel's StepScheduler records the step after the one done\n"
+
+_FOLDER = """
+import torch
+from toy import make_model, make_tokenizer
+from ckptio import CheckpointConfig, CheckpointManager
+trained = make_model(seed=3)
+CheckpointManager(CheckpointConfig(checkpoint_dir="checkpoints", save_consolidated=True), model=trained,
+                  tokenizer=make_tokenizer()).save(step=20, epoch=0)
+"""
+
+_HF_FOLDER = """
+import torch
+from toy import make_model
+trained = make_model(seed=3)
+trained.save_pretrained("hf")
+path = "hf"
+"""
+
+_S3 = """
+import atexit, os, torch
+import s3server
+proc, url = s3server.start()
+atexit.register(proc.terminate)
+os.environ.update(AWS_ENDPOINT_URL=url, **s3server.ENV)
+from ckptio.storage.s3 import client
+client().create_bucket(Bucket="bucket")
+os.makedirs("mem", mode=0o700)
+os.environ["CKPTIO_MEMORY_DIR"] = os.path.abspath("mem")
+from ckptio import CheckpointConfig, CheckpointManager, ResumableDataLoader, StepScheduler
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.AdamW(model.parameters())
+sched = torch.optim.lr_scheduler.StepLR(opt, 10)
+loader = ResumableDataLoader(torch.utils.data.TensorDataset(torch.randn(32, 4)), batch_size=4)
+steps = StepScheduler(max_steps=30)
+"""
+
+_LIGHTNING = """
+import pytorch_lightning as pl, torch
+from lit_tiny import Evaluated as LitModel, TinyData as MyDataModule
+from ckptio.lightning import CkptioCheckpointIO
+torch.manual_seed(0)
+trainer = pl.Trainer(max_epochs=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                     accelerator="cpu", devices=1, plugins=[CkptioCheckpointIO()],
+                     callbacks=[pl.callbacks.ModelCheckpoint(dirpath="ckpts", monitor="val_loss", save_top_k=1,
+                                                             save_last=True)])
+fitted = LitModel()
+trainer.fit(fitted, datamodule=MyDataModule())
+path = trainer.checkpoint_callback.best_model_path
+"""
+
+_LIGHTNING_FILE = """
+import pytorch_lightning as pl, torch
+from lit_tiny import Tiny, loader
+from ckptio import CheckpointConfig, CheckpointManager, StepScheduler
+torch.manual_seed(0)
+lit = Tiny()
+tr = pl.Trainer(max_epochs=2, logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+                devices=1, callbacks=[pl.callbacks.ModelCheckpoint(dirpath=".", save_last=True)])
+tr.fit(lit, loader())
+model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + 0.1 * s))
+steps = StepScheduler(max_steps=100)
+mgr = CheckpointManager(CheckpointConfig(checkpoint_dir="ckpt"), model=model, optimizer=optimizer,
+                        lr_scheduler=lr_scheduler, step_scheduler=steps)
+"""
+
+_DCP_OBJECTS = """
+import torch
+from ckptio import CheckpointConfig, CheckpointManager, ResumableDataLoader, StepScheduler
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+optimizer = torch.optim.AdamW(model.parameters())
+model(torch.randn(2, 4)).sum().backward()
+optimizer.step()
+sched = torch.optim.lr_scheduler.StepLR(optimizer, 10)
+loader = ResumableDataLoader(torch.utils.data.TensorDataset(torch.randn(32, 4)), batch_size=4)
+steps = StepScheduler(max_steps=10)
+step, latest_dir = 1, "ckpt/step_1"
+"""
+
+_HF = """
+from pathlib import Path
+import torch
+from hf_tiny import Tokens, arguments, model as tiny_model
+from transformers import Trainer, TrainingArguments
+from ckptio.hf_trainer import CkptioTrainer
+model, train, val = tiny_model(), Tokens(16), Tokens(8, seed=4)
+"""
+
+RUNS: dict[str, Run] = {
+    "README.md: from ckptio import CheckpointConfig, CheckpointManager, ResumableDataLoader, StepScheduler": Run(
+        _TINY, """
+mgr.close()
+from ckptio import committed_checkpoints
+assert [e.step for e in committed_checkpoints("checkpoints")] == list(range(100, 1001, 100))
+"""),
+    "README.md: # AutoModel -> ckptio: keep the run's checkpoint_dir": Run(
+        _AUTOMODEL.replace("WRITER", _BY_CKPTIO), _SAME_AS_SAVED + _STEP, python="automodel"),
+    "docs/migrate-automodel.md: from ckptio import CheckpointConfig, CheckpointManager": Run(
+        _AUTOMODEL.replace("WRITER", """_automodel_recipe(args, o, 0).save_checkpoint(0, 99, torch.tensor(0.0))
+assert __import__("os").path.isdir("checkpoints/epoch_0_step_99")"""),
+        _SAME_AS_SAVED + _STEP,
+        python="automodel"),
+    "docs/migrate-automodel.md: from nemo_automodel": Run(
+        _AUTOMODEL.replace("WRITER", _BY_CKPTIO), _SAME_AS_SAVED, python="automodel"),
+    "docs/converters.md: from ckptio.convert import Converter, Rule, register": Run("", """
+import torch
+from ckptio.convert import check_invertible, get_converter
+sd = {"embed.weight": torch.randn(32, 8), "head.weight": torch.randn(32, 8)}
+for i in range(2):
+    sd.update({f"blocks.{i}.attn.{n}.weight": torch.randn(8, 8) for n in "qkvo"})
+    sd.update({f"blocks.{i}.mlp.gate.weight": torch.randn(16, 8), f"blocks.{i}.mlp.up.weight": torch.randn(16, 8),
+               f"blocks.{i}.mlp.down.weight": torch.randn(8, 16)})
+check_invertible(get_converter("tinylm-to-megatron"), sd, {"num_attention_heads": 2, "hidden_size": 8})
+check_invertible(get_converter("megatron-to-tinylm").inverse(), sd, {"num_attention_heads": 2, "hidden_size": 8})
+"""),
+    "docs/converters.md: from ckptio.convert import check_invertible, get_converter": Run(
+        "from toy import make_model\nmodel = make_model()\n"),
+    "docs/formats.md: from transformers import AutoModelForCausalLM, pipeline": Run(_FOLDER, """
+for k, v in trained.state_dict().items():
+    assert torch.equal(model.state_dict()[k], v), k
+assert isinstance(pipe("a b", max_new_tokens=2)[0]["generated_text"], str)
+"""),
+    "docs/formats.md: from ckptio import load_pretrained": Run("""
+import os, torch, torch.distributed as dist
+from transformers import AutoConfig, AutoModelForCausalLM
+from torch.distributed.fsdp import fully_shard
+dist.init_process_group("gloo", init_method="file://" + os.path.abspath("store"), rank=0, world_size=1)
+""" + _HF_FOLDER, """
+for k, v in trained.state_dict().items():
+    assert torch.equal(model.state_dict()[k].full_tensor(), v), k
+dist.destroy_process_group()
+"""),
+    "docs/formats.md: config = AutoConfig.from_pretrained(path)": Run("""
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from ckptio import load_pretrained
+from test_fp8_release import QUANTIZED, SIZES, expected, quantize, write_release
+from toy import llama_config
+torch.manual_seed(7)
+made = AutoModelForCausalLM.from_config(llama_config(**SIZES))
+made.config.dtype = torch.bfloat16
+made.config.save_pretrained("plain")
+import json
+stored, want = {}, {}
+for key, value in made.state_dict().items():
+    if key.endswith(".weight") and key.split(".")[-2] in QUANTIZED:
+        q, scale = quantize(value.float())
+        stored[key], stored[key + "_scale_inv"] = q, scale
+        want[key] = expected(q, scale)
+    else:
+        stored[key] = value.to(torch.bfloat16)
+        want[key] = stored[key].float()
+path = str(write_release(__import__("pathlib").Path("release"), stored, json.load(open("plain/config.json"))))
+""", """
+got = model.state_dict()
+for k, v in want.items():
+    assert got[k].dtype == torch.bfloat16 and torch.equal(got[k], v.to(torch.bfloat16)), k
+"""),
+    "docs/formats.md: from peft import AutoPeftModelForCausalLM": Run("""
+import torch
+from toy import Run
+run = Run("checkpoints", max_steps=20, peft=True, base_dir="base")
+run.train(save_at=(20,))
+run.mgr.close()
+""", """
+mine = {k: v for k, v in run.model.state_dict().items() if "lora_" in k}
+got = model.state_dict()
+assert mine and all(torch.equal(got[k], v) for k, v in mine.items())
+"""),
+    "docs/formats.md: from ckptio import save_nemo, restore_nemo": Run("""
+import torch
+from toy import make_model, make_tokenizer
+model, tok = make_model(seed=5), make_tokenizer()
+open("notes.txt", "w").write("trained on tiny data")
+""", """
+assert nm.artifacts["notes.txt"] and all(torch.equal(nm.model.state_dict()[k], v)
+                                         for k, v in model.state_dict().items())
+"""),
+    "docs/getting-started.md: import torch": Run(
+        elsewhere="tests/test_docs.py::test_the_first_checkpoint_page_runs_as_it_stands_and_resumes_exactly"),
+    "docs/memory-tier.md: mgr = CheckpointManager(": Run(_S3, """
+from ckptio import committed_checkpoints
+assert [e.step for e in committed_checkpoints("s3://bucket/run1")] == [30]
+assert not os.listdir("mem"), "a clean end frees the snapshots"
+"""),
+    "docs/memory-tier.md: store = dist.TCPStore(": Run("import os, torch, torch.distributed as dist\n", """
+flag = torch.ones(1)
+dist.all_reduce(flag)
+assert flag.item() == 2
+dist.destroy_process_group()
+""", python="torchrun"),
+    "docs/migrate-accelerate.md: import torch": Run(
+        elsewhere="tests/test_docs.py::test_the_accelerate_page_loop_resumes_where_a_straight_run_ends"),
+    "docs/migrate-accelerate.md: accelerator = CkptioAccelerator(": Run("""
+import torch
+from accelerate.utils import ProjectConfiguration
+from ckptio.accelerate import CkptioAccelerator
+""", """
+import os
+assert accelerator.project_configuration.project_dir == "run"
+model = accelerator.prepare(torch.nn.Linear(4, 1))
+accelerator.save_state()
+accelerator.end_training()
+assert os.listdir("run/checkpoints"), "a background save was committed"
+"""),
+    "docs/migrate-dcp.md: import torch.distributed.checkpoint as dcp": Run(_DCP_OBJECTS, """
+assert torch.equal(state["model"]["weight"], model.weight) and state["optim"]["state"]
+"""),
+    "docs/migrate-dcp.md: mgr = CheckpointManager(": Run(_DCP_OBJECTS, """
+mgr.close()
+from ckptio import committed_checkpoints
+assert len(committed_checkpoints("ckpt")) == 1
+"""),
+    "docs/migrate-hf-trainer.md: trainer = CkptioTrainer(": Run(
+        _HF + "args = arguments(Path('out'), max_steps=4)\n", """
+trainer.train()
+assert (Path("out") / "checkpoint-4").is_dir()
+"""),
+    "docs/migrate-hf-trainer.md: args = TrainingArguments(": Run(_HF + """
+Trainer(model=tiny_model(), args=arguments(Path("out"), max_steps=2, save_steps=2), train_dataset=train).train()
+""", """
+assert trainer.state.global_step == 6, trainer.state.global_step   # resumed at 2; 3 epochs of 2 steps
+"""),
+    "docs/migrate-lightning.md: from ckptio.lightning import install_loader": Run(_LIGHTNING, """
+for k, v in LitModel.load_from_checkpoint(path).state_dict().items():
+    assert torch.equal(model.state_dict()[k], v), k
+assert data.hparams == MyDataModule().hparams
+"""),
+    "docs/migrate-lightning.md: from ckptio.formats.lightning import load_lightning": Run(_LIGHTNING_FILE, """
+mgr.close()
+from ckptio import committed_checkpoints
+assert pos.step == tr.global_step and [e.step for e in committed_checkpoints("ckpt")] == [pos.step]
+for (k, v), w in zip(model.state_dict().items(), lit.net.state_dict().values()):
+    assert torch.equal(v, w), k
+"""),
+}
+
+
+def _matching() -> dict[str, list[str]]:
+    """For each key of :data:`RUNS` (a page and the start of a block's first line), the blocks it names."""
+    found = blocks()
+    return {key: [b for b in found if b.startswith(key)] for key in RUNS}
+
+
+def test_every_python_block_of_the_docs_is_run():
+    matching = _matching()
+    named = {b for blocks_ in matching.values() for b in blocks_}
+    missing = sorted(set(blocks()) - named)
+    assert not missing, f"python blocks no test runs (add them to RUNS): {missing}"
+    wrong = {key: found for key, found in matching.items() if len(found) != 1}
+    assert not wrong, f"each key of RUNS must name one block of a page: {wrong}"
+
+
+def _script(key: str) -> str:
+    run = RUNS[key]
+    (block,) = _matching()[key]
+    return "\n".join([f"import sys\nsys.path.insert(0, {str(TESTS)!r})", run.prelude,
+                      "# --- the page's block, as it stands", blocks()[block], "# --- what the page says it does",
+                      run.check, "print('the block ran')"])
+
+
+def _python(kind: str) -> list[str]:
+    if kind == "automodel":
+        from test_automodel import _environment
+
+        return [str(_environment())]
+    if kind == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    return [sys.executable]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", [k for k, r in RUNS.items() if not r.elsewhere])
+def test_the_block_runs_as_it_stands(key, tmp_path):
+    script = tmp_path / "snippet.py"
+    script.write_text(_script(key))
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONWARNINGS": "ignore", "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(TESTS)])}
+    done = subprocess.run([*_python(RUNS[key].python), str(script)], cwd=work, capture_output=True, text=True,
+                          timeout=900, env=env)
+    assert done.returncode == 0 and "the block ran" in done.stdout, \
+        f"{key}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
