@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -307,18 +308,24 @@ def _close_ends_what_ckptio_started(root: str, memory: str) -> dict:
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
-    before = len(c10d._world.pg_map)
+    def gloo_threads() -> int:  # native threads of gloo groups (their transport loops and workers)
+        names = [Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task")]
+        return sum(n.startswith(("gloo", "pt_gloo")) for n in names)
+
+    dist.all_reduce(torch.ones(1))  # the default group's worker threads start at its first collective
+    before, threads_before = len(c10d._world.pg_map), gloo_threads()
     model, opt, sched, box, mgr = _setup(Path(root), "safetensors", async_save=True, memory_every_steps=1,
                                          memory_dir=memory)
     for step in (1, 2):
         _train_step(model, opt, sched, box, step)
         mgr.save_memory(step=step)
         mgr.save(step=step)
-    during = len(c10d._world.pg_map)
+    during, threads_during = len(c10d._world.pg_map), gloo_threads()
     mgr.close()
     flag = torch.ones(1)
     dist.all_reduce(flag)  # the job's own group is untouched
-    return {"groups": (before, during, len(c10d._world.pg_map)),
+    time.sleep(0.5)
+    return {"groups": (before, during, len(c10d._world.pg_map)), "gloo": (threads_before, threads_during, gloo_threads()),
             "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("ckptio"))}
 
 
@@ -332,3 +339,5 @@ def test_close_joins_every_thread_and_destroys_every_group_ckptio_started(tmp_pa
         assert during == before + 2, "a group for the background saves and one for the memory tier"
         assert after == before, f"close() left {after - before} group(s) of ckptio's alive"
         assert got["threads"] == [], f"close() left threads running: {got['threads']}"
+        before, during, after = got["gloo"]
+        assert during > before and after == before, f"gloo's native threads: {got['gloo']} (before, during, after)"
