@@ -5,7 +5,8 @@
 
 Each run is the job of ``tests/memory_node_worker.py`` on two ``torchrun`` "nodes" of 2 ranks each on 127.0.0.1
 (FSDP2 tiny Llama, a memory-tier snapshot every 2 steps, a durable save every 10, 20 steps), ended as a user's
-script ends it: ``close()``, ``destroy_process_group()``, return from ``main`` (no ``os._exit``). The ``plain``
+script ends it: ``close()``, ``destroy_process_group()``, return from ``main`` (no ``os._exit``), the manager still
+referenced until the interpreter exits (as a script's top-level objects are). The ``plain``
 variant trains the same model on the same data without ckptio and ends the same way; with ``--before-src`` a
 ``before`` variant runs the ckptio job on another checkout's ``src`` (e.g. ``git worktree add /tmp/old <rev>``, then
 ``--before-src /tmp/old/src``), to compare a change in one run. Variants are interleaved

@@ -95,6 +95,7 @@ def main() -> int:
 
     run.train(after_step=after_step)
     if args.natural_exit:
+        _HELD.append(run)  # as a script's top-level objects: the manager is alive until the interpreter exits
         run.mgr.close()
         if dist.is_initialized():
             dist.barrier()
@@ -102,6 +103,9 @@ def main() -> int:
         return 0
     finish(run, out)
     return 0
+
+
+_HELD: list = []
 
 
 def _without_ckptio(steps: int) -> int:
@@ -123,6 +127,7 @@ def _without_ckptio(steps: int) -> int:
             done += 1
             if done >= steps:
                 break
+    _HELD.append((model, opt))
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
