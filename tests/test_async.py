@@ -329,6 +329,7 @@ def _close_ends_what_ckptio_started(root: str, memory: str) -> dict:
             "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("ckptio"))}
 
 
+@pytest.mark.slow
 def test_close_joins_every_thread_and_destroys_every_group_ckptio_started(tmp_path):
     """What ckptio started (background writers of durable saves and memory snapshots, their gloo groups) is gone
     after ``close()``, so nothing of ours is left for the interpreter's teardown."""
