@@ -325,7 +325,8 @@ def _close_ends_what_ckptio_started(root: str, memory: str) -> dict:
     flag = torch.ones(1)
     dist.all_reduce(flag)  # the job's own group is untouched
     time.sleep(0.5)
-    return {"groups": (before, during, len(c10d._world.pg_map)), "gloo": (threads_before, threads_during, gloo_threads()),
+    return {"groups": (before, during, len(c10d._world.pg_map)),
+            "gloo": (threads_before, threads_during, gloo_threads()),
             "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("ckptio"))}
 
 

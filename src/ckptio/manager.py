@@ -142,11 +142,10 @@ class CheckpointManager:
         return self._saver.last_saved
 
     def close(self, *, free_memory: bool | None = None) -> None:
-        """Wait for a background save in flight (raising its error), release the checkpoint folder, and end what the
-        manager started: its background threads are joined and its process groups destroyed. With the memory tier, its snapshots leave the node's memory when ``free_memory`` (default: unless an
-        exception is propagating, so that a ``finally`` keeps them for the restart): save durably first. Also done
-        when the process exits (an error is then logged; the memory tier is kept).
-        """
+        """Wait for a background save in flight (raising its error), release the folder, join the manager's threads and
+        destroy its process groups. The memory tier's snapshots leave the node's memory when ``free_memory`` (default:
+        unless an exception is propagating, so that a ``finally`` keeps them for the restart): save durably first.
+        Also done when the process exits (an error is then logged; the memory tier is kept)."""
         if free_memory is None:
             free_memory = sys.exc_info()[0] is None
         try:
