@@ -13,12 +13,18 @@ the best, under retention), and that a new run resumes from the newest with the 
 runs the same trials against an ``s3://`` checkpoint folder on an S3-compatible server (moto's, started
 here on 127.0.0.1): kills land mid-upload, mid-commit and mid-delete, and the restarted job must take
 over the killed job's lease.
+
+    .venv/bin/python benchmarks/fault_injection.py --memory --trials 20
+
+runs the memory tier's trials instead: a node of a 2-node ``torchrun`` job SIGKILLed at random, the job restarted
+(``benchmarks/fault_memory.py`` says what each trial checks).
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -47,12 +53,56 @@ def _start_s3() -> str:
     return bucket
 
 
+def _memory(trials: int, seed: int) -> int:
+    import collections
+
+    import fault_memory
+
+    rng = random.Random(seed)
+    tally: collections.Counter = collections.Counter()
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="ckptio-fault-memory-") as tmp:
+        ref, window = fault_memory.reference(Path(tmp) / "reference")
+        print(f"reference job done; kills land up to {window:.1f} s after its first snapshot", flush=True)
+        for trial in range(trials):
+            base = Path(tmp) / f"trial{trial}"
+            base.mkdir()
+            try:
+                r = fault_memory.trial(base, ref, window, rng)
+            except AssertionError as exc:
+                tally["failed"] += 1
+                print(f"trial {trial}: FAILED: {exc}", flush=True)
+                continue
+            finally:
+                tally["trials"] += 1
+            shutil.rmtree(base, ignore_errors=True)
+            tally["passed"] += 1
+            tally[f"restored from {r['tier'] or 'nothing'}"] += 1
+            tally["node replaced (memory wiped)"] += r["replaced"]
+            tally["job had ended before the kill"] += r["ended"]
+            print(f"trial {trial:>3}: ok: node {r['victim']} lost{' and replaced' if r['replaced'] else ''}; "
+                  f"durable steps {r['durable']}; newest that had to survive {r['floor']}; restored step "
+                  f"{r['step']} from {r['tier']}, bitwise; final state bitwise", flush=True)
+    print(f"\nmemory tier fault injection: {dict(tally)} in {time.monotonic() - start:.0f} s")
+    return 1 if tally["failed"] else 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trials", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--s3", action="store_true", help="checkpoint to s3:// on a local S3 server instead of a folder")
+    p.add_argument("--memory", action="store_true", help="the memory tier's trials: a node of a 2-node job lost")
+    p.add_argument("--start", choices=("forkserver", "spawn"), default="forkserver",
+                   help="how rank processes start: forked from a server that imported torch and ckptio once "
+                        "(default: ~3 s less per trial), or each a fresh interpreter")
     args = p.parse_args()
+    if args.start == "forkserver":
+        import multiprocessing
+
+        multiprocessing.set_forkserver_preload(["torch", "torch.distributed.fsdp", "ckptio", "test_kill"])
+    if args.memory:
+        return _memory(args.trials, args.seed)
     bucket = _start_s3() if args.s3 else None
     rng = random.Random(args.seed)
     tally = {"trials": 0, "passed": 0, "failed": 0, "killed_mid_write": 0, "killed_mid_delete": 0}
@@ -64,7 +114,7 @@ def main() -> int:
         with tempfile.TemporaryDirectory(prefix="ckptio-fault-") as local:
             root = f"s3://{bucket}/trial{trial}" if bucket else local
             try:
-                result = kill_trial(root, fmt, retention, rng, async_save)
+                result = kill_trial(root, fmt, retention, rng, async_save, args.start)
             except AssertionError as exc:
                 tally["failed"] += 1
                 print(f"trial {trial}: FAILED ({fmt}, retention={retention}, async={async_save}): {exc}", flush=True)

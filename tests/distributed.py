@@ -55,8 +55,11 @@ def _worker(rank: int, world: int, store: str, fn: Callable[..., Any], kwargs: d
         os._exit(code)
 
 
-def start_ranks(world: int, fn: Callable[..., Any], kwargs: dict, tmp: str) -> list[mp.Process]:
-    ctx = mp.get_context("spawn")
+def start_ranks(world: int, fn: Callable[..., Any], kwargs: dict, tmp: str,
+                method: str = "spawn") -> list[mp.Process]:
+    """``world`` rank processes running ``fn``; ``method="forkserver"`` forks them from a server that already
+    imported what ``mp.set_forkserver_preload`` names (each rank is still a process of its own)."""
+    ctx = mp.get_context(method)
     store = os.path.join(tmp, "store")
     procs = [ctx.Process(target=_worker, args=(r, world, store, fn, kwargs, tmp), daemon=False) for r in range(world)]
     for p in procs:

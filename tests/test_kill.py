@@ -91,11 +91,12 @@ def _names(root: str) -> list[str]:
     return [p.name for p in Path(root).iterdir()]
 
 
-def kill_trial(root: str, fmt: str, retention: bool, rng: random.Random, async_save: bool = False) -> dict:
+def kill_trial(root: str, fmt: str, retention: bool, rng: random.Random, async_save: bool = False,
+               method: str = "spawn") -> dict:
     """One trial: 2 ranks save in a loop, one is SIGKILLed at a random moment; then check and resume."""
     with tempfile.TemporaryDirectory() as store:
         procs = start_ranks(2, _save_forever, {"root": root, "fmt": fmt, "retention": retention,
-                                               "async_save": async_save}, store)
+                                               "async_save": async_save}, store, method)
         try:
             deadline = time.monotonic() + 120
             while not committed_checkpoints(root):

@@ -1,0 +1,141 @@
+"""Kill trials of the memory tier: a node of a 2-node job SIGKILLed at a random moment (``fault_injection.py --memory``).
+
+The job is ``tests/memory_node_worker.py`` on two ``torchrun`` "nodes" of 2 ranks each on 127.0.0.1, each node with
+its own memory folder: FSDP2 tiny Llama, a memory snapshot every 2 steps (replicated on the other node), a durable
+save every 6, 24 steps. One uninterrupted run records the whole state at every save and at the end.
+
+Each trial starts the job, waits for its first committed snapshot, then at a random moment of the rest of the run
+SIGKILLs one node's whole process group (its torchrun agent and ranks: a node lost) and the other node's a moment
+later (the scheduler taking the job down). Half the time the lost node comes back with its memory wiped (a new
+machine). Then:
+
+- every committed durable checkpoint is verified byte for byte against its manifest;
+- the job is started again on both nodes and runs to the end; what it restored must be a committed step no older
+  than the newest durable checkpoint and than the newest snapshot committed on a node that kept its memory,
+  never a fresh start once anything was committed, bitwise equal to the uninterrupted run's state at that step,
+  and its final state bitwise equal to the uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+TESTS = Path(__file__).resolve().parents[1] / "tests"
+sys.path.insert(0, str(TESTS))
+
+from distributed import free_port, kill_group, wait_or_kill  # noqa: E402
+
+from ckptio import committed_checkpoints  # noqa: E402
+from ckptio.engine.manifest import check_files  # noqa: E402
+
+WORKER = TESTS / "memory_node_worker.py"
+STEPS, MEMORY_EVERY, PERSIST_EVERY = 24, 2, 6
+
+
+def _node(base: Path, node: int, port: int, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "CKPTIO_MEMORY_DIR": str(base / f"mem{node}"), "OMP_NUM_THREADS": "1",
+           "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
+           "--master-addr=127.0.0.1", f"--master-port={port}", "--nproc-per-node=2", "--max-restarts=0",
+           str(WORKER), "--ckpt", str(base / "ckpt"), "--steps", str(STEPS), "--memory-every", str(MEMORY_EVERY),
+           "--persist-every", str(PERSIST_EVERY), "--out", str(base / f"out{node}"), *extra]
+    log = open(base / f"log{node}.txt", "a")
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def _logs(base: Path) -> str:
+    return "\n".join(p.read_text(errors="replace")[-4000:] for p in sorted(base.glob("log*.txt")))
+
+
+def _run(base: Path, *extra: str) -> None:
+    port = free_port()
+    procs = [_node(base, n, port, *extra) for n in (0, 1)]
+    for proc in procs:
+        assert wait_or_kill(proc, 600, lambda: _logs(base)) == 0, f"the job failed:\n{_logs(base)}"
+
+
+def snapshots(mem: Path) -> set[int]:
+    """The steps of the snapshots committed in one node's memory folder (a committed one has its manifest)."""
+    return {int(d.name.rsplit("_", 1)[1]) for d in mem.glob("run-*/epoch_*_step_*") if (d / "manifest.json").is_file()}
+
+
+def durable(base: Path) -> list:
+    return committed_checkpoints(str(base / "ckpt")) if (base / "ckpt").is_dir() else []
+
+
+def reference(base: Path) -> tuple[dict, float]:
+    """The uninterrupted job: the whole state at every save and at the end, and how long it runs after its first
+    snapshot is committed (the window in which trials kill)."""
+    base.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    procs = [_node(base, n, port, "--dump") for n in (0, 1)]
+    first = None
+    while any(p.poll() is None for p in procs):
+        if first is None and (snapshots(base / "mem0") or snapshots(base / "mem1")):
+            first = time.monotonic()
+        time.sleep(0.05)
+    assert all(p.returncode == 0 for p in procs), f"the reference job failed:\n{_logs(base)}"
+    assert first is not None, "the reference job committed no snapshot"
+    states = {s: torch.load(base / "out0" / f"state_{s}.pt") for s in range(MEMORY_EVERY, STEPS + 1, MEMORY_EVERY)}
+    states["final"] = torch.load(base / "out0" / "final.pt")["state"]
+    return states, time.monotonic() - first
+
+
+def _same(a: dict, b: dict, where: str) -> None:
+    assert a.keys() == b.keys(), f"{where}: other tensors"
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{where}: {k} differs"
+
+
+def trial(base: Path, ref: dict, window: float, rng: random.Random) -> dict:
+    """One trial in the empty folder ``base``; raises AssertionError naming what broke."""
+    port = free_port()
+    procs = [_node(base, n, port) for n in (0, 1)]
+    try:
+        deadline = time.monotonic() + 300
+        while not (snapshots(base / "mem0") or snapshots(base / "mem1")):
+            assert time.monotonic() < deadline, f"no snapshot committed within 300 s:\n{_logs(base)}"
+            assert all(p.poll() is None for p in procs), f"the job ended before its first snapshot:\n{_logs(base)}"
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0.0, window))
+        victim = rng.randrange(2)
+        ended = procs[victim].poll() is not None  # the job finished before the kill: a trial of nothing
+        try:
+            os.killpg(procs[victim].pid, signal.SIGKILL)  # a node lost: agent and ranks, nothing flushed
+        except ProcessLookupError:
+            pass
+        time.sleep(rng.uniform(0.0, 1.0))
+    finally:
+        for proc in procs:
+            kill_group(proc)
+    survivors = [n for n in (0, 1) if n != victim]
+    replaced = rng.random() < 0.5
+    if replaced:
+        shutil.rmtree(base / f"mem{victim}", ignore_errors=True)
+    else:
+        survivors.append(victim)
+    committed = [e.step for e in durable(base)]
+    kept = max((s for n in survivors for s in snapshots(base / f"mem{n}")), default=-1)
+    floor = max([*committed, kept, -1])
+    for e in durable(base):
+        assert not check_files(e.path, e.manifest, checksums=True), f"{e.path} is damaged"
+    for log in base.glob("log*.txt"):
+        log.rename(log.with_suffix(".killed"))
+    _run(base)
+    restored = torch.load(base / "out0" / "restored.pt")
+    step, tier = restored["step"], restored["tier"]
+    assert step >= floor, f"restored step {step} ({tier}), but step {floor} was committed:\n{_logs(base)}"
+    if step >= 0:
+        _same(ref[step], restored["state"], f"the state restored at step {step} from the {tier} tier")
+    _same(ref["final"], torch.load(base / "out0" / "final.pt")["state"], "the final state")
+    return {"step": step, "tier": tier, "floor": floor, "replaced": replaced, "victim": victim, "ended": ended,
+            "durable": committed}
