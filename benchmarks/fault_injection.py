@@ -80,7 +80,8 @@ def _memory(trials: int, seed: int) -> int:
             tally[f"restored from {r['tier'] or 'nothing'}"] += 1
             tally["node replaced (memory wiped)"] += r["replaced"]
             tally["job had ended before the kill"] += r["ended"]
-            print(f"trial {trial:>3}: ok: node {r['victim']} lost{' and replaced' if r['replaced'] else ''}; "
+            print(f"trial {trial:>3}: ok: node {r['victim']} lost after step {r['target']}'s snapshot"
+                  f"{' and replaced' if r['replaced'] else ''}; "
                   f"durable steps {r['durable']}; newest that had to survive {r['floor']}; restored step "
                   f"{r['step']} from {r['tier']}, bitwise; final state bitwise", flush=True)
     print(f"\nmemory tier fault injection: {dict(tally)} in {time.monotonic() - start:.0f} s")

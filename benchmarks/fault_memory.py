@@ -4,9 +4,10 @@ The job is ``tests/memory_node_worker.py`` on two ``torchrun`` "nodes" of 2 rank
 its own memory folder: FSDP2 tiny Llama, a memory snapshot every 2 steps (replicated on the other node), a durable
 save every 6, 24 steps. One uninterrupted run records the whole state at every save and at the end.
 
-Each trial starts the job, waits for its first committed snapshot, then at a random moment of the rest of the run
-SIGKILLs one node's whole process group (its torchrun agent and ranks: a node lost) and the other node's a moment
-later (the scheduler taking the job down). Half the time the lost node comes back with its memory wiped (a new
+Each trial starts the job, waits until the snapshot of a random step is committed, then at a random moment within
+the time a snapshot interval has taken SIGKILLs one node's whole process tree (its torchrun agent and ranks: a node
+lost; kills land mid-step, mid-snapshot, mid-replication and mid-durable-save) and the other node's a moment later
+(the scheduler taking the job down). Half the time the lost node comes back with its memory wiped (a new
 machine). Then:
 
 - every committed durable checkpoint is verified byte for byte against its manifest;
@@ -21,7 +22,6 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -101,18 +101,20 @@ def trial(base: Path, ref: dict, window: float, rng: random.Random) -> dict:
     port = free_port()
     procs = [_node(base, n, port) for n in (0, 1)]
     try:
-        deadline = time.monotonic() + 300
-        while not (snapshots(base / "mem0") or snapshots(base / "mem1")):
-            assert time.monotonic() < deadline, f"no snapshot committed within 300 s:\n{_logs(base)}"
-            assert all(p.poll() is None for p in procs), f"the job ended before its first snapshot:\n{_logs(base)}"
+        # the kill lands at a random step: after the snapshot of a random step is committed, within the time
+        # the job has taken per snapshot so far (whatever the machine's load makes of the job's speed)
+        target = rng.randrange(MEMORY_EVERY, STEPS - MEMORY_EVERY + 1, MEMORY_EVERY)
+        deadline, first = time.monotonic() + 600, None
+        while (newest := max(snapshots(base / "mem0") | snapshots(base / "mem1"), default=0)) < target:
+            assert time.monotonic() < deadline, f"no snapshot of step {target} within 600 s:\n{_logs(base)}"
+            assert all(p.poll() is None for p in procs), f"the job ended before step {target}:\n{_logs(base)}"
+            first = first if first or not newest else (time.monotonic(), newest)
             time.sleep(0.02)
-        time.sleep(rng.uniform(0.0, window))
+        per = (time.monotonic() - first[0]) / max(1, (newest - first[1]) // MEMORY_EVERY) if first else window / 10
+        time.sleep(rng.uniform(0.0, 1.5 * per))
         victim = rng.randrange(2)
         ended = procs[victim].poll() is not None  # the job finished before the kill: a trial of nothing
-        try:
-            os.killpg(procs[victim].pid, signal.SIGKILL)  # a node lost: agent and ranks, nothing flushed
-        except ProcessLookupError:
-            pass
+        kill_group(procs[victim])  # a node lost: its agent and ranks at once, nothing flushed
         time.sleep(rng.uniform(0.0, 1.0))
     finally:
         for proc in procs:
@@ -138,4 +140,4 @@ def trial(base: Path, ref: dict, window: float, rng: random.Random) -> dict:
         _same(ref[step], restored["state"], f"the state restored at step {step} from the {tier} tier")
     _same(ref["final"], torch.load(base / "out0" / "final.pt")["state"], "the final state")
     return {"step": step, "tier": tier, "floor": floor, "replaced": replaced, "victim": victim, "ended": ended,
-            "durable": committed}
+            "durable": committed, "target": target}

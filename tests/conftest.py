@@ -23,6 +23,30 @@ LONG_FIRST = ["test_lower_bounds.py", "test_memory_tier.py", "test_automodel.py"
 one then starts at once instead of running alone at the end."""
 
 
+SRC = str(Path(__file__).resolve().parents[1] / "src" / "ckptio") + os.sep
+_RAN: set[str] = set()
+
+
+def _note_call(frame, event, arg):  # a global trace function: called once per Python call, no line tracing
+    code = frame.f_code
+    if code.co_filename.startswith(SRC):
+        _RAN.add(code.co_filename if code.co_name != "<module>" else f"imported {code.co_filename}")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--exercised-modules", metavar="DIR", default=None,
+                     help="write into DIR the ckptio source files imported, and those whose functions ran, in this "
+                          "process (scripts/fast_modules.py: which modules the fast tests exercise)")
+
+
+def pytest_sessionstart(session):
+    if session.config.getoption("--exercised-modules"):
+        import threading
+
+        sys.settrace(_note_call)
+        threading.settrace(_note_call)
+
+
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONG_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FIRST)))  # stable: a file's order is kept
@@ -31,6 +55,11 @@ def pytest_collection_modifyitems(config, items):
 def pytest_sessionfinish(session, exitstatus):
     """Fail the run if anything turned an ``s3://`` location into a local folder (pathlib reads ``s3://b/p``
     as the relative path ``s3:/b/p``): such a folder would appear beside the tests' working directory."""
+    report = session.config.getoption("--exercised-modules")
+    if report:
+        sys.settrace(None)
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        Path(report, f"{worker}.txt").write_text("".join(f"{f}\n" for f in sorted(_RAN)))
     leaked = [p for p in {Path.cwd() / "s3:", Path(__file__).resolve().parents[1] / "s3:"} if os.path.lexists(p)]
     if leaked:
         session.config.get_terminal_writer().line(f"ERROR: an s3:// location was written as a local folder: {leaked}",

@@ -172,8 +172,37 @@ def wait_or_kill(proc: subprocess.Popen, timeout: float, log: Callable[[], str])
         raise AssertionError(f"job timed out; its log:\n{log()}") from None
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process under ``pid`` (from ``/proc``), deepest last."""
+    children = collections.defaultdict(list)
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path("/proc", entry, "stat").read_text()
+            except OSError:
+                continue  # gone meanwhile
+            children[int(stat.rsplit(")", 1)[1].split()[1])].append(int(entry))
+    found, todo = [], list(children[pid])
+    while todo:
+        found.append(todo.pop(0))
+        todo += children[found[-1]]
+    return found
+
+
 def kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the process group ``proc`` leads (a job scheduler taking a job down), if anything of it is left."""
+    """SIGKILL ``proc``, its process group and every process under it (a job scheduler taking a job down, or a node
+    lost), if anything of it is left. ``torchrun`` starts each rank in a session of its own: killing the agent's
+    group alone would leave its ranks running, orphaned."""
+    for pid in [proc.pid, *_descendants(proc.pid)]:
+        try:
+            os.kill(pid, signal.SIGSTOP)  # none of them runs on (or starts another) while the rest are found
+        except ProcessLookupError:
+            pass
+    for pid in [proc.pid, *_descendants(proc.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:

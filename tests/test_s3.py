@@ -632,6 +632,34 @@ def test_consolidate_a_checkpoint_in_a_bucket(bucket, tmp_path):
         assert torch.equal(loaded.state_dict()[k], v), k
 
 
+def test_consolidate_into_a_bucket_checkpoint_in_process(bucket, capsys):
+    """The same command called in this process (a fast test of ``cli/consolidate_remote.py``): the manifest is
+    replaced by one that lists and checksums the bundle, and a second consolidate is refused by name."""
+    import json
+
+    from toy import make_model
+
+    from ckptio.cli import main
+    from ckptio.engine.manifest import check_files, read_manifest
+    from ckptio.storage import open_storage
+
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=f"s3://{bucket}/fast"), rng=False,
+                           model=make_model(seed=9, tie_word_embeddings=False)) as mgr:
+        mgr.save(step=3)
+    step = f"s3://{bucket}/fast/epoch_0_step_3"
+    assert main(["consolidate", step, "--no-progress", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["into_checkpoint"] is True
+    folder = open_storage(f"s3://{bucket}/fast").folder("epoch_0_step_3")
+    manifest = read_manifest(folder)
+    bundle = [rel for rel in manifest.files if rel.startswith("model/consolidated/")]
+    assert any(rel.endswith(".safetensors") for rel in bundle) and all(rel in manifest.checksums for rel in bundle)
+    uploaded = _keys(bucket, "fast/epoch_0_step_3/model/consolidated/")
+    assert set(bundle) == {k.removeprefix("fast/epoch_0_step_3/") for k in uploaded}
+    assert not check_files(folder, manifest, checksums=True)
+    assert main(["consolidate", step, "--no-progress"]) == 2
+    assert "already holds a consolidated bundle" in capsys.readouterr().err
+
+
 def test_restore_from_a_step_in_a_bucket_and_a_peft_adapter_there(bucket, tmp_path):
     """``restore_from`` may name a step directory in any bucket folder (a local run starting from it), and a
     PEFT run keeps its adapter checkpoints in a bucket as on a local folder."""
