@@ -144,6 +144,8 @@ class _Ledger:
             self._unbound(target.holders)
 
     def _deepen(self, obj: _Obj, depth: int) -> None:
+        if depth <= obj.depth:
+            return  # deep enough already: nothing above it changes (the common case, checked before any set-up)
         todo, seen = [(obj, depth)], set()
         while todo:
             node, d = todo.pop()
