@@ -193,16 +193,17 @@ def kill_group(proc: subprocess.Popen) -> None:
     """SIGKILL ``proc``, its process group and every process under it (a job scheduler taking a job down, or a node
     lost), if anything of it is left. ``torchrun`` starts each rank in a session of its own: killing the agent's
     group alone would leave its ranks running, orphaned."""
-    for pid in [proc.pid, *_descendants(proc.pid)]:
-        try:
-            os.kill(pid, signal.SIGSTOP)  # none of them runs on (or starts another) while the rest are found
-        except ProcessLookupError:
-            pass
-    for pid in [proc.pid, *_descendants(proc.pid)]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    if proc.poll() is None:  # (once reaped, its pid may be another process's: only its group is signalled)
+        for pid in [proc.pid, *_descendants(proc.pid)]:
+            try:
+                os.kill(pid, signal.SIGSTOP)  # none of them runs on (or starts another) while the rest are found
+            except ProcessLookupError:
+                pass
+        for pid in [proc.pid, *_descendants(proc.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
