@@ -63,7 +63,7 @@ def _memory(trials: int, seed: int) -> int:
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="ckptio-fault-memory-") as tmp:
         ref, window = fault_memory.reference(Path(tmp) / "reference")
-        print(f"reference job done; kills land up to {window:.1f} s after its first snapshot", flush=True)
+        print(f"reference job done ({window:.1f} s from its first snapshot to its end)", flush=True)
         for trial in range(trials):
             base = Path(tmp) / f"trial{trial}"
             base.mkdir()

@@ -19,7 +19,6 @@ machine). Then:
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
 import subprocess
@@ -32,35 +31,19 @@ import torch
 TESTS = Path(__file__).resolve().parents[1] / "tests"
 sys.path.insert(0, str(TESTS))
 
-from distributed import free_port, kill_group, wait_or_kill  # noqa: E402
+from distributed import free_port, kill_group  # noqa: E402
+from test_memory_tier import _job, _logs, _run, _same  # noqa: E402
 
 from ckptio import committed_checkpoints  # noqa: E402
 from ckptio.engine.manifest import check_files  # noqa: E402
 
-WORKER = TESTS / "memory_node_worker.py"
 STEPS, MEMORY_EVERY, PERSIST_EVERY = 24, 2, 6
+JOB = ("--steps", str(STEPS), "--memory-every", str(MEMORY_EVERY), "--persist-every", str(PERSIST_EVERY))
 
 
 def _node(base: Path, node: int, port: int, *extra: str) -> subprocess.Popen:
-    env = {**os.environ, "CKPTIO_MEMORY_DIR": str(base / f"mem{node}"), "OMP_NUM_THREADS": "1",
-           "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
-           "--master-addr=127.0.0.1", f"--master-port={port}", "--nproc-per-node=2", "--max-restarts=0",
-           str(WORKER), "--ckpt", str(base / "ckpt"), "--steps", str(STEPS), "--memory-every", str(MEMORY_EVERY),
-           "--persist-every", str(PERSIST_EVERY), "--out", str(base / f"out{node}"), *extra]
-    log = open(base / f"log{node}.txt", "a")
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-
-def _logs(base: Path) -> str:
-    return "\n".join(p.read_text(errors="replace")[-4000:] for p in sorted(base.glob("log*.txt")))
-
-
-def _run(base: Path, *extra: str) -> None:
-    port = free_port()
-    procs = [_node(base, n, port, *extra) for n in (0, 1)]
-    for proc in procs:
-        assert wait_or_kill(proc, 600, lambda: _logs(base)) == 0, f"the job failed:\n{_logs(base)}"
+    """One node of the job, as the memory tier's tests start it (the arguments here override theirs)."""
+    return _job(base, node, 2, 2, port, *JOB, *extra)
 
 
 def snapshots(mem: Path) -> set[int]:
@@ -88,12 +71,6 @@ def reference(base: Path) -> tuple[dict, float]:
     states = {s: torch.load(base / "out0" / f"state_{s}.pt") for s in range(MEMORY_EVERY, STEPS + 1, MEMORY_EVERY)}
     states["final"] = torch.load(base / "out0" / "final.pt")["state"]
     return states, time.monotonic() - first
-
-
-def _same(a: dict, b: dict, where: str) -> None:
-    assert a.keys() == b.keys(), f"{where}: other tensors"
-    for k in a:
-        assert torch.equal(a[k], b[k]), f"{where}: {k} differs"
 
 
 def trial(base: Path, ref: dict, window: float, rng: random.Random) -> dict:
@@ -132,7 +109,7 @@ def trial(base: Path, ref: dict, window: float, rng: random.Random) -> dict:
         assert not check_files(e.path, e.manifest, checksums=True), f"{e.path} is damaged"
     for log in base.glob("log*.txt"):
         log.rename(log.with_suffix(".killed"))
-    _run(base)
+    _run(base, every=JOB)
     restored = torch.load(base / "out0" / "restored.pt")
     step, tier = restored["step"], restored["tier"]
     assert step >= floor, f"restored step {step} ({tier}), but step {floor} was committed:\n{_logs(base)}"
