@@ -47,6 +47,13 @@ def pytest_sessionstart(session):
         threading.settrace(_note_call)
 
 
+def pytest_configure(config):
+    # pytest-xdist orders the files by their number of tests unless told not to: the lower-bounds file (one test of
+    # ~10 minutes) then started last and ran alone at the end of the suite
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONG_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FIRST)))  # stable: a file's order is kept
