@@ -1,4 +1,5 @@
-"""``ckptio inspect`` and ``ckptio list`` run as a user runs them: the installed console script."""
+"""``ckptio inspect``, ``list``, ``verify``, ``prune``, ``consolidate`` and ``convert``: what they print and return
+(in this process, ``cli_here``), and the installed console script itself on a terminal and as a user types it."""
 
 from __future__ import annotations
 
@@ -10,13 +11,24 @@ from pathlib import Path
 import pytest
 import torch
 
+from cli_here import ckptio_here
+
 from ckptio import CheckpointConfig, CheckpointManager
 
 CKPTIO = [str(Path(sys.executable).parent / "ckptio")]
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(CKPTIO + list(args), capture_output=True, text=True, timeout=120)
+    return ckptio_here(*args)
+
+
+def test_the_installed_console_script_runs_a_command(ckpts):
+    """The entry point a user types: a fresh interpreter, its exit codes and its streams."""
+    out = subprocess.run(CKPTIO + ["list", str(ckpts), "--json"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["latest"] == "epoch_1_step_20"
+    out = subprocess.run(CKPTIO + ["inspect", str(ckpts / "nope")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "error" in out.stderr and "Traceback" not in out.stderr
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from ckptio import CheckpointConfig, CheckpointManager
 from ckptio.convert import FORMATS, convert, detect
 from ckptio.errors import CheckpointError
+from cli_here import ckptio_here
 from distributed import run_ranks
 
 CKPTIO = str(Path(sys.executable).parent / "ckptio")
@@ -130,12 +131,10 @@ def test_cli_progress_result_and_errors(hf_model, tmp_path, monkeypatch):
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "100%" in out.stderr and "(hf)" in out.stdout and str(tmp_path / "m.nemo") in out.stdout
-    again = subprocess.run([CKPTIO, "convert", str(src), str(tmp_path / "m.nemo"), "--to", "nemo"],
-                           capture_output=True, text=True)
+    again = ckptio_here("convert", str(src), str(tmp_path / "m.nemo"), "--to", "nemo")
     assert again.returncode == 2 and "already exists" in again.stderr
     (tmp_path / "junk.bin").write_bytes(b"not a pickle")
-    bad = subprocess.run([CKPTIO, "convert", str(tmp_path / "junk.bin"), str(tmp_path / "x"), "--to", "hf"],
-                         capture_output=True, text=True)
+    bad = ckptio_here("convert", str(tmp_path / "junk.bin"), str(tmp_path / "x"), "--to", "hf")
     assert bad.returncode == 2 and "junk.bin" in bad.stderr and "Traceback" not in bad.stderr
     assert not (tmp_path / "x").exists()
 
@@ -200,7 +199,7 @@ def test_converted_step_dir_reshards_onto_two_ranks(hf_model, tmp_path):
         assert torch.equal(got[k], v), k
 
 
-@pytest.mark.slow  # converts into every format: ~45 s
+@pytest.mark.slow  # converts into every format
 def test_inspect_describes_every_format_convert_reads(hf_model, tmp_path):
     """``ckptio inspect --tensors`` on each format: the same tensors, element count and dtype as the model,
     and the architecture wherever the config travelled with the weights."""
@@ -210,7 +209,7 @@ def test_inspect_describes_every_format_convert_reads(hf_model, tmp_path):
     numel = sum(v.numel() for v in ref.values())
     for fmt in FORMATS:
         out = convert(src, tmp_path / f"i-{fmt}{SUFFIX.get(fmt, '')}", fmt)
-        run = subprocess.run([CKPTIO, "inspect", str(out), "--json", "--tensors"], capture_output=True, text=True)
+        run = ckptio_here("inspect", str(out), "--json", "--tensors")
         assert run.returncode == 0, f"{fmt}: {run.stderr}"
         info = json.loads(run.stdout)
         listed = info["tensor_list"]
@@ -221,5 +220,5 @@ def test_inspect_describes_every_format_convert_reads(hf_model, tmp_path):
         assert summary["elements"] == numel and summary["tensors"] == len(ref), fmt
         if fmt in ("step_dir", "hf", "safetensors", "dcp", "nemo"):
             assert info.get("architecture") == "LlamaForCausalLM", f"{fmt}: {info.get('architecture')}"
-        human = subprocess.run([CKPTIO, "inspect", str(out), "--tensors"], capture_output=True, text=True)
+        human = ckptio_here("inspect", str(out), "--tensors")
         assert human.returncode == 0 and "model.embed_tokens.weight" in human.stdout and "elements" in human.stdout

@@ -6,8 +6,6 @@ proves the same layouts against the real megatron-core package (its checkpoints 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ import torch
 from ckptio.convert.formats import convert
 from ckptio.errors import CheckpointCorruptError, CheckpointError, ConfigError
 from ckptio.formats.safetensors.sharded import SafetensorsSource
+from cli_here import ckptio_here
 
 
 def _hf(folder: Path, *, tied: bool = False, vocab: int = 100) -> Path:
@@ -70,10 +69,10 @@ def test_tied_embeddings_travel_as_megatron_shares_them(tmp_path):
 
 def test_the_cli_converts_and_inspect_names_the_layout(hf, tmp_path):
     out = tmp_path / "mg"
-    run = subprocess.run([str(Path(sys.executable).parent / "ckptio"), "convert", str(hf), str(out), "--to", "megatron", "--tp", "2",
-                          "--pp", "2", "--megatron-layout", "legacy", "--no-progress"], capture_output=True, text=True)
+    run = ckptio_here("convert", str(hf), str(out), "--to", "megatron", "--tp", "2", "--pp", "2", "--megatron-layout",
+                      "legacy", "--no-progress")
     assert run.returncode == 0, run.stderr
-    shown = subprocess.run([str(Path(sys.executable).parent / "ckptio"), "inspect", str(out)], capture_output=True, text=True)
+    shown = ckptio_here("inspect", str(out))
     assert shown.returncode == 0, shown.stderr
     assert "Megatron-LM legacy (mp_rank_*), saved on TP=2 PP=2" in shown.stdout
     assert "LlamaForCausalLM" in shown.stdout
@@ -181,8 +180,7 @@ def test_nemo_archives_with_megatron_weights_read_as_llama(hf, tmp_path, weights
             assert torch.equal(got[:100], want) and not got[100:].any(), key
         else:
             assert torch.equal(got, want), key
-    shown = subprocess.run([str(Path(sys.executable).parent / "ckptio"), "inspect", str(archive)],
-                           capture_output=True, text=True)
+    shown = ckptio_here("inspect", str(archive))
     assert shown.returncode == 0 and "Megatron" in shown.stdout, shown.stderr
 
 
@@ -294,14 +292,12 @@ def test_like_takes_tp_pp_and_the_divisor_from_an_existing_run(hf, tmp_path):
 
 
 def test_the_cli_takes_the_divisor_and_like_and_refuses_them_for_other_targets(hf, tmp_path):
-    ckptio = str(Path(sys.executable).parent / "ckptio")
-    run = subprocess.run([ckptio, "convert", str(hf), str(tmp_path / "a"), "--to", "megatron", "--tp", "2",
-                          "--vocab-divisible-by", "64", "--no-progress"], capture_output=True, text=True)
+    run = ckptio_here("convert", str(hf), str(tmp_path / "a"), "--to", "megatron", "--tp", "2", "--vocab-divisible-by",
+                      "64", "--no-progress")
     assert run.returncode == 0, run.stderr
-    like = subprocess.run([ckptio, "convert", str(hf), str(tmp_path / "b"), "--to", "megatron", "--like",
-                           str(tmp_path / "a"), "--no-progress"], capture_output=True, text=True)
+    like = ckptio_here("convert", str(hf), str(tmp_path / "b"), "--to", "megatron", "--like", str(tmp_path / "a"),
+                       "--no-progress")
     assert like.returncode == 0, like.stderr
     assert _rows(tmp_path / "b") == 128
-    wrong = subprocess.run([ckptio, "convert", str(hf), str(tmp_path / "c"), "--to", "hf", "--like", str(tmp_path / "a")],
-                           capture_output=True, text=True)
+    wrong = ckptio_here("convert", str(hf), str(tmp_path / "c"), "--to", "hf", "--like", str(tmp_path / "a"))
     assert wrong.returncode == 2 and "--like only apply to --to megatron" in wrong.stderr

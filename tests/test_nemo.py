@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 import tarfile
 from pathlib import Path
 
@@ -14,9 +13,9 @@ import yaml
 
 from ckptio import CheckpointError, restore_nemo, save_nemo
 from ckptio.formats.nemo import format as nemo
+from cli_here import ckptio_here
 from distributed import run_ranks
 
-CKPTIO = str(Path(sys.executable).parent / "ckptio")
 
 
 def _weights(model) -> dict[str, torch.Tensor]:
@@ -84,14 +83,12 @@ def test_cli_pack_unpack_inspect(tmp_path):
 
     model = make_model(seed=5)
     save_nemo(tmp_path / "a.nemo", model, sharded=True)
-    out = subprocess.run([CKPTIO, "nemo", "unpack", str(tmp_path / "a.nemo"), str(tmp_path / "u")],
-                         capture_output=True, text=True)
+    out = ckptio_here("nemo", "unpack", str(tmp_path / "a.nemo"), str(tmp_path / "u"))
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "u" / "model_weights" / ".metadata").is_file()
-    out = subprocess.run([CKPTIO, "nemo", "pack", str(tmp_path / "u"), str(tmp_path / "b.nemo")],
-                         capture_output=True, text=True)
+    out = ckptio_here("nemo", "pack", str(tmp_path / "u"), str(tmp_path / "b.nemo"))
     assert out.returncode == 0, out.stderr
-    out = subprocess.run([CKPTIO, "inspect", str(tmp_path / "b.nemo")], capture_output=True, text=True)
+    out = ckptio_here("inspect", str(tmp_path / "b.nemo"))
     assert out.returncode == 0, out.stderr
     assert "model_weights/ (DCP)" in out.stdout and "LlamaForCausalLM" in out.stdout
     restored = restore_nemo(tmp_path / "b.nemo", make_model(seed=0))
@@ -99,8 +96,7 @@ def test_cli_pack_unpack_inspect(tmp_path):
     restored.cleanup()
     # a folder that is not a .nemo layout is refused by pack, naming what is missing
     (tmp_path / "u" / "model_config.yaml").unlink()
-    out = subprocess.run([CKPTIO, "nemo", "pack", str(tmp_path / "u"), str(tmp_path / "c.nemo")],
-                         capture_output=True, text=True)
+    out = ckptio_here("nemo", "pack", str(tmp_path / "u"), str(tmp_path / "c.nemo"))
     assert out.returncode == 2 and "model_config.yaml is missing" in out.stderr
     assert not (tmp_path / "c.nemo").exists()
 

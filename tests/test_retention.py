@@ -182,26 +182,24 @@ def test_pointers_and_retention_on_two_ranks(tmp_path):
 
 def test_prune_and_list_from_the_command_line(tmp_path):
     import json
-    import subprocess
-    import sys
+
+    from cli_here import ckptio_here
 
     mgr, _ = manager(tmp_path)
     for step, loss in enumerate([3.0, 1.0, 2.0, 5.0, 4.0], start=1):
         mgr.save(step=step, metrics={"val_loss": loss})
     mgr.close()
-    cli = [str(Path(sys.executable).parent / "ckptio")]
-    rows = json.loads(subprocess.run(cli + ["list", str(tmp_path), "--json"], capture_output=True, text=True).stdout)
+    rows = json.loads(ckptio_here("list", str(tmp_path), "--json").stdout)
     flags = {r["name"]: (r["latest"], r["best"], r["protected"]) for r in rows["checkpoints"]}
     assert flags["epoch_0_step_2"] == (False, True, True) and flags["epoch_0_step_5"] == (True, False, True)
-    dry = subprocess.run(cli + ["prune", str(tmp_path), "--save-top-k", "1", "--monitor", "val_loss", "--dry-run"],
-                         capture_output=True, text=True)
+    dry = ckptio_here("prune", str(tmp_path), "--save-top-k", "1", "--monitor", "val_loss",
+                      "--dry-run")
     assert dry.returncode == 0 and "would delete epoch_0_step_1" in dry.stdout
     assert len(committed_checkpoints(tmp_path)) == 5
-    real = subprocess.run(cli + ["prune", str(tmp_path), "--save-top-k", "1", "--monitor", "val_loss"],
-                          capture_output=True, text=True)
+    real = ckptio_here("prune", str(tmp_path), "--save-top-k", "1", "--monitor", "val_loss")
     assert real.returncode == 0, real.stderr
     assert sorted(e.step for e in committed_checkpoints(tmp_path)) == [2, 5]
-    bad = subprocess.run(cli + ["prune", str(tmp_path)], capture_output=True, text=True)
+    bad = ckptio_here("prune", str(tmp_path))
     assert bad.returncode == 2 and "at least one rule" in bad.stderr
 
 

@@ -25,6 +25,7 @@ from ckptio.engine.layout import LATEST, pointer_target, scan  # noqa: E402
 from ckptio.storage import open_storage  # noqa: E402
 from ckptio.storage import s3 as s3mod  # noqa: E402
 from ckptio.storage.verify import Verifier  # noqa: E402
+from cli_here import ckptio_here  # noqa: E402
 
 
 def _keys(bucket: str, prefix: str = "") -> dict[str, int]:
@@ -538,7 +539,7 @@ def test_sigkill_during_saves_to_a_bucket_never_leaves_a_torn_checkpoint(bucket)
     print(f"s3 kill tally: 3 trials, {mid_write} killed mid-write")
 
 
-@pytest.mark.slow  # several CLI processes end to end
+@pytest.mark.slow  # several CLI commands end to end
 def test_inspect_and_convert_work_on_bucket_paths(bucket, tmp_path):
     """``ckptio inspect`` and ``convert`` take s3:// step directories as sources and s3:// destinations; a
     source whose object was damaged is refused before anything is converted."""
@@ -550,35 +551,32 @@ def test_inspect_and_convert_work_on_bucket_paths(bucket, tmp_path):
     with CheckpointManager(CheckpointConfig(checkpoint_dir=f"s3://{bucket}/run"), model=model, rng=False) as mgr:
         mgr.save(step=2)
     step = f"s3://{bucket}/run/epoch_0_step_2"
-    cli = [str(Path(sys.executable).parent / "ckptio")]
-    shown = subprocess.run(cli + ["inspect", step, "--json", "--tensors"], capture_output=True, text=True)
+    shown = ckptio_here("inspect", step, "--json", "--tensors")
     assert shown.returncode == 0, shown.stderr
     info = json.loads(shown.stdout)
     assert info["step"] == 2 and info["kind"] == "step_dir" and "model.embed_tokens.weight" in info["tensor_list"]
     assert info["states"]["model"]["tensors"]["tensors"] == len(model.state_dict())
 
-    out = subprocess.run(cli + ["convert", step, str(tmp_path / "hf"), "--to", "hf", "--no-progress"],
-                         capture_output=True, text=True)
+    out = ckptio_here("convert", step, str(tmp_path / "hf"), "--to", "hf", "--no-progress")
     assert out.returncode == 0, out.stderr
     from transformers import AutoModelForCausalLM
 
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     for k, v in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[k], v), k
-    up = subprocess.run(cli + ["convert", str(tmp_path / "hf"), f"s3://{bucket}/exports/step2", "--to", "step_dir",
-                               "--no-progress"], capture_output=True, text=True)
+    up = ckptio_here("convert", str(tmp_path / "hf"), f"s3://{bucket}/exports/step2", "--to", "step_dir",
+                     "--no-progress")
     assert up.returncode == 0, up.stderr
     keys = _keys(bucket, "exports/step2/")
     assert "exports/step2/manifest.json" in keys and any(k.endswith(".safetensors") for k in keys)
-    again = subprocess.run(cli + ["convert", str(tmp_path / "hf"), f"s3://{bucket}/exports/step2", "--to", "hf"],
-                           capture_output=True, text=True)
+    again = ckptio_here("convert", str(tmp_path / "hf"), f"s3://{bucket}/exports/step2", "--to", "hf")
     assert again.returncode == 2 and "already exists" in again.stderr
 
     shard = next(k for k in _keys(bucket, "run/epoch_0_step_2/model/") if k.endswith(".safetensors"))
     body = bytearray(s3mod.client().get_object(Bucket=bucket, Key=shard)["Body"].read())
     body[-1] ^= 0xFF
     s3mod.client().put_object(Bucket=bucket, Key=shard, Body=bytes(body))
-    bad = subprocess.run(cli + ["convert", step, str(tmp_path / "hf2"), "--to", "hf"], capture_output=True, text=True)
+    bad = ckptio_here("convert", step, str(tmp_path / "hf2"), "--to", "hf")
     assert bad.returncode == 2 and "do not match the manifest" in bad.stderr and "checksum" in bad.stderr
     assert not (tmp_path / "hf2").exists()
 
@@ -596,7 +594,7 @@ def test_a_conditional_write_conflict_is_retried(bucket, s3_server, monkeypatch)
     _resumes_exactly(f"s3://{bucket}/c409", model, 1)
 
 
-@pytest.mark.slow  # several CLI processes end to end
+@pytest.mark.slow  # several CLI commands end to end
 def test_consolidate_a_checkpoint_in_a_bucket(bucket, tmp_path):
     """``ckptio consolidate s3://…/step`` adds the bundle to the checkpoint as a new version (manifest replaced
     last, listing and checksumming the bundle: a full verify passes) or writes it into a local --out."""
@@ -608,11 +606,9 @@ def test_consolidate_a_checkpoint_in_a_bucket(bucket, tmp_path):
     with CheckpointManager(CheckpointConfig(checkpoint_dir=f"s3://{bucket}/run"), model=model, rng=False) as mgr:
         mgr.save(step=5)
     step = f"s3://{bucket}/run/epoch_0_step_5"
-    cli = [str(Path(sys.executable).parent / "ckptio")]
-    local = subprocess.run(cli + ["consolidate", step, "--out", str(tmp_path / "bundle"), "--no-progress"],
-                           capture_output=True, text=True)
+    local = ckptio_here("consolidate", step, "--out", str(tmp_path / "bundle"), "--no-progress")
     assert local.returncode == 0, local.stderr
-    inside = subprocess.run(cli + ["consolidate", step, "--no-progress", "--json"], capture_output=True, text=True)
+    inside = ckptio_here("consolidate", step, "--no-progress", "--json")
     assert inside.returncode == 0, inside.stderr
     assert json.loads(inside.stdout)["into_checkpoint"] is True
     keys = _keys(bucket, "run/epoch_0_step_5/model/consolidated/")
@@ -620,10 +616,10 @@ def test_consolidate_a_checkpoint_in_a_bucket(bucket, tmp_path):
         remote = s3mod.client().get_object(Bucket=bucket, Key=f"run/epoch_0_step_5/model/consolidated/{p.name}")
         assert remote["Body"].read() == p.read_bytes(), p.name
     assert len(keys) == len(list((tmp_path / "bundle").iterdir()))
-    verified = subprocess.run(cli + ["verify", step], capture_output=True, text=True)
+    verified = ckptio_here("verify", step)
     assert verified.returncode == 0 and "consolidated" in json.dumps(
-        json.loads(subprocess.run(cli + ["inspect", step, "--json"], capture_output=True, text=True).stdout)["files"])
-    again = subprocess.run(cli + ["consolidate", step], capture_output=True, text=True)
+        json.loads(ckptio_here("inspect", step, "--json").stdout)["files"])
+    again = ckptio_here("consolidate", step)
     assert again.returncode == 2 and "already holds a consolidated bundle" in again.stderr
     from transformers import AutoModelForCausalLM
 
@@ -711,10 +707,8 @@ def test_latest_and_best_resolve_in_a_bucket_in_every_command(bucket, tmp_path):
     with CheckpointManager(CheckpointConfig(checkpoint_dir=url, monitor="loss"), model=model, rng=False) as mgr:
         mgr.save(step=1, metrics={"loss": 0.5})
         mgr.save(step=2, metrics={"loss": 0.9})
-    cli = [str(Path(sys.executable).parent / "ckptio")]
-
     def run(*args: str) -> subprocess.CompletedProcess:
-        done = subprocess.run(cli + list(args), capture_output=True, text=True, timeout=300)
+        done = ckptio_here(*args)
         assert done.returncode == 0, (args, done.stdout[-2000:], done.stderr[-3000:])
         return done
 
