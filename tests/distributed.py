@@ -1,10 +1,17 @@
 """Run a test function on N real processes (gloo on CPU), each with its own rank.
 
-``run_ranks(n, fn, **kwargs)`` spawns ``n`` fresh interpreters; each initialises a gloo process group
-through a file store in a temporary folder (world size 1 runs without any process group, exercising
-the single-process path), calls ``fn(**kwargs)`` and saves its return value. The parent gathers the
-results (loaded with ``weights_only=True``) and fails with every rank's exit code if any rank failed
-or the deadline passed.
+``run_ranks(n, fn, **kwargs)`` starts ``n`` processes; each initialises a gloo process group through a file
+store in a temporary folder (world size 1 runs without any process group, exercising the single-process
+path), calls ``fn(**kwargs)`` and saves its return value. The parent gathers the results (loaded with
+``weights_only=True``) and fails with every rank's exit code and the end of its output if any rank failed or
+the deadline passed.
+
+How ranks start (``CKPTIO_TEST_START``): ``forkserver`` (the default) forks each rank from a server process
+that imported torch, ckptio and transformers once per test worker (:data:`PRELOAD`): a rank starts in a
+fraction of a second instead of the ~5-20 s an interpreter takes to import them here. Each rank is still a
+process of its own with its own process group; it takes the parent's current environment and working folder
+(not the server's), and its output goes to a log file that the parent prints after the ranks end, so that
+pytest shows it with the test. ``spawn`` starts each rank as a fresh interpreter (what the suite did before).
 
 Exit path: after its work is done and the group destroyed, a rank leaves with ``os._exit`` — its
 result is already on disk, flushed. This sidesteps a known teardown abort of the interpreter
@@ -30,10 +37,38 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+START = os.environ.get("CKPTIO_TEST_START", "forkserver")
+PRELOAD = ["torch", "torch.distributed.fsdp", "torch.distributed.checkpoint", "torch.distributed.tensor", "ckptio",
+           "ckptio.manager", "transformers", "transformers.models.llama.modeling_llama", "safetensors.torch", "peft",
+           "toy", "distributed"]
+"""What the fork server imports once (a name that is missing is skipped by ``multiprocessing``)."""
 
-def _worker(rank: int, world: int, store: str, fn: Callable[..., Any], kwargs: dict, out_dir: str) -> None:
+
+def _log_path(out_dir: str, rank: int) -> str:
+    return os.path.join(out_dir, f"rank_{rank}.log")
+
+
+def _as_parent(out_dir: str, rank: int, env: dict | None, cwd: str | None) -> None:
+    """In a forked rank: the parent's environment and folder, and the rank's output into its log file."""
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
+    if cwd is not None:
+        os.chdir(cwd)
+    log = os.open(_log_path(out_dir, rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+
+
+def _worker(rank: int, world: int, store: str, fn: Callable[..., Any], kwargs: dict, out_dir: str,
+            env: dict | None = None, cwd: str | None = None) -> None:
     code = 1
     try:
+        if env is not None:
+            _as_parent(out_dir, rank, env, cwd)
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         torch.set_num_threads(1)
         os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"] = str(rank), str(world), str(rank)
@@ -56,12 +91,21 @@ def _worker(rank: int, world: int, store: str, fn: Callable[..., Any], kwargs: d
 
 
 def start_ranks(world: int, fn: Callable[..., Any], kwargs: dict, tmp: str,
-                method: str = "spawn") -> list[mp.Process]:
+                method: str = START) -> list[mp.Process]:
     """``world`` rank processes running ``fn``; ``method="forkserver"`` forks them from a server that already
-    imported what ``mp.set_forkserver_preload`` names (each rank is still a process of its own)."""
+    imported :data:`PRELOAD` (or what ``mp.set_forkserver_preload`` named before), each rank still a process of
+    its own, with its output in ``tmp/rank_R.log``; ``"spawn"`` starts fresh interpreters."""
     ctx = mp.get_context(method)
     store = os.path.join(tmp, "store")
-    procs = [ctx.Process(target=_worker, args=(r, world, store, fn, kwargs, tmp), daemon=False) for r in range(world)]
+    forked = method == "forkserver"
+    if forked:
+        from multiprocessing import forkserver
+
+        if getattr(forkserver._forkserver, "_preload_modules", None) == ["__main__"]:  # nobody chose: ours
+            mp.set_forkserver_preload(PRELOAD)
+    extra = (dict(os.environ), os.getcwd()) if forked else ()
+    procs = [ctx.Process(target=_worker, args=(r, world, store, fn, kwargs, tmp, *extra), daemon=False)
+             for r in range(world)]
     for p in procs:
         p.start()
     return procs
@@ -93,10 +137,28 @@ def run_ranks(world: int, fn: Callable[..., Any], timeout: float = 300, **kwargs
                 time.sleep(0.05)
         finally:
             kill_all(procs)
+        logs = rank_logs(tmp, world)
         codes = [p.exitcode for p in procs]
         if any(c != 0 for c in codes):
-            raise AssertionError(f"{fn.__name__} on {world} rank(s) failed; exit codes by rank: {codes}")
+            tails = "".join(f"\n--- rank {r} (exit code {c}), the end of its output:\n{logs[r][-4000:]}"
+                            for r, c in enumerate(codes) if c != 0)
+            raise AssertionError(f"{fn.__name__} on {world} rank(s) failed; exit codes by rank: {codes}{tails}")
         return [torch.load(Path(tmp) / f"result_{r}.pt", weights_only=True) for r in range(world)]
+
+
+def rank_logs(tmp: str, world: int) -> list[str]:
+    """What each forked rank printed (empty for spawned ranks, whose output went to the parent's own streams),
+    echoed to this process's streams so that pytest shows it with the test."""
+    logs = []
+    for r in range(world):
+        try:
+            with open(_log_path(tmp, r), errors="replace") as f:
+                logs.append(f.read())
+        except FileNotFoundError:
+            logs.append("")
+        if logs[-1]:
+            sys.stderr.write(f"--- rank {r} of {world}:\n{logs[-1]}")
+    return logs
 
 
 COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list", "barrier",
