@@ -11,6 +11,7 @@ package index. A run interrupted by one checkpointer is resumed by the other, an
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -87,16 +88,35 @@ def straight(am_python, tmp_path_factory) -> dict:
     return out
 
 
+@pytest.fixture(scope="module")
+def interrupted(am_python, tmp_path_factory):
+    """``interrupted(by, world, fmt, peft, into)``: a run of ``by`` on ``world`` ranks stopped after step 3, its
+    checkpoint folder copied into ``into`` (links kept) and its result returned. Each distinct run is made once for
+    the module; several tests resume the same one, each from its own copy."""
+    made: dict[tuple, tuple[Path, dict]] = {}
+
+    def get(by: str, world: int, fmt: str, peft: bool, into: Path) -> dict:
+        key = (by, world, fmt, peft)
+        if key not in made:
+            root = tmp_path_factory.mktemp(f"{by}{world}{fmt}{int(peft)}")
+            made[key] = root / "ckpt", _run(am_python, by, root / "ckpt", root / "first.pt", world=world, fmt=fmt,
+                                            stop_after=3, peft=peft)["result"]
+        shutil.copytree(made[key][0], into, symlinks=True)
+        return made[key][1]
+
+    return get
+
+
 @pytest.mark.parametrize("fmt", ["safetensors", "torch_save"])
-def test_an_automodel_checkpoint_resumes_in_ckptio_and_goes_on_as_automodel_would(am_python, straight, tmp_path, fmt):
+def test_an_automodel_checkpoint_resumes_in_ckptio_and_goes_on_as_automodel_would(am_python, straight, interrupted,
+                                                                                  tmp_path, fmt):
     ckpt = tmp_path / "ckpt"
-    _run(am_python, "automodel", ckpt, tmp_path / "first.pt", fmt=fmt, stop_after=3)
+    first = interrupted("automodel", 1, fmt, False, ckpt)
     names = sorted(p.name for p in ckpt.iterdir() if not p.name.startswith("."))
     assert "epoch_0_step_3" in names and not (ckpt / "epoch_0_step_3" / "manifest.json").exists()
     second = _run(am_python, "ckptio", ckpt, tmp_path / "second.pt", fmt=fmt)  # auto-resume in the same folder
     assert "Loading checkpoint from" in second["log"] and "epoch_0_step_3" in second["log"]
     assert "resuming from an AutoModel checkpoint: no manifest, sizes and checksums not verified" in second["log"]
-    first = torch.load(tmp_path / "first.pt", weights_only=False)
     merged = {**second["result"], "losses": {**first["losses"], **second["result"]["losses"]}}
     _same(merged, straight[(fmt, 1)], f"AutoModel -> ckptio ({fmt})")
     # restore(path) of AutoModel's step, from a run whose own folder is empty: the same continuation
@@ -114,9 +134,9 @@ def test_an_automodel_checkpoint_resumes_in_ckptio_and_goes_on_as_automodel_woul
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "torch_save"])
-def test_a_ckptio_checkpoint_resumes_in_automodels_recipe(am_python, straight, tmp_path, fmt):
+def test_a_ckptio_checkpoint_resumes_in_automodels_recipe(am_python, straight, interrupted, tmp_path, fmt):
     ckpt = tmp_path / "ckpt"
-    first = _run(am_python, "ckptio", ckpt, tmp_path / "first.pt", fmt=fmt, stop_after=3)["result"]
+    first = interrupted("ckptio", 1, fmt, False, ckpt)
     step = ckpt / "epoch_0_step_3"
     assert (step / "manifest.json").is_file()
     # the seed's layout, plus ckptio's chunk index (a dot-file AutoModel's loader never opens)
@@ -129,14 +149,14 @@ def test_a_ckptio_checkpoint_resumes_in_automodels_recipe(am_python, straight, t
     _same(merged, straight[(fmt, 1)], f"ckptio -> AutoModel ({fmt})")
 
 
-def test_two_ranks_both_ways(am_python, straight, tmp_path):
+def test_two_ranks_both_ways(am_python, straight, interrupted, tmp_path):
     """FSDP2 on 2 gloo ranks: AutoModel's checkpoint resumes in ckptio and ckptio's in AutoModel."""
     a = tmp_path / "a"
-    first = _run(am_python, "automodel", a, tmp_path / "a1.pt", world=2, stop_after=3)["result"]
+    first = interrupted("automodel", 2, "safetensors", False, a)
     second = _run(am_python, "ckptio", a, tmp_path / "a2.pt", world=2)["result"]
     _same({**second, "losses": {**first["losses"], **second["losses"]}}, straight[("safetensors", 2)], "AM->ckptio 2")
     b = tmp_path / "b"
-    first = _run(am_python, "ckptio", b, tmp_path / "b1.pt", world=2, stop_after=3)["result"]
+    first = interrupted("ckptio", 2, "safetensors", False, b)
     second = _run(am_python, "automodel", b, tmp_path / "b2.pt", world=2)["result"]
     _same({**second, "losses": {**first["losses"], **second["losses"]}}, straight[("safetensors", 2)], "ckptio->AM 2")
 
@@ -153,7 +173,8 @@ def _same_state(saved: dict, restored: dict, what: str) -> None:
 @pytest.mark.parametrize("saved_on,restored_on,peft", [(2, 1, False), (1, 2, False), (1, 1, True), (2, 1, True),
                                                       (1, 2, True)])
 @pytest.mark.parametrize("writer,reader", [("automodel", "ckptio"), ("ckptio", "automodel")])
-def test_another_number_of_ranks_gets_the_same_state(am_python, tmp_path, saved_on, restored_on, peft, writer, reader):
+def test_another_number_of_ranks_gets_the_same_state(am_python, interrupted, tmp_path, saved_on, restored_on, peft,
+                                                    writer, reader):
     """A checkpoint saved on 1 or 2 ranks by one checkpointer restores on the other rank count through the other
     to the same model, AdamW state and scheduler (AutoModel's side through Checkpointer.load_model/load_optimizer:
     its recipe keeps the data position per DP rank and cannot resume on another number of ranks).
@@ -161,7 +182,7 @@ def test_another_number_of_ranks_gets_the_same_state(am_python, tmp_path, saved_
     With ``peft``: LoRA on q/v, AutoModel's own LinearLoRA on its side and Hugging Face peft on ckptio's (what
     each user has); the adapter folder and the optimizer's state of the adapter weights cross both ways."""
     ckpt = tmp_path / "ckpt"
-    saved = _run(am_python, writer, ckpt, tmp_path / "saved.pt", world=saved_on, stop_after=3, peft=peft)["result"]
+    saved = interrupted(writer, saved_on, "safetensors", peft, ckpt)
     if peft:
         model = ckpt / "epoch_0_step_3" / "model"
         assert sorted(p.name for p in model.iterdir() if p.suffix == ".safetensors") == ["adapter_model.safetensors"]
