@@ -48,13 +48,11 @@ def _log_path(out_dir: str, rank: int) -> str:
     return os.path.join(out_dir, f"rank_{rank}.log")
 
 
-def _as_parent(out_dir: str, rank: int, env: dict | None, cwd: str | None) -> None:
+def _as_parent(out_dir: str, rank: int, env: dict, cwd: str) -> None:
     """In a forked rank: the parent's environment and folder, and the rank's output into its log file."""
-    if env is not None:
-        os.environ.clear()
-        os.environ.update(env)
-    if cwd is not None:
-        os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
     log = os.open(_log_path(out_dir, rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -67,7 +65,7 @@ def _worker(rank: int, world: int, store: str, fn: Callable[..., Any], kwargs: d
             env: dict | None = None, cwd: str | None = None) -> None:
     code = 1
     try:
-        if env is not None:
+        if env is not None and cwd is not None:  # forked (spawned ranks start from the parent's own)
             _as_parent(out_dir, rank, env, cwd)
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         torch.set_num_threads(1)

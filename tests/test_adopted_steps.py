@@ -10,8 +10,6 @@ reason, not a traceback. The real AutoModel round trips are in ``test_automodel.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import subprocess
 import sys
@@ -24,6 +22,7 @@ import torch.distributed.checkpoint as torch_dcp
 from ckptio import CheckpointConfig, CheckpointManager, CheckpointNotFoundError
 from ckptio.adopt.foreign import is_foreign
 from ckptio.engine.layout import scan
+from cli_here import ckptio_here
 
 
 def _mlp(fill: float | None = None) -> torch.nn.Module:
@@ -58,15 +57,6 @@ def _flip_a_model_byte(step: Path) -> None:
     raw = bytearray(data.read_bytes())
     raw[len(raw) - 9] ^= 0x40  # in the last stored weight
     data.write_bytes(bytes(raw))
-
-
-def _cli_list(root: Path) -> subprocess.CompletedProcess:
-    from ckptio.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(["list", str(root)])
-    return subprocess.CompletedProcess(["list"], code, out.getvalue(), err.getvalue())
 
 
 # --------------------------------------------------------------------- a ckptio step that lost its manifest
@@ -115,7 +105,7 @@ def test_a_ckptio_step_that_lost_its_manifest_is_damaged_never_adopted(tmp_path,
     with _manager(tmp_path / "elsewhere", _mlp(), fmt, restore_from=str(step)) as mgr:
         with pytest.raises(CheckpointNotFoundError, match="ckptio wrote"):
             mgr.restore()
-    listed = _cli_list(root)
+    listed = ckptio_here("list", root)
     assert listed.returncode == 0 and "NOT USABLE" in listed.stdout and mark in listed.stdout
 
 
@@ -159,7 +149,7 @@ def test_a_huge_number_in_an_adopted_steps_losses_is_its_reason_and_the_older_st
         assert mgr.restore().step == 4
     assert all(torch.equal(p, torch.full_like(p, 4.0)) for p in model.parameters())
     assert "Skipping" in caplog.text and "losses.json" in caplog.text
-    listed = _cli_list(tmp_path)
+    listed = ckptio_here("list", tmp_path)
     assert listed.returncode == 0, listed.stderr
     assert "NOT USABLE" in listed.stdout and "losses.json" in listed.stdout
 

@@ -18,8 +18,7 @@ from ckptio import CheckpointConfig, CheckpointManager
 CKPTIO = [str(Path(sys.executable).parent / "ckptio")]
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return ckptio_here(*args)
+cli = ckptio_here
 
 
 def test_the_installed_console_script_runs_a_command(ckpts):

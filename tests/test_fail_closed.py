@@ -10,7 +10,6 @@ and pointers, the lock). Archive link attacks are in ``test_archive.py``, schedu
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
@@ -39,6 +38,7 @@ from ckptio.formats.safetensors import sharded as safetensors_sharded
 from ckptio.engine.layout import resolve_restore_path
 from ckptio.engine.manifest import _self_checksum
 from ckptio.storage import read_pointer
+from cli_here import ckptio_here
 
 CKPTIO = str(Path(sys.executable).parent / "ckptio")
 SECRET = b"top secret host file\n"
@@ -89,19 +89,6 @@ def _reseal(path: Path, edit) -> None:
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """The real ``ckptio`` executable."""
     return subprocess.run([CKPTIO, *args], capture_output=True, text=True, timeout=timeout)
-
-
-def _cli_here(*args: str) -> subprocess.CompletedProcess:
-    """The same command line run in this process (no interpreter start): any exception other than the
-    CLI's own clean exit escapes and fails the test, as a traceback would."""
-    import contextlib
-
-    from ckptio.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(args))
-    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
 
 
 # ---------------------------------------------------------------------------------------- escapes: DCP metadata
@@ -332,7 +319,7 @@ def test_malformed_manifest_gives_clear_errors_everywhere(tmp_path, case):
     _reseal(step / "manifest.json", MALFORMED[case])
     for args in (("list", str(tmp_path)), ("verify", str(tmp_path)), ("inspect", str(step)),
                  ("prune", str(tmp_path), "--keep-latest", "1", "--dry-run")):
-        out = _cli_here(*args)
+        out = ckptio_here(*args)
         assert "Traceback" not in out.stderr, (args, out.stderr)
         if args[0] in ("verify", "inspect"):
             assert "manifest" in out.stdout + out.stderr, (args, out.stdout, out.stderr)
