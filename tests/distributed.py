@@ -39,8 +39,8 @@ import torch
 
 START = os.environ.get("CKPTIO_TEST_START", "forkserver")
 PRELOAD = ["torch", "torch.distributed.fsdp", "torch.distributed.checkpoint", "torch.distributed.tensor", "ckptio",
-           "ckptio.manager", "transformers", "transformers.models.llama.modeling_llama", "safetensors.torch", "peft",
-           "toy", "distributed"]
+           "ckptio.manager", "transformers", "transformers.models.llama.modeling_llama", "transformers.trainer",
+           "safetensors.torch", "peft", "accelerate", "pytorch_lightning", "toy", "distributed", "forked_scripts"]
 """What the fork server imports once (a name that is missing is skipped by ``multiprocessing``)."""
 
 
@@ -97,16 +97,22 @@ def start_ranks(world: int, fn: Callable[..., Any], kwargs: dict, tmp: str,
     store = os.path.join(tmp, "store")
     forked = method == "forkserver"
     if forked:
-        from multiprocessing import forkserver
-
-        if getattr(forkserver._forkserver, "_preload_modules", None) == ["__main__"]:  # nobody chose: ours
-            mp.set_forkserver_preload(PRELOAD)
+        use_preloaded_server()
     extra = (dict(os.environ), os.getcwd()) if forked else ()
     procs = [ctx.Process(target=_worker, args=(r, world, store, fn, kwargs, tmp, *extra), daemon=False)
              for r in range(world)]
     for p in procs:
         p.start()
     return procs
+
+
+def use_preloaded_server() -> None:
+    """The fork server (started at its first use in this process) imports :data:`PRELOAD` first, unless the
+    caller (a benchmark) already chose what it imports."""
+    from multiprocessing import forkserver
+
+    if getattr(forkserver._forkserver, "_preload_modules", None) == ["__main__"]:  # nobody chose: ours
+        mp.set_forkserver_preload(PRELOAD)
 
 
 def kill_all(procs: list[mp.Process]) -> None:
@@ -206,12 +212,18 @@ def kill_at(spec: str) -> None:
 
 
 
-def launch(script: str, *args: str, ranks: int = 1, timeout: float = 600) -> subprocess.CompletedProcess:
-    """``python script args`` in a process of its own (``ranks=1``) or under torchrun with ``ranks`` CPU ranks on
-    this machine; its output captured as text."""
+def launch(script: str, *args: str, ranks: int = 1, timeout: float = 600, cwd: str | None = None,
+           env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python script args`` in a process of its own (``ranks=1``) or as under torchrun with ``ranks`` CPU ranks on
+    this machine; its output captured as text. With ``CKPTIO_TEST_START=forkserver`` (the default) each rank is
+    forked from the preloaded server (:mod:`forked_scripts`), else the interpreters start from scratch."""
+    if START == "forkserver":
+        from forked_scripts import run_script
+
+        return run_script(script, *args, ranks=ranks, timeout=timeout, cwd=cwd, env=env)
     cmd = [sys.executable, script, *args] if ranks == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", script, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
 
 
 def free_port() -> int:
