@@ -4,7 +4,8 @@ process forked from the preloaded server of :mod:`distributed` instead of a fres
 A fresh interpreter spends ~5-7 s here importing torch and transformers before the script's first line; a rank
 forked from the server that already imported them (:data:`distributed.PRELOAD`) starts at once. Each rank is still a
 process of its own, with the environment ``torchrun`` gives its workers (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
-``MASTER_ADDR``/``MASTER_PORT``, ``TORCHELASTIC_*``), the caller's working folder, the script as ``__main__`` with
+``MASTER_ADDR``/``MASTER_PORT`` with the store served there as torchrun's agent serves it, ``TORCHELASTIC_*``), the
+caller's working folder, the script as ``__main__`` with
 its ``sys.argv`` and its folder first on ``sys.path``, and the end of an interpreter's life: non-daemon threads
 joined, then ``atexit`` handlers run. What happens when a rank fails is what ``torchrun`` does: the others get
 SIGTERM, and SIGKILL 30 s later if they are still there. A rank's stdout and stderr are returned as the
@@ -25,6 +26,8 @@ import threading
 import time
 import traceback
 import uuid
+
+import torch.distributed as dist
 
 TERM_GRACE = 30.0  # torchrun's own: how long the other ranks get between SIGTERM and SIGKILL after a rank failed
 
@@ -53,12 +56,15 @@ def _rank(script: str, args: list[str], env: dict[str, str], cwd: str, tmp: str,
             code = 0
         except SystemExit as exc:
             code = exc.code
+        except BaseException:  # printed as the interpreter prints it: through sys.excepthook (torch's prefixes it)
+            sys.excepthook(*sys.exc_info())
+            code = 1
         if code is not None and not isinstance(code, int):
             print(code, file=sys.stderr)
             code = 1
         threading._shutdown()  # as an interpreter ends: its non-daemon threads first, then atexit
         atexit._run_exitfuncs()
-    except BaseException:  # the traceback on the rank's stderr, as the interpreter would print it
+    except BaseException:  # of the launcher itself, or raised at exit
         traceback.print_exc()
         code = 1
     finally:
@@ -75,7 +81,7 @@ def _rank_env(base: dict[str, str], rank: int, ranks: int, port: int, run_id: st
     env.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_NAME="default",
                WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks), ROLE_WORLD_SIZE=str(ranks), GROUP_WORLD_SIZE="1",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RUN_ID=run_id,
-               TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_USE_AGENT_STORE="False")
+               TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_USE_AGENT_STORE="True")
     return env
 
 
@@ -101,6 +107,8 @@ def run_script(script: str, *args: str, ranks: int = 1, timeout: float = 600, cw
     port, run_id = free_port(), uuid.uuid4().hex[:12]
     cmd = [sys.executable, script, *args] if ranks == 1 else \
         ["torchrun", f"--nproc-per-node={ranks}", script, *args]
+    # torchrun's agent serves the store on MASTER_PORT; its workers connect to it as clients
+    store = None if ranks == 1 else dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     with tempfile.TemporaryDirectory(prefix="ckptio-script-") as tmp:
         procs = [ctx.Process(target=_rank, args=(script, list(args), _rank_env(base, r, ranks, port, run_id),
                                                  cwd or os.getcwd(), tmp, r)) for r in range(ranks)]
@@ -124,6 +132,7 @@ def run_script(script: str, *args: str, ranks: int = 1, timeout: float = 600, cw
             _signal(procs, signal.SIGKILL)
             for p in procs:
                 p.join(10)
+        del store
         code = failed.exitcode if failed is not None else next((p.exitcode for p in procs if p.exitcode), 0)
         return subprocess.CompletedProcess(cmd, code, _joined(tmp, ranks, 0), _joined(tmp, ranks, 1))
 

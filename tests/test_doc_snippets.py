@@ -3,8 +3,9 @@
 A block on a page assumes names a user's script already has (``model``, ``opt``, a trained Lightning run, a
 checkpoint folder). For each block, :data:`RUNS` gives a *prelude* that makes exactly those (and nothing the block
 defines itself) and a *check* that the block did what the page says. The block itself is pasted between them
-unchanged, and the script runs in a fresh process in an empty folder: with this checkout's interpreter, under
-``torchrun``, or in the NeMo AutoModel environment of ``tests/test_automodel.py``. A new block on a page fails
+unchanged, and the script runs in a process of its own in an empty folder: forked from the tests' preloaded server as
+``python`` or ``torchrun`` would run it (``distributed.launch``), or in the NeMo AutoModel environment of
+``tests/test_automodel.py``. A new block on a page fails
 :func:`test_every_python_block_of_the_docs_is_run` until it has an entry here.
 """
 
@@ -13,11 +14,12 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from distributed import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
@@ -359,14 +361,6 @@ def _script(key: str) -> str:
                       run.check, "print('the block ran')"])
 
 
-def _python(kind: str) -> list[str]:
-    if kind == "automodel":
-        from test_automodel import _environment
-
-        return [str(_environment())]
-    if kind == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    return [sys.executable]
 
 
 @pytest.mark.slow
@@ -378,7 +372,13 @@ def test_the_block_runs_as_it_stands(key, tmp_path):
     work.mkdir()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
            "PYTHONWARNINGS": "ignore", "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(TESTS)])}
-    done = subprocess.run([*_python(RUNS[key].python), str(script)], cwd=work, capture_output=True, text=True,
-                          timeout=900, env=env)
+    if RUNS[key].python == "automodel":
+        from test_automodel import _environment
+
+        done = subprocess.run([str(_environment()), str(script)], cwd=work, capture_output=True, text=True,
+                              timeout=900, env=env)
+    else:
+        done = launch(str(script), ranks=2 if RUNS[key].python == "torchrun" else 1, timeout=900, cwd=str(work),
+                      env=env)
     assert done.returncode == 0 and "the block ran" in done.stdout, \
         f"{key}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
