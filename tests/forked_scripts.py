@@ -15,6 +15,7 @@ launcher's, rank by rank.
 from __future__ import annotations
 
 import atexit
+import io
 import multiprocessing as mp
 import os
 import runpy
@@ -26,6 +27,7 @@ import threading
 import time
 import traceback
 import uuid
+from typing import Iterator
 
 import torch.distributed as dist
 
@@ -36,19 +38,21 @@ def _streams(tmp: str, rank: int) -> tuple[str, str]:
     return os.path.join(tmp, f"rank_{rank}.out"), os.path.join(tmp, f"rank_{rank}.err")
 
 
-def _rank(script: str, args: list[str], env: dict[str, str], cwd: str, tmp: str, rank: int) -> None:
+def _rank(script: str, args: list[str], env: dict[str, str], cwd: str, tmp: str, rank: int, merged: bool) -> None:
     """In the forked rank: become ``python script args`` and leave with its exit code."""
     code: object = 1
     try:
         os.environ.clear()
         os.environ.update(env)
         os.chdir(cwd)
+        sys.stdout.flush()
+        sys.stderr.flush()
         for fd, path in zip((1, 2), _streams(tmp, rank)):
-            sys.stdout.flush()
-            sys.stderr.flush()
             f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             os.dup2(f, fd)
             os.close(f)
+        if merged:
+            os.dup2(1, 2)
         sys.argv = [script, *args]
         sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
         try:
@@ -96,53 +100,103 @@ def _signal(procs: list[mp.Process], sig: int) -> None:
 
 def run_script(script: str, *args: str, ranks: int = 1, timeout: float = 600, cwd: str | None = None,
                env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``script args`` on ``ranks`` forked processes (see the module's docstring); its exit code is 0 if every
-    rank's was, else the first failed rank's (negative: the signal that ended it). ``timeout`` as
-    ``subprocess.run``'s: every rank is killed and ``subprocess.TimeoutExpired`` raised."""
-    from distributed import free_port, use_preloaded_server
+    """``script args`` on ``ranks`` forked processes (see the module's docstring), waited for: as
+    ``subprocess.run(..., capture_output=True, text=True, timeout=timeout)`` returns (:meth:`Job.wait`)."""
+    return Job(script, *args, ranks=ranks, cwd=cwd, env=env).wait(timeout)
 
-    use_preloaded_server()
-    ctx = mp.get_context("forkserver")
-    base = dict(os.environ if env is None else env)
-    port, run_id = free_port(), uuid.uuid4().hex[:12]
-    cmd = [sys.executable, script, *args] if ranks == 1 else \
-        ["torchrun", f"--nproc-per-node={ranks}", script, *args]
-    # torchrun's agent serves the store on MASTER_PORT; its workers connect to it as clients
-    store = None if ranks == 1 else dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    with tempfile.TemporaryDirectory(prefix="ckptio-script-") as tmp:
-        procs = [ctx.Process(target=_rank, args=(script, list(args), _rank_env(base, r, ranks, port, run_id),
-                                                 cwd or os.getcwd(), tmp, r)) for r in range(ranks)]
-        for p in procs:
+
+class Job:
+    """``script args`` started on ``ranks`` forked processes; ``merged``: each rank's stderr goes where its stdout
+    goes (``stderr=subprocess.STDOUT``)."""
+
+    def __init__(self, script: str, *args: str, ranks: int = 1, cwd: str | None = None,
+                 env: dict[str, str] | None = None, merged: bool = False) -> None:
+        from distributed import free_port, use_preloaded_server
+
+        use_preloaded_server()
+        ctx = mp.get_context("forkserver")
+        base = dict(os.environ if env is None else env)
+        port, run_id = free_port(), uuid.uuid4().hex[:12]
+        self.cmd = [sys.executable, script, *args] if ranks == 1 else \
+            ["torchrun", f"--nproc-per-node={ranks}", script, *args]
+        # torchrun's agent serves the store on MASTER_PORT; its workers connect to it as clients
+        self._store = None if ranks == 1 else dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+        self._tmp = tempfile.TemporaryDirectory(prefix="ckptio-script-")
+        self.ranks, self.merged = ranks, merged
+        self.procs = [ctx.Process(target=_rank, args=(script, list(args), _rank_env(base, r, ranks, port, run_id),
+                                                      cwd or os.getcwd(), self._tmp.name, r, merged))
+                      for r in range(ranks)]
+        for p in self.procs:
             p.start()
-        deadline, failed, term_at = time.monotonic() + timeout, None, None
-        try:
-            while any(p.is_alive() for p in procs):
+        self._failed: mp.Process | None = None
+        self._term_at = 0.0
+
+    def _watch(self) -> bool:
+        """One look, as torchrun's agent looks: once a rank failed, SIGTERM to the others and SIGKILL after
+        :data:`TERM_GRACE`. Whether a rank is still running."""
+        if self._failed is None:
+            self._failed = next((p for p in self.procs if p.exitcode not in (None, 0)), None)
+            if self._failed is not None:
+                self.signal(signal.SIGTERM)
+                self._term_at = time.monotonic()
+        elif time.monotonic() - self._term_at > TERM_GRACE:
+            self.signal(signal.SIGKILL)
+        return any(p.is_alive() for p in self.procs)
+
+    def signal(self, sig: int) -> None:
+        """``sig`` to every rank still running (what torchrun's agent does with a signal it receives)."""
+        _signal(self.procs, sig)
+
+    def lines(self, timeout: float) -> Iterator[str]:
+        """Rank 0's output line by line as it is written, until every rank ended."""
+        deadline, pending = time.monotonic() + timeout, ""
+        path = _streams(self._tmp.name, 0)[0]
+        while not os.path.exists(path) and self._watch():
+            time.sleep(0.02)
+        with open(path, errors="replace") if os.path.exists(path) else io.StringIO() as f:
+            while True:
+                running = self._watch()
+                pending += f.read()
+                *done, pending = pending.split("\n")
+                yield from (line + "\n" for line in done)
+                if not running:
+                    break
                 if time.monotonic() > deadline:
-                    _signal(procs, signal.SIGKILL)
-                    raise subprocess.TimeoutExpired(cmd, timeout, _joined(tmp, ranks, 0), _joined(tmp, ranks, 1))
-                if failed is None:
-                    failed = next((p for p in procs if p.exitcode not in (None, 0)), None)
-                    if failed is not None:  # torchrun's agent: stop the others, then kill what is left
-                        _signal(procs, signal.SIGTERM)
-                        term_at = time.monotonic()
-                elif time.monotonic() - term_at > TERM_GRACE:
-                    _signal(procs, signal.SIGKILL)
+                    self._timeout(timeout)
+                time.sleep(0.05)
+        if pending:
+            yield pending
+
+    def _timeout(self, timeout: float) -> None:
+        self.signal(signal.SIGKILL)
+        raise subprocess.TimeoutExpired(self.cmd, timeout, self._joined(0), self._joined(1))
+
+    def wait(self, timeout: float = 600) -> subprocess.CompletedProcess:
+        """Every rank ended; the exit code is 0 if every rank's was, else the first failed rank's (negative: the
+        signal that ended it). Past ``timeout`` every rank is killed and ``subprocess.TimeoutExpired`` raised."""
+        deadline = time.monotonic() + timeout
+        try:
+            while self._watch():
+                if time.monotonic() > deadline:
+                    self._timeout(timeout)
                 time.sleep(0.05)
         finally:
-            _signal(procs, signal.SIGKILL)
-            for p in procs:
+            self.signal(signal.SIGKILL)
+            for p in self.procs:
                 p.join(10)
-        del store
-        code = failed.exitcode if failed is not None else next((p.exitcode for p in procs if p.exitcode), 0)
-        return subprocess.CompletedProcess(cmd, code, _joined(tmp, ranks, 0), _joined(tmp, ranks, 1))
+        failed = self._failed
+        code = failed.exitcode if failed is not None else next((p.exitcode for p in self.procs if p.exitcode), 0)
+        out = subprocess.CompletedProcess(self.cmd, code, self._joined(0), self._joined(1))
+        self._store = None
+        self._tmp.cleanup()
+        return out
 
-
-def _joined(tmp: str, ranks: int, which: int) -> str:
-    out = []
-    for r in range(ranks):
-        try:
-            with open(_streams(tmp, r)[which], errors="replace") as f:
-                out.append(f.read())
-        except FileNotFoundError:
-            pass
-    return "".join(out)
+    def _joined(self, which: int) -> str:
+        parts = []
+        for r in range(self.ranks):
+            try:
+                with open(_streams(self._tmp.name, r)[which], errors="replace") as f:
+                    parts.append(f.read())
+            except FileNotFoundError:
+                pass
+        return "".join(parts)

@@ -1,4 +1,8 @@
-"""The fine-tuning recipe run as a user runs it: a subprocess, one process or torchrun, preempted and resumed."""
+"""The fine-tuning recipe run as a user runs it, one process or on several ranks, preempted and resumed.
+
+Every run is a process of its own: forked from the tests' preloaded server with the environment ``python`` or
+``torchrun`` gives it (``forked_scripts``), and, for the 2-rank background-save case and the bad overrides, a new
+interpreter under the real ``torchrun`` (SIGTERM through torchrun's agent included)."""
 
 from __future__ import annotations
 
@@ -10,9 +14,14 @@ import sys
 import time
 from pathlib import Path
 
+from typing import Any, Iterator
+
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from distributed import START
+from forked_scripts import Job, run_script
 
 pytestmark = pytest.mark.slow  # multi-process: left out of the quick loop (-m 'not slow')
 
@@ -28,30 +37,70 @@ def command(world: int, config: str, *overrides: str) -> list[str]:
     return launch + [RECIPE, "--config", str(ROOT / "examples" / "llm" / config), *overrides]
 
 
-def run(cmd: list[str], timeout: float = 300, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV, cwd=cwd)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+def start(world: int, config: str, *overrides: str, real: bool = False, cwd: Path | None = None,
+          env: dict | None = None) -> Any:
+    """The recipe started as ``python`` (``world == 1``) or ``torchrun`` would start it. ``real``: a new interpreter
+    and the real ``torchrun`` (a ``Popen``); else forked from the tests' preloaded server with torchrun's
+    environment (``forked_scripts.Job``), which skips ~7 s of imports a process. Its output: stdout and stderr
+    together."""
+    if real or START != "forkserver":
+        return subprocess.Popen(command(world, config, *overrides), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=env or ENV, cwd=cwd, start_new_session=True)
+    return Job(RECIPE, "--config", str(ROOT / "examples" / "llm" / config), *overrides, ranks=world,
+               cwd=str(cwd) if cwd else None, env=env or ENV, merged=True)
+
+
+def run(world: int, config: str, *overrides: str, real: bool = False, timeout: float = 300, cwd: Path | None = None,
+        env: dict | None = None, ok: bool = True) -> subprocess.CompletedProcess:
+    """The recipe run to its end (see :func:`start`), its output captured (stdout and stderr apart)."""
+    if real or START != "forkserver":
+        out = subprocess.run(command(world, config, *overrides), capture_output=True, text=True, timeout=timeout,
+                             env=env or ENV, cwd=cwd)
+    else:
+        out = run_script(RECIPE, "--config", str(ROOT / "examples" / "llm" / config), *overrides, ranks=world,
+                         timeout=timeout, cwd=str(cwd) if cwd else None, env=env or ENV)
+    if ok:
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out
 
 
-def run_preempted(cmd: list[str], after: str, timeout: float = 300, cwd: Path | None = None) -> str:
-    """Start ``cmd``, send SIGTERM once ``after`` appears in its output, return the whole output."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, cwd=cwd,
-                            start_new_session=True)
+def _lines(job: Any, timeout: float) -> Iterator[str]:
+    yield from job.lines(timeout) if isinstance(job, Job) else job.stdout
+
+
+def _signal(job: Any, sig: int) -> None:
+    """``sig`` to the whole job, as a scheduler preempts it (torchrun's agent passes it on to its ranks)."""
+    if isinstance(job, Job):
+        job.signal(sig)
+    else:
+        os.killpg(job.pid, sig)
+
+
+def _wait(job: Any, timeout: float) -> tuple[int, str]:
+    if isinstance(job, Job):
+        done = job.wait(timeout)
+        return done.returncode, done.stdout
+    return job.wait(timeout=timeout), job.stdout.read()
+
+
+def run_preempted(world: int, config: str, *overrides: str, after: str, real: bool = False, timeout: float = 300,
+                  cwd: Path | None = None) -> str:
+    """Start the recipe, send SIGTERM once ``after`` appears in its output, return the whole output."""
+    job = start(world, config, *overrides, real=real, cwd=cwd)
     lines = []
     deadline = time.monotonic() + timeout
     sent = False
-    for line in proc.stdout:
+    for line in _lines(job, timeout):
         lines.append(line)
         if not sent and after in line:
-            os.killpg(proc.pid, signal.SIGTERM)  # the whole job, as a scheduler preempts it
+            _signal(job, signal.SIGTERM)
             sent = True
         assert time.monotonic() < deadline, "preempted run took too long"
-    code = proc.wait(timeout=60)
-    text = "".join(lines)
+    code, rest = _wait(job, 60)
+    text = "".join(lines) + rest
     # torchrun's own agent turns the SIGTERM it received into an error exit after its workers stopped
     # cleanly; a plain python run must exit 0.
-    launcher_only = "torch.distributed.run" in cmd and "SignalException" in text and "ChildFailedError" not in text
+    launcher_only = real and world > 1 and "SignalException" in text and "ChildFailedError" not in text
     assert code == 0 or launcher_only, text[-4000:]
     assert sent, "the run ended before it could be preempted"
     return text
@@ -94,11 +143,12 @@ def test_preempted_and_resumed_run_equals_uninterrupted(tmp_path, world, config,
                 "--data.num_sentences", "600", "--checkpoint.save_consolidated", "final",
                 "--checkpoint.async_save", str(async_save).lower()]
 
-    straight = run(command(world, config, *overrides("straight")))
+    real = world == 2 and async_save  # one case under a new interpreter and the real torchrun
+    straight = run(world, config, *overrides("straight"), real=real)
     assert "Loading checkpoint" not in straight.stdout
-    first = run_preempted(command(world, config, *overrides("resumed")), after="Saved checkpoint")
+    first = run_preempted(world, config, *overrides("resumed"), after="Saved checkpoint", real=real)
     assert "SIGTERM received: saved step" in first
-    second = run(command(world, config, *overrides("resumed")))
+    second = run(world, config, *overrides("resumed"), real=real)
     assert "Loading checkpoint from" in second.stdout and "Resumed at step" in second.stdout
 
     want, got = losses(tmp_path / "straight.jsonl"), losses(tmp_path / "resumed.jsonl")
@@ -117,11 +167,11 @@ def test_preempted_and_resumed_run_equals_uninterrupted(tmp_path, world, config,
 
 
 def test_overrides_reach_the_config(tmp_path):
-    out = run(command(1, "tiny_llama.yaml", "--step_scheduler.max_steps", "3", "--step_scheduler.ckpt_every_steps",
+    out = run(1, "tiny_llama.yaml", "--step_scheduler.max_steps", "3", "--step_scheduler.ckpt_every_steps",
                       "3", "--checkpoint.checkpoint_dir", str(tmp_path / "c"), "--checkpoint.name_template",
                       "ck_{step}", "--checkpoint.auto_insert_field_names", "false",
                       "--optimizer.lr=0.0005", "--data.num_sentences", "300",
-                      "--checkpoint.save_consolidated", "false"))
+                      "--checkpoint.save_consolidated", "false")
     config = json.loads(out.stdout.split("Config: ", 1)[1].splitlines()[0])
     assert config["optimizer"]["lr"] == 0.0005 and config["step_scheduler"]["max_steps"] == 3
     assert config["checkpoint"]["save_consolidated"] is False
@@ -146,11 +196,11 @@ def test_start_from_a_pretrained_folder_on_two_ranks(tmp_path):
     first = ["--checkpoint.checkpoint_dir", str(tmp_path / "a"), "--step_scheduler.max_steps", "30",
              "--checkpoint.save_consolidated", "final", "--data.num_sentences", "600",
              "--log_file", str(tmp_path / "a.jsonl")]
-    run(command(1, "tiny_llama.yaml", *first))
+    run(1, "tiny_llama.yaml", *first)
     bundle = (tmp_path / "a" / "LATEST").resolve() / "model" / "consolidated"
     second = ["--model.pretrained_path", str(bundle), "--checkpoint.checkpoint_dir", str(tmp_path / "b"),
               "--step_scheduler.max_steps", "2", "--data.num_sentences", "600", "--log_file", str(tmp_path / "b.jsonl")]
-    out = run(command(2, "from_pretrained.yaml", *second))
+    out = run(2, "from_pretrained.yaml", *second)
     assert f"Loaded pretrained weights from {bundle}" in out.stdout
     trained, fresh = losses(tmp_path / "a.jsonl"), losses(tmp_path / "b.jsonl")
     # it continues from the trained weights (built on meta, FSDP2-sharded, each rank reading its slices)
@@ -158,7 +208,7 @@ def test_start_from_a_pretrained_folder_on_two_ranks(tmp_path):
     # LoRA on top of the same folder: the frozen base comes from it (peft key names mapped back)
     lora = ["--model.pretrained_path", str(bundle), "--checkpoint.checkpoint_dir", str(tmp_path / "c"),
             "--step_scheduler.max_steps", "2", "--data.num_sentences", "600", "--log_file", str(tmp_path / "c.jsonl")]
-    out = run(command(1, "tiny_llama_peft.yaml", *lora))
+    out = run(1, "tiny_llama_peft.yaml", *lora)
     assert f"Loaded pretrained weights from {bundle}" in out.stdout
     assert abs(losses(tmp_path / "c.jsonl")[1] - trained[30]) < 0.5
 
@@ -185,11 +235,11 @@ def test_the_recipe_checkpoints_to_a_bucket_and_resumes_from_it(tmp_path):
         work = tmp_path / "cwd"  # the runs' working directory: a URL read as a path would show up here
         work.mkdir()
         ENV["XDG_CACHE_HOME"] = str(tmp_path / "cache")
-        run(command(1, "tiny_llama.yaml", *overrides(str(tmp_path / "straight"), "straight")))
-        first = run_preempted(command(1, "tiny_llama.yaml", *overrides("s3://recipe/run", "resumed")),
-                              after="Saved checkpoint", cwd=work)
+        run(1, "tiny_llama.yaml", *overrides(str(tmp_path / "straight"), "straight"))
+        first = run_preempted(1, "tiny_llama.yaml", *overrides("s3://recipe/run", "resumed"), after="Saved checkpoint",
+                              cwd=work)
         assert "SIGTERM received: saved step" in first
-        second = run(command(1, "tiny_llama.yaml", *overrides("s3://recipe/run", "resumed")), cwd=work)
+        second = run(1, "tiny_llama.yaml", *overrides("s3://recipe/run", "resumed"), cwd=work)
         assert "Loading checkpoint from s3://recipe/run/" in second.stdout
         want, got = losses(tmp_path / "straight.jsonl"), losses(tmp_path / "resumed.jsonl")
         assert sorted(got) == list(range(1, 25)) and got == want
@@ -199,8 +249,7 @@ def test_the_recipe_checkpoints_to_a_bucket_and_resumes_from_it(tmp_path):
 
         # a store that cannot be reached: a clear error, and still no local folder made from the URL
         ENV["AWS_ENDPOINT_URL"] = "http://127.0.0.1:9"
-        out = subprocess.run(command(1, "tiny_llama.yaml", *overrides("s3://recipe/elsewhere", "unreachable")),
-                             capture_output=True, text=True, timeout=300, env=ENV, cwd=work)
+        out = run(1, "tiny_llama.yaml", *overrides("s3://recipe/elsewhere", "unreachable"), cwd=work, ok=False)
         assert out.returncode == 1 and "finetune.py: error: listing s3://recipe/elsewhere" in out.stderr, out.stderr[-2000:]
         assert "Traceback" not in out.stderr
         assert list(work.iterdir()) == [] and not (ROOT / "s3:").exists()
@@ -222,20 +271,14 @@ def test_a_run_killed_without_notice_resumes_from_the_memory_tier(tmp_path):
                 "--checkpoint.save_consolidated", "final"]
 
     env = {**ENV, "CKPTIO_MEMORY_DIR": str(tmp_path / "shm")}
-    straight = subprocess.run(command(1, "tiny_llama.yaml", *overrides("straight")), capture_output=True, text=True,
-                              timeout=300, env=env)
-    assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
-    proc = subprocess.Popen(command(1, "tiny_llama.yaml", *overrides("killed")), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
-    for line in proc.stdout:
+    run(1, "tiny_llama.yaml", *overrides("straight"), env=env)
+    job = start(1, "tiny_llama.yaml", *overrides("killed"), env=env)
+    for line in _lines(job, 300):
         if "_step_60 committed" in line:
-            os.killpg(proc.pid, signal.SIGKILL)
+            _signal(job, signal.SIGKILL)
             break
-    proc.wait(60)
-    assert proc.returncode == -signal.SIGKILL, "the run was to be killed mid-way"
-    second = subprocess.run(command(1, "tiny_llama.yaml", *overrides("killed")), capture_output=True, text=True,
-                            timeout=300, env=env)
-    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert _wait(job, 60)[0] == -signal.SIGKILL, "the run was to be killed mid-way"
+    second = run(1, "tiny_llama.yaml", *overrides("killed"), env=env)
     out = second.stdout + second.stderr
     restored = int(out.split("Restored step ")[1].split()[0])
     assert "from the memory tier" in out and restored >= 60
