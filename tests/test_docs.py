@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from distributed import launch
+
 ROOT = Path(__file__).resolve().parents[1]
 MKDOCS = Path(sys.executable).parent / "mkdocs"
 
@@ -59,9 +61,6 @@ def test_the_accelerate_page_loop_resumes_where_a_straight_run_ends(tmp_path):
     """Issue 52, row 6: the page's snippet resumed, but not where the page said (skipping the batches seen was
     only in the proofs). The whole loop is on the page; run as it stands, stopped at step 17 and rerun, it ends
     where a straight run ends."""
-    import subprocess
-    import sys
-
     code = _block("migrate-accelerate.md", "### The whole resumable loop")
     assert "skip_first_batches" in code and "use_seedable_sampler=True" in code and "STEPS = 40" in code
 
@@ -69,7 +68,7 @@ def test_the_accelerate_page_loop_resumes_where_a_straight_run_ends(tmp_path):
         folder.mkdir(exist_ok=True)
         script = folder / "loop.py"
         script.write_text(code.replace("STEPS = 40", f"STEPS = {steps}"))
-        done = subprocess.run([sys.executable, str(script)], cwd=folder, capture_output=True, text=True, timeout=300)
+        done = launch(str(script), cwd=str(folder), timeout=300)  # a process of its own (tests/distributed.py)
         assert done.returncode == 0, done.stderr[-3000:]
         return done.stdout.strip().splitlines()[-1]
 
@@ -88,7 +87,7 @@ def test_the_first_checkpoint_page_runs_as_it_stands_and_resumes_exactly(tmp_pat
     def run(folder: Path, steps: int) -> str:
         folder.mkdir(exist_ok=True)
         (folder / "train.py").write_text(code.replace("max_steps=100", f"max_steps={steps}"))
-        done = subprocess.run([sys.executable, "train.py"], cwd=folder, capture_output=True, text=True, timeout=300)
+        done = launch(str(folder / "train.py"), cwd=str(folder), timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
         return done.stdout.strip().splitlines()[-1]
 

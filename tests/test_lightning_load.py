@@ -19,6 +19,7 @@ import torch
 
 pl = pytest.importorskip("pytorch_lightning")
 
+from distributed import launch  # noqa: E402
 from lit_tiny import Evaluated, TinyData  # noqa: E402
 
 from ckptio import CheckpointCorruptError, CheckpointError  # noqa: E402
@@ -195,7 +196,7 @@ def test_an_inference_script_finds_the_one_line_it_needs(tmp_path):
     """Issue 52, row 1: a separate inference script's ``load_from_checkpoint(best_model_path)`` failed with a bare
     ``IsADirectoryError`` that named neither ckptio nor ``install_loader()``. The folder carries a note a user finds
     with ``ls``, ``ckptio inspect`` ends with the line, the docs show it first, and the note's snippet works as
-    written, in a fresh process with the real Lightning."""
+    written, in a process of its own with the real Lightning."""
     import subprocess
     import sys
 
@@ -205,11 +206,13 @@ def test_an_inference_script_finds_the_one_line_it_needs(tmp_path):
     tests = str(Path(__file__).resolve().parent)
     snippet = "\n".join(line.strip() for line in note.splitlines() if line.startswith("    ") and "import" in line
                         or line.strip() == "install_loader()")
-    plain = subprocess.run([sys.executable, "-c", _INFERENCE.format(setup=""), str(best), tests],
-                           capture_output=True, text=True, timeout=300)
+    scripts = {}
+    for name, setup in (("plain", ""), ("loaded", snippet)):  # each run in a process of its own (tests/distributed.py)
+        scripts[name] = tmp_path / f"{name}.py"
+        scripts[name].write_text(_INFERENCE.format(setup=setup))
+    plain = launch(str(scripts["plain"]), str(best), tests, timeout=300)
     assert plain.returncode != 0 and "IsADirectoryError" in plain.stderr  # Lightning alone, as the note says
-    loaded = subprocess.run([sys.executable, "-c", _INFERENCE.format(setup=snippet), str(best), tests],
-                            capture_output=True, text=True, timeout=300)
+    loaded = launch(str(scripts["loaded"]), str(best), tests, timeout=300)
     assert loaded.returncode == 0 and f"LOADED {HPARAMS}" in loaded.stdout, loaded.stderr[-3000:]
     shown = subprocess.run([str(Path(sys.executable).parent / "ckptio"), "inspect", str(best)], capture_output=True,
                            text=True, timeout=120)
