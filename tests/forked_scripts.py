@@ -5,9 +5,9 @@ A fresh interpreter spends ~5-7 s here importing torch and transformers before t
 forked from the server that already imported them (:data:`distributed.PRELOAD`) starts at once. Each rank is still a
 process of its own, with the environment ``torchrun`` gives its workers (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``/``MASTER_PORT`` with the store served there as torchrun's agent serves it, ``TORCHELASTIC_*``), the
-caller's working folder, the script as ``__main__`` with
-its ``sys.argv`` and its folder first on ``sys.path``, and the end of an interpreter's life: non-daemon threads
-joined, then ``atexit`` handlers run. What happens when a rank fails is what ``torchrun`` does: the others get
+caller's working folder (or the one given), torch's thread count from ``OMP_NUM_THREADS`` as a new interpreter
+sets it, the script as ``__main__`` with its ``sys.argv`` and its folder first on ``sys.path``, and the end of an
+interpreter's life: non-daemon threads joined, then ``atexit`` handlers run. What happens when a rank fails is what ``torchrun`` does: the others get
 SIGTERM, and SIGKILL 30 s later if they are still there. A rank's stdout and stderr are returned as the
 launcher's, rank by rank.
 """
@@ -29,6 +29,7 @@ import traceback
 import uuid
 from typing import Iterator
 
+import torch
 import torch.distributed as dist
 
 TERM_GRACE = 30.0  # torchrun's own: how long the other ranks get between SIGTERM and SIGKILL after a rank failed
@@ -45,6 +46,8 @@ def _rank(script: str, args: list[str], env: dict[str, str], cwd: str, tmp: str,
         os.environ.clear()
         os.environ.update(env)
         os.chdir(cwd)
+        if env.get("OMP_NUM_THREADS", "").isdigit():  # read once, at torch's import, by a new interpreter
+            torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
         sys.stdout.flush()
         sys.stderr.flush()
         for fd, path in zip((1, 2), _streams(tmp, rank)):
