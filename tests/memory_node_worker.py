@@ -9,7 +9,6 @@
         [--natural-exit]      # end as a user's script does: close, destroy the group, return (no os._exit)
         [--no-ckptio]         # the same training without a checkpoint manager (with --natural-exit: the baseline
                               # of benchmarks/exit_aborts.py)
-        [--model plain]       # toy.TinyLM instead of the tiny Llama: no transformers (the tests' jobs)
 
 Trains the tiny Llama (FSDP2 over all ranks, ``toy.Run``) with ``maybe_save()`` after every step: a memory
 snapshot every ``--memory-every`` steps into this node's ``CKPTIO_MEMORY_DIR``, a durable save into ``--ckpt``
@@ -43,8 +42,6 @@ def main() -> int:
     p.add_argument("--replicas", type=int, default=None)
     p.add_argument("--natural-exit", action="store_true")
     p.add_argument("--no-ckptio", action="store_true")
-    p.add_argument("--model", choices=("llama", "plain"), default="llama",
-                   help="the tiny Llama of transformers, or toy.TinyLM (plain torch: no transformers import)")
     args = p.parse_args()
 
     import logging
@@ -76,10 +73,10 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.no_ckptio:
-        return _without_ckptio(args.steps, args.model)
+        return _without_ckptio(args.steps)
     replicas = {} if args.replicas is None else {"memory_replicas": args.replicas}
     run = Run(args.ckpt, max_steps=args.steps, memory_every_steps=args.memory_every,
-              persist_every_steps=args.persist_every, model=args.model, **replicas)
+              persist_every_steps=args.persist_every, **replicas)
     info = run.mgr.restore()
     state = full_state(run.model, run.opt)
     if rank == 0:
@@ -111,14 +108,14 @@ def main() -> int:
 _HELD: list = []
 
 
-def _without_ckptio(steps: int, kind: str) -> int:
+def _without_ckptio(steps: int) -> int:
     """The job's training, model and data without ckptio; ends as a user's script does."""
     import torch
     import torch.distributed as dist
     from toy import TokenDataset, make_model
 
     torch.manual_seed(300)
-    model = make_model(0, kind=kind)
+    model = make_model(0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     loader = torch.utils.data.DataLoader(TokenDataset(), batch_size=4, shuffle=True)
     done = 0

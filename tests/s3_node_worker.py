@@ -3,8 +3,7 @@
     torchrun ... tests/s3_node_worker.py --ckpt s3://bucket/run --steps 4 --save-every 2 --out DIR
         [--die-at-save 4]     # this node's ranks are SIGKILLed while saving that step (after their files)
 
-Trains ``toy.TinyLM`` (plain torch, so that a rank starts without importing transformers; FSDP2 over all ranks)
-with the shared test setup (``toy.Run``), resuming from the
+Trains the tiny Llama (FSDP2 over all ranks) with the shared test setup (``toy.Run``), resuming from the
 newest complete checkpoint in ``--ckpt`` if there is one, and saves every ``--save-every`` steps. Rank 0
 writes ``DIR/restored.pt`` (the whole state right after the restore, and its step), ``DIR/state_N.pt``
 after each save of step N and ``DIR/final.pt`` (the whole state at the end). ``DIR`` and ``TMPDIR`` (where uploads are spooled) are the node's own.
@@ -41,7 +40,7 @@ def main() -> int:
 
     from ckptio import _faults
 
-    run = Run(args.ckpt, max_steps=args.steps, ckpt_every=args.save_every, model="plain")
+    run = Run(args.ckpt, max_steps=args.steps, ckpt_every=args.save_every)
     rank = dist.get_rank() if dist.is_initialized() else 0
     if args.die_at_save is not None:
         def die(point: str) -> None:

@@ -33,7 +33,7 @@ from ckptio.tier.node import Held, tier_record  # noqa: E402
 from ckptio.tier.placement import place  # noqa: E402
 
 WORKER = Path(__file__).with_name("memory_node_worker.py")
-COMMON = ("--steps", "12", "--memory-every", "2", "--persist-every", "6", "--model", "plain")  # no transformers
+COMMON = ("--steps", "12", "--memory-every", "2", "--persist-every", "6")
 
 
 # ------------------------------------------------------------------------------------------------- placement

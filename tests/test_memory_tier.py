@@ -2,7 +2,7 @@
 
 The multi-node cases run real jobs: two ``torchrun`` "nodes" of 2 ranks on 127.0.0.1, each with its own memory
 folder (``CKPTIO_MEMORY_DIR``) and no folder in common for the memory tier (the durable tier is a local folder).
-The job trains toy.TinyLM (plain torch) for 12 steps with a memory snapshot every 2 steps and a durable save every 6; an
+The job trains the tiny Llama for 12 steps with a memory snapshot every 2 steps and a durable save every 6; an
 uninterrupted run records the whole state at every save and at the end. Interrupted runs must end bitwise equal
 to it, having lost at most 2 steps, whichever way they were interrupted.
 """
@@ -29,7 +29,7 @@ from ckptio.tier.memory import Nodes, pick  # noqa: E402
 from ckptio.tier.node import Held  # noqa: E402
 
 WORKER = Path(__file__).with_name("memory_node_worker.py")
-COMMON = ("--steps", "12", "--memory-every", "2", "--persist-every", "6", "--model", "plain")  # no transformers
+COMMON = ("--steps", "12", "--memory-every", "2", "--persist-every", "6")
 
 
 # ------------------------------------------------------------------------------------------------- the plan

@@ -30,62 +30,14 @@ def world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-class _Block(torch.nn.Module):
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.norm1, self.norm2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
-        self.qkv, self.out = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
-        self.up, self.down = torch.nn.Linear(width, 2 * width), torch.nn.Linear(2 * width, width)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        b, t, w = h.shape
-        q, k, v = (x.view(b, t, self.heads, w // self.heads).transpose(1, 2)
-                   for x in self.qkv(self.norm1(h)).chunk(3, dim=-1))
-        att = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                               dropout_p=0.1 if self.training else 0.0)
-        h = h + self.out(att.transpose(1, 2).reshape(b, t, w))
-        return h + self.down(torch.nn.functional.gelu(self.up(self.norm2(h))))
-
-
-class TinyLM(torch.nn.Module):
-    """A causal LM in plain torch (embeddings tied to the head, 2 attention blocks with dropout, so the RNG streams
-    matter), called as the Llama is (``model(input_ids=..., labels=...).loss``). For the multi-node jobs whose
-    subject is the checkpoint tiers, not the model: a rank that never imports transformers starts ~4 s sooner."""
-
-    def __init__(self, width: int = 32, layers: int = 2, heads: int = 4) -> None:
-        super().__init__()
-        self.embed = torch.nn.Embedding(VOCAB, width)
-        self.layers = torch.nn.ModuleList(_Block(width, heads) for _ in range(layers))
-        self.norm = torch.nn.LayerNorm(width)
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
-        from types import SimpleNamespace
-
-        h = self.embed(input_ids)
-        for layer in self.layers:
-            h = layer(h)
-        logits = self.norm(h) @ self.embed.weight.T
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
-        return SimpleNamespace(loss=loss)
-
-
-def make_model(seed: int = 0, peft: bool = False, base_dir: str | None = None, kind: str = "llama",
-               **overrides: Any) -> torch.nn.Module:
-    """The tiny Llama (LoRA-wrapped when ``peft``), FSDP2-sharded when there are several ranks; ``kind="plain"``:
-    :class:`TinyLM` instead (no transformers).
+def make_model(seed: int = 0, peft: bool = False, base_dir: str | None = None, **overrides: Any) -> torch.nn.Module:
+    """The tiny Llama (LoRA-wrapped when ``peft``), FSDP2-sharded when there are several ranks.
 
     ``base_dir``: rank 0 saves the base model there first (what a PEFT adapter refers to).
     """
-    torch.manual_seed(seed)
-    if kind == "plain":
-        assert not peft and base_dir is None and not overrides, "TinyLM has no PEFT, base folder or config"
-        model = TinyLM()
-        for layer in model.layers:
-            fully_shard_if_distributed(layer)
-        return fully_shard_if_distributed(model)
     from transformers import LlamaForCausalLM
 
+    torch.manual_seed(seed)
     model = LlamaForCausalLM(llama_config(**overrides))
     if base_dir is not None and (not dist.is_initialized() or dist.get_rank() == 0):
         model.save_pretrained(base_dir)
@@ -95,17 +47,13 @@ def make_model(seed: int = 0, peft: bool = False, base_dir: str | None = None, k
 
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, task_type="CAUSAL_LM",
                                                  target_modules=["q_proj", "v_proj", "down_proj"]))
-    for layer in layers:
-        fully_shard_if_distributed(layer)
-    return fully_shard_if_distributed(model)
-
-
-def fully_shard_if_distributed(module: torch.nn.Module) -> torch.nn.Module:
     if world() > 1:
         from torch.distributed.fsdp import fully_shard
 
-        fully_shard(module)
-    return module
+        for layer in layers:
+            fully_shard(layer)
+        fully_shard(model)
+    return model
 
 
 class TokenDataset(torch.utils.data.Dataset):
@@ -138,12 +86,12 @@ class Run:
 
     def __init__(self, ckpt_dir: str | Path, fmt: str = "safetensors", max_steps: int = 12,
                  ckpt_every: int | None = None, seed: int = 0, peft: bool = False, base_dir: str | None = None,
-                 model: str = "llama", **config: Any) -> None:
+                 **config: Any) -> None:
         rank = dist.get_rank() if dist.is_initialized() else 0
         random.seed(100 + rank)
         np.random.seed(200 + rank)
         torch.manual_seed(300 + rank)
-        self.model = make_model(seed, peft=peft, base_dir=base_dir, kind=model)
+        self.model = make_model(seed, peft=peft, base_dir=base_dir)
         self.model.train()
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(trainable, lr=1e-2, weight_decay=0.01)
