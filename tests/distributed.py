@@ -213,17 +213,14 @@ def kill_at(spec: str) -> None:
 
 
 def launch(script: str, *args: str, ranks: int = 1, timeout: float = 600, cwd: str | None = None,
-           env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+           env: dict[str, str] | None = None, real: bool = False) -> subprocess.CompletedProcess:
     """``python script args`` in a process of its own (``ranks=1``) or as under torchrun with ``ranks`` CPU ranks on
-    this machine; its output captured as text. With ``CKPTIO_TEST_START=forkserver`` (the default) each rank is
-    forked from the preloaded server (:mod:`forked_scripts`), else the interpreters start from scratch."""
-    if START == "forkserver":
-        from forked_scripts import run_script
+    this machine; its output captured as text. Each rank is forked from the preloaded server
+    (:mod:`forked_scripts`) unless ``real`` or ``CKPTIO_TEST_START=spawn``: then the interpreters start from
+    scratch, under the real torchrun."""
+    from forked_scripts import run_script
 
-        return run_script(script, *args, ranks=ranks, timeout=timeout, cwd=cwd, env=env)
-    cmd = [sys.executable, script, *args] if ranks == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", script, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
+    return run_script(script, *args, ranks=ranks, timeout=timeout, cwd=cwd, env=env, real=real or START != "forkserver")
 
 
 def free_port() -> int:

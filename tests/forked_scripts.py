@@ -7,9 +7,12 @@ process of its own, with the environment ``torchrun`` gives its workers (``RANK`
 ``MASTER_ADDR``/``MASTER_PORT`` with the store served there as torchrun's agent serves it, ``TORCHELASTIC_*``), the
 caller's working folder (or the one given), torch's thread count from ``OMP_NUM_THREADS`` as a new interpreter
 sets it, the script as ``__main__`` with its ``sys.argv`` and its folder first on ``sys.path``, and the end of an
-interpreter's life: non-daemon threads joined, then ``atexit`` handlers run. What happens when a rank fails is what ``torchrun`` does: the others get
-SIGTERM, and SIGKILL 30 s later if they are still there. A rank's stdout and stderr are returned as the
-launcher's, rank by rank.
+interpreter's life: non-daemon threads joined, then ``atexit`` handlers run. What happens when a rank fails is what
+``torchrun`` does: the others get SIGTERM, and SIGKILL 30 s later if they are still there. A rank's stdout and
+stderr are returned as the launcher's, rank by rank.
+
+:func:`start` with ``real=True`` starts the same as new interpreters instead (``python`` or the real ``torchrun``),
+behind the same interface: a test picks the launcher, not the code that drives it.
 """
 
 from __future__ import annotations
@@ -101,11 +104,49 @@ def _signal(procs: list[mp.Process], sig: int) -> None:
                 pass
 
 
+def start(script: str, *args: str, ranks: int = 1, cwd: str | None = None, env: dict[str, str] | None = None,
+          merged: bool = False, real: bool = False) -> Job | Interpreters:
+    """``script args`` started on ``ranks`` processes: forked (:class:`Job`), or with ``real`` new interpreters
+    (:class:`Interpreters`). ``merged``: each rank's stderr goes where its stdout goes."""
+    kind = Interpreters if real else Job
+    return kind(script, *args, ranks=ranks, cwd=cwd, env=env, merged=merged)
+
+
 def run_script(script: str, *args: str, ranks: int = 1, timeout: float = 600, cwd: str | None = None,
-               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``script args`` on ``ranks`` forked processes (see the module's docstring), waited for: as
-    ``subprocess.run(..., capture_output=True, text=True, timeout=timeout)`` returns (:meth:`Job.wait`)."""
-    return Job(script, *args, ranks=ranks, cwd=cwd, env=env).wait(timeout)
+               env: dict[str, str] | None = None, real: bool = False) -> subprocess.CompletedProcess:
+    """:func:`start`, waited for: as ``subprocess.run(..., capture_output=True, text=True, timeout=timeout)``
+    returns."""
+    return start(script, *args, ranks=ranks, cwd=cwd, env=env, real=real).wait(timeout)
+
+
+class Interpreters:
+    """``python script args`` or the real ``torchrun --standalone``, in a session of its own; the interface of
+    :class:`Job`."""
+
+    def __init__(self, script: str, *args: str, ranks: int = 1, cwd: str | None = None,
+                 env: dict[str, str] | None = None, merged: bool = False) -> None:
+        self.cmd = [sys.executable, script, *args] if ranks == 1 else \
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", script, *args]
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT if merged else subprocess.PIPE, text=True, cwd=cwd,
+                                     env=env, start_new_session=True)
+
+    def lines(self, timeout: float) -> Iterator[str]:
+        """Its output line by line as it is written (the caller keeps its own deadline)."""
+        yield from self.proc.stdout  # type: ignore[misc]
+
+    def signal(self, sig: int) -> None:
+        """``sig`` to the whole job, as a scheduler sends it (torchrun's agent passes it on to its ranks)."""
+        os.killpg(self.proc.pid, sig)
+
+    def wait(self, timeout: float = 600) -> subprocess.CompletedProcess:
+        try:
+            out, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.signal(signal.SIGKILL)
+            self.proc.communicate()
+            raise
+        return subprocess.CompletedProcess(self.cmd, self.proc.returncode, out, err or "")
 
 
 class Job:
@@ -125,7 +166,7 @@ class Job:
         # torchrun's agent serves the store on MASTER_PORT; its workers connect to it as clients
         self._store = None if ranks == 1 else dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
         self._tmp = tempfile.TemporaryDirectory(prefix="ckptio-script-")
-        self.ranks, self.merged = ranks, merged
+        self.ranks = ranks
         self.procs = [ctx.Process(target=_rank, args=(script, list(args), _rank_env(base, r, ranks, port, run_id),
                                                       cwd or os.getcwd(), self._tmp.name, r, merged))
                       for r in range(ranks)]

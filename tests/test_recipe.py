@@ -10,18 +10,16 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
-
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from distributed import START
-from forked_scripts import Job, run_script
+from distributed import START, launch
+from forked_scripts import start as start_script
 
 pytestmark = pytest.mark.slow  # multi-process: left out of the quick loop (-m 'not slow')
 
@@ -31,56 +29,27 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "HF_HUB
 MAX = 40
 
 
-def command(world: int, config: str, *overrides: str) -> list[str]:
-    launch = [sys.executable] if world == 1 else [sys.executable, "-m", "torch.distributed.run",
-                                                  "--standalone", f"--nproc-per-node={world}"]
-    return launch + [RECIPE, "--config", str(ROOT / "examples" / "llm" / config), *overrides]
+def _config(config: str) -> str:
+    return str(ROOT / "examples" / "llm" / config)
 
 
 def start(world: int, config: str, *overrides: str, real: bool = False, cwd: Path | None = None,
           env: dict | None = None) -> Any:
-    """The recipe started as ``python`` (``world == 1``) or ``torchrun`` would start it. ``real``: a new interpreter
-    and the real ``torchrun`` (a ``Popen``); else forked from the tests' preloaded server with torchrun's
-    environment (``forked_scripts.Job``), which skips ~7 s of imports a process. Its output: stdout and stderr
-    together."""
-    if real or START != "forkserver":
-        return subprocess.Popen(command(world, config, *overrides), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, env=env or ENV, cwd=cwd, start_new_session=True)
-    return Job(RECIPE, "--config", str(ROOT / "examples" / "llm" / config), *overrides, ranks=world,
-               cwd=str(cwd) if cwd else None, env=env or ENV, merged=True)
+    """The recipe started as ``python`` (``world == 1``) or ``torchrun`` would start it: forked from the tests'
+    preloaded server with torchrun's environment, which skips ~7 s of imports a process, or with ``real`` a new
+    interpreter under the real ``torchrun`` (``forked_scripts.start``). Its output: stdout and stderr together."""
+    return start_script(RECIPE, "--config", _config(config), *overrides, ranks=world, cwd=str(cwd) if cwd else None,
+                        env=env or ENV, merged=True, real=real or START != "forkserver")
 
 
 def run(world: int, config: str, *overrides: str, real: bool = False, timeout: float = 300, cwd: Path | None = None,
         env: dict | None = None, ok: bool = True) -> subprocess.CompletedProcess:
     """The recipe run to its end (see :func:`start`), its output captured (stdout and stderr apart)."""
-    if real or START != "forkserver":
-        out = subprocess.run(command(world, config, *overrides), capture_output=True, text=True, timeout=timeout,
-                             env=env or ENV, cwd=cwd)
-    else:
-        out = run_script(RECIPE, "--config", str(ROOT / "examples" / "llm" / config), *overrides, ranks=world,
-                         timeout=timeout, cwd=str(cwd) if cwd else None, env=env or ENV)
+    out = launch(RECIPE, "--config", _config(config), *overrides, ranks=world, timeout=timeout,
+                 cwd=str(cwd) if cwd else None, env=env or ENV, real=real)
     if ok:
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out
-
-
-def _lines(job: Any, timeout: float) -> Iterator[str]:
-    yield from job.lines(timeout) if isinstance(job, Job) else job.stdout
-
-
-def _signal(job: Any, sig: int) -> None:
-    """``sig`` to the whole job, as a scheduler preempts it (torchrun's agent passes it on to its ranks)."""
-    if isinstance(job, Job):
-        job.signal(sig)
-    else:
-        os.killpg(job.pid, sig)
-
-
-def _wait(job: Any, timeout: float) -> tuple[int, str]:
-    if isinstance(job, Job):
-        done = job.wait(timeout)
-        return done.returncode, done.stdout
-    return job.wait(timeout=timeout), job.stdout.read()
 
 
 def run_preempted(world: int, config: str, *overrides: str, after: str, real: bool = False, timeout: float = 300,
@@ -90,14 +59,14 @@ def run_preempted(world: int, config: str, *overrides: str, after: str, real: bo
     lines = []
     deadline = time.monotonic() + timeout
     sent = False
-    for line in _lines(job, timeout):
+    for line in job.lines(timeout):
         lines.append(line)
         if not sent and after in line:
-            _signal(job, signal.SIGTERM)
+            job.signal(signal.SIGTERM)  # the whole job, as a scheduler preempts it
             sent = True
         assert time.monotonic() < deadline, "preempted run took too long"
-    code, rest = _wait(job, 60)
-    text = "".join(lines) + rest
+    done = job.wait(60)
+    code, text = done.returncode, "".join(lines) + done.stdout
     # torchrun's own agent turns the SIGTERM it received into an error exit after its workers stopped
     # cleanly; a plain python run must exit 0.
     launcher_only = real and world > 1 and "SignalException" in text and "ChildFailedError" not in text
@@ -186,8 +155,7 @@ def test_overrides_reach_the_config(tmp_path):
     (["--checkpoint.keep_latest", "0"], ["checkpoint: keep_latest must be a positive integer"]),
 ])
 def test_bad_overrides_are_refused_with_the_key(override, messages):
-    out = subprocess.run(command(1, "tiny_llama.yaml", *override), capture_output=True, text=True, env=ENV,
-                         timeout=120)
+    out = run(1, "tiny_llama.yaml", *override, real=True, timeout=120, ok=False)
     assert out.returncode == 2 and all(m in out.stderr for m in messages), out.stderr
     assert "Traceback" not in out.stderr
 
@@ -273,11 +241,11 @@ def test_a_run_killed_without_notice_resumes_from_the_memory_tier(tmp_path):
     env = {**ENV, "CKPTIO_MEMORY_DIR": str(tmp_path / "shm")}
     run(1, "tiny_llama.yaml", *overrides("straight"), env=env)
     job = start(1, "tiny_llama.yaml", *overrides("killed"), env=env)
-    for line in _lines(job, 300):
+    for line in job.lines(300):
         if "_step_60 committed" in line:
-            _signal(job, signal.SIGKILL)
+            job.signal(signal.SIGKILL)
             break
-    assert _wait(job, 60)[0] == -signal.SIGKILL, "the run was to be killed mid-way"
+    assert job.wait(60).returncode == -signal.SIGKILL, "the run was to be killed mid-way"
     second = run(1, "tiny_llama.yaml", *overrides("killed"), env=env)
     out = second.stdout + second.stderr
     restored = int(out.split("Restored step ")[1].split()[0])
