@@ -26,18 +26,16 @@ folder kind then skips that folder with its reason and takes the next older comp
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import pickle
-import pickletools
 import struct
 import zipfile
 import zlib
 from typing import Any, BinaryIO, Literal
 
 from ..errors import CheckpointCorruptError, CheckpointError
-from .pickle_walk import PickleTooCostly, Walk
+from .pickle_walk import PickleTooCostly, walk
 
 __all__ = ["MAX_DEPTH", "DATA_ERRORS", "parsing", "check_pickle", "json_value", "json_object", "read_json", "check_depth",
            "field", "as_int", "as_float", "Budget", "zip_member"]
@@ -75,37 +73,6 @@ class parsing:  # noqa: N801 - used as a statement: ``with parsing(path):``
         raise CheckpointCorruptError(f"{self.where}: {what}cannot be read safely ({type(exc).__name__}: {text})") from exc
 
 
-_OPS = {op.name: op for op in pickletools.opcodes}
-_MEMO_STORES = frozenset(_OPS[name] for name in ("PUT", "BINPUT", "LONG_BINPUT"))
-_MEMOIZE, _FRAME = _OPS["MEMOIZE"], _OPS["FRAME"]
-
-
-class _Left(io.RawIOBase):
-    """A stream of ``size`` bytes from its current position whose reads never ask for more than is left (a pickle's
-    length field claiming a terabyte reads what there is, and fails as too short)."""
-
-    def __init__(self, stream: BinaryIO, size: int) -> None:
-        super().__init__()
-        self.stream, self.left, self.start = stream, size, stream.tell()
-
-    def readable(self) -> bool:
-        return True
-
-    def read(self, n: int | None = -1) -> bytes:
-        n = self.left if n is None or n < 0 else min(n, self.left)
-        data = self.stream.read(n)
-        self.left -= len(data)
-        return data
-
-    def readline(self, limit: int | None = -1) -> bytes:
-        line = self.stream.readline(self.left if limit is None or limit < 0 else min(limit, self.left))
-        self.left -= len(line)
-        return line
-
-    def tell(self) -> int:
-        return self.stream.tell() - self.start
-
-
 _KNOWN_MAX, _KNOWN_COUNT = 4096, 1024
 _known_good: set[bytes] = set()
 """Small pickles :func:`check_pickle` accepted (the very bytes: the same bytes always get the same verdict)."""
@@ -119,45 +86,34 @@ def check_pickle(source: "bytes | BinaryIO", where: object, *, size: int | None 
 
     The restricted unpicklers are ``pickle.Unpickler`` (C) subclasses: their ``find_class`` refuses every global
     not allowed, but the C unpickler sizes its memo by the largest slot a ``LONG_BINPUT`` names and zeroes it, so
-    one flipped byte there costs gigabytes before any class is looked up. Costs about what the load costs; small
+    one flipped byte there costs gigabytes before any class is looked up. The walk (:mod:`.pickle_walk`) also bounds
+    what the pickle would build. It costs several times the load it guards (``benchmarks/pickle_walk.py``); small
     pickles seen whole before (a DCP folder's items of one shape carry the same pickle) are not walked again."""
-    if isinstance(source, (bytes, bytearray, memoryview)):
-        known = bytes(source) if len(source) <= _KNOWN_MAX else None
-        if known is not None and known in _known_good:
-            return
-        whole = io.BytesIO(source)
-        _walk(whole, whole, where, len(source))  # its own bytes: no read goes past them, no bounding view needed
-        if known is not None:
-            if len(_known_good) >= _KNOWN_COUNT:
-                _known_good.clear()
-            _known_good.add(known)
+    if not isinstance(source, (bytes, bytearray, memoryview)):
+        start = source.tell()
+        data = source.read(-1 if size is None else size)
+        source.seek(start)
+        _walk(data, where, len(data))
         return
-    _walk(source, _Left(source, size if size is not None else 1 << 62), where, size)
+    known = bytes(source) if len(source) <= _KNOWN_MAX else None
+    if known is not None and known in _known_good:
+        return
+    _walk(source if isinstance(source, bytes) else bytes(source), where, len(source))
+    if known is not None:
+        if len(_known_good) >= _KNOWN_COUNT:
+            _known_good.clear()
+        _known_good.add(known)
 
 
-def _walk(stream: Any, walk: Any, where: object, size: int | None) -> None:
-    """:func:`check_pickle` of ``stream`` read through ``walk`` (the stream itself, or a view bounded to ``size``)."""
-    start = stream.tell()
-    stored = 0
-    ops = Walk(size if size is not None else 0).ops
+def _walk(data: bytes, where: object, size: int) -> None:
+    """:func:`check_pickle` of ``data`` (``size``: what the bounds are measured against)."""
     try:
-        for op, arg, pos in pickletools.genops(walk):
-            ops[op.name](arg)  # an opcode without a handler: KeyError, refused as malformed
-            if op in _MEMO_STORES:
-                if type(arg) is not int or not 0 <= arg <= stored:
-                    raise ValueError(f"memo slot {arg} stored after {stored} slots (a pickler stores them in order)")
-                stored += arg == stored
-            elif op is _MEMOIZE:
-                stored += 1
-            elif op is _FRAME and type(arg) is int and arg > (size or 0) - (pos or 0):
-                raise ValueError(f"a frame of {arg} bytes at byte {pos} of {size}")
+        walk(data, size)
     except PickleTooCostly as exc:
         raise CheckpointCorruptError(f"{where}: refused as a pickle: {exc}") from None
-    except (ValueError, EOFError, struct.error, OverflowError, IndexError, KeyError) as exc:
+    except (ValueError, OverflowError) as exc:
         text = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
         raise CheckpointCorruptError(f"{where}: not a well-formed pickle ({text})") from None
-    finally:
-        stream.seek(start)
 
 
 def check_depth(value: Any, where: object, *, max_depth: int = MAX_DEPTH) -> Any:

@@ -18,14 +18,18 @@ its size, not only when an opcode is malformed:
 
 Objects a pickle changes after another object took them in (a list appended to after a tuple holds it, as only
 cycles do in what picklers write) make everything that holds them count as unbounded for hashing, and their new
-depth is carried up to every holder (once round a cycle: a list that holds itself nests no deeper).
+depth is carried up to every holder (once round a cycle: a list that holds itself nests no deeper). Knowing the
+holders costs a list per object, so a walk first only marks what is held and starts again keeping the lists the
+first time a held object changes (:func:`walk`): a pickle without cycles is walked once, cheaply.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-__all__ = ["Walk", "PickleTooCostly", "MAX_PICKLE_DEPTH", "MEMORY_FACTOR", "MEMORY_FLOOR", "MEMORY_CAP", "HASH_FACTOR",
+from . import pickle_ops
+
+__all__ = ["walk", "Walk", "PickleTooCostly", "MAX_PICKLE_DEPTH", "MEMORY_FACTOR", "MEMORY_FLOOR", "MEMORY_CAP", "HASH_FACTOR",
            "HASH_FLOOR", "MAX_COLLISIONS"]
 
 MAX_PICKLE_DEPTH = 100
@@ -44,35 +48,31 @@ class PickleTooCostly(ValueError):
     """A pickle whose objects would cost more than its size allows (the message says which bound)."""
 
 
-class _Obj:
-    """A stand-in for one object the unpickler would make: what hashing it costs, how deep it nests, who holds it,
-    and for a tuple of constants its value (to see colliding keys)."""
+class _Changed(Exception):
+    """A walk that keeps no holders met an object changed after it was held: walk again, keeping them."""
 
-    __slots__ = ("cost", "depth", "holders", "const", "hashes")
+
+class _Obj:
+    """A stand-in for one object the unpickler would make: what hashing it costs, how deep it nests, whether (or,
+    walking with holders, who) holds it, and for a tuple of constants its value (to see colliding keys)."""
+
+    __slots__ = ("cost", "depth", "holders", "const", "hashes", "held")
 
     def __init__(self, cost: int = 1, depth: int = 1, const: Any = None) -> None:
         self.cost, self.depth, self.const = cost, depth, const
         self.holders: list[_Obj] | None = None
         self.hashes: dict[int, int] | None = None
+        self.held = False
 
 
-_MARK = object()
 _LEAF = None
 """A value with nothing inside (a string, bytes, None, a global): costs 1 to hash, nests 0 deep."""
-_NUMBERS = (int, float)
-
-
-def _cost(value: Any) -> int:
-    return value.cost if type(value) is _Obj else 1
-
-
-def _depth(value: Any) -> int:
-    return value.depth if type(value) is _Obj else 0
+_NUMBERS = (int, float, bool)
 
 
 def _const(value: Any) -> Any:
     """A value whose hash is the same in every process (numbers and tuples of them), else None."""
-    if type(value) in _NUMBERS or type(value) is bool:
+    if type(value) in _NUMBERS:
         return value
     return value.const if type(value) is _Obj else None
 
@@ -80,8 +80,8 @@ def _const(value: Any) -> Any:
 class _Ledger:
     """What the objects made so far cost: memory, hashing and nesting, each against its bound."""
 
-    def __init__(self, size: int) -> None:
-        self.memory, self.hashing = 0, 0
+    def __init__(self, size: int, holders: bool) -> None:
+        self.memory, self.hashing, self.keep_holders = 0, 0, holders
         self.memory_limit = min(MEMORY_CAP, MEMORY_FACTOR * size + MEMORY_FLOOR)
         self.hash_limit = HASH_FACTOR * size + HASH_FLOOR
 
@@ -92,10 +92,14 @@ class _Ledger:
                                   "its size allows")
 
     def _hash(self, value: Any, into: _Obj | None) -> None:
-        self.hashing += _cost(value)
+        if type(value) is _Obj:
+            self.hashing += value.cost
+            const = value.const
+        else:
+            self.hashing += 1
+            const = value if type(value) in _NUMBERS else None
         if self.hashing > self.hash_limit:
             raise PickleTooCostly(f"hashing its keys would take over {self.hash_limit} steps (a key nested with repeats)")
-        const = _const(value)
         if into is not None and const is not None:
             seen = into.hashes if into.hashes is not None else {}
             into.hashes = seen
@@ -104,44 +108,53 @@ class _Ledger:
             if seen[h] > MAX_COLLISIONS:
                 raise PickleTooCostly(f"more than {MAX_COLLISIONS} keys of one dict or set share the hash {h}")
 
-    def _holds(self, outer: _Obj, inner: Any) -> None:
-        if type(inner) is not _Obj:
-            return
-        if inner.holders is None:
-            inner.holders = []
-        inner.holders.append(outer)
-
-    def _make(self, items: list[Any], const_ok: bool = False, extra: int = 0) -> _Obj:
-        """A new object holding ``items`` (a tuple, a list, an object built from them)."""
-        cost = 1 + extra
-        depth = 0
+    def _take(self, outer: _Obj, items: list[Any], cost: int, depth: int) -> tuple[int, int]:
+        """``outer`` holds ``items`` from now on: ``cost`` and ``depth`` with theirs added (each item marked held, or
+        told its holder when the walk keeps them)."""
         for item in items:
-            cost += _cost(item)
-            d = _depth(item)
-            if d > depth:
-                depth = d
-        if depth + 1 > MAX_PICKLE_DEPTH:
+            if type(item) is _Obj:
+                cost += item.cost
+                if item.depth >= depth:
+                    depth = item.depth + 1
+                item.held = True
+                if self.keep_holders:
+                    if item.holders is None:
+                        item.holders = []
+                    item.holders.append(outer)
+            else:
+                cost += 1
+        if depth > MAX_PICKLE_DEPTH:
             raise PickleTooCostly(f"it nests objects more than {MAX_PICKLE_DEPTH} levels deep")
-        const = None
+        return min(cost, _UNBOUNDED), depth
+
+    def _make(self, items: list[Any], const_ok: bool = False) -> _Obj:
+        """A new object holding ``items`` (a tuple, a list, an object built from them); ``const_ok``: a tuple, whose
+        value is kept when it holds only numbers and such tuples (at most 16)."""
+        obj = _Obj()
+        obj.cost, obj.depth = self._take(obj, items, 1, 1)
         if const_ok and len(items) <= 16:
-            values = [_const(item) for item in items]
-            if all(v is not None for v in values):
-                const = tuple(values)
-        obj = _Obj(min(cost, _UNBOUNDED), depth + 1, const)
-        for item in items:
-            self._holds(obj, item)
+            values = []
+            for item in items:
+                value = _const(item)
+                if value is None:
+                    return obj  # most tuples: a string or an object first
+                values.append(value)
+            obj.const = tuple(values)
         return obj
 
     def _grow(self, target: Any, items: list[Any]) -> None:
         """``target`` takes ``items`` in after it was made (APPENDS, SETITEMS, BUILD...)."""
         if type(target) is not _Obj:
             return  # a leaf (a global's result...): the unpickler fails on it, or the object is opaque to the walk
-        for item in items:
-            target.cost = min(target.cost + _cost(item), _UNBOUNDED)
-            self._holds(target, item)
-            self._deepen(target, _depth(item) + 1)
+        if target.held and not self.keep_holders:
+            raise _Changed
+        cost, depth = self._take(target, items, target.cost, target.depth)
+        target.cost = cost
         if target.holders:
+            self._deepen(target, depth)
             self._unbound(target.holders)
+        else:
+            target.depth = depth
 
     def _deepen(self, obj: _Obj, depth: int) -> None:
         if depth <= obj.depth:
@@ -168,29 +181,39 @@ class _Ledger:
             todo.extend(node.holders or ())
 
 
-class Walk(_Ledger):
-    """One pickle's walk: feed it every opcode with :meth:`step` (``pickletools.genops`` order); it raises
-    :class:`PickleTooCostly` at the first bound passed, or ``ValueError`` when the opcodes cannot run."""
+def walk(data: bytes, size: int) -> None:
+    """Walk the pickle ``data`` (``size`` bytes: the bounds' measure) to its STOP: :class:`PickleTooCostly` at the
+    first bound passed, ``ValueError`` when its opcodes cannot run. Once without holders, again with them only when
+    an object changed after it was held."""
+    try:
+        Walk(size, holders=False).run(data)
+    except _Changed:
+        Walk(size, holders=True).run(data)
 
-    def __init__(self, size: int) -> None:
-        super().__init__(size)
+
+class Walk(_Ledger):
+    """One pickle's walk: :meth:`run` feeds it every opcode; it raises :class:`PickleTooCostly` at the first bound
+    passed, or ``ValueError`` when the opcodes cannot run."""
+
+    def __init__(self, size: int, holders: bool = True) -> None:
+        super().__init__(size, holders)
         self.stack: list[Any] = []
         self.marks: list[int] = []
         self.memo: dict[int, Any] = {}
-        self.ops: dict[str, Callable[[Any], None]] = {}
+        self.by_code: list[Callable[[Any], None]] = [self._unknown] * 256
         for names, method in _TABLE:
             for name in names.split():
-                self.ops[name] = getattr(self, method)
+                self.by_code[pickle_ops.CODES[name]] = getattr(self, method)
         _bind_sized(self)
 
-    def step(self, name: str, arg: Any) -> None:
-        handler = self.ops.get(name)
-        if handler is None:
-            raise ValueError(f"opcode {name} not understood")
-        handler(arg)
+    def run(self, data: bytes) -> None:
+        pickle_ops.run(data, self)
+
+    def _unknown(self, arg: Any) -> None:
+        raise ValueError("an opcode the walk does not know")
 
     def _pop(self) -> Any:
-        if not self.stack or (self.marks and len(self.stack) <= self.marks[-1]):
+        if len(self.stack) <= (self.marks[-1] if self.marks else 0):
             raise ValueError("the pickle's stack runs empty")
         return self.stack.pop()
 
@@ -203,7 +226,7 @@ class Walk(_Ledger):
         return items
 
     def _top(self) -> Any:
-        if not self.stack or (self.marks and len(self.stack) <= self.marks[-1]):
+        if len(self.stack) <= (self.marks[-1] if self.marks else 0):
             raise ValueError("the pickle's stack runs empty")
         return self.stack[-1]
 
@@ -214,7 +237,7 @@ class Walk(_Ledger):
         self.stack.append(arg)
 
     def _text(self, arg: Any) -> None:
-        self._spend(49 + len(arg))
+        self._spend(49 + arg)  # its length (pickle_ops reads no text)
         self.stack.append(_LEAF)
 
     def _singleton(self, arg: Any) -> None:
@@ -226,9 +249,6 @@ class Walk(_Ledger):
             self.stack.append(_Obj())
         return push
 
-    def _mark(self, arg: Any) -> None:
-        self.marks.append(len(self.stack))
-
     def _tuple(self, items: list[Any]) -> None:
         self._spend(40 + 8 * len(items))
         self.stack.append(self._make(items, const_ok=True))
@@ -238,8 +258,13 @@ class Walk(_Ledger):
 
     def _tuple_n(self, n: int) -> Callable[[Any], None]:
         def make(arg: Any) -> None:
-            items = [self._pop() for _ in range(n)][::-1]
-            self._tuple(items)
+            stack = self.stack
+            if len(stack) - n < (self.marks[-1] if self.marks else 0):
+                raise ValueError("the pickle's stack runs empty")
+            items = stack[-n:]
+            del stack[-n:]
+            self._spend(40 + 8 * n)
+            stack.append(self._make(items, const_ok=True))
         return make
 
     def _list(self, arg: Any) -> None:
@@ -314,12 +339,10 @@ class Walk(_Ledger):
     # the memo's opcodes are half of what a DCP .metadata holds: kept short (their 16 bytes a slot are counted at
     # the next opcode that spends, before anything more is built)
     def _put(self, arg: Any) -> None:
+        if type(arg) is not int or not 0 <= arg <= len(self.memo):
+            raise ValueError(f"memo slot {arg} stored after {len(self.memo)} slots (a pickler stores them in order)")
         self.memory += 16
         self.memo[arg] = self._top()
-
-    def _memoize(self, arg: Any) -> None:
-        self.memory += 16
-        self.memo[len(self.memo)] = self._top()
 
     def _get(self, arg: Any) -> None:
         try:
@@ -343,13 +366,13 @@ class Walk(_Ledger):
         obj = self._make([callable_, *args])
         self.stack.append(obj)
 
-    def _reduce(self, arg: Any) -> None:
-        args = self._pop()
-        self._call(self._pop(), [args])
-
-    def _newobj(self, arg: Any) -> None:
-        args = self._pop()
-        self._call(self._pop(), [args])
+    def _reduce(self, arg: Any) -> None:  # REDUCE and NEWOBJ: a callable or class, and a tuple of arguments
+        stack = self.stack
+        if len(stack) - 2 < (self.marks[-1] if self.marks else 0):
+            raise ValueError("the pickle's stack runs empty")
+        callable_, args = stack[-2:]
+        del stack[-2:]
+        self._call(callable_, [args])
 
     def _newobj_ex(self, arg: Any) -> None:
         kwargs, args = self._pop(), self._pop()
@@ -393,12 +416,12 @@ _TABLE: list[tuple[str, str]] = [
     ("STRING BINSTRING SHORT_BINSTRING BINBYTES SHORT_BINBYTES BINBYTES8 BYTEARRAY8 UNICODE SHORT_BINUNICODE "
      "BINUNICODE BINUNICODE8", "_text"),
     ("NONE NEWTRUE NEWFALSE EMPTY_TUPLE", "_singleton"),
-    ("MARK", "_mark"), ("TUPLE", "_tuple_mark"), ("LIST", "_list"), ("DICT", "_dict"),
+    ("TUPLE", "_tuple_mark"), ("LIST", "_list"), ("DICT", "_dict"),
     ("SETITEM", "_setitem"), ("SETITEMS", "_setitems"), ("APPEND", "_append"), ("APPENDS", "_appends"),
     ("ADDITEMS", "_additems"), ("FROZENSET", "_frozenset"), ("POP", "_pop_op"), ("POP_MARK", "_pop_mark_op"),
-    ("DUP", "_dup"), ("PUT BINPUT LONG_BINPUT", "_put"), ("MEMOIZE", "_memoize"), ("GET BINGET LONG_BINGET", "_get"),
+    ("DUP", "_dup"), ("PUT BINPUT LONG_BINPUT", "_put"), ("GET", "_get"),
     ("GLOBAL EXT1 EXT2 EXT4 NEXT_BUFFER", "_push_leaf"), ("STACK_GLOBAL", "_stack_global"),
-    ("REDUCE", "_reduce"), ("NEWOBJ", "_newobj"), ("NEWOBJ_EX", "_newobj_ex"), ("OBJ", "_obj"), ("INST", "_inst"),
+    ("REDUCE NEWOBJ", "_reduce"), ("NEWOBJ_EX", "_newobj_ex"), ("OBJ", "_obj"), ("INST", "_inst"),
     ("BUILD", "_build"), ("BINPERSID", "_binpersid"), ("PERSID", "_persid"), ("PROTO FRAME", "_nothing"),
     ("STOP", "_stop"), ("READONLY_BUFFER", "_readonly_buffer"),
 ]
@@ -406,6 +429,6 @@ _TABLE: list[tuple[str, str]] = [
 
 def _bind_sized(walk: Walk) -> None:
     for name, nbytes in (("EMPTY_LIST", 56), ("EMPTY_DICT", 64), ("EMPTY_SET", 216)):
-        walk.ops[name] = walk._empty(nbytes)
+        walk.by_code[pickle_ops.CODES[name]] = walk._empty(nbytes)
     for name, n in (("TUPLE1", 1), ("TUPLE2", 2), ("TUPLE3", 3)):
-        walk.ops[name] = walk._tuple_n(n)
+        walk.by_code[pickle_ops.CODES[name]] = walk._tuple_n(n)

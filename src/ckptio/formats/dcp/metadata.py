@@ -152,16 +152,10 @@ def _boxes(chunks: object, dims: int) -> tuple[np.ndarray, np.ndarray] | None:
     out = []
     for field in ("offsets", "sizes"):
         values = [getattr(c, field, None) for c in chunks]
-        if not all(isinstance(v, (tuple, list, torch.Size)) and len(v) == dims and all(type(x) is int for x in v)
-                   for v in values):
+        if not all(isinstance(v, (tuple, list, torch.Size)) and len(v) == dims
+                   and all(type(x) is int and 0 <= x < 1 << 60 for x in v) for v in values):
             return None
-        try:
-            array = np.array(values, dtype=np.int64).reshape(len(values), dims)
-        except OverflowError:
-            return None
-        if (array < 0).any() or (array >= 1 << 60).any():
-            return None
-        out.append(array)
+        out.append(np.array(values, dtype=np.int64).reshape(len(values), dims))
     return out[0], out[1]
 
 
