@@ -28,6 +28,8 @@ with the manifest re-signed four times in five so that the reader behind the che
   memory       memory-tier snapshots (memory_tier.json, the snapshot, node-id): CheckpointManager.restore
   chunk_index  .ckptio-chunks of safetensors and DCP folders, damaged and sealed again (size and CRC-32C)
 
+and the run's record (``fuzz_record.py``, ``record``).
+
 Each input ends in one of three ways, tallied per family:
 
   ok          the reader returned, and what it returned is right (the values written, nothing outside)
@@ -390,9 +392,10 @@ FAMILIES: dict[str, Callable[[random.Random, Path], None]] = {
 
 def _all_families() -> dict[str, Callable[[random.Random, Path], None]]:
     from fuzz_frameworks import FAMILIES as FRAMEWORKS
+    from fuzz_record import fuzz_record
     from fuzz_steps import FAMILIES as STEPS
 
-    return {**FAMILIES, **FRAMEWORKS, **STEPS}
+    return {**FAMILIES, **FRAMEWORKS, **STEPS, "record": fuzz_record}
 
 
 def run(families: list[str], inputs: int, seed: int, verbose: bool = True, *, timeout: float = TIMEOUT_S,

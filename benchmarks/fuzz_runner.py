@@ -95,6 +95,9 @@ def _worker(conn: Any, family: str, fn: Callable, indices: list[int], seed: int,
     conn.send(("end",))
 
 
+PROGRESS_EVERY_S = 60.0
+
+
 class _Tally(dict):
     """``{"ok", "clean", "other", "harness", "rss_kb", "seconds", "prepare_s", "failures": [(index, detail,
     notes)]}``."""
@@ -148,6 +151,7 @@ class _Slot:
                     print(f"  HARNESS ERROR {run.family} input={i}: {detail}", flush=True)
             self.pending.remove(i)
             self.current, self.progressed = None, True
+            run.progress()
         elif msg[0] == "end":
             return False
         self.until = time.monotonic() + run.timeout
@@ -175,9 +179,21 @@ class _Run:
         self.family, self.fn, self.seed, self.root, self.tally = family, fn, seed, root, tally
         self.timeout, self.rss_mb, self.verbose = opts["timeout"], opts["rss_mb"], opts["verbose"]
         self.warmup_timeout, self.deadline, self.fd_bound = opts["warmup_timeout"], opts["deadline"], opts["fd_bound"]
+        self._began = self._said = time.monotonic()
 
     def over(self) -> bool:
         return self.deadline is not None and time.monotonic() > self.deadline
+
+    def progress(self) -> None:
+        """A line a minute on a long run: inputs done, their rate, the tally so far."""
+        now = time.monotonic()
+        if not self.verbose or now - self._said < PROGRESS_EVERY_S:
+            return
+        t = self.tally
+        done = t["ok"] + t["clean"] + t["other"] + t["harness"]
+        print(f"  {self.family}: {done} inputs in {now - self._began:.0f} s ({done / (now - self._began):.1f}/s): "
+              f"{t['ok']} loaded right, {t['clean']} clean errors, {t['other']} failures", flush=True)
+        self._said = now
 
 
 def _supervise(run: _Run, shares: list[list[int]]) -> None:

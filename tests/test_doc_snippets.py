@@ -285,6 +285,20 @@ from ckptio import committed_checkpoints
 assert [e.step for e in committed_checkpoints("s3://bucket/run1")] == [30]
 assert not os.listdir("mem"), "a clean end frees the snapshots"
 """),
+    "docs/goodput.md: cfg = CheckpointConfig(": Run("""
+import torch
+from ckptio import CheckpointConfig, CheckpointManager
+model = torch.nn.Linear(4, 4)
+opt = torch.optim.AdamW(model.parameters())
+max_steps = 12
+def train_step():
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+""", """
+planner = mgr._goodput.planners["durable"]
+assert planner.every is not None and "one failure per 6 h (given)" in planner.reason, planner.reason
+"""),
     "docs/memory-tier.md: store = dist.TCPStore(": Run("import os, torch, torch.distributed as dist\n", """
 flag = torch.ones(1)
 dist.all_reduce(flag)

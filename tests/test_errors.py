@@ -148,7 +148,8 @@ def test_save_twice_at_same_step_replaces_atomically(tmp_path):
     m2 = _mlp()
     _manager(tmp_path, m2).restore()
     assert torch.all(m2[0].weight == 7)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".ckptio.lock", "LATEST", "epoch_0_step_3"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".ckptio.lock", ".ckptio_record.json", "LATEST",
+                                                          "epoch_0_step_3"]
     shutil.rmtree(tmp_path / "epoch_0_step_3")
     assert _manager(tmp_path, _mlp()).restore() is None  # dangling LATEST is not trusted
 

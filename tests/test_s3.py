@@ -719,3 +719,29 @@ def test_latest_and_best_resolve_in_a_bucket_in_every_command(bucket, tmp_path):
     assert (tmp_path / "hf" / "config.json").is_file()
     run("consolidate", f"{url}/LATEST", "--no-progress")
     assert any(k.startswith("ptr/epoch_0_step_2/model/consolidated/") for k in _keys(bucket, "ptr/"))
+
+
+def test_the_runs_record_lives_in_the_bucket_too(bucket):
+    """Issue 49: ``.ckptio_record.json`` beside the steps in the bucket, one PUT per event; a restart reads it back
+    through the gate and records its restore."""
+    import json
+
+    from ckptio.goodput.record import RECORD_NAME
+
+    url = f"s3://{bucket}/runs/rec"
+    model, opt, mgr = _setup(url)
+    with mgr:
+        for step in (1, 2):
+            _train(model, opt, 1, step)
+            mgr.save(step=step)
+    body = s3mod.client().get_object(Bucket=bucket, Key=f"runs/rec/{RECORD_NAME}")["Body"].read()
+    events = json.loads(body)["events"]
+    assert [e["kind"] for e in events] == ["start", "save", "save", "end"]
+    assert {e["storage"] for e in events if e["kind"] == "save"} == {"s3"}
+    _, _, again = _setup(url)
+    with again:
+        assert again.restore().step == 2
+    body = s3mod.client().get_object(Bucket=bucket, Key=f"runs/rec/{RECORD_NAME}")["Body"].read()
+    events = json.loads(body)["events"]
+    assert [e["kind"] for e in events][-3:] == ["start", "restore", "end"]
+    assert next(e for e in events if e["kind"] == "restore")["step"] == 2

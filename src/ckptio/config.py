@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal, Union
 
+from .config_checks import validate_retention, validate_switches, validate_tiers
 from .errors import ConfigError
 
 __all__ = ["CheckpointConfig", "MODEL_SAVE_FORMATS", "VERIFY_MODES"]
@@ -144,15 +145,30 @@ class CheckpointConfig:
     ``None``: when the job spans nodes or reads a bucket (one node's page cache already serves its ranks from one
     disk read, faster than sending: docs/benchmarks.md, "Each byte read once")."""
 
-    memory_every_steps: int | None = None
-    """The memory tier: every this many steps, :meth:`~ckptio.CheckpointManager.maybe_save` takes a snapshot of the
+    memory_every_steps: int | str | None = None
+    """The memory tier: every this many steps (``"auto"``: the interval that pays, see ``mtbf``),
+    :meth:`~ckptio.CheckpointManager.maybe_save` takes a snapshot of the
     whole state into node-local shared memory (``memory_dir``) and copies each rank's part to ``memory_replicas``
     nodes in all, in the background; a restart resumes from the newest snapshot that survived (or the newest durable
     checkpoint, whichever is newer). ``None``: off. See docs/memory-tier.md."""
 
-    persist_every_steps: int | None = None
+    persist_every_steps: int | str | None = None
     """With :meth:`~ckptio.CheckpointManager.maybe_save`: a durable save (to ``checkpoint_dir``) every this many
-    steps. ``None``: when the step scheduler says so (``ckpt_every_steps``)."""
+    steps. ``None``: when the step scheduler says so (``ckpt_every_steps``). ``"auto"``: the interval that loses the
+    least time, from the measured cost of recent saves, the step time and ``mtbf`` (docs/goodput.md)."""
+
+    mtbf: str | float | None = None
+    """Mean time between the job's failures, for the ``"auto"`` intervals (``"6h"``, ``"30m"``, ``"2d"`` or seconds).
+    ``None``: learned from the restarts in the run's record once there are some, else 24 h is assumed (logged)."""
+
+    auto_min_steps: int = 1
+    """The ``"auto"`` intervals are at least this many steps."""
+
+    auto_max_steps: int | None = None
+    """The ``"auto"`` intervals are at most this many steps (a checkpoint at least this often)."""
+
+    run_record: bool = True
+    """Keep the run's record (``.ckptio_record.json``: every save, restore and restart) beside the checkpoints."""
 
     memory_replicas: int = 2
     """The memory tier: each rank's part is held on this many distinct nodes (its own and the rest on others, of
@@ -176,9 +192,9 @@ class CheckpointConfig:
         self._validate_locations()
         self._validate_formats()
         _apply_automodel_names(self)
-        self._validate_retention()
-        self._validate_switches()
-        _validate_memory_tier(self)
+        validate_retention(self)
+        validate_switches(self)
+        validate_tiers(self)
         _validate_template(self.name_template)
 
     def _validate_locations(self) -> None:
@@ -230,34 +246,6 @@ class CheckpointConfig:
         if self.verify not in VERIFY_MODES:
             raise ConfigError(f"verify must be one of {list(VERIFY_MODES)}, got {self.verify!r}")
 
-    def _validate_retention(self) -> None:
-        if self.mode not in ("min", "max"):
-            raise ConfigError(f"mode must be 'min' or 'max', got {self.mode!r}")
-        for name in ("save_top_k", "keep_latest", "keep_every_n_steps", "max_recent_checkpoints"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                      or value < (-1 if name == "save_top_k" else 1)):
-                raise ConfigError(f"{name} must be {'-1, 0 or a positive' if name == 'save_top_k' else 'a positive'} "
-                                  f"integer or null, got {value!r}")
-        if self.keep_newer_than_s is not None and (not isinstance(self.keep_newer_than_s, (int, float))
-                                                   or self.keep_newer_than_s < 0):
-            raise ConfigError(f"keep_newer_than_s must be a non-negative number of seconds, got {self.keep_newer_than_s!r}")
-        if self.monitor is not None and not isinstance(self.monitor, str):
-            raise ConfigError(f"monitor must be a metric name, got {self.monitor!r}")
-
-    def _validate_switches(self) -> None:
-        for name in ("load_states", "load_exclude"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value)):
-                raise ConfigError(f"{name} must be a list of names, got {value!r}")
-        for name in [n for n in ("is_async", "share_reads") if type(getattr(self, n)) not in (type(None), bool)]:
-            raise ConfigError(f"{name} must be true, false or null, got {getattr(self, name)!r}")
-        for name in ("is_peft", "enabled", "strict", "auto_insert_field_names", "save_last", "async_save",
-                     "load_cast_dtype", "start_fresh_if_damaged"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise ConfigError(f"{name} must be true or false, got {value!r}")
-
     def retention_policy(self):
         """The :class:`~ckptio.engine.policies.RetentionPolicy` these fields describe."""
         from .engine.policies import RetentionPolicy
@@ -275,22 +263,6 @@ class CheckpointConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
-
-
-def _validate_memory_tier(self: CheckpointConfig) -> None:
-    for name in ("memory_every_steps", "persist_every_steps"):
-        value = getattr(self, name)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ConfigError(f"{name} must be a positive integer or null, got {value!r}")
-    k = self.memory_replicas
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise ConfigError(f"memory_replicas must be a positive integer (the nodes holding each part), got {k!r}")
-    if isinstance(self.memory_dir, os.PathLike):
-        self.memory_dir = os.fspath(self.memory_dir)
-    if self.memory_dir is not None and (not isinstance(self.memory_dir, str) or not self.memory_dir
-                                        or "://" in self.memory_dir):
-        raise ConfigError(f"memory_dir must be a local folder (a RAM-backed one such as /dev/shm/ckptio), got "
-                          f"{self.memory_dir!r}")
 
 
 def _apply_automodel_names(self: CheckpointConfig) -> None:

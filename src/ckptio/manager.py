@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -24,6 +25,7 @@ from .engine.background import BackgroundWriter
 from .config import CheckpointConfig
 from .errors import ConfigError
 from .formats.safetensors.peft_adapter import adapter_name
+from .goodput import Goodput
 from .engine.layout import MODEL_DIR, OPTIM_DIR
 from .engine.manifest import MANIFEST_NAME
 from .engine.restoring import Restorer, RestoreInfo
@@ -87,16 +89,7 @@ class CheckpointManager:
         config.validate()
         self.config = config
         self.log = get_logger()
-        if config.is_peft and model is not None and not hasattr(model, "peft_config"):
-            raise ConfigError("is_peft is true but the model is not a peft model (it has no peft_config)")
-        if optimizer is not None and model is None:
-            raise ConfigError("an optimizer needs its model: pass model= as well (optimizer state is keyed by parameter name)")
-        self.tracked = Tracked(
-            model=model, tokenizer=tokenizer, base_model_path=base_model_path,
-            model_state=ModelState(model, key_prefix=model_key_prefix, trainable_only=config.is_peft) if model else None,
-            optim_state=OptimizerState(model, optimizer, peft_adapter=adapter_name(model) if config.is_peft else None)
-            if optimizer is not None and model is not None else None,
-        )
+        self.tracked = tracked_states(config, model, optimizer, tokenizer, base_model_path, model_key_prefix)
         self.step_scheduler = step_scheduler
         for name, obj in (("lr_scheduler", lr_scheduler), ("dataloader", dataloader),
                           ("step_scheduler", step_scheduler), ("rng", RNGState() if rng else None),
@@ -108,15 +101,10 @@ class CheckpointManager:
         self.storage = open_storage(config.checkpoint_dir)
         self._lock = self.storage.lock()
         self._saver = Saver(config, self.tracked, self.storage, self._lock, self.log)
-        self._memory = None
-        if config.memory_every_steps is not None:
-            from .tier import MemoryTier
-
-            self._memory = MemoryTier(config, self.tracked, self.log)
+        self._memory = memory_tier(config, self.tracked, self.log)
         self._restorer = Restorer(config, self.tracked, self.log, self.storage, self._memory)
-        # made at the first background save (a collective: it builds a gloo group), so that a manager used
-        # only to restore starts no thread and creates no process group
-        self._writer: BackgroundWriter | None = None
+        self._writer: BackgroundWriter | None = None  # made at the first background save
+        self._goodput = Goodput(config, self.storage, step_scheduler, self.log, model, self._saver)
 
     @property
     def model(self) -> nn.Module | None:
@@ -148,12 +136,14 @@ class CheckpointManager:
         Also done when the process exits (an error is then logged; the memory tier is kept)."""
         if free_memory is None:
             free_memory = sys.exc_info()[0] is None
+        clean = sys.exc_info()[0] is None
         try:
             writer, self._writer = self._writer, None
             if writer is not None:
                 writer.close()  # waits, then destroys its group: nothing of ours alive at interpreter exit
             if self._memory is not None:
                 self._memory.close(free=free_memory)
+            self._goodput.close(clean)
         finally:
             self._lock.release()
 
@@ -183,6 +173,7 @@ class CheckpointManager:
         """
         if not self.config.enabled:
             return None
+        start = time.perf_counter()
         self.wait()
         step, epoch = position(self.step_scheduler, step, epoch)
         metrics = {k: float(v) for k, v in (metrics or {}).items()}
@@ -193,10 +184,13 @@ class CheckpointManager:
         if self.config.async_save and self._writer is None:
             self._writer = BackgroundWriter(self.log)
         job = self._saver.snapshot(step, epoch, metrics, dict(counters or {}), final, stage=self._writer is not None)
+        job.called = start
         if self._writer is None:
             self._saver.persist(job)
         else:
+            job.blocked_s = time.perf_counter() - start
             self._writer.start(job.final_dir, lambda: self._saver.persist(job))
+        self._goodput.saved("durable", step, time.perf_counter() - start)
         return job.final_dir
 
     def wait(self) -> Path | None:
@@ -219,9 +213,12 @@ class CheckpointManager:
             return None
         if self._memory is None:
             raise ConfigError("save_memory() needs the memory tier: set memory_every_steps in the CheckpointConfig")
+        start = time.perf_counter()
         step, epoch = position(self.step_scheduler, step, epoch)
         base = self._saver.last_step if self._saver.last_step is not None else self._memory.durable_step
-        return self._memory.save(step, epoch, dict(counters or {}), base)
+        where = self._memory.save(step, epoch, dict(counters or {}), base)
+        self._goodput.saved("memory", step, time.perf_counter() - start)
+        return where
 
     def maybe_save(self, *, step: int | None = None, epoch: int | None = None, metrics: dict[str, float] | None = None,
                    counters: dict[str, Any] | None = None) -> Path | None:
@@ -230,10 +227,15 @@ class CheckpointManager:
         due (every ``memory_every_steps`` steps). Returns what :meth:`save` or :meth:`save_memory` returned, or
         ``None`` when nothing was due."""
         step, epoch = position(self.step_scheduler, step, epoch)
-        due = what_is_due(self.config, self.step_scheduler, step)
+        self._goodput.tick(step)
+        due = what_is_due(self.config, self.step_scheduler, step, self._goodput)
         if due == "durable":
             return self.save(step=step, epoch=epoch, metrics=metrics, counters=counters)
         return self.save_memory(step=step, epoch=epoch, counters=counters) if due == "memory" else None
+
+    def add_listener(self, listener: Any) -> None:
+        """Call ``listener(event)`` with each event of the run's record made on this rank (docs/goodput.md)."""
+        self._goodput.listeners.append(listener)
 
     @property
     def memory_tier(self) -> Any:
@@ -287,12 +289,40 @@ class CheckpointManager:
                               c.strict if strict is None else strict,
                               c.load_cast_dtype if cast_dtype is None else cast_dtype)
         target = path if path is not None else self.config.restore_from
+        start = time.perf_counter()
         info = self._restorer.restore(None if target is None else os.fspath(target), verify, options)
         if info is not None:
+            self._goodput.restored(info, time.perf_counter() - start)
             self.restored = info
             if info.path.parent == self.storage.root:
                 self._saver.protected = {info.path.name}  # retention keeps what this run resumed from
         return info
+
+
+def tracked_states(config: CheckpointConfig, model: nn.Module | None, optimizer: torch.optim.Optimizer | None,
+                   tokenizer: Any, base_model_path: str | Path | None, model_key_prefix: str) -> Tracked:
+    """What a manager saves of the model and optimizer (refusing a PEFT config without a PEFT model, an optimizer
+    without its model)."""
+    if config.is_peft and model is not None and not hasattr(model, "peft_config"):
+        raise ConfigError("is_peft is true but the model is not a peft model (it has no peft_config)")
+    if optimizer is not None and model is None:
+        raise ConfigError("an optimizer needs its model: pass model= as well (optimizer state is keyed by parameter "
+                          "name)")
+    return Tracked(
+        model=model, tokenizer=tokenizer, base_model_path=base_model_path,
+        model_state=ModelState(model, key_prefix=model_key_prefix, trainable_only=config.is_peft) if model else None,
+        optim_state=OptimizerState(model, optimizer, peft_adapter=adapter_name(model) if config.is_peft else None)
+        if optimizer is not None and model is not None else None,
+    )
+
+
+def memory_tier(config: CheckpointConfig, tracked: Tracked, log: Any) -> Any:
+    """The memory tier when ``memory_every_steps`` is set, else ``None``."""
+    if config.memory_every_steps is None:
+        return None
+    from .tier import MemoryTier
+
+    return MemoryTier(config, tracked, log)
 
 
 def position(sched: Any, step: int | None, epoch: int | None) -> tuple[int, int]:
@@ -306,16 +336,22 @@ def position(sched: Any, step: int | None, epoch: int | None) -> tuple[int, int]
     return step, int(epoch or 0)
 
 
-def what_is_due(config: CheckpointConfig, sched: Any, step: int) -> str | None:
+def what_is_due(config: CheckpointConfig, sched: Any, step: int, goodput: Any = None) -> str | None:
     """For :meth:`CheckpointManager.maybe_save`: ``"durable"`` every ``persist_every_steps`` steps (without it, when
-    the step scheduler says so) and at the last step, else ``"memory"`` every ``memory_every_steps``, else ``None``."""
+    the step scheduler says so; ``"auto"``: when ``goodput``'s planner says so) and at the last step, else
+    ``"memory"`` every ``memory_every_steps``, else ``None``."""
+    auto = {tier: goodput.due(tier, step) if goodput is not None else None for tier in ("durable", "memory")}
     every = config.persist_every_steps
     is_due = getattr(sched, "is_ckpt_step", None)
-    durable = step % every == 0 if every is not None else bool(is_due()) if callable(is_due) else False
+    if auto["durable"] is not None:
+        durable = auto["durable"]
+    else:
+        durable = step % every == 0 if isinstance(every, int) else bool(is_due()) if callable(is_due) else False
     if durable or getattr(sched, "done", False):
         return "durable"
     mem = config.memory_every_steps
-    return "memory" if mem is not None and step % mem == 0 else None
+    memory = auto["memory"] if auto["memory"] is not None else isinstance(mem, int) and step % mem == 0
+    return "memory" if memory else None
 
 
 def check_monitor(monitor: str | None, metrics: dict[str, float]) -> bool:
@@ -359,3 +395,4 @@ def check_state(name: str, obj: Any, registered: dict[str, Any]) -> None:
             hint = (": a plain DataLoader cannot say where it is, so a resumed run would repeat data; use "
                     "ckptio.ResumableDataLoader or torchdata's StatefulDataLoader")
         raise ConfigError(f"state {name!r} ({type(obj).__name__}) needs state_dict() and load_state_dict(){hint}")
+

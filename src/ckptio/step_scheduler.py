@@ -14,7 +14,10 @@ class StepScheduler:
     Args:
         max_steps: stop after this many steps (``None``: run ``num_epochs`` epochs).
         num_epochs: stop after this many epochs when ``max_steps`` is ``None``.
-        ckpt_every_steps: checkpoint when ``step`` is a multiple of this (``None``: never by schedule).
+        ckpt_every_steps: checkpoint when ``step`` is a multiple of this (``None``: never by schedule;
+            ``"auto"``: at the interval that pays, chosen by the :class:`~ckptio.CheckpointManager` given this
+            scheduler from the measured cost of saves and ``mtbf``; :meth:`is_ckpt_step` is then a collective,
+            called by every rank at every step).
         val_every_steps: validate when ``step`` is a multiple of this (``None``: never).
     """
 
@@ -23,11 +26,13 @@ class StepScheduler:
         *,
         max_steps: int | None = None,
         num_epochs: int = 1,
-        ckpt_every_steps: int | None = None,
+        ckpt_every_steps: int | str | None = None,
         val_every_steps: int | None = None,
     ) -> None:
         for name, value in (("max_steps", max_steps), ("ckpt_every_steps", ckpt_every_steps),
                             ("val_every_steps", val_every_steps)):
+            if name == "ckpt_every_steps" and value == "auto":
+                continue
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
         if not isinstance(num_epochs, int) or num_epochs < 1:
@@ -38,6 +43,8 @@ class StepScheduler:
         self.val_every_steps = val_every_steps
         self.step = 0
         self.epoch = 0
+        self.auto: Any = None
+        """The manager's :class:`~ckptio.goodput.Goodput` when ``ckpt_every_steps`` is ``"auto"``."""
 
     @property
     def done(self) -> bool:
@@ -46,6 +53,11 @@ class StepScheduler:
         return self.epoch >= self.num_epochs
 
     def is_ckpt_step(self) -> bool:
+        if self.ckpt_every_steps == "auto":
+            if self.auto is None:
+                raise RuntimeError('ckpt_every_steps="auto" needs a CheckpointManager made with this step_scheduler')
+            self.auto.tick(self.step)
+            return bool(self.auto.due("durable", self.step))
         return bool(self.ckpt_every_steps) and self.step % self.ckpt_every_steps == 0  # type: ignore[operator]
 
     def is_val_step(self) -> bool:

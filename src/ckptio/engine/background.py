@@ -34,7 +34,8 @@ class _Pending:
 
 class BackgroundWriter:
     """Runs a save's write phase on a background thread, one at a time: the next save, restore or close waits for it
-    and raises its failure."""
+    and raises its failure. The manager makes it at its first background save (a collective: it builds a gloo
+    group), so that a manager used only to restore starts no thread and creates no process group."""
 
     def __init__(self, log: logging.Logger, what: str = "save") -> None:
         self.log = log

@@ -73,6 +73,10 @@ class SaveJob:
     optim: dict[str, Any] | None = None
     objects: dict[str, bytes] = field(default_factory=dict)
     sums: dict[str, str] = field(default_factory=dict)
+    called: float | None = None
+    """When ``save()`` was called (``perf_counter``; before it waited for the previous save)."""
+    blocked_s: float | None = None
+    """How long ``save()`` held the training loop (set before a background write starts; ``None``: the whole save)."""
 
     @property
     def final_dir(self) -> Path:
@@ -128,6 +132,9 @@ class Saver:
         self.last_saved: Path | None = None
         self.last_step: int | None = None
         """The step of :attr:`last_saved` (set once it is committed, possibly by the background writer)."""
+        self.on_commit: Any = None
+        """Rank 0, called with the job and its files (relative path -> bytes) once it is committed (the run's
+        record)."""
 
     # ---------------------------------------------------------------------------------------------- 1
     def snapshot(self, step: int, epoch: int, metrics: dict[str, float], counters: dict[str, Any], final: bool,
@@ -282,6 +289,8 @@ class Saver:
         for path in policies.after_commit(self.storage, self.config.retention_policy(), protected=self.protected,
                                            written=job.name):
             self.log.info("Removed checkpoint %s (retention)", path)
+        if self.on_commit is not None:
+            self.on_commit(job, files)
 
     def manifest_of(self, job: SaveJob, states: dict[str, StateEntry], files: dict[str, int], sums: dict[str, str],
                     world: int) -> Manifest:

@@ -153,6 +153,9 @@ class Storage(Protocol):
 
     def write_pointer(self, name: str, target: str) -> None: ...
 
+    def write_small(self, name: str, data: bytes) -> None:
+        """Replace the small file ``name`` at the root whole: a reader sees the old bytes or the new, never a mix."""
+
     def read_pointer(self, name: str) -> str | None:
         """The step name the pointer ``name`` holds (``None`` without one); a pointer that does not name a
         direct child is a :class:`~ckptio.CheckpointCorruptError`."""

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .base import ClosedOnSuccess
-from .posix import Writeback, commit_directory, fsync_dir, fsync_tree, read_pointer, remove_tree, write_pointer
+from .posix import (Writeback, atomic_write_bytes, commit_directory, fsync_dir, fsync_tree, read_pointer, remove_tree,
+                    write_pointer)
 
 if TYPE_CHECKING:
     from .confined import Folder
@@ -275,6 +276,10 @@ class LocalStorage:
 
     def write_pointer(self, name: str, target: str) -> None:
         write_pointer(self.root, name, target)
+
+    def write_small(self, name: str, data: bytes) -> None:
+        """Replace the small file ``name`` at the root whole (written aside, fsynced, renamed over it)."""
+        atomic_write_bytes(self.root / name, data)
 
     def read_pointer(self, name: str) -> str | None:
         return read_pointer(self.root, name)

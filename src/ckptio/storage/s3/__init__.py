@@ -156,6 +156,10 @@ class S3Storage:
         data = (target + "\n").encode()
         _call("writing", self.root / name, client().put_object, Bucket=self.bucket, Key=self._key(name), Body=data)
 
+    def write_small(self, name: str, data: bytes) -> None:
+        """Replace the small object ``name`` at the root whole (one PUT: readers see the old or the new bytes)."""
+        _call("writing", self.root / name, client().put_object, Bucket=self.bucket, Key=self._key(name), Body=data)
+
     def read_pointer(self, name: str) -> str | None:
         from ..posix import check_pointer_target
 

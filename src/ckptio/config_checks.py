@@ -1,0 +1,70 @@
+"""Checks of :class:`~ckptio.config.CheckpointConfig`'s settings: the keep-rules, the switches, the two tiers and their
+intervals (each raises a :class:`~ckptio.errors.ConfigError` naming the key, the value and what it may be)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .errors import ConfigError
+
+__all__ = ["validate_retention", "validate_switches", "validate_tiers"]
+
+
+def validate_tiers(self: Any) -> None:
+    """The memory tier's settings and the intervals of both tiers (``"auto"``: :mod:`ckptio.goodput`)."""
+    for name in ("memory_every_steps", "persist_every_steps", "auto_min_steps", "auto_max_steps"):
+        value = getattr(self, name)
+        if value is None and name != "auto_min_steps" or value == "auto" and name.endswith("every_steps"):
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{name} must be a positive integer{', auto' if 'every' in name else ''} or null, "
+                              f"got {value!r}")
+    if self.auto_max_steps is not None and self.auto_max_steps < self.auto_min_steps:
+        raise ConfigError(f"auto_max_steps ({self.auto_max_steps}) is below auto_min_steps ({self.auto_min_steps})")
+    if self.mtbf is not None:
+        from .goodput.interval import parse_duration
+
+        parse_duration(self.mtbf, "mtbf")
+    if not isinstance(self.run_record, bool):
+        raise ConfigError(f"run_record must be true or false, got {self.run_record!r}")
+    k = self.memory_replicas
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ConfigError(f"memory_replicas must be a positive integer (the nodes holding each part), got {k!r}")
+    if isinstance(self.memory_dir, os.PathLike):
+        self.memory_dir = os.fspath(self.memory_dir)
+    if self.memory_dir is not None and (not isinstance(self.memory_dir, str) or not self.memory_dir
+                                        or "://" in self.memory_dir):
+        raise ConfigError(f"memory_dir must be a local folder (a RAM-backed one such as /dev/shm/ckptio), got "
+                          f"{self.memory_dir!r}")
+
+
+def validate_retention(self: Any) -> None:
+    """The keep-rules' settings."""
+    if self.mode not in ("min", "max"):
+        raise ConfigError(f"mode must be 'min' or 'max', got {self.mode!r}")
+    for name in ("save_top_k", "keep_latest", "keep_every_n_steps", "max_recent_checkpoints"):
+        value = getattr(self, name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or value < (-1 if name == "save_top_k" else 1)):
+            raise ConfigError(f"{name} must be {'-1, 0 or a positive' if name == 'save_top_k' else 'a positive'} "
+                              f"integer or null, got {value!r}")
+    if self.keep_newer_than_s is not None and (not isinstance(self.keep_newer_than_s, (int, float))
+                                               or self.keep_newer_than_s < 0):
+        raise ConfigError(f"keep_newer_than_s must be a non-negative number of seconds, got {self.keep_newer_than_s!r}")
+    if self.monitor is not None and not isinstance(self.monitor, str):
+        raise ConfigError(f"monitor must be a metric name, got {self.monitor!r}")
+
+def validate_switches(self: Any) -> None:
+    """The lists of names and the switches (true, false and, where allowed, null)."""
+    for name in ("load_states", "load_exclude"):
+        value = getattr(self, name)
+        if value is not None and (not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value)):
+            raise ConfigError(f"{name} must be a list of names, got {value!r}")
+    for name in [n for n in ("is_async", "share_reads") if type(getattr(self, n)) not in (type(None), bool)]:
+        raise ConfigError(f"{name} must be true, false or null, got {getattr(self, name)!r}")
+    for name in ("is_peft", "enabled", "strict", "auto_insert_field_names", "save_last", "async_save",
+                 "load_cast_dtype", "start_fresh_if_damaged"):
+        value = getattr(self, name)
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name} must be true or false, got {value!r}")

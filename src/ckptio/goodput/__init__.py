@@ -1,0 +1,171 @@
+"""Goodput: what checkpointing costs a run, recorded (:mod:`.record`), and the interval that pays (:mod:`.interval`).
+
+:class:`Goodput` is the manager's part of it: it writes the run's record (a ``start`` when the manager is made,
+every save and restore, the newest step reached, an ``end`` at a clean close) and, for each tier whose interval is
+``"auto"``, keeps an :class:`~.interval.IntervalPlanner` and hands rank 0's choice to every rank at points they all
+reach together: the third step of the process, and the end of each save.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import logging
+import os
+import sys
+import time
+import weakref
+from typing import Any
+
+from .. import _dist
+from .interval import IntervalPlanner, parse_duration
+from .record import RunRecord
+
+__all__ = ["Goodput", "RunRecord", "IntervalPlanner", "process_age_s"]
+
+_FIRST_CHOICE_TICK = 3
+"""The step (counted in this process) at which the first interval is chosen: two step times are known by then."""
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (Linux ``/proc``; elsewhere since ckptio was imported)."""
+    try:
+        with open("/proc/self/stat") as fh:
+            started_ticks = float(fh.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as fh:
+            uptime = float(fh.read().split()[0])
+        return max(0.0, uptime - started_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.monotonic() - _IMPORTED
+
+
+_IMPORTED = time.monotonic()
+
+
+class Goodput:
+    """The run's record and the automatic intervals of one manager (``state_bytes``: the model and optimizer state
+    this rank saves, for the cost assumed before the first save is measured)."""
+
+    def __init__(self, config: Any, storage: Any, step_scheduler: Any, log: logging.Logger, model: Any,
+                 saver: Any) -> None:
+        self.log = log
+        self.record = RunRecord(storage, writer=_dist.rank() == 0, log=log) \
+            if config.run_record and config.enabled else None
+        kind = "s3" if str(config.checkpoint_dir).startswith("s3://") else "local"
+        saver.on_commit = functools.partial(self.committed, storage=kind)  # no cycle through the manager
+        state_bytes = _state_bytes(model)
+        self.listeners: list[Any] = []
+        """Called with each event (a dict: ``kind``, ``time``, its numbers) on the rank that made it."""
+        self.emit("start", ranks=_dist.world_size())
+        mtbf = parse_duration(config.mtbf, "mtbf") if config.mtbf is not None else None
+        learned = self.record.learned_mtbf() if self.record is not None else None
+        self.planners: dict[str, IntervalPlanner] = {}
+        sched_auto = getattr(step_scheduler, "ckpt_every_steps", None) == "auto"
+        durable_rate = 5e9 if config.async_save else 1e9  # bytes a second, until a save is measured
+        for tier, auto, rate in (("durable", config.persist_every_steps == "auto" or
+                                  (config.persist_every_steps is None and sched_auto), durable_rate),
+                                 ("memory", config.memory_every_steps == "auto", 5e9)):
+            if auto and config.enabled:
+                self.planners[tier] = IntervalPlanner(
+                    tier, mtbf_s=mtbf, learned_mtbf_s=learned, min_steps=config.auto_min_steps,
+                    max_steps=config.auto_max_steps, first_cost_s=max(0.01, state_bytes / rate), log=log)
+                if self.record is not None:  # what this run's saves cost before it restarted
+                    self.planners[tier].costs.extend(e["blocked_s"] for e in self.record.saves(tier)[-20:]
+                                                     if "blocked_s" in e)
+        if sched_auto:
+            step_scheduler.auto = self
+        self._ticks, self._last_tick, self.closed = 0, None, False
+        atexit.register(_at_exit, weakref.ref(self))  # a script that never closes its manager ends cleanly too
+
+    def emit(self, kind: str, **values: Any) -> None:
+        """One event: into the record (rank 0 writes it, once the run saved or restored) and to every listener; a
+        listener's error is logged."""
+        if self.record is not None:
+            if kind in ("save", "restore"):
+                self.record.begin()
+            self.record.add(kind, **values)
+        for listener in list(self.listeners):
+            try:
+                listener({"kind": kind, "time": time.time(), **values})
+            except Exception as exc:  # a logger of the user's must not stop a save
+                self.log.warning("A checkpoint event listener failed (%s: %s)", type(exc).__name__, exc)
+
+    # ---------------------------------------------------------------------------------------------- the loop
+    def tick(self, step: int) -> None:
+        """Every rank, once per training step (repeated calls for one step count once); collective at the
+        process's third step when an interval is automatic."""
+        if step == self._last_tick:
+            return
+        self._last_tick = step
+        self._ticks += 1
+        if self.record is not None:
+            self.record.progress(step)
+        for planner in self.planners.values():
+            planner.step_reached(step)
+        if self._ticks == _FIRST_CHOICE_TICK:
+            self.sync()
+
+    def sync(self) -> None:
+        """Collective: every rank takes rank 0's choice of each automatic interval."""
+        if not self.planners:
+            return
+        choices = {tier: p.choice() for tier, p in self.planners.items()} if _dist.rank() == 0 else None
+        choices = _dist.broadcast_object(choices) if _dist.world_size() > 1 else choices
+        for tier, planner in self.planners.items():
+            planner.agree((choices or {}).get(tier))
+
+    def due(self, tier: str, step: int) -> bool | None:
+        """Whether the automatic ``tier`` saves at ``step`` (``None`` when its interval is not automatic)."""
+        planner = self.planners.get(tier)
+        return None if planner is None else planner.due(step)
+
+    # ---------------------------------------------------------------------------------------------- events
+    def saved(self, tier: str, step: int, blocked_s: float) -> None:
+        """Every rank, at the end of ``save()`` / ``save_memory()`` (collective when an interval is automatic)."""
+        planner = self.planners.get(tier)
+        if planner is not None:
+            planner.saved(step, blocked_s)
+            self.sync()
+        if tier == "memory":
+            self.emit("save", step=step, tier="memory", blocked_s=round(blocked_s, 6), ranks=_dist.world_size())
+
+    def committed(self, job: Any, files: dict[str, int], storage: str) -> None:
+        """Rank 0: a durable save is committed (possibly on the background writer's thread)."""
+        total = time.perf_counter() - (job.called if job.called is not None else job.start)
+        blocked = job.blocked_s if job.blocked_s is not None else total
+        self.emit("save", step=job.step, tier="durable", blocked_s=round(blocked, 6), total_s=round(total, 6),
+                  bytes=sum(files.values()), files=len(files), storage=storage, ranks=_dist.world_size())
+
+    def restored(self, info: Any, restore_s: float) -> None:
+        """Every rank, after a restore: the record says from which step, how many steps were lost, how long."""
+        for planner in self.planners.values():
+            planner.last_saved = info.step
+        newest = self.record.newest_step() if self.record is not None else None
+        self.emit("restore", step=info.step, tier=info.tier, restore_s=round(restore_s, 6),
+                  startup_s=round(process_age_s(), 3),
+                  steps_lost=max(0, newest - info.step) if newest is not None else 0)
+
+    def close(self, clean: bool) -> None:
+        """The manager is closed: a clean end is recorded (a process that ends otherwise was a failure)."""
+        if not self.closed:
+            self.closed = True
+            if clean:
+                self.emit("end")
+
+
+def _at_exit(ref: "weakref.ref[Goodput]") -> None:
+    goodput = ref()
+    if goodput is not None:
+        goodput.close(not hasattr(sys, "last_value"))  # set by the interpreter when an error ended the script
+
+
+def _state_bytes(model: Any) -> int:
+    """The bytes of ``model``'s parameters on this rank, times three (weights and Adam's two moments): what a save
+    is assumed to write until one is measured."""
+    if model is None:
+        return 0
+    local = 0
+    for p in model.parameters():
+        part = p.to_local() if hasattr(p, "to_local") else p
+        local += part.numel() * part.element_size()
+    return 3 * local

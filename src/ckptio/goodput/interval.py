@@ -1,0 +1,151 @@
+"""The checkpoint interval that loses the least time, from what a save costs and how often the job fails.
+
+A run that checkpoints every ``T`` seconds of training, pays ``C`` seconds of its training loop per checkpoint and
+fails on average every ``M`` seconds loses, per unit of time, about ``C / T`` to checkpointing and ``(T / 2 + R) /
+M`` to the work redone after failures (``R``: what a restart costs, which no interval changes). Young's interval
+``sqrt(2 C M)`` minimises the sum to first order; Daly's higher-order one, used here,
+``sqrt(2 C M) (1 + x / 3 + x^2 / 9) - C`` with ``x = sqrt(C / (2 M))`` (``M`` when ``C >= 2 M``), stays right when
+saves are not cheap next to failures. ``benchmarks/checkpoint_interval.py`` checks it against a sweep of fixed
+intervals in a simulation of failures.
+
+:class:`IntervalPlanner` turns it into steps for one tier: ``C`` is the median time the training loop was blocked
+by the tier's recent saves (the whole save when it is synchronous), the step time the median of recent steps with
+saves taken out, ``M`` the given mean time between failures or the one the run's record learned.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import statistics
+import time
+from collections import deque
+from typing import Any
+
+from ..errors import ConfigError
+
+__all__ = ["daly_interval", "young_interval", "lost_fraction", "parse_duration", "IntervalPlanner", "DEFAULT_MTBF_S"]
+
+DEFAULT_MTBF_S = 24 * 3600.0
+"""The mean time between failures assumed when none is given and the run has recorded none (said in the log)."""
+_UNITS = {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_WINDOW = 20
+"""Recent saves and steps the medians are taken over."""
+
+
+def young_interval(cost_s: float, mtbf_s: float) -> float:
+    """Young's first-order interval, ``sqrt(2 C M)`` seconds."""
+    return math.sqrt(2 * cost_s * mtbf_s)
+
+
+def daly_interval(cost_s: float, mtbf_s: float) -> float:
+    """Seconds of training between checkpoints that minimise the expected lost time (Daly's higher-order
+    estimate)."""
+    if cost_s <= 0:
+        return 0.0
+    if cost_s >= 2 * mtbf_s:
+        return mtbf_s
+    x = math.sqrt(cost_s / (2 * mtbf_s))
+    return math.sqrt(2 * cost_s * mtbf_s) * (1 + x / 3 + x * x / 9) - cost_s
+
+
+def lost_fraction(interval_s: float, cost_s: float, mtbf_s: float, restart_s: float = 0.0) -> float:
+    """The first-order share of wall time lost to checkpoints and redone work at interval ``interval_s``."""
+    return cost_s / (interval_s + cost_s) + (interval_s / 2 + restart_s) / mtbf_s
+
+
+def parse_duration(value: Any, what: str) -> float:
+    """Seconds from a number (seconds) or a text such as ``"90s"``, ``"30m"``, ``"6h"``, ``"2d"``, ``"1w"``."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    elif isinstance(value, str) and (m := re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(s|min|m|h|d|w)?\s*", value)):
+        seconds = float(m.group(1)) * _UNITS[m.group(2) or "s"]
+    else:
+        raise ConfigError(f"{what} must be a duration such as 6h, 30m, 2d or a number of seconds, got {value!r}")
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ConfigError(f"{what} must be a positive duration, got {value!r}")
+    return seconds
+
+
+def _span(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.3g} {unit}"
+    return f"{seconds:.3g} s"
+
+
+class IntervalPlanner:
+    """Chooses how many steps apart one tier's saves are (``tier``: ``"durable"`` or ``"memory"``).
+
+    Every rank holds one; only rank 0's measurements count, and the manager hands its choice to every rank at
+    points all ranks reach together (:meth:`choice` / :meth:`agree`), so that they save at the same steps."""
+
+    def __init__(self, tier: str, *, mtbf_s: float | None, learned_mtbf_s: float | None, min_steps: int = 1,
+                 max_steps: int | None = None, first_cost_s: float = 1.0, log: logging.Logger | None = None) -> None:
+        self.tier, self.min_steps, self.max_steps = tier, min_steps, max_steps
+        self.given_mtbf_s, self.learned_mtbf_s = mtbf_s, learned_mtbf_s
+        self.first_cost_s = first_cost_s
+        self.log = log or logging.getLogger("ckptio")
+        self.costs: deque[float] = deque(maxlen=_WINDOW)
+        self.step_times: deque[float] = deque(maxlen=_WINDOW * 5)
+        self.every: int | None = None
+        """The interval in steps every rank uses (``None`` until the first choice)."""
+        self.last_saved: int | None = None
+        self.reason = ""
+        self._seen: tuple[int, float] | None = None
+        self._paused = 0.0
+
+    @property
+    def mtbf_s(self) -> tuple[float, str]:
+        if self.given_mtbf_s is not None:
+            return self.given_mtbf_s, "given"
+        if self.learned_mtbf_s is not None:
+            return self.learned_mtbf_s, "learned from the run's restarts"
+        return DEFAULT_MTBF_S, "assumed: set mtbf="
+
+    def step_reached(self, step: int) -> None:
+        """The training loop reached ``step`` (called once per step): its time, saves taken out, is measured."""
+        now = time.perf_counter()
+        if self._seen is not None and step > self._seen[0]:
+            per_step = (now - self._seen[1] - self._paused) / (step - self._seen[0])
+            if per_step > 0:
+                self.step_times.append(per_step)
+        self._seen, self._paused = (step, now), 0.0
+
+    def saved(self, step: int, blocked_s: float) -> None:
+        """A save of this tier at ``step`` blocked the training loop ``blocked_s`` seconds."""
+        self.costs.append(blocked_s)
+        self.last_saved = step
+        self._paused += blocked_s
+
+    def choice(self) -> int | None:
+        """The interval in steps the measurements so far give (``None`` before a step time is known)."""
+        if not self.step_times:
+            return None
+        step_s = statistics.median(self.step_times)
+        cost, measured = (statistics.median(self.costs), "blocks") if self.costs else (self.first_cost_s,
+                                                                                        "is estimated to block")
+        mtbf, source = self.mtbf_s
+        steps = max(1, round(daly_interval(cost, mtbf) / step_s))
+        steps = max(self.min_steps, steps)
+        if self.max_steps is not None:
+            steps = min(self.max_steps, steps)
+        self.reason = (f"a {self.tier} save {measured} {cost:.3g} s, a step takes {step_s:.3g} s, one failure per "
+                       f"{_span(mtbf)} ({source})")
+        return steps
+
+    def agree(self, steps: int | None) -> None:
+        """Every rank: use ``steps`` (rank 0's :meth:`choice`), logged when it changes by more than a tenth."""
+        if steps is None:
+            return
+        if self.every is None or abs(steps - self.every) > 0.1 * self.every:
+            self.log.info("Checkpoint interval (%s, auto): every %d steps: %s", self.tier, steps, self.reason or
+                          "chosen on rank 0")
+        self.every = steps
+
+    def due(self, step: int) -> bool:
+        """Whether this tier saves at ``step``: ``every`` steps after its last save (or after step 0)."""
+        if self.every is None:
+            return False
+        return step - (self.last_saved or 0) >= self.every
