@@ -74,7 +74,8 @@ class Goodput:
                                                      if "blocked_s" in e)
         if sched_auto:
             step_scheduler.auto = self
-        self._ticks, self._last_tick, self.closed = 0, None, False
+        self._ticks, self.closed = 0, False
+        self._last_tick: int | None = None
         atexit.register(_at_exit, weakref.ref(self))  # a script that never closes its manager ends cleanly too
 
     def emit(self, kind: str, **values: Any) -> None:
