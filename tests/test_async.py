@@ -324,7 +324,9 @@ def _close_ends_what_ckptio_started(root: str, memory: str) -> dict:
     mgr.close()
     flag = torch.ones(1)
     dist.all_reduce(flag)  # the job's own group is untouched
-    time.sleep(0.5)
+    deadline = time.monotonic() + 10  # a destroyed group's native threads end on their own, later under load
+    while gloo_threads() > threads_before and time.monotonic() < deadline:
+        time.sleep(0.1)
     return {"groups": (before, during, len(c10d._world.pg_map)),
             "gloo": (threads_before, threads_during, gloo_threads()),
             "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("ckptio"))}
