@@ -87,7 +87,7 @@ def fuzz_record(rng: random.Random, tmp: Path) -> None:
     events = _events(rng)
     target = root / RECORD_NAME
     form = rng.choice(["file"] * 6 + ["link", "folder", "fifo", "sparse"])
-    written = b""
+    written, size = b"", 0
     if form == "file":
         written = dump(events) if rng.random() < 0.15 else _damage(rng, events)
         target.write_bytes(written)
@@ -98,8 +98,9 @@ def fuzz_record(rng: random.Random, tmp: Path) -> None:
     elif form == "fifo":
         os.mkfifo(target)
     else:
+        size = rng.choice([5 << 20, 1 << 33])
         with open(target, "wb") as fh:
-            fh.truncate(rng.choice([5 << 20, 1 << 33]))
+            fh.truncate(size)
     log = logging.getLogger("ckptio.fuzz.record")
     log.disabled = True
     record = RunRecord(open_storage(root), writer=True, log=log)  # never raises: a refused record is set aside
@@ -112,6 +113,8 @@ def fuzz_record(rng: random.Random, tmp: Path) -> None:
         raise WrongResult("the refused record was not kept as it was")
     if form == "file" and not aside and record.events[:-1] != parse(written, target):
         raise WrongResult("the record read back differs from the one written")
+    if form == "sparse" and size == 1 << 33 and target.stat().st_size != size:
+        raise WrongResult("a record too large to keep aside was replaced")
     if form != "file":
         return
     got = parse(written, target)  # clean (a CheckpointError) or right

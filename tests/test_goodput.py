@@ -174,7 +174,7 @@ def test_the_record_survives_kills_mid_write(tmp_path):
         {"kind": "save", "time": 1.0, "step": 10 ** 400}]}).encode(),
     json.dumps({"format": "ckptio-record", "version": 1, "events": [{"kind": "rm -rf", "time": 1.0}]}).encode(),
     json.dumps({"format": "ckptio-record", "version": 1, "events": [{"kind": "save", "time": -5}]}).encode(),
-    "link", "folder"])
+    "link", "folder", "huge"])
 def test_a_hostile_record_is_refused_by_name_and_training_goes_on(tmp_path, caplog, content):
     root = tmp_path / "ckpt"
     root.mkdir()
@@ -185,6 +185,9 @@ def test_a_hostile_record_is_refused_by_name_and_training_goes_on(tmp_path, capl
         os.symlink(secret, target)
     elif content == "folder":
         target.mkdir()
+    elif content == "huge":
+        with open(target, "wb") as fh:
+            fh.truncate(1 << 33)  # sparse: too large to keep aside, so it must be left as it is
     else:
         target.write_bytes(content)
     with caplog.at_level(logging.WARNING, logger="ckptio"):
@@ -194,8 +197,9 @@ def test_a_hostile_record_is_refused_by_name_and_training_goes_on(tmp_path, capl
     assert f"The run's record {target} is refused" in caplog.text
     assert secret.read_text() == "outside"
     aside = [p for p in root.iterdir() if p.name.startswith(RECORD_NAME + ".damaged-")]
-    if content == "folder":
-        assert target.is_dir() and not aside and "kept in memory only" in caplog.text
+    if content in ("folder", "huge"):
+        assert not aside and "kept in memory only" in caplog.text
+        assert target.is_dir() if content == "folder" else target.stat().st_size == 1 << 33
     else:
         if content != "link":
             assert aside[0].read_bytes() == content  # nothing lost

@@ -55,6 +55,7 @@ def validate_retention(self: Any) -> None:
     if self.monitor is not None and not isinstance(self.monitor, str):
         raise ConfigError(f"monitor must be a metric name, got {self.monitor!r}")
 
+
 def validate_switches(self: Any) -> None:
     """The lists of names and the switches (true, false and, where allowed, null)."""
     for name in ("load_states", "load_exclude"):

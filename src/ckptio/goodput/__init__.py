@@ -81,13 +81,14 @@ class Goodput:
     def emit(self, kind: str, **values: Any) -> None:
         """One event: into the record (rank 0 writes it, once the run saved or restored) and to every listener; a
         listener's error is logged."""
+        values["time"] = round(time.time(), 3)
         if self.record is not None:
             if kind in ("save", "restore"):
                 self.record.begin()
             self.record.add(kind, **values)
         for listener in list(self.listeners):
             try:
-                listener({"kind": kind, "time": time.time(), **values})
+                listener({"kind": kind, **values})
             except Exception as exc:  # a logger of the user's must not stop a save
                 self.log.warning("A checkpoint event listener failed (%s: %s)", type(exc).__name__, exc)
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from ..errors import ConfigError
 
-__all__ = ["daly_interval", "young_interval", "lost_fraction", "parse_duration", "IntervalPlanner", "DEFAULT_MTBF_S"]
+__all__ = ["daly_interval", "young_interval", "parse_duration", "IntervalPlanner", "DEFAULT_MTBF_S"]
 
 DEFAULT_MTBF_S = 24 * 3600.0
 """The mean time between failures assumed when none is given and the run has recorded none (said in the log)."""
@@ -48,11 +48,6 @@ def daly_interval(cost_s: float, mtbf_s: float) -> float:
         return mtbf_s
     x = math.sqrt(cost_s / (2 * mtbf_s))
     return math.sqrt(2 * cost_s * mtbf_s) * (1 + x / 3 + x * x / 9) - cost_s
-
-
-def lost_fraction(interval_s: float, cost_s: float, mtbf_s: float, restart_s: float = 0.0) -> float:
-    """The first-order share of wall time lost to checkpoints and redone work at interval ``interval_s``."""
-    return cost_s / (interval_s + cost_s) + (interval_s / 2 + restart_s) / mtbf_s
 
 
 def parse_duration(value: Any, what: str) -> float:

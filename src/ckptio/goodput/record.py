@@ -52,19 +52,18 @@ class RunRecord:
     def __init__(self, storage: Any, *, writer: bool, log: logging.Logger) -> None:
         self.storage, self.writer, self.log = storage, writer, log
         self.where = storage.root / RECORD_NAME
+        self.broken = False
+        """The record cannot be written (a folder in its place, one too large to keep aside): said once, then
+        kept in memory only."""
+        self.deferred = True
+        """Nothing is written, moved aside or swept until the run has saved or restored (:meth:`begin`): a process
+        that only fails to find a checkpoint leaves the folder exactly as it was."""
+        self._refused = False
         self.events: list[dict[str, Any]] = self._read()
         self._encoded = [_encode(e) for e in self.events]
         """Each event as JSON, made once: the record is rewritten at each event, and a dump of 4,096 events costs
         ~20 ms here, their join a fraction of one."""
-        if writer:
-            self._sweep()
         self._progress_at = 0.0
-        self.broken = False
-        self.deferred = True
-        """Nothing is written until the run has saved or restored (:meth:`begin`): a process that only fails to find
-        a checkpoint leaves the folder exactly as it was."""
-        """The record cannot be written (a folder in its place, one too large to keep aside): said once, then
-        kept in memory only."""
         self._lock = threading.Lock()  # the background writer records its commits from its own thread
 
     # -------------------------------------------------------------------------------------------- reading
@@ -78,14 +77,14 @@ class RunRecord:
         except (CheckpointError, OSError) as exc:
             self.log.warning("The run's record %s is refused (%s); it is kept aside and a new one begins: training "
                              "goes on", self.where, exc)
-            if self.writer:
-                self._move_aside(folder)
+            self._refused = True
             return []
 
-    def _move_aside(self, folder: Any) -> None:
+    def _move_aside(self) -> None:
         """Keep the refused record's bytes under another name before a new record replaces it; one that cannot be
         kept (too large, not a file or link) is left alone and the record is not written."""
         stamp = time.strftime("%Y%m%d-%H%M%S")
+        folder = self.storage.folder()
         try:
             kind = folder.kind(RECORD_NAME)
             if kind not in ("file", "link"):
@@ -112,8 +111,8 @@ class RunRecord:
 
     # -------------------------------------------------------------------------------------------- writing
     def add(self, kind: str, **values: Any) -> None:
-        """Append an event (``time`` is now) and write the record (rank 0); a write that fails is logged, never
-        raised: the record must not stop training."""
+        """Append an event (``time``: now, unless given) and write the record (rank 0); a write that fails is logged,
+        never raised: the record must not stop training."""
         with self._lock:
             self._add({"kind": kind, "time": round(time.time(), 3), **values})
 
@@ -142,12 +141,15 @@ class RunRecord:
                              self.where, exc)
 
     def begin(self) -> None:
-        """The run saved or restored: from now on each event is written (the ones held so far first)."""
-        if self.deferred:
-            self.deferred = False
-            with self._lock:
-                if self.events and self.writer and not self.broken:
-                    self._write()
+        """The run saved or restored: from the next event on, the record is written (with the events held so far),
+        after a refused one is kept aside and what a killed writer left is swept."""
+        if not self.deferred:
+            return
+        self.deferred = False
+        if self.writer:
+            if self._refused:
+                self._move_aside()
+            self._sweep()
 
     def progress(self, step: int) -> None:
         """The run reached ``step``: recorded at most every :data:`PROGRESS_EVERY_S` seconds."""
