@@ -65,9 +65,11 @@ class CkptioAccelerator(Accelerator):
         super().__init__(*args, **kwargs)
         from .integrations.framework_async import FolderSaves
         from .integrations.framework_dirs import CheckedOnce
+        from .integrations.save_numbers import SaveNumbers
 
         self.ckptio_verify = ckptio_verify
         self._ckptio_saves = FolderSaves("accelerate checkpoint save") if async_save else None
+        self.ckptio_numbers = SaveNumbers()  # each save's numbers: to the trackers under ckpt/, and to its listeners
         self._ckptio_swept = False
         # what total_limit counts: the folders load_state would take (each read once in this run)
         self._ckptio_complete = CheckedOnce(lambda path: _check(path, ckptio_verify))
@@ -89,6 +91,7 @@ class CkptioAccelerator(Accelerator):
             raise ValueError("save_state needs an output_dir when automatic checkpoint naming is off")
         else:
             final = Path(output_dir).expanduser()
+        timer = self.ckptio_numbers.start(step=config.iteration, folder=final)
         tmp = final.parent / f".{final.name}.tmp-{config.iteration & 0xFFFFFFFF:08x}"
         if self.is_main_process:
             if not self._ckptio_swept:
@@ -106,15 +109,23 @@ class CkptioAccelerator(Accelerator):
                 super().save_state(str(tmp), safe_serialization, **kwargs)
             finally:
                 config.automatic_checkpoint_naming = auto
-        commit = _committer(self, final, tmp, auto) if self.is_main_process else None
+        commit = timer.wrap(_committer(self, final, tmp, auto) if self.is_main_process else None,
+                            background=self._ckptio_saves is not None)
         if self._ckptio_saves is not None:
             self._ckptio_saves.start(final, write, commit)
+            timer.returned()
             return str(final)
         self.wait_for_everyone()  # every process's files are in
         if commit is not None:
             commit()
         self.wait_for_everyone()  # committed before any process reads it
+        self._ckptio_log()
         return str(final)
+
+    def _ckptio_log(self) -> None:
+        """The numbers of the saves committed by now, to the trackers (``Accelerator.log``) under ``ckpt/``."""
+        for metrics in self.ckptio_numbers.drain():
+            self.log(metrics, step=int(metrics["ckpt/step"]))
 
     def wait_for_save(self) -> None:
         """Block until the background save in flight (``async_save``) is committed and ``total_limit`` applied on
@@ -122,6 +133,7 @@ class CkptioAccelerator(Accelerator):
         ``async_save``."""
         if self._ckptio_saves is not None:
             self._ckptio_saves.wait()
+            self._ckptio_log()
 
     def end_training(self) -> None:
         """``Accelerator.end_training``, once the background save in flight is committed."""

@@ -93,9 +93,11 @@ class CkptioTrainerMixin:
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
         from .integrations.framework_async import FolderSaves
         from .integrations.framework_dirs import CheckedOnce
+        from .integrations.save_numbers import SaveNumbers
 
         self.ckptio_verify = ckptio_verify
         self._ckptio_saves = FolderSaves("Trainer checkpoint save") if async_save else None
+        self.ckptio_numbers = SaveNumbers()  # each save's numbers: logged under ckpt/, and to its listeners
         self._ckptio_swept = False
         self._ckptio_resuming: Path | None = None
         me: Any = self
@@ -229,12 +231,16 @@ class CkptioTrainerMixin:
         from .integrations.hf_trainer_save import save_checkpoint
 
         save_checkpoint(self, trial, self._ckptio_saves, self._ckptio_complete)
+        for metrics in self.ckptio_numbers.drain():  # the saves committed by now, into the Trainer's log
+            self.log(metrics)  # type: ignore[attr-defined]
 
     def ckptio_wait(self) -> None:
         """Block until the background save in flight (``async_save``) is committed and its retention done; raise its
         failure. Called by the next save, ``train`` and the end of training; a no-op without ``async_save``."""
         if self._ckptio_saves is not None:
             self._ckptio_saves.wait()
+            for metrics in self.ckptio_numbers.drain():
+                self.log(metrics)  # type: ignore[attr-defined]
 
 
 class CkptioTrainer(CkptioTrainerMixin, Trainer):

@@ -43,6 +43,7 @@ from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundE
 from .integrations import lightning_load
 from .integrations import lightning_keep
 from .integrations.lightning_keep import last_checkpoint, s3_location as _s3
+from .integrations.save_numbers import SaveNumbers
 from .storage.parse import MAX_DEPTH, check_depth, parsing
 
 try:
@@ -50,12 +51,13 @@ try:
 except ImportError as _missing:  # the integration is an extra
     raise MissingDependencyError("ckptio.lightning needs PyTorch Lightning: pip install 'ckptio[lightning]'") from _missing
 
-__all__ = ["CkptioCheckpointIO", "write_checkpoint", "read_checkpoint", "last_checkpoint", "install_loader",
+__all__ = ["CkptioCheckpointIO", "CkptioMetrics", "write_checkpoint", "read_checkpoint", "last_checkpoint", "install_loader",
            "uninstall_loader"]
 
 log = logging.getLogger("ckptio")
 
 from .storage.s3.fsspec_fs import register as _register_s3  # noqa: E402
+from .integrations.lightning_metrics import CkptioMetrics  # noqa: E402
 
 _register_s3()  # ModelCheckpoint(dirpath="s3://...") lists and times its folder through fsspec
 
@@ -84,6 +86,8 @@ class CkptioCheckpointIO(CheckpointIO):
         self._stager: Any = None
         self._swept: set[Any] = set()
         self._written: Any = None  # the checkpoint saved last: never deleted
+        self.numbers = SaveNumbers()
+        """Each save's numbers: add a listener (``numbers.listeners``), or let :class:`CkptioMetrics` log them."""
         if install_loader:
             lightning_load.install(read_checkpoint, self)
 
@@ -94,22 +98,26 @@ class CkptioCheckpointIO(CheckpointIO):
         self.wait()
         self._sweep(path)
         self._written = str(path) if _s3(path) is not None else Path(os.path.abspath(path))
+        step, folder = _int(checkpoint.get("global_step")), str(path) if _s3(path) is not None else Path(path)
+        timer = self.numbers.start(step=step, folder=folder)
         if not self.async_save:
-            write_checkpoint(checkpoint, path)
-            return
+            timer.wrap(lambda: write_checkpoint(checkpoint, path), background=False)()  # type: ignore[misc]
+            return timer.returned()
         from .engine.staging import Stager
 
         self._stager = self._stager or Stager()
         staged = self._stager.stage(checkpoint)  # training may change its tensors as soon as this returns
+        commit = timer.wrap(lambda: write_checkpoint(staged, path), background=True)
 
         def write() -> None:
             try:
-                write_checkpoint(staged, path)
+                commit()  # type: ignore[misc]
             except BaseException as exc:  # raised on the training thread by the next call
                 self._error = exc
 
         self._thread = threading.Thread(target=write, name="ckptio-lightning-save", daemon=False)
         self._thread.start()
+        timer.returned()
 
     def _sweep(self, path: Any) -> None:
         """Once per folder, before the first save there: remove what a save or a removal killed mid-way left

@@ -34,6 +34,8 @@ def save_checkpoint(me: Any, trial: Any, saves: Any, complete: Callable[[Path], 
     retention."""
     if saves is not None:
         saves.wait()  # the previous save is committed (its folder is there) and its staging buffers are free
+    timer = me.ckptio_numbers.start(step=me.state.global_step, folder=Path(me._get_output_dir(trial=trial)) /
+                                     f"checkpoint-{me.state.global_step}")
     if me.hp_search_backend is None and trial is None:
         me.store_flos()
     run_dir = Path(me._get_output_dir(trial=trial))
@@ -63,13 +65,15 @@ def save_checkpoint(me: Any, trial: Any, saves: Any, complete: Callable[[Path], 
         _store_callback_states(me)
         me.state.save_to_json(str(tmp / TRAINER_STATE))
         commit = _committer(me, run_dir, final, tmp, complete)
+    commit = timer.wrap(commit, background=saves is not None)
     if saves is not None:
         saves.start(final, write, commit)
-        return
+        return timer.returned()
     me.accelerator.wait_for_everyone()  # every rank's files are in
     if commit is not None:
         commit()
     me.accelerator.wait_for_everyone()  # committed before any rank reads it
+    timer.returned()
     if me.args.push_to_hub:
         me._push_from_checkpoint(str(final))
 
