@@ -3,6 +3,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# the report page's test opens it in a real headless browser: Chromium from the system's packages, where they can be
+# installed (Debian/Ubuntu as root, as in CI); the test then requires it instead of skipping
+if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  if ! command -v chromium >/dev/null; then
+    echo "[setup] installing chromium (the system's package) for the report page's browser test"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; } \
+      || echo "[setup] chromium could not be installed: the browser test will fail" >&2
+  fi
+  export CKPTIO_REQUIRE_BROWSER=1
+fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1
 # two workers, each test file on one of them (its module fixtures built once); the longest files go first (conftest.py)
 exec .venv/bin/python -m pytest -q -n 2 --dist loadfile --durations=15 "$@"

@@ -6,11 +6,13 @@ import argparse
 import sys
 
 from ..errors import CheckpointError
-from . import consolidate_cmd, convert_cmd, inspect_cmd, list_cmd, nemo_cmd, prune_cmd, quantize_cmd, verify_cmd
+from . import (consolidate_cmd, convert_cmd, inspect_cmd, list_cmd, nemo_cmd, prune_cmd, quantize_cmd, report_cmd,
+               verify_cmd)
 
 __all__ = ["main"]
 
-_COMMANDS = (inspect_cmd, list_cmd, consolidate_cmd, prune_cmd, verify_cmd, nemo_cmd, quantize_cmd, convert_cmd)
+_COMMANDS = (inspect_cmd, list_cmd, consolidate_cmd, prune_cmd, verify_cmd, nemo_cmd, quantize_cmd, convert_cmd,
+             report_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -286,11 +286,12 @@ class Saver:
         _faults.point("commit.before_pointer")
         self.storage.write_pointer(LATEST, job.name)
         _faults.point("commit.before_retention")
-        for path in policies.after_commit(self.storage, self.config.retention_policy(), protected=self.protected,
-                                           written=job.name):
+        removed = policies.after_commit(self.storage, self.config.retention_policy(), protected=self.protected,
+                                        written=job.name)
+        for path in removed:
             self.log.info("Removed checkpoint %s (retention)", path)
         if self.on_commit is not None:
-            self.on_commit(job, files)
+            self.on_commit(job, files, removed)
 
     def manifest_of(self, job: SaveJob, states: dict[str, StateEntry], files: dict[str, int], sums: dict[str, str],
                     world: int) -> Manifest:

@@ -17,7 +17,10 @@ import time
 import weakref
 from typing import Any
 
+from pathlib import PurePosixPath
+
 from .. import _dist
+from ..engine.layout import parse_step_name
 from .interval import IntervalPlanner, parse_duration
 from .record import RunRecord
 
@@ -48,7 +51,7 @@ class Goodput:
 
     def __init__(self, config: Any, storage: Any, step_scheduler: Any, log: logging.Logger, model: Any,
                  saver: Any) -> None:
-        self.log = log
+        self.log, self.names = log, (config.name_template, config.auto_insert_field_names)
         self.record = RunRecord(storage, writer=_dist.rank() == 0, log=log) \
             if config.run_record and config.enabled else None
         kind = "s3" if str(config.checkpoint_dir).startswith("s3://") else "local"
@@ -131,12 +134,17 @@ class Goodput:
         if tier == "memory":
             self.emit("save", step=step, tier="memory", blocked_s=round(blocked_s, 6), ranks=_dist.world_size())
 
-    def committed(self, job: Any, files: dict[str, int], storage: str) -> None:
-        """Rank 0: a durable save is committed (possibly on the background writer's thread)."""
+    def committed(self, job: Any, files: dict[str, int], removed: list[Any], storage: str) -> None:
+        """Rank 0: a durable save is committed (possibly on the background writer's thread) and retention removed
+        ``removed`` (a ``remove`` event each, with its step when its name gives one)."""
         total = time.perf_counter() - (job.called if job.called is not None else job.start)
         blocked = job.blocked_s if job.blocked_s is not None else total
         self.emit("save", step=job.step, tier="durable", blocked_s=round(blocked, 6), total_s=round(total, 6),
                   bytes=sum(files.values()), files=len(files), storage=storage, ranks=_dist.world_size())
+        for path in removed:
+            fields = parse_step_name(self.names[0], PurePosixPath(str(path)).name, self.names[1]) or {}
+            step = fields.get("step")
+            self.emit("remove", **({"step": step} if isinstance(step, int) and step >= 0 else {}))
 
     def restored(self, info: Any, restore_s: float) -> None:
         """Every rank, after a restore: the record says from which step, how many steps were lost, how long."""

@@ -16,6 +16,7 @@ Events (all with ``kind`` and ``time``, seconds since the epoch):
   before, minus that step), ``restore_s``, ``startup_s`` (from the process's start to the end of the restore);
 * ``progress``: the newest step reached (written at most every :data:`PROGRESS_EVERY_S` seconds, replacing the
   previous one), so that a failure's lost steps are known;
+* ``remove``: retention removed the checkpoint of ``step`` (when its name gives the step);
 * ``end``: the run's processes closed their manager without an error.
 """
 
@@ -40,7 +41,7 @@ MAX_EVENTS = 4096
 MAX_RECORD_BYTES = 4 << 20
 PROGRESS_EVERY_S = 30.0
 _KEEP_ASIDE_BYTES = 64 << 20
-_KINDS = ("start", "save", "restore", "progress", "end")
+_KINDS = ("start", "save", "restore", "progress", "remove", "end")
 _NUMBERS = ("time", "blocked_s", "total_s", "restore_s", "startup_s")
 _COUNTS = ("step", "bytes", "files", "ranks", "steps_lost")
 _TEXTS = {"tier": ("durable", "memory"), "storage": ("local", "s3")}

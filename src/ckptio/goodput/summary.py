@@ -1,0 +1,128 @@
+"""What a run's record says, summed up: its processes, failures, saves, restores, removals, and its goodput.
+
+The goodput is an estimate from the record alone: the share of the run's wall time (its first ``start`` to its last
+event) left once the time lost to checkpointing is taken out. Taken out are:
+
+* ``blocked``: every save's ``blocked_s`` (what the training loop waited, both tiers);
+* ``redone``: for each restore, its ``steps_lost`` times the run's step time (measured between the record's events
+  of each process, the time its saves blocked taken out);
+* ``restarting``: the time between a process's last event and the next one's ``start``, and each restore's
+  ``startup_s`` (from the process's start to its first step).
+
+What the record cannot see (a failed process's work after its last event, within :data:`~.record.PROGRESS_EVERY_S`
+seconds) is in none of these: the estimate errs on the high side by at most that per failure.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from .record import parse as parse_record
+
+__all__ = ["Process", "Summary", "summarize", "load"]
+
+
+@dataclass
+class Process:
+    """One process of the run: from its ``start`` to its last event; ``clean``: it recorded an ``end``."""
+
+    start: float
+    last: float
+    clean: bool
+    ranks: int | None
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class Summary:
+    """A run's record, summed up (times in seconds, ``time`` fields since the epoch)."""
+
+    events: list[dict[str, Any]]
+    processes: list[Process]
+    saves: dict[str, list[dict[str, Any]]]
+    restores: list[dict[str, Any]]
+    removes: list[dict[str, Any]]
+    wall_s: float
+    blocked_s: float
+    redone_s: float
+    restarting_s: float
+    step_s: float | None
+    newest_step: int | None
+
+    @property
+    def failures(self) -> int:
+        """Processes that ended without an ``end`` and were followed by another."""
+        return sum(1 for p in self.processes[:-1] if not p.clean)
+
+    @property
+    def mtbf_s(self) -> float | None:
+        """Seconds of running per failure (``None`` before the first failure)."""
+        up = sum(p.last - p.start for p in self.processes)
+        return up / self.failures if self.failures else None
+
+    @property
+    def goodput(self) -> float | None:
+        """The share of wall time spent on steps that were kept (``None`` for a run with no time recorded)."""
+        if self.wall_s <= 0:
+            return None
+        lost = self.blocked_s + self.redone_s + self.restarting_s
+        return max(0.0, min(1.0, (self.wall_s - lost) / self.wall_s))
+
+
+def load(data: bytes, where: object) -> Summary:
+    """The summary of the record ``data`` (read through the record's own checks: refused naming ``where``)."""
+    return summarize(parse_record(data, where))
+
+
+def summarize(events: list[dict[str, Any]]) -> Summary:
+    """The summary of a record's checked events."""
+    processes = _processes(events)
+    saves: dict[str, list[dict[str, Any]]] = {"durable": [], "memory": []}
+    for event in events:
+        if event["kind"] == "save":
+            saves[event.get("tier", "durable")].append(event)
+    restores = [e for e in events if e["kind"] == "restore"]
+    step_s = _step_time(processes)
+    wall = processes[-1].last - processes[0].start if processes else 0.0
+    downtime = sum(max(0.0, b.start - a.last) for a, b in zip(processes, processes[1:]))
+    startup = sum(min(e.get("startup_s", 0.0), e["time"] - p.start) for p in processes for e in p.events
+                  if e["kind"] == "restore")
+    steps = [e["step"] for e in events if "step" in e and e["kind"] in ("save", "progress", "restore")]
+    return Summary(events=events, processes=processes, saves=saves, restores=restores,
+                   removes=[e for e in events if e["kind"] == "remove"], wall_s=max(0.0, wall),
+                   blocked_s=sum(e.get("blocked_s", 0.0) for tier in saves.values() for e in tier),
+                   redone_s=sum(e.get("steps_lost", 0) for e in restores) * (step_s or 0.0),
+                   restarting_s=downtime + startup, step_s=step_s, newest_step=max(steps) if steps else None)
+
+
+def _processes(events: list[dict[str, Any]]) -> list[Process]:
+    processes: list[Process] = []
+    for event in events:
+        if event["kind"] == "start" or not processes:
+            processes.append(Process(start=event["time"], last=event["time"], clean=False,
+                                     ranks=event.get("ranks")))
+        current = processes[-1]
+        current.events.append(event)
+        current.last = max(current.last, event["time"])
+        if event["kind"] == "end":
+            current.clean = True
+    return processes
+
+
+def _step_time(processes: list[Process]) -> float | None:
+    """Seconds per step: the median over processes of the time between their first and last step-bearing events
+    (saves' blocked time taken out), per step advanced."""
+    rates = []
+    for process in processes:
+        points = [(e["time"], e["step"]) for e in process.events
+                  if e["kind"] in ("save", "progress", "restore") and "step" in e]
+        if len(points) < 2 or points[-1][1] <= points[0][1]:
+            continue
+        blocked = sum(e.get("blocked_s", 0.0) for e in process.events if e["kind"] == "save"
+                      and points[0][0] < e["time"] <= points[-1][0])
+        span = points[-1][0] - points[0][0] - blocked
+        if span > 0:
+            rates.append(span / (points[-1][1] - points[0][1]))
+    return statistics.median(rates) if rates else None
