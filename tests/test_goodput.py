@@ -261,3 +261,66 @@ def test_a_listener_gets_every_event_with_its_numbers(tmp_path):
     saves = [e for e in seen if e["kind"] == "save"]
     assert [e["step"] for e in saves] == [1, 2] and seen[-1]["kind"] == "end"
     assert all(e["blocked_s"] <= e["total_s"] and e["bytes"] > 0 for e in saves)
+
+
+def test_both_tiers_are_chosen_together_at_the_minimum_of_their_joint_loss():
+    from ckptio.goodput.interval import plan_two_tiers, two_tier_interval, two_tier_loss
+
+    for c_mem, c_dur, mtbf, share in [(0.05, 2.0, 6 * 3600, 0.9), (0.2, 30.0, 3600, 0.5), (0.01, 0.5, 600, 0.99),
+                                      (1.0, 60.0, 7 * 86400, 0.8), (0.3, 3.0, 4 * 3600, 0.0)]:
+        t, ratio = two_tier_interval(c_mem, c_dur, mtbf, share)
+        best = two_tier_loss(t, ratio, c_mem, c_dur, mtbf, share)
+        # a brute sweep of both intervals finds nothing better
+        swept = min(two_tier_loss(t * f, k, c_mem, c_dur, mtbf, share)
+                    for k in range(1, 400) for f in (0.25, 0.5, 0.7, 0.85, 0.95, 1.0, 1.05, 1.2, 1.5, 2, 4))
+        assert best <= swept * 1.0001, (c_mem, c_dur, mtbf, share)
+        if share == 0:  # the memory tier saves nothing: Young's interval of the durable tier, every save durable
+            assert ratio == 1 and t == pytest.approx(young_interval(c_dur, mtbf))
+    memory = IntervalPlanner("memory", mtbf_s=6 * 3600, learned_mtbf_s=None, max_steps=None)
+    durable = IntervalPlanner("durable", mtbf_s=6 * 3600, learned_mtbf_s=None, max_steps=5000)
+    for planner, cost in ((memory, 0.05), (durable, 2.0)):
+        planner.step_times.extend([0.5] * 5)
+        planner.costs.extend([cost] * 3)
+    mem, dur = plan_two_tiers(memory, durable, 0.9, "given")
+    t, ratio = two_tier_interval(0.05, 2.0, 6 * 3600, 0.9)
+    assert abs(mem - t / 0.5) <= 1 and dur == mem * ratio and ratio > 1
+    assert "recovers from 90% of them (given)" in memory.reason and f"every {ratio} memory" in durable.reason
+    durable.max_steps = mem * ratio - 1  # the user's maximum still wins
+    assert plan_two_tiers(memory, durable, 0.9, "given")[1] == mem * ratio - 1
+    durable.max_steps = mem - 3  # below the memory interval: the snapshots are as often
+    assert plan_two_tiers(memory, durable, 0.9, "given") == (mem - 3, mem - 3)
+
+
+def test_the_memory_tiers_share_of_recoveries_is_learned_from_restores_after_failures(tmp_path):
+    from ckptio.goodput import _memory_share
+    from ckptio.goodput.record import dump
+
+    def record(events: list[dict]) -> RunRecord:
+        (tmp_path / RECORD_NAME).write_bytes(dump(events))
+        return RunRecord(open_storage(tmp_path), writer=False, log=logging.getLogger("test"))
+
+    t = iter(range(1000))
+    start = lambda: {"kind": "start", "time": float(next(t))}  # noqa: E731
+    restore = lambda tier: {"kind": "restore", "time": float(next(t)), "step": 5, "tier": tier}  # noqa: E731
+    end = lambda: {"kind": "end", "time": float(next(t))}  # noqa: E731
+    # a clean restart's restore does not count; three after failures: two from memory, one durable
+    events = [start(), end(), start(), restore("durable"), start(), restore("memory"), start(), restore("memory"),
+              start(), restore("durable"), end()]
+    rec = record(events)
+    assert rec.recoveries() == (2, 3)
+    share, source = _memory_share(None, rec)
+    assert share == pytest.approx((2 + 2 * 0.9) / 5) and "learned from 3 restore(s)" in source
+    assert _memory_share(0.5, rec) == (0.5, "given")
+    assert _memory_share(None, record([start()]))[1].startswith("assumed")
+
+
+def test_a_run_with_both_tiers_auto_saves_durably_on_a_multiple_of_the_memory_interval(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="ckptio"):
+        mgr, saved = _train(tmp_path, 80, persist_every_steps="auto", memory_every_steps="auto", mtbf="5s",
+                            memory_recovers=0.99, auto_min_steps=2)
+    mem, dur = mgr._goodput.planners["memory"], mgr._goodput.planners["durable"]
+    assert mem.every is not None and dur.every is not None and dur.every % mem.every == 0
+    assert "recovers from 99% of them (given)" in caplog.text and "Checkpoint interval (durable, auto)" in caplog.text
+    kinds = [e.get("tier") for e in mgr._goodput.record.events if e["kind"] == "save"]
+    assert "memory" in kinds and "durable" in kinds
+    mgr.close()

@@ -161,6 +161,11 @@ class CheckpointConfig:
     """Mean time between the job's failures, for the ``"auto"`` intervals (``"6h"``, ``"30m"``, ``"2d"`` or seconds).
     ``None``: learned from the restarts in the run's record once there are some, else 24 h is assumed (logged)."""
 
+    memory_recovers: float | None = None
+    """With both tiers ``"auto"``: the share of failures the memory tier recovers from (a process or a node lost,
+    not the whole job), for choosing both intervals together. ``None``: learned from the run's restores (0.9
+    assumed before any)."""
+
     auto_min_steps: int = 1
     """The ``"auto"`` intervals are at least this many steps."""
 

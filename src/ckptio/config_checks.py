@@ -26,6 +26,9 @@ def validate_tiers(self: Any) -> None:
         from .goodput.interval import parse_duration
 
         parse_duration(self.mtbf, "mtbf")
+    share = self.memory_recovers
+    if share is not None and (not isinstance(share, (int, float)) or isinstance(share, bool) or not 0 <= share <= 1):
+        raise ConfigError(f"memory_recovers must be a share between 0 and 1 or null, got {share!r}")
     if not isinstance(self.run_record, bool):
         raise ConfigError(f"run_record must be true or false, got {self.run_record!r}")
     k = self.memory_replicas

@@ -21,7 +21,7 @@ from pathlib import PurePosixPath
 
 from .. import _dist
 from ..engine.layout import parse_step_name
-from .interval import IntervalPlanner, parse_duration
+from .interval import DEFAULT_MEMORY_SHARE, IntervalPlanner, parse_duration, plan_two_tiers
 from .record import RunRecord
 
 __all__ = ["Goodput", "RunRecord", "IntervalPlanner", "process_age_s"]
@@ -75,6 +75,7 @@ class Goodput:
                 if self.record is not None:  # what this run's saves cost before it restarted
                     self.planners[tier].costs.extend(e["blocked_s"] for e in self.record.saves(tier)[-20:]
                                                      if "blocked_s" in e)
+        self.memory_share = _memory_share(config.memory_recovers, self.record)
         if sched_auto:
             step_scheduler.auto = self
         self._ticks, self.closed = 0, False
@@ -114,10 +115,17 @@ class Goodput:
         """Collective: every rank takes rank 0's choice of each automatic interval."""
         if not self.planners:
             return
-        choices = {tier: p.choice() for tier, p in self.planners.items()} if _dist.rank() == 0 else None
+        choices = self._choices() if _dist.rank() == 0 else None
         choices = _dist.broadcast_object(choices) if _dist.world_size() > 1 else choices
         for tier, planner in self.planners.items():
             planner.agree((choices or {}).get(tier))
+
+    def _choices(self) -> dict[str, int | None]:
+        """Rank 0: each automatic tier's interval; with both tiers automatic, chosen together."""
+        if "memory" in self.planners and "durable" in self.planners:
+            mem, dur = plan_two_tiers(self.planners["memory"], self.planners["durable"], *self.memory_share)
+            return {"memory": mem, "durable": dur}
+        return {tier: p.choice() for tier, p in self.planners.items()}
 
     def due(self, tier: str, step: int) -> bool | None:
         """Whether the automatic ``tier`` saves at ``step`` (``None`` when its interval is not automatic)."""
@@ -130,6 +138,8 @@ class Goodput:
         planner = self.planners.get(tier)
         if planner is not None:
             planner.saved(step, blocked_s)
+            if tier == "durable" and "memory" in self.planners:  # a durable save is also the newest snapshot
+                self.planners["memory"].last_saved = step
             self.sync()
         if tier == "memory":
             self.emit("save", step=step, tier="memory", blocked_s=round(blocked_s, 6), ranks=_dist.world_size())
@@ -167,6 +177,17 @@ def _at_exit(ref: "weakref.ref[Goodput]") -> None:
     goodput = ref()
     if goodput is not None:
         goodput.close(not hasattr(sys, "last_value"))  # set by the interpreter when an error ended the script
+
+
+def _memory_share(given: float | None, record: RunRecord | None) -> tuple[float, str]:
+    """The share of failures the memory tier recovers from, and where it comes from: given, or learned from the
+    record's restores after failures (each counted against two assumed ones at :data:`DEFAULT_MEMORY_SHARE`)."""
+    if given is not None:
+        return float(given), "given"
+    memory, total = record.recoveries() if record is not None else (0, 0)
+    if not total:
+        return DEFAULT_MEMORY_SHARE, "assumed: set memory_recovers="
+    return (memory + 2 * DEFAULT_MEMORY_SHARE) / (total + 2), f"learned from {total} restore(s) after failures"
 
 
 def _state_bytes(model: Any) -> int:

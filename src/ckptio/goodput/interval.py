@@ -25,10 +25,15 @@ from typing import Any
 
 from ..errors import ConfigError
 
-__all__ = ["daly_interval", "young_interval", "parse_duration", "IntervalPlanner", "DEFAULT_MTBF_S"]
+__all__ = ["daly_interval", "young_interval", "parse_duration", "IntervalPlanner", "DEFAULT_MTBF_S",
+           "two_tier_interval", "two_tier_loss", "plan_two_tiers", "DEFAULT_MEMORY_SHARE"]
 
 DEFAULT_MTBF_S = 24 * 3600.0
 """The mean time between failures assumed when none is given and the run has recorded none (said in the log)."""
+DEFAULT_MEMORY_SHARE = 0.9
+"""The share of failures the memory tier is assumed to recover from before the run's restores tell (said in the
+log): it survives a process or a node lost, not the whole job."""
+_MAX_RATIO = 10_000
 _UNITS = {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _WINDOW = 20
 """Recent saves and steps the medians are taken over."""
@@ -48,6 +53,57 @@ def daly_interval(cost_s: float, mtbf_s: float) -> float:
         return mtbf_s
     x = math.sqrt(cost_s / (2 * mtbf_s))
     return math.sqrt(2 * cost_s * mtbf_s) * (1 + x / 3 + x * x / 9) - cost_s
+
+
+def two_tier_loss(memory_every_s: float, ratio: int, memory_cost_s: float, durable_cost_s: float, mtbf_s: float,
+                  memory_share: float) -> float:
+    """The share of time lost (first order) with a memory snapshot every ``memory_every_s`` seconds of training and
+    every ``ratio``-th of them made durable instead: checkpointing costs ``((ratio - 1) Cm + Cd) / (ratio T)``; a
+    failure the memory tier recovers from (a share ``p``) redoes ``T / 2`` on average, any other ``ratio T / 2``."""
+    t = memory_every_s
+    saving = ((ratio - 1) * memory_cost_s + durable_cost_s) / (ratio * t)
+    return saving + (memory_share * t / 2 + (1 - memory_share) * ratio * t / 2) / mtbf_s
+
+
+def two_tier_interval(memory_cost_s: float, durable_cost_s: float, mtbf_s: float,
+                      memory_share: float) -> tuple[float, int]:
+    """Both tiers' intervals together: seconds between memory snapshots and how many of those apart the durable
+    saves are, minimising :func:`two_tier_loss` (for each ratio the best interval is
+    ``sqrt(2 M ((k - 1) Cm + Cd) / k / (p + (1 - p) k))``; the ratio is searched until the loss rises for good).
+    With ``p = 0`` it is Young's interval of the durable tier and a ratio of 1."""
+    best: tuple[float, float, int] | None = None
+    for ratio in range(1, _MAX_RATIO + 1):
+        per_save = ((ratio - 1) * memory_cost_s + durable_cost_s) / ratio
+        t = math.sqrt(2 * mtbf_s * per_save / (memory_share + (1 - memory_share) * ratio))
+        loss = two_tier_loss(t, ratio, memory_cost_s, durable_cost_s, mtbf_s, memory_share)
+        if best is None or loss < best[0]:
+            best = (loss, t, ratio)
+        elif ratio > 2 * best[2] + 8:  # the loss is convex in the ratio past its minimum
+            break
+    assert best is not None
+    return best[1], best[2]
+
+
+def plan_two_tiers(memory: "IntervalPlanner", durable: "IntervalPlanner", share: float,
+                   share_source: str) -> tuple[int | None, int | None]:
+    """Rank 0: both ``"auto"`` intervals in steps, chosen together (:func:`two_tier_interval`), each within its
+    planner's bounds; the durable one a multiple of the memory one. Each planner's ``reason`` says why."""
+    if not memory.step_times:
+        return None, None
+    step_s = statistics.median(memory.step_times)
+    (c_mem, said_mem), (c_dur, said_dur) = memory.cost(), durable.cost()
+    mtbf, source = durable.mtbf_s
+    t, ratio = two_tier_interval(c_mem, c_dur, mtbf, share)
+    mem_steps = memory.bounded(max(1, round(t / step_s)))
+    dur_steps = durable.bounded(mem_steps * ratio)
+    mem_steps = min(mem_steps, dur_steps)  # a durable maximum below the memory interval: no snapshot in between
+    ratio = max(1, dur_steps // mem_steps)
+    common = (f"a step takes {step_s:.3g} s, one failure per {_span(mtbf)} ({source}), the memory tier recovers "
+              f"from {share:.0%} of them ({share_source})")
+    memory.reason = f"a memory snapshot {said_mem} {c_mem:.3g} s, a durable save {said_dur} {c_dur:.3g} s, {common}"
+    durable.reason = (f"every {ratio} memory snapshot(s) made durable: a durable save {said_dur} {c_dur:.3g} s, a "
+                      f"memory snapshot {said_mem} {c_mem:.3g} s, {common}")
+    return mem_steps, dur_steps
 
 
 def parse_duration(value: Any, what: str) -> float:
@@ -114,18 +170,25 @@ class IntervalPlanner:
         self.last_saved = step
         self._paused += blocked_s
 
+    def cost(self) -> tuple[float, str]:
+        """What a save of this tier blocks the loop (the median of the recent ones, or the estimate before any)."""
+        if self.costs:
+            return statistics.median(self.costs), "blocks"
+        return self.first_cost_s, "is estimated to block"
+
+    def bounded(self, steps: int) -> int:
+        """``steps`` within the user's minimum and maximum."""
+        steps = max(self.min_steps, steps)
+        return min(self.max_steps, steps) if self.max_steps is not None else steps
+
     def choice(self) -> int | None:
         """The interval in steps the measurements so far give (``None`` before a step time is known)."""
         if not self.step_times:
             return None
         step_s = statistics.median(self.step_times)
-        cost, measured = (statistics.median(self.costs), "blocks") if self.costs else (self.first_cost_s,
-                                                                                        "is estimated to block")
+        cost, measured = self.cost()
         mtbf, source = self.mtbf_s
-        steps = max(1, round(daly_interval(cost, mtbf) / step_s))
-        steps = max(self.min_steps, steps)
-        if self.max_steps is not None:
-            steps = min(self.max_steps, steps)
+        steps = self.bounded(max(1, round(daly_interval(cost, mtbf) / step_s)))
         self.reason = (f"a {self.tier} save {measured} {cost:.3g} s, a step takes {step_s:.3g} s, one failure per "
                        f"{_span(mtbf)} ({source})")
         return steps

@@ -189,6 +189,21 @@ class RunRecord:
         failures, up = self.failures()
         return up / failures if failures else None
 
+    def recoveries(self) -> tuple[int, int]:
+        """The restores that followed a failure: how many came from the memory tier, and how many in all."""
+        memory = total = 0
+        failed_before, open_process, counted = False, False, True
+        for event in self.events:
+            if event["kind"] == "start":
+                failed_before, open_process, counted = open_process, True, False
+            elif event["kind"] == "end":
+                open_process = False
+            elif event["kind"] == "restore" and failed_before and not counted:
+                counted = True
+                total += 1
+                memory += event.get("tier") == "memory"
+        return memory, total
+
     def saves(self, tier: str) -> list[dict[str, Any]]:
         return [e for e in self.events if e["kind"] == "save" and e.get("tier") == tier]
 
