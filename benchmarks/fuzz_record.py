@@ -6,7 +6,8 @@
 
 Each input: a manager's record is opened over it (``RunRecord``, what every ``CheckpointManager`` does at start),
 which must never raise (a refused record is moved aside, its bytes kept, and a new one begins); then the gate's
-parse of the same bytes must give back exactly the events written, or a ckptio error (``clean``).
+parse of the same bytes must give back exactly the events written, or a ckptio error (``clean``); an accepted
+record is then summed up and drawn as ``ckptio report`` does (terminal text and page), which must not raise.
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ def _events(rng: random.Random) -> list[dict]:
         events.append({"kind": "save", "time": 1001.0 + i, "step": 10 * i, "tier": rng.choice(["durable", "memory"]),
                        "blocked_s": 0.25, "total_s": 1.5, "bytes": 1 << 20, "files": 3, "storage": "local",
                        "ranks": 2})
+    if rng.random() < 0.5:  # a restart, what the report draws
+        events += [{"kind": "start", "time": 1500.0 + rng.random(), "ranks": 2},
+                   {"kind": "restore", "time": rng.choice([1501.0, 900.0, 0.0]), "step": 10, "tier": "memory",
+                    "steps_lost": rng.choice([0, 3, 1 << 62]), "restore_s": 0.5, "startup_s": 4.0},
+                   {"kind": "remove", "time": 1502.0, "step": 0}, {"kind": "remove", "time": 1502.5}]
     events.append(rng.choice([{"kind": "end", "time": 2000.0}, {"kind": "progress", "time": 2000.0, "step": 99}]))
     return events
 
@@ -120,6 +126,24 @@ def fuzz_record(rng: random.Random, tmp: Path) -> None:
     got = parse(written, target)  # clean (a CheckpointError) or right
     if got != [_typed(e) for e in json.loads(written)["events"]]:
         raise WrongResult(f"parsed {got[:2]} from {written[:200]!r}")
+    _report(got, root, tmp)
+
+
+def _report(events: list[dict], root: Path, tmp: Path) -> None:
+    """What ``ckptio report`` makes of an accepted record: the summary, the terminal text and the page, built without
+    an error, with a goodput in [0, 1] and the page's data as JSON."""
+    from ckptio.cli.report_cmd import text
+    from ckptio.goodput.report_html import render
+    from ckptio.goodput.summary import summarize
+
+    summary = summarize(events)
+    if summary.goodput is not None and not 0 <= summary.goodput <= 1:
+        raise WrongResult(f"goodput {summary.goodput}")
+    text(summary, str(root), 1e9)
+    page = render(summary, str(root), 1e9)
+    data = page.split('<script type="application/json" id="data">', 1)[1].split("</script>", 1)[0]
+    json.loads(data)
+    (tmp / "page.html").write_text(page)
 
 
 def _typed(event: dict) -> dict:

@@ -174,6 +174,8 @@ def test_the_record_survives_kills_mid_write(tmp_path):
         {"kind": "save", "time": 1.0, "step": 10 ** 400}]}).encode(),
     json.dumps({"format": "ckptio-record", "version": 1, "events": [{"kind": "rm -rf", "time": 1.0}]}).encode(),
     json.dumps({"format": "ckptio-record", "version": 1, "events": [{"kind": "save", "time": -5}]}).encode(),
+    json.dumps({"format": "ckptio-record", "version": 1, "events": [{"kind": "save", "time": 1.0,
+                                                                    "blocked_s": 1e300}]}).encode(),
     "link", "folder", "huge"])
 def test_a_hostile_record_is_refused_by_name_and_training_goes_on(tmp_path, caplog, content):
     root = tmp_path / "ckpt"

@@ -79,6 +79,11 @@ def test_the_goodput_of_a_known_record_is_what_its_definition_gives():
     assert s.redone_s == pytest.approx(5.0) and s.restarting_s == pytest.approx(12.0)
     assert s.goodput == pytest.approx(0.6) and s.failures == 1 and s.mtbf_s == pytest.approx(40.0)
     assert [e["step"] for e in s.removes] == [10] and s.newest_step == 30
+    # the first process had spent 4 s on imports before its manager began: wall time and restarting both grow by it
+    events[0]["age_s"] = 4.0
+    events[4]["age_s"] = 3.0  # the second one's 3 s were between the two processes already: nothing changes
+    s = summarize(events)
+    assert s.wall_s == 54.0 and s.restarting_s == pytest.approx(16.0) and s.goodput == pytest.approx(30 / 54)
 
 
 def test_the_terminal_report_of_a_real_run(real_run, capsys):

@@ -59,7 +59,7 @@ class Goodput:
         state_bytes = _state_bytes(model)
         self.listeners: list[Any] = []
         """Called with each event (a dict: ``kind``, ``time``, its numbers) on the rank that made it."""
-        self.emit("start", ranks=_dist.world_size())
+        self.emit("start", ranks=_dist.world_size(), age_s=round(process_age_s(), 3))
         mtbf = parse_duration(config.mtbf, "mtbf") if config.mtbf is not None else None
         learned = self.record.learned_mtbf() if self.record is not None else None
         self.planners: dict[str, IntervalPlanner] = {}

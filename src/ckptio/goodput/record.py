@@ -8,7 +8,8 @@ aside (``.ckptio_record.json.damaged-<time>``, nothing is lost) and a new one be
 
 Events (all with ``kind`` and ``time``, seconds since the epoch):
 
-* ``start``: a process of the run began (``ranks``); a ``start`` with no ``end`` since the previous one was a
+* ``start``: a process of the run began (``ranks``; ``age_s``: how long the process had been running, imports and
+  set-up, when its manager was made); a ``start`` with no ``end`` since the previous one was a
   failure, which is how the run learns its mean time between failures (:meth:`RunRecord.failures`);
 * ``save``: ``step``, ``tier`` (``durable`` or ``memory``), ``blocked_s`` (what the training loop waited),
   ``total_s`` (till committed, when known), ``bytes``, ``files``, ``storage`` (``local`` or ``s3``), ``ranks``;
@@ -41,8 +42,11 @@ MAX_EVENTS = 4096
 MAX_RECORD_BYTES = 4 << 20
 PROGRESS_EVERY_S = 30.0
 _KEEP_ASIDE_BYTES = 64 << 20
+_MAX_SECONDS = 1e12
+"""Times and durations beyond it (the year 33,658; 31,000 years) are not what ckptio writes: refused, so that no sum
+of a record's numbers can overflow what reads it (the report)."""
 _KINDS = ("start", "save", "restore", "progress", "remove", "end")
-_NUMBERS = ("time", "blocked_s", "total_s", "restore_s", "startup_s")
+_NUMBERS = ("time", "blocked_s", "total_s", "restore_s", "startup_s", "age_s")
 _COUNTS = ("step", "bytes", "files", "ranks", "steps_lost")
 _TEXTS = {"tier": ("durable", "memory"), "storage": ("local", "s3")}
 
@@ -239,8 +243,9 @@ def _event(event: Any, where: str) -> dict[str, Any]:
     for name, value in event.items():
         if name in _NUMBERS:
             number = as_float(value, where, name)
-            if number < 0 or not math.isfinite(number):
-                raise CheckpointError(f"{where}: {name} must be a non-negative number, found {number}")
+            if not 0 <= number <= _MAX_SECONDS:
+                raise CheckpointError(f"{where}: {name} must be a number of seconds in [0, {_MAX_SECONDS:g}], found "
+                                      f"{number:g}")
             out[name] = number
         elif name in _COUNTS:
             out[name] = as_int(value, where, name)

@@ -1,13 +1,15 @@
 """What a run's record says, summed up: its processes, failures, saves, restores, removals, and its goodput.
 
-The goodput is an estimate from the record alone: the share of the run's wall time (its first ``start`` to its last
-event) left once the time lost to checkpointing is taken out. Taken out are:
+The goodput is an estimate from the record alone: the share of the run's wall time (from its first process's start,
+``age_s`` before its ``start`` event, to its last event) left once the time lost to checkpointing is taken out. Taken out are:
 
 * ``blocked``: every save's ``blocked_s`` (what the training loop waited, both tiers);
 * ``redone``: for each restore, its ``steps_lost`` times the run's step time (measured between the record's events
   of each process, the time its saves blocked taken out);
-* ``restarting``: the time between a process's last event and the next one's ``start``, and each restore's
-  ``startup_s`` (from the process's start to its first step).
+* ``restarting``: the time between a process's last event and the start of the next (its imports and set-up
+  included), the first process's set-up before its manager, and each restore's time after the manager was made.
+
+Failures before the run's first save or restore are not seen: the record begins then.
 
 What the record cannot see (a failed process's work after its last event, within :data:`~.record.PROGRESS_EVERY_S`
 seconds) is in none of these: the estimate errs on the high side by at most that per failure.
@@ -87,8 +89,9 @@ def summarize(events: list[dict[str, Any]]) -> Summary:
     step_s = _step_time(processes)
     wall = processes[-1].last - processes[0].start if processes else 0.0
     downtime = sum(max(0.0, b.start - a.last) for a, b in zip(processes, processes[1:]))
-    startup = sum(min(e.get("startup_s", 0.0), e["time"] - p.start) for p in processes for e in p.events
-                  if e["kind"] == "restore")
+    setup = sum(p.events[0]["time"] - p.start for p in processes)  # each process's imports and set-up
+    startup = setup + sum(max(0.0, e["time"] - p.events[0]["time"]) for p in processes for e in p.events
+                          if e["kind"] == "restore")
     steps = [e["step"] for e in events if "step" in e and e["kind"] in ("save", "progress", "restore")]
     return Summary(events=events, processes=processes, saves=saves, restores=restores,
                    removes=[e for e in events if e["kind"] == "remove"], wall_s=max(0.0, wall),
@@ -100,9 +103,9 @@ def summarize(events: list[dict[str, Any]]) -> Summary:
 def _processes(events: list[dict[str, Any]]) -> list[Process]:
     processes: list[Process] = []
     for event in events:
-        if event["kind"] == "start" or not processes:
-            processes.append(Process(start=event["time"], last=event["time"], clean=False,
-                                     ranks=event.get("ranks")))
+        if event["kind"] == "start" or not processes:  # the process began age_s before its manager
+            began = max(0.0, event["time"] - event.get("age_s", 0.0))
+            processes.append(Process(start=began, last=event["time"], clean=False, ranks=event.get("ranks")))
         current = processes[-1]
         current.events.append(event)
         current.last = max(current.last, event["time"])

@@ -102,7 +102,7 @@ class SaveTimer:
         self.blocked_s = time.perf_counter() - self.called
         self._freed.set()
 
-    def wrap(self, commit: Callable[[], None] | None, *, background: bool) -> Callable[[], None] | None:
+    def wrap(self, commit: Callable[[], object] | None, *, background: bool) -> Callable[[], None] | None:
         """``commit`` made to record the event once it has run (``None`` stays ``None``: this rank does not
         commit); ``background``: it runs on another thread, after :meth:`returned`, else the whole save blocked."""
         if commit is None:
