@@ -260,7 +260,7 @@ ALLOWED = {
     "adopt/": {"state/", "formats/", "formats/dcp/", "formats/safetensors/", "storage/"},
     "integrations/": {"engine/", "formats/", "formats/safetensors/", "storage/", "storage/s3/"},
     "convert/": {"formats/", "storage/"},
-    "cli/": {"engine/", "convert/", "formats/", *FAMILIES, "storage/", "storage/s3/"},
+    "cli/": {"engine/", "convert/", "formats/", *FAMILIES, "storage/", "storage/s3/", "goodput/"},
 }
 
 

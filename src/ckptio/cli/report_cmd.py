@@ -15,12 +15,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from typing import TYPE_CHECKING
+
 from ..errors import CheckpointError
-from ..goodput.interval import daly_interval
-from ..goodput.record import MAX_RECORD_BYTES, RECORD_NAME
-from ..goodput.summary import Summary, load
-from ..storage import open_storage
 from ._fmt import human_bytes, print_json, table
+
+if TYPE_CHECKING:  # ckptio.goodput imports torch: only when the command runs (``--help`` stays light)
+    from ..goodput.summary import Summary
 
 _CHUNK = 8 << 20
 
@@ -41,6 +42,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the summary of a run's record (and write its page with ``--html``)."""
+    from ..goodput.record import MAX_RECORD_BYTES, RECORD_NAME
+    from ..goodput.summary import load
+    from ..storage import open_storage
+
     storage = open_storage(args.run_dir)
     folder, where = storage.folder(), f"{str(args.run_dir).rstrip('/')}/{RECORD_NAME}"
     if folder.kind(RECORD_NAME) != "file":
@@ -86,6 +91,8 @@ def probe_write_rate(root: Path, mib: int) -> float | None:
 def suggested_every(summary: Summary, tier: str) -> tuple[int, str] | None:
     """The interval in steps the record's numbers call for (median blocked time of the tier's last 20 saves, the
     run's step time, its learned MTBF or one day) and why; ``None`` without a step time or a save."""
+    from ..goodput.interval import daly_interval
+
     saves = [e["blocked_s"] for e in summary.saves[tier][-20:] if "blocked_s" in e]
     if not saves or not summary.step_s:
         return None

@@ -104,7 +104,7 @@ def _processes(events: list[dict[str, Any]]) -> list[Process]:
     processes: list[Process] = []
     for event in events:
         if event["kind"] == "start" or not processes:  # the process began age_s before its manager
-            began = max(0.0, event["time"] - event.get("age_s", 0.0))
+            began = event["time"] - event.get("age_s", 0.0)
             processes.append(Process(start=began, last=event["time"], clean=False, ranks=event.get("ranks")))
         current = processes[-1]
         current.events.append(event)
