@@ -8,7 +8,8 @@ Families (each generates structured attacks and random byte damage of valid file
   safetensors  shard sets with random placements (overlaps, gaps, out-of-range), flipped/truncated bytes
   dcp          .metadata with data paths outside the folder, to links, FIFOs and devices, chunks that
                overlap or leave gaps, wrong offsets and lengths, and random byte damage
-  manifest     resealed manifests with random values of random types in every field, bit flips, random JSON
+  manifest     resealed manifests with random values of random types in every field, bit flips, random JSON;
+               pruned states and folders aimed outside the step or at what it keeps, then a pruning pass run
   pointer      LATEST/BEST as links or text naming paths, links, outside folders, huge or binary files
   archive      tar members that are symlinks and hard links in chains, to folders, outside, cycles,
                duplicates, and random byte damage
@@ -232,6 +233,14 @@ def fuzz_manifest(rng: random.Random, tmp: Path) -> None:
     path = step / "manifest.json"
     data = json.loads(path.read_text())
     how = rng.choice(["reseal", "reseal", "flip", "random"])
+    if how == "reseal" and rng.random() < 0.3:  # what keep_optimizer_latest writes, aimed at what it deletes
+        data["pruned"] = rng.choice([{"optim": "x"}, {"model": "x"}, {}, _random_value(rng)])
+        data["pruned_paths"] = {rng.choice(["optim", "model", "rng"]): rng.choice(
+            ["../victim", "model", "optim", ".", "", "optim/../model", "model/x", "/tmp", "rng"])}
+        if rng.random() < 0.5:  # a pruned manifest as it is written (the optimizer's files left: garbage)
+            data["states"].pop("optim", None)
+            for listing in ("files", "checksums"):
+                data[listing] = {k: v for k, v in data[listing].items() if not k.startswith("optim/")}
     if how == "reseal":  # an attacker who knows the format: every field may hold anything
         for _ in range(rng.randint(1, 3)):
             node, key = data, rng.choice(list(data))
@@ -250,13 +259,25 @@ def fuzz_manifest(rng: random.Random, tmp: Path) -> None:
         path.write_bytes(_mutate(rng, path.read_bytes()))
     else:
         path.write_text(json.dumps(_random_value(rng)))
+    victim = tmp.parent / f"{tmp.name}-victim"
+    victim.mkdir(exist_ok=True)
+    (victim / "keep").write_bytes(b"outside")
     before = {str(p.relative_to(tmp)) for p in tmp.rglob("*")}
-    scan(tmp)
+    entries = scan(tmp)
     manifest = read_manifest(step)
     problems = check_files(step, manifest, checksums=True)
     if problems:
         raise CheckpointError("; ".join(problems))  # reported cleanly, as verify does
     _nothing_new_outside(tmp, before, step)
+    from ckptio.engine.prune_optim import prune_optimizers
+    from ckptio.storage.local import LocalStorage
+
+    prune_optimizers(LocalStorage(tmp), entries, 0)  # prunes this step, and removes what it says was pruned
+    if (victim / "keep").read_bytes() != b"outside":
+        raise WrongResult("pruning removed a file outside the step")
+    problems = check_files(step, read_manifest(step), checksums=True)
+    if problems:
+        raise WrongResult(f"pruning removed what the manifest still refers to: {problems[:2]}")
 
 
 _CHECKPOINT_CACHE: dict[str, bytes] = {}

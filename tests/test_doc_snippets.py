@@ -299,6 +299,22 @@ def train_step():
 planner = mgr._goodput.planners["durable"]
 assert planner.every is not None and "one failure per 6 h (given)" in planner.reason, planner.reason
 """),
+    "docs/retention.md: cfg = CheckpointConfig(": Run("""
+import torch
+from ckptio import CheckpointConfig, CheckpointManager
+""", """
+model = torch.nn.Linear(4, 4)
+opt = torch.optim.AdamW(model.parameters())
+with CheckpointManager(cfg, model=model, optimizer=opt) as mgr:
+    for step, loss in ((1, 3.0), (2, 1.0), (3, 2.0), (4, 4.0)):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        mgr.save(step=step, metrics={"val_loss": loss})
+from ckptio import committed_checkpoints
+kept = {e.step: e.manifest for e in committed_checkpoints("ckpt")}
+assert sorted(kept) == [1, 2, 3, 4] and [s for s, m in kept.items() if "optim" in m.states] == [4]
+assert all("optim" in m.pruned for s, m in kept.items() if s != 4)
+"""),
     "docs/memory-tier.md: store = dist.TCPStore(": Run("import os, torch, torch.distributed as dist\n", """
 flag = torch.ones(1)
 dist.all_reduce(flag)

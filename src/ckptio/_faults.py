@@ -20,6 +20,7 @@ POINTS = (
     "commit.before_pointer",
     "commit.before_retention",
     "retention.before_delete",
+    "retention.optimizer_after_manifest",
     "delete.after_hide",
     "s3.swap.uncommitted",
     "s3.swap.copied",

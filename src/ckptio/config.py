@@ -92,6 +92,10 @@ class CheckpointConfig:
     keep_newer_than_s: float | None = None
     """Also keep checkpoints younger than this many seconds."""
 
+    keep_optimizer_latest: int | None = None
+    """Keep the optimizer state in the newest n checkpoints only: older ones kept (best-k, milestones) keep their
+    weights and other states, load weights-only and consolidate (docs/retention.md). ``None``: every one keeps it."""
+
     max_recent_checkpoints: int | None = None
     """NeMo AutoModel's name for ``keep_latest`` (the newest n are kept; so are the LATEST and BEST targets)."""
 
@@ -263,7 +267,8 @@ class CheckpointConfig:
                 top_k = 0
         return RetentionPolicy(top_k=top_k, monitor=self.monitor, mode=self.mode,  # type: ignore[arg-type]
                                keep_latest=keep_latest, keep_every_n_steps=self.keep_every_n_steps,
-                               keep_newer_than_s=self.keep_newer_than_s)
+                               keep_newer_than_s=self.keep_newer_than_s,
+                               keep_optimizer_latest=self.keep_optimizer_latest)
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -46,7 +46,7 @@ def validate_retention(self: Any) -> None:
     """The keep-rules' settings."""
     if self.mode not in ("min", "max"):
         raise ConfigError(f"mode must be 'min' or 'max', got {self.mode!r}")
-    for name in ("save_top_k", "keep_latest", "keep_every_n_steps", "max_recent_checkpoints"):
+    for name in ("save_top_k", "keep_latest", "keep_every_n_steps", "max_recent_checkpoints", "keep_optimizer_latest"):
         value = getattr(self, name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)
                                   or value < (-1 if name == "save_top_k" else 1)):

@@ -170,8 +170,11 @@ def _into_checkpoint(step_dir: Path, out: Path, source, plan, bar, *, force: boo
             raise CheckpointCorruptError(f"{step_dir} is damaged, not rewriting it: " + "; ".join(problems[:3]))
         rel_out = out.relative_to(step_dir).as_posix()
 
+        gone = [f.strip("/") + "/" for f in manifest.pruned_paths.values()]  # what an interrupted pruning left
+
         def skip(rel: str) -> bool:
-            return rel == MANIFEST_NAME or rel == rel_out or rel.startswith(rel_out + "/")
+            return rel == MANIFEST_NAME or rel == rel_out or rel.startswith(rel_out + "/") or \
+                rel.startswith(".trash-") or any((rel + "/").startswith(f) for f in gone)
 
         copy_on_write(step_dir, stage, skip=skip)
         written = hf_bundle.write_bundle(source, plan, writer, rel_out, progress=bar.update)

@@ -32,6 +32,8 @@ def run(args: argparse.Namespace) -> int:
     body = []
     for r in rows:
         status = "committed" if r["committed"] else f"NOT USABLE: {r['problem']}"
+        if r["committed"] and r["pruned"]:
+            status += f" ({', '.join(r['pruned'])} pruned: weights only)"
         metrics = ", ".join(f"{k}={v:g}" for k, v in sorted(r["metrics"].items()))
         marks = [m for m, on in (("LATEST", r["latest"]), ("BEST", r["best"])) if on]
         if r["protected"] and not marks:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 import re
 
 import sys
@@ -26,6 +27,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--keep-latest", type=int, help="keep the n newest")
     p.add_argument("--keep-every", type=int, help="keep checkpoints whose step is a multiple of this")
     p.add_argument("--keep-newer-than", help="keep checkpoints younger than this: 90s, 30m, 12h, 7d")
+    p.add_argument("--keep-optimizer-latest", type=int, metavar="N",
+                   help="remove the optimizer state of every kept checkpoint but the N newest (they keep their "
+                        "weights); also removes what an interrupted pass left")
     p.add_argument("--dry-run", action="store_true", help="print what would be deleted, delete nothing")
     p.add_argument("--json", action="store_true", help="print the decision as JSON")
     p.add_argument("--force", action="store_true",
@@ -47,6 +51,31 @@ def _positive(name: str, value: int | None) -> None:
         raise ConfigError(f"{name} must be a positive integer, got {value}")
 
 
+def _print_decision(decision: Any, dry_run: bool) -> None:
+    for e in decision.keep:
+        print(f"keep    {e.name}  ({', '.join(decision.reasons.get(e.name, ['kept']))})")
+    for e in decision.delete:
+        size = e.manifest.total_bytes if e.manifest else 0
+        print(f"{'would delete' if dry_run else 'delete '} {e.name}  ({human_bytes(size)})")
+
+
+def _prune_optimizers(storage: Any, kept: list[Any], newest: int, dry_run: bool, quiet: bool) -> None:
+    """Remove (``dry_run``: list) the optimizer state of every kept checkpoint but the ``newest``."""
+    from ..engine.layout import LATEST
+    from ..engine.prune_optim import prunable, prune_optimizers
+
+    latest = pointer_target(storage, LATEST)
+    ordered = sorted(kept, key=lambda e: (e.step or 0, e.name))
+    spared = {e.name for e in ordered[-newest:]} | ({latest.name} if latest is not None else set())
+    doomed = [e for e in ordered if e.name not in spared and e.manifest is not None and prunable(e.manifest)]
+    if not quiet:
+        for e in doomed:
+            print(f"{'would remove' if dry_run else 'remove '} the optimizer state of {e.name}  "
+                  f"({', '.join(prunable(e.manifest))})")
+    if not dry_run:
+        prune_optimizers(storage, ordered, newest, keep=frozenset(spared))
+
+
 def run(args: argparse.Namespace) -> int:
     """Delete the committed checkpoints a retention policy does not keep (``--dry-run`` only lists them)."""
     if args.top_k is not None and not args.monitor:
@@ -57,8 +86,10 @@ def run(args: argparse.Namespace) -> int:
     policy = policies.RetentionPolicy(top_k=args.top_k, monitor=args.monitor, mode=args.mode,
                                       keep_latest=args.keep_latest, keep_every_n_steps=args.keep_every,
                                       keep_newer_than_s=_duration(args.keep_newer_than))
-    if not policy.active:
-        raise ConfigError("give at least one rule: --save-top-k, --keep-latest, --keep-every or --keep-newer-than")
+    _positive("--keep-optimizer-latest", args.keep_optimizer_latest)
+    if not policy.active and not args.keep_optimizer_latest:
+        raise ConfigError("give at least one rule: --save-top-k, --keep-latest, --keep-every, --keep-newer-than or "
+                          "--keep-optimizer-latest")
     storage = open_storage(args.checkpoint_dir)  # a local folder or s3://bucket/prefix
     root = storage.root
     try:
@@ -83,15 +114,14 @@ def run(args: argparse.Namespace) -> int:
             print(f"warning: {exc}; no checkpoint is protected as BEST", file=sys.stderr)
             best = None
         protected = {best.name} if best is not None else set()
-        decision = policies.decide(entries, policy, protected=protected)
+        decision = policies.decide(entries, policy, protected=protected) if policy.active else \
+            policies.RetentionDecision(keep=[e for e in entries if e.committed and not e.adopted])
         if not args.json:
-            for e in decision.keep:
-                print(f"keep    {e.name}  ({', '.join(decision.reasons[e.name])})")
-            for e in decision.delete:
-                size = e.manifest.total_bytes if e.manifest else 0
-                print(f"{'would delete' if args.dry_run else 'delete '} {e.name}  ({human_bytes(size)})")
+            _print_decision(decision, args.dry_run)
         if not args.dry_run:
             policies.apply(storage, decision)
+        if args.keep_optimizer_latest:
+            _prune_optimizers(storage, decision.keep, args.keep_optimizer_latest, args.dry_run, args.json)
     finally:
         lock.release()
     freed = sum(e.manifest.total_bytes for e in decision.delete if e.manifest)

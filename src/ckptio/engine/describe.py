@@ -61,6 +61,7 @@ def list_checkpoints(checkpoint_dir: str | Path) -> dict[str, Any]:
             "metrics": m.metrics if m else {},
             "bytes": m.total_bytes if m else _du(storage, e.name),
             "committed": e.committed,
+            "pruned": sorted(m.pruned) if m else [],  # states removed after the save (keep_optimizer_latest)
             "problem": e.problem,
             "latest": e.name == latest,
             "best": e.name == best,

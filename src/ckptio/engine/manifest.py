@@ -85,6 +85,11 @@ class Manifest:
     checksums: dict[str, str] = field(default_factory=dict)
     """Relative path -> ``crc32c:xxxxxxxx``, computed while each file was written."""
     versions: dict[str, str] = field(default_factory=dict)
+    pruned: dict[str, str] = field(default_factory=dict)
+    """State name -> why it was removed after the save (``keep_optimizer_latest``): see
+    :mod:`ckptio.engine.prune_optim`. Written only when not empty."""
+    pruned_paths: dict[str, str] = field(default_factory=dict)
+    """State name -> the folder it was in (relative, checked as every path of a manifest)."""
     created: str = field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
     manifest_version: int = MANIFEST_VERSION
 
@@ -94,6 +99,9 @@ class Manifest:
 
     def to_json(self) -> str:
         data = json.loads(json.dumps(asdict(self), allow_nan=True))  # the values exactly as a reader parses them
+        for empty in ("pruned", "pruned_paths"):  # a manifest nothing was pruned from is what it always was
+            if not data[empty]:
+                del data[empty]
         data["manifest_version"] = MANIFEST_VERSION
         data["manifest_checksum"] = _self_checksum(data)
         return json.dumps(data, indent=2, sort_keys=True) + "\n"
@@ -165,6 +173,11 @@ class _Fields:
         return raw
 
 
+def _overlap(a: str, b: str) -> bool:
+    a, b = a.strip("/"), b.strip("/")
+    return a == b or a.startswith(b + "/") or b.startswith(a + "/")
+
+
 def _is_shape(value: Any) -> bool:
     return isinstance(value, list) and all(type(d) is int and d >= 0 for d in value)
 
@@ -213,8 +226,17 @@ def _parse(data: dict[str, Any], source: Path) -> Manifest:
         versions={k: str(v) for k, v in f.mapping("versions", (str,), what="a string").items()},
         created=f.get("created", str, default=""),
         manifest_version=data["manifest_version"],
+        pruned=dict(f.mapping("pruned", (str,), what="a reason")),
+        pruned_paths=dict(f.mapping("pruned_paths", (str,), what="a folder")),
     )
-    for rel in list(manifest.files) + list(manifest.checksums) + [s.path for s in states.values()]:
+    if set(manifest.pruned_paths) - set(manifest.pruned) or set(manifest.pruned) & set(states):
+        raise f.fail("pruned", "does not match pruned_paths and states (a state is either kept or pruned)")
+    kept = [e.path for e in states.values()] + list(manifest.files)
+    for gone in manifest.pruned_paths.values():
+        if gone.strip("/") in ("", ".") or any(_overlap(gone, k) for k in kept):
+            raise f.fail("pruned_paths", f"names {gone!r}, which holds or lies in what the step still keeps")
+    for rel in list(manifest.files) + list(manifest.checksums) + [s.path for s in states.values()] + \
+            list(manifest.pruned_paths.values()):
         try:
             check_relative(rel, source)
         except UnsafePathError as exc:

@@ -42,6 +42,8 @@ class RetentionPolicy:
     """Keep checkpoints whose step is a multiple of this."""
     keep_newer_than_s: float | None = None
     """Keep checkpoints created less than this many seconds ago."""
+    keep_optimizer_latest: int | None = None
+    """Keep the optimizer state in the newest this many only (:mod:`.prune_optim`); deletes no checkpoint."""
 
     @property
     def active(self) -> bool:
@@ -166,7 +168,7 @@ def after_commit(storage: "Storage | Path", policy: RetentionPolicy, *,
         best = best_checkpoint(entries, policy.monitor, policy.mode)
         if best is not None:
             storage.write_pointer(BEST, best.name)
-    if not policy.active:
+    if not policy.active and not policy.keep_optimizer_latest:
         return []
     try:
         latest = storage.read_pointer(LATEST)
@@ -175,7 +177,14 @@ def after_commit(storage: "Storage | Path", policy: RetentionPolicy, *,
             return []
         latest = None
     keep = set(protected) | {name for name in (written, latest) if name}
-    return apply(storage, decide(entries, policy, protected=keep))
+    removed = apply(storage, decide(entries, policy, protected=keep)) if policy.active else []
+    if policy.keep_optimizer_latest:
+        from .prune_optim import prune_optimizers
+
+        gone = {p.name for p in removed}
+        prune_optimizers(storage, [e for e in entries if e.name not in gone], policy.keep_optimizer_latest,
+                         keep=frozenset(name for name in (written, latest) if name))
+    return removed
 
 
 def _storage(storage: "Storage | Path") -> "Storage":

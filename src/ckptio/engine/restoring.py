@@ -312,6 +312,10 @@ def _read_objects(restorer: Restorer, step: Folder, manifest: Manifest) -> dict[
         if not restorer.options.wants(name):
             continue
         entry = manifest.states.get(name)
+        if entry is None and name in manifest.pruned:
+            from .prune_optim import pruned_message
+
+            raise CheckpointMismatchError(pruned_message(step.path, manifest, name))
         if entry is None:
             if rank == 0:
                 restorer.log.warning("%s has no %r state; %s keeps its current state", step.path, name, name)
@@ -375,6 +379,10 @@ def _plan_optimizer(optim_state: Any, step: Folder, manifest: Manifest) -> "_Opt
 
 def _entry(step_dir: Path, manifest: Manifest, key: str) -> StateEntry:
     entry = manifest.states.get(key)
+    if entry is None and key in manifest.pruned:
+        from .prune_optim import pruned_message
+
+        raise CheckpointMismatchError(pruned_message(step_dir, manifest, key))
     if entry is None:
         raise CheckpointMismatchError(
             f"{step_dir} holds no {key!r} state (it has {sorted(manifest.states)}); "

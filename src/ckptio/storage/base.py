@@ -147,6 +147,9 @@ class Storage(Protocol):
     def remove_step(self, name: str) -> None:
         """Delete a committed step so that no crash leaves a half-deleted one that discovery could take."""
 
+    def remove_part(self, name: str, rel: str) -> None:
+        """Remove the folder or file ``rel`` inside the step ``name`` (its manifest no longer refers to it)."""
+
     def sweep(self, older_than_s: float = 0.0) -> list[Path]:
         """Remove leftovers of interrupted saves and deletions (at least ``older_than_s`` old); returns what
         was removed."""

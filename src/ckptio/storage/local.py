@@ -251,6 +251,23 @@ class LocalStorage:
     def remove_step(self, name: str) -> None:
         remove_tree(self.root / name)
 
+    def remove_part(self, name: str, rel: str) -> None:
+        """Remove the folder or file ``rel`` of the step ``name`` (hidden first), and what an interrupted removal
+        there left; ``rel`` must stay inside the step, through no link."""
+        from ..errors import CheckpointError
+        from .confined import check_relative
+
+        step = self.root / name
+        target = step.joinpath(*check_relative(rel, step))
+        for parent in [target, *target.parents]:
+            if parent == step:
+                break
+            if parent.is_symlink():
+                raise CheckpointError(f"{parent}: a link inside a step directory is never followed to remove it")
+        remove_tree(target)
+        for trash in step.glob(".trash-*") if step.is_dir() and not step.is_symlink() else ():
+            remove_tree(trash)
+
     def sweep(self, older_than_s: float = 0.0) -> list[Path]:
         """Remove leftovers of interrupted saves and deletions (``.tmp-*``, ``.trash-*``)."""
         import time

@@ -124,6 +124,14 @@ class S3Storage:
     def remove_step(self, name: str) -> None:
         self._delete_prefix(self._key(name), manifest_first=True)
 
+    def remove_part(self, name: str, rel: str) -> None:
+        """Remove the objects below ``rel`` of the step ``name``, and the object ``rel`` itself if there is one."""
+        from ..confined import check_relative
+
+        key = self._key(name + "/" + "/".join(check_relative(rel, self.root / name)))
+        self._delete_prefix(key, manifest_first=False)
+        _call("removing", self.root / name / rel, client().delete_object, Bucket=self.bucket, Key=key)
+
     def sweep(self, older_than_s: float = 0.0) -> list[S3Path]:  # type: ignore[override]
         """Remove steps ckptio began and never committed (in-progress mark, no manifest) whose newest object is at
         least ``older_than_s`` old, and abort multipart uploads under the folder started that long ago. A folder
