@@ -191,11 +191,17 @@ class SharedReads:
         works: list[Any] = []
         unpack: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
         keep: list[torch.Tensor] = []  # buffers alive until their work is done
+        batched: dict[Any, list[Any]] = {}  # NCCL: every send and receive of a group posted as one batch
         for m in self.messages:
             if self.rank == m.src or self.rank in m.dsts:
-                buf = self._post(m, flat, groups[m.device], works, unpack)
+                buf = self._post(m, flat, groups[m.device], works, unpack, batched)
                 keep.append(buf)
                 received += m.nbytes if self.rank != m.src else 0
+        if batched:
+            import torch.distributed as dist
+
+            for ops in batched.values():
+                works += dist.batch_isend_irecv(ops)
         for work in works:
             work.wait()
         with torch.no_grad():
@@ -215,9 +221,12 @@ class SharedReads:
         return received
 
     def _post(self, m: _Message, flat: dict[str, Any], group: Any, works: list[Any],
-              unpack: list[tuple[torch.Tensor, list[torch.Tensor]]]) -> torch.Tensor:
+              unpack: list[tuple[torch.Tensor, list[torch.Tensor]]], batched: dict[Any, list[Any]]) -> torch.Tensor:
         """Post message ``m``'s sends (this rank read it) or receives; returns the buffer, which must outlive them.
-        A receive that cannot land in its tensor's memory directly is listed in ``unpack``."""
+        A receive that cannot land in its tensor's memory directly is listed in ``unpack``. On an NCCL group the
+        operations are collected in ``batched`` instead: NCCL ignores tags and runs a pair's sends and receives on
+        one stream in the order posted, so two ranks that each send to the other first would wait on each other;
+        posted as one batch (``batch_isend_irecv``) they cannot."""
         import torch.distributed as dist
 
         from .plan import local_view
@@ -231,9 +240,14 @@ class SharedReads:
         else:
             buf = torch.empty(m.nbytes, dtype=torch.uint8, device=locals_[0].device)
             unpack.append((buf, locals_))
+        nccl = str(dist.get_backend(group)) == "nccl"
         for j, at in enumerate(range(0, m.nbytes, PIECE)):
             piece, tag = buf[at:at + PIECE], m.tag | j
-            if mine:
+            if nccl:
+                batched.setdefault(group, []).extend(
+                    [dist.P2POp(dist.isend, piece, d, group=group, tag=tag) for d in m.dsts] if mine else
+                    [dist.P2POp(dist.irecv, piece, m.src, group=group, tag=tag)])
+            elif mine:
                 works += [dist.isend(piece, d, group=group, tag=tag) for d in m.dsts]
             else:
                 works.append(dist.irecv(piece, m.src, group=group, tag=tag))

@@ -35,7 +35,7 @@ class Stager:
         self._buffers: dict[str, torch.Tensor] = {}
         self._wrapped: dict[str, tuple[torch.Tensor, tuple, DTensor]] = {}  # a DTensor around each buffer
         self._used: set[str] = set()
-        self._needs_sync = False
+        self._needs_sync: set[torch.device] = set()
 
     @property
     def nbytes(self) -> int:
@@ -45,11 +45,11 @@ class Stager:
     def stage(self, state: Any) -> Any:
         """A copy of ``state`` whose tensors live in this stager's host buffers."""
         self._used = set()
-        self._needs_sync = False
+        self._needs_sync = set()
         with torch.no_grad():  # a DTensor's to_local is then its local tensor, not an autograd function's output
             out = self._stage(state, "")
-        if self._needs_sync:
-            _synchronize()
+        for device in self._needs_sync:  # each device the copies came from (not only the current one)
+            _synchronize(device)
         for key in set(self._buffers) - self._used:  # keys gone since the last save (a changed model)
             del self._buffers[key]
             self._wrapped.pop(key, None)
@@ -88,15 +88,19 @@ class Stager:
             pin = tensor.device.type == "cuda" and torch.cuda.is_available()
             buf = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
             self._buffers[key] = buf
-        non_blocking = tensor.device.type != "cpu"
+        non_blocking = tensor.device.type != "cpu" and buf.is_pinned()  # from pageable memory it would block anyway
         buf.copy_(tensor, non_blocking=non_blocking)
-        self._needs_sync = self._needs_sync or non_blocking
+        if non_blocking:
+            self._needs_sync.add(tensor.device)
         return buf
 
 
-def _synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+def _synchronize(device: torch.device) -> None:
+    """Wait for the copies queued from ``device`` (``torch.cuda.synchronize()`` alone waits for the current device
+    only)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return
     accelerator = getattr(torch, "accelerator", None)
     if accelerator is not None and accelerator.is_available():
-        accelerator.synchronize()
+        accelerator.synchronize(device)
