@@ -25,6 +25,7 @@ def test_without_a_gpu_it_says_so_in_one_line_and_succeeds():
     assert out.stdout.strip().count("\n") == 0 and "no CUDA device here" in out.stdout
 
 
+@pytest.mark.slow  # ~20 s: a dozen saves and restores, a process group
 def test_on_the_cpu_every_check_runs_and_passes(tmp_path):
     out = _run("--device", "cpu", "--mb", "8", "--saves", "3")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -122,6 +122,7 @@ with CheckpointManager(CheckpointConfig(checkpoint_dir=sys.argv[1], keep_optimiz
 """
 
 
+@pytest.mark.slow  # a real process killed
 def test_a_kill_between_manifest_and_files_leaves_garbage_the_next_save_collects(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(_KILLED)

@@ -139,6 +139,7 @@ def _png_size(path: Path) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
+@pytest.mark.slow  # a real browser, three times
 def test_the_page_of_a_real_run_renders_its_charts_in_chromium(real_run, tmp_path, capsys):
     page = tmp_path / "report.html"
     assert main(["report", str(real_run), "--html", str(page), "--probe-mib", "16"]) == 0
