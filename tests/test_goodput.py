@@ -326,3 +326,26 @@ def test_a_run_with_both_tiers_auto_saves_durably_on_a_multiple_of_the_memory_in
     kinds = [e.get("tier") for e in mgr._goodput.record.events if e["kind"] == "save"]
     assert "memory" in kinds and "durable" in kinds
     mgr.close()
+
+
+def test_memory_snapshots_write_the_record_once_per_half_minute_and_lose_no_event(tmp_path):
+    """A snapshot's event is made on the training thread: after the first, the record is written with the next
+    durable save (or the end, or 30 s later), not at each snapshot; every event is in it in the end."""
+    from ckptio.goodput.record import RunRecord as Record
+
+    writes = []
+    real = Record._write
+
+    def counted(self):
+        writes.append([e.get("tier") for e in self.events if e["kind"] == "save"])
+        real(self)
+
+    Record._write = counted
+    try:
+        mgr, saved = _train(tmp_path, 12, memory_every_steps=1, persist_every_steps=6)
+        mgr.close()
+    finally:
+        Record._write = real
+    tiers = [e.get("tier") for e in _events(tmp_path) if e["kind"] == "save"]
+    assert tiers.count("memory") == 10 and tiers.count("durable") == 2  # steps 6 and 12 are durable
+    assert 3 <= len(writes) <= 5, writes  # the first snapshot, each durable save, the end: not one per snapshot

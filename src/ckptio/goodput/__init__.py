@@ -82,14 +82,14 @@ class Goodput:
         self._last_tick: int | None = None
         atexit.register(_at_exit, weakref.ref(self))  # a script that never closes its manager ends cleanly too
 
-    def emit(self, kind: str, **values: Any) -> None:
-        """One event: into the record (rank 0 writes it, once the run saved or restored) and to every listener; a
-        listener's error is logged."""
+    def emit(self, kind: str, *, lazy: bool = False, **values: Any) -> None:
+        """One event: into the record (rank 0 writes it, once the run saved or restored; ``lazy``: with a later
+        write) and to every listener; a listener's error is logged."""
         values["time"] = round(time.time(), 3)
         if self.record is not None:
             if kind in ("save", "restore"):
                 self.record.begin()
-            self.record.add(kind, **values)
+            self.record.add(kind, lazy=lazy, **values)
         for listener in list(self.listeners):
             try:
                 listener({"kind": kind, **values})
@@ -142,7 +142,8 @@ class Goodput:
                 self.planners["memory"].last_saved = step
             self.sync()
         if tier == "memory":
-            self.emit("save", step=step, tier="memory", blocked_s=round(blocked_s, 6), ranks=_dist.world_size())
+            self.emit("save", lazy=True, step=step, tier="memory", blocked_s=round(blocked_s, 6),
+                      ranks=_dist.world_size())
 
     def committed(self, job: Any, files: dict[str, int], removed: list[Any], storage: str) -> None:
         """Rank 0: a durable save is committed (possibly on the background writer's thread) and retention removed
@@ -171,6 +172,8 @@ class Goodput:
             self.closed = True
             if clean:
                 self.emit("end")
+            elif self.record is not None:
+                self.record.flush()  # the snapshots' events held back, before the process goes
 
 
 def _at_exit(ref: "weakref.ref[Goodput]") -> None:

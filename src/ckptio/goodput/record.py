@@ -69,6 +69,8 @@ class RunRecord:
         """Each event as JSON, made once: the record is rewritten at each event, and a dump of 4,096 events costs
         ~20 ms here, their join a fraction of one."""
         self._progress_at = 0.0
+        self._written_at = 0.0
+        self._held = False
         self._lock = threading.Lock()  # the background writer records its commits from its own thread
 
     # -------------------------------------------------------------------------------------------- reading
@@ -115,13 +117,16 @@ class RunRecord:
             pass
 
     # -------------------------------------------------------------------------------------------- writing
-    def add(self, kind: str, **values: Any) -> None:
+    def add(self, kind: str, *, lazy: bool = False, **values: Any) -> None:
         """Append an event (``time``: now, unless given) and write the record (rank 0); a write that fails is logged,
-        never raised: the record must not stop training."""
+        never raised: the record must not stop training. ``lazy``: written with the next event that is not, or once
+        :data:`PROGRESS_EVERY_S` seconds have passed since the last write (a memory-tier snapshot's event: the
+        training thread makes it, and a write costs milliseconds next to a snapshot's few)."""
         with self._lock:
-            self._add({"kind": kind, "time": round(time.time(), 3), **values})
+            self._add({"kind": kind, "time": round(time.time(), 3), **values},
+                      lazy and time.monotonic() - self._written_at < PROGRESS_EVERY_S)
 
-    def _add(self, event: dict[str, Any]) -> None:
+    def _add(self, event: dict[str, Any], held: bool = False) -> None:
         kind = event["kind"]
         if kind == "progress" and self.events and self.events[-1]["kind"] == "progress":
             self.events[-1], self._encoded[-1] = event, _encode(event)
@@ -131,11 +136,20 @@ class RunRecord:
         while len(self.events) > MAX_EVENTS:
             oldest = next((i for i, e in enumerate(self.events) if e["kind"] in ("save", "progress")), 0)
             del self.events[oldest], self._encoded[oldest]
-        if not self.writer or self.broken or self.deferred:
+        self._held = held
+        if not self.writer or self.broken or self.deferred or held:
             return
         self._write()
 
+    def flush(self) -> None:
+        """Write the events held back (``lazy``), if any."""
+        with self._lock:
+            if self._held and self.writer and not self.broken and not self.deferred:
+                self._held = False
+                self._write()
+
     def _write(self) -> None:
+        self._written_at = time.monotonic()
         try:
             self.storage.write_small(RECORD_NAME, _HEAD + ",".join(self._encoded).encode() + b"]}")
         except FileNotFoundError:
