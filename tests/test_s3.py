@@ -745,3 +745,15 @@ def test_the_runs_record_lives_in_the_bucket_too(bucket):
     events = json.loads(body)["events"]
     assert [e["kind"] for e in events][-3:] == ["start", "restore", "end"]
     assert next(e for e in events if e["kind"] == "restore")["step"] == 2
+    # `ckptio report` reads it from the bucket (no storage probe there) and draws its page
+    import io
+    from contextlib import redirect_stdout
+
+    from ckptio.cli import main as cli
+
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert cli(["report", url, "--json"]) == 0
+    data = json.loads(out.getvalue())
+    assert [e["step"] for e in data["durable"]] == [1, 2] and data["storage_rate"] is None
+    assert [e["step"] for e in data["restores"]] == [2] and len(data["processes"]) == 2
