@@ -27,7 +27,7 @@ def test_without_a_gpu_it_says_so_in_one_line_and_succeeds():
 
 @pytest.mark.slow  # ~20 s: a dozen saves and restores, a process group
 def test_on_the_cpu_every_check_runs_and_passes(tmp_path):
-    out = _run("--device", "cpu", "--mb", "8", "--saves", "3")
+    out = _run("--device", "cpu", "--mb", "4", "--saves", "3")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith(("ok", "FAIL"))]
     assert len(rows) == 12 and all(r.startswith("ok") for r in rows), out.stdout

@@ -155,7 +155,8 @@ class Goodput:
         for path in removed:
             fields = parse_step_name(self.names[0], PurePosixPath(str(path)).name, self.names[1]) or {}
             step = fields.get("step")
-            self.emit("remove", **({"step": step} if isinstance(step, int) and step >= 0 else {}))
+            values: dict[str, Any] = {"step": step} if isinstance(step, int) and step >= 0 else {}
+            self.emit("remove", lazy=False, **values)
 
     def restored(self, info: Any, restore_s: float) -> None:
         """Every rank, after a restore: the record says from which step, how many steps were lost, how long."""
