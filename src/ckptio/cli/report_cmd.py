@@ -91,7 +91,7 @@ def probe_write_rate(root: Path, mib: int) -> float | None:
 def suggested_every(summary: Summary, tier: str) -> tuple[int, str] | None:
     """The interval in steps the record's numbers call for (median blocked time of the tier's last 20 saves, the
     run's step time, its learned MTBF or one day) and why; ``None`` without a step time or a save."""
-    from ..goodput.interval import daly_interval
+    from ..goodput.interval import daly_interval, span as _span
 
     saves = [e["blocked_s"] for e in summary.saves[tier][-20:] if "blocked_s" in e]
     if not saves or not summary.step_s:
@@ -105,6 +105,8 @@ def suggested_every(summary: Summary, tier: str) -> tuple[int, str] | None:
 
 def text(summary: Summary, where: str, rate: float | None) -> str:
     """The terminal summary."""
+    from ..goodput.interval import span as _span
+
     good = "-" if summary.goodput is None else f"{100 * summary.goodput:.1f} %"
     lines = [f"Run record {where}", "",
              f"goodput (estimated)   {good} of {_span(summary.wall_s)} wall time, newest step "
@@ -140,6 +142,8 @@ def text(summary: Summary, where: str, rate: float | None) -> str:
 
 
 def _tier_row(tier: str, saves: list[dict[str, Any]], rate: float | None) -> list[str]:
+    from ..goodput.interval import span as _span
+
     blocked = [e["blocked_s"] for e in saves if "blocked_s" in e]
     total = [e["total_s"] for e in saves if "total_s" in e]
     sizes = [e["bytes"] for e in saves if "bytes" in e]
@@ -157,12 +161,3 @@ def _as_json(summary: Summary, rate: float | None) -> dict[str, Any]:
 
     return page_data(summary, "", rate) | {"suggested": {tier: suggested_every(summary, tier)
                                                            for tier in summary.saves}}
-
-
-def _span(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.3g} {unit}"
-    return f"{seconds:.3g} s"

@@ -8,8 +8,8 @@ folder) is removed:
    states and files, which names them under ``pruned`` with the reason;
 2. then their files are removed.
 
-A kill between the two leaves files no manifest refers to, which the next pass (a save's retention, or ``ckptio
-prune``) removes; never a manifest that refers to a removed file. The checkpoint still loads weights-only, is
+A kill between the two leaves files no manifest refers to, which the next process's first pass (a save's
+retention, or ``ckptio prune``) removes; never a manifest that refers to a removed file. The checkpoint still loads weights-only, is
 consolidated to a Hugging Face bundle and verifies; a full resume from it is refused naming what was pruned and
 how to load the rest (:func:`pruned_message`).
 """
@@ -63,11 +63,13 @@ def pruned_message(step_dir: object, manifest: Manifest, key: str) -> str:
 def prune_optimizers(storage: "Storage", entries: Iterable["CheckpointEntry"], newest: int, *,
                      keep: frozenset[str] = frozenset()) -> list[str]:
     """Rank 0, after a commit: remove the optimizer state of every committed checkpoint but the ``newest`` by step
-    and those named in ``keep`` (the one just written, ``LATEST``'s), and what an interrupted pass left. Returns
-    the names of the checkpoints pruned now."""
+    and those named in ``keep`` (the one just written, ``LATEST``'s), and, at the first pass of this process over
+    ``storage``, what an interrupted pass left. Returns the names of the checkpoints pruned now."""
     committed = sorted((e for e in entries if e.committed and not e.adopted and e.manifest is not None),
                        key=lambda e: (e.step or 0, e.name))
     spared = {e.name for e in committed[-newest:]} | set(keep) if newest > 0 else set(keep)
+    sweep = str(storage.root) not in _swept
+    _swept.add(str(storage.root))
     pruned: list[str] = []
     for entry in committed:
         manifest = entry.manifest
@@ -79,9 +81,15 @@ def prune_optimizers(storage: "Storage", entries: Iterable["CheckpointEntry"], n
             _prune(storage, entry.name, manifest, names, f"keep_optimizer_latest={newest}, at step "
                                                           f"{committed[-1].step}")
             pruned.append(entry.name)
-        for folder in _leftovers(manifest):
-            storage.remove_part(entry.name, folder)  # what a pass killed after its manifest left
+        if sweep:
+            for folder in _leftovers(manifest):
+                storage.remove_part(entry.name, folder)  # what a pass killed after its manifest left
     return pruned
+
+
+_swept: set[str] = set()
+"""The folders whose leftovers this process has collected: once is enough (a kill leaves them in another process's
+pass), and in a bucket each look is a request per kept checkpoint."""
 
 
 def _leftovers(manifest: Manifest) -> list[str]:

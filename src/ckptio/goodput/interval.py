@@ -26,7 +26,7 @@ from typing import Any
 from ..errors import ConfigError
 
 __all__ = ["daly_interval", "young_interval", "parse_duration", "IntervalPlanner", "DEFAULT_MTBF_S",
-           "two_tier_interval", "two_tier_loss", "plan_two_tiers", "DEFAULT_MEMORY_SHARE"]
+           "two_tier_interval", "two_tier_loss", "plan_two_tiers", "DEFAULT_MEMORY_SHARE", "span"]
 
 DEFAULT_MTBF_S = 24 * 3600.0
 """The mean time between failures assumed when none is given and the run has recorded none (said in the log)."""
@@ -98,7 +98,7 @@ def plan_two_tiers(memory: "IntervalPlanner", durable: "IntervalPlanner", share:
     dur_steps = durable.bounded(mem_steps * ratio)
     mem_steps = min(mem_steps, dur_steps)  # a durable maximum below the memory interval: no snapshot in between
     ratio = max(1, dur_steps // mem_steps)
-    common = (f"a step takes {step_s:.3g} s, one failure per {_span(mtbf)} ({source}), the memory tier recovers "
+    common = (f"a step takes {step_s:.3g} s, one failure per {span(mtbf)} ({source}), the memory tier recovers "
               f"from {share:.0%} of them ({share_source})")
     memory.reason = f"a memory snapshot {said_mem} {c_mem:.3g} s, a durable save {said_dur} {c_dur:.3g} s, {common}"
     durable.reason = (f"every {ratio} memory snapshot(s) made durable: a durable save {said_dur} {c_dur:.3g} s, a "
@@ -119,7 +119,10 @@ def parse_duration(value: Any, what: str) -> float:
     return seconds
 
 
-def _span(seconds: float) -> str:
+def span(seconds: float | None) -> str:
+    """``seconds`` as a reader takes it (``"6 h"``, ``"2.5 min"``, ``"0.3 s"``; ``"-"`` for ``None``)."""
+    if seconds is None:
+        return "-"
     for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
         if seconds >= size:
             return f"{seconds / size:.3g} {unit}"
@@ -190,7 +193,7 @@ class IntervalPlanner:
         mtbf, source = self.mtbf_s
         steps = self.bounded(max(1, round(daly_interval(cost, mtbf) / step_s)))
         self.reason = (f"a {self.tier} save {measured} {cost:.3g} s, a step takes {step_s:.3g} s, one failure per "
-                       f"{_span(mtbf)} ({source})")
+                       f"{span(mtbf)} ({source})")
         return steps
 
     def agree(self, steps: int | None) -> None:
