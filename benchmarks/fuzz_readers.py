@@ -225,6 +225,37 @@ def _random_value(rng: random.Random, depth: int = 0):
     }[kind]()
 
 
+def _bucket_references(data: bytes, name: str) -> None:
+    """What a bucket's step folder resolves from a manifest's ``shared``: only plain paths into another step."""
+    from ckptio.storage.s3.refs import shared_of
+
+    for rel, target in shared_of(data, name).items():
+        parts = target.split("/")
+        if len(parts) < 2 or parts[0] in (name, "", ".", "..") or ".." in parts or target.startswith("/") \
+                or ".." in rel.split("/"):
+            raise WrongResult(f"a bucket would resolve {rel!r} to {target!r}")
+
+
+def _share_from(tmp: Path, manifest: Any, victim: Path) -> None:
+    """A save offered this manifest as the newest checkpoint's: it links only regular files of the folder."""
+    from ckptio.engine.sharing import Previous, Sharer
+    from ckptio.storage.local import LocalStorage
+
+    manifest.ownership(LocalStorage(tmp).folder(manifest.name))
+    writer = LocalStorage(tmp).begin_step("fuzz-next")
+    try:
+        previous = Previous.of(manifest)
+        share = Sharer(writer, previous)
+        for rel, digest in previous.contents.items():
+            if share(rel, digest) is not None and not (writer.tmp / rel).is_file():
+                raise WrongResult(f"{rel!r} was shared but is not a file of the new step")
+        for linked in writer.tmp.rglob("*"):
+            if linked.is_file() and linked.stat().st_ino == (victim / "keep").stat().st_ino:
+                raise WrongResult(f"a file outside the folder was linked into a step: {linked}")
+    finally:
+        writer.abort()
+
+
 def fuzz_manifest(rng: random.Random, tmp: Path) -> None:
     from ckptio.engine.layout import scan
     from ckptio.engine.manifest import _self_checksum, check_files, read_manifest
@@ -241,6 +272,11 @@ def fuzz_manifest(rng: random.Random, tmp: Path) -> None:
             data["states"].pop("optim", None)
             for listing in ("files", "checksums"):
                 data[listing] = {k: v for k, v in data[listing].items() if not k.startswith("optim/")}
+    if how == "reseal" and rng.random() < 0.3:  # what a save sharing unchanged files writes, aimed elsewhere
+        rel = rng.choice([*data["files"], "model/x.safetensors", "../victim/keep", ""])
+        data["contents"] = {rel: rng.choice(["sha256:" + "0" * 64, "sha256:zz", _random_value(rng)])}
+        data["shared"] = {rel: rng.choice(["other/model/x", "../victim/keep", f"{step.name}/x", "x", "/etc/passwd",
+                                           ".tmp-1/model/x", f"{tmp.name}-victim/keep", _random_value(rng)])}
     if how == "reseal":  # an attacker who knows the format: every field may hold anything
         for _ in range(rng.randint(1, 3)):
             node, key = data, rng.choice(list(data))
@@ -263,8 +299,10 @@ def fuzz_manifest(rng: random.Random, tmp: Path) -> None:
     victim.mkdir(exist_ok=True)
     (victim / "keep").write_bytes(b"outside")
     before = {str(p.relative_to(tmp)) for p in tmp.rglob("*")}
+    _bucket_references(path.read_bytes(), step.name)
     entries = scan(tmp)
     manifest = read_manifest(step)
+    _share_from(tmp, manifest, victim)
     problems = check_files(step, manifest, checksums=True)
     if problems:
         raise CheckpointError("; ".join(problems))  # reported cleanly, as verify does

@@ -86,13 +86,16 @@ class Run:
 
     def __init__(self, ckpt_dir: str | Path, fmt: str = "safetensors", max_steps: int = 12,
                  ckpt_every: int | None = None, seed: int = 0, peft: bool = False, base_dir: str | None = None,
-                 **config: Any) -> None:
+                 freeze: bool = False, **config: Any) -> None:
         rank = dist.get_rank() if dist.is_initialized() else 0
         random.seed(100 + rank)
         np.random.seed(200 + rank)
         torch.manual_seed(300 + rank)
         self.model = make_model(seed, peft=peft, base_dir=base_dir)
         self.model.train()
+        if freeze:  # a frozen fine-tune: the embeddings (tied to the output head) and the first half of the layers
+            for p in [*self.model.model.embed_tokens.parameters(), *self.model.model.layers[0].parameters()]:
+                p.requires_grad_(False)
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(trainable, lr=1e-2, weight_decay=0.01)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(1.0, (s + 1) / 4))

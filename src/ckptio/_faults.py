@@ -13,6 +13,7 @@ _hook: Callable[[str], None] | None = None
 
 POINTS = (
     "save.states_written",
+    "save.before_link",
     "commit.before_manifest",
     "commit.before_rename",
     "commit.after_exchange",
@@ -22,6 +23,8 @@ POINTS = (
     "retention.before_delete",
     "retention.optimizer_after_manifest",
     "delete.after_hide",
+    "sweep.before_remove",
+    "s3.hand_over.copied",
     "s3.swap.uncommitted",
     "s3.swap.copied",
     "memory.states_written",

@@ -96,6 +96,10 @@ class CheckpointConfig:
     """Keep the optimizer state in the newest n checkpoints only: older ones kept (best-k, milestones) keep their
     weights and other states, load weights-only and consolidate (docs/retention.md). ``None``: every one keeps it."""
 
+    share_unchanged: bool = True
+    """Files of frozen tensors whose bytes (SHA-256) equal the newest checkpoint's are hard-linked (in a bucket,
+    referred to) instead of written again (docs/retention.md); costs nothing without frozen tensors."""
+
     max_recent_checkpoints: int | None = None
     """NeMo AutoModel's name for ``keep_latest`` (the newest n are kept; so are the LATEST and BEST targets)."""
 

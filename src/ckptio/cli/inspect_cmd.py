@@ -103,7 +103,9 @@ def describe_lines(info: dict) -> list[str]:
         lines.append(f"  config keys: {', '.join(info['config_keys'])}")
     if "tensors" in info:
         lines += _tensor_lines(info["tensors"], "  ")
-    lines.append(f"  files: {len(info['files'])}, {human_bytes(sum(info['files'].values()))}")
+    shares = f" (owns {human_bytes(info['owned_bytes'])}, shares {human_bytes(info['shared_bytes'])} with other " \
+        "steps)" if info.get("shared_bytes") else ""
+    lines.append(f"  files: {len(info['files'])}, {human_bytes(sum(info['files'].values()))}{shares}")
     if "states" in info:
         lines.append("  states:")
         for name, st in sorted(info["states"].items()):

@@ -30,6 +30,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{info['checkpoint_dir']}: no checkpoints")
         return 0
     body = []
+    sharing = any(r["shared_bytes"] for r in rows)  # unchanged files shared between steps: what each owns and shares
     for r in rows:
         status = "committed" if r["committed"] else f"NOT USABLE: {r['problem']}"
         if r["committed"] and r["pruned"]:
@@ -39,8 +40,9 @@ def run(args: argparse.Namespace) -> int:
         if r["protected"] and not marks:
             marks.append("protected")
         body.append([r["name"] + (" <- " + ", ".join(marks) if marks else ""), "-" if r["step"] is None else str(r["step"]),
-                     "-" if r["epoch"] is None else str(r["epoch"]), human_bytes(r["bytes"]), metrics, status])
-    print(table(body, ["checkpoint", "step", "epoch", "size", "metrics", "status"]))
+                     "-" if r["epoch"] is None else str(r["epoch"]), human_bytes(r["bytes"])]
+                    + ([human_bytes(r["owned_bytes"]), human_bytes(r["shared_bytes"])] if sharing else []) + [metrics, status])
+    print(table(body, ["checkpoint", "step", "epoch", "size", *(["owns", "shares"] if sharing else []), "metrics", "status"]))
     committed = sum(1 for r in rows if r["committed"])
     print(f"\n{committed} committed checkpoint(s) in {info['checkpoint_dir']}; LATEST -> {info['latest'] or 'none'}"
           + (f"; BEST -> {info['best']}" if info["best"] else ""))

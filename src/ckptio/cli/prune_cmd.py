@@ -76,6 +76,25 @@ def _prune_optimizers(storage: Any, kept: list[Any], newest: int, dry_run: bool,
         prune_optimizers(storage, ordered, newest, keep=frozenset(spared))
 
 
+def _apply(storage: Any, decision: Any, quiet: bool) -> None:
+    """Delete what the decision says, then what interrupted saves left and objects nothing refers to any more."""
+    policies.apply(storage, decision)
+    for leftover in storage.sweep():
+        if not quiet:
+            print(f"removed leftover {leftover}")
+
+
+def _owned(storage: Any, entries: list[Any], doomed: list[Any]) -> int:
+    """The bytes deleting ``doomed`` frees: what each owns, less what a step that stays refers to or links."""
+    names = {e.name for e in doomed}
+    held: dict[str, set[str]] = {}
+    for e in entries:
+        for target in (e.manifest.shared.values() if e.manifest and e.name not in names else ()):
+            owner, _, rel = target.partition("/")
+            held.setdefault(owner, set()).add(rel)
+    return sum(e.manifest.ownership(storage.folder(e.name), held.get(e.name, set()))[0] for e in doomed if e.manifest)
+
+
 def run(args: argparse.Namespace) -> int:
     """Delete the committed checkpoints a retention policy does not keep (``--dry-run`` only lists them)."""
     if args.top_k is not None and not args.monitor:
@@ -118,13 +137,13 @@ def run(args: argparse.Namespace) -> int:
             policies.RetentionDecision(keep=[e for e in entries if e.committed and not e.adopted])
         if not args.json:
             _print_decision(decision, args.dry_run)
+        freed = _owned(storage, entries, decision.delete)  # a file another step shares is not freed
         if not args.dry_run:
-            policies.apply(storage, decision)
+            _apply(storage, decision, args.json)
         if args.keep_optimizer_latest:
             _prune_optimizers(storage, decision.keep, args.keep_optimizer_latest, args.dry_run, args.json)
     finally:
         lock.release()
-    freed = sum(e.manifest.total_bytes for e in decision.delete if e.manifest)
     if args.json:
         print_json({"checkpoint_dir": str(root), "dry_run": args.dry_run, "freed_bytes": freed,
                     "keep": {e.name: decision.reasons[e.name] for e in decision.keep},

@@ -51,10 +51,18 @@ def list_checkpoints(checkpoint_dir: str | Path) -> dict[str, Any]:
     best = pointer(BEST)
     entries = scan(storage)
     newest = max((e for e in entries if e.committed), key=lambda e: e.step or 0, default=None)
+    referenced: dict[str, set[str]] = {}  # step -> its files other steps refer to (a bucket's shared files)
+    for e in entries:
+        for target in (e.manifest.shared.values() if e.manifest else ()):
+            owner, _, rel = target.partition("/")
+            referenced.setdefault(owner, set()).add(rel)
     rows = []
     for e in entries:
         m = e.manifest
+        owned, shared = m.ownership(storage.folder(e.name), referenced.get(e.name, set())) if m else (0, 0)
         rows.append({
+            "owned_bytes": owned,
+            "shared_bytes": shared,
             "name": e.name,
             "step": m.step if m else None,
             "epoch": m.epoch if m else None,

@@ -37,6 +37,7 @@ _READABLE_VERSIONS = (1, 2)
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 STATE_KINDS = ("model", "optimizer", "object")
 _DIGEST = re.compile(r"crc32c:[0-9a-f]{8}")
+_CONTENT = re.compile(r"sha256:[0-9a-f]{64}")
 
 
 @dataclass
@@ -90,6 +91,12 @@ class Manifest:
     :mod:`ckptio.engine.prune_optim`. Written only when not empty."""
     pruned_paths: dict[str, str] = field(default_factory=dict)
     """State name -> the folder it was in (relative, checked as every path of a manifest)."""
+    contents: dict[str, str] = field(default_factory=dict)
+    """Shareable files (frozen tensors) -> ``sha256:<hex>`` of their bytes: what the next save compares its own
+    against (:mod:`ckptio.engine.sharing`). Written only when not empty."""
+    shared: dict[str, str] = field(default_factory=dict)
+    """Files whose bytes live in another step's object (a bucket): relative path -> ``<step>/<path>``, resolved
+    by every reader of the step. Written only when not empty."""
     created: str = field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
     manifest_version: int = MANIFEST_VERSION
 
@@ -99,7 +106,7 @@ class Manifest:
 
     def to_json(self) -> str:
         data = json.loads(json.dumps(asdict(self), allow_nan=True))  # the values exactly as a reader parses them
-        for empty in ("pruned", "pruned_paths"):  # a manifest nothing was pruned from is what it always was
+        for empty in ("pruned", "pruned_paths", "contents", "shared"):  # a manifest nothing was pruned from is what it always was
             if not data[empty]:
                 del data[empty]
         data["manifest_version"] = MANIFEST_VERSION
@@ -109,6 +116,18 @@ class Manifest:
     @property
     def total_bytes(self) -> int:
         return sum(self.files.values())
+
+    def ownership(self, folder: Any, referenced: "set[str] | frozenset[str]" = frozenset()) -> tuple[int, int]:
+        """(bytes this step owns, bytes it shares): a file it refers to in another step (``shared``), one another
+        step refers to (``referenced``: its paths) and, locally, one with other hard links (``folder.lstat``) is
+        shared; deleting the step frees only what it owns."""
+        lstat = getattr(folder, "lstat", None)
+        shared = 0
+        for rel, size in self.files.items():
+            info = lstat(rel) if lstat is not None and rel in self.contents else None
+            if rel in self.shared or rel in referenced or (info is not None and info.st_nlink > 1):
+                shared += size
+        return self.total_bytes - shared, shared
 
     @classmethod
     def from_json(cls, text: str | bytes, source: Path) -> "Manifest":
@@ -229,12 +248,8 @@ def _parse(data: dict[str, Any], source: Path) -> Manifest:
         pruned=dict(f.mapping("pruned", (str,), what="a reason")),
         pruned_paths=dict(f.mapping("pruned_paths", (str,), what="a folder")),
     )
-    if set(manifest.pruned_paths) - set(manifest.pruned) or set(manifest.pruned) & set(states):
-        raise f.fail("pruned", "does not match pruned_paths and states (a state is either kept or pruned)")
-    kept = [e.path for e in states.values()] + list(manifest.files)
-    for gone in manifest.pruned_paths.values():
-        if gone.strip("/") in ("", ".") or any(_overlap(gone, k) for k in kept):
-            raise f.fail("pruned_paths", f"names {gone!r}, which holds or lies in what the step still keeps")
+    _sharing(manifest, f, source)
+    _pruning(manifest, f)
     for rel in list(manifest.files) + list(manifest.checksums) + [s.path for s in states.values()] + \
             list(manifest.pruned_paths.values()):
         try:
@@ -242,6 +257,35 @@ def _parse(data: dict[str, Any], source: Path) -> Manifest:
         except UnsafePathError as exc:
             raise CheckpointCorruptError(f"{exc} (a manifest names files inside its own step directory only)") from None
     return manifest
+
+
+def _pruning(manifest: Manifest, f: _Fields) -> None:
+    """A state is either kept or pruned, and a pruned folder neither holds nor lies in what the step keeps."""
+    if set(manifest.pruned_paths) - set(manifest.pruned) or set(manifest.pruned) & set(manifest.states):
+        raise f.fail("pruned", "does not match pruned_paths and states (a state is either kept or pruned)")
+    kept = [e.path for e in manifest.states.values()] + list(manifest.files)
+    for gone in manifest.pruned_paths.values():
+        if gone.strip("/") in ("", ".") or any(_overlap(gone, k) for k in kept):
+            raise f.fail("pruned_paths", f"names {gone!r}, which holds or lies in what the step still keeps")
+
+
+def _sharing(manifest: Manifest, f: _Fields, source: Path) -> None:
+    """``contents`` and ``shared``: they name files of the step; a shared file lives in another step, by a relative
+    path."""
+    manifest.contents = dict(f.mapping("contents", (str,), what="a sha256 digest",
+                                       check=lambda v: bool(_CONTENT.fullmatch(v))))
+    manifest.shared = dict(f.mapping("shared", (str,), what="a file of another step"))
+    for key in ("contents", "shared"):
+        stray = sorted(set(getattr(manifest, key)) - set(manifest.files))
+        if stray:
+            raise f.fail(key, f"names {stray[0]!r}, which is not among the step's files")
+    for rel, target in manifest.shared.items():
+        try:
+            parts = check_relative(target, source)
+        except UnsafePathError as exc:
+            raise f.fail("shared", f"entry {rel!r}: {exc}") from None
+        if len(parts) < 2 or parts[0] == manifest.name or parts[0].startswith("."):
+            raise f.fail("shared", f"entry {rel!r} must name a file of another step, not {target!r}")
 
 
 def read_manifest(step_dir: str | Path | Folder) -> Manifest:

@@ -35,6 +35,7 @@ from ..formats.safetensors.hf_bundle import consolidate, save_hf_extras
 from ..formats.registry import ShardContext
 from .layout import CONSOLIDATED_DIR, LATEST, MODEL_DIR, OPTIM_DIR, format_step_name
 from .manifest import MANIFEST_NAME, Manifest, StateEntry, merge_shapes, model_signature, software_versions
+from .sharing import Previous, Sharer, frozen_keys, previous_of
 from .staging import Stager
 from ..state.optimizer import model_and_optimizer_state
 from ..storage.base import FolderWriter, Storage
@@ -75,6 +76,13 @@ class SaveJob:
     sums: dict[str, str] = field(default_factory=dict)
     called: float | None = None
     """When ``save()`` was called (``perf_counter``; before it waited for the previous save)."""
+    apart: frozenset[str] = frozenset()
+    """Model keys grouped into files of their own, shared with the newest checkpoint when unchanged (see
+    :mod:`ckptio.engine.sharing`)."""
+    contents: dict[str, str] = field(default_factory=dict)
+    """Every rank's shareable files -> their digests (gathered before the commit)."""
+    linked: dict[str, tuple[str, int]] = field(default_factory=dict)
+    """Every rank's shared files -> (where their bytes are, size) (gathered before the commit)."""
     blocked_s: float | None = None
     """How long ``save()`` held the training loop (set before a background write starts; ``None``: the whole save)."""
 
@@ -126,6 +134,8 @@ class Saver:
         self._swept = False
         self.what = "checkpoint"
         """What the log calls a save of this saver's."""
+        self.share = config.share_unchanged
+        """Share the model's unchanged frozen files with the newest checkpoint (:mod:`ckptio.engine.sharing`)."""
         self.whole_apart = False
         """Sharded safetensors: whole tensors in files of their own (the memory tier: a rank's restore then needs
         its own shard files and those small ones, not another rank's shards)."""
@@ -164,6 +174,8 @@ class Saver:
                 parts = _dist.all_gather_object((job.signature["shapes"], job.signature["dtypes"]))
                 job.signature["shapes"] = merge_shapes([shapes for shapes, _ in parts])
                 job.signature["dtypes"] = {k: v for _, dtypes in parts for k, v in dtypes.items()}
+            if self.share and self.format.groups_apart:
+                job.apart = frozen_keys(t.model_state, model_sd)
             live["model"] = self.format.snapshot(model_sd, t.model)  # collective for formats that gather
             del model_sd
         if t.optim_state is not None:
@@ -191,15 +203,22 @@ class Saver:
         rank, world = _dist.rank(), _dist.world_size()
         if rank == 0:
             self.log.info("Saving checkpoint to %s", job.final_dir)
-        token = _dist.broadcast_object(_dist.run_collectively("preparing the checkpoint", lambda: self._begin(job)))
-        assert token is not None  # rank 0 always names the folder
+        begun = _dist.broadcast_object(_dist.run_collectively("preparing the checkpoint", lambda: self._begin(job)))
+        assert begun is not None  # rank 0 always names the folder
+        token, previous = begun
         writer = self.storage.attach_step(token, job.name)
         try:
-            states = self.write_states(job, writer, rank, world)
+            # a bundle consolidated in a bucket during the save reads the model as uploaded: no references then
+            own = job.consolidate and getattr(self.storage, "refers", False)
+            sharer = Sharer(writer, None if own else previous) if job.apart else None
+            states = self.write_states(job, writer, rank, world, sharer)
             _faults.point("save.states_written")
             sums: dict[str, str] = {}
-            for part in _dist.all_gather_object(job.sums):
+            mine = (job.sums, sharer.contents, sharer.linked) if sharer is not None else (job.sums, {}, {})
+            for part, contents, linked in _dist.all_gather_object(mine):
                 sums.update(part)
+                job.contents.update(contents)
+                job.linked.update(linked)
             _dist.run_collectively(f"committing {job.final_dir}",
                                    lambda: self._commit(job, writer, states, sums, world) if rank == 0 else None)
         except Exception:
@@ -212,7 +231,7 @@ class Saver:
         if rank == 0:
             self.log.info("Saved checkpoint %s in %.2f s", job.final_dir, time.perf_counter() - job.start)
 
-    def _begin(self, job: SaveJob) -> str | None:
+    def _begin(self, job: SaveJob) -> tuple[str, Previous | None] | None:
         if _dist.rank() != 0:
             return None
         self.lock.acquire()
@@ -220,16 +239,19 @@ class Saver:
             self._swept = True
             for leftover in self.storage.sweep():
                 self.log.info("Removed leftover of an interrupted save: %s", leftover)
-        return self.storage.begin_step(job.name).token
+        previous = previous_of(self.storage, self.log) if self.share and job.model is not None else None
+        return self.storage.begin_step(job.name).token, previous
 
-    def write_states(self, job: SaveJob, writer: FolderWriter, rank: int, world: int) -> dict[str, StateEntry]:
+    def write_states(self, job: SaveJob, writer: FolderWriter, rank: int, world: int,
+                     sharer: Sharer | None = None) -> dict[str, StateEntry]:
         """Collective: write this rank's files of every state into ``writer``; returns the manifest's states."""
         t = self.tracked
         states: dict[str, StateEntry] = {}
         if job.model is not None:
             ctx = ShardContext(rank=rank, world_size=world, threads=self.config.io_thread_count(),
                                extra={"model": t.model, "tokenizer": t.tokenizer, "base_model_path": t.base_model_path,
-                                      "log": self.log.warning, "whole_apart": self.whole_apart})
+                                      "log": self.log.warning, "whole_apart": self.whole_apart,
+                                      "apart": job.apart, "share": sharer})
             job.sums.update(self.format.save_shards(job.model, writer, MODEL_DIR, ctx))
             states["model"] = StateEntry("model", self.format.name, MODEL_DIR)
             if self.format.full_model and job.extras:
@@ -278,6 +300,11 @@ class Saver:
                 world: int) -> None:
         """Rank 0: the manifest last (the commit point), then the pointers and retention."""
         files = writer.files()
+        files.update({rel: size for rel, (_, size) in job.linked.items()})  # a reference is no object of this step
+        if job.linked:
+            self.log.info("Shared %d unchanged file(s) (%.1f MB) with %s instead of writing them", len(job.linked),
+                          sum(size for _, size in job.linked.values()) / 1e6,
+                          ", ".join(sorted({src.split("/")[0] for src, _ in job.linked.values()})))
         for rel in files:  # files written by libraries (config, tokenizer, adapter) are summed here
             if rel not in sums:
                 sums[rel] = writer.checksum_of(rel)
@@ -301,4 +328,6 @@ class Saver:
             model_save_format=self.config.model_save_format, states=states,
             files=files, metrics=job.metrics, counters=job.counters, checksums=sums,
             model_signature=job.signature, is_peft=self.config.is_peft, versions=software_versions(),
+            contents={rel: d for rel, d in job.contents.items() if rel in files},
+            shared={rel: src for rel, (src, _) in job.linked.items() if getattr(self.storage, "refers", False)},
         )

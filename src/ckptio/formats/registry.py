@@ -106,6 +106,9 @@ class Format:
     """Detection order: lower is tried first (a step directory before the folders it contains)."""
     file_suffix: str = ""
     """The suffix of a single-file output (``.pt``, ``.nemo``); empty for folders."""
+    groups_apart: bool = False
+    """Saves honour ``ShardContext.extra["apart"]`` and ``["share"]``: frozen tensors in files of their own, shared
+    with the previous checkpoint when their bytes did not change (:mod:`ckptio.engine.sharing`)."""
     shares_reads: bool = False
     """Loads honour ``ShardContext.extra["skip"]`` (values another rank reads and sends: see
     :mod:`ckptio.engine.shared_reads`)."""

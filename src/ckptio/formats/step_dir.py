@@ -86,6 +86,9 @@ class StepDirectory(Format):
             "model_save_format": m.model_save_format, "is_peft": m.is_peft, "created": m.created,
             "versions": m.versions, "total_bytes": m.total_bytes, "files": dict(sorted(m.files.items())),
         }
+        out["owned_bytes"], out["shared_bytes"] = m.ownership(root)
+        if m.shared:
+            out["shared"] = dict(sorted(m.shared.items()))
         architecture = m.model_signature.get("architecture") if isinstance(m.model_signature, dict) else None
         if "model/consolidated/config.json" in m.files:
             try:

@@ -94,6 +94,11 @@ class FolderWriter(Protocol):
     def write_bytes(self, rel: str, data: bytes) -> str:
         """Write a whole small file; returns its checksum."""
 
+    def link(self, rel: str, source: str, size: int) -> bool:
+        """Make ``rel`` hold the bytes of ``source`` (``step/path``, a committed file of ``size`` bytes in the same
+        checkpoint folder) without writing them: a hard link locally, a reference in a bucket. ``False``: it
+        cannot here; the caller writes the file."""
+
     def local_path(self, rel: str = "") -> Path:
         """A local folder inside this one, for libraries that write to paths themselves."""
 

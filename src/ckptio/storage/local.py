@@ -9,6 +9,7 @@ reader therefore sees no directory or a complete one.
 from __future__ import annotations
 
 import os
+import stat
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -150,6 +151,31 @@ class LocalFolderWriter:
             out.write(data)
         return out.digest
 
+    def link(self, rel: str, source: str, size: int) -> bool:
+        """Make ``rel`` a hard link to ``source``, a committed file of the checkpoint folder (``step/path``) of
+        ``size`` bytes, instead of writing it; ``False`` (write it) when ``source`` is not such a regular file,
+        through no link, or the filesystem refuses (another device, no hard links)."""
+        from .. import _faults
+        from .confined import check_relative
+
+        root = self.final.parent
+        at = root
+        try:
+            for part in check_relative(source, root):
+                at = at / part
+                if stat.S_ISLNK(os.lstat(at).st_mode):
+                    return False
+            info = os.lstat(at)
+            if not stat.S_ISREG(info.st_mode) or info.st_size != size:
+                return False
+            target = self._path(rel)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _faults.point("save.before_link")
+            os.link(at, target, follow_symlinks=False)
+        except OSError:
+            return False
+        return True
+
     def local_path(self, rel: str = "") -> Path:
         path = self._path(rel) if rel else self.tmp
         path.mkdir(parents=True, exist_ok=True)
@@ -282,6 +308,9 @@ class LocalStorage:
             try:
                 if now - p.stat().st_mtime < older_than_s:
                     continue
+                from .. import _faults
+
+                _faults.point("sweep.before_remove")
                 if p.is_dir():
                     remove_tree(p)
                 else:

@@ -64,7 +64,8 @@ class MemoryTier:
         # never a consolidated bundle, a tokenizer or a config
         own = dataclasses.replace(config, checkpoint_dir=str(self.node.root), model_save_format="safetensors",
                                   optimizer_save_format="safetensors", save_consolidated=False, async_save=True,
-                                  is_async=None, memory_every_steps=None, persist_every_steps=None)
+                                  is_async=None, memory_every_steps=None, persist_every_steps=None,
+                                  share_unchanged=False)
         self.saver = Saver(own, tracked, LocalStorage(self.node.root), None, log)
         self.saver.what, self.saver.whole_apart = "memory snapshot", True
         self.writer: BackgroundWriter | None = None

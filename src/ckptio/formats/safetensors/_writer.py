@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 
@@ -53,6 +53,23 @@ def write(out: "WriteStream", entries: Iterable[Entry], metadata: dict[str, str]
     Returns the file's checksum, computed as the bytes went out.
     """
     entries = list(entries)
+    with out:
+        _stream(out, entries, metadata, progress)
+    return out.close()
+
+
+def content_digest(entries: Iterable[Entry], metadata: dict[str, str] | None = None) -> str:
+    """The SHA-256 of the exact bytes :func:`write` would write for ``entries`` (``sha256:<hex>``), computed
+    without writing them: two files with the same digest hold the same bytes (see :mod:`ckptio.engine.sharing`).
+    hashlib releases the GIL on large buffers, so files hashed on several threads hash in parallel."""
+    import hashlib
+
+    sha = hashlib.sha256()
+    _stream(sha, list(entries), metadata, None)
+    return f"sha256:{sha.hexdigest()}"
+
+
+def _header(entries: list[Entry], metadata: dict[str, str] | None) -> bytes:
     header: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
     offset = 0
     for e in entries:
@@ -61,20 +78,53 @@ def write(out: "WriteStream", entries: Iterable[Entry], metadata: dict[str, str]
         header[e.key] = {"dtype": ST_DTYPES[e.dtype], "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
         offset += e.nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-(8 + len(blob)) % 8)
-    with out:
-        out.write(len(blob).to_bytes(8, "little"))
-        out.write(blob)
-        for e in entries:
-            tensor = e.produce().detach()
-            if tensor.dtype != e.dtype:
-                tensor = tensor.to(e.dtype)
-            tensor = tensor.to("cpu").contiguous()
-            if tuple(tensor.shape) != tuple(e.shape):
-                raise ValueError(f"{e.key!r}: produced shape {list(tensor.shape)}, planned {list(e.shape)}")
-            if tensor.numel():
-                out.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]
-            if progress is not None:
-                progress(e.nbytes)
-            del tensor
-    return out.close()
+    return blob + b" " * (-(8 + len(blob)) % 8)
+
+
+def _stream(out: Any, entries: list[Entry], metadata: dict[str, str] | None,
+            progress: Callable[[int], None] | None) -> None:
+    """The file's bytes, in order, into ``out.write`` (or ``out.update``: a hash)."""
+    put = getattr(out, "write", None) or out.update
+    blob = _header(entries, metadata)
+    put(len(blob).to_bytes(8, "little"))
+    put(blob)
+    for e in entries:
+        tensor = e.produce().detach()
+        if tensor.dtype != e.dtype:
+            tensor = tensor.to(e.dtype)
+        tensor = tensor.to("cpu").contiguous()
+        if tuple(tensor.shape) != tuple(e.shape):
+            raise ValueError(f"{e.key!r}: produced shape {list(tensor.shape)}, planned {list(e.shape)}")
+        if tensor.numel():
+            put(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]
+        if progress is not None:
+            progress(e.nbytes)
+        del tensor
+
+
+def in_threads(tasks: list, name: str) -> list:
+    """Run each task on its own thread; return their results in order, or raise the first error.
+
+    Plain threads rather than a ``concurrent.futures`` pool: a background save may still be writing
+    while the interpreter shuts down, when pools refuse new work.
+    """
+    import threading
+
+    results: list = [None] * len(tasks)
+    errors: list[BaseException | None] = [None] * len(tasks)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = tasks[i]()
+        except BaseException as exc:  # re-raised on the calling thread below
+            errors[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"{name}-{i}") for i in range(len(tasks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for exc in errors:
+        if exc is not None:
+            raise exc
+    return results

@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Collection, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -124,13 +124,21 @@ class FilePlan(NamedTuple):
 
 
 def files_of(items: list[Item], threads: int, name: Callable[[int, int], str], *,
-             whole_apart: bool = False) -> list[FilePlan]:
+             whole_apart: bool = False, apart: Collection[str] = ()) -> list[FilePlan]:
     """The files a rank writes (``name(part, parts)``) and the chunks in each, in order: the chunks it owns,
     less the empty local parts of non-empty tensors, divided by size into ``threads`` files. Every rank plans
     its own files with this, and rank 0 plans everyone's with it for the index, so the index says what the
     files hold. ``whole_apart``: whole tensors (what every rank reads: an optimizer's step counters) go into a
-    file of their own after the others, so that a reader of this rank's shards alone does not need it."""
+    file of their own after the others, so that a reader of this rank's shards alone does not need it. ``apart``:
+    keys (the frozen ones) in files of their own after the others, so that a save whose frozen tensors did not
+    change shares those files whole with the previous checkpoint (:mod:`ckptio.engine.sharing`)."""
     kept = [i for i in items if math.prod(i.shape) or not math.prod(i.global_shape)]
+    frozen = [i for i in kept if i.key in apart] if apart and not whole_apart else []
+    moving = [i for i in kept if i.key not in apart] if frozen else []
+    if frozen and moving:
+        groups = [*_balance(moving, max(1, min(threads, len(moving)))),
+                  *_balance(frozen, max(1, min(threads, len(frozen))))]
+        return [FilePlan(name(g, len(groups)), group) for g, group in enumerate(groups)]
     whole = [i for i in kept if tuple(i.shape) == tuple(i.global_shape)] if whole_apart else []
     parts = [i for i in kept if tuple(i.shape) != tuple(i.global_shape)] if whole else []
     if whole and parts:

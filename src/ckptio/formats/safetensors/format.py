@@ -27,6 +27,7 @@ class ShardedSafetensors(Format):
 
     name = "safetensors"
     shares_reads = True
+    groups_apart = True
     summary = "safetensors shards (ckptio's per-rank layout, or any plain safetensors files)"
     priority = 60
     full_model = True
@@ -68,7 +69,8 @@ class ShardedSafetensors(Format):
         gather = _dist.all_gather_object if ctx.world_size > 1 else None
         return _dist.run_collectively(f"writing {stem} shards", lambda: save(
             state_dict, writer, rel, rank=ctx.rank, world_size=ctx.world_size, threads=ctx.threads,
-            gather=gather, stem=stem, whole_apart=bool(ctx.extra.get("whole_apart"))))
+            gather=gather, stem=stem, whole_apart=bool(ctx.extra.get("whole_apart")),
+            apart=frozenset(ctx.extra.get("apart", ())), share=ctx.extra.get("share")))
 
     def load_shards(self, target: dict, folder: Folder, *, strict: bool, ctx: ShardContext) -> None:
         from ... import _dist

@@ -62,7 +62,8 @@ _Chunk = chunk_index.Piece
 
 def save(state_dict: dict[str, torch.Tensor], writer: "FolderWriter | str | Path", rel: str = "", *, rank: int,
          world_size: int, threads: int = 1, gather: "Callable[[Any], list[Any]] | None" = None,
-         stem: str = "model", whole_apart: bool = False) -> dict[str, str]:
+         stem: str = "model", whole_apart: bool = False, apart: frozenset[str] = frozenset(),
+         share: "Callable[[str, str], str | None] | None" = None) -> dict[str, str]:
     """Write this rank's shards of ``state_dict`` as ``rel/shard-…safetensors`` through ``writer``.
 
     Every chunk is written exactly once. With ``gather`` (an all-gather over the ranks, e.g.
@@ -70,30 +71,22 @@ def save(state_dict: dict[str, torch.Tensor], writer: "FolderWriter | str | Path
     which chunks they hold and the lowest rank holding a chunk writes it (:func:`ckptio.engine.plan.chunk_owners`:
     pipeline stages each write their own, TP replicas of an FSDP shard write it once). Without it, a plain
     tensor is written by rank 0 and a DTensor shard by its replica at coordinate 0. With ``threads`` > 1
-    the rank's tensors are divided by size into that many files, written concurrently. Returns every
-    file written (relative to the writer's folder) with its checksum, computed as the bytes went out.
-    ``writer`` may be a local folder, written in place.
-    """
+    the rank's tensors are divided by size into that many files, written concurrently. Returns every file written
+    (relative to the writer's folder) with its checksum, computed as the bytes went out. ``writer`` may be a
+    local folder, written in place. ``apart``, ``share``: see :func:`_write_files`."""
     if isinstance(writer, (str, Path)):
         from ...storage import LocalFolderWriter
 
         writer = LocalFolderWriter.in_place(writer)
-    views = {}
-    error: Exception | None = None
-    try:
-        for key, value in state_dict.items():
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(f"sharded safetensors holds tensors only; {key!r} is a {type(value).__name__}")
-            views[key] = local_view(value)
-    except Exception as exc:  # raised below, after the gather every rank takes part in
-        error = exc
+    views, error = _views(state_dict)
     plans: list[list[chunk_index.FilePlan]] | None = None
 
     def name_files(r: int) -> Callable[[int, int], str]:
         return lambda part, parts: shard_file_name(r, world_size, part, parts, stem)
 
     if gather is not None:
-        offered = None if error else (threads, [_item(k, v) for k, v in views.items() if chunk_of(k, v) is not None])
+        offered = None if error else (threads, [_item(k, v) for k, v in views.items() if chunk_of(k, v) is not None],
+                                      sorted(apart & views.keys()))
         everyone = gather(offered)
         failed = [r for r, part in enumerate(everyone) if part is None]
         if error is None and failed:
@@ -101,25 +94,38 @@ def save(state_dict: dict[str, torch.Tensor], writer: "FolderWriter | str | Path
     if error is not None:
         raise error
     if gather is not None:
-        owners = chunk_owners([[(i.key, i.offsets) for i in items] for _, items in everyone])
+        owners = chunk_owners([[(i.key, i.offsets) for i in items] for _, items, _ in everyone])
 
         def plan_of(r: int) -> list[chunk_index.FilePlan]:  # the plan rank r makes for itself
-            n, items = everyone[r]
+            n, items, frozen = everyone[r]
             return chunk_index.files_of([i for i in items if owners.get((i.key, i.offsets)) == r], n, name_files(r),
-                                        whole_apart=whole_apart)
+                                        whole_apart=whole_apart, apart=frozenset(frozen))
 
         # rank 0 plans every rank's files for the index; the others only their own
         plans = [plan_of(r) for r in range(len(everyone))] if rank == 0 else None
         mine = plans[rank] if plans is not None else plan_of(rank)
     else:
         mine = chunk_index.files_of([_item(k, v) for k, v in views.items() if (rank == 0 if v.owner is None else v.owner)],
-                                    threads, name_files(rank), whole_apart=whole_apart)
+                                    threads, name_files(rank), whole_apart=whole_apart, apart=apart)
         plans = [mine] if world_size == 1 else None  # alone, this rank knows every chunk
-    sums = _write_files(mine, views, writer, rel, rank, world_size)
+    sums = _write_files(mine, views, writer, rel, rank, world_size, apart if share is not None else frozenset(), share)
     if plans is not None and rank == 0:  # rank 0 knows where every rank put every chunk: one index for the restore
         name = f"{rel}/{chunk_index.INDEX_NAME}" if rel else chunk_index.INDEX_NAME
         sums[name] = writer.write_bytes(name, chunk_index.encode([f for p in plans for f in p], world_size))
     return sums
+
+
+def _views(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, Any], Exception | None]:
+    """Each tensor's local view, or the error to raise after the gather every rank takes part in."""
+    views = {}
+    try:
+        for key, value in state_dict.items():
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"sharded safetensors holds tensors only; {key!r} is a {type(value).__name__}")
+            views[key] = local_view(value)
+    except Exception as exc:  # noqa: BLE001 - raised by the caller
+        return views, exc
+    return views, None
 
 
 def _item(key: str, view: Any) -> chunk_index.Item:
@@ -127,8 +133,11 @@ def _item(key: str, view: Any) -> chunk_index.Item:
 
 
 def _write_files(files: list[chunk_index.FilePlan], views: dict, writer: "FolderWriter", rel: str, rank: int,
-                 world_size: int) -> dict[str, str]:
-    """Write this rank's planned files, concurrently when there are several; their checksums by relative path."""
+                 world_size: int, apart: frozenset[str] = frozenset(), share: Any = None) -> dict[str, str]:
+    """Write this rank's planned files, concurrently when there are several; their checksums by relative path.
+    ``apart`` keys (frozen ones) were planned into files of their own; with ``share``, such a file's content digest is
+    offered to it first, and a checksum back means the file is there already, shared with an earlier checkpoint
+    (:mod:`ckptio.engine.sharing`): it is not written."""
     shards = {i.key: {"shape": list(i.global_shape), "offsets": list(i.offsets)} for f in files for i in f.items}
     metadata = _metadata(shards, rank, world_size)
     names = [f"{rel}/{f.name}" if rel else f.name for f in files]
@@ -136,12 +145,15 @@ def _write_files(files: list[chunk_index.FilePlan], views: dict, writer: "Folder
     def task(f: chunk_index.FilePlan, name: str) -> Callable[[], str]:
         entries = [_st_writer.Entry(i.key, i.dtype, i.shape, lambda k=i.key: views[k].local)  # type: ignore[misc]
                    for i in f.items]
+        if f.items and all(i.key in apart for i in f.items):
+            return lambda: (share(name, _st_writer.content_digest(entries, metadata))
+                            or _st_writer.write(writer.open(name), entries, metadata))
         return lambda: _st_writer.write(writer.open(name), entries, metadata)
 
     tasks = [task(f, name) for f, name in zip(files, names)]
     if len(tasks) == 1:
         return {names[0]: tasks[0]()}
-    return dict(zip(names, _in_threads(tasks, "ckptio-write")))
+    return dict(zip(names, _st_writer.in_threads(tasks, "ckptio-write")))
 
 
 def save_whole(source: "TensorSource", writer: "FolderWriter", rel: str,
@@ -169,34 +181,6 @@ def _metadata(shards: dict[str, dict[str, list[int]]], rank: int, world_size: in
     return {"format": "pt", "ckptio_format": FORMAT_TAG, "ckptio_rank": str(rank), "ckptio_world_size": str(world_size),
             "ckptio_shards": json.dumps(shards, separators=(",", ":")),
             DCP_SHARDING_KEY: json.dumps(offsets, separators=(",", ":"))}
-
-
-def _in_threads(tasks: list, name: str) -> list:
-    """Run each task on its own thread; return their results in order, or raise the first error.
-
-    Plain threads rather than a ``concurrent.futures`` pool: a background save may still be writing
-    while the interpreter shuts down, when pools refuse new work.
-    """
-    import threading
-
-    results: list = [None] * len(tasks)
-    errors: list[BaseException | None] = [None] * len(tasks)
-
-    def run(i: int) -> None:
-        try:
-            results[i] = tasks[i]()
-        except BaseException as exc:  # re-raised on the calling thread below
-            errors[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i,), name=f"{name}-{i}") for i in range(len(tasks))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for exc in errors:
-        if exc is not None:
-            raise exc
-    return results
 
 
 def as_folder(folder: "str | Path | Folder") -> Folder:

@@ -50,6 +50,7 @@ from ._common import (
     client,
     parse_s3_url,
 )
+from . import refs
 from .lease import S3Lease
 from .reader import S3Folder, S3ReadHandle
 from .writer import S3FolderWriter, S3WriteStream, upload_file
@@ -60,6 +61,9 @@ __all__ = ["S3Path", "S3Storage", "S3Folder", "S3FolderWriter", "S3ReadHandle", 
 
 class S3Storage:
     """A checkpoint folder in an object store. See :class:`ckptio.storage.base.Storage` and this module."""
+
+    refers = True
+    """A step's manifest may refer to objects of another step (``shared``); see :mod:`ckptio.storage.s3.refs`."""
 
     def __init__(self, url: str) -> None:
         self.bucket, self.prefix = parse_s3_url(url)
@@ -74,6 +78,7 @@ class S3Storage:
 
     def folder(self, rel: str = "", *, verifier: Any = None) -> S3Folder:
         top = S3Folder(self.bucket, self.prefix, verifier=verifier)
+        top.holds_steps = True  # a step below it resolves its manifest's references
         return top.sub(rel) if rel else top
 
     def _objects(self, prefix: str) -> dict[str, dict[str, Any]]:
@@ -86,11 +91,13 @@ class S3Storage:
                 out[obj["Key"][len(prefix) + 1:]] = obj
         return out
 
-    def _delete_prefix(self, prefix: str, *, manifest_first: bool, objects: "dict[str, Any] | None" = None) -> None:
-        """Remove every object below ``prefix`` (``objects``: its listing, when the caller has it already)."""
+    def _delete_prefix(self, prefix: str, *, manifest_first: bool, objects: "dict[str, Any] | None" = None,
+                       keep: "set[str] | frozenset[str]" = frozenset()) -> None:
+        """Remove every object below ``prefix`` (``objects``: its listing, when the caller has it already) but those
+        of ``keep`` (paths below it other steps refer to: they stay, with the in-progress mark, for the sweep)."""
         s3 = client()
         where = S3Path(self.bucket, *prefix.split("/"))
-        keys = sorted(self._objects(prefix) if objects is None else objects)
+        keys = sorted(k for k in (self._objects(prefix) if objects is None else objects) if k not in keep)
         if manifest_first and MANIFEST in keys:
             # marked in progress before it is uncommitted, unmarked last: a removal cut short leaves a folder
             # sweep() recognises as ckptio's own, never one that looks like another tool's
@@ -99,7 +106,9 @@ class S3Storage:
             from ... import _faults
 
             _faults.point("delete.after_hide")
-            keys = [k for k in keys if k not in (MANIFEST, PENDING)] + [PENDING]
+            keys = [k for k in keys if k not in (MANIFEST, PENDING)] + ([] if keep else [PENDING])
+        elif keep:
+            keys = [k for k in keys if k != PENDING]
         for i in range(0, len(keys), 1000):
             batch = [{"Key": f"{prefix}/{k}"} for k in keys[i:i + 1000]]
             result = _call("removing objects under", where, s3.delete_objects, Bucket=self.bucket,
@@ -112,8 +121,12 @@ class S3Storage:
 
     def begin_step(self, name: str) -> S3FolderWriter:
         # whatever sits under this name (an interrupted save, an older step of the same name) goes first,
-        # manifest first, so no object of it can end up in the new step's listing
-        self._delete_prefix(self._key(name), manifest_first=True)
+        # manifest first, so no object of it can end up in the new step's listing; what other steps refer to is
+        # handed over to them before
+        prefix = self._key(name)
+        if self._objects(prefix):
+            refs.hand_over(self, name)
+        self._delete_prefix(prefix, manifest_first=True)
         writer = S3FolderWriter(self, name)
         writer.mark_pending()
         return writer
@@ -122,15 +135,18 @@ class S3Storage:
         return S3FolderWriter(self, name)
 
     def remove_step(self, name: str) -> None:
-        self._delete_prefix(self._key(name), manifest_first=True)
+        self._delete_prefix(self._key(name), manifest_first=True, keep=refs.referenced(self, name, skip=name))
 
     def remove_part(self, name: str, rel: str) -> None:
         """Remove the objects below ``rel`` of the step ``name``, and the object ``rel`` itself if there is one."""
         from ..confined import check_relative
 
-        key = self._key(name + "/" + "/".join(check_relative(rel, self.root / name)))
-        self._delete_prefix(key, manifest_first=False)
-        _call("removing", self.root / name / rel, client().delete_object, Bucket=self.bucket, Key=key)
+        parts = check_relative(rel, self.root / name)
+        key = self._key(name + "/" + "/".join(parts))
+        held = {r[len(rel) + 1:] for r in refs.referenced(self, name) if r.startswith(rel + "/")}
+        self._delete_prefix(key, manifest_first=False, keep=held)
+        if rel not in refs.referenced(self, name):
+            _call("removing", self.root / name / rel, client().delete_object, Bucket=self.bucket, Key=key)
 
     def sweep(self, older_than_s: float = 0.0) -> list[S3Path]:  # type: ignore[override]
         """Remove steps ckptio began and never committed (in-progress mark, no manifest) whose newest object is at
@@ -140,6 +156,7 @@ class S3Storage:
         now = time.time()
         removed: list[S3Path] = []
         base = f"{self.prefix}/" if self.prefix else ""
+        held: dict[str, set[str]] | None = None  # step -> its objects committed steps refer to (read once, if needed)
         for entry in self.folder().listdir():
             if entry.kind != "dir" or entry.name.startswith("."):
                 continue
@@ -147,7 +164,19 @@ class S3Storage:
             objects = self._objects(prefix)
             newest = max((o["LastModified"].timestamp() for o in objects.values()), default=0.0)
             if MANIFEST not in objects and PENDING in objects and now - newest >= older_than_s:
-                self._delete_prefix(prefix, manifest_first=False, objects=objects)
+                if held is None:
+                    held = {}
+                    for shared in refs.references(self).values():
+                        for target in shared.values():
+                            owner, _, rel = target.partition("/")
+                            held.setdefault(owner, set()).add(rel)
+                keep = held.get(entry.name, set())
+                if set(objects) - {PENDING} <= keep:
+                    continue  # only objects other steps still refer to: nothing to collect yet
+                from ... import _faults
+
+                _faults.point("sweep.before_remove")
+                self._delete_prefix(prefix, manifest_first=False, objects=objects, keep=keep)
                 removed.append(self.root / entry.name)  # type: ignore[arg-type]
         uploads = _call("listing the unfinished uploads of", self.root, s3.list_multipart_uploads,
                         Bucket=self.bucket, Prefix=base)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from ...errors import CheckpointCorruptError, CheckpointNotFoundError
@@ -124,6 +125,10 @@ class S3Folder(FolderReads):
         self.verifier = verifier
         self._listings = {} if listings is None else listings  # rel -> (files, dirs, others), cached
         self._cache = WindowCache()  # shared with sub-folders: a file scanned, then loaded, is fetched once
+        self.holds_steps = False
+        """A checkpoint folder: a folder below it is a step, whose manifest may refer to other steps' objects."""
+        self._step_of: str | None = None  # the checkpoint folder's prefix, when this may be a step
+        self._aliases: dict[str, tuple[str, int]] | None = None  # rel -> (key, size) of files held by other steps
 
     def __repr__(self) -> str:
         return f"S3Folder({str(self.path)!r})"
@@ -134,26 +139,66 @@ class S3Folder(FolderReads):
     def plain(self) -> "S3Folder":
         """The same folder without a verifier."""
         plain = S3Folder(self.bucket, self.prefix, listings=self._listings)
-        plain._cache = self._cache
+        plain._cache, plain._aliases = self._cache, self._shared()
         return plain
 
+    def _shared(self) -> dict[str, tuple[str, int]]:
+        """The files of this step that live in another step's object (its manifest's ``shared``): rel -> (key,
+        size); empty for a folder that is not a step."""
+        if self._aliases is None:
+            self._aliases = {}
+            if self._step_of is not None:
+                from .refs import MAX_MANIFEST, shared_of
+                from ._common import MANIFEST
+
+                size = self._listing_of("")[0].get(MANIFEST, 0)
+                if 0 < size <= MAX_MANIFEST:
+                    data = S3ReadHandle(self.bucket, self._key(MANIFEST), self.display(MANIFEST), size).read(0, size)
+                    try:
+                        sizes = json.loads(data).get("files") or {}
+                    except (ValueError, AttributeError, RecursionError):
+                        sizes = {}
+                    base = f"{self._step_of}/" if self._step_of else ""
+                    name = self.prefix.rsplit("/", 1)[-1]
+                    self._aliases = {rel: (base + target, sizes[rel]) for rel, target in shared_of(data, name).items()
+                                     if isinstance(sizes, dict) and type(sizes.get(rel)) is int and sizes[rel] >= 0}
+                    if self._aliases:
+                        self._listings.pop("", None)  # listed again, with them
+        return self._aliases
+
     def _key(self, rel: str) -> str:
+        if self._aliases and rel in self._aliases:
+            return self._aliases[rel][0]
         parts = check_relative(rel, self.path) if rel not in ("", ".") else ()
         return "/".join((self.prefix, *parts)) if self.prefix else "/".join(parts)
 
     def sub(self, rel: str) -> "S3Folder":
         if rel in ("", "."):
             return self
+        first, _, rest = rel.partition("/")
+        if self.holds_steps and rest:
+            return self.sub(first).sub(rest)
         if self.kind(rel) != "dir":
             raise CheckpointNotFoundError(f"{self.path / rel}: no such folder")
         sub = S3Folder(self.bucket, self._key(rel), verifier=self.verifier)
         sub._cache = self._cache
+        if self.holds_steps:
+            sub._step_of = self.prefix
+        else:
+            sub._aliases = {k[len(rel) + 1:]: v for k, v in self._shared().items() if k.startswith(rel + "/")}
         return sub
 
     def _listing(self, rel: str) -> tuple[dict[str, int], set[str], set[str]]:
         """(files -> size, sub-prefixes, unusable names) directly below ``rel``."""
         if rel in self._listings:
             return self._listings[rel]
+        if self._step_of is not None and self._aliases is None:
+            self._shared()  # the step's references are part of its listing
+            if rel in self._listings:
+                return self._listings[rel]
+        return self._listing_of(rel)
+
+    def _listing_of(self, rel: str) -> tuple[dict[str, int], set[str], set[str]]:
         base = self._key(rel)
         prefix = f"{base}/" if base else ""
         files: dict[str, int] = {}
@@ -171,6 +216,14 @@ class S3Folder(FolderReads):
                 if name == "":
                     continue  # a "folder marker" object some tools write
                 (files.__setitem__(name, int(obj["Size"])) if _plain(name) else others.add(name))
+        for alias, (_, size) in (self._aliases or {}).items():  # files held by another step, listed where this has them
+            if rel and not alias.startswith(rel + "/"):
+                continue
+            head, _, tail = (alias[len(rel) + 1:] if rel else alias).partition("/")
+            if tail:
+                dirs.add(head)
+            else:
+                files[head] = size
         self._listings[rel] = (files, dirs, others)
         return files, dirs, others
 

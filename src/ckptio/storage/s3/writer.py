@@ -156,6 +156,16 @@ class S3FolderWriter:
             stream.write(data)
         return stream.close()
 
+    def link(self, rel: str, source: str, size: int) -> bool:
+        """A reference instead of a copy: ``True`` when ``source`` (``step/path``) is an object of ``size`` bytes in
+        the folder; the step's manifest then names it for ``rel`` (``shared``; see :mod:`ckptio.storage.s3.refs`)."""
+        from ... import _faults
+        from .refs import check_source
+
+        check_relative(rel, self._where(""))
+        _faults.point("save.before_link")
+        return check_source(self.storage, source, size)
+
     def local_path(self, rel: str = "") -> Path:
         """A local folder whose files are uploaded at :meth:`files`/:meth:`commit` (rank 0 writes there)."""
         path = self._local / rel if rel else self._local

@@ -1,0 +1,106 @@
+"""Unchanged tensors stored once: a save shares the files whose bytes did not change with the newest checkpoint.
+
+What can be shared is decided per file, at the granularity storage has. The model's frozen tensors (every saved
+key that is not a parameter with ``requires_grad``: frozen weights and buffers) go into safetensors files of their
+own (:func:`ckptio.formats.safetensors.chunk_index.files_of`). Before such a file is written, the SHA-256 of the
+exact bytes it would hold is computed (:func:`ckptio.formats.safetensors._writer.content_digest`, no disk
+involved) and compared with the digest the newest committed checkpoint (``LATEST``) recorded for the file of
+the same name (its manifest's ``contents``). Equal digests mean equal bytes: the file is then
+
+* **locally**, a hard link to the newest checkpoint's file (:meth:`LocalFolderWriter.link`), so every step
+  directory stays a whole folder that ``transformers``, NeMo AutoModel, plain DCP and ``tar`` read as before,
+  and deleting a step frees only what no other step links;
+* **in a bucket**, a reference: the manifest's ``shared`` maps the file to the object of the earlier step that
+  holds its bytes, and retention, ``prune`` and the sweep delete an object only when no committed manifest refers
+  to it (:mod:`ckptio.storage.s3.refs`).
+
+``requires_grad`` only groups tensors; the digest decides. A frozen tensor edited in place changes its file's
+digest, and the file is written anew. A file whose bytes repeat by chance under another name is never shared
+(names must match too), which costs bytes, never correctness. The digest's cost falls on frozen files only, so
+a model without frozen tensors pays nothing; with them, hashing (about 1 GB/s per core with SHA-NI, hashlib
+releasing the GIL, one thread per file) is cheaper than the write it replaces.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import CheckpointError
+from .layout import LATEST
+from .manifest import Manifest, read_manifest
+
+__all__ = ["Previous", "Sharer", "frozen_keys", "previous_of"]
+
+
+@dataclass
+class Previous:
+    """What the newest committed checkpoint offers to share: its shareable files' digests, checksums and sizes."""
+
+    name: str
+    contents: dict[str, str]
+    checksums: dict[str, str]
+    sizes: dict[str, int]
+    owners: dict[str, str] = field(default_factory=dict)
+    """Files the checkpoint itself refers to elsewhere (a bucket's ``shared``): a new reference goes to the owner."""
+
+    @classmethod
+    def of(cls, manifest: Manifest) -> "Previous":
+        """The shareable files of ``manifest`` (those with a digest, a size and a checksum)."""
+        usable = [rel for rel in manifest.contents if rel in manifest.files and rel in manifest.checksums]
+        return cls(manifest.name, {rel: manifest.contents[rel] for rel in usable},
+                   {rel: manifest.checksums[rel] for rel in usable}, {rel: manifest.files[rel] for rel in usable},
+                   {rel: manifest.shared[rel] for rel in usable if rel in manifest.shared})
+
+
+def previous_of(storage: Any, log: Any = None) -> Previous | None:
+    """Rank 0, under the folder's lock: what the checkpoint ``LATEST`` names offers, or ``None`` (no checkpoint,
+    or one that cannot be read: then everything is written, which is always right)."""
+    try:
+        name = storage.read_pointer(LATEST)
+        if name is None:
+            return None
+        manifest = read_manifest(storage.folder(name))
+    except (CheckpointError, OSError) as exc:
+        if log is not None:
+            log.info("Nothing is shared with the newest checkpoint (%s); every file is written", exc)
+        return None
+    return Previous.of(manifest) if manifest.contents else None
+
+
+def frozen_keys(model_state: Any, state_dict: dict[str, Any]) -> frozenset[str]:
+    """The keys of ``state_dict`` (a model's, as :class:`~ckptio.state.model.ModelState` names them) that are not
+    trainable parameters: the ones grouped apart. Only grouping depends on this, never what is written."""
+    model = getattr(model_state, "model", None)
+    if model is None:
+        return frozenset()
+    strip = getattr(model_state, "_strip", lambda k: k)
+    trainable = {strip(name) for name, p in model.named_parameters() if p.requires_grad}
+    return frozenset(k for k in state_dict if k not in trainable)
+
+
+class Sharer:
+    """One rank's side of a save's sharing: called with each frozen file's relative path and digest before it is
+    written; returns the checksum of the shared file (nothing to write) or ``None`` (write it). Thread-safe."""
+
+    def __init__(self, writer: Any, previous: Previous | None) -> None:
+        self.writer, self.previous = writer, previous
+        self.contents: dict[str, str] = {}
+        """Every shareable file of this save -> its digest (the manifest's ``contents``)."""
+        self.linked: dict[str, tuple[str, int]] = {}
+        """Files shared rather than written -> (``step/rel`` holding their bytes, size)."""
+        self._lock = threading.Lock()
+
+    def __call__(self, rel: str, digest: str) -> str | None:
+        with self._lock:
+            self.contents[rel] = digest
+        p = self.previous
+        if p is None or p.contents.get(rel) != digest:
+            return None
+        source = p.owners.get(rel, f"{p.name}/{rel}")
+        if not self.writer.link(rel, source, p.sizes[rel]):
+            return None
+        with self._lock:
+            self.linked[rel] = (source, p.sizes[rel])
+        return p.checksums[rel]

@@ -1,0 +1,127 @@
+"""Objects shared between steps in a bucket: a step's manifest may refer to an object of an earlier step instead of
+holding a copy (``shared``: relative path -> ``<step>/<path>``; see :mod:`ckptio.engine.sharing`).
+
+One rule keeps every reference valid: **an object is deleted only when no committed manifest refers to it.**
+Every deletion in a bucket goes through :func:`referenced` first: removing a step (retention, ``prune``) deletes its
+manifest, then its objects less the referenced ones, which stay under the step's prefix with the in-progress mark
+(so that :meth:`~ckptio.storage.s3.S3Storage.sweep` knows them for ckptio's own and collects each once nothing
+refers to it any more). A crash anywhere leaves such garbage at worst, never a reference to a deleted object.
+
+A new step written under the name of one whose objects are still referred to (a run resumed from an older step
+saves that name again) first hands each such object to a step that refers to it (:func:`hand_over`): a server-side
+copy to that step's own key, then every referring manifest rewritten to name it, one conditional write each. Until
+the rewrite the old object is still there; after it nobody refers to the old one, which is deleted with the rest.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+from ...errors import CheckpointError, CheckpointNotFoundError
+from ..confined import UnsafePathError, check_relative
+from ._common import MANIFEST, S3Error, _call, client
+
+if TYPE_CHECKING:
+    from . import S3Storage
+
+MAX_MANIFEST = 64 << 20
+
+
+def shared_of(data: bytes, name: str) -> dict[str, str]:
+    """The valid entries of a manifest's ``shared`` (``rel -> step/rel`` of another step), read leniently: an entry
+    that is not a plain path into another step is left out (the manifest's own reader refuses it by name)."""
+    try:
+        shared = json.loads(data).get("shared") or {}
+    except (ValueError, AttributeError, RecursionError):
+        return {}
+    out: dict[str, str] = {}
+    for rel, target in shared.items() if isinstance(shared, dict) else ():
+        try:
+            check_relative(rel, name)
+            parts = check_relative(target, name)
+        except UnsafePathError:
+            continue
+        if len(parts) >= 2 and parts[0] != name and not parts[0].startswith("."):
+            out[rel] = target
+    return out
+
+
+def references(storage: "S3Storage", skip: str | None = None) -> dict[str, dict[str, str]]:
+    """Committed step -> its ``shared`` entries, for every committed step of the folder but ``skip``. A manifest that
+    cannot be read is an error (a reference missed could be deleted), except one that is gone meanwhile."""
+    out: dict[str, dict[str, str]] = {}
+    for entry in storage.folder().listdir():
+        if entry.kind != "dir" or entry.name.startswith(".") or entry.name == skip:
+            continue
+        key = storage._key(f"{entry.name}/{MANIFEST}")
+        try:
+            body = _call("reading", storage.root / entry.name / MANIFEST, client().get_object,
+                         Bucket=storage.bucket, Key=key)["Body"]
+        except CheckpointNotFoundError:
+            continue
+        try:
+            data = body.read(MAX_MANIFEST + 1)
+        finally:
+            body.close()
+        shared = shared_of(data, entry.name)
+        if shared:
+            out[entry.name] = shared
+    return out
+
+
+def referenced(storage: "S3Storage", name: str, skip: str | None = None) -> set[str]:
+    """The paths (relative to the step) of step ``name``'s objects some committed step other than ``skip`` refers to."""
+    held = set()
+    for shared in references(storage, skip).values():
+        for target in shared.values():
+            owner, _, rel = target.partition("/")
+            if owner == name:
+                held.add(rel)
+    return held
+
+
+def hand_over(storage: "S3Storage", name: str) -> None:
+    """Before ``name`` is written anew: each of its objects a committed step refers to goes to that step (copied to
+    its own key, the referring manifests rewritten), so that nothing refers to ``name`` any more."""
+    from ...engine.manifest import Manifest
+
+    refs = references(storage, skip=name)
+    held = sorted({t for shared in refs.values() for t in shared.values() if t.partition("/")[0] == name})
+    for target in held:
+        rel = target.partition("/")[2]
+        users = sorted(step for step, shared in refs.items() if target in shared.values())
+        heir = users[0]
+        s3 = client()
+        _call("copying", storage.root / target, s3.copy, {"Bucket": storage.bucket, "Key": storage._key(target)},
+              storage.bucket, storage._key(f"{heir}/{rel}"))
+        for step in users:
+            where = storage.root / step / MANIFEST
+            key = storage._key(f"{step}/{MANIFEST}")
+            body = _call("reading", where, s3.get_object, Bucket=storage.bucket, Key=key)["Body"]
+            try:
+                manifest = Manifest.from_json(body.read(MAX_MANIFEST + 1), where)  # type: ignore[arg-type]
+            finally:
+                body.close()
+            manifest.shared = {r: (f"{heir}/{rel}" if t == target else t) for r, t in manifest.shared.items()
+                               if not (step == heir and t == target)}
+            from ... import _faults
+
+            _faults.point("s3.hand_over.copied")
+            _call("rewriting", where, s3.put_object, Bucket=storage.bucket, Key=key, Body=manifest.to_json().encode())
+    if held:
+        left = referenced(storage, name, skip=name)
+        if left:  # another writer changed the folder meanwhile: nothing is deleted
+            raise CheckpointError(f"{storage.root / name}: its objects {sorted(left)[:3]} are still referred to; "
+                                  "not written over")
+
+
+def check_source(storage: "S3Storage", source: str, size: int) -> bool:
+    """Whether ``source`` (``step/path``) is an object of ``size`` bytes in the folder (what a reference may name)."""
+    try:
+        head = _call("looking up", storage.root / source, client().head_object, Bucket=storage.bucket,
+                     Key=storage._key(source))
+    except (CheckpointNotFoundError, S3Error, UnsafePathError):
+        return False
+    return int(head.get("ContentLength", -1)) == size
+
