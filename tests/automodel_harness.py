@@ -82,6 +82,9 @@ def _objects(args: argparse.Namespace, rank: int, world: int) -> dict:
     loader = StatefulDataLoader(data, batch_size=BATCH, sampler=sampler, generator=torch.Generator().manual_seed(11))
     peft = None if not args.peft else "automodel" if args.by == "automodel" else "peft"
     model = _model(world, peft)
+    if args.freeze:  # a frozen fine-tune: the embeddings and the first layer (ckptio shares their files from save to save)
+        for p in [*model.model.embed_tokens.parameters(), *model.model.layers[0].parameters()]:
+            p.requires_grad_(False)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.7)
     steps = StepScheduler(global_batch_size=BATCH * world, local_batch_size=BATCH, dp_size=world, dataloader=loader,
@@ -138,6 +141,7 @@ def main() -> int:
     p.add_argument("--keep-latest", type=int, default=None, help="ckptio's retention: keep this many of its own steps")
     p.add_argument("--restore-from", default=None, help="ckptio: restore(PATH) this step directory, not the newest of --dir")
     p.add_argument("--out", required=True)
+    p.add_argument("--freeze", action="store_true", help="freeze the embeddings and the first layer before training")
     p.add_argument("--peft", action="store_true", help="LoRA: AutoModel's own with --by automodel, peft's with ckptio")
     p.add_argument("--check-restore", action="store_true",
                    help="restore the newest step of --dir and write the state it gave, without training (with "

@@ -43,7 +43,7 @@ def am_python() -> Path:
 
 def _run(python: Path, by: str, ckpt_dir: Path, out: Path, *, world: int = 1, fmt: str = "safetensors",
          stop_after: int | None = None, steps: int = 8, check_restore: bool = False, peft: bool = False,
-         keep_latest: int | None = None, restore_from: Path | None = None) -> dict:
+         keep_latest: int | None = None, restore_from: Path | None = None, freeze: bool = False) -> dict:
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
            "PYTHONWARNINGS": "ignore"}
     launch = [str(python)] if world == 1 else [str(python), "-m", "torch.distributed.run", "--standalone",
@@ -60,6 +60,8 @@ def _run(python: Path, by: str, ckpt_dir: Path, out: Path, *, world: int = 1, fm
         cmd += ["--keep-latest", str(keep_latest)]
     if restore_from is not None:
         cmd += ["--restore-from", str(restore_from)]
+    if freeze:
+        cmd += ["--freeze"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, f"{by} run failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
     return {"result": torch.load(out, weights_only=False), "log": done.stdout + done.stderr}
@@ -190,3 +192,15 @@ def test_another_number_of_ranks_gets_the_same_state(am_python, interrupted, tmp
                     peft=peft)
     assert any("lora_A" in k for k in saved["optim"]) == peft
     _same_state(saved, restored["result"], f"{writer} on {saved_on} -> {reader} on {restored_on}, peft={peft}")
+
+
+def test_automodel_loads_a_frozen_fine_tunes_step_whose_frozen_files_are_shared(am_python, tmp_path):
+    """ckptio hard-links the files of unchanged frozen tensors from save to save (issue 47): AutoModel's
+    ``load_model`` and ``load_optimizer`` read such a step's ``model/`` and ``optim/`` as any other."""
+    ckpt = tmp_path / "ckpt"
+    saved = _run(am_python, "ckptio", ckpt, tmp_path / "saved.pt", stop_after=7, freeze=True)["result"]
+    model = ckpt / "epoch_0_step_7" / "model"
+    linked = [p.name for p in model.glob("*.safetensors") if p.stat().st_nlink == 2]
+    assert linked and linked != sorted(p.name for p in model.glob("*.safetensors")), "frozen files only are shared"
+    restored = _run(am_python, "automodel", ckpt, tmp_path / "restored.pt", check_restore=True, freeze=True)["result"]
+    _same_state(saved, restored, "ckptio (frozen, shared files) -> automodel")
