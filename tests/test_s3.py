@@ -757,3 +757,28 @@ def test_the_runs_record_lives_in_the_bucket_too(bucket):
     data = json.loads(out.getvalue())
     assert [e["step"] for e in data["durable"]] == [1, 2] and data["storage_rate"] is None
     assert [e["step"] for e in data["restores"]] == [2] and len(data["processes"]) == 2
+
+
+def test_a_flipped_bit_in_a_bucket_is_found_by_a_full_verify_and_the_older_step_loads(bucket):
+    """``verify="full"`` checks every byte read from a bucket too (it once named the files by their printed path,
+    ``s3://…``, found none of them among the manifest's, and checked nothing)."""
+    url = f"s3://{bucket}/flip"
+    model, opt, mgr = _setup(url)
+    with mgr:
+        mgr.save(step=1)
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+        _train(model, opt, 1, 5)
+        mgr.save(step=2)
+    s3 = s3mod.client()
+    key = next(k for k in _keys(bucket, "flip/epoch_0_step_2/model/") if k.endswith(".safetensors"))
+    data = bytearray(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+    data[-3] ^= 0x01
+    s3.put_object(Bucket=bucket, Key=key, Body=bytes(data))
+    model2, _, again = _setup(url, verify="full")
+    with again:
+        info = again.restore()
+    assert info is not None and info.step == 1  # step 2's damage was found, and step 1 loaded instead
+    assert all(torch.equal(saved[k], v) for k, v in model2.state_dict().items())
+    model3, _, direct = _setup(url, verify="full")
+    with direct, pytest.raises(CheckpointError, match=key.rsplit("/", 1)[-1]):
+        direct.restore(f"{url}/epoch_0_step_2")

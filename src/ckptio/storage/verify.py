@@ -226,10 +226,12 @@ class Verifier:
         self._pool: Any = None
 
     def _attach(self, folder: Folder, rel: str, handle: ReadHandle) -> None:
-        try:
-            full = (folder.path / rel).relative_to(self.root.path).as_posix()
-        except ValueError:
+        # by parts: an object store's path prints with its scheme (s3://…), so relative_to(...).as_posix() would not
+        # name the manifest's file there, and no byte read from a bucket would be checked
+        parts, root = (folder.path / rel).parts, self.root.path.parts
+        if parts[:len(root)] != root:
             return
+        full = "/".join(parts[len(root):])
         if full not in self.checksums:
             return
         with self._lock:
