@@ -82,7 +82,7 @@ def _objects(args: argparse.Namespace, rank: int, world: int) -> dict:
     loader = StatefulDataLoader(data, batch_size=BATCH, sampler=sampler, generator=torch.Generator().manual_seed(11))
     peft = None if not args.peft else "automodel" if args.by == "automodel" else "peft"
     model = _model(world, peft)
-    if args.freeze:  # a frozen fine-tune: the embeddings and the first layer (ckptio shares their files from save to save)
+    if getattr(args, "freeze", False):  # a frozen fine-tune: the embeddings and the first layer (ckptio shares their files from save to save)
         for p in [*model.model.embed_tokens.parameters(), *model.model.layers[0].parameters()]:
             p.requires_grad_(False)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)

@@ -189,7 +189,7 @@ def test_an_incomplete_snapshot_says_how_its_parts_were_held():
 # ------------------------------------------------------------------------------------------------- nodes
 def _job(base: Path, node: int, port: int, domain: str | None, *args: str) -> subprocess.Popen:
     env = {**os.environ, "CKPTIO_MEMORY_DIR": str(base / f"mem{node}"), "OMP_NUM_THREADS": "1",
-           "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+           "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore", "CKPTIO_TOY_MODEL": "plain"}
     env.pop("CKPTIO_FAILURE_DOMAIN", None)
     if domain is not None:
         env["CKPTIO_FAILURE_DOMAIN"] = domain

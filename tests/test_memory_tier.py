@@ -173,7 +173,7 @@ def test_a_memory_folder_others_could_write_is_refused(tmp_path):
 # ------------------------------------------------------------------------------------------------- nodes
 def _job(base: Path, node: int, nodes: int, ranks: int, port: int, *args: str, restarts: int = 0) -> subprocess.Popen:
     env = {**os.environ, "CKPTIO_MEMORY_DIR": str(base / f"mem{node}"), "OMP_NUM_THREADS": "1",
-           "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+           "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore", "CKPTIO_TOY_MODEL": "plain"}
     log = open(base / f"log{node}.txt", "a")
     launch = ["--standalone"] if nodes == 1 else [f"--nnodes={nodes}", f"--node-rank={node}",
                                                  "--master-addr=127.0.0.1", f"--master-port={port}"]

@@ -303,3 +303,18 @@ def test_saved_on_two_ranks_resumed_bitwise_on_two_and_one_and_shared_again_afte
     assert not any(rel.startswith("model/shard-00002-") for rel in five.files)  # saved on one rank now
     assert set(six.contents) == set(five.contents)
     assert all((steps[6] / rel).stat().st_ino == (steps[5] / rel).stat().st_ino for rel in six.contents)
+
+
+def test_tar_carries_a_step_whose_frozen_files_are_links_and_it_resumes_from_the_copy(tmp_path):
+    run = Run(tmp_path / "ckpt", max_steps=100, freeze=True)
+    run.mgr.save(step=1)
+    saved = full_state(run.model, run.opt)
+    run.mgr.save(step=2)
+    run.mgr.close()
+    step = _steps(tmp_path / "ckpt")[2]
+    assert any(s.st_nlink == 2 for s in _model_files(step).values())
+    (tmp_path / "copy").mkdir()
+    subprocess.run(["tar", "-cf", str(tmp_path / "step.tar"), "-C", str(step.parent), step.name], check=True)
+    subprocess.run(["tar", "-xf", str(tmp_path / "step.tar"), "-C", str(tmp_path / "copy")], check=True)
+    assert main(["verify", str(tmp_path / "copy" / step.name)]) == 0
+    _same(saved, _restored(tmp_path / "copy" / step.name), "a tar copy of a step with linked files")

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from ckptio import CheckpointConfig, CheckpointManager, _faults
+from ckptio.errors import CheckpointNotFoundError
 from ckptio.engine.manifest import MANIFEST_NAME, check_files, read_manifest
 from ckptio.storage import open_storage
 
@@ -107,7 +108,11 @@ def _check(root: str, reference: dict) -> int:
     storage = open_storage(root)
     top = storage.folder()
     steps = []
-    for entry in top.listdir():
+    try:
+        listing = top.listdir()
+    except CheckpointNotFoundError:  # killed before its first save made the folder
+        return 0
+    for entry in listing:
         if entry.kind != "dir" or entry.name.startswith(".") or top.sub(entry.name).kind(MANIFEST_NAME) != "file":
             continue
         folder = storage.folder(entry.name)
@@ -132,16 +137,17 @@ def _check(root: str, reference: dict) -> int:
     return info.step
 
 
-def _trials(root: str, n: int, seed: int, max_delay: float) -> dict[str, int]:
+def _trials(root: str, n: int, seed: int, max_delay: float, points: list[str]) -> dict[str, int]:
     reference = _reference()
     rng = random.Random(seed)
     counts = {"trials": 0, "killed": 0, "finished": 0, "resumed": 0}
     for _ in range(n):
-        point = rng.choice(POINTS) if rng.random() < 0.5 else None
+        point = rng.choice(points) if rng.random() < 0.5 else None
         pid = os.fork()
         if pid == 0:
             _child(root, point, rng.randint(1, 3))
-        deadline = time.monotonic() + (rng.uniform(0.0, max_delay) if point is None else 10 * max_delay)
+        # at its point (which the hook reaches first), else at a random instant
+        deadline = time.monotonic() + (rng.uniform(0.0, max_delay) if point is None else 3 * max_delay)
         done, status = 0, 0
         while not done and time.monotonic() < deadline:  # killed by the parent now, or at its point by itself
             time.sleep(0.005)
@@ -162,13 +168,14 @@ def _trials(root: str, n: int, seed: int, max_delay: float) -> dict[str, int]:
 
 def test_local_saves_killed_at_random_never_leave_a_torn_or_missing_file(tmp_path):
     n = int(os.environ.get("CKPTIO_KILL_TRIALS", "200"))
-    counts = _trials(str(tmp_path / "run"), n, seed=47, max_delay=0.5)
+    counts = _trials(str(tmp_path / "run"), n, seed=47, max_delay=0.5, points=POINTS)
     assert counts["trials"] == n and counts["killed"] >= n // 2, counts
     print(counts)
 
 
 def test_bucket_saves_killed_at_random_never_refer_to_a_deleted_object(bucket):
     n = int(os.environ.get("CKPTIO_KILL_TRIALS_S3", "50"))
-    counts = _trials(f"s3://{bucket}/run", n, seed=48, max_delay=2.0)
+    local_only = {"commit.before_rename"}  # a bucket has no rename: its commit is the manifest's conditional PUT
+    counts = _trials(f"s3://{bucket}/run", n, seed=48, max_delay=1.5, points=[p for p in POINTS if p not in local_only])
     assert counts["trials"] == n and counts["killed"] >= n // 2, counts
     print(counts)

@@ -125,3 +125,29 @@ def test_a_step_name_written_again_hands_its_shared_objects_over_first(bucket):
     assert all(t.startswith(before[2].name + "/") for t in after[3].shared.values())
     for step in (2, 3):
         _same(saved[step], _restored(url, after[step].name), f"step {step} after step 1 was written again")
+
+
+def test_a_damaged_shared_object_is_named_in_every_step_that_refers_to_it(bucket, capsys):
+    from ckptio.errors import CheckpointCorruptError
+
+    url = f"s3://{bucket}/damaged"
+    run = Run(url, max_steps=100, freeze=True)
+    for step in (1, 2, 3):
+        run.mgr.save(step=step)
+    run.mgr.close()
+    manifests = _manifests(url)
+    rel, target = sorted(manifests[3].shared.items())[0]
+    s3 = s3mod.client()
+    key = f"damaged/{target}"
+    data = bytearray(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+    data[-5] ^= 0x20  # a bit flips in the one object three steps use
+    s3.put_object(Bucket=bucket, Key=key, Body=bytes(data))
+    capsys.readouterr()
+    for step, m in manifests.items():
+        assert main(["verify", f"{url}/{m.name}"]) == 1
+        out = capsys.readouterr()
+        assert rel.rsplit("/", 1)[-1] in out.out + out.err and m.name in out.out + out.err, out
+    other = Run(url, max_steps=100, seed=1, freeze=True, verify="full")
+    with pytest.raises(CheckpointCorruptError, match=rel.rsplit("/", 1)[-1]):
+        other.mgr.restore()  # past steps 3 and 2 to step 1, which holds the damaged object itself
+    other.mgr.close()

@@ -30,14 +30,48 @@ def world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+class TinyLM(torch.nn.Module):
+    """A small language model in plain torch, shaped like the tiny Llama (``model.embed_tokens``,
+    ``model.layers``, ``lm_head``, dropout) and called like it (``model(input_ids=…, labels=…).loss``).
+
+    What ``CKPTIO_TOY_MODEL=plain`` gives the multi-node tests' ``torchrun`` workers: a fresh interpreter that does
+    not import transformers starts ~4 s sooner, and those tests are about the checkpointing, not the model."""
+
+    def __init__(self, hidden: int = 32, layers: int = 2) -> None:
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.embed_tokens = torch.nn.Embedding(VOCAB, hidden)
+        self.model.layers = torch.nn.ModuleList(torch.nn.Sequential(
+            torch.nn.LayerNorm(hidden), torch.nn.Linear(hidden, 2 * hidden), torch.nn.GELU(), torch.nn.Dropout(0.1),
+            torch.nn.Linear(2 * hidden, hidden)) for _ in range(layers))
+        self.lm_head = torch.nn.Linear(hidden, VOCAB, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
+        from types import SimpleNamespace
+
+        h = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            h = h + layer(h)
+        logits = self.lm_head(h)
+        loss = None if labels is None else torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
+        return SimpleNamespace(logits=logits, loss=loss)
+
+
 def make_model(seed: int = 0, peft: bool = False, base_dir: str | None = None, **overrides: Any) -> torch.nn.Module:
-    """The tiny Llama (LoRA-wrapped when ``peft``), FSDP2-sharded when there are several ranks.
+    """The tiny Llama (LoRA-wrapped when ``peft``), FSDP2-sharded when there are several ranks; :class:`TinyLM`
+    instead when ``CKPTIO_TOY_MODEL=plain``.
 
     ``base_dir``: rank 0 saves the base model there first (what a PEFT adapter refers to).
     """
-    from transformers import LlamaForCausalLM
+    import os
 
     torch.manual_seed(seed)
+    if os.environ.get("CKPTIO_TOY_MODEL") == "plain" and not peft and base_dir is None:
+        model: Any = TinyLM()
+        return _sharded(model, model.model.layers)
+    from transformers import LlamaForCausalLM
+
     model = LlamaForCausalLM(llama_config(**overrides))
     if base_dir is not None and (not dist.is_initialized() or dist.get_rank() == 0):
         model.save_pretrained(base_dir)
@@ -47,6 +81,10 @@ def make_model(seed: int = 0, peft: bool = False, base_dir: str | None = None, *
 
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, task_type="CAUSAL_LM",
                                                  target_modules=["q_proj", "v_proj", "down_proj"]))
+    return _sharded(model, layers)
+
+
+def _sharded(model: torch.nn.Module, layers: Any) -> torch.nn.Module:
     if world() > 1:
         from torch.distributed.fsdp import fully_shard
 
