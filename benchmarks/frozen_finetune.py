@@ -1,6 +1,6 @@
 """A frozen fine-tune saved often: what ckptio writes and keeps when unchanged tensors are stored once (issue 47).
 
-    .venv/bin/python benchmarks/frozen_finetune.py                       # medium state, local disk, 10 saves
+    .venv/bin/python benchmarks/frozen_finetune.py                       # medium state (1.8 GB), local disk, 10 saves
     .venv/bin/python benchmarks/frozen_finetune.py --bucket-mb 160       # also in a bucket (moto's server, loopback)
 
 The model is a Llama-shaped stack of fp32 tensors (embeddings, ``--layers`` blocks of four d×d and two d×4d
@@ -168,7 +168,7 @@ def main() -> None:
     logging.getLogger("ckptio").setLevel(logging.WARNING)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dim", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--layers", type=int, default=16)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--saves", type=int, default=10)
     p.add_argument("--rounds", type=int, default=1)
