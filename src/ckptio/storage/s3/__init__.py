@@ -135,7 +135,20 @@ class S3Storage:
         return S3FolderWriter(self, name)
 
     def remove_step(self, name: str) -> None:
-        self._delete_prefix(self._key(name), manifest_first=True, keep=refs.referenced(self, name, skip=name))
+        """Remove the step, less the objects other committed steps refer to; then collect what it referred to that
+        nothing refers to any more (objects of steps removed before, kept for it)."""
+        every = refs.references(self)
+        own = every.pop(name, {})
+        held = refs.held(every)
+        self._delete_prefix(self._key(name), manifest_first=True, keep=held.get(name, set()))
+        for owner in sorted({target.partition("/")[0] for target in own.values()}):
+            objects = self._objects(self._key(owner))
+            keep = held.get(owner, set())
+            if MANIFEST not in objects and PENDING in objects and not (keep and set(objects) - {PENDING} <= keep):
+                from ... import _faults
+
+                _faults.point("sweep.before_remove")
+                self._delete_prefix(self._key(owner), manifest_first=False, objects=objects, keep=keep)
 
     def remove_part(self, name: str, rel: str) -> None:
         """Remove the objects below ``rel`` of the step ``name``, and the object ``rel`` itself if there is one."""
@@ -165,13 +178,9 @@ class S3Storage:
             newest = max((o["LastModified"].timestamp() for o in objects.values()), default=0.0)
             if MANIFEST not in objects and PENDING in objects and now - newest >= older_than_s:
                 if held is None:
-                    held = {}
-                    for shared in refs.references(self).values():
-                        for target in shared.values():
-                            owner, _, rel = target.partition("/")
-                            held.setdefault(owner, set()).add(rel)
+                    held = refs.held(refs.references(self))
                 keep = held.get(entry.name, set())
-                if set(objects) - {PENDING} <= keep:
+                if keep and set(objects) - {PENDING} <= keep:
                     continue  # only objects other steps still refer to: nothing to collect yet
                 from ... import _faults
 

@@ -70,6 +70,16 @@ def references(storage: "S3Storage", skip: str | None = None) -> dict[str, dict[
     return out
 
 
+def held(references_: dict[str, dict[str, str]]) -> dict[str, set[str]]:
+    """Step -> the paths of its objects the given steps' references name."""
+    out: dict[str, set[str]] = {}
+    for shared in references_.values():
+        for target in shared.values():
+            owner, _, rel = target.partition("/")
+            out.setdefault(owner, set()).add(rel)
+    return out
+
+
 def referenced(storage: "S3Storage", name: str, skip: str | None = None) -> set[str]:
     """The paths (relative to the step) of step ``name``'s objects some committed step other than ``skip`` refers to."""
     held = set()
