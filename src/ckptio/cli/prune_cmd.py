@@ -86,12 +86,10 @@ def _apply(storage: Any, decision: Any, quiet: bool) -> None:
 
 def _owned(storage: Any, entries: list[Any], doomed: list[Any]) -> int:
     """The bytes deleting ``doomed`` frees: what each owns, less what a step that stays refers to or links."""
+    from ..engine.manifest import held_by
+
     names = {e.name for e in doomed}
-    held: dict[str, set[str]] = {}
-    for e in entries:
-        for target in (e.manifest.shared.values() if e.manifest and e.name not in names else ()):
-            owner, _, rel = target.partition("/")
-            held.setdefault(owner, set()).add(rel)
+    held = held_by(e.manifest.shared for e in entries if e.manifest and e.name not in names)
     return sum(e.manifest.ownership(storage.folder(e.name), held.get(e.name, set()))[0] for e in doomed if e.manifest)
 
 

@@ -9,6 +9,7 @@ from ..errors import CheckpointError, CheckpointNotFoundError
 from ..formats import registry
 from ..formats.common import TensorSummary, summarize_index  # noqa: F401  (re-exported for callers)
 from .layout import BEST, LATEST, pointer_target, scan
+from .manifest import held_by
 from ..storage import open_storage
 
 
@@ -51,11 +52,7 @@ def list_checkpoints(checkpoint_dir: str | Path) -> dict[str, Any]:
     best = pointer(BEST)
     entries = scan(storage)
     newest = max((e for e in entries if e.committed), key=lambda e: e.step or 0, default=None)
-    referenced: dict[str, set[str]] = {}  # step -> its files other steps refer to (a bucket's shared files)
-    for e in entries:
-        for target in (e.manifest.shared.values() if e.manifest else ()):
-            owner, _, rel = target.partition("/")
-            referenced.setdefault(owner, set()).add(rel)
+    referenced = held_by(e.manifest.shared for e in entries if e.manifest)  # a bucket's files other steps refer to
     rows = []
     for e in entries:
         m = e.manifest

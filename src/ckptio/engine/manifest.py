@@ -288,6 +288,16 @@ def _sharing(manifest: Manifest, f: _Fields, source: Path) -> None:
             raise f.fail("shared", f"entry {rel!r} must name a file of another step, not {target!r}")
 
 
+def held_by(shared_maps: Any) -> dict[str, set[str]]:
+    """Step -> the paths of its files that the given ``shared`` maps (``rel -> step/path``) refer to."""
+    out: dict[str, set[str]] = {}
+    for shared in shared_maps:
+        for target in shared.values():
+            owner, _, rel = target.partition("/")
+            out.setdefault(owner, set()).add(rel)
+    return out
+
+
 def read_manifest(step_dir: str | Path | Folder) -> Manifest:
     """Read and validate ``step_dir``'s manifest; raise a clear error naming the file otherwise."""
     folder = as_folder(step_dir)

@@ -70,14 +70,10 @@ def previous_of(storage: Any, log: Any = None) -> Previous | None:
 
 
 def frozen_keys(model_state: Any, state_dict: dict[str, Any]) -> frozenset[str]:
-    """The keys of ``state_dict`` (a model's, as :class:`~ckptio.state.model.ModelState` names them) that are not
-    trainable parameters: the ones grouped apart. Only grouping depends on this, never what is written."""
-    model = getattr(model_state, "model", None)
-    if model is None:
-        return frozenset()
-    strip = getattr(model_state, "_strip", lambda k: k)
-    trainable = {strip(name) for name, p in model.named_parameters() if p.requires_grad}
-    return frozenset(k for k in state_dict if k not in trainable)
+    """The keys of a model's ``state_dict`` grouped apart (see :meth:`ckptio.state.model.ModelState.frozen_keys`);
+    none for a state without that notion. Only grouping depends on this, never what is written."""
+    frozen = getattr(model_state, "frozen_keys", None)
+    return frozen(state_dict) if frozen is not None else frozenset()
 
 
 class Sharer:

@@ -49,6 +49,11 @@ class ModelState:
     def _trainable_keys(self) -> set[str]:
         return {name for name, p in self.model.named_parameters() if p.requires_grad}
 
+    def frozen_keys(self, state_dict: dict[str, Any]) -> frozenset[str]:
+        """The keys of ``state_dict`` (this view's) that are not trainable parameters: frozen weights and buffers."""
+        trainable = {self._strip(k) for k in self._trainable_keys()}
+        return frozenset(k for k in state_dict if k not in trainable)
+
     def state_dict(self, got: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
         """Local shards (DTensors under FSDP2) keyed by FQN, without tied aliases or the prefix. ``got``: torch's
         ``get_model_state_dict`` of the model, when the caller already has it."""

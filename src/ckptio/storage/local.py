@@ -9,7 +9,6 @@ reader therefore sees no directory or a complete one.
 from __future__ import annotations
 
 import os
-import stat
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -156,25 +155,12 @@ class LocalFolderWriter:
         ``size`` bytes, instead of writing it; ``False`` (write it) when ``source`` is not such a regular file,
         through no link, or the filesystem refuses (another device, no hard links)."""
         from .. import _faults
-        from .confined import check_relative
+        from .confined import Folder
 
-        root = self.final.parent
-        at = root
-        try:
-            for part in check_relative(source, root):
-                at = at / part
-                if stat.S_ISLNK(os.lstat(at).st_mode):
-                    return False
-            info = os.lstat(at)
-            if not stat.S_ISREG(info.st_mode) or info.st_size != size:
-                return False
-            target = self._path(rel)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            _faults.point("save.before_link")
-            os.link(at, target, follow_symlinks=False)
-        except OSError:
-            return False
-        return True
+        target = self._path(rel)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _faults.point("save.before_link")
+        return _hard_link(Folder(self.final.parent), source, target, size)
 
     def local_path(self, rel: str = "") -> Path:
         path = self._path(rel) if rel else self.tmp
@@ -216,6 +202,32 @@ class LocalFolderWriter:
     def abort(self) -> None:
         if self.tmp.exists() and self.tmp != self.final:
             remove_tree(self.tmp)
+
+
+def _hard_link(folder: "Folder", rel: str, target: Path, size: int) -> bool:
+    """Give the regular file ``rel`` of ``folder`` (``size`` bytes) the new name ``target``, reached through no link
+    (the gate's walk; the check and the link through one descriptor); ``False`` when it is not such a file or the
+    filesystem refuses (another device, no hard links)."""
+    import stat
+
+    from ..errors import CheckpointCorruptError, CheckpointNotFoundError
+    from .confined import check_relative
+
+    parts = check_relative(rel, folder.path)
+    try:
+        fd, name = folder._walk(parts)
+    except (CheckpointCorruptError, CheckpointNotFoundError):
+        return False
+    try:
+        info = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        if not stat.S_ISREG(info.st_mode) or info.st_size != size:
+            return False
+        os.link(name, target, src_dir_fd=fd, follow_symlinks=False)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return True
 
 
 class LocalFileWriter:

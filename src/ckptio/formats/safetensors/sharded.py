@@ -108,7 +108,7 @@ def save(state_dict: dict[str, torch.Tensor], writer: "FolderWriter | str | Path
         mine = chunk_index.files_of([_item(k, v) for k, v in views.items() if (rank == 0 if v.owner is None else v.owner)],
                                     threads, name_files(rank), whole_apart=whole_apart, apart=apart)
         plans = [mine] if world_size == 1 else None  # alone, this rank knows every chunk
-    sums = _write_files(mine, views, writer, rel, rank, world_size, apart if share is not None else frozenset(), share)
+    sums = _write_files(mine, views, writer, rel, rank, world_size, apart, share)
     if plans is not None and rank == 0:  # rank 0 knows where every rank put every chunk: one index for the restore
         name = f"{rel}/{chunk_index.INDEX_NAME}" if rel else chunk_index.INDEX_NAME
         sums[name] = writer.write_bytes(name, chunk_index.encode([f for p in plans for f in p], world_size))
@@ -145,7 +145,7 @@ def _write_files(files: list[chunk_index.FilePlan], views: dict, writer: "Folder
     def task(f: chunk_index.FilePlan, name: str) -> Callable[[], str]:
         entries = [_st_writer.Entry(i.key, i.dtype, i.shape, lambda k=i.key: views[k].local)  # type: ignore[misc]
                    for i in f.items]
-        if f.items and all(i.key in apart for i in f.items):
+        if share is not None and f.items and all(i.key in apart for i in f.items):
             return lambda: (share(name, _st_writer.content_digest(entries, metadata))
                             or _st_writer.write(writer.open(name), entries, metadata))
         return lambda: _st_writer.write(writer.open(name), entries, metadata)

@@ -50,6 +50,7 @@ from ._common import (
     client,
     parse_s3_url,
 )
+from ...engine.manifest import held_by
 from . import refs
 from .lease import S3Lease
 from .reader import S3Folder, S3ReadHandle
@@ -139,7 +140,7 @@ class S3Storage:
         nothing refers to any more (objects of steps removed before, kept for it)."""
         every = refs.references(self)
         own = every.pop(name, {})
-        held = refs.held(every)
+        held = held_by(every.values())
         self._delete_prefix(self._key(name), manifest_first=True, keep=held.get(name, set()))
         for owner in sorted({target.partition("/")[0] for target in own.values()}):
             objects = self._objects(self._key(owner))
@@ -156,9 +157,10 @@ class S3Storage:
 
         parts = check_relative(rel, self.root / name)
         key = self._key(name + "/" + "/".join(parts))
-        held = {r[len(rel) + 1:] for r in refs.referenced(self, name) if r.startswith(rel + "/")}
+        referenced = refs.referenced(self, name)
+        held = {r[len(rel) + 1:] for r in referenced if r.startswith(rel + "/")}
         self._delete_prefix(key, manifest_first=False, keep=held)
-        if rel not in refs.referenced(self, name):
+        if rel not in referenced:
             _call("removing", self.root / name / rel, client().delete_object, Bucket=self.bucket, Key=key)
 
     def sweep(self, older_than_s: float = 0.0) -> list[S3Path]:  # type: ignore[override]
@@ -178,7 +180,7 @@ class S3Storage:
             newest = max((o["LastModified"].timestamp() for o in objects.values()), default=0.0)
             if MANIFEST not in objects and PENDING in objects and now - newest >= older_than_s:
                 if held is None:
-                    held = refs.held(refs.references(self))
+                    held = held_by(refs.references(self).values())
                 keep = held.get(entry.name, set())
                 if keep and set(objects) - {PENDING} <= keep:
                     continue  # only objects other steps still refer to: nothing to collect yet

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from ...errors import CheckpointCorruptError, CheckpointNotFoundError
@@ -148,20 +147,16 @@ class S3Folder(FolderReads):
         if self._aliases is None:
             self._aliases = {}
             if self._step_of is not None:
-                from .refs import MAX_MANIFEST, shared_of
+                from .refs import MAX_MANIFEST, shared_sizes
                 from ._common import MANIFEST
 
                 size = self._listing_of("")[0].get(MANIFEST, 0)
-                if 0 < size <= MAX_MANIFEST:
-                    data = S3ReadHandle(self.bucket, self._key(MANIFEST), self.display(MANIFEST), size).read(0, size)
-                    try:
-                        sizes = json.loads(data).get("files") or {}
-                    except (ValueError, AttributeError, RecursionError):
-                        sizes = {}
+                if 0 < size <= MAX_MANIFEST:  # read into the folder's cache: the manifest's reader takes it from there
+                    data = S3ReadHandle(self.bucket, self._key(MANIFEST), self.display(MANIFEST), size,
+                                        self._cache).read(0, size)
                     base = f"{self._step_of}/" if self._step_of else ""
-                    name = self.prefix.rsplit("/", 1)[-1]
-                    self._aliases = {rel: (base + target, sizes[rel]) for rel, target in shared_of(data, name).items()
-                                     if isinstance(sizes, dict) and type(sizes.get(rel)) is int and sizes[rel] >= 0}
+                    shared = shared_sizes(data, self.prefix.rsplit("/", 1)[-1])
+                    self._aliases = {rel: (base + target, n) for rel, (target, n) in shared.items() if n is not None}
                     if self._aliases:
                         self._listings.pop("", None)  # listed again, with them
         return self._aliases

@@ -15,11 +15,13 @@ the rewrite the old object is still there; after it nobody refers to the old one
 
 from __future__ import annotations
 
-import json
+from pathlib import PurePosixPath
 from typing import TYPE_CHECKING
 
 from ...errors import CheckpointError, CheckpointNotFoundError
+from ...engine.manifest import held_by
 from ..confined import UnsafePathError, check_relative
+from ..parse import json_object
 from ._common import MANIFEST, S3Error, _call, client
 
 if TYPE_CHECKING:
@@ -31,11 +33,19 @@ MAX_MANIFEST = 64 << 20
 def shared_of(data: bytes, name: str) -> dict[str, str]:
     """The valid entries of a manifest's ``shared`` (``rel -> step/rel`` of another step), read leniently: an entry
     that is not a plain path into another step is left out (the manifest's own reader refuses it by name)."""
+    return {rel: target for rel, (target, _) in shared_sizes(data, name).items()}
+
+
+def shared_sizes(data: bytes, name: str) -> dict[str, tuple[str, int | None]]:
+    """:func:`shared_of` with each file's size as the manifest's ``files`` records it (``None``: not recorded);
+    the manifest's bytes parsed once, bounded, by the gate's JSON reader."""
     try:
-        shared = json.loads(data).get("shared") or {}
-    except (ValueError, AttributeError, RecursionError):
+        manifest = json_object(data, PurePosixPath(name) / MANIFEST, "manifest ")
+    except CheckpointError:
         return {}
-    out: dict[str, str] = {}
+    shared, files = manifest.get("shared"), manifest.get("files")
+    files = files if isinstance(files, dict) else {}
+    out: dict[str, tuple[str, int | None]] = {}
     for rel, target in shared.items() if isinstance(shared, dict) else ():
         try:
             check_relative(rel, name)
@@ -43,7 +53,8 @@ def shared_of(data: bytes, name: str) -> dict[str, str]:
         except UnsafePathError:
             continue
         if len(parts) >= 2 and parts[0] != name and not parts[0].startswith("."):
-            out[rel] = target
+            size = files.get(rel)
+            out[rel] = (target, size if type(size) is int and size >= 0 else None)
     return out
 
 
@@ -70,25 +81,9 @@ def references(storage: "S3Storage", skip: str | None = None) -> dict[str, dict[
     return out
 
 
-def held(references_: dict[str, dict[str, str]]) -> dict[str, set[str]]:
-    """Step -> the paths of its objects the given steps' references name."""
-    out: dict[str, set[str]] = {}
-    for shared in references_.values():
-        for target in shared.values():
-            owner, _, rel = target.partition("/")
-            out.setdefault(owner, set()).add(rel)
-    return out
-
-
 def referenced(storage: "S3Storage", name: str, skip: str | None = None) -> set[str]:
     """The paths (relative to the step) of step ``name``'s objects some committed step other than ``skip`` refers to."""
-    held = set()
-    for shared in references(storage, skip).values():
-        for target in shared.values():
-            owner, _, rel = target.partition("/")
-            if owner == name:
-                held.add(rel)
-    return held
+    return held_by(references(storage, skip).values()).get(name, set())
 
 
 def hand_over(storage: "S3Storage", name: str) -> None:
