@@ -3,6 +3,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# DeepSpeed, for the tests only (ckptio reads and writes its checkpoints without it): the real DeepSpeed writes the
+# ZeRO checkpoints the tests read and loads the universal folders ckptio writes; it builds against the installed torch
+if ! .venv/bin/python -c "import deepspeed" 2>/dev/null; then
+  echo "[setup] installing deepspeed (test-only)"
+  DS_BUILD_OPS=0 .venv/bin/pip install -q --no-build-isolation deepspeed -c scripts/constraints.txt 2>&1 | grep -v "^WARNING: Location" || true
+  .venv/bin/python -c "import deepspeed" 2>/dev/null || { echo "[setup] deepspeed failed to install" >&2; exit 1; }
+fi
 # the report page's test opens it in a real headless browser: Chromium from the system's packages, where they can be
 # installed (Debian/Ubuntu as root, as in CI); the test then requires it instead of skipping
 if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then

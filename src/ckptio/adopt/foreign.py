@@ -25,7 +25,7 @@ from ..engine.manifest import MANIFEST_NAME
 from ..engine.plan import local_view
 from ..storage.confined import Folder
 
-__all__ = ["is_foreign", "restore_foreign", "restore_foreign_adam"]
+__all__ = ["is_foreign", "foreign_run", "restore_foreign", "restore_foreign_adam", "restore_foreign_scheduler"]
 
 
 def is_foreign(restore_from: str | None) -> bool:
@@ -49,6 +49,52 @@ def is_foreign(restore_from: str | None) -> bool:
     except Exception:  # not a format at all: the step-directory path reports it
         return False
     return fmt.name != "step_dir" and fmt.readable
+
+
+UNREADABLE = (
+    ("Orbax", lambda p: (p / "_CHECKPOINT_METADATA").is_file() or any((c / "_CHECKPOINT_METADATA").is_file() for c in _dirs(p))),
+    ("DeepSpeed (a global_stepN folder without its model-states file)", lambda p: any(
+        c.name.startswith("global_step") and any(c.glob("*optim_states.pt")) for c in _dirs(p))),
+    ("Megatron (an iter_N folder)", lambda p: any(c.name.startswith("iter_") for c in _dirs(p))),
+    ("Hugging Face Trainer (checkpoint-N folders)", lambda p: any(c.name.startswith("checkpoint-") for c in _dirs(p))),
+    ("PyTorch Lightning (.ckpt files)", lambda p: any(c.suffix == ".ckpt" for c in p.iterdir())),
+)
+"""Checkpoints of kinds an automatic resume cannot continue, recognised by their names: a folder holding them is
+refused by name instead of a run starting from scratch beside them."""
+
+
+def _dirs(path: Path) -> list[Path]:
+    return [c for c in path.iterdir() if c.is_dir() and not c.is_symlink()]
+
+
+def foreign_run(root: Any) -> Path | None:
+    """The checkpoint folder itself when it holds a training run of another tool that an automatic resume continues
+    (a format with ``resumes_runs``: DeepSpeed); ``None`` when it holds nothing of the kind. A folder that holds
+    checkpoints ckptio cannot resume from raises :class:`~ckptio.errors.NoUsableCheckpointError` naming their kind."""
+    from ..errors import NoUsableCheckpointError
+
+    if not isinstance(root, Path) or not root.is_dir():
+        return None  # a bucket holds ckptio's steps only
+    try:
+        fmt = registry.detect(root)
+    except CheckpointError:
+        fmt = None
+    if fmt is not None and getattr(fmt, "resumes_runs", False):
+        return root
+    try:
+        kinds = [name for name, test in UNREADABLE if test(root)]
+    except OSError:
+        kinds = []
+    if fmt is not None and fmt.name != "step_dir":
+        kinds.insert(0, f"{fmt.summary} ({fmt.name})")
+    if kinds:
+        error = NoUsableCheckpointError(
+            f"{root} holds no ckptio checkpoint but holds checkpoints of another kind: {'; '.join(kinds)}. An automatic "
+            "resume does not start from scratch beside them: name one with restore_from= (ckptio reads "
+            f"{', '.join(registry.names(readable=True))}), or use an empty checkpoint_dir", [(str(root), kinds[0])])
+        error.foreign_kinds = kinds  # type: ignore[attr-defined]
+        raise error
+    return None
 
 
 def _slice_of(full: Any, view: Any) -> Any:
@@ -86,12 +132,28 @@ def restore_foreign_adam(path: Path, model_state: Any, optimizer: Any, log: Any)
                     state[moment] = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False) \
                         if isinstance(p, DTensor) else local
                 optimizer.state[p] = state
+        groups = fmt.training_extras(path).get("param_groups") or []
+        if len(groups) == len(optimizer.param_groups):  # the hyper-parameters the run had reached (its lr)
+            for live, saved in zip(optimizer.param_groups, groups):
+                live.update({k: v for k, v in saved.items() if k in live and k != "params"})
         return True
 
     carried = _dist.run_collectively(f"loading the optimizer state of {path}", fill)
     if _dist.rank() == 0:
         log.info("%s the Adam state (moments and step) of %s", "Loaded" if carried else "Found no", path)
     return carried
+
+
+def restore_foreign_scheduler(path: Path, scheduler: Any, log: Any) -> bool:
+    """Give ``scheduler`` the source's LR scheduler state where the format saves one (each rank reads it)."""
+    state = _dist.run_collectively(f"reading the scheduler state of {path}",
+                                   lambda: registry.detect(path).training_extras(path).get("lr_scheduler"))
+    if state is None:
+        return False
+    scheduler.load_state_dict(state)
+    if _dist.rank() == 0:
+        log.info("Loaded the LR scheduler state of %s", path)
+    return True
 
 
 def restore_foreign(path: Path, model_state: Any, *, strict: bool, log: Any) -> tuple[int, str]:
@@ -122,6 +184,6 @@ def restore_foreign(path: Path, model_state: Any, *, strict: bool, log: Any) -> 
     step = _dist.run_collectively(f"loading the weights of {path}", fill)
     _dist.run_collectively("applying the weights", lambda: model_state.load_state_dict(target))
     if _dist.rank() == 0:
-        log.info("Loaded the weights of %s (%s, step %d); the scheduler and data position start fresh",
+        log.info("Loaded the weights of %s (%s, step %d); the data position starts fresh",
                  path, fmt.summary, step)
     return step, fmt.name

@@ -371,31 +371,37 @@ def clean_temporaries(checkpoint_dir: "str | Path | Storage", older_than_s: floa
 
 
 def find_candidates(storage: Storage, restore_from: str | None, verify: str, start_fresh_if_damaged: bool,
-                    log: Any) -> tuple[bool, list[Path]]:
-    """Collective, one broadcast: whether ``restore_from`` is a checkpoint of another kind (weights only, see
-    :mod:`ckptio.adopt.foreign`), else the step directories to try, best first, chosen on rank 0
-    (:func:`restore_candidates`); ``[]`` (said in the log) for a fresh start. A folder whose step directories are
-    all unusable raises :class:`NoUsableCheckpointError` on every rank, unless an automatic resume may start fresh
-    (``start_fresh_if_damaged``, :attr:`CheckpointConfig.start_fresh_if_damaged`)."""
+                    log: Any) -> tuple[Path | None, list[Path]]:
+    """Collective, one broadcast: the checkpoint of another kind to restore from (``restore_from`` naming one, or an
+    automatic resume in a folder holding another tool's run: see :mod:`ckptio.adopt.foreign`), else ``None`` and the
+    step directories to try, best first, chosen on rank 0 (:func:`restore_candidates`); ``[]`` (said in the log) for
+    a fresh start. A folder whose step directories are all unusable, or that holds only checkpoints ckptio cannot
+    resume from, raises :class:`NoUsableCheckpointError` on every rank, unless an automatic resume may start fresh
+    over damaged step directories (``start_fresh_if_damaged``, :attr:`CheckpointConfig.start_fresh_if_damaged`)."""
     from .. import _dist
-    from ..adopt.foreign import is_foreign
+    from ..adopt.foreign import foreign_run, is_foreign
 
     rank = _dist.rank()
 
-    def choose() -> tuple[bool, list[Path]]:
+    def choose() -> tuple[Path | None, list[Path]]:
         if is_foreign(restore_from):
-            return True, []
-        return False, restore_candidates(storage, restore_from, verify="none" if verify == "none" else "size")
+            return Path(restore_from), []  # type: ignore[arg-type]
+        found = restore_candidates(storage, restore_from, verify="none" if verify == "none" else "size")
+        if not found and restore_from in (None, LATEST):
+            return foreign_run(storage.root), []
+        return None, found
 
     try:
         foreign, candidates = _dist.decide_on_rank0("finding the checkpoint to restore", choose)
-    except NoUsableCheckpointError:
-        if not (restore_from in (None, LATEST) and start_fresh_if_damaged):
+    except NoUsableCheckpointError as exc:
+        if not (restore_from in (None, LATEST) and start_fresh_if_damaged) or hasattr(exc, "foreign_kinds"):
             raise
         if rank == 0:
             log.warning("No usable checkpoint in %s (every step directory found is damaged); starting from "
                         "scratch as start_fresh_if_damaged asks", storage.root)
-        return False, []
-    if not foreign and not candidates and rank == 0:
+        return None, []
+    if foreign is not None and restore_from is None and rank == 0:
+        log.info("%s holds no ckptio checkpoint but a run of another tool: resuming from it", storage.root)
+    if foreign is None and not candidates and rank == 0:
         log.info("No checkpoint found in %s; starting from scratch", storage.root)
     return foreign, candidates

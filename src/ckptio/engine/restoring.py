@@ -33,7 +33,7 @@ from ..formats import pt as pt_format
 from ..formats import registry
 from ..formats.common import TensorInfo, check_compatible, flatten
 from ..formats.registry import ShardContext
-from ..adopt.foreign import restore_foreign, restore_foreign_adam
+from ..adopt.foreign import restore_foreign, restore_foreign_adam, restore_foreign_scheduler
 from . import shared_reads
 from .partial import LoadOptions, LoadReport, load_model_partially, plan_partially, refuse
 from .layout import LATEST, find_candidates, parse_step_name, step_manifest
@@ -87,8 +87,8 @@ class Restorer:
         automatic = restore_from in (None, LATEST)
         foreign, candidates = find_candidates(self.storage, restore_from, verify, self.config.start_fresh_if_damaged,
                                                      self.log)
-        if foreign:
-            return self._restore_foreign(Path(restore_from))  # type: ignore[arg-type]
+        if foreign is not None:
+            return self._restore_foreign(foreign)
         if automatic and self.memory is not None:
             info = self.memory.restore(self, candidates[0] if candidates else None)
             if info is not None:
@@ -114,8 +114,10 @@ class Restorer:
         step, kind = restore_foreign(path, self.tracked.model_state, strict=self.config.strict, log=self.log)
         optimizer = self.tracked.optim_state.optimizer if self.tracked.optim_state is not None else None
         carried = optimizer is not None and restore_foreign_adam(path, self.tracked.model_state, optimizer, self.log)
-        return RestoreInfo(path, step, 0, counters={"source_format": kind, "optimizer_restored": carried},
-                           saved_world_size=0)
+        scheduler = self.tracked.objects.get("lr_scheduler")
+        scheduled = carried and scheduler is not None and restore_foreign_scheduler(path, scheduler, self.log)
+        return RestoreInfo(path, step, 0, counters={"source_format": kind, "optimizer_restored": carried,
+                                                    "scheduler_restored": scheduled}, saved_world_size=0)
 
     # ---------------------------------------------------------------------------------------------- 2-4
     def load(self, step_dir: Path, verify: str) -> RestoreInfo:

@@ -25,8 +25,11 @@ __all__ = ["INDEX_FILE", "copy_extras", "config_with_dtype", "join"]
 INDEX_FILE = "model.safetensors.index.json"
 """The index of a Hugging Face bundle: which file holds each tensor."""
 
-_WEIGHT_SUFFIXES = (".safetensors", ".distcp")
-_NOT_EXTRAS = {".metadata", INDEX_FILE, "manifest.json"}  # DCP's metadata, the bundle's index, ckptio's manifest
+_WEIGHT_SUFFIXES = (".safetensors", ".distcp", ".pt", ".pth", ".bin", ".py")
+"""Weights, a training run's pickled states (an HF Trainer's ``training_args.bin``, ``rng_state.pth``) and scripts
+(DeepSpeed's ``zero_to_fp32.py``): never side files of a model."""
+_NOT_EXTRAS = {".metadata", INDEX_FILE, "manifest.json", "latest", "latest_universal", "trainer_state.json"}
+"""DCP's metadata, the bundle's index, ckptio's manifest, DeepSpeed's pointers, the HF Trainer's state."""
 _MAX_EXTRA_BYTES = 1 << 30
 
 

@@ -115,6 +115,9 @@ class Format:
     full_model: bool = False
     """Inside a step directory: holds the whole model (then its config, tokenizer and consolidated bundle
     are written beside it), rather than a part of it such as an adapter."""
+    resumes_runs: bool = False
+    """A folder in this format is a training run of another tool: an automatic resume in it continues from its newest
+    checkpoint (DeepSpeed's ``latest``), weights, optimizer and scheduler, as ``restore_from=`` it would."""
     any_values: bool = False
     """``save_state`` keeps values of any structure beside the tensors (DCP pickles them): the optimizer's folder
     can then also carry the LR scheduler's state, where NeMo AutoModel keeps it."""
@@ -136,6 +139,11 @@ class Format:
         """A foreign checkpoint's Adam state under the names :meth:`open` gives the weights: the step and a source
         per moment (``exp_avg``, ``exp_avg_sq``); ``None`` when the format or this checkpoint has none."""
         return None
+
+    def training_extras(self, path: Path) -> dict[str, Any]:
+        """What else of a foreign checkpoint continues a run: ``lr_scheduler`` (a scheduler's state dict) and
+        ``param_groups`` (the optimizer's hyper-parameters per group), where the format saves them."""
+        return {}
 
     def read_value(self, folder: "Folder", key: str) -> Any:
         """The value saved under the top-level ``key`` of a state folder (a scheduler kept beside an optimizer)."""

@@ -8,9 +8,14 @@ an unrestricted load would execute whatever the file names. This module reads th
 
 * an allow-list of plain classes is built for real (containers, ``Namespace``, numpy arrays and
   dtypes, torch dtypes and sizes, ``signal.Signals``, tensors rebuilt from the archive's storages);
-* a class of a training framework (``megatron.*``, ``transformer_engine.*``, ``apex.*``, ``nemo.*``)
-  becomes an inert :class:`Placeholder` that only remembers its name and arguments, and is reported;
+* a class of a training framework (``megatron.*``, ``transformer_engine.*``, ``apex.*``, ``nemo.*``, or for a
+  DeepSpeed checkpoint exactly the DeepSpeed classes its files hold: ``standins=``) becomes an inert
+  :class:`Placeholder` that only remembers its name and arguments, and is reported;
 * anything else is refused with a :class:`CheckpointCorruptError` naming the file and the global.
+
+:func:`open_lazy` reads only the pickle: each tensor becomes a :class:`LazyTensor` that reads its elements from
+the archive when asked, a range at a time (a ZeRO partition file holds the whole rank's optimizer state; a
+reader that wants one parameter reads that parameter's bytes only).
 
 Tensors are checked against their storage (dtype, size, offset and strides in bounds) before they are
 made. The whole file is read through the confined folder (a regular file, bounded in size).
@@ -31,7 +36,7 @@ from ...errors import CheckpointCorruptError
 from ...storage.confined import Folder
 from ...storage.parse import Budget, check_pickle, parsing, zip_member
 
-__all__ = ["Placeholder", "load", "loads"]
+__all__ = ["Placeholder", "LazyTensor", "load", "loads", "open_lazy"]
 
 MAX_PICKLE_BYTES = 256 << 20
 """Largest ``data.pkl`` record (the pickle itself, tensors excluded)."""
@@ -140,7 +145,9 @@ def _allowed() -> dict[tuple[str, str], Any]:
     return table
 
 
-def _rebuild_tensor(storage: Any, offset: int, size: Any, stride: Any, *_: Any) -> torch.Tensor:
+def _rebuild_tensor(storage: Any, offset: int, size: Any, stride: Any, *_: Any) -> Any:
+    if isinstance(storage, _LazyStorage):
+        return LazyTensor.of(storage, offset, size, stride)
     if not isinstance(storage, torch.Tensor) or storage.dim() != 1:
         raise pickle.UnpicklingError("a tensor whose storage is not one of the archive's")
     size, stride = tuple(int(s) for s in size), tuple(int(s) for s in stride)
@@ -153,10 +160,76 @@ def _rebuild_tensor(storage: Any, offset: int, size: Any, stride: Any, *_: Any) 
     return storage.as_strided(size, stride, int(offset))
 
 
+class _TensorType:
+    """``torch.Tensor`` or ``torch.nn.Parameter`` named as the type of a rebuilt tensor (only ever compared)."""
+
+
+def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any = None) -> Any:
+    """``torch._tensor._rebuild_from_type_v2`` for a plain tensor or parameter: the tensor its rebuild gives. Plain
+    attributes set on it (DeepSpeed's ``ds_id``) are dropped."""
+    plain = (str, int, float, bool, type(None))
+    if func is not _rebuild_tensor or new_type is not _TensorType or not isinstance(args, tuple) or \
+            not (state is None or isinstance(state, dict) and all(type(v) in plain for v in state.values())):
+        raise pickle.UnpicklingError("a tensor rebuilt as another type, or with state that is not plain values")
+    return _rebuild_tensor(*args)
+
+
+class _LazyStorage:
+    """A storage of the archive not read yet: where its bytes are in the file."""
+
+    def __init__(self, handle: Any, start: int, dtype: torch.dtype, numel: int, where: object) -> None:
+        self.handle, self.start, self.dtype, self.numel, self.where = handle, start, dtype, numel, where
+
+
+class LazyTensor:
+    """A contiguous tensor of a ``torch.save`` archive whose elements are read from the file when asked."""
+
+    def __init__(self, storage: _LazyStorage, offset: int, shape: tuple[int, ...]) -> None:
+        self.storage, self.offset, self.shape = storage, offset, shape
+        self.dtype = storage.dtype
+        self.numel = 1
+        for n in shape:
+            self.numel *= n
+
+    @classmethod
+    def of(cls, storage: _LazyStorage, offset: int, size: Any, stride: Any) -> "LazyTensor":
+        size, stride = tuple(int(s) for s in size), tuple(int(s) for s in stride)
+        if len(size) != len(stride) or any(s < 0 for s in size + stride) or int(offset) < 0:
+            raise pickle.UnpicklingError(f"a tensor with sizes {list(size)}, strides {list(stride)}, offset {offset}")
+        want, expected = 1, []
+        for n in reversed(size):
+            expected.insert(0, want)
+            want *= n
+        if want and any(n > 1 and s != e for n, s, e in zip(size, stride, expected)):
+            raise pickle.UnpicklingError(f"a tensor of sizes {list(size)} with strides {list(stride)} (not contiguous)")
+        if int(offset) + want > storage.numel:
+            raise pickle.UnpicklingError(f"a tensor of sizes {list(size)} at offset {offset} runs past its storage "
+                                         f"of {storage.numel} elements")
+        return cls(storage, int(offset), size)
+
+    def read(self, start: int = 0, count: int | None = None) -> torch.Tensor:
+        """Elements ``start`` to ``start + count`` of the flattened tensor (all of them by default), as a new 1-D tensor."""
+        count = self.numel - start if count is None else count
+        if start < 0 or count < 0 or start + count > self.numel:
+            raise CheckpointCorruptError(f"{self.storage.where}: elements {start}..{start + count} of a tensor of "
+                                         f"{self.numel}")
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        buf = bytearray(count * itemsize)
+        if count:
+            self.storage.handle.readinto(buf, self.storage.start + (self.offset + start) * itemsize)
+        return torch.frombuffer(buf, dtype=self.dtype) if count else torch.empty(0, dtype=self.dtype)
+
+    def load(self) -> torch.Tensor:
+        """The whole tensor, in its shape."""
+        return self.read().view(self.shape)
+
+
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, archive: zipfile.ZipFile, prefix: str, budget: Budget) -> None:
+    def __init__(self, data: bytes, archive: zipfile.ZipFile, prefix: str, budget: Budget,
+                 standins: Any = None, handle: Any = None) -> None:
         super().__init__(io.BytesIO(data))
         self.archive, self.prefix, self.budget = archive, prefix, budget
+        self.standins, self.handle = standins, handle
         self.table = _allowed()
         self.placeholders: set[str] = set()
         self.classes: dict[str, type] = {}
@@ -170,7 +243,11 @@ class _Unpickler(pickle.Unpickler):
         if module == "torch" and name in _STORAGE_DTYPES:
             return _StorageType(_STORAGE_DTYPES[name])
         qualname = f"{module}.{name}"
-        if qualname.startswith(PLACEHOLDER_PREFIXES):
+        if (module, name) in (("torch", "Tensor"), ("torch.nn.parameter", "Parameter")):
+            return _TensorType
+        if (module, name) == ("torch._tensor", "_rebuild_from_type_v2"):
+            return _rebuild_from_type
+        if qualname in self.standins if self.standins is not None else qualname.startswith(PLACEHOLDER_PREFIXES):
             self.placeholders.add(qualname)
             return self.classes.setdefault(qualname, _placeholder_class(qualname))
         raise pickle.UnpicklingError(f"refusing to load the global {qualname} (not a plain data class)")
@@ -185,6 +262,8 @@ class _Unpickler(pickle.Unpickler):
             itemsize = torch.empty((), dtype=kind.dtype).element_size()
             if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
                 raise pickle.UnpicklingError(f"storage {key} claims {str(numel)[:40]} elements")
+            if self.handle is not None:
+                return self.storages.setdefault(key, self._lazy(key, kind.dtype, numel, itemsize))
             # the size is checked, and taken from the file's budget, before a byte is inflated
             raw = zip_member(self.archive, f"{self.prefix}data/{key}", self.budget, expect=numel * itemsize)
             self.storages[key] = torch.frombuffer(bytearray(raw), dtype=kind.dtype) if raw else \
@@ -192,25 +271,61 @@ class _Unpickler(pickle.Unpickler):
         return self.storages[key]
 
 
-def loads(data: bytes, where: object) -> tuple[Any, list[str]]:
+    def _lazy(self, key: str, dtype: torch.dtype, numel: int, itemsize: int) -> Any:
+        """Where storage ``key``'s bytes are in the file: a member stored as is, of the size its elements need."""
+        name = f"{self.prefix}data/{key}"
+        try:
+            info = self.archive.getinfo(name)
+        except KeyError:
+            raise pickle.UnpicklingError(f"the archive has no member {name!r}") from None
+        if info.compress_type != zipfile.ZIP_STORED or info.file_size != numel * itemsize:
+            raise pickle.UnpicklingError(f"member {name!r} holds {info.file_size} bytes (compression "
+                                         f"{info.compress_type}), expected {numel * itemsize} stored")
+        header = self.handle.read(info.header_offset, 30) if info.header_offset + 30 <= self.handle.size else b""
+        if len(header) != 30 or header[:4] != b"PK\x03\x04":
+            raise pickle.UnpicklingError(f"member {name!r} has no local header at {info.header_offset}")
+        start = info.header_offset + 30 + int.from_bytes(header[26:28], "little") + int.from_bytes(header[28:30], "little")
+        if start + info.file_size > self.handle.size:
+            raise pickle.UnpicklingError(f"member {name!r} runs past the end of the file")
+        return _LazyStorage(self.handle, start, dtype, numel, self.budget.where)
+
+
+def loads(data: bytes, where: object, *, standins: Any = None) -> tuple[Any, list[str]]:
     """The object in a ``torch.save`` archive held in ``data``, and the placeholder classes met in it.
 
     ``torch.save`` stores its members uncompressed, so all of them together never hold more bytes than the
     archive: a member that would inflate past that is refused before it is read."""
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as archive:
-            return _load_archive(archive, Budget(len(data), where))
+            return _load_archive(archive, Budget(len(data), where), standins)
     except zipfile.BadZipFile as exc:
         raise CheckpointCorruptError(f"{where}: not a torch.save archive ({exc}); files of the pre-1.6 "
                                      "format are not read") from exc
 
 
-def load(folder: Folder, rel: str, *, max_size: int) -> tuple[Any, list[str]]:
+def load(folder: Folder, rel: str, *, max_size: int, standins: Any = None) -> tuple[Any, list[str]]:
     """:func:`loads` of ``rel`` inside ``folder`` (a regular file of at most ``max_size`` bytes)."""
-    return loads(folder.read_bytes(rel, max_size=max_size), folder.display(rel))
+    return loads(folder.read_bytes(rel, max_size=max_size), folder.display(rel), standins=standins)
 
 
-def _load_archive(archive: zipfile.ZipFile, budget: Budget) -> tuple[Any, list[str]]:
+def open_lazy(folder: Folder, rel: str, *, standins: Any = None) -> tuple[Any, list[str], Any]:
+    """The object in the ``torch.save`` archive ``rel`` with :class:`LazyTensor` for its tensors, the placeholder
+    classes met, and the open handle the tensors read from (the caller closes it). Only the pickle is read now."""
+    where = folder.display(rel)
+    handle = folder.open(rel)
+    try:
+        with parsing(where, "not a torch.save archive"):
+            archive = zipfile.ZipFile(handle.stream())
+        with archive:
+            obj, placeholders = _load_archive(archive, Budget(MAX_PICKLE_BYTES, where), standins, handle)
+    except BaseException:
+        handle.close()
+        raise
+    return obj, placeholders, handle
+
+
+def _load_archive(archive: zipfile.ZipFile, budget: Budget, standins: Any = None,
+                  handle: Any = None) -> tuple[Any, list[str]]:
     where = budget.where
     names = archive.namelist()
     if len(names) > MAX_MEMBERS:
@@ -223,7 +338,7 @@ def _load_archive(archive: zipfile.ZipFile, budget: Budget) -> tuple[Any, list[s
         raise CheckpointCorruptError(f"{where}: data.pkl is {info.file_size} bytes")
     data = zip_member(archive, pickles[0], budget)
     check_pickle(data, f"{where}: {pickles[0]}")
-    unpickler = _Unpickler(data, archive, pickles[0][: -len("data.pkl")], budget)
+    unpickler = _Unpickler(data, archive, pickles[0][: -len("data.pkl")], budget, standins, handle)
     with parsing(where, also=(MemoryError,)):  # a length field claiming a terabyte fails its allocation
         obj = unpickler.load()
     return obj, sorted(unpickler.placeholders)

@@ -1,0 +1,112 @@
+"""The ``deepspeed`` format: DeepSpeed ZeRO (stages 1-3) and universal checkpoints, read without DeepSpeed.
+
+A source path may be a tag folder (``global_step3/``), a run folder (the tag its ``latest`` names, else the highest
+``global_stepN``), an HF Trainer ``checkpoint-N/`` holding one, or an output folder of those (:mod:`.layout`). The
+weights it gives are the fp32 master weights (not the 16-bit copies of a bf16 or fp16 run), one parameter at a time
+(:mod:`.zero`); :meth:`open_adam` gives Adam's moments and step the same way, :meth:`training_extras` the LR
+scheduler's state and the optimizer's hyper-parameters, so a restore continues the run. ``--to deepspeed-universal``
+(:mod:`.universal`) writes the other way.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..common import TensorInfo
+from ..registry import Format, Opened, WriteOptions, register
+from . import layout
+from .zero import MOMENTS, ZeroCheckpoint
+
+__all__ = ["DeepSpeedCheckpoint"]
+
+
+class _Source:
+    """One tensor kind of an open DeepSpeed checkpoint (fp32 masters, or an Adam moment), under the model's names."""
+
+    def __init__(self, ck: ZeroCheckpoint, what: str, owner: bool) -> None:
+        self.ck, self.what, self.owner, self.folder = ck, what, owner, ck.path
+
+    def index(self) -> dict[str, TensorInfo]:
+        index = self.ck.index()
+        return index if self.what == "fp32" else {n: index[n] for n in self.ck.shapes}
+
+    def read(self, key: str) -> torch.Tensor:
+        return self.ck.read(key, self.what)
+
+    def close(self) -> None:
+        if self.owner:
+            self.ck.close()
+
+
+def _extras_of(tag_dir: Path) -> Path | None:
+    """The folder with the model's ``config.json`` beside the checkpoint (an HF Trainer ``checkpoint-N/``)."""
+    for folder in (tag_dir, tag_dir.parent):
+        if (folder / "config.json").is_file():
+            return folder
+    return None
+
+
+class DeepSpeedCheckpoint(Format):
+    name = "deepspeed"
+    summary = "DeepSpeed ZeRO or universal checkpoint (fp32 master weights, Adam state)"
+    priority = 22  # before the HF bundle an HF Trainer writes beside its DeepSpeed checkpoint
+    resumes_runs = True
+
+    def detect(self, path: Path) -> bool:
+        return layout.is_run(path)
+
+    def open(self, path: Path) -> Opened:
+        tag_dir = layout.find_tag_dir(path)
+        ck = ZeroCheckpoint(tag_dir)
+        step = ck.global_steps if ck.global_steps is not None else layout.step_of(tag_dir) or 0
+        return Opened(self.name, _Source(ck, "fp32", True), _extras_of(tag_dir), step)
+
+    def open_adam(self, path: Path) -> tuple[float, dict[str, Any]] | None:
+        ck = ZeroCheckpoint(layout.find_tag_dir(path))
+        if not ck.has_moments():
+            ck.close()
+            return None
+        return ck.adam_step(), {m: _Source(ck, m, i == 0) for i, m in enumerate(MOMENTS)}
+
+    def training_extras(self, path: Path) -> dict[str, Any]:
+        ck = ZeroCheckpoint(layout.find_tag_dir(path))
+        try:
+            return {"lr_scheduler": ck.scheduler, "param_groups": ck.param_groups()}
+        finally:
+            ck.close()
+
+    def describe(self, path: Path) -> dict[str, Any]:
+        out = super().describe(path)
+        ck = ZeroCheckpoint(layout.find_tag_dir(path))
+        try:
+            out["deepspeed"] = {"checkpoint": str(ck.path), "zero_stage": ck.stage, "universal": ck.universal,
+                                "dp_world_size": ck.world, "global_steps": ck.global_steps,
+                                "adam_state": ck.has_moments(), "lr_scheduler": ck.scheduler is not None}
+        finally:
+            ck.close()
+        return out
+
+
+
+class DeepSpeedUniversal(DeepSpeedCheckpoint):
+    """``--to deepspeed-universal``: a universal folder DeepSpeed loads with ``load_universal`` on any number of
+    ranks (reading one is the ``deepspeed`` format's: it detects both kinds)."""
+
+    name = "deepspeed-universal"
+    summary = "DeepSpeed universal checkpoint folder (written for DeepSpeed's load_universal)"
+    priority = 23
+
+    def detect(self, path: Path) -> bool:
+        return False
+
+    def write(self, opened: Opened, source: Any, out: Path, options: WriteOptions) -> None:
+        from .universal import write_universal
+
+        write_universal(opened, source, out, options)
+
+
+register(DeepSpeedCheckpoint())
+register(DeepSpeedUniversal())

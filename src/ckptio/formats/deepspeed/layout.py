@@ -1,0 +1,109 @@
+"""Where a DeepSpeed checkpoint is, from names alone: a tag folder, a run folder, an HF Trainer output.
+
+``engine.save_checkpoint(dir)`` writes ``dir/<tag>/`` (``global_stepN`` by default) and a text file ``dir/latest``
+naming the tag; ``ds_to_universal`` writes ``<tag>_universal/`` and ``latest_universal``. The HF Trainer puts each
+DeepSpeed checkpoint inside its own ``checkpoint-N/``. A tag folder holds ``mp_rank_00_model_states.pt`` (stages
+0-2) or ``zero_pp_rank_R_mp_rank_00_model_states.pt`` (stage 3), with ``*_optim_states.pt`` per data-parallel rank,
+or a ``zero/`` folder of per-parameter files (universal).
+
+The newest checkpoint of a folder is the one ``latest`` names; without it, the highest ``global_stepN``. A
+``latest`` that names no tag folder of its own folder is an error naming it, never a silent fall back.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from ...errors import CheckpointCorruptError, CheckpointNotFoundError
+from ...storage.confined import Folder
+
+__all__ = ["is_tag_dir", "is_run", "find_tag_dir", "MODEL_FILES", "step_of"]
+
+MODEL_FILES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
+"""The model-states file of rank 0: stages 0-2 (and universal folders), stage 3."""
+POINTERS = ("latest", "latest_universal")
+_STEP = re.compile(r"global_step(\d+)(_universal)?")
+_HF = re.compile(r"checkpoint-(\d+)")
+_MAX_POINTER = 4096
+
+
+def is_tag_dir(path: Path) -> bool:
+    """Whether ``path`` is one DeepSpeed checkpoint (a tag folder), by the names of its files."""
+    try:
+        return path.is_dir() and any((path / name).is_file() for name in MODEL_FILES)
+    except OSError:
+        return False
+
+
+def _steps(path: Path) -> list[tuple[int, Path]]:
+    try:
+        entries = list(path.iterdir())
+    except OSError:
+        return []
+    out = []
+    for entry in entries:
+        m = _STEP.fullmatch(entry.name)
+        if m and is_tag_dir(entry):
+            out.append((int(m.group(1)) * 2 + (0 if m.group(2) else 1), entry))  # a tag before its universal copy
+    return sorted(out)
+
+
+def _hf_checkpoints(path: Path) -> list[tuple[int, Path]]:
+    try:
+        entries = list(path.iterdir())
+    except OSError:
+        return []
+    out = []
+    for entry in entries:
+        m = _HF.fullmatch(entry.name)
+        if m and entry.is_dir() and (any((entry / p).is_file() for p in POINTERS) or _steps(entry)):
+            out.append((int(m.group(1)), entry))
+    return sorted(out)
+
+
+def is_run(path: Path) -> bool:
+    """Whether ``path`` is, or holds, DeepSpeed checkpoints (names only: nothing is read)."""
+    if is_tag_dir(path):
+        return True
+    if not path.is_dir():
+        return False
+    if any((path / p).is_file() for p in POINTERS) and any(e.is_dir() for e in path.iterdir()):
+        return True
+    return bool(_steps(path) or _hf_checkpoints(path))
+
+
+def _pointer(path: Path, name: str) -> Path:
+    """The tag folder the pointer file ``name`` names, inside ``path``."""
+    folder = Folder(path)
+    tag = folder.read_text(name, max_size=_MAX_POINTER).strip()
+    if not tag or "/" in tag or "\\" in tag or tag in (".", "..") or "\0" in tag:
+        raise CheckpointCorruptError(f"{path / name}: names {tag[:80]!r}, not a checkpoint folder beside it")
+    if folder.kind(tag) != "dir" or not is_tag_dir(path / tag):
+        raise CheckpointCorruptError(f"{path / name}: names {tag!r}, but {path / tag} is not a DeepSpeed checkpoint "
+                                     f"(no {' or '.join(MODEL_FILES)})")
+    return path / tag
+
+
+def find_tag_dir(path: Path) -> Path:
+    """The DeepSpeed checkpoint ``path`` is or holds: itself, the tag ``latest`` names, else the highest
+    ``global_stepN``; in an HF Trainer output folder, that of the highest ``checkpoint-N``."""
+    if is_tag_dir(path):
+        return path
+    for name in POINTERS:
+        if (path / name).is_file():
+            return _pointer(path, name)
+    steps = _steps(path)
+    if steps:
+        return steps[-1][1]
+    hf = _hf_checkpoints(path)
+    if hf:
+        return find_tag_dir(hf[-1][1])
+    raise CheckpointNotFoundError(f"{path}: no DeepSpeed checkpoint (no {' or '.join(POINTERS)} file, global_stepN "
+                                  "folder or checkpoint-N folder holding one)")
+
+
+def step_of(tag_dir: Path) -> int | None:
+    """The step a tag folder's name says (``global_step3`` → 3), else ``None``."""
+    m = _STEP.fullmatch(tag_dir.name)
+    return int(m.group(1)) if m else None

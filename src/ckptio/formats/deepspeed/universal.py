@@ -1,0 +1,131 @@
+"""``--to deepspeed-universal``: a DeepSpeed universal folder from a ckptio checkpoint, for DeepSpeed's
+``load_universal`` on any number of ranks and any ZeRO stage.
+
+Written (the run folder ``OUT/`` is what ``engine.load_checkpoint(OUT)`` takes with ``"checkpoint":
+{"load_universal": true}`` in the DeepSpeed config)::
+
+    OUT/latest_universal                          the tag: global_stepN_universal
+    OUT/global_stepN_universal/
+        mp_rank_00_model_states.pt                the step, the LR scheduler, param_shapes, the weights
+        zero_pp_rank_0_mp_rank_00_model_states.pt the same (the name a stage-3 engine reads)
+        zero/optimizer_state.pt                   the optimizer's hyper-parameters and step
+        zero/<param>/fp32.pt, exp_avg.pt, exp_avg_sq.pt, step.pt
+
+Each parameter's tensors are written as soon as they are read (one parameter in memory at a time); the folder is
+written under a temporary name and renamed into place when whole. Only plain containers and tensors are pickled
+(``torch.load(weights_only=True)`` reads every file).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...errors import CheckpointError
+from ..registry import Opened, WriteOptions
+from .zero import MOMENTS
+
+__all__ = ["write_universal", "DS_VERSION"]
+
+DS_VERSION = "0.19.0"
+"""The DeepSpeed version the files say they follow (DeepSpeed checks the stage-1 layout against it)."""
+
+
+def _optimizer_of(opened: Opened) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]], Any]:
+    """The source's Adam state per parameter name, hyper-parameters per name, and LR scheduler state."""
+    if opened.step_dir is None:
+        raise CheckpointError("--to deepspeed-universal needs a ckptio checkpoint (a step directory) as the source: "
+                              "a universal folder carries the optimizer state DeepSpeed resumes with")
+    from ...engine.manifest import read_manifest
+    from ...storage.confined import Folder
+    from .. import pt as pt_format
+    from .. import registry
+
+    manifest = read_manifest(opened.step_dir)
+    entry = manifest.states.get("optim")
+    if entry is None:
+        raise CheckpointError(f"{opened.step_dir}: holds no optimizer state; DeepSpeed's load_universal needs one")
+    flat = registry.get(entry.format).read_state(Folder(opened.step_dir).sub(entry.path))
+    state: dict[str, dict[str, Any]] = collections.defaultdict(dict)
+    hyper: dict[str, dict[str, Any]] = collections.defaultdict(dict)
+    for key, value in flat.items():
+        for head, into in (("optim.state.", state), ("optim.param_groups.", hyper)):
+            if key.startswith(head) and "." in key[len(head):]:
+                fqn, name = key[len(head):].rsplit(".", 1)
+                into[fqn][name] = value
+    missing = [f for f in hyper if not all(m in state.get(f, {}) for m in MOMENTS)]
+    if not state or missing:
+        raise CheckpointError(f"{opened.step_dir}: the optimizer is not Adam/AdamW with state for every parameter "
+                              f"(no exp_avg/exp_avg_sq for {missing[:3]}); a universal folder holds Adam's moments")
+    sched = manifest.states.get("lr_scheduler")
+    scheduler = None if sched is None or sched.per_rank else pt_format.load_from(Folder(opened.step_dir), sched.path)
+    return dict(state), dict(hyper), scheduler
+
+
+def _groups(hyper: dict[str, dict[str, Any]], names: list[str]) -> list[dict[str, Any]]:
+    groups: list[dict[str, Any]] = []
+    seen: dict[str, int] = {}
+    for i, name in enumerate(names):
+        values = {k: v for k, v in hyper[name].items() if k != "params"}
+        sig = repr(sorted(values.items()))
+        if sig not in seen:
+            seen[sig] = len(groups)
+            groups.append({**values, "params": []})
+        groups[seen[sig]]["params"].append(i)
+    return groups
+
+
+def _step(value: Any) -> float:
+    return float(value.item() if isinstance(value, torch.Tensor) else value)
+
+
+def write_universal(opened: Opened, source: Any, out: Path, options: WriteOptions) -> None:
+    """Write ``OUT`` as described in the module's docstring (``out`` must not exist)."""
+    state, hyper, scheduler = _optimizer_of(opened)
+    index = source.index()
+    params = [n for n in index if n in state]
+    tag = f"global_step{opened.step}_universal"
+    tmp = out.with_name(f".tmp-{out.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    zero = tmp / tag / "zero"
+    zero.mkdir(parents=True)
+    try:
+        module: dict[str, torch.Tensor] = collections.OrderedDict()
+        shapes: dict[str, torch.Size] = collections.OrderedDict()
+        for name in index:
+            tensor = source.read(name)
+            module[name] = tensor
+            if name not in state:
+                continue
+            shapes[name] = tensor.shape
+            folder = zero / name
+            folder.mkdir()
+            values = {"fp32": tensor, **{m: state[name][m] for m in MOMENTS}}
+            for what, value in values.items():
+                value = value.detach().to(torch.float32).reshape(tensor.shape).contiguous()
+                torch.save({"param": value, "cat_dim": 0}, folder / f"{what}.pt")
+            torch.save(torch.tensor(_step(state[name]["step"])), folder / "step.pt")
+            if options.progress is not None:
+                options.progress(tensor.numel() * tensor.element_size())
+        groups = _groups(hyper, params)
+        step = torch.tensor(_step(state[params[0]]["step"])) if params else torch.tensor(0.0)
+        torch.save({"param_groups": groups, "ds_version": DS_VERSION,
+                    "optimizer_state_dict": {"state": {0: {"step": step}}, "param_groups": groups}},
+                   zero / "optimizer_state.pt")
+        meta = {"module": module, "buffer_names": [n for n in index if n not in state], "optimizer": None,
+                "param_shapes": [shapes], "frozen_param_shapes": collections.OrderedDict(), "shared_params": {},
+                "frozen_param_fragments": collections.OrderedDict(), "lr_scheduler": scheduler, "data_sampler": None,
+                "random_ltd": None, "skipped_steps": 0, "global_steps": opened.step, "global_samples": 0,
+                "dp_world_size": 1, "mp_world_size": 1, "ds_version": DS_VERSION}
+        torch.save(meta, tmp / tag / "mp_rank_00_model_states.pt")
+        os.link(tmp / tag / "mp_rank_00_model_states.pt", tmp / tag / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+        (tmp / "latest_universal").write_text(tag)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

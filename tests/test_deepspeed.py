@@ -1,0 +1,260 @@
+"""DeepSpeed checkpoints in and out, against the real DeepSpeed (0.19, CPU, gloo, under torchrun).
+
+The fixtures train tiny models with DeepSpeed (``tests/ds_run.py``) and convert their checkpoints with DeepSpeed's own
+``ds_to_universal``: its per-parameter files are the reference every value ckptio reads is compared with, bitwise.
+ckptio reads without DeepSpeed (a subprocess that cannot import it), resumes on 1 and 2 ranks (FSDP2), converts to
+Hugging Face (``transformers`` loads it, logits equal) and writes universal folders that DeepSpeed loads and trains
+on."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+pytest.importorskip("deepspeed", reason="test-only dependency: pip install --no-build-isolation deepspeed")
+
+from distributed import launch, run_ranks  # noqa: E402
+
+pytestmark = pytest.mark.slow
+HERE = Path(__file__).resolve().parent
+ENV = {"DS_ACCELERATOR": "cpu"}
+
+
+def _ds(out: Path, *args: str, ranks: int = 2) -> None:
+    r = launch(str(HERE / "ds_run.py"), str(out), *args, ranks=ranks, real=True, env=ENV, timeout=300)
+    assert r.returncode == 0, f"DeepSpeed run failed:\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
+
+
+def _universal(tag_dir: Path) -> Path:
+    out = tag_dir.with_name(tag_dir.name + "_universal")
+    r = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag_dir),
+                        "--output_folder", str(out), "--inject_missing_state"], capture_output=True, text=True,
+                       env={**os.environ, **ENV}, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return out
+
+
+def _atomic(universal: Path, name: str, what: str) -> torch.Tensor:
+    """DeepSpeed's own value of ``what`` for parameter ``name`` (its universal folder's file)."""
+    obj = torch.load(universal / "zero" / name / f"{what}.pt", weights_only=False)
+    return obj["param"] if isinstance(obj, dict) else obj
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """zero2: ZeRO-2 on 2 ranks (fp32), saved at steps 3 and 4; zero3: ZeRO-3 on 2 ranks in bf16, a Llama saved as
+    the HF Trainer does (``checkpoint-3/``); zero1: ZeRO-1 on 1 rank. Each with DeepSpeed's universal folder of step 3."""
+    root = tmp_path_factory.mktemp("ds")
+    out = {"zero2": root / "zero2", "zero3": root / "zero3", "zero1": root / "zero1"}
+    _ds(out["zero2"], "--stage", "2", "--more", "1")
+    _ds(out["zero3"], "--stage", "3", "--bf16", "--model", "llama", "--hf")
+    _ds(out["zero1"], "--stage", "1", ranks=1)
+    tags = {"zero2": out["zero2"] / "global_step3", "zero3": out["zero3"] / "checkpoint-3" / "global_step3",
+            "zero1": out["zero1"] / "global_step3"}
+    return {k: (out[k], tags[k], _universal(tags[k])) for k in out}
+
+
+MOMENTS = ("fp32", "exp_avg", "exp_avg_sq")
+
+
+@pytest.mark.parametrize("kind", ["zero1", "zero2", "zero3"])
+def test_masters_and_moments_equal_deepspeeds_own_bitwise(runs, kind):
+    from ckptio.formats.deepspeed.zero import ZeroCheckpoint
+
+    _, tag, universal = runs[kind]
+    ck, back = ZeroCheckpoint(tag), ZeroCheckpoint(universal)
+    try:
+        assert ck.stage == int(kind[-1]) and back.universal and ck.has_moments()
+        assert ck.adam_step() == back.adam_step() == 3.0
+        for name in ck.shapes:
+            for what in MOMENTS:
+                got, want = ck.read(name, what), _atomic(universal, name, what)
+                assert got.dtype == torch.float32 and torch.equal(got.flatten(), want.flatten()), (name, what)
+                assert torch.equal(back.read(name, what), got)  # ckptio reads the universal folder alike
+    finally:
+        ck.close()
+        back.close()
+
+
+def test_read_without_deepspeed_installed(runs):
+    """A process in which ``import deepspeed`` fails reads every kind; no DeepSpeed module is ever imported."""
+    code = ("import sys; sys.modules['deepspeed'] = None\n"
+            "from ckptio.formats import registry\n"
+            "for path in sys.argv[1:]:\n"
+            "    o = registry.detect(path).open(__import__('pathlib').Path(path))\n"
+            "    [o.source.read(k) for k in o.source.index()]; o.close()\n"
+            "assert not [m for m in sys.modules if m.startswith('deepspeed') and sys.modules[m] is not None]\n"
+            "print('ok')")
+    paths = [str(runs[k][0]) for k in runs] + [str(runs["zero2"][2])]
+    r = subprocess.run([sys.executable, "-c", code, *paths], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+def _toy_manager(checkpoint_dir, **kw):
+    from toy import TinyLM
+
+    from ckptio import CheckpointConfig, CheckpointManager
+
+    torch.manual_seed(5)
+    model = TinyLM()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+    manager = CheckpointManager(CheckpointConfig(checkpoint_dir=str(checkpoint_dir), **kw), model=model,
+                                optimizer=opt, lr_scheduler=sched)
+    return manager, model, opt, sched
+
+
+def _full(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _resume_and_compare(run_dir: str, universal: str, restore_from: str | None, train_step: bool, next_tag: str | None):
+    """On every rank: resume a plain model and AdamW from a DeepSpeed folder; compare with DeepSpeed's values; with
+    ``train_step``, take the step DeepSpeed took next (its batches, per rank) and compare with DeepSpeed's next save."""
+    import tempfile
+
+    from ds_run import batch
+
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    manager, model, opt, sched = _toy_manager(run_dir if restore_from is None else tempfile.mkdtemp())
+    info = manager.restore(restore_from)
+    u = Path(universal)
+    assert info.counters["source_format"] == "deepspeed" and info.counters["optimizer_restored"]
+    assert info.counters["scheduler_restored"] and sched.last_epoch == info.step
+    bad = []
+    for name, p in model.named_parameters():
+        state = opt.state[p]
+        for what, value in (("fp32", p), ("exp_avg", state["exp_avg"]), ("exp_avg_sq", state["exp_avg_sq"])):
+            if not torch.equal(_full(value.detach()).flatten(), _atomic(u, name, what).flatten()):
+                bad.append((name, what))
+        assert float(state["step"]) == float(torch.load(u / "zero" / name / "step.pt"))
+    assert not bad, bad
+    assert opt.param_groups[0]["lr"] == 0.01 * 0.5 ** (info.step // 2)  # StepLR(2, 0.5), as DeepSpeed had it
+    if train_step:
+        x = batch(rank, info.step)
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        from ckptio.formats.deepspeed.zero import ZeroCheckpoint
+
+        ck = ZeroCheckpoint(Path(next_tag))
+        worst = max(float((_full(p.detach()) - ck.read(n)).abs().max()) for n, p in model.named_parameters())
+        ck.close()
+        assert worst < 1e-6, worst
+    manager.close()
+    return info.step
+
+
+def test_auto_resume_finds_latest_and_continues_on_one_process(runs):
+    """2 -> 1: the folder DeepSpeed saved into is the checkpoint_dir; ``latest`` names global_step4."""
+    run_dir, tag, _ = runs["zero2"]
+    four = _universal(run_dir / "global_step4")
+    assert run_ranks(1, _resume_and_compare, run_dir=str(run_dir), universal=str(four), restore_from=None,
+                     train_step=False, next_tag=None) == [4]
+
+
+def test_resume_on_two_ranks_continues_as_deepspeed_did(runs):
+    """2 -> 2 under FSDP2, from global_step3: the values equal DeepSpeed's, and the next step lands where DeepSpeed's
+    own step 4 did."""
+    run_dir, tag, universal = runs["zero2"]
+    assert run_ranks(2, _resume_and_compare, run_dir=str(run_dir), universal=str(universal), restore_from=str(tag),
+                     train_step=True, next_tag=str(run_dir / "global_step4")) == [3, 3]
+
+
+def test_one_rank_run_resumes_on_two_ranks(runs):
+    """1 -> 2: ZeRO-1 on one rank, resumed under FSDP2 on two."""
+    run_dir, tag, universal = runs["zero1"]
+    assert run_ranks(2, _resume_and_compare, run_dir=str(run_dir), universal=str(universal), restore_from=None,
+                     train_step=False, next_tag=None) == [3, 3]
+
+
+def test_hf_trainer_folder_converts_to_a_bundle_transformers_loads(runs, tmp_path):
+    """ZeRO-3 in bf16 inside ``checkpoint-3/``: the bundle holds the fp32 masters cast to bf16; logits equal."""
+    from transformers import AutoModelForCausalLM
+
+    from ckptio.cli import main
+
+    run_dir, tag, _ = runs["zero3"]
+    assert main(["convert", str(run_dir), str(tmp_path / "hf"), "--to", "hf", "--dtype", "bf16"]) == 0
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "model-00001-of-00001.safetensors",
+                                                                   "model.safetensors.index.json"]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.arange(16).view(1, 16) % 64).logits.float()
+    assert torch.equal(logits, torch.load(run_dir / "logits.pt"))
+
+
+def _restore_llama(run_dir: str, universal: str):
+    from toy import make_model
+
+    from ckptio import CheckpointConfig, CheckpointManager
+
+    model = make_model(attention_dropout=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    import tempfile
+
+    manager = CheckpointManager(CheckpointConfig(checkpoint_dir=tempfile.mkdtemp()), model=model, optimizer=opt)
+    info = manager.restore(run_dir)
+    u = Path(universal)
+    for name, p in model.named_parameters():
+        assert torch.equal(_full(p.detach()).flatten(), _atomic(u, name, "fp32").flatten()), name
+        assert torch.equal(_full(opt.state[p]["exp_avg_sq"]).flatten(), _atomic(u, name, "exp_avg_sq").flatten())
+    manager.close()
+    return info.step
+
+
+def test_zero3_bf16_masters_resume_under_fsdp2(runs):
+    run_dir, _, universal = runs["zero3"]
+    assert run_ranks(2, _restore_llama, run_dir=str(run_dir), universal=str(universal)) == [3, 3]
+
+
+def _to_ckptio(run_dir: str, out: str) -> float:
+    """Resume from DeepSpeed and save a ckptio checkpoint; the loss of the next batch, for DeepSpeed to match."""
+    from ds_run import batch
+
+    manager, model, opt, sched = _toy_manager(out)
+    info = manager.restore(run_dir)
+    manager.save(step=info.step)
+    manager.close()
+    x = batch(0, info.step)
+    with torch.no_grad():
+        return float(model(input_ids=x, labels=x).loss)
+
+
+@pytest.mark.parametrize("ranks,stage", [(1, 2), (2, 3)])
+def test_a_ckptio_checkpoint_goes_back_to_deepspeed_and_trains_on(runs, tmp_path, ranks, stage):
+    from ckptio.cli import main
+    from ckptio.formats.deepspeed.zero import ZeroCheckpoint
+
+    run_dir, tag, universal = runs["zero2"]
+    loss = run_ranks(1, _to_ckptio, run_dir=str(tag), out=str(tmp_path / "ck"))[0]
+    step = next(p for p in (tmp_path / "ck").iterdir() if p.name.startswith("epoch"))
+    assert main(["convert", str(step), str(tmp_path / "uni"), "--to", "deepspeed-universal"]) == 0
+    back = ZeroCheckpoint(tmp_path / "uni" / "global_step3_universal")
+    try:  # what was written is DeepSpeed's state of step 3, read back bitwise
+        for name in back.shapes:
+            for what in MOMENTS:
+                assert torch.equal(back.read(name, what).flatten(), _atomic(universal, name, what).flatten())
+    finally:
+        back.close()
+    _ds(tmp_path / "run", "--stage", str(stage), "--load", str(tmp_path / "uni"), "--steps", "2", ranks=ranks)
+    loaded = torch.load(tmp_path / "run" / "loaded.pt")
+    assert loaded["first"] == 3 and loaded["lr"] == 0.0025  # the step and scheduler went through
+    assert abs(loaded["losses"][0] - loss) < 1e-5 and loaded["losses"][1] < loaded["losses"][0]
