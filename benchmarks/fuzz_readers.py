@@ -450,11 +450,12 @@ FAMILIES: dict[str, Callable[[random.Random, Path], None]] = {
 
 
 def _all_families() -> dict[str, Callable[[random.Random, Path], None]]:
+    from fuzz_deepspeed import FAMILIES as DEEPSPEED
     from fuzz_frameworks import FAMILIES as FRAMEWORKS
     from fuzz_record import fuzz_record
     from fuzz_steps import FAMILIES as STEPS
 
-    return {**FAMILIES, **FRAMEWORKS, **STEPS, "record": fuzz_record}
+    return {**FAMILIES, **FRAMEWORKS, **STEPS, **DEEPSPEED, "record": fuzz_record}
 
 
 def run(families: list[str], inputs: int, seed: int, verbose: bool = True, *, timeout: float = TIMEOUT_S,

@@ -244,7 +244,7 @@ def test_the_map_comes_first_and_names_every_folder():
 # The shared pieces every folder may import (docs/architecture.md says which), then what the map allows each folder.
 SHARED = {"ckptio", "ckptio.errors", "ckptio._dist", "ckptio._faults", "ckptio._log", "ckptio._memory", "ckptio._progress",
           "ckptio.engine.manifest", "ckptio.engine.plan"}
-FAMILIES = {"formats/dcp/", "formats/safetensors/", "formats/megatron/", "formats/nemo/"}
+FAMILIES = {"formats/dcp/", "formats/safetensors/", "formats/megatron/", "formats/nemo/", "formats/deepspeed/"}
 ALLOWED = {
     "engine/": {"ckptio.config", "state/", "formats/", *FAMILIES, "storage/", "adopt/"},
     "state/": {"formats/"},
@@ -252,6 +252,7 @@ ALLOWED = {
     "formats/dcp/": {"formats/", "formats/safetensors/", "storage/"},
     "formats/safetensors/": {"formats/", "formats/dcp/", "storage/"},
     "formats/megatron/": {"formats/", "formats/dcp/", "storage/"},
+    "formats/deepspeed/": {"formats/", "formats/megatron/", "storage/"},
     "formats/nemo/": {"formats/", *FAMILIES, "state/", "storage/"},
     "storage/": {"storage/s3/"},
     "storage/s3/": {"storage/"},

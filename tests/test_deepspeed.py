@@ -8,6 +8,7 @@ on."""
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -258,3 +259,125 @@ def test_a_ckptio_checkpoint_goes_back_to_deepspeed_and_trains_on(runs, tmp_path
     loaded = torch.load(tmp_path / "run" / "loaded.pt")
     assert loaded["first"] == 3 and loaded["lr"] == 0.0025  # the step and scheduler went through
     assert abs(loaded["losses"][0] - loss) < 1e-5 and loaded["losses"][1] < loaded["losses"][0]
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+def _copy(runs, kind, tmp_path) -> Path:
+    import shutil
+
+    out = tmp_path / kind
+    shutil.copytree(runs[kind][0], out)
+    return out
+
+
+def _open_all(path: Path) -> None:
+    from ckptio.formats import registry
+
+    fmt = registry.detect(path)
+    opened = fmt.open(path)
+    try:
+        for key in opened.source.index():
+            opened.source.read(key)
+    finally:
+        opened.close()
+    _, moments = fmt.open_adam(path)
+    try:
+        for source in moments.values():
+            for key in source.index():
+                source.read(key)
+    finally:
+        for source in moments.values():
+            source.close()
+
+
+def test_a_missing_rank_file_is_named(runs, tmp_path):
+    from ckptio import CheckpointCorruptError
+
+    run = _copy(runs, "zero2", tmp_path)
+    (run / "global_step4" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    with pytest.raises(CheckpointCorruptError, match=r"zero_pp_rank_1_mp_rank_00_optim_states\.pt: missing"):
+        _open_all(run)
+
+
+def test_partitions_that_disagree_with_param_shapes_are_refused(runs, tmp_path):
+    from ckptio import CheckpointCorruptError
+
+    run = _copy(runs, "zero2", tmp_path)
+    rel = run / "global_step4" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    obj = torch.load(rel, weights_only=False)  # the test's own fixture, written by DeepSpeed just now
+    flat = obj["optimizer_state_dict"]["single_partition_of_fp32_groups"]
+    flat[0] = flat[0][:-8].clone()
+    torch.save(obj, rel)
+    with pytest.raises(CheckpointCorruptError, match=r"optim_states\.pt: the fp32 partitions of group 0 hold"):
+        _open_all(run)
+
+
+def test_a_pickle_naming_an_unknown_class_is_refused_by_name(runs, tmp_path):
+    import pickle
+    import zipfile
+
+    from ckptio import CheckpointCorruptError
+
+    run = _copy(runs, "zero2", tmp_path)
+    rel = run / "global_step4" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    with zipfile.ZipFile(rel) as z:
+        members = {n: z.read(n) for n in z.namelist()}
+    name = next(n for n in members if n.endswith("/data.pkl"))
+    marker = tmp_path / "ran"
+    members[name] = b"\x80\x02cdeepspeed.runtime.engine\nDeepSpeedEngine\n(V" + str(marker).encode() + b"\ntR."
+    with zipfile.ZipFile(rel, "w") as z:
+        for n, data in members.items():
+            z.writestr(n, data)
+    with pytest.raises(CheckpointCorruptError, match=r"optim_states\.pt.*deepspeed\.runtime\.engine\.DeepSpeedEngine"):
+        _open_all(run)
+    assert not marker.exists()
+    assert pickle  # the refusal comes from the gate, before anything is built
+
+
+def test_a_truncated_file_and_a_flipped_tensor_byte_are_named(runs, tmp_path):
+    from ckptio import CheckpointCorruptError
+
+    run = _copy(runs, "zero2", tmp_path)
+    rel = run / "global_step4" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    data = rel.read_bytes()
+    rel.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointCorruptError, match=r"zero_pp_rank_1_mp_rank_00_optim_states\.pt"):
+        _open_all(run)
+    import zipfile
+
+    with zipfile.ZipFile(io.BytesIO(data)) as z:  # inside the largest storage's bytes
+        info = max(z.infolist(), key=lambda i: i.file_size)
+    head = info.header_offset
+    at = head + 30 + int.from_bytes(data[head + 26:head + 28], "little") + \
+        int.from_bytes(data[head + 28:head + 30], "little") + info.file_size // 2
+    rel.write_bytes(data[:at] + bytes([data[at] ^ 1]) + data[at + 1:])
+    with pytest.raises(CheckpointCorruptError, match=r"optim_states\.pt: member .* CRC-32"):
+        _open_all(run)
+
+
+def test_a_latest_naming_no_checkpoint_and_unreadable_kinds_are_named(runs, tmp_path):
+    from ckptio import CheckpointCorruptError, NoUsableCheckpointError
+
+    run = _copy(runs, "zero2", tmp_path)
+    (run / "latest").write_text("global_step9")
+    with pytest.raises(CheckpointCorruptError, match=r"latest: names 'global_step9'"):
+        _toy_manager(run)[0].restore()
+    other = tmp_path / "orbax"
+    (other / "step_100").mkdir(parents=True)
+    (other / "step_100" / "_CHECKPOINT_METADATA").write_text("{}")
+    with pytest.raises(NoUsableCheckpointError, match=r"Orbax.*does not start from scratch"):
+        _toy_manager(other)[0].restore()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert _toy_manager(empty)[0].restore() is None  # an empty folder still starts fresh
+
+
+def test_fuzz_family_smoke(runs):
+    """A CI-sized run of the DeepSpeed fuzz family (the long run: ``fuzz_readers.py --family deepspeed``)."""
+    sys.path.insert(0, str(HERE.parent / "benchmarks"))
+    import fuzz_readers
+
+    tally = fuzz_readers.run(["deepspeed"], inputs=150, seed=3, verbose=True)["deepspeed"]
+    failures = "\n".join(f"input {i}: {d} <- {'; '.join(n)}" for i, d, n in tally["failures"])
+    assert tally["other"] == 0 and tally["harness"] == 0, failures
+    assert tally["clean"] > 0 and tally["ok"] + tally["clean"] == 150

@@ -50,6 +50,8 @@ def _extras_of(tag_dir: Path) -> Path | None:
 
 
 class DeepSpeedCheckpoint(Format):
+    """A DeepSpeed run folder, tag folder or HF Trainer ``checkpoint-N/`` holding one: read, never written."""
+
     name = "deepspeed"
     summary = "DeepSpeed ZeRO or universal checkpoint (fp32 master weights, Adam state)"
     priority = 22  # before the HF bundle an HF Trainer writes beside its DeepSpeed checkpoint
@@ -96,11 +98,11 @@ class DeepSpeedUniversal(DeepSpeedCheckpoint):
     ranks (reading one is the ``deepspeed`` format's: it detects both kinds)."""
 
     name = "deepspeed-universal"
-    summary = "DeepSpeed universal checkpoint folder (written for DeepSpeed's load_universal)"
-    priority = 23
+    summary = "DeepSpeed universal checkpoint folder (per-parameter files DeepSpeed loads on any number of ranks)"
+    priority = 21
 
     def detect(self, path: Path) -> bool:
-        return False
+        return layout.is_universal(path)
 
     def write(self, opened: Opened, source: Any, out: Path, options: WriteOptions) -> None:
         from .universal import write_universal

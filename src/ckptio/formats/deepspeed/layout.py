@@ -18,7 +18,7 @@ from pathlib import Path
 from ...errors import CheckpointCorruptError, CheckpointNotFoundError
 from ...storage.confined import Folder
 
-__all__ = ["is_tag_dir", "is_run", "find_tag_dir", "MODEL_FILES", "step_of"]
+__all__ = ["is_tag_dir", "is_run", "is_universal", "find_tag_dir", "MODEL_FILES", "step_of"]
 
 MODEL_FILES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
 """The model-states file of rank 0: stages 0-2 (and universal folders), stage 3."""
@@ -71,6 +71,13 @@ def is_run(path: Path) -> bool:
     if any((path / p).is_file() for p in POINTERS) and any(e.is_dir() for e in path.iterdir()):
         return True
     return bool(_steps(path) or _hf_checkpoints(path))
+
+
+def is_universal(path: Path) -> bool:
+    """Whether ``path`` is a universal folder or a run folder whose newest checkpoint is one (names only)."""
+    if is_tag_dir(path):
+        return (path / "zero").is_dir() and not any(path.glob("*optim_states.pt"))
+    return path.is_dir() and (path / "latest_universal").is_file() and not (path / "latest").is_file()
 
 
 def _pointer(path: Path, name: str) -> Path:

@@ -36,11 +36,23 @@ DS_VERSION = "0.19.0"
 """The DeepSpeed version the files say they follow (DeepSpeed checks the stage-1 layout against it)."""
 
 
-def _optimizer_of(opened: Opened) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]], Any]:
+def _fresh(index: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]], Any]:
+    """Adam as a new optimizer starts (zero moments, step 0) for every floating-point tensor: a source without an
+    optimizer (a Hugging Face folder) becomes a universal folder DeepSpeed starts training from."""
+    import logging
+
+    logging.getLogger("ckptio").warning("the source holds no optimizer state: the universal folder starts Adam "
+                                        "fresh (zero moments, step 0)")
+    state = {n: {"exp_avg": None, "exp_avg_sq": None, "step": 0.0} for n, info in index.items()
+             if info.dtype.startswith(("float", "bfloat"))}
+    return state, {n: {} for n in state}, None
+
+
+def _optimizer_of(opened: Opened, index: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]],
+                                                                  Any]:
     """The source's Adam state per parameter name, hyper-parameters per name, and LR scheduler state."""
     if opened.step_dir is None:
-        raise CheckpointError("--to deepspeed-universal needs a ckptio checkpoint (a step directory) as the source: "
-                              "a universal folder carries the optimizer state DeepSpeed resumes with")
+        return _fresh(index)
     from ...engine.manifest import read_manifest
     from ...storage.confined import Folder
     from .. import pt as pt_format
@@ -49,7 +61,7 @@ def _optimizer_of(opened: Opened) -> tuple[dict[str, dict[str, Any]], dict[str, 
     manifest = read_manifest(opened.step_dir)
     entry = manifest.states.get("optim")
     if entry is None:
-        raise CheckpointError(f"{opened.step_dir}: holds no optimizer state; DeepSpeed's load_universal needs one")
+        return _fresh(index)
     flat = registry.get(entry.format).read_state(Folder(opened.step_dir).sub(entry.path))
     state: dict[str, dict[str, Any]] = collections.defaultdict(dict)
     hyper: dict[str, dict[str, Any]] = collections.defaultdict(dict)
@@ -86,8 +98,8 @@ def _step(value: Any) -> float:
 
 def write_universal(opened: Opened, source: Any, out: Path, options: WriteOptions) -> None:
     """Write ``OUT`` as described in the module's docstring (``out`` must not exist)."""
-    state, hyper, scheduler = _optimizer_of(opened)
     index = source.index()
+    state, hyper, scheduler = _optimizer_of(opened, index)
     params = [n for n in index if n in state]
     tag = f"global_step{opened.step}_universal"
     tmp = out.with_name(f".tmp-{out.name}")
@@ -107,6 +119,7 @@ def write_universal(opened: Opened, source: Any, out: Path, options: WriteOption
             folder.mkdir()
             values = {"fp32": tensor, **{m: state[name][m] for m in MOMENTS}}
             for what, value in values.items():
+                value = torch.zeros_like(tensor) if value is None else value
                 value = value.detach().to(torch.float32).reshape(tensor.shape).contiguous()
                 torch.save({"param": value, "cat_dim": 0}, folder / f"{what}.pt")
             torch.save(torch.tensor(_step(state[name]["step"])), folder / "step.pt")

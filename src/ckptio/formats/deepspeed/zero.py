@@ -157,7 +157,7 @@ class ZeroCheckpoint:
             self.optim.append((_get(obj, "optimizer_state_dict", dict, where), where))
         self.stage = self._stage()
         with parsing(self.path):
-            (self._layout_zero3 if self.stage == 3 else self._layout_zero12)()
+            (_layout_zero3 if self.stage == 3 else _layout_zero12)(self)
 
     def _read_meta(self, meta: Any, where: object) -> None:
         shapes = _get(meta, "param_shapes", (list, dict), where)
@@ -205,82 +205,6 @@ class ZeroCheckpoint:
         if stage not in (1, 2, 3):
             raise CheckpointCorruptError(f"{where}: ZeRO stage {stage!r} (ckptio reads stages 1, 2 and 3)")
         return stage
-
-    def _layout_zero12(self) -> None:
-        """Stages 1-2: the offset of each parameter in its group's flat vector, the ranks' partitions end to end."""
-        self.flats: dict[str, list[_Flat]] = {"fp32": [], **{m: [] for m in MOMENTS}}
-        self.where: dict[str, tuple[int, int]] = {}
-        last, last_where = self.optim[-1]
-        for g, group in enumerate(self.groups):
-            parts = []
-            for osd, where in self.optim:
-                flats = _get(osd, "single_partition_of_fp32_groups", list, where)
-                if g >= len(flats):
-                    raise CheckpointCorruptError(f"{where}: {len(flats)} partitions, param_shapes has {len(self.groups)} groups")
-                parts.append(_lazy(flats[g], where, f"the fp32 partition of group {g}"))
-            sizes = {p.numel for p in parts}
-            need = sum(math.prod(s) for s in group.values())
-            pads = last.get("group_paddings")
-            pad = pads[g] if isinstance(pads, list) and g < len(pads) and type(pads[g]) is int else 0
-            if len(sizes) != 1 or need + pad != sum(p.numel for p in parts):
-                raise CheckpointCorruptError(
-                    f"{last_where}: the fp32 partitions of group {g} hold {sorted(p.numel for p in parts)} elements on "
-                    f"the {self.world} ranks; param_shapes needs {need} (+{pad} padding) in equal parts")
-            self.flats["fp32"].append(_Flat(parts))
-            offset = 0
-            for name, shape in group.items():
-                self.where[name] = (g, offset)
-                offset += math.prod(shape)
-            for m in MOMENTS:
-                self.flats[m].append(self._moment_flat(g, m, [p.numel for p in parts]))
-
-    def _moment_flat(self, g: int, moment: str, sizes: list[int]) -> Any:
-        parts = []
-        for (osd, where), size in zip(self.optim, sizes):
-            state = osd.get("base_optimizer_state", {})
-            state = state.get("state", state) if isinstance(state, dict) else state
-            entry = state[g] if isinstance(state, (dict, list)) and (g in state if isinstance(state, dict) else g < len(state)) else None
-            if not isinstance(entry, dict) or moment not in entry:
-                return None  # not Adam, or no optimizer state saved
-            part = _lazy(entry[moment], where, f"{moment} of group {g}")
-            if part.numel != size:
-                raise CheckpointCorruptError(f"{where}: {moment} of group {g} holds {part.numel} elements, its fp32 "
-                                             f"partition {size}")
-            parts.append(part)
-        return _Flat(parts)
-
-    def _layout_zero3(self) -> None:
-        """Stage 3: every rank holds ``ceil(numel / N)`` elements of each parameter, one parameter after another."""
-        self.flats = {"fp32": [], **{m: [] for m in MOMENTS}}
-        self.where = {}
-        moments: dict[str, Any] = {}
-        offset = 0
-        for group in self.groups:
-            for name, shape in group.items():
-                self.where[name] = (0, offset)
-                offset += math.ceil(math.prod(shape) / self.world)
-        for osd, where in self.optim:
-            flats = [_lazy(t, where, "an fp32 flat group") for t in _get(osd, "fp32_flat_groups", list, where)]
-            flat = _Flat(flats)
-            if flat.numel != offset:
-                raise CheckpointCorruptError(f"{where}: the fp32 flat groups hold {flat.numel} elements; param_shapes "
-                                             f"needs {offset} on each of {self.world} ranks")
-            self.flats["fp32"].append(flat)
-            inner = osd.get("optimizer_state_dict", {})
-            state = inner.get("state", {}) if isinstance(inner, dict) else {}
-            for m in MOMENTS:
-                entries = [state.get(i) if isinstance(state, dict) else None for i in range(len(flats))]
-                if not all(isinstance(e, dict) and m in e for e in entries):
-                    moments[m] = None  # not Adam, or no optimizer state saved
-                    continue
-                moment = _Flat([_lazy(e[m], where, f"{m} of sub-group {i}") for i, e in enumerate(entries)])
-                if [p.numel for p in moment.parts] != [p.numel for p in flats]:
-                    raise CheckpointCorruptError(f"{where}: {m} holds {[p.numel for p in moment.parts]} elements per "
-                                                 f"sub-group, the fp32 groups {[p.numel for p in flats]}")
-                if moments.get(m, True) is not None:
-                    moments.setdefault(m, []).append(moment)
-        for m in MOMENTS:
-            self.flats[m] = moments.get(m) or []
 
     # --------------------------------------------------------------------------------------------- reading
     def index(self) -> dict[str, TensorInfo]:
@@ -393,3 +317,80 @@ class ZeroCheckpoint:
         for handle in self._handles:
             handle.close()
         self._handles = []
+
+
+def _layout_zero12(ck: "ZeroCheckpoint") -> None:
+    """Stages 1-2: the offset of each parameter in its group's flat vector, the ranks' partitions end to end."""
+    ck.flats: dict[str, list[_Flat]] = {"fp32": [], **{m: [] for m in MOMENTS}}
+    ck.where: dict[str, tuple[int, int]] = {}
+    last, last_where = ck.optim[-1]
+    for g, group in enumerate(ck.groups):
+        parts = []
+        for osd, where in ck.optim:
+            flats = _get(osd, "single_partition_of_fp32_groups", list, where)
+            if g >= len(flats):
+                raise CheckpointCorruptError(f"{where}: {len(flats)} partitions, param_shapes has {len(ck.groups)} groups")
+            parts.append(_lazy(flats[g], where, f"the fp32 partition of group {g}"))
+        sizes = {p.numel for p in parts}
+        need = sum(math.prod(s) for s in group.values())
+        pads = last.get("group_paddings")
+        pad = pads[g] if isinstance(pads, list) and g < len(pads) and type(pads[g]) is int else 0
+        if len(sizes) != 1 or need + pad != sum(p.numel for p in parts):
+            raise CheckpointCorruptError(
+                f"{last_where}: the fp32 partitions of group {g} hold {sorted(p.numel for p in parts)} elements on "
+                f"the {ck.world} ranks; param_shapes needs {need} (+{pad} padding) in equal parts")
+        ck.flats["fp32"].append(_Flat(parts))
+        offset = 0
+        for name, shape in group.items():
+            ck.where[name] = (g, offset)
+            offset += math.prod(shape)
+        for m in MOMENTS:
+            ck.flats[m].append(_moment_flat(ck, g, m, [p.numel for p in parts]))
+
+def _moment_flat(ck: "ZeroCheckpoint", g: int, moment: str, sizes: list[int]) -> Any:
+    parts = []
+    for (osd, where), size in zip(ck.optim, sizes):
+        state = osd.get("base_optimizer_state", {})
+        state = state.get("state", state) if isinstance(state, dict) else state
+        entry = state[g] if isinstance(state, (dict, list)) and (g in state if isinstance(state, dict) else g < len(state)) else None
+        if not isinstance(entry, dict) or moment not in entry:
+            return None  # not Adam, or no optimizer state saved
+        part = _lazy(entry[moment], where, f"{moment} of group {g}")
+        if part.numel != size:
+            raise CheckpointCorruptError(f"{where}: {moment} of group {g} holds {part.numel} elements, its fp32 "
+                                         f"partition {size}")
+        parts.append(part)
+    return _Flat(parts)
+
+def _layout_zero3(ck: "ZeroCheckpoint") -> None:
+    """Stage 3: every rank holds ``ceil(numel / N)`` elements of each parameter, one parameter after another."""
+    ck.flats = {"fp32": [], **{m: [] for m in MOMENTS}}
+    ck.where = {}
+    moments: dict[str, Any] = {}
+    offset = 0
+    for group in ck.groups:
+        for name, shape in group.items():
+            ck.where[name] = (0, offset)
+            offset += math.ceil(math.prod(shape) / ck.world)
+    for osd, where in ck.optim:
+        flats = [_lazy(t, where, "an fp32 flat group") for t in _get(osd, "fp32_flat_groups", list, where)]
+        flat = _Flat(flats)
+        if flat.numel != offset:
+            raise CheckpointCorruptError(f"{where}: the fp32 flat groups hold {flat.numel} elements; param_shapes "
+                                         f"needs {offset} on each of {ck.world} ranks")
+        ck.flats["fp32"].append(flat)
+        inner = osd.get("optimizer_state_dict", {})
+        state = inner.get("state", {}) if isinstance(inner, dict) else {}
+        for m in MOMENTS:
+            entries = [state.get(i) if isinstance(state, dict) else None for i in range(len(flats))]
+            if not all(isinstance(e, dict) and m in e for e in entries):
+                moments[m] = None  # not Adam, or no optimizer state saved
+                continue
+            moment = _Flat([_lazy(e[m], where, f"{m} of sub-group {i}") for i, e in enumerate(entries)])
+            if [p.numel for p in moment.parts] != [p.numel for p in flats]:
+                raise CheckpointCorruptError(f"{where}: {m} holds {[p.numel for p in moment.parts]} elements per "
+                                             f"sub-group, the fp32 groups {[p.numel for p in flats]}")
+            if moments.get(m, True) is not None:
+                moments.setdefault(m, []).append(moment)
+    for m in MOMENTS:
+        ck.flats[m] = moments.get(m) or []

@@ -175,10 +175,28 @@ def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any = None) -
 
 
 class _LazyStorage:
-    """A storage of the archive not read yet: where its bytes are in the file."""
+    """A storage of the archive not read yet: where its bytes are in the file, and the CRC-32 the archive records
+    for them, checked (streaming, 16 MiB at a time) the first time any of them is read: a damaged byte anywhere in
+    the member is an error, never a wrong value."""
 
-    def __init__(self, handle: Any, start: int, dtype: torch.dtype, numel: int, where: object) -> None:
+    def __init__(self, handle: Any, start: int, dtype: torch.dtype, numel: int, where: object, crc: int,
+                 name: str) -> None:
         self.handle, self.start, self.dtype, self.numel, self.where = handle, start, dtype, numel, where
+        self.crc, self.name, self.checked = crc, name, False
+
+    def check(self) -> None:
+        if self.checked:
+            return
+        import zlib
+
+        size = self.numel * torch.empty((), dtype=self.dtype).element_size()
+        crc, at, step = 0, 0, 16 << 20
+        while at < size:
+            crc = zlib.crc32(self.handle.read(self.start + at, min(step, size - at)), crc)
+            at += step
+        if crc != self.crc:
+            raise CheckpointCorruptError(f"{self.where}: member {self.name!r} does not match its CRC-32 (damaged)")
+        self.checked = True
 
 
 class LazyTensor:
@@ -216,6 +234,7 @@ class LazyTensor:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         buf = bytearray(count * itemsize)
         if count:
+            self.storage.check()
             self.storage.handle.readinto(buf, self.storage.start + (self.offset + start) * itemsize)
         return torch.frombuffer(buf, dtype=self.dtype) if count else torch.empty(0, dtype=self.dtype)
 
@@ -287,7 +306,7 @@ class _Unpickler(pickle.Unpickler):
         start = info.header_offset + 30 + int.from_bytes(header[26:28], "little") + int.from_bytes(header[28:30], "little")
         if start + info.file_size > self.handle.size:
             raise pickle.UnpicklingError(f"member {name!r} runs past the end of the file")
-        return _LazyStorage(self.handle, start, dtype, numel, self.budget.where)
+        return _LazyStorage(self.handle, start, dtype, numel, self.budget.where, info.CRC, name)
 
 
 def loads(data: bytes, where: object, *, standins: Any = None) -> tuple[Any, list[str]]:

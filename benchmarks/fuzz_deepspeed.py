@@ -1,0 +1,86 @@
+"""The fuzz family of DeepSpeed checkpoints (see ``fuzz_readers.py`` for the oracle): a ZeRO-2 and a ZeRO-3 run
+folder written by the real DeepSpeed (``tests/ds_run.py`` under torchrun, once, kept in the fuzzer's scratch
+folder), damaged one to three files at a time (bytes, pickles, whole entries), then read as every reader does:
+the format's detection, the fp32 masters of every parameter, Adam's moments and step, and the scheduler state.
+An untouched folder must read exactly what the pristine one holds."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from fuzz_frameworks import _fixed_dir, _kinds, _objects, _place, damage
+from fuzz_kit import Case, WrongResult, load_image
+
+HERE = Path(__file__).resolve().parent
+
+
+def _run(stage: str) -> Path:
+    out = _fixed_dir(f"deepspeed-zero{stage}")
+    if not (out / "latest").is_file():
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(HERE.parent / "tests" / "ds_run.py"), str(out), "--stage", stage]
+        r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "DS_ACCELERATOR": "cpu"}, timeout=600)
+        if r.returncode != 0:
+            raise RuntimeError(f"the DeepSpeed run failed: {r.stderr[-2000:]}")
+    return out
+
+
+def _read(root: Path) -> dict[str, torch.Tensor]:
+    from ckptio.formats import registry
+
+    fmt = registry.detect(root)
+    opened = fmt.open(root)
+    try:
+        got = {k: opened.source.read(k) for k in opened.source.index()}
+    finally:
+        opened.close()
+    adam = fmt.open_adam(root)
+    if adam is not None:
+        step, moments = adam
+        try:
+            for m, source in moments.items():
+                got.update({f"{m}/{k}": source.read(k) for k in source.index()})
+        finally:
+            for source in moments.values():
+                source.close()
+        got["step"] = torch.tensor(step)
+    extras = fmt.training_extras(root)
+    got["scheduler"] = torch.tensor(float(len(repr(extras.get("lr_scheduler")))))
+    return got
+
+
+class DeepSpeed:
+    def prepare(self) -> None:
+        if hasattr(self, "images"):
+            return
+        self.images, self.objs, self.want = {}, {}, {}
+        for stage in ("2", "3"):
+            root = _run(stage)
+            self.images[stage] = load_image(root)
+            self.objs[stage] = _objects(self.images[stage])
+            self.want[stage] = _read(root)
+
+    def __call__(self, rng: Case, tmp: Path) -> None:
+        self.prepare()
+        rng.reading = False
+        stage = rng.choice(["2", "3"])
+        rng.note(f"ZeRO-{stage}")
+        image = dict(self.images[stage])
+        kinds = {k: v for k, v in _kinds(image).items() if not k.endswith(".py")}
+        touched = set() if rng.pristine else damage(rng, image, kinds, tmp, self.objs[stage], manifest=None)
+        root = tmp / "run"
+        _place(rng, image, root, tmp)
+        rng.reading = True
+        got = _read(root)
+        if touched:
+            return  # a damaged file that still reads is a valid checkpoint of other values (no checksums to hold it to)
+        want = self.want[stage]
+        if set(got) != set(want) or any(not torch.equal(got[k], want[k]) for k in want):
+            raise WrongResult("an undamaged DeepSpeed checkpoint read other values")
+
+
+FAMILIES = {"deepspeed": DeepSpeed()}
