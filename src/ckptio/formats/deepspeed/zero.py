@@ -108,6 +108,12 @@ class ZeroCheckpoint:
         self.path = tag_dir
         self.folder = Folder(tag_dir)
         self._handles: list[Any] = []
+        self.optim: list[tuple[dict[str, Any], object]] = []
+        self.flats: dict[str, list[Any]] = {}
+        """Per kind (``fp32``, a moment): the flat vectors a parameter's elements are read from (per group, stages
+        1-2; per rank, stage 3)."""
+        self.where: dict[str, tuple[int, int]] = {}
+        """Per parameter: its group and offset (stages 1-2), or its offset in every rank's flat vector (stage 3)."""
         try:
             self._open()
         except BaseException:
@@ -131,7 +137,7 @@ class ZeroCheckpoint:
         names = {e.name for e in self.folder.listdir()}
         self.universal = "zero" in names and not any(_OPTIM.fullmatch(n) for n in names)
         if self.universal:
-            self.stage, self.optim = int(self.config_stage or 0), []
+            self.stage = int(self.config_stage or 0)
             return
         ranks: dict[int, str] = {}
         for n in names:
@@ -150,7 +156,6 @@ class ZeroCheckpoint:
         if extra:
             raise CheckpointCorruptError(f"{self.folder.display(ranks[extra[0]])}: rank {extra[0]} of a checkpoint "
                                          f"saved on {self.world} ranks (dp_world_size)")
-        self.optim = []
         for r in range(self.world):
             obj = self._load(ranks[r])
             where = self.folder.display(ranks[r])
@@ -190,8 +195,8 @@ class ZeroCheckpoint:
         self.buffers = {n: _lazy(module.get(n), where, f"buffer {n!r}") for n in buffers}
         self.module_dtypes = {n: v.dtype for n, v in module.items() if isinstance(v, LazyTensor)}
         self.global_steps = meta.get("global_steps") if type(meta.get("global_steps")) is int else None
-        config = meta.get("ds_config") if isinstance(meta.get("ds_config"), dict) else {}
-        zero = config.get("zero_optimization") if isinstance(config.get("zero_optimization"), dict) else {}
+        config: dict[str, Any] = meta["ds_config"] if isinstance(meta.get("ds_config"), dict) else {}
+        zero: dict[str, Any] = config["zero_optimization"] if isinstance(config.get("zero_optimization"), dict) else {}
         self.config_stage = zero.get("stage") if type(zero.get("stage")) is int else None
         self.scheduler = meta.get("lr_scheduler") if isinstance(meta.get("lr_scheduler"), dict) else None
 
@@ -281,6 +286,8 @@ class ZeroCheckpoint:
         return out
 
     def adam_step(self) -> float:
+        where: object
+        state: Any
         if self.universal:
             first = f"zero/{self._safe(next(iter(self.shapes)))}/step.pt"
             if self.folder.kind(first) == "file":  # stages 1-2: a step per parameter
@@ -291,10 +298,10 @@ class ZeroCheckpoint:
             osd, where = self.optim[0]
             state = osd.get("base_optimizer_state") if self.stage != 3 else osd.get("optimizer_state_dict")
         state = state.get("state") if isinstance(state, dict) else state
-        first = state[0] if isinstance(state, (dict, list)) and len(state) else None
-        if not isinstance(first, dict) or "step" not in first:
+        entry = state[0] if isinstance(state, (dict, list)) and len(state) else None
+        if not isinstance(entry, dict) or "step" not in entry:
             raise CheckpointCorruptError(f"{where}: no Adam step")
-        return _step_value(first["step"], where)
+        return _step_value(entry["step"], where)
 
     def param_groups(self) -> list[dict[str, Any]]:
         """The optimizer's hyper-parameters per group as DeepSpeed saved them (``params`` left out)."""
@@ -321,8 +328,8 @@ class ZeroCheckpoint:
 
 def _layout_zero12(ck: "ZeroCheckpoint") -> None:
     """Stages 1-2: the offset of each parameter in its group's flat vector, the ranks' partitions end to end."""
-    ck.flats: dict[str, list[_Flat]] = {"fp32": [], **{m: [] for m in MOMENTS}}
-    ck.where: dict[str, tuple[int, int]] = {}
+    ck.flats = {"fp32": [], **{m: [] for m in MOMENTS}}
+    ck.where = {}
     last, last_where = ck.optim[-1]
     for g, group in enumerate(ck.groups):
         parts = []
@@ -386,7 +393,8 @@ def _layout_zero3(ck: "ZeroCheckpoint") -> None:
             if not all(isinstance(e, dict) and m in e for e in entries):
                 moments[m] = None  # not Adam, or no optimizer state saved
                 continue
-            moment = _Flat([_lazy(e[m], where, f"{m} of sub-group {i}") for i, e in enumerate(entries)])
+            moment = _Flat([_lazy(e[m], where, f"{m} of sub-group {i}") for i, e in enumerate(entries)
+                            if isinstance(e, dict)])
             if [p.numel for p in moment.parts] != [p.numel for p in flats]:
                 raise CheckpointCorruptError(f"{where}: {m} holds {[p.numel for p in moment.parts]} elements per "
                                              f"sub-group, the fp32 groups {[p.numel for p in flats]}")

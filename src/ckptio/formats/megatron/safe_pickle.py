@@ -214,7 +214,7 @@ class LazyTensor:
         size, stride = tuple(int(s) for s in size), tuple(int(s) for s in stride)
         if len(size) != len(stride) or any(s < 0 for s in size + stride) or int(offset) < 0:
             raise pickle.UnpicklingError(f"a tensor with sizes {list(size)}, strides {list(stride)}, offset {offset}")
-        want, expected = 1, []
+        want, expected = 1, list[int]()
         for n in reversed(size):
             expected.insert(0, want)
             want *= n
