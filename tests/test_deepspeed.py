@@ -313,7 +313,6 @@ def test_partitions_that_disagree_with_param_shapes_are_refused(runs, tmp_path):
 
 
 def test_a_pickle_naming_an_unknown_class_is_refused_by_name(runs, tmp_path):
-    import pickle
     import zipfile
 
     from ckptio import CheckpointCorruptError
@@ -330,8 +329,7 @@ def test_a_pickle_naming_an_unknown_class_is_refused_by_name(runs, tmp_path):
             z.writestr(n, data)
     with pytest.raises(CheckpointCorruptError, match=r"optim_states\.pt.*deepspeed\.runtime\.engine\.DeepSpeedEngine"):
         _open_all(run)
-    assert not marker.exists()
-    assert pickle  # the refusal comes from the gate, before anything is built
+    assert not marker.exists()  # the refusal comes from the gate, before anything is built
 
 
 def test_a_truncated_file_and_a_flipped_tensor_byte_are_named(runs, tmp_path):

@@ -25,7 +25,7 @@ from ..engine.manifest import MANIFEST_NAME
 from ..engine.plan import local_view
 from ..storage.confined import Folder
 
-__all__ = ["is_foreign", "foreign_run", "restore_foreign", "restore_foreign_adam", "restore_foreign_scheduler"]
+__all__ = ["is_foreign", "foreign_run", "unreadable_error", "restore_foreign", "restore_foreign_adam"]
 
 
 def is_foreign(restore_from: str | None) -> bool:
@@ -52,49 +52,49 @@ def is_foreign(restore_from: str | None) -> bool:
 
 
 UNREADABLE = (
-    ("Orbax", lambda p: (p / "_CHECKPOINT_METADATA").is_file() or any((c / "_CHECKPOINT_METADATA").is_file() for c in _dirs(p))),
-    ("DeepSpeed (a global_stepN folder without its model-states file)", lambda p: any(
-        c.name.startswith("global_step") and any(c.glob("*optim_states.pt")) for c in _dirs(p))),
-    ("Megatron (an iter_N folder)", lambda p: any(c.name.startswith("iter_") for c in _dirs(p))),
-    ("Hugging Face Trainer (checkpoint-N folders)", lambda p: any(c.name.startswith("checkpoint-") for c in _dirs(p))),
-    ("PyTorch Lightning (.ckpt files)", lambda p: any(c.suffix == ".ckpt" for c in p.iterdir())),
+    ("Orbax", lambda files, dirs: "_CHECKPOINT_METADATA" in files or any((d / "_CHECKPOINT_METADATA").is_file()
+                                                                        for d in dirs)),
+    ("DeepSpeed (a global_stepN folder without its model-states file)", lambda files, dirs: any(
+        d.name.startswith("global_step") and any(d.glob("*optim_states.pt")) for d in dirs)),
+    ("Megatron (an iter_N folder)", lambda files, dirs: any(d.name.startswith("iter_") for d in dirs)),
+    ("Hugging Face Trainer (checkpoint-N folders)", lambda files, dirs: any(d.name.startswith("checkpoint-") for d in dirs)),
+    ("PyTorch Lightning (.ckpt files)", lambda files, dirs: any(f.endswith(".ckpt") for f in files)),
 )
-"""Checkpoints of kinds an automatic resume cannot continue, recognised by their names: a folder holding them is
-refused by name instead of a run starting from scratch beside them."""
+"""Checkpoints of kinds an automatic resume cannot continue, recognised by the names in the folder (its files, its
+folders): a folder holding them is refused by name instead of a run starting from scratch beside them."""
 
 
-def _dirs(path: Path) -> list[Path]:
-    return [c for c in path.iterdir() if c.is_dir() and not c.is_symlink()]
-
-
-def foreign_run(root: Any) -> Path | None:
-    """The checkpoint folder itself when it holds a training run of another tool that an automatic resume continues
-    (a format with ``resumes_runs``: DeepSpeed); ``None`` when it holds nothing of the kind. A folder that holds
-    checkpoints ckptio cannot resume from raises :class:`~ckptio.errors.NoUsableCheckpointError` naming their kind."""
-    from ..errors import NoUsableCheckpointError
-
+def foreign_run(root: Any) -> tuple[Path | None, list[str]]:
+    """What an automatic resume finds in a checkpoint folder that holds no ckptio checkpoint: the folder itself when
+    it is a training run of another tool that a resume continues (a format with ``resumes_runs``: DeepSpeed), else
+    the kinds of the checkpoints it holds that ckptio cannot resume from (``[]``: none, a fresh start)."""
     if not isinstance(root, Path) or not root.is_dir():
-        return None  # a bucket holds ckptio's steps only
+        return None, []  # a bucket holds ckptio's steps only
     try:
         fmt = registry.detect(root)
     except CheckpointError:
         fmt = None
-    if fmt is not None and getattr(fmt, "resumes_runs", False):
-        return root
+    if fmt is not None and fmt.resumes_runs:
+        return root, []
     try:
-        kinds = [name for name, test in UNREADABLE if test(root)]
+        entries = [e for e in root.iterdir() if not e.is_symlink()]
+        files, dirs = {e.name for e in entries if e.is_file()}, [e for e in entries if e.is_dir()]
+        kinds = [name for name, test in UNREADABLE if test(files, dirs)]
     except OSError:
         kinds = []
     if fmt is not None and fmt.name != "step_dir":
         kinds.insert(0, f"{fmt.summary} ({fmt.name})")
-    if kinds:
-        error = NoUsableCheckpointError(
-            f"{root} holds no ckptio checkpoint but holds checkpoints of another kind: {'; '.join(kinds)}. An automatic "
-            "resume does not start from scratch beside them: name one with restore_from= (ckptio reads "
-            f"{', '.join(registry.names(readable=True))}), or use an empty checkpoint_dir", [(str(root), kinds[0])])
-        error.foreign_kinds = kinds  # type: ignore[attr-defined]
-        raise error
-    return None
+    return None, kinds
+
+
+def unreadable_error(root: Any, kinds: list[str]) -> Exception:
+    """The error of an automatic resume in ``root``, which holds checkpoints of ``kinds`` and none of ckptio's."""
+    from ..errors import NoUsableCheckpointError
+
+    return NoUsableCheckpointError(
+        f"{root} holds no ckptio checkpoint but holds checkpoints of another kind: {'; '.join(kinds)}. An automatic "
+        "resume does not start from scratch beside them: name one with restore_from= (ckptio reads "
+        f"{', '.join(registry.names(readable=True))}), or use an empty checkpoint_dir", [(str(root), kinds[0])])
 
 
 def _slice_of(full: Any, view: Any) -> Any:
@@ -102,9 +102,11 @@ def _slice_of(full: Any, view: Any) -> Any:
     return full[tuple(slice(o, o + n) for o, n in zip(view.offsets, view.local.shape))]
 
 
-def restore_foreign_adam(path: Path, model_state: Any, optimizer: Any, log: Any) -> bool:
-    """Collective: give ``optimizer`` (Adam or AdamW) the source's moments and step, each rank its slices.
-    Returns whether the source had them; any other optimizer, or a source without them, starts fresh."""
+def restore_foreign_adam(path: Path, model_state: Any, optimizer: Any, scheduler: Any, log: Any) -> tuple[bool, bool]:
+    """Collective: give ``optimizer`` (Adam or AdamW) the source's moments and step, each rank its slices, and the
+    hyper-parameters and ``scheduler`` (may be ``None``) the state the run had reached, where the format saves them
+    (:meth:`~ckptio.formats.registry.Format.training_extras`). Returns whether the source had the Adam state and
+    whether the scheduler's was loaded; any other optimizer, or a source without them, starts fresh."""
     import torch
     from torch.distributed.tensor import DTensor
 
@@ -112,12 +114,12 @@ def restore_foreign_adam(path: Path, model_state: Any, optimizer: Any, log: Any)
     if not all("betas" in group for group in optimizer.param_groups):
         if _dist.rank() == 0:
             log.warning("%s: only Adam/AdamW state is carried over; %s starts fresh", path, type(optimizer).__name__)
-        return False
+        return False, False
 
-    def fill() -> bool:
+    def fill() -> tuple[bool, bool]:
         found = fmt.open_adam(path)
         if found is None:
-            return False
+            return False, False
         step, moments = found
         names = {id(p): model_state._strip(n) for n, p in model_state.model.named_parameters()}
         indexes = {moment: source.index() for moment, source in moments.items()}
@@ -132,28 +134,21 @@ def restore_foreign_adam(path: Path, model_state: Any, optimizer: Any, log: Any)
                     state[moment] = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False) \
                         if isinstance(p, DTensor) else local
                 optimizer.state[p] = state
-        groups = fmt.training_extras(path).get("param_groups") or []
+        extras = fmt.training_extras(path)
+        groups = extras.get("param_groups") or []
         if len(groups) == len(optimizer.param_groups):  # the hyper-parameters the run had reached (its lr)
             for live, saved in zip(optimizer.param_groups, groups):
                 live.update({k: v for k, v in saved.items() if k in live and k != "params"})
-        return True
+        if scheduler is None or extras.get("lr_scheduler") is None:
+            return True, False
+        scheduler.load_state_dict(extras["lr_scheduler"])
+        return True, True
 
-    carried = _dist.run_collectively(f"loading the optimizer state of {path}", fill)
+    carried, scheduled = _dist.run_collectively(f"loading the optimizer state of {path}", fill)
     if _dist.rank() == 0:
-        log.info("%s the Adam state (moments and step) of %s", "Loaded" if carried else "Found no", path)
-    return carried
-
-
-def restore_foreign_scheduler(path: Path, scheduler: Any, log: Any) -> bool:
-    """Give ``scheduler`` the source's LR scheduler state where the format saves one (each rank reads it)."""
-    state = _dist.run_collectively(f"reading the scheduler state of {path}",
-                                   lambda: registry.detect(path).training_extras(path).get("lr_scheduler"))
-    if state is None:
-        return False
-    scheduler.load_state_dict(state)
-    if _dist.rank() == 0:
-        log.info("Loaded the LR scheduler state of %s", path)
-    return True
+        log.info("%s the Adam state (moments and step)%s of %s", "Loaded" if carried else "Found no",
+                 " and the LR scheduler state" if scheduled else "", path)
+    return carried, scheduled
 
 
 def restore_foreign(path: Path, model_state: Any, *, strict: bool, log: Any) -> tuple[int, str]:

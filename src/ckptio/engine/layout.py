@@ -379,27 +379,30 @@ def find_candidates(storage: Storage, restore_from: str | None, verify: str, sta
     resume from, raises :class:`NoUsableCheckpointError` on every rank, unless an automatic resume may start fresh
     over damaged step directories (``start_fresh_if_damaged``, :attr:`CheckpointConfig.start_fresh_if_damaged`)."""
     from .. import _dist
-    from ..adopt.foreign import foreign_run, is_foreign
+    from ..adopt.foreign import foreign_run, is_foreign, unreadable_error
 
     rank = _dist.rank()
 
-    def choose() -> tuple[Path | None, list[Path]]:
+    def choose() -> tuple[Path | None, list[Path], list[str]]:
         if is_foreign(restore_from):
-            return Path(restore_from), []  # type: ignore[arg-type]
+            return Path(restore_from), [], []  # type: ignore[arg-type]
         found = restore_candidates(storage, restore_from, verify="none" if verify == "none" else "size")
         if not found and restore_from in (None, LATEST):
-            return foreign_run(storage.root), []
-        return None, found
+            run, kinds = foreign_run(storage.root)
+            return run, [], kinds
+        return None, found, []
 
     try:
-        foreign, candidates = _dist.decide_on_rank0("finding the checkpoint to restore", choose)
-    except NoUsableCheckpointError as exc:
-        if not (restore_from in (None, LATEST) and start_fresh_if_damaged) or hasattr(exc, "foreign_kinds"):
+        foreign, candidates, unreadable = _dist.decide_on_rank0("finding the checkpoint to restore", choose)
+    except NoUsableCheckpointError:
+        if not (restore_from in (None, LATEST) and start_fresh_if_damaged):
             raise
         if rank == 0:
             log.warning("No usable checkpoint in %s (every step directory found is damaged); starting from "
                         "scratch as start_fresh_if_damaged asks", storage.root)
         return None, []
+    if unreadable:  # never a fresh start beside them, start_fresh_if_damaged or not: they are not damaged
+        raise unreadable_error(storage.root, unreadable)
     if foreign is not None and restore_from is None and rank == 0:
         log.info("%s holds no ckptio checkpoint but a run of another tool: resuming from it", storage.root)
     if foreign is None and not candidates and rank == 0:

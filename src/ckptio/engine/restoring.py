@@ -33,7 +33,7 @@ from ..formats import pt as pt_format
 from ..formats import registry
 from ..formats.common import TensorInfo, check_compatible, flatten
 from ..formats.registry import ShardContext
-from ..adopt.foreign import restore_foreign, restore_foreign_adam, restore_foreign_scheduler
+from ..adopt.foreign import restore_foreign, restore_foreign_adam
 from . import shared_reads
 from .partial import LoadOptions, LoadReport, load_model_partially, plan_partially, refuse
 from .layout import LATEST, find_candidates, parse_step_name, step_manifest
@@ -113,9 +113,10 @@ class Restorer:
             raise ConfigError(f"restore_from={str(path)!r} holds model weights only; pass model= to the manager")
         step, kind = restore_foreign(path, self.tracked.model_state, strict=self.config.strict, log=self.log)
         optimizer = self.tracked.optim_state.optimizer if self.tracked.optim_state is not None else None
-        carried = optimizer is not None and restore_foreign_adam(path, self.tracked.model_state, optimizer, self.log)
-        scheduler = self.tracked.objects.get("lr_scheduler")
-        scheduled = carried and scheduler is not None and restore_foreign_scheduler(path, scheduler, self.log)
+        carried, scheduled = False, False
+        if optimizer is not None:
+            carried, scheduled = restore_foreign_adam(path, self.tracked.model_state, optimizer,
+                                                      self.tracked.objects.get("lr_scheduler"), self.log)
         return RestoreInfo(path, step, 0, counters={"source_format": kind, "optimizer_restored": carried,
                                                     "scheduler_restored": scheduled}, saved_world_size=0)
 

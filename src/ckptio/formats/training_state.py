@@ -18,7 +18,8 @@ from . import registry
 from .common import read_json
 from ..storage.confined import Folder
 
-__all__ = ["parameter_order", "index_keyed_optimizer", "read_training_state"]
+__all__ = ["parameter_order", "per_parameter", "grouped", "index_keyed_optimizer", "saved_optimizer",
+           "read_training_state"]
 
 
 def _meta_model(config_json: Path) -> Any:
@@ -57,8 +58,9 @@ def _split(key: str, head: str) -> tuple[str, str]:
     return fqn, name
 
 
-def index_keyed_optimizer(flat: dict[str, Any], order: list[str]) -> dict[str, Any]:
-    """``optimizer.state_dict()`` layout from ckptio's flattened, FQN-keyed optimizer state."""
+def per_parameter(flat: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """ckptio's flattened, FQN-keyed optimizer state (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``) as the state
+    and the hyper-parameters of each parameter name."""
     state: dict[str, dict[str, Any]] = {}
     hyper: dict[str, dict[str, Any]] = {}
     for key, value in flat.items():
@@ -68,29 +70,37 @@ def index_keyed_optimizer(flat: dict[str, Any], order: list[str]) -> dict[str, A
         elif key.startswith("param_groups."):
             fqn, name = _split(key, "param_groups.")
             hyper.setdefault(fqn, {})[name] = value
-    unknown = sorted(set(hyper) - set(order))
-    if unknown:
-        raise CheckpointError(f"optimizer state names parameters the model config does not have, e.g. {unknown[:3]}")
+    return state, hyper
+
+
+def grouped(hyper: dict[str, dict[str, Any]], optimized: list[str]) -> list[dict[str, Any]]:
+    """Parameter groups rebuilt from per-parameter hyper-parameters, in order of appearance; each group's ``params``
+    are positions in ``optimized``."""
     groups: list[dict[str, Any]] = []
     signature_to_group: dict[str, int] = {}
-    out_state: dict[int, dict[str, Any]] = {}
-    index = 0
-    for fqn in order:
-        if fqn not in hyper:
-            continue  # not optimized (frozen)
+    for index, fqn in enumerate(optimized):
         sig = repr(sorted(hyper[fqn].items()))
         if sig not in signature_to_group:
             signature_to_group[sig] = len(groups)
             groups.append({**hyper[fqn], "params": []})
         groups[signature_to_group[sig]]["params"].append(index)
-        if fqn in state:
-            out_state[index] = state[fqn]
-        index += 1
-    return {"state": out_state, "param_groups": groups}
+    return groups
 
 
-def read_training_state(step_dir: Path) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    """(index-keyed optimizer state, LR scheduler state) of a ckptio step directory; ``None`` when absent."""
+def index_keyed_optimizer(flat: dict[str, Any], order: list[str]) -> dict[str, Any]:
+    """``optimizer.state_dict()`` layout from ckptio's flattened, FQN-keyed optimizer state."""
+    state, hyper = per_parameter(flat)
+    unknown = sorted(set(hyper) - set(order))
+    if unknown:
+        raise CheckpointError(f"optimizer state names parameters the model config does not have, e.g. {unknown[:3]}")
+    optimized = [fqn for fqn in order if fqn in hyper]  # the others are not optimized (frozen)
+    out_state = {index: state[fqn] for index, fqn in enumerate(optimized) if fqn in state}
+    return {"state": out_state, "param_groups": grouped(hyper, optimized)}
+
+
+def saved_optimizer(step_dir: Path) -> tuple[dict[str, Any] | None, Any]:
+    """A ckptio step directory's flattened optimizer state (keys without ``optim.``) and LR scheduler state; ``None``
+    for each it does not hold (the scheduler is read only beside an optimizer)."""
     from ..engine.manifest import read_manifest
 
     manifest = read_manifest(step_dir)
@@ -99,8 +109,18 @@ def read_training_state(step_dir: Path) -> tuple[dict[str, Any] | None, dict[str
         return None, None
     flat = registry.get(entry.format).read_state(Folder(step_dir).sub(entry.path))
     saved = {k[len("optim."):]: v for k, v in flat.items() if k.startswith("optim.")}
-    order = parameter_order(step_dir / manifest.states["model"].path / "config.json")
-    optim = index_keyed_optimizer(saved, order)
     sched = manifest.states.get("lr_scheduler")
     scheduler = None if sched is None or sched.per_rank else pt_format.load_from(Folder(step_dir), sched.path)
-    return optim, scheduler
+    return saved, scheduler
+
+
+def read_training_state(step_dir: Path) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """(index-keyed optimizer state, LR scheduler state) of a ckptio step directory; ``None`` when absent."""
+    from ..engine.manifest import read_manifest
+
+    saved, scheduler = saved_optimizer(step_dir)
+    if saved is None:
+        return None, None
+    manifest = read_manifest(step_dir)
+    order = parameter_order(step_dir / manifest.states["model"].path / "config.json")
+    return index_keyed_optimizer(saved, order), scheduler

@@ -28,6 +28,7 @@ import torch
 
 from ...errors import CheckpointError
 from ..registry import Opened, WriteOptions
+from ..training_state import grouped, per_parameter, saved_optimizer
 from .zero import MOMENTS
 
 __all__ = ["write_universal", "DS_VERSION"]
@@ -53,43 +54,15 @@ def _optimizer_of(opened: Opened, index: dict[str, Any]) -> tuple[dict[str, dict
     """The source's Adam state per parameter name, hyper-parameters per name, and LR scheduler state."""
     if opened.step_dir is None:
         return _fresh(index)
-    from ...engine.manifest import read_manifest
-    from ...storage.confined import Folder
-    from .. import pt as pt_format
-    from .. import registry
-
-    manifest = read_manifest(opened.step_dir)
-    entry = manifest.states.get("optim")
-    if entry is None:
+    saved, scheduler = saved_optimizer(opened.step_dir)
+    if saved is None:
         return _fresh(index)
-    flat = registry.get(entry.format).read_state(Folder(opened.step_dir).sub(entry.path))
-    state: dict[str, dict[str, Any]] = collections.defaultdict(dict)
-    hyper: dict[str, dict[str, Any]] = collections.defaultdict(dict)
-    for key, value in flat.items():
-        for head, into in (("optim.state.", state), ("optim.param_groups.", hyper)):
-            if key.startswith(head) and "." in key[len(head):]:
-                fqn, name = key[len(head):].rsplit(".", 1)
-                into[fqn][name] = value
+    state, hyper = per_parameter(saved)
     missing = [f for f in hyper if not all(m in state.get(f, {}) for m in MOMENTS)]
     if not state or missing:
         raise CheckpointError(f"{opened.step_dir}: the optimizer is not Adam/AdamW with state for every parameter "
                               f"(no exp_avg/exp_avg_sq for {missing[:3]}); a universal folder holds Adam's moments")
-    sched = manifest.states.get("lr_scheduler")
-    scheduler = None if sched is None or sched.per_rank else pt_format.load_from(Folder(opened.step_dir), sched.path)
-    return dict(state), dict(hyper), scheduler
-
-
-def _groups(hyper: dict[str, dict[str, Any]], names: list[str]) -> list[dict[str, Any]]:
-    groups: list[dict[str, Any]] = []
-    seen: dict[str, int] = {}
-    for i, name in enumerate(names):
-        values = {k: v for k, v in hyper[name].items() if k != "params"}
-        sig = repr(sorted(values.items()))
-        if sig not in seen:
-            seen[sig] = len(groups)
-            groups.append({**values, "params": []})
-        groups[seen[sig]]["params"].append(i)
-    return groups
+    return state, hyper, scheduler
 
 
 def _step(value: Any) -> float:
@@ -125,7 +98,7 @@ def write_universal(opened: Opened, source: Any, out: Path, options: WriteOption
             torch.save(torch.tensor(_step(state[name]["step"])), folder / "step.pt")
             if options.progress is not None:
                 options.progress(tensor.numel() * tensor.element_size())
-        groups = _groups(hyper, params)
+        groups = grouped(hyper, params)
         step = torch.tensor(_step(state[params[0]]["step"])) if params else torch.tensor(0.0)
         torch.save({"param_groups": groups, "ds_version": DS_VERSION,
                     "optimizer_state_dict": {"state": {0: {"step": step}}, "param_groups": groups}},

@@ -91,6 +91,20 @@ class _Flat:
         return out[0] if len(out) == 1 else torch.cat(out)
 
 
+def _inner(osd: Any, stage: int) -> dict[str, Any]:
+    """The wrapped optimizer's own state dict (``state``, ``param_groups``) inside a rank's ZeRO state (an elastic
+    ZeRO-1/2 checkpoint keeps a list of per-group states instead: that is its ``state``)."""
+    inner = osd.get("optimizer_state_dict" if stage == 3 else "base_optimizer_state") if isinstance(osd, dict) else None
+    return inner if isinstance(inner, dict) else {"state": inner} if isinstance(inner, list) else {}
+
+
+def _entry(state: Any, i: int) -> Any:
+    """Entry ``i`` of an optimizer's ``state`` (a dict by index, or a list), else ``None``."""
+    if isinstance(state, dict):
+        return state.get(i)
+    return state[i] if isinstance(state, list) and i < len(state) else None
+
+
 def _step_value(value: Any, where: object) -> float:
     if isinstance(value, LazyTensor):
         if value.numel != 1:
@@ -293,12 +307,11 @@ class ZeroCheckpoint:
             if self.folder.kind(first) == "file":  # stages 1-2: a step per parameter
                 return _step_value(self._load(first), self.folder.display(first))
             osd, where = self._load("zero/optimizer_state.pt"), self.folder.display("zero/optimizer_state.pt")
-            state = osd.get("optimizer_state_dict") if isinstance(osd, dict) else None  # stage 3: one step
+            state = _inner(osd, 3)  # stage 3: one step
         else:
             osd, where = self.optim[0]
-            state = osd.get("base_optimizer_state") if self.stage != 3 else osd.get("optimizer_state_dict")
-        state = state.get("state") if isinstance(state, dict) else state
-        entry = state[0] if isinstance(state, (dict, list)) and len(state) else None
+            state = _inner(osd, self.stage)
+        entry = _entry(state.get("state"), 0)
         if not isinstance(entry, dict) or "step" not in entry:
             raise CheckpointCorruptError(f"{where}: no Adam step")
         return _step_value(entry["step"], where)
@@ -310,12 +323,9 @@ class ZeroCheckpoint:
                 obj = self._load("zero/optimizer_state.pt")
             except CheckpointError:
                 return []
-            inner = obj.get("optimizer_state_dict", obj) if isinstance(obj, dict) else None
-            groups = (obj.get("param_groups") or inner.get("param_groups")) if isinstance(inner, dict) else None
+            groups = (obj.get("param_groups") if isinstance(obj, dict) else None) or _inner(obj, 3).get("param_groups")
         else:
-            osd = self.optim[0][0]
-            inner = osd.get("base_optimizer_state") if self.stage != 3 else osd.get("optimizer_state_dict")
-            groups = inner.get("param_groups") if isinstance(inner, dict) else None
+            groups = _inner(self.optim[0][0], self.stage).get("param_groups")
         plain = (int, float, bool, str, type(None), tuple)
         return [{k: v for k, v in g.items() if k != "params" and isinstance(v, plain)} for g in groups or []
                 if isinstance(g, dict)]
@@ -354,12 +364,11 @@ def _layout_zero12(ck: "ZeroCheckpoint") -> None:
         for m in MOMENTS:
             ck.flats[m].append(_moment_flat(ck, g, m, [p.numel for p in parts]))
 
+
 def _moment_flat(ck: "ZeroCheckpoint", g: int, moment: str, sizes: list[int]) -> Any:
     parts = []
     for (osd, where), size in zip(ck.optim, sizes):
-        state = osd.get("base_optimizer_state", {})
-        state = state.get("state", state) if isinstance(state, dict) else state
-        entry = state[g] if isinstance(state, (dict, list)) and (g in state if isinstance(state, dict) else g < len(state)) else None
+        entry = _entry(_inner(osd, ck.stage).get("state"), g)
         if not isinstance(entry, dict) or moment not in entry:
             return None  # not Adam, or no optimizer state saved
         part = _lazy(entry[moment], where, f"{moment} of group {g}")
@@ -368,6 +377,7 @@ def _moment_flat(ck: "ZeroCheckpoint", g: int, moment: str, sizes: list[int]) ->
                                          f"partition {size}")
         parts.append(part)
     return _Flat(parts)
+
 
 def _layout_zero3(ck: "ZeroCheckpoint") -> None:
     """Stage 3: every rank holds ``ceil(numel / N)`` elements of each parameter, one parameter after another."""
@@ -386,10 +396,9 @@ def _layout_zero3(ck: "ZeroCheckpoint") -> None:
             raise CheckpointCorruptError(f"{where}: the fp32 flat groups hold {flat.numel} elements; param_shapes "
                                          f"needs {offset} on each of {ck.world} ranks")
         ck.flats["fp32"].append(flat)
-        inner = osd.get("optimizer_state_dict", {})
-        state = inner.get("state", {}) if isinstance(inner, dict) else {}
+        state = _inner(osd, 3).get("state")
         for m in MOMENTS:
-            entries = [state.get(i) if isinstance(state, dict) else None for i in range(len(flats))]
+            entries = [_entry(state, i) for i in range(len(flats))]
             if not all(isinstance(e, dict) and m in e for e in entries):
                 moments[m] = None  # not Adam, or no optimizer state saved
                 continue

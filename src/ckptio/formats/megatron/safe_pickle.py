@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import collections
 import io
+import math
 import pickle
 import zipfile
 from typing import Any
@@ -145,19 +146,28 @@ def _allowed() -> dict[tuple[str, str], Any]:
     return table
 
 
-def _rebuild_tensor(storage: Any, offset: int, size: Any, stride: Any, *_: Any) -> Any:
-    if isinstance(storage, _LazyStorage):
-        return LazyTensor.of(storage, offset, size, stride)
-    if not isinstance(storage, torch.Tensor) or storage.dim() != 1:
-        raise pickle.UnpicklingError("a tensor whose storage is not one of the archive's")
+def _view(offset: Any, size: Any, stride: Any) -> tuple[int, tuple[int, ...], tuple[int, ...], int]:
+    """A tensor's offset, sizes and strides as plain numbers, refused when negative or of unequal lengths, and how
+    many elements of its storage it spans."""
     size, stride = tuple(int(s) for s in size), tuple(int(s) for s in stride)
     if len(size) != len(stride) or any(s < 0 for s in size + stride) or int(offset) < 0:
         raise pickle.UnpicklingError(f"a tensor with sizes {list(size)}, strides {list(stride)}, offset {offset}")
     extent = 1 + sum((n - 1) * s for n, s in zip(size, stride)) if all(size) else 0
-    if int(offset) + extent > storage.numel():
+    return int(offset), size, stride, extent
+
+
+def _rebuild_tensor(storage: Any, offset: int, size: Any, stride: Any, *_: Any) -> Any:
+    offset, size, stride, extent = _view(offset, size, stride)
+    numel = storage.numel if isinstance(storage, _LazyStorage) else \
+        storage.numel() if isinstance(storage, torch.Tensor) and storage.dim() == 1 else None
+    if numel is None:
+        raise pickle.UnpicklingError("a tensor whose storage is not one of the archive's")
+    if offset + extent > numel:
         raise pickle.UnpicklingError(f"a tensor of sizes {list(size)} at offset {offset} runs past its storage "
-                                     f"of {storage.numel()} elements")
-    return storage.as_strided(size, stride, int(offset))
+                                     f"of {numel} elements")
+    if isinstance(storage, _LazyStorage):
+        return LazyTensor.of(storage, offset, size, stride)
+    return storage.as_strided(size, stride, offset)
 
 
 class _TensorType:
@@ -179,20 +189,18 @@ class _LazyStorage:
     for them, checked (streaming, 16 MiB at a time) the first time any of them is read: a damaged byte anywhere in
     the member is an error, never a wrong value."""
 
-    def __init__(self, handle: Any, start: int, dtype: torch.dtype, numel: int, where: object, crc: int,
-                 name: str) -> None:
+    def __init__(self, handle: Any, start: int, dtype: torch.dtype, numel: int, where: object, info: zipfile.ZipInfo) -> None:
         self.handle, self.start, self.dtype, self.numel, self.where = handle, start, dtype, numel, where
-        self.crc, self.name, self.checked = crc, name, False
+        self.nbytes, self.crc, self.name, self.checked = info.file_size, info.CRC, info.filename, False
 
     def check(self) -> None:
         if self.checked:
             return
         import zlib
 
-        size = self.numel * torch.empty((), dtype=self.dtype).element_size()
         crc, at, step = 0, 0, 16 << 20
-        while at < size:
-            crc = zlib.crc32(self.handle.read(self.start + at, min(step, size - at)), crc)
+        while at < self.nbytes:
+            crc = zlib.crc32(self.handle.read(self.start + at, min(step, self.nbytes - at)), crc)
             at += step
         if crc != self.crc:
             raise CheckpointCorruptError(f"{self.where}: member {self.name!r} does not match its CRC-32 (damaged)")
@@ -205,25 +213,19 @@ class LazyTensor:
     def __init__(self, storage: _LazyStorage, offset: int, shape: tuple[int, ...]) -> None:
         self.storage, self.offset, self.shape = storage, offset, shape
         self.dtype = storage.dtype
-        self.numel = 1
-        for n in shape:
-            self.numel *= n
+        self.numel = math.prod(shape)
 
     @classmethod
-    def of(cls, storage: _LazyStorage, offset: int, size: Any, stride: Any) -> "LazyTensor":
-        size, stride = tuple(int(s) for s in size), tuple(int(s) for s in stride)
-        if len(size) != len(stride) or any(s < 0 for s in size + stride) or int(offset) < 0:
-            raise pickle.UnpicklingError(f"a tensor with sizes {list(size)}, strides {list(stride)}, offset {offset}")
-        want, expected = 1, list[int]()
+    def of(cls, storage: _LazyStorage, offset: int, size: tuple[int, ...], stride: tuple[int, ...]) -> "LazyTensor":
+        """A tensor of ``storage`` checked by :func:`_rebuild_tensor`; it must be contiguous (ranges are read)."""
+        contiguous: list[int] = []
+        step = 1
         for n in reversed(size):
-            expected.insert(0, want)
-            want *= n
-        if want and any(n > 1 and s != e for n, s, e in zip(size, stride, expected)):
+            contiguous.insert(0, step)
+            step *= n
+        if step and any(n > 1 and s != e for n, s, e in zip(size, stride, contiguous)):
             raise pickle.UnpicklingError(f"a tensor of sizes {list(size)} with strides {list(stride)} (not contiguous)")
-        if int(offset) + want > storage.numel:
-            raise pickle.UnpicklingError(f"a tensor of sizes {list(size)} at offset {offset} runs past its storage "
-                                         f"of {storage.numel} elements")
-        return cls(storage, int(offset), size)
+        return cls(storage, offset, size)
 
     def read(self, start: int = 0, count: int | None = None) -> torch.Tensor:
         """Elements ``start`` to ``start + count`` of the flattened tensor (all of them by default), as a new 1-D tensor."""
@@ -306,7 +308,7 @@ class _Unpickler(pickle.Unpickler):
         start = info.header_offset + 30 + int.from_bytes(header[26:28], "little") + int.from_bytes(header[28:30], "little")
         if start + info.file_size > self.handle.size:
             raise pickle.UnpicklingError(f"member {name!r} runs past the end of the file")
-        return _LazyStorage(self.handle, start, dtype, numel, self.budget.where, info.CRC, name)
+        return _LazyStorage(self.handle, start, dtype, numel, self.budget.where, info)
 
 
 def loads(data: bytes, where: object, *, standins: Any = None) -> tuple[Any, list[str]]:
