@@ -127,6 +127,21 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def _equal_to_deepspeed(model, opt, sched, u: Path, step: int) -> None:
+    """Every parameter, its Adam moments and step equal DeepSpeed's own (its universal folder ``u``), and the scheduler
+    and learning rate are where DeepSpeed's were at ``step``."""
+    bad = []
+    for name, p in model.named_parameters():
+        state = opt.state[p]
+        for what, value in (("fp32", p), ("exp_avg", state["exp_avg"]), ("exp_avg_sq", state["exp_avg_sq"])):
+            if not torch.equal(_full(value.detach()).flatten(), _atomic(u, name, what).flatten()):
+                bad.append((name, what))
+        assert float(state["step"]) == float(torch.load(u / "zero" / name / "step.pt"))
+    assert not bad, bad
+    assert sched.last_epoch == step
+    assert opt.param_groups[0]["lr"] == 0.01 * 0.5 ** (step // 2)  # StepLR(2, 0.5), as DeepSpeed had it
+
+
 def _resume_and_compare(run_dir: str, universal: str, restore_from: str | None, train_step: bool, next_tag: str | None):
     """On every rank: resume a plain model and AdamW from a DeepSpeed folder; compare with DeepSpeed's values; with
     ``train_step``, take the step DeepSpeed took next (its batches, per rank) and compare with DeepSpeed's next save."""
@@ -137,18 +152,9 @@ def _resume_and_compare(run_dir: str, universal: str, restore_from: str | None, 
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     manager, model, opt, sched = _toy_manager(run_dir if restore_from is None else tempfile.mkdtemp())
     info = manager.restore(restore_from)
-    u = Path(universal)
     assert info.counters["source_format"] == "deepspeed" and info.counters["optimizer_restored"]
-    assert info.counters["scheduler_restored"] and sched.last_epoch == info.step
-    bad = []
-    for name, p in model.named_parameters():
-        state = opt.state[p]
-        for what, value in (("fp32", p), ("exp_avg", state["exp_avg"]), ("exp_avg_sq", state["exp_avg_sq"])):
-            if not torch.equal(_full(value.detach()).flatten(), _atomic(u, name, what).flatten()):
-                bad.append((name, what))
-        assert float(state["step"]) == float(torch.load(u / "zero" / name / "step.pt"))
-    assert not bad, bad
-    assert opt.param_groups[0]["lr"] == 0.01 * 0.5 ** (info.step // 2)  # StepLR(2, 0.5), as DeepSpeed had it
+    assert info.counters["scheduler_restored"]
+    _equal_to_deepspeed(model, opt, sched, Path(universal), info.step)
     if train_step:
         x = batch(rank, info.step)
         model(input_ids=x, labels=x).loss.backward()
@@ -200,6 +206,31 @@ def test_hf_trainer_folder_converts_to_a_bundle_transformers_loads(runs, tmp_pat
     with torch.no_grad():
         logits = model(input_ids=torch.arange(16).view(1, 16) % 64).logits.float()
     assert torch.equal(logits, torch.load(run_dir / "logits.pt"))
+
+
+def _restore_converted(step_dir: str, universal: str) -> int:
+    import tempfile
+
+    manager, model, opt, sched = _toy_manager(tempfile.mkdtemp())
+    info = manager.restore(step_dir)
+    assert "source_format" not in info.counters  # a ckptio checkpoint, restored as one
+    _equal_to_deepspeed(model, opt, sched, Path(universal), info.step)
+    manager.close()
+    return info.step
+
+
+def test_convert_to_a_ckptio_checkpoint_carries_the_whole_training_state(runs, tmp_path):
+    """``ckptio convert`` of a DeepSpeed run to a step directory: weights, Adam and the scheduler, resumed (resharded)
+    on 1 and 2 ranks as any ckptio checkpoint."""
+    from ckptio.cli import main
+
+    run_dir, tag, universal = runs["zero2"]
+    out = tmp_path / "ckpt" / "step_3"
+    out.parent.mkdir()
+    assert main(["convert", str(tag), str(out), "--to", "step_dir"]) == 0
+    assert main(["verify", str(out)]) == 0
+    for ranks in (1, 2):
+        assert run_ranks(ranks, _restore_converted, step_dir=str(out), universal=str(universal)) == [3] * ranks
 
 
 def _restore_llama(run_dir: str, universal: str):

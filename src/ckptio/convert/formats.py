@@ -117,7 +117,7 @@ def convert(src: str | Path, dst: str | Path, to: str, *, dtype: str | torch.dty
             from ..formats.naming import renamed_source
 
             opened.source = renamed_source(opened.source, naming, opened.extras)
-            opened.step_dir = None  # optimizer state is keyed by the old names: it cannot follow
+            opened.step_dir = opened.training = None  # optimizer state is keyed by the old names: it cannot follow
         write(opened, dst, to, dtype=cast, max_shard_size=max_shard_size, progress=update, options=options)
     finally:
         opened.close()

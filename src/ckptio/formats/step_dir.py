@@ -24,6 +24,29 @@ if TYPE_CHECKING:
 MODEL_DIR = "model"
 
 
+OPTIM_DIR, OPTIM_FORMAT = "optim", "dcp"
+"""Where and how a step directory keeps the optimizer (the manager's default)."""
+
+
+def _write_training(training: dict[str, Any], writer: Any, sums: dict[str, str]) -> dict[str, StateEntry]:
+    """A foreign checkpoint's optimizer and scheduler (``Opened.training``) as the manager saves them: the optimizer
+    (the scheduler beside it, as NeMo AutoModel keeps it) in ``optim/``, the scheduler also as ``lr_scheduler.pt``."""
+    from . import pt
+    from .registry import ShardContext
+
+    states: dict[str, StateEntry] = {}
+    sched = training.get("lr_scheduler")
+    if training.get("optim"):
+        fmt = get(OPTIM_FORMAT)
+        state = {"optim": training["optim"], **({"sched": sched} if sched is not None and fmt.any_values else {})}
+        sums.update(fmt.save_state(state, writer, OPTIM_DIR, ShardContext(extra={"stem": "optim"})))
+        states["optim"] = StateEntry("optimizer", fmt.name, OPTIM_DIR)
+    if sched is not None:
+        sums["lr_scheduler.pt"] = writer.write_bytes("lr_scheduler.pt", pt.to_bytes(sched, "the LR scheduler's state"))
+        states["lr_scheduler"] = StateEntry("object", "pt", "lr_scheduler.pt")
+    return states
+
+
 class StepDirectory(Format):
     """A ckptio step directory as a conversion source: its model state, in whatever format it was saved."""
     name = "step_dir"
@@ -57,13 +80,15 @@ class StepDirectory(Format):
             sums = save_whole(source, writer, MODEL_DIR, options.progress)
             if opened.extras is not None:
                 sums.update(copy_extras(opened.extras, writer, MODEL_DIR))
+            states = {"model": StateEntry("model", "safetensors", MODEL_DIR)}
+            if opened.training is not None:
+                states.update(_write_training(opened.training(), writer, sums))
             architecture = None
             if writer.exists(f"{MODEL_DIR}/config.json"):
                 archs = read_json(writer.local_path(MODEL_DIR) / "config.json").get("architectures") or []
                 architecture = ",".join(archs) or None
             manifest = Manifest(name=out.name, step=opened.step, epoch=opened.epoch, world_size=1,
-                                model_save_format="safetensors",
-                                states={"model": StateEntry("model", "safetensors", MODEL_DIR)},
+                                model_save_format="safetensors", states=states,
                                 files=writer.files(), checksums=sums,
                                 model_signature={"architecture": architecture,
                                                  "shapes": {k: list(v.shape) for k, v in source.index().items()}},

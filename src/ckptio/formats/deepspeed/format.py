@@ -49,6 +49,22 @@ def _extras_of(tag_dir: Path) -> Path | None:
     return None
 
 
+def training_state(ck: ZeroCheckpoint) -> dict[str, Any]:
+    """``Opened.training`` of a DeepSpeed checkpoint: Adam's state and hyper-parameters per parameter name (torch's
+    flattened ``state.<name>.exp_avg``, ``param_groups.<name>.lr``) and the scheduler's state; ``{}`` without Adam.
+    Every parameter's moments are read here, so the whole optimizer state is in memory once."""
+    if not ck.has_moments():
+        return {}
+    step, groups = torch.tensor(ck.adam_step()), ck.param_groups()
+    flat: dict[str, Any] = {}
+    for g, group in enumerate(ck.groups):
+        for name in group:
+            flat[f"state.{name}.step"] = step
+            flat.update({f"state.{name}.{m}": ck.read(name, m) for m in MOMENTS})
+            flat.update({f"param_groups.{name}.{k}": v for k, v in (groups[g] if g < len(groups) else {}).items()})
+    return {"optim": flat, "lr_scheduler": ck.scheduler}
+
+
 class DeepSpeedCheckpoint(Format):
     """A DeepSpeed run folder, tag folder or HF Trainer ``checkpoint-N/`` holding one: read, never written."""
 
@@ -64,7 +80,9 @@ class DeepSpeedCheckpoint(Format):
         tag_dir = layout.find_tag_dir(path)
         ck = ZeroCheckpoint(tag_dir)
         step = ck.global_steps if ck.global_steps is not None else layout.step_of(tag_dir) or 0
-        return Opened(self.name, _Source(ck, "fp32", True), _extras_of(tag_dir), step)
+        opened = Opened(self.name, _Source(ck, "fp32", True), _extras_of(tag_dir), step)
+        opened.training = lambda: training_state(ck)
+        return opened
 
     def open_adam(self, path: Path) -> tuple[float, dict[str, Any]] | None:
         ck = ZeroCheckpoint(layout.find_tag_dir(path))
