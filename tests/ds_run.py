@@ -1,6 +1,6 @@
 """A DeepSpeed training run for the tests (real DeepSpeed on CPU, under torchrun with ``DS_ACCELERATOR=cpu``).
 
-    python ds_run.py OUT --stage {1,2,3} [--bf16] [--model toy|llama] [--steps 3] [--more 0] [--hf]
+    python ds_run.py OUT --stage {1,2,3} [--bf16 | --fp16] [--model toy|llama] [--steps 3] [--more 0] [--hf]
                          [--load UNIVERSAL_DIR]
 
 Trains ``--steps`` steps of AdamW with a StepLR scheduler on fixed per-rank batches and saves with
@@ -35,6 +35,7 @@ def main() -> None:
     p.add_argument("out")
     p.add_argument("--stage", type=int, default=2)
     p.add_argument("--bf16", action="store_true")
+    p.add_argument("--fp16", action="store_true")
     p.add_argument("--model", default="toy")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--more", type=int, default=0)
@@ -67,6 +68,8 @@ def main() -> None:
     config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": a.stage}, "steps_per_print": 10 ** 6}
     if a.bf16:
         config["bf16"] = {"enabled": True}
+    if a.fp16:
+        config["fp16"] = {"enabled": True, "initial_scale_power": 8}
     if a.load:
         config["checkpoint"] = {"load_universal": True}
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=config)

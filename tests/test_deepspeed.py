@@ -51,12 +51,13 @@ def _atomic(universal: Path, name: str, what: str) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """zero2: ZeRO-2 on 2 ranks (fp32), saved at steps 3 and 4; zero3: ZeRO-3 on 2 ranks in bf16, a Llama saved as
-    the HF Trainer does (``checkpoint-3/``); zero1: ZeRO-1 on 1 rank. Each with DeepSpeed's universal folder of step 3."""
+    the HF Trainer does (``checkpoint-3/``); zero1: ZeRO-1 on 1 rank in bf16. Each with DeepSpeed's universal folder of
+    step 3. (fp16 is not among them: DeepSpeed refuses it on a CPU.)"""
     root = tmp_path_factory.mktemp("ds")
     out = {"zero2": root / "zero2", "zero3": root / "zero3", "zero1": root / "zero1"}
     _ds(out["zero2"], "--stage", "2", "--more", "1")
     _ds(out["zero3"], "--stage", "3", "--bf16", "--model", "llama", "--hf")
-    _ds(out["zero1"], "--stage", "1", ranks=1)
+    _ds(out["zero1"], "--stage", "1", "--bf16", ranks=1)
     tags = {"zero2": out["zero2"] / "global_step3", "zero3": out["zero3"] / "checkpoint-3" / "global_step3",
             "zero1": out["zero1"] / "global_step3"}
     return {k: (out[k], tags[k], _universal(tags[k])) for k in out}
@@ -186,7 +187,7 @@ def test_resume_on_two_ranks_continues_as_deepspeed_did(runs):
 
 
 def test_one_rank_run_resumes_on_two_ranks(runs):
-    """1 -> 2: ZeRO-1 on one rank, resumed under FSDP2 on two."""
+    """1 -> 2: ZeRO-1 on one rank in bf16, its fp32 masters resumed under FSDP2 on two."""
     run_dir, tag, universal = runs["zero1"]
     assert run_ranks(2, _resume_and_compare, run_dir=str(run_dir), universal=str(universal), restore_from=None,
                      train_step=False, next_tag=None) == [3, 3]
@@ -252,9 +253,11 @@ def _restore_llama(run_dir: str, universal: str):
     return info.step
 
 
-def test_zero3_bf16_masters_resume_under_fsdp2(runs):
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_zero3_bf16_masters_resume_on_one_and_two_ranks(runs, ranks):
+    """ZeRO-3 on 2 ranks in bf16, an HF Trainer's output folder: 2 -> 1 and 2 -> 2 (FSDP2)."""
     run_dir, _, universal = runs["zero3"]
-    assert run_ranks(2, _restore_llama, run_dir=str(run_dir), universal=str(universal)) == [3, 3]
+    assert run_ranks(ranks, _restore_llama, run_dir=str(run_dir), universal=str(universal)) == [3] * ranks
 
 
 def _to_ckptio(run_dir: str, out: str) -> float:
@@ -390,6 +393,9 @@ def test_a_latest_naming_no_checkpoint_and_unreadable_kinds_are_named(runs, tmp_
     run = _copy(runs, "zero2", tmp_path)
     (run / "latest").write_text("global_step9")
     with pytest.raises(CheckpointCorruptError, match=r"latest: names 'global_step9'"):
+        _toy_manager(run)[0].restore()
+    (run / "latest").write_text("x" * 300)  # no file can have that name: refused by the gate, not by the OS
+    with pytest.raises(CheckpointCorruptError, match=r"longer than 255 bytes"):
         _toy_manager(run)[0].restore()
     other = tmp_path / "orbax"
     (other / "step_100").mkdir(parents=True)

@@ -63,9 +63,11 @@ class Opened:
         self.step_dir: Path | None = None
         """A ckptio step directory: its optimizer and scheduler travel to formats that hold them."""
         self.training: Callable[[], dict[str, Any]] | None = None
-        """A foreign checkpoint with a training state (a DeepSpeed run): called, it gives ``optim`` (torch's flattened,
-        name-keyed optimizer state, as ckptio saves it) and ``lr_scheduler`` (a state dict, or ``None``); a ckptio
-        step directory written from it then resumes the whole run."""
+        """A foreign checkpoint with a training state (a DeepSpeed run): called, it gives the optimizer state as ckptio
+        saves it (torch's flattened, name-keyed entries): ``tensors``, a :class:`TensorSource` of its tensors
+        (``state.<fqn>.exp_avg``, read one at a time), and ``values``, its other entries (``param_groups.<fqn>.lr``),
+        and ``lr_scheduler`` (a state dict, or ``None``); ``{}`` when there is none. A ckptio step directory written
+        from it then resumes the whole run."""
 
     def close(self) -> None:
         close = getattr(self.source, "close", None)

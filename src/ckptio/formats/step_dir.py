@@ -24,25 +24,42 @@ if TYPE_CHECKING:
 MODEL_DIR = "model"
 
 
-OPTIM_DIR, OPTIM_FORMAT = "optim", "dcp"
-"""Where and how a step directory keeps the optimizer (the manager's default)."""
+OPTIM_DIR = "optim"
+
+
+class _Prefixed:
+    """A source's tensors under ``prefix`` + their names (the optimizer's entries as a state's flattened keys)."""
+
+    def __init__(self, source: Any, prefix: str) -> None:
+        self.source, self.prefix, self.folder = source, prefix, source.folder
+
+    def index(self) -> dict[str, Any]:
+        return {self.prefix + k: v for k, v in self.source.index().items()}
+
+    def read(self, key: str) -> Any:
+        return self.source.read(key[len(self.prefix):])
+
+    def close(self) -> None:
+        pass  # the source is closed by whoever opened it
 
 
 def _write_training(training: dict[str, Any], writer: Any, sums: dict[str, str]) -> dict[str, StateEntry]:
-    """A foreign checkpoint's optimizer and scheduler (``Opened.training``) as the manager saves them: the optimizer
-    (the scheduler beside it, as NeMo AutoModel keeps it) in ``optim/``, the scheduler also as ``lr_scheduler.pt``."""
+    """A foreign checkpoint's optimizer and scheduler (``Opened.training``), one tensor at a time: the optimizer in
+    ``optim/`` as the manager's ``optimizer_save_format="safetensors"`` keeps it (its tensors in a shard file, its
+    other entries in the values file), the scheduler as ``lr_scheduler.pt``."""
     from . import pt
-    from .registry import ShardContext
+    from .safetensors.sharded import save_whole
+    from .values_json import VALUES_FILE, dumps
 
     states: dict[str, StateEntry] = {}
-    sched = training.get("lr_scheduler")
-    if training.get("optim"):
-        fmt = get(OPTIM_FORMAT)
-        state = {"optim": training["optim"], **({"sched": sched} if sched is not None and fmt.any_values else {})}
-        sums.update(fmt.save_state(state, writer, OPTIM_DIR, ShardContext(extra={"stem": "optim"})))
-        states["optim"] = StateEntry("optimizer", fmt.name, OPTIM_DIR)
-    if sched is not None:
-        sums["lr_scheduler.pt"] = writer.write_bytes("lr_scheduler.pt", pt.to_bytes(sched, "the LR scheduler's state"))
+    if training.get("tensors") is not None:
+        sums.update(save_whole(_Prefixed(training["tensors"], "optim."), writer, OPTIM_DIR, stem="optim"))
+        values = {f"optim.{k}": v for k, v in training.get("values", {}).items()}
+        sums[f"{OPTIM_DIR}/{VALUES_FILE}"] = writer.write_bytes(f"{OPTIM_DIR}/{VALUES_FILE}", dumps(values))
+        states["optim"] = StateEntry("optimizer", "safetensors", OPTIM_DIR)
+    if training.get("lr_scheduler") is not None:
+        data = pt.to_bytes(training["lr_scheduler"], "the LR scheduler's state")
+        sums["lr_scheduler.pt"] = writer.write_bytes("lr_scheduler.pt", data)
         states["lr_scheduler"] = StateEntry("object", "pt", "lr_scheduler.pt")
     return states
 

@@ -48,6 +48,10 @@ class UnsafePathError(CheckpointCorruptError):
     """A path inside a checkpoint leads outside it, through a link, or to something that is not a file."""
 
 
+NAME_MAX = 255
+"""The longest name of one file or folder (bytes) on the file systems and object stores ckptio writes to."""
+
+
 def check_relative(rel: object, where: object) -> tuple[str, ...]:
     """The components of ``rel`` if it is a plain relative path; otherwise :class:`UnsafePathError`."""
     if not isinstance(rel, str) or not rel:
@@ -57,6 +61,8 @@ def check_relative(rel: object, where: object) -> tuple[str, ...]:
     parts = tuple(rel.split("/"))
     if any(p in ("", ".", "..") for p in parts):
         raise UnsafePathError(f"{where}: file path {rel!r} must not contain '..', '.' or empty components")
+    if any(len(p.encode("utf-8", "surrogatepass")) > NAME_MAX for p in parts):
+        raise UnsafePathError(f"{where}: file path {rel[:80]!r}... has a component longer than {NAME_MAX} bytes")
     return parts
 
 

@@ -49,20 +49,37 @@ def _extras_of(tag_dir: Path) -> Path | None:
     return None
 
 
+class _AdamSource:
+    """Adam's state of every parameter under torch's flattened names (``state.<name>.exp_avg``, ``.exp_avg_sq``,
+    ``.step``), read one tensor at a time."""
+
+    def __init__(self, ck: ZeroCheckpoint) -> None:
+        self.ck, self.folder, self.step = ck, ck.path, torch.tensor(ck.adam_step())
+
+    def index(self) -> dict[str, TensorInfo]:
+        out = {}
+        for name, shape in self.ck.shapes.items():
+            out.update({f"state.{name}.{m}": TensorInfo(shape, "float32") for m in MOMENTS})
+            out[f"state.{name}.step"] = TensorInfo((), "float32")
+        return out
+
+    def read(self, key: str) -> torch.Tensor:
+        name, what = key[len("state."):].rsplit(".", 1)
+        return self.step.clone() if what == "step" else self.ck.read(name, what)
+
+    def close(self) -> None:
+        pass  # the checkpoint is closed by the weights' source
+
+
 def training_state(ck: ZeroCheckpoint) -> dict[str, Any]:
-    """``Opened.training`` of a DeepSpeed checkpoint: Adam's state and hyper-parameters per parameter name (torch's
-    flattened ``state.<name>.exp_avg``, ``param_groups.<name>.lr``) and the scheduler's state; ``{}`` without Adam.
-    Every parameter's moments are read here, so the whole optimizer state is in memory once."""
+    """``Opened.training`` of a DeepSpeed checkpoint: Adam's state, streamed, and its hyper-parameters per parameter
+    name, and the scheduler's state; ``{}`` without Adam."""
     if not ck.has_moments():
         return {}
-    step, groups = torch.tensor(ck.adam_step()), ck.param_groups()
-    flat: dict[str, Any] = {}
-    for g, group in enumerate(ck.groups):
-        for name in group:
-            flat[f"state.{name}.step"] = step
-            flat.update({f"state.{name}.{m}": ck.read(name, m) for m in MOMENTS})
-            flat.update({f"param_groups.{name}.{k}": v for k, v in (groups[g] if g < len(groups) else {}).items()})
-    return {"optim": flat, "lr_scheduler": ck.scheduler}
+    groups = ck.param_groups()
+    values = {f"param_groups.{name}.{k}": v for g, group in enumerate(ck.groups) for name in group
+              for k, v in (groups[g] if g < len(groups) else {}).items()}
+    return {"tensors": _AdamSource(ck), "values": values, "lr_scheduler": ck.scheduler}
 
 
 class DeepSpeedCheckpoint(Format):

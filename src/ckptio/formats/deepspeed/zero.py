@@ -115,6 +115,19 @@ def _step_value(value: Any, where: object) -> float:
     raise CheckpointCorruptError(f"{where}: Adam's step is a {type(value).__name__}")
 
 
+def _parsed(method: Any) -> Any:
+    """A reader of the checkpoint's saved objects, inside :class:`parsing` of the checkpoint: whatever an object of the
+    wrong type or shape makes it raise becomes an error naming the checkpoint."""
+    import functools
+
+    @functools.wraps(method)
+    def wrapper(self: "ZeroCheckpoint", *args: Any, **kwargs: Any) -> Any:
+        with parsing(self.path):
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 class ZeroCheckpoint:
     """One DeepSpeed checkpoint (a tag folder): its parameters' fp32 masters and Adam moments, read on demand."""
 
@@ -226,17 +239,20 @@ class ZeroCheckpoint:
         return stage
 
     # --------------------------------------------------------------------------------------------- reading
+    @_parsed
     def index(self) -> dict[str, TensorInfo]:
         out = {n: TensorInfo(s, "float32") for n, s in self.shapes.items()}
         out.update({n: TensorInfo(s, dtype_name(self.module_dtypes.get(n, torch.float32))) for n, s in self.frozen.items()})
         out.update({n: TensorInfo(b.shape, dtype_name(b.dtype)) for n, b in self.buffers.items()})
         return out  # a tied parameter (``shared_params``) once, under the name it is trained as; read() takes both
 
+    @_parsed
     def has_moments(self) -> bool:
         if self.universal:
             return all(self.folder.kind(f"zero/{self._safe(n)}/{m}.pt") == "file" for n in self.shapes for m in MOMENTS)
         return all(self.flats.get(m) and all(f is not None for f in self.flats[m]) for m in MOMENTS)
 
+    @_parsed
     def read(self, name: str, what: str = "fp32") -> torch.Tensor:
         """Parameter ``name`` whole: its fp32 master (``what="fp32"``) or an Adam moment; a frozen parameter, buffer or
         tied parameter by its name."""
@@ -299,6 +315,7 @@ class ZeroCheckpoint:
         self._handles.pop().close()
         return out
 
+    @_parsed
     def adam_step(self) -> float:
         where: object
         state: Any
@@ -316,19 +333,19 @@ class ZeroCheckpoint:
             raise CheckpointCorruptError(f"{where}: no Adam step")
         return _step_value(entry["step"], where)
 
+    @_parsed
     def param_groups(self) -> list[dict[str, Any]]:
         """The optimizer's hyper-parameters per group as DeepSpeed saved them (``params`` left out)."""
         if self.universal:
-            try:
-                obj = self._load("zero/optimizer_state.pt")
-            except CheckpointError:
+            if self.folder.kind("zero/optimizer_state.pt") is None:
                 return []
+            obj = self._load("zero/optimizer_state.pt")
             groups = (obj.get("param_groups") if isinstance(obj, dict) else None) or _inner(obj, 3).get("param_groups")
         else:
             groups = _inner(self.optim[0][0], self.stage).get("param_groups")
         plain = (int, float, bool, str, type(None), tuple)
-        return [{k: v for k, v in g.items() if k != "params" and isinstance(v, plain)} for g in groups or []
-                if isinstance(g, dict)]
+        return [{k: v for k, v in g.items() if k != "params" and isinstance(v, plain)}
+                for g in (groups if isinstance(groups, list) else []) if isinstance(g, dict)]
 
     def close(self) -> None:
         for handle in self._handles:

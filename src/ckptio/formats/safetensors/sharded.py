@@ -157,15 +157,16 @@ def _write_files(files: list[chunk_index.FilePlan], views: dict, writer: "Folder
 
 
 def save_whole(source: "TensorSource", writer: "FolderWriter", rel: str,
-               progress: Callable[[int], None] | None = None) -> dict[str, str]:
-    """One process's layout of a whole model, tensor by tensor from ``source`` (what ``convert`` writes)."""
+               progress: Callable[[int], None] | None = None, stem: str = "model") -> dict[str, str]:
+    """One process's layout of a whole model (or of a state's tensors: ``stem``), tensor by tensor from ``source``
+    (what ``convert`` writes)."""
     index = source.index()
     keys = sorted(index, key=natural_key)
     shards = {k: {"shape": list(index[k].shape), "offsets": [0] * len(index[k].shape)} for k in keys}
     metadata = _metadata(shards, 0, 1)
     entries = [_st_writer.Entry(k, torch_dtype(index[k].dtype), index[k].shape, lambda k=k: source.read(k))  # type: ignore[misc]
                for k in keys]
-    name = f"{rel}/{shard_file_name(0, 1)}" if rel else shard_file_name(0, 1)
+    name = f"{rel}/{shard_file_name(0, 1, stem=stem)}" if rel else shard_file_name(0, 1, stem=stem)
     return {name: _st_writer.write(writer.open(name), entries, metadata, progress=progress)}
 
 
