@@ -181,6 +181,13 @@ class Format:
         needed: what ``convert`` uses to carry an optimizer to another format)."""
         raise ConfigError(f"the {self.name} format cannot hold a training state")
 
+    def state_values(self, folder: "Folder") -> dict[str, Any]:
+        """Every entry of a saved state that is not a tensor (hyper-parameters, counters), keyed by dotted names; its
+        tensors are then read one at a time through :meth:`open` of the folder (what streams a whole state)."""
+        import torch
+
+        return {k: v for k, v in self.read_state(folder).items() if not isinstance(v, torch.Tensor)}
+
     def load_state(self, target: dict[str, Any], folder: "Folder", ctx: ShardContext) -> None:
         """Collective: fill ``target`` (nested like the saved state) in place: its tensors (local shards)
         from the stored chunks, its other entries with the stored values."""

@@ -109,9 +109,42 @@ def saved_optimizer(step_dir: Path) -> tuple[dict[str, Any] | None, Any]:
         return None, None
     flat = registry.get(entry.format).read_state(Folder(step_dir).sub(entry.path))
     saved = {k[len("optim."):]: v for k, v in flat.items() if k.startswith("optim.")}
+    return saved, _scheduler(step_dir, manifest)
+
+
+def open_saved_optimizer(step_dir: Path) -> tuple[Any, dict[str, Any], Any]:
+    """A ckptio step directory's optimizer state to stream: a source of its tensors (one read at a time) and its other
+    entries, both keyed without ``optim.``, and the LR scheduler's state; ``(None, {}, None)`` without an optimizer."""
+    from ..engine.manifest import read_manifest
+
+    manifest = read_manifest(step_dir)
+    entry = manifest.states.get("optim")
+    if entry is None:
+        return None, {}, None
+    fmt, folder = registry.get(entry.format), Folder(step_dir).sub(entry.path)
+    values = {k[len("optim."):]: v for k, v in fmt.state_values(folder).items() if k.startswith("optim.")}
+    return _Unprefixed(fmt.open(folder.path).source, "optim."), values, _scheduler(step_dir, manifest)
+
+
+class _Unprefixed:
+    """The tensors of a source whose names start with ``prefix``, under the rest of their names."""
+
+    def __init__(self, source: Any, prefix: str) -> None:
+        self.source, self.prefix, self.folder = source, prefix, source.folder
+
+    def index(self) -> dict[str, Any]:
+        return {k[len(self.prefix):]: v for k, v in self.source.index().items() if k.startswith(self.prefix)}
+
+    def read(self, key: str) -> Any:
+        return self.source.read(self.prefix + key)
+
+    def close(self) -> None:
+        self.source.close()
+
+
+def _scheduler(step_dir: Path, manifest: Any) -> Any:
     sched = manifest.states.get("lr_scheduler")
-    scheduler = None if sched is None or sched.per_rank else pt_format.load_from(Folder(step_dir), sched.path)
-    return saved, scheduler
+    return None if sched is None or sched.per_rank else pt_format.load_from(Folder(step_dir), sched.path)
 
 
 def read_training_state(step_dir: Path) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:

@@ -169,12 +169,13 @@ def read_index(folder: "str | Path | Folder") -> dict[str, TensorInfo | None]:
     return {key: where.tensors.get(key) for key in where.order}
 
 
-def load_all(folder: "str | Path | Folder", under: str | None = None) -> dict[str, Any]:
+def load_all(folder: "str | Path | Folder", under: str | None = None, *, values_only: bool = False) -> dict[str, Any]:
     """Every value of a DCP folder, in the nesting it was saved with, without a template from the caller.
 
     The template is built from the folder's own metadata (tensor shapes and dtypes, and the flattening
     map DCP records); tensor values are read whole, non-tensor values with ``weights_only=True``. With
-    ``under``, only what was saved under that top-level key, returned without it (nothing else is read).
+    ``under``, only what was saved under that top-level key, returned without it (nothing else is read); with
+    ``values_only``, no tensor (only the values saved beside them).
     """
     from .direct import layout
 
@@ -186,14 +187,14 @@ def load_all(folder: "str | Path | Folder", under: str | None = None) -> dict[st
         path = mapping.get(key, (key,))
         if not isinstance(path, (tuple, list)) or not path or not all(isinstance(p, (str, int)) for p in path):
             raise CheckpointCorruptError(f"{folder}: malformed DCP flattening entry for {key!r}")
-        if under is not None and path[0] != under:
+        info = where.tensors.get(key)
+        if under is not None and path[0] != under or values_only and info is not None:
             continue
         node: Any = template
         for part in path[:-1]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise CheckpointCorruptError(f"{folder}: DCP key {key!r} nests inside a value")
-        info = where.tensors.get(key)
         node[path[-1]] = None if info is None else torch.empty(info.shape, dtype=torch_dtype(info.dtype))
     if under is not None and under not in template:
         raise CheckpointCorruptError(f"{root.path}: holds no {under!r} (its keys: {sorted(where.tensors)[:5]}...)")
@@ -281,6 +282,9 @@ class DCPFormat(Format):
 
     def read_state(self, folder: Folder) -> dict:
         return flatten(load_all(folder))
+
+    def state_values(self, folder: Folder) -> dict:
+        return flatten(load_all(folder, values_only=True))
 
     def read_value(self, folder: Folder, key: str) -> Any:
         return load_all(folder, under=key)

@@ -128,6 +128,13 @@ class ShardedSafetensors(Format):
             out.update(loads(folder.read_bytes(VALUES_FILE, max_size=MAX_VALUES_BYTES), folder.display(VALUES_FILE)))
         return out
 
+    def state_values(self, folder: Folder) -> dict:
+        from ..values_json import MAX_VALUES_BYTES, VALUES_FILE, loads
+
+        if folder.kind(VALUES_FILE) is None:
+            return {}
+        return dict(loads(folder.read_bytes(VALUES_FILE, max_size=MAX_VALUES_BYTES), folder.display(VALUES_FILE)))
+
     def load_state(self, target: dict, folder: Folder, ctx: ShardContext) -> None:
         from ... import _dist
         from ..values_json import MAX_VALUES_BYTES, VALUES_FILE, loads
