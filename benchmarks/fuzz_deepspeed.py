@@ -1,5 +1,5 @@
 """The fuzz family of DeepSpeed checkpoints (see ``fuzz_readers.py`` for the oracle): a ZeRO-2 and a ZeRO-3 run
-folder written by the real DeepSpeed (``tests/ds_run.py`` under torchrun, once, kept in the fuzzer's scratch
+folder and a universal folder (``ds_to_universal`` of the ZeRO-2 one) written by the real DeepSpeed (``tests/ds_run.py`` under torchrun, once, kept in the fuzzer's scratch
 folder), damaged one to three files at a time (bytes, pickles, whole entries), then read as every reader does:
 the format's detection, the fp32 masters of every parameter, Adam's moments and step, and the scheduler state.
 An untouched folder must read exactly what the pristine one holds."""
@@ -19,6 +19,17 @@ HERE = Path(__file__).resolve().parent
 
 
 def _run(stage: str) -> Path:
+    if stage == "universal":  # DeepSpeed's own ds_to_universal of the ZeRO-2 run, alone in a run folder
+        out = _fixed_dir("deepspeed-universal")
+        if not (out / "latest_universal").is_file():
+            tag = _run("2") / "global_step3"
+            r = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag),
+                                "--output_folder", str(out / "global_step3_universal"), "--inject_missing_state"],
+                               capture_output=True, text=True, env={**os.environ, "DS_ACCELERATOR": "cpu"}, timeout=600)
+            if r.returncode != 0:
+                raise RuntimeError(f"ds_to_universal failed: {r.stderr[-2000:]}")
+            (out / "latest_universal").write_text("global_step3_universal")
+        return out
     out = _fixed_dir(f"deepspeed-zero{stage}")
     if not (out / "latest").is_file():
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -58,7 +69,7 @@ class DeepSpeed:
         if hasattr(self, "images"):
             return
         self.images, self.objs, self.want = {}, {}, {}
-        for stage in ("2", "3"):
+        for stage in ("2", "3", "universal"):
             root = _run(stage)
             self.images[stage] = load_image(root)
             self.objs[stage] = _objects(self.images[stage])
@@ -67,8 +78,8 @@ class DeepSpeed:
     def __call__(self, rng: Case, tmp: Path) -> None:
         self.prepare()
         rng.reading = False
-        stage = rng.choice(["2", "3"])
-        rng.note(f"ZeRO-{stage}")
+        stage = rng.choice(["2", "3", "universal"])
+        rng.note(f"ZeRO-{stage}" if stage != "universal" else "a universal folder")
         image = dict(self.images[stage])
         kinds = {k: v for k, v in _kinds(image).items() if not k.endswith(".py")}
         touched = set() if rng.pristine else damage(rng, image, kinds, tmp, self.objs[stage], manifest=None)
