@@ -51,29 +51,31 @@ def _atomic(universal: Path, name: str, what: str) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """zero2: ZeRO-2 on 2 ranks (fp32), saved at steps 3 and 4; zero3: ZeRO-3 on 2 ranks in bf16, a Llama saved as
-    the HF Trainer does (``checkpoint-3/``); zero1: ZeRO-1 on 1 rank in bf16. Each with DeepSpeed's universal folder of
-    step 3. (fp16 is not among them: DeepSpeed refuses it on a CPU.)"""
+    the HF Trainer does (``checkpoint-3/``); zero1: ZeRO-1 on 1 rank in bf16; fp16: ZeRO-2 on 1 rank in fp16 with its
+    dynamic loss scaler (DeepSpeed's CPU accelerator is told it may: ``ds_run.py``). Each with DeepSpeed's universal
+    folder of step 3."""
     root = tmp_path_factory.mktemp("ds")
-    out = {"zero2": root / "zero2", "zero3": root / "zero3", "zero1": root / "zero1"}
+    out = {"zero2": root / "zero2", "zero3": root / "zero3", "zero1": root / "zero1", "fp16": root / "fp16"}
     _ds(out["zero2"], "--stage", "2", "--more", "1")
     _ds(out["zero3"], "--stage", "3", "--bf16", "--model", "llama", "--hf")
     _ds(out["zero1"], "--stage", "1", "--bf16", ranks=1)
+    _ds(out["fp16"], "--stage", "2", "--fp16", ranks=1)
     tags = {"zero2": out["zero2"] / "global_step3", "zero3": out["zero3"] / "checkpoint-3" / "global_step3",
-            "zero1": out["zero1"] / "global_step3"}
+            "zero1": out["zero1"] / "global_step3", "fp16": out["fp16"] / "global_step3"}
     return {k: (out[k], tags[k], _universal(tags[k])) for k in out}
 
 
 MOMENTS = ("fp32", "exp_avg", "exp_avg_sq")
 
 
-@pytest.mark.parametrize("kind", ["zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("kind", ["zero1", "zero2", "zero3", "fp16"])
 def test_masters_and_moments_equal_deepspeeds_own_bitwise(runs, kind):
     from ckptio.formats.deepspeed.zero import ZeroCheckpoint
 
     _, tag, universal = runs[kind]
     ck, back = ZeroCheckpoint(tag), ZeroCheckpoint(universal)
     try:
-        assert ck.stage == int(kind[-1]) and back.universal and ck.has_moments()
+        assert ck.stage == {"zero1": 1, "zero2": 2, "zero3": 3, "fp16": 2}[kind] and back.universal and ck.has_moments()
         assert ck.adam_step() == back.adam_step() == 3.0
         for name in ck.shapes:
             for what in MOMENTS:

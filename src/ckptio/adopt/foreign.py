@@ -102,14 +102,31 @@ def _slice_of(full: Any, view: Any) -> Any:
     return full[tuple(slice(o, o + n) for o, n in zip(view.offsets, view.local.shape))]
 
 
+def _fill_moments(path: Path, model_state: Any, optimizer: Any, step: float, moments: dict[str, Any]) -> None:
+    """Every optimized parameter's Adam state: the source's moments (this rank's slice of each) and step."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    names = {id(p): model_state._strip(n) for n, p in model_state.model.named_parameters()}
+    indexes = {moment: source.index() for moment, source in moments.items()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state: dict[str, Any] = {"step": torch.tensor(step, dtype=torch.float32)}
+            view = local_view(p.detach())
+            for moment, source in moments.items():
+                if names[id(p)] not in indexes[moment]:
+                    raise CheckpointMismatchError(f"{path}: no {moment} for {names[id(p)]!r}")
+                local = _slice_of(source.read(names[id(p)]), view).to(view.local.dtype).clone()
+                state[moment] = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False) \
+                    if isinstance(p, DTensor) else local
+            optimizer.state[p] = state
+
+
 def restore_foreign_adam(path: Path, model_state: Any, optimizer: Any, scheduler: Any, log: Any) -> tuple[bool, bool]:
     """Collective: give ``optimizer`` (Adam or AdamW) the source's moments and step, each rank its slices, and the
     hyper-parameters and ``scheduler`` (may be ``None``) the state the run had reached, where the format saves them
     (:meth:`~ckptio.formats.registry.Format.training_extras`). Returns whether the source had the Adam state and
     whether the scheduler's was loaded; any other optimizer, or a source without them, starts fresh."""
-    import torch
-    from torch.distributed.tensor import DTensor
-
     fmt = registry.detect(path)
     if not all("betas" in group for group in optimizer.param_groups):
         if _dist.rank() == 0:
@@ -121,19 +138,11 @@ def restore_foreign_adam(path: Path, model_state: Any, optimizer: Any, scheduler
         if found is None:
             return False, False
         step, moments = found
-        names = {id(p): model_state._strip(n) for n, p in model_state.model.named_parameters()}
-        indexes = {moment: source.index() for moment, source in moments.items()}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                state: dict[str, Any] = {"step": torch.tensor(step, dtype=torch.float32)}
-                view = local_view(p.detach())
-                for moment, source in moments.items():
-                    if names[id(p)] not in indexes[moment]:
-                        raise CheckpointMismatchError(f"{path}: no {moment} for {names[id(p)]!r}")
-                    local = _slice_of(source.read(names[id(p)]), view).to(view.local.dtype).clone()
-                    state[moment] = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False) \
-                        if isinstance(p, DTensor) else local
-                optimizer.state[p] = state
+        try:
+            _fill_moments(path, model_state, optimizer, step, moments)
+        finally:
+            for source in moments.values():
+                source.close()
         extras = fmt.training_extras(path)
         groups = extras.get("param_groups") or []
         if len(groups) == len(optimizer.param_groups):  # the hyper-parameters the run had reached (its lr)

@@ -103,10 +103,14 @@ class DeepSpeedCheckpoint(Format):
 
     def open_adam(self, path: Path) -> tuple[float, dict[str, Any]] | None:
         ck = ZeroCheckpoint(layout.find_tag_dir(path))
-        if not ck.has_moments():
+        try:
+            if ck.has_moments():
+                return ck.adam_step(), {m: _Source(ck, m, i == 0) for i, m in enumerate(MOMENTS)}
+        except BaseException:
             ck.close()
-            return None
-        return ck.adam_step(), {m: _Source(ck, m, i == 0) for i, m in enumerate(MOMENTS)}
+            raise
+        ck.close()
+        return None
 
     def training_extras(self, path: Path) -> dict[str, Any]:
         ck = ZeroCheckpoint(layout.find_tag_dir(path))
