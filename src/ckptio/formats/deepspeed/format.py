@@ -131,10 +131,9 @@ class DeepSpeedCheckpoint(Format):
         return out
 
 
-
 class DeepSpeedUniversal(DeepSpeedCheckpoint):
-    """``--to deepspeed-universal``: a universal folder DeepSpeed loads with ``load_universal`` on any number of
-    ranks (reading one is the ``deepspeed`` format's: it detects both kinds)."""
+    """A universal folder (``ds_to_universal``'s, or ckptio's ``--to deepspeed-universal``, which DeepSpeed loads with
+    ``load_universal`` on any number of ranks): read as the ``deepspeed`` format reads it, and written."""
 
     name = "deepspeed-universal"
     summary = "DeepSpeed universal checkpoint folder (per-parameter files DeepSpeed loads on any number of ranks)"

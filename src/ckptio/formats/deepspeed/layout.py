@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Callable
 
 from ...errors import CheckpointCorruptError, CheckpointNotFoundError
 from ...storage.confined import Folder
@@ -36,30 +37,28 @@ def is_tag_dir(path: Path) -> bool:
         return False
 
 
-def _steps(path: Path) -> list[tuple[int, Path]]:
+def _numbered(path: Path, pattern: "re.Pattern[str]", keep: "Callable[[Path], bool]") -> list[tuple[int, Path]]:
+    """The entries of ``path`` whose names match ``pattern`` (its first group a number) and that ``keep`` accepts,
+    by number; at the same step, an original tag ranks above its universal copy."""
     try:
         entries = list(path.iterdir())
     except OSError:
         return []
     out = []
     for entry in entries:
-        m = _STEP.fullmatch(entry.name)
-        if m and is_tag_dir(entry):
-            out.append((int(m.group(1)) * 2 + (0 if m.group(2) else 1), entry))  # a tag before its universal copy
+        m = pattern.fullmatch(entry.name)
+        if m and keep(entry):
+            universal = m.groups()[1:] and m.group(2)
+            out.append((int(m.group(1)) * 2 + (0 if universal else 1), entry))
     return sorted(out)
+
+
+def _steps(path: Path) -> list[tuple[int, Path]]:
+    return _numbered(path, _STEP, is_tag_dir)
 
 
 def _hf_checkpoints(path: Path) -> list[tuple[int, Path]]:
-    try:
-        entries = list(path.iterdir())
-    except OSError:
-        return []
-    out = []
-    for entry in entries:
-        m = _HF.fullmatch(entry.name)
-        if m and entry.is_dir() and (any((entry / p).is_file() for p in POINTERS) or _steps(entry)):
-            out.append((int(m.group(1)), entry))
-    return sorted(out)
+    return _numbered(path, _HF, lambda e: e.is_dir() and (any((e / p).is_file() for p in POINTERS) or bool(_steps(e))))
 
 
 def is_run(path: Path) -> bool:
