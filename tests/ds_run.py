@@ -43,6 +43,12 @@ def main() -> None:
     p.add_argument("--load")
     a = p.parse_args()
     import deepspeed
+    import deepspeed.ops
+
+    # DeepSpeed's CPU accelerator compiles a shared-memory allreduce (C++) the first time a process group starts; a
+    # machine without a C++ compiler fails there. The files this script writes do not depend on it: gloo carries the
+    # same collectives.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
     if "RANK" not in os.environ:  # one process, not under torchrun
         import socket
