@@ -240,8 +240,9 @@ def _two_rank_async(root: str, fmt: str) -> dict:
     _faults.set_hook(None)
     mgr.save(step=8)
     snapshots[8] = full_state(model, opt)
+    kept = (mgr.tracked.kept.hits, mgr.tracked.kept.builds, mgr.tracked.kept.why_not)
     mgr.close()
-    return {"snapshots": snapshots, "raised": raised}
+    return {"snapshots": snapshots, "raised": raised, "kept": kept}
 
 
 def _load_on(root: str, fmt: str, step: int) -> dict:
@@ -269,6 +270,8 @@ def test_two_ranks_background_saves_are_exact_and_errors_do_not_hang(tmp_path, f
     root = str(tmp_path / "ck")
     results = run_ranks(2, _two_rank_async, root=root, fmt=fmt)
     assert results[0]["raised"] == "RuntimeError" and results[1]["raised"] == "CheckpointError"
+    # the saves after the first used torch's state dicts of the DTensor shards again (ckptio.state.kept)
+    assert all(r["kept"] == (4, 1, None) for r in results), [r["kept"] for r in results]
     assert [e.step for e in committed_checkpoints(root)] == [2, 4, 6, 8]
     for step in (4, 8):
         got = run_ranks(1, _load_on, root=root, fmt=fmt, step=step)[0]

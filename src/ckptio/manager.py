@@ -134,13 +134,13 @@ class CheckpointManager:
         destroy its process groups. The memory tier's snapshots leave the node's memory when ``free_memory`` (default:
         unless an exception is propagating, so that a ``finally`` keeps them for the restart): save durably first.
         Also done when the process exits (an error is then logged; the memory tier is kept)."""
-        if free_memory is None:
-            free_memory = sys.exc_info()[0] is None
         clean = sys.exc_info()[0] is None
+        free_memory = clean if free_memory is None else free_memory
         try:
             writer, self._writer = self._writer, None
             if writer is not None:
                 writer.close()  # waits, then destroys its group: nothing of ours alive at interpreter exit
+            self.tracked.kept.clear()  # torch's state dicts kept between saves: views of the state
             if self._memory is not None:
                 self._memory.close(free=free_memory)
             self._goodput.close(clean)

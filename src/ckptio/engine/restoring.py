@@ -78,11 +78,11 @@ class Restorer:
 
     # ---------------------------------------------------------------------------------------------- 1
     def restore(self, restore_from: str | None, verify: str | None, options: LoadOptions | None = None) -> RestoreInfo | None:
-        if options is not None:
-            self.options = options
+        self.options = options if options is not None else self.options
         verify = self.config.verify if verify is None else verify
         if verify not in VERIFY_MODES:
             raise ConfigError(f"verify must be one of {list(VERIFY_MODES)}, got {verify!r}")
+        self.tracked.kept.clear()  # the state dicts kept between saves would hold the optimizer state this replaces
         rank = _dist.rank()
         automatic = restore_from in (None, LATEST)
         foreign, candidates = find_candidates(self.storage, restore_from, verify, self.config.start_fresh_if_damaged,

@@ -37,6 +37,7 @@ from .layout import CONSOLIDATED_DIR, LATEST, MODEL_DIR, OPTIM_DIR, format_step_
 from .manifest import MANIFEST_NAME, Manifest, StateEntry, merge_shapes, model_signature, software_versions
 from .sharing import Previous, Sharer, frozen_keys, previous_of
 from .staging import Stager
+from ..state.kept import KeptStateDicts
 from ..state.optimizer import model_and_optimizer_state
 from ..storage.base import FolderWriter, Storage
 
@@ -53,6 +54,9 @@ class Tracked:
     objects: dict[str, Any] = field(default_factory=dict)
     tokenizer: Any = None
     base_model_path: Any = None
+    kept: KeptStateDicts = field(default_factory=KeptStateDicts)
+    """torch's state dicts of the last save (any saver's), used again while the model and optimizer are unchanged;
+    cleared by a restore, which replaces the optimizer's state."""
 
 
 @dataclass
@@ -83,6 +87,8 @@ class SaveJob:
     """Every rank's shareable files -> their digests (gathered before the commit)."""
     linked: dict[str, tuple[str, int]] = field(default_factory=dict)
     """Every rank's shared files -> (where their bytes are, size) (gathered before the commit)."""
+    error: Exception | None = None
+    """What went wrong in the snapshot on this rank (raised on every rank by :meth:`Saver.settle`)."""
     blocked_s: float | None = None
     """How long ``save()`` held the training loop (set before a background write starts; ``None``: the whole save)."""
 
@@ -166,14 +172,10 @@ class Saver:
         optim_sd = None
         if t.model_state is not None:
             if t.optim_state is not None:
-                model_sd, optim_sd = model_and_optimizer_state(t.model_state, t.optim_state)
+                model_sd, optim_sd = model_and_optimizer_state(t.model_state, t.optim_state, t.kept)
             else:
                 model_sd = t.model_state.state_dict()
-            job.signature = model_signature(t.model, model_sd)
-            if _dist.world_size() > 1:  # pipeline stages hold different tensors: the signature is their union
-                parts = _dist.all_gather_object((job.signature["shapes"], job.signature["dtypes"]))
-                job.signature["shapes"] = merge_shapes([shapes for shapes, _ in parts])
-                job.signature["dtypes"] = {k: v for _, dtypes in parts for k, v in dtypes.items()}
+            job.signature = model_signature(t.model, model_sd)  # this rank's: joined in the write's first round
             if self.share and self.format.groups_apart:
                 job.apart = frozen_keys(t.model_state, model_sd)
             live["model"] = self.format.snapshot(model_sd, t.model)  # collective for formats that gather
@@ -190,17 +192,35 @@ class Saver:
             live = self.stager.stage(live)
         job.model, job.optim = live.get("model"), live.get("optim")
         del live
-        job.objects = _dist.run_collectively("serialising the registered states", lambda: {
-            obj_name: pt_format.to_bytes(obj.state_dict(), obj_name) for obj_name, obj in t.objects.items()})
+        try:  # an error is told to every rank in the write's first round (settle): no round in the pause
+            job.objects = {obj_name: pt_format.to_bytes(obj.state_dict(), obj_name) for obj_name, obj in t.objects.items()}
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by settle()
+            job.error = exc
         if stage and _dist.rank() == 0:
             self.log.info("Staged %s %s in %.2f s (%.1f MB of staging buffers); writing it in the background",
                           self.what, name, time.perf_counter() - start, self.stager.nbytes / 1e6)
         return job
 
+    def settle(self, job: SaveJob) -> None:
+        """Collective, the first round of a write (so that the snapshot, in the pause, has none): an error the
+        snapshot met on any rank is raised on every rank, and the model's signature becomes every rank's union
+        (pipeline stages hold different tensors)."""
+        def check() -> None:
+            if job.error is not None:
+                raise job.error
+
+        signature = job.signature
+        _, parts = _dist.agree("serialising the registered states", check,
+                               share=lambda _: (signature.get("shapes"), signature.get("dtypes")) if signature else None)
+        if signature and len(parts) > 1:
+            signature["shapes"] = merge_shapes([part[0] for part in parts if part is not None])
+            signature["dtypes"] = {k: v for part in parts if part is not None for k, v in part[1].items()}
+
     # ---------------------------------------------------------------------------------------------- 2-4
     def persist(self, job: SaveJob) -> None:
         """Collective (on the current group): write the job's files, then commit them on rank 0."""
         rank, world = _dist.rank(), _dist.world_size()
+        self.settle(job)
         if rank == 0:
             self.log.info("Saving checkpoint to %s", job.final_dir)
         begun = _dist.broadcast_object(_dist.run_collectively("preparing the checkpoint", lambda: self._begin(job)))

@@ -26,6 +26,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 __all__ = ["Stager"]
 
+_ATOMS = frozenset({bool, int, float, complex, str, bytes})
+
 
 class Stager:
     """Reusable host buffers into which a background save copies device tensors, so the next training step can
@@ -73,6 +75,8 @@ class Stager:
             return self._copy(key, value)
         if isinstance(value, dict):
             return {k: self._stage(v, f"{key}/{k}") for k, v in value.items()}
+        if value is None or type(value) in _ATOMS:  # immutable: nothing to copy (most of an optimizer's hyper-parameters)
+            return value
         if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
             staged = [self._stage(v, f"{key}/{i}") for i, v in enumerate(value)]
             return staged if isinstance(value, list) else tuple(staged)

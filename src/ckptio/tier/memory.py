@@ -115,6 +115,7 @@ class MemoryTier:
         rank, world = _dist.rank(), _dist.world_size()
         leader = nodes.leader(rank) == rank
         start = time.perf_counter()
+        self.saver.settle(job)
         facts = _dist.all_gather_object((self.saver.stager.nbytes + sum(len(b) for b in job.objects.values()),
                                          self.node.free_bytes()))
         room = no_room(nodes, facts, self.node.parent)
