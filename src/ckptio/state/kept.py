@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 __all__ = ["KeptStateDicts"]
 
@@ -94,16 +95,15 @@ class KeptStateDicts:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
     return t._local_tensor if isinstance(t, DTensor) else t  # noqa: SLF001 - to_local() dispatches; this does not
 
 
 def _describe(t: torch.Tensor) -> tuple[Any, ...]:
     """What a tensor's place in a state dict depends on: the object, its memory, its shape and its layout."""
-    local = _local(t)
-    placements = getattr(t, "placements", None)
-    return (id(t), local.data_ptr(), tuple(local.shape), local.stride(), local.dtype, local.device, placements)
+    if isinstance(t, DTensor):
+        local = t._local_tensor  # noqa: SLF001
+        return id(t), local.data_ptr(), local.shape, local.stride(), local.dtype, local.device, t.placements
+    return id(t), t.data_ptr(), t.shape, t.stride(), t.dtype, t.device
 
 
 _MODULE_SAVE = nn.Module._save_to_state_dict
