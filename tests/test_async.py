@@ -348,3 +348,24 @@ def test_close_joins_every_thread_and_destroys_every_group_ckptio_started(tmp_pa
         assert got["threads"] == [], f"close() left threads running: {got['threads']}"
         before, during, after = got["gloo"]
         assert during > before and after == before, f"gloo's native threads: {got['gloo']} (before, during, after)"
+
+
+class _Unsaveable:
+    def state_dict(self) -> dict:
+        raise ValueError("this object cannot be saved")
+
+    def load_state_dict(self, sd: dict) -> None:
+        pass
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_registered_state_that_fails_to_serialise_fails_the_save(tmp_path, background):
+    """Serialising the registered states happens in the pause; its error is raised by the write's first round (in
+    save() for a synchronous save, at wait() for a background one), and nothing is committed."""
+    model = torch.nn.Linear(4, 4)
+    cfg = CheckpointConfig(checkpoint_dir=str(tmp_path), async_save=background)
+    with CheckpointManager(cfg, model=model, rng=False, extra_states={"bad": _Unsaveable()}) as mgr:
+        with pytest.raises(ValueError, match="cannot be saved"):
+            mgr.save(step=1)
+            mgr.wait()
+    assert committed_checkpoints(str(tmp_path)) == []
