@@ -40,6 +40,7 @@ _O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _PIECE = 4 * 1024 * 1024  # a verified read is hashed in pieces of this size, overlapping the next read
+_SMALL = 1 << 20  # a verified read this small is hashed on the reader's thread when the hashing thread is idle
 ADVICE_SLACK = 64 << 10
 """Advised ranges (:meth:`ReadHandle.advise`) closer than this are one range."""
 
@@ -372,8 +373,10 @@ class ReadHandle:
         if h is None:
             self._pread(view, offset)
             return
-        if n <= _PIECE and settle and h.idle():
-            self._pread(view, offset)  # small: hashed here, cheaper than a hand-over
+        if (n <= _PIECE if settle else n <= _SMALL) and h.idle():
+            # hashed here (CRC-32C: 60 us a MiB), cheaper than handing it to the hashing thread (a future and a
+            # queue each: 0.13 s of the 0.23 s that verify: full added to a 1.8 GB restore of 2,800 pieces)
+            self._pread(view, offset)
             h.update(offset, view, self)
             return
         # CRC-32C releases the GIL, so the verifier's thread hashes a piece while this one reads the next;
