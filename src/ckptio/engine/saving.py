@@ -193,7 +193,7 @@ class Saver:
         job.model, job.optim = live.get("model"), live.get("optim")
         del live
         try:  # an error is told to every rank in the write's first round (settle): no round in the pause
-            job.objects = {obj_name: pt_format.to_bytes(obj.state_dict(), obj_name) for obj_name, obj in t.objects.items()}
+            job.objects = {key: pt_format.to_bytes(obj.state_dict(), key) for key, obj in t.objects.items()}
         except Exception as exc:  # noqa: BLE001 - raised on every rank by settle()
             job.error = exc
         if stage and _dist.rank() == 0:
@@ -210,8 +210,8 @@ class Saver:
                 raise job.error
 
         signature = job.signature
-        _, parts = _dist.agree("serialising the registered states", check,
-                               share=lambda _: (signature.get("shapes"), signature.get("dtypes")) if signature else None)
+        mine = (signature.get("shapes"), signature.get("dtypes")) if signature else None
+        _, parts = _dist.agree("serialising the registered states", check, share=lambda _: mine)
         if signature and len(parts) > 1:
             signature["shapes"] = merge_shapes([part[0] for part in parts if part is not None])
             signature["dtypes"] = {k: v for part in parts if part is not None for k, v in part[1].items()}

@@ -128,8 +128,8 @@ def _fingerprint(model: nn.Module, optimizer: Any) -> tuple[list[Any], list[Any]
             if name not in skip:
                 key.append((prefix, name, None if t is None else _describe(t)))
                 held.append(t)
-    if not isinstance(optimizer, torch.optim.Optimizer) or type(optimizer).state_dict is not torch.optim.Optimizer.state_dict \
-            or optimizer._optimizer_state_dict_post_hooks:
+    plain = isinstance(optimizer, torch.optim.Optimizer) and type(optimizer).state_dict is torch.optim.Optimizer.state_dict
+    if not plain or optimizer._optimizer_state_dict_post_hooks:
         return key, held, f"the optimizer ({type(optimizer).__name__}) makes its own state dict"
     for group in optimizer.param_groups:
         key.append((id(group), tuple(group)))
@@ -139,7 +139,8 @@ def _fingerprint(model: nn.Module, optimizer: Any) -> tuple[list[Any], list[Any]
             key.append((id(p), None if state is None else id(state)))
             held.extend((p, state))
             if state:
-                key.append(tuple((k, _describe(v) if isinstance(v, torch.Tensor) else type(v)) for k, v in state.items()))
+                key.append(tuple((k, _describe(v) if isinstance(v, torch.Tensor) else type(v))
+                                 for k, v in state.items()))
                 held.extend(v for v in state.values() if isinstance(v, torch.Tensor))
     return key, held, None
 

@@ -63,8 +63,9 @@ def model_and_optimizer_state(model_state: Any, optim_state: Any,
                               kept: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """``model_state.state_dict()`` and ``optim_state.state_dict()``, from one call of torch's ``get_state_dict`` when
     both are the plain wrappers of the same model: torch then maps every parameter's names once instead of twice
-    (16 ms of a 2-rank background save's 0.23 s pause for the medium state). ``kept``: a :class:`~ckptio.state.kept.KeptStateDicts`, the dicts of the last save
-    used again while the model and optimizer have not changed (:mod:`ckptio.state.kept`)."""
+    (16 ms of a 2-rank background save's 0.23 s pause for the medium state). ``kept``: a
+    :class:`~ckptio.state.kept.KeptStateDicts`, whose dicts of the last save are used again while the model and
+    optimizer have not changed."""
     from .model import ModelState
 
     if not (type(model_state) is ModelState and type(optim_state) is OptimizerState
