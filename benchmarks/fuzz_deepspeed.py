@@ -1,8 +1,9 @@
 """The fuzz family of DeepSpeed checkpoints (see ``fuzz_readers.py`` for the oracle): a ZeRO-2 and a ZeRO-3 run
-folder and a universal folder (``ds_to_universal`` of the ZeRO-2 one) written by the real DeepSpeed (``tests/ds_run.py`` under torchrun, once, kept in the fuzzer's scratch
-folder), damaged one to three files at a time (bytes, pickles, whole entries), then read as every reader does:
-the format's detection, the fp32 masters of every parameter, Adam's moments and step, and the scheduler state.
-An untouched folder must read exactly what the pristine one holds."""
+folder and a universal folder (``ds_to_universal`` of the ZeRO-2 one) written by the real DeepSpeed
+(``tests/ds_run.py`` under torchrun, once, kept in the fuzzer's scratch folder), damaged one to three files at a
+time (bytes, pickles, whole entries), then read as every reader does: the format's detection, the fp32 masters of
+every parameter, Adam's moments and step, and the scheduler state. An untouched folder must read exactly what the
+pristine one holds."""
 
 from __future__ import annotations
 
