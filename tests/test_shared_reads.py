@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -326,3 +327,125 @@ def test_share_reads_takes_true_false_or_null_only():
         assert CheckpointConfig(share_reads=ok).share_reads is ok
     with pytest.raises(ConfigError, match="share_reads must be true, false or null"):
         CheckpointConfig(share_reads="yes")
+
+
+# ------------------------------------------------------------------------------ reads overlap sends
+def _exchange_plans(rank: int) -> tuple[dict, Any]:
+    """Two ranks that both restore ``a`` and ``b`` (2 MiB each, sent from and into their own memory) and eight small
+    parts (packed): rank 0 reads the first half, rank 1 the second."""
+    flat = {"a": torch.zeros(MiB // 2), "b": torch.zeros(MiB // 2)} | {f"s{i}": torch.zeros(16) for i in range(8)}
+    mine = Described([[_need(k, t.numel() * 4) for k, t in flat.items()], None, None, None], "node")
+    summaries = [mine.summary()] * 2
+    return flat, plans(summaries, mine, rank, True, remote=False)[0]
+
+
+def _wait_for(t: torch.Tensor, value: float, seconds: float = 30) -> bool:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if bool((t == value).all()):
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def _overlapping() -> dict:
+    """Each rank fills what it reads, says so, and waits, still inside its reads, for the other rank's part."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    flat, plan = _exchange_plans(rank)
+    read, other = ("a", "b") if rank == 0 else ("b", "a")
+    assert {k for k in flat if k not in plan.skip_keys} >= {read}
+    with plan.exchange(flat) as extra:
+        assert id(flat[other]) in extra["skip"]
+        flat[read].fill_(rank + 1)
+        extra["filled"](id(flat[read]))
+        arrived = _wait_for(flat[other], 2 - rank)  # rank 0 waits for rank 1's part, and the other way round
+        for k in flat:  # the small parts, then the end of the reads
+            if k not in plan.skip_keys and k != read:
+                flat[k].fill_(rank + 1)
+                extra["filled"](id(flat[k]))
+    small = {k: float(v[0]) for k, v in flat.items() if k.startswith("s")}
+    return {"arrived": arrived, "small": small, "other": float(flat[other][0])}
+
+
+def test_a_part_is_sent_as_soon_as_it_is_read_not_after_every_read():
+    out = run_ranks(2, _overlapping)
+    assert all(r["arrived"] for r in out), out  # each part reached the other rank while its reads went on
+    assert out[0]["small"] == out[1]["small"] and set(out[0]["small"].values()) <= {1.0, 2.0}, out
+
+
+def _failing_then_fine() -> dict:
+    """Rank 0's reads fail before it filled anything; the exchange still ends on both ranks (no receive left
+    waiting), and a second exchange with the same tags delivers the right bytes."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    flat, plan = _exchange_plans(rank)
+    error = None
+    try:
+        with plan.exchange(flat) as extra:
+            if rank == 0:
+                raise OSError("the disk went away")
+            for k in flat:
+                if k not in plan.skip_keys:
+                    flat[k].fill_(7)
+                    extra["filled"](id(flat[k]))
+    except OSError as exc:
+        error = str(exc)
+    flat, plan = _exchange_plans(rank)
+    with plan.exchange(flat) as extra:
+        for k in flat:
+            if k not in plan.skip_keys:
+                flat[k].fill_(rank + 1)
+                extra["filled"](id(flat[k]))
+    return {"error": error, "values": {k: float(v[0]) for k, v in flat.items()},
+            "uniform": all(bool((v == v[0]).all()) for v in flat.values())}
+
+
+def test_a_failed_read_still_ends_the_exchange_and_leaves_nothing_to_catch_the_next():
+    out = run_ranks(2, _failing_then_fine, timeout=120)
+    assert out[0]["error"] == "the disk went away" and out[1]["error"] is None
+    assert out[0]["values"] == out[1]["values"], out  # both ranks hold what its reader read, key by key
+    assert out[0]["values"]["a"] == 1.0 and out[0]["values"]["b"] == 2.0, out
+    assert all(r["uniform"] for r in out), out
+
+
+def _truncated_then_intact(root: str) -> dict:
+    import torch.distributed as dist
+
+    model, opt = _mlp(768, 3)
+    model(torch.randn(4, 768)).sum().backward()
+    opt.step()
+    cfg = CheckpointConfig(checkpoint_dir=root, share_reads=True)
+    with CheckpointManager(cfg, model=model, optimizer=opt, rng=False) as manager:
+        manager.save(step=1)
+        manager.save(step=2)
+    damaged = Path(root) / "epoch_0_step_1"
+    dist.barrier()
+    if dist.get_rank() == 0:
+        for victim in damaged.rglob("*.distcp"):  # found once the optimizer's parts are awaited from the other rank
+            os.truncate(victim, victim.stat().st_size // 2)
+    dist.barrier()
+    fresh, fresh_opt = _mlp(768, 3)
+    error = None
+    try:
+        CheckpointManager(cfg, model=fresh, optimizer=fresh_opt, rng=False).restore(str(damaged), verify="none")
+    except CheckpointCorruptError as exc:
+        error = str(exc)
+    fresh, fresh_opt = _mlp(768, 3)
+    for p in fresh.parameters():
+        torch.nn.init.zeros_(p)
+    CheckpointManager(cfg, model=fresh, optimizer=fresh_opt, rng=False).restore(str(Path(root) / "epoch_0_step_2"))
+    same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+    saved, loaded = opt.state_dict()["state"], fresh_opt.state_dict()["state"]
+    return {"error": error, "same": same and all(torch.equal(saved[i][k], loaded[i][k]) for i in saved for k in saved[i])}
+
+
+@pytest.mark.slow
+def test_a_restore_failing_amid_shared_reads_fails_every_rank_and_the_next_restore_is_exact(tmp_path):
+    out = run_ranks(2, _truncated_then_intact, root=str(tmp_path / "ck"), timeout=180)
+    assert all(r["error"] and ".distcp" in r["error"] for r in out), out
+    assert all(r["same"] for r in out), out

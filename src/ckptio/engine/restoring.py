@@ -17,6 +17,7 @@ makes every rank fall back to the next candidate together; anything else is rais
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -256,12 +257,10 @@ class Restorer:
         folder = step.sub(entry.path)  # a folder that is not there fails in the format's load, on every rank
         # once the signature was checked against every rank's keys together, each rank's own read only needs
         # its keys present (a pipeline stage holds some of the model's keys)
-        with StateProgress(target, f"restoring the model of {step.path.name}", self.log) as progress:
-            fmt.load_shards(target, folder, strict=strict and not checked,
-                            ctx=ShardContext(_dist.rank(), _dist.world_size(), progress=progress.update,
-                                             extra={"model": t.model, "skip": share.skip(target)}))
-            if share:  # every rank's reads succeeded: hand the shared parts over
-                share.transfer(target, progress.update)
+        with StateProgress(target, f"restoring the model of {step.path.name}", self.log) as progress, \
+                share.exchange(target, progress.update) as extra:  # the shared parts sent as they are read
+            fmt.load_shards(target, folder, strict=strict and not checked, ctx=ShardContext(
+                _dist.rank(), _dist.world_size(), progress=progress.update, extra={"model": t.model, **extra}))
         t.model_state.load_state_dict(target)
 
     def _load_model_partially(self, step: Folder, entry: StateEntry, fmt: Any, target: dict[str, Any]) -> None:
@@ -297,12 +296,10 @@ class Restorer:
         # the state is fresh memory: have its pages provided while the reads fill the tensors before them
         join = populate_async(_local(t) for t in tensors.values()) if fast else (lambda: None)
         try:
-            flat = flatten(target) if share else {}
-            with StateProgress(tensors, f"restoring the optimizer of {step_dir.name}", self.log) as progress:
+            with StateProgress(tensors, f"restoring the optimizer of {step_dir.name}", self.log) as progress, \
+                    (share.exchange(flatten(target), progress.update) if share else nullcontext({})) as extra:
                 fmt.load_state(target, folder, ShardContext(_dist.rank(), _dist.world_size(), progress=progress.update,
-                                                            extra={"skip": share.skip(flat)} if share else {}))
-                if share:
-                    share.transfer(flat, progress.update)
+                                                            extra=extra))
         finally:
             join()
         return lambda: apply_state(_Apply(optim_state) if fast else optim_state, target, folder.path)

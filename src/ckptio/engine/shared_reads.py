@@ -15,10 +15,14 @@ times from storage (a cold disk, a bucket, a shared filesystem all pay it). Inst
    about equal bytes; each run is read by its member and sent to the others.
 3. **Read**: the formats skip the parts this rank was not given (``ShardContext.extra["skip"]``: the identities of
    the state dict's values), inside the load round where errors are gathered as before.
-4. **Send** (:meth:`SharedReads.transfer`): once every rank's reads succeeded, each reader sends what it filled to
-   the other ranks of its group, point to point over the job's process group: every send and receive posted at
-   once, each with its own tag, then waited for (no order can deadlock). Large contiguous parts go
-   straight from and into the tensors' memory; small ones are packed, 64 MiB at most per message.
+4. **Send** (:meth:`SharedReads.exchange`, a context around the reads): every receive is posted before the reads;
+   a reader sends a message, point to point over the job's process group with a tag of its own, as soon as the
+   format says the message's last part is filled, so a rank's reads overlap its sends and the other ranks'
+   receives. On leaving, every send not yet made is made and every message waited for, also when the reads
+   failed (the load round then fails every rank): nothing is left pending to catch a later restore's message.
+   Large contiguous parts go straight from and into the tensors' memory; small ones are packed, 64 MiB at most
+   per message. On NCCL, which runs a pair's operations in the order posted, all are posted after the reads as
+   one batch.
 
 The result is bitwise what a rank's own read gives: the bytes sent are the filled destination, not re-encoded.
 The checksum guarantee is unchanged: every byte that reached any rank came from a read that was hashed, and each
@@ -182,43 +186,13 @@ class SharedReads:
     def __bool__(self) -> bool:
         return bool(self.messages)
 
-    def transfer(self, flat: dict[str, Any], progress: Callable[[int], None] | None = None) -> int:
-        """Point to point with the ranks of this rank's groups (each of which calls it too), after every rank's reads
-        succeeded: send what this rank read to the ranks that share it and receive what it skipped. Returns the
-        bytes this rank received."""
-        groups = {device: _group_for(device) for device in {m.device for m in self.messages}}  # made in plans()
-        received = 0
-        works: list[Any] = []
-        unpack: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
-        keep: list[torch.Tensor] = []  # buffers alive until their work is done
-        batched: dict[Any, list[Any]] = {}  # NCCL: every send and receive of a group posted as one batch
-        for m in self.messages:
-            if self.rank == m.src or self.rank in m.dsts:
-                buf = self._post(m, flat, groups[m.device], works, unpack, batched)
-                keep.append(buf)
-                received += m.nbytes if self.rank != m.src else 0
-        if batched:
-            import torch.distributed as dist
-
-            for ops in batched.values():
-                works += dist.batch_isend_irecv(ops)
-        for work in works:
-            work.wait()
-        with torch.no_grad():
-            for buf, targets in unpack:
-                at = 0
-                for t in targets:  # byte copies: a packed part need not sit at an offset aligned for its dtype
-                    n = t.numel() * t.element_size()
-                    into = t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
-                    _bytes_of(into).copy_(buf[at:at + n])
-                    if into is not t:
-                        t.copy_(into)
-                    at += n
-        if progress is not None and received:
-            progress(received)
-        if any(t.device.type != "cpu" for t in keep) and hasattr(torch, "accelerator"):
-            torch.accelerator.synchronize()
-        return received
+    def exchange(self, flat: dict[str, Any], progress: Callable[[int], None] | None = None) -> "_Exchange":
+        """A context around this rank's reads of ``flat`` (a flattened state dict; each rank of its groups enters
+        one), giving the ``extra`` a format's load takes: receives are posted on entry, each message this rank
+        reads is sent as soon as its last part is filled (``extra["filled"]``), and on exit every send not yet made
+        is made and every message waited for. Also when the reads failed (the restore then fails on every rank):
+        no receive is left pending to catch a later restore's messages."""
+        return _Exchange(self, flat, progress)
 
     def _post(self, m: _Message, flat: dict[str, Any], group: Any, works: list[Any],
               unpack: list[tuple[torch.Tensor, list[torch.Tensor]]], batched: dict[Any, list[Any]]) -> torch.Tensor:
@@ -252,6 +226,89 @@ class SharedReads:
             else:
                 works.append(dist.irecv(piece, m.src, group=group, tag=tag))
         return buf
+
+
+class _Exchange:
+    """One restore's messages (:meth:`SharedReads.exchange`). On gloo, receives are posted before the reads and sends
+    as their parts are filled, so reading overlaps sending. On NCCL, which ignores tags and runs a pair's operations
+    in the order posted, every send and receive is posted at the end as one batch (``batch_isend_irecv``)."""
+
+    def __init__(self, plan: SharedReads, flat: dict[str, Any], progress: Callable[[int], None] | None) -> None:
+        self.plan, self.flat, self.progress = plan, flat, progress
+        self.groups = {device: _group_for(device) for device in {m.device for m in plan.messages}}  # made in plans()
+        self.works: list[Any] = []
+        self.unpack: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+        self.keep: list[torch.Tensor] = []  # buffers alive until their work is done
+        self.batched: dict[Any, list[Any]] = {}
+        self.waiting: dict[int, list[list[Any]]] = {}  # a value's identity -> [message, its parts not yet filled]
+        self.unsent: list[_Message] = []
+        self.received = 0
+        self.skip = plan.skip(flat)
+
+    def __enter__(self) -> dict[str, Any]:
+        import torch.distributed as dist
+
+        rank = self.plan.rank
+        for m in self.plan.messages:
+            nccl = str(dist.get_backend(self.groups[m.device])) == "nccl"
+            if rank == m.src and not nccl:
+                entry = [m, {id(self.flat[k]) for k in m.keys}]
+                for k in m.keys:
+                    self.waiting.setdefault(id(self.flat[k]), []).append(entry)
+            elif rank == m.src or nccl:
+                self.unsent.append(m)
+            else:
+                self.keep.append(self.plan._post(m, self.flat, self.groups[m.device], self.works, self.unpack,
+                                                 self.batched))
+                self.received += m.nbytes
+        return {"skip": self.skip, "filled": self.filled} if self.plan else {"skip": self.skip}
+
+    def filled(self, value: int) -> None:
+        """Called by a format when the value of identity ``value`` is wholly filled: send what is now complete."""
+        for entry in self.waiting.pop(value, ()):
+            entry[1].discard(value)
+            if not entry[1]:
+                self._send(entry[0])
+
+    def _send(self, m: _Message) -> None:
+        self.keep.append(self.plan._post(m, self.flat, self.groups[m.device], self.works, self.unpack, self.batched))
+
+    def __exit__(self, kind: Any, *_: Any) -> None:
+        try:
+            self._finish(ok=kind is None)
+        except Exception:
+            if kind is None:
+                raise  # else the reads' own error is the one to tell
+
+    def _finish(self, ok: bool) -> None:
+        import torch.distributed as dist
+
+        pending = {id(e[0]): e[0] for entries in self.waiting.values() for e in entries if e[1]}
+        self.waiting.clear()
+        for m in [*self.unsent, *pending.values()]:  # a failed read still sends: its receivers are waiting
+            self._send(m)
+            if self.plan.rank != m.src:
+                self.received += m.nbytes
+        for ops in self.batched.values():
+            self.works += dist.batch_isend_irecv(ops)
+        for work in self.works:
+            work.wait()
+        if not ok:
+            return
+        with torch.no_grad():
+            for buf, targets in self.unpack:
+                at = 0
+                for t in targets:  # byte copies: a packed part need not sit at an offset aligned for its dtype
+                    n = t.numel() * t.element_size()
+                    into = t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
+                    _bytes_of(into).copy_(buf[at:at + n])
+                    if into is not t:
+                        t.copy_(into)
+                    at += n
+        if self.progress is not None and self.received:
+            self.progress(self.received)
+        if any(t.device.type != "cpu" for t in self.keep) and hasattr(torch, "accelerator"):
+            torch.accelerator.synchronize()
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:

@@ -117,7 +117,8 @@ class Format:
     with the previous checkpoint when their bytes did not change (:mod:`ckptio.engine.sharing`)."""
     shares_reads: bool = False
     """Loads honour ``ShardContext.extra["skip"]`` (values another rank reads and sends: see
-    :mod:`ckptio.engine.shared_reads`)."""
+    :mod:`ckptio.engine.shared_reads`) and call ``extra["filled"]``, when given, with a value's identity once it is
+    filled (its bytes may then be sent; a load that never calls it only loses the overlap)."""
     full_model: bool = False
     """Inside a step directory: holds the whole model (then its config, tokenizer and consolidated bundle
     are written beside it), rather than a part of it such as an adapter."""

@@ -49,6 +49,7 @@ class _Read:
     dst: torch.Tensor | None  # None: a non-tensor value, set at ``path``
     path: tuple = ()
     chunk: tuple = ()  # the stored chunk's shape
+    owner: int = 0  # the identity of the state dict's value ``dst`` is a part of
 
 
 @dataclass
@@ -167,13 +168,19 @@ def plan(state_dict: dict, folder: Folder, skip: "frozenset[int]" = frozenset())
             box = overlap(view.offsets, tuple(local.shape), chunk_offsets, chunk_sizes)
             if box is None:
                 continue
-            reads.append(_Read(file, offset, length, key, list(box.src_lo), local[box.dst_index()], chunk=chunk_sizes))
+            reads.append(_Read(file, offset, length, key, list(box.src_lo), local[box.dst_index()], chunk=chunk_sizes,
+                               owner=id(obj)))
     return Plan(folder, sorted(reads, key=lambda r: (r.file, r.offset)), state_dict)
 
 
-def execute(p: Plan, progress: Callable[[int], None] | None = None) -> None:
-    """Do the reads of :func:`plan`, one forward pass over each file."""
+def execute(p: Plan, progress: Callable[[int], None] | None = None, filled: Callable[[int], None] | None = None) -> None:
+    """Do the reads of :func:`plan`, one forward pass over each file; ``filled`` is called with a tensor's identity
+    once its last chunk is read."""
+    from collections import Counter
+
     from torch.distributed.checkpoint._nested_dict import set_element
+
+    left = Counter(r.owner for r in p.reads if r.dst is not None) if filled is not None else Counter()
 
     for rel, group in groupby(p.reads, key=lambda r: r.file):  # sorted by file, then offset
         reads = list(group)
@@ -196,6 +203,10 @@ def execute(p: Plan, progress: Callable[[int], None] | None = None) -> None:
                     read_into(handle, stored, r.src_lo, list(r.dst.shape), r.dst)
                 if progress is not None:
                     progress(r.dst.numel() * r.dst.element_size())
+                if filled is not None:
+                    left[r.owner] -= 1
+                    if not left[r.owner]:
+                        filled(r.owner)
 
 
 def _value(data: bytes, path: Any, key: str) -> Any:

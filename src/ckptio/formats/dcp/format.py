@@ -128,14 +128,15 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 def load(state_dict: dict[str, Any], folder: "str | Path | Folder", *, no_dist: bool = False,
          progress: Callable[[int], None] | None = None, check: Callable[[], None] | None = None,
-         skip: "frozenset[int]" = frozenset()) -> None:
+         skip: "frozenset[int]" = frozenset(), filled: Callable[[int], None] | None = None) -> None:
     """Collective: fill ``state_dict`` in place from a DCP folder, resharding as DCP does.
 
     ``no_dist=True`` makes it a local read on this rank alone, whatever the process group. ``progress``:
     called with the bytes of each chunk read into place. ``check``: run first on every rank (e.g. the keys
     against the folder's index); what it raises fails the load on every rank. ``skip``: the identities of tensors
     of ``state_dict`` another rank reads for this one (:mod:`ckptio.engine.shared_reads`), honoured by the direct
-    path (DCP's own load, when a rank cannot take that path, reads everything on every rank).
+    path (DCP's own load, when a rank cannot take that path, reads everything on every rank); ``filled``: called
+    by the direct path with a tensor's identity once every chunk of it was read.
     """
     from . import direct as dcp_direct
 
@@ -150,7 +151,7 @@ def load(state_dict: dict[str, Any], folder: "str | Path | Folder", *, no_dist: 
             check()
         planned = dcp_direct.plan(state_dict, reader.root, skip)
         if planned is not None:
-            dcp_direct.execute(planned, progress)
+            dcp_direct.execute(planned, progress, filled)
         return planned is not None
 
     if direct() if local else all(_dist.agree(f"loading DCP folder {reader.root.path}", direct, share=bool)[1]):
@@ -269,7 +270,7 @@ class DCPFormat(Format):
 
     def load_shards(self, target: dict, folder: Folder, *, strict: bool, ctx: ShardContext) -> None:
         load(target, folder, progress=ctx.progress, skip=ctx.extra.get("skip", frozenset()),
-             check=lambda: check_compatible(read_index(folder), target, str(folder.path), strict=strict))
+             filled=ctx.extra.get("filled"), check=lambda: check_compatible(read_index(folder), target, str(folder.path), strict=strict))
 
     def save_state(self, state: dict, writer: "FolderWriter", rel: str, ctx: ShardContext) -> dict[str, str]:
         return save(state, writer, rel, thread_count=ctx.threads)
@@ -278,7 +279,8 @@ class DCPFormat(Format):
         return read_index(folder)
 
     def load_state(self, target: dict, folder: Folder, ctx: ShardContext) -> None:
-        load(target, folder, progress=ctx.progress, skip=ctx.extra.get("skip", frozenset()))
+        load(target, folder, progress=ctx.progress, skip=ctx.extra.get("skip", frozenset()),
+             filled=ctx.extra.get("filled"))
 
     def read_state(self, folder: Folder) -> dict:
         return flatten(load_all(folder))

@@ -76,7 +76,8 @@ class ShardedSafetensors(Format):
         from ... import _dist
 
         _dist.run_collectively("loading the model", lambda: load(target, folder, strict=strict, progress=ctx.progress,
-                                                                skip=ctx.extra.get("skip", frozenset())))
+                                                                skip=ctx.extra.get("skip", frozenset()),
+                                                                filled=ctx.extra.get("filled")))
 
     # a training state: tensors as shards, plain values in values.json (the optimizer's fast path)
     def save_state(self, state: dict, writer: "FolderWriter", rel: str, ctx: ShardContext) -> dict[str, str]:
@@ -144,7 +145,8 @@ class ShardedSafetensors(Format):
 
         def read() -> None:
             if tensors:
-                load(tensors, folder, strict=False, progress=ctx.progress, skip=ctx.extra.get("skip", frozenset()))
+                load(tensors, folder, strict=False, progress=ctx.progress, skip=ctx.extra.get("skip", frozenset()),
+                     filled=ctx.extra.get("filled"))
             if folder.kind(VALUES_FILE) is not None:
                 values = loads(folder.read_bytes(VALUES_FILE, max_size=MAX_VALUES_BYTES), folder.display(VALUES_FILE))
                 for key in flat:

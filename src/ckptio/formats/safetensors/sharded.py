@@ -287,16 +287,18 @@ def read_index_file(path: str | Path) -> dict[str, TensorInfo]:
 
 
 def load(target: dict[str, torch.Tensor], folder: "str | Path | Folder", *, strict: bool = True,
-         progress: Callable[[int], None] | None = None, skip: "frozenset[int]" = frozenset()) -> None:
+         progress: Callable[[int], None] | None = None, skip: "frozenset[int]" = frozenset(),
+         filled: Callable[[int], None] | None = None) -> None:
     """Fill every tensor of ``target`` (local shards of DTensors, or whole tensors) in place; ``progress`` is
     called with the bytes of each local tensor once it is filled. ``skip``: the identities of values of
-    ``target`` another rank reads for this one (:mod:`ckptio.engine.shared_reads`): checked, not read."""
-    load_files(target, folder, None, strict=strict, progress=progress, skip=skip)
+    ``target`` another rank reads for this one (:mod:`ckptio.engine.shared_reads`): checked, not read;
+    ``filled``: called with a value's identity once it is filled (its bytes may then be sent to those ranks)."""
+    load_files(target, folder, None, strict=strict, progress=progress, skip=skip, filled=filled)
 
 
 def load_files(target: dict[str, torch.Tensor], folder: "str | Path | Folder", files: list[str] | None, *,
                strict: bool = True, progress: Callable[[int], None] | None = None,
-               skip: "frozenset[int]" = frozenset()) -> None:
+               skip: "frozenset[int]" = frozenset(), filled: Callable[[int], None] | None = None) -> None:
     """Like :func:`load`, reading only ``files`` (names relative to ``folder``; ``None``: every ``.safetensors``).
 
     One thread: parallel reads measured slower on the reference machine (``benchmarks/parallel_io.py``).
@@ -304,11 +306,12 @@ def load_files(target: dict[str, torch.Tensor], folder: "str | Path | Folder", f
     folder = as_folder(folder)
     chunks, infos = _scan(folder, files)
     check_compatible(infos, target, str(folder.path), strict=strict)
-    _fill(target, [k for k in target if id(target[k]) not in skip], chunks, infos, folder, progress)
+    _fill(target, [k for k in target if id(target[k]) not in skip], chunks, infos, folder, progress, filled)
 
 
 def _fill(target: dict[str, torch.Tensor], keys: list[str], chunks: dict[str, Any], infos: dict[str, TensorInfo],
-          folder: Folder, progress: Callable[[int], None] | None = None) -> None:
+          folder: Folder, progress: Callable[[int], None] | None = None,
+          filled: Callable[[int], None] | None = None) -> None:
     """Copy, for each key, the overlap of every stored chunk with this rank's part of the tensor.
 
     When the overlap spans whole rows on both sides and dtypes match, the bytes are contiguous on both
@@ -357,6 +360,8 @@ def _fill(target: dict[str, torch.Tensor], keys: list[str], chunks: dict[str, An
                         local[box.dst_index()].copy_(st.read_box(key, list(box.src_lo), list(box.src_hi)))
             if progress is not None:
                 progress(local.numel() * local.element_size())
+            if filled is not None:
+                filled(id(target[key]))
 
 
 def _check_piece(st: SafetensorsFile, key: str, piece: _Chunk, info: TensorInfo) -> None:
