@@ -173,7 +173,8 @@ def plan(state_dict: dict, folder: Folder, skip: "frozenset[int]" = frozenset())
     return Plan(folder, sorted(reads, key=lambda r: (r.file, r.offset)), state_dict)
 
 
-def execute(p: Plan, progress: Callable[[int], None] | None = None, filled: Callable[[int], None] | None = None) -> None:
+def execute(p: Plan, progress: Callable[[int], None] | None = None,
+            filled: Callable[[int], None] | None = None) -> None:
     """Do the reads of :func:`plan`, one forward pass over each file; ``filled`` is called with a tensor's identity
     once its last chunk is read."""
     from collections import Counter

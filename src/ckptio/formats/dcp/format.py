@@ -270,7 +270,8 @@ class DCPFormat(Format):
 
     def load_shards(self, target: dict, folder: Folder, *, strict: bool, ctx: ShardContext) -> None:
         load(target, folder, progress=ctx.progress, skip=ctx.extra.get("skip", frozenset()),
-             filled=ctx.extra.get("filled"), check=lambda: check_compatible(read_index(folder), target, str(folder.path), strict=strict))
+             filled=ctx.extra.get("filled"),
+             check=lambda: check_compatible(read_index(folder), target, str(folder.path), strict=strict))
 
     def save_state(self, state: dict, writer: "FolderWriter", rel: str, ctx: ShardContext) -> dict[str, str]:
         return save(state, writer, rel, thread_count=ctx.threads)
