@@ -18,7 +18,8 @@ settings.load_profile(os.environ.get("CKPTIO_HYPOTHESIS_PROFILE", "ci"))
 
 LONG_FIRST = ["test_automodel.py", "test_recipe.py", "test_lower_bounds.py", "test_memory_tier.py",
               "test_memory_replicas.py", "test_sharing_kills.py", "test_deepspeed.py", "test_megatron_core.py",
-              "test_kill.py", "test_s3.py", "test_doc_snippets.py", "test_layout_matrix.py", "test_s3_nodes.py", "test_integrity.py", "test_lightning_s3.py",
+              "test_kill.py", "test_s3.py", "test_doc_snippets.py", "test_layout_matrix.py", "test_s3_nodes.py",
+              "test_integrity.py", "test_lightning_s3.py",
               "test_adopted_steps.py", "test_hf_trainer.py", "test_fail_closed.py", "test_lightning_plugin.py",
               "test_framework_async.py"]
 """The files that take longest, in that order (measured), run first: on two workers (scripts/test.sh) the longest
