@@ -242,7 +242,7 @@ class _Exchange:
         self.batched: dict[Any, list[Any]] = {}
         self.waiting: dict[int, list[list[Any]]] = {}  # a value's identity -> [message, its parts not yet filled]
         self.unsent: list[_Message] = []
-        self.received = 0
+        self.received = sum(m.nbytes for m in plan.messages if m.src != plan.rank)
         self.skip = plan.skip(flat)
 
     def __enter__(self) -> dict[str, Any]:
@@ -258,9 +258,7 @@ class _Exchange:
             elif rank == m.src or nccl:
                 self.unsent.append(m)
             else:
-                self.keep.append(self.plan._post(m, self.flat, self.groups[m.device], self.works, self.unpack,
-                                                 self.batched))
-                self.received += m.nbytes
+                self._post(m)
         return {"skip": self.skip, "filled": self.filled} if self.plan else {"skip": self.skip}
 
     def filled(self, value: int) -> None:
@@ -268,9 +266,10 @@ class _Exchange:
         for entry in self.waiting.pop(value, ()):
             entry[1].discard(value)
             if not entry[1]:
-                self._send(entry[0])
+                self._post(entry[0])
 
-    def _send(self, m: _Message) -> None:
+    def _post(self, m: _Message) -> None:
+        """Post message ``m``'s sends or receives; its buffer is kept until every work is waited for."""
         self.keep.append(self.plan._post(m, self.flat, self.groups[m.device], self.works, self.unpack, self.batched))
 
     def __exit__(self, kind: Any, *_: Any) -> None:
@@ -286,9 +285,7 @@ class _Exchange:
         pending = {id(e[0]): e[0] for entries in self.waiting.values() for e in entries if e[1]}
         self.waiting.clear()
         for m in [*self.unsent, *pending.values()]:  # a failed read still sends: its receivers are waiting
-            self._send(m)
-            if self.plan.rank != m.src:
-                self.received += m.nbytes
+            self._post(m)
         for ops in self.batched.values():
             self.works += dist.batch_isend_irecv(ops)
         for work in self.works:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import io
 import weakref
+from collections import Counter
 from dataclasses import dataclass
 from itertools import groupby
 from typing import Any, Callable
@@ -177,8 +178,6 @@ def execute(p: Plan, progress: Callable[[int], None] | None = None,
             filled: Callable[[int], None] | None = None) -> None:
     """Do the reads of :func:`plan`, one forward pass over each file; ``filled`` is called with a tensor's identity
     once its last chunk is read."""
-    from collections import Counter
-
     from torch.distributed.checkpoint._nested_dict import set_element
 
     left = Counter(r.owner for r in p.reads if r.dst is not None) if filled is not None else Counter()
