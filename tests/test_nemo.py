@@ -39,7 +39,9 @@ def test_save_and_restore_with_tokenizer_and_artifacts(tmp_path):
     with tarfile.open(out) as tar:  # plain, uncompressed tar with NeMo's ./ member names
         names = tar.getnames()
     assert "./model_config.yaml" in names and "./model_weights.ckpt" in names and "./tokenizer.json" in names
-    restored = restore_nemo(out)  # the model is built from the archive's own config
+    work = tmp_path / "work"
+    work.mkdir()
+    restored = restore_nemo(out, workdir=work)  # the model is built from the archive's own config
     try:
         assert type(restored.model).__name__ == type(model).__name__ and restored.weights_format == "ckpt"
         _same(_weights(restored.model), _weights(model))
@@ -48,7 +50,7 @@ def test_save_and_restore_with_tokenizer_and_artifacts(tmp_path):
         assert restored.tokenizer()("hello").input_ids == tok("hello").input_ids
     finally:
         restored.cleanup()
-    assert not restored.folder.exists()
+    assert not restored.folder.exists() and not any(work.iterdir())  # nothing of the unpacking stays
 
 
 def test_system_tar_round_trip_and_a_hand_swapped_artifact(tmp_path):

@@ -58,8 +58,8 @@ class NemoModel:
             return AutoTokenizer.from_pretrained(tmp)
 
     def cleanup(self) -> None:
-        if self._temporary:
-            shutil.rmtree(self.folder, ignore_errors=True)
+        if self._temporary:  # the whole temporary folder restore_nemo made, not only the unpacked archive in it
+            shutil.rmtree(self.folder.parent, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------- save
