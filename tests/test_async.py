@@ -69,21 +69,32 @@ def _snapshot(model, opt, sched, box) -> dict:
     }
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_checkpoint_holds_the_state_of_the_call_not_later_updates(tmp_path, fmt):
-    model, opt, sched, box, mgr = _setup(tmp_path, fmt, async_save=True)
+@pytest.mark.parametrize("fmt,wait_for_staging", [(fmt, False) for fmt in FORMATS] + [("safetensors", True)])
+def test_checkpoint_holds_the_state_of_the_call_not_later_updates(tmp_path, fmt, wait_for_staging):
+    """Training goes on at once. Without ``wait_for_staging`` the copies of the parameters and optimizer state are
+    made on the writer's thread, held back here (a fault point that sleeps) until well after the optimizer's next
+    step was called: the step must wait for them (ckptio's hook on it), and an update by hand waits by
+    ``wait_for_staging()``, as documented."""
+    model, opt, sched, box, mgr = _setup(tmp_path, fmt, async_save=True, wait_for_staging=wait_for_staging)
     for step in range(1, 3):
         _train_step(model, opt, sched, box, step)
     expected = _snapshot(model, opt, sched, box)
-    target = mgr.save(step=2)
-    assert mgr.save_in_flight
-    # training goes on at once: every tensor and the user object change while the write runs
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(1000.0)
-    for step in range(3, 6):
-        _train_step(model, opt, sched, box, step)
-    assert mgr.wait() == target and target.is_dir()
+    deferred = []
+    _faults.set_hook(lambda name: (deferred.append(name), time.sleep(0.5)) if name == "save.staging_copies" else None)
+    try:
+        target = mgr.save(step=2)
+        assert mgr.save_in_flight
+        # every tensor and the user object change while the write runs
+        for step in range(3, 6):
+            _train_step(model, opt, sched, box, step)
+        mgr.wait_for_staging()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1000.0)
+        assert mgr.wait() == target and target.is_dir()
+    finally:
+        _faults.set_hook(None)
+    assert deferred == ([] if wait_for_staging else ["save.staging_copies"])  # copied in save() or after it
     mgr.close()
 
     model2, opt2, sched2, box2, mgr2 = _setup(tmp_path, fmt, seed=1)
@@ -97,6 +108,75 @@ def test_checkpoint_holds_the_state_of_the_call_not_later_updates(tmp_path, fmt)
             assert torch.equal(got["optim"][i][k], v), f"optimizer state {i}.{k} is not the snapshot"
     assert got["lr"] == expected["lr"] and got["box"] == expected["box"]
     mgr2.close()
+
+
+def _change_during_staging(root: str, fsdp: bool) -> dict:
+    """A parameter changed by hand (not by the optimizer's step) while the background save still copies: that save
+    fails by name and writes nothing; the next one, made after wait_for_staging(), is exact."""
+    from ckptio.errors import CheckpointError
+    from toy import full_state
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 32)).sum().backward()
+    opt.step()
+    mgr = CheckpointManager(CheckpointConfig(checkpoint_dir=root, async_save=True), model=model, optimizer=opt,
+                            rng=False)
+    mgr.save(step=1)
+    mgr.wait()
+    _faults.set_hook(lambda name: time.sleep(0.3) if name == "save.staging_copies" else None)
+    try:
+        mgr.save(step=2)
+        with torch.no_grad():
+            model[1].bias.add_(1.0)  # breaks the rule: no wait_for_staging() first
+        try:
+            mgr.wait()
+            error = None
+        except CheckpointError as exc:
+            error = str(exc)
+        mgr.save(step=3)
+        mgr.wait_for_staging()
+        expected = full_state(model, opt)
+        with torch.no_grad():
+            model[1].bias.add_(1.0)  # after wait_for_staging(): allowed
+        mgr.wait()
+    finally:
+        _faults.set_hook(None)
+    mgr.close()
+    return {"error": error, "expected": expected}
+
+
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_a_tensor_changed_by_hand_during_the_staging_copies_fails_that_save_by_name(tmp_path, fsdp):
+    root = str(tmp_path / "ck")
+    world = 2 if fsdp else 1  # FSDP2 on 2 gloo ranks: the change is to a DTensor parameter's shard on each
+    results = run_ranks(world, _change_during_staging, root=root, fsdp=fsdp)
+    for got in results:
+        assert got["error"] is not None and "1.bias" in got["error"] and "wait_for_staging" in got["error"], got
+    assert [e.step for e in committed_checkpoints(root)] == [1, 3]  # step 2 not written, step 1 untouched
+    assert not [p for p in os.listdir(root) if p.startswith(TMP_PREFIX)]
+    restored = run_ranks(world, _load_fsdp_or_plain, root=root, fsdp=fsdp, step=3)[0]
+    for key, ref in results[0]["expected"].items():
+        assert torch.equal(restored[key], ref), key
+
+
+def _load_fsdp_or_plain(root: str, fsdp: bool, step: int) -> dict:
+    from toy import full_state
+
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=root), model=model, optimizer=opt, rng=False) as mgr:
+        assert mgr.restore(f"epoch_0_step_{step}").step == step
+    return full_state(model, opt)
 
 
 _STAGING_SCRIPT = r"""
@@ -214,6 +294,8 @@ def _two_rank_async(root: str, fmt: str) -> dict:
                             model=model, optimizer=opt, rng=False)
     torch.manual_seed(1 + dist.get_rank())
     snapshots = {}
+    deferred = []  # the DTensor shards' staging copies wait on the writer's thread; the next step must wait for them
+    _faults.set_hook(lambda name: (deferred.append(name), time.sleep(0.3)) if name == "save.staging_copies" else None)
     for step in range(1, 7):
         model(torch.randn(4, 256)).pow(2).mean().backward()
         opt.step()
@@ -226,6 +308,7 @@ def _two_rank_async(root: str, fmt: str) -> dict:
             assert flag.item() == 2
     # rank 0's commit fails once in the background: both ranks see an error, neither hangs
     mgr.wait()
+    _faults.set_hook(None)
     if dist.get_rank() == 0:
         def fail(point: str) -> None:
             if point == "commit.before_manifest":
@@ -242,7 +325,7 @@ def _two_rank_async(root: str, fmt: str) -> dict:
     snapshots[8] = full_state(model, opt)
     kept = (mgr.tracked.kept.hits, mgr.tracked.kept.builds, mgr.tracked.kept.why_not)
     mgr.close()
-    return {"snapshots": snapshots, "raised": raised, "kept": kept}
+    return {"snapshots": snapshots, "raised": raised, "kept": kept, "deferred": len(deferred)}
 
 
 def _load_on(root: str, fmt: str, step: int) -> dict:
@@ -272,6 +355,7 @@ def test_two_ranks_background_saves_are_exact_and_errors_do_not_hang(tmp_path, f
     assert results[0]["raised"] == "RuntimeError" and results[1]["raised"] == "CheckpointError"
     # the saves after the first used torch's state dicts of the DTensor shards again (ckptio.state.kept)
     assert all(r["kept"] == (4, 1, None) for r in results), [r["kept"] for r in results]
+    assert all(r["deferred"] == 3 for r in results)  # the saves of steps 2, 4 and 6 copied after save() returned
     assert [e.step for e in committed_checkpoints(root)] == [2, 4, 6, 8]
     for step in (4, 8):
         got = run_ranks(1, _load_on, root=root, fmt=fmt, step=step)[0]
@@ -293,6 +377,7 @@ def test_peft_adapter_saved_in_the_background_is_the_snapshot(tmp_path):
                 p.add_(0.5)
     expected = {n.replace(".default.", "."): p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     target = mgr.save(step=1)
+    mgr.wait_for_staging()  # before a change by hand (the optimizer's step waits by itself)
     with torch.no_grad():
         for p in model.parameters():
             if p.requires_grad:

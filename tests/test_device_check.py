@@ -30,8 +30,9 @@ def test_on_the_cpu_every_check_runs_and_passes(tmp_path):
     out = _run("--device", "cpu", "--mb", "4", "--saves", "3")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith(("ok", "FAIL"))]
-    assert len(rows) == 12 and all(r.startswith("ok") for r in rows), out.stdout
+    assert len(rows) == 13 and all(r.startswith("ok") for r in rows), out.stdout
     for what in ("bitwise: safetensors, background", "bitwise: torch_save, synchronous", "bitwise: memory tier",
-                 "staging: the same buffers", "process group (gloo)"):
+                 "staging: the same buffers", "process group (gloo)", "pause: save() blocked",
+                 "blocked ÷ host copy, wait_for_staging"):
         assert any(what in r for r in rows), what
-    assert "12 of 12 checks passed" in out.stdout
+    assert "13 of 13 checks passed" in out.stdout

@@ -64,6 +64,7 @@ def _save_forever(root: str, fmt: str, retention: bool, async_save: bool = False
     mgr = CheckpointManager(_config(root, fmt, retention, async_save), model=model, step_scheduler=counter)
     while True:
         counter.step += 1
+        mgr.wait_for_staging()  # a change other than by an optimizer's step (there is none here) waits for the copies
         with torch.no_grad():
             for p in model.parameters():
                 # every value of a checkpoint equals its step; with async saves this overwrites the

@@ -12,6 +12,7 @@ from typing import Callable
 _hook: Callable[[str], None] | None = None
 
 POINTS = (
+    "save.staging_copies",
     "save.states_written",
     "save.before_link",
     "commit.before_manifest",

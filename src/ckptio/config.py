@@ -37,11 +37,9 @@ class CheckpointConfig:
     """``safetensors``: one safetensors file of local shards per rank; ``torch_save``: a PyTorch DCP folder."""
 
     optimizer_save_format: ModelSaveFormat | None = "torch_save"
-    """How the optimizer state is saved: ``torch_save`` (the default, whatever the model's format: a PyTorch
-    DCP folder ``optim/`` with one ``__R_0.distcp`` per rank and ``.metadata``, the layout NeMo AutoModel
-    writes and loads) or ``safetensors`` (opt-in: per-rank safetensors shards keyed by parameter name,
-    hyper-parameters in ``values.json``; ckptio reads it, other tools do not). ``None`` means the default.
-    Both reshard on load."""
+    """``torch_save`` (the default, ``None`` too, whatever the model's format): a DCP folder ``optim/``, one
+    ``__R_0.distcp`` per rank and ``.metadata``, as NeMo AutoModel writes and loads; ``safetensors`` (opt-in): per-rank
+    shards keyed by parameter name, hyper-parameters in ``values.json``, read by ckptio only. Both reshard on load."""
 
     save_consolidated: SaveConsolidated = False
     """Also write a Hugging Face bundle under ``model/consolidated``: ``False``, ``True`` or ``"every"`` (every
@@ -58,18 +56,16 @@ class CheckpointConfig:
     the LATEST pointer; a step directory name inside ``checkpoint_dir``; or a path to a step directory."""
 
     start_fresh_if_damaged: bool = False
-    """When an automatic resume finds step directories in ``checkpoint_dir`` but none that can be loaded
-    (each is named with its reason in a warning): ``False`` refuses to start
-    (:class:`~ckptio.errors.NoUsableCheckpointError`), so a damaged folder never silently restarts a run from
-    step 0; ``True`` starts from scratch with a warning. An empty folder always starts from scratch."""
+    """When an automatic resume finds step directories but none that loads (each named with its reason in a warning):
+    ``False`` refuses to start (:class:`~ckptio.errors.NoUsableCheckpointError`), so a damaged folder never silently
+    restarts a run from step 0; ``True`` starts from scratch with a warning. An empty folder always starts fresh."""
 
     name_template: str = "epoch_{epoch}_step_{step}"
     """Python format string for step directory names; must contain ``{step}``."""
 
     auto_insert_field_names: bool = True
-    """Insert ``name=`` before a template field unless the text before it already names it, as NeMo and
-    Lightning do: ``m--{val_loss:.3f}-{step}`` gives ``m--val_loss=0.432-step=1000``; the default template
-    ``epoch_{epoch}_step_{step}`` stays ``epoch_0_step_20``."""
+    """Insert ``name=`` before a template field unless the text before it names it (NeMo, Lightning):
+    ``m--{val_loss:.3f}-{step}`` gives ``m--val_loss=0.432-step=1000``; ``epoch_{epoch}_step_{step}`` stays as is."""
 
     save_top_k: int | None = None
     """Keep the k best by ``monitor`` (the k newest without a monitor); ``-1`` or ``None``: keep all."""
@@ -93,12 +89,12 @@ class CheckpointConfig:
     """Also keep checkpoints younger than this many seconds."""
 
     keep_optimizer_latest: int | None = None
-    """Keep the optimizer state in the newest n checkpoints only: older ones kept (best-k, milestones) keep their
-    weights and other states, load weights-only and consolidate (docs/retention.md). ``None``: every one keeps it."""
+    """Keep the optimizer state in the newest n checkpoints only (older ones kept keep the rest, load weights-only and
+    consolidate: docs/retention.md). ``None``: every one keeps it."""
 
     share_unchanged: bool = True
-    """Files of frozen tensors whose bytes (SHA-256) equal the newest checkpoint's are hard-linked (in a bucket,
-    referred to) instead of written again (docs/retention.md); costs nothing without frozen tensors."""
+    """Files of frozen tensors equal (SHA-256) to the newest checkpoint's are hard-linked (in a bucket, referred to)
+    instead of written again (docs/retention.md)."""
 
     max_recent_checkpoints: int | None = None
     """NeMo AutoModel's name for ``keep_latest`` (the newest n are kept; so are the LATEST and BEST targets)."""
@@ -126,9 +122,8 @@ class CheckpointConfig:
     a table of what was missing, unexpected or mismatched (``RestoreInfo.report``)."""
 
     load_states: Union[list[str], None] = None
-    """Which states a restore loads: ``None`` every one; ``["model"]`` weights only (fine-tuning from a
-    pre-training checkpoint: the optimizer, scheduler, data position and RNG start fresh). Names:
-    ``model``, ``optim`` and the registered objects (``lr_scheduler``, ``dataloader``, ``rng``...)."""
+    """Which states a restore loads (``model``, ``optim``, ``lr_scheduler``, ``dataloader``, ``rng``...): ``None`` all;
+    ``["model"]`` weights only (fine-tuning a pre-trained model: the rest starts fresh)."""
 
     load_exclude: Union[list[str], None] = None
     """Model keys a restore leaves as they are: ``fnmatch`` patterns, e.g. ``["lm_head.*"]`` for a new head."""
@@ -141,6 +136,11 @@ class CheckpointConfig:
     """Return from ``save()`` once the state is copied into reused host staging buffers; a background
     thread writes and commits it. One save is in flight at a time; its error is raised at the next
     ``save()``, ``wait()`` or ``close()``."""
+
+    wait_for_staging: bool = False
+    """With ``async_save``: ``False`` (AutoModel's default too) copies the parameters and optimizer state after
+    ``save()`` returns, during the next forward and backward; the optimizer's ``step()`` waits for them (ckptio hooks
+    it). Change them otherwise only after ``manager.wait_for_staging()``. ``True``: ``save()`` copies everything."""
 
     io_threads: int | None = None
     """Threads per rank that write the model and optimizer tensors (safetensors: that many shard files per rank; DCP:
@@ -309,7 +309,6 @@ AUTOMODEL_ONLY = {
     "staging_dir": "ckptio writes the bundle into the step directory being committed",
     "consolidation_timeout_minutes": "ckptio's consolidation is part of the save",
     "cpu_offload": "ckptio copies to host memory only for async_save",
-    "wait_for_staging": "async_save returns once staging is done",
     "allow_legacy_pickle_restore": "ckptio never unpickles arbitrary objects, trusted or not",
 }
 """Keys of NeMo AutoModel's ``checkpoint:`` section that ckptio has no equivalent for, with why."""

@@ -68,7 +68,7 @@ def validate_switches(self: Any) -> None:
     for name in [n for n in ("is_async", "share_reads") if type(getattr(self, n)) not in (type(None), bool)]:
         raise ConfigError(f"{name} must be true, false or null, got {getattr(self, name)!r}")
     for name in ("is_peft", "enabled", "strict", "auto_insert_field_names", "save_last", "async_save",
-                 "load_cast_dtype", "start_fresh_if_damaged", "share_unchanged"):
+                 "wait_for_staging", "load_cast_dtype", "start_fresh_if_damaged", "share_unchanged"):
         value = getattr(self, name)
         if not isinstance(value, bool):
             raise ConfigError(f"{name} must be true or false, got {value!r}")

@@ -28,6 +28,7 @@ from .formats.safetensors.peft_adapter import adapter_name
 from .goodput import Goodput
 from .engine.layout import MODEL_DIR, OPTIM_DIR
 from .engine.manifest import MANIFEST_NAME
+from .engine.partial import load_options
 from .engine.restoring import Restorer, RestoreInfo
 from .engine.saving import Saver, Tracked
 from .state import ModelState, OptimizerState, RNGState
@@ -145,6 +146,7 @@ class CheckpointManager:
                 self._memory.close(free=free_memory)
             self._goodput.close(clean)
         finally:
+            self._saver.close()  # the hook on the optimizer's step goes
             self._lock.release()
 
     def __enter__(self) -> "CheckpointManager":
@@ -166,10 +168,9 @@ class CheckpointManager:
         ``step``/``epoch`` default to the step scheduler's. ``final`` marks the last checkpoint of a run
         (consolidated when ``save_consolidated="final"``); by default it is the step scheduler's ``done``.
 
-        Returns the step directory. With ``async_save`` the call returns as soon as the state is copied
-        into the staging buffers, before the directory exists: it appears, complete, when the
-        background write commits (:meth:`wait` blocks until then). A save in flight is waited for
-        first, and an error it raised is raised here.
+        Returns the step directory. With ``async_save`` the call returns once the state is captured (see
+        ``wait_for_staging``), before the directory exists: it appears, complete, when the background write commits
+        (:meth:`wait` blocks until then). A save in flight is waited for first, and an error it raised is raised here.
         """
         if not self.config.enabled:
             return None
@@ -202,6 +203,12 @@ class CheckpointManager:
         if self._memory is not None:
             self._memory.wait()
         return self._writer.wait() if self._writer is not None else None
+
+    def wait_for_staging(self) -> None:
+        """Block until the save in flight copied the parameters and optimizer state (before changing them other than by
+        ``step()``, which waits by itself: ``CheckpointConfig.wait_for_staging``)."""
+        for saver in [self._saver] + ([self._memory.saver] if self._memory is not None else []):
+            saver.stager.finish()  # made here, or waited for while the writer's thread makes them
 
     # ------------------------------------------------------------------ the memory tier
     def save_memory(self, *, step: int | None = None, epoch: int | None = None,
@@ -280,14 +287,8 @@ class CheckpointManager:
         if not self.config.enabled:
             return None
         self.wait()
-        from .engine.partial import LoadOptions, check_states
-
-        c = self.config
-        known = ["model", "optim", *self.tracked.objects]
-        options = LoadOptions(check_states(c.load_states if states is None else states, known),
-                              list((c.load_exclude or []) if exclude is None else exclude),
-                              c.strict if strict is None else strict,
-                              c.load_cast_dtype if cast_dtype is None else cast_dtype)
+        options = load_options(self.config, ["model", "optim", *self.tracked.objects], states=states, exclude=exclude,
+                               strict=strict, cast_dtype=cast_dtype)
         target = path if path is not None else self.config.restore_from
         start = time.perf_counter()
         info = self._restorer.restore(None if target is None else os.fspath(target), verify, options)

@@ -24,7 +24,7 @@ from typing import Any
 from ..errors import CheckpointMismatchError
 from ..formats.common import TensorInfo
 
-__all__ = ["LoadOptions", "LoadReport", "plan_model_load", "check_states", "load_model_partially"]
+__all__ = ["LoadOptions", "LoadReport", "plan_model_load", "check_states", "load_model_partially", "load_options"]
 
 @dataclass
 class LoadReport:
@@ -130,6 +130,16 @@ def as_info(value: Any) -> TensorInfo:
     from ..formats.common import dtype_name
 
     return TensorInfo(tuple(value.shape), dtype_name(value.dtype))
+
+
+def load_options(config: Any, known: list[str], *, states: list[str] | None, exclude: list[str] | None,
+                 strict: bool | None, cast_dtype: bool | None) -> "LoadOptions":
+    """A restore's options: each one given (not ``None``) or else the config's (``load_states``, ``load_exclude``,
+    ``strict``, ``load_cast_dtype``); ``states`` checked against the ``known`` ones."""
+    return LoadOptions(check_states(config.load_states if states is None else states, known),
+                       list((config.load_exclude or []) if exclude is None else exclude),
+                       config.strict if strict is None else strict,
+                       config.load_cast_dtype if cast_dtype is None else cast_dtype)
 
 
 @dataclass

@@ -26,6 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch.distributed.tensor import DTensor
+
 from .. import _dist, _faults
 from . import policies
 from ..config import CheckpointConfig
@@ -89,6 +92,8 @@ class SaveJob:
     """Every rank's shared files -> (where their bytes are, size) (gathered before the commit)."""
     error: Exception | None = None
     """What went wrong in the snapshot on this rank (raised on every rank by :meth:`Saver.settle`)."""
+    staged_later: bool = False
+    """Copies the snapshot left to the writer's thread (or to the optimizer's next step, whichever comes first)."""
     blocked_s: float | None = None
     """How long ``save()`` held the training loop (set before a background write starts; ``None``: the whole save)."""
 
@@ -148,6 +153,10 @@ class Saver:
         self.last_saved: Path | None = None
         self.last_step: int | None = None
         """The step of :attr:`last_saved` (set once it is committed, possibly by the background writer)."""
+        self.defer_staging = config.async_save and not config.wait_for_staging
+        """A background save leaves the parameters' and optimizer state's copies to the writer's thread (the
+        optimizer's step waits for them)."""
+        self._step_hook: Any = None
         self.on_commit: Any = None
         """Rank 0, called with the job and its files (relative path -> bytes) once it is committed (the run's
         record)."""
@@ -189,7 +198,11 @@ class Saver:
                 # AutoModel's load_optimizer(optimizer, model, path, scheduler) finds it
                 live["optim"]["sched"] = scheduler.state_dict()
         if stage:
-            live = self.stager.stage(live)
+            optimizer = getattr(t.optim_state, "optimizer", None)
+            if self.defer_staging and optimizer is not None and self._step_hook is None:
+                self._step_hook = optimizer.register_step_pre_hook(_finish(self.stager))
+            live = self.stager.stage(live, changed_by_step(t.model, optimizer) if self.defer_staging else None)
+            job.staged_later = self.stager.pending
         job.model, job.optim = live.get("model"), live.get("optim")
         del live
         try:  # an error is told to every rank in the write's first round (settle): no round in the pause
@@ -197,14 +210,27 @@ class Saver:
         except Exception as exc:  # noqa: BLE001 - raised on every rank by settle()
             job.error = exc
         if stage and _dist.rank() == 0:
-            self.log.info("Staged %s %s in %.2f s (%.1f MB of staging buffers); writing it in the background",
-                          self.what, name, time.perf_counter() - start, self.stager.nbytes / 1e6)
+            self.log.info("Staged %s %s in %.2f s (%.1f MB of staging buffers%s); writing it in the background",
+                          self.what, name, time.perf_counter() - start, self.stager.nbytes / 1e6,
+                          ", most copied there in the background" if job.staged_later else "")
         return job
+
+    def close(self) -> None:
+        """Make any deferred staging copy and remove the hook on the optimizer's step."""
+        self.stager.finish()
+        hook, self._step_hook = self._step_hook, None
+        if hook is not None:
+            hook.remove()
 
     def settle(self, job: SaveJob) -> None:
         """Collective, the first round of a write (so that the snapshot, in the pause, has none): an error the
         snapshot met on any rank is raised on every rank, and the model's signature becomes every rank's union
-        (pipeline stages hold different tensors)."""
+        (pipeline stages hold different tensors). The staging copies the snapshot left to this thread are made first."""
+        if job.staged_later:
+            _faults.point("save.staging_copies")
+            self.stager.finish()  # or wait while the optimizer's step makes them
+            job.error = job.error or self.stager.failure
+
         def check() -> None:
             if job.error is not None:
                 raise job.error
@@ -353,3 +379,23 @@ class Saver:
             contents={rel: d for rel, d in job.contents.items() if rel in files},
             shared={rel: src for rel, (src, _) in job.linked.items() if getattr(self.storage, "refers", False)},
         )
+
+
+def changed_by_step(model: Any, optimizer: Any) -> Any:
+    """Which tensors of a state only the optimizer's step changes (the model's parameters and the optimizer's
+    state), recognised by where their bytes are: their staging copies may wait for the writer's thread."""
+    tensors = list(model.parameters()) if model is not None else []
+    if optimizer is not None:
+        tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    with torch.no_grad():
+        owned = {(t.to_local() if isinstance(t, DTensor) else t).data_ptr() for t in tensors}
+    owned.discard(0)
+    return lambda tensor: tensor.numel() > 0 and tensor.data_ptr() in owned
+
+
+def _finish(stager: Stager) -> Any:
+    """The optimizer's step pre-hook: the staging copies of the save in flight are made (here, or by the writer's
+    thread while the step waits) before the step changes what they copy."""
+    def hook(*_: Any) -> None:
+        stager.finish()
+    return hook

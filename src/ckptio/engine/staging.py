@@ -12,17 +12,28 @@ with its buffer and reused while both stay the same: building hundreds of them c
 pause). A ``Partial`` DTensor is
 reduced first (a collective on the training group, so this runs on the training thread).
 
+**Deferred copies.** With ``defer``, the copies of the tensors it selects (the parameters and the optimizer's state:
+what only the optimizer's ``step`` changes) are not made in :meth:`stage` but in :meth:`finish`, on the background
+writer's thread, while training runs its next forward and backward; everything else (buffers, which a forward may
+change, and the structure of the state) is captured in :meth:`stage`. :meth:`finish` is also the hook on the
+optimizer's ``step``: whichever thread comes first makes the copies, the other waits for them (a lock). On CUDA, :meth:`stage` records an event on each
+device's current stream and :meth:`finish` copies on a side stream that waits for it.
+
 Thread safety: one :class:`Stager` per manager; :meth:`stage` is called on the training thread only
-while no background write is reading the buffers (the manager waits for the previous save first).
+while no background write is reading the buffers (the manager waits for the previous save first);
+:meth:`finish` on the thread that then writes them.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any
+import threading
+from typing import Any, Callable
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from ..errors import CheckpointError
 
 __all__ = ["Stager"]
 
@@ -38,20 +49,48 @@ class Stager:
         self._wrapped: dict[str, tuple[torch.Tensor, tuple, DTensor]] = {}  # a DTensor around each buffer
         self._used: set[str] = set()
         self._needs_sync: set[torch.device] = set()
+        self._defer: Callable[[torch.Tensor], bool] | None = None
+        # (buffer, source, key, the tensor the state holds, its version then): the copies left to finish()
+        self._deferred: list[tuple[torch.Tensor, torch.Tensor, str, torch.Tensor, int]] = []
+        self._events: dict[torch.device, Any] = {}  # CUDA: where each device's stream was when stage() returned
+        self._streams: dict[torch.device, Any] = {}  # CUDA: the side stream finish() copies on, per device
+        self._finishing = threading.Lock()
+        self.failure: Exception | None = None
+        """What went wrong in the deferred copies of the last :meth:`stage` (the writer raises it)."""
 
     @property
     def nbytes(self) -> int:
         """Bytes held by the staging buffers."""
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
-    def stage(self, state: Any) -> Any:
-        """A copy of ``state`` whose tensors live in this stager's host buffers."""
+    @property
+    def pending(self) -> bool:
+        """Whether copies deferred by :meth:`stage` wait for :meth:`finish`."""
+        return bool(self._deferred)
+
+    def stage(self, state: Any, defer: Callable[[torch.Tensor], bool] | None = None) -> Any:
+        """A copy of ``state`` whose tensors live in this stager's host buffers. The copies of the tensors ``defer``
+        selects are left to :meth:`finish` (their buffers are in the result already)."""
+        self.finish()  # nothing deferred may outlive the next snapshot
+        self.failure = None
         self._used = set()
         self._needs_sync = set()
-        with torch.no_grad():  # a DTensor's to_local is then its local tensor, not an autograd function's output
-            out = self._stage(state, "")
+        self._defer = defer
+        try:
+            with torch.no_grad():  # a DTensor's to_local is then its local tensor, not an autograd function's output
+                out = self._stage(state, "")
+        except BaseException:
+            self._deferred = []
+            raise
+        finally:
+            self._defer = None
         for device in self._needs_sync:  # each device the copies came from (not only the current one)
             _synchronize(device)
+        if self._deferred:
+            self._events = {}
+            for _, source, *_ in self._deferred:
+                if source.device.type == "cuda" and source.device not in self._events:
+                    self._events[source.device] = torch.cuda.current_stream(source.device).record_event()
         for key in set(self._buffers) - self._used:  # keys gone since the last save (a changed model)
             del self._buffers[key]
             self._wrapped.pop(key, None)
@@ -62,7 +101,7 @@ class Stager:
             if any(isinstance(p, Partial) for p in value.placements):
                 value = value.redistribute(placements=[Replicate() if isinstance(p, Partial) else p
                                                        for p in value.placements])
-            local = self._copy(key, value.to_local())
+            local = self._copy(key, value.to_local(), held=value)
             layout = (value.device_mesh, tuple(value.placements), tuple(value.shape), tuple(value.stride()))
             kept = self._wrapped.get(key)
             if kept is not None and kept[0] is local and kept[1] == layout:
@@ -82,7 +121,8 @@ class Stager:
             return staged if isinstance(value, list) else tuple(staged)
         return copy.deepcopy(value)
 
-    def _copy(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+    def _copy(self, key: str, tensor: torch.Tensor, held: torch.Tensor | None = None) -> torch.Tensor:
+        held = tensor if held is None else held  # what the state holds (a DTensor's version moves, its shard's not)
         tensor = tensor.detach()
         if key in self._used:
             raise ValueError(f"two state entries stage to the same key {key!r}")
@@ -92,11 +132,56 @@ class Stager:
             pin = tensor.device.type == "cuda" and torch.cuda.is_available()
             buf = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
             self._buffers[key] = buf
+        if self._defer is not None and self._defer(tensor):
+            self._deferred.append((buf, tensor, key, held, held._version))
+            return buf
         non_blocking = tensor.device.type != "cpu" and buf.is_pinned()  # from pageable memory it would block anyway
         buf.copy_(tensor, non_blocking=non_blocking)
         if non_blocking:
             self._needs_sync.add(tensor.device)
         return buf
+
+    def finish(self) -> None:
+        """Make the copies :meth:`stage` deferred on the calling thread, or wait while another thread makes them; a
+        no-op once they are made. Never raises: a failure is kept in :attr:`failure`, a :class:`CheckpointError` when
+        a tensor was changed in place meanwhile (its version counter moved: not every change moves it, see
+        ``wait_for_staging``), as its copy may then mix before and after."""
+        with self._finishing:
+            deferred, self._deferred = self._deferred, []
+            if not deferred:
+                return
+            try:
+                self._copy_deferred(deferred)
+                changed = [key.lstrip("/") for _, _, key, held, version in deferred if held._version != version]
+                if changed:
+                    raise CheckpointError(
+                        f"{len(changed)} tensor(s) of the state were changed in place while the background save "
+                        f"copied them ({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''}), so this "
+                        "checkpoint is not written (earlier ones are untouched). Change parameters or optimizer state "
+                        "other than by the optimizer's step() only after manager.wait_for_staging(), or set "
+                        "wait_for_staging: true")
+            except Exception as exc:  # noqa: BLE001 - raised by the writer, on every rank
+                self.failure = exc
+            finally:
+                self._events = {}
+
+    def _copy_deferred(self, deferred: list[tuple[torch.Tensor, torch.Tensor, str, torch.Tensor, int]]) -> None:
+        with torch.no_grad():
+            for buf, source, *_ in deferred:
+                if source.device.type == "cuda":
+                    stream = self._streams.get(source.device)
+                    if stream is None:
+                        stream = self._streams[source.device] = torch.cuda.Stream(source.device)
+                    stream.wait_event(self._events[source.device])  # the training stream's work until stage()
+                    with torch.cuda.stream(stream):
+                        buf.copy_(source, non_blocking=buf.is_pinned())
+                else:
+                    buf.copy_(source)
+            for device in {source.device for _, source, *_ in deferred if source.device.type != "cpu"}:
+                if device in self._streams:
+                    self._streams[device].synchronize()
+                else:
+                    _synchronize(device)
 
 
 def _synchronize(device: torch.device) -> None:

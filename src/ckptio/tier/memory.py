@@ -298,6 +298,7 @@ class MemoryTier:
         writer, self.writer = self.writer, None
         if writer is not None:
             writer.close()
+        self.saver.close()  # the hook on the optimizer's step goes
         if not free or self.nodes is None:
             return
         if self.nodes.leader(_dist.rank()) == _dist.rank():
