@@ -83,6 +83,8 @@ def test_an_uncommitted_step_is_never_resumed_and_is_swept(bucket):
     storage = open_storage(url)
     writer = storage.begin_step("epoch_0_step_2")  # a save killed before its manifest
     writer.write_bytes("model/shard-00000-model-00001-of-00001.safetensors", b"partial")
+    # its local spool is held by this process's lock: a killed process's is swept (tests/test_scratch.py)
+    assert (writer.spool / "owner.lock").is_file() and writer.spool.name.startswith("ckptio-s3-epoch_0_step_2-")
     entries = {e.name: e for e in scan(storage)}
     assert entries["epoch_0_step_2"].problem and "missing" in entries["epoch_0_step_2"].problem
     _, _, again = _setup(url)

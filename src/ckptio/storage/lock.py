@@ -1,4 +1,6 @@
-"""One writer per checkpoint folder: an advisory ``flock`` on ``<checkpoint_dir>/.ckptio.lock``.
+"""What ckptio holds with ``flock`` (the kernel releases it when the process dies, however it dies).
+
+**One writer per checkpoint folder**: an advisory ``flock`` on ``<checkpoint_dir>/.ckptio.lock``.
 
 The kernel releases the lock when the holding process dies, so a crash never leaves a stale lock.
 A second job pointed at the same folder by mistake gets a clear error naming the holder instead of
@@ -10,17 +12,30 @@ link or a hard link planted in its place is refused, so taking the lock can neve
 another file. Within one process the lock is shared: a second manager on the same folder (a notebook
 cell run again, an evaluation manager beside the training one) takes it too, and it is released when
 the last holder releases it; other processes are still refused.
+
+**Scratch folders that a killed process does not leave behind for good** (:class:`Scratch`). An S3 upload spools each
+file locally while it is written (:mod:`ckptio.storage.s3.writer`): a save killed midway (``SIGKILL``, the OOM killer,
+a preempted node's job) leaves its spool, up to a checkpoint's worth of bytes per rank, and every preemption adds one.
+So each scratch folder holds a file, ``owner.lock``, that its process keeps locked while the folder is in use. The
+first scratch folder a process makes sweeps the system's temporary folder once: a ``ckptio-*`` folder of this user
+whose lock nobody holds belonged to a dead process and is removed. A folder without the lock file (still being made,
+or made by an older ckptio) is left alone; the lock file appears, already locked, by a rename.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
+import shutil
 import socket
 import stat
+import tempfile
 import threading
+import weakref
 from pathlib import Path
 
+from .._log import get_logger
 from ..errors import CheckpointError
 
 LOCK_NAME = ".ckptio.lock"
@@ -93,8 +108,6 @@ class DirectoryLock:
         longer runs, or a holder on another host, which cannot be checked from here); a holder that is
         alive on this host is never overridden.
         """
-        import fcntl
-
         if self.held:
             return
         fd = self._open()
@@ -144,3 +157,87 @@ class DirectoryLock:
             self.release()
         except Exception:  # noqa: BLE001 - interpreter teardown
             pass
+
+
+# ------------------------------------------------------------------------------------------ scratch folders
+SCRATCH_LOCK = "owner.lock"
+_swept: set[str] = set()
+_sweeping = threading.Lock()
+
+
+class Scratch:
+    """A fresh folder ``<tmp>/<prefix>XXXXXXXX`` held by this process until :meth:`remove` (or garbage collection, or
+    exit); then removed. Made in ``dir`` (default: the system's temporary folder), swept first once per process."""
+
+    def __init__(self, prefix: str, dir: str | os.PathLike | None = None) -> None:
+        root = os.fspath(dir) if dir is not None else tempfile.gettempdir()
+        with _sweeping:
+            if root not in _swept:
+                _swept.add(root)
+                sweep(root)
+        self.path = Path(tempfile.mkdtemp(prefix=prefix, dir=root))
+        fresh = self.path / f"{SCRATCH_LOCK}.new"
+        fd = os.open(fresh, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.rename(fresh, self.path / SCRATCH_LOCK)  # a sweeper sees the lock file only once it is locked
+        except BaseException:
+            os.close(fd)
+            shutil.rmtree(self.path, ignore_errors=True)
+            raise
+        self._remove = weakref.finalize(self, _remove, str(self.path), fd)
+
+    def remove(self) -> None:
+        """Remove the folder and release it (idempotent)."""
+        self._remove()
+
+
+def _remove(path: str, fd: int) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    os.close(fd)
+
+
+def sweep(root: str) -> list[Path]:
+    """Remove the ``ckptio-*`` scratch folders of this user in ``root`` whose lock no live process holds; returns
+    them. Nothing else is touched: not another user's folder, not a link, not a folder without the lock file."""
+    removed: list[Path] = []
+    freed = 0
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return removed
+    for entry in entries:
+        if not entry.name.startswith("ckptio-"):
+            continue
+        try:
+            if not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue
+            fd = os.open(os.path.join(entry.path, SCRATCH_LOCK), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue  # its process is alive
+        try:
+            freed += _size(entry.path)
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(Path(entry.path))
+        finally:
+            os.close(fd)
+    if removed:
+        get_logger().info("Removed %d scratch folder(s) of killed processes from %s (%.1f MB)", len(removed), root,
+                          freed / 1e6)
+    return removed
+
+
+def _size(path: str) -> int:
+    total = 0
+    for folder, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(folder, name)).st_size
+            except OSError:
+                pass
+    return total

@@ -3,10 +3,7 @@ manifest."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import uuid
-import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -14,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from ...errors import CheckpointError, CheckpointNotFoundError
 from ..confined import check_relative
 from ..local import LocalWriteStream
+from ..lock import Scratch
 from . import _common
 from ._common import MANIFEST, PENDING, S3Error, S3Path, _call, client
 
@@ -135,9 +133,10 @@ class S3FolderWriter:
     def __init__(self, storage: "S3Storage", name: str) -> None:
         self.storage, self.name, self.token = storage, name, name
         self.prefix = storage._key(name)
-        self.spool = Path(tempfile.mkdtemp(prefix=f"ckptio-s3-{name}-"))
-        # ranks other than the committing one never call commit/abort: their spool goes with the writer
-        weakref.finalize(self, shutil.rmtree, str(self.spool), True)
+        # ranks other than the committing one never call commit/abort: their spool goes with the writer; a killed
+        # process's is removed by the next process that spools (ckptio.storage.scratch)
+        self._scratch = Scratch(f"ckptio-s3-{name}-")
+        self.spool = self._scratch.path
         self._local = self.spool / "local"
         self._local_sums: dict[str, str] = {}
 
@@ -241,15 +240,15 @@ class S3FolderWriter:
                 client().delete_object(Bucket=self.storage.bucket, Key=self._key(PENDING))
             except Exception:  # noqa: BLE001
                 pass
-        shutil.rmtree(self.spool, ignore_errors=True)
+        self._scratch.remove()
         return self._where("").parent / self.name  # type: ignore[return-value]
 
     def abort(self) -> None:
-        shutil.rmtree(self.spool, ignore_errors=True)
+        self._scratch.remove()
         self.storage._delete_prefix(self.prefix, manifest_first=True)
 
     def abort_spool(self) -> None:
         """Drop the local spool only: objects already uploaded stay (adding files to a committed step)."""
-        shutil.rmtree(self.spool, ignore_errors=True)
+        self._scratch.remove()
 
 
