@@ -170,8 +170,9 @@ def check_pause(device: torch.device, mb: int, root: Path, rounds: int = 5) -> l
     what = "pinned device-to-host copy" if pin else "host copy"
     for wait in (False, True):  # the default (copies after save() returns), then every copy inside save()
         blocked, copies = [], []
-        with CheckpointManager(CheckpointConfig(checkpoint_dir=str(root / f"pause-{wait}"), async_save=True,
-                                                wait_for_staging=wait, keep_latest=1), model=model, optimizer=opt) as mgr:
+        config = CheckpointConfig(checkpoint_dir=str(root / f"pause-{wait}"), async_save=True, wait_for_staging=wait,
+                                  keep_latest=1)
+        with CheckpointManager(config, model=model, optimizer=opt) as mgr:
             for step in range(rounds + 1):  # interleaved; the first of each warms its buffers
                 copies.append(_timed(copy))
                 blocked.append(_timed(lambda: mgr.save(step=step + 1)))

@@ -1,5 +1,5 @@
-"""Scratch folders (``ckptio.storage.lock.Scratch``): what a SIGKILLed process leaves in the temporary folder is removed by
-the next process that makes one; what a live process holds, another user's folder and anything else stay."""
+"""Scratch folders (``ckptio.storage.lock.Scratch``): what a SIGKILLed process leaves in the temporary folder is
+removed by the next process that makes one; what a live process holds, another user's folder and anything else stay."""
 
 from __future__ import annotations
 

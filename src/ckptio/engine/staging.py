@@ -16,8 +16,9 @@ reduced first (a collective on the training group, so this runs on the training 
 what only the optimizer's ``step`` changes) are not made in :meth:`stage` but in :meth:`finish`, on the background
 writer's thread, while training runs its next forward and backward; everything else (buffers, which a forward may
 change, and the structure of the state) is captured in :meth:`stage`. :meth:`finish` is also the hook on the
-optimizer's ``step``: whichever thread comes first makes the copies, the other waits for them (a lock). On CUDA, :meth:`stage` records an event on each
-device's current stream and :meth:`finish` copies on a side stream that waits for it.
+optimizer's ``step``: whichever thread comes first makes the copies, the other waits for them (a lock). On CUDA,
+:meth:`stage` records an event on each device's current stream and :meth:`finish` copies on a side stream that waits
+for it.
 
 Thread safety: one :class:`Stager` per manager; :meth:`stage` is called on the training thread only
 while no background write is reading the buffers (the manager waits for the previous save first);
