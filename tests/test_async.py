@@ -110,6 +110,45 @@ def test_checkpoint_holds_the_state_of_the_call_not_later_updates(tmp_path, fmt,
     mgr2.close()
 
 
+def test_parameters_another_optimizer_trains_are_copied_inside_save(tmp_path):
+    """Only what the tracked optimizer's step changes may be copied after ``save()``: a second optimizer, unknown to
+    the manager, steps at once on the other layer while the writer's copies are held back, and the checkpoint still
+    holds both layers as they were at the call."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
+    tracked = torch.optim.AdamW(model[0].parameters(), lr=1e-2)
+    other = torch.optim.AdamW(model[1].parameters(), lr=1e-2)  # e.g. a split optimizer the manager was not given
+
+    def train() -> None:
+        model(torch.randn(4, 32)).square().mean().backward()
+        tracked.step()
+        other.step()
+        tracked.zero_grad()
+        other.zero_grad()
+
+    train()
+    mgr = CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path / "ck"), async_save=True), model=model,
+                            optimizer=tracked, rng=False)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    deferred = []
+    _faults.set_hook(lambda name: (deferred.append(name), time.sleep(0.5)) if name == "save.staging_copies" else None)
+    try:
+        mgr.save(step=1)
+        model(torch.randn(4, 32)).square().mean().backward()
+        other.step()  # not hooked: its parameters must have been copied already
+        train()  # the tracked optimizer's step waits for (or makes) the copies of its own
+        mgr.wait()
+    finally:
+        _faults.set_hook(None)
+    mgr.close()
+    assert deferred == ["save.staging_copies"]
+    fresh = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path / "ck")), model=fresh, rng=False) as again:
+        again.restore()
+    for key, ref in expected.items():
+        assert torch.equal(fresh.state_dict()[key], ref), key
+
+
 def _change_during_staging(root: str, fsdp: bool) -> dict:
     """A parameter changed by hand (not by the optimizer's step) while the background save still copies: that save
     fails by name and writes nothing; the next one, made after wait_for_staging(), is exact."""

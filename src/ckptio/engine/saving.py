@@ -198,10 +198,12 @@ class Saver:
                 # AutoModel's load_optimizer(optimizer, model, path, scheduler) finds it
                 live["optim"]["sched"] = scheduler.state_dict()
         if stage:
-            optimizer = getattr(t.optim_state, "optimizer", None)
-            if self.defer_staging and optimizer is not None and self._step_hook is None:
+            # only what the tracked optimizer's step changes waits for it: without one (or for parameters another
+            # optimizer trains) nothing would make that step wait, so those are copied here
+            optimizer = getattr(t.optim_state, "optimizer", None) if self.defer_staging else None
+            if optimizer is not None and self._step_hook is None:
                 self._step_hook = optimizer.register_step_pre_hook(_finish(self.stager))
-            live = self.stager.stage(live, changed_by_step(t.model, optimizer) if self.defer_staging else None)
+            live = self.stager.stage(live, changed_by_step(optimizer) if optimizer is not None else None)
             job.staged_later = self.stager.pending
         job.model, job.optim = live.get("model"), live.get("optim")
         del live
@@ -381,12 +383,11 @@ class Saver:
         )
 
 
-def changed_by_step(model: Any, optimizer: Any) -> Any:
-    """Which tensors of a state only the optimizer's step changes (the model's parameters and the optimizer's
-    state), recognised by where their bytes are: their staging copies may wait for the writer's thread."""
-    tensors = list(model.parameters()) if model is not None else []
-    if optimizer is not None:
-        tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+def changed_by_step(optimizer: Any) -> Any:
+    """Which tensors of a state only ``optimizer``'s step changes (its parameters and its state), recognised by where
+    their bytes are: their staging copies may wait for the writer's thread."""
+    tensors = [p for group in optimizer.param_groups for p in group["params"]]
+    tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
     with torch.no_grad():
         owned = {(t.to_local() if isinstance(t, DTensor) else t).data_ptr() for t in tensors}
     owned.discard(0)
