@@ -133,7 +133,7 @@ class CheckpointConfig:
     float32 model and back); without it such a tensor is a mismatch."""
 
     async_save: bool = False
-    """Return from ``save()`` once the state is copied into reused host staging buffers; a background
+    """Return from ``save()`` once the state is captured for reused host staging buffers; a background
     thread writes and commits it. One save is in flight at a time; its error is raised at the next
     ``save()``, ``wait()`` or ``close()``."""
 
