@@ -177,7 +177,7 @@ class Scratch:
                 sweep(root)
         self.path = Path(tempfile.mkdtemp(prefix=prefix, dir=root))
         fresh = self.path / f"{SCRATCH_LOCK}.new"
-        fd = os.open(fresh, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        fd = os.open(fresh, os.O_RDWR | os.O_CREAT | os.O_EXCL | _O_CLOEXEC | _O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.rename(fresh, self.path / SCRATCH_LOCK)  # a sweeper sees the lock file only once it is locked
@@ -212,7 +212,7 @@ def sweep(root: str) -> list[Path]:
         try:
             if not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != os.getuid():
                 continue
-            fd = os.open(os.path.join(entry.path, SCRATCH_LOCK), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(os.path.join(entry.path, SCRATCH_LOCK), os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)
         except OSError:
             continue
         try:
