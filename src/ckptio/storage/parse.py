@@ -9,6 +9,9 @@ what it read through these pieces, so that a hostile or damaged file meets the s
   it is inflated (:func:`zip_member`);
 * **nesting bounded**: JSON deeper than :data:`MAX_DEPTH` is refused (:func:`json_value`), so no reader
   walking it can recurse without end;
+* **YAML without aliases**: :func:`yaml_value` refuses anchors and aliases (a few hundred bytes of nested
+  anchors expand to gigabytes of lists), documents over :data:`YAML_MAX_BYTES` and nesting past
+  :data:`YAML_MAX_DEPTH`; checkpoint configs never need them;
 * **types checked**: :func:`field`, :func:`as_int` and :func:`as_float` take a value of the expected type
   and range or refuse it naming the file and the field (a 400-digit integer is refused, never an
   ``OverflowError`` later);
@@ -26,6 +29,7 @@ folder kind then skips that folder with its reason and takes the next older comp
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import pickle
@@ -38,7 +42,8 @@ from ..errors import CheckpointCorruptError, CheckpointError
 from .pickle_walk import PickleTooCostly, walk
 
 __all__ = ["MAX_DEPTH", "DATA_ERRORS", "parsing", "check_pickle", "json_value", "json_object", "read_json", "check_depth",
-           "field", "as_int", "as_float", "Budget", "zip_member"]
+           "field", "as_int", "as_float", "Budget", "zip_member", "yaml_value", "YAML_MAX_BYTES",
+           "YAML_MAX_DEPTH"]
 
 MAX_DEPTH = 64
 """Deepest nesting of lists and dicts any checkpoint side file may have (real ones stay under 10)."""
@@ -247,3 +252,44 @@ def zip_member(archive: zipfile.ZipFile, name: str, budget: Budget, *, expect: i
         raise CheckpointCorruptError(f"{budget.where}: member {name!r} holds {len(data)} bytes, "
                                      f"its header says {info.file_size}")
     return data
+
+
+YAML_MAX_BYTES = 16 * 1024 * 1024
+"""Largest YAML document :func:`yaml_value` parses (a ``.nemo``'s ``model_config.yaml``, a recipe's ``model.yaml``)."""
+YAML_MAX_DEPTH = 100
+
+
+@functools.cache
+def _yaml_loader() -> Any:
+    """PyYAML's ``SafeLoader``, refusing aliases and deep nesting while it composes the document (built on first use:
+    most restores read no YAML, and importing PyYAML costs)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        def compose_node(self, parent: Any, index: Any) -> Any:  # type: ignore[override]
+            if self.check_event(yaml.AliasEvent):
+                event = self.peek_event()
+                raise yaml.YAMLError(f"aliases are not allowed (*{event.anchor} {event.start_mark})")
+            self._depth = getattr(self, "_depth", 0) + 1
+            try:
+                if self._depth > YAML_MAX_DEPTH:
+                    raise yaml.YAMLError(f"nested deeper than {YAML_MAX_DEPTH} levels")
+                return super().compose_node(parent, index)
+            finally:
+                self._depth -= 1
+
+    return Loader
+
+
+def yaml_value(data: str | bytes, where: object, *, max_bytes: int = YAML_MAX_BYTES) -> Any:
+    """Parse one YAML document (plain values only); a refused or malformed one is a
+    :class:`~ckptio.CheckpointCorruptError` naming ``where``."""
+    import yaml
+
+    size = len(data.encode() if isinstance(data, str) else data)
+    if size > max_bytes:
+        raise CheckpointCorruptError(f"{where}: {size} bytes of YAML, more than the {max_bytes} allowed")
+    try:
+        return yaml.load(data, Loader=_yaml_loader())  # noqa: S506 - a SafeLoader without aliases
+    except (yaml.YAMLError, UnicodeDecodeError, RecursionError) as exc:
+        raise CheckpointCorruptError(f"{where}: not valid YAML for ckptio ({exc})") from exc

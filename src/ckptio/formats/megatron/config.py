@@ -142,14 +142,14 @@ def nemo2_args(model: dict[str, Any]) -> Any:
 
 def args_from_files(folder: Path, run: Path) -> Any:
     """The model's arguments from files beside a checkpoint without ``args``; ``None`` when there are none."""
-    from ...storage import safe_yaml
+    from ...storage.parse import YAML_MAX_BYTES, yaml_value
     from ...storage.confined import Folder
     from ..common import read_json
 
     for where in (folder, run):
         if (where / "context" / "model.yaml").is_file():
-            doc = safe_yaml.load(Folder(where / "context").read_bytes("model.yaml", max_size=safe_yaml.MAX_BYTES),
-                                 where / "context" / "model.yaml")
+            doc = yaml_value(Folder(where / "context").read_bytes("model.yaml", max_size=YAML_MAX_BYTES),
+                             where / "context" / "model.yaml")
             if isinstance(doc, dict):
                 return nemo2_args(doc)
     for where in (folder, run, folder / "context"):

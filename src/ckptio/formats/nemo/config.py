@@ -1,7 +1,7 @@
 """The ``model_config.yaml`` of a ``.nemo`` archive: reading it safely, and the rules for its artifacts.
 
-The YAML is read bounded in size and without aliases (:mod:`ckptio.storage.safe_yaml`). Every artifact the
-config names — the entries of ``artifacts:`` and ``tokenizer.files:`` (ckptio's layout) and NeMo's
+The YAML is read bounded in size and without aliases (:func:`ckptio.storage.parse.yaml_value`). Every
+artifact the config names — the entries of ``artifacts:`` and ``tokenizer.files:`` (ckptio's layout) and NeMo's
 tokenizer keys (``tokenizer.model``, ``vocab_file``, ``merge_file``) — must be a ``nemo:`` reference to a
 plain relative name inside the archive; anything else is an error naming the key and the value, so that
 no file of the host is ever read on an archive's say-so.
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ...storage import safe_yaml
+from ...storage.parse import YAML_MAX_BYTES, yaml_value
 from ...errors import CheckpointCorruptError, CheckpointNotFoundError
 from ...storage.confined import Folder, UnsafePathError, check_relative
 from ..dcp import metadata as dcp_metadata
@@ -60,7 +60,7 @@ def read_config(folder: str | Path, archive: Path | None = None) -> dict[str, An
     tree = Folder(folder)
     if tree.kind(CONFIG_FILE) is None:
         raise CheckpointNotFoundError(f"{where} is not a .nemo: {CONFIG_FILE} is missing")
-    config = safe_yaml.load(tree.read_bytes(CONFIG_FILE, max_size=safe_yaml.MAX_BYTES), f"{where}: {CONFIG_FILE}")
+    config = yaml_value(tree.read_bytes(CONFIG_FILE, max_size=YAML_MAX_BYTES), f"{where}: {CONFIG_FILE}")
     if not isinstance(config, dict):
         raise CheckpointCorruptError(f"{where}: {CONFIG_FILE} does not hold a mapping")
     if not tree.is_file(WEIGHTS_FILE) and not tree.is_file(f"{WEIGHTS_DIR}/{dcp_metadata.METADATA_FILE}") and \
