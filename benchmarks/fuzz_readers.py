@@ -1,7 +1,7 @@
 """Fuzz ckptio's readers with hostile and damaged inputs; every outcome must be "loaded right" or a clean error.
 
     .venv/bin/python benchmarks/fuzz_readers.py [--inputs 500] [--seed 0] [--family NAME ...] [--jobs 2]
-        [--minutes M] [--timeout 10] [--rss-mb 256] [--replay N ... [--debug]]
+        [--minutes M] [--timeout 10] [--rss-mb 256] [--direct-reads] [--replay N ... [--debug]]
 
 Families (each generates structured attacks and random byte damage of valid files):
 
@@ -493,9 +493,14 @@ def main() -> int:
                    help=f"peak RSS bound, MiB above the worker's baseline (default {RSS_MB})")
     p.add_argument("--jobs", type=int, default=1, help="worker processes side by side per family (default 1)")
     p.add_argument("--minutes", type=float, help="stop each family after this many minutes of inputs")
+    p.add_argument("--direct-reads", action="store_true",
+                   help="read every advised range through the direct reads of cold files (CKPTIO_DIRECT_READS=force: "
+                        "small pieces, cached or not), so that hostile offsets and spans meet that path too")
     p.add_argument("--debug", action="store_true",
                    help="with --replay: run in this process, print the full traceback and keep the input's folder")
     args = p.parse_args()
+    if args.direct_reads:
+        os.environ["CKPTIO_DIRECT_READS"] = "force"  # the forked workers inherit it
     if args.debug:
         from fuzz_runner import debug
 

@@ -30,6 +30,29 @@ def test_fuzz_family_smoke(family):
     assert tally["ok"] + tally["clean"] == n
 
 
+DIRECT = {"dcp": 80, "automodel": 30, "hf_trainer": 40, "lightning": 40, "accelerate": 40}
+"""The families whose readers reach the direct reads of cold files (they advise the ranges they read: DCP items,
+the verifier's reads of safetensors and torch files), run with every advised range read that way
+(``--direct-reads``). Checked with ``fuzz_runner.debug`` in one process and ``reading.STATS``: 12 inputs of each
+family opened 12-134 files that way. The safetensors shard loader, the manifest, pointer, DeepSpeed and record
+readers advise nothing, so they never read directly."""
+
+
+@pytest.mark.parametrize("family", list(DIRECT))
+def test_fuzz_family_through_direct_reads(family, monkeypatch):
+    import fuzz_readers
+
+    from ckptio.storage import reading
+
+    monkeypatch.setenv("CKPTIO_DIRECT_READS", "force")  # what --direct-reads sets; the forked workers inherit it
+    assert reading.mode() == "force"
+    n = DIRECT[family]
+    tally = fuzz_readers.run([family], inputs=n, seed=23, verbose=True)[family]
+    failures = "\n".join(f"input {i}: {detail} <- {'; '.join(notes)}" for i, detail, notes in tally["failures"])
+    assert tally["other"] == 0 and tally["harness"] == 0, f"{tally['other']} of {n} inputs failed:\n{failures}"
+    assert tally["ok"] + tally["clean"] == n  # (that the attacks are generated: test_fuzz_family_smoke)
+
+
 # ---------------------------------------------------------------------------------------------- the runner itself
 def _family(kind: str):
     """A stand-in family for checks of the runner: ``leak`` keeps a descriptor open per input, ``slow`` sleeps,

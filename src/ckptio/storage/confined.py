@@ -24,7 +24,6 @@ a running CRC-32C (see :mod:`ckptio.storage.verify`).
 from __future__ import annotations
 
 import errno
-import io
 import os
 import stat
 from dataclasses import dataclass
@@ -32,6 +31,8 @@ from pathlib import Path, PurePath
 from typing import Any, Iterator
 
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError
+from . import reading
+from .reading import HandleStream, NegativeSeek  # noqa: F401 - re-exported: callers open streams here
 
 __all__ = ["Folder", "ReadHandle", "check_relative", "UnsafePathError"]
 
@@ -325,11 +326,13 @@ class ReadHandle:
         self.size = size
         self._hash: Any = None
         self._advice: list[tuple[int, int]] | None = None
+        self._ahead: reading.ReadAhead | None = None
 
     def advise(self, spans: "list[tuple[int, int]]") -> None:
         """Say which byte ranges (start, end) this handle will read from now on (adjacent ones merged): a store that
         fetches more than a read asks for (an object store's windows) then fetches only inside them, so ranks that
-        share a file's reads do not each fetch all of it. A local file takes it as a hint only."""
+        share a file's reads do not each fetch all of it. A local file not in the page cache reads them ahead
+        (:mod:`.reading`)."""
         merged: list[tuple[int, int]] = []
         for start, end in sorted(spans):
             if merged and start <= merged[-1][1] + ADVICE_SLACK:
@@ -337,6 +340,14 @@ class ReadHandle:
             else:
                 merged.append((start, end))
         self._advice = merged
+        if self.fd >= 0:
+            self._close_ahead()
+            self._ahead = reading.start(self.fd, self.size, merged)
+
+    def _close_ahead(self) -> None:
+        if self._ahead is not None:
+            self._ahead.close()
+            self._ahead = None
 
     def __enter__(self) -> "ReadHandle":
         return self
@@ -354,6 +365,7 @@ class ReadHandle:
                     self._hash.wait()
                 except Exception:  # noqa: BLE001
                     pass
+            self._close_ahead()
             os.close(self.fd)
             self.fd = -1
 
@@ -390,6 +402,8 @@ class ReadHandle:
             h.wait()
 
     def _pread(self, view: memoryview, offset: int) -> None:
+        if self._ahead is not None and self._ahead.serve(view, offset):
+            return
         done, n = 0, view.nbytes
         while done < n:
             got = os.preadv(self.fd, [view[done:]], offset + done)
@@ -405,46 +419,3 @@ class ReadHandle:
     def stream(self) -> "HandleStream":
         """A seekable binary file object over this handle (for readers that want one: DCP, torch.load)."""
         return HandleStream(self)
-
-
-class NegativeSeek(OSError, ValueError):
-    """A seek before the start of a file: what a probing reader expects (an ``OSError``), and, when an offset the file
-    itself claims leads there, bad input that the gate's :class:`~ckptio.storage.parse.parsing` names (a
-    ``ValueError``)."""
-
-
-class HandleStream(io.RawIOBase):
-    """File-like view of a :class:`ReadHandle` (its own position; reads go through the handle)."""
-
-    def __init__(self, handle: ReadHandle) -> None:
-        super().__init__()
-        self.handle = handle
-        self.pos = 0
-        self.name = str(handle.path)
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self.pos, 2: self.handle.size}[whence]
-        if base + offset < 0:  # as a file does: zipfile, probing for its end record, expects OSError; a ValueError
-            raise NegativeSeek(errno.EINVAL, f"{self.name}: negative seek position")  # too: an offset a file claims
-        self.pos = base + offset
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def readinto(self, buf: Any) -> int:
-        view = memoryview(buf).cast("B")
-        n = max(0, min(view.nbytes, self.handle.size - self.pos))
-        if n:
-            self.handle.readinto(view[:n], self.pos)
-            self.pos += n
-        return n
-
-    def close(self) -> None:  # the handle is closed by its owner
-        super().close()
