@@ -73,6 +73,26 @@ def test_every_pattern_of_reads_returns_the_files_bytes(tmp_path, monkeypatch, d
     assert reading.STATS["bytes"] > served + 10 * MiB  # most of those reads came from the direct pieces
 
 
+def test_ranges_a_file_claims_beyond_itself_make_no_more_reads_than_the_file_holds(tmp_path, monkeypatch, direct_io):
+    """Advised ranges come from a checkpoint's metadata: ranges starting far before the file or ending far past it
+    cost pieces for the file's own bytes only, and reads outside it are still refused naming it."""
+    from ckptio.storage.reading import FORCED_PIECE, _pieces
+
+    monkeypatch.setenv("CKPTIO_DIRECT_READS", "force")
+    size = MiB + 3
+    assert len(_pieces(size, [(-(10**18), 10**18)], FORCED_PIECE)) == -(-size // FORCED_PIECE)
+    assert _pieces(size, [(10**18, 10**18 + 5), (size, size + 1)], FORCED_PIECE) == []
+    data = os.urandom(size)
+    (tmp_path / "blob.bin").write_bytes(data)
+    with Folder(tmp_path).open("blob.bin") as handle:
+        handle.advise([(-(10**18), 10**18)])
+        buf = bytearray(size)
+        handle.readinto(buf, 0)
+        assert bytes(buf) == data
+        with pytest.raises(CheckpointCorruptError, match=r"blob\.bin: a read of 4 bytes at"):
+            handle.readinto(bytearray(4), size)
+
+
 def test_a_file_cut_while_it_is_read_is_an_error_naming_it(tmp_path, monkeypatch, direct_io):
     monkeypatch.setenv("CKPTIO_DIRECT_READS", "force")
     (tmp_path / "blob.bin").write_bytes(os.urandom(2 * MiB))

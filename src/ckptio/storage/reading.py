@@ -171,9 +171,10 @@ def _pieces(size: int, spans: list[tuple[int, int]], piece: int) -> list[tuple[i
     """Aligned pieces of at most ``piece`` bytes covering ``spans``, in order; the last may end past the file."""
     ranges: list[list[int]] = []
     for a, b in spans:
-        lo, hi = a // ALIGN * ALIGN, -(-min(b, size) // ALIGN) * ALIGN
-        if hi <= lo:
+        a, b = max(0, a), min(b, size)  # within the file, whatever the ranges claim
+        if b <= a:
             continue
+        lo, hi = a // ALIGN * ALIGN, -(-b // ALIGN) * ALIGN
         if ranges and lo <= ranges[-1][1]:
             ranges[-1][1] = max(ranges[-1][1], hi)
         else:
