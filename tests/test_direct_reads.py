@@ -1,7 +1,7 @@
 """Cold files read around the page cache (``storage/reading.py``, ``CKPTIO_DIRECT_READS=1``): the bytes a reader
 gets are the file's, whatever the order and size of its reads; a restore of a checkpoint the page cache does not
-hold takes that path and is exact; a warm one, or one without the setting, does not; a file cut or damaged while it is read ends in
-the error that names it."""
+hold takes that path and is exact; a warm one, or one without the setting, does not; a file cut or damaged while
+it is read ends in the error that names it."""
 
 from __future__ import annotations
 

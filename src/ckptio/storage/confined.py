@@ -32,7 +32,7 @@ from typing import Any, Iterator
 
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError
 from . import reading
-from .reading import HandleStream, NegativeSeek  # noqa: F401 - re-exported: callers open streams here
+from .reading import HandleStream, NegativeSeek  # noqa: F401 - re-exported: readers import them from the gate
 
 __all__ = ["Folder", "ReadHandle", "check_relative", "UnsafePathError"]
 
@@ -331,8 +331,8 @@ class ReadHandle:
     def advise(self, spans: "list[tuple[int, int]]") -> None:
         """Say which byte ranges (start, end) this handle will read from now on (adjacent ones merged): a store that
         fetches more than a read asks for (an object store's windows) then fetches only inside them, so ranks that
-        share a file's reads do not each fetch all of it. A local file not in the page cache reads them ahead
-        (:mod:`.reading`)."""
+        share a file's reads do not each fetch all of it. A local file takes it as a hint, and with
+        ``CKPTIO_DIRECT_READS=1`` reads large ranges the page cache does not hold ahead (:mod:`.reading`)."""
         merged: list[tuple[int, int]] = []
         for start, end in sorted(spans):
             if merged and start <= merged[-1][1] + ADVICE_SLACK:

@@ -37,8 +37,8 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
-__all__ = ["ReadAhead", "start", "mode", "cached_fraction", "HandleStream", "NegativeSeek", "PIECE", "DEPTH", "MIN_BYTES",
-           "STATS"]
+__all__ = ["ReadAhead", "start", "mode", "cached_fraction", "HandleStream", "NegativeSeek", "PIECE", "DEPTH",
+           "MIN_BYTES", "STATS"]
 
 PIECE = 8 << 20
 """Bytes of one direct read."""
