@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import statistics
 import sys
 import tempfile
@@ -25,18 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as fh:
-            fh.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
 def main() -> int:
-    from save_load import _size, build_state
+    from save_load import _size, build_state, drop_caches
 
     from ckptio import CheckpointConfig, CheckpointManager
 
