@@ -172,3 +172,45 @@ def test_damage_in_a_file_read_directly_is_found_by_the_checksums(tmp_path, monk
     with pytest.raises(CheckpointCorruptError, match=r"__0_0\.distcp"):
         _restore(root)
     assert reading.STATS["bytes"] > served
+
+
+def _fsdp_round_trip(root: str, share: bool) -> list[int]:
+    """2 FSDP2 ranks save, then restore into fresh objects with every advised range read directly (``force``);
+    ``share``: one rank reads what both restore and sends it (shared reads). Returns [exact, bytes read directly]."""
+    import torch.distributed as dist
+    from toy import fsdp_mlp
+
+    model, opt = fsdp_mlp(512, 3)
+    model(torch.randn(4, 512)).sum().backward()
+    opt.step()
+    cfg = CheckpointConfig(checkpoint_dir=root, share_reads=share)
+    CheckpointManager(cfg, model=model, optimizer=opt, rng=False).save(step=1)
+    dist.barrier()
+    fresh, fresh_opt = fsdp_mlp(512, 3, seed=1)
+    served = reading.STATS["bytes"]
+    CheckpointManager(cfg, model=fresh, optimizer=fresh_opt, rng=False).restore(verify="full")
+
+    def whole(m, o):
+        def full(v):
+            return v.full_tensor() if hasattr(v, "full_tensor") else v
+
+        state = {}
+        for i, (name, p) in enumerate(m.named_parameters()):
+            state[name] = full(p)
+            state.update({f"{i}.{k}": full(v) for k, v in o.state[p].items()})
+        return state
+
+    a, b = whole(model, opt), whole(fresh, fresh_opt)
+    exact = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    return [int(exact), reading.STATS["bytes"] - served]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("share", [False, True])
+def test_two_ranks_restore_exactly_through_direct_reads(tmp_path, monkeypatch, direct_io, share):
+    from distributed import run_ranks
+
+    monkeypatch.setenv("CKPTIO_DIRECT_READS", "force")  # the ranks inherit it
+    results = run_ranks(2, _fsdp_round_trip, root=str(tmp_path / "ck"), share=share)
+    assert all(exact == 1 for exact, _ in results), results
+    assert all(direct > 0 for _, direct in results) if not share else sum(d for _, d in results) > 0, results
