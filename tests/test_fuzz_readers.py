@@ -38,6 +38,7 @@ family opened 12-134 files that way. The safetensors shard loader, the manifest,
 readers advise nothing, so they never read directly."""
 
 
+@pytest.mark.slow  # the quick loop keeps its 5 minutes; test_direct_reads.py covers the path there
 @pytest.mark.parametrize("family", list(DIRECT))
 def test_fuzz_family_through_direct_reads(family, monkeypatch):
     import fuzz_readers
