@@ -155,3 +155,28 @@ def test_damage_found_by_one_rank_makes_every_rank_fall_back_together(tmp_path):
     from distributed import run_ranks
 
     assert run_ranks(2, _resume_past_damage_one_rank_sees, root=str(tmp_path)) == [(1, True), (1, True)]
+
+
+def test_hyper_parameters_parsed_once_still_restore_each_groups_own_values(tmp_path):
+    """The DCP reader parses a hyper-parameter archive it has seen byte for byte only once: groups whose values differ
+    (same archive length, other bytes) get their own, and a list value is never one object shared by two groups."""
+    from ckptio import CheckpointConfig, CheckpointManager
+
+    def build(lrs: tuple[float, float], tags: tuple[list, list]):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        opt = torch.optim.AdamW([{"params": model[0].parameters(), "lr": lrs[0], "tags": tags[0]},
+                                 {"params": model[1].parameters(), "lr": lrs[1], "tags": tags[1],
+                                  "betas": (0.8, 0.95)}])
+        return model, opt
+
+    model, opt = build((0.125, 0.25), ([1, 2], [1, 2]))
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    cfg = CheckpointConfig(checkpoint_dir=tmp_path, model_save_format="torch_save", optimizer_save_format="torch_save")
+    CheckpointManager(cfg, model=model, optimizer=opt).save(step=1)
+    fresh, fresh_opt = build((0.5, 0.5), ([], []))
+    CheckpointManager(cfg, model=fresh, optimizer=fresh_opt).restore()
+    got = [(g["lr"], g["betas"], g["tags"]) for g in fresh_opt.param_groups]
+    assert got == [(0.125, (0.9, 0.999), [1, 2]), (0.25, (0.8, 0.95), [1, 2])]
+    assert fresh_opt.param_groups[0]["tags"] is not fresh_opt.param_groups[1]["tags"]

@@ -186,9 +186,10 @@ def execute(p: Plan, progress: Callable[[int], None] | None = None,
         reads = list(group)
         with p.folder.open(rel) as handle:
             handle.advise([(r.offset, r.offset + r.length) for r in reads])
+            memo: dict[bytes, Any] = {}
             for r in reads:
                 if r.dst is None:
-                    plain, value = plain_value(handle, r.offset, r.length)
+                    plain, value = plain_value(handle, r.offset, r.length, memo)
                     if not plain:
                         value = _value(handle.read(r.offset, r.length), handle.path, r.key)
                     set_element(p.state_dict, r.path, value)

@@ -262,22 +262,38 @@ class _PlainUnpickler(pickle.Unpickler):
         raise _NotPlain
 
 
-def plain_value(handle: ReadHandle, base: int, length: int) -> tuple[bool, Any]:
+def plain_value(handle: ReadHandle, base: int, length: int,
+                memo: "dict[bytes, Any] | None" = None) -> tuple[bool, Any]:
     """``(True, value)`` for a ``torch.save`` archive at ``[base, base + length)`` holding a plain Python
     value (an optimizer's hyper-parameter, say), read without ``torch.load``; ``(False, None)`` for any
-    other archive (the caller then uses ``torch.load(weights_only=True)``, which also reports damage)."""
+    other archive (the caller then uses ``torch.load(weights_only=True)``, which also reports damage).
+
+    ``memo``: values already parsed, by the bytes of their whole archive. An optimizer saved by DCP holds each
+    hyper-parameter once per parameter (11 archives a parameter for AdamW, most of them byte for byte the same);
+    an archive seen before is not parsed again. Only immutable values are kept, so no two parameters share a list.
+    """
     try:
         win = _Window(handle, base, length)
-        if length <= _HEAD + _TAIL:
-            win.fetch(0, length)
+        whole = win.fetch(0, length) if length <= _HEAD + _TAIL else None
+        if memo is not None and whole is not None and whole in memo:
+            return True, memo[whole]
         records = _directory(win)
         pkl = [name for name in records if name.endswith("/data.pkl")]
         if len(pkl) != 1 or any(name.startswith(pkl[0][: -len("data.pkl")] + "data/") for name in records):
             return False, None
-        return True, _PlainUnpickler(io.BytesIO(_pickle(win, records[pkl[0]]))).load()
+        value = _PlainUnpickler(io.BytesIO(_pickle(win, records[pkl[0]]))).load()
     except (_NotPlain, ValueError, struct.error, pickle.UnpicklingError, EOFError, KeyError, IndexError, TypeError,
             AttributeError, RecursionError, MemoryError):
         return False, None
+    if memo is not None and whole is not None and _immutable(value):
+        memo[whole] = value
+    return True, value
+
+
+def _immutable(value: Any, depth: int = 0) -> bool:
+    if value is None or type(value) in (bool, int, float, complex, str, bytes):
+        return True
+    return type(value) is tuple and depth < 4 and all(_immutable(v, depth + 1) for v in value)
 
 
 def read_into(handle: ReadHandle, stored: StoredTensor, lo: list[int], lengths: list[int],
