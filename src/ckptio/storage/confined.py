@@ -32,7 +32,7 @@ from typing import Any, Iterator
 
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError
 from . import reading
-from .reading import HandleStream, NegativeSeek  # noqa: F401 - re-exported: readers import them from the gate
+from .reading import HandleStream
 
 __all__ = ["Folder", "ReadHandle", "check_relative", "UnsafePathError"]
 
