@@ -1,7 +1,7 @@
 """Fuzz ckptio's readers with hostile and damaged inputs; every outcome must be "loaded right" or a clean error.
 
     .venv/bin/python benchmarks/fuzz_readers.py [--inputs 500] [--seed 0] [--family NAME ...] [--jobs 2]
-        [--minutes M] [--timeout 10] [--rss-mb 256] [--direct-reads] [--replay N ... [--debug]]
+        [--minutes M] [--timeout 10] [--rss-mb 256] [--direct-reads] [--prefetch] [--replay N ... [--debug]]
 
 Families (each generates structured attacks and random byte damage of valid files):
 
@@ -496,11 +496,16 @@ def main() -> int:
     p.add_argument("--direct-reads", action="store_true",
                    help="read every advised range through the direct reads of cold files (CKPTIO_DIRECT_READS=force: "
                         "small pieces, cached or not), so that hostile offsets and spans meet that path too")
+    p.add_argument("--prefetch", action="store_true",
+                   help="have every restore prefetch its files, cached or not (CKPTIO_PREFETCH=force), so that the "
+                        "damaged steps of the automodel and memory families meet that thread too")
     p.add_argument("--debug", action="store_true",
                    help="with --replay: run in this process, print the full traceback and keep the input's folder")
     args = p.parse_args()
     if args.direct_reads:
         os.environ["CKPTIO_DIRECT_READS"] = "force"  # the forked workers inherit it
+    if args.prefetch:
+        os.environ["CKPTIO_PREFETCH"] = "force"
     if args.debug:
         from fuzz_runner import debug
 

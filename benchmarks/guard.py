@@ -54,6 +54,8 @@ CONTEXT: list[tuple[str, str, str, str]] = [
     ("DCP FileSystemWriter ÷ raw write + fsync", SAVE, "DCP FileSystemWriter", "raw write + fsync"),
     ("warm restore ÷ raw read into new memory (the floor of a fresh optimizer)", WARM, "ckptio restore (safetensors)",
      "raw read, optimizer part into new memory"),
+    ("cold restore without the prefetch (CKPTIO_PREFETCH=0) ÷ raw cold read", COLD,
+     "ckptio restore (safetensors), no prefetch", "raw read"),
 ]
 
 SKIP = r"HF|consolidated|torch_save|io_threads|torch\.save|torch\.load|safetensors\.|ckptio sync"

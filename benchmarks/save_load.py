@@ -142,6 +142,7 @@ LOADED_FROM = {
     "DCP load (+ set_optimizer_state_dict)": "DCP FileSystemWriter",
     "ckptio restore (safetensors)": "ckptio (safetensors)",
     "ckptio restore (torch_save/DCP)": "ckptio (torch_save/DCP)",
+    "ckptio restore (safetensors), no prefetch": "ckptio (safetensors)",
     "torch.load": "torch.save",
     "safetensors.load_file": "safetensors.save_file",
     "AutoModel load (safetensors)": "AutoModel (safetensors)",
@@ -414,6 +415,16 @@ class Bench:
                                                               model_save_format=fmt),
                                              model=model, optimizer=self.fresh_optimizer(), rng=False).restore()
 
+        def no_prefetch(load: Callable[[], None]) -> Callable[[], None]:
+            def run() -> None:  # the restore without its prefetch of each rank's own files (CKPTIO_PREFETCH=0)
+                before = os.environ.get("CKPTIO_PREFETCH")
+                os.environ["CKPTIO_PREFETCH"] = "0"
+                try:
+                    load()
+                finally:
+                    os.environ.pop("CKPTIO_PREFETCH") if before is None else os.environ.update(CKPTIO_PREFETCH=before)
+            return run
+
         def am_load(name: str, fmt: str) -> Callable[[], None]:
             def run() -> None:
                 ck = self.am(kept[name] / "am", fmt, False)
@@ -430,6 +441,7 @@ class Bench:
             "DCP load (+ set_optimizer_state_dict)": dcp_load,
             "ckptio restore (safetensors)": ckptio_load("ckptio (safetensors)", "safetensors"),
             "ckptio restore (torch_save/DCP)": ckptio_load("ckptio (torch_save/DCP)", "torch_save"),
+            "ckptio restore (safetensors), no prefetch": no_prefetch(ckptio_load("ckptio (safetensors)", "safetensors")),
         }
         if self.world == 1:
             out["torch.load"] = lambda: torch.load(kept["torch.save"] / "ckpt.pt", weights_only=True)

@@ -17,10 +17,18 @@ INPUTS = {"chunk_index": 200, "hf_trainer": 150, "lightning": 150, "memory": 100
 adopted AutoModel step and of a memory snapshot cost tens of milliseconds per input: a full restore each)."""
 
 
+PREFETCHED = ("automodel", "memory")
+"""The families that restore through ``CheckpointManager.restore``, run with its prefetch of each rank's own files
+forced (``--prefetch``: cached or not), so that every damaged step meets that thread too. Checked with
+``fuzz_runner.debug`` in one process and ``reading.STATS``."""
+
+
 @pytest.mark.parametrize("family", list(INPUTS))
-def test_fuzz_family_smoke(family):
+def test_fuzz_family_smoke(family, monkeypatch):
     import fuzz_readers
 
+    if family in PREFETCHED:
+        monkeypatch.setenv("CKPTIO_PREFETCH", "force")  # the forked workers inherit it
     n = INPUTS[family]
     tally = fuzz_readers.run([family], inputs=n, seed=11, verbose=True)[family]
     failures = "\n".join(f"input {i}: {detail} <- {'; '.join(notes)}" for i, detail, notes in tally["failures"])

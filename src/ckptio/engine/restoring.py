@@ -41,6 +41,7 @@ from .layout import LATEST, find_candidates, parse_step_name, step_manifest
 from .manifest import Manifest, StateEntry, merge_shapes, model_signature
 from .saving import Tracked
 from ..storage import open_storage
+from ..storage import reading
 from ..storage.base import Storage
 from ..storage.confined import Folder
 from ..storage.verify import Verifier, finishers
@@ -127,11 +128,19 @@ class Restorer:
         return self._restore_from(step_dir, verify)
 
     def _restore_from(self, step_dir: Path, verify: str) -> RestoreInfo:
-        rank = _dist.rank()
-        if rank == 0:
+        if _dist.rank() == 0:
             self.log.info("Loading checkpoint from %s", step_dir)
         start = time.perf_counter()
         where = self.storage if step_dir.parent == self.storage.root else open_storage(step_dir.parent)
+        # this rank's own data files come into the page cache on a thread while the restore plans and reads
+        step = where.folder(step_dir.name)
+        live = {"model": self.tracked.model_state, "optim": self.tracked.optim_state}
+        with reading.prefetch(step if isinstance(step, Folder) else None, [s for s, v in live.items()
+                              if v is not None and self.options.wants(s)], _dist.rank(), _dist.world_size()):
+            return self._restore_step(where, step_dir, verify, start)
+
+    def _restore_step(self, where: Storage, step_dir: Path, verify: str, start: float) -> RestoreInfo:
+        rank = _dist.rank()
         model_state = self.tracked.model_state if self.options.wants("model") else None
         target = model_state.state_dict() if model_state is not None else None
         # one round: open the step, read its manifest and small states, describe the live model's keys, plan the
@@ -286,10 +295,9 @@ class Restorer:
         assert template is not None
         missing = sorted(k for k in template if k not in saved)
         if missing:
-            raise CheckpointMismatchError(
-                f"{folder.path}: optimizer state does not match the live optimizer: {len(missing)} key(s) missing, "
-                f"e.g. {missing[:3]} (different model, optimizer type or parameter groups?)"
-            )
+            raise CheckpointMismatchError(f"{folder.path}: optimizer state does not match the live optimizer: "
+                                          f"{len(missing)} key(s) missing, e.g. {missing[:3]} (different model, "
+                                          "optimizer type or parameter groups?)")
         tensors = {k: v for k, v in template.items() if isinstance(v, torch.Tensor)}
         check_compatible({k: saved[k] for k in tensors}, tensors, str(folder.path), strict=False)
         target = {"optim": template}
@@ -313,9 +321,7 @@ def _read_objects(restorer: Restorer, step: Folder, manifest: Manifest) -> dict[
             continue
         entry = manifest.states.get(name)
         if entry is None and name in manifest.pruned:
-            from .prune_optim import pruned_message
-
-            raise CheckpointMismatchError(pruned_message(step.path, manifest, name))
+            _entry(step.path, manifest, name)  # raises: pruned from the checkpoint
         if entry is None:
             if rank == 0:
                 restorer.log.warning("%s has no %r state; %s keeps its current state", step.path, name, name)
@@ -334,7 +340,6 @@ def _read_objects(restorer: Restorer, step: Folder, manifest: Manifest) -> dict[
                                      step.path, name, manifest.world_size, world, rest)
                 if rank >= manifest.world_size:
                     rel = None
-
         if rel is not None:
             out[name] = (rel, _read_small(step, rel, entry))
     return out
@@ -384,10 +389,8 @@ def _entry(step_dir: Path, manifest: Manifest, key: str) -> StateEntry:
 
         raise CheckpointMismatchError(pruned_message(step_dir, manifest, key))
     if entry is None:
-        raise CheckpointMismatchError(
-            f"{step_dir} holds no {key!r} state (it has {sorted(manifest.states)}); "
-            f"it was saved without one, so it cannot restore this run's {key}"
-        )
+        raise CheckpointMismatchError(f"{step_dir} holds no {key!r} state (it has {sorted(manifest.states)}); "
+                                      f"it was saved without one, so it cannot restore this run's {key}")
     return entry
 
 
@@ -419,6 +422,7 @@ def _read_small(step: Folder, rel: str, entry: StateEntry) -> Any:
 
 OPTIM_KEY = "optim."
 
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
@@ -441,7 +445,5 @@ def apply_state(obj: Any, state: Any, source: Path) -> None:
     except CheckpointError:
         raise
     except Exception as exc:  # the file decoded but holds something this object cannot take
-        raise CheckpointCorruptError(
-            f"{source}: the saved state does not fit {type(obj).__name__}.load_state_dict "
-            f"({type(exc).__name__}: {exc})"
-        ) from exc
+        raise CheckpointCorruptError(f"{source}: the saved state does not fit {type(obj).__name__}.load_state_dict "
+                                     f"({type(exc).__name__}: {exc})") from exc

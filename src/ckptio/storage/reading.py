@@ -1,19 +1,30 @@
 """How the bytes of a :class:`~ckptio.storage.confined.ReadHandle` are read: as a file object
-(:class:`HandleStream`), and, for a cold file, around the page cache with several ``O_DIRECT`` reads in flight
-ahead of the reader (:class:`ReadAhead`).
+(:class:`HandleStream`); a restore's own data files brought into the page cache on a thread while it plans and
+reads (:class:`Prefetch`, on by default); and, for a cold file, around the page cache with several ``O_DIRECT``
+reads in flight ahead of the reader (:class:`ReadAhead`, opt-in).
 
-A restore reads most of its bytes in large, known ranges (:meth:`~ckptio.storage.confined.ReadHandle.advise`).
-When those ranges are large and the page cache does not hold them (a restore after a reboot, on a new node, or
-of a checkpoint written long ago), a plain read has the kernel fill fresh page-cache pages and copy out of
-them, one read at a time: on the machines measured (``docs/benchmarks.md``) filling the page cache cost more
-CPU than the disk took, and the restore's own work waited behind it. A :class:`ReadAhead` instead keeps
-:data:`DEPTH` aligned reads of :data:`PIECE` bytes in flight on threads of its own, straight from the disk
-into reused buffers, while the reader copies the piece it needs out of them.
+**Prefetch.** A restore spends its first few hundred milliseconds on the manifest, the indexes and the plan, with the
+disk idle, and then reads and works on what it read by turns. Onto as many ranks as wrote the checkpoint, each
+rank reads back mostly the data files it wrote (DCP's ``__R_K.distcp``, the per-rank ``shard-R+1-…safetensors``),
+so :func:`prefetch` has a thread read those files, in the order the restore reads them, into a reused scratch
+buffer from the moment the restore begins: the disk works from the first millisecond and the page cache is filled
+on a second core. It takes only local files less than half of which the page cache holds (``mincore``), only the
+states being restored, at most half of the memory available shared by the node's ranks, and it stops when the
+restore ends or fails. It hands no byte to anyone: the restore's own reads, through the read gate, decide what is
+loaded and report what is wrong. ``CKPTIO_PREFETCH=0`` turns it off.
+
+**Direct reads.** A restore reads most of its bytes in large, known ranges
+(:meth:`~ckptio.storage.confined.ReadHandle.advise`). When those ranges are large and the page cache does not
+hold them (a restore after a reboot, on a new node, or of a checkpoint written long ago), a plain read has the
+kernel fill fresh page-cache pages and copy out of them, one read at a time: on the machines measured
+(``docs/benchmarks.md``) filling the page cache cost more CPU than the disk took, and the restore's own work
+waited behind it. A :class:`ReadAhead` instead keeps :data:`DEPTH` aligned reads of :data:`PIECE` bytes in
+flight on threads of its own, straight from the disk into reused buffers, while the reader copies the piece it
+needs out of them.
 
 It is off unless ``CKPTIO_DIRECT_READS=1`` is set (:func:`mode`): what it reads does not stay in the page cache,
-so a second restore of the same files on the same node reads the disk again (measured: a restore right after a
-cold one took ×1.4 AutoModel's warm restore instead of ×0.45). Where it is on, it is an optimisation only, and it
-never decides what a read returns:
+so a second restore of the same files on the same node reads the disk again. Where it is on, it is an
+optimisation only, and it never decides what a read returns:
 
 * it is used only for a local file whose advised ranges add up to :data:`MIN_BYTES` or more and of which less
   than half is in the page cache (``mincore``); a warm file keeps reading from memory;
@@ -27,18 +38,20 @@ never decides what a read returns:
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
 import errno
 import io
 import mmap
 import os
+import re
 import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 __all__ = ["ReadAhead", "start", "mode", "cached_fraction", "HandleStream", "NegativeSeek", "PIECE", "DEPTH",
-           "MIN_BYTES", "STATS"]
+           "MIN_BYTES", "STATS", "PROBES", "PROBE_BYTES", "Prefetch", "prefetch", "prefetch_mode", "own_files"]
 
 PIECE = 8 << 20
 """Bytes of one direct read."""
@@ -56,8 +69,9 @@ FORCED_PIECE = 16 * ALIGN
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _spare: list[mmap.mmap] = []
 _lock = threading.Lock()
-STATS = {"files": 0, "bytes": 0}
-"""Files this process began to read ahead, and bytes served from those reads (for tests and benchmarks)."""
+STATS = {"files": 0, "bytes": 0, "prefetch_files": 0, "prefetched": 0}
+"""Files this process began to read ahead, and bytes served from those reads; files and bytes it prefetched
+(:class:`Prefetch`). For tests and benchmarks."""
 
 
 def mode() -> str:
@@ -93,40 +107,67 @@ def _give_back(bufs: list[mmap.mmap]) -> None:
 _libc: Any = None
 
 
+PROBES, PROBE_BYTES = 16, 4 << 20
+""":func:`cached_fraction` maps at most this many windows of this many bytes: never more for a larger (sparse) file."""
+
+
 def cached_fraction(fd: int, size: int, spans: list[tuple[int, int]]) -> float | None:
-    """Share of the pages of ``spans`` (byte ranges of the file open as ``fd``) in the page cache, or ``None`` when
-    the system cannot say."""
-    global _libc
-    if not spans or size <= 0:
+    """Share of the pages of ``spans`` (byte ranges of the file open as ``fd``) in the page cache, from at most
+    :data:`PROBES` windows of :data:`PROBE_BYTES` spread over them (all of them when they are that small), or
+    ``None`` when the system cannot say."""
+    clipped = [(max(0, a), min(b, size)) for a, b in spans if min(b, size) > max(0, a)]
+    total = sum(b - a for a, b in clipped)
+    if not total or _mincore() is None:
         return None
-    try:
-        if _libc is None:
+    length = min(PROBE_BYTES, -(-total // PROBES))
+    windows: list[tuple[int, int]] = []
+    for k in range(PROBES):
+        at = k * total // PROBES
+        for a, b in clipped:  # the k-th point of the ranges laid end to end, and a window from it within its range
+            if at < b - a:
+                windows.append((a + at, min(b, a + at + length)))
+                break
+            at -= b - a
+    resident = pages = 0
+    for start, end in dict.fromkeys(windows):
+        found = _resident(fd, start, end)
+        if found is None:
+            return None
+        resident, pages = resident + found[0], pages + found[1]
+    return resident / pages if pages else None
+
+
+def _mincore() -> Any:  # libc's mmap, munmap and mincore, typed
+    global _libc
+    if _libc is None:
+        try:
             libc = ctypes.CDLL(None, use_errno=True)
             libc.mmap.restype = ctypes.c_void_p
             libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                   ctypes.c_long]
             libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
             libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-            _libc = libc
-        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-    except (OSError, AttributeError):
-        return None
+        except (OSError, AttributeError):
+            return None
+        _libc = libc
+    return _libc
+
+
+def _resident(fd: int, start: int, end: int) -> tuple[int, int] | None:
+    """(pages in the page cache, pages) of the file's bytes [start, end), through a mapping of just them."""
+    page = mmap.PAGESIZE
+    lo = start // page * page
+    addr = _libc.mmap(None, end - lo, mmap.PROT_READ, mmap.MAP_SHARED, fd, lo)
     if addr in (None, ctypes.c_void_p(-1).value):
         return None
     try:
-        page = mmap.PAGESIZE
-        vec = ctypes.create_string_buffer((size + page - 1) // page)
-        if _libc.mincore(addr, size, vec) != 0:
+        vec = ctypes.create_string_buffer((end - lo + page - 1) // page)
+        if _libc.mincore(addr, end - lo, vec) != 0:
             return None
-        resident = total = 0
-        pages = vec.raw
-        for start, end in spans:
-            states = pages[max(0, start) // page:(min(end, size) + page - 1) // page]
-            total += len(states)
-            resident += len(states) - states.count(0)  # the low bit tells; the others are reserved (0)
-        return resident / total if total else None
+        states = vec.raw
+        return len(states) - states.count(0), len(states)  # the low bit tells; the others are reserved (0)
     finally:
-        _libc.munmap(addr, size)
+        _libc.munmap(addr, end - lo)
 
 
 def _reopen(fd: int) -> int | None:
@@ -309,3 +350,101 @@ class HandleStream(io.RawIOBase):
 
     def close(self) -> None:  # the handle is closed by its owner
         super().close()
+
+
+# ------------------------------------------------------------------------------------------------- prefetch
+PREFETCH_CHUNK = 4 << 20
+"""Bytes of one read of the prefetching thread (into a scratch buffer it reuses)."""
+_OWN = re.compile(r"__(?P<dcp>\d{1,6})_\d{1,6}\.distcp|shard-(?P<st>\d{5})-[A-Za-z0-9_.-]{1,200}\.safetensors")
+
+
+def prefetch_mode() -> str:
+    """``"auto"`` (the default: a rank's own data files that the page cache does not hold yet), ``"off"``
+    (``CKPTIO_PREFETCH=0``, or direct reads on: they read around the page cache) or ``"force"``
+    (``CKPTIO_PREFETCH=force``: cached or not; for tests and the fuzzer)."""
+    setting = os.environ.get("CKPTIO_PREFETCH", "1").strip().lower()
+    if setting in ("0", "off", "false", "no") or mode() != "off":
+        return "off"
+    return "force" if setting == "force" else "auto"
+
+
+def own_files(folder: Any, states: list[str], rank: int, world: int) -> list[str]:
+    """The data files this rank wrote in the folders ``states`` of the step ``folder`` (DCP's ``__R_K.distcp``,
+    the per-rank ``shard-R+1-…safetensors``), when a folder's files were written by ``world`` ranks: a restore
+    onto as many ranks reads back what each wrote. In the order given, by name within a folder."""
+    out: list[str] = []
+    for state in states:
+        if folder.kind(state) != "dir":
+            continue
+        named = []
+        for entry in folder.listdir(state):
+            m = _OWN.fullmatch(entry.name) if entry.kind == "file" else None
+            if m is not None:
+                named.append((entry.name, int(m["dcp"]) if m["dcp"] is not None else int(m["st"]) - 1))
+        if named and min(r for _, r in named) >= 0 and max(r for _, r in named) + 1 == world:
+            out += [f"{state}/{name}" for name, r in sorted(named) if r == rank]
+    return out
+
+
+def _budget(local_ranks: int) -> int:
+    """Bytes a rank may read ahead: half the memory available over the node's ranks (nothing evicted unread)."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith(b"MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return 0
+    return available // (2 * max(1, local_ranks))
+
+
+class Prefetch:
+    """Reads files into the page cache on a thread of its own, in order (see the module's text). A hint only: it
+    hands bytes to nobody, opens files through the folder's read gate, stops at :meth:`close` (the restore's end
+    or failure), and leaves any error to the restore's own reads."""
+
+    def __init__(self, folder: Any, rels: list[str], force: bool, budget: int) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(folder, rels, force, budget),
+                                        name="ckptio-prefetch", daemon=True)
+        self._thread.start()
+
+    def _run(self, folder: Any, rels: list[str], force: bool, budget: int) -> None:
+        scratch = memoryview(bytearray(PREFETCH_CHUNK))
+        for rel in rels:
+            try:
+                with folder.open(rel) as handle:
+                    cached = cached_fraction(handle.fd, handle.size, [(0, handle.size)])
+                    if not force and (cached is None or cached >= 0.5):
+                        continue
+                    with _lock:
+                        STATS["prefetch_files"] += 1
+                    offset = 0
+                    while offset < handle.size and budget > 0 and not self._stop.is_set():
+                        got = os.preadv(handle.fd, [scratch[:min(PREFETCH_CHUNK, budget)]], offset)
+                        if got <= 0:
+                            break
+                        offset, budget = offset + got, budget - got
+                        with _lock:
+                            STATS["prefetched"] += got
+            except Exception:  # noqa: BLE001 - a hint: the restore's own read of this file reports what is wrong
+                continue
+            if budget <= 0 or self._stop.is_set():
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def __enter__(self) -> "Prefetch":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def prefetch(folder: Any | None, states: list[str], rank: int, world: int) -> "Prefetch | Any":
+    """A :class:`Prefetch` of this rank's own data files in ``states`` of the step ``folder`` (a local folder,
+    restored onto as many ranks as wrote it; ``None`` for one in object storage), or a context that does nothing."""
+    how = prefetch_mode()
+    rels = own_files(folder, states, rank, world) if how != "off" and folder is not None else []
+    budget = _budget(int(os.environ.get("LOCAL_WORLD_SIZE") or world)) if rels else 0
+    return Prefetch(folder, rels, how == "force", budget) if budget > 0 else contextlib.nullcontext()
