@@ -538,7 +538,8 @@ def main() -> int:
     p.add_argument("--world", type=int, default=1, help="ranks (gloo on CPU, FSDP2-sharded state)")
     p.add_argument("--io-threads", default="1", help="comma-separated io_threads values to compare, e.g. 1,2,4")
     p.add_argument("--phases", default="save,async,load", help="any of save, async, load")
-    p.add_argument("--dir", default=None, help="where to write (default: a temporary folder on this disk)")
+    p.add_argument("--dir", default=None,
+                   help="where to write: a new folder inside it, removed at the end (default: inside /var/tmp)")
     p.add_argument("--seed", type=int, default=0, help="seed of the per-round shuffle of contenders")
     p.add_argument("--json", default=None, help="write every sample here (rank 0)")
     p.add_argument("--skip", default="", help="regular expression: leave out the contenders it matches (the raw "
@@ -552,8 +553,10 @@ def main() -> int:
 
     warnings.filterwarnings("ignore")
     os.environ.setdefault("TQDM_DISABLE", "1")
-    base = Path(args.dir or tempfile.mkdtemp(prefix="ckptio-bench-", dir="/var/tmp"))
-    base.mkdir(parents=True, exist_ok=True)
+    # a folder of its own, inside --dir: only that is removed at the end, never --dir itself (/var/tmp)
+    if args.dir:
+        os.makedirs(args.dir, exist_ok=True)
+    base = Path(tempfile.mkdtemp(prefix="ckptio-bench-", dir=args.dir or "/var/tmp"))
     try:
         if args.world == 1:
             torch.set_num_threads(1)
