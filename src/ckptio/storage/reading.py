@@ -353,8 +353,7 @@ class HandleStream(io.RawIOBase):
 
 
 # ------------------------------------------------------------------------------------------------- prefetch
-PREFETCH_CHUNK = 4 << 20
-"""Bytes of one read of the prefetching thread (into a scratch buffer it reuses)."""
+PREFETCH_CHUNK = 4 << 20  # bytes of one read of the prefetching thread, into a scratch buffer it reuses
 _OWN = re.compile(r"__(?P<dcp>\d{1,6})_\d{1,6}\.distcp|shard-(?P<st>\d{5})-[A-Za-z0-9_.-]{1,200}\.safetensors")
 
 
@@ -408,15 +407,16 @@ class Prefetch:
         self._thread.start()
 
     def _run(self, folder: Any, rels: list[str], force: bool, budget: int) -> None:
-        scratch = memoryview(bytearray(PREFETCH_CHUNK))
+        scratch = None  # allocated for the first file read: a warm restore reads none
         for rel in rels:
             try:
                 with folder.open(rel) as handle:
-                    cached = cached_fraction(handle.fd, handle.size, [(0, handle.size)])
+                    cached = None if force else cached_fraction(handle.fd, handle.size, [(0, handle.size)])
                     if not force and (cached is None or cached >= 0.5):
                         continue
                     with _lock:
                         STATS["prefetch_files"] += 1
+                    scratch = scratch or memoryview(bytearray(PREFETCH_CHUNK))
                     offset = 0
                     while offset < handle.size and budget > 0 and not self._stop.is_set():
                         got = os.preadv(handle.fd, [scratch[:min(PREFETCH_CHUNK, budget)]], offset)
