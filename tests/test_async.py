@@ -425,8 +425,15 @@ def _close_ends_what_ckptio_started(root: str, memory: str) -> dict:
         names = [Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task")]
         return sum(n.startswith(("gloo", "pt_gloo")) for n in names)
 
+    def settled() -> int:  # a new native thread takes its gloo name only once it runs: wait for a steady count
+        seen, deadline = [gloo_threads()], time.monotonic() + 10
+        while (len(seen) < 6 or len(set(seen[-6:])) > 1) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            seen.append(gloo_threads())
+        return seen[-1]
+
     dist.all_reduce(torch.ones(1))  # the default group's worker threads start at its first collective
-    before, threads_before = len(c10d._world.pg_map), gloo_threads()
+    before, threads_before = len(c10d._world.pg_map), settled()
     model, opt, sched, box, mgr = _setup(Path(root), "safetensors", async_save=True, memory_every_steps=1,
                                          memory_dir=memory)
     for step in (1, 2):
