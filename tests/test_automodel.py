@@ -172,8 +172,8 @@ def _same_state(saved: dict, restored: dict, what: str) -> None:
     assert saved["sched"] == restored["sched"], what
 
 
-@pytest.mark.parametrize("saved_on,restored_on,peft", [(2, 1, False), (1, 2, False), (1, 1, True), (2, 1, True),
-                                                      (1, 2, True)])
+# peft on one rank both sides is left out: the adapter and its optimizer state cross the same way in 2 -> 1 and 1 -> 2
+@pytest.mark.parametrize("saved_on,restored_on,peft", [(2, 1, False), (1, 2, False), (2, 1, True), (1, 2, True)])
 @pytest.mark.parametrize("writer,reader", [("automodel", "ckptio"), ("ckptio", "automodel")])
 def test_another_number_of_ranks_gets_the_same_state(am_python, interrupted, tmp_path, saved_on, restored_on, peft,
                                                     writer, reader):

@@ -414,7 +414,7 @@ def test_fuzz_family_smoke(runs):
     sys.path.insert(0, str(HERE.parent / "benchmarks"))
     import fuzz_readers
 
-    tally = fuzz_readers.run(["deepspeed"], inputs=150, seed=3, verbose=True)["deepspeed"]
+    tally = fuzz_readers.run(["deepspeed"], inputs=60, seed=3, verbose=True)["deepspeed"]
     failures = "\n".join(f"input {i}: {d} <- {'; '.join(n)}" for i, d, n in tally["failures"])
     assert tally["other"] == 0 and tally["harness"] == 0, failures
-    assert tally["clean"] > 0 and tally["ok"] + tally["clean"] == 150
+    assert tally["clean"] > 0 and tally["ok"] + tally["clean"] == 60
