@@ -117,7 +117,7 @@ def main() -> int:
         names = [*contenders, "warm after O_DIRECT"]
         times: dict[str, list[tuple[float, float]]] = {k: [] for k in names}
 
-        def timed(name: str, fn: Callable[[], None]) -> None:
+        def timed(r: int, name: str, fn: Callable[[], None]) -> None:
             t0, c0 = time.perf_counter(), os.times()
             fn()
             gc.collect()
@@ -130,9 +130,9 @@ def main() -> int:
             for name in order:
                 drop_caches()
                 time.sleep(0.5)
-                timed(name, contenders[name])
+                timed(r, name, contenders[name])
                 if name.startswith("O_DIRECT"):
-                    timed("warm after O_DIRECT", fresh(False))
+                    timed(r, "warm after O_DIRECT", fresh(False))
     base = statistics.median(t for t, _ in times["raw cold read"])
     print(f"\n{total / 1e9:.2f} GB, the model's {head / 1e9:.2f} GB into touched memory (medians of {args.rounds}):")
     for name in names:

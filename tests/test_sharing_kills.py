@@ -142,7 +142,7 @@ def _trials(root: str, n: int, seed: int, max_delay: float, points: list[str]) -
     reference = _reference()
     rng = random.Random(seed)
     counts = {"trials": 0, "killed": 0, "finished": 0, "resumed": 0}
-    for i in range(n):  # every other trial at a named point, the points in turn: each one is aimed at
+    for i in range(n):  # every other trial aims at a named point, the points in turn
         point = points[(i // 2) % len(points)] if i % 2 == 0 else None
         pid = os.fork()
         if pid == 0:
