@@ -41,6 +41,7 @@ for step in range((info.step if info else 0) + 1, 25):
     time.sleep(0.02)
     mgr.maybe_save(step=step)
     if step == int(sys.argv[2]):
+        mgr.wait()  # the step-14 snapshot committed (it runs in the background; under load it may not be yet)
         os.kill(os.getpid(), signal.SIGKILL)
 mgr.close()
 """
