@@ -186,8 +186,11 @@ with CheckpointManager(CheckpointConfig(checkpoint_dir=sys.argv[1], model_save_f
 """
 
 
-@pytest.mark.parametrize("where", ["model/.metadata", "dataloader/dataloader_dp_rank_0.pt"])
-@pytest.mark.parametrize("kind", sorted(BUILDS_TOO_MUCH))
+# each kind in each file; the quick loop (-m "not slow") takes each kind once, in one of the two files in turn
+@pytest.mark.parametrize("kind, where", [
+    pytest.param(kind, where, marks=[pytest.mark.slow] if (i + j) % 2 else [])
+    for i, kind in enumerate(sorted(BUILDS_TOO_MUCH))
+    for j, where in enumerate(["model/.metadata", "dataloader/dataloader_dp_rank_0.pt"])])
 def test_a_pickle_that_would_build_too_much_makes_its_step_damaged_and_the_older_one_resumes(tmp_path, kind, where):
     """Issue 46, rows 1-3: in a fresh process (a hang or a SIGSEGV there would fail this test, not kill the suite),
     in an AutoModel folder (DCP's own files, no ckptio index) and in a ``torch.save`` file read weights-only."""
