@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import shutil
 import struct
 import subprocess
@@ -538,3 +539,102 @@ def test_opening_sub_folders_holds_no_descriptor(tmp_path):
     for _ in range(200):
         root.sub("a").sub("b")
     assert len(os.listdir("/proc/self/fd")) <= before
+
+
+# ---------------------------------------------------------------------------------------- a failed restore changes nothing
+def _pruned_run(root: Path) -> dict:
+    """Steps 2-4 kept (``keep_latest=3``), only step 4 with its optimizer state; lr 0.01 decayed by 0.9 a step."""
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.9)
+    box = Box()
+    saved: dict = {}
+    cfg = CheckpointConfig(checkpoint_dir=str(root), keep_latest=3, keep_optimizer_latest=1)
+    with CheckpointManager(cfg, model=model, optimizer=opt, lr_scheduler=sched, extra_states={"box": box},
+                           rng=False) as mgr:
+        for step in range(1, 5):
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            box.v = step
+            mgr.save(step=step)
+            saved[step] = {k: v.clone() for k, v in model.state_dict().items()}
+    saved["exp_avg"] = opt.state[next(iter(model.parameters()))]["exp_avg"].clone()
+    return saved
+
+
+def _flip_inside(folder: Path, value: torch.Tensor) -> None:
+    """Flip a bit of the exponent of the first float of ``value`` where it is stored under ``folder``: the file keeps
+    its size and parses; only its checksum tells."""
+    raw = value.detach().contiguous().numpy().tobytes()
+    for victim in sorted(p for p in folder.rglob("*") if p.is_file()):
+        data = bytearray(victim.read_bytes())
+        at = data.find(raw)
+        if at >= 0:
+            data[at + 3] ^= 0x40
+            victim.write_bytes(bytes(data))
+            return
+    raise AssertionError(f"no file of {folder} holds the value")
+
+
+def _live(model, opt, sched, box) -> dict:
+    import copy
+
+    return {"model": {k: v.clone() for k, v in model.state_dict().items()}, "optim": copy.deepcopy(opt.state_dict()),
+            "sched": sched.state_dict(), "box": box.v}
+
+
+def _same_optim(a: dict, b: dict) -> bool:
+    if a["param_groups"] != b["param_groups"] or a["state"].keys() != b["state"].keys():
+        return False
+    return all(s.keys() == b["state"][p].keys() and all(torch.equal(torch.as_tensor(v), torch.as_tensor(b["state"][p][k]))
+                                                       for k, v in s.items()) for p, s in a["state"].items())
+
+
+@pytest.mark.parametrize("where", ["optim", "model", "lr_scheduler"])
+def test_a_restore_that_fails_changes_nothing_or_says_what_it_changed(tmp_path, where):
+    """Issue 67, row 2: the newest step is damaged and the one before has no optimizer state. The failed restore
+    leaves the optimizer, the scheduler and the user's state as they were (the model too when the damage is
+    not in the model's own files; else the error says that the model was changed), and following its advice in
+    the same process gives a run made of one step only."""
+    import ast
+
+    saved = _pruned_run(tmp_path)
+    newest = tmp_path / "epoch_0_step_4"
+    if where == "lr_scheduler":
+        victim = newest / "lr_scheduler.pt"
+        data = bytearray(victim.read_bytes())
+        data[data.index(b"last_epoch") - 40] ^= 0x01  # inside the pickle's bytes: a checksum mismatch only
+        victim.write_bytes(bytes(data))
+    else:  # a weight of the model, or a moment of the optimizer
+        _flip_inside(newest / where, saved["exp_avg"] if where == "optim" else saved[4]["0.weight"])
+    model = _mlp(1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    box = Box(-1)
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    opt.step()  # this process's own optimizer state, with moments
+    sched.step()
+    before = _live(model, opt, sched, box)
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path)), model=model, optimizer=opt,
+                           lr_scheduler=sched, extra_states={"box": box}, rng=False) as mgr:
+        with pytest.raises(CheckpointError, match="its 'optim' state was removed") as err:
+            mgr.restore()
+        after = _live(model, opt, sched, box)
+        assert _same_optim(after["optim"], before["optim"]), "the optimizer was changed by a failed restore"
+        assert after["sched"] == before["sched"] and after["box"] == -1
+        model_same = all(torch.equal(after["model"][k], v) for k, v in before["model"].items())
+        if where == "model":  # loaded in place (a copy would double it) before its checksum could fail: said so
+            assert "the model was changed" in str(err.value) and "epoch_0_step_4" in str(err.value), str(err.value)
+            assert "optimizer" not in str(err.value).split("the model was changed")[1].split(";")[0]
+        else:
+            assert model_same, "the model was changed by a failed restore"
+            assert "was changed" not in str(err.value)
+        # the advice, followed in the same process: every live object from step 3, none from step 4
+        states = ast.literal_eval(re.search(r"states=(\[[^\]]*\])", str(err.value)).group(1))
+        info = mgr.restore(tmp_path / "epoch_0_step_3", states=states)
+        assert info.step == 3 and box.v == 3 and sched.last_epoch == 3
+        assert all(torch.equal(v, saved[3][k]) for k, v in model.state_dict().items())
+        assert not opt.state, "the optimizer holds moments of another step"
+        assert opt.param_groups[0]["lr"] == pytest.approx(0.01 * 0.9 ** 3)

@@ -78,7 +78,7 @@ def test_only_the_newest_keep_the_optimizer_and_the_rest_keep_their_weights(tmp_
     with CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path)), model=model, optimizer=opt) as mgr:
         with pytest.raises(CheckpointMismatchError, match=r"its 'optim' state was removed \(keep_optimizer_latest=1"):
             mgr.restore(steps[4])
-        with pytest.raises(CheckpointMismatchError, match=r"states=\['model', 'rng'\]"):
+        with pytest.raises(CheckpointMismatchError, match=r"states=\['model', 'optim', 'rng'\]"):
             mgr.restore(steps[4])
         info = mgr.restore(steps[4], states=["model", "rng"])
         assert info.step == 4
@@ -176,3 +176,81 @@ def test_in_a_bucket_the_pruned_objects_go_and_the_weights_stay(bucket):
         mgr.restore(f"{root}/epoch_0_step_2", states=["model"])
         assert all(torch.equal(v, saved[2][k]) for k, v in model.state_dict().items())
     assert main(["verify", f"{root}/epoch_0_step_1"]) == 0
+
+
+def _scheduled(root: str, steps: range, **config: object) -> None:
+    """Train with lr 0.01 decayed by 0.9 at every step (``StepLR``), saving at each."""
+    model, _ = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.9)
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=root, **config), model=model, optimizer=opt,
+                           lr_scheduler=sched) as mgr:
+        for step in steps:
+            model(torch.randn(8, 32)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            mgr.save(step=step)
+
+
+def _advice(err: pytest.ExceptionInfo) -> list[str]:
+    import ast
+    import re
+
+    return ast.literal_eval(re.search(r"states=(\[[^\]]*\])", str(err.value)).group(1))
+
+
+def test_a_pruned_step_keeps_the_hyper_parameters_and_its_resume_continues_the_schedule(tmp_path, caplog):
+    """Issue 67, row 3: pruning removes the moments, not the parameter groups. Following the refusal's advice in a
+    fresh process restores each group's lr (and ``initial_lr``, betas...) with the scheduler, so the schedule
+    continues; the moments start from zero, and the log says so."""
+    _scheduled(str(tmp_path), range(1, 5), keep_optimizer_latest=1)
+    step3 = _steps(tmp_path)[3]
+    assert "optim" in read_manifest(step3).pruned
+    model, _ = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.9)
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path)), model=model, optimizer=opt,
+                           lr_scheduler=sched) as mgr:
+        with pytest.raises(CheckpointMismatchError, match="its 'optim' state was removed") as err:
+            mgr.restore(step3)
+        states = _advice(err)
+        assert "optim" in states and "lr_scheduler" in states
+        with caplog.at_level("INFO", logger="ckptio"):
+            assert mgr.restore(step3, states=states).step == 3
+    assert any("moments start from zero" in r.getMessage() for r in caplog.records), caplog.text
+    assert not opt.state
+    group = opt.param_groups[0]
+    assert group["lr"] == pytest.approx(0.01 * 0.9 ** 3) and group["initial_lr"] == 0.01
+    assert isinstance(group["betas"], tuple) and group["weight_decay"] == 0.01
+    model(torch.randn(8, 32)).pow(2).mean().backward()
+    opt.step()
+    sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.006561)  # not 0.009: the schedule did not restart
+
+
+def test_a_step_pruned_by_earlier_versions_restores_as_before(tmp_path):
+    """A step pruned before the hyper-parameters were kept (no ``pruned_groups`` in its manifest): refused whole,
+    loaded without its optimizer as the advice says (the optimizer untouched), and refused when asked for it."""
+    from ckptio.engine.manifest import _self_checksum
+
+    _scheduled(str(tmp_path), range(1, 3), keep_optimizer_latest=1)
+    step1 = _steps(tmp_path)[1]
+    path = step1 / MANIFEST_NAME
+    data = json.loads(path.read_text())
+    assert data.pop("pruned_groups")
+    data.pop("manifest_checksum")
+    data["manifest_checksum"] = _self_checksum(data)
+    path.write_text(json.dumps(data))
+    model, _ = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.9)
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path)), model=model, optimizer=opt,
+                           lr_scheduler=sched) as mgr:
+        with pytest.raises(CheckpointMismatchError, match="its 'optim' state was removed") as err:
+            mgr.restore(step1)
+        assert "optim" not in _advice(err)
+        assert mgr.restore(step1, states=_advice(err)).step == 1
+        assert opt.param_groups[0]["lr"] == 0.5 and sched.last_epoch == 1  # the optimizer as it was
+        with pytest.raises(CheckpointMismatchError, match="its 'optim' state was removed"):
+            mgr.restore(step1, states=["model", "optim"])

@@ -91,6 +91,10 @@ class Manifest:
     :mod:`ckptio.engine.prune_optim`. Written only when not empty."""
     pruned_paths: dict[str, str] = field(default_factory=dict)
     """State name -> the folder it was in (relative, checked as every path of a manifest)."""
+    pruned_groups: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    """Pruned optimizer state name -> its parameter groups, kept when its moments were removed: a list of
+    ``{"params": [parameter names], "hyper": {"lr": …, "initial_lr": …, "betas": […], …}}`` (what a resume from the
+    step restores, the moments starting from zero). Absent in steps pruned by earlier versions."""
     contents: dict[str, str] = field(default_factory=dict)
     """Shareable files (frozen tensors) -> ``sha256:<hex>`` of their bytes: what the next save compares its own
     against (:mod:`ckptio.engine.sharing`). Written only when not empty."""
@@ -106,7 +110,7 @@ class Manifest:
 
     def to_json(self) -> str:
         data = json.loads(json.dumps(asdict(self), allow_nan=True))  # the values exactly as a reader parses them
-        for empty in ("pruned", "pruned_paths", "contents", "shared"):  # a manifest nothing was pruned from is what it always was
+        for empty in ("pruned", "pruned_paths", "pruned_groups", "contents", "shared"):  # a manifest nothing was pruned from is what it always was
             if not data[empty]:
                 del data[empty]
         data["manifest_version"] = MANIFEST_VERSION
@@ -247,6 +251,8 @@ def _parse(data: dict[str, Any], source: Path) -> Manifest:
         manifest_version=data["manifest_version"],
         pruned=dict(f.mapping("pruned", (str,), what="a reason")),
         pruned_paths=dict(f.mapping("pruned_paths", (str,), what="a folder")),
+        pruned_groups=dict(f.mapping("pruned_groups", (list,), what="a list of parameter groups",
+                                     check=lambda v: all(_is_group(g) for g in v))),
     )
     _sharing(manifest, f, source)
     _pruning(manifest, f)
@@ -259,8 +265,16 @@ def _parse(data: dict[str, Any], source: Path) -> Manifest:
     return manifest
 
 
+def _is_group(value: Any) -> bool:
+    """``{"params": [names], "hyper": {name: value}}``: a parameter group kept by :attr:`Manifest.pruned_groups`."""
+    return (isinstance(value, dict) and set(value) == {"params", "hyper"} and isinstance(value["params"], list)
+            and all(isinstance(p, str) for p in value["params"]) and isinstance(value["hyper"], dict))
+
+
 def _pruning(manifest: Manifest, f: _Fields) -> None:
     """A state is either kept or pruned, and a pruned folder neither holds nor lies in what the step keeps."""
+    if set(manifest.pruned_groups) - set(manifest.pruned):
+        raise f.fail("pruned_groups", "names a state that was not pruned")
     if set(manifest.pruned_paths) - set(manifest.pruned) or set(manifest.pruned) & set(manifest.states):
         raise f.fail("pruned", "does not match pruned_paths and states (a state is either kept or pruned)")
     kept = [e.path for e in manifest.states.values()] + list(manifest.files)

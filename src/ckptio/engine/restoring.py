@@ -4,11 +4,16 @@
    checkpoint newest first, damaged ones skipped with a warning (:func:`ckptio.engine.layout.restore_candidates`).
 2. **Read** the manifest, attach a :class:`~ckptio.storage.verify.Verifier` when every byte is to be
    checked, and read the small states first (a damaged one fails fast, before the large reads).
-3. **Load** the model through its format in the registry (each rank reads only the bytes of its own
-   shards) after checking the manifest's model signature, then the optimizer (DCP, resharded).
-4. **Apply** the optimizer's state and the small states, then **verify** the checksums of every file read
-   (each file by the rank that hashed most of it). A restore that fails after its first load leaves the live
-   objects partly changed; an automatic resume then falls back and loads every one of them again.
+3. **Check and read** what changes nothing live: the manifest's model signature, the optimizer's plan, then the
+   optimizer's state (DCP, resharded) into new tensors, and with ``verify: full`` the checksums of everything
+   read so far (each file by the rank that hashed most of it).
+4. **Load** the model through its format in the registry, into the live parameters (each rank reads only the
+   bytes of its own shards), **verify** its files, then **apply** the optimizer's state and the small states.
+
+A restore that fails changes nothing before step 4; from there it leaves the model changed and says so in its
+error (a copy would double the model's memory), and what step 4 applied last is put back
+(:mod:`ckptio.engine.restore_guard`). An automatic resume that falls back loads every object again; an error
+at the end of the chain names what the failed attempts changed.
 
 Damage found while loading (a corrupt or missing file, a state that does not fit) during an auto-resume
 makes every rank fall back to the next candidate together; anything else is raised on every rank.
@@ -30,7 +35,6 @@ from .._progress import StateProgress
 from ..config import VERIFY_MODES, CheckpointConfig
 from ..errors import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointNotFoundError,
                       ConfigError)
-from ..formats import pt as pt_format
 from ..formats import registry
 from ..formats.common import TensorInfo, check_compatible, flatten
 from ..formats.registry import ShardContext
@@ -39,12 +43,14 @@ from . import shared_reads
 from .partial import LoadOptions, LoadReport, load_model_partially, plan_partially, refuse
 from .layout import LATEST, find_candidates, parse_step_name, step_manifest
 from .manifest import Manifest, StateEntry, merge_shapes, model_signature
+from .restore_guard import Apply, Kept, apply_checked, apply_state, entry_of, failed, groups_apply, read_objects, \
+    told, verify_read
 from .saving import Tracked
 from ..storage import open_storage
 from ..storage import reading
 from ..storage.base import Storage
 from ..storage.confined import Folder
-from ..storage.verify import Verifier, finishers
+from ..storage.verify import Verifier
 
 __all__ = ["RestoreInfo", "Restorer"]
 
@@ -77,6 +83,8 @@ class Restorer:
         self.options = LoadOptions(config.load_states, list(config.load_exclude or []), config.strict,
                                    config.load_cast_dtype)
         self._report = LoadReport()
+        self._changes: dict[str, str] = {}
+        """What the failed attempts of the current restore changed in the live objects, said in its error."""
 
     # ---------------------------------------------------------------------------------------------- 1
     def restore(self, restore_from: str | None, verify: str | None, options: LoadOptions | None = None) -> RestoreInfo | None:
@@ -85,6 +93,7 @@ class Restorer:
         if verify not in VERIFY_MODES:
             raise ConfigError(f"verify must be one of {list(VERIFY_MODES)}, got {verify!r}")
         self.tracked.kept.clear()  # the state dicts kept between saves would hold the optimizer state this replaces
+        self._changes = {}
         rank = _dist.rank()
         automatic = restore_from in (None, LATEST)
         foreign, candidates = find_candidates(self.storage, restore_from, verify, self.config.start_fresh_if_damaged,
@@ -104,7 +113,10 @@ class Restorer:
                 damaged = isinstance(exc, (CheckpointCorruptError, CheckpointNotFoundError))
                 # every rank raised at the same collective; fall back only if every rank saw damage
                 if not (automatic and i + 1 < len(candidates) and all(_dist.all_gather_object(damaged))):
-                    raise
+                    said = told(exc, list(self._changes.values()))
+                    if said is exc:
+                        raise
+                    raise said from exc
                 if rank == 0:
                     self.log.warning("Checkpoint %s is damaged (%s); falling back to %s", found, exc, candidates[i + 1])
         raise AssertionError("unreachable")  # the last candidate returns or raises
@@ -140,9 +152,20 @@ class Restorer:
             return self._restore_step(where, step_dir, verify, start)
 
     def _restore_step(self, where: Storage, step_dir: Path, verify: str, start: float) -> RestoreInfo:
-        rank = _dist.rank()
         model_state = self.tracked.model_state if self.options.wants("model") else None
         target = model_state.state_dict() if model_state is not None else None
+        kept = Kept(self.tracked.optim_state.optimizer if self.tracked.optim_state is not None else None)
+        try:
+            return self._restore_checked(where, step_dir, verify, start, target, kept)
+        except Exception as exc:
+            said = failed(exc, kept, self._changes, step_dir)  # what was applied put back, what was not said
+            if said is exc:
+                raise
+            raise said from exc
+
+    def _restore_checked(self, where: Storage, step_dir: Path, verify: str, start: float,
+                         target: dict[str, Any] | None, kept: Kept) -> RestoreInfo:
+        rank = _dist.rank()
         # one round: open the step, read its manifest and small states, describe the live model's keys, plan the
         # optimizer's load (its failure is told in the same round and raised after the model's checks)
         opened, shares = _dist.agree("opening the checkpoint", lambda: self._open(where, step_dir, verify, target),
@@ -157,16 +180,20 @@ class Restorer:
             self.log.warning("resuming from an AutoModel checkpoint: no manifest, sizes and checksums not verified "
                              "(%s; DCP chunk coverage and safetensors headers are still checked)", step_dir)
         self._report = LoadReport(skipped_states=[k for k in manifest.states if not self.options.wants(k)])
-        if target is not None:
-            self._load_model(folder, manifest, target, [s[0] for s in shares], model_share)
+        checked = self._check_model(folder, manifest, target, [s[0] for s in shares]) if target is not None else False
         _dist.raise_if_any_failed("planning the optimizer load", opened.optim_error, [s[1] for s in shares])
-        apply_optimizer = None
-        if opened.optim_plan is not None:
-            fast = all(s[2] for s in shares)
-            apply_optimizer = self._load_optimizer(step_dir, opened.optim_plan, fast, optim_share if fast else None)
-        self._finish(folder, opened, apply_optimizer)
+        apply_optimizer = self._optimizer_apply(step_dir, opened, all(s[2] for s in shares), optim_share)
+        done: set[str] = set()
+        if opened.verifier is not None and target is not None:  # what was read so far, checked before the model
+            model_dir = manifest.states["model"].path if "model" in manifest.states else ""
+            verify_read(opened.verifier, done, lambda rel: not model_dir or not _under(rel, model_dir))
+        if target is not None:  # read into the live parameters: from here a failure has changed the model
+            self._load_model(folder, manifest, target, checked, model_share)
+        apply_checked(self.tracked.objects, folder, opened, apply_optimizer, done, kept)
+        self._changes = {}
         info = RestoreInfo(step_dir, manifest.step, manifest.epoch, dict(manifest.metrics),
-                           dict(manifest.counters), manifest.world_size, self._name_fields(step_dir, manifest),
+                           dict(manifest.counters), manifest.world_size,
+                           _name_fields(self.config, self.log, step_dir, manifest),
                            self._report)
         for key, value in info.name_fields.items():  # e.g. a metric only the name carries
             if key not in ("step", "epoch") and key not in info.metrics and key not in info.counters:
@@ -189,16 +216,19 @@ class Restorer:
             verify = "none"  # no sizes or checksums were recorded: the readers' own checks are what is left
         verifier = Verifier(base, manifest.checksums) if verify == "full" else None
         folder = where.folder(step_dir.name, verifier=verifier) if verifier is not None else base
-        objects = _read_objects(self, folder, manifest)
+        objects = read_objects(self, folder, manifest)
         signature = None
         if target is not None and self.options.plain and isinstance(manifest.model_signature.get("shapes"), dict):
-            _entry(step_dir, manifest, "model")
+            entry_of(step_dir, manifest, "model")
             ours = model_signature(self.tracked.model, target)
             dtypes = manifest.model_signature.get("dtypes")
             wrong = [k for k, d in ours["dtypes"].items() if isinstance(dtypes, dict) and k in dtypes and dtypes[k] != d]
             signature = (ours["shapes"], wrong[:3], ours["architecture"])
         opened = _Opened(manifest, folder, verifier, objects, signature)
-        if self.options.wants("optim") and self.tracked.optim_state is not None:
+        if self.options.states is not None and "optim" in self.options.states and self.tracked.optim_state is not None \
+                and "optim" in manifest.pruned_groups:  # asked for by name: the hyper-parameters, no moments
+            opened.groups = manifest.pruned_groups["optim"]
+        elif self.options.wants("optim") and self.tracked.optim_state is not None:
             try:
                 opened.optim_plan = _plan_optimizer(self.tracked.optim_state, folder, manifest)
             except Exception as exc:  # told to the other ranks with the round, raised after the model's checks
@@ -211,58 +241,38 @@ class Restorer:
                 opened.optim_plan.fmt if opened.optim_plan else None)
         return opened
 
-    def _finish(self, step: Folder, opened: "_Opened", apply_optimizer: Any) -> None:
-        """Collective, two rounds: hand the optimizer and every registered object what was read for them (the
-        verifier's hashed ranges travel with this round), then have each file read completed and compared by the
-        rank that hashed most of it (the lowest, on a tie): a file every rank opened for its header is read once."""
-        verifier = opened.verifier
+    def _optimizer_apply(self, step_dir: Path, opened: "_Opened", fast: bool, share: Any) -> Any:
+        """What hands the optimizer its state (read here into new tensors), or ``None``: nothing to restore."""
+        optim_state = self.tracked.optim_state
+        if opened.optim_plan is not None:
+            return self._load_optimizer(step_dir, opened.optim_plan, fast, share if fast else None)
+        return groups_apply(optim_state, opened.groups, step_dir, self.log)
 
-        def apply() -> None:
-            if apply_optimizer is not None:
-                apply_optimizer()
-            for name, (rel, value) in opened.objects.items():
-                apply_state(self.tracked.objects[name], value, step.display(rel))
+    def _check_model(self, step: Folder, manifest: Manifest, target: dict[str, Any], signatures: list[Any]) -> bool:
+        """Collective: refuse another model from the manifest's signature, before anything is read (the partial
+        path plans and refuses when it loads); returns whether the signature was checked."""
+        entry = entry_of(step.path, manifest, "model")
+        if not self.options.plain:
+            return False
+        try:
+            return _check_signature(step.path, manifest, signatures, self.config.strict and not self.config.is_peft)
+        except CheckpointMismatchError:  # every rank raised: refuse with the report's table, key by key
+            refuse(plan_partially(step, entry.path, registry.get(entry.format), target, self.options)[2], step.path)
+            raise  # the manifest and the files disagree: the manifest's verdict stands
 
-        if verifier is None and apply_optimizer is None and not self.tracked.objects:
-            return
-        _, hashed = _dist.agree("applying the loaded state", apply,
-                                share=lambda _: verifier.runs() if verifier is not None else None)
-        if verifier is None:
-            return
-        # each file's finisher joins what every rank hashed of it and reads only the rest
-        mine = {rel: [run for runs in hashed for run in runs.get(rel, ())] for rel in finishers(hashed)[_dist.rank()]}
-
-        def finish() -> None:
-            found = verifier.finish(mine)
-            if found:
-                raise CheckpointCorruptError(f"{len(found)} file(s) do not match their checksums: " + "; ".join(found[:3]))
-
-        _dist.run_collectively("verifying checksums", finish)
-
-    def _name_fields(self, step_dir: Path, manifest: Manifest) -> dict[str, Any]:
-        fields_ = parse_step_name(self.config.name_template, step_dir.name, self.config.auto_insert_field_names) or {}
-        for key in ("step", "epoch"):
-            if key in fields_ and fields_[key] != getattr(manifest, key) and _dist.rank() == 0:
-                self.log.warning("%s: its name says %s=%s but its manifest says %s; using the manifest",
-                                 step_dir, key, fields_[key], getattr(manifest, key))
-        return fields_
-
-    def _load_model(self, step: Folder, manifest: Manifest, target: dict[str, Any], signatures: list[Any],
+    def _load_model(self, step: Folder, manifest: Manifest, target: dict[str, Any], checked: bool,
                     share: "shared_reads.SharedReads") -> None:
         t = self.tracked
         assert t.model_state is not None
-        entry = _entry(step.path, manifest, "model")
+        entry = entry_of(step.path, manifest, "model")
         fmt = registry.get(entry.format)
+        self._changes["model"] = (f"the model was changed (its weights were read in place from {step.path}, as a "
+                                  "copy would double its memory: load a checkpoint into it again)")
         if not self.options.plain:
             self._load_model_partially(step, entry, fmt, target)
             return
         self._report.loaded = sorted(target)
         strict = self.config.strict and not self.config.is_peft
-        try:
-            checked = _check_signature(step.path, manifest, signatures, strict)
-        except CheckpointMismatchError:  # every rank raised: refuse with the report's table, key by key
-            refuse(plan_partially(step, entry.path, fmt, target, self.options)[2], step.path)
-            raise  # the manifest and the files disagree: the manifest's verdict stands
         folder = step.sub(entry.path)  # a folder that is not there fails in the format's load, on every rank
         # once the signature was checked against every rank's keys together, each rank's own read only needs
         # its keys present (a pipeline stage holds some of the model's keys)
@@ -290,8 +300,9 @@ class Restorer:
         optim_state = self.tracked.optim_state
         assert optim_state is not None
         fmt, folder, saved, template = plan
-        if not fast:
-            template = optim_state.state_dict()["optim"]
+        if not fast:  # torch's path: new tensors shaped like the live state (reading into its own would change it)
+            template = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else v
+                        for k, v in optim_state.state_dict()["optim"].items()}
         assert template is not None
         missing = sorted(k for k in template if k not in saved)
         if missing:
@@ -310,39 +321,17 @@ class Restorer:
                                                             extra=extra))
         finally:
             join()
-        return lambda: apply_state(_Apply(optim_state) if fast else optim_state, target, folder.path)
+        return lambda: apply_state(Apply(optim_state) if fast else optim_state, target, folder.path)
 
-def _read_objects(restorer: Restorer, step: Folder, manifest: Manifest) -> dict[str, tuple[str, Any]]:
-    """The saved state of every registered object on this rank, read and decoded but not yet applied."""
-    rank, world = _dist.rank(), _dist.world_size()
-    out: dict[str, tuple[str, Any]] = {}
-    for name in restorer.tracked.objects:
-        if not restorer.options.wants(name):
-            continue
-        entry = manifest.states.get(name)
-        if entry is None and name in manifest.pruned:
-            _entry(step.path, manifest, name)  # raises: pruned from the checkpoint
-        if entry is None:
-            if rank == 0:
-                restorer.log.warning("%s has no %r state; %s keeps its current state", step.path, name, name)
-            continue
-        rel: str | None = entry.path
-        if entry.per_rank and entry.identical:  # the same state on every rank: any copy will do
-            rel = entry.file_of(min(rank, manifest.world_size - 1))
-        elif entry.per_rank:
-            rel = entry.file_of(rank)
-            if manifest.world_size != world:
-                if rank == 0:
-                    rest = (f"ranks {manifest.world_size}-{world - 1} keep their own" if world > manifest.world_size
-                            else f"the states of ranks {world}-{manifest.world_size - 1} are not used")
-                    restorer.log.warning("%s: %r was saved per rank on %d rank(s) and is restored on %d; each rank "
-                                     "takes the state saved by the same rank number, %s",
-                                     step.path, name, manifest.world_size, world, rest)
-                if rank >= manifest.world_size:
-                    rel = None
-        if rel is not None:
-            out[name] = (rel, _read_small(step, rel, entry))
-    return out
+def _name_fields(config: CheckpointConfig, log: Any, step_dir: Path, manifest: Manifest) -> dict[str, Any]:
+    """The fields the name template parses back from ``step_dir``'s name (a disagreement with the manifest is
+    logged)."""
+    fields_ = parse_step_name(config.name_template, step_dir.name, config.auto_insert_field_names) or {}
+    for key in ("step", "epoch"):
+        if key in fields_ and fields_[key] != getattr(manifest, key) and _dist.rank() == 0:
+            log.warning("%s: its name says %s=%s but its manifest says %s; using the manifest",
+                        step_dir, key, fields_[key], getattr(manifest, key))
+    return fields_
 
 
 class _OptimPlan(NamedTuple):
@@ -367,6 +356,8 @@ class _Opened:
     signature: tuple[dict[str, list[int]], list[str], str | None] | None
     optim_plan: _OptimPlan | None = None
     optim_error: Exception | None = None
+    groups: list[dict[str, Any]] | None = None
+    """A step whose optimizer moments were pruned, its state asked for by name: the groups' hyper-parameters."""
     needs: "shared_reads.Described | None" = None
     """What this rank fills and where it runs, for sharing the reads (:func:`.shared_reads.describe_load`)."""
 
@@ -375,23 +366,15 @@ def _plan_optimizer(optim_state: Any, step: Folder, manifest: Manifest) -> "_Opt
     """This rank's plan of the optimizer's load (no collective): its format, its folder, the checkpoint's index
     of it, and targets allocated from that index, shaped and sharded like their parameters (``None`` when the
     state holds something that path does not cover)."""
-    entry = _entry(step.path, manifest, "optim")
+    entry = entry_of(step.path, manifest, "optim")
     fmt = registry.get(entry.format)
     folder = step.sub(entry.path)
     saved = {k[len(OPTIM_KEY):]: v for k, v in fmt.state_index(folder).items() if k.startswith(OPTIM_KEY)}
     return _OptimPlan(fmt, folder, saved, optim_state.template(saved))
 
 
-def _entry(step_dir: Path, manifest: Manifest, key: str) -> StateEntry:
-    entry = manifest.states.get(key)
-    if entry is None and key in manifest.pruned:
-        from .prune_optim import pruned_message
-
-        raise CheckpointMismatchError(pruned_message(step_dir, manifest, key))
-    if entry is None:
-        raise CheckpointMismatchError(f"{step_dir} holds no {key!r} state (it has {sorted(manifest.states)}); "
-                                      f"it was saved without one, so it cannot restore this run's {key}")
-    return entry
+def _under(rel: str, folder: str) -> bool:
+    return rel == folder.strip("/") or rel.startswith(folder.strip("/") + "/")
 
 
 def _check_signature(step_dir: Path, manifest: Manifest, signatures: list[Any], strict: bool) -> bool:
@@ -413,37 +396,9 @@ def _check_signature(step_dir: Path, manifest: Manifest, signatures: list[Any], 
     return True
 
 
-def _read_small(step: Folder, rel: str, entry: StateEntry) -> Any:
-    """A small state: its own ``.pt`` file, or a value kept inside another state's folder (``entry.key``)."""
-    if entry.key is not None:
-        return registry.get(entry.format).read_value(step.sub(rel), entry.key)
-    return pt_format.load_from(step, rel)
-
-
 OPTIM_KEY = "optim."
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
-
-
-class _Apply:
-    """``load_state_dict`` for a template filled on the fast path (see :class:`~ckptio.state.OptimizerState`)."""
-
-    def __init__(self, optim_state: Any) -> None:
-        self.optim_state = optim_state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optim_state.apply(state["optim"])
-
-
-def apply_state(obj: Any, state: Any, source: Path) -> None:
-    """``obj.load_state_dict(state)``; a state that does not fit (a damaged or foreign file) is an error naming it."""
-    try:
-        obj.load_state_dict(state)
-    except CheckpointError:
-        raise
-    except Exception as exc:  # the file decoded but holds something this object cannot take
-        raise CheckpointCorruptError(f"{source}: the saved state does not fit {type(obj).__name__}.load_state_dict "
-                                     f"({type(exc).__name__}: {exc})") from exc

@@ -195,6 +195,27 @@ class OptimizerState:
         # tensors up across ranks that filled their state in another order
         self.optimizer.load_state_dict({"state": dict(sorted(state.items())), "param_groups": groups})
 
+    def apply_groups(self, groups: list[dict[str, Any]]) -> None:
+        """Load only the hyper-parameters of each parameter group (``[{"params": [saved names], "hyper": {…}}]``, as
+        a step whose moments were pruned keeps them): the state starts empty, its moments from zero. Values JSON
+        turned into lists or numbers take the live ones' kind (``betas`` a tuple, a tensor ``lr`` a tensor)."""
+        live = {k: v for g in self.optimizer.param_groups for k, v in g.items() if k != "params"}
+        flat: dict[str, Any] = {}
+        for group in groups:
+            hyper = {k: _like(v, live.get(k)) for k, v in group["hyper"].items()}
+            for name in group["params"]:
+                flat.update({f"{GROUPS}{name}.{k}": v for k, v in hyper.items()})
+        self.apply(flat)
+
+
+def _like(value: Any, live: Any) -> Any:
+    """A hyper-parameter read back from JSON, in the kind of the live optimizer's own value."""
+    if isinstance(live, tuple) and isinstance(value, list):
+        return tuple(value)
+    if isinstance(live, torch.Tensor) and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return torch.tensor(value, dtype=live.dtype, device=live.device)
+    return value
+
 
 def _split_state_key(rest: str, fqns: dict[str, Any]) -> tuple[str | None, str]:
     """``"layers.0.w.exp_avg"`` -> (``"layers.0.w"``, ``"exp_avg"``), the longest parameter name that fits."""
