@@ -638,3 +638,83 @@ def test_a_restore_that_fails_changes_nothing_or_says_what_it_changed(tmp_path, 
         assert all(torch.equal(v, saved[3][k]) for k, v in model.state_dict().items())
         assert not opt.state, "the optimizer holds moments of another step"
         assert opt.param_groups[0]["lr"] == pytest.approx(0.01 * 0.9 ** 3)
+
+
+def _two_ranks_pruned_and_damaged(root: str, where: str) -> dict:
+    """On 2 FSDP2 ranks: steps 2-4 kept, step 4 alone with its optimizer; rank 1's own bytes of step 4 (a moment
+    of its optimizer shard, or a weight of its model shard) damaged. What the failed restore left, and what
+    following its advice gives."""
+    import ast
+    import copy
+
+    import torch.distributed as dist
+    from toy import Counter, make_model
+
+    def full_state(model, opt):  # this rank's own shards
+        local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+        out = {f"model/{k}": local(p.detach()).clone() for k, p in model.named_parameters()}
+        out.update({f"optim/{k}/{i}/{n}": local(v).clone() for i, (k, p) in enumerate(model.named_parameters())
+                    for n, v in opt.state.get(p, {}).items()})
+        return out
+
+    os.environ["CKPTIO_TOY_MODEL"] = "plain"
+    ids = torch.arange(32).reshape(2, 16) % 64
+
+    def objects(seed: int, lr: float):
+        model = make_model(seed=seed)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        return model, opt, torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.9), Counter()
+
+    model, opt, sched, counter = objects(0, 0.01)
+    cfg = CheckpointConfig(checkpoint_dir=root, keep_latest=3, keep_optimizer_latest=1)
+    with CheckpointManager(cfg, model=model, optimizer=opt, lr_scheduler=sched, extra_states={"c": counter}) as mgr:
+        for step in range(1, 5):
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            counter.seen = step
+            mgr.save(step=step)
+    first = next(iter(model.parameters()))
+    if dist.get_rank() == 1:
+        value = opt.state[first]["exp_avg"] if where == "optim" else first
+        _flip_inside(Path(root) / "epoch_0_step_4" / where, value.detach().to_local())
+    dist.barrier()
+    model, opt, sched, counter = objects(1, 0.5)
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    sched.step()
+    counter.seen = -1
+    before = full_state(model, opt)
+    groups = copy.deepcopy([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups])
+    out: dict = {}
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=root), model=model, optimizer=opt, lr_scheduler=sched,
+                           extra_states={"c": counter}) as mgr:
+        try:
+            mgr.restore()
+        except CheckpointError as exc:
+            out["error"] = str(exc)
+        after = full_state(model, opt)
+        out["model kept"] = all(torch.equal(after[k], v) for k, v in before.items() if k.startswith("model/"))
+        out["optim kept"] = (after.keys() == before.keys()
+                             and all(torch.equal(after[k], v) for k, v in before.items() if k.startswith("optim/"))
+                             and groups == [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups])
+        out["small kept"] = counter.seen == -1 and sched.last_epoch == 1
+        states = ast.literal_eval(re.search(r"states=(\[[^\]]*\])", out.get("error", "states=[]")).group(1))
+        info = mgr.restore(Path(root) / "epoch_0_step_3", states=states)
+        out["advice"] = (info.step, counter.seen, sched.last_epoch, not opt.state, opt.param_groups[0]["lr"])
+    return out
+
+
+@pytest.mark.slow  # real ranks
+@pytest.mark.parametrize("where", ["optim", "model"])
+def test_on_two_ranks_a_failed_restore_changes_nothing_or_says_what_it_changed(tmp_path, where):
+    from distributed import run_ranks
+
+    for out in run_ranks(2, _two_ranks_pruned_and_damaged, root=str(tmp_path / "ckpt"), where=where):
+        assert "its 'optim' state was removed" in out["error"], out
+        assert out["optim kept"] and out["small kept"], out
+        assert out["model kept"] == (where != "model"), out
+        assert ("the model was changed" in out["error"]) == (where == "model"), out["error"]
+        step, seen, epoch, empty, lr = out["advice"]
+        assert (step, seen, epoch, empty) == (3, 3, 3, True) and lr == pytest.approx(0.01 * 0.9 ** 3), out

@@ -16,11 +16,13 @@ from distributed import counting_collectives, run_ranks
 
 pytestmark = pytest.mark.slow
 
-ROUNDS = 6
+ROUNDS = 8
 """A 2-rank restore of model, optimizer, scheduler, RNG and a user object with ``verify: full``: one broadcast
 (the checkpoint to restore), one round to open it (manifest, small states, the live model's shapes, the
-optimizer's plan), one per format load (the model, the optimizer's DCP folder), one to apply what was loaded
-with the verifier's ranges, one to finish the verification."""
+optimizer's plan), one per format load (the optimizer's DCP folder into new tensors, the model), two to check what
+was read before the model is written into (the verifier's ranges, then each file finished by one rank: a failed
+restore changes nothing), and two for the model's files, the second of which also applies the optimizer's and
+small states once every rank's files matched (issue 67; 6 before, when a damaged file was found after applying)."""
 
 def _objects(seed: int):
     from toy import Counter, make_model
