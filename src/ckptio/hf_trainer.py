@@ -148,6 +148,7 @@ class CkptioTrainerMixin:
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         from .formats import pt as pt_format
+        from .state import hyper
 
         me: Any = self
         if checkpoint is None:
@@ -158,6 +159,8 @@ class CkptioTrainerMixin:
             return
         optimizer = pt_format.load(Path(checkpoint) / _OPTIMIZER)
         scheduler = pt_format.load(Path(checkpoint) / _SCHEDULER)
+        hyper.check(me.optimizer, optimizer, Path(checkpoint) / _OPTIMIZER)  # both before either is applied
+        hyper.check(me.lr_scheduler, scheduler, Path(checkpoint) / _SCHEDULER)
         try:
             me.optimizer.load_state_dict(optimizer)
             me.lr_scheduler.load_state_dict(scheduler)

@@ -23,6 +23,7 @@ from ..formats import registry
 from ..formats.common import TensorInfo, check_compatible, dtype_name
 from ..engine.manifest import MANIFEST_NAME
 from ..engine.plan import local_view
+from ..state import hyper
 from ..storage.confined import Folder
 
 __all__ = ["is_foreign", "foreign_run", "unreadable_error", "restore_foreign", "restore_foreign_adam"]
@@ -139,18 +140,27 @@ def restore_foreign_adam(path: Path, model_state: Any, optimizer: Any, scheduler
             return False, False
         step, moments = found
         try:
+            # the hyper-parameters the run had reached (its lr) and the scheduler's state, checked against the live
+            # objects before anything (the moments included) is applied
+            extras = fmt.training_extras(path)
+            groups = extras.get("param_groups") or []
+            groups = [{k: v for k, v in saved.items() if k in live and k != "params"}
+                      for live, saved in zip(optimizer.param_groups, groups)] \
+                if len(groups) == len(optimizer.param_groups) else []
+            if groups:
+                hyper.check_groups(optimizer.param_groups, groups, f"{path} (its optimizer's parameter groups)")
+            schedule = extras.get("lr_scheduler") if scheduler is not None else None
+            if schedule is not None:
+                hyper.check(scheduler, schedule, f"{path} (its LR scheduler state)")
             _fill_moments(path, model_state, optimizer, step, moments)
         finally:
             for source in moments.values():
                 source.close()
-        extras = fmt.training_extras(path)
-        groups = extras.get("param_groups") or []
-        if len(groups) == len(optimizer.param_groups):  # the hyper-parameters the run had reached (its lr)
-            for live, saved in zip(optimizer.param_groups, groups):
-                live.update({k: v for k, v in saved.items() if k in live and k != "params"})
-        if scheduler is None or extras.get("lr_scheduler") is None:
+        for live, saved in zip(optimizer.param_groups, groups):
+            live.update(saved)
+        if schedule is None:
             return True, False
-        scheduler.load_state_dict(extras["lr_scheduler"])
+        scheduler.load_state_dict(schedule)
         return True, True
 
     carried, scheduled = _dist.run_collectively(f"loading the optimizer state of {path}", fill)

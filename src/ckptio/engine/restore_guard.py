@@ -28,6 +28,7 @@ from .. import _dist
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from ..formats import pt as pt_format
 from ..formats import registry
+from ..state import hyper
 from ..storage.confined import Folder
 from ..storage.verify import Verifier, finishers
 from .manifest import Manifest, StateEntry
@@ -229,6 +230,7 @@ class Apply:
 
 def apply_state(obj: Any, state: Any, source: Path) -> None:
     """``obj.load_state_dict(state)``; a state that does not fit (a damaged or foreign file) is an error naming it."""
+    hyper.check(obj, state, source)  # a scheduler's or the optimizer's hyper-parameters, before they are applied
     try:
         obj.load_state_dict(state)
     except CheckpointError:
