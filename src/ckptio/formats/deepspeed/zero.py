@@ -135,6 +135,7 @@ class ZeroCheckpoint:
         self.path = tag_dir
         self.folder = Folder(tag_dir)
         self._handles: list[Any] = []
+        self._fragments: list[dict[str, Any]] | None = None
         self.optim: list[tuple[dict[str, Any], object]] = []
         self.flats: dict[str, list[Any]] = {}
         """Per kind (``fp32``, a moment): the flat vectors a parameter's elements are read from (per group, stages
@@ -291,14 +292,27 @@ class ZeroCheckpoint:
             return t.read().view(shape)
         part = math.ceil(math.prod(shape) / self.world)
         pieces = []
-        for r in range(self.world):
-            rel = f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"
-            obj = self.meta if r == 0 else self._load(rel)
-            t = _lazy((obj.get("frozen_param_fragments") or {}).get(name), self.folder.display(rel), name)
+        for r, fragments in enumerate(self._rank_fragments()):
+            where = self.folder.display(f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")
+            t = _lazy(fragments.get(name), where, f"frozen parameter {name!r}")
             if t.numel != part:
-                raise CheckpointCorruptError(f"{self.folder.display(rel)}: frozen {name!r} holds {t.numel}, not {part}")
+                raise CheckpointCorruptError(f"{where}: frozen {name!r} holds {t.numel}, not {part}")
             pieces.append(t.read())
         return torch.cat(pieces)[: math.prod(shape)].view(shape)
+
+    def _rank_fragments(self) -> list[dict[str, Any]]:
+        """Stage 3: every rank's ``frozen_param_fragments``, its model-states file opened once (the first time a
+        frozen parameter is read) and kept open for the tensors' reads: one handle per file, whatever the number of
+        frozen parameters."""
+        if self._fragments is None:
+            out = []
+            for r in range(self.world):
+                rel = f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"
+                obj = self.meta if r == 0 else self._load(rel)
+                fragments = obj.get("frozen_param_fragments") if isinstance(obj, dict) else None
+                out.append(fragments if isinstance(fragments, dict) else {})
+            self._fragments = out
+        return self._fragments
 
     def _safe(self, name: str) -> str:
         if not _SAFE_NAME.fullmatch(name) or name in (".", ".."):
@@ -350,7 +364,7 @@ class ZeroCheckpoint:
     def close(self) -> None:
         for handle in self._handles:
             handle.close()
-        self._handles = []
+        self._handles, self._fragments = [], None
 
 
 def _layout_zero12(ck: "ZeroCheckpoint") -> None:
