@@ -34,6 +34,7 @@ from ...storage.confined import Folder
 from ...storage.parse import parsing
 from ..common import TensorInfo, dtype_name
 from ..megatron.safe_pickle import LazyTensor, Placeholder, open_lazy
+from . import ranks
 from .layout import MODEL_FILES
 
 __all__ = ["STANDINS", "ZeroCheckpoint", "MOMENTS"]
@@ -387,6 +388,8 @@ def _layout_zero12(ck: "ZeroCheckpoint") -> None:
             raise CheckpointCorruptError(
                 f"{last_where}: the fp32 partitions of group {g} hold {sorted(p.numel for p in parts)} elements on "
                 f"the {ck.world} ranks; param_shapes needs {need} (+{pad} padding) in equal parts")
+        for r, (osd, where) in enumerate(ck.optim):  # each file holds its rank's partition, as it says
+            ranks.check_slices(osd, where, r, ck.world, g, group, parts[r].numel)
         ck.flats["fp32"].append(_Flat(parts))
         offset = 0
         for name, shape in group.items():
@@ -421,6 +424,7 @@ def _layout_zero3(ck: "ZeroCheckpoint") -> None:
             ck.where[name] = (0, offset)
             offset += math.ceil(math.prod(shape) / ck.world)
     for osd, where in ck.optim:
+        ranks.check_count(osd, where, ck.world, None)
         flats = [_lazy(t, where, "an fp32 flat group") for t in _get(osd, "fp32_flat_groups", list, where)]
         flat = _Flat(flats)
         if flat.numel != offset:
