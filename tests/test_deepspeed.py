@@ -418,3 +418,93 @@ def test_fuzz_family_smoke(runs):
     failures = "\n".join(f"input {i}: {d} <- {'; '.join(n)}" for i, d, n in tally["failures"])
     assert tally["other"] == 0 and tally["harness"] == 0, failures
     assert tally["clean"] > 0 and tally["ok"] + tally["clean"] == 60
+
+
+# ---------------------------------------------------------------------------------------------- issue 67
+def test_a_checkpoint_folder_that_is_a_link_outside_is_refused_and_the_next_taken(runs, tmp_path, caplog):
+    """Row 9: no ``latest``, the highest ``global_stepN`` (or an HF Trainer's ``checkpoint-N``) a link to a folder
+    outside: refused by name, the newest real checkpoint taken; with nothing else, an error naming it."""
+    import shutil
+
+    from ckptio import NoUsableCheckpointError
+    from ckptio.formats.deepspeed import layout
+
+    run = _copy(runs, "zero2", tmp_path)
+    for pointer in ("latest", "latest_universal"):  # ds_to_universal's pointer too: the highest global_stepN is taken
+        (run / pointer).unlink(missing_ok=True)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    shutil.move(run / "global_step4", outside / "global_step4")  # step 4: what the link would resume
+    (run / "global_step9").symlink_to(outside / "global_step4")
+    with caplog.at_level("WARNING", logger="ckptio"):
+        info = _toy_manager(run)[0].restore()
+    assert info.step == 3 and info.counters["source_format"] == "deepspeed"
+    assert any("global_step9: a symbolic link, refused" in r.getMessage() for r in caplog.records)
+
+    hf = _copy(runs, "zero3", tmp_path)  # checkpoint-3/global_step3 and a config.json: an HF Trainer's output
+    shutil.copytree(hf / "checkpoint-3", outside / "checkpoint-3")
+    (hf / "checkpoint-9").symlink_to(outside / "checkpoint-3")
+    assert layout.find_tag_dir(hf) == hf / "checkpoint-3" / "global_step3"
+
+    only = tmp_path / "only"
+    only.mkdir()
+    (only / "global_step9").symlink_to(outside / "global_step4")
+    with pytest.raises(NoUsableCheckpointError, match=r"global_step9.*symbolic link"):
+        _toy_manager(only)[0].restore()
+
+
+def test_rank_files_swapped_by_name_are_refused_by_name(runs, tmp_path):
+    """Row 10: the two ranks' partition files of a ZeRO-2 run swapped: each file's ``param_slice_mappings`` says it
+    holds the other rank's partition (before, the resume took them end to end in the wrong order, silently)."""
+    from ckptio import CheckpointCorruptError
+
+    run = _copy(runs, "zero2", tmp_path)
+    tag = run / "global_step4"
+    a, b = tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt", tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    a.rename(tag / "swap")
+    b.rename(a)
+    (tag / "swap").rename(b)
+    with pytest.raises(CheckpointCorruptError, match=r"zero_pp_rank_0_mp_rank_00_optim_states\.pt: holds the "
+                                                     r"partition of rank 1 .*swapped"):
+        _toy_manager(run)[0].restore()
+
+
+def _edit_run(run: Path, edit_meta=None, edit_groups=None) -> None:
+    """Rewrite global_step4's files (the test's own fixture, written by DeepSpeed: a full load is fine here)."""
+    tag = run / "global_step4"
+    if edit_meta is not None:
+        obj = torch.load(tag / "mp_rank_00_model_states.pt", weights_only=False)
+        edit_meta(obj)
+        torch.save(obj, tag / "mp_rank_00_model_states.pt")
+    if edit_groups is not None:
+        for rank in (0, 1):
+            path = tag / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+            obj = torch.load(path, weights_only=False)
+            edit_groups(obj["optimizer_state_dict"]["base_optimizer_state"]["param_groups"][0])
+            torch.save(obj, path)
+
+
+DS_STATES = {
+    "DeepSpeed's WarmupLR state": (dict(edit_meta=lambda o: o.__setitem__("lr_scheduler", {"last_batch_iteration": 4})),
+                                   r"not the state of this run's StepLR"),
+    "a scheduler state naming an optimizer": (
+        dict(edit_meta=lambda o: o["lr_scheduler"].__setitem__("optimizer", "hijacked")), r"StepLR does not have"),
+    "a step size of 0": (dict(edit_meta=lambda o: o["lr_scheduler"].__setitem__("step_size", 0)), r"ZeroDivisionError"),
+    "an lr as text": (dict(edit_groups=lambda g: g.__setitem__("lr", "0.01")), r"'lr' is '0.01' \(a str"),
+    "betas with a NaN": (dict(edit_groups=lambda g: g.__setitem__("betas", (float("nan"), 0.999))), r"not finite"),
+}
+
+
+@pytest.mark.parametrize("case", list(DS_STATES))
+def test_deepspeed_scheduler_and_group_states_that_do_not_fit_are_refused(runs, tmp_path, case):
+    """Row 11: refused by name before anything is applied (the WarmupLR state reported scheduler_restored=True with
+    last_epoch left at 0; the others made the next step raise or the weights NaN)."""
+    from ckptio import CheckpointError
+
+    edits, message = DS_STATES[case]
+    run = _copy(runs, "zero2", tmp_path)
+    _edit_run(run, **edits)
+    manager, model, opt, sched = _toy_manager(run)
+    with pytest.raises(CheckpointError, match=message):
+        manager.restore()
+    assert sched.last_epoch == 0 and opt.param_groups[0]["lr"] == 0.01 and not opt.state
