@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 from fuzz_frameworks import _fixed_dir, _kinds, _objects, _place, damage
-from fuzz_kit import Case, WrongResult, load_image
+from fuzz_kit import Case, Special, WrongResult, load_image, materialize
 
 HERE = Path(__file__).resolve().parent
 
@@ -62,7 +62,41 @@ def _read(root: Path) -> dict[str, torch.Tensor]:
         got["step"] = torch.tensor(step)
     extras = fmt.training_extras(root)
     got["scheduler"] = torch.tensor(float(len(repr(extras.get("lr_scheduler")))))
+    _check_hyper(extras)
     return got
+
+
+def _check_hyper(extras: dict) -> None:
+    """What a resume does before applying the scheduler's state and the hyper-parameters: check them against the
+    objects ``tests/ds_run.py`` trains with (AdamW, StepLR(2, 0.5)); a damaged state is refused, never applied."""
+    from ckptio.state import hyper
+
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+    groups = extras.get("param_groups") or []
+    if len(groups) == 1:
+        hyper.check_groups(opt.param_groups, [{k: v for k, v in groups[0].items() if k in opt.param_groups[0]}],
+                           "the parameter groups")
+    if extras.get("lr_scheduler") is not None:
+        hyper.check(sched, extras["lr_scheduler"], "the LR scheduler state")
+
+
+def _link_attack(rng: Case, image: dict, tmp: Path) -> bool:
+    """One time in six: the pointer file gone and a ``global_step9`` beside the real tag, a link to a copy of it
+    outside the run folder (a resume must refuse the link and take the real tag)."""
+    pointer = next((p for p in ("latest", "latest_universal") if p in image), None)
+    if pointer is None or rng.random() > 1 / 6:
+        return False
+    value = image.get(pointer)
+    tag = value.decode(errors="replace").strip() if isinstance(value, bytes) else ""
+    if not tag or "/" in tag or not any(rel.startswith(tag + "/") for rel in image):
+        return False  # a damaged pointer: the damage is the input
+    del image[pointer]
+    outside = tmp / "outside-run"
+    materialize({rel[len(tag) + 1:]: v for rel, v in image.items() if rel.startswith(tag + "/")}, outside / tag)
+    image["global_step9" + ("_universal" if tag.endswith("_universal") else "")] = Special(("link", str(outside / tag)))
+    rng.note(f"{pointer} removed; global_step9 a link to a copy of {tag} outside")
+    return True
 
 
 class DeepSpeed:
@@ -84,10 +118,17 @@ class DeepSpeed:
         image = dict(self.images[stage])
         kinds = {k: v for k, v in _kinds(image).items() if not k.endswith(".py")}
         touched = set() if rng.pristine else damage(rng, image, kinds, tmp, self.objs[stage], manifest=None)
+        linked = not rng.pristine and _link_attack(rng, image, tmp)
         root = tmp / "run"
         _place(rng, image, root, tmp)
         rng.reading = True
         got = _read(root)
+        if linked:
+            from ckptio.formats.deepspeed import layout
+
+            taken = layout.find_tag_dir(root)
+            if taken.is_symlink() or not taken.resolve().is_relative_to(root.resolve()):
+                raise WrongResult(f"the resume took {taken}, a link outside the run folder")
         if touched:
             return  # a damaged file that still reads is a valid checkpoint of other values (no checksums to hold it to)
         want = self.want[stage]
