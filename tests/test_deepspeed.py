@@ -432,6 +432,8 @@ def test_a_checkpoint_folder_that_is_a_link_outside_is_refused_and_the_next_take
     run = _copy(runs, "zero2", tmp_path)
     for pointer in ("latest", "latest_universal"):  # ds_to_universal's pointer too: the highest global_stepN is taken
         (run / pointer).unlink(missing_ok=True)
+    for universal in run.glob("global_step*_universal"):  # other tests' ds_to_universal copies: real tags too
+        shutil.rmtree(universal)
     outside = tmp_path / "outside"
     outside.mkdir()
     shutil.move(run / "global_step4", outside / "global_step4")  # step 4: what the link would resume
