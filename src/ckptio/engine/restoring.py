@@ -110,15 +110,15 @@ class Restorer:
             try:
                 return self._restore_from(found, verify)
             except CheckpointError as exc:
-                damaged = isinstance(exc, (CheckpointCorruptError, CheckpointNotFoundError))
-                # every rank raised at the same collective; fall back only if every rank saw damage
-                if not (automatic and i + 1 < len(candidates) and all(_dist.all_gather_object(damaged))):
+                verdict = _after_failure(exc, automatic, candidates[i:], bool(self._changes),
+                                         self.config.start_fresh_if_damaged, self.log)
+                if verdict == "raise":
                     said = told(exc, list(self._changes.values()))
                     if said is exc:
                         raise
                     raise said from exc
-                if rank == 0:
-                    self.log.warning("Checkpoint %s is damaged (%s); falling back to %s", found, exc, candidates[i + 1])
+                if verdict == "fresh":
+                    return None
         raise AssertionError("unreachable")  # the last candidate returns or raises
 
     def _restore_foreign(self, path: Path) -> RestoreInfo:
@@ -397,6 +397,26 @@ def _check_signature(step_dir: Path, manifest: Manifest, signatures: list[Any], 
 
 
 OPTIM_KEY = "optim."
+
+
+def _after_failure(exc: CheckpointError, automatic: bool, left: list[Path], changed: bool, start_fresh: bool,
+                   log: Any) -> str:
+    """Collective, after the candidate ``left[0]`` failed: ``"next"`` (fall back to ``left[1]``: every rank saw
+    damage), ``"fresh"`` (it was the last, damaged too, nothing live was changed, and ``start_fresh_if_damaged``
+    asks) or ``"raise"``; what is chosen is logged on rank 0."""
+    damaged = isinstance(exc, (CheckpointCorruptError, CheckpointNotFoundError))
+    seen = _dist.all_gather_object((damaged, changed)) if automatic else [(False, True)]
+    if not all(d for d, _ in seen):
+        return "raise"
+    if len(left) > 1:
+        verdict, then = "next", f"falling back to {left[1]}"
+    elif start_fresh and not any(c for _, c in seen):
+        verdict, then = "fresh", "no other is left: starting from scratch as start_fresh_if_damaged asks"
+    else:
+        return "raise"
+    if _dist.rank() == 0:
+        log.warning("Checkpoint %s is damaged (%s); %s", left[0], exc, then)
+    return verdict
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
