@@ -22,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 from ckptio import CheckpointConfig, CheckpointManager
 from ckptio.cli import main
 from ckptio.engine.manifest import MANIFEST_NAME, Manifest, read_manifest
+from ckptio.engine.sharing import max_holders
 from ckptio.errors import CheckpointCorruptError
 from ckptio.storage import LocalStorage
 from toy import Run, full_state, make_model
@@ -72,9 +73,12 @@ def test_a_frozen_fine_tune_writes_what_changed_and_every_kept_step_resumes_bitw
     frozen = {rel for rel in read_manifest(first).contents}
     assert frozen and all(rel.startswith("model/") for rel in frozen)
     files = [_model_files(p) for p in steps.values()]
-    for rel in frozen:  # one inode per frozen file, linked from every kept step
+    copies = {}
+    for rel in frozen:  # each frozen file linked from several kept steps, but no copy held by all of them
         name = rel.removeprefix("model/")
-        assert len({f[name].st_ino for f in files}) == 1 and files[0][name].st_nlink == len(steps)
+        inodes = {f[name].st_ino: f[name].st_nlink for f in files}
+        assert 2 <= len(inodes) < len(steps) and max(inodes.values()) <= max_holders(run.mgr.config), inodes
+        copies[rel] = len(inodes)
     trainable = set(files[0]) - {rel.removeprefix("model/") for rel in frozen}
     assert trainable and all(len({f[n].st_ino for f in files}) == len(steps) for n in trainable)
     # the folder holds one full checkpoint and, for every other step, what changed (du counts a linked file once)
@@ -82,7 +86,8 @@ def test_a_frozen_fine_tune_writes_what_changed_and_every_kept_step_resumes_bitw
     shared = sum(read_manifest(first).files[rel] for rel in frozen)
     inodes = {p.stat().st_ino: p.stat().st_size for p in tmp_path.rglob("*") if p.is_file() and not p.is_symlink()}
     used = sum(inodes.values())
-    assert used <= full + (len(steps) - 1) * (full - shared) * 1.05 + 64 * 1024, (used, full, shared)
+    extra = sum((copies[rel] - 1) * read_manifest(first).files[rel] for rel in frozen)  # the second copies
+    assert used <= full + (len(steps) - 1) * (full - shared) * 1.05 + extra + 64 * 1024, (used, full, shared)
     du = int(subprocess.run(["du", "-sb", str(tmp_path)], capture_output=True, text=True, check=True).stdout.split()[0])
     dirs = sum(1 for p in tmp_path.rglob("*") if p.is_dir())
     assert used <= du <= used + (dirs + 1) * 4096  # du counts a linked file once too
@@ -91,12 +96,12 @@ def test_a_frozen_fine_tune_writes_what_changed_and_every_kept_step_resumes_bitw
         m = read_manifest(path)
         assert set(m.contents) == frozen and not m.shared  # locally a shared file is a link, not a reference
         owned, shares = m.ownership(LocalStorage(tmp_path).folder(path.name))
-        assert shares == shared and owned == m.total_bytes - shared
+        assert shares in (0, shared) and owned == m.total_bytes - shares  # a copy held by this step alone is owned
         _same(saved[step], _restored(path), f"step {step}")
     capsys.readouterr()
     assert main(["list", "--json", str(tmp_path)]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert {r["shared_bytes"] for r in info["checkpoints"]} == {shared}
+    assert {r["shared_bytes"] for r in info["checkpoints"]} <= {0, shared} and shared in {r["shared_bytes"] for r in info["checkpoints"]}
     assert main(["inspect", str(steps[max(steps)])]) == 0
     # plain DCP reads a shared step's optimizer, and AutoModel-style readers see whole folders
     md = dcp.FileSystemReader(str(steps[max(steps)] / "optim")).read_metadata()

@@ -38,7 +38,7 @@ from ..formats.safetensors.hf_bundle import consolidate, save_hf_extras
 from ..formats.registry import ShardContext
 from .layout import CONSOLIDATED_DIR, LATEST, MODEL_DIR, OPTIM_DIR, format_step_name
 from .manifest import MANIFEST_NAME, Manifest, StateEntry, merge_shapes, model_signature, software_versions
-from .sharing import Previous, Sharer, frozen_keys, previous_of
+from .sharing import Previous, Sharer, frozen_keys, max_holders, previous_of
 from .staging import Stager
 from ..state.kept import KeptStateDicts
 from ..state.optimizer import model_and_optimizer_state
@@ -258,7 +258,8 @@ class Saver:
         try:
             # a bundle consolidated in a bucket during the save reads the model as uploaded: no references then
             own = job.consolidate and getattr(self.storage, "refers", False)
-            sharer = Sharer(writer, None if own else previous) if job.apart else None
+            sharer = (Sharer(writer, None if own else previous, self.storage, max_holders(self.config), self.log)
+                      if job.apart else None)
             states = self.write_states(job, writer, rank, world, sharer)
             _faults.point("save.states_written")
             sums: dict[str, str] = {}

@@ -23,6 +23,7 @@ releasing the GIL, one thread per file) is cheaper than the write it replaces.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +32,7 @@ from ..errors import CheckpointError
 from .layout import LATEST
 from .manifest import Manifest, read_manifest
 
-__all__ = ["Previous", "Sharer", "frozen_keys", "previous_of"]
+__all__ = ["Previous", "Sharer", "frozen_keys", "max_holders", "previous_of"]
 
 
 @dataclass
@@ -76,12 +77,31 @@ def frozen_keys(model_state: Any, state_dict: dict[str, Any]) -> frozenset[str]:
     return frozen(state_dict) if frozen is not None else frozenset()
 
 
+def max_holders(config: Any) -> int | None:
+    """How many kept steps may hold one copy of a shared file (``None``: no bound). While retention keeps ``n >= 2``
+    steps, each copy is held by at most ``ceil(n / 2)`` of them, so one damaged file never holds the only copy of a
+    state: the steps that hold another copy restore. Keeping everything bounds a copy at 4 steps; keeping one (or
+    ``share_unchanged`` with no retention of older steps at all) lets a link save the write."""
+    kept = [k for k in (config.keep_latest, config.max_recent_checkpoints, config.save_top_k)
+            if isinstance(k, int) and k > 0]
+    if not kept:
+        return 4
+    n = max(kept)
+    return None if n <= 1 else (n + 1) // 2
+
+
 class Sharer:
     """One rank's side of a save's sharing: called with each frozen file's relative path and digest before it is
-    written; returns the checksum of the shared file (nothing to write) or ``None`` (write it). Thread-safe."""
+    written; returns the checksum of the shared file (nothing to write) or ``None`` (write it). Thread-safe.
 
-    def __init__(self, writer: Any, previous: Previous | None) -> None:
-        self.writer, self.previous = writer, previous
+    A file is shared only after its bytes were read back and hashed to the live tensors' digest (a save never refers
+    to bytes it has not checked: a file that rotted, or was replaced under a re-recorded manifest, is written anew
+    from memory, which also leaves the new step healthy), and only while fewer than ``holders`` committed steps hold
+    that copy (locally its hard-link count; :func:`max_holders`)."""
+
+    def __init__(self, writer: Any, previous: Previous | None, storage: Any = None, holders: int | None = None,
+                 log: Any = None) -> None:
+        self.writer, self.previous, self.storage, self.holders, self.log = writer, previous, storage, holders, log
         self.contents: dict[str, str] = {}
         """Every shareable file of this save -> its digest (the manifest's ``contents``)."""
         self.linked: dict[str, tuple[str, int]] = {}
@@ -95,8 +115,43 @@ class Sharer:
         if p is None or p.contents.get(rel) != digest:
             return None
         source = p.owners.get(rel, f"{p.name}/{rel}")
-        if not self.writer.link(rel, source, p.sizes[rel]):
+        if not self._may_share(source, digest, p.sizes[rel]) or not self.writer.link(rel, source, p.sizes[rel]):
             return None
         with self._lock:
             self.linked[rel] = (source, p.sizes[rel])
         return p.checksums[rel]
+
+    def _may_share(self, source: str, digest: str, size: int) -> bool:
+        """``source`` holds exactly the bytes of ``digest`` (read back and hashed) and another step may hold it."""
+        if self.storage is None:
+            return False  # nothing to check the bytes with: write them
+        step, _, path = source.partition("/")
+        try:
+            folder = self.storage.folder(step)
+            info = folder.lstat(path) if hasattr(folder, "lstat") else None
+            if self.holders is not None and info is not None and info.st_nlink >= self.holders:
+                return False  # enough steps hold this copy: the new step starts another
+            handle = folder.open(path, size=size)
+            try:
+                sha, offset = hashlib.sha256(), 0
+                while offset < size:
+                    n = min(_CHUNK, size - offset)
+                    sha.update(handle.read(offset, n))
+                    offset += n
+            finally:
+                handle.close()
+        except (CheckpointError, OSError) as exc:
+            self._say("Not sharing %s (%s); writing it anew", source, exc)
+            return False
+        if f"sha256:{sha.hexdigest()}" != digest:
+            self._say("%s does not hold the bytes its manifest records (damaged or replaced): writing the live "
+                      "tensors anew instead of sharing it; `ckptio verify` names every step that holds it", source)
+            return False
+        return True
+
+    def _say(self, *args: Any) -> None:
+        if self.log is not None:
+            self.log.warning(*args)
+
+
+_CHUNK = 8 << 20

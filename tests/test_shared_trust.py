@@ -1,0 +1,179 @@
+"""Shared files never widen what a fault destroys (issue 67, rows 1 and 8).
+
+Row 1: a frozen tensor's file, hard-linked by the kept steps, rots by one bit: the running job's next save writes
+it anew from the live tensors instead of linking the damaged bytes, the restart resumes from that healthy step, and
+no file is held by every kept step. With every step damaged, ``start_fresh_if_damaged=True`` starts fresh.
+Row 8: a step whose frozen-tensor file was replaced by other values of the same size under a re-sealed manifest
+(a copied-in or hostile step): the live model's next saves store the live bytes, locally and in a bucket.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptio import CheckpointConfig, CheckpointManager
+from ckptio.engine.manifest import _self_checksum, check_files, read_manifest
+from ckptio.errors import CheckpointError
+from ckptio.storage import open_storage
+from ckptio.storage.checksum import file_checksum
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def _objects(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Embedding(128, 16), torch.nn.Linear(16, 128))
+    model[0].weight.requires_grad_(False)
+    return model, torch.optim.AdamW(model[1].parameters(), lr=1e-3)
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    g = torch.Generator().manual_seed(step)
+    model(torch.randint(0, 128, (2, 4), generator=g)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _manager(root: str, model, opt, **config) -> CheckpointManager:
+    return CheckpointManager(CheckpointConfig(checkpoint_dir=root, **config), model=model, optimizer=opt, rng=False)
+
+
+def _frozen_file(step_dir: Path) -> Path:
+    """The safetensors file that holds the frozen embedding (the one the next steps share)."""
+    for path in sorted((step_dir / "model").glob("*.safetensors")):
+        header = json.loads(path.read_bytes()[8:8 + int.from_bytes(path.read_bytes()[:8], "little")])
+        if "0.weight" in header:
+            return path
+    raise AssertionError(f"no file holds 0.weight in {step_dir}")
+
+
+def test_a_rotten_shared_file_is_written_anew_and_never_held_by_every_kept_step(tmp_path, caplog):
+    root = str(tmp_path / "run")
+    model, opt = _objects()
+    mgr = _manager(root, model, opt, keep_latest=3)
+    for step in range(1, 6):
+        _train(model, opt, step)
+        mgr.save(step=step)
+    steps = {s: Path(root) / f"epoch_0_step_{s}" for s in (3, 4, 5)}
+    inodes = {s: _frozen_file(d).stat().st_ino for s, d in steps.items()}
+    assert len(set(inodes.values())) >= 2, f"one file holds the frozen tensor of every kept step: {inodes}"
+    assert len(set(inodes.values())) < 3, "nothing was shared"
+    damaged = _frozen_file(steps[5])
+    data = bytearray(damaged.read_bytes())
+    data[-3] ^= 0x10
+    damaged.write_bytes(bytes(data))  # in place: every link to it sees the flip
+    with caplog.at_level(logging.WARNING, logger="ckptio"):
+        _train(model, opt, 6)
+        saved = Path(mgr.save(step=6))
+    mgr.close()
+    assert "does not hold the bytes its manifest records" in caplog.text
+    assert _frozen_file(saved).stat().st_ino != damaged.stat().st_ino
+    folder = open_storage(root).folder(saved.name)
+    assert not check_files(folder, read_manifest(folder), checksums=True)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    fresh, fresh_opt = _objects(seed=1)
+    with _manager(root, fresh, fresh_opt, keep_latest=3) as other:
+        info = other.restore()
+    assert info.step == 6
+    for k, v in expected.items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+
+
+def test_start_fresh_if_damaged_starts_fresh_when_every_step_is_damaged(tmp_path, caplog):
+    root = str(tmp_path / "run")
+    model, opt = _objects()
+    with _manager(root, model, opt, keep_latest=3) as mgr:
+        for step in (1, 2):
+            _train(model, opt, step)
+            mgr.save(step=step)
+    for step in (1, 2):  # every data file of every step rots
+        for path in (Path(root) / f"epoch_0_step_{step}").rglob("*"):
+            if path.is_file() and path.suffix in (".safetensors", ".distcp"):
+                data = bytearray(path.read_bytes())
+                data[-2] ^= 0x01
+                path.write_bytes(bytes(data))
+    fresh, fresh_opt = _objects(seed=1)
+    with _manager(root, fresh, fresh_opt, verify="full") as other, pytest.raises(CheckpointError):
+        other.restore()
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with caplog.at_level(logging.WARNING, logger="ckptio"):
+        with _manager(root, fresh, fresh_opt, verify="full", start_fresh_if_damaged=True) as other:
+            assert other.restore() is None
+    assert "starting from scratch as start_fresh_if_damaged asks" in caplog.text and "no other is left" in caplog.text
+
+
+def _plant(folder_path: Path, rel: str, manifest_path: Path) -> None:
+    """Fill the file's tensor bytes with 0.5 (same size) and re-seal the manifest's checksum of it."""
+    path = folder_path / rel
+    raw = bytearray(path.read_bytes())
+    start = 8 + int.from_bytes(raw[:8], "little")
+    n = (len(raw) - start) // 4
+    raw[start:] = torch.full((n,), 0.5).numpy().tobytes()
+    path.unlink()  # a new file: the links of later steps (none yet) are not touched
+    path.write_bytes(bytes(raw))
+    data = json.loads(manifest_path.read_text())
+    data["checksums"][rel] = file_checksum(path)
+    data.pop("manifest_checksum", None)
+    data["manifest_checksum"] = _self_checksum(data)
+    manifest_path.write_text(json.dumps(data))
+
+
+def test_a_planted_step_under_a_resealed_manifest_is_never_shared_locally(tmp_path):
+    root = str(tmp_path / "run")
+    model, opt = _objects()
+    with _manager(root, model, opt) as mgr:
+        _train(model, opt, 1)
+        mgr.save(step=1)
+    step1 = Path(root) / "epoch_0_step_1"
+    frozen = _frozen_file(step1)
+    _plant(step1, frozen.relative_to(step1).as_posix(), step1 / "manifest.json")
+    folder = open_storage(root).folder(step1.name)
+    assert not check_files(folder, read_manifest(folder), checksums=True)  # the plant passes verify
+    with _manager(root, model, opt) as mgr:
+        for step in (2, 3):
+            _train(model, opt, step)
+            mgr.save(step=step)
+    live = model[0].weight.detach().clone()
+    for step in (2, 3):
+        fresh, fresh_opt = _objects(seed=1)
+        with _manager(root, fresh, fresh_opt) as other:
+            other.restore(f"epoch_0_step_{step}")
+        assert torch.equal(fresh[0].weight, live), f"step {step} stores the planted values"
+
+
+def test_a_planted_object_under_a_resealed_manifest_is_never_referred_to_in_a_bucket(bucket, tmp_path):
+    from ckptio.storage import s3 as s3mod
+
+    url = f"s3://{bucket}/planted"
+    model, opt = _objects()
+    with _manager(url, model, opt) as mgr:
+        _train(model, opt, 1)
+        mgr.save(step=1)
+    s3 = s3mod.client()
+    local = tmp_path / "step1"
+    keys = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="planted/epoch_0_step_1/")["Contents"]]
+    for key in keys:
+        dest = local / key[len("planted/epoch_0_step_1/"):]
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_bytes(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+    frozen = _frozen_file(local)
+    rel = frozen.relative_to(local).as_posix()
+    _plant(local, rel, local / "manifest.json")
+    for name in (rel, "manifest.json"):
+        s3.put_object(Bucket=bucket, Key=f"planted/epoch_0_step_1/{name}", Body=(local / name).read_bytes())
+    with _manager(url, model, opt) as mgr:
+        for step in (2, 3):
+            _train(model, opt, step)
+            mgr.save(step=step)
+    live = model[0].weight.detach().clone()
+    for step in (2, 3):
+        assert rel not in read_manifest(open_storage(url).folder(f"epoch_0_step_{step}")).shared or step == 3
+        fresh, fresh_opt = _objects(seed=1)
+        with _manager(url, fresh, fresh_opt) as other:
+            other.restore(f"epoch_0_step_{step}")
+        assert torch.equal(fresh[0].weight, live), f"step {step} stores the planted values"
