@@ -78,16 +78,16 @@ def frozen_keys(model_state: Any, state_dict: dict[str, Any]) -> frozenset[str]:
 
 
 def max_holders(config: Any) -> int | None:
-    """How many kept steps may hold one copy of a shared file (``None``: no bound). While retention keeps ``n >= 2``
-    steps, each copy is held by at most ``ceil(n / 2)`` of them, so one damaged file never holds the only copy of a
-    state: the steps that hold another copy restore. Keeping everything bounds a copy at 4 steps; keeping one (or
-    ``share_unchanged`` with no retention of older steps at all) lets a link save the write."""
+    """How many steps may hold one copy of a shared file (``None``: no bound). While retention keeps ``n >= 2``
+    steps, a copy is held by at most ``n - 1`` steps, so the kept steps always span two copies or more and one
+    damaged file never holds the only copy of a state: the steps that hold another copy restore. Keeping
+    everything bounds a copy at 4 steps; keeping one lets a link save the write (there is no second step)."""
     kept = [k for k in (config.keep_latest, config.max_recent_checkpoints, config.save_top_k)
             if isinstance(k, int) and k > 0]
     if not kept:
         return 4
     n = max(kept)
-    return None if n <= 1 else (n + 1) // 2
+    return None if n <= 1 else n - 1
 
 
 class Sharer:
