@@ -91,13 +91,13 @@ def probe_write_rate(root: Path, mib: int) -> float | None:
 def suggested_every(summary: Summary, tier: str) -> tuple[int, str] | None:
     """The interval in steps the record's numbers call for (median blocked time of the tier's last 20 saves, the
     run's step time, its learned MTBF or one day) and why; ``None`` without a step time or a save."""
-    from ..goodput.interval import daly_interval, span as _span
+    from ..goodput.interval import daly_interval, span as _span, steps_for
 
     saves = [e["blocked_s"] for e in summary.saves[tier][-20:] if "blocked_s" in e]
     if not saves or not summary.step_s:
         return None
     cost, mtbf = statistics.median(saves), summary.mtbf_s or 86400.0
-    every = max(1, round(daly_interval(cost, mtbf) / summary.step_s))
+    every = steps_for(daly_interval(cost, mtbf), summary.step_s)
     source = "learned from its failures" if summary.mtbf_s else "assumed: no failure recorded"
     return every, (f"a save blocks {cost:.3g} s, a step takes {summary.step_s:.3g} s, one failure per "
                    f"{_span(mtbf)} ({source})")

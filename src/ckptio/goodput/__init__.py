@@ -62,6 +62,10 @@ class Goodput:
         self.emit("start", ranks=_dist.world_size(), age_s=round(process_age_s(), 3))
         mtbf = parse_duration(config.mtbf, "mtbf") if config.mtbf is not None else None
         learned = self.record.learned_mtbf() if self.record is not None else None
+        failures = self.record.failures()[0] if self.record is not None else 0
+        if self.record is not None and failures and learned is None:
+            log.warning("The run's record gives no usable failure rate (%d failure(s) in no time running); the "
+                        "interval assumes the default one failure a day (set mtbf= to give yours)", failures)
         self.planners: dict[str, IntervalPlanner] = {}
         sched_auto = getattr(step_scheduler, "ckpt_every_steps", None) == "auto"
         durable_rate = 5e9 if config.async_save else 1e9  # bytes a second, until a save is measured
@@ -71,7 +75,8 @@ class Goodput:
             if auto and config.enabled:
                 self.planners[tier] = IntervalPlanner(
                     tier, mtbf_s=mtbf, learned_mtbf_s=learned, min_steps=config.auto_min_steps,
-                    max_steps=config.auto_max_steps, first_cost_s=max(0.01, state_bytes / rate), log=log)
+                    max_steps=config.auto_max_steps, first_cost_s=max(0.01, state_bytes / rate), log=log,
+                    learned_failures=failures)
                 if self.record is not None:  # what this run's saves cost before it restarted
                     self.planners[tier].costs.extend(e["blocked_s"] for e in self.record.saves(tier)[-20:]
                                                      if "blocked_s" in e)

@@ -94,7 +94,7 @@ def plan_two_tiers(memory: "IntervalPlanner", durable: "IntervalPlanner", share:
     (c_mem, said_mem), (c_dur, said_dur) = memory.cost(), durable.cost()
     mtbf, source = durable.mtbf_s
     t, ratio = two_tier_interval(c_mem, c_dur, mtbf, share)
-    mem_steps = memory.bounded(max(1, round(t / step_s)))
+    mem_steps = memory.bounded(steps_for(t, step_s))
     dur_steps = durable.bounded(mem_steps * ratio)
     mem_steps = min(mem_steps, dur_steps)  # a durable maximum below the memory interval: no snapshot in between
     ratio = max(1, dur_steps // mem_steps)
@@ -106,16 +106,36 @@ def plan_two_tiers(memory: "IntervalPlanner", durable: "IntervalPlanner", share:
     return mem_steps, dur_steps
 
 
+MAX_STEPS = 10**12
+"""No interval is longer than this many steps (what a degenerate step time would otherwise make infinite)."""
+MAX_DURATION_S = 100 * 365 * 86400.0
+"""The longest duration a field takes: a century."""
+
+
+def steps_for(seconds: float, step_s: float) -> int:
+    """``seconds`` in steps of ``step_s``: at least 1, at most :data:`MAX_STEPS`, whatever the numbers (a step time
+    of 5e-324 s, an infinite interval)."""
+    ratio = seconds / step_s if step_s > 0 and math.isfinite(step_s) else math.inf
+    if math.isnan(ratio):
+        return 1
+    return int(max(1, min(MAX_STEPS, round(ratio) if math.isfinite(ratio) else MAX_STEPS)))
+
+
 def parse_duration(value: Any, what: str) -> float:
     """Seconds from a number (seconds) or a text such as ``"90s"``, ``"30m"``, ``"6h"``, ``"2d"``, ``"1w"``."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         seconds = float(value)
     elif isinstance(value, str) and (m := re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(s|min|m|h|d|w)?\s*", value)):
-        seconds = float(m.group(1)) * _UNITS[m.group(2) or "s"]
+        try:
+            seconds = float(m.group(1)) * _UNITS[m.group(2) or "s"]
+        except OverflowError:
+            seconds = math.inf
     else:
         raise ConfigError(f"{what} must be a duration such as 6h, 30m, 2d or a number of seconds, got {value!r}")
     if not math.isfinite(seconds) or seconds <= 0:
         raise ConfigError(f"{what} must be a positive duration, got {value!r}")
+    if seconds > MAX_DURATION_S:
+        raise ConfigError(f"{what} must be at most a century ({MAX_DURATION_S:.0f} s), got {value!r}")
     return seconds
 
 
@@ -136,9 +156,12 @@ class IntervalPlanner:
     points all ranks reach together (:meth:`choice` / :meth:`agree`), so that they save at the same steps."""
 
     def __init__(self, tier: str, *, mtbf_s: float | None, learned_mtbf_s: float | None, min_steps: int = 1,
-                 max_steps: int | None = None, first_cost_s: float = 1.0, log: logging.Logger | None = None) -> None:
+                 max_steps: int | None = None, first_cost_s: float = 1.0, log: logging.Logger | None = None,
+                 learned_failures: int = 1) -> None:
         self.tier, self.min_steps, self.max_steps = tier, min_steps, max_steps
         self.given_mtbf_s, self.learned_mtbf_s = mtbf_s, learned_mtbf_s
+        self.learned_failures = max(1, learned_failures)
+        self._born = time.monotonic()  # this process's running counts as uptime without a failure
         self.first_cost_s = first_cost_s
         self.log = log or logging.getLogger("ckptio")
         self.costs: deque[float] = deque(maxlen=_WINDOW)
@@ -154,8 +177,12 @@ class IntervalPlanner:
     def mtbf_s(self) -> tuple[float, str]:
         if self.given_mtbf_s is not None:
             return self.given_mtbf_s, "given"
-        if self.learned_mtbf_s is not None:
-            return self.learned_mtbf_s, "learned from the run's restarts"
+        learned = self.learned_mtbf_s
+        if learned is not None and math.isfinite(learned) and learned > 0:
+            n = self.learned_failures
+            up = learned * n + (time.monotonic() - self._born)  # the uptime before, and this process's so far
+            rough = "; one failure: a rough estimate" if n == 1 else ""
+            return up / n, f"learned: {n} failure(s) in {span(up)} of running{rough}"
         return DEFAULT_MTBF_S, "assumed: set mtbf="
 
     def step_reached(self, step: int) -> None:
@@ -175,9 +202,10 @@ class IntervalPlanner:
 
     def cost(self) -> tuple[float, str]:
         """What a save of this tier blocks the loop (the median of the recent ones, or the estimate before any)."""
-        if self.costs:
-            return statistics.median(self.costs), "blocks"
-        return self.first_cost_s, "is estimated to block"
+        cost = statistics.median(self.costs) if self.costs else 0.0
+        if cost > 0 and math.isfinite(cost):
+            return cost, "blocks"
+        return self.first_cost_s, "is estimated to block"  # none measured yet, or none that is a cost (0 s)
 
     def bounded(self, steps: int) -> int:
         """``steps`` within the user's minimum and maximum."""
@@ -191,7 +219,7 @@ class IntervalPlanner:
         step_s = statistics.median(self.step_times)
         cost, measured = self.cost()
         mtbf, source = self.mtbf_s
-        steps = self.bounded(max(1, round(daly_interval(cost, mtbf) / step_s)))
+        steps = self.bounded(steps_for(daly_interval(cost, mtbf), step_s))
         self.reason = (f"a {self.tier} save {measured} {cost:.3g} s, a step takes {step_s:.3g} s, one failure per "
                        f"{span(mtbf)} ({source})")
         return steps

@@ -187,7 +187,10 @@ class RunRecord:
         """How many of the run's processes ended without an ``end`` (each followed by a new ``start``), and the
         seconds the run was up in all (from each ``start`` to the last event before the next)."""
         failures, up, began, last = 0, 0.0, None, None
+        horizon = time.time() + 300  # an event after now (a forged record, a clock set ahead) was never seen
         for event in self.events:
+            if not event["time"] <= horizon:
+                continue
             if event["kind"] == "start":
                 if began is not None and last is not None:
                     up += max(0.0, last - began)
@@ -205,7 +208,8 @@ class RunRecord:
     def learned_mtbf(self) -> float | None:
         """Seconds of running per failure, once a failure is recorded."""
         failures, up = self.failures()
-        return up / failures if failures else None
+        mtbf = up / failures if failures else None
+        return mtbf if mtbf is not None and math.isfinite(mtbf) and mtbf > 0 else None  # degenerate: the default
 
     def recoveries(self) -> tuple[int, int]:
         """The restores that followed a failure: how many came from the memory tier, and how many in all."""
