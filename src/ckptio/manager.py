@@ -32,6 +32,7 @@ from .engine.partial import load_options
 from .engine.restoring import Restorer, RestoreInfo
 from .engine.saving import Saver, Tracked
 from .state import ModelState, OptimizerState, RNGState
+from .state.model import uncompiled
 from .storage import open_storage
 
 __all__ = ["CheckpointManager", "RestoreInfo", "Stateful"]
@@ -60,14 +61,14 @@ class CheckpointManager:
 
     Args:
         config: where and how to save; see :class:`CheckpointConfig`.
-        model: the model (plain or FSDP2-sharded; a PEFT model when ``config.is_peft``).
+        model: the model (plain, ``torch.compile``d: saved as the model it compiled, or FSDP2-sharded; PEFT: ``is_peft``).
         optimizer: its optimizer; saved as DCP under ``optim/``, FQN-keyed so it reshards.
         lr_scheduler: saved as the small state ``lr_scheduler.pt`` (any scheduler of ``torch.optim.lr_scheduler``).
         dataloader: any object with ``state_dict``/``load_state_dict`` (e.g. :class:`ResumableDataLoader`).
         step_scheduler: gives ``step``/``epoch`` to :meth:`save` when they are not passed.
         rng: capture the RNG streams of every rank (default on).
         extra_states: more objects with ``state_dict``/``load_state_dict``, saved under their names.
-        model_key_prefix: outer prefix removed from model keys on save (``"_orig_mod."``, ``"module."``).
+        model_key_prefix: outer prefix removed from model keys on save (``"module."``; a compiled model needs none).
         tokenizer: saved with the model (``model/`` and ``model/consolidated/``) via ``save_pretrained``.
         base_model_path: PEFT only: the base model's local folder, written (absolute) into adapter_config.json.
     """
@@ -304,6 +305,7 @@ def tracked_states(config: CheckpointConfig, model: nn.Module | None, optimizer:
                    tokenizer: Any, base_model_path: str | Path | None, model_key_prefix: str) -> Tracked:
     """What a manager saves of the model and optimizer (refusing a PEFT config without a PEFT model, an optimizer
     without its model)."""
+    model = uncompiled(model) if model is not None else None  # torch.compile's wrapper: the same parameters
     if config.is_peft and model is not None and not hasattr(model, "peft_config"):
         raise ConfigError("is_peft is true but the model is not a peft model (it has no peft_config)")
     if optimizer is not None and model is None:
@@ -311,7 +313,8 @@ def tracked_states(config: CheckpointConfig, model: nn.Module | None, optimizer:
                           "name)")
     return Tracked(
         model=model, tokenizer=tokenizer, base_model_path=base_model_path,
-        model_state=ModelState(model, key_prefix=model_key_prefix, trainable_only=config.is_peft) if model else None,
+        model_state=ModelState(model, key_prefix=model_key_prefix, trainable_only=config.is_peft)
+        if model is not None else None,
         optim_state=OptimizerState(model, optimizer, peft_adapter=adapter_name(model) if config.is_peft else None)
         if optimizer is not None and model is not None else None,
     )
