@@ -198,3 +198,22 @@ def test_missing_input_and_nonsense_options_are_errors_everywhere(tmp_path, args
     assert out.returncode == 2, (argv, out.returncode, out.stdout, out.stderr)
     assert "error" in out.stderr and "Traceback" not in out.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_convert_help_lists_every_target_the_docs_use_from_the_registry():
+    """Issue 71 row 3: ``--to``'s help lists the formats ckptio writes (the registry's), so every ``--to X`` of the
+    docs is there (``deepspeed-universal`` was only under ``--list-formats``)."""
+    import re
+
+    from ckptio.formats import registry
+
+    root = Path(__file__).resolve().parents[1]
+    used = {m for page in [*(root / "docs").rglob("*.md"), root / "README.md"]
+            for m in re.findall(r"--to ([a-z_][a-z_-]*)", page.read_text())}
+    out = cli("convert", "--help")
+    assert out.returncode == 0
+    help_to = " ".join(out.stdout.split("\n  --to FORMAT", 1)[1].split("\n  --")[0].split())
+    listed = {name.strip(",") for name in help_to.split()}
+    assert "deepspeed-universal" in used
+    assert used <= listed, (sorted(used - listed), help_to)
+    assert set(registry.names(writable=True)) <= listed, help_to

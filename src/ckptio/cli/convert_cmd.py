@@ -17,12 +17,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description="Convert the model weights of a checkpoint into another format. The source "
                                    "format is detected from its layout; --list-formats lists the formats.")
     p.add_argument("source", nargs="?", help="a step directory, HF/safetensors/DCP folder, .safetensors, .pt/.bin, "
-                                             ".nemo, Lightning .ckpt or Megatron checkpoint folder")
+                                             ".nemo, Lightning .ckpt, Megatron or DeepSpeed checkpoint folder")
     p.add_argument("dest", nargs="?", help="the new file or folder to write")
-    p.add_argument("--to", metavar="FORMAT", help="target format: step_dir, hf, safetensors, dcp, torch, nemo, "
-                                                  "lightning, megatron (--list-formats lists every registered one)")
+    to = p.add_argument("--to", metavar="FORMAT", help="target format: %(targets)s (--list-formats says what each is)")
+    to.targets = _Targets()  # type: ignore[attr-defined]
     p.add_argument("--dtype", default=None, help="cast floating-point tensors: bfloat16 (bf16), float16 (fp16), float32 (fp32); "
                                                "a block FP8 release is dequantized in float32, then cast")
+    p.add_argument("--config", metavar="CONFIG", default=None,
+                   help="the model's config.json for the output (the source's own, if any, by default): a config.json, "
+                        "a model folder holding one, or a model's name in the local Hugging Face cache (read offline)")
     p.add_argument("--naming", default=None, help="apply a naming converter, e.g. llama-to-megatron")
     p.add_argument("--max-shard-size", default="5GB", help="largest file of an hf target (default 5GB)")
     p.add_argument("--tp", type=int, default=None, help="megatron target: tensor-parallel size to split for (default 1)")
@@ -40,6 +43,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress (a bar on a terminal, lines otherwise)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(run=run)
+
+
+class _Targets:
+    """The formats ckptio writes, from the registry, for ``--to``'s help: read when the help is printed (the registry
+    imports every format, torch included, which a command that never prints it should not wait for)."""
+
+    def __str__(self) -> str:
+        from ..formats import registry
+
+        return ", ".join(registry.names(writable=True))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,15 +96,36 @@ def run(args: argparse.Namespace) -> int:
         out = formats.convert(args.source, args.dest, args.to, dtype=args.dtype, max_shard_size=args.max_shard_size,
                               naming=args.naming, progress=on_open,
                               options={"tp": args.tp, "pp": args.pp, "layout": args.megatron_layout,
-                                       "divisible_by": args.vocab_divisible_by, "like": args.like})
+                                       "divisible_by": args.vocab_divisible_by, "like": args.like},
+                              config=args.config)
     finally:
         for bar in bars:
             bar.close()
     seconds = time.perf_counter() - start
+    warnings = _missing_config(args, out)
+    for warning in warnings:
+        print(f"ckptio convert: warning: {warning}", file=sys.stderr)
     if args.json:
         print_json({"source": str(args.source), "source_format": seen["kind"], "out": str(out), "format": args.to,
-                    "naming": args.naming, "dtype": args.dtype, "bytes": seen["total"], "seconds": round(seconds, 3)})
+                    "naming": args.naming, "dtype": args.dtype, "bytes": seen["total"], "seconds": round(seconds, 3),
+                    "config": args.config, "warnings": warnings})
         return 0
     print(f"converted {args.source} ({seen['kind']}) to {out} ({args.to}{', ' + args.naming if args.naming else ''}"
           f"{', ' + args.dtype if args.dtype else ''}): {human_bytes(seen['total'])} in {seconds:.1f} s")
     return 0
+
+
+def _missing_config(args: argparse.Namespace, out: Any) -> list[str]:
+    """A Hugging Face bundle written without a ``config.json``: what it lacks and what to pass (a folder here;
+    one in a bucket is not looked into)."""
+    from pathlib import Path
+
+    from ..convert.model_config import MISSING_CONFIG
+    from ..formats import registry
+    from ..storage import url_scheme
+
+    if not registry.get(args.to).needs_config or url_scheme(str(out)) is not None:
+        return []
+    if (Path(out) / "config.json").is_file():
+        return []
+    return [MISSING_CONFIG.format(out=out, source=args.source)]

@@ -24,6 +24,7 @@ from ..errors import CheckpointError, CheckpointNotFoundError
 from ..formats import registry
 from ..formats.common import TensorInfo, dtype_name, torch_dtype
 from ..formats.registry import Opened, WriteOptions
+from . import model_config
 
 __all__ = ["FORMATS", "convert", "detect", "open_any", "write"]
 
@@ -87,27 +88,39 @@ def write(opened: Opened, out: Path, to: str, *, dtype: torch.dtype | None = Non
 def convert(src: str | Path, dst: str | Path, to: str, *, dtype: str | torch.dtype | None = None,
             max_shard_size: str = "5GB", naming: str | None = None,
             progress: Callable[[str, int], Callable[[int], None] | None] | None = None,
-            options: dict[str, Any] | None = None) -> Path:
+            options: dict[str, Any] | None = None, config: str | None = None) -> Path:
     """Convert the model weights at ``src`` into the new path ``dst`` in format ``to``.
 
     ``naming`` applies a registered naming converter (see :mod:`ckptio.formats.naming`) on the way;
     ``options`` are the target format's own choices (``{"tp": 2, "pp": 2, "layout": "legacy"}`` for megatron).
     ``progress``, once the source is open, is called with its format and total bytes and may return a
-    callback that is fed the bytes as they are written. Returns ``dst``.
+    callback that is fed the bytes as they are written. ``config``: the model's ``config.json`` for the output, a
+    model folder holding one, or a model's name in the local Hugging Face cache; its side files replace the source's
+    (:mod:`ckptio.convert.model_config`). Returns ``dst``.
     """
     from ..storage import url_scheme
 
     registry.get(to)  # an unknown target fails before anything is read
     if url_scheme(str(src)) is not None or url_scheme(str(dst)) is not None:
         return _convert_remote(str(src), str(dst), to, dtype=dtype, max_shard_size=max_shard_size, naming=naming,
-                               progress=progress, options=options)
+                               progress=progress, options=options, config=config)
     dst = Path(dst)
     if dst.exists():
         raise CheckpointError(f"{dst} already exists; convert into a new path")
     if not dst.parent.is_dir():
         raise CheckpointNotFoundError(f"{dst.parent}: no such folder")
     cast = torch_dtype(DTYPE_ALIASES.get(dtype, dtype)) if isinstance(dtype, str) else dtype
+    with model_config.scratch_dir() as scratch:  # a bad --config fails before anything is read
+        extras = model_config.config_folder(config, Path(scratch)) if config is not None else None
+        _convert_local(src, dst, to, cast, max_shard_size, naming, progress, options, extras)
+    return dst
+
+
+def _convert_local(src: str | Path, dst: Path, to: str, cast: torch.dtype | None, max_shard_size: str,
+                   naming: str | None, progress: Any, options: dict[str, Any] | None, extras: Path | None) -> None:
     opened = open_any(src)
+    if extras is not None:
+        opened.extras = extras
     try:
         update = None
         if progress is not None:
@@ -121,7 +134,6 @@ def convert(src: str | Path, dst: str | Path, to: str, *, dtype: str | torch.dty
         write(opened, dst, to, dtype=cast, max_shard_size=max_shard_size, progress=update, options=options)
     finally:
         opened.close()
-    return dst
 
 
 def _convert_remote(src: str, dst: str, to: str, **kw: Any) -> Any:

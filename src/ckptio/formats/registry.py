@@ -125,6 +125,9 @@ class Format:
     resumes_runs: bool = False
     """A folder in this format is a training run of another tool: an automatic resume in it continues from its newest
     checkpoint (DeepSpeed's ``latest``), weights, optimizer and scheduler, as ``restore_from=`` it would."""
+    needs_config: bool = False
+    """A folder in this format is loaded by ``from_pretrained``, which builds the model from the ``config.json``
+    beside the weights: ``convert`` warns when it writes one without it."""
     any_values: bool = False
     """``save_state`` keeps values of any structure beside the tensors (DCP pickles them): the optimizer's folder
     can then also carry the LR scheduler's state, where NeMo AutoModel keeps it."""

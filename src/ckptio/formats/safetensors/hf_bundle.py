@@ -231,6 +231,7 @@ class HFBundle(Format):
 
     name = "hf"
     summary = "Hugging Face folder (config.json + model safetensors + index)"
+    needs_config = True
     priority = 70
 
     def detect(self, path: Path) -> bool:
