@@ -20,6 +20,7 @@ from typing import Any
 from pathlib import PurePosixPath
 
 from .. import _dist
+from ..errors import CheckpointError
 from ..engine.layout import parse_step_name
 from .interval import DEFAULT_MEMORY_SHARE, IntervalPlanner, parse_duration, plan_two_tiers
 from .record import RunRecord
@@ -51,7 +52,7 @@ class Goodput:
 
     def __init__(self, config: Any, storage: Any, step_scheduler: Any, log: logging.Logger, model: Any,
                  saver: Any) -> None:
-        self.log, self.names = log, (config.name_template, config.auto_insert_field_names)
+        self.log, self.names, self.storage = log, (config.name_template, config.auto_insert_field_names), storage
         self.record = RunRecord(storage, writer=_dist.rank() == 0, log=log) \
             if config.run_record and config.enabled else None
         kind = "s3" if str(config.checkpoint_dir).startswith("s3://") else "local"
@@ -87,12 +88,13 @@ class Goodput:
         self._last_tick: int | None = None
         atexit.register(_at_exit, weakref.ref(self))  # a script that never closes its manager ends cleanly too
 
-    def emit(self, kind: str, *, lazy: bool = False, **values: Any) -> None:
+    def emit(self, kind: str, *, lazy: bool = False, begin: bool | None = None, **values: Any) -> None:
         """One event: into the record (rank 0 writes it, once the run saved or restored; ``lazy``: with a later
-        write) and to every listener; a listener's error is logged."""
+        write; ``begin``: whether this event starts the writing, by default a save's or a restore's) and to every
+        listener; a listener's error is logged."""
         values["time"] = round(time.time(), 3)
         if self.record is not None:
-            if kind in ("save", "restore"):
+            if kind in ("save", "restore") if begin is None else begin:
                 self.record.begin()
             self.record.add(kind, lazy=lazy, **values)
         for listener in list(self.listeners):
@@ -164,13 +166,31 @@ class Goodput:
             self.emit("remove", lazy=False, **values)
 
     def restored(self, info: Any, restore_s: float) -> None:
-        """Every rank, after a restore: the record says from which step, how many steps were lost, how long."""
+        """Every rank, after a restore: the record says from which step, how many steps were lost, how long. From a
+        checkpoint another tool wrote (a DeepSpeed run, an adopted AutoModel step, a ``restore_from=`` path), the
+        folder is left as it was until ckptio saves there: the event is written with the first save."""
         for planner in self.planners.values():
             planner.last_saved = info.step
         newest = self.record.newest_step() if self.record is not None else None
         self.emit("restore", step=info.step, tier=info.tier, restore_s=round(restore_s, 6),
                   startup_s=round(process_age_s(), 3),
-                  steps_lost=max(0, newest - info.step) if newest is not None else 0)
+                  steps_lost=max(0, newest - info.step) if newest is not None else 0, begin=self._own(info))
+
+    def _own(self, info: Any) -> bool:
+        """Whether ``info`` came from a checkpoint ckptio wrote: a memory snapshot, or a step directory with its own
+        manifest (not another tool's: a DeepSpeed run, an adopted AutoModel step, which say their ``source_format``)."""
+        if info.tier == "memory":
+            return True
+        if "source_format" in info.counters:
+            return False
+        from ..engine.manifest import MANIFEST_NAME
+        from ..storage import open_storage
+
+        try:
+            where = self.storage if info.path.parent == self.storage.root else open_storage(info.path.parent)
+            return where.folder(info.path.name).kind(MANIFEST_NAME) == "file"
+        except (CheckpointError, OSError):
+            return False
 
     def close(self, clean: bool) -> None:
         """The manager is closed: a clean end is recorded (a process that ends otherwise was a failure)."""
