@@ -83,6 +83,13 @@ def run(args: argparse.Namespace) -> int:
 def describe_lines(info: dict) -> list[str]:
     """Human lines for a description, from what it holds (every format's ``describe`` fills some of these)."""
     lines = []
+    if "resume" in info:  # a checkpoint folder: what a resume takes, and what else is there
+        resume = info["resume"]
+        lines.append(f"  a resume takes {resume['takes']} ({resume['why']})")
+        others = [f"{o['name']} ({o['label']}" + ("" if o["step"] is None else f", step {o['step']}") + ")"
+                  for o in resume["others"]]
+        if others:
+            lines.append(f"  also here: {', '.join(others)}")
     if "step" in info:
         metrics = ", ".join(f"{k}={v:g}" for k, v in sorted(info["metrics"].items())) or "none"
         lines += [
@@ -95,6 +102,9 @@ def describe_lines(info: dict) -> list[str]:
     else:
         weights = f", weights {info['weights']}" if "weights" in info else ""
         lines.append(f"  format: {info.get('label') or info['kind']}{weights}")
+        if "checkpoint" in info:  # a run folder: the checkpoint in it a restore reads
+            lines.append(f"  checkpoint: {info['checkpoint']}")
+        lines += [f"  {what}: {value}" for what, value in info.get("holds", {}).items()]
     if "architecture" in info:
         lines.append(f"  architecture: {info['architecture']}")
     if "artifacts" in info:

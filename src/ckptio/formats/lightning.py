@@ -276,6 +276,8 @@ class LightningFile(Format):
     priority = 80
     file_suffix = ".ckpt"
 
+    step_files = True
+
     def detect(self, path: Path) -> bool:
         return path.is_file() and path.suffix == ".ckpt"
 

@@ -125,6 +125,9 @@ class Format:
     resumes_runs: bool = False
     """A folder in this format is a training run of another tool: an automatic resume in it continues from its newest
     checkpoint (DeepSpeed's ``latest``), weights, optimizer and scheduler, as ``restore_from=`` it would."""
+    step_files: bool = False
+    """A single file of this format in a checkpoint folder is one checkpoint of a run (a Lightning ``.ckpt``), which
+    ``ckptio list`` shows beside the folders; other files there (a ``.pt`` of logits) are not."""
     needs_config: bool = False
     """A folder in this format is loaded by ``from_pretrained``, which builds the model from the ``config.json``
     beside the weights: ``convert`` warns when it writes one without it."""
@@ -196,6 +199,18 @@ class Format:
         """Collective: fill ``target`` (nested like the saved state) in place: its tensors (local shards)
         from the stored chunks, its other entries with the stored values."""
         raise ConfigError(f"the {self.name} format cannot hold a training state")
+
+    def checkpoint_summary(self, path: Path) -> dict[str, Any]:
+        """One checkpoint of this format as a line of ``ckptio list`` says it: ``label`` (what it is), ``step``
+        (``None`` when it records none) and ``carries`` (what a restore from it loads)."""
+        opened = self.open(path)
+        try:
+            step = opened.step or None
+        finally:
+            opened.close()
+        adam = type(self).open_adam is not Format.open_adam
+        return {"label": self.summary.split(" (")[0], "step": step,
+                "carries": "weights and Adam state where it has them" if adam else "weights only"}
 
     def describe(self, path: Path) -> dict[str, Any]:
         """A JSON-ready description; by default the index of what :meth:`open` finds."""

@@ -119,16 +119,50 @@ class DeepSpeedCheckpoint(Format):
         finally:
             ck.close()
 
+    def checkpoint_summary(self, path: Path) -> dict[str, Any]:
+        ck = ZeroCheckpoint(layout.find_tag_dir(path))
+        try:
+            return {"label": _kind(ck), "step": _step(ck), "ranks": ck.world,
+                    "carries": ", ".join(_carries(ck)), "checkpoint": str(ck.path)}
+        finally:
+            ck.close()
+
     def describe(self, path: Path) -> dict[str, Any]:
+        """The checkpoint a restore of ``path`` takes (the tag ``latest`` names...): its stage, ranks, step, what it
+        holds, and its own files (not the run folder's scripts and pointers)."""
         out = super().describe(path)
         ck = ZeroCheckpoint(layout.find_tag_dir(path))
         try:
             out["deepspeed"] = {"checkpoint": str(ck.path), "zero_stage": ck.stage, "universal": ck.universal,
                                 "dp_world_size": ck.world, "global_steps": ck.global_steps,
                                 "adam_state": ck.has_moments(), "lr_scheduler": ck.scheduler is not None}
+            step = _step(ck)
+            out["label"] = f"{_kind(ck)}, saved on {ck.world} rank{'s' if ck.world > 1 else ''}{f', step {step}' if step is not None else ''}"
+            out["checkpoint"] = str(ck.path.relative_to(path)) if ck.path != path else ck.path.name
+            out["holds"] = {"Adam state": "yes (exp_avg, exp_avg_sq, step)" if ck.has_moments() else "no",
+                               "LR scheduler": "yes" if ck.scheduler is not None else "no"}
+            out["files"] = {e.name: e.size for e in ck.folder.listdir() if e.kind == "file"}
+            out["total_bytes"] = sum(out["files"].values())
         finally:
             ck.close()
         return out
+
+
+def _kind(ck: ZeroCheckpoint) -> str:
+    """``DeepSpeed ZeRO-2``, ``DeepSpeed universal (ZeRO-3)``."""
+    if ck.universal:
+        return "DeepSpeed universal" + (f" (ZeRO-{ck.stage})" if ck.stage else "")
+    return f"DeepSpeed ZeRO-{ck.stage}"
+
+
+def _step(ck: ZeroCheckpoint) -> int | None:
+    return ck.global_steps if ck.global_steps is not None else layout.step_of(ck.path)
+
+
+def _carries(ck: ZeroCheckpoint) -> list[str]:
+    """What a restore takes from the checkpoint."""
+    return ["fp32 master weights"] + (["Adam state"] if ck.has_moments() else []) + \
+        (["LR scheduler"] if ck.scheduler is not None else [])
 
 
 class DeepSpeedUniversal(DeepSpeedCheckpoint):
