@@ -184,7 +184,7 @@ class CheckpointManager:
         if final is None:
             final = bool(getattr(self.step_scheduler, "done", False))
         if self.config.async_save and self._writer is None:
-            self._writer = BackgroundWriter(self.log)
+            self._writer = BackgroundWriter(self.log, deferred=not self.config.wait_for_staging)
         job = self._saver.snapshot(step, epoch, metrics, dict(counters or {}), final, stage=self._writer is not None)
         job.called = start
         if self._writer is None:

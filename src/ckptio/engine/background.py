@@ -37,9 +37,13 @@ class BackgroundWriter:
     and raises its failure. The manager makes it at its first background save (a collective: it builds a gloo
     group), so that a manager used only to restore starts no thread and creates no process group."""
 
-    def __init__(self, log: logging.Logger, what: str = "save") -> None:
+    def __init__(self, log: logging.Logger, what: str = "save", deferred: bool = False) -> None:
         self.log = log
         self.what = what
+        if deferred and _dist.rank() == 0:  # said once, at the first background save: where users look
+            log.info("Saving in the background: the parameters and optimizer state are copied after save() returns, "
+                     "until the next optimizer.step(); change them in place before then only after "
+                     "mgr.wait_for_staging() (an edit through .data is not seen and would land in this checkpoint)")
         self._pending: _Pending | None = None
         self._group = None
         self._closed = False
