@@ -486,3 +486,21 @@ def test_a_registered_state_that_fails_to_serialise_fails_the_save(tmp_path, bac
             mgr.save(step=1)
             mgr.wait()
     assert committed_checkpoints(str(tmp_path)) == []
+
+
+def test_the_first_background_save_says_when_the_parameters_are_copied(tmp_path, caplog):
+    """Issue 67 row 7: where users look, the first background save says that the copies are made after save()
+    returns, and that an edit through ``.data`` before the next step is not seen; said once, not at every save."""
+    import logging
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    with caplog.at_level(logging.INFO, logger="ckptio"):
+        with CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path), async_save=True), model=model,
+                               optimizer=opt, rng=False) as mgr:
+            for step in (1, 2):
+                mgr.save(step=step)
+                model(torch.ones(4)).sum().backward()
+                opt.step()
+    said = [r.getMessage() for r in caplog.records if "Saving in the background" in r.getMessage()]
+    assert len(said) == 1 and "mgr.wait_for_staging()" in said[0] and ".data is not seen" in said[0]
