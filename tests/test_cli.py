@@ -217,3 +217,6 @@ def test_convert_help_lists_every_target_the_docs_use_from_the_registry():
     assert "deepspeed-universal" in used
     assert used <= listed, (sorted(used - listed), help_to)
     assert set(registry.names(writable=True)) <= listed, help_to
+    from ckptio.cli.convert_cmd import TARGETS
+
+    assert sorted(TARGETS) == sorted(registry.names(writable=True))  # the help's list is the registry's

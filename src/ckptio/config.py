@@ -133,12 +133,9 @@ class CheckpointConfig:
     float32 model and back); without it such a tensor is a mismatch."""
 
     async_save: bool = False
-    """Return from ``save()`` once the state is captured for reused host staging buffers; a background
-    thread writes and commits it. One save is in flight at a time; its error is raised at the next
-    ``save()``, ``wait()`` or ``close()``. With ``wait_for_staging: false`` the parameters are copied after
-    ``save()`` returns: an in-place edit other than ``optimizer.step()`` before the next step lands in this
-    checkpoint unless ``mgr.wait_for_staging()`` comes first; one under ``no_grad`` fails the save by name, one
-    through ``.data`` is not seen (docs/configuration.md, "Saving in the background")."""
+    """Return from ``save()`` once the state is captured; a background thread writes and commits it (one in flight;
+    its error is raised at the next ``save()``, ``wait()`` or ``close()``). Edits in place before the next ``step()``:
+    docs/configuration.md, "Saving in the background" (one through ``.data`` is not seen and lands in the save)."""
 
     wait_for_staging: bool = False
     """With ``async_save``: ``False`` (AutoModel's default too) copies the parameters and optimizer state after

@@ -176,7 +176,9 @@ def check_groups(live: list[dict[str, Any]], groups: Any, where: object) -> None
 
 
 def _hyper(live: Any, got: Any, where: object, what: str) -> None:
-    if live is _MISSING:  # saved by another version or set by a scheduler (initial_lr): a plain value
+    grown = isinstance(live, list) and isinstance(got, (tuple, list)) and len(got) != len(live)
+    if live is _MISSING or grown:  # saved by another version, set by a scheduler (initial_lr), or a list of the
+        # user's that grew or shrank (a group's tags; torch's own hyper-parameters are tuples): plain values
         live = None if not isinstance(got, (tuple, list)) else type(got)(None for _ in got)
     _value(live, got, where, what)
 
