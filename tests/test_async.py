@@ -493,6 +493,9 @@ def test_the_first_background_save_says_when_the_parameters_are_copied(tmp_path,
     returns, and that an edit through ``.data`` before the next step is not seen; said once, not at every save."""
     import logging
 
+    from ckptio._log import get_logger
+
+    get_logger()  # ckptio's logger set up first: at_level then puts back its own level, not one from before
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.AdamW(model.parameters())
     with caplog.at_level(logging.INFO, logger="ckptio"):
