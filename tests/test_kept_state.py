@@ -165,3 +165,68 @@ def test_saves_reuse_state_dicts_and_hold_each_moment(tmp_path) -> None:
         for k, v in state.items():
             assert torch.equal(got[k], v), (path, k)
         assert [g["lr"] for g in fresh_opt.param_groups] == lrs
+
+
+def _instance_state_dict(module: torch.nn.Module):
+    original = module.state_dict
+
+    def state_dict(self, *args, **kwargs):
+        out = original(*args, **kwargs)
+        key = kwargs.get("prefix", "") + ("weight" if hasattr(self, "weight") else "lm_head.weight")
+        out[key] = out[key] * 2  # a new tensor each time
+        return out
+
+    return state_dict
+
+
+def _instance_save_to_state_dict(module: torch.nn.Module):
+    def save(self, destination, prefix, keep_vars):
+        destination[prefix + "weight"] = self.weight.detach() * 3
+
+    return save
+
+
+@pytest.mark.parametrize("name,where,make", [
+    ("state_dict", "lm_head", _instance_state_dict),
+    ("_save_to_state_dict", "lm_head", _instance_save_to_state_dict),
+    ("state_dict", "", _instance_state_dict),
+])
+def test_a_state_dict_method_set_on_the_instance_after_a_save_is_used(name: str, where: str, make) -> None:
+    """``module.state_dict = types.MethodType(...)`` (or ``_save_to_state_dict``) after the dicts were kept: torch's
+    ``get_state_dict`` calls the instance's method, so the kept dicts must not be used any more."""
+    import types
+
+    model, opt, _ = _setup()
+    kept = KeptStateDicts()
+    kept.get(model, opt)
+    kept.get(model, opt)
+    assert kept.hits == 1
+    module = model.get_submodule(where)
+    setattr(module, name, types.MethodType(make(module), module))
+    for _ in range(2):
+        raw, _flat = kept.get(model, opt)
+        theirs, _ = get_state_dict(model, opt, options=_OPTIONS)
+        assert list(raw) == list(theirs)
+        for k, v in theirs.items():
+            assert torch.equal(raw[k], v), k
+        assert not torch.equal(raw["lm_head.weight"], model.lm_head.weight)
+    assert kept.hits == 1 and "makes its own state dict" in (kept.why_not or "")
+
+
+def test_a_state_dict_method_set_on_the_optimizer_after_a_save_is_used() -> None:
+    import types
+
+    model, opt, _ = _setup()
+    kept = KeptStateDicts()
+    kept.get(model, opt)
+    original = opt.state_dict
+
+    def state_dict(self):
+        out = original()
+        out["param_groups"][0]["lr"] = 0.75
+        return out
+
+    opt.state_dict = types.MethodType(state_dict, opt)
+    _, flat = kept.get(model, opt)
+    lrs = {v for k, v in flat.items() if k.startswith("param_groups.") and k.endswith(".lr")}
+    assert lrs == {0.75} and kept.hits == 0

@@ -11,7 +11,10 @@ walk of the modules and the optimizer (about 1 ms), that nothing they are made o
 - every module's parameters and persistent buffers: the same objects, under the same names, over the same memory
   (``param.data = …``, ``model.to(…)``, a new submodule or a re-registered buffer all change this), and no module
   whose state dict torch cannot reproduce from these alone (a post-hook, or its own ``state_dict``,
-  ``_save_to_state_dict`` or ``get_extra_state``: such a model is never kept);
+  ``_save_to_state_dict`` or ``get_extra_state``, on its class or set on the instance at any time,
+  ``module.state_dict = types.MethodType(…)``: such a model is not kept from then on);
+- an optimizer whose ``state_dict`` is torch's (not its class's own, nor one set on the instance) and has no
+  post-hook;
 - every parameter group (the same dict, the same keys, the same parameters) and every parameter's optimizer state
   (the same dict, the same keys, tensors the same objects over the same memory) — ``load_state_dict``,
   ``add_param_group`` or an optimizer that replaces its state tensors change this.
@@ -67,8 +70,10 @@ class KeptStateDicts:
 
         if self.why_not is None and self._key is not None:
             _run_pre_hooks(model, optimizer)
-            key, _, _ = _fingerprint(model, optimizer)
-            if key == self._key:
+            key, _, why = _fingerprint(model, optimizer)
+            if why is not None:  # e.g. a state_dict set on an instance since: torch's is asked from now on
+                self.why_not = why
+            elif key == self._key:
                 self.hits += 1
                 flat = dict(self._flat)
                 for k, source, name in self._refresh:
@@ -109,6 +114,8 @@ def _describe(t: torch.Tensor) -> tuple[Any, ...]:
 _MODULE_SAVE = nn.Module._save_to_state_dict
 _MODULE_STATE_DICT = nn.Module.state_dict
 _MODULE_EXTRA = nn.Module.get_extra_state
+_OWN = ("state_dict", "_save_to_state_dict", "get_extra_state")
+"""The methods a module's state dict is made by: a module whose class or instance has its own is never kept."""
 
 
 def _fingerprint(model: nn.Module, optimizer: Any) -> tuple[list[Any], list[Any], str | None]:
@@ -118,7 +125,8 @@ def _fingerprint(model: nn.Module, optimizer: Any) -> tuple[list[Any], list[Any]
     for prefix, m in model.named_modules(remove_duplicate=False):
         kind = type(m)
         if m._state_dict_hooks or kind._save_to_state_dict is not _MODULE_SAVE \
-                or kind.state_dict is not _MODULE_STATE_DICT or kind.get_extra_state is not _MODULE_EXTRA:
+                or kind.state_dict is not _MODULE_STATE_DICT or kind.get_extra_state is not _MODULE_EXTRA \
+                or any(name in m.__dict__ for name in _OWN):
             return key, held, f"{prefix or 'the model'} ({kind.__name__}) makes its own state dict"
         for name, t in m._parameters.items():
             key.append((prefix, name, None if t is None else _describe(t)))
@@ -129,7 +137,7 @@ def _fingerprint(model: nn.Module, optimizer: Any) -> tuple[list[Any], list[Any]
                 key.append((prefix, name, None if t is None else _describe(t)))
                 held.append(t)
     plain = isinstance(optimizer, torch.optim.Optimizer) and type(optimizer).state_dict is torch.optim.Optimizer.state_dict
-    if not plain or optimizer._optimizer_state_dict_post_hooks:
+    if not plain or "state_dict" in vars(optimizer) or optimizer._optimizer_state_dict_post_hooks:
         return key, held, f"the optimizer ({type(optimizer).__name__}) makes its own state dict"
     for group in optimizer.param_groups:
         key.append((id(group), tuple(group)))
