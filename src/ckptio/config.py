@@ -135,12 +135,12 @@ class CheckpointConfig:
     async_save: bool = False
     """Return from ``save()`` once the state is captured; a background thread writes and commits it (one in flight;
     its error is raised at the next ``save()``, ``wait()`` or ``close()``). Edits in place before the next ``step()``:
-    docs/configuration.md, "Saving in the background" (one through ``.data`` is not seen and lands in the save)."""
+    docs/configuration.md, "Saving in the background" (what ckptio cannot see lands in the save)."""
 
     wait_for_staging: bool = False
     """With ``async_save``: ``False`` (AutoModel's default too) copies the parameters and optimizer state after
-    ``save()`` returns, during the next forward and backward; the optimizer's ``step()`` waits for them (ckptio hooks
-    it). Change them otherwise only after ``manager.wait_for_staging()``. ``True``: ``save()`` copies everything."""
+    ``save()`` returns, before the optimizer's next ``step()`` (ckptio hooks it); change them otherwise (``no_grad``,
+    ``p.data``) only after ``manager.wait_for_staging()``, else the save fails or, unseen, holds the change."""
 
     io_threads: int | None = None
     """Threads per rank that write the model and optimizer tensors (safetensors: that many shard files per rank; DCP:

@@ -43,7 +43,8 @@ class BackgroundWriter:
         if deferred and _dist.rank() == 0:  # said once, at the first background save: where users look
             log.info("Saving in the background: the parameters and optimizer state are copied after save() returns, "
                      "until the next optimizer.step(); change them in place before then only after "
-                     "mgr.wait_for_staging() (an edit through .data is not seen and would land in this checkpoint)")
+                     "mgr.wait_for_staging(), or the change fails that save or, where ckptio cannot see it (a few elements "
+                     "changed through .data), lands in that checkpoint")
         self._pending: _Pending | None = None
         self._group = None
         self._closed = False

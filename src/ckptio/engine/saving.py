@@ -203,7 +203,7 @@ class Saver:
             optimizer = getattr(t.optim_state, "optimizer", None) if self.defer_staging else None
             if optimizer is not None and self._step_hook is None:
                 self._step_hook = optimizer.register_step_pre_hook(_finish(self.stager))
-            live = self.stager.stage(live, changed_by_step(optimizer) if optimizer is not None else None)
+            live = self.stager.stage(live, *changed_by_step(optimizer))
             job.staged_later = self.stager.pending
         job.model, job.optim = live.get("model"), live.get("optim")
         del live
@@ -384,15 +384,21 @@ class Saver:
         )
 
 
-def changed_by_step(optimizer: Any) -> Any:
-    """Which tensors of a state only ``optimizer``'s step changes (its parameters and its state), recognised by where
-    their bytes are: their staging copies may wait for the writer's thread."""
-    tensors = [p for group in optimizer.param_groups for p in group["params"]]
-    tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+def changed_by_step(optimizer: Any) -> tuple[Any, Any]:
+    """Which tensors of a state only ``optimizer``'s step changes (its parameters and its state), and which of those are
+    its parameters, recognised by where their bytes are: their staging copies may wait for the writer's thread (the
+    parameters' with a few elements sampled first, :meth:`Stager.finish`). ``None``: nothing waits."""
+    if optimizer is None:
+        return None, None
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    states = [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
     with torch.no_grad():
-        owned = {(t.to_local() if isinstance(t, DTensor) else t).data_ptr() for t in tensors}
+        weights = {(t.to_local() if isinstance(t, DTensor) else t).data_ptr() for t in params}
+        owned = weights | {(t.to_local() if isinstance(t, DTensor) else t).data_ptr() for t in states}
     owned.discard(0)
-    return lambda tensor: tensor.numel() > 0 and tensor.data_ptr() in owned
+    weights.discard(0)
+    return (lambda tensor: tensor.numel() > 0 and tensor.data_ptr() in owned,
+            lambda tensor: tensor.data_ptr() in weights)
 
 
 def _finish(stager: Stager) -> Any:

@@ -18,7 +18,9 @@ writer's thread, while training runs its next forward and backward; everything e
 change, and the structure of the state) is captured in :meth:`stage`. :meth:`finish` is also the hook on the
 optimizer's ``step``: whichever thread comes first makes the copies, the other waits for them (a lock). On CUDA,
 :meth:`stage` records an event on each device's current stream and :meth:`finish` copies on a side stream that waits
-for it.
+for it. A tensor changed by hand before its copy fails that save (:meth:`finish`): seen by its version counter,
+or, for a parameter changed through ``.data`` (which moves none of its counters), by a few of its elements that
+:meth:`stage` read and its copy does not hold.
 
 Thread safety: one :class:`Stager` per manager; :meth:`stage` is called on the training thread only
 while no background write is reading the buffers (the manager waits for the previous save first);
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import copy
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
@@ -51,8 +53,13 @@ class Stager:
         self._used: set[str] = set()
         self._needs_sync: set[torch.device] = set()
         self._defer: Callable[[torch.Tensor], bool] | None = None
+        self._probe: Callable[[torch.Tensor], bool] | None = None
         # (buffer, source, key, the tensor the state holds, its version then): the copies left to finish()
         self._deferred: list[tuple[torch.Tensor, torch.Tensor, str, torch.Tensor, int]] = []
+        # a few elements of each deferred parameter as stage() saw them, by (device, dtype): (key, view, buffer), then
+        # those and their values
+        self._probes: dict[tuple[torch.device, torch.dtype], list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
+        self._sampled: list[tuple[list[tuple[str, torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor]] = []
         self._events: dict[torch.device, Any] = {}  # CUDA: where each device's stream was when stage() returned
         self._streams: dict[torch.device, Any] = {}  # CUDA: the side stream finish() copies on, per device
         self._finishing = threading.Lock()
@@ -69,22 +76,27 @@ class Stager:
         """Whether copies deferred by :meth:`stage` wait for :meth:`finish`."""
         return bool(self._deferred)
 
-    def stage(self, state: Any, defer: Callable[[torch.Tensor], bool] | None = None) -> Any:
+    def stage(self, state: Any, defer: Callable[[torch.Tensor], bool] | None = None,
+              probe: Callable[[torch.Tensor], bool] | None = None) -> Any:
         """A copy of ``state`` whose tensors live in this stager's host buffers. The copies of the tensors ``defer``
-        selects are left to :meth:`finish` (their buffers are in the result already)."""
+        selects are left to :meth:`finish` (their buffers are in the result already); of those, the ones ``probe``
+        selects (the parameters) have a few elements read now, which :meth:`finish` checks their copies hold."""
         self.finish()  # nothing deferred may outlive the next snapshot
         self.failure = None
         self._used = set()
         self._needs_sync = set()
-        self._defer = defer
+        self._defer, self._probe = defer, probe
+        self._probes, self._sampled = {}, []
         try:
             with torch.no_grad():  # a DTensor's to_local is then its local tensor, not an autograd function's output
                 out = self._stage(state, "")
+                self._sample()
         except BaseException:
-            self._deferred = []
+            self._deferred, self._sampled = [], []
             raise
         finally:
-            self._defer = None
+            self._defer = self._probe = None
+            self._probes = {}
         for device in self._needs_sync:  # each device the copies came from (not only the current one)
             _synchronize(device)
         if self._deferred:
@@ -135,6 +147,9 @@ class Stager:
             self._buffers[key] = buf
         if self._defer is not None and self._defer(tensor):
             self._deferred.append((buf, tensor, key, held, held._version))
+            probe = _spread(tensor) if self._probe is not None and self._probe(tensor) else None
+            if probe is not None:
+                self._probes.setdefault((tensor.device, tensor.dtype), []).append((key, probe, buf))
             return buf
         non_blocking = tensor.device.type != "cpu" and buf.is_pinned()  # from pageable memory it would block anyway
         buf.copy_(tensor, non_blocking=non_blocking)
@@ -142,31 +157,46 @@ class Stager:
             self._needs_sync.add(tensor.device)
         return buf
 
+    def _sample(self) -> None:
+        """Read the probed elements of the deferred sources now, one ``cat`` per device and dtype (on CUDA queued on
+        the current stream, before the event :meth:`finish`'s copies wait for)."""
+        for probes in self._probes.values():
+            values = torch.cat([probe for _, probe, _ in probes])
+            pin = values.device.type == "cuda" and torch.cuda.is_available()
+            self._sampled.append((probes, values, torch.empty(values.shape, dtype=values.dtype, pin_memory=pin)))
+
     def finish(self) -> None:
         """Make the copies :meth:`stage` deferred on the calling thread, or wait while another thread makes them; a
         no-op once they are made. Never raises: a failure is kept in :attr:`failure`, a :class:`CheckpointError` when
-        a tensor was changed in place meanwhile (its version counter moved: not every change moves it, see
-        ``wait_for_staging``), as its copy may then mix before and after."""
+        a tensor was changed in place meanwhile, as its copy may then mix before and after. Seen by its version
+        counter (``torch.no_grad()`` updates) or, for a parameter changed in a way that moves none (``p.data.mul_(…)``:
+        ``.data`` has a counter of its own), by :data:`PROBES` elements sampled across it at :meth:`stage` that its
+        copy does not hold: a change of a whole parameter is seen, one of a few elements may not be, nor a change
+        through ``.data`` of the optimizer's state (see ``wait_for_staging``)."""
         with self._finishing:
             deferred, self._deferred = self._deferred, []
+            sampled, self._sampled = self._sampled, []
             if not deferred:
                 return
             try:
-                self._copy_deferred(deferred)
-                changed = [key.lstrip("/") for _, _, key, held, version in deferred if held._version != version]
+                self._copy_deferred(deferred + [(host, values) for _, values, host in sampled])
+                changed = [key for _, _, key, held, version in deferred if held._version != version]
+                changed += [key for probes, _, host in sampled for key in _unlike(probes, host) if key not in changed]
                 if changed:
+                    changed = [key.lstrip("/") for key in changed]
                     raise CheckpointError(
                         f"{len(changed)} tensor(s) of the state were changed in place while the background save "
                         f"copied them ({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''}), so this "
                         "checkpoint is not written (earlier ones are untouched). Change parameters or optimizer state "
-                        "other than by the optimizer's step() only after manager.wait_for_staging(), or set "
-                        "wait_for_staging: true")
+                        "other than by the optimizer's step() (torch.no_grad() updates, p.data edits, loading "
+                        "weights) only after manager.wait_for_staging(), or set wait_for_staging: true")
             except Exception as exc:  # noqa: BLE001 - raised by the writer, on every rank
                 self.failure = exc
             finally:
                 self._events = {}
 
-    def _copy_deferred(self, deferred: list[tuple[torch.Tensor, torch.Tensor, str, torch.Tensor, int]]) -> None:
+    def _copy_deferred(self, deferred: Sequence[tuple[Any, ...]]) -> None:
+        """Copy each ``(buffer, source, ...)`` of ``deferred``."""
         with torch.no_grad():
             for buf, source, *_ in deferred:
                 if source.device.type == "cuda":
@@ -183,6 +213,42 @@ class Stager:
                     self._streams[device].synchronize()
                 else:
                     _synchronize(device)
+
+
+PROBES = 8
+"""Elements of each deferred parameter, spread across it, whose values at ``stage()`` its copy must hold (their view
+and the test of which tensors are parameters cost about 3 µs a parameter in the pause)."""
+
+
+def _spread(tensor: torch.Tensor) -> torch.Tensor | None:
+    """A view of :data:`PROBES` elements spread evenly across a contiguous tensor (``None``: not contiguous)."""
+    n = tensor.numel()
+    if n == 0 or not tensor.is_contiguous():
+        return None
+    count = min(n, PROBES)
+    return tensor.as_strided((count,), (n // count,), tensor.storage_offset())
+
+
+def _unlike(probes: list[tuple[str, torch.Tensor, torch.Tensor]], host: torch.Tensor) -> list[str]:
+    """The keys whose copy (the same elements of its buffer) does not hold, bit for bit, the values ``host`` sampled at
+    stage()."""
+    out, start = [], 0
+    for key, probe, buf in probes:
+        copied = _spread(buf)
+        assert copied is not None and copied.numel() == probe.numel()  # the buffer is a contiguous tensor alike
+        then = host[start:start + copied.numel()]
+        start += copied.numel()
+        if not torch.equal(_bits(then), _bits(copied)):
+            out.append(key)
+    return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a 1-D tensor (NaN equals NaN); the values where a dtype cannot be viewed so."""
+    try:
+        return t.contiguous().view(torch.uint8)
+    except RuntimeError:
+        return t
 
 
 def _synchronize(device: torch.device) -> None:
