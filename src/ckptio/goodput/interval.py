@@ -98,7 +98,7 @@ def plan_two_tiers(memory: "IntervalPlanner", durable: "IntervalPlanner", share:
     mtbf, source = durable.mtbf_s
     t, ratio = two_tier_interval(c_mem, c_dur, mtbf, share)
     mem_steps = memory.bounded(steps_for(t, step_s))
-    dur_steps = durable.bounded(min(MAX_STEPS, mem_steps * ratio))
+    dur_steps = durable.bounded(mem_steps * min(ratio, MAX_STEPS // mem_steps))  # at most MAX_STEPS, a multiple
     mem_steps = min(mem_steps, dur_steps)  # a durable maximum below the memory interval: no snapshot in between
     ratio = max(1, dur_steps // mem_steps)
     common = (f"a step takes {step_s:.3g} s, one failure per {span(mtbf)} ({source}), the memory tier recovers "
