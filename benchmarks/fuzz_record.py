@@ -7,7 +7,11 @@
 Each input: a manager's record is opened over it (``RunRecord``, what every ``CheckpointManager`` does at start),
 which must never raise (a refused record is moved aside, its bytes kept, and a new one begins); then the gate's
 parse of the same bytes must give back exactly the events written, or a ckptio error (``clean``); an accepted
-record is then summed up and drawn as ``ckptio report`` does (terminal text and page), which must not raise.
+record is then summed up and drawn as ``ckptio report`` does (terminal text, JSON and page), and its numbers go
+to the ``"auto"`` interval chooser as a restarted run's would (:func:`_plan`): neither may raise, every number
+they give must be finite and every interval within its bounds. The accepted records include the numbers that once
+broke them: denormal, huge and zero times and durations, events stamped in the future or before the record's
+start, and starts at one instant (zero-length processes).
 """
 
 from __future__ import annotations
@@ -21,6 +25,35 @@ from pathlib import Path
 from fuzz_kit import WrongResult, flip
 
 _VALUES = [None, True, -1, 0, 1.5, float("nan"), 1e308, 10**400, "", "x" * 300, [], {}, [[[[]]]], "durable", "s3"]
+_EDGE_TIMES = [0.0, 5e-324, 2.2e-308, 1e-9, 1e12, 1e12 - 1e-3]
+"""Times and durations a record passes its checks with that once overflowed or divided by zero downstream."""
+
+
+def _edges(rng: random.Random, events: list[dict]) -> list[dict]:
+    """``events`` with edge numbers: denormal, huge or zero times and durations, stamps in the future (minutes or
+    years ahead of now) or before the record's start, and starts at one instant."""
+    import time
+
+    now = time.time()
+    how = rng.choice(["times", "future", "past", "instant", "durations"])
+    if how == "times":
+        for event in events:
+            event["time"] = rng.choice(_EDGE_TIMES)
+    elif how == "future":
+        for event in rng.sample(events, rng.randint(1, len(events))):
+            event["time"] = now + rng.choice([0.5, 250.0, 1e6, 1e12 - now])
+    elif how == "past":
+        events.insert(0, {"kind": "start", "time": now - 100})
+        events.append({"kind": rng.choice(["start", "progress", "save"]), "time": rng.choice([0.0, 5.0, now - 200])})
+        events.append({"kind": "progress", "time": now - 1, "step": 5})
+    elif how == "instant":
+        same = rng.choice(_EDGE_TIMES + [now - 60])
+        events[:] = [dict(e, time=same) for e in events] + [{"kind": "start", "time": same}] * rng.randint(1, 3)
+    for event in events:
+        for name in ("blocked_s", "total_s", "restore_s", "startup_s", "age_s"):
+            if name in event or how == "durations" and event["kind"] == "save" and name in ("blocked_s", "total_s"):
+                event[name] = rng.choice(_EDGE_TIMES + [0.25])
+    return events
 
 
 def _events(rng: random.Random) -> list[dict]:
@@ -95,7 +128,8 @@ def fuzz_record(rng: random.Random, tmp: Path) -> None:
     form = rng.choice(["file"] * 6 + ["link", "folder", "fifo", "sparse"])
     written, size = b"", 0
     if form == "file":
-        written = dump(events) if rng.random() < 0.15 else _damage(rng, events)
+        pick = rng.random()
+        written = dump(events) if pick < 0.15 else dump(_edges(rng, events)) if pick < 0.45 else _damage(rng, events)
         target.write_bytes(written)
     elif form == "link":
         os.symlink(canary, target)
@@ -130,20 +164,59 @@ def fuzz_record(rng: random.Random, tmp: Path) -> None:
 
 
 def _report(events: list[dict], root: Path, tmp: Path) -> None:
-    """What ``ckptio report`` makes of an accepted record: the summary, the terminal text and the page, built without
-    an error, with a goodput in [0, 1] and the page's data as JSON."""
-    from ckptio.cli.report_cmd import text
+    """What ``ckptio report`` makes of an accepted record: the summary, the terminal text, the JSON and the page,
+    built without an error, with a goodput in [0, 1], every number finite, and the page's data as JSON; then the
+    record's numbers through the interval chooser (:func:`_plan`)."""
+    from ckptio.cli.report_cmd import _as_json, text
     from ckptio.goodput.report_html import render
     from ckptio.goodput.summary import summarize
 
     summary = summarize(events)
     if summary.goodput is not None and not 0 <= summary.goodput <= 1:
         raise WrongResult(f"goodput {summary.goodput}")
-    text(summary, str(root), 1e9)
+    for rate in (None, 1e9, 5e-324):
+        shown = text(summary, str(root), rate)
+        if "inf" in shown.lower() or "nan" in shown.lower():
+            raise WrongResult(f"a number the report shows is not finite: {shown[:600]}")
+        json.dumps(_as_json(summary, rate), allow_nan=False)  # ValueError (not a ckptio error) on inf or nan
     page = render(summary, str(root), 1e9)
     data = page.split('<script type="application/json" id="data">', 1)[1].split("</script>", 1)[0]
     json.loads(data)
     (tmp / "page.html").write_text(page)
+    _plan(root)
+
+
+def _plan(root: Path) -> None:
+    """The ``"auto"`` intervals a restarted run chooses from this record (both tiers, each alone; step times from
+    denormal to huge): a number of steps in [1, 10**12] each, the durable one a multiple of the memory one."""
+    import time
+
+    from ckptio.goodput import _memory_share
+    from ckptio.goodput.interval import MAX_STEPS, IntervalPlanner, plan_two_tiers
+    from ckptio.goodput.record import RunRecord
+    from ckptio.storage import open_storage
+
+    log = logging.getLogger("ckptio.fuzz.record")
+    record = RunRecord(open_storage(root), writer=False, log=log)
+    record.add("start", ranks=1)  # what the restarted process's manager records first
+    failures, up = record.failures()
+    if not 0 <= up <= max(0.0, time.time() + 2 - min(e["time"] for e in record.events)):
+        raise WrongResult(f"{up} s of uptime from a record that spans less")
+    learned = record.learned_mtbf()
+    for step_s in (5e-324, 1e-9, 0.5, 1e12):
+        planners = {}
+        for tier in ("memory", "durable"):
+            planner = IntervalPlanner(tier, mtbf_s=None, learned_mtbf_s=learned, learned_failures=failures,
+                                      first_cost_s=0.01, log=log)
+            planner.costs.extend(e["blocked_s"] for e in record.saves(tier)[-20:] if "blocked_s" in e)
+            planner.step_times.extend([step_s] * 3)
+            every = planner.choice()
+            if not (isinstance(every, int) and 1 <= every <= MAX_STEPS):
+                raise WrongResult(f"the {tier} interval is {every} steps ({planner.reason})")
+            planners[tier] = planner
+        mem, dur = plan_two_tiers(planners["memory"], planners["durable"], *_memory_share(None, record))
+        if not (1 <= mem <= dur <= MAX_STEPS and dur % mem == 0):
+            raise WrongResult(f"both tiers: every {mem} and {dur} steps ({planners['durable'].reason})")
 
 
 def _typed(event: dict) -> dict:

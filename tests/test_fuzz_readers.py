@@ -1,5 +1,5 @@
 """A CI-sized run of the reader fuzzer's families for the frameworks' folders, adopted AutoModel steps, memory
-snapshots and chunk indexes (``benchmarks/fuzz_readers.py``): every input must end in a right load or a ckptio
+snapshots, chunk indexes and the run's record (``benchmarks/fuzz_readers.py``): every input must end in a right load or a ckptio
 error, within the time limit and the bound on peak memory. The long runs are the fuzzer's own
 (``--inputs 100000 --family NAME``)."""
 
@@ -12,7 +12,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-INPUTS = {"chunk_index": 200, "hf_trainer": 150, "lightning": 150, "memory": 100, "accelerate": 100, "automodel": 60}
+INPUTS = {"chunk_index": 200, "hf_trainer": 150, "lightning": 150, "memory": 100, "accelerate": 100, "automodel": 60,
+          "record": 300}
 """Inputs per family: what fits in about a minute for all six on a loaded two-core machine (the readers of an
 adopted AutoModel step and of a memory snapshot cost tens of milliseconds per input: a full restore each)."""
 

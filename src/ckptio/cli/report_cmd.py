@@ -148,8 +148,10 @@ def _tier_row(tier: str, saves: list[dict[str, Any]], rate: float | None) -> lis
     total = [e["total_s"] for e in saves if "total_s" in e]
     sizes = [e["bytes"] for e in saves if "bytes" in e]
     at_limit = "-"
-    if rate and total and sizes:
-        at_limit = f"{statistics.median(sizes) / rate / statistics.median(total):.0%} of its speed"
+    whole = statistics.median(total) if total else 0.0
+    if rate and sizes and whole > 0:  # a save of 0 s (or a denormal time) has no speed to set against the limit
+        share = statistics.median(sizes) / rate / whole
+        at_limit = f"{share:.0%} of its speed" if share <= 100 else "over 100x its speed"
     return [tier, str(len(saves)),
             f"{_span(statistics.median(blocked))} / {_span(max(blocked))}" if blocked else "-",
             _span(statistics.median(total)) if total else "-",

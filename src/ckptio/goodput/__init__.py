@@ -22,7 +22,7 @@ from pathlib import PurePosixPath
 from .. import _dist
 from ..errors import CheckpointError
 from ..engine.layout import parse_step_name
-from .interval import DEFAULT_MEMORY_SHARE, IntervalPlanner, parse_duration, plan_two_tiers
+from .interval import DEFAULT_MEMORY_SHARE, IntervalPlanner, basis, parse_duration, plan_two_tiers
 from .record import RunRecord
 
 __all__ = ["Goodput", "RunRecord", "IntervalPlanner", "process_age_s"]
@@ -63,10 +63,15 @@ class Goodput:
         self.emit("start", ranks=_dist.world_size(), age_s=round(process_age_s(), 3))
         mtbf = parse_duration(config.mtbf, "mtbf") if config.mtbf is not None else None
         learned = self.record.learned_mtbf() if self.record is not None else None
-        failures = self.record.failures()[0] if self.record is not None else 0
-        if self.record is not None and failures and learned is None:
-            log.warning("The run's record gives no usable failure rate (%d failure(s) in no time running); the "
-                        "interval assumes the default one failure a day (set mtbf= to give yours)", failures)
+        failures, up = self.record.failures() if self.record is not None else (0, 0.0)
+        wanted = mtbf is None and (config.persist_every_steps == "auto" or config.memory_every_steps == "auto"
+                                   or getattr(step_scheduler, "ckpt_every_steps", None) == "auto")
+        if wanted and failures and learned is None:
+            log.warning("The run's record gives no usable failure rate (%s); the interval assumes the default one "
+                        "failure a day (set mtbf= to give yours)", basis(failures, up))
+        elif wanted and learned is not None:
+            log.info("Mean time between failures learned from the run's record: %s (this process's running adds to "
+                     "it as it goes; set mtbf= to give yours)", basis(failures, up))
         self.planners: dict[str, IntervalPlanner] = {}
         sched_auto = getattr(step_scheduler, "ckpt_every_steps", None) == "auto"
         durable_rate = 5e9 if config.async_save else 1e9  # bytes a second, until a save is measured

@@ -35,6 +35,7 @@ DEFAULT_MEMORY_SHARE = 0.9
 log): it survives a process or a node lost, not the whole job."""
 _MAX_RATIO = 10_000
 _UNITS = {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_DURATION = re.compile(r"\s*((?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)\s*(s|min|m|h|d|w)?\s*")
 _WINDOW = 20
 """Recent saves and steps the medians are taken over."""
 
@@ -71,6 +72,8 @@ def two_tier_interval(memory_cost_s: float, durable_cost_s: float, mtbf_s: float
     saves are, minimising :func:`two_tier_loss` (for each ratio the best interval is
     ``sqrt(2 M ((k - 1) Cm + Cd) / k / (p + (1 - p) k))``; the ratio is searched until the loss rises for good).
     With ``p = 0`` it is Young's interval of the durable tier and a ratio of 1."""
+    memory_cost_s, durable_cost_s = (min(MAX_COST_S, max(MIN_COST_S, c)) for c in (memory_cost_s, durable_cost_s))
+    mtbf_s = min(MAX_DURATION_S * 1e3, max(MIN_MTBF_S, mtbf_s))  # no product of them underflows to 0 s
     best: tuple[float, float, int] | None = None
     for ratio in range(1, _MAX_RATIO + 1):
         per_save = ((ratio - 1) * memory_cost_s + durable_cost_s) / ratio
@@ -95,7 +98,7 @@ def plan_two_tiers(memory: "IntervalPlanner", durable: "IntervalPlanner", share:
     mtbf, source = durable.mtbf_s
     t, ratio = two_tier_interval(c_mem, c_dur, mtbf, share)
     mem_steps = memory.bounded(steps_for(t, step_s))
-    dur_steps = durable.bounded(mem_steps * ratio)
+    dur_steps = durable.bounded(mem_steps * min(ratio, MAX_STEPS // mem_steps))  # at most MAX_STEPS, a multiple
     mem_steps = min(mem_steps, dur_steps)  # a durable maximum below the memory interval: no snapshot in between
     ratio = max(1, dur_steps // mem_steps)
     common = (f"a step takes {step_s:.3g} s, one failure per {span(mtbf)} ({source}), the memory tier recovers "
@@ -110,6 +113,12 @@ MAX_STEPS = 10**12
 """No interval is longer than this many steps (what a degenerate step time would otherwise make infinite)."""
 MAX_DURATION_S = 100 * 365 * 86400.0
 """The longest duration a field takes: a century."""
+MIN_MTBF_S = 1e-3
+"""A mean time between failures below a millisecond is no estimate (what starts at one instant give): refused when
+given, the default when learned."""
+MIN_COST_S = 1e-9
+"""A save that blocked less than a nanosecond (0 s, a denormal time) measured no cost: the first estimate stands."""
+MAX_COST_S = 1e12
 
 
 def steps_for(seconds: float, step_s: float) -> int:
@@ -122,21 +131,32 @@ def steps_for(seconds: float, step_s: float) -> int:
 
 
 def parse_duration(value: Any, what: str) -> float:
-    """Seconds from a number (seconds) or a text such as ``"90s"``, ``"30m"``, ``"6h"``, ``"2d"``, ``"1w"``."""
+    """Seconds from a number (seconds) or a text such as ``"90s"``, ``"30m"``, ``"6h"``, ``"2d"``, ``"1w"``,
+    ``"1.5e3s"``: between :data:`MIN_MTBF_S` and :data:`MAX_DURATION_S`, else a :class:`ConfigError` naming
+    ``what`` (never an ``OverflowError``, whatever the number)."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = float(value)
-    elif isinstance(value, str) and (m := re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(s|min|m|h|d|w)?\s*", value)):
-        try:
-            seconds = float(m.group(1)) * _UNITS[m.group(2) or "s"]
-        except OverflowError:
-            seconds = math.inf
+        number, unit = value, 1
+    elif isinstance(value, str) and (m := _DURATION.fullmatch(value)):
+        number, unit = m.group(1), _UNITS[m.group(2) or "s"]
     else:
-        raise ConfigError(f"{what} must be a duration such as 6h, 30m, 2d or a number of seconds, got {value!r}")
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise ConfigError(f"{what} must be a positive duration, got {value!r}")
+        raise ConfigError(f"{what} must be a duration such as 6h, 30m, 2d or a number of seconds, got {value!r:.80}")
+    try:
+        seconds = float(number) * unit
+    except OverflowError:  # an integer beyond floats
+        seconds = math.inf if number > 0 else -math.inf  # type: ignore[operator]
+    if math.isnan(seconds) or seconds <= 0:
+        raise ConfigError(f"{what} must be a positive duration, got {value!r:.80}")
     if seconds > MAX_DURATION_S:
-        raise ConfigError(f"{what} must be at most a century ({MAX_DURATION_S:.0f} s), got {value!r}")
+        raise ConfigError(f"{what} must be at most a century ({MAX_DURATION_S:.0f} s), got {value!r:.80}")
+    if seconds < MIN_MTBF_S:
+        raise ConfigError(f"{what} must be at least a millisecond, got {value!r:.80}")
     return seconds
+
+
+def basis(failures: int, up_s: float) -> str:
+    """What a learned MTBF rests on, said as such: ``"1 failure in 2.5 h observed; one failure: a rough estimate"``."""
+    rough = "; one failure: a rough estimate" if failures == 1 else ""
+    return f"{failures} failure{'s' if failures != 1 else ''} in {span(up_s)} observed{rough}"
 
 
 def span(seconds: float | None) -> str:
@@ -175,14 +195,15 @@ class IntervalPlanner:
 
     @property
     def mtbf_s(self) -> tuple[float, str]:
+        """The MTBF planned with and where it comes from: given; learned (a censored estimate: the uptime the
+        record saw plus this process's running so far, over the failures); else :data:`DEFAULT_MTBF_S`."""
         if self.given_mtbf_s is not None:
             return self.given_mtbf_s, "given"
         learned = self.learned_mtbf_s
-        if learned is not None and math.isfinite(learned) and learned > 0:
+        if learned is not None and math.isfinite(learned) and learned >= MIN_MTBF_S:
             n = self.learned_failures
             up = learned * n + (time.monotonic() - self._born)  # the uptime before, and this process's so far
-            rough = "; one failure: a rough estimate" if n == 1 else ""
-            return up / n, f"learned: {n} failure(s) in {span(up)} of running{rough}"
+            return up / n, f"learned: {basis(n, up)}"
         return DEFAULT_MTBF_S, "assumed: set mtbf="
 
     def step_reached(self, step: int) -> None:
@@ -203,9 +224,10 @@ class IntervalPlanner:
     def cost(self) -> tuple[float, str]:
         """What a save of this tier blocks the loop (the median of the recent ones, or the estimate before any)."""
         cost = statistics.median(self.costs) if self.costs else 0.0
-        if cost > 0 and math.isfinite(cost):
+        if MIN_COST_S <= cost <= MAX_COST_S:
             return cost, "blocks"
-        return self.first_cost_s, "is estimated to block"  # none measured yet, or none that is a cost (0 s)
+        # none measured yet, or none that is a cost (0 s, a denormal time): the estimate, within the same bounds
+        return min(MAX_COST_S, max(MIN_COST_S, self.first_cost_s)), "is estimated to block"
 
     def bounded(self, steps: int) -> int:
         """``steps`` within the user's minimum and maximum."""

@@ -34,7 +34,7 @@ from typing import Any
 from ..errors import CheckpointError
 from ..storage.parse import as_float, as_int, field, json_object
 
-__all__ = ["RECORD_NAME", "RunRecord", "MAX_EVENTS", "PROGRESS_EVERY_S"]
+__all__ = ["RECORD_NAME", "RunRecord", "MAX_EVENTS", "PROGRESS_EVERY_S", "failure_history"]
 
 RECORD_NAME = ".ckptio_record.json"
 MAX_EVENTS = 4096
@@ -45,6 +45,9 @@ _KEEP_ASIDE_BYTES = 64 << 20
 _MAX_SECONDS = 1e12
 """Times and durations beyond it (the year 33,658; 31,000 years) are not what ckptio writes: refused, so that no sum
 of a record's numbers can overflow what reads it (the report)."""
+_CLOCK_SLACK_S = 1.0
+"""An event stamped up to this much after now is still counted (times are rounded to the millisecond, and the nodes
+of a job may differ by a little): what a forged stamp can add to the uptime."""
 _KINDS = ("start", "save", "restore", "progress", "remove", "end")
 _NUMBERS = ("time", "blocked_s", "total_s", "restore_s", "startup_s", "age_s")
 _COUNTS = ("step", "bytes", "files", "ranks", "steps_lost")
@@ -183,33 +186,19 @@ class RunRecord:
         steps = [e["step"] for e in self.events if e["kind"] in ("save", "progress", "restore") and "step" in e]
         return max(steps) if steps else None
 
-    def failures(self) -> tuple[int, float]:
+    def failures(self, now: float | None = None) -> tuple[int, float]:
         """How many of the run's processes ended without an ``end`` (each followed by a new ``start``), and the
-        seconds the run was up in all (from each ``start`` to the last event before the next)."""
-        failures, up, began, last = 0, 0.0, None, None
-        horizon = time.time() + 300  # an event after now (a forged record, a clock set ahead) was never seen
-        for event in self.events:
-            if not event["time"] <= horizon:
-                continue
-            if event["kind"] == "start":
-                if began is not None and last is not None:
-                    up += max(0.0, last - began)
-                    failures += 1
-                began, last = event["time"], event["time"]
-            elif began is not None:
-                last = event["time"]
-                if event["kind"] == "end":
-                    up += max(0.0, last - began)
-                    began = None
-        if began is not None and last is not None:
-            up += max(0.0, last - began)
-        return failures, up
+        seconds the run was seen up in all (:func:`failure_history`)."""
+        return failure_history(self.events, time.time() if now is None else now)
 
     def learned_mtbf(self) -> float | None:
-        """Seconds of running per failure, once a failure is recorded."""
+        """Seconds of running per failure, once a failure is recorded; ``None`` when the record gives no usable
+        rate (failures in no time running: below :data:`~.interval.MIN_MTBF_S`), for the default to stand."""
+        from .interval import MIN_MTBF_S
+
         failures, up = self.failures()
         mtbf = up / failures if failures else None
-        return mtbf if mtbf is not None and math.isfinite(mtbf) and mtbf > 0 else None  # degenerate: the default
+        return mtbf if mtbf is not None and math.isfinite(mtbf) and mtbf >= MIN_MTBF_S else None
 
     def recoveries(self) -> tuple[int, int]:
         """The restores that followed a failure: how many came from the memory tier, and how many in all."""
@@ -228,6 +217,36 @@ class RunRecord:
 
     def saves(self, tier: str) -> list[dict[str, Any]]:
         return [e for e in self.events if e["kind"] == "save" and e.get("tier") == tier]
+
+
+def failure_history(events: list[dict[str, Any]], now: float) -> tuple[int, float]:
+    """The failures in ``events`` (a ``start`` with no ``end`` since the previous one) and the seconds the run was
+    up (each process from its ``start`` to its last event), from what the record can have seen: an event stamped
+    after ``now`` or before the record's first event is not counted, and each process's span begins no earlier than
+    the newest event before it, so that the uptime is never more than ``now`` minus the record's start, whatever
+    the stamps (a forged record, a clock set wrong). The current process, when ``events`` end with its ``start``,
+    is up, not failed: the caller counts its running (a censored estimate)."""
+    failures, up, began, last = 0, 0.0, None, None
+    start = newest = None
+    for event in events:
+        stamp = event["time"]
+        if not stamp <= now + _CLOCK_SLACK_S or (start is not None and stamp < start):
+            continue  # never seen: after now, or before the record began
+        start = stamp if start is None else start
+        stamp = newest = stamp if newest is None else max(newest, stamp)
+        if event["kind"] == "start":
+            if began is not None and last is not None:
+                up += last - began
+                failures += 1
+            began, last = stamp, stamp
+        elif began is not None:
+            last = stamp
+            if event["kind"] == "end":
+                up += last - began
+                began = None
+    if began is not None and last is not None:
+        up += last - began
+    return failures, up
 
 
 _HEAD = b'{"format":"ckptio-record","version":1,"events":['

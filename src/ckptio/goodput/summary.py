@@ -18,10 +18,11 @@ seconds) is in none of these: the estimate errs on the high side by at most that
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .record import parse as parse_record
+from .record import failure_history, parse as parse_record
 
 __all__ = ["Process", "Summary", "summarize", "load"]
 
@@ -55,14 +56,15 @@ class Summary:
 
     @property
     def failures(self) -> int:
-        """Processes that ended without an ``end`` and were followed by another."""
-        return sum(1 for p in self.processes[:-1] if not p.clean)
+        """Processes that ended without an ``end`` and were followed by another (stamps after now or before the
+        record began not counted: :func:`~.record.failure_history`, what the ``"auto"`` interval learns from)."""
+        return failure_history(self.events, time.time())[0]
 
     @property
     def mtbf_s(self) -> float | None:
-        """Seconds of running per failure (``None`` before the first failure)."""
-        up = sum(p.last - p.start for p in self.processes)
-        return up / self.failures if self.failures else None
+        """Seconds of running per failure (``None`` before the first failure, or with no time running)."""
+        failures, up = failure_history(self.events, time.time())
+        return up / failures if failures and up > 0 else None
 
     @property
     def goodput(self) -> float | None:
