@@ -56,20 +56,21 @@ def test_a_rotten_shared_file_is_written_anew_and_never_held_by_every_kept_step(
     root = str(tmp_path / "run")
     model, opt = _objects()
     mgr = _manager(root, model, opt, keep_latest=3)
-    for step in range(1, 6):
+    for step in range(1, 7):
         _train(model, opt, step)
         mgr.save(step=step)
-    steps = {s: Path(root) / f"epoch_0_step_{s}" for s in (3, 4, 5)}
+    steps = {s: Path(root) / f"epoch_0_step_{s}" for s in (4, 5, 6)}
     inodes = {s: _frozen_file(d).stat().st_ino for s, d in steps.items()}
     assert len(set(inodes.values())) >= 2, f"one file holds the frozen tensor of every kept step: {inodes}"
     assert len(set(inodes.values())) < 3, "nothing was shared"
-    damaged = _frozen_file(steps[5])
+    damaged = _frozen_file(steps[6])  # a copy one step holds: the next save would link it
+    assert damaged.stat().st_nlink == 1
     data = bytearray(damaged.read_bytes())
     data[-3] ^= 0x10
     damaged.write_bytes(bytes(data))  # in place: every link to it sees the flip
     with caplog.at_level(logging.WARNING, logger="ckptio"):
-        _train(model, opt, 6)
-        saved = Path(mgr.save(step=6))
+        _train(model, opt, 7)
+        saved = Path(mgr.save(step=7))
     mgr.close()
     assert "does not hold the bytes its manifest records" in caplog.text
     assert _frozen_file(saved).stat().st_ino != damaged.stat().st_ino
@@ -79,7 +80,7 @@ def test_a_rotten_shared_file_is_written_anew_and_never_held_by_every_kept_step(
     fresh, fresh_opt = _objects(seed=1)
     with _manager(root, fresh, fresh_opt, keep_latest=3) as other:
         info = other.restore()
-    assert info.step == 6
+    assert info.step == 7
     for k, v in expected.items():
         assert torch.equal(fresh.state_dict()[k], v), k
 
@@ -177,3 +178,109 @@ def test_a_planted_object_under_a_resealed_manifest_is_never_referred_to_in_a_bu
         with _manager(url, fresh, fresh_opt) as other:
             other.restore(f"epoch_0_step_{step}")
         assert torch.equal(fresh[0].weight, live), f"step {step} stores the planted values"
+
+
+def _copies_local(root: str) -> dict[int, int]:
+    """Committed step -> the inode of the file that holds its frozen embedding (one inode: one copy)."""
+    out = {}
+    for step_dir in Path(root).glob("epoch_0_step_*"):
+        if (step_dir / "manifest.json").is_file():
+            out[read_manifest(open_storage(root).folder(step_dir.name)).step] = _frozen_file(step_dir).stat().st_ino
+    return out
+
+
+def _copies_bucket(url: str) -> dict[int, str]:
+    """Committed step -> the object that holds its frozen embedding's file (its own, or the one it refers to)."""
+    storage = open_storage(url)
+    out = {}
+    for entry in storage.folder().listdir():
+        if entry.kind == "dir" and storage.folder(entry.name).kind("manifest.json") == "file":
+            m = read_manifest(storage.folder(entry.name))
+            (rel,) = [r for r in m.contents if r.startswith("model/")]  # the one frozen file of this model
+            out[m.step] = m.shared.get(rel, f"{m.name}/{rel}")
+    return out
+
+
+@pytest.mark.parametrize("where", ["local", "bucket"])
+def test_no_copy_of_a_shared_file_is_held_by_every_kept_step(where, request, tmp_path):
+    """From the second save on, whatever retention keeps (3 newest here, or everything), the kept steps hold two
+    copies or more of the frozen file: one damaged copy never leaves no step to restore. Sharing still happens."""
+    for keep in (3, None):
+        if where == "local":
+            root, copies = str(tmp_path / f"run{keep}"), _copies_local
+        else:
+            root, copies = f"s3://{request.getfixturevalue('bucket')}/run{keep}", _copies_bucket
+        model, opt = _objects()
+        shared = False
+        with _manager(root, model, opt, **({"keep_latest": keep} if keep else {})) as mgr:
+            for step in range(1, 8):
+                _train(model, opt, step)
+                mgr.save(step=step)
+                held = copies(root)
+                assert len(held) < 2 or len(set(held.values())) >= 2, \
+                    f"after step {step} (keep {keep}) one copy holds every kept step: {held}"
+                shared |= len(set(held.values())) < len(held)
+        assert shared, f"nothing was shared (keep {keep})"
+
+
+def test_a_damaged_copy_in_a_bucket_leaves_a_step_to_restore(bucket):
+    """Row 1 in a bucket: the object the newest steps use rots; the restart restores the newest step that uses the
+    other copy, bitwise, and the running job's next save holds the live bytes."""
+    from ckptio.storage import s3 as s3mod
+
+    url = f"s3://{bucket}/rot"
+    model, opt = _objects()
+    saved = {}
+    mgr = _manager(url, model, opt, keep_latest=3)
+    for step in range(1, 6):
+        _train(model, opt, step)
+        mgr.save(step=step)
+        saved[step] = {k: v.clone() for k, v in model.state_dict().items()}
+    held = _copies_bucket(url)
+    s3 = s3mod.client()
+    key = f"rot/{held[5]}"
+    data = bytearray(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+    data[-3] ^= 0x10
+    s3.put_object(Bucket=bucket, Key=key, Body=bytes(data))
+    intact = max(s for s, copy in held.items() if copy != held[5])
+    fresh, fresh_opt = _objects(seed=1)
+    with _manager(url, fresh, fresh_opt, keep_latest=3) as other:
+        info = other.restore()
+    assert info is not None and info.step == intact
+    for k, v in saved[intact].items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+    _train(model, opt, 6)
+    saved6 = Path(str(mgr.save(step=6))).name
+    mgr.close()
+    assert _copies_bucket(url)[6] != held[5]
+    folder = open_storage(url).folder(saved6)
+    assert not check_files(folder, read_manifest(folder), checksums=True)
+
+
+def test_start_fresh_if_damaged_starts_fresh_with_the_default_verify_and_leaves_the_model_as_it_was(tmp_path, caplog):
+    """Row 1's restart: every copy of the frozen file rots; with the default ``verify`` the restore reads weights
+    into the live model before it meets the damage. ``start_fresh_if_damaged=True`` starts fresh, as its docs say,
+    with the model exactly as it was built (nothing half-read into it) and a warning naming what it gave up."""
+    root = str(tmp_path / "run")
+    model, opt = _objects()
+    with _manager(root, model, opt, keep_latest=3) as mgr:
+        for step in range(1, 6):
+            _train(model, opt, step)
+            mgr.save(step=step)
+    for ino in set(_copies_local(root).values()):  # every copy of the frozen file, once
+        path = next(p for p in Path(root).rglob("*.safetensors") if p.stat().st_ino == ino)
+        data = bytearray(path.read_bytes())
+        data[-3] ^= 0x10
+        path.write_bytes(bytes(data))
+    fresh, fresh_opt = _objects(seed=1)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with _manager(root, fresh, fresh_opt, keep_latest=3) as other, pytest.raises(CheckpointError):
+        other.restore()  # without the flag: refused, naming each step
+    fresh, fresh_opt = _objects(seed=1)
+    with caplog.at_level(logging.WARNING, logger="ckptio"):
+        with _manager(root, fresh, fresh_opt, keep_latest=3, start_fresh_if_damaged=True) as other:
+            assert other.restore() is None
+    assert "starting from scratch as start_fresh_if_damaged asks" in caplog.text
+    for k, v in before.items():
+        assert torch.equal(fresh.state_dict()[k], v), f"{k} was changed by the failed restores"
+    assert not fresh_opt.state, "the optimizer was given a damaged step's state"

@@ -120,33 +120,34 @@ def test_a_frozen_tensor_edited_in_place_is_saved_anew_and_swapped_bytes_stay_ri
         run.mgr.save(step=step)
 
     save(1)
-    save(2)
+    save(2)  # a second copy: two steps never share their only one
+    save(3)
     with torch.no_grad():  # a frozen tensor edited in place: requires_grad says nothing, its bytes differ
         run.model.model.embed_tokens.weight[3, 5] += 1.0
-    save(3)
+    save(4)
     with torch.no_grad():  # two frozen tensors swap their bytes: every name must still get its own
         a, b = layer.gate_proj.weight.clone(), layer.up_proj.weight.clone()
         layer.gate_proj.weight.copy_(b)
         layer.up_proj.weight.copy_(a)
-    save(4)
+    save(5)
     with torch.no_grad():  # and the same bytes under two names
         layer.gate_proj.weight.copy_(layer.up_proj.weight)
-    save(5)
     save(6)
+    save(7)
     run.mgr.close()
     steps = _steps(tmp_path)
     files = {s: _model_files(p) for s, p in steps.items()}
     frozen = sorted(rel.removeprefix("model/") for rel in read_manifest(steps[1]).contents)
     linked = lambda s, t: [n for n in frozen if files[s][n].st_ino == files[t][n].st_ino]  # noqa: E731
-    assert linked(1, 2) == frozen  # nothing changed
-    assert 0 < len(linked(2, 3)) < len(frozen)  # the embeddings' file is new, the layer's is shared
-    assert len(linked(3, 4)) < len(frozen) and len(linked(4, 5)) < len(frozen)
-    assert linked(5, 6) == frozen
+    assert linked(1, 2) == [] and linked(2, 3) == frozen  # nothing changed (step 2: the second copy)
+    assert 0 < len(linked(3, 4)) < len(frozen)  # the embeddings' file is new, the layer's is shared
+    assert len(linked(4, 5)) < len(frozen) and len(linked(5, 6)) < len(frozen)
+    assert linked(6, 7) == frozen
     for step, path in steps.items():
         _same(saved[step], _restored(path), f"step {step}")
-    restored3 = _restored(steps[3])
+    restored4 = _restored(steps[4])
     key = "model/model.embed_tokens.weight"
-    assert torch.equal(restored3[key][3, 5], saved[2][key][3, 5] + 1)
+    assert torch.equal(restored4[key][3, 5], saved[3][key][3, 5] + 1)
 
 
 def test_a_damaged_shared_file_is_named_in_every_step_using_it_and_resume_falls_back_past_them(tmp_path, capsys):
@@ -162,7 +163,7 @@ def test_a_damaged_shared_file_is_named_in_every_step_using_it_and_resume_falls_
     steps = _steps(tmp_path)
     before, after = _model_files(steps[1]), _model_files(steps[2])
     new = [n for n in after if n in before and after[n].st_ino != before[n].st_ino and after[n].st_nlink == 3]
-    assert len(new) == 1, (before, after)  # written at step 2, shared by steps 3 and 4
+    assert new, (before, after)  # written at step 2 (the edited one; the others as a second copy), shared by 3 and 4
     damaged = steps[2] / "model" / new[0]
     with open(damaged, "r+b") as fh:  # a bit flips on the disk: one inode, three steps
         fh.seek(damaged.stat().st_size - 7)
@@ -193,14 +194,14 @@ def test_transformers_loads_the_consolidated_bundle_of_a_step_whose_weights_are_
     for p in model.parameters():
         p.requires_grad_(False)
     with CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path / "ckpt")), model=model) as mgr:
-        mgr.save(step=1)
-        mgr.save(step=2)
+        for step in (1, 2, 3):  # step 2 holds a second copy, step 3 links it
+            mgr.save(step=step)
     steps = _steps(tmp_path / "ckpt")
-    m2 = read_manifest(steps[2])
-    weights = [rel for rel in m2.files if rel.endswith(".safetensors")]
-    assert weights and set(weights) == set(m2.contents)  # every weight file is frozen, hence shared
-    assert all((steps[2] / rel).stat().st_nlink == 2 for rel in weights)
-    assert main(["consolidate", str(steps[2]), "--out", str(tmp_path / "hf"), "--no-progress"]) == 0
+    m3 = read_manifest(steps[3])
+    weights = [rel for rel in m3.files if rel.endswith(".safetensors")]
+    assert weights and set(weights) == set(m3.contents)  # every weight file is frozen, hence shared
+    assert all((steps[3] / rel).stat().st_nlink == 2 for rel in weights)
+    assert main(["consolidate", str(steps[3]), "--out", str(tmp_path / "hf"), "--no-progress"]) == 0
     loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     model.eval()
@@ -294,10 +295,11 @@ def test_saved_on_two_ranks_resumed_bitwise_on_two_and_one_and_shared_again_afte
     saved = run_ranks(2, _save_frozen, root=root)[0]
     steps = _steps(tmp_path)
     assert sorted(steps) == [1, 2, 3, 4]
-    for step in (2, 3, 4):  # every rank's frozen files shared with the step before
+    for step in (3, 4):  # every rank's frozen files shared with step 2 (step 2: the second copy)
         m = read_manifest(steps[step])
         assert len(m.contents) >= 2 and any(rel.startswith("model/shard-00002-") for rel in m.contents)
-        assert all((steps[step] / rel).stat().st_ino == (steps[1] / rel).stat().st_ino for rel in m.contents)
+        assert all((steps[step] / rel).stat().st_ino == (steps[2] / rel).stat().st_ino for rel in m.contents)
+        assert all((steps[step] / rel).stat().st_ino != (steps[1] / rel).stat().st_ino for rel in m.contents)
     for step, state in run_ranks(2, _restore_each, root=root, steps=[4])[0].items():
         _same(saved[step], state, f"2 -> 2 ranks, step {step}")
     resumed = run_ranks(1, _restore_each, root=root, steps=[1, 2, 3, 4], then_train=2)[0]
@@ -314,9 +316,10 @@ def test_tar_carries_a_step_whose_frozen_files_are_links_and_it_resumes_from_the
     run = Run(tmp_path / "ckpt", max_steps=100, freeze=True)
     run.mgr.save(step=1)
     saved = full_state(run.model, run.opt)
-    run.mgr.save(step=2)
+    run.mgr.save(step=2)  # the second copy, linked by step 3
+    run.mgr.save(step=3)
     run.mgr.close()
-    step = _steps(tmp_path / "ckpt")[2]
+    step = _steps(tmp_path / "ckpt")[3]
     assert any(s.st_nlink == 2 for s in _model_files(step).values())
     (tmp_path / "copy").mkdir()
     subprocess.run(["tar", "-cf", str(tmp_path / "step.tar"), "-C", str(step.parent), step.name], check=True)

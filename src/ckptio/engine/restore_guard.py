@@ -33,7 +33,7 @@ from ..storage.confined import Folder
 from ..storage.verify import Verifier, finishers
 from .manifest import Manifest, StateEntry
 
-__all__ = ["Apply", "Kept", "apply_checked", "apply_state", "entry_of", "failed", "groups_apply", "read_objects", "told",
+__all__ = ["Apply", "Kept", "apply_checked", "apply_state", "check_model_first", "entry_of", "failed", "groups_apply", "read_objects", "told",
            "verify_read"]
 
 
@@ -121,6 +121,33 @@ def verify_read(verifier: Verifier, done: set[str], keep: Callable[[str], bool],
         _dist.run_collectively("verifying checksums", finish)
     finally:
         done.update(rel for runs in hashed for rel in runs)
+
+
+def check_model_first(storage: Any, name: str, asked: bool) -> None:
+    """Collective, one round when ``asked`` (an automatic resume with ``start_fresh_if_damaged``): the checksums of
+    the model's files of step ``name``, before anything is read into the live objects (the files split between
+    the ranks; the model is read in place, so a failure later would leave it changed). A damaged step then
+    leaves the model as it was, so that when no step is left the run starts fresh from the model it built, not from
+    one half read. Damage raises :class:`CheckpointCorruptError` on every rank (the restore falls back)."""
+    from .layout import step_manifest
+
+    if not asked:
+        return
+
+    def check() -> None:
+        folder = storage.folder(name)
+        manifest = step_manifest(folder)
+        entry = manifest.states.get("model")
+        if entry is None or manifest.foreign is not None:
+            return  # nothing read in place, or no checksums to check (an adopted step)
+        prefix = entry.path.rstrip("/") + "/"
+        files = sorted(rel for rel in manifest.files if rel.startswith(prefix) and rel in manifest.checksums)
+        found = Verifier(folder, manifest.checksums).finish(files[_dist.rank()::_dist.world_size()])
+        if found:
+            raise CheckpointCorruptError(f"{len(found)} file(s) do not match their checksums: " + "; ".join(found[:3])
+                                         + " (checked before the model is read, as start_fresh_if_damaged asks)")
+
+    _dist.run_collectively("checking the model's files before reading them into it", check)
 
 
 def failed(exc: BaseException, kept: Kept, changes: dict[str, str], step_dir: Path) -> BaseException:

@@ -43,8 +43,8 @@ from . import shared_reads
 from .partial import LoadOptions, LoadReport, load_model_partially, plan_partially, refuse
 from .layout import LATEST, find_candidates, parse_step_name, step_manifest
 from .manifest import Manifest, StateEntry, merge_shapes, model_signature
-from .restore_guard import Apply, Kept, apply_checked, apply_state, entry_of, failed, groups_apply, read_objects, \
-    told, verify_read
+from .restore_guard import Apply, Kept, apply_checked, apply_state, check_model_first, entry_of, failed, groups_apply, \
+    read_objects, told, verify_read
 from .saving import Tracked
 from ..storage import open_storage
 from ..storage import reading
@@ -108,6 +108,7 @@ class Restorer:
             return None
         for i, found in enumerate(candidates):
             try:
+                check_model_first(self.storage, found.name, automatic and self.config.start_fresh_if_damaged)
                 return self._restore_from(found, verify)
             except CheckpointError as exc:
                 verdict = _after_failure(exc, automatic, candidates[i:], bool(self._changes),

@@ -45,6 +45,11 @@ class Previous:
     sizes: dict[str, int]
     owners: dict[str, str] = field(default_factory=dict)
     """Files the checkpoint itself refers to elsewhere (a bucket's ``shared``): a new reference goes to the owner."""
+    committed: int = 1
+    """How many committed steps the folder holds before this save (a copy may be held by fewer: :class:`Sharer`)."""
+    held: dict[str, int] = field(default_factory=dict)
+    """In a bucket: each object a committed step uses for a shareable file (``step/path``) -> how many committed
+    steps use it (its owner, if committed, and those that refer to it). Locally the file's link count says it."""
 
     @classmethod
     def of(cls, manifest: Manifest) -> "Previous":
@@ -67,7 +72,25 @@ def previous_of(storage: Any, log: Any = None) -> Previous | None:
         if log is not None:
             log.info("Nothing is shared with the newest checkpoint (%s); every file is written", exc)
         return None
-    return Previous.of(manifest) if manifest.contents else None
+    if not manifest.contents:
+        return None
+    previous = Previous.of(manifest)
+    previous.committed, previous.held = _holders(storage)
+    return previous
+
+
+def _holders(storage: Any) -> tuple[int, dict[str, int]]:
+    """The folder's committed steps, and in a bucket how many of them use each object holding a shareable file."""
+    from .layout import scan
+
+    committed = [e for e in scan(storage, verify="none") if e.committed]
+    held: dict[str, int] = {}
+    if getattr(storage, "refers", False):
+        for e in committed:
+            for rel in e.manifest.contents:  # type: ignore[union-attr]
+                source = e.manifest.shared.get(rel, f"{e.name}/{rel}")  # type: ignore[union-attr]
+                held[source] = held.get(source, 0) + 1
+    return max(len(committed), 1), held
 
 
 def frozen_keys(model_state: Any, state_dict: dict[str, Any]) -> frozenset[str]:
@@ -79,9 +102,10 @@ def frozen_keys(model_state: Any, state_dict: dict[str, Any]) -> frozenset[str]:
 
 def max_holders(config: Any) -> int | None:
     """How many steps may hold one copy of a shared file (``None``: no bound). While retention keeps ``n >= 2``
-    steps, a copy is held by at most ``n - 1`` steps, so the kept steps always span two copies or more and one
-    damaged file never holds the only copy of a state: the steps that hold another copy restore. Keeping
-    everything bounds a copy at 4 steps; keeping one lets a link save the write (there is no second step)."""
+    steps, a copy is held by at most ``n - 1`` steps, and by fewer than the steps the folder holds once the new one
+    is committed (:class:`Sharer`: the first saves, before ``n`` exist), so the kept steps always span two copies or
+    more and one damaged file never holds the only copy of a state: the steps that hold another copy restore.
+    Keeping everything bounds a copy at 4 steps; keeping one lets a link save the write (there is no second step)."""
     kept = [k for k in (config.keep_latest, config.max_recent_checkpoints, config.save_top_k)
             if isinstance(k, int) and k > 0]
     if not kept:
@@ -96,8 +120,11 @@ class Sharer:
 
     A file is shared only after its bytes were read back and hashed to the live tensors' digest (a save never refers
     to bytes it has not checked: a file that rotted, or was replaced under a re-recorded manifest, is written anew
-    from memory, which also leaves the new step healthy), and only while fewer than ``holders`` committed steps hold
-    that copy (locally its hard-link count; :func:`max_holders`)."""
+    from memory, which also leaves the new step healthy), and only while that copy is held by fewer than ``holders``
+    steps (:func:`max_holders`) and fewer than the committed steps (so that with the new step, some step holds
+    another copy: two steps kept never share their only one). Locally the holders are the file's hard-link count,
+    in a bucket the committed steps that use the object (:attr:`Previous.held`); either may count more (a link
+    from outside, a step retention is about to remove), which writes a copy more, never one less."""
 
     def __init__(self, writer: Any, previous: Previous | None, storage: Any = None, holders: int | None = None,
                  log: Any = None) -> None:
@@ -126,11 +153,14 @@ class Sharer:
         if self.storage is None:
             return False  # nothing to check the bytes with: write them
         step, _, path = source.partition("/")
+        p = self.previous
         try:
             folder = self.storage.folder(step)
             info = folder.lstat(path) if hasattr(folder, "lstat") else None
-            if self.holders is not None and info is not None and info.st_nlink >= self.holders:
-                return False  # enough steps hold this copy: the new step starts another
+            if self.holders is not None and p is not None:
+                held = info.st_nlink if info is not None else p.held.get(source, self.holders)
+                if held >= min(self.holders, p.committed):
+                    return False  # enough steps hold this copy: the new step starts another
             handle = folder.open(path, size=size)
             try:
                 sha, offset = hashlib.sha256(), 0
