@@ -204,3 +204,40 @@ def test_an_unknown_field_lists_only_documented_fields():
     names = [f.name for f in fields(CheckpointConfig) if f"'{f.name}'" in listed]
     assert names and all(f"`{n}`" in doc.split("## Saving in the background")[0] for n in names), names
     assert "max_recent_checkpoints" not in listed and "is_async" not in listed
+
+
+# ---------------------------------------------------------------- what a newcomer trips on, round two (issue 71)
+_RESTORE_SCRIPT = """
+import sys, torch
+from ckptio import CheckpointConfig, CheckpointManager
+torch.manual_seed(0)
+width, restore_from = int(sys.argv[2]), sys.argv[3] or None
+model = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.ReLU(), torch.nn.Linear(width, 2))
+mgr = CheckpointManager(CheckpointConfig(checkpoint_dir=sys.argv[1], restore_from=restore_from), model=model)
+mgr.save(step=5) if width == 8 else mgr.restore()
+"""
+
+
+def _script(tmp_path, *args: str):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", _RESTORE_SCRIPT, str(tmp_path / "ck"), *args], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_a_shape_mismatch_is_one_error_and_a_missing_path_is_named_once(tmp_path):
+    """Row 12: a script restoring into a model of another width printed two chained CheckpointMismatchErrors,
+    worded differently; a missing absolute ``restore_from`` was named twice ("looked for /x/... and /x/...")."""
+    assert _script(tmp_path, "8", "").returncode == 0
+    out = _script(tmp_path, "16", "")
+    assert out.returncode == 1
+    assert out.stderr.count("errors.CheckpointMismatchError:") == 1 and "During handling" not in out.stderr, out.stderr
+    assert "0.weight" in out.stderr and "[16, 4]" in out.stderr
+    missing = str(tmp_path / "x" / "epoch_0_step_5")
+    out = _script(tmp_path, "16", missing)
+    assert out.returncode == 1 and out.stderr.count(missing) == 1, out.stderr
+    assert "no such checkpoint" in out.stderr.splitlines()[-1]
+    # a relative path is looked for where it points, and said so
+    out = _script(tmp_path, "16", "x/epoch_0_step_5")
+    assert f"no such checkpoint (a relative path: from the working folder {os.getcwd()})" in out.stderr, out.stderr

@@ -340,7 +340,8 @@ def _pointer_candidates(storage: Storage, restore_from: str, verify: str) -> lis
 
 def _named_step(storage: Storage, restore_from: str) -> tuple[Storage, str]:
     """Where the step ``restore_from`` (a name inside the checkpoint folder, a path or a URL anywhere) is."""
-    if not Path(restore_from).is_absolute() and "/" not in restore_from and _exists(storage, restore_from):
+    plain = not Path(restore_from).is_absolute() and "/" not in restore_from  # a name inside the folder, first
+    if plain and _exists(storage, restore_from):
         return storage, restore_from
     from ..storage import url_scheme
 
@@ -352,10 +353,10 @@ def _named_step(storage: Storage, restore_from: str) -> tuple[Storage, str]:
         candidate = Path(restore_from)
         where, name = open_storage(candidate.parent), candidate.name
     if not name or not _exists(where, name):
-        raise CheckpointNotFoundError(
-            f"restore_from={restore_from!r}: no such checkpoint (looked for {candidate} and "
-            f"{storage.root / restore_from})"
-        )
+        where_ = (f" (looked for {storage.root / restore_from}, and for {restore_from} in the working folder)" if plain
+                  else "" if url_scheme(restore_from) or Path(restore_from).is_absolute() else
+                  f" (a relative path: from the working folder {Path.cwd()})")
+        raise CheckpointNotFoundError(f"restore_from={restore_from!r}: no such checkpoint{where_}")
     return where, name
 
 
