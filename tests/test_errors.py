@@ -241,3 +241,47 @@ def test_a_shape_mismatch_is_one_error_and_a_missing_path_is_named_once(tmp_path
     # a relative path is looked for where it points, and said so
     out = _script(tmp_path, "16", "x/epoch_0_step_5")
     assert f"no such checkpoint (a relative path: from the working folder {os.getcwd()})" in out.stderr, out.stderr
+
+
+_POINTER_SCRIPT = """
+import sys, torch
+from ckptio import CheckpointConfig, CheckpointManager
+mgr = CheckpointManager(CheckpointConfig(checkpoint_dir=sys.argv[1], restore_from=sys.argv[2]), model=torch.nn.Linear(4, 4))
+print("restored step", mgr.restore().step)
+"""
+
+
+def restore_through_pointer(checkpoint_dir: str, restore_from: str, cwd) -> str:
+    """A script restoring with ``restore_from`` (a process, as the user ran it); its last line, or its error."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _POINTER_SCRIPT, checkpoint_dir, restore_from], capture_output=True,
+                         text=True, timeout=300, cwd=str(cwd), env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return (out.stdout if out.returncode == 0 else out.stderr).strip().splitlines()[-1]
+
+
+def test_restore_from_a_folders_latest_or_best_loads_the_step_it_names(tmp_path):
+    """Row 9: ``restore_from='ck/LATEST'`` was refused ("not a directory (a link or a file is never a checkpoint)")
+    while ``ckptio inspect ck/LATEST`` took it and the README uses it."""
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path / "ck"), monitor="loss"),
+                           model=torch.nn.Linear(4, 4)) as mgr:
+        mgr.save(step=5, metrics={"loss": 0.5})
+        mgr.save(step=10, metrics={"loss": 0.9})
+    assert restore_through_pointer("ck", "ck/LATEST", tmp_path) == "restored step 10"
+    assert restore_through_pointer("elsewhere", "ck/BEST", tmp_path) == "restored step 5"
+
+    def restore(restore_from: str):
+        with CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path / "other"), restore_from=restore_from),
+                               model=torch.nn.Linear(4, 4)) as mgr:
+            return mgr.restore()
+
+    assert restore(str(tmp_path / "ck" / "LATEST")).step == 10
+    # the pointer's target must still be a committed step inside that folder
+    (tmp_path / "ck" / "epoch_0_step_10" / "manifest.json").unlink()
+    with pytest.raises(CheckpointNotFoundError, match="is not usable"):
+        restore(str(tmp_path / "ck" / "LATEST"))
+    os.remove(tmp_path / "ck" / "BEST")
+    os.symlink("../outside", tmp_path / "ck" / "BEST")
+    with pytest.raises(CheckpointCorruptError, match="BEST"):
+        restore(str(tmp_path / "ck" / "BEST"))

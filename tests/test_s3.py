@@ -784,3 +784,16 @@ def test_a_flipped_bit_in_a_bucket_is_found_by_a_full_verify_and_the_older_step_
     model3, _, direct = _setup(url, verify="full")
     with direct, pytest.raises(CheckpointError, match=key.rsplit("/", 1)[-1]):
         direct.restore(f"{url}/epoch_0_step_2")
+
+
+def test_restore_from_a_buckets_latest_or_best(bucket, tmp_path):
+    """Issue 71, row 9: ``restore_from='s3://bucket/run1/LATEST'`` was refused ("not a directory"), while ``inspect``
+    and ``verify`` take it. A script restores through the pointer, from the bucket's own folder and from elsewhere."""
+    from test_errors import restore_through_pointer
+
+    url = f"s3://{bucket}/run1"
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=url, monitor="loss"), model=torch.nn.Linear(4, 4)) as mgr:
+        mgr.save(step=5, metrics={"loss": 0.5})
+        mgr.save(step=10, metrics={"loss": 0.9})
+    assert restore_through_pointer(url, f"{url}/LATEST", tmp_path) == "restored step 10"
+    assert restore_through_pointer(str(tmp_path / "local"), f"{url}/BEST", tmp_path) == "restored step 5"

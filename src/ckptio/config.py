@@ -53,7 +53,8 @@ class CheckpointConfig:
 
     restore_from: PathLike | None = None
     """``None``: newest complete checkpoint in ``checkpoint_dir`` (start fresh if none); ``"LATEST"``:
-    the LATEST pointer; a step directory name inside ``checkpoint_dir``; or a path to a step directory."""
+    the LATEST pointer; a step directory name inside ``checkpoint_dir``; or a path to a step directory, or to the
+    ``LATEST``/``BEST`` pointer of a folder (``runs/a/LATEST``, ``s3://bucket/run1/BEST``: the step it names)."""
 
     start_fresh_if_damaged: bool = False
     """When an automatic resume finds step directories but none that loads (each named with its reason in a warning):
