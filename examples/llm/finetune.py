@@ -23,13 +23,29 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from recipe_config import RecipeConfig, RecipeConfigError, load_config, to_dict  # noqa: E402
+
+
+def parse_config(argv: list[str]) -> RecipeConfig:
+    """The run's configuration; a bad key or value exits with status 2 naming it (``--help`` and
+    ``--print_config`` print and exit 0)."""
+    try:
+        return load_config(argv)
+    except RecipeConfigError as exc:
+        print(f"finetune.py: config error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    # first, before torch and transformers are imported (seconds): --help, --print_config and a mistake answer at once
+    CONFIG = parse_config(sys.argv[1:])
+
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from ckptio import CheckpointError, CheckpointManager, ResumableDataLoader, StepScheduler, load_pretrained, read_manifest  # noqa: E402
 from data import build_tokenizer, load_corpus, make_splits  # noqa: E402
-from recipe_config import RecipeConfig, RecipeConfigError, load_config, to_dict  # noqa: E402
 
 from ckptio.storage import url_scheme  # noqa: E402
 
@@ -312,12 +328,7 @@ class RunStats:
         self.steps_run = 0
 
 
-def main(argv: list[str]) -> int:
-    try:
-        cfg = load_config(argv)
-    except RecipeConfigError as exc:
-        print(f"finetune.py: config error: {exc}", file=sys.stderr)
-        return 2
+def main(cfg: RecipeConfig) -> int:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -343,4 +354,4 @@ def _exit(code: int) -> None:
 
 
 if __name__ == "__main__":
-    _exit(main(sys.argv[1:]))
+    _exit(main(CONFIG))

@@ -142,12 +142,39 @@ class RecipeConfig:
 
 
 
+_ROLE = re.compile(r":[a-z]+(?::[a-z]+)?:`(?:([^`<]*?)\s*<[^`>]*>|~(?:[\w.]*\.)?([^`.]+)|([^`]+))`")
+_LINK = re.compile(r"`([^`<]+?)\s*<([^`>]+)>`_+")
+
+
+def plain(text: str) -> str:
+    """reStructuredText markup of the docstrings as plain text for ``--help``: ````x```` and ```x``` -> ``x``,
+    ``:meth:`~ckptio.CheckpointManager.maybe_save``` -> ``maybe_save``, ```name <url>`_`` -> ``name (url)``."""
+    text = _ROLE.sub(lambda m: next(g for g in m.groups() if g is not None), text)
+    text = _LINK.sub(r"\1 (\2)", text)
+    return re.sub(r"``?([^`]+?)``?", r"\1", text)
+
+
+def _formatter() -> Any:
+    from jsonargparse import DefaultHelpFormatter
+
+    class PlainHelp(DefaultHelpFormatter):
+        """jsonargparse's help (every key with its type and default), its texts as plain text."""
+
+        def _get_help_string(self, action: Any) -> str:
+            return plain(super()._get_help_string(action))
+
+        def _format_text(self, text: str) -> str:
+            return super()._format_text(plain(text))
+
+    return PlainHelp
+
+
 def build_parser(prog: str = "finetune.py") -> Any:
-    from jsonargparse import ActionConfigFile, ArgumentParser, DefaultHelpFormatter, set_parsing_settings
+    from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
 
     set_parsing_settings(docstring_parse_attribute_docstrings=True)  # --help shows each field's docstring
     parser = ArgumentParser(prog=prog, exit_on_error=False, default_env=False, allow_abbrev=False,
-                            formatter_class=DefaultHelpFormatter,  # every key shows its type and default
+                            formatter_class=_formatter(),  # every key shows its type and default, as plain text
                             description="Fine-tune a causal LM with ckptio checkpointing. Rerunning the same "
                                         "command resumes from the newest complete checkpoint.")
     parser.add_argument("--config", action=ActionConfigFile, help="a YAML file with any of the sections below")
