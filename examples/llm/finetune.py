@@ -242,11 +242,12 @@ class FinetuneRecipe:
                     log(f"step {steps.step:>5}/{steps.max_steps} | loss {loss_value:.4f} | "
                         f"lr {self.lr_scheduler.get_last_lr()[0]:.2e} | {rate:,.0f} tok/s")
                 metrics = {}
-                if steps.is_val_step() or (steps.done and steps.val_every_steps):
+                stop = self._any_rank(preempted["flag"])
+                # the last step and, with checkpoint.monitor, a preemption save are ranked too
+                if steps.is_val_step() or (steps.done and steps.val_every_steps) or (stop and self.cfg.checkpoint.monitor):
                     metrics["val_loss"] = self.validate()
                     self.best.update(steps.step, metrics["val_loss"])
                     log(f"step {steps.step:>5} | val_loss {metrics['val_loss']:.4f}")
-                stop = self._any_rank(preempted["flag"])
                 consumed = steps.step * self.cfg.data.batch_size * self.world
                 if steps.is_ckpt_step() or steps.done or stop:
                     self.checkpointer.save(metrics=metrics, counters={"consumed_samples": consumed}, final=steps.done)

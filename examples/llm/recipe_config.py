@@ -226,7 +226,31 @@ def load_config(argv: list[str], prog: str = "finetune.py") -> RecipeConfig:
     cfg = RecipeConfig(**{f.name: init[f.name] for f in dataclasses.fields(RecipeConfig)})
     if cfg.assets_dir and re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", cfg.assets_dir):
         raise RecipeConfigError(f"assets_dir={cfg.assets_dir!r}: give a local folder (run assets are read from disk)")
+    check_monitor(cfg)
     return cfg
+
+
+def check_monitor(cfg: RecipeConfig) -> None:
+    """With ``checkpoint.monitor`` (top-k retention, ``BEST``), every checkpoint is ranked by the validation loss of
+    its step: a checkpoint step must be a validation step (else ckptio refuses the run's first save, after the
+    training that led to it). Refused here, before anything is built, naming both keys (docs/recipe.md)."""
+    monitor, s = cfg.checkpoint.monitor, cfg.step_scheduler
+    if monitor is None:
+        return
+    if monitor != "val_loss":
+        raise RecipeConfigError(f"checkpoint.monitor={monitor!r}: the recipe computes val_loss only; set "
+                                "checkpoint.monitor to val_loss, or unset it")
+    if s.val_every_steps is None:
+        raise RecipeConfigError("checkpoint.monitor='val_loss' ranks the checkpoints by the validation loss, but "
+                                "step_scheduler.val_every_steps is null (it is never computed): set it, or unset "
+                                "checkpoint.monitor")
+    every, val = s.ckpt_every_steps, s.val_every_steps
+    if every is not None and every % val:
+        raise RecipeConfigError(
+            f"step_scheduler.ckpt_every_steps={every} is not a multiple of step_scheduler.val_every_steps={val}: "
+            f"with checkpoint.monitor='val_loss' each checkpoint is ranked by the validation loss of its step, and "
+            f"step {every} has none. Set ckpt_every_steps to a multiple of {val} (e.g. {-(-every // val) * val}), or "
+            f"val_every_steps to a divisor of {every}, or unset checkpoint.monitor (docs/recipe.md)")
 
 
 def to_dict(cfg: RecipeConfig) -> dict:
