@@ -285,3 +285,38 @@ def test_restore_from_a_folders_latest_or_best_loads_the_step_it_names(tmp_path)
     os.symlink("../outside", tmp_path / "ck" / "BEST")
     with pytest.raises(CheckpointCorruptError, match="BEST"):
         restore(str(tmp_path / "ck" / "BEST"))
+
+
+_READ_ONLY_SCRIPT = """
+import sys, torch
+from ckptio import CheckpointConfig, CheckpointManager, ConfigError, StepScheduler
+model = torch.nn.Linear(4, 4)
+config = CheckpointConfig(checkpoint_dir=sys.argv[1])
+with CheckpointManager(config, model=model) as mgr:  # loads only: a read-only folder is fine
+    print("restored step", mgr.restore().step)
+try:
+    CheckpointManager(config, model=model, optimizer=torch.optim.AdamW(model.parameters()),
+                      step_scheduler=StepScheduler(max_steps=10))
+except ConfigError as exc:
+    print("refused:", exc)
+"""
+
+
+def test_a_read_only_checkpoint_dir_is_refused_when_the_manager_is_made_to_train(tmp_path):
+    """Row 10: with a read-only ``checkpoint_dir`` the run said "No checkpoint found … starting from scratch",
+    trained, and its first ``save()`` failed on the lock file. A manager made to train (an optimizer, a step
+    scheduler) is refused at once, naming the folder; one that only loads from it still loads."""
+    import subprocess
+    import sys
+
+    from readonly import read_only
+
+    root = tmp_path / "ck"
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=str(root)), model=torch.nn.Linear(4, 4)) as mgr:
+        mgr.save(step=3)
+    with read_only(root, [sys.executable, "-c", _READ_ONLY_SCRIPT, str(root)]) as argv:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "restored step 3" in out.stdout
+    refused = out.stdout.split("refused: ", 1)[-1]
+    assert f"checkpoint_dir={str(root)!r}" in refused and "not writable" in refused, out.stdout

@@ -179,6 +179,24 @@ def test_a_run_preempted_before_its_first_validation_saves_a_ranked_checkpoint(t
     assert best["metrics"]["val_loss"] > 0 and best["step"] < 25
 
 
+@pytest.mark.parametrize("where", ["ck", "ck/run1"])
+def test_a_read_only_checkpoint_dir_is_refused_before_training(tmp_path, where):
+    """Issue 71, row 10: the recipe said "No checkpoint found … starting from scratch", trained, and its first save
+    failed on the lock file. The folder (or the one it would be made in) is named before anything is built."""
+    import sys
+
+    from readonly import read_only
+
+    (tmp_path / "ck").mkdir()
+    argv = [sys.executable, RECIPE, "--config", _config("tiny_llama.yaml"), "--checkpoint.checkpoint_dir",
+            str(tmp_path / where), "--step_scheduler.max_steps", "3", "--data.num_sentences", "300"]
+    with read_only(tmp_path / "ck", argv) as argv:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=ENV)
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-3000:]
+    assert f"finetune.py: error: checkpoint_dir={str(tmp_path / where)!r} is not writable" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and "step " not in out.stdout and "Starting fresh" not in out.stdout
+
+
 def test_start_from_a_pretrained_folder_on_two_ranks(tmp_path):
     first = ["--checkpoint.checkpoint_dir", str(tmp_path / "a"), "--step_scheduler.max_steps", "30",
              "--checkpoint.save_consolidated", "final", "--data.num_sentences", "600",

@@ -47,7 +47,7 @@ import torch.distributed as dist  # noqa: E402
 from ckptio import CheckpointError, CheckpointManager, ResumableDataLoader, StepScheduler, load_pretrained, read_manifest  # noqa: E402
 from data import build_tokenizer, load_corpus, make_splits  # noqa: E402
 
-from ckptio.storage import url_scheme  # noqa: E402
+from ckptio.storage import open_storage, url_scheme  # noqa: E402
 
 # Run assets (the tokenizer the run built, a PEFT run's randomly initialised base model), inside assets_dir
 BASE_MODEL_DIR = "base_model"
@@ -82,6 +82,8 @@ class FinetuneRecipe:
         random.seed(cfg.seed + self.rank)
         np.random.seed(cfg.seed + self.rank)
         torch.manual_seed(cfg.seed + self.rank)
+        if cfg.checkpoint.enabled:  # a folder the run could not save into (nor keep its assets in): said before building
+            open_storage(cfg.checkpoint.checkpoint_dir).check_writable()
         assets = assets_dir(cfg)
 
         text = load_corpus(cfg.data.corpus, cfg.data.num_sentences, cfg.data.seed)

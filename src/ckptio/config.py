@@ -52,9 +52,8 @@ class CheckpointConfig:
     """The model is a PEFT model: only the adapter weights are saved, always consolidated."""
 
     restore_from: PathLike | None = None
-    """``None``: newest complete checkpoint in ``checkpoint_dir`` (start fresh if none); ``"LATEST"``:
-    the LATEST pointer; a step directory name inside ``checkpoint_dir``; or a path to a step directory, or to the
-    ``LATEST``/``BEST`` pointer of a folder (``runs/a/LATEST``, ``s3://bucket/run1/BEST``: the step it names)."""
+    """``None``: newest complete checkpoint in ``checkpoint_dir`` (start fresh if none); ``"LATEST"``: the LATEST pointer;
+    a step directory name inside ``checkpoint_dir``; a path to a step directory, or to a folder's ``LATEST``/``BEST``."""
 
     start_fresh_if_damaged: bool = False
     """When an automatic resume finds step directories but none that loads (each named with its reason in a warning):
