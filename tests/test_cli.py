@@ -220,3 +220,22 @@ def test_convert_help_lists_every_target_the_docs_use_from_the_registry():
     from ckptio.cli.convert_cmd import TARGETS
 
     assert sorted(TARGETS) == sorted(registry.names(writable=True))  # the help's list is the registry's
+
+
+@pytest.mark.parametrize("command,target,options", [("list", "", []), ("list", "", ["--json"]),
+                                                    ("inspect", "LATEST", ["--tensors"]),
+                                                    ("verify", "", ["--no-progress"])])
+def test_a_reader_that_stops_early_leaves_the_command_quiet(ckpts, command, target, options):
+    """Issue 71, row 15: ``ckptio inspect … | head -8`` printed ``ckptio inspect: error: [Errno 32] Broken pipe``.
+    Here the reader is gone before the command writes (a pipe whose reading end is closed): nothing on stderr, and
+    the status of a Unix tool killed by SIGPIPE (141)."""
+    import os
+
+    args = [command, str(ckpts / target), *options]
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        out = subprocess.run(CKPTIO + args, stdout=write, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert out.returncode == 141 and out.stderr == "", (args, out.returncode, out.stderr)

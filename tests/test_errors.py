@@ -204,3 +204,119 @@ def test_an_unknown_field_lists_only_documented_fields():
     names = [f.name for f in fields(CheckpointConfig) if f"'{f.name}'" in listed]
     assert names and all(f"`{n}`" in doc.split("## Saving in the background")[0] for n in names), names
     assert "max_recent_checkpoints" not in listed and "is_async" not in listed
+
+
+# ---------------------------------------------------------------- what a newcomer trips on, round two (issue 71)
+_RESTORE_SCRIPT = """
+import sys, torch
+from ckptio import CheckpointConfig, CheckpointManager
+torch.manual_seed(0)
+width, restore_from = int(sys.argv[2]), sys.argv[3] or None
+model = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.ReLU(), torch.nn.Linear(width, 2))
+mgr = CheckpointManager(CheckpointConfig(checkpoint_dir=sys.argv[1], restore_from=restore_from), model=model)
+mgr.save(step=5) if width == 8 else mgr.restore()
+"""
+
+
+def _script(tmp_path, *args: str):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", _RESTORE_SCRIPT, str(tmp_path / "ck"), *args], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_a_shape_mismatch_is_one_error_and_a_missing_path_is_named_once(tmp_path):
+    """Row 12: a script restoring into a model of another width printed two chained CheckpointMismatchErrors,
+    worded differently; a missing absolute ``restore_from`` was named twice ("looked for /x/... and /x/...")."""
+    assert _script(tmp_path, "8", "").returncode == 0
+    out = _script(tmp_path, "16", "")
+    assert out.returncode == 1
+    assert out.stderr.count("errors.CheckpointMismatchError:") == 1 and "During handling" not in out.stderr, out.stderr
+    assert "0.weight" in out.stderr and "[16, 4]" in out.stderr
+    missing = str(tmp_path / "x" / "epoch_0_step_5")
+    out = _script(tmp_path, "16", missing)
+    assert out.returncode == 1 and out.stderr.count(missing) == 1, out.stderr
+    assert "no such checkpoint" in out.stderr.splitlines()[-1]
+    # a relative path is looked for where it points, and said so
+    out = _script(tmp_path, "16", "x/epoch_0_step_5")
+    assert f"no such checkpoint (a relative path: from the working folder {os.getcwd()})" in out.stderr, out.stderr
+
+
+_POINTER_SCRIPT = """
+import sys, torch
+from ckptio import CheckpointConfig, CheckpointManager
+mgr = CheckpointManager(CheckpointConfig(checkpoint_dir=sys.argv[1], restore_from=sys.argv[2]), model=torch.nn.Linear(4, 4))
+print("restored step", mgr.restore().step)
+"""
+
+
+def restore_through_pointer(checkpoint_dir: str, restore_from: str, cwd) -> str:
+    """A script restoring with ``restore_from`` (a process, as the user ran it); its last line, or its error."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _POINTER_SCRIPT, checkpoint_dir, restore_from], capture_output=True,
+                         text=True, timeout=300, cwd=str(cwd), env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return (out.stdout if out.returncode == 0 else out.stderr).strip().splitlines()[-1]
+
+
+def test_restore_from_a_folders_latest_or_best_loads_the_step_it_names(tmp_path):
+    """Row 9: ``restore_from='ck/LATEST'`` was refused ("not a directory (a link or a file is never a checkpoint)")
+    while ``ckptio inspect ck/LATEST`` took it and the README uses it."""
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path / "ck"), monitor="loss"),
+                           model=torch.nn.Linear(4, 4)) as mgr:
+        mgr.save(step=5, metrics={"loss": 0.5})
+        mgr.save(step=10, metrics={"loss": 0.9})
+    assert restore_through_pointer("ck", "ck/LATEST", tmp_path) == "restored step 10"
+    assert restore_through_pointer("elsewhere", "ck/BEST", tmp_path) == "restored step 5"
+
+    def restore(restore_from: str):
+        with CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path / "other"), restore_from=restore_from),
+                               model=torch.nn.Linear(4, 4)) as mgr:
+            return mgr.restore()
+
+    assert restore(str(tmp_path / "ck" / "LATEST")).step == 10
+    # the pointer's target must still be a committed step inside that folder
+    (tmp_path / "ck" / "epoch_0_step_10" / "manifest.json").unlink()
+    with pytest.raises(CheckpointNotFoundError, match="is not usable"):
+        restore(str(tmp_path / "ck" / "LATEST"))
+    os.remove(tmp_path / "ck" / "BEST")
+    os.symlink("../outside", tmp_path / "ck" / "BEST")
+    with pytest.raises(CheckpointCorruptError, match="BEST"):
+        restore(str(tmp_path / "ck" / "BEST"))
+
+
+_READ_ONLY_SCRIPT = """
+import sys, torch
+from ckptio import CheckpointConfig, CheckpointManager, ConfigError, StepScheduler
+model = torch.nn.Linear(4, 4)
+config = CheckpointConfig(checkpoint_dir=sys.argv[1])
+with CheckpointManager(config, model=model) as mgr:  # loads only: a read-only folder is fine
+    print("restored step", mgr.restore().step)
+try:
+    CheckpointManager(config, model=model, optimizer=torch.optim.AdamW(model.parameters()),
+                      step_scheduler=StepScheduler(max_steps=10))
+except ConfigError as exc:
+    print("refused:", exc)
+"""
+
+
+def test_a_read_only_checkpoint_dir_is_refused_when_the_manager_is_made_to_train(tmp_path):
+    """Row 10: with a read-only ``checkpoint_dir`` the run said "No checkpoint found … starting from scratch",
+    trained, and its first ``save()`` failed on the lock file. A manager made to train (an optimizer, a step
+    scheduler) is refused at once, naming the folder; one that only loads from it still loads."""
+    import subprocess
+    import sys
+
+    from readonly import read_only
+
+    root = tmp_path / "ck"
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=str(root)), model=torch.nn.Linear(4, 4)) as mgr:
+        mgr.save(step=3)
+    with read_only(root, [sys.executable, "-c", _READ_ONLY_SCRIPT, str(root)]) as argv:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "restored step 3" in out.stdout
+    refused = out.stdout.split("refused: ", 1)[-1]
+    assert f"checkpoint_dir={str(root)!r}" in refused and "not writable" in refused, out.stdout

@@ -149,3 +149,61 @@ def test_sigkill_during_saves_never_leaves_a_torn_checkpoint(tmp_path, fmt, rete
         tally["killed_mid_write"] += int(result["killed_mid_write"])
         tally["killed_mid_delete"] += int(result["killed_mid_delete"])
     print(f"kill tally ({fmt}, retention={retention}, async={async_save}): {tally}")
+
+
+_CTRL_C_SCRIPT = """
+import sys, threading, time, torch
+from ckptio import CheckpointConfig, CheckpointManager, _faults
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
+opt = torch.optim.AdamW(model.parameters())
+model(torch.randn(2, 256)).sum().backward()
+opt.step()
+mgr = CheckpointManager(CheckpointConfig(checkpoint_dir=sys.argv[1], model_save_format=sys.argv[2]), model=model,
+                        optimizer=opt)
+mgr.save(step=1)
+
+def hook(point):
+    # the first tensor of a DCP folder is written: the model's (torch_save) or the optimizer's (safetensors model)
+    if point == "dcp.item_written" and threading.current_thread() is threading.main_thread():
+        print("WRITING", flush=True)
+        time.sleep(120)  # until the user's Ctrl-C
+
+_faults.set_hook(hook)
+mgr.save(step=2)
+print("the save was not interrupted", flush=True)
+"""
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch_save"])
+def test_ctrl_c_during_a_dcp_write_is_a_keyboard_interrupt(tmp_path, fmt):
+    """Issue 71, row 11: Ctrl-C during a synchronous save's optimizer write ended in ``CheckpointError: saving DCP
+    folder …/optim failed on rank(s) [0]: KeyboardInterrupt``, exit 1 (a plain KeyboardInterrupt during the model
+    write). A ``KeyboardInterrupt`` every time; the previous checkpoint is intact and the next save sweeps the rest."""
+    import subprocess
+    import sys
+
+    root = tmp_path / "ck"
+    proc = subprocess.Popen([sys.executable, "-c", _CTRL_C_SCRIPT, str(root), fmt], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        lines = []
+        while not lines or lines[-1] not in ("WRITING\n", ""):
+            lines.append(proc.stdout.readline())
+        assert lines[-1] == "WRITING\n", "".join(lines) + proc.stderr.read()
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    err = proc.stderr.read()
+    assert code in (130, -signal.SIGINT), (code, err)  # what the interpreter does with an uncaught KeyboardInterrupt
+    assert err.rstrip().splitlines()[-1] == "KeyboardInterrupt" and "CheckpointError" not in err, err
+    assert [e.step for e in committed_checkpoints(root)] == [1]
+    assert [p.name for p in root.iterdir() if p.name.startswith(TMP_PREFIX)]  # the interrupted save's leftover
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
+    opt = torch.optim.AdamW(model.parameters())
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=str(root), model_save_format=fmt, verify="full"),
+                           model=model, optimizer=opt) as mgr:
+        assert mgr.restore().step == 1
+        mgr.save(step=2)
+    assert not [p.name for p in root.iterdir() if p.name.startswith(TMP_PREFIX)]

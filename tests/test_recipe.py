@@ -153,11 +153,48 @@ def test_overrides_reach_the_config(tmp_path):
     (["--checkpoint.model_save_format", "pickle"], ['"checkpoint.model_save_format"', "pickle"]),
     (["--checkpoint.save_consolidated", "sometimes"], ["save_consolidated", "sometimes"]),
     (["--checkpoint.keep_latest", "0"], ["checkpoint: keep_latest must be a positive integer"]),
+    # issue 71, row 8: this trained 20 steps, then died ("the first save() was passed no metrics")
+    (["--step_scheduler.ckpt_every_steps", "20", "--checkpoint.save_top_k", "1", "--checkpoint.monitor", "val_loss",
+      "--step_scheduler.val_every_steps", "25"],
+     ["step_scheduler.ckpt_every_steps=20 is not a multiple of step_scheduler.val_every_steps=25",
+      "checkpoint.monitor='val_loss'", "docs/recipe.md"]),
+    (["--checkpoint.monitor", "val_loss", "--step_scheduler.val_every_steps", "null"],
+     ["checkpoint.monitor='val_loss'", "step_scheduler.val_every_steps is null"]),
+    (["--checkpoint.monitor", "val_acc"], ["checkpoint.monitor='val_acc'", "computes val_loss only"]),
 ])
 def test_bad_overrides_are_refused_with_the_key(override, messages):
     out = run(1, "tiny_llama.yaml", *override, real=True, timeout=120, ok=False)
     assert out.returncode == 2 and all(m in out.stderr for m in messages), out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_a_run_preempted_before_its_first_validation_saves_a_ranked_checkpoint(tmp_path):
+    """Issue 71, row 8: with ``checkpoint.monitor`` set, a SIGTERM before the first validation step made the
+    preemption save the run's first, without metrics: refused, nothing saved. It validates, saves and stops."""
+    out = run_preempted(1, "tiny_llama.yaml", "--checkpoint.checkpoint_dir", str(tmp_path / "c"),
+                        "--checkpoint.save_top_k", "1", "--checkpoint.monitor", "val_loss",
+                        "--data.num_sentences", "600", after="step     1/")
+    assert "SIGTERM received: saved step" in out and "val_loss" in out, out[-3000:]
+    best = json.loads(((tmp_path / "c" / "BEST").resolve() / "manifest.json").read_text())
+    assert best["metrics"]["val_loss"] > 0 and best["step"] < 25
+
+
+@pytest.mark.parametrize("where", ["ck", "ck/run1"])
+def test_a_read_only_checkpoint_dir_is_refused_before_training(tmp_path, where):
+    """Issue 71, row 10: the recipe said "No checkpoint found … starting from scratch", trained, and its first save
+    failed on the lock file. The folder (or the one it would be made in) is named before anything is built."""
+    import sys
+
+    from readonly import read_only
+
+    (tmp_path / "ck").mkdir()
+    argv = [sys.executable, RECIPE, "--config", _config("tiny_llama.yaml"), "--checkpoint.checkpoint_dir",
+            str(tmp_path / where), "--step_scheduler.max_steps", "3", "--data.num_sentences", "300"]
+    with read_only(tmp_path / "ck", argv) as argv:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=ENV)
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-3000:]
+    assert f"finetune.py: error: checkpoint_dir={str(tmp_path / where)!r} is not writable" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and "step " not in out.stdout and "Starting fresh" not in out.stdout
 
 
 def test_start_from_a_pretrained_folder_on_two_ranks(tmp_path):

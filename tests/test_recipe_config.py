@@ -44,7 +44,7 @@ def test_help_lists_every_key_with_its_type_and_default(capsys):
         entry = entry[:min([entry.find(f" --{k} ") for k in keys if f" --{k} " in entry] + [len(entry)])]
         assert "(type: " in entry and "default: " in entry, f"--help gives no type and default for {key}: {entry!r}"
     assert "(type: Literal['safetensors', 'torch_save'], default: safetensors)" in text  # model_save_format
-    assert "--checkpoint.save_top_k SAVE_TOP_K Keep the k best by ``monitor``" in text  # from the field's docstring
+    assert "--checkpoint.save_top_k SAVE_TOP_K Keep the k best by monitor (the k" in text  # from the field's docstring
 
 
 def test_print_config_is_the_effective_yaml_and_reads_back(tmp_path, capsys):
@@ -147,3 +147,35 @@ def test_io_threads_default_leaves_each_writing_stream_a_core(monkeypatch):
     assert CheckpointConfig(checkpoint_dir="c").io_thread_count() == (2 if cores >= 2 else 1)
     with pytest.raises(ConfigError, match="io_threads must be null"):
         CheckpointConfig(checkpoint_dir="c", io_threads=0)
+
+
+def test_the_recipes_help_is_plain_text_and_imports_neither_torch_nor_transformers():
+    """Issue 71, row 13: ``python examples/llm/finetune.py --help`` took 4.5 s and showed reStructuredText
+    (````None````, ``:meth:`~ckptio.CheckpointManager.maybe_save```). Run as the user runs it; what it imported
+    comes from ``-X importtime`` (timings on a shared machine would be flaky)."""
+    import os
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / "examples" / "llm" / "finetune.py"), "--help"],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
+    assert not {"torch", "transformers", "numpy"} & imported, sorted(imported & {"torch", "transformers", "numpy"})
+    text = " ".join(out.stdout.split())
+    assert "`" not in text and ":meth:" not in text and ":class:" not in text, text
+    assert "With maybe_save: a durable save (to checkpoint_dir)" in text  # :meth:`~ckptio.CheckpointManager.maybe_save`
+    assert "--step_scheduler.ckpt_every_steps" in text and "--checkpoint.save_top_k" in text
+
+
+@pytest.mark.parametrize("rst,text", [
+    ("``None``: never", "None: never"),
+    (":meth:`~ckptio.CheckpointManager.maybe_save` saves", "maybe_save saves"),
+    (":class:`ckptio.CheckpointManager`", "ckptio.CheckpointManager"),
+    (":attr:`the interval <io_threads>`", "the interval"),
+    ("`jsonargparse <https://jsonargparse.readthedocs.io>`_ turns", "jsonargparse (https://jsonargparse.readthedocs.io) turns"),
+    ("`x` and ``y``", "x and y"),
+])
+def test_help_texts_lose_their_markup(rst, text):
+    from recipe_config import plain
+
+    assert plain(rst) == text

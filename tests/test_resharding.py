@@ -128,3 +128,32 @@ def test_the_chunk_index_rank_0_writes_for_both_ranks_says_what_their_headers_sa
         assert pieces == sorted((p.file, p.offsets, p.shape) for p in headers[key]), key
         files.update(p[0] for p in pieces)
     assert len(files) == 4  # both ranks' files, two each
+
+
+def _per_rank_states(root: str, save: bool) -> list[str]:
+    """Save (or restore) a model and its per-rank RNG streams; the warnings ckptio logged on this rank."""
+    import logging
+
+    from ckptio import CheckpointConfig, CheckpointManager
+
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    handler.setLevel(logging.WARNING)
+    logging.getLogger("ckptio").addHandler(handler)
+    mgr = CheckpointManager(CheckpointConfig(checkpoint_dir=root), model=torch.nn.Linear(2, 2))
+    mgr.save(step=1) if save else mgr.restore()
+    mgr.close()
+    return seen
+
+
+@pytest.mark.parametrize("saved_on,loaded_on,says", [
+    (2, 1, "the states of rank 1 are not used"),
+    (3, 1, "the states of ranks 1-2 are not used"),
+    (2, 3, "rank 2 keeps its own"),
+])
+def test_a_restore_on_another_number_of_ranks_names_the_ranks(tmp_path, saved_on, loaded_on, says):
+    run_ranks(saved_on, _per_rank_states, root=str(tmp_path), save=True)
+    seen = run_ranks(loaded_on, _per_rank_states, root=str(tmp_path), save=False)[0]
+    text = " ".join(seen)
+    assert f"saved per rank on {saved_on} rank(s) and is restored on {loaded_on}" in text and says in text, seen

@@ -784,3 +784,45 @@ def test_a_flipped_bit_in_a_bucket_is_found_by_a_full_verify_and_the_older_step_
     model3, _, direct = _setup(url, verify="full")
     with direct, pytest.raises(CheckpointError, match=key.rsplit("/", 1)[-1]):
         direct.restore(f"{url}/epoch_0_step_2")
+
+
+def test_restore_from_a_buckets_latest_or_best(bucket, tmp_path):
+    """Issue 71, row 9: ``restore_from='s3://bucket/run1/LATEST'`` was refused ("not a directory"), while ``inspect``
+    and ``verify`` take it. A script restores through the pointer, from the bucket's own folder and from elsewhere."""
+    from test_errors import restore_through_pointer
+
+    url = f"s3://{bucket}/run1"
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=url, monitor="loss"), model=torch.nn.Linear(4, 4)) as mgr:
+        mgr.save(step=5, metrics={"loss": 0.5})
+        mgr.save(step=10, metrics={"loss": 0.9})
+    assert restore_through_pointer(url, f"{url}/LATEST", tmp_path) == "restored step 10"
+    assert restore_through_pointer(str(tmp_path / "local"), f"{url}/BEST", tmp_path) == "restored step 5"
+
+
+_NO_BUCKET_SCRIPT = """
+import sys, torch
+from ckptio import CheckpointConfig, CheckpointManager, StepScheduler
+model = torch.nn.Linear(4, 4)
+mgr = CheckpointManager(CheckpointConfig(checkpoint_dir=sys.argv[1]), model=model,
+                        optimizer=torch.optim.AdamW(model.parameters()), step_scheduler=StepScheduler(max_steps=2))
+print("made", flush=True)
+mgr.restore()
+"""
+
+
+def test_a_bucket_that_does_not_exist_is_named_as_such(bucket, tmp_path):
+    """Issue 71, row 14: a run into ``s3://<no such bucket>/run1`` ended in a traceback whose last line was
+    ``NoSuchBucket`` (after a warning that the run's record was "refused"). A ckptio error when the manager is made,
+    saying the bucket must exist; every command says the same."""
+    import os
+
+    missing = f"{bucket}-missing"
+    out = subprocess.run([sys.executable, "-c", _NO_BUCKET_SCRIPT, f"s3://{missing}/run1"], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 1 and "made" not in out.stdout and "record" not in out.stdout + out.stderr, out
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("ckptio.storage.s3._common.S3Error: s3://" + missing + "/run1: the bucket"), last
+    assert f"{missing!r} does not exist" in last and "never creates one" in last, last
+    for args in (["list", f"s3://{missing}/run1"], ["verify", f"s3://{missing}/run1/LATEST"]):
+        done = ckptio_here(*args)
+        assert done.returncode == 2 and f"the bucket {missing!r} does not exist" in done.stderr, (args, done.stderr)

@@ -23,15 +23,31 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from recipe_config import RecipeConfig, RecipeConfigError, load_config, to_dict  # noqa: E402
+
+
+def parse_config(argv: list[str]) -> RecipeConfig:
+    """The run's configuration; a bad key or value exits with status 2 naming it (``--help`` and
+    ``--print_config`` print and exit 0)."""
+    try:
+        return load_config(argv)
+    except RecipeConfigError as exc:
+        print(f"finetune.py: config error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    # first, before torch and transformers are imported (seconds): --help, --print_config and a mistake answer at once
+    CONFIG = parse_config(sys.argv[1:])
+
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from ckptio import CheckpointError, CheckpointManager, ResumableDataLoader, StepScheduler, load_pretrained, read_manifest  # noqa: E402
 from data import build_tokenizer, load_corpus, make_splits  # noqa: E402
-from recipe_config import RecipeConfig, RecipeConfigError, load_config, to_dict  # noqa: E402
 
-from ckptio.storage import url_scheme  # noqa: E402
+from ckptio.storage import open_storage, url_scheme  # noqa: E402
 
 # Run assets (the tokenizer the run built, a PEFT run's randomly initialised base model), inside assets_dir
 BASE_MODEL_DIR = "base_model"
@@ -66,6 +82,8 @@ class FinetuneRecipe:
         random.seed(cfg.seed + self.rank)
         np.random.seed(cfg.seed + self.rank)
         torch.manual_seed(cfg.seed + self.rank)
+        if cfg.checkpoint.enabled:  # a folder the run could not save into (nor keep its assets in): said before building
+            open_storage(cfg.checkpoint.checkpoint_dir).check_writable()
         assets = assets_dir(cfg)
 
         text = load_corpus(cfg.data.corpus, cfg.data.num_sentences, cfg.data.seed)
@@ -226,11 +244,12 @@ class FinetuneRecipe:
                     log(f"step {steps.step:>5}/{steps.max_steps} | loss {loss_value:.4f} | "
                         f"lr {self.lr_scheduler.get_last_lr()[0]:.2e} | {rate:,.0f} tok/s")
                 metrics = {}
-                if steps.is_val_step() or (steps.done and steps.val_every_steps):
+                stop = self._any_rank(preempted["flag"])
+                # the last step and, with checkpoint.monitor, a preemption save are ranked too
+                if steps.is_val_step() or (steps.done and steps.val_every_steps) or (stop and self.cfg.checkpoint.monitor):
                     metrics["val_loss"] = self.validate()
                     self.best.update(steps.step, metrics["val_loss"])
                     log(f"step {steps.step:>5} | val_loss {metrics['val_loss']:.4f}")
-                stop = self._any_rank(preempted["flag"])
                 consumed = steps.step * self.cfg.data.batch_size * self.world
                 if steps.is_ckpt_step() or steps.done or stop:
                     self.checkpointer.save(metrics=metrics, counters={"consumed_samples": consumed}, final=steps.done)
@@ -312,12 +331,7 @@ class RunStats:
         self.steps_run = 0
 
 
-def main(argv: list[str]) -> int:
-    try:
-        cfg = load_config(argv)
-    except RecipeConfigError as exc:
-        print(f"finetune.py: config error: {exc}", file=sys.stderr)
-        return 2
+def main(cfg: RecipeConfig) -> int:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -343,4 +357,4 @@ def _exit(code: int) -> None:
 
 
 if __name__ == "__main__":
-    _exit(main(sys.argv[1:]))
+    _exit(main(CONFIG))

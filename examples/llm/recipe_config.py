@@ -142,12 +142,39 @@ class RecipeConfig:
 
 
 
+_ROLE = re.compile(r":[a-z]+(?::[a-z]+)?:`(?:([^`<]*?)\s*<[^`>]*>|~(?:[\w.]*\.)?([^`.]+)|([^`]+))`")
+_LINK = re.compile(r"`([^`<]+?)\s*<([^`>]+)>`_+")
+
+
+def plain(text: str) -> str:
+    """reStructuredText markup of the docstrings as plain text for ``--help``: ````x```` and ```x``` -> ``x``,
+    ``:meth:`~ckptio.CheckpointManager.maybe_save``` -> ``maybe_save``, ```name <url>`_`` -> ``name (url)``."""
+    text = _ROLE.sub(lambda m: next(g for g in m.groups() if g is not None), text)
+    text = _LINK.sub(r"\1 (\2)", text)
+    return re.sub(r"``?([^`]+?)``?", r"\1", text)
+
+
+def _formatter() -> Any:
+    from jsonargparse import DefaultHelpFormatter
+
+    class PlainHelp(DefaultHelpFormatter):
+        """jsonargparse's help (every key with its type and default), its texts as plain text."""
+
+        def _get_help_string(self, action: Any) -> str:
+            return plain(super()._get_help_string(action))
+
+        def _format_text(self, text: str) -> str:
+            return super()._format_text(plain(text))
+
+    return PlainHelp
+
+
 def build_parser(prog: str = "finetune.py") -> Any:
-    from jsonargparse import ActionConfigFile, ArgumentParser, DefaultHelpFormatter, set_parsing_settings
+    from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
 
     set_parsing_settings(docstring_parse_attribute_docstrings=True)  # --help shows each field's docstring
     parser = ArgumentParser(prog=prog, exit_on_error=False, default_env=False, allow_abbrev=False,
-                            formatter_class=DefaultHelpFormatter,  # every key shows its type and default
+                            formatter_class=_formatter(),  # every key shows its type and default, as plain text
                             description="Fine-tune a causal LM with ckptio checkpointing. Rerunning the same "
                                         "command resumes from the newest complete checkpoint.")
     parser.add_argument("--config", action=ActionConfigFile, help="a YAML file with any of the sections below")
@@ -199,7 +226,31 @@ def load_config(argv: list[str], prog: str = "finetune.py") -> RecipeConfig:
     cfg = RecipeConfig(**{f.name: init[f.name] for f in dataclasses.fields(RecipeConfig)})
     if cfg.assets_dir and re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", cfg.assets_dir):
         raise RecipeConfigError(f"assets_dir={cfg.assets_dir!r}: give a local folder (run assets are read from disk)")
+    check_monitor(cfg)
     return cfg
+
+
+def check_monitor(cfg: RecipeConfig) -> None:
+    """With ``checkpoint.monitor`` (top-k retention, ``BEST``), every checkpoint is ranked by the validation loss of
+    its step: a checkpoint step must be a validation step (else ckptio refuses the run's first save, after the
+    training that led to it). Refused here, before anything is built, naming both keys (docs/recipe.md)."""
+    monitor, s = cfg.checkpoint.monitor, cfg.step_scheduler
+    if monitor is None:
+        return
+    if monitor != "val_loss":
+        raise RecipeConfigError(f"checkpoint.monitor={monitor!r}: the recipe computes val_loss only; set "
+                                "checkpoint.monitor to val_loss, or unset it")
+    if s.val_every_steps is None:
+        raise RecipeConfigError("checkpoint.monitor='val_loss' ranks the checkpoints by the validation loss, but "
+                                "step_scheduler.val_every_steps is null (it is never computed): set it, or unset "
+                                "checkpoint.monitor")
+    every, val = s.ckpt_every_steps, s.val_every_steps
+    if every is not None and every % val:
+        raise RecipeConfigError(
+            f"step_scheduler.ckpt_every_steps={every} is not a multiple of step_scheduler.val_every_steps={val}: "
+            f"with checkpoint.monitor='val_loss' each checkpoint is ranked by the validation loss of its step, and "
+            f"step {every} has none. Set ckpt_every_steps to a multiple of {val} (e.g. {-(-every // val) * val}), or "
+            f"val_every_steps to a divisor of {every}, or unset checkpoint.monitor (docs/recipe.md)")
 
 
 def to_dict(cfg: RecipeConfig) -> dict:

@@ -33,6 +33,7 @@ POINTS = (
     "memory.replicated",
     "memory.committed",
     "framework.background_write",
+    "dcp.item_written",
 )
 
 

@@ -52,8 +52,8 @@ class CheckpointConfig:
     """The model is a PEFT model: only the adapter weights are saved, always consolidated."""
 
     restore_from: PathLike | None = None
-    """``None``: newest complete checkpoint in ``checkpoint_dir`` (start fresh if none); ``"LATEST"``:
-    the LATEST pointer; a step directory name inside ``checkpoint_dir``; or a path to a step directory."""
+    """``None``: newest complete checkpoint in ``checkpoint_dir`` (start fresh if none); ``"LATEST"``: the LATEST pointer;
+    a step directory name inside ``checkpoint_dir``; a path to a step directory, or to a folder's ``LATEST``/``BEST``."""
 
     start_fresh_if_damaged: bool = False
     """When an automatic resume finds step directories but none that loads (each named with its reason in a warning):

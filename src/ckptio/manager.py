@@ -52,12 +52,11 @@ class Stateful(Protocol):
 class CheckpointManager:
     """Saves and restores the whole training state; resumes from the newest complete checkpoint.
 
-    Every rank constructs the manager and calls :meth:`save`, :meth:`wait`, :meth:`restore` and
-    :meth:`close` at the same points (they are collectives when a process group is initialised). Not
-    thread-safe: use it from the training thread. With ``config.async_save`` the writing and committing
-    of a save run on a background thread of each rank, over a process group of their own (gloo), so
-    they never interleave with the training loop's collectives; call :meth:`close` (or :meth:`wait`)
-    before ``destroy_process_group``.
+    Every rank constructs the manager and calls :meth:`save`, :meth:`wait`, :meth:`restore` and :meth:`close` at the
+    same points (they are collectives when a process group is initialised). Not thread-safe: use it from the training
+    thread. With ``config.async_save`` the writing and committing of a save run on a background thread of each rank,
+    over a process group of their own (gloo), so they never interleave with the training loop's collectives; call
+    :meth:`close` (or :meth:`wait`) before ``destroy_process_group``. Made to train, it must be able to save (below).
 
     Args:
         config: where and how to save; see :class:`CheckpointConfig`.
@@ -101,6 +100,7 @@ class CheckpointManager:
         self.restored: RestoreInfo | None = None
         self._monitor_checked = False
         self.storage = open_storage(config.checkpoint_dir)
+        check_can_save(config, self.storage, trains=optimizer is not None or step_scheduler is not None)
         self._lock = self.storage.lock()
         self._saver = Saver(config, self.tracked, self.storage, self._lock, self.log)
         self._memory = memory_tier(config, self.tracked, self.log)
@@ -318,6 +318,14 @@ def tracked_states(config: CheckpointConfig, model: nn.Module | None, optimizer:
         optim_state=OptimizerState(model, optimizer, peft_adapter=adapter_name(model) if config.is_peft else None)
         if optimizer is not None and model is not None else None,
     )
+
+
+def check_can_save(config: CheckpointConfig, storage: Any, *, trains: bool) -> None:
+    """For :class:`CheckpointManager`: a manager given an optimizer or a step scheduler is made to train, and so to save: a ``checkpoint_dir`` it could
+    not save into (read-only, a bucket that does not exist) is refused when it is made, before any training, not at
+    its first save. One given only what it loads may read from a read-only folder."""
+    if config.enabled and trains:
+        storage.check_writable()
 
 
 def memory_tier(config: CheckpointConfig, tracked: Tracked, log: Any) -> Any:

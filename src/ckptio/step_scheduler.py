@@ -14,10 +14,12 @@ class StepScheduler:
     Args:
         max_steps: stop after this many steps (``None``: run ``num_epochs`` epochs).
         num_epochs: stop after this many epochs when ``max_steps`` is ``None``.
-        ckpt_every_steps: checkpoint when ``step`` is a multiple of this (``None``: never by schedule;
-            ``"auto"``: at the interval that pays, chosen by the :class:`~ckptio.CheckpointManager` given this
-            scheduler from the measured cost of saves and ``mtbf``; :meth:`is_ckpt_step` is then a collective,
-            called by every rank at every step).
+        ckpt_every_steps: checkpoint when ``step`` is a multiple of this, and at the last step (``done``), so the
+            end of training is always saved (``None``: never by schedule; ``"auto"``: at the interval that pays,
+            chosen by the :class:`~ckptio.CheckpointManager` given this scheduler from the measured cost of saves
+            and ``mtbf``, and at the last step; :meth:`is_ckpt_step` is then a collective, called by every rank at
+            every step). The last step is known when ``max_steps`` ends the run; a run that ends with its epochs
+            learns it only after the loop, so save once more there.
         val_every_steps: validate when ``step`` is a multiple of this (``None``: never).
     """
 
@@ -53,12 +55,15 @@ class StepScheduler:
         return self.epoch >= self.num_epochs
 
     def is_ckpt_step(self) -> bool:
+        """Whether to checkpoint after the step just counted: every ``ckpt_every_steps`` steps and at the last one."""
         if self.ckpt_every_steps == "auto":
             if self.auto is None:
                 raise RuntimeError('ckpt_every_steps="auto" needs a CheckpointManager made with this step_scheduler')
             self.auto.tick(self.step)
-            return bool(self.auto.due("durable", self.step))
-        return bool(self.ckpt_every_steps) and self.step % self.ckpt_every_steps == 0  # type: ignore[operator]
+            return bool(self.auto.due("durable", self.step)) or self.done
+        if not self.ckpt_every_steps:
+            return False
+        return self.step % self.ckpt_every_steps == 0 or self.done  # type: ignore[operator]
 
     def is_val_step(self) -> bool:
         return bool(self.val_every_steps) and self.step % self.val_every_steps == 0  # type: ignore[operator]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ..errors import CheckpointError
@@ -31,7 +32,23 @@ def main(argv: list[str] | None = None) -> int:
     """Run the ``ckptio`` command line; returns the exit code (1 with a one-line error for a bad checkpoint or path)."""
     args = build_parser().parse_args(argv)
     try:
-        return int(args.run(args) or 0)
+        code = int(args.run(args) or 0)
+        sys.stdout.flush()  # a reader that left early (| head) is found here, not at the interpreter's exit
+        return code
+    except BrokenPipeError:
+        return _reader_gone()
     except (CheckpointError, OSError) as exc:
         print(f"ckptio {args.command}: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _reader_gone() -> int:
+    """The reader of the output left (``ckptio inspect … | head``): quiet, as Unix tools are, with the status of one
+    killed by SIGPIPE; the output still buffered goes nowhere instead of failing again at exit."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no file descriptor behind sys.stdout (captured in a test): nothing is left to flush
+        pass
+    return 128 + 13  # SIGPIPE

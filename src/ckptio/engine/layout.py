@@ -339,8 +339,10 @@ def _pointer_candidates(storage: Storage, restore_from: str, verify: str) -> lis
 
 
 def _named_step(storage: Storage, restore_from: str) -> tuple[Storage, str]:
-    """Where the step ``restore_from`` (a name inside the checkpoint folder, a path or a URL anywhere) is."""
-    if not Path(restore_from).is_absolute() and "/" not in restore_from and _exists(storage, restore_from):
+    """Where the step ``restore_from`` (a name inside the checkpoint folder, a path or a URL anywhere, or the
+    ``LATEST``/``BEST`` pointer of a folder anywhere) is."""
+    plain = not Path(restore_from).is_absolute() and "/" not in restore_from  # a name inside the folder, first
+    if plain and _exists(storage, restore_from):
         return storage, restore_from
     from ..storage import url_scheme
 
@@ -351,11 +353,16 @@ def _named_step(storage: Storage, restore_from: str) -> tuple[Storage, str]:
     else:
         candidate = Path(restore_from)
         where, name = open_storage(candidate.parent), candidate.name
+    # run1/LATEST, s3://bucket/run1/BEST: the step its pointer names (a link, or LATEST.txt where links fail), read
+    # as inspect reads it: a direct child of that folder, never a link
+    target = pointer_target(where, name) if name in POINTER_NAMES else None
+    if target is not None:
+        return where, target.name
     if not name or not _exists(where, name):
-        raise CheckpointNotFoundError(
-            f"restore_from={restore_from!r}: no such checkpoint (looked for {candidate} and "
-            f"{storage.root / restore_from})"
-        )
+        where_ = (f" (looked for {storage.root / restore_from}, and for {restore_from} in the working folder)" if plain
+                  else "" if url_scheme(restore_from) or Path(restore_from).is_absolute() else
+                  f" (a relative path: from the working folder {Path.cwd()})")
+        raise CheckpointNotFoundError(f"restore_from={restore_from!r}: no such checkpoint{where_}")
     return where, name
 
 

@@ -121,8 +121,10 @@ def refuse(report: LoadReport, where: object) -> None:
         if report.mismatched:
             problems.append(f"{len(report.mismatched)} shape/dtype mismatch(es): " + "; ".join(
                 f"{k}: checkpoint {a}, model {b}" for k, a, b in report.mismatched[:3]))
+        # raised while a shorter verdict on the same mismatch is handled (the manifest's signature): this one replaces
+        # it, so the user reads one error, with the table
         raise CheckpointMismatchError(f"{where} does not match the model: {' | '.join(problems)} (strict; pass "
-                                      f"strict=False to load what matches)\n{report.table()}")
+                                      f"strict=False to load what matches)\n{report.table()}") from None
 
 
 def as_info(value: Any) -> TensorInfo:

@@ -226,8 +226,9 @@ def read_objects(restorer: Any, step: Folder, manifest: Manifest) -> dict[str, t
             rel = entry.file_of(rank)
             if manifest.world_size != world:
                 if rank == 0:
-                    rest = (f"ranks {manifest.world_size}-{world - 1} keep their own" if world > manifest.world_size
-                            else f"the states of ranks {world}-{manifest.world_size - 1} are not used")
+                    lo, hi = sorted((world, manifest.world_size))
+                    who, own = (f"rank {lo}", "keeps its") if hi - lo == 1 else (f"ranks {lo}-{hi - 1}", "keep their")
+                    rest = f"{who} {own} own" if world > lo else f"the states of {who} are not used"
                     restorer.log.warning("%s: %r was saved per rank on %d rank(s) and is restored on %d; each rank "
                                      "takes the state saved by the same rank number, %s",
                                      step.path, name, manifest.world_size, world, rest)

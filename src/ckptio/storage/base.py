@@ -170,3 +170,7 @@ class Storage(Protocol):
 
     def lock(self) -> Any:
         """The folder's writer lock (``acquire``/``release``; shared within a process, refused to others)."""
+
+    def check_writable(self) -> None:
+        """Refuse, naming the folder, one this process could not save into (a read-only filesystem, no permission, a
+        bucket that does not exist); cheap, and silent when it cannot tell (the first save then says why)."""

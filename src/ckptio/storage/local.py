@@ -346,3 +346,21 @@ class LocalStorage:
         from .lock import DirectoryLock
 
         return DirectoryLock(self.root)
+
+    def check_writable(self) -> None:
+        from ..errors import ConfigError
+
+        existing = self.root  # the folder, or the nearest folder above it that exists (where it will be made)
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if os.access(existing, os.W_OK | os.X_OK):
+            return
+        try:
+            read_only = bool(os.statvfs(existing).f_flag & os.ST_RDONLY)
+        except OSError:
+            read_only = False
+        why = "it is on a read-only filesystem" if read_only else "this user has no permission to write there"
+        where = "" if existing == self.root else f" (it would be made inside {existing}, which is not)"
+        raise ConfigError(f"checkpoint_dir={str(self.root)!r} is not writable{where}: {why}. A manager made to train "
+                          "(with an optimizer or a step scheduler) saves there: give a writable folder (to load from "
+                          "this one, make the manager with the model only, or set restore_from to it)")

@@ -340,6 +340,9 @@ def _plain_errors(what: str, folder: str | Path) -> Iterator[None]:
         yield
     except CheckpointException as exc:
         failures = {rank: pair[0] if isinstance(pair, tuple) else pair for rank, pair in exc.failures.items()}
+        own = failures.get(_dist.rank())
+        if isinstance(own, BaseException) and not isinstance(own, Exception):
+            raise own from None  # Ctrl-C (KeyboardInterrupt), SystemExit: the user's, not a failure of the folder
         first = failures[min(failures)]
         detail = f"{type(first).__name__}: {first}" if not isinstance(first, CheckpointError) else str(first)
         # a failure inside DCP while loading is a problem with the folder's data (e.g. a chunk whose bytes do

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from ... import _faults
+
 __all__ = ["archive_length", "write_items"]
 
 PIECE = 32 << 20
@@ -180,5 +182,6 @@ def write_items(stream: Any, items: list[Any], resolve: Any, storage_key: str) -
         length = out.pos - offset
         results.append(WriteResult(index=item.index, size_in_bytes=length,
                                    storage_data=_StorageInfo(storage_key, offset, length)))
+        _faults.point("dcp.item_written")  # a test's Ctrl-C or crash in the middle of a DCP write
     out.flush()
     return results

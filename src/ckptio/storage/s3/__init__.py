@@ -47,6 +47,8 @@ from ._common import (
     S3Error,
     S3Path,
     _call,
+    _code,
+    bucket_missing,
     client,
     parse_s3_url,
 )
@@ -219,5 +221,17 @@ class S3Storage:
 
     def lock(self) -> "S3Lease":
         return S3Lease(self)
+
+    def check_writable(self) -> None:
+        """The bucket must exist (ckptio never creates one); other answers are left to the requests that follow."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            client().head_bucket(Bucket=self.bucket)
+        except ClientError as exc:
+            if _code(exc) in ("404", "NoSuchBucket", "NotFound"):
+                raise S3Error(f"{self.root}: {bucket_missing(self.bucket)}") from None
+        except BotoCoreError:  # an endpoint that cannot be reached: the first listing says so, naming it
+            pass
 
 

@@ -90,6 +90,14 @@ def _code(exc: BaseException) -> str:
     return ""
 
 
+def bucket_missing(bucket: str) -> str:
+    """What to say of a bucket the store does not have."""
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS"
+    return (f"the bucket {bucket!r} does not exist (NoSuchBucket, at {endpoint}); ckptio saves into an existing "
+            f"bucket and never creates one: create it first (aws s3 mb s3://{bucket}), or check its name and "
+            "AWS_ENDPOINT_URL / AWS_REGION")
+
+
 def _missing(exc: BaseException) -> bool:
     return _code(exc) in ("NoSuchKey", "404", "NotFound", "NoSuchUpload")
 
@@ -118,6 +126,8 @@ def _call(what: str, where: object, fn: Any, *args: Any, **kwargs: Any) -> Any:
             if _missing(exc):
                 raise CheckpointNotFoundError(f"{where}: missing ({_code(exc)})") from None
             err = exc.response.get("Error", {})
+            if err.get("Code") == "NoSuchBucket":
+                raise S3Error(f"{what} {where} failed: {bucket_missing(str(getattr(where, 'bucket', '?')))}") from None
             if conditional and err.get("Code") == "ConditionalRequestConflict" and attempt + 1 < CONFLICT_RETRIES:
                 seek = getattr(kwargs.get("Body"), "seek", None)
                 if callable(seek):
