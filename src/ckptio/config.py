@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal, Union
 
-from .config_checks import validate_retention, validate_switches, validate_tiers
+from .config_checks import validate_preemption, validate_retention, validate_switches, validate_tiers
 from .errors import ConfigError
 
 __all__ = ["CheckpointConfig", "MODEL_SAVE_FORMATS", "VERIFY_MODES"]
@@ -192,6 +192,18 @@ class CheckpointConfig:
     training processes. ``None``: ``$CKPTIO_MEMORY_DIR``, else ``/dev/shm/ckptio-<uid>`` (the system's temporary
     folder where there is no ``/dev/shm``). Each run (``checkpoint_dir``) gets a private folder of its own inside."""
 
+    on_preemption: Literal["exit", "return"] | None = None
+    """Save on preemption (docs/preemption.md): on one of ``preemption_signals``, the next ``maybe_save()`` saves
+    durably on every rank, at a step they agree on, then ``"exit"``: closes the manager and exits with status 0, or
+    ``"return"``: sets ``CheckpointManager.preempted`` for the loop to stop. ``None`` (default): no handler."""
+
+    preemption_signals: Union[list[str], tuple[str, ...]] = ("SIGTERM",)
+    """With ``on_preemption``: the signals that mean preemption (names or numbers; the handlers they had still run)."""
+
+    preemption_grace: str | float | None = None
+    """With ``on_preemption``: the time between the signal and the kill (``"30s"``, ``"2m"``); when the run's record
+    says a durable save takes longer, it is said and the memory tier's snapshot is taken first."""
+
     def io_thread_count(self) -> int:
         """:attr:`io_threads`, or the automatic choice when it is ``None`` (see there)."""
         return self.io_threads if self.io_threads is not None else _auto_io_threads()
@@ -208,6 +220,7 @@ class CheckpointConfig:
         validate_retention(self)
         validate_switches(self)
         validate_tiers(self)
+        validate_preemption(self)
         _validate_template(self.name_template)
 
     def _validate_locations(self) -> None:

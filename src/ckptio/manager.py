@@ -26,6 +26,7 @@ from .config import CheckpointConfig
 from .errors import ConfigError
 from .formats.safetensors.peft_adapter import adapter_name
 from .goodput import Goodput
+from .preemption import Preemption
 from .engine.layout import MODEL_DIR, OPTIM_DIR
 from .engine.manifest import MANIFEST_NAME
 from .engine.partial import load_options
@@ -106,6 +107,7 @@ class CheckpointManager:
         self._restorer = Restorer(config, self.tracked, self.log, self.storage, self._memory)
         self._writer: BackgroundWriter | None = None  # made at the first background save
         self._goodput = Goodput(config, self.storage, step_scheduler, self.log, model, self._saver)
+        self._preemption = Preemption(config, self.log) if config.on_preemption and config.enabled else None
 
     @property
     def model(self) -> nn.Module | None:
@@ -146,6 +148,8 @@ class CheckpointManager:
                 self._memory.close(free=free_memory)
             self._goodput.close(clean)
         finally:
+            if self._preemption is not None:
+                self._preemption.close()  # the signals get the handlers they had
             self._saver.close()  # the hook on the optimizer's step goes
             self._lock.release()
 
@@ -232,9 +236,13 @@ class CheckpointManager:
         """Collective; call after every training step. Saves durably when one is due (every ``persist_every_steps``
         steps, or when the step scheduler says so, and at the last step), else takes a memory snapshot when one is
         due (every ``memory_every_steps`` steps). Returns what :meth:`save` or :meth:`save_memory` returned, or
-        ``None`` when nothing was due."""
+        ``None`` when nothing was due. With ``on_preemption``, after a preemption signal on any rank: saves durably,
+        then exits or returns the step directory (:attr:`preempted` set)."""
         step, epoch = position(self.step_scheduler, step, epoch)
         self._goodput.tick(step)
+        signum = self._preemption.agreed() if self._preemption is not None else 0
+        if signum:  # saves, then exits or hands back (docs/preemption.md)
+            return self._preemption.stop(self, signum, step, epoch, metrics, counters)  # type: ignore[union-attr]
         due = what_is_due(self.config, self.step_scheduler, step, self._goodput)
         if due == "durable":
             return self.save(step=step, epoch=epoch, metrics=metrics, counters=counters)
@@ -243,6 +251,11 @@ class CheckpointManager:
     def add_listener(self, listener: Any) -> None:
         """Call ``listener(event)`` with each event of the run's record made on this rank (docs/goodput.md)."""
         self._goodput.listeners.append(listener)
+
+    @property
+    def preempted(self) -> int | None:
+        """The signal (``on_preemption``) on which :meth:`maybe_save` saved for the loop to stop; ``None`` before."""
+        return self._preemption.preempted if self._preemption is not None else None
 
     @property
     def memory_tier(self) -> Any:
