@@ -84,7 +84,7 @@ def validate_preemption(self: Any) -> None:
         signals = [signals]
     if not isinstance(signals, (list, tuple)) or not signals:
         raise ConfigError(f"preemption_signals must be a list of signal names such as ['SIGTERM'], got {signals!r}")
-    from .preemption import parse_signal
+    from .goodput.preemption import parse_signal
 
     self.preemption_signals = [parse_signal(s).name for s in signals]
     if self.preemption_grace is not None:

@@ -18,8 +18,8 @@ import signal
 import threading
 from typing import Any
 
-from . import _dist
-from .errors import ConfigError
+from .. import _dist
+from ..errors import ConfigError
 
 __all__ = ["Preemption", "parse_signal", "RECORDED_SAVES"]
 
@@ -52,21 +52,28 @@ def parse_signal(value: Any, what: str = "preemption_signals") -> signal.Signals
 
 
 class Preemption:
-    """The handlers on ``config.preemption_signals`` and what the manager does once the ranks agree on a signal."""
+    """The handlers on ``config.preemption_signals`` and what the manager does once the ranks agree on a signal
+    (``active`` only with ``on_preemption`` set on an enabled manager: otherwise it installs nothing and costs
+    nothing)."""
 
     def __init__(self, config: Any, log: Any) -> None:
-        self.mode: str = config.on_preemption
+        self.active = bool(config.on_preemption) and bool(config.enabled)
+        self.mode: str | None = config.on_preemption
         self.grace_s: float | None = None
         if config.preemption_grace is not None:
-            from .goodput.interval import parse_duration
+            from .interval import parse_duration
 
             self.grace_s = parse_duration(config.preemption_grace, "preemption_grace")
         self.log = log
         self.received: int | None = None
         """The signal this process received and has not yet acted on (set by the handler)."""
+        self.agreed_on = 0
+        """The signal the last :meth:`agreed` found (0: none)."""
         self.preempted: int | None = None
         """The signal the ranks agreed on, once its save committed."""
         self._previous: dict[signal.Signals, Any] = {}
+        if not self.active:
+            return
         if threading.current_thread() is not threading.main_thread():
             raise ConfigError(f"on_preemption={self.mode!r}: make the CheckpointManager on the main thread (Python "
                               "runs signal handlers there only), or unset on_preemption")
@@ -82,20 +89,23 @@ class Preemption:
             previous(signum, frame)
 
     def agreed(self) -> int:
-        """Collective (every rank, at each ``maybe_save``): the signal any rank received, 0 when none did."""
+        """Collective when active (every rank, at each ``maybe_save``): the signal any rank received, 0 when none did."""
         mine = int(self.received or 0)
-        if not _dist.is_dist():
+        if not self.active or not _dist.is_dist():
+            self.agreed_on = mine
             return mine
         import torch
         import torch.distributed as dist
 
         flag = torch.tensor([mine], dtype=torch.int64, device=_flag_device(dist))
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item())
+        self.agreed_on = int(flag.item())
+        return self.agreed_on
 
-    def stop(self, mgr: Any, signum: int, step: int, epoch: int, metrics: Any, counters: Any) -> Any:
+    def stop(self, mgr: Any, step: int, epoch: int, metrics: Any, counters: Any) -> Any:
         """Collective: the memory snapshot first when the grace period cannot hold a durable save, then the durable
         save, committed on every rank; then close and exit, or hand back its directory (``preempted`` set)."""
+        signum = self.agreed_on
         name = signal.Signals(signum).name
         where = "this rank" if self.received == signum else "another rank"
         self.received = None
