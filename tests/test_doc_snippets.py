@@ -299,6 +299,23 @@ def train_step():
 planner = mgr._goodput.planners["durable"]
 assert planner.every is not None and "one failure per 6 h (given)" in planner.reason, planner.reason
 """),
+    "docs/preemption.md: mgr = CheckpointManager(": Run("""
+import os, signal, torch
+from ckptio import CheckpointConfig, CheckpointManager
+model = torch.nn.Linear(4, 4)
+opt = torch.optim.AdamW(model.parameters())
+def train_step(step):
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    if step == 4:
+        os.kill(os.getpid(), signal.SIGTERM)  # the scheduler takes the node back during step 4
+""", """
+from ckptio import committed_checkpoints
+assert mgr.preempted == signal.SIGTERM and step == 4, (mgr.preempted, step)
+assert [e.step for e in committed_checkpoints("checkpoints")] == [4]
+assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, "close() gave SIGTERM its handler back"
+"""),
     "docs/retention.md: cfg = CheckpointConfig(": Run("""
 import torch
 from ckptio import CheckpointConfig, CheckpointManager

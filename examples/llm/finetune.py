@@ -16,7 +16,6 @@ import math
 import os
 import random
 import re
-import signal
 import sys
 import time
 from pathlib import Path
@@ -100,6 +99,8 @@ class FinetuneRecipe:
                                             ckpt_every_steps=s.ckpt_every_steps, val_every_steps=s.val_every_steps)
         self.best = BestMetric()
         self.stats = RunStats()
+        if cfg.checkpoint.on_preemption is None:  # SIGTERM: save at the end of the step, then stop (docs/preemption.md)
+            cfg.checkpoint.on_preemption = "return"
         self.checkpointer = CheckpointManager(
             cfg.checkpoint, model=self.model, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
             dataloader=self.dataloader, step_scheduler=self.step_scheduler, tokenizer=self.tokenizer,
@@ -211,8 +212,6 @@ class FinetuneRecipe:
 
     def _train(self) -> bool:
         """The training loop; whether it stopped because of a preemption signal."""
-        preempted = {"flag": False}
-        signal.signal(signal.SIGTERM, lambda *_: preempted.__setitem__("flag", True))
         info = self.checkpointer.restore()
         steps = self.step_scheduler
         if info is None and self.cfg.init_from_lightning:
@@ -251,13 +250,10 @@ class FinetuneRecipe:
                     self.best.update(steps.step, metrics["val_loss"])
                     log(f"step {steps.step:>5} | val_loss {metrics['val_loss']:.4f}")
                 consumed = steps.step * self.cfg.data.batch_size * self.world
-                if steps.is_ckpt_step() or steps.done or stop:
-                    self.checkpointer.save(metrics=metrics, counters={"consumed_samples": consumed}, final=steps.done)
-                elif self.cfg.checkpoint.memory_every_steps and steps.step % self.cfg.checkpoint.memory_every_steps == 0:
-                    # the memory tier: a snapshot in node-local memory, replicated on the next node (docs/memory-tier.md)
-                    self.checkpointer.save_memory(counters={"consumed_samples": consumed})
-                if stop:
-                    self.checkpointer.wait()
+                # a durable save when the step scheduler says so (and at the end), else a memory-tier snapshot when
+                # one is due (docs/memory-tier.md); after SIGTERM on any rank, a durable save here (docs/preemption.md)
+                self.checkpointer.maybe_save(metrics=metrics, counters={"consumed_samples": consumed})
+                if self.checkpointer.preempted:
                     log(f"SIGTERM received: saved step {steps.step} and stopping; rerun the command to resume")
                     return True
                 if steps.done:
@@ -280,14 +276,6 @@ class FinetuneRecipe:
                                          "seed": self.cfg.data.seed})
         log(f"Initialised from Lightning checkpoint {path}: step {pos.step}, epoch {pos.epoch}; "
             f"continuing to step {steps.max_steps}")
-
-    def _any_rank(self, flag: bool) -> bool:
-        """Whether any rank got the signal: ranks must agree, or one would save while another trains on."""
-        if not dist.is_initialized():
-            return flag
-        t = torch.tensor([1 if flag else 0])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
 
     def summary(self) -> None:
         saved = self.checkpointer.last_saved

@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal, Union
 
-from .config_checks import validate_retention, validate_switches, validate_tiers
+from .config_checks import validate_preemption, validate_retention, validate_switches, validate_tiers
 from .errors import ConfigError
 
 __all__ = ["CheckpointConfig", "MODEL_SAVE_FORMATS", "VERIFY_MODES"]
@@ -192,6 +192,18 @@ class CheckpointConfig:
     training processes. ``None``: ``$CKPTIO_MEMORY_DIR``, else ``/dev/shm/ckptio-<uid>`` (the system's temporary
     folder where there is no ``/dev/shm``). Each run (``checkpoint_dir``) gets a private folder of its own inside."""
 
+    on_preemption: Literal["exit", "return"] | None = None
+    """Save on preemption (docs/preemption.md): on one of ``preemption_signals``, the next ``maybe_save()`` saves
+    durably on every rank, at a step they agree on, then ``"exit"``: closes the manager and exits with status 0, or
+    ``"return"``: sets ``CheckpointManager.preempted`` for the loop to stop. ``None`` (default): no handler."""
+
+    preemption_signals: Union[list[str], tuple[str, ...]] = ("SIGTERM",)
+    """With ``on_preemption``: the signals that mean preemption (names or numbers; the handlers they had still run)."""
+
+    preemption_grace: str | float | None = None
+    """With ``on_preemption``: the time between the signal and the kill (``"30s"``, ``"2m"``); when the run's record
+    says a durable save takes longer, it is said and the memory tier's snapshot is taken first."""
+
     def io_thread_count(self) -> int:
         """:attr:`io_threads`, or the automatic choice when it is ``None`` (see there)."""
         return self.io_threads if self.io_threads is not None else _auto_io_threads()
@@ -203,11 +215,12 @@ class CheckpointConfig:
         """Check every setting (and normalise paths, AutoModel's names and ``save_consolidated``); a wrong one
         raises :class:`~ckptio.errors.ConfigError` naming the key, the value and what it may be."""
         self._validate_locations()
-        self._validate_formats()
+        _validate_formats(self)
         _apply_automodel_names(self)
         validate_retention(self)
         validate_switches(self)
         validate_tiers(self)
+        validate_preemption(self)
         _validate_template(self.name_template)
 
     def _validate_locations(self) -> None:
@@ -237,28 +250,6 @@ class CheckpointConfig:
                                   "mounted folder, or an s3:// location")
         _refuse_a_file(self.checkpoint_dir)
 
-    def _validate_formats(self) -> None:
-        if self.model_save_format not in MODEL_SAVE_FORMATS:
-            raise ConfigError(
-                f"model_save_format={self.model_save_format!r} is not supported; use one of {list(MODEL_SAVE_FORMATS)}"
-            )
-        if self.optimizer_save_format is not None and self.optimizer_save_format not in MODEL_SAVE_FORMATS:
-            raise ConfigError(f"optimizer_save_format={self.optimizer_save_format!r} is not supported; use one of "
-                              f"{list(MODEL_SAVE_FORMATS)} (null: torch_save, a DCP folder)")
-        self.save_consolidated = _parse_save_consolidated(self.save_consolidated)
-        from .formats.common import parse_size
-
-        try:
-            parse_size(self.consolidated_max_shard_size)
-        except ConfigError as exc:
-            raise ConfigError(f"consolidated_max_shard_size: {exc}") from exc
-        if self.io_threads is not None and (not isinstance(self.io_threads, int) or isinstance(self.io_threads, bool)
-                                            or not 1 <= self.io_threads <= 64):
-            raise ConfigError(f"io_threads must be null (automatic) or an integer from 1 to 64, got "
-                              f"{self.io_threads!r}")
-        if self.verify not in VERIFY_MODES:
-            raise ConfigError(f"verify must be one of {list(VERIFY_MODES)}, got {self.verify!r}")
-
     def retention_policy(self):
         """The :class:`~ckptio.engine.policies.RetentionPolicy` these fields describe."""
         from .engine.policies import RetentionPolicy
@@ -277,6 +268,30 @@ class CheckpointConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+def _validate_formats(self: CheckpointConfig) -> None:
+    """The formats, the consolidated bundle's shard size, ``io_threads`` and ``verify``."""
+    if self.model_save_format not in MODEL_SAVE_FORMATS:
+        raise ConfigError(
+            f"model_save_format={self.model_save_format!r} is not supported; use one of {list(MODEL_SAVE_FORMATS)}"
+        )
+    if self.optimizer_save_format is not None and self.optimizer_save_format not in MODEL_SAVE_FORMATS:
+        raise ConfigError(f"optimizer_save_format={self.optimizer_save_format!r} is not supported; use one of "
+                          f"{list(MODEL_SAVE_FORMATS)} (null: torch_save, a DCP folder)")
+    self.save_consolidated = _parse_save_consolidated(self.save_consolidated)
+    from .formats.common import parse_size
+
+    try:
+        parse_size(self.consolidated_max_shard_size)
+    except ConfigError as exc:
+        raise ConfigError(f"consolidated_max_shard_size: {exc}") from exc
+    if self.io_threads is not None and (not isinstance(self.io_threads, int) or isinstance(self.io_threads, bool)
+                                        or not 1 <= self.io_threads <= 64):
+        raise ConfigError(f"io_threads must be null (automatic) or an integer from 1 to 64, got "
+                          f"{self.io_threads!r}")
+    if self.verify not in VERIFY_MODES:
+        raise ConfigError(f"verify must be one of {list(VERIFY_MODES)}, got {self.verify!r}")
 
 
 def _apply_automodel_names(self: CheckpointConfig) -> None:

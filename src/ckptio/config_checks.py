@@ -8,7 +8,7 @@ from typing import Any
 
 from .errors import ConfigError
 
-__all__ = ["validate_retention", "validate_switches", "validate_tiers"]
+__all__ = ["validate_preemption", "validate_retention", "validate_switches", "validate_tiers"]
 
 
 def validate_tiers(self: Any) -> None:
@@ -72,3 +72,25 @@ def validate_switches(self: Any) -> None:
         value = getattr(self, name)
         if not isinstance(value, bool):
             raise ConfigError(f"{name} must be true or false, got {value!r}")
+
+
+def validate_preemption(self: Any) -> None:
+    """Saving on preemption: the mode, the signals (names or numbers that can be caught), the grace period."""
+    if self.on_preemption not in (None, "exit", "return"):
+        raise ConfigError(f"on_preemption must be 'exit' (save, then exit), 'return' (save, then set "
+                          f"CheckpointManager.preempted) or null (off), got {self.on_preemption!r}")
+    signals = self.preemption_signals
+    if isinstance(signals, (str, int)):
+        signals = [signals]
+    if not isinstance(signals, (list, tuple)) or not signals:
+        raise ConfigError(f"preemption_signals must be a list of signal names such as ['SIGTERM'], got {signals!r}")
+    from .goodput.preemption import parse_signal
+
+    self.preemption_signals = [parse_signal(s).name for s in signals]
+    if self.preemption_grace is not None:
+        if self.on_preemption is None:
+            raise ConfigError("preemption_grace is set but on_preemption is not: set on_preemption ('exit' or "
+                              "'return') to save on preemption")
+        from .goodput.interval import parse_duration
+
+        parse_duration(self.preemption_grace, "preemption_grace")

@@ -26,6 +26,7 @@ from .config import CheckpointConfig
 from .errors import ConfigError
 from .formats.safetensors.peft_adapter import adapter_name
 from .goodput import Goodput
+from .goodput.preemption import Preemption
 from .engine.layout import MODEL_DIR, OPTIM_DIR
 from .engine.manifest import MANIFEST_NAME
 from .engine.partial import load_options
@@ -72,21 +73,11 @@ class CheckpointManager:
         base_model_path: PEFT only: the base model's local folder, written (absolute) into adapter_config.json.
     """
 
-    def __init__(
-        self,
-        config: CheckpointConfig,
-        *,
-        model: nn.Module | None = None,
-        optimizer: torch.optim.Optimizer | None = None,
-        lr_scheduler: Any | None = None,
-        dataloader: Stateful | None = None,
-        step_scheduler: Stateful | None = None,
-        rng: bool = True,
-        extra_states: dict[str, Stateful] | None = None,
-        model_key_prefix: str = "",
-        tokenizer: Any | None = None,
-        base_model_path: str | Path | None = None,
-    ) -> None:
+    def __init__(self, config: CheckpointConfig, *, model: nn.Module | None = None,
+                 optimizer: torch.optim.Optimizer | None = None, lr_scheduler: Any | None = None,
+                 dataloader: Stateful | None = None, step_scheduler: Stateful | None = None, rng: bool = True,
+                 extra_states: dict[str, Stateful] | None = None, model_key_prefix: str = "",
+                 tokenizer: Any | None = None, base_model_path: str | Path | None = None) -> None:
         config.validate()
         self.config = config
         self.log = get_logger()
@@ -107,6 +98,7 @@ class CheckpointManager:
         self._restorer = Restorer(config, self.tracked, self.log, self.storage, self._memory)
         self._writer: BackgroundWriter | None = None  # made at the first background save
         self._goodput = Goodput(config, self.storage, step_scheduler, self.log, model, self._saver)
+        self._preemption = Preemption(config, self.log)  # the handlers of on_preemption (docs/preemption.md)
 
     @property
     def model(self) -> nn.Module | None:
@@ -147,6 +139,7 @@ class CheckpointManager:
                 self._memory.close(free=free_memory)
             self._goodput.close(clean)
         finally:
+            self._preemption.close()  # the signals get the handlers they had
             self._saver.close()  # the hook on the optimizer's step goes
             self._lock.release()
 
@@ -233,9 +226,11 @@ class CheckpointManager:
         """Collective; call after every training step. Saves durably when one is due (every ``persist_every_steps``
         steps, or when the step scheduler says so, and at the last step), else takes a memory snapshot when one is
         due (every ``memory_every_steps`` steps). Returns what :meth:`save` or :meth:`save_memory` returned, or
-        ``None`` when nothing was due."""
+        ``None`` when nothing was due. After a preemption signal (``on_preemption``): see :attr:`preempted`."""
         step, epoch = position(self.step_scheduler, step, epoch)
         self._goodput.tick(step)
+        if self._preemption.agreed():  # a signal on any rank: save, then exit or hand back (docs/preemption.md)
+            return self._preemption.stop(self, step, epoch, metrics, counters)
         due = what_is_due(self.config, self.step_scheduler, step, self._goodput)
         if due == "durable":
             return self.save(step=step, epoch=epoch, metrics=metrics, counters=counters)
@@ -244,6 +239,11 @@ class CheckpointManager:
     def add_listener(self, listener: Any) -> None:
         """Call ``listener(event)`` with each event of the run's record made on this rank (docs/goodput.md)."""
         self._goodput.listeners.append(listener)
+
+    @property
+    def preempted(self) -> int | None:
+        """The signal (``on_preemption``) on which :meth:`maybe_save` saved for the loop to stop; ``None`` before."""
+        return self._preemption.preempted
 
     @property
     def memory_tier(self) -> Any:

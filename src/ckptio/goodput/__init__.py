@@ -1,4 +1,5 @@
-"""Goodput: what checkpointing costs a run, recorded (:mod:`.record`), and the interval that pays (:mod:`.interval`).
+"""Goodput: what checkpointing costs a run, recorded (:mod:`.record`), and the interval that pays (:mod:`.interval`);
+the save on preemption (:mod:`.preemption`) is judged against the recorded cost.
 
 :class:`Goodput` is the manager's part of it: it writes the run's record (a ``start`` when the manager is made,
 every save and restore, the newest step reached, an ``end`` at a clean close) and, for each tier whose interval is
