@@ -257,7 +257,7 @@ ALLOWED = {
     "storage/": {"storage/s3/"},
     "storage/s3/": {"storage/"},
     "tier/": {"engine/", "formats/", "formats/safetensors/", "storage/"},
-    "goodput/": {"storage/", "engine/"},
+    "goodput/": {"storage/", "engine/", "ckptio.config_checks"},
     "adopt/": {"state/", "formats/", "formats/dcp/", "formats/safetensors/", "storage/"},
     "integrations/": {"engine/", "formats/", "formats/safetensors/", "storage/", "storage/s3/"},
     "convert/": {"formats/", "storage/"},

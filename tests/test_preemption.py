@@ -92,7 +92,7 @@ def test_a_grace_period_too_short_for_a_durable_save_takes_the_memory_snapshot_f
     with CheckpointManager(CheckpointConfig(**cfg), model=model, optimizer=opt) as mgr:
         mgr.save(step=1)  # the run's record now holds what a durable save costs here
     os.makedirs(tmp_path / "mem", exist_ok=True)
-    with CheckpointManager(CheckpointConfig(**cfg, preemption_grace=0.0001), model=model, optimizer=opt) as mgr:
+    with CheckpointManager(CheckpointConfig(**cfg, preemption_grace=0.001), model=model, optimizer=opt) as mgr:
         mgr.restore()
         caplog.clear()
         os.kill(os.getpid(), signal.SIGTERM)

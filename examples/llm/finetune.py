@@ -243,9 +243,9 @@ class FinetuneRecipe:
                     log(f"step {steps.step:>5}/{steps.max_steps} | loss {loss_value:.4f} | "
                         f"lr {self.lr_scheduler.get_last_lr()[0]:.2e} | {rate:,.0f} tok/s")
                 metrics = {}
-                stop = self._any_rank(preempted["flag"])
                 # the last step and, with checkpoint.monitor, a preemption save are ranked too
-                if steps.is_val_step() or (steps.done and steps.val_every_steps) or (stop and self.cfg.checkpoint.monitor):
+                stop = bool(self.cfg.checkpoint.monitor) and self.checkpointer.preemption_pending()
+                if steps.is_val_step() or (steps.done and steps.val_every_steps) or stop:
                     metrics["val_loss"] = self.validate()
                     self.best.update(steps.step, metrics["val_loss"])
                     log(f"step {steps.step:>5} | val_loss {metrics['val_loss']:.4f}")

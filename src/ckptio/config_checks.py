@@ -4,6 +4,7 @@ intervals (each raises a :class:`~ckptio.errors.ConfigError` naming the key, the
 from __future__ import annotations
 
 import os
+import signal
 from typing import Any
 
 from .errors import ConfigError
@@ -84,8 +85,6 @@ def validate_preemption(self: Any) -> None:
         signals = [signals]
     if not isinstance(signals, (list, tuple)) or not signals:
         raise ConfigError(f"preemption_signals must be a list of signal names such as ['SIGTERM'], got {signals!r}")
-    from .goodput.preemption import parse_signal
-
     self.preemption_signals = [parse_signal(s).name for s in signals]
     if self.preemption_grace is not None:
         if self.on_preemption is None:
@@ -94,3 +93,28 @@ def validate_preemption(self: Any) -> None:
         from .goodput.interval import parse_duration
 
         parse_duration(self.preemption_grace, "preemption_grace")
+
+
+_UNCATCHABLE = {signal.SIGKILL, signal.SIGSTOP}
+
+
+def parse_signal(value: Any, what: str = "preemption_signals") -> signal.Signals:
+    """A signal from its name (``"SIGTERM"``, ``"TERM"``) or number; a wrong one raises naming ``what``."""
+    try:
+        if isinstance(value, int) and not isinstance(value, bool):
+            sig = signal.Signals(value)
+        elif isinstance(value, str):
+            name = value.strip().upper()
+            sig = signal.Signals[name if name.startswith("SIG") else "SIG" + name]
+        else:
+            raise KeyError(value)
+    except (KeyError, ValueError):
+        import difflib
+
+        close = difflib.get_close_matches(str(value).upper(), [s.name for s in signal.Signals], n=1)
+        raise ConfigError(f"{what}: {value!r} is not a signal" + (f"; did you mean {close[0]!r}?" if close else
+                          " (names such as 'SIGTERM', 'SIGUSR1', or numbers)")) from None
+    if sig in _UNCATCHABLE:
+        raise ConfigError(f"{what}: {sig.name} cannot be caught by any process; name a signal the job's scheduler "
+                          "sends ahead of it (SIGTERM, or SIGUSR1 with slurm's --signal)")
+    return sig

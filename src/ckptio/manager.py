@@ -189,11 +189,8 @@ class CheckpointManager:
         return job.final_dir
 
     def wait(self) -> Path | None:
-        """Block until the background save in flight (if any) is committed; re-raise its error here.
-
-        Returns the directory it committed (``None`` when nothing was in flight). Every rank should call
-        it at the same point, like :meth:`save`. A memory snapshot in flight is waited for too.
-        """
+        """Collective: block until the save in flight (and a memory snapshot's) is committed; re-raise its error here.
+        Returns the directory it committed (``None`` when nothing was in flight)."""
         if self._memory is not None:
             self._memory.wait()
         return self._writer.wait() if self._writer is not None else None
@@ -204,7 +201,6 @@ class CheckpointManager:
         for saver in [self._saver] + ([self._memory.saver] if self._memory is not None else []):
             saver.stager.finish()  # made here, or waited for while the writer's thread makes them
 
-    # ------------------------------------------------------------------ the memory tier
     def save_memory(self, *, step: int | None = None, epoch: int | None = None,
                     counters: dict[str, Any] | None = None) -> Path | None:
         """Collective: a snapshot of everything into the memory tier (``memory_every_steps`` must be set). Returns
@@ -239,6 +235,11 @@ class CheckpointManager:
     def add_listener(self, listener: Any) -> None:
         """Call ``listener(event)`` with each event of the run's record made on this rank (docs/goodput.md)."""
         self._goodput.listeners.append(listener)
+
+    def preemption_pending(self) -> bool:
+        """Collective: whether a preemption signal reached any rank, so that the next :meth:`maybe_save` saves and
+        stops (a loop that computes its ``monitor`` metric only now and then computes it first)."""
+        return bool(self._preemption.agreed())
 
     @property
     def preempted(self) -> int | None:

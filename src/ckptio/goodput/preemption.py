@@ -19,37 +19,13 @@ import threading
 from typing import Any
 
 from .. import _dist
+from ..config_checks import parse_signal
 from ..errors import ConfigError
 
 __all__ = ["Preemption", "parse_signal", "RECORDED_SAVES"]
 
 RECORDED_SAVES = 5
 """The newest durable saves of the run's record whose longest time is taken as what the next one costs."""
-
-_UNCATCHABLE = {signal.SIGKILL, signal.SIGSTOP}
-
-
-def parse_signal(value: Any, what: str = "preemption_signals") -> signal.Signals:
-    """A signal from its name (``"SIGTERM"``, ``"TERM"``) or number; a wrong one raises naming ``what``."""
-    try:
-        if isinstance(value, int) and not isinstance(value, bool):
-            sig = signal.Signals(value)
-        elif isinstance(value, str):
-            name = value.strip().upper()
-            sig = signal.Signals[name if name.startswith("SIG") else "SIG" + name]
-        else:
-            raise KeyError(value)
-    except (KeyError, ValueError):
-        import difflib
-
-        close = difflib.get_close_matches(str(value).upper(), [s.name for s in signal.Signals], n=1)
-        raise ConfigError(f"{what}: {value!r} is not a signal" + (f"; did you mean {close[0]!r}?" if close else
-                          " (names such as 'SIGTERM', 'SIGUSR1', or numbers)")) from None
-    if sig in _UNCATCHABLE:
-        raise ConfigError(f"{what}: {sig.name} cannot be caught by any process; name a signal the job's scheduler "
-                          "sends ahead of it (SIGTERM, or SIGUSR1 with slurm's --signal)")
-    return sig
-
 
 class Preemption:
     """The handlers on ``config.preemption_signals`` and what the manager does once the ranks agree on a signal
