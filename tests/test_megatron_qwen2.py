@@ -219,3 +219,57 @@ def test_a_qwen2_without_its_biases_is_refused_before_writing(hf, tmp_path):
     with pytest.raises(CheckpointError, match=r"0 of its 4 layers have q_proj biases, but its config is a qwen2's"):
         convert(src, tmp_path / "mg", "megatron")
     assert not (tmp_path / "mg").exists()
+
+
+def test_qnemo_still_refuses_a_qwen2(hf, tmp_path):
+    """Megatron holds a Qwen2's q/k/v biases; the TensorRT-LLM export (qnemo), which shares the field lists, does
+    not: a qwen2 stays refused there."""
+    run = ckptio_here("quantize", str(hf), str(tmp_path / "q"), "--check", "0")
+    assert run.returncode == 2 and "needs a transformers Llama model" in run.stderr, run.stderr
+    assert not (tmp_path / "q").exists()
+
+
+def _restore_qwen2_with_adam(source: str, config: str) -> dict:
+    import torch.distributed as dist
+    from transformers import AutoConfig, Qwen2ForCausalLM
+
+    from ckptio import CheckpointConfig, CheckpointManager
+    from toy import full_state
+
+    torch.manual_seed(7)
+    model = Qwen2ForCausalLM(AutoConfig.from_pretrained(config))
+    if dist.is_initialized():
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=str(Path(source).parent / "run")), model=model,
+                           optimizer=opt, rng=False) as mgr:
+        info = mgr.restore(source)
+    assert info.counters["optimizer_restored"] is True
+    out = full_state(model, opt)
+    out["steps"] = torch.tensor([float(opt.state[p]["step"]) for p in model.parameters()])
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2])
+def test_restore_from_megatron_brings_a_qwen2_its_biases_and_their_moments(made, tmp_path, world):
+    """Megatron took one Adam step (lr 1e-3, betas 0.9/0.95) with gradient g = 0.5 w0 + 0.25 on every element
+    (megatron_fixture.py), so every element, the q/k/v biases' included, must satisfy exp_avg = 0.1 g,
+    exp_avg_sq = 0.05 g^2 and w = 2g - 0.5 - 1e-3 sign(g): a moment on the wrong element breaks it."""
+    from distributed import run_ranks
+
+    src = made[(2, 2)] / "torch_dist"
+    hf = convert(src, tmp_path / "hf", "hf")
+    got = run_ranks(world, _restore_qwen2_with_adam, source=str(src), config=str(hf))[0]
+    steps = got.pop("steps")
+    params = [k.removeprefix("model/") for k in got if k.startswith("model/")]
+    assert len(params) == steps.numel() == 51 and bool((steps == 1).all()), steps
+    assert sum(p.endswith("_proj.bias") for p in params) == 12
+    for name in params:
+        g = got[f"optim/state.{name}.exp_avg"] / 0.1
+        assert torch.allclose(got[f"optim/state.{name}.exp_avg_sq"], 0.05 * g * g, rtol=1e-4, atol=1e-9), name
+        assert torch.allclose(got[f"model/{name}"], 2 * g - 0.5 - 1e-3 * torch.sign(g), atol=2e-6, rtol=0), name
