@@ -91,6 +91,54 @@ def test_qwen2_to_megatron_and_back_is_bitwise(hf, tmp_path, layout, tp, pp):
     assert torch.equal(_logits(back, ids), _logits(hf, ids))
 
 
+def test_a_tied_qwen2_travels_as_megatron_shares_it(tmp_path):
+    """Qwen2-0.5B and 1.5B tie their embeddings: Megatron holds no output layer, and the way back ties again."""
+    from ckptio.formats.megatron.format import MegatronSource
+
+    src = _qwen2(tmp_path / "tied", tie_word_embeddings=True)
+    out = convert(src, tmp_path / "mg", "megatron", options={"tp": 2, "pp": 2, "layout": "legacy"})
+    assert "output_layer.weight" not in MegatronSource(out).index()
+    back = convert(out, tmp_path / "back", "hf")
+    _same_weights(src, back)
+    assert _config(back)["tie_word_embeddings"] is True
+
+
+def test_a_nemo2_qwen2_reads_its_family_from_context(hf, tmp_path):
+    """NeMo 2.0 keeps Megatron-Core's TransformerConfig in ``context/model.yaml`` (its Qwen2Config sets
+    ``add_qkv_bias: true``); ``weights/`` is a torch_dist checkpoint with ``module.`` keys."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    from ckptio.formats.dcp.format import load_all
+
+    out = convert(hf, tmp_path / "mg", "megatron")
+    state = {f"module.{k}": v for k, v in load_all(out / "iter_0000000").items()}
+    weights = tmp_path / "nemo2" / "weights"
+    weights.mkdir(parents=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(weights)), no_dist=True,
+                 planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
+    torch.save({}, weights / "common.pt")
+    (weights / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                                                        "common_backend": "torch", "common_backend_version": 1}))
+    (tmp_path / "nemo2" / "context").mkdir()
+    (tmp_path / "nemo2" / "context" / "model.yaml").write_text("\n".join([
+        "_target_: nemo.collections.llm.gpt.model.qwen2.Qwen2Model", "config:",
+        "  _target_: nemo.collections.llm.gpt.model.qwen2.Qwen2Config",
+        "  activation_func:", "    _call_: false", "    _target_: torch.nn.functional.silu",
+        "  add_bias_linear: false", "  add_qkv_bias: true", "  ffn_hidden_size: 128", "  gated_linear_unit: true",
+        "  hidden_size: 64", "  kv_channels: 16", "  layernorm_epsilon: 1.0e-06", "  normalization: RMSNorm",
+        "  num_attention_heads: 4", "  num_layers: 4", "  num_query_groups: 2", "  position_embedding_type: rope",
+        "  rotary_base: 1000000.0", "  seq_length: 64", "  share_embeddings_and_output_weights: false",
+        "  vocab_size: 128", ""]))
+    back = convert(tmp_path / "nemo2", tmp_path / "back", "hf")
+    _same_weights(hf, back)
+    assert _config(back)["model_type"] == "qwen2"
+
+
 # ------------------------------------------------------------------------------------------- refusals
 def _respelled(src: Path, **changes) -> Path:
     config = _config(src)

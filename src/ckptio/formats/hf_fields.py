@@ -102,10 +102,10 @@ def dtype_name(config: dict[str, Any]) -> str | None:
 
 
 # Every field of the configs of the model types ckptio maps to Llama-shaped targets (transformers 5's LlamaConfig,
-# MistralConfig and Qwen2Config with PretrainedConfig's own, and transformers 4's spellings of the same), each with what
-# a conversion does with it. tests/test_convert_function.py checks the lists against the installed transformers' classes, so a
-# field a new release adds fails the suite until it is placed here; at run time a field of the model type missing
-# from these lists is refused by name.
+# MistralConfig and Qwen2Config with PretrainedConfig's own, and transformers 4's spellings of the same), each with
+# what a conversion does with it. tests/test_convert_function.py checks the lists against the installed transformers'
+# classes, so a field a new release adds fails the suite until it is placed here; at run time a field of the model
+# type missing from these lists is refused by name.
 CARRIED = frozenset({
     "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
     "rms_norm_eps", "rope_parameters", "rope_theta", "rope_scaling", "partial_rotary_factor", "max_position_embeddings",
@@ -134,8 +134,8 @@ _MUST: dict[str, tuple[Any, str]] = {  # field -> (the value a Llama-shaped targ
 MODEL_FIELDS: dict[str, frozenset[str]] = {
     "llama": CARRIED | INERT | {"hidden_act", "attention_bias", "mlp_bias", "pretraining_tp", "is_encoder_decoder"},
     "mistral": CARRIED | INERT | {"hidden_act", "sliding_window", "is_encoder_decoder"},
-    "qwen2": CARRIED | INERT | {"hidden_act", "use_sliding_window", "sliding_window", "max_window_layers", "layer_types",
-                                "is_encoder_decoder"},
+    "qwen2": CARRIED | INERT | {"hidden_act", "use_sliding_window", "sliding_window", "max_window_layers",
+                                "layer_types", "is_encoder_decoder"},
 }
 """The fields each model type reads (anything else in its config.json, a stray field of another type, it ignores)."""
 _SWITCHED = {"qwen2": frozenset({"sliding_window", "max_window_layers"})}

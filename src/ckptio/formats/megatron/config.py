@@ -29,7 +29,7 @@ FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 def family(args: Any) -> str:
     """``qwen2`` for a run with biases on the query/key/value projection (Megatron-LM's ``--add-qkv-bias``, which
     is how Megatron trains Qwen2/2.5), else ``llama``; what neither computes is refused by :func:`hf_config`."""
-    return "qwen2" if _arg(args, "add_qkv_bias", False) is True else "llama"
+    return "qwen2" if _arg(args, "add_qkv_bias", False) else "llama"
 
 
 def _not_llama(args: Any) -> list[str]:
@@ -43,8 +43,6 @@ def _not_llama(args: Any) -> list[str]:
         problems.append(f"position_embedding_type={_arg(args, 'position_embedding_type')}")
     if _arg(args, "add_bias_linear", False):
         problems.append("linear biases (add_bias_linear=True)")
-    if _arg(args, "add_qkv_bias", False) not in (True, False, None):
-        problems.append(f"add_qkv_bias={_arg(args, 'add_qkv_bias')!r}")
     if _arg(args, "rotary_interleaved", False):
         problems.append("interleaved rotary embeddings")
     if _arg(args, "rotary_percent", None) not in (None, 1, 1.0):
@@ -156,8 +154,8 @@ def nemo2_args(model: dict[str, Any]) -> Any:
         rotary_seq_len_interpolation_factor=config.get("seq_len_interpolation_factor"),
         max_position_embeddings=config.get("seq_length"), normalization=config.get("normalization"),
         swiglu=glu, position_embedding_type=config.get("position_embedding_type", "rope"),
-        add_bias_linear=bool(config.get("add_bias_linear", False)), add_qkv_bias=bool(config.get("add_qkv_bias", False)),
-        vocab_size=config.get("vocab_size"),
+        add_bias_linear=bool(config.get("add_bias_linear", False)),
+        add_qkv_bias=bool(config.get("add_qkv_bias", False)), vocab_size=config.get("vocab_size"),
         untie_embeddings_and_output_weights=not config.get("share_embeddings_and_output_weights", True),
         bf16=bool(config.get("bf16")), fp16=bool(config.get("fp16")), rope_scaling=scaling)
 
@@ -197,5 +195,6 @@ def hf_args(hf: dict[str, Any], where: object) -> Any:
         max_position_embeddings=hf.get("max_position_embeddings"), vocab_size=hf.get("vocab_size"),
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
         rope_scaling={"rope_type": r.kind, **r.scaling} if r.kind != "default" else None,
-        add_bias_linear=bool(hf.get("attention_bias") or hf.get("mlp_bias")), add_qkv_bias=hf.get("model_type") == "qwen2",
+        add_bias_linear=bool(hf.get("attention_bias") or hf.get("mlp_bias")),
+        add_qkv_bias=hf.get("model_type") == "qwen2",
         bf16=dtype == "bfloat16", fp16=dtype == "float16")
