@@ -301,3 +301,12 @@ def test_the_cli_takes_the_divisor_and_like_and_refuses_them_for_other_targets(h
     assert _rows(tmp_path / "b") == 128
     wrong = ckptio_here("convert", str(hf), str(tmp_path / "c"), "--to", "hf", "--like", str(tmp_path / "a"))
     assert wrong.returncode == 2 and "--like only apply to --to megatron" in wrong.stderr
+
+
+def test_a_megatron_export_of_an_already_renamed_model_is_a_clear_error(hf, tmp_path):
+    """``--to megatron --naming llama-to-megatron`` renamed the model before the export, which renames it itself:
+    it stopped on a bare KeyError ('model.embed_tokens.weight'); now a ckptio error that says what to do."""
+    run = ckptio_here("convert", str(hf), str(tmp_path / "mg"), "--to", "megatron", "--naming", "llama-to-megatron",
+                      "--no-progress")
+    assert run.returncode == 2 and "convert without --naming" in run.stderr, run.stderr
+    assert not (tmp_path / "mg").exists()

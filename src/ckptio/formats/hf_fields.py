@@ -21,7 +21,7 @@ from typing import Any
 from ..errors import CheckpointCorruptError, ConfigError
 
 __all__ = ["DEFAULT_THETA", "Rope", "UnsupportedFieldError", "rope", "dtype_name", "refuse", "rope_config", "CARRIED",
-           "INERT", "MODEL_FIELDS", "unknown_fields", "class_fields"]
+           "INERT", "MODEL_FIELDS", "LLAMA_TYPES", "DEFAULT_EPS", "unknown_fields", "class_fields"]
 
 DEFAULT_THETA = 10000.0
 """transformers' (and Megatron's) rotary base when a config gives none."""
@@ -101,11 +101,11 @@ def dtype_name(config: dict[str, Any]) -> str | None:
     return None
 
 
-# Every field of the configs of the model types ckptio maps to Llama-shaped targets (transformers 5's LlamaConfig and
-# MistralConfig with PretrainedConfig's own, and transformers 4's spellings of the same), each with what a conversion
-# does with it. tests/test_convert_function.py checks the lists against the installed transformers' classes, so a
-# field a new release adds fails the suite until it is placed here; at run time a field of the model type missing
-# from these lists is refused by name.
+# Every field of the configs of the model types ckptio maps to Llama-shaped targets (transformers 5's LlamaConfig,
+# MistralConfig and Qwen2Config with PretrainedConfig's own, and transformers 4's spellings of the same), each with
+# what a conversion does with it. tests/test_convert_function.py checks the lists against the installed transformers'
+# classes, so a field a new release adds fails the suite until it is placed here; at run time a field of the model
+# type missing from these lists is refused by name.
 CARRIED = frozenset({
     "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
     "rms_norm_eps", "rope_parameters", "rope_theta", "rope_scaling", "partial_rotary_factor", "max_position_embeddings",
@@ -127,13 +127,24 @@ _MUST: dict[str, tuple[Any, str]] = {  # field -> (the value a Llama-shaped targ
     "pretraining_tp": (1, "Llama's pretraining_tp splits the projections' matmuls; only 1 is mapped."),
     "sliding_window": (None, "Only full attention is carried; set sliding_window to null if the model never sees "
                              "longer sequences."),
+    "use_sliding_window": (False, "Only full attention is carried; Qwen2 attends in a window of sliding_window tokens "
+                                  "on the layers from max_window_layers on when this is true."),
     "is_encoder_decoder": (False, "Only decoder-only models are mapped."),
 }
 MODEL_FIELDS: dict[str, frozenset[str]] = {
     "llama": CARRIED | INERT | {"hidden_act", "attention_bias", "mlp_bias", "pretraining_tp", "is_encoder_decoder"},
     "mistral": CARRIED | INERT | {"hidden_act", "sliding_window", "is_encoder_decoder"},
+    "qwen2": CARRIED | INERT | {"hidden_act", "use_sliding_window", "sliding_window", "max_window_layers",
+                                "layer_types", "is_encoder_decoder"},
 }
 """The fields each model type reads (anything else in its config.json, a stray field of another type, it ignores)."""
+_SWITCHED = {"qwen2": frozenset({"sliding_window", "max_window_layers"})}
+"""Fields a model type reads only when a switch in :data:`_MUST` is on (Qwen2's window, with ``use_sliding_window``):
+Qwen2.5's own configs hold ``sliding_window: 131072`` with the switch off, which computes full attention."""
+LLAMA_TYPES = ("llama", "mistral")
+"""The model types every Llama-shaped target holds; Megatron also holds ``qwen2`` (its ``add_qkv_bias``)."""
+DEFAULT_EPS = {"qwen2": 1e-6}
+"""transformers' ``rms_norm_eps`` when a config of the type gives none (1e-5 for the others)."""
 
 
 def _placed(config: dict[str, Any]) -> frozenset[str]:
@@ -142,19 +153,24 @@ def _placed(config: dict[str, Any]) -> frozenset[str]:
     return MODEL_FIELDS.get(kind if isinstance(kind, str) else "llama", MODEL_FIELDS["llama"])
 
 
-def _llama_checks(config: dict[str, Any], r: Rope) -> list[tuple[str, Any, bool, str]]:
+def _llama_checks(config: dict[str, Any], r: Rope, types: tuple[str, ...]) -> list[tuple[str, Any, bool, str]]:
     """What a field must be for a target that cannot hold any other value: (dotted name, the value, allowed, hint),
-    each field read as the config's model type reads it."""
+    each field read as the config's model type reads it; ``types``: the model types the target holds."""
     kind = config.get("model_type")
-    checks = [("model_type", kind, kind in (*MODEL_FIELDS, None),
-               "ckptio maps Llama-style decoders (RMSNorm, SwiGLU, RoPE, no biases): llama, and mistral without a "
-               "sliding window. Qwen2 has q/k/v biases.")]
-    reads = _placed(config)
+    checks = [("model_type", kind, kind in (*types, None),
+               f"ckptio maps Llama-style decoders (RMSNorm, SwiGLU, RoPE) of the model types {', '.join(types)} to "
+               "this target (mistral without a sliding window; qwen2, whose q/k/v projections have biases, to "
+               "Megatron only).")]
+    reads = _placed(config) - _SWITCHED.get(kind if isinstance(kind, str) else "", frozenset())
     for name in sorted(_MUST):
         if name in reads:
             want, hint = _MUST[name]
             value = config.get(name, want)  # transformers' default for each is the value a Llama computes
             checks.append((name, value, value == want and isinstance(value, bool) == isinstance(want, bool), hint))
+    if "layer_types" in reads:  # transformers 5 writes each layer's attention; older configs leave it out
+        value = config.get("layer_types")
+        checks.append(("layer_types", value, value is None or (isinstance(value, list) and all(
+            t == "full_attention" for t in value)), "Only full attention is carried (every layer full_attention)."))
     checks += [
         (f"{r.source}.rope_type", r.kind, r.kind == "default",
          "Only plain RoPE (rope_type default, any rope_theta) is carried; a scaled RoPE (linear, dynamic, llama3, "
@@ -171,12 +187,13 @@ def unknown_fields(config: dict[str, Any], known: "frozenset[str] | set[str]") -
     return sorted(name for name in known if name in config and name not in placed)
 
 
-def refuse(config: dict[str, Any], where: object, target: str, *, holds: tuple[str, ...] = ()) -> Rope:
-    """Check that a ``target`` checkpoint of a Llama-style model can hold every field of ``config`` that shapes
-    its computation, except those named in ``holds`` (which the target carries); raise
-    :class:`UnsupportedFieldError` naming the first that it cannot. Returns the config's rotary embedding."""
+def refuse(config: dict[str, Any], where: object, target: str, *, holds: tuple[str, ...] = (),
+           types: tuple[str, ...] = LLAMA_TYPES) -> Rope:
+    """Check that a ``target`` checkpoint of a Llama-style model (of the model ``types`` it holds) can hold every
+    field of ``config`` that shapes its computation, except those named in ``holds`` (which the target carries);
+    raise :class:`UnsupportedFieldError` naming the first that it cannot. Returns the config's rotary embedding."""
     r = rope(config, where)
-    for name, value, ok, hint in _llama_checks(config, r):
+    for name, value, ok, hint in _llama_checks(config, r, types):
         if not ok and name.rpartition(".")[2] not in holds and name not in holds:
             raise UnsupportedFieldError(where, name, value, target, hint)
     kind = config.get("model_type")

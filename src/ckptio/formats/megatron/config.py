@@ -4,7 +4,8 @@ Megatron-LM checkpoints carry the run's ``args`` (an ``argparse.Namespace``). Ot
 sizes are found beside the weights instead: NeMo 1.x archives in ``model_config.yaml`` (:func:`nemo_args`),
 NeMo 2.0 checkpoints in ``context/model.yaml`` (the model's config under ``config:``, Megatron-Core
 ``TransformerConfig`` names), or a Hugging Face ``config.json``. All become Megatron-LM argument names,
-and :func:`llama_config` turns those into the Hugging Face Llama config of the converted model.
+and :func:`hf_config` turns those into the Hugging Face config of the converted model: a Llama, or a Qwen2 when
+the run has biases on its query/key/value projection only (``add_qkv_bias``; :func:`family`).
 """
 
 from __future__ import annotations
@@ -21,8 +22,18 @@ def _arg(args: Any, name: str, default: Any = None) -> Any:
     return getattr(args, name, default) if args is not None else default
 
 
+FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+"""The Hugging Face model types a Megatron GPT run converts to, with their classes."""
+
+
+def family(args: Any) -> str:
+    """``qwen2`` for a run with biases on the query/key/value projection (Megatron-LM's ``--add-qkv-bias``, which
+    is how Megatron trains Qwen2/2.5), else ``llama``; what neither computes is refused by :func:`hf_config`."""
+    return "qwen2" if _arg(args, "add_qkv_bias", False) else "llama"
+
+
 def _not_llama(args: Any) -> list[str]:
-    """What in ``args`` a Hugging Face Llama cannot compute, each named by its Megatron-LM argument."""
+    """What in ``args`` neither a Hugging Face Llama nor a Qwen2 computes, each named by its Megatron-LM argument."""
     problems = []
     if _arg(args, "normalization", "RMSNorm") != "RMSNorm":
         problems.append(f"normalization={_arg(args, 'normalization')}")
@@ -30,8 +41,8 @@ def _not_llama(args: Any) -> list[str]:
         problems.append("no SwiGLU")
     if _arg(args, "position_embedding_type", "rope") != "rope":
         problems.append(f"position_embedding_type={_arg(args, 'position_embedding_type')}")
-    if _arg(args, "add_bias_linear", False) or _arg(args, "add_qkv_bias", False):
-        problems.append("linear biases")
+    if _arg(args, "add_bias_linear", False):
+        problems.append("linear biases (add_bias_linear=True)")
     if _arg(args, "rotary_interleaved", False):
         problems.append("interleaved rotary embeddings")
     if _arg(args, "rotary_percent", None) not in (None, 1, 1.0):
@@ -62,15 +73,17 @@ def _rope(args: Any, where: object) -> Any:
     return Rope(theta=theta)
 
 
-def llama_config(args: Any, where: object, layers: int, vocab_rows: int) -> dict[str, Any]:
-    """The Hugging Face Llama ``config.json`` of a Megatron run's ``args``; refuses non-Llama models by name.
+def hf_config(args: Any, where: object, layers: int, vocab_rows: int) -> dict[str, Any]:
+    """The Hugging Face ``config.json`` of a Megatron run's ``args``, a Llama's or a Qwen2's (:func:`family`);
+    refuses other models by name.
 
     The rotary embedding is written in both spellings (:func:`ckptio.formats.hf_fields.rope_config`), so that
     transformers 4 and 5 read the same model."""
     problems = _not_llama(args)
     if problems:
         raise CheckpointError(f"{where}: not a Llama-style model ({', '.join(problems)}); ckptio maps Megatron GPT "
-                              "models with RMSNorm, SwiGLU, RoPE and no linear biases to Hugging Face Llama")
+                              "models with RMSNorm, SwiGLU, RoPE and no linear biases to Hugging Face Llama, and "
+                              "with biases on the query/key/value projection only (add_qkv_bias) to Qwen2")
     hidden, heads = _arg(args, "hidden_size"), _arg(args, "num_attention_heads")
     if not isinstance(hidden, int) or not isinstance(heads, int):
         raise CheckpointError(f"{where}: the run's args are missing (hidden_size, num_attention_heads...); put the "
@@ -78,7 +91,7 @@ def llama_config(args: Any, where: object, layers: int, vocab_rows: int) -> dict
     groups = _arg(args, "num_query_groups") if _arg(args, "group_query_attention", False) else heads
     vocab = _arg(args, "vocab_size") or _arg(args, "padded_vocab_size") or vocab_rows
     dtype = "bfloat16" if _arg(args, "bf16", False) else "float16" if _arg(args, "fp16", False) else "float32"
-    return {
+    config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
         "intermediate_size": _arg(args, "ffn_hidden_size") or 4 * hidden, "num_hidden_layers": layers,
         "num_attention_heads": heads, "num_key_value_heads": groups or heads,
@@ -89,13 +102,18 @@ def llama_config(args: Any, where: object, layers: int, vocab_rows: int) -> dict
         "attention_bias": False, "mlp_bias": False, "dtype": dtype, "torch_dtype": dtype,
         "attention_dropout": float(_arg(args, "attention_dropout", 0.0) or 0.0),
     }
+    if family(args) == "qwen2":  # q/k/v biases always, no others (no attention_bias or mlp_bias field); full attention
+        del config["attention_bias"], config["mlp_bias"]
+        config.update(architectures=[FAMILIES["qwen2"]], model_type="qwen2", use_sliding_window=False,
+                      sliding_window=None, max_window_layers=layers, layer_types=["full_attention"] * layers)
+    return config
 
 
 def nemo_args(config: dict[str, Any]) -> Any:
     """Megatron arguments from a NeMo 1.x ``model_config.yaml`` of a Megatron-Core GPT model."""
     activation = str(config.get("activation", "gelu")).lower()
     return argparse.Namespace(
-        **{k: v for k, v in config.items() if k in MUST},  # refused by llama_config unless off
+        **{k: v for k, v in config.items() if k in MUST},  # refused by hf_config unless off
         hidden_size=config.get("hidden_size"), num_attention_heads=config.get("num_attention_heads"),
         num_query_groups=config.get("num_query_groups"), group_query_attention=bool(config.get("num_query_groups")),
         ffn_hidden_size=config.get("ffn_hidden_size"), kv_channels=config.get("kv_channels"),
@@ -105,7 +123,8 @@ def nemo_args(config: dict[str, Any]) -> Any:
         max_position_embeddings=config.get("max_position_embeddings") or config.get("encoder_seq_length"),
         normalization="RMSNorm" if str(config.get("normalization", "")).lower() == "rmsnorm" else config.get("normalization"),
         swiglu=activation in ("swiglu", "fast-swiglu"), position_embedding_type=config.get("position_embedding_type"),
-        add_bias_linear=bool(config.get("bias", False)), vocab_size=None,
+        add_bias_linear=bool(config.get("bias", False)), add_qkv_bias=bool(config.get("qkv_bias", False)),
+        vocab_size=None,
         untie_embeddings_and_output_weights=not config.get("share_embeddings_and_output_weights", True),
         tensor_model_parallel_size=config.get("tensor_model_parallel_size"),
         pipeline_model_parallel_size=config.get("pipeline_model_parallel_size"),
@@ -126,7 +145,7 @@ def nemo2_args(model: dict[str, Any]) -> Any:
                    "high_freq_factor": config.get("high_freq_factor", 4.0),
                    "original_max_position_embeddings": config.get("old_context_len", 8192)}
     return argparse.Namespace(
-        **{k: v for k, v in config.items() if k in MUST},  # refused by llama_config unless off
+        **{k: v for k, v in config.items() if k in MUST},  # refused by hf_config unless off
         hidden_size=config.get("hidden_size"), num_attention_heads=config.get("num_attention_heads"),
         num_query_groups=config.get("num_query_groups"), group_query_attention=bool(config.get("num_query_groups")),
         ffn_hidden_size=config.get("ffn_hidden_size"), kv_channels=config.get("kv_channels"),
@@ -135,7 +154,8 @@ def nemo2_args(model: dict[str, Any]) -> Any:
         rotary_seq_len_interpolation_factor=config.get("seq_len_interpolation_factor"),
         max_position_embeddings=config.get("seq_length"), normalization=config.get("normalization"),
         swiglu=glu, position_embedding_type=config.get("position_embedding_type", "rope"),
-        add_bias_linear=bool(config.get("add_bias_linear", False)), vocab_size=config.get("vocab_size"),
+        add_bias_linear=bool(config.get("add_bias_linear", False)),
+        add_qkv_bias=bool(config.get("add_qkv_bias", False)), vocab_size=config.get("vocab_size"),
         untie_embeddings_and_output_weights=not config.get("share_embeddings_and_output_weights", True),
         bf16=bool(config.get("bf16")), fp16=bool(config.get("fp16")), rope_scaling=scaling)
 
@@ -176,4 +196,5 @@ def hf_args(hf: dict[str, Any], where: object) -> Any:
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
         rope_scaling={"rope_type": r.kind, **r.scaling} if r.kind != "default" else None,
         add_bias_linear=bool(hf.get("attention_bias") or hf.get("mlp_bias")),
+        add_qkv_bias=hf.get("model_type") == "qwen2",
         bf16=dtype == "bfloat16", fp16=dtype == "float16")

@@ -1,8 +1,9 @@
-"""Every Megatron model argument, placed: carried into the Hugging Face Llama config, inert, or refused by name.
+"""Every Megatron model argument, placed: carried into the Hugging Face Llama/Qwen2 config, inert, or refused by name.
 
 A Megatron run builds its model from Megatron-Core's ``TransformerConfig`` (with ``ModelParallelConfig``), whose
 fields Megatron-LM fills from arguments of the same names, plus a few Megatron-LM arguments it translates
-(``swiglu``, ``apply_layernorm_1p``, ``num_experts``...). A conversion to a Llama decides from all of them:
+(``swiglu``, ``apply_layernorm_1p``, ``num_experts``...). A conversion to a Llama or a Qwen2 (a Llama with biases
+on its query, key and value projections: ``add_qkv_bias``) decides from all of them:
 
 * :data:`CARRIED` — read into the converted config (sizes, heads, norm epsilon, rotary base, tying, dtype);
 * :data:`MUST` — a feature a Llama does not compute (a window, a 1+gamma norm, QK norms, experts...): the
@@ -29,8 +30,9 @@ CARRIED = frozenset({
     "untie_embeddings_and_output_weights", "vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by",
     "max_position_embeddings", "seq_length", "params_dtype", "bf16", "fp16", "use_rotary_position_embeddings",
 })
-"""Read by :func:`ckptio.formats.megatron.config.llama_config` (the ones a Llama cannot hold otherwise refused
-there: a LayerNorm, biases, another activation or position embedding, a partial or interpolated RoPE)."""
+"""Read by :func:`ckptio.formats.megatron.config.hf_config` (the ones a Llama or a Qwen2 cannot hold otherwise refused
+there: a LayerNorm, biases other than Qwen2's on the query/key/value projection, another activation or position
+embedding, a partial or interpolated RoPE); ``add_qkv_bias`` decides the family (Llama or Qwen2)."""
 
 _OFF: dict[str, tuple[tuple[Any, ...], str]] = {
     # argument: (the values under which a Llama computes the same, what it is)

@@ -1,4 +1,4 @@
-"""Megatron-LM and Megatron-Core checkpoints, read as one Hugging Face Llama model.
+"""Megatron-LM and Megatron-Core checkpoints, read as one Hugging Face Llama or Qwen2 model.
 
 Layouts, detected from the folder (a run folder with ``latest_checkpointed_iteration.txt``, or one
 iteration folder ``iter_NNNNNNN``/``release``):
@@ -16,8 +16,10 @@ column-parallel ``linear_qkv`` (whole query groups per rank), embeddings and out
 row-parallel ``linear_proj`` and ``linear_fc2`` on dim 1, and ``linear_fc1`` whose every shard holds
 ``[gate part; up part]`` regathered as ``[gate; up]`` — with pipeline stages renumbered into one layer
 sequence and the vocabulary padding cut off. The ``megatron-to-llama`` naming converter
-(:mod:`ckptio.formats.naming`) then splits the fused tensors into Llama's. The Llama config comes
-from the run's ``args`` (or a ``config.json`` beside the checkpoint).
+(:mod:`ckptio.formats.naming`) then splits the fused tensors into Llama's (Qwen2's: the same names, with
+``linear_qkv.bias`` split into the q/k/v biases). The Hugging Face config comes from the run's ``args`` (or a
+``config.json`` beside the checkpoint): a Qwen2 when they have ``add_qkv_bias``, else a Llama
+(:func:`ckptio.formats.megatron.config.family`), and the biases must be in every layer exactly then.
 """
 
 from __future__ import annotations
@@ -34,9 +36,9 @@ from ...errors import CheckpointCorruptError, CheckpointError
 from ...storage.confined import Folder
 from ...storage.parse import json_object
 from ..common import TensorInfo, dtype_name
-from .config import _arg, args_from_files, llama_config
+from .config import _arg, args_from_files, family, hf_config
 from .layout import (GLOBAL_SPLIT, ITERATION_FILE, LAYER_SPLIT, MAX_COMMON_BYTES, MAX_RANK_FILE_BYTES, NEMO_RANK_FILE,
-                     VOCAB_KEYS, _LAYER, _RENAME, _rank_files, carry_side_files, iteration_folder, layout_of)
+                     QKV_BIAS, VOCAB_KEYS, _LAYER, _RENAME, _rank_files, carry_side_files, iteration_folder, layout_of)
 from ..registry import Format, Opened, WriteOptions, register
 
 
@@ -57,7 +59,8 @@ def _kind(key: str, where: object) -> tuple[str, Any, int | None]:
     elif key in GLOBAL_SPLIT:
         return key, GLOBAL_SPLIT[key], None
     raise CheckpointError(f"{where}: {key!r} is not a parameter of a Llama-style Megatron GPT model (ckptio maps "
-                          "RMSNorm + SwiGLU + RoPE models without linear biases; see docs/converters.md)")
+                          "RMSNorm + SwiGLU + RoPE models without linear biases, or with biases on the query/key/value "
+                          "projection only (Qwen2); see docs/converters.md)")
 
 
 def merge_tp(parts: list[torch.Tensor], split: Any, key: str, where: object) -> torch.Tensor:
@@ -210,7 +213,11 @@ class MegatronSource:
             args = args_from_files(self.folder, self.run)
         rows = self._index["embedding.word_embeddings.weight"].shape[0] if "embedding.word_embeddings.weight" in \
             self._index else 0
-        self.config = llama_config(args, self.folder, self.info["layers"], rows)
+        self.config = hf_config(args, self.folder, self.info["layers"], rows)
+        biased = sum(k.endswith(QKV_BIAS) for k in self._index)
+        if biased != (self.info["layers"] if family(args) == "qwen2" else 0):
+            raise CheckpointCorruptError(f"{self.folder}: {biased} of its {self.info['layers']} layers hold "
+                                         f"{QKV_BIAS}, but the run's add_qkv_bias is {_arg(args, 'add_qkv_bias')!r}")
         if self.config["tie_word_embeddings"]:  # a last-stage copy of the tied embedding is not a weight of its own
             self._index.pop("output_layer.weight", None)
         self.vocab = self.config["vocab_size"]
@@ -241,10 +248,10 @@ def _as_llama(source: MegatronSource) -> Any:
 
 
 class MegatronFormat(Format):
-    """Megatron-LM legacy (``mp_rank_*``) and Megatron-Core ``torch_dist`` checkpoints, read as HF Llama."""
+    """Megatron-LM legacy (``mp_rank_*``) and Megatron-Core ``torch_dist`` checkpoints, read as HF Llama or Qwen2."""
 
     name = "megatron"
-    summary = "Megatron-LM / Megatron-Core checkpoint (mp_rank_* or torch_dist), read as Hugging Face Llama"
+    summary = "Megatron-LM / Megatron-Core checkpoint (mp_rank_* or torch_dist), read as Hugging Face Llama or Qwen2"
     priority = 25
 
     def detect(self, path: Path) -> bool:
@@ -298,7 +305,7 @@ class MegatronFormat(Format):
         return {"path": str(path), "kind": self.name, "label": self.summary, "iteration": info.get("iteration"),
                 "weights": f"{source.folder.name}: {layout}, saved on TP={tp} PP={pp}",
                 "layout": source.layout, "tp": tp, "pp": pp, "layers": info.get("layers"),
-                "architecture": "LlamaForCausalLM (Megatron GPT)", "config": source.config,
+                "architecture": f"{source.config['architectures'][0]} (Megatron GPT)", "config": source.config,
                 "placeholders": sorted(info.get("placeholders", ())),
                 "tensors": asdict(summarize_index(_as_llama(source).index())), "files": files,
                 "total_bytes": sum(files.values())}

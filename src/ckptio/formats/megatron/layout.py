@@ -28,12 +28,14 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 # legacy (local spec) names -> the names Megatron-Core's distributed checkpoints use for every spec
 _RENAME = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
            "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
-# per-layer parameter -> how tensor parallelism splits it: a dim, "glu" ([gate; up] per shard), None (replicated)
+# per-layer parameter -> how tensor parallelism splits it: a dim, "glu" ([gate; up] per shard), None (replicated);
+# every one is in every layer but the QKV_BIAS, present exactly when the run has add_qkv_bias (the Qwen2 family)
 LAYER_SPLIT: dict[str, Any] = {
     "self_attention.linear_qkv.layer_norm_weight": None, "mlp.linear_fc1.layer_norm_weight": None,
-    "self_attention.linear_qkv.weight": 0, "self_attention.linear_proj.weight": 1,
+    "self_attention.linear_qkv.weight": 0, "self_attention.linear_qkv.bias": 0, "self_attention.linear_proj.weight": 1,
     "mlp.linear_fc1.weight": "glu", "mlp.linear_fc2.weight": 1,
 }
+QKV_BIAS = "self_attention.linear_qkv.bias"
 GLOBAL_SPLIT: dict[str, Any] = {"embedding.word_embeddings.weight": 0, "output_layer.weight": 0,
                                 "decoder.final_layernorm.weight": None}
 VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
