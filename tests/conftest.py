@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
-# "ci": what the suite runs; "fuzz": the long run of benchmarks/fuzz_readers.py
+# "ci": what the suite runs; "fuzz": the long run of tools/fuzz_readers.py
 settings.register_profile("ci", max_examples=120, deadline=None)
 settings.register_profile("fuzz", max_examples=int(os.environ.get("CKPTIO_FUZZ_EXAMPLES", "3000")), deadline=None)
 settings.load_profile(os.environ.get("CKPTIO_HYPOTHESIS_PROFILE", "ci"))

@@ -8,7 +8,7 @@
         [--replicas K]        # memory_replicas (default: the config's)
         [--natural-exit]      # end as a user's script does: close, destroy the group, return (no os._exit)
         [--no-ckptio]         # the same training without a checkpoint manager (with --natural-exit: the baseline
-                              # of benchmarks/exit_aborts.py)
+                              # of tools/exit_aborts.py)
 
 Trains the tiny Llama (FSDP2 over all ranks, ``toy.Run``) with ``maybe_save()`` after every step: a memory
 snapshot every ``--memory-every`` steps into this node's ``CKPTIO_MEMORY_DIR``, a durable save into ``--ckpt``

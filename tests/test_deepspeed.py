@@ -411,7 +411,7 @@ def test_a_latest_naming_no_checkpoint_and_unreadable_kinds_are_named(runs, tmp_
 
 def test_fuzz_family_smoke(runs):
     """A CI-sized run of the DeepSpeed fuzz family (the long run: ``fuzz_readers.py --family deepspeed``)."""
-    sys.path.insert(0, str(HERE.parent / "benchmarks"))
+    sys.path.insert(0, str(HERE.parent / "tools"))
     import fuzz_readers
 
     tally = fuzz_readers.run(["deepspeed"], inputs=60, seed=3, verbose=True)["deepspeed"]

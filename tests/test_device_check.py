@@ -1,4 +1,4 @@
-"""``benchmarks/device_check.py``, the GPU checks ready for a machine that has one: without CUDA it says so in one
+"""``tools/device_check.py``, the GPU checks ready for a machine that has one: without CUDA it says so in one
 line and succeeds; ``--device cpu`` runs every check end to end on the CPU (bitwise restores in every format, in
 the background and through the memory tier, staging buffers reused, memory back to level, a process group)."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "device_check.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "device_check.py"
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:

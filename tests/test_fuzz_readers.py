@@ -1,5 +1,5 @@
 """A CI-sized run of the reader fuzzer's families for the frameworks' folders, adopted AutoModel steps, memory
-snapshots, chunk indexes and the run's record (``benchmarks/fuzz_readers.py``): every input must end in a right load or a ckptio
+snapshots, chunk indexes and the run's record (``tools/fuzz_readers.py``): every input must end in a right load or a ckptio
 error, within the time limit and the bound on peak memory. The long runs are the fuzzer's own
 (``--inputs 100000 --family NAME``)."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
 INPUTS = {"chunk_index": 200, "hf_trainer": 150, "lightning": 150, "memory": 100, "accelerate": 100, "automodel": 60,
           "record": 300}

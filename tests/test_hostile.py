@@ -1,7 +1,7 @@
 """Corrupt and hostile inputs: only ckptio's own errors, never code execution, never a write outside.
 
 The property tests mutate valid files at random (hypothesis); the named cases are hand-made attacks
-and any input that ever broke a reader, kept as regressions. `benchmarks/fuzz_readers.py` runs the
+and any input that ever broke a reader, kept as regressions. `tools/fuzz_readers.py` runs the
 same properties for much longer.
 """
 
@@ -154,8 +154,8 @@ def test_random_manifests_give_only_ckptio_errors(tmp_path_factory, doc):
 
 
 def test_fuzz_families_smoke():
-    """A short run of every family of benchmarks/fuzz_readers.py: nothing but right loads and clean errors."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    """A short run of every family of tools/fuzz_readers.py: nothing but right loads and clean errors."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
     import fuzz_readers
 
     tally = fuzz_readers.run(list(fuzz_readers.FAMILIES), inputs=40, seed=7, verbose=True)

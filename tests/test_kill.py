@@ -1,7 +1,7 @@
 """SIGKILL a rank at a random moment of a save loop: the next run resumes from a complete checkpoint.
 
 Kills land during shard writes, the commit, pointer updates and retention deletes (with retention on,
-every save deletes one). `benchmarks/fault_injection.py` runs many more trials and prints the tally.
+every save deletes one). `tools/fault_injection.py` runs many more trials and prints the tally.
 """
 
 from __future__ import annotations

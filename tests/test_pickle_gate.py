@@ -104,7 +104,7 @@ def test_every_reader_of_a_torch_save_pickle_refuses_it_naming_the_file(tmp_path
 
 def test_the_fuzz_runs_findings_replay_as_right_loads():
     """The ten inputs of the 100,000-input automodel run that hung, grew by gigabytes or raised a bare error."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
     import fuzz_readers
 
     found = [12356, 20319, 24775, 38268, 38958, 50366, 65502, 80193, 80245, 99933]

@@ -529,7 +529,7 @@ def test_a_server_that_keeps_failing_fails_the_save_cleanly(bucket, s3_server, m
 def test_sigkill_during_saves_to_a_bucket_never_leaves_a_torn_checkpoint(bucket):
     """2 FSDP2 ranks save to the bucket in a loop with retention; one is SIGKILLed at a random moment (mid-
     upload, mid-commit or mid-delete); every committed checkpoint is whole, the newest and the best survive,
-    the next run takes over the dead job's lease and resumes. `benchmarks/fault_injection.py --s3` runs more."""
+    the next run takes over the dead job's lease and resumes. `tools/fault_injection.py --s3` runs more."""
     import random
 
     from test_kill import kill_trial

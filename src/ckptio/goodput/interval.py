@@ -135,7 +135,8 @@ def parse_duration(value: Any, what: str) -> float:
     ``"1.5e3s"``: between :data:`MIN_MTBF_S` and :data:`MAX_DURATION_S`, else a :class:`ConfigError` naming
     ``what`` (never an ``OverflowError``, whatever the number)."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        number, unit = value, 1
+        number: Any = value
+        unit: float = 1
     elif isinstance(value, str) and (m := _DURATION.fullmatch(value)):
         number, unit = m.group(1), _UNITS[m.group(2) or "s"]
     else:

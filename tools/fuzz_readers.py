@@ -1,6 +1,6 @@
 """Fuzz ckptio's readers with hostile and damaged inputs; every outcome must be "loaded right" or a clean error.
 
-    .venv/bin/python benchmarks/fuzz_readers.py [--inputs 500] [--seed 0] [--family NAME ...] [--jobs 2]
+    .venv/bin/python tools/fuzz_readers.py [--inputs 500] [--seed 0] [--family NAME ...] [--jobs 2]
         [--minutes M] [--timeout 10] [--rss-mb 256] [--direct-reads] [--prefetch] [--replay N ... [--debug]]
 
 Families (each generates structured attacks and random byte damage of valid files):
@@ -47,7 +47,7 @@ depends only on --seed and its number, so the tally is the same), and --minutes 
 of inputs. Each family ends with one line: inputs, loaded right, clean errors, failures, peak RSS, inputs/s (the
 inputs alone; its preparation, done once, is given apart). A long run on a two-core machine:
 
-    .venv/bin/python benchmarks/fuzz_readers.py --inputs 100000 --family automodel --jobs 2 --minutes 40
+    .venv/bin/python tools/fuzz_readers.py --inputs 100000 --family automodel --jobs 2 --minutes 40
 
 The suite runs a few inputs of the first six families (tests/test_hostile.py::test_fuzz_families_smoke) and 200
 of each of the others (tests/test_fuzz_readers.py).
@@ -73,7 +73,7 @@ from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tools"))
 
 import torch  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Kill trials of the memory tier: a node of a 2-node job SIGKILLed at a random moment.
 
-Run by ``benchmarks/fault_injection.py --memory``.
+Run by ``tools/fault_injection.py --memory``.
 
 The job is ``tests/memory_node_worker.py`` on two ``torchrun`` "nodes" of 2 ranks each on 127.0.0.1, each node with
 its own memory folder: FSDP2 tiny Llama, a memory snapshot every 2 steps (replicated on the other node), a durable

@@ -1,7 +1,7 @@
 """What only a GPU can check, in one command: ckptio's paths with the state on a CUDA device.
 
-    .venv/bin/python benchmarks/device_check.py              # on the first CUDA device; one line and exit 0 without
-    .venv/bin/python benchmarks/device_check.py --device cpu # the same checks on the CPU (how the tests run it here)
+    .venv/bin/python tools/device_check.py              # on the first CUDA device; one line and exit 0 without
+    .venv/bin/python tools/device_check.py --device cpu # the same checks on the CPU (how the tests run it here)
 
 Options: ``--mb`` (state size, default 256: weights and AdamW's two moments), ``--saves`` (default 10). Under five
 minutes on one GPU. Checks, each a row of one table (exit status 1 when one fails):

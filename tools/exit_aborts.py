@@ -1,6 +1,6 @@
 """How often a finished job's ranks die at interpreter exit: with ckptio, and the same job without it.
 
-    .venv/bin/python benchmarks/exit_aborts.py --runs 100 [--variants ckptio,plain] [--load 1] [--cores 2]
+    .venv/bin/python tools/exit_aborts.py --runs 100 [--variants ckptio,plain] [--load 1] [--cores 2]
         [--before-src OLD/src]
 
 Each run is the job of ``tests/memory_node_worker.py`` on two ``torchrun`` "nodes" of 2 ranks each on 127.0.0.1

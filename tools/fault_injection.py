@@ -1,6 +1,6 @@
 """Many SIGKILL trials against a saving job; prints the tally. The suite runs a few of the same trials.
 
-    .venv/bin/python benchmarks/fault_injection.py --trials 50
+    .venv/bin/python tools/fault_injection.py --trials 50
 
 Each trial starts 2 gloo ranks that save a 16 MiB FSDP2 model in a loop (half the trials with top-k
 retention, so deletions happen on every save; every other pair with background saves, which write
@@ -8,16 +8,16 @@ one checkpoint while the loop overwrites the parameters for the next), SIGKILLs 
 every committed checkpoint is intact byte for byte, that nothing committed was lost (the latest and
 the best, under retention), and that a new run resumes from the newest with the right values.
 
-    .venv/bin/python benchmarks/fault_injection.py --s3 --trials 20
+    .venv/bin/python tools/fault_injection.py --s3 --trials 20
 
 runs the same trials against an ``s3://`` checkpoint folder on an S3-compatible server (moto's, started
 here on 127.0.0.1): kills land mid-upload, mid-commit and mid-delete, and the restarted job must take
 over the killed job's lease.
 
-    .venv/bin/python benchmarks/fault_injection.py --memory --trials 20
+    .venv/bin/python tools/fault_injection.py --memory --trials 20
 
 runs the memory tier's trials instead: a node of a 2-node ``torchrun`` job SIGKILLed at random, the job restarted
-(``benchmarks/fault_memory.py`` says what each trial checks).
+(``tools/fault_memory.py`` says what each trial checks).
 """
 
 from __future__ import annotations
