@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -237,12 +240,20 @@ def test_a_damaged_copy_in_a_bucket_leaves_a_step_to_restore(bucket):
         mgr.save(step=step)
         saved[step] = {k: v.clone() for k, v in model.state_dict().items()}
     held = _copies_bucket(url)
+    verify = [str(Path(sys.executable).parent / "ckptio"), "verify", url, "--json", "--no-progress"]
+    out = subprocess.run(verify, capture_output=True, text=True, timeout=120, env=os.environ)
+    assert out.returncode == 0, out.stdout[-3000:]  # healthy: a removed step whose files are used is not damage
     s3 = s3mod.client()
     key = f"rot/{held[5]}"
     data = bytearray(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
     data[-3] ^= 0x10
     s3.put_object(Bucket=bucket, Key=key, Body=bytes(data))
     intact = max(s for s, copy in held.items() if copy != held[5])
+    out = subprocess.run(verify, capture_output=True, text=True, timeout=120, env=os.environ)
+    assert out.stdout, out.stderr[-2000:]
+    report = json.loads(out.stdout)  # ckptio verify on the bucket's folder names every step using the rotten object
+    bad = {Path(p).name for p, problems in report["checkpoints"].items() if problems}
+    assert out.returncode == 1 and bad == {f"epoch_0_step_{s}" for s, copy in held.items() if copy == held[5]}, out.stdout
     fresh, fresh_opt = _objects(seed=1)
     with _manager(url, fresh, fresh_opt, keep_latest=3) as other:
         info = other.restore()

@@ -175,6 +175,11 @@ def test_a_damaged_shared_file_is_named_in_every_step_using_it_and_resume_falls_
         assert main(["verify", str(path)]) == (0 if step == 1 else 1)
         out = capsys.readouterr()
         assert (new[0] in out.out + out.err) == (step != 1), out
+    assert main(["verify", str(tmp_path), "--json"]) == 1  # the whole folder: every step that holds the copy, named
+    report = json.loads(capsys.readouterr().out)
+    bad = {Path(path).name: problems for path, problems in report["checkpoints"].items() if problems}
+    assert set(bad) == {steps[s].name for s in (2, 3, 4)}, report
+    assert all(new[0] in " ".join(problems) for problems in bad.values()), report
     other = Run(tmp_path, max_steps=100, seed=1, freeze=True)
     info = other.mgr.restore()
     assert info is not None and info.step == 1  # past 4, 3 and 2: each uses the damaged file

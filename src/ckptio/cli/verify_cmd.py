@@ -58,16 +58,21 @@ def run(args: argparse.Namespace) -> int:
         is_step = storage.folder().kind(MANIFEST_NAME) == "file"
     except CheckpointNotFoundError:
         raise CheckpointNotFoundError(f"{path}: no such directory") from None
+    held: dict[str, str | None] = {}
     if is_step:
         targets = [path]
     else:
-        targets = [e.path for e in scan(storage)]
+        entries = scan(storage)
+        targets = [e.path for e in entries if not e.held_for]
+        held = {str(e.path): e.problem for e in entries if e.held_for}  # files other steps use: checked with them
         if not targets:
             raise CheckpointNotFoundError(f"{path} holds no checkpoints")
     report = {str(t): _verify_one(t, not args.no_progress and not args.json) for t in targets}
     if args.json:
-        print(json.dumps({"ok": not any(report.values()), "checkpoints": report}, indent=2))
+        print(json.dumps({"ok": not any(report.values()), "checkpoints": report, "held": held}, indent=2))
     else:
+        for target, why in held.items():
+            print(f"HELD {target}: {why}")
         for target, problems in report.items():
             if problems:
                 print(f"BAD  {target}")

@@ -111,6 +111,9 @@ class CheckpointEntry:
     """Whether the directory looks like a step directory (a manifest, or a ``model/`` or ``optim/`` folder): an
     unusable one is damage to report, not an unrelated folder (logs, a temporary of a save in flight)."""
 
+    held_for: tuple[str, ...] = ()
+    """A step retention removed whose files committed steps still use (a bucket's references): those steps' names."""
+
     @property
     def committed(self) -> bool:
         return self.manifest is not None and self.problem is None
@@ -212,6 +215,14 @@ def scan(checkpoint_dir: "str | Path | Storage", verify: str = "size") -> list[C
         if e.kind == "dir" and (e.name.startswith(TMP_PREFIX) or not e.name.startswith("."))
         and e.name not in POINTER_NAMES
     ]
+    users: dict[str, list[str]] = {}  # a step's name -> the committed steps that use files under it
+    for e in entries:
+        for target in (e.manifest.shared.values() if e.committed and e.manifest is not None else ()):
+            users.setdefault(target.split("/", 1)[0], []).append(e.name)
+    for e in entries:
+        if not e.committed and e.name in users:  # not damage: what a bucket keeps until nothing refers to it
+            e.held_for, e.candidate = tuple(sorted(set(users[e.name]))), False
+            e.problem = f"removed by retention; its files that {', '.join(e.held_for)} use stay until none does"
     return sorted(entries, key=lambda e: (not e.committed, e.step if e.step is not None else -1, e.name))
 
 
