@@ -20,7 +20,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``ckptio verify``."""
     p = sub.add_parser("verify", help="check sizes and checksums of every file; exit 1 if anything is wrong",
                        description="Verify a step directory, or every step directory of a checkpoint folder, "
-                                   "against the sizes and checksums recorded in its manifest.")
+                                   "against the sizes and checksums recorded in its manifest. A damaged file that "
+                                   "several steps share is named in each step that uses it. In a bucket, a step "
+                                   "retention removed whose objects later steps still use is HELD, not damage.")
     p.add_argument("path", help="a step directory or a checkpoint folder")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress (a bar on a terminal, lines otherwise)")
