@@ -67,6 +67,9 @@ def _events(rng: random.Random) -> list[dict]:
                    {"kind": "restore", "time": rng.choice([1501.0, 900.0, 0.0]), "step": 10, "tier": "memory",
                     "steps_lost": rng.choice([0, 3, 1 << 62]), "restore_s": 0.5, "startup_s": 4.0},
                    {"kind": "remove", "time": 1502.0, "step": 0}, {"kind": "remove", "time": 1502.5}]
+    if rng.random() < 0.3:  # saves that failed while training went on (failed_saves_allowed)
+        events += [{"kind": "save_failed", "time": 1503.0, "tier": rng.choice(["durable", "memory"]), "step": 20},
+                   {"kind": "save_failed", "time": 1504.0, "tier": "durable"}]
     events.append(rng.choice([{"kind": "end", "time": 2000.0}, {"kind": "progress", "time": 2000.0, "step": 99}]))
     return events
 

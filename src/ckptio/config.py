@@ -137,6 +137,13 @@ class CheckpointConfig:
     its error is raised at the next ``save()``, ``wait()`` or ``close()``). Edits in place before the next ``step()``:
     docs/configuration.md, "Saving in the background" (what ckptio cannot see lands in the save)."""
 
+    failed_saves_allowed: int = 3
+    """Background saves (``async_save``) and memory-tier snapshots that may fail in a row (a full disk, a bucket that
+    refuses), each logged and recorded while training goes on; the next failure raises. 0: raise at the first."""
+
+    sync_saves_may_fail: bool = False
+    """A synchronous ``save()`` that fails counts against ``failed_saves_allowed`` too, instead of raising."""
+
     wait_for_staging: bool = False
     """With ``async_save``: ``False`` (AutoModel's default too) copies the parameters and optimizer state after
     ``save()`` returns, before the optimizer's next ``step()`` (ckptio hooks it); change them otherwise (``no_grad``,

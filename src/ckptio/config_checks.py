@@ -69,10 +69,15 @@ def validate_switches(self: Any) -> None:
     for name in [n for n in ("is_async", "share_reads") if type(getattr(self, n)) not in (type(None), bool)]:
         raise ConfigError(f"{name} must be true, false or null, got {getattr(self, name)!r}")
     for name in ("is_peft", "enabled", "strict", "auto_insert_field_names", "save_last", "async_save",
-                 "wait_for_staging", "load_cast_dtype", "start_fresh_if_damaged", "share_unchanged"):
+                 "wait_for_staging", "load_cast_dtype", "start_fresh_if_damaged", "share_unchanged",
+                 "sync_saves_may_fail"):
         value = getattr(self, name)
         if not isinstance(value, bool):
             raise ConfigError(f"{name} must be true or false, got {value!r}")
+    allowed = self.failed_saves_allowed
+    if type(allowed) is not int or not 0 <= allowed <= 10**6:
+        raise ConfigError(f"failed_saves_allowed must be a whole number of saves from 0 (raise at the first failure) "
+                          f"to 1000000, got {allowed!r}")
 
 
 def validate_preemption(self: Any) -> None:

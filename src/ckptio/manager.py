@@ -26,6 +26,7 @@ from .config import CheckpointConfig
 from .errors import ConfigError
 from .formats.safetensors.peft_adapter import adapter_name
 from .goodput import Goodput
+from .goodput.failures import SaveFailures
 from .goodput.preemption import Preemption
 from .engine.layout import MODEL_DIR, OPTIM_DIR
 from .engine.manifest import MANIFEST_NAME
@@ -99,6 +100,7 @@ class CheckpointManager:
         self._writer: BackgroundWriter | None = None  # made at the first background save
         self._goodput = Goodput(config, self.storage, step_scheduler, self.log, model, self._saver)
         self._preemption = Preemption(config, self.log)  # the handlers of on_preemption (docs/preemption.md)
+        self._failures = SaveFailures(config, self.log, self._goodput.emit)  # failed_saves_allowed
 
     @property
     def model(self) -> nn.Module | None:
@@ -157,19 +159,15 @@ class CheckpointManager:
     # ------------------------------------------------------------------ save
     def save(self, *, step: int | None = None, epoch: int | None = None, metrics: dict[str, float] | None = None,
              counters: dict[str, Any] | None = None, final: bool | None = None) -> Path | None:
-        """Collective: write a complete checkpoint of everything registered and commit it atomically.
-
-        ``step``/``epoch`` default to the step scheduler's. ``final`` marks the last checkpoint of a run
-        (consolidated when ``save_consolidated="final"``); by default it is the step scheduler's ``done``.
-
-        Returns the step directory. With ``async_save`` the call returns once the state is captured (see
-        ``wait_for_staging``), before the directory exists: it appears, complete, when the background write commits
-        (:meth:`wait` blocks until then). A save in flight is waited for first, and an error it raised is raised here.
-        """
+        """Collective: write a complete checkpoint of everything registered and commit it atomically; returns the step
+        directory. ``step``/``epoch`` default to the step scheduler's; ``final`` (default: its ``done``) marks the run's
+        last checkpoint. With ``async_save`` it returns once the state is captured (``wait_for_staging``); the directory
+        appears when the background write commits (:meth:`wait`). A save in flight is waited for first; its failure is
+        raised here beyond ``failed_saves_allowed`` in a row, else logged and recorded (``None`` for a failed sync save)."""
         if not self.config.enabled:
             return None
         start = time.perf_counter()
-        self.wait()
+        self._failures.settle_all(self._memory, self._writer)
         step, epoch = position(self.step_scheduler, step, epoch)
         metrics = {k: float(v) for k, v in (metrics or {}).items()}
         if not self._monitor_checked:
@@ -181,9 +179,10 @@ class CheckpointManager:
         job = self._saver.snapshot(step, epoch, metrics, dict(counters or {}), final, stage=self._writer is not None)
         job.called = start
         if self._writer is None:
-            self._saver.persist(job)
+            if not self._failures.run(lambda: self._saver.persist(job), step):
+                return None
         else:
-            job.blocked_s = time.perf_counter() - start
+            job.blocked_s, self._failures.steps["durable"] = time.perf_counter() - start, step
             self._writer.start(job.final_dir, lambda: self._saver.persist(job))
         self._goodput.saved("durable", step, time.perf_counter() - start)
         return job.final_dir
@@ -211,9 +210,11 @@ class CheckpointManager:
         if self._memory is None:
             raise ConfigError("save_memory() needs the memory tier: set memory_every_steps in the CheckpointConfig")
         start = time.perf_counter()
+        self._failures.settle_all(self._memory, None)
         step, epoch = position(self.step_scheduler, step, epoch)
         base = self._saver.last_step if self._saver.last_step is not None else self._memory.durable_step
         where = self._memory.save(step, epoch, dict(counters or {}), base)
+        self._failures.steps["memory"] = step
         self._goodput.saved("memory", step, time.perf_counter() - start)
         return where
 

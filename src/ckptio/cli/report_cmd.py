@@ -138,6 +138,11 @@ def text(summary: Summary, where: str, rate: float | None) -> str:
     removed = [str(e["step"]) for e in summary.removes if "step" in e]
     lines.append(f"Removed by retention: {len(summary.removes)} checkpoint(s)"
                  + (f" (steps {', '.join(removed[:12])}{', ...' if len(removed) > 12 else ''})" if removed else ""))
+    failed = summary.failed_saves
+    if failed:
+        steps = [f"{e.get('tier', '?')} {e['step']}" if "step" in e else e.get("tier", "?") for e in failed]
+        lines.append(f"Failed saves (training went on): {len(failed)} ({', '.join(steps[:12])}"
+                     f"{', ...' if len(steps) > 12 else ''})")
     return "\n".join(lines)
 
 

@@ -17,6 +17,7 @@ Events (all with ``kind`` and ``time``, seconds since the epoch):
   before, minus that step), ``restore_s``, ``startup_s`` (from the process's start to the end of the restore);
 * ``progress``: the newest step reached (written at most every :data:`PROGRESS_EVERY_S` seconds, replacing the
   previous one), so that a failure's lost steps are known;
+* ``save_failed``: a save of ``tier`` (of ``step``, when known) failed and training went on (``failed_saves_allowed``);
 * ``remove``: retention removed the checkpoint of ``step`` (when its name gives the step);
 * ``end``: the run's processes closed their manager without an error.
 """
@@ -48,7 +49,7 @@ of a record's numbers can overflow what reads it (the report)."""
 _CLOCK_SLACK_S = 1.0
 """An event stamped up to this much after now is still counted (times are rounded to the millisecond, and the nodes
 of a job may differ by a little): what a forged stamp can add to the uptime."""
-_KINDS = ("start", "save", "restore", "progress", "remove", "end")
+_KINDS = ("start", "save", "save_failed", "restore", "progress", "remove", "end")
 _NUMBERS = ("time", "blocked_s", "total_s", "restore_s", "startup_s", "age_s")
 _COUNTS = ("step", "bytes", "files", "ranks", "steps_lost")
 _TEXTS = {"tier": ("durable", "memory"), "storage": ("local", "s3")}

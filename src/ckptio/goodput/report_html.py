@@ -33,7 +33,7 @@ def page_data(summary: Summary, where: str, storage_rate: float | None) -> dict[
 
     return {"where": where, "processes": processes, "durable": rows(summary.saves["durable"]),
             "memory": rows(summary.saves["memory"]), "restores": rows(summary.restores),
-            "removes": rows(summary.removes), "storage_rate": storage_rate, "goodput": summary.goodput,
+            "removes": rows(summary.removes), "failed_saves": rows(summary.failed_saves), "storage_rate": storage_rate, "goodput": summary.goodput,
             "wall_s": summary.wall_s, "blocked_s": summary.blocked_s, "redone_s": summary.redone_s,
             "restarting_s": summary.restarting_s, "failures": summary.failures, "mtbf_s": summary.mtbf_s,
             "step_s": summary.step_s, "newest_step": summary.newest_step}
@@ -70,7 +70,8 @@ text-align:right} th{color:#5b6573;font-weight:600} .none{color:#5b6573}
 <h2>Steps over time</h2>
 <div class="legend"><i style="background:#3566c4"></i>training (one line per process)<i style="background:#1f9d55"></i>
 durable save<i style="background:#9ad0ae"></i>memory save<i style="background:#e07b00"></i>restore
-<i style="background:#d7263d"></i>failure<i style="background:#9aa3ad"></i>removed by retention</div>
+<i style="background:#d7263d"></i>failure<i style="border:1.5px solid #d7263d;border-radius:6px"></i>failed save
+<i style="background:#9aa3ad"></i>removed by retention</div>
 <div id="timeline"></div>
 <h2>Time of each durable save</h2>
 <div class="legend"><i style="background:#28527a"></i>training loop blocked<i style="background:#a8c5e2"></i>
@@ -156,6 +157,9 @@ function timeline() {
     const x = f.X(e.time), y = f.Y(e.step);
     el("path", {d: "M" + (x - 3) + "," + (y - 3) + "l6,6m0,-6l-6,6", stroke: "#9aa3ad", "stroke-width": 1.5},
        f.svg); } });
+  D.failed_saves.forEach(e => { if (e.step !== undefined)
+    el("circle", {cx: f.X(e.time), cy: f.Y(e.step), r: 5, fill: "none", stroke: "#d7263d", "stroke-width": 1.5},
+       f.svg); });
 }
 function bars(id, rows, series, fy, ylabel, limit) {
   if (!rows.length) return none(id, "No saves recorded.");
@@ -203,6 +207,7 @@ function cards() {
   add(String(D.durable.length) + " / " + String(D.memory.length), "durable / memory saves");
   add(fmtS(D.blocked_s), "training loop blocked by saves");
   add(String(D.failures), "failures");
+  if (D.failed_saves.length) add(String(D.failed_saves.length), "failed saves (training went on)");
   add(D.mtbf_s === null ? "-" : fmtS(D.mtbf_s), "mean time between failures");
   add(fmtS(D.redone_s), "steps redone after failures");
   add(fmtS(D.restarting_s), "restarting");

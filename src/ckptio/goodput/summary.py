@@ -55,6 +55,11 @@ class Summary:
     newest_step: int | None
 
     @property
+    def failed_saves(self) -> list[dict[str, Any]]:
+        """Saves that failed while training went on (``failed_saves_allowed``), each with its ``tier`` and ``step``."""
+        return [e for e in self.events if e["kind"] == "save_failed"]
+
+    @property
     def failures(self) -> int:
         """Processes that ended without an ``end`` and were followed by another (stamps after now or before the
         record began not counted: :func:`~.record.failure_history`, what the ``"auto"`` interval learns from)."""

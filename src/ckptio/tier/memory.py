@@ -186,10 +186,10 @@ class MemoryTier:
             self.log.debug("Memory tier: dropped %s", self.node.root / name)
         return self.node.used_bytes()
 
-    def wait(self) -> None:
-        """Block until the snapshot in flight is committed; raise its error here."""
-        if self.writer is not None:
-            self.writer.wait()
+    def wait(self) -> Path | None:
+        """Block until the snapshot in flight is committed; raise its error here. Returns its folder (``None``: none
+        was in flight)."""
+        return self.writer.wait() if self.writer is not None else None
 
     # ---------------------------------------------------------------------------------------------- restore
     def restore(self, restorer: Any, durable: Path | None) -> Any:
