@@ -1,14 +1,14 @@
 """A DeepSpeed training run for the tests (real DeepSpeed on CPU, under torchrun with ``DS_ACCELERATOR=cpu``).
 
-    python ds_run.py OUT --stage {1,2,3} [--bf16 | --fp16] [--model toy|llama] [--steps 3] [--more 0] [--hf]
-                         [--load UNIVERSAL_DIR]
+    python ds_run.py OUT --stage {1,2,3} [--bf16 | --fp16] [--model toy|llama] [--hidden 32] [--steps 3] [--more 0]
+                         [--hf] [--load UNIVERSAL_DIR]
 
 Trains ``--steps`` steps of AdamW with a StepLR scheduler on fixed per-rank batches and saves with
 ``engine.save_checkpoint``; ``--hf`` saves into ``OUT/checkpoint-N/`` beside the model's ``config.json`` (what the HF
 Trainer does); ``--more K`` trains K further steps and saves again (DeepSpeed's own continuation, to compare a resume
 with). ``OUT/logits.pt`` keeps the model's logits on a fixed input after the first save. ``--load DIR`` instead loads
 a universal folder with ``load_universal`` and trains ``--steps`` more steps: ``OUT/loaded.pt`` keeps what it loaded
-and the losses.
+and the losses. ``--hidden`` is the toy model's width (33 gives parameters of odd sizes, which ZeRO-3 pads).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ def main() -> None:
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--fp16", action="store_true")
     p.add_argument("--model", default="toy")
+    p.add_argument("--hidden", type=int, default=32)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--more", type=int, default=0)
     p.add_argument("--hf", action="store_true")
@@ -65,7 +66,7 @@ def main() -> None:
 
         model = LlamaForCausalLM(llama_config(attention_dropout=0.0))
     else:
-        model = TinyLM()
+        model = TinyLM(hidden=a.hidden)
         for m in model.modules():
             if isinstance(m, torch.nn.Dropout):
                 m.p = 0.0

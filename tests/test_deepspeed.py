@@ -101,13 +101,13 @@ def test_read_without_deepspeed_installed(runs):
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
 
 
-def _toy_manager(checkpoint_dir, **kw):
+def _toy_manager(checkpoint_dir, hidden: int = 32, **kw):
     from toy import TinyLM
 
     from ckptio import CheckpointConfig, CheckpointManager
 
     torch.manual_seed(5)
-    model = TinyLM()
+    model = TinyLM(hidden=hidden)
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
@@ -139,13 +139,17 @@ def _equal_to_deepspeed(model, opt, sched, u: Path, step: int) -> None:
         for what, value in (("fp32", p), ("exp_avg", state["exp_avg"]), ("exp_avg_sq", state["exp_avg_sq"])):
             if not torch.equal(_full(value.detach()).flatten(), _atomic(u, name, what).flatten()):
                 bad.append((name, what))
-        assert float(state["step"]) == float(torch.load(u / "zero" / name / "step.pt"))
+        step_pt = u / "zero" / name / "step.pt"  # stage 3's universal folder keeps one step, in optimizer_state.pt
+        want = torch.load(step_pt) if step_pt.is_file() else torch.load(
+            u / "zero" / "optimizer_state.pt", weights_only=False)["optimizer_state_dict"]["state"][0]["step"]
+        assert float(state["step"]) == float(want)
     assert not bad, bad
     assert sched.last_epoch == step
     assert opt.param_groups[0]["lr"] == 0.01 * 0.5 ** (step // 2)  # StepLR(2, 0.5), as DeepSpeed had it
 
 
-def _resume_and_compare(run_dir: str, universal: str, restore_from: str | None, train_step: bool, next_tag: str | None):
+def _resume_and_compare(run_dir: str, universal: str, restore_from: str | None, train_step: bool, next_tag: str | None,
+                        hidden: int = 32):
     """On every rank: resume a plain model and AdamW from a DeepSpeed folder; compare with DeepSpeed's values; with
     ``train_step``, take the step DeepSpeed took next (its batches, per rank) and compare with DeepSpeed's next save."""
     import tempfile
@@ -153,7 +157,7 @@ def _resume_and_compare(run_dir: str, universal: str, restore_from: str | None, 
     from ds_run import batch
 
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    manager, model, opt, sched = _toy_manager(run_dir if restore_from is None else tempfile.mkdtemp())
+    manager, model, opt, sched = _toy_manager(run_dir if restore_from is None else tempfile.mkdtemp(), hidden=hidden)
     info = manager.restore(restore_from)
     assert info.counters["source_format"] == "deepspeed" and info.counters["optimizer_restored"]
     assert info.counters["scheduler_restored"]
@@ -469,6 +473,49 @@ def test_rank_files_swapped_by_name_are_refused_by_name(runs, tmp_path):
     with pytest.raises(CheckpointCorruptError, match=r"zero_pp_rank_0_mp_rank_00_optim_states\.pt: holds the "
                                                      r"partition of rank 1 .*swapped"):
         _toy_manager(run)[0].restore()
+
+
+@pytest.fixture(scope="module")
+def odd3(tmp_path_factory):
+    """ZeRO-3 on 2 ranks (fp32) of the toy model 33 wide: its LayerNorms and second biases hold 33 elements, so each
+    rank holds 17 of them and rank 1's last one is padding. With DeepSpeed's universal folder of step 3."""
+    out = tmp_path_factory.mktemp("ds-odd") / "zero3"
+    _ds(out, "--stage", "3", "--hidden", "33")
+    return out, _universal(out / "global_step3")
+
+
+def _swap(tag: Path, kind: str) -> None:
+    a, b = tag / f"zero_pp_rank_0_mp_rank_00_{kind}.pt", tag / f"zero_pp_rank_1_mp_rank_00_{kind}.pt"
+    a.rename(tag / "swap")
+    b.rename(a)
+    (tag / "swap").rename(b)
+
+
+def test_zero3_rank_files_swapped_by_name_are_refused_by_name(odd3, tmp_path):
+    """Row 10 at stage 3: the two ranks' files (optimizer and model states) of a ZeRO-3 run swapped. Nothing a ZeRO-3
+    file's pickle holds says its rank; what does is the padding: a parameter of ``numel`` elements is split in
+    ``ceil(numel / N)`` per rank, and DeepSpeed keeps the gradients of the elements past its end zero, so Adam's
+    ``exp_avg`` and ``exp_avg_sq`` are zero there in the files of the ranks that hold such padding. Rank 0's moments
+    moved under rank 1's name are not zero where rank 1 pads: refused, by the file's name.
+
+    What this cannot catch (docs/migrate-deepspeed.md): a run whose every trainable parameter divides evenly by the
+    number of ranks (the tiny Llama on 2 ranks), a swap between ranks that hold no padding (ranks 0 and 1 of 4 when only
+    rank 3 pads), a checkpoint without Adam's moments, and the model-states files alone (they differ only in
+    ``frozen_param_fragments``, whose padding DeepSpeed does not zero). The unswapped folder resumes bitwise."""
+    from ckptio import CheckpointCorruptError
+
+    import shutil
+
+    run_dir, universal = odd3
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    for kind in ("optim_states", "model_states"):
+        _swap(run / "global_step3", kind)
+    with pytest.raises(CheckpointCorruptError, match=r"zero_pp_rank_1_mp_rank_00_optim_states\.pt: .*not rank 1's "
+                                                     r"partition.*swapped or renamed"):
+        _toy_manager(run, hidden=33)[0].restore()
+    assert run_ranks(1, _resume_and_compare, run_dir=str(run_dir), universal=str(universal), restore_from=None,
+                     train_step=False, next_tag=None, hidden=33) == [3]
 
 
 def _edit_run(run: Path, edit_meta=None, edit_groups=None) -> None:

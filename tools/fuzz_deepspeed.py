@@ -1,5 +1,6 @@
 """The fuzz family of DeepSpeed checkpoints (see ``fuzz_readers.py`` for the oracle): a ZeRO-2 and a ZeRO-3 run
-folder and a universal folder (``ds_to_universal`` of the ZeRO-2 one) written by the real DeepSpeed
+folder (the toy model 33 wide, so that ZeRO-3 pads parameters and the check of each rank's padding is read) and a
+universal folder (``ds_to_universal`` of the ZeRO-2 one) written by the real DeepSpeed
 (``tests/ds_run.py`` under torchrun, once, kept in the fuzzer's scratch folder), damaged one to three files at a
 time (bytes, pickles, whole entries), then read as every reader does: the format's detection, the fp32 masters of
 every parameter, Adam's moments and step, and the scheduler state. An untouched folder must read exactly what the
@@ -34,7 +35,8 @@ def _run(stage: str) -> Path:
     out = _fixed_dir(f"deepspeed-zero{stage}")
     if not (out / "latest").is_file():
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               str(HERE.parent / "tests" / "ds_run.py"), str(out), "--stage", stage]
+               str(HERE.parent / "tests" / "ds_run.py"), str(out), "--stage", stage,
+               *(["--hidden", "33"] if stage == "3" else [])]
         r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "DS_ACCELERATOR": "cpu"}, timeout=600)
         if r.returncode != 0:
             raise RuntimeError(f"the DeepSpeed run failed: {r.stderr[-2000:]}")

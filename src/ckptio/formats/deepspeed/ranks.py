@@ -7,7 +7,17 @@ parameter of its partition with its ``fragment_address(numel, start)`` in it, an
 ranks. Both are compared with what rank R's partition of ``param_shapes`` holds (rank R holds elements ``R * size``
 to ``(R + 1) * size`` of the group flattened); a file that disagrees is refused by name, with the rank whose
 partition it does hold when there is one. (Files of DeepSpeed versions that did not record the mappings are read as
-named; stage 3's files record no more than their number of ranks.)
+named.)
+
+Stage 3's files record no more than their number of ranks: what tells rank R's file is its padding. Each parameter of
+``numel`` elements is split in ``part = ceil(numel / N)`` per rank, rank R holding elements ``R * part`` on; where
+that runs past ``numel``, the rest of rank R's part is padding. DeepSpeed keeps the gradients of padding at zero (its
+gradient partitions are zeroed buffers into which only real elements are copied), so Adam's ``exp_avg`` and
+``exp_avg_sq`` are exactly zero there; its fp32 copy of the padding is not (uninitialised memory) and neither are the
+frozen parameters' fragments: those are not checked. :func:`check_padding` reads the moments at every padded place
+of every rank's file and refuses a file holding anything else there. It catches a swap only where the padding says it:
+a parameter whose numel is not a multiple of N, Adam's moments saved, a file moved under the name of a rank that pads
+where the file's own rank does not, and moments not all exactly zero at those places (a gradient never non-zero).
 """
 
 from __future__ import annotations
@@ -18,7 +28,7 @@ from typing import Any
 from ...errors import CheckpointCorruptError
 from ..megatron.safe_pickle import Placeholder
 
-__all__ = ["check_count", "check_slices"]
+__all__ = ["check_count", "check_padding", "check_slices"]
 
 
 def check_count(osd: Any, where: object, world: int, group: int | None) -> None:
@@ -75,3 +85,23 @@ def check_slices(osd: Any, where: object, rank: int, world: int, g: int, group: 
     raise CheckpointCorruptError(f"{where}: its param_slice_mappings say it holds {said.get(first)} (numel, start) of "
                                  f"{first[:80]!r} in group {g}; rank {rank}'s partition of param_shapes holds "
                                  f"{_expected(group, rank, size).get(first)}")
+
+
+def check_padding(moments: dict[str, list[Any]], wheres: list[object], params: list[tuple[str, int, int]],
+                  world: int) -> None:
+    """Stage 3: in every rank's file, Adam's ``moments`` (per kind, one flat vector per rank) are zero where its rank's
+    partition of a parameter is padding; ``params`` gives each parameter's name, numel and offset in every rank's flat
+    vector. Else an error naming the file: it holds another rank's partition."""
+    for r, where in enumerate(wheres):
+        for name, numel, offset in params:
+            part = math.ceil(numel / world)
+            real = min(part, max(0, numel - r * part))
+            if real == part:
+                continue
+            for m, flats in moments.items():
+                if flats[r].read(offset + real, part - real).any():
+                    raise CheckpointCorruptError(
+                        f"{where}: its {m} of {name[:80]!r} is not zero at elements {real}..{part} of its partition, "
+                        f"which rank {r}'s partition holds as padding ({numel} elements on {world} ranks, {part} each; "
+                        f"DeepSpeed keeps Adam's state of padding zero): not rank {r}'s partition, the ranks' files "
+                        "were swapped or renamed")

@@ -446,3 +446,5 @@ def _layout_zero3(ck: "ZeroCheckpoint") -> None:
                 moments.setdefault(m, []).append(moment)
     for m in MOMENTS:
         ck.flats[m] = moments.get(m) or []
+    params = [(n, math.prod(s), ck.where[n][1]) for n, s in ck.shapes.items()]
+    ranks.check_padding({m: ck.flats[m] for m in MOMENTS if ck.flats[m]}, [w for _, w in ck.optim], params, ck.world)
