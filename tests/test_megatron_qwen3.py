@@ -344,6 +344,7 @@ def test_megatron_core_loads_a_qwen3_ckptio_exports(tmp_path):
 
 
 def _restore_qwen3_with_adam(source: str, config: str) -> dict:
+    import torch.distributed as dist
     from transformers import AutoConfig, Qwen3ForCausalLM
 
     from ckptio import CheckpointConfig, CheckpointManager
@@ -351,6 +352,12 @@ def _restore_qwen3_with_adam(source: str, config: str) -> dict:
 
     torch.manual_seed(7)
     model = Qwen3ForCausalLM(AutoConfig.from_pretrained(config))
+    if dist.is_initialized():
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with CheckpointManager(CheckpointConfig(checkpoint_dir=str(Path(source).parent / "run")), model=model,
                            optimizer=opt, rng=False) as mgr:
@@ -362,7 +369,8 @@ def _restore_qwen3_with_adam(source: str, config: str) -> dict:
 
 
 @pytest.mark.slow
-def test_restore_from_megatron_brings_a_qwen3_its_qk_norms_and_their_moments(made, tmp_path):
+@pytest.mark.parametrize("world", [1, 2])
+def test_restore_from_megatron_brings_a_qwen3_its_qk_norms_and_their_moments(made, tmp_path, world):
     """Megatron took one Adam step (lr 1e-3, betas 0.9/0.95) with gradient g = 0.5 w0 + 0.25 on every element
     (megatron_fixture.py), so every element, the q/k norms' included, must satisfy exp_avg = 0.1 g,
     exp_avg_sq = 0.05 g^2 and w = 2g - 0.5 - 1e-3 sign(g): a moment on the wrong element breaks it."""
@@ -370,7 +378,7 @@ def test_restore_from_megatron_brings_a_qwen3_its_qk_norms_and_their_moments(mad
 
     src = made[(2, 2)] / "torch_dist"
     hf = convert(src, tmp_path / "hf", "hf")
-    got = run_ranks(1, _restore_qwen3_with_adam, source=str(src), config=str(hf))[0]
+    got = run_ranks(world, _restore_qwen3_with_adam, source=str(src), config=str(hf))[0]
     steps = got.pop("steps")
     params = [k.removeprefix("model/") for k in got if k.startswith("model/")]
     assert len(params) == steps.numel() == 47 and bool((steps == 1).all()), steps
@@ -379,3 +387,31 @@ def test_restore_from_megatron_brings_a_qwen3_its_qk_norms_and_their_moments(mad
         g = got[f"optim/state.{name}.exp_avg"] / 0.1
         assert torch.allclose(got[f"optim/state.{name}.exp_avg_sq"], 0.05 * g * g, rtol=1e-4, atol=1e-9), name
         assert torch.allclose(got[f"model/{name}"], 2 * g - 0.5 - 1e-3 * torch.sign(g), atol=2e-6, rtol=0), name
+
+
+def _without_args(hf: Path, tmp_path: Path) -> Path:
+    """A torch_dist checkpoint whose common.pt records no args: its model is read from a config.json beside it."""
+    out = convert(hf, tmp_path / "mg", "megatron", options={"layout": "dist"})
+    torch.save({}, out / "iter_0000000" / "common.pt")
+    return out
+
+
+def test_a_qwen3_config_json_beside_a_checkpoint_without_args_gives_its_family(hf, tmp_path):
+    out = _without_args(hf, tmp_path)
+    shutil.copy(hf / "config.json", out / "config.json")
+    back = convert(out, tmp_path / "back", "hf")
+    _same_weights(hf, back)
+    assert _config(back)["model_type"] == "qwen3"
+
+
+def test_a_gemma_config_json_beside_a_checkpoint_without_args_is_refused(hf, tmp_path):
+    """A config.json stands for the run's args only for a model Megatron computes; a Gemma's is not read as a
+    Llama's (its soft-capping, post-norms and scaled embedding dropped)."""
+    out = _without_args(hf, tmp_path)
+    gemma = {**_config(hf), "model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"],
+             "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
+    (out / "config.json").write_text(json.dumps(gemma))
+    with pytest.raises(UnsupportedFieldError) as err:
+        convert(out, tmp_path / "back", "hf")
+    assert err.value.field == "model_type" and err.value.value == "gemma2" and "soft-capping" in str(err.value)
+    assert not (tmp_path / "back").exists()

@@ -21,7 +21,8 @@ from typing import Any
 from ..errors import CheckpointCorruptError, ConfigError
 
 __all__ = ["DEFAULT_THETA", "Rope", "UnsupportedFieldError", "rope", "dtype_name", "refuse", "rope_config", "CARRIED",
-           "INERT", "MODEL_FIELDS", "LLAMA_TYPES", "DEFAULT_EPS", "unknown_fields", "class_fields"]
+           "INERT", "MODEL_FIELDS", "LLAMA_TYPES", "MEGATRON_TYPES", "DEFAULT_EPS", "unknown_fields", "class_fields",
+           "refuse_type"]
 
 DEFAULT_THETA = 10000.0
 """transformers' (and Megatron's) rotary base when a config gives none."""
@@ -145,8 +146,9 @@ _SWITCHED = {kind: frozenset({"sliding_window", "max_window_layers"}) for kind i
 ``use_sliding_window``): Qwen2.5's own configs hold ``sliding_window: 131072`` with the switch off, which computes
 full attention."""
 LLAMA_TYPES = ("llama", "mistral")
-"""The model types every Llama-shaped target holds; Megatron also holds ``qwen2`` (its ``add_qkv_bias``) and ``qwen3``
-(its ``qk_layernorm``)."""
+"""The model types every Llama-shaped target holds."""
+MEGATRON_TYPES = (*LLAMA_TYPES, "qwen2", "qwen3")
+"""The model types Megatron holds: also ``qwen2`` (its ``add_qkv_bias``) and ``qwen3`` (its ``qk_layernorm``)."""
 DEFAULT_EPS = {"qwen2": 1e-6, "qwen3": 1e-6}
 """transformers' ``rms_norm_eps`` when a config of the type gives none (1e-5 for the others)."""
 
@@ -200,16 +202,23 @@ def unknown_fields(config: dict[str, Any], known: "frozenset[str] | set[str]") -
     return sorted(name for name in known if name in config and name not in placed)
 
 
+def refuse_type(config: dict[str, Any], where: object, target: str, types: tuple[str, ...] = LLAMA_TYPES) -> None:
+    """Raise :class:`UnsupportedFieldError` on a ``model_type`` other than ``types`` (saying, for Megatron, why it
+    holds no Gemma)."""
+    kind = config.get("model_type")
+    if kind not in (*types, None):
+        _, _, _, hint = _llama_checks(config, Rope(theta=DEFAULT_THETA), types)[0]
+        raise UnsupportedFieldError(where, "model_type", kind, target,
+                                    hint + (_WHY_NOT.get(str(kind), "") if target == "Megatron" else ""))
+
+
 def refuse(config: dict[str, Any], where: object, target: str, *, holds: tuple[str, ...] = (),
            types: tuple[str, ...] = LLAMA_TYPES) -> Rope:
     """Check that a ``target`` checkpoint of a Llama-style model (of the model ``types`` it holds) can hold every
     field of ``config`` that shapes its computation, except those named in ``holds`` (which the target carries);
     raise :class:`UnsupportedFieldError` naming the first that it cannot. Returns the config's rotary embedding."""
     kind = config.get("model_type")
-    if kind not in (*types, None):  # before the rotary embedding: Gemma 3's (one per layer type) is no Llama's either
-        _, _, _, hint = _llama_checks(config, Rope(theta=DEFAULT_THETA), types)[0]
-        raise UnsupportedFieldError(where, "model_type", kind, target,
-                                    hint + (_WHY_NOT.get(str(kind), "") if target == "Megatron" else ""))
+    refuse_type(config, where, target, types)  # before the rotary embedding: Gemma 3's (one per layer type) is none
     r = rope(config, where)
     for name, value, ok, hint in _llama_checks(config, r, types):
         if not ok and name.rpartition(".")[2] not in holds and name not in holds:

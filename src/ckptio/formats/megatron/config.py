@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import CheckpointError
-from ..hf_fields import DEFAULT_THETA, Rope, dtype_name, rope, rope_config
+from ..hf_fields import DEFAULT_THETA, MEGATRON_TYPES, Rope, dtype_name, refuse_type, rope, rope_config
 from .fields import MUST, refused
 
 def _arg(args: Any, name: str, default: Any = None) -> Any:
@@ -193,7 +193,9 @@ def args_from_files(folder: Path, run: Path) -> Any:
 
 def hf_args(hf: dict[str, Any], where: object) -> Any:
     """Megatron arguments from a Hugging Face ``config.json`` (transformers 5 or 4 spelling) found beside a
-    checkpoint that records none; its rotary embedding, scaled or not, is kept (``rope_scaling``)."""
+    checkpoint that records none; its rotary embedding, scaled or not, is kept (``rope_scaling``). A model type
+    Megatron does not compute (a Gemma) is refused by name, not read as a Llama."""
+    refuse_type(hf, where, "Megatron", MEGATRON_TYPES)
     r = rope(hf, where)
     if r.partial != 1.0:
         raise CheckpointError(f"{where}: partial_rotary_factor = {r.partial}: ckptio maps Llama-style models, whose "

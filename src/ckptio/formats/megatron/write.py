@@ -49,7 +49,7 @@ def megatron_args(config: dict[str, Any], tp: int, pp: int, layout: str,
 
     The config may use transformers 5's or 4's spelling (:mod:`ckptio.formats.hf_fields`); a field Megatron
     cannot hold (a scaled RoPE, biases other than Qwen2's, a sliding window, a Gemma...) is refused by name."""
-    rope = hf_fields.refuse(config, where, "Megatron", types=(*hf_fields.LLAMA_TYPES, "qwen2", "qwen3"))
+    rope = hf_fields.refuse(config, where, "Megatron", types=hf_fields.MEGATRON_TYPES)
     kind = config.get("model_type")
     heads = int(config["num_attention_heads"])
     groups = int(config.get("num_key_value_heads") or heads)
