@@ -3,13 +3,15 @@
     python megatron_fixture.py --tp T --pp P --out DIR [--iteration 2]          # write checkpoints
     python megatron_fixture.py --tp T --pp P --load SRC --out FILE              # load one, save its logits
     ... --family qwen2                                                          # Qwen2-style: q/k/v biases
+    ... --family qwen3                                                          # Qwen3-style: q/k norms
 
 Used by ``tests/test_megatron_core.py``; needs the ``megatron-core`` package (a test extra).
 
 Starts T*P gloo processes (torch.multiprocessing; rendezvous through a file store, no TCP port).
 Each rank builds its shard of a GPTModel (local spec: RMSNorm, rope, GQA, SwiGLU, no biases,
 untied embeddings, fp32). ``--family qwen2`` (Megatron-LM's ``--add-qkv-bias``) adds biases to the fused
-query/key/value projection and uses Qwen2's norm epsilon (1e-6) and rotary base (1e6).
+query/key/value projection and uses Qwen2's norm epsilon (1e-6) and rotary base (1e6); ``--family qwen3``
+(``--qk-layernorm``) adds an RMSNorm on each query and key head instead, with the same epsilon and base.
 All ranks fill their shards from one full set of weights that depends only on a fixed seed. So
 every (T, P) layout holds the same model and the layouts can be compared with each other. Each
 rank then does one torch.optim.Adam step with made-up gradients, so exp_avg/exp_avg_sq exist.
@@ -44,8 +46,8 @@ NUM_LAYERS, HIDDEN, FFN, HEADS, GROUPS, KV_CH = 4, 64, 128, 4, 2, 16
 VOCAB, MAX_POS = 128, 64
 # the model family (--family; an environment variable so that spawned ranks see it too)
 FAMILY = os.environ.get("MEGATRON_FIXTURE_FAMILY", "llama")
-QKV_BIAS = FAMILY == "qwen2"
-EPS, ROPE_BASE = (1e-6, 1000000) if QKV_BIAS else (1e-5, 10000)
+QKV_BIAS, QK_NORM = FAMILY == "qwen2", FAMILY == "qwen3"
+EPS, ROPE_BASE = (1e-6, 1000000) if FAMILY != "llama" else (1e-5, 10000)
 # --make-vocab-size-divisible-by of the run (Megatron-LM's default 128); --divisible-by sets it for the ranks
 DIVISIBLE_BY = int(os.environ.get("MEGATRON_FIXTURE_DIVISIBLE_BY", "128"))
 SEED = 1234
@@ -120,6 +122,7 @@ def build_model(tp, pp, vocab=None):
         num_attention_heads=HEADS, num_query_groups=GROUPS, kv_channels=KV_CH,
         gated_linear_unit=True, activation_func=torch.nn.functional.silu,
         normalization="RMSNorm", layernorm_epsilon=EPS, add_bias_linear=False, add_qkv_bias=QKV_BIAS,
+        qk_layernorm=QK_NORM,
         hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False,
         masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False,
@@ -130,7 +133,7 @@ def build_model(tp, pp, vocab=None):
     )
     return GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=QK_NORM),
         vocab_size=vocab or padded_vocab(tp), max_sequence_length=MAX_POS,
         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=False, position_embedding_type="rope",
@@ -166,7 +169,7 @@ def make_args(tp, pp, fmt):
         make_vocab_size_divisible_by=DIVISIBLE_BY, max_position_embeddings=MAX_POS, seq_length=MAX_POS,
         norm_epsilon=EPS, rotary_base=ROPE_BASE, rotary_percent=1.0, rotary_interleaved=False,
         position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
-        untie_embeddings_and_output_weights=True, add_bias_linear=False, add_qkv_bias=QKV_BIAS,
+        untie_embeddings_and_output_weights=True, add_bias_linear=False, add_qkv_bias=QKV_BIAS, qk_layernorm=QK_NORM,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, data_parallel_size=1,
         params_dtype=torch.float32, fp16=False, bf16=False, transformer_impl="local",
         attention_backend=AttnBackend.auto, exit_signal=signal.SIGTERM, ckpt_format=fmt,
@@ -335,8 +338,9 @@ def main():
     ap.add_argument("--iteration", type=int, default=2)
     ap.add_argument("--load", default=None, help="a torch_dist iteration folder to load (then --out is a file)")
     ap.add_argument("--divisible-by", type=int, default=None, help="--make-vocab-size-divisible-by (default 128)")
-    ap.add_argument("--family", choices=["llama", "qwen2"], default="llama",
-                    help="qwen2: biases on the query/key/value projection (Megatron-LM's --add-qkv-bias)")
+    ap.add_argument("--family", choices=["llama", "qwen2", "qwen3"], default="llama",
+                    help="qwen2: biases on the query/key/value projection (Megatron-LM's --add-qkv-bias); "
+                         "qwen3: RMSNorms on each query and key head (--qk-layernorm)")
     ap.add_argument("--start-method", choices=["fork", "spawn"], default="fork",
                     help="fork (default) lets the ranks inherit the parent's megatron import (~2.5 s each)")
     a = ap.parse_args()
@@ -345,10 +349,10 @@ def main():
         DIVISIBLE_BY = a.divisible_by
         os.environ["MEGATRON_FIXTURE_DIVISIBLE_BY"] = str(a.divisible_by)  # for spawned ranks
     if a.family != FAMILY:
-        global QKV_BIAS, EPS, ROPE_BASE
+        global QKV_BIAS, QK_NORM, EPS, ROPE_BASE
         os.environ["MEGATRON_FIXTURE_FAMILY"] = a.family  # for spawned ranks
-        QKV_BIAS = a.family == "qwen2"
-        EPS, ROPE_BASE = (1e-6, 1000000) if QKV_BIAS else (1e-5, 10000)
+        QKV_BIAS, QK_NORM = a.family == "qwen2", a.family == "qwen3"
+        EPS, ROPE_BASE = (1e-6, 1000000) if a.family != "llama" else (1e-5, 10000)
     assert GROUPS % a.tp == 0 and NUM_LAYERS % a.pp == 0, "unsupported TP/PP for the tiny model"
     if a.load is None:  # dist_checkpointing.save expects the target directory to exist
         os.makedirs(os.path.join(a.out, "torch_dist", f"iter_{a.iteration:07d}"), exist_ok=True)

@@ -21,7 +21,8 @@ from typing import Any
 from ..errors import CheckpointCorruptError, ConfigError
 
 __all__ = ["DEFAULT_THETA", "Rope", "UnsupportedFieldError", "rope", "dtype_name", "refuse", "rope_config", "CARRIED",
-           "INERT", "MODEL_FIELDS", "LLAMA_TYPES", "DEFAULT_EPS", "unknown_fields", "class_fields"]
+           "INERT", "MODEL_FIELDS", "LLAMA_TYPES", "MEGATRON_TYPES", "DEFAULT_EPS", "unknown_fields", "class_fields",
+           "refuse_type"]
 
 DEFAULT_THETA = 10000.0
 """transformers' (and Megatron's) rotary base when a config gives none."""
@@ -136,15 +137,29 @@ MODEL_FIELDS: dict[str, frozenset[str]] = {
     "mistral": CARRIED | INERT | {"hidden_act", "sliding_window", "is_encoder_decoder"},
     "qwen2": CARRIED | INERT | {"hidden_act", "use_sliding_window", "sliding_window", "max_window_layers",
                                 "layer_types", "is_encoder_decoder"},
+    "qwen3": CARRIED | INERT | {"hidden_act", "attention_bias", "use_sliding_window", "sliding_window",
+                                "max_window_layers", "layer_types", "is_encoder_decoder"},
 }
 """The fields each model type reads (anything else in its config.json, a stray field of another type, it ignores)."""
-_SWITCHED = {"qwen2": frozenset({"sliding_window", "max_window_layers"})}
-"""Fields a model type reads only when a switch in :data:`_MUST` is on (Qwen2's window, with ``use_sliding_window``):
-Qwen2.5's own configs hold ``sliding_window: 131072`` with the switch off, which computes full attention."""
+_SWITCHED = {kind: frozenset({"sliding_window", "max_window_layers"}) for kind in ("qwen2", "qwen3")}
+"""Fields a model type reads only when a switch in :data:`_MUST` is on (Qwen2's and Qwen3's window, with
+``use_sliding_window``): Qwen2.5's own configs hold ``sliding_window: 131072`` with the switch off, which computes
+full attention."""
 LLAMA_TYPES = ("llama", "mistral")
-"""The model types every Llama-shaped target holds; Megatron also holds ``qwen2`` (its ``add_qkv_bias``)."""
-DEFAULT_EPS = {"qwen2": 1e-6}
+"""The model types every Llama-shaped target holds."""
+MEGATRON_TYPES = (*LLAMA_TYPES, "qwen2", "qwen3")
+"""The model types Megatron holds: also ``qwen2`` (its ``add_qkv_bias``) and ``qwen3`` (its ``qk_layernorm``)."""
+DEFAULT_EPS = {"qwen2": 1e-6, "qwen3": 1e-6}
 """transformers' ``rms_norm_eps`` when a config of the type gives none (1e-5 for the others)."""
+
+
+_GEMMA = (" megatron-core (0.16) builds no Gemma: it has no logit soft-capping (Gemma 2's attention and final logits), "
+          "no post-attention and post-MLP norms (Gemma's four norms per layer), no embedding scaled by "
+          "sqrt(hidden_size) and one rotary base for all layers (Gemma 3 has two); its window alternation, "
+          "softmax scale, GeGLU and (with Transformer Engine) 1 + weight norms would not make up for them, and NeMo "
+          "trains Gemma with layers of its own. Convert to hf or safetensors instead.")
+_WHY_NOT = {"gemma2": _GEMMA, "gemma3": _GEMMA, "gemma3_text": _GEMMA}
+"""Why Megatron holds no model of these types, beyond their names (issue 69: checked against megatron-core 0.16.1)."""
 
 
 def _placed(config: dict[str, Any]) -> frozenset[str]:
@@ -159,8 +174,8 @@ def _llama_checks(config: dict[str, Any], r: Rope, types: tuple[str, ...]) -> li
     kind = config.get("model_type")
     checks = [("model_type", kind, kind in (*types, None),
                f"ckptio maps Llama-style decoders (RMSNorm, SwiGLU, RoPE) of the model types {', '.join(types)} to "
-               "this target (mistral without a sliding window; qwen2, whose q/k/v projections have biases, to "
-               "Megatron only).")]
+               "this target (mistral without a sliding window; qwen2, whose q/k/v projections have biases, and "
+               "qwen3, whose queries and keys are normalised per head, to Megatron only).")]
     reads = _placed(config) - _SWITCHED.get(kind if isinstance(kind, str) else "", frozenset())
     for name in sorted(_MUST):
         if name in reads:
@@ -187,16 +202,27 @@ def unknown_fields(config: dict[str, Any], known: "frozenset[str] | set[str]") -
     return sorted(name for name in known if name in config and name not in placed)
 
 
+def refuse_type(config: dict[str, Any], where: object, target: str, types: tuple[str, ...] = LLAMA_TYPES) -> None:
+    """Raise :class:`UnsupportedFieldError` on a ``model_type`` other than ``types`` (saying, for Megatron, why it
+    holds no Gemma)."""
+    kind = config.get("model_type")
+    if kind not in (*types, None):
+        _, _, _, hint = _llama_checks(config, Rope(theta=DEFAULT_THETA), types)[0]
+        raise UnsupportedFieldError(where, "model_type", kind, target,
+                                    hint + (_WHY_NOT.get(str(kind), "") if target == "Megatron" else ""))
+
+
 def refuse(config: dict[str, Any], where: object, target: str, *, holds: tuple[str, ...] = (),
            types: tuple[str, ...] = LLAMA_TYPES) -> Rope:
     """Check that a ``target`` checkpoint of a Llama-style model (of the model ``types`` it holds) can hold every
     field of ``config`` that shapes its computation, except those named in ``holds`` (which the target carries);
     raise :class:`UnsupportedFieldError` naming the first that it cannot. Returns the config's rotary embedding."""
+    kind = config.get("model_type")
+    refuse_type(config, where, target, types)  # before the rotary embedding: Gemma 3's (one per layer type) is none
     r = rope(config, where)
     for name, value, ok, hint in _llama_checks(config, r, types):
         if not ok and name.rpartition(".")[2] not in holds and name not in holds:
             raise UnsupportedFieldError(where, name, value, target, hint)
-    kind = config.get("model_type")
     for name in unknown_fields(config, class_fields(kind if isinstance(kind, str) else "llama")):
         raise UnsupportedFieldError(where, name, config[name], target,
                                     f"ckptio does not know whether this field of a {kind or 'llama'} config changes "

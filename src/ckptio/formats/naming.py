@@ -8,9 +8,11 @@ proves on real tensors that forward-then-inverse gives back every key, bit for b
 with the key's name if a source key is matched by no rule, so nothing is dropped silently.
 
 Built in: ``llama-to-megatron`` and its inverse ``megatron-to-llama``: Hugging Face Llama naming (also
-Mistral's and Qwen2's) ↔ Megatron-Core GPT naming, with ``linear_qkv`` fused the way Megatron-Core lays out
-grouped-query attention (for each KV group: that group's query heads, then its key head, then its value head;
-Qwen2's q/k/v biases fused the same way into ``linear_qkv.bias``) and ``linear_fc1`` holding ``[gate; up]``. See ``docs/converters.md`` for adding a family.
+Mistral's, Qwen2's and Qwen3's) ↔ Megatron-Core GPT naming, with ``linear_qkv`` fused the way Megatron-Core lays
+out grouped-query attention (for each KV group: that group's query heads, then its key head, then its value head;
+Qwen2's q/k/v biases fused the same way into ``linear_qkv.bias``), Qwen3's ``q_norm``/``k_norm`` as
+``q_layernorm``/``k_layernorm`` and ``linear_fc1`` holding ``[gate; up]``. See ``docs/converters.md`` for adding
+a family.
 """
 
 from __future__ import annotations
@@ -229,8 +231,8 @@ LLAMA_TO_MEGATRON = Converter(
     name="llama-to-megatron",
     inverse_name="megatron-to-llama",
     needs=("num_attention_heads", "hidden_size"),
-    doc="Hugging Face Llama/Qwen2 -> Megatron-Core GPT (fused linear_qkv with grouped-query layout, its bias too; "
-        "fc1 = [gate; up])",
+    doc="Hugging Face Llama/Qwen2/Qwen3 -> Megatron-Core GPT (fused linear_qkv with grouped-query layout, its bias "
+        "too; Qwen3's q/k norms; fc1 = [gate; up])",
     rules=(
         Rule(("model.embed_tokens.weight",), ("embedding.word_embeddings.weight",)),
         Rule((_L + "input_layernorm.weight",), (_M + "self_attention.linear_qkv.layer_norm_weight",)),
@@ -238,6 +240,8 @@ LLAMA_TO_MEGATRON = Converter(
              (_M + "self_attention.linear_qkv.weight",), "fuse_qkv"),
         Rule((_L + "self_attn.q_proj.bias", _L + "self_attn.k_proj.bias", _L + "self_attn.v_proj.bias"),
              (_M + "self_attention.linear_qkv.bias",), "fuse_qkv"),  # Qwen2 (Megatron's add_qkv_bias)
+        Rule((_L + "self_attn.q_norm.weight",), (_M + "self_attention.q_layernorm.weight",)),  # Qwen3 (qk_layernorm)
+        Rule((_L + "self_attn.k_norm.weight",), (_M + "self_attention.k_layernorm.weight",)),
         Rule((_L + "self_attn.o_proj.weight",), (_M + "self_attention.linear_proj.weight",)),
         Rule((_L + "post_attention_layernorm.weight",), (_M + "mlp.linear_fc1.layer_norm_weight",)),
         Rule((_L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight"), (_M + "mlp.linear_fc1.weight",), "concat"),

@@ -4,8 +4,9 @@ Megatron-LM checkpoints carry the run's ``args`` (an ``argparse.Namespace``). Ot
 sizes are found beside the weights instead: NeMo 1.x archives in ``model_config.yaml`` (:func:`nemo_args`),
 NeMo 2.0 checkpoints in ``context/model.yaml`` (the model's config under ``config:``, Megatron-Core
 ``TransformerConfig`` names), or a Hugging Face ``config.json``. All become Megatron-LM argument names,
-and :func:`hf_config` turns those into the Hugging Face config of the converted model: a Llama, or a Qwen2 when
-the run has biases on its query/key/value projection only (``add_qkv_bias``; :func:`family`).
+and :func:`hf_config` turns those into the Hugging Face config of the converted model: a Llama, a Qwen2 when
+the run has biases on its query/key/value projection only (``add_qkv_bias``), or a Qwen3 when it normalises each
+query and key head (``qk_layernorm``; :func:`family`).
 """
 
 from __future__ import annotations
@@ -15,25 +16,28 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import CheckpointError
-from ..hf_fields import DEFAULT_THETA, Rope, dtype_name, rope, rope_config
+from ..hf_fields import DEFAULT_THETA, MEGATRON_TYPES, Rope, dtype_name, refuse_type, rope, rope_config
 from .fields import MUST, refused
 
 def _arg(args: Any, name: str, default: Any = None) -> Any:
     return getattr(args, name, default) if args is not None else default
 
 
-FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 """The Hugging Face model types a Megatron GPT run converts to, with their classes."""
 
 
 def family(args: Any) -> str:
     """``qwen2`` for a run with biases on the query/key/value projection (Megatron-LM's ``--add-qkv-bias``, which
-    is how Megatron trains Qwen2/2.5), else ``llama``; what neither computes is refused by :func:`hf_config`."""
+    is how Megatron trains Qwen2/2.5), ``qwen3`` for one with an RMSNorm on each query and key head
+    (``--qk-layernorm``, how it trains Qwen3), else ``llama``; what none computes is refused by :func:`hf_config`."""
+    if _arg(args, "qk_layernorm", False):
+        return "qwen3"
     return "qwen2" if _arg(args, "add_qkv_bias", False) else "llama"
 
 
 def _not_llama(args: Any) -> list[str]:
-    """What in ``args`` neither a Hugging Face Llama nor a Qwen2 computes, each named by its Megatron-LM argument."""
+    """What in ``args`` no Hugging Face Llama, Qwen2 or Qwen3 computes, each named by its Megatron-LM argument."""
     problems = []
     if _arg(args, "normalization", "RMSNorm") != "RMSNorm":
         problems.append(f"normalization={_arg(args, 'normalization')}")
@@ -43,6 +47,8 @@ def _not_llama(args: Any) -> list[str]:
         problems.append(f"position_embedding_type={_arg(args, 'position_embedding_type')}")
     if _arg(args, "add_bias_linear", False):
         problems.append("linear biases (add_bias_linear=True)")
+    if _arg(args, "qk_layernorm", False) and _arg(args, "add_qkv_bias", False):  # a Qwen3's biases are on q/k/v/o
+        problems.append("qk_layernorm with add_qkv_bias (Qwen3's norms with Qwen2's biases)")
     if _arg(args, "rotary_interleaved", False):
         problems.append("interleaved rotary embeddings")
     if _arg(args, "rotary_percent", None) not in (None, 1, 1.0):
@@ -74,8 +80,8 @@ def _rope(args: Any, where: object) -> Any:
 
 
 def hf_config(args: Any, where: object, layers: int, vocab_rows: int) -> dict[str, Any]:
-    """The Hugging Face ``config.json`` of a Megatron run's ``args``, a Llama's or a Qwen2's (:func:`family`);
-    refuses other models by name.
+    """The Hugging Face ``config.json`` of a Megatron run's ``args``, a Llama's, a Qwen2's or a Qwen3's
+    (:func:`family`); refuses other models by name.
 
     The rotary embedding is written in both spellings (:func:`ckptio.formats.hf_fields.rope_config`), so that
     transformers 4 and 5 read the same model."""
@@ -83,7 +89,8 @@ def hf_config(args: Any, where: object, layers: int, vocab_rows: int) -> dict[st
     if problems:
         raise CheckpointError(f"{where}: not a Llama-style model ({', '.join(problems)}); ckptio maps Megatron GPT "
                               "models with RMSNorm, SwiGLU, RoPE and no linear biases to Hugging Face Llama, and "
-                              "with biases on the query/key/value projection only (add_qkv_bias) to Qwen2")
+                              "with biases on the query/key/value projection only (add_qkv_bias) to Qwen2, with "
+                              "RMSNorms on each query and key head (qk_layernorm) to Qwen3")
     hidden, heads = _arg(args, "hidden_size"), _arg(args, "num_attention_heads")
     if not isinstance(hidden, int) or not isinstance(heads, int):
         raise CheckpointError(f"{where}: the run's args are missing (hidden_size, num_attention_heads...); put the "
@@ -102,9 +109,12 @@ def hf_config(args: Any, where: object, layers: int, vocab_rows: int) -> dict[st
         "attention_bias": False, "mlp_bias": False, "dtype": dtype, "torch_dtype": dtype,
         "attention_dropout": float(_arg(args, "attention_dropout", 0.0) or 0.0),
     }
-    if family(args) == "qwen2":  # q/k/v biases always, no others (no attention_bias or mlp_bias field); full attention
-        del config["attention_bias"], config["mlp_bias"]
-        config.update(architectures=[FAMILIES["qwen2"]], model_type="qwen2", use_sliding_window=False,
+    kind = family(args)
+    if kind != "llama":  # qwen2: q/k/v biases (no attention_bias field), qwen3: none; no mlp_bias; full attention
+        del config["mlp_bias"]
+        if kind == "qwen2":
+            del config["attention_bias"]
+        config.update(architectures=[FAMILIES[kind]], model_type=kind, use_sliding_window=False,
                       sliding_window=None, max_window_layers=layers, layer_types=["full_attention"] * layers)
     return config
 
@@ -124,6 +134,7 @@ def nemo_args(config: dict[str, Any]) -> Any:
         normalization="RMSNorm" if str(config.get("normalization", "")).lower() == "rmsnorm" else config.get("normalization"),
         swiglu=activation in ("swiglu", "fast-swiglu"), position_embedding_type=config.get("position_embedding_type"),
         add_bias_linear=bool(config.get("bias", False)), add_qkv_bias=bool(config.get("qkv_bias", False)),
+        qk_layernorm=bool(config.get("qk_layernorm", False)),
         vocab_size=None,
         untie_embeddings_and_output_weights=not config.get("share_embeddings_and_output_weights", True),
         tensor_model_parallel_size=config.get("tensor_model_parallel_size"),
@@ -155,7 +166,8 @@ def nemo2_args(model: dict[str, Any]) -> Any:
         max_position_embeddings=config.get("seq_length"), normalization=config.get("normalization"),
         swiglu=glu, position_embedding_type=config.get("position_embedding_type", "rope"),
         add_bias_linear=bool(config.get("add_bias_linear", False)),
-        add_qkv_bias=bool(config.get("add_qkv_bias", False)), vocab_size=config.get("vocab_size"),
+        add_qkv_bias=bool(config.get("add_qkv_bias", False)), qk_layernorm=bool(config.get("qk_layernorm", False)),
+        vocab_size=config.get("vocab_size"),
         untie_embeddings_and_output_weights=not config.get("share_embeddings_and_output_weights", True),
         bf16=bool(config.get("bf16")), fp16=bool(config.get("fp16")), rope_scaling=scaling)
 
@@ -181,7 +193,9 @@ def args_from_files(folder: Path, run: Path) -> Any:
 
 def hf_args(hf: dict[str, Any], where: object) -> Any:
     """Megatron arguments from a Hugging Face ``config.json`` (transformers 5 or 4 spelling) found beside a
-    checkpoint that records none; its rotary embedding, scaled or not, is kept (``rope_scaling``)."""
+    checkpoint that records none; its rotary embedding, scaled or not, is kept (``rope_scaling``). A model type
+    Megatron does not compute (a Gemma) is refused by name, not read as a Llama."""
+    refuse_type(hf, where, "Megatron", MEGATRON_TYPES)
     r = rope(hf, where)
     if r.partial != 1.0:
         raise CheckpointError(f"{where}: partial_rotary_factor = {r.partial}: ckptio maps Llama-style models, whose "
@@ -196,5 +210,5 @@ def hf_args(hf: dict[str, Any], where: object) -> Any:
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
         rope_scaling={"rope_type": r.kind, **r.scaling} if r.kind != "default" else None,
         add_bias_linear=bool(hf.get("attention_bias") or hf.get("mlp_bias")),
-        add_qkv_bias=hf.get("model_type") == "qwen2",
+        add_qkv_bias=hf.get("model_type") == "qwen2", qk_layernorm=hf.get("model_type") == "qwen3",
         bf16=dtype == "bfloat16", fp16=dtype == "float16")

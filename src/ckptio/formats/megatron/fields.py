@@ -1,12 +1,13 @@
-"""Every Megatron model argument, placed: carried into the Hugging Face Llama/Qwen2 config, inert, or refused by name.
+"""Every Megatron model argument, placed: carried into the Hugging Face Llama/Qwen2/Qwen3 config, inert, or refused.
 
 A Megatron run builds its model from Megatron-Core's ``TransformerConfig`` (with ``ModelParallelConfig``), whose
 fields Megatron-LM fills from arguments of the same names, plus a few Megatron-LM arguments it translates
-(``swiglu``, ``apply_layernorm_1p``, ``num_experts``...). A conversion to a Llama or a Qwen2 (a Llama with biases
-on its query, key and value projections: ``add_qkv_bias``) decides from all of them:
+(``swiglu``, ``apply_layernorm_1p``, ``num_experts``...). A conversion to a Llama, a Qwen2 (a Llama with biases
+on its query, key and value projections: ``add_qkv_bias``) or a Qwen3 (a Llama with an RMSNorm on each query and key
+head: ``qk_layernorm``) decides from all of them:
 
 * :data:`CARRIED` — read into the converted config (sizes, heads, norm epsilon, rotary base, tying, dtype);
-* :data:`MUST` — a feature a Llama does not compute (a window, a 1+gamma norm, QK norms, experts...): the
+* :data:`MUST` — a feature a Llama does not compute (a window, a 1+gamma norm, QK L2 norms, experts...): the
   argument must hold its "off" value, or the conversion is refused naming it;
 * :data:`INERT` — training, performance, initialisation, parallel layout and runtime switches: what the converted
   model computes does not depend on them.
@@ -29,10 +30,12 @@ CARRIED = frozenset({
     "rotary_seq_len_interpolation_factor", "use_rope_scaling", "rope_scaling_factor", "rope_scaling",
     "untie_embeddings_and_output_weights", "vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by",
     "max_position_embeddings", "seq_length", "params_dtype", "bf16", "fp16", "use_rotary_position_embeddings",
+    "qk_layernorm",
 })
 """Read by :func:`ckptio.formats.megatron.config.hf_config` (the ones a Llama or a Qwen2 cannot hold otherwise refused
 there: a LayerNorm, biases other than Qwen2's on the query/key/value projection, another activation or position
-embedding, a partial or interpolated RoPE); ``add_qkv_bias`` decides the family (Llama or Qwen2)."""
+embedding, a partial or interpolated RoPE); ``add_qkv_bias`` and ``qk_layernorm`` decide the family (Llama, Qwen2 or
+Qwen3)."""
 
 _OFF: dict[str, tuple[tuple[Any, ...], str]] = {
     # argument: (the values under which a Llama computes the same, what it is)
@@ -43,7 +46,6 @@ _OFF: dict[str, tuple[tuple[Any, ...], str]] = {
     "softmax_type": (("vanilla", None), "an attention softmax with sinks or offsets"),
     "window_size": ((None,), "sliding-window attention"),
     "window_attn_skip_freq": ((None,), "sliding-window attention"),
-    "qk_layernorm": ((False, None), "norms on queries and keys"),
     "qk_l2_norm": ((False, None), "L2 norms on queries and keys"),
     "attention_output_gate": ((False, None), "a gate on the attention output"),
     "multi_latent_attention": ((False, None), "multi-latent attention"),
@@ -73,6 +75,10 @@ _OFF: dict[str, tuple[tuple[Any, ...], str]] = {
     "pipeline_model_parallel_layout": ((None,), "a custom pipeline layout"),
     "account_for_embedding_in_pipeline_split": ((False, None), "uneven pipeline stages"),
     "account_for_loss_in_pipeline_split": ((False, None), "uneven pipeline stages"),
+    # NeMo 2.0's Gemma 2 config adds these to TransformerConfig (its own layers compute them; megatron-core cannot)
+    "attn_logit_softcapping": ((None, 0, 0.0), "soft-capped attention logits (Gemma 2)"),
+    "final_logit_softcapping": ((None, 0, 0.0), "soft-capped output logits (Gemma 2)"),
+    "query_pre_attn_scalar": ((None,), "queries scaled by another number than sqrt(head_dim) (Gemma 2)"),
 }
 MUST = frozenset(_OFF)
 

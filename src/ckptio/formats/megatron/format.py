@@ -1,4 +1,4 @@
-"""Megatron-LM and Megatron-Core checkpoints, read as one Hugging Face Llama or Qwen2 model.
+"""Megatron-LM and Megatron-Core checkpoints, read as one Hugging Face Llama, Qwen2 or Qwen3 model.
 
 Layouts, detected from the folder (a run folder with ``latest_checkpointed_iteration.txt``, or one
 iteration folder ``iter_NNNNNNN``/``release``):
@@ -17,9 +17,10 @@ row-parallel ``linear_proj`` and ``linear_fc2`` on dim 1, and ``linear_fc1`` who
 ``[gate part; up part]`` regathered as ``[gate; up]`` — with pipeline stages renumbered into one layer
 sequence and the vocabulary padding cut off. The ``megatron-to-llama`` naming converter
 (:mod:`ckptio.formats.naming`) then splits the fused tensors into Llama's (Qwen2's: the same names, with
-``linear_qkv.bias`` split into the q/k/v biases). The Hugging Face config comes from the run's ``args`` (or a
-``config.json`` beside the checkpoint): a Qwen2 when they have ``add_qkv_bias``, else a Llama
-(:func:`ckptio.formats.megatron.config.family`), and the biases must be in every layer exactly then.
+``linear_qkv.bias`` split into the q/k/v biases; Qwen3's: with ``q_layernorm``/``k_layernorm`` as ``q_norm``/
+``k_norm``). The Hugging Face config comes from the run's ``args`` (or a ``config.json`` beside the checkpoint): a
+Qwen2 when they have ``add_qkv_bias``, a Qwen3 with ``qk_layernorm``, else a Llama
+(:func:`ckptio.formats.megatron.config.family`), and the biases or norms must be in every layer exactly then.
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ from ...errors import CheckpointCorruptError, CheckpointError
 from ...storage.confined import Folder
 from ...storage.parse import json_object
 from ..common import TensorInfo, dtype_name
-from .config import _arg, args_from_files, family, hf_config
+from .config import _arg, args_from_files, hf_config
 from .layout import (GLOBAL_SPLIT, ITERATION_FILE, LAYER_SPLIT, MAX_COMMON_BYTES, MAX_RANK_FILE_BYTES, NEMO_RANK_FILE,
-                     QKV_BIAS, VOCAB_KEYS, _LAYER, _RENAME, _rank_files, carry_side_files, iteration_folder, layout_of)
+                     OPTIONAL, VOCAB_KEYS, _LAYER, _RENAME, _rank_files, carry_side_files, iteration_folder, layout_of)
 from ..registry import Format, Opened, WriteOptions, register
 
 
@@ -60,7 +61,7 @@ def _kind(key: str, where: object) -> tuple[str, Any, int | None]:
         return key, GLOBAL_SPLIT[key], None
     raise CheckpointError(f"{where}: {key!r} is not a parameter of a Llama-style Megatron GPT model (ckptio maps "
                           "RMSNorm + SwiGLU + RoPE models without linear biases, or with biases on the query/key/value "
-                          "projection only (Qwen2); see docs/converters.md)")
+                          "projection only (Qwen2), or with query/key norms (Qwen3); see docs/converters.md)")
 
 
 def merge_tp(parts: list[torch.Tensor], split: Any, key: str, where: object) -> torch.Tensor:
@@ -214,10 +215,11 @@ class MegatronSource:
         rows = self._index["embedding.word_embeddings.weight"].shape[0] if "embedding.word_embeddings.weight" in \
             self._index else 0
         self.config = hf_config(args, self.folder, self.info["layers"], rows)
-        biased = sum(k.endswith(QKV_BIAS) for k in self._index)
-        if biased != (self.info["layers"] if family(args) == "qwen2" else 0):
-            raise CheckpointCorruptError(f"{self.folder}: {biased} of its {self.info['layers']} layers hold "
-                                         f"{QKV_BIAS}, but the run's add_qkv_bias is {_arg(args, 'add_qkv_bias')!r}")
+        for suffix, switch in OPTIONAL.items():  # Qwen2's biases, Qwen3's q/k norms: in every layer exactly then
+            held = sum(k.endswith(suffix) for k in self._index)
+            if held != (self.info["layers"] if _arg(args, switch, False) else 0):
+                raise CheckpointCorruptError(f"{self.folder}: {held} of its {self.info['layers']} layers hold "
+                                             f"{suffix}, but the run's {switch}={_arg(args, switch)!r}")
         if self.config["tie_word_embeddings"]:  # a last-stage copy of the tied embedding is not a weight of its own
             self._index.pop("output_layer.weight", None)
         self.vocab = self.config["vocab_size"]
@@ -248,10 +250,10 @@ def _as_llama(source: MegatronSource) -> Any:
 
 
 class MegatronFormat(Format):
-    """Megatron-LM legacy (``mp_rank_*``) and Megatron-Core ``torch_dist`` checkpoints, read as HF Llama or Qwen2."""
+    """Megatron-LM legacy (``mp_rank_*``) and Megatron-Core ``torch_dist`` checkpoints, read as HF Llama/Qwen2/Qwen3."""
 
     name = "megatron"
-    summary = "Megatron-LM / Megatron-Core checkpoint (mp_rank_* or torch_dist), read as Hugging Face Llama or Qwen2"
+    summary = "Megatron-LM / Megatron-Core checkpoint (mp_rank_* or torch_dist), read as Hugging Face Llama/Qwen2/Qwen3"
     priority = 25
 
     def detect(self, path: Path) -> bool:

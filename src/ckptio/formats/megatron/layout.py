@@ -14,7 +14,7 @@ from typing import Any
 from ...errors import CheckpointCorruptError, CheckpointError
 from ...storage.confined import Folder
 
-__all__ = ["ITERATION_FILE", "RANK_FILE", "GLOBAL_SPLIT", "LAYER_SPLIT", "VOCAB_KEYS", "iteration_folder",
+__all__ = ["ITERATION_FILE", "RANK_FILE", "GLOBAL_SPLIT", "LAYER_SPLIT", "OPTIONAL", "VOCAB_KEYS", "iteration_folder",
            "layout_of", "run_args"]
 
 ITERATION_FILE = "latest_checkpointed_iteration.txt"
@@ -29,13 +29,18 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _RENAME = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
            "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
 # per-layer parameter -> how tensor parallelism splits it: a dim, "glu" ([gate; up] per shard), None (replicated);
-# every one is in every layer but the QKV_BIAS, present exactly when the run has add_qkv_bias (the Qwen2 family)
+# every one is in every layer but the OPTIONAL ones, present exactly when the run's argument says so
 LAYER_SPLIT: dict[str, Any] = {
     "self_attention.linear_qkv.layer_norm_weight": None, "mlp.linear_fc1.layer_norm_weight": None,
     "self_attention.linear_qkv.weight": 0, "self_attention.linear_qkv.bias": 0, "self_attention.linear_proj.weight": 1,
+    "self_attention.q_layernorm.weight": None, "self_attention.k_layernorm.weight": None,
     "mlp.linear_fc1.weight": "glu", "mlp.linear_fc2.weight": 1,
 }
 QKV_BIAS = "self_attention.linear_qkv.bias"
+OPTIONAL = {QKV_BIAS: "add_qkv_bias", "self_attention.q_layernorm.weight": "qk_layernorm",
+            "self_attention.k_layernorm.weight": "qk_layernorm"}
+"""The per-layer parameters a run has only with an argument: the q/k/v bias (Qwen2's ``add_qkv_bias``) and the
+per-head query and key norms (Qwen3's ``qk_layernorm``, each of ``kv_channels``, the same on every TP rank)."""
 GLOBAL_SPLIT: dict[str, Any] = {"embedding.word_embeddings.weight": 0, "output_layer.weight": 0,
                                 "decoder.final_layernorm.weight": None}
 VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")

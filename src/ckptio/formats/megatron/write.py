@@ -1,4 +1,4 @@
-"""Hugging Face Llama (or Mistral, Qwen2) weights written as a Megatron checkpoint, split for a chosen TP × PP.
+"""Hugging Face Llama (or Mistral, Qwen2, Qwen3) weights written as a Megatron checkpoint, split for a chosen TP × PP.
 
 ``ckptio convert SRC OUT --to megatron --tp T --pp P`` writes a Megatron-LM run folder::
 
@@ -8,7 +8,8 @@
     OUT/iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt   ... or, with --megatron-layout legacy
 
 The model is renamed with the ``llama-to-megatron`` converter (``linear_qkv`` fused per query group, a Qwen2's
-q/k/v biases into ``linear_qkv.bias`` the same way, with ``add_qkv_bias`` in the args; ``linear_fc1`` =
+q/k/v biases into ``linear_qkv.bias`` the same way, with ``add_qkv_bias`` in the args; a Qwen3's q/k norms as
+``q_layernorm``/``k_layernorm``, with ``qk_layernorm``; ``linear_fc1`` =
 ``[gate; up]``) and the vocabulary padded as Megatron-LM pads it (to a multiple of
 D × T, D being ``--vocab-divisible-by``, Megatron-LM's ``--make-vocab-size-divisible-by``, 128 by default; the
 added rows are zeros). ``--like RUN`` takes T, P and D from an existing Megatron run's recorded arguments. The torch_dist layout holds whole tensors with the layers stacked,
@@ -31,7 +32,7 @@ import torch
 
 from ...errors import CheckpointError, ConfigError
 from .. import hf_fields
-from .layout import GLOBAL_SPLIT, ITERATION_FILE, LAYER_SPLIT, QKV_BIAS, RANK_FILE, SIDE_FILES, VOCAB_KEYS
+from .layout import GLOBAL_SPLIT, ITERATION_FILE, LAYER_SPLIT, OPTIONAL, RANK_FILE, SIDE_FILES, VOCAB_KEYS
 
 DIVISIBLE_BY = 128
 """Megatron-LM's default ``--make-vocab-size-divisible-by``."""
@@ -42,13 +43,13 @@ _LEGACY_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm
 
 def megatron_args(config: dict[str, Any], tp: int, pp: int, layout: str,
                   divisible_by: int = DIVISIBLE_BY, where: object = "config.json") -> argparse.Namespace:
-    """The Megatron-LM arguments that describe a Hugging Face Llama (Mistral, Qwen2) ``config`` split over ``tp`` ×
-    ``pp``, the vocabulary padded to a multiple of ``divisible_by`` × ``tp`` (Megatron-LM's
-    ``--make-vocab-size-divisible-by``); a Qwen2 is a Llama with ``add_qkv_bias``.
+    """The Megatron-LM arguments that describe a Hugging Face Llama (Mistral, Qwen2, Qwen3) ``config`` split over
+    ``tp`` × ``pp``, the vocabulary padded to a multiple of ``divisible_by`` × ``tp`` (Megatron-LM's
+    ``--make-vocab-size-divisible-by``); a Qwen2 is a Llama with ``add_qkv_bias``, a Qwen3 one with ``qk_layernorm``.
 
     The config may use transformers 5's or 4's spelling (:mod:`ckptio.formats.hf_fields`); a field Megatron
-    cannot hold (a scaled RoPE, biases other than Qwen2's, a sliding window...) is refused by name."""
-    rope = hf_fields.refuse(config, where, "Megatron", types=(*hf_fields.LLAMA_TYPES, "qwen2"))
+    cannot hold (a scaled RoPE, biases other than Qwen2's, a sliding window, a Gemma...) is refused by name."""
+    rope = hf_fields.refuse(config, where, "Megatron", types=hf_fields.MEGATRON_TYPES)
     kind = config.get("model_type")
     heads = int(config["num_attention_heads"])
     groups = int(config.get("num_key_value_heads") or heads)
@@ -71,7 +72,7 @@ def megatron_args(config: dict[str, Any], tp: int, pp: int, layout: str,
         max_position_embeddings=int(config.get("max_position_embeddings") or 4096),
         norm_epsilon=float(config.get("rms_norm_eps", hf_fields.DEFAULT_EPS.get(str(kind), 1e-5))),
         rotary_base=rope.theta, rotary_percent=1.0, position_embedding_type="rope", normalization="RMSNorm",
-        swiglu=True, add_bias_linear=False, add_qkv_bias=kind == "qwen2",
+        swiglu=True, add_bias_linear=False, add_qkv_bias=kind == "qwen2", qk_layernorm=kind == "qwen3",
         untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, ckpt_format=layout,
         bf16=dtype == "bfloat16", fp16=dtype == "float16",
@@ -88,11 +89,13 @@ def _tensors(source: Any, config: dict[str, Any], args: argparse.Namespace) -> d
         raise CheckpointError(f"{source.folder}: a Megatron export takes a Hugging Face model (model.embed_tokens."
                               f"weight, model.layers.N...), not {sorted(index)[:3]}; it renames with llama-to-megatron "
                               "itself, so convert without --naming")
-    biases = sum(k.endswith("self_attn.q_proj.bias") for k in index)
-    if biases != (args.num_layers if args.add_qkv_bias else 0):
-        raise CheckpointError(f"{source.folder}: {biases} of its {args.num_layers} layers have q_proj biases, but its "
-                              f"config is a {config.get('model_type', 'llama')}'s (Megatron holds biases on the "
-                              "query/key/value projections of every layer, as a qwen2 model_type, or on none)")
+    for suffix, what, switch, kind in (("self_attn.q_proj.bias", "q_proj biases", "add_qkv_bias", "qwen2"),
+                                       ("self_attn.q_norm.weight", "q_norm weights", "qk_layernorm", "qwen3")):
+        held = sum(k.endswith(suffix) for k in index)
+        if held != (args.num_layers if getattr(args, switch) else 0):
+            raise CheckpointError(f"{source.folder}: {held} of its {args.num_layers} layers have {what}, but its "
+                                  f"config is a {config.get('model_type', 'llama')}'s (Megatron holds them in every "
+                                  f"layer, as a {kind} model_type, or in none)")
     tied = "lm_head.weight" not in index
     renamed = _RenamedSource(_WithHead(source) if tied else source, get_converter("llama-to-megatron"), config)
     out = {}
@@ -130,8 +133,9 @@ def _split(t: torch.Tensor, split: Any, tp: int) -> list[torch.Tensor]:
 
 
 def _suffixes(args: argparse.Namespace) -> list[str]:
-    """The per-layer parameters of the run: all of :data:`LAYER_SPLIT`, the query/key/value bias with add_qkv_bias."""
-    return [s for s in LAYER_SPLIT if s != QKV_BIAS or args.add_qkv_bias]
+    """The per-layer parameters of the run: all of :data:`LAYER_SPLIT`, the :data:`OPTIONAL` ones when their switch
+    (``add_qkv_bias``, ``qk_layernorm``) is on."""
+    return [s for s in LAYER_SPLIT if s not in OPTIONAL or getattr(args, OPTIONAL[s])]
 
 
 def write_dist(folder: Path, tensors: dict[str, torch.Tensor], args: argparse.Namespace, iteration: int) -> None:
@@ -190,7 +194,7 @@ def write_legacy(folder: Path, tensors: dict[str, torch.Tensor], args: argparse.
 
 # the model sizes a run's args must share with the exported model (Megatron-LM name, what the Llama config gives)
 _SIZES = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-          "vocab_size", "untie_embeddings_and_output_weights", "add_qkv_bias")
+          "vocab_size", "untie_embeddings_and_output_weights", "add_qkv_bias", "qk_layernorm")
 
 
 def like_run(run: Path, ours: argparse.Namespace, tp: int | None, pp: int | None,
