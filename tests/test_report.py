@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from ckptio.cli.report_cmd import text as report_text
 from ckptio.cli import main
 from ckptio.goodput.record import RECORD_NAME, dump
 from ckptio.goodput.summary import summarize
@@ -80,11 +81,35 @@ def test_the_goodput_of_a_known_record_is_what_its_definition_gives():
     assert s.redone_s == pytest.approx(5.0) and s.restarting_s == pytest.approx(12.0)
     assert s.goodput == pytest.approx(0.6) and s.failures == 1 and s.mtbf_s == pytest.approx(40.0)
     assert [e["step"] for e in s.removes] == [10] and s.newest_step == 30
-    # the first process had spent 4 s on imports before its manager began: wall time and restarting both grow by it
+    assert s.unseen_s == pytest.approx(10.0) and s.unseen_steps == 10  # 26 s to 36 s: not seen, within 30 s
+    # the first process had spent 4 s on imports before its manager began: the run's set-up, in its wall time but
+    # not a restart (issue 68: a run that never failed lost nothing to restarting)
     events[0]["age_s"] = 4.0
     events[4]["age_s"] = 3.0  # the second one's 3 s were between the two processes already: nothing changes
     s = summarize(events)
-    assert s.wall_s == 54.0 and s.restarting_s == pytest.approx(16.0) and s.goodput == pytest.approx(30 / 54)
+    assert s.wall_s == 54.0 and s.setup_s == 4.0 and s.restarting_s == pytest.approx(12.0)
+    assert s.goodput == pytest.approx(34 / 54) and s.unseen_s == pytest.approx(7.0)
+
+
+def test_a_clean_run_loses_nothing_to_restarting_and_a_failure_says_what_it_may_have_lost_unseen():
+    """Issue 68: a short run that never failed reported 43.8 % goodput (its first start-up counted as restarting);
+    a run killed 13 steps after its last save, within the 30 s between progress events, said 0 steps lost."""
+    clean = [{"kind": "start", "time": 100.0, "ranks": 1, "age_s": 9.0},
+             {"kind": "save", "time": 105.0, "step": 10, "tier": "durable", "blocked_s": 0.1},
+             {"kind": "end", "time": 107.0}]
+    s = summarize(clean)
+    assert s.restarting_s == 0.0 and s.setup_s == 9.0 and s.goodput == pytest.approx(1 - 0.1 / 16)
+    killed = [{"kind": "start", "time": 0.0, "ranks": 1}, {"kind": "progress", "time": 0.5, "step": 1},
+              {"kind": "save", "time": 10.5, "step": 20, "tier": "durable", "blocked_s": 0.1},
+              {"kind": "start", "time": 18.0, "ranks": 1},  # killed at step 33, 6.5 s after the save: relaunched
+              {"kind": "restore", "time": 19.0, "step": 20, "tier": "durable", "steps_lost": 0}]
+    s = summarize(killed)
+    assert s.redone_s == 0.0 and s.unseen_s == pytest.approx(7.5) and s.unseen_steps == 15  # 0.5 s a step: >= 13
+    text = report_text(s, "run", None)
+    assert "up to 15 step(s) more not seen" in text, text
+    unknown = killed[:1] + [{"kind": "start", "time": 18.0, "ranks": 1},
+                            {"kind": "restore", "time": 19.0, "step": 20, "tier": "durable"}]
+    assert "not known for 1 restore(s)" in report_text(summarize(unknown), "run", None)
 
 
 def test_the_terminal_report_of_a_real_run(real_run, capsys):

@@ -113,8 +113,9 @@ def text(summary: Summary, where: str, rate: float | None) -> str:
              f"{summary.newest_step if summary.newest_step is not None else '-'}",
              f"  saves blocked       {_span(summary.blocked_s)}",
              f"  steps redone        {_span(summary.redone_s)}"
-             + (f" (a step takes {summary.step_s:.3g} s)" if summary.step_s else ""),
-             f"  restarting          {_span(summary.restarting_s)}",
+             + (f" (a step takes {summary.step_s:.3g} s)" if summary.step_s else "") + _unseen(summary),
+             f"  restarting          {_span(summary.restarting_s)} (and the first start's set-up "
+             f"{_span(summary.setup_s)}, not lost)",
              f"processes             {len(summary.processes)}, failures {summary.failures}"
              + (f", one per {_span(summary.mtbf_s)} of running" if summary.mtbf_s else ""),
              f"storage write limit   {human_bytes(int(rate)) + '/s' if rate else 'not measured'}", ""]
@@ -144,6 +145,20 @@ def text(summary: Summary, where: str, rate: float | None) -> str:
         lines.append(f"Failed saves (training went on): {len(failed)} ({', '.join(steps[:12])}"
                      f"{', ...' if len(steps) > 12 else ''})")
     return "\n".join(lines)
+
+
+def _unseen(summary: Summary) -> str:
+    """What the steps redone may leave out: the unseen end of each failed process, and restores of unknown loss."""
+    from ..goodput.record import PROGRESS_EVERY_S
+
+    out = []
+    if summary.unseen_s:
+        steps = summary.unseen_steps
+        out.append(f"up to {steps if steps is not None else 'an unknown number of'} step(s) more not seen: the record "
+                   f"writes progress every {PROGRESS_EVERY_S:.0f} s, and the end of a failed process is not recorded")
+    if summary.unknown_lost:
+        out.append(f"not known for {summary.unknown_lost} restore(s) of which nothing before was recorded")
+    return "; " + "; ".join(out) if out else ""
 
 
 def _tier_row(tier: str, saves: list[dict[str, Any]], rate: float | None) -> list[str]:

@@ -180,7 +180,7 @@ class Goodput:
         newest = self.record.newest_step() if self.record is not None else None
         self.emit("restore", step=info.step, tier=info.tier, restore_s=round(restore_s, 6),
                   startup_s=round(process_age_s(), 3),
-                  steps_lost=max(0, newest - info.step) if newest is not None else 0, begin=self._own(info))
+                  **({"steps_lost": max(0, newest - info.step)} if newest is not None else {}), begin=self._own(info))
 
     def _own(self, info: Any) -> bool:
         """Whether ``info`` came from a checkpoint ckptio wrote: a memory snapshot, or a step directory with its own

@@ -35,7 +35,8 @@ def page_data(summary: Summary, where: str, storage_rate: float | None) -> dict[
             "memory": rows(summary.saves["memory"]), "restores": rows(summary.restores),
             "removes": rows(summary.removes), "failed_saves": rows(summary.failed_saves), "storage_rate": storage_rate, "goodput": summary.goodput,
             "wall_s": summary.wall_s, "blocked_s": summary.blocked_s, "redone_s": summary.redone_s,
-            "restarting_s": summary.restarting_s, "failures": summary.failures, "mtbf_s": summary.mtbf_s,
+            "restarting_s": summary.restarting_s, "setup_s": summary.setup_s, "unseen_s": summary.unseen_s,
+            "unseen_steps": summary.unseen_steps, "unknown_lost": summary.unknown_lost, "failures": summary.failures, "mtbf_s": summary.mtbf_s,
             "step_s": summary.step_s, "newest_step": summary.newest_step}
 
 
@@ -209,7 +210,9 @@ function cards() {
   add(String(D.failures), "failures");
   if (D.failed_saves.length) add(String(D.failed_saves.length), "failed saves (training went on)");
   add(D.mtbf_s === null ? "-" : fmtS(D.mtbf_s), "mean time between failures");
-  add(fmtS(D.redone_s), "steps redone after failures");
+  add(fmtS(D.redone_s) + (D.unseen_s ? " (+ up to " + (D.unseen_steps === null ? "?" : D.unseen_steps) +
+      " steps unseen)" : "") + (D.unknown_lost ? " (" + D.unknown_lost + " restore(s) unknown)" : ""),
+      "steps redone after failures");
   add(fmtS(D.restarting_s), "restarting");
   add(D.storage_rate ? fmtB(D.storage_rate) + "/s" : "not measured", "storage's write limit");
 }

@@ -7,12 +7,14 @@ The goodput is an estimate from the record alone: the share of the run's wall ti
 * ``redone``: for each restore, its ``steps_lost`` times the run's step time (measured between the record's events
   of each process, the time its saves blocked taken out);
 * ``restarting``: the time between a process's last event and the start of the next (its imports and set-up
-  included), the first process's set-up before its manager, and each restore's time after the manager was made.
+  included) and each restore's time after the manager was made. The first process's set-up before its manager is
+  the run's start (``setup_s``), not a restart: a run that never failed restarted for no time.
 
 Failures before the run's first save or restore are not seen: the record begins then.
 
 What the record cannot see (a failed process's work after its last event, within :data:`~.record.PROGRESS_EVERY_S`
-seconds) is in none of these: the estimate errs on the high side by at most that per failure.
+seconds and before the next process began) is in none of these: ``unseen_s`` says how much that can be, and the
+report gives it in steps beside the steps redone (the estimate errs on the high side by at most that).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .record import failure_history, parse as parse_record
+from .record import PROGRESS_EVERY_S, failure_history, parse as parse_record
 
 __all__ = ["Process", "Summary", "summarize", "load"]
 
@@ -53,6 +55,20 @@ class Summary:
     restarting_s: float
     step_s: float | None
     newest_step: int | None
+    setup_s: float = 0.0
+    """The first process's imports and set-up before its manager: the run's start, not a restart."""
+    unseen_s: float = 0.0
+    """Time before each failure the record cannot have seen (progress is written at most every
+    :data:`~.record.PROGRESS_EVERY_S` seconds, and a process cannot have run past the next one's start)."""
+    unknown_lost: int = 0
+    """Restores whose steps lost are not known (nothing of the run before them was recorded)."""
+
+    @property
+    def unseen_steps(self) -> int | None:
+        """The most steps the failures may have lost beyond ``steps_lost`` (``None``: no step time to say)."""
+        if not self.unseen_s:
+            return 0
+        return int(min(10**12, -(-self.unseen_s // self.step_s))) if self.step_s else None
 
     @property
     def failed_saves(self) -> list[dict[str, Any]]:
@@ -96,15 +112,19 @@ def summarize(events: list[dict[str, Any]]) -> Summary:
     step_s = _step_time(processes)
     wall = processes[-1].last - processes[0].start if processes else 0.0
     downtime = sum(max(0.0, b.start - a.last) for a, b in zip(processes, processes[1:]))
-    setup = sum(p.events[0]["time"] - p.start for p in processes)  # each process's imports and set-up
-    startup = setup + sum(max(0.0, e["time"] - p.events[0]["time"]) for p in processes for e in p.events
-                          if e["kind"] == "restore")
+    setups = [p.events[0]["time"] - p.start for p in processes]  # each process's imports and set-up
+    startup = sum(setups[1:]) + sum(max(0.0, e["time"] - p.events[0]["time"]) for p in processes for e in p.events
+                                    if e["kind"] == "restore")
+    unseen = sum(min(PROGRESS_EVERY_S, max(0.0, b.start - a.last)) for a, b in zip(processes, processes[1:])
+                 if not a.clean)
     steps = [e["step"] for e in events if "step" in e and e["kind"] in ("save", "progress", "restore")]
     return Summary(events=events, processes=processes, saves=saves, restores=restores,
                    removes=[e for e in events if e["kind"] == "remove"], wall_s=max(0.0, wall),
                    blocked_s=sum(e.get("blocked_s", 0.0) for tier in saves.values() for e in tier),
                    redone_s=sum(e.get("steps_lost", 0) for e in restores) * (step_s or 0.0),
-                   restarting_s=downtime + startup, step_s=step_s, newest_step=max(steps) if steps else None)
+                   restarting_s=downtime + startup, step_s=step_s, newest_step=max(steps) if steps else None,
+                   setup_s=setups[0] if setups else 0.0, unseen_s=unseen,
+                   unknown_lost=sum(1 for e in restores if "steps_lost" not in e))
 
 
 def _processes(events: list[dict[str, Any]]) -> list[Process]:
