@@ -1,7 +1,7 @@
 """The Lightning plugin with ``ModelCheckpoint(dirpath="s3://bucket/prefix")``, against a real S3-compatible server.
 
 An object store has no rename: a ``last.ckpt`` that is saved again is written complete under a hidden name and
-swapped in (``ckptio.storage.s3.replace``). Proven here, with the real Lightning and boto3 against moto's server:
+swapped in (``ckptio.storage.objstore.replace``). Proven here, with the real Lightning and boto3 against moto's server:
 top-k and last keep the names Lightning keeps locally; a run stopped and resumed with ``ckpt_path="last"`` ends
 bitwise equal to the run uninterrupted; a run SIGKILLed while ``last.ckpt`` is being swapped (old one no longer
 committed, new one complete beside it) resumes from the new one, and the next save finishes the swap; a run

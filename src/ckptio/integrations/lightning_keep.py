@@ -184,7 +184,7 @@ def last_checkpoint(dirpath: str | Path, name: str = "last") -> str | None:
 def _s3_complete(storage: Any, name: str) -> bool:
     """A Lightning ``.ckpt`` object, a committed folder, or one whose replacement was cut short beside a complete
     copy (read from that copy)."""
-    from ..storage.s3.replace import committed, complete_copy
+    from ..storage.objstore.replace import committed, complete_copy
 
     kind = storage.folder().kind(name)
     return kind == "file" or (kind == "dir" and (committed(storage, name) or complete_copy(storage, name) is not None))

@@ -66,9 +66,9 @@ def open_storage(location: "str | os.PathLike[str]") -> Storage:
     """The storage behind a checkpoint folder given as a path or a location: the one place that chooses a
     backend (a local POSIX folder, or ``s3://bucket/prefix``; a URL scheme ckptio has no backend for is
     refused, never read as a relative folder)."""
-    from .s3 import S3Path
+    from .objstore._store import ObjectPath
 
-    if isinstance(location, S3Path):
+    if isinstance(location, ObjectPath):
         location = str(location)
     text = os.fspath(location)
     scheme = url_scheme(text)
