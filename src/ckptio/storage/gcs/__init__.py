@@ -24,7 +24,8 @@ __all__ = ["GCSStorage", "GCSBucket", "GCSWriteStream", "GCSError", "GCSPrecondi
 
 
 class GCSStorage(ObjectStorage):
-    """A checkpoint folder in a GCS bucket, ``gs://bucket/prefix`` (see :class:`~ckptio.storage.objstore.ObjectStorage`)."""
+    """A checkpoint folder in a GCS bucket, ``gs://bucket/prefix`` (see
+    :class:`~ckptio.storage.objstore.ObjectStorage`)."""
 
     def __init__(self, url: str) -> None:
         bucket, prefix = parse_gs_url(url)

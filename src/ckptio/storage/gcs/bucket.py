@@ -83,8 +83,9 @@ class GCSBucket(Bucket):
 
     def upload_file(self, path: Path, key: str, *, if_absent: bool = False) -> None:
         blob = self._bucket().blob(key)
-        _call("uploading", self.path(key), blob.upload_from_filename, str(path), content_type="application/octet-stream",
-              if_generation_match=0 if if_absent else None, timeout=TIMEOUT, retry=retry())
+        _call("uploading", self.path(key), blob.upload_from_filename, str(path),
+              content_type="application/octet-stream", if_generation_match=0 if if_absent else None, timeout=TIMEOUT,
+              retry=retry())
 
     def open_stream(self, spool: Path, key: str) -> "GCSWriteStream":
         return GCSWriteStream(spool, self, key)

@@ -7,8 +7,8 @@ not complete:
 
 * a step ``name`` is the set of objects under ``prefix/name/``; it is **committed** when its manifest
   object exists, and the manifest is written last, by one writer, after every rank has uploaded and
-  confirmed its files, with a create-only write (S3's ``If-None-Match: *``, GCS's ``ifGenerationMatch=0``) so two writers
-  can never both commit the same step;
+  confirmed its files, with a create-only write (S3's ``If-None-Match: *``, GCS's ``ifGenerationMatch=0``)
+  so two writers can never both commit the same step;
 * each file is spooled to a local temporary file while it is written (checksummed as the bytes come) and
   uploaded as each backend does best (S3: parts sent while the file is written; GCS: one upload at close);
 * before a step is written, whatever sits under its name (an interrupted save, an older step of that
@@ -19,8 +19,9 @@ not complete:
 * the folder's writer lock is a lease object written create-only and renewed while held;
   a lease not renewed for :data:`LEASE_SECONDS` belongs to a process that is gone and may be taken over.
 
-Reads go through :class:`~.reader.ObjectFolder`, which offers what the confined local :class:`~ckptio.storage.confined.Folder`
-offers (listing, sizes, positional reads, checksumming while reading) with ranged requests. Keys
+Reads go through :class:`~.reader.ObjectFolder`, which offers what the confined local
+:class:`~ckptio.storage.confined.Folder` offers (listing, sizes, positional reads, checksumming while reading) with
+ranged requests. Keys
 that are not plain relative names (``..``, empty parts) are listed as ``other`` and never read.
 
 Each backend is a :class:`~._store.Bucket`: the few requests above, through that cloud's own client, bounded in

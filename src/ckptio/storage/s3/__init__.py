@@ -35,7 +35,8 @@ __all__ = ["S3Path", "S3Storage", "S3Bucket", "S3Folder", "S3FolderWriter", "S3R
 
 
 class S3Storage(ObjectStorage):
-    """A checkpoint folder in an S3 bucket, ``s3://bucket/prefix`` (see :class:`~ckptio.storage.objstore.ObjectStorage`)."""
+    """A checkpoint folder in an S3 bucket, ``s3://bucket/prefix`` (see
+    :class:`~ckptio.storage.objstore.ObjectStorage`)."""
 
     def __init__(self, url: str) -> None:
         bucket, prefix = parse_s3_url(url)
