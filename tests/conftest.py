@@ -63,16 +63,17 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Fail the run if anything turned an ``s3://`` location into a local folder (pathlib reads ``s3://b/p``
-    as the relative path ``s3:/b/p``): such a folder would appear beside the tests' working directory."""
+    """Fail the run if anything turned an ``s3://`` or ``gs://`` location into a local folder (pathlib reads
+    ``s3://b/p`` as the relative path ``s3:/b/p``): such a folder would appear beside the tests' working directory."""
     report = session.config.getoption("--exercised-modules")
     if report:
         sys.settrace(None)
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         Path(report, f"{worker}.txt").write_text("".join(f"{f}\n" for f in sorted(_RAN)))
-    leaked = [p for p in {Path.cwd() / "s3:", Path(__file__).resolve().parents[1] / "s3:"} if os.path.lexists(p)]
+    leaked = [p for scheme in ("s3:", "gs:") for p in {Path.cwd() / scheme, Path(__file__).resolve().parents[1] / scheme}
+              if os.path.lexists(p)]
     if leaked:
-        session.config.get_terminal_writer().line(f"ERROR: an s3:// location was written as a local folder: {leaked}",
+        session.config.get_terminal_writer().line(f"ERROR: a bucket location was written as a local folder: {leaked}",
                                                   red=True)
         session.exitstatus = 1
 

@@ -40,6 +40,18 @@ def _top(bucket: str, prefix: str = "run") -> dict[str, set[str]]:
     return out
 
 
+def test_a_gs_path_is_refused_by_the_plugin_never_written_as_a_local_folder(tmp_path, monkeypatch):
+    """The plugin writes to a local folder or s3:// only: a gs:// path (pathlib would read it as the relative folder
+    'gs:/…') is refused by name, and nothing appears on the local disk."""
+    from ckptio.errors import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"gs://b/run/epoch=0\.ckpt.*gs:// is not supported"):
+        CkptioCheckpointIO().save_checkpoint({"state_dict": {"w": torch.zeros(2)}, "global_step": 1},
+                                             "gs://b/run/epoch=0.ckpt")
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory) -> dict:
     return fit(str(tmp_path_factory.mktemp("straight")), EPOCHS)
