@@ -380,8 +380,8 @@ def test_list_verify_and_prune_on_a_bucket(store):
 class _FaultyProxy:
     """An HTTP proxy on 127.0.0.1 in front of the S3 server that answers some requests itself with a 503
     (``SlowDown``, as S3 does under load), a 409 (``ConditionalRequestConflict``, as S3 answers a
-    conditional write racing another; moto never does) or drops the connection without an answer, by a
-    rule on (method, path, query)."""
+    conditional write racing another; moto never does) or drops the connection without an answer, before
+    (``drop``) or after (``lost``) the server carried the request out, by a rule on (method, path, query)."""
 
     def __init__(self, upstream: str, rule) -> None:
         import http.client
@@ -439,6 +439,11 @@ class _FaultyProxy:
                 conn.request(self.command, self.path, body=body, headers=headers)
                 resp = conn.getresponse()
                 data = resp.read()
+                if action == "lost":  # the server did it; its answer never reaches the client
+                    proxy.faults.append(("lost", self.command, self.path))
+                    self.close_connection = True
+                    self.connection.shutdown(2)
+                    return
                 self.send_response(resp.status)
                 for k, v in resp.getheaders():
                     if k.lower() not in ("transfer-encoding", "content-length", "connection"):
@@ -598,6 +603,20 @@ def test_a_conditional_write_conflict_is_retried(bucket, s3_server, monkeypatch)
             mgr.save(step=1)
     assert [f[0] for f in proxy.faults] == ["409", "409"], proxy.faults
     _resumes_exactly(f"s3://{bucket}/c409", model, 1)
+
+
+def test_a_manifest_whose_answer_was_lost_is_not_taken_for_another_writers(bucket, s3_server, monkeypatch):
+    """The manifest's create-only PUT lands but its answer is lost (the connection drops once the server has
+    written it); the client's retry is refused (412: the object is there). The save tells its own manifest from
+    another writer's by its bytes and is committed, not failed as if a second job had committed the step."""
+    rule = _nth(lambda method, path: method == "PUT" and path.endswith("/lost/epoch_0_step_1/manifest.json"),
+                {1: "lost"})
+    with _through(s3_server, monkeypatch, rule) as proxy:
+        model, _, mgr = _setup(f"s3://{bucket}/lost")
+        with mgr:
+            mgr.save(step=1)
+    assert [f[0] for f in proxy.faults] == ["lost"], proxy.faults
+    _resumes_exactly(f"s3://{bucket}/lost", model, 1)
 
 
 @pytest.mark.slow  # several CLI commands end to end
