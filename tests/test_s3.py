@@ -466,15 +466,16 @@ class _FaultyProxy:
 
 
 @contextlib.contextmanager
-def _through(server: str, monkeypatch, rule):
-    """The client talks to the server through a :class:`_FaultyProxy` applying ``rule`` inside the block."""
+def _through(server: str, monkeypatch, rule, variable: str = "AWS_ENDPOINT_URL"):
+    """The client talks to the server through a :class:`_FaultyProxy` applying ``rule`` inside the block (the
+    endpoint in ``variable``: ``STORAGE_EMULATOR_HOST`` for the GCS client)."""
     proxy = _FaultyProxy(server, rule)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    monkeypatch.setenv(variable, proxy.url)
     try:
         yield proxy
     finally:
         proxy.close()
-        monkeypatch.setenv("AWS_ENDPOINT_URL", server)
+        monkeypatch.setenv(variable, server)
 
 
 def _resumes_exactly(url: str, model, step: int) -> None:
@@ -532,6 +533,68 @@ def test_a_server_that_keeps_failing_fails_the_save_cleanly(bucket, s3_server, m
     _, _, again = _setup(f"s3://{bucket}/r3")
     with again:
         assert again.restore().step == 1
+
+
+def _gcs_object(prefix: str):
+    """A proxy rule's match: a GCS JSON-API write (upload, delete) of an object whose name starts with ``prefix``
+    (the name is in the query of an upload, in the path otherwise, URL-encoded either way)."""
+    from urllib.parse import quote
+
+    encoded = quote(prefix, safe="")
+
+    def match(method: str, path: str, query: str = "") -> bool:
+        return method in ("POST", "PUT", "DELETE") and (f"name={encoded}" in query or f"/o/{encoded}" in path)
+
+    return match
+
+
+def test_gcs_transient_server_errors_and_dropped_connections_are_retried(gcs_bucket, gcs_server, monkeypatch):
+    """The same faults in front of the GCS server: 503s and a dropped connection mid-save are retried by the
+    client (ckptio's requests carry its retry policy, writes included) and the checkpoints are exact."""
+    hit = _gcs_object("r2/")
+    calls = {"n": 0}
+
+    def rule(method: str, path: str, query: str) -> str:
+        if not hit(method, path, query):
+            return "pass"
+        calls["n"] += 1
+        return {1: "503", 4: "drop", 7: "503"}.get(calls["n"], "pass")
+
+    with _through(gcs_server, monkeypatch, rule, "STORAGE_EMULATOR_HOST") as proxy:
+        model, opt, mgr = _setup(f"gs://{gcs_bucket}/r2")
+        with mgr:
+            mgr.save(step=1)
+            _train(model, opt, 1, 3)
+            mgr.save(step=2)
+    assert [f[0] for f in proxy.faults] == ["503", "drop", "503"], proxy.faults
+    _resumes_exactly(f"gs://{gcs_bucket}/r2", model, 2)
+
+
+def test_a_gcs_server_that_keeps_failing_fails_the_save_cleanly(gcs_bucket, gcs_server, monkeypatch):
+    """Writes of the second step always answered 503 by GCS: the save raises within the retry deadline (2 s here),
+    naming the object and the answer; the first checkpoint stays the one a resume takes."""
+    from ckptio.storage import gcs
+
+    hit, failing = _gcs_object("r3/epoch_0_step_2/"), {"on": False}
+    monkeypatch.setattr(gcs._client, "DEADLINE", 2.0)
+    with _through(gcs_server, monkeypatch, lambda m, p, q: "503" if failing["on"] and hit(m, p, q) else "pass",
+                  "STORAGE_EMULATOR_HOST"):
+        model, opt, mgr = _setup(f"gs://{gcs_bucket}/r3")
+        with mgr:
+            mgr.save(step=1)
+            failing["on"] = True
+            start = time.time()
+            with pytest.raises(gcs.GCSError, match=r"gs://.*/r3/epoch_0_step_2/.*(503|Timeout)"):
+                mgr.save(step=2)
+            assert time.time() - start < 60
+    assert "r3/epoch_0_step_2/manifest.json" not in _gcs_keys(gcs_bucket, "r3/")
+    _, _, again = _setup(f"gs://{gcs_bucket}/r3")
+    with again:
+        assert again.restore().step == 1
+
+
+def _gcs_keys(bucket: str, prefix: str) -> dict[str, int]:
+    return {o.key: o.size for o in open_storage(f"gs://{bucket}").store.listing(prefix, delimiter=False)[0]}
 
 
 @pytest.mark.slow
