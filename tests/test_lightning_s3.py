@@ -1,7 +1,7 @@
 """The Lightning plugin with ``ModelCheckpoint(dirpath="s3://bucket/prefix")``, against a real S3-compatible server.
 
 An object store has no rename: a ``last.ckpt`` that is saved again is written complete under a hidden name and
-swapped in (``ckptio.storage.s3.replace``). Proven here, with the real Lightning and boto3 against moto's server:
+swapped in (``ckptio.storage.objstore.replace``). Proven here, with the real Lightning and boto3 against moto's server:
 top-k and last keep the names Lightning keeps locally; a run stopped and resumed with ``ckpt_path="last"`` ends
 bitwise equal to the run uninterrupted; a run SIGKILLed while ``last.ckpt`` is being swapped (old one no longer
 committed, new one complete beside it) resumes from the new one, and the next save finishes the swap; a run
@@ -38,6 +38,18 @@ def _top(bucket: str, prefix: str = "run") -> dict[str, set[str]]:
             name, _, rest = obj["Key"][len(prefix) + 1:].partition("/")
             out.setdefault(name, set()).add(rest)
     return out
+
+
+def test_a_gs_path_is_refused_by_the_plugin_never_written_as_a_local_folder(tmp_path, monkeypatch):
+    """The plugin writes to a local folder or s3:// only: a gs:// path (pathlib would read it as the relative folder
+    'gs:/…') is refused by name, and nothing appears on the local disk."""
+    from ckptio.errors import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"gs://b/run/epoch=0\.ckpt.*gs:// is not supported"):
+        CkptioCheckpointIO().save_checkpoint({"state_dict": {"w": torch.zeros(2)}, "global_step": 1},
+                                             "gs://b/run/epoch=0.ckpt")
+    assert not list(tmp_path.iterdir())
 
 
 @pytest.fixture(scope="module")

@@ -364,10 +364,12 @@ def test_a_rank_needs_its_own_shards_and_the_small_file_of_whole_tensors(tmp_pat
                                                               ).stat().st_size / 4
 
 
-def test_with_the_durable_tier_in_a_bucket(bucket, tmp_path, memory):
+def test_with_the_durable_tier_in_a_bucket(store, tmp_path, memory):
+    """The memory tier over a durable tier in a bucket (S3 and GCS: ``store``): the snapshot newer than the bucket's
+    checkpoint is restored from memory, a durable save newer than every snapshot from the bucket."""
     from toy import Run, full_state
 
-    url = f"s3://{bucket}/run"
+    url = store.url("run")
     run = Run(url, max_steps=20, memory_every_steps=2, persist_every_steps=5)
     _train(run, 8)
     expected = full_state(run.model, run.opt)

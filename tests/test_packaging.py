@@ -86,6 +86,23 @@ def test_a_missing_optional_dependency_names_the_extra(tmp_path):
     assert "pip install 'ckptio[hf]'" in out.stdout and "transformers" in out.stdout
 
 
+def test_a_gs_location_without_the_gcs_client_names_the_extra():
+    out = python("""
+        import sys
+        sys.modules["google.cloud.storage"] = None
+        from ckptio import CheckpointConfig
+        from ckptio.errors import MissingDependencyError
+        try:
+            CheckpointConfig(checkpoint_dir="gs://bucket/run")
+        except MissingDependencyError as exc:
+            print("MDE", exc)
+        except ImportError as exc:
+            print("RAW", exc)""")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("MDE") and "pip install 'ckptio[gcs]'" in out.stdout, out.stdout
+    assert "'google-cloud-storage'" in out.stdout, out.stdout
+
+
 @pytest.mark.parametrize("module, hidden, extra", [("ckptio.accelerate", "accelerate", "ckptio[accelerate]"),
                                                   ("ckptio.hf_trainer", "accelerate", "ckptio[hf]"),
                                                   ("ckptio.hf_trainer", "transformers", "ckptio[hf]"),
@@ -128,15 +145,17 @@ def test_config_catches_misspelt_fields_and_values(tmp_path):
 
 
 def test_a_url_is_not_taken_for_a_local_folder(tmp_path, monkeypatch):
-    """pathlib reads 'gs://bucket/run' as the relative folder 'gs:/bucket/run'; a location ckptio has no
-    backend for must be refused, not written to (s3:// has one: tests/test_s3.py)."""
+    """pathlib reads 'az://bucket/run' as the relative folder 'az:/bucket/run'; a location ckptio has no
+    backend for must be refused, not written to (s3:// and gs:// have one: tests/test_s3.py, tests/test_gcs.py)."""
     monkeypatch.chdir(tmp_path)
     for key in ("checkpoint_dir", "restore_from"):
-        with pytest.raises(ConfigError, match=rf"{key}='gs://bucket/run'.*gs:// locations are not supported"):
-            CheckpointConfig(**{key: "gs://bucket/run"})
+        with pytest.raises(ConfigError, match=rf"{key}='az://bucket/run'.*az:// locations are not supported"):
+            CheckpointConfig(**{key: "az://bucket/run"})
     with pytest.raises(ConfigError, match=r"restore_from='s3:///run'.*no bucket name"):
         CheckpointConfig(restore_from="s3:///run")  # an s3:// location is parsed (and restored: test_s3.py)
-    assert not (tmp_path / "gs:").exists()
+    with pytest.raises(ConfigError, match=r"checkpoint_dir='gs://b/a/\.\./c'.*plain names"):
+        CheckpointConfig(checkpoint_dir="gs://b/a/../c")  # so is a gs:// one
+    assert not (tmp_path / "az:").exists() and not (tmp_path / "gs:").exists()
 
 
 def test_a_restore_only_manager_starts_no_thread_and_no_process_group(tmp_path):

@@ -2,6 +2,10 @@
 
 The server is moto's standalone server, started on 127.0.0.1 by these tests and reached over HTTP by the
 real boto3 client, configured only through the standard AWS environment variables.
+
+The tests of the folder's contract (save, resume, retention and prune, the lease, a torn save, the CLI, the read
+gate) take the ``store`` fixture and run on Google Cloud Storage too (``gs://``): fake-gcs-server on 127.0.0.1,
+reached by the real ``google-cloud-storage`` client through ``STORAGE_EMULATOR_HOST`` (tests/gcsserver.py).
 """
 
 from __future__ import annotations
@@ -51,14 +55,14 @@ def _setup(url: str, **config):
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "torch_save"])
-def test_save_resume_and_retention_in_a_bucket(bucket, fmt):
-    url = f"s3://{bucket}/runs/one"
+def test_save_resume_and_retention_in_a_bucket(store, fmt):
+    url = store.url("runs/one")
     model, opt, mgr = _setup(url, model_save_format=fmt, keep_latest=2)
     with mgr:
         for step in (1, 2, 3):
             _train(model, opt, 2, step)
             mgr.save(step=step)
-    keys = _keys(bucket, "runs/one/")
+    keys = store.keys("runs/one/")
     assert not any(k.startswith("runs/one/epoch_0_step_1/") for k in keys), "retention left step 1"
     assert "runs/one/epoch_0_step_3/manifest.json" in keys and "runs/one/LATEST" in keys
     assert "runs/one/.ckptio.lock" not in keys  # released at close
@@ -75,8 +79,8 @@ def test_save_resume_and_retention_in_a_bucket(bucket, fmt):
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))  # optimizer too
 
 
-def test_an_uncommitted_step_is_never_resumed_and_is_swept(bucket):
-    url = f"s3://{bucket}/r"
+def test_an_uncommitted_step_is_never_resumed_and_is_swept(store):
+    url = store.url("r")
     model, opt, mgr = _setup(url)
     with mgr:
         mgr.save(step=1)
@@ -84,7 +88,8 @@ def test_an_uncommitted_step_is_never_resumed_and_is_swept(bucket):
     writer = storage.begin_step("epoch_0_step_2")  # a save killed before its manifest
     writer.write_bytes("model/shard-00000-model-00001-of-00001.safetensors", b"partial")
     # its local spool is held by this process's lock: a killed process's is swept (tests/test_scratch.py)
-    assert (writer.spool / "owner.lock").is_file() and writer.spool.name.startswith("ckptio-s3-epoch_0_step_2-")
+    assert (writer.spool / "owner.lock").is_file() and writer.spool.name.startswith(
+        f"ckptio-{store.scheme}-epoch_0_step_2-")
     entries = {e.name: e for e in scan(storage)}
     assert entries["epoch_0_step_2"].problem and "missing" in entries["epoch_0_step_2"].problem
     _, _, again = _setup(url)
@@ -92,23 +97,21 @@ def test_an_uncommitted_step_is_never_resumed_and_is_swept(bucket):
         assert again.restore().step == 1
     removed = storage.sweep()
     assert [p.name for p in removed] == ["epoch_0_step_2"]
-    assert not _keys(bucket, "r/epoch_0_step_2/")
+    assert not store.keys("r/epoch_0_step_2/")
 
 
-def test_sweep_and_retention_never_remove_a_folder_ckptio_did_not_begin(bucket):
+def test_sweep_and_retention_never_remove_a_folder_ckptio_did_not_begin(store):
     """A step folder without ckptio's in-progress mark (copied from NeMo AutoModel, say) is not an interrupted
     save: sweep leaves it, and a step whose removal was cut short is marked so that the next sweep finishes it."""
-    url = f"s3://{bucket}/r"
-    s3 = s3mod.client()
-    s3.put_object(Bucket=bucket, Key="r/epoch_0_step_9/model/shard-00001-model-00001-of-00001.safetensors",
-                  Body=b"not ours")
+    url = store.url("r")
+    store.put("r/epoch_0_step_9/model/shard-00001-model-00001-of-00001.safetensors", b"not ours")
     model, opt, mgr = _setup(url)
     with mgr:
         mgr.save(step=1)
     storage = open_storage(url)
-    assert ".ckptio-pending" not in "".join(_keys(bucket, "r/epoch_0_step_1/"))  # committed: the mark is gone
+    assert ".ckptio-pending" not in "".join(store.keys("r/epoch_0_step_1/"))  # committed: the mark is gone
     assert storage.sweep() == []
-    assert _keys(bucket, "r/epoch_0_step_9/")
+    assert store.keys("r/epoch_0_step_9/")
     class Killed(BaseException):
         pass
 
@@ -125,7 +128,7 @@ def test_sweep_and_retention_never_remove_a_folder_ckptio_did_not_begin(bucket):
     entry = {e.name: e for e in scan(storage)}["epoch_0_step_1"]
     assert not entry.committed and not entry.candidate and "uncommitted" in entry.problem
     assert [p.name for p in storage.sweep()] == ["epoch_0_step_1"]
-    assert not _keys(bucket, "r/epoch_0_step_1/") and _keys(bucket, "r/epoch_0_step_9/")
+    assert not store.keys("r/epoch_0_step_1/") and store.keys("r/epoch_0_step_9/")
 
 
 def test_parts_go_up_while_the_file_is_written_and_a_discarded_file_leaves_no_upload(bucket, monkeypatch):
@@ -152,21 +155,21 @@ def test_parts_go_up_while_the_file_is_written_and_a_discarded_file_leaves_no_up
     assert "stream/s/dropped.bin" not in _keys(bucket, "stream/")
 
 
-def test_two_writers_cannot_both_commit_a_step(bucket):
-    storage = open_storage(f"s3://{bucket}/race")
-    first, second = storage.begin_step("epoch_0_step_5"), s3mod.S3FolderWriter(storage, "epoch_0_step_5")
+def test_two_writers_cannot_both_commit_a_step(store):
+    storage = open_storage(store.url("race"))
+    first = storage.begin_step("epoch_0_step_5")
+    second = storage.attach_step(first.token, "epoch_0_step_5")
     first.write_bytes("a", b"one")
     second.write_bytes("b", b"two")
     first.commit(("manifest.json", b'{"first": true}'))
     with pytest.raises(CheckpointError, match="another writer committed this step first"):
         second.commit(("manifest.json", b'{"second": true}'))
-    body = s3mod.client().get_object(Bucket=bucket, Key="race/epoch_0_step_5/manifest.json")["Body"].read()
-    assert body == b'{"first": true}'
+    assert store.get("race/epoch_0_step_5/manifest.json") == b'{"first": true}'
 
 
-def test_large_files_go_up_in_parts_and_read_back_verified(bucket, monkeypatch):
+def test_large_files_go_up_in_parts_and_read_back_verified(store, monkeypatch):
     monkeypatch.setattr(s3mod._common, "PART_SIZE", 5 << 20)  # S3's smallest part: 3 parts of a 12 MiB file
-    storage = open_storage(f"s3://{bucket}/big")
+    storage = open_storage(store.url("big"))  # on GCS: one resumable upload (over 8 MiB)
     data = torch.randint(0, 256, (12 << 20,), dtype=torch.uint8).numpy().tobytes()
     writer = storage.begin_step("s")
     with writer.open("blob.bin") as stream:
@@ -174,7 +177,7 @@ def test_large_files_go_up_in_parts_and_read_back_verified(bucket, monkeypatch):
             stream.write(data[i:i + (1 << 20)])
     digest = stream.close()
     writer.commit(("manifest.json", b"{}"))
-    assert not s3mod.client().list_multipart_uploads(Bucket=bucket).get("Uploads")
+    assert store.scheme != "s3" or not s3mod.client().list_multipart_uploads(Bucket=store.bucket).get("Uploads")
     folder = storage.folder("s")
     assert folder.size("blob.bin") == len(data)
     verifier = Verifier(folder, {"blob.bin": digest})
@@ -183,7 +186,7 @@ def test_large_files_go_up_in_parts_and_read_back_verified(bucket, monkeypatch):
     assert verifier.finish(["blob.bin"]) == []
     bad = Verifier(folder, {"blob.bin": "crc32c:00000000"})
     problems = bad.finish(["blob.bin"])
-    assert len(problems) == 1 and "s3://" in problems[0] and "blob.bin" in problems[0]
+    assert len(problems) == 1 and f"{store.scheme}://" in problems[0] and "blob.bin" in problems[0]
 
 
 def test_an_aborted_multipart_upload_is_swept(bucket):
@@ -195,18 +198,17 @@ def test_an_aborted_multipart_upload_is_swept(bucket):
     assert not s3.list_multipart_uploads(Bucket=bucket).get("Uploads")
 
 
-def test_hostile_keys_and_pointers_are_refused(bucket):
-    s3 = s3mod.client()
-    url = f"s3://{bucket}/h"
+def test_hostile_keys_and_pointers_are_refused(store):
+    url = store.url("h")
     model, opt, mgr = _setup(url)
     with mgr:
         mgr.save(step=1)
-    s3.put_object(Bucket=bucket, Key="h/epoch_0_step_1/../../escape", Body=b"x")
-    s3.put_object(Bucket=bucket, Key="h/epoch_0_step_1//double", Body=b"x")
+    store.put("h/epoch_0_step_1/../../escape", b"x")
+    store.put("h/epoch_0_step_1//double", b"x")
     folder = open_storage(url).folder("epoch_0_step_1")
     kinds = {e.name: e.kind for e in folder.listdir()}
     assert kinds.get("..") == "other" and "escape" not in kinds and kinds.get("") in (None, "other")
-    s3.put_object(Bucket=bucket, Key="h/LATEST", Body=b"../elsewhere\n")
+    store.put("h/LATEST", b"../elsewhere\n")
     with pytest.raises(CheckpointError, match="LATEST: the pointer names"):
         pointer_target(open_storage(url), LATEST)
     _, _, again = _setup(url, restore_from="LATEST")  # a damaged LATEST falls back to the newest usable
@@ -214,8 +216,8 @@ def test_hostile_keys_and_pointers_are_refused(bucket):
         assert again.restore().step == 1
 
 
-def test_a_second_process_is_refused_by_the_lease(bucket, s3_server):
-    url = f"s3://{bucket}/lease"
+def test_a_second_process_is_refused_by_the_lease(store):
+    url = store.url("lease")
     model, opt, mgr = _setup(url)
     with mgr:
         mgr.save(step=1)
@@ -237,14 +239,14 @@ def test_a_second_process_is_refused_by_the_lease(bucket, s3_server):
     assert [e.name for e in committed_checkpoints(open_storage(url))] == ["epoch_0_step_1", "epoch_0_step_3"]
 
 
-def test_a_hostile_lease_is_read_as_unreadable_and_taken_over(bucket):
+def test_a_hostile_lease_is_read_as_unreadable_and_taken_over(store):
     """A lease object whose fields have the wrong types or a number no float holds (a 400-digit integer) is an
     unreadable lease, never a bare OverflowError: a holder that cannot be read is one that stopped renewing."""
     import json
 
     for body in ({"holder": "pid 1 on elsewhere", "renewed": 10 ** 400}, {"holder": ["x"], "renewed": "soon"}, [1]):
-        s3mod.client().put_object(Bucket=bucket, Key="hostile/.ckptio.lock", Body=json.dumps(body).encode())
-        model, opt, mgr = _setup(f"s3://{bucket}/hostile")
+        store.put("hostile/.ckptio.lock", json.dumps(body).encode())
+        model, opt, mgr = _setup(store.url("hostile"))
         with mgr:
             mgr.save(step=1)
 
@@ -254,8 +256,8 @@ def test_configuration_of_s3_locations(bucket):
         CheckpointConfig(checkpoint_dir="s3:///prefix")
     with pytest.raises(ConfigError, match="plain names"):
         CheckpointConfig(checkpoint_dir="s3://b/a/../c")
-    with pytest.raises(ConfigError, match="gs:// locations are not supported"):
-        CheckpointConfig(checkpoint_dir="gs://b/c")
+    with pytest.raises(ConfigError, match="az:// locations are not supported"):
+        CheckpointConfig(checkpoint_dir="az://b/c")
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "torch_save"])
@@ -315,12 +317,12 @@ def _fsdp_rank(url: str, resume: bool) -> dict:
 
 
 @pytest.mark.slow
-def test_two_ranks_save_in_the_background_and_one_resumes(bucket):
+def test_two_ranks_save_in_the_background_and_one_resumes(store):
     from distributed import run_ranks
 
-    url = f"s3://{bucket}/fsdp"
+    url = store.url("fsdp")
     saved = run_ranks(2, _fsdp_rank, url=url, resume=False)[0]
-    keys = _keys(bucket, "fsdp/")
+    keys = store.keys("fsdp/")
     assert {k.split("/")[1] for k in keys if k.count("/") > 1} == {"epoch_0_step_4"}  # keep_latest=1
     assert any("shard-00001" in k for k in keys), "rank 1 uploaded nothing"
     resumed = run_ranks(1, _fsdp_rank, url=url, resume=True)[0]
@@ -329,15 +331,16 @@ def test_two_ranks_save_in_the_background_and_one_resumes(bucket):
         assert torch.equal(resumed["state"][key], value), key
 
 
-def test_list_verify_and_prune_on_a_bucket(bucket):
-    """The real ``ckptio`` executable on an s3:// folder: list (with an interrupted save), verify (a flipped
-    byte found), prune (retention, the lock taken and given back)."""
+@pytest.mark.parametrize("store", ["s3", pytest.param("gs", marks=pytest.mark.slow)], indirect=True)
+def test_list_verify_and_prune_on_a_bucket(store):
+    """The real ``ckptio`` executable on a bucket's folder: list (with an interrupted save), inspect (through the
+    LATEST pointer), verify (a flipped byte found), prune (retention, the lock taken and given back)."""
     import json
     import os
     from pathlib import Path
 
     exe = [str(Path(sys.executable).parent / "ckptio")]
-    url = f"s3://{bucket}/cli"
+    url = store.url("cli")
     model, opt, mgr = _setup(url)
     with mgr:
         for step in (1, 2, 3):
@@ -353,14 +356,15 @@ def test_list_verify_and_prune_on_a_bucket(bucket):
     assert [n for n, r in rows.items() if r["committed"]] == ["epoch_0_step_1", "epoch_0_step_2", "epoch_0_step_3"]
     assert not rows["epoch_0_step_4"]["committed"] and rows["epoch_0_step_4"]["bytes"] == 1
     assert json.loads(listed.stdout)["latest"] == "epoch_0_step_3"
+    shown = run("inspect", f"{url}/LATEST", "--json")
+    assert shown.returncode == 0 and json.loads(shown.stdout)["step"] == 3, shown.stderr
 
     good = run("verify", f"{url}/epoch_0_step_3")
     assert good.returncode == 0 and f"OK   {url}/epoch_0_step_3" in good.stdout, good.stdout + good.stderr
-    s3 = s3mod.client()
-    key = next(k for k in _keys(bucket, "cli/epoch_0_step_2/model/") if k.endswith(".safetensors"))
-    data = bytearray(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+    key = next(k for k in store.keys("cli/epoch_0_step_2/model/") if k.endswith(".safetensors"))
+    data = bytearray(store.get(key))
     data[-1] ^= 0xFF
-    s3.put_object(Bucket=bucket, Key=key, Body=bytes(data))
+    store.put(key, bytes(data))
     bad = run("verify", url, "--no-progress")
     assert bad.returncode == 1 and f"BAD  {url}/epoch_0_step_2" in bad.stdout and "checksum" in bad.stdout, bad.stdout
 
@@ -368,16 +372,16 @@ def test_list_verify_and_prune_on_a_bucket(bucket):
     assert pruned.returncode == 0, pruned.stderr
     assert sorted(json.loads(pruned.stdout)["delete"]) == ["epoch_0_step_1", "epoch_0_step_2"]
     assert [e.name for e in committed_checkpoints(open_storage(url))] == ["epoch_0_step_3"]
-    assert "cli/.ckptio.lock" not in _keys(bucket, "cli/")
-    missing = run("list", f"s3://{bucket}-nope/x")
+    assert "cli/.ckptio.lock" not in store.keys("cli/")
+    missing = run("list", f"{store.url()}-nope/x")
     assert missing.returncode != 0 and "Traceback" not in missing.stderr, missing.stderr
 
 
 class _FaultyProxy:
     """An HTTP proxy on 127.0.0.1 in front of the S3 server that answers some requests itself with a 503
     (``SlowDown``, as S3 does under load), a 409 (``ConditionalRequestConflict``, as S3 answers a
-    conditional write racing another; moto never does) or drops the connection without an answer, by a
-    rule on (method, path, query)."""
+    conditional write racing another; moto never does) or drops the connection without an answer, before
+    (``drop``) or after (``lost``) the server carried the request out, by a rule on (method, path, query)."""
 
     def __init__(self, upstream: str, rule) -> None:
         import http.client
@@ -435,6 +439,11 @@ class _FaultyProxy:
                 conn.request(self.command, self.path, body=body, headers=headers)
                 resp = conn.getresponse()
                 data = resp.read()
+                if action == "lost":  # the server did it; its answer never reaches the client
+                    proxy.faults.append(("lost", self.command, self.path))
+                    self.close_connection = True
+                    self.connection.shutdown(2)
+                    return
                 self.send_response(resp.status)
                 for k, v in resp.getheaders():
                     if k.lower() not in ("transfer-encoding", "content-length", "connection"):
@@ -457,15 +466,16 @@ class _FaultyProxy:
 
 
 @contextlib.contextmanager
-def _through(server: str, monkeypatch, rule):
-    """The client talks to the server through a :class:`_FaultyProxy` applying ``rule`` inside the block."""
+def _through(server: str, monkeypatch, rule, variable: str = "AWS_ENDPOINT_URL"):
+    """The client talks to the server through a :class:`_FaultyProxy` applying ``rule`` inside the block (the
+    endpoint in ``variable``: ``STORAGE_EMULATOR_HOST`` for the GCS client)."""
     proxy = _FaultyProxy(server, rule)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    monkeypatch.setenv(variable, proxy.url)
     try:
         yield proxy
     finally:
         proxy.close()
-        monkeypatch.setenv("AWS_ENDPOINT_URL", server)
+        monkeypatch.setenv(variable, server)
 
 
 def _resumes_exactly(url: str, model, step: int) -> None:
@@ -525,6 +535,68 @@ def test_a_server_that_keeps_failing_fails_the_save_cleanly(bucket, s3_server, m
         assert again.restore().step == 1
 
 
+def _gcs_object(prefix: str):
+    """A proxy rule's match: a GCS JSON-API write (upload, delete) of an object whose name starts with ``prefix``
+    (the name is in the query of an upload, in the path otherwise, URL-encoded either way)."""
+    from urllib.parse import quote
+
+    encoded = quote(prefix, safe="")
+
+    def match(method: str, path: str, query: str = "") -> bool:
+        return method in ("POST", "PUT", "DELETE") and (f"name={encoded}" in query or f"/o/{encoded}" in path)
+
+    return match
+
+
+def test_gcs_transient_server_errors_and_dropped_connections_are_retried(gcs_bucket, gcs_server, monkeypatch):
+    """The same faults in front of the GCS server: 503s and a dropped connection mid-save are retried by the
+    client (ckptio's requests carry its retry policy, writes included) and the checkpoints are exact."""
+    hit = _gcs_object("r2/")
+    calls = {"n": 0}
+
+    def rule(method: str, path: str, query: str) -> str:
+        if not hit(method, path, query):
+            return "pass"
+        calls["n"] += 1
+        return {1: "503", 4: "drop", 7: "503"}.get(calls["n"], "pass")
+
+    with _through(gcs_server, monkeypatch, rule, "STORAGE_EMULATOR_HOST") as proxy:
+        model, opt, mgr = _setup(f"gs://{gcs_bucket}/r2")
+        with mgr:
+            mgr.save(step=1)
+            _train(model, opt, 1, 3)
+            mgr.save(step=2)
+    assert [f[0] for f in proxy.faults] == ["503", "drop", "503"], proxy.faults
+    _resumes_exactly(f"gs://{gcs_bucket}/r2", model, 2)
+
+
+def test_a_gcs_server_that_keeps_failing_fails_the_save_cleanly(gcs_bucket, gcs_server, monkeypatch):
+    """Writes of the second step always answered 503 by GCS: the save raises within the retry deadline (2 s here),
+    naming the object and the answer; the first checkpoint stays the one a resume takes."""
+    from ckptio.storage import gcs
+
+    hit, failing = _gcs_object("r3/epoch_0_step_2/"), {"on": False}
+    monkeypatch.setattr(gcs._client, "DEADLINE", 2.0)
+    with _through(gcs_server, monkeypatch, lambda m, p, q: "503" if failing["on"] and hit(m, p, q) else "pass",
+                  "STORAGE_EMULATOR_HOST"):
+        model, opt, mgr = _setup(f"gs://{gcs_bucket}/r3")
+        with mgr:
+            mgr.save(step=1)
+            failing["on"] = True
+            start = time.time()
+            with pytest.raises(gcs.GCSError, match=r"gs://.*/r3/epoch_0_step_2/.*(503|Timeout)"):
+                mgr.save(step=2)
+            assert time.time() - start < 60
+    assert "r3/epoch_0_step_2/manifest.json" not in _gcs_keys(gcs_bucket, "r3/")
+    _, _, again = _setup(f"gs://{gcs_bucket}/r3")
+    with again:
+        assert again.restore().step == 1
+
+
+def _gcs_keys(bucket: str, prefix: str) -> dict[str, int]:
+    return {o.key: o.size for o in open_storage(f"gs://{bucket}").store.listing(prefix, delimiter=False)[0]}
+
+
 @pytest.mark.slow
 def test_sigkill_during_saves_to_a_bucket_never_leaves_a_torn_checkpoint(bucket):
     """2 FSDP2 ranks save to the bucket in a loop with retention; one is SIGKILLed at a random moment (mid-
@@ -542,17 +614,17 @@ def test_sigkill_during_saves_to_a_bucket_never_leaves_a_torn_checkpoint(bucket)
 
 
 @pytest.mark.slow  # several CLI commands end to end
-def test_inspect_and_convert_work_on_bucket_paths(bucket, tmp_path):
-    """``ckptio inspect`` and ``convert`` take s3:// step directories as sources and s3:// destinations; a
+def test_inspect_and_convert_work_on_bucket_paths(store, tmp_path):
+    """``ckptio inspect`` and ``convert`` take step directories in a bucket as sources and a bucket as destination; a
     source whose object was damaged is refused before anything is converted."""
     import json
 
     from toy import make_model
 
     model = make_model(seed=6, tie_word_embeddings=False)
-    with CheckpointManager(CheckpointConfig(checkpoint_dir=f"s3://{bucket}/run"), model=model, rng=False) as mgr:
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=store.url("run")), model=model, rng=False) as mgr:
         mgr.save(step=2)
-    step = f"s3://{bucket}/run/epoch_0_step_2"
+    step = store.url("run/epoch_0_step_2")
     shown = ckptio_here("inspect", step, "--json", "--tensors")
     assert shown.returncode == 0, shown.stderr
     info = json.loads(shown.stdout)
@@ -566,18 +638,18 @@ def test_inspect_and_convert_work_on_bucket_paths(bucket, tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     for k, v in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[k], v), k
-    up = ckptio_here("convert", str(tmp_path / "hf"), f"s3://{bucket}/exports/step2", "--to", "step_dir",
+    up = ckptio_here("convert", str(tmp_path / "hf"), store.url("exports/step2"), "--to", "step_dir",
                      "--no-progress")
     assert up.returncode == 0, up.stderr
-    keys = _keys(bucket, "exports/step2/")
+    keys = store.keys("exports/step2/")
     assert "exports/step2/manifest.json" in keys and any(k.endswith(".safetensors") for k in keys)
-    again = ckptio_here("convert", str(tmp_path / "hf"), f"s3://{bucket}/exports/step2", "--to", "hf")
+    again = ckptio_here("convert", str(tmp_path / "hf"), store.url("exports/step2"), "--to", "hf")
     assert again.returncode == 2 and "already exists" in again.stderr
 
-    shard = next(k for k in _keys(bucket, "run/epoch_0_step_2/model/") if k.endswith(".safetensors"))
-    body = bytearray(s3mod.client().get_object(Bucket=bucket, Key=shard)["Body"].read())
+    shard = next(k for k in store.keys("run/epoch_0_step_2/model/") if k.endswith(".safetensors"))
+    body = bytearray(store.get(shard))
     body[-1] ^= 0xFF
-    s3mod.client().put_object(Bucket=bucket, Key=shard, Body=bytes(body))
+    store.put(shard, bytes(body))
     bad = ckptio_here("convert", step, str(tmp_path / "hf2"), "--to", "hf")
     assert bad.returncode == 2 and "do not match the manifest" in bad.stderr and "checksum" in bad.stderr
     assert not (tmp_path / "hf2").exists()
@@ -594,6 +666,20 @@ def test_a_conditional_write_conflict_is_retried(bucket, s3_server, monkeypatch)
             mgr.save(step=1)
     assert [f[0] for f in proxy.faults] == ["409", "409"], proxy.faults
     _resumes_exactly(f"s3://{bucket}/c409", model, 1)
+
+
+def test_a_manifest_whose_answer_was_lost_is_not_taken_for_another_writers(bucket, s3_server, monkeypatch):
+    """The manifest's create-only PUT lands but its answer is lost (the connection drops once the server has
+    written it); the client's retry is refused (412: the object is there). The save tells its own manifest from
+    another writer's by its bytes and is committed, not failed as if a second job had committed the step."""
+    rule = _nth(lambda method, path: method == "PUT" and path.endswith("/lost/epoch_0_step_1/manifest.json"),
+                {1: "lost"})
+    with _through(s3_server, monkeypatch, rule) as proxy:
+        model, _, mgr = _setup(f"s3://{bucket}/lost")
+        with mgr:
+            mgr.save(step=1)
+    assert [f[0] for f in proxy.faults] == ["lost"], proxy.faults
+    _resumes_exactly(f"s3://{bucket}/lost", model, 1)
 
 
 @pytest.mark.slow  # several CLI commands end to end
@@ -630,7 +716,7 @@ def test_consolidate_a_checkpoint_in_a_bucket(bucket, tmp_path):
         assert torch.equal(loaded.state_dict()[k], v), k
 
 
-def test_consolidate_into_a_bucket_checkpoint_in_process(bucket, capsys):
+def test_consolidate_into_a_bucket_checkpoint_in_process(store, capsys):
     """The same command called in this process (a fast test of ``cli/consolidate_remote.py``): the manifest is
     replaced by one that lists and checksums the bundle, and a second consolidate is refused by name."""
     import json
@@ -641,17 +727,17 @@ def test_consolidate_into_a_bucket_checkpoint_in_process(bucket, capsys):
     from ckptio.engine.manifest import check_files, read_manifest
     from ckptio.storage import open_storage
 
-    with CheckpointManager(CheckpointConfig(checkpoint_dir=f"s3://{bucket}/fast"), rng=False,
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=store.url("fast")), rng=False,
                            model=make_model(seed=9, tie_word_embeddings=False)) as mgr:
         mgr.save(step=3)
-    step = f"s3://{bucket}/fast/epoch_0_step_3"
+    step = store.url("fast/epoch_0_step_3")
     assert main(["consolidate", step, "--no-progress", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["into_checkpoint"] is True
-    folder = open_storage(f"s3://{bucket}/fast").folder("epoch_0_step_3")
+    folder = open_storage(store.url("fast")).folder("epoch_0_step_3")
     manifest = read_manifest(folder)
     bundle = [rel for rel in manifest.files if rel.startswith("model/consolidated/")]
     assert any(rel.endswith(".safetensors") for rel in bundle) and all(rel in manifest.checksums for rel in bundle)
-    uploaded = _keys(bucket, "fast/epoch_0_step_3/model/consolidated/")
+    uploaded = store.keys("fast/epoch_0_step_3/model/consolidated/")
     assert set(bundle) == {k.removeprefix("fast/epoch_0_step_3/") for k in uploaded}
     assert not check_files(folder, manifest, checksums=True)
     assert main(["consolidate", step, "--no-progress"]) == 2
@@ -697,14 +783,15 @@ def test_a_closed_file_larger_than_a_part_goes_up_in_parts(bucket, monkeypatch, 
     assert not s3mod.client().list_multipart_uploads(Bucket=bucket).get("Uploads")
 
 
-def test_latest_and_best_resolve_in_a_bucket_in_every_command(bucket, tmp_path):
+@pytest.mark.parametrize("store", ["s3", pytest.param("gs", marks=pytest.mark.slow)], indirect=True)
+def test_latest_and_best_resolve_in_a_bucket_in_every_command(store, tmp_path):
     """Issue 52, row 2: every CLI example uses ``…/LATEST``; in a bucket ``verify`` said "holds no checkpoints" and
     ``inspect`` "no such folder". The pointers resolve there as they do on disk, in every command."""
     import json
 
     from toy import make_model
 
-    url = f"s3://{bucket}/ptr"
+    url = store.url("ptr")
     model = make_model(seed=3, tie_word_embeddings=False)
     with CheckpointManager(CheckpointConfig(checkpoint_dir=url, monitor="loss"), model=model, rng=False) as mgr:
         mgr.save(step=1, metrics={"loss": 0.5})
@@ -720,31 +807,29 @@ def test_latest_and_best_resolve_in_a_bucket_in_every_command(bucket, tmp_path):
     run("convert", f"{url}/BEST", str(tmp_path / "hf"), "--to", "hf", "--no-progress")
     assert (tmp_path / "hf" / "config.json").is_file()
     run("consolidate", f"{url}/LATEST", "--no-progress")
-    assert any(k.startswith("ptr/epoch_0_step_2/model/consolidated/") for k in _keys(bucket, "ptr/"))
+    assert any(k.startswith("ptr/epoch_0_step_2/model/consolidated/") for k in store.keys("ptr/"))
 
 
-def test_the_runs_record_lives_in_the_bucket_too(bucket):
+def test_the_runs_record_lives_in_the_bucket_too(store):
     """Issue 49: ``.ckptio_record.json`` beside the steps in the bucket, one PUT per event; a restart reads it back
     through the gate and records its restore."""
     import json
 
     from ckptio.goodput.record import RECORD_NAME
 
-    url = f"s3://{bucket}/runs/rec"
+    url = store.url("runs/rec")
     model, opt, mgr = _setup(url)
     with mgr:
         for step in (1, 2):
             _train(model, opt, 1, step)
             mgr.save(step=step)
-    body = s3mod.client().get_object(Bucket=bucket, Key=f"runs/rec/{RECORD_NAME}")["Body"].read()
-    events = json.loads(body)["events"]
+    events = json.loads(store.get(f"runs/rec/{RECORD_NAME}"))["events"]
     assert [e["kind"] for e in events] == ["start", "save", "save", "end"]
-    assert {e["storage"] for e in events if e["kind"] == "save"} == {"s3"}
+    assert {e["storage"] for e in events if e["kind"] == "save"} == {store.scheme}
     _, _, again = _setup(url)
     with again:
         assert again.restore().step == 2
-    body = s3mod.client().get_object(Bucket=bucket, Key=f"runs/rec/{RECORD_NAME}")["Body"].read()
-    events = json.loads(body)["events"]
+    events = json.loads(store.get(f"runs/rec/{RECORD_NAME}"))["events"]
     assert [e["kind"] for e in events][-3:] == ["start", "restore", "end"]
     assert next(e for e in events if e["kind"] == "restore")["step"] == 2
     # `ckptio report` reads it from the bucket (no storage probe there) and draws its page
@@ -761,21 +846,20 @@ def test_the_runs_record_lives_in_the_bucket_too(bucket):
     assert [e["step"] for e in data["restores"]] == [2] and len(data["processes"]) == 2
 
 
-def test_a_flipped_bit_in_a_bucket_is_found_by_a_full_verify_and_the_older_step_loads(bucket):
+def test_a_flipped_bit_in_a_bucket_is_found_by_a_full_verify_and_the_older_step_loads(store):
     """``verify="full"`` checks every byte read from a bucket too (it once named the files by their printed path,
     ``s3://…``, found none of them among the manifest's, and checked nothing)."""
-    url = f"s3://{bucket}/flip"
+    url = store.url("flip")
     model, opt, mgr = _setup(url)
     with mgr:
         mgr.save(step=1)
         saved = {k: v.clone() for k, v in model.state_dict().items()}
         _train(model, opt, 1, 5)
         mgr.save(step=2)
-    s3 = s3mod.client()
-    key = next(k for k in _keys(bucket, "flip/epoch_0_step_2/model/") if k.endswith(".safetensors"))
-    data = bytearray(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+    key = next(k for k in store.keys("flip/epoch_0_step_2/model/") if k.endswith(".safetensors"))
+    data = bytearray(store.get(key))
     data[-3] ^= 0x01
-    s3.put_object(Bucket=bucket, Key=key, Body=bytes(data))
+    store.put(key, bytes(data))
     model2, _, again = _setup(url, verify="full")
     with again:
         info = again.restore()

@@ -1,12 +1,13 @@
-"""Two "nodes" with no folder in common checkpoint to S3; one is lost mid-save; the job resumes on 3, then 1.
+"""Two "nodes" with no folder in common checkpoint to a bucket (S3, GCS); one is lost mid-save; the job resumes on 3,
+then 1.
 
-Each node is its own ``torchrun`` (``--nnodes 2 --node-rank i``, rendezvous on 127.0.0.1) with 2 ranks,
-its own scratch folder (``TMPDIR``, where uploads are spooled, and its outputs) and nothing shared but
-the S3 server (moto, on loopback). An uninterrupted run records the whole state at every saved step.
-The interrupted run loses node 1 while it saves step 4 (its ranks SIGKILLed after writing their files,
-before the commit); node 0 is then killed as a job scheduler would. The bucket must then resume, on 3
-ranks of one node, from step 2 with exactly the uninterrupted run's state; that job trains on to step
-4 and saves, and a 1-rank job must restore exactly what the 3 ranks saved.
+Each node is its own ``torchrun`` (``--nnodes 2 --node-rank i``, rendezvous on 127.0.0.1) with 2 ranks, its own
+scratch folder (``TMPDIR``, where uploads are spooled, and its outputs) and nothing shared but the object store's
+server on loopback (S3: moto; the same test on GCS: fake-gcs-server). An uninterrupted run records the whole state
+at every saved step. The interrupted run loses node 1 while it saves step 4 (its ranks SIGKILLed after writing
+their files, before the commit); node 0 is then killed as a job scheduler would. The bucket must then resume, on 3
+ranks of one node, from step 2 with exactly the uninterrupted run's state; that job trains on to step 4 and saves,
+and a 1-rank job must restore exactly what the 3 ranks saved.
 """
 
 from __future__ import annotations
@@ -29,14 +30,24 @@ pytestmark = pytest.mark.slow  # several multi-rank torchrun jobs
 WORKER = Path(__file__).with_name("s3_node_worker.py")
 
 
-@pytest.fixture(scope="module")
-def s3(s3_server):
-    """The environment of the jobs: the module's S3 server, with a bucket ``nodes`` on it."""
+@pytest.fixture(scope="module", params=["s3", "gs"])
+def s3(request):
+    """The environment of the jobs and the scheme of their bucket ``nodes``: the module's S3 server (moto), or its GCS
+    server (fake-gcs-server, tests/gcsserver.py)."""
+    if request.param == "gs":
+        server = request.getfixturevalue("gcs_server")
+        from google.auth.credentials import AnonymousCredentials
+        from google.cloud import storage
+
+        storage.Client(project="test", credentials=AnonymousCredentials(),
+                       client_options={"api_endpoint": server}).create_bucket("nodes")
+        return {"STORAGE_EMULATOR_HOST": server, "CKPTIO_TEST_SCHEME": "gs"}
     import boto3
 
+    s3_server = request.getfixturevalue("s3_server")
     boto3.client("s3", endpoint_url=s3_server, aws_access_key_id="test", aws_secret_access_key="test",
                  region_name="us-east-1").create_bucket(Bucket="nodes")
-    return {**s3server.ENV, "AWS_ENDPOINT_URL": s3_server}
+    return {**s3server.ENV, "AWS_ENDPOINT_URL": s3_server, "CKPTIO_TEST_SCHEME": "s3"}
 
 
 def _job(s3: dict, scratch: Path, launch: list[str], *args: str) -> subprocess.Popen:
@@ -72,14 +83,15 @@ def _same(a: dict, b: dict, where: str) -> None:
 
 
 def test_a_node_lost_mid_save_resumes_on_three_ranks_then_one(s3, tmp_path):
+    scheme = s3["CKPTIO_TEST_SCHEME"]
     ref_nodes = [tmp_path / "ref-node0", tmp_path / "ref-node1"]
-    for proc, scratch in zip(_nodes(s3, ref_nodes, "--ckpt", "s3://nodes/ref", "--steps", "4", "--save-every", "2"),
-                             ref_nodes):
+    ref_jobs = _nodes(s3, ref_nodes, "--ckpt", f"{scheme}://nodes/ref", "--steps", "4", "--save-every", "2")
+    for proc, scratch in zip(ref_jobs, ref_nodes):
         _ok(proc, scratch)
     ref = {step: torch.load(ref_nodes[0] / f"state_{step}.pt") for step in (2, 4)}
 
     nodes = [tmp_path / "node0", tmp_path / "node1"]
-    common = ("--ckpt", "s3://nodes/run", "--steps", "4", "--save-every", "2")
+    common = ("--ckpt", f"{scheme}://nodes/run", "--steps", "4", "--save-every", "2")
     node0, node1 = _nodes(s3, nodes, *common, node1_extra=("--die-at-save", "4"))
     assert _wait(node1, nodes[1]) != 0, "node 1 was to be lost while saving step 4"
     time.sleep(2)

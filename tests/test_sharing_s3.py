@@ -1,8 +1,9 @@
 """Unchanged tensors stored once in a bucket (issue 47): a step's manifest refers to the objects of an earlier step
 instead of uploading them again, and an object is deleted only when no committed manifest refers to it.
 
-Against the real S3 server (moto's, on 127.0.0.1) with the real boto3 client: what is uploaded and where, every
-kept step resumed bitwise with ``verify="full"``, retention keeping the objects later steps refer to and the
+Against the real S3 server (moto's, on 127.0.0.1) with the real boto3 client, and against a real GCS-compatible
+server (fake-gcs-server, tests/gcsserver.py) with the real google-cloud-storage client: what is uploaded and where,
+every kept step resumed bitwise with ``verify="full"``, retention keeping the objects later steps refer to and the
 sweep (``ckptio prune``) collecting them once nothing does, a step name written again handing its shared objects
 over first, ``list`` and ``inspect`` showing owned and shared bytes, and ``verify`` on a step that refers to
 another's object.
@@ -21,17 +22,13 @@ pytest.importorskip("moto")
 from ckptio.cli import main  # noqa: E402
 from ckptio.engine.manifest import read_manifest  # noqa: E402
 from ckptio.storage import open_storage  # noqa: E402
-from ckptio.storage import s3 as s3mod  # noqa: E402
 from toy import Run, full_state  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
-def _keys(bucket: str, prefix: str) -> dict[str, int]:
-    out = {}
-    for page in s3mod.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-        out.update({o["Key"][len(prefix):]: o["Size"] for o in page.get("Contents", [])})
-    return out
+def _keys(store, prefix: str) -> dict[str, int]:
+    return {k[len(prefix):]: size for k, size in store.keys(prefix).items()}
 
 
 def _manifests(url: str) -> dict[int, object]:
@@ -58,8 +55,8 @@ def _restored(url: str, name: str) -> dict:
     return state
 
 
-def test_a_bucket_refers_to_unchanged_objects_and_deletes_one_only_when_nothing_refers_to_it(bucket, capsys):
-    url = f"s3://{bucket}/run"
+def test_a_bucket_refers_to_unchanged_objects_and_deletes_one_only_when_nothing_refers_to_it(store, capsys):
+    url = store.url("run")
     run = Run(url, max_steps=100, freeze=True, keep_latest=3)
     saved = {}
     for step in range(1, 6):
@@ -76,7 +73,7 @@ def test_a_bucket_refers_to_unchanged_objects_and_deletes_one_only_when_nothing_
     assert first and set(manifests[3].shared) == first  # step 3 uploads none of them: step 2's objects
     assert all(t.startswith("epoch_0_step_2/") for t in manifests[3].shared.values())
     assert not manifests[4].shared
-    keys = _keys(bucket, "run/")
+    keys = _keys(store, "run/")
     for rel in first:  # step 2 is gone (retention) but the objects step 3 refers to stay, with the mark
         assert f"epoch_0_step_2/{rel}" in keys and f"epoch_0_step_3/{rel}" not in keys
     assert "epoch_0_step_2/manifest.json" not in keys and "epoch_0_step_2/.ckptio-pending" in keys
@@ -97,11 +94,11 @@ def test_a_bucket_refers_to_unchanged_objects_and_deletes_one_only_when_nothing_
         run.mgr.save(step=step)
         kept = _manifests(url)
         names = {m.name for m in kept.values()}
-        left = {k for k in _keys(bucket, "run/") if "/" in k and k.split("/")[0] not in names
+        left = {k for k in _keys(store, "run/") if "/" in k and k.split("/")[0] not in names
                 and not k.endswith("/.ckptio-pending")}
         assert left == {t for m in kept.values() for t in m.shared.values() if t.split("/")[0] not in names}, step
     for check in ("retention", "prune"):
-        keys = _keys(bucket, "run/")
+        keys = _keys(store, "run/")
         kept = _manifests(url)
         names = {m.name for m in kept.values()}
         referred = {t for m in kept.values() for t in m.shared.values()}
@@ -114,8 +111,8 @@ def test_a_bucket_refers_to_unchanged_objects_and_deletes_one_only_when_nothing_
             assert main(["prune", url, "--keep-latest", "2"]) == 0
 
 
-def test_a_step_name_written_again_hands_its_shared_objects_over_first(bucket):
-    url = f"s3://{bucket}/again"
+def test_a_step_name_written_again_hands_its_shared_objects_over_first(store):
+    url = store.url("again")
     run = Run(url, max_steps=100, freeze=True)
     saved = {}
     for step in (1, 2, 3, 4):  # step 2 uploads a second copy, steps 3 and 4 refer to it
@@ -147,7 +144,6 @@ def test_a_damaged_shared_object_is_named_in_every_step_that_refers_to_it(bucket
     run.mgr.close()
     manifests = _manifests(url)
     rel, target = sorted(manifests[3].shared.items())[0]
-    s3 = s3mod.client()
     key = f"damaged/{target}"
     data = bytearray(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
     assert target.startswith(manifests[2].name + "/")  # step 2's second copy: step 1 holds its own

@@ -227,7 +227,7 @@ def _random_value(rng: random.Random, depth: int = 0):
 
 def _bucket_references(data: bytes, name: str) -> None:
     """What a bucket's step folder resolves from a manifest's ``shared``: only plain paths into another step."""
-    from ckptio.storage.s3.refs import shared_of
+    from ckptio.storage.objstore.refs import shared_of
 
     for rel, target in shared_of(data, name).items():
         parts = target.split("/")

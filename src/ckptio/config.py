@@ -26,6 +26,22 @@ Mode = Literal["min", "max"]
 PathLike = Union[str, Path]  # any os.PathLike works at run time
 
 
+
+def _check_object_location(key: str, value: str, scheme: str) -> None:
+    """An ``s3://`` or ``gs://`` location is parsed (a bucket, a plain prefix) and its client installed."""
+    from .errors import require
+    from .storage.objstore import parse_url
+
+    try:
+        parse_url(value, scheme)
+    except ConfigError as exc:
+        raise ConfigError(f"{key}={value!r}: {exc}") from None
+    if scheme == "s3":
+        require("boto3", extra="s3", purpose="checkpoints in object storage (s3://)")
+    else:
+        require("google.cloud.storage", extra="gcs", purpose="checkpoints in Google Cloud Storage (gs://)",
+                        package="google-cloud-storage")
+
 @dataclass
 class CheckpointConfig:
     """Where and how checkpoints are written and which one a run resumes from."""
@@ -242,19 +258,12 @@ class CheckpointConfig:
         for key in ("checkpoint_dir", "restore_from"):
             value = getattr(self, key)
             scheme = url_scheme(value) if isinstance(value, str) else None
-            if scheme == "s3":
-                from .errors import require
-                from .storage.s3 import parse_s3_url
-
-                try:
-                    parse_s3_url(value)
-                except ConfigError as exc:
-                    raise ConfigError(f"{key}={value!r}: {exc}") from None
-                require("boto3", extra="s3", purpose="checkpoints in object storage (s3://)")
+            if scheme in ("s3", "gs"):
+                _check_object_location(key, value, scheme)
             elif scheme:
                 # pathlib would read 's3://b/p' as the relative folder 's3:/b/p' and write there silently
                 raise ConfigError(f"{key}={value!r}: {scheme}:// locations are not supported; give a local or "
-                                  "mounted folder, or an s3:// location")
+                                  "mounted folder, or an s3:// or gs:// location")
         _refuse_a_file(self.checkpoint_dir)
 
     def retention_policy(self):

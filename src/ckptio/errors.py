@@ -55,14 +55,15 @@ class MissingDependencyError(CheckpointError, ImportError):
     """An optional dependency a feature needs is not installed; the message gives the extra to install."""
 
 
-def require(module: str, *, extra: str, purpose: str):  # noqa: ANN201 - returns the module
-    """Import ``module`` for ``purpose``, or raise :class:`MissingDependencyError` with the install line."""
+def require(module: str, *, extra: str, purpose: str, package: str | None = None):  # noqa: ANN201 - the module
+    """Import ``module`` for ``purpose``, or raise :class:`MissingDependencyError` with the install line
+    (``package``: the distribution's name, when it is not the module's first part)."""
     import importlib
 
     try:
         return importlib.import_module(module)
     except ImportError as exc:
-        top = module.split(".")[0]
+        top = package or module.split(".")[0]
         raise MissingDependencyError(
             f"{purpose} needs the optional dependency {top!r}, which is not installed: pip install 'ckptio[{extra}]'"
         ) from exc

@@ -128,7 +128,7 @@ class CkptioCheckpointIO(CheckpointIO):
             return
         self._swept.add(parent)
         if s3 is not None:
-            from .storage.s3.replace import recover
+            from .storage.objstore.replace import recover
 
             recover(s3[0])
         else:
@@ -216,7 +216,7 @@ def write_checkpoint(checkpoint: dict[str, Any], path: str | Path) -> str | Path
     parts = _split(checkpoint)  # checked before anything is created
     s3 = _s3(path)
     if s3 is not None:
-        from .storage.s3.replace import write_folder
+        from .storage.objstore.replace import write_folder
 
         storage, name = s3
         write_folder(storage, name, lambda writer: _write_into(checkpoint, parts, writer, name))
@@ -371,7 +371,7 @@ def _read_state(folder: Any, count: int, where: object) -> list[torch.Tensor]:
 def _s3_folder(storage: Any, name: str) -> Any:
     """The folder to read for ``name`` in ``storage``: itself, or the complete copy a replacement cut short left (the
     next save finishes that replacement); ``None`` when ``name`` is an object (a Lightning ``.ckpt`` file)."""
-    from .storage.s3.replace import complete_copy
+    from .storage.objstore.replace import complete_copy
 
     kind = storage.folder().kind(name)
     if kind == "file":

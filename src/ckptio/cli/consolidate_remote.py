@@ -1,9 +1,10 @@
-"""``ckptio consolidate s3://…/step``: the Hugging Face bundle of a checkpoint kept in a bucket.
+"""``ckptio consolidate s3://…/step`` (or ``gs://``): the Hugging Face bundle of a checkpoint kept in a bucket.
 
 Into the checkpoint (the default): under the bucket folder's lease, the step is checked against its
 manifest, the bundle's objects are uploaded under ``model/consolidated/`` (names the manifest does not
 list yet, so the committed checkpoint is untouched while they go up), then the manifest is replaced by
-one that lists them — a conditional ``PUT`` on the old manifest's ETag, the single step that publishes
+one that lists them — a write conditional on the old manifest's version (S3's ETag, GCS's generation), the
+single step that publishes
 the new version. A crash before it leaves the old checkpoint, plus unlisted objects that a retry
 overwrites. A step that already holds a bundle is left alone (delete the step's ``model/consolidated/``
 objects and its manifest entry yourself, or consolidate into another folder with ``--out``).
@@ -39,9 +40,6 @@ def model_folder(url: str) -> tuple[Any, Any, str]:
 def consolidate_in_bucket(url: str, source: Any, plan: Any, bar: Any, *, force: bool) -> str:
     """Add the bundle to the checkpoint at ``url`` as a new version of it; returns the bundle's location."""
     from ..formats.safetensors import hf_bundle
-    from ..storage.s3 import client
-    from ..storage.s3._common import _call
-    from ..storage.s3.writer import S3FolderWriter
 
     storage, step, model_rel = model_folder(url)
     name = url.rstrip("/").rpartition("/")[2]
@@ -57,9 +55,10 @@ def consolidate_in_bucket(url: str, source: Any, plan: Any, bar: Any, *, force: 
             raise CheckpointError(f"{url} already holds a consolidated bundle ({rel_out}/); consolidate into another "
                                   "folder with --out")
         key = f"{storage._key(name)}/{MANIFEST_NAME}"
-        etag = _call("looking up", step.display(MANIFEST_NAME), client().head_object, Bucket=storage.bucket,
-                     Key=key)["ETag"]
-        writer: Any = S3FolderWriter(storage, name)  # adds objects to the committed step; never commits it
+        head = storage.store.head(key)
+        if head is None:
+            raise CheckpointError(f"{step.display(MANIFEST_NAME)}: missing (removed meanwhile)")
+        writer: Any = storage.attach_step(name, name)  # adds objects to the committed step; never commits it
         try:
             written = hf_bundle.write_bundle(source, plan, writer, rel_out, progress=bar.update)
             files = writer.files()
@@ -68,8 +67,7 @@ def consolidate_in_bucket(url: str, source: Any, plan: Any, bar: Any, *, force: 
         manifest.files = {rel: size for rel, size in files.items()
                           if rel in manifest.files or rel in written}
         manifest.checksums = {**manifest.checksums, **written}
-        _call("replacing", step.display(MANIFEST_NAME), client().put_object, Bucket=storage.bucket, Key=key,
-              Body=manifest.to_json().encode(), IfMatch=etag)
+        storage.store.put(key, manifest.to_json().encode(), if_token=head.token)
     finally:
         lease.release()
     return f"{url.rstrip('/')}/{rel_out}"

@@ -12,7 +12,7 @@ the same name (its manifest's ``contents``). Equal digests mean equal bytes: the
   and deleting a step frees only what no other step links;
 * **in a bucket**, a reference: the manifest's ``shared`` maps the file to the object of the earlier step that
   holds its bytes, and retention, ``prune`` and the sweep delete an object only when no committed manifest refers
-  to it (:mod:`ckptio.storage.s3.refs`).
+  to it (:mod:`ckptio.storage.objstore.refs`).
 
 ``requires_grad`` only groups tensors; the digest decides. A frozen tensor edited in place changes its file's
 digest, and the file is written anew. A file whose bytes repeat by chance under another name is never shared

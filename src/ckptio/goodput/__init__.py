@@ -22,6 +22,7 @@ from pathlib import PurePosixPath
 
 from .. import _dist
 from ..errors import CheckpointError
+from ..storage import url_scheme
 from ..engine.layout import parse_step_name
 from .interval import DEFAULT_MEMORY_SHARE, IntervalPlanner, basis, parse_duration, plan_two_tiers
 from .record import RunRecord
@@ -56,7 +57,7 @@ class Goodput:
         self.log, self.names, self.storage = log, (config.name_template, config.auto_insert_field_names), storage
         self.record = RunRecord(storage, writer=_dist.rank() == 0, log=log) \
             if config.run_record and config.enabled else None
-        kind = "s3" if str(config.checkpoint_dir).startswith("s3://") else "local"
+        kind = url_scheme(str(config.checkpoint_dir)) or "local"  # an object store's scheme: s3, gs
         saver.on_commit = functools.partial(self.committed, storage=kind)  # no cycle through the manager
         state_bytes = _state_bytes(model)
         self.listeners: list[Any] = []

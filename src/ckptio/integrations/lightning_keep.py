@@ -145,12 +145,18 @@ def _kept(path: Path) -> bool:
 
 
 def s3_location(path: Any) -> tuple[Any, str] | None:
-    """(the storage of the parent folder, the name) for an ``s3://`` path; ``None`` for a local one."""
+    """(the storage of the parent folder, the name) for an ``s3://`` path; ``None`` for a local one. Another URL
+    (``gs://``: the plugin does not write there yet) is a :class:`ConfigError`, never read as a local folder."""
+    from ..errors import ConfigError
     from ..storage import url_scheme
 
     text = str(path)
-    if url_scheme(text) != "s3":
+    scheme = url_scheme(text)
+    if scheme is None:
         return None
+    if scheme != "s3":
+        raise ConfigError(f"{text}: the Lightning plugin keeps checkpoints in a local or mounted folder or in s3:// "
+                          f"only; {scheme}:// is not supported by it yet")
     from ..storage.s3 import S3Storage
 
     parent, _, name = text.rstrip("/").rpartition("/")
@@ -184,7 +190,7 @@ def last_checkpoint(dirpath: str | Path, name: str = "last") -> str | None:
 def _s3_complete(storage: Any, name: str) -> bool:
     """A Lightning ``.ckpt`` object, a committed folder, or one whose replacement was cut short beside a complete
     copy (read from that copy)."""
-    from ..storage.s3.replace import committed, complete_copy
+    from ..storage.objstore.replace import committed, complete_copy
 
     kind = storage.folder().kind(name)
     return kind == "file" or (kind == "dir" and (committed(storage, name) or complete_copy(storage, name) is not None))

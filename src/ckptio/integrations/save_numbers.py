@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from ..storage import url_scheme
+
 __all__ = ["SaveNumbers", "SaveTimer", "as_metrics", "PREFIX", "folder_size"]
 
 log = logging.getLogger("ckptio")
@@ -71,7 +73,7 @@ class SaveNumbers:
         size, files = folder_size(folder)
         event = {"kind": "save", "time": round(time.time(), 3), "step": int(step), "tier": "durable",
                  "blocked_s": round(blocked_s, 6), "total_s": round(total_s, 6), "bytes": size, "files": files,
-                 "storage": "s3" if isinstance(folder, str) and folder.startswith("s3://") else "local"}
+                 "storage": (url_scheme(folder) if isinstance(folder, str) else None) or "local"}
         with self._lock:
             self._pending.append(event)
             del self._pending[:-64]  # a loop that never logs keeps the newest only

@@ -50,32 +50,43 @@ POINTER_NAMES = ("LATEST", "BEST")
 """The pointers of a checkpoint folder (a link on a filesystem, an object holding the name in a bucket)."""
 
 
-def resolve_pointer(url: str) -> str:
-    """``s3://bucket/run/LATEST`` (or ``BEST``) as the step directory its pointer names, as a link resolves on a
-    filesystem; any other location unchanged. The pointer's content is checked (a direct child's name)."""
-    head, _, last = url.rstrip("/").rpartition("/")
-    if last not in POINTER_NAMES or url_scheme(url) != "s3" or head.count("/") < 3:
-        return url
+OBJECT_SCHEMES = ("s3", "gs")
+"""The URL schemes of the object stores ckptio has a backend for."""
+
+
+def _object_storage(url: str) -> Storage:
+    """The folder at ``url`` in the object store its scheme names (no pointer resolved)."""
+    if url_scheme(url) == "gs":
+        from .gcs import GCSStorage
+
+        return GCSStorage(url)  # type: ignore[return-value]
     from .s3 import S3Storage
 
-    target = S3Storage(head).read_pointer(last)
+    return S3Storage(url)  # type: ignore[return-value]
+
+
+def resolve_pointer(url: str) -> str:
+    """``s3://bucket/run/LATEST`` (or ``BEST``; ``gs://`` alike) as the step directory its pointer names, as a link
+    resolves on a filesystem; any other location unchanged. The pointer's content is checked (a direct child's name)."""
+    head, _, last = url.rstrip("/").rpartition("/")
+    if last not in POINTER_NAMES or url_scheme(url) not in OBJECT_SCHEMES or head.count("/") < 3:
+        return url
+    target = _object_storage(head).read_pointer(last)  # type: ignore[attr-defined]
     return f"{head}/{target}" if target is not None else url
 
 
 def open_storage(location: "str | os.PathLike[str]") -> Storage:
     """The storage behind a checkpoint folder given as a path or a location: the one place that chooses a
-    backend (a local POSIX folder, or ``s3://bucket/prefix``; a URL scheme ckptio has no backend for is
-    refused, never read as a relative folder)."""
-    from .s3 import S3Path
+    backend (a local POSIX folder, ``s3://bucket/prefix`` or ``gs://bucket/prefix``; a URL scheme ckptio has no
+    backend for is refused, never read as a relative folder)."""
+    from .objstore._store import ObjectPath
 
-    if isinstance(location, S3Path):
+    if isinstance(location, ObjectPath):
         location = str(location)
     text = os.fspath(location)
     scheme = url_scheme(text)
-    if scheme == "s3":
-        from .s3 import S3Storage
-
-        return S3Storage(resolve_pointer(text))  # type: ignore[return-value]
+    if scheme in OBJECT_SCHEMES:
+        return _object_storage(resolve_pointer(text))
     if scheme:
         raise ConfigError(f"{text!r}: {scheme}:// locations are not supported yet; give a local or mounted folder")
     return LocalStorage(text)

@@ -14,7 +14,7 @@ cell run again, an evaluation manager beside the training one) takes it too, and
 the last holder releases it; other processes are still refused.
 
 **Scratch folders that a killed process does not leave behind for good** (:class:`Scratch`). An S3 upload spools each
-file locally while it is written (:mod:`ckptio.storage.s3.writer`): a save killed midway (``SIGKILL``, the OOM killer,
+file locally while it is written (:mod:`ckptio.storage.objstore.writer`): a save killed midway (``SIGKILL``, the OOM killer,
 a preempted node's job) leaves its spool, up to a checkpoint's worth of bytes per rank, and every preemption adds one.
 So each scratch folder holds a file, ``owner.lock``, that its process keeps locked while the folder is in use. The
 first scratch folder a process makes sweeps the system's temporary folder once: a ``ckptio-*`` folder of this user

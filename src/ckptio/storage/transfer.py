@@ -1,9 +1,9 @@
 """Whole folders between object storage and a local disk, for the commands that work on local files.
 
-``convert`` reads and writes formats through local paths. With an ``s3://`` source, the folder is first
-copied down (:func:`copy_down`) into a private temporary folder — a step directory's copy is checked
+``convert`` reads and writes formats through local paths. With an ``s3://`` (or ``gs://``) source, the folder is
+first copied down (:func:`copy_down`) into a private temporary folder — a step directory's copy is checked
 against its manifest's checksums before it is used, so a damaged object is refused, never converted;
-with an ``s3://`` destination the result is written locally and copied up (:func:`copy_up`), its
+with an ``s3://`` (``gs://``) destination the result is written locally and copied up (:func:`copy_up`), its
 ``manifest.json`` (if any) last, with create-only writes into a prefix the caller found empty.
 """
 
@@ -53,23 +53,21 @@ def copy_up(src: Path, url: str) -> str:
     """Upload the local file or folder ``src`` to the new location ``url`` (check it with :func:`exists` first:
     every object is written create-only, so one already there fails the upload rather than being replaced)."""
     from ..engine.manifest import MANIFEST_NAME
-    from .s3 import S3Path, parse_s3_url
-    from .s3.writer import upload_file
+    from . import open_storage
 
-    bucket, prefix = parse_s3_url(url)
-    if not prefix:
-        raise CheckpointError(f"{url}: name a new folder inside the bucket (s3://bucket/name)")
+    storage = open_storage(url)
+    if not storage.prefix:  # type: ignore[attr-defined]
+        raise CheckpointError(f"{url}: name a new folder inside the bucket (s3://bucket/name, gs://bucket/name)")
     files = [src] if src.is_file() else sorted(p for p in src.rglob("*") if p.is_file())
     files.sort(key=lambda p: p.name == MANIFEST_NAME)  # the commit point goes last
     for path in files:
         rel = path.name if src.is_file() else path.relative_to(src).as_posix()
-        key = f"{prefix}/{rel}"
-        upload_file(path, bucket, key, S3Path(bucket, *key.split("/")), if_none_match=True)
+        storage.store.upload_file(path, f"{storage.prefix}/{rel}", if_absent=True)  # type: ignore[attr-defined]
     return url
 
 
 def exists(url: str) -> bool:
-    """Whether anything (an object, or objects below it) is at the ``s3://`` location ``url``."""
+    """Whether anything (an object, or objects below it) is at the ``s3://`` (``gs://``) location ``url``."""
     from . import open_storage
 
     parent, _, name = url.rstrip("/").rpartition("/")

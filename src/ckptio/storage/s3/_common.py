@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 import threading
-from pathlib import PurePosixPath
 from typing import Any
 
-from ...errors import CheckpointError, CheckpointNotFoundError, ConfigError, require
-from ...engine.manifest import MANIFEST_NAME as MANIFEST  # noqa: F401  (the commit point: written last)
-from ...engine.manifest import PENDING_NAME as PENDING  # noqa: F401  (written first, removed after the manifest)
-from ..confined import UnsafePathError, check_relative
+from ...errors import CheckpointNotFoundError, require
+from ..objstore._store import LEASE_SECONDS, MAX_POINTER_BYTES, ObjectPath, ObjectStoreError, PreconditionFailed
+from ..objstore._store import MANIFEST, PENDING, parse_url
+
+__all__ = ["LEASE_SECONDS", "MAX_POINTER_BYTES", "MANIFEST", "PENDING", "S3Error", "S3Path", "client", "parse_s3_url"]
 
 PART_SIZE = 64 << 20
 """Files larger than this are uploaded as multipart uploads of parts this large (S3's minimum is 5 MiB)."""
@@ -19,47 +19,25 @@ CONNECT_TIMEOUT = 10
 READ_TIMEOUT = 120
 MAX_ATTEMPTS = 5
 """Tries per request (standard retry mode: exponential backoff on throttling, 5xx and dropped connections)."""
-LEASE_SECONDS = 120.0
-MAX_POINTER_BYTES = 4096
 
 
-class S3Error(CheckpointError):
+class S3Error(ObjectStoreError):
     """A request to the object store failed (after its retries); names the object and the server's answer."""
+
+
+class S3PreconditionFailed(S3Error, PreconditionFailed):
+    """A conditional write (``If-None-Match``, ``If-Match``) answered ``412 PreconditionFailed``."""
 
 
 def parse_s3_url(url: str) -> tuple[str, str]:
     """``s3://bucket/some/prefix`` -> ``("bucket", "some/prefix")``; a malformed URL is a :class:`ConfigError`."""
-    if not url.startswith("s3://"):
-        raise ConfigError(f"{url!r} is not an s3:// location")
-    bucket, _, prefix = url[len("s3://"):].partition("/")
-    prefix = prefix.strip("/")
-    if not bucket or "/" in bucket:
-        raise ConfigError(f"{url!r}: no bucket name (expected s3://bucket/prefix)")
-    if prefix:
-        try:
-            check_relative(prefix, url)
-        except UnsafePathError as exc:
-            raise ConfigError(f"{url!r}: the prefix must be plain names separated by '/' ({exc})") from None
-    return bucket, prefix
+    return parse_url(url, "s3")
 
 
-class S3Path(PurePosixPath):
-    """The name of an object or a prefix, shown as ``s3://bucket/key``. Path arithmetic works as for a
-    local path (``/``, ``name``, ``parent``); it is never a local path (``os.fspath`` refuses it)."""
+class S3Path(ObjectPath):
+    """The name of an object or a prefix, shown as ``s3://bucket/key`` (see :class:`ObjectPath`)."""
 
-    def __str__(self) -> str:
-        return "s3://" + super().__str__()
-
-    def __fspath__(self) -> str:
-        raise TypeError(f"{self} is an object-store location, not a local path")
-
-    @property
-    def bucket(self) -> str:
-        return self.parts[0]
-
-    @property
-    def key(self) -> str:
-        return "/".join(self.parts[1:])
+    scheme = "s3"
 
 
 # ------------------------------------------------------------------------------------------- the client
@@ -134,7 +112,8 @@ def _call(what: str, where: object, fn: Any, *args: Any, **kwargs: Any) -> Any:
                     seek(0)
                 time.sleep(0.2 * 2 ** attempt)
                 continue
-            raise S3Error(f"{what} {where} failed: {err.get('Code', '?')}: {err.get('Message', exc)}") from None
+            cls = S3PreconditionFailed if err.get("Code") == "PreconditionFailed" else S3Error
+            raise cls(f"{what} {where} failed: {err.get('Code', '?')}: {err.get('Message', exc)}") from None
         except BotoCoreError as exc:
             raise S3Error(f"{what} {where} failed: {exc}") from None
     raise AssertionError("unreachable")

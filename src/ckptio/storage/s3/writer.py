@@ -1,23 +1,19 @@
-"""Writing to object storage: files spooled and uploaded in parts as they are written, a step committed by its
-manifest."""
+"""Writing to S3: files spooled and uploaded in parts as they are written (the folder writer, which commits a step by
+its manifest, is the object store's: :mod:`ckptio.storage.objstore.writer`)."""
 
 from __future__ import annotations
 
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ...errors import CheckpointError, CheckpointNotFoundError
-from ..confined import check_relative
+from ...errors import CheckpointError
 from ..local import LocalWriteStream
-from ..lock import Scratch
+from ..objstore.writer import ObjectFolderWriter
 from . import _common
-from ._common import MANIFEST, PENDING, S3Error, S3Path, _call, client
+from ._common import S3Path, _call, client
 
-if TYPE_CHECKING:
-    from . import S3Storage
-    from .reader import S3Folder
+__all__ = ["S3WriteStream", "S3FolderWriter", "upload_file"]
 
 class S3WriteStream(LocalWriteStream):
     """A file spooled locally with a running CRC-32C and uploaded as it is written: once a part's worth
@@ -127,128 +123,5 @@ def upload_file(path: Path, bucket: str, key: str, where: object, *, if_none_mat
     _Parts(path, bucket, key, where).finish(size, **extra)
 
 
-class S3FolderWriter:
-    """A step (or any new folder) written object by object; committed by its manifest, written last."""
-
-    def __init__(self, storage: "S3Storage", name: str) -> None:
-        self.storage, self.name, self.token = storage, name, name
-        self.prefix = storage._key(name)
-        # ranks other than the committing one never call commit/abort: their spool goes with the writer; a killed
-        # process's is removed by the next process that spools (ckptio.storage.scratch)
-        self._scratch = Scratch(f"ckptio-s3-{name}-")
-        self.spool = self._scratch.path
-        self._local = self.spool / "local"
-        self._local_sums: dict[str, str] = {}
-
-    def _where(self, rel: str) -> S3Path:
-        return self.storage.root / self.name / rel  # type: ignore[return-value]
-
-    def _key(self, rel: str) -> str:
-        return "/".join((self.prefix, *check_relative(rel, self._where(""))))
-
-    def open(self, rel: str) -> S3WriteStream:
-        key = self._key(rel)
-        return S3WriteStream(self.spool / "streams" / uuid.uuid4().hex, self.storage.bucket, key, self._where(rel))
-
-    def write_bytes(self, rel: str, data: bytes) -> str:
-        with self.open(rel) as stream:
-            stream.write(data)
-        return stream.close()
-
-    def link(self, rel: str, source: str, size: int) -> bool:
-        """A reference instead of a copy: ``True`` when ``source`` (``step/path``) is an object of ``size`` bytes in
-        the folder; the step's manifest then names it for ``rel`` (``shared``; see :mod:`ckptio.storage.s3.refs`)."""
-        from ... import _faults
-        from .refs import check_source
-
-        check_relative(rel, self._where(""))
-        _faults.point("save.before_link")
-        return check_source(self.storage, source, size)
-
-    def local_path(self, rel: str = "") -> Path:
-        """A local folder whose files are uploaded at :meth:`files`/:meth:`commit` (rank 0 writes there)."""
-        path = self._local / rel if rel else self._local
-        path.mkdir(parents=True, exist_ok=True)
-        return path
-
-    def _upload_local(self) -> None:
-        from ..checksum import file_checksum
-
-        if self._local.is_dir():
-            for path in sorted(self._local.rglob("*")):
-                rel = path.relative_to(self._local).as_posix()
-                if path.is_file() and not path.is_symlink() and rel not in self._local_sums:
-                    digest = file_checksum(path)
-                    upload_file(path, self.storage.bucket, self._key(rel), self._where(rel))
-                    self._local_sums[rel] = digest
-
-    def reader(self, rel: str = "") -> "S3Folder":
-        """What every rank has uploaded under ``rel`` so far (this rank's local files are uploaded first)."""
-        from .reader import S3Folder
-
-        self._upload_local()
-        return S3Folder(self.storage.bucket, f"{self.prefix}/{rel}" if rel else self.prefix)
-
-    def checksum_of(self, rel: str) -> str:
-        self._upload_local()
-        if rel not in self._local_sums:
-            raise CheckpointError(f"{self._where(rel)}: written by another writer, its checksum is not known here")
-        return self._local_sums[rel]
-
-    def rename(self, rel: str, new_rel: str) -> None:
-        s3 = client()
-        src, dst = self._key(rel), self._key(new_rel)
-        _call("copying", self._where(rel), s3.copy_object, Bucket=self.storage.bucket, Key=dst,
-              CopySource={"Bucket": self.storage.bucket, "Key": src})
-        _call("removing", self._where(rel), s3.delete_object, Bucket=self.storage.bucket, Key=src)
-
-    def exists(self, rel: str) -> bool:
-        try:
-            _call("looking up", self._where(rel), client().head_object, Bucket=self.storage.bucket, Key=self._key(rel))
-        except CheckpointNotFoundError:
-            return False
-        return True
-
-    def files(self) -> dict[str, int]:
-        """Every object written so far under this step, by every rank (files of :meth:`local_path` uploaded first)."""
-        self._upload_local()
-        return {rel: int(obj["Size"]) for rel, obj in self.storage._objects(self.prefix).items()
-                if rel not in (MANIFEST, PENDING)}
-
-    def mark_pending(self) -> None:
-        """Write the step's in-progress mark (before any of its files; see :data:`ckptio.engine.manifest.PENDING_NAME`)."""
-        _call("writing", self._where(PENDING), client().put_object, Bucket=self.storage.bucket,
-              Key=self._key(PENDING), Body=b"")
-
-    def commit(self, manifest: tuple[str, bytes] | None = None) -> S3Path:
-        self._upload_local()
-        if manifest is not None:
-            from ... import _faults
-
-            _faults.point("commit.before_manifest")
-            name, data = manifest
-            path = self.spool / "manifest"
-            path.write_bytes(data)
-            try:
-                upload_file(path, self.storage.bucket, self._key(name), self._where(name), if_none_match=True)
-            except S3Error as exc:
-                if "PreconditionFailed" in str(exc) or "ConditionalRequestConflict" in str(exc):
-                    raise CheckpointError(f"{self._where('')}: another writer committed this step first; this save "
-                                          "is not committed (two jobs must not share a checkpoint_dir)") from None
-                raise
-            try:  # committed: the mark goes (a leftover one is harmless, the manifest decides)
-                client().delete_object(Bucket=self.storage.bucket, Key=self._key(PENDING))
-            except Exception:  # noqa: BLE001
-                pass
-        self._scratch.remove()
-        return self._where("").parent / self.name  # type: ignore[return-value]
-
-    def abort(self) -> None:
-        self._scratch.remove()
-        self.storage._delete_prefix(self.prefix, manifest_first=True)
-
-    def abort_spool(self) -> None:
-        """Drop the local spool only: objects already uploaded stay (adding files to a committed step)."""
-        self._scratch.remove()
-
-
+S3FolderWriter = ObjectFolderWriter
+"""A step written to S3 (the object-store writer; see :class:`~ckptio.storage.objstore.writer.ObjectFolderWriter`)."""

@@ -22,11 +22,11 @@ import re
 import secrets
 from typing import TYPE_CHECKING, Any, Callable
 
-from ._common import MANIFEST, PENDING, S3Path, _call, client
+from ._store import MANIFEST, PENDING, ObjectPath
 
 if TYPE_CHECKING:
-    from . import S3Storage
-    from .writer import S3FolderWriter
+    from . import ObjectStorage
+    from .writer import ObjectFolderWriter
 
 __all__ = ["write_folder", "committed", "complete_copy", "recover"]
 
@@ -34,7 +34,7 @@ log = logging.getLogger("ckptio")
 _HIDDEN = re.compile(r"^\.(.+)\.tmp-[0-9a-f]{8}$")
 
 
-def write_folder(storage: "S3Storage", name: str, write: Callable[["S3FolderWriter"], None]) -> None:
+def write_folder(storage: "ObjectStorage", name: str, write: Callable[["ObjectFolderWriter"], None]) -> None:
     """Write the folder ``name`` of ``storage`` with ``write(writer)``, which writes its files and commits it
     with a manifest; a folder already under that name is replaced as this module describes."""
     taken = storage.folder().kind(name) is not None
@@ -49,32 +49,28 @@ def write_folder(storage: "S3Storage", name: str, write: Callable[["S3FolderWrit
         _swap_in(storage, target, name)
 
 
-def _swap_in(storage: "S3Storage", hidden: str, name: str) -> None:
+def _swap_in(storage: "ObjectStorage", hidden: str, name: str) -> None:
     from ... import _faults
 
-    s3, bucket = client(), storage.bucket
+    store = storage.store
     src, dst = storage._key(hidden), storage._key(name)
     new, old = storage._objects(src), storage._objects(dst)
     where = storage.root / name
     # no in-progress mark here: the old folder must stay listed (and must not be swept) while it has no manifest;
     # the complete copy beside it is what tells a reader, and recover(), what to do with it
-    _call("removing", where / MANIFEST, s3.delete_object, Bucket=bucket, Key=f"{dst}/{MANIFEST}")
+    store.delete(f"{dst}/{MANIFEST}")
     _faults.point("s3.swap.uncommitted")
-    files = sorted(rel for rel in new if rel not in (MANIFEST, PENDING))
-    for rel in files:
-        _call("copying", storage.root / hidden / rel, s3.copy, {"Bucket": bucket, "Key": f"{src}/{rel}"}, bucket,
-              f"{dst}/{rel}")
+    for rel in sorted(rel for rel in new if rel not in (MANIFEST, PENDING)):
+        store.copy(f"{src}/{rel}", f"{dst}/{rel}")
     _faults.point("s3.swap.copied")
-    stale = [{"Key": f"{dst}/{rel}"} for rel in old if rel not in new and rel not in (MANIFEST, PENDING)]
-    for i in range(0, len(stale), 1000):
-        _call("removing objects under", where, s3.delete_objects, Bucket=bucket,
-              Delete={"Objects": stale[i:i + 1000], "Quiet": True})
-    _call("copying", where / MANIFEST, s3.copy_object, Bucket=bucket, Key=f"{dst}/{MANIFEST}",
-          CopySource={"Bucket": bucket, "Key": f"{src}/{MANIFEST}"})
+    stale = [f"{dst}/{rel}" for rel in old if rel not in new and rel not in (MANIFEST, PENDING)]
+    if stale:
+        store.delete_many(stale, where)
+    store.copy(f"{src}/{MANIFEST}", f"{dst}/{MANIFEST}")
     storage._delete_prefix(src, manifest_first=True)
 
 
-def _hidden_copies(storage: "S3Storage") -> dict[str, list[tuple[float, str]]]:
+def _hidden_copies(storage: "ObjectStorage") -> dict[str, list[tuple[float, str]]]:
     """target name -> [(manifest time or -1 when the copy is not committed, hidden name)], newest first."""
     out: dict[str, list[tuple[float, str]]] = {}
     for entry in storage.folder().listdir():
@@ -82,20 +78,20 @@ def _hidden_copies(storage: "S3Storage") -> dict[str, list[tuple[float, str]]]:
         if entry.kind != "dir" or not m:
             continue
         objects = storage._objects(storage._key(entry.name))
-        stamp = objects[MANIFEST]["LastModified"].timestamp() if MANIFEST in objects else -1.0
+        stamp = objects[MANIFEST].mtime if MANIFEST in objects else -1.0
         out.setdefault(m.group(1), []).append((stamp, entry.name))
     for copies in out.values():
         copies.sort(reverse=True)
     return out
 
 
-def committed(storage: "S3Storage", name: str) -> bool:
+def committed(storage: "ObjectStorage", name: str) -> bool:
     """Whether the folder ``name`` has its manifest."""
     folder = storage.folder()
     return folder.kind(name) == "dir" and folder.sub(name).kind(MANIFEST) == "file"
 
 
-def complete_copy(storage: "S3Storage", name: str) -> str | None:
+def complete_copy(storage: "ObjectStorage", name: str) -> str | None:
     """The hidden folder holding the complete new ``name`` when a swap of ``name`` was cut short (``name`` has no
     manifest and the copy has one), else ``None``."""
     if committed(storage, name):
@@ -104,7 +100,7 @@ def complete_copy(storage: "S3Storage", name: str) -> str | None:
     return copies[0][1] if copies and copies[0][0] >= 0 else None
 
 
-def recover(storage: "S3Storage") -> list[S3Path]:
+def recover(storage: "ObjectStorage") -> list[ObjectPath]:
     """Finish the swaps that were cut short and remove what killed writes left (hidden copies that were not
     committed or are no longer needed, folders ckptio began and never committed). Returns what was removed."""
     removed: list[Any] = []

@@ -4,7 +4,7 @@ holding a copy (``shared``: relative path -> ``<step>/<path>``; see :mod:`ckptio
 One rule keeps every reference valid: **an object is deleted only when no committed manifest refers to it.**
 Every deletion in a bucket goes through :func:`referenced` first: removing a step (retention, ``prune``) deletes its
 manifest, then its objects less the referenced ones, which stay under the step's prefix with the in-progress mark
-(so that :meth:`~ckptio.storage.s3.S3Storage.sweep` knows them for ckptio's own and collects each once nothing
+(so that :meth:`~ckptio.storage.objstore.ObjectStorage.sweep` knows them for ckptio's own and collects each once nothing
 refers to it any more). A crash anywhere leaves such garbage at worst, never a reference to a deleted object.
 
 A new step written under the name of one whose objects are still referred to (a run resumed from an older step
@@ -22,10 +22,10 @@ from ...errors import CheckpointError, CheckpointNotFoundError
 from ...engine.manifest import held_by
 from ..confined import UnsafePathError, check_relative
 from ..parse import json_object
-from ._common import MANIFEST, S3Error, _call, client
+from ._store import MANIFEST, ObjectStoreError
 
 if TYPE_CHECKING:
-    from . import S3Storage
+    from . import ObjectStorage
 
 MAX_MANIFEST = 64 << 20
 
@@ -58,35 +58,29 @@ def shared_sizes(data: bytes, name: str) -> dict[str, tuple[str, int | None]]:
     return out
 
 
-def references(storage: "S3Storage", skip: str | None = None) -> dict[str, dict[str, str]]:
+def references(storage: "ObjectStorage", skip: str | None = None) -> dict[str, dict[str, str]]:
     """Committed step -> its ``shared`` entries, for every committed step of the folder but ``skip``. A manifest that
     cannot be read is an error (a reference missed could be deleted), except one that is gone meanwhile."""
     out: dict[str, dict[str, str]] = {}
     for entry in storage.folder().listdir():
         if entry.kind != "dir" or entry.name.startswith(".") or entry.name == skip:
             continue
-        key = storage._key(f"{entry.name}/{MANIFEST}")
         try:
-            body = _call("reading", storage.root / entry.name / MANIFEST, client().get_object,
-                         Bucket=storage.bucket, Key=key)["Body"]
+            data, _ = storage.store.get(storage._key(f"{entry.name}/{MANIFEST}"), MAX_MANIFEST + 1)
         except CheckpointNotFoundError:
             continue
-        try:
-            data = body.read(MAX_MANIFEST + 1)
-        finally:
-            body.close()
         shared = shared_of(data, entry.name)
         if shared:
             out[entry.name] = shared
     return out
 
 
-def referenced(storage: "S3Storage", name: str, skip: str | None = None) -> set[str]:
+def referenced(storage: "ObjectStorage", name: str, skip: str | None = None) -> set[str]:
     """The paths (relative to the step) of step ``name``'s objects some committed step other than ``skip`` refers to."""
     return held_by(references(storage, skip).values()).get(name, set())
 
 
-def hand_over(storage: "S3Storage", name: str) -> None:
+def hand_over(storage: "ObjectStorage", name: str) -> None:
     """Before ``name`` is written anew: each of its objects a committed step refers to goes to that step (copied to
     its own key, the referring manifests rewritten), so that nothing refers to ``name`` any more."""
     from ...engine.manifest import Manifest
@@ -97,23 +91,19 @@ def hand_over(storage: "S3Storage", name: str) -> None:
         rel = target.partition("/")[2]
         users = sorted(step for step, shared in refs.items() if target in shared.values())
         heir = users[0]
-        s3 = client()
-        _call("copying", storage.root / target, s3.copy, {"Bucket": storage.bucket, "Key": storage._key(target)},
-              storage.bucket, storage._key(f"{heir}/{rel}"))
+        store = storage.store
+        store.copy(storage._key(target), storage._key(f"{heir}/{rel}"))
         for step in users:
             where = storage.root / step / MANIFEST
             key = storage._key(f"{step}/{MANIFEST}")
-            body = _call("reading", where, s3.get_object, Bucket=storage.bucket, Key=key)["Body"]
-            try:
-                manifest = Manifest.from_json(body.read(MAX_MANIFEST + 1), where)  # type: ignore[arg-type]
-            finally:
-                body.close()
+            data, _ = store.get(key, MAX_MANIFEST + 1)
+            manifest = Manifest.from_json(data, where)  # type: ignore[arg-type]
             manifest.shared = {r: (f"{heir}/{rel}" if t == target else t) for r, t in manifest.shared.items()
                                if not (step == heir and t == target)}
             from ... import _faults
 
             _faults.point("s3.hand_over.copied")
-            _call("rewriting", where, s3.put_object, Bucket=storage.bucket, Key=key, Body=manifest.to_json().encode())
+            store.put(key, manifest.to_json().encode())
     if held:
         left = referenced(storage, name, skip=name)
         if left:  # another writer changed the folder meanwhile: nothing is deleted
@@ -121,12 +111,10 @@ def hand_over(storage: "S3Storage", name: str) -> None:
                                   "not written over")
 
 
-def check_source(storage: "S3Storage", source: str, size: int) -> bool:
+def check_source(storage: "ObjectStorage", source: str, size: int) -> bool:
     """Whether ``source`` (``step/path``) is an object of ``size`` bytes in the folder (what a reference may name)."""
     try:
-        head = _call("looking up", storage.root / source, client().head_object, Bucket=storage.bucket,
-                     Key=storage._key(source))
-    except (CheckpointNotFoundError, S3Error, UnsafePathError):
+        head = storage.store.head(storage._key(source))
+    except (ObjectStoreError, UnsafePathError):
         return False
-    return int(head.get("ContentLength", -1)) == size
-
+    return head is not None and head.size == size

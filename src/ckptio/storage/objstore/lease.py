@@ -12,22 +12,22 @@ from typing import TYPE_CHECKING, Any
 from ...errors import CheckpointCorruptError
 from ..lock import LOCK_NAME, CheckpointDirLocked, parse_holder
 from ..parse import as_float, field, json_object
-from ._common import LEASE_SECONDS, MAX_POINTER_BYTES, S3Error, _call, client
+from ._store import LEASE_SECONDS, MAX_POINTER_BYTES, PreconditionFailed
 
 if TYPE_CHECKING:
-    from . import S3Storage
+    from . import ObjectStorage
 
 _leases: dict[str, list[Any]] = {}  # location -> [renewing thread stop event, number of holders, the thread]
 _leases_lock = threading.Lock()
 
 
-class S3Lease:
+class ObjectLease:
     """One writer per checkpoint folder in an object store: a lease object (``.ckptio.lock``) created with a
-    conditional put, holding ``pid N on HOST`` and renewed every third of :data:`LEASE_SECONDS` by a thread
+    create-only write, holding ``pid N on HOST`` and renewed every third of :data:`LEASE_SECONDS` by a thread
     while held. A lease not renewed for :data:`LEASE_SECONDS` is taken over; a live one is refused naming
     its holder. Shared within a process, like the local lock."""
 
-    def __init__(self, storage: S3Storage) -> None:
+    def __init__(self, storage: "ObjectStorage") -> None:
         self.storage = storage
         self.key = storage._key(LOCK_NAME)
         self.where = storage.root / LOCK_NAME
@@ -44,7 +44,7 @@ class S3Lease:
     def acquire(self, *, force: bool = False) -> None:
         if self.held:
             return
-        s3 = client()
+        store = self.storage.store
         location = str(self.storage.root)
         with _leases_lock:
             if location in _leases:
@@ -52,13 +52,9 @@ class S3Lease:
                 self._held = True
                 return
             try:
-                _call("taking the lock", self.where, s3.put_object, Bucket=self.storage.bucket, Key=self.key,
-                      Body=self._body(), IfNoneMatch="*")
-            except S3Error as exc:
-                if "PreconditionFailed" not in str(exc):
-                    raise
-                current = _call("reading the lock", self.where, s3.get_object, Bucket=self.storage.bucket, Key=self.key)
-                text = current["Body"].read(MAX_POINTER_BYTES)
+                store.put(self.key, self._body(), if_absent=True)
+            except PreconditionFailed:
+                text, token = store.get(self.key, MAX_POINTER_BYTES)
                 try:
                     doc = json_object(text, self.key)
                     holder = field(doc, "holder", str, self.key)
@@ -82,12 +78,11 @@ class S3Lease:
                 if not stale and force and alive_here:
                     raise CheckpointDirLocked(f"{self.storage.root} is in use by {holder}, which is running") from None
                 # take over the lease the holder no longer renews, only if nobody else did meanwhile
-                _call("taking over the lock", self.where, s3.put_object, Bucket=self.storage.bucket, Key=self.key,
-                      Body=self._body(), IfMatch=current["ETag"])
+                store.put(self.key, self._body(), if_token=token)
                 if not stale:
                     self.forced_over = holder
             stop = threading.Event()
-            thread = threading.Thread(target=self._renew, args=(stop,), name="ckptio-s3-lease", daemon=True)
+            thread = threading.Thread(target=self._renew, args=(stop,), name="ckptio-lease", daemon=True)
             _leases[location] = [stop, 1, thread]
             thread.start()
             self._held = True
@@ -95,7 +90,7 @@ class S3Lease:
     def _renew(self, stop: threading.Event) -> None:
         while not stop.wait(LEASE_SECONDS / 3):
             try:
-                client().put_object(Bucket=self.storage.bucket, Key=self.key, Body=self._body())
+                self.storage.store.put(self.key, self._body())
             except Exception:  # noqa: BLE001 - retried at the next tick; a lost lease shows as a commit conflict
                 continue
 
@@ -114,10 +109,10 @@ class S3Lease:
                 return
             del _leases[location]
             entry[0].set()
-        # joined, so that no thread of ours is inside the S3 client when the interpreter exits (a renewal in flight
+        # joined, so that no thread of ours is inside the store's client when the interpreter exits (a renewal in flight
         # ends within the client's own timeouts)
         entry[2].join(timeout=60)
         try:
-            client().delete_object(Bucket=self.storage.bucket, Key=self.key)
+            self.storage.store.delete(self.key)
         except Exception:  # noqa: BLE001 - a lease left behind expires
             pass

@@ -1,0 +1,90 @@
+"""What every part of the GCS backend shares: settings, locations, the client and error mapping."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from ...errors import CheckpointNotFoundError, require
+from ..objstore._store import ObjectPath, ObjectStoreError, PreconditionFailed, parse_url
+
+CONNECT_TIMEOUT = 10
+READ_TIMEOUT = 120
+DEADLINE = 120.0
+"""Seconds a request is retried for (exponential backoff on 429, 5xx and dropped connections) before it fails."""
+DELETE_THREADS = 8
+"""Objects removed at once (GCS's JSON API deletes one object a request)."""
+
+
+class GCSError(ObjectStoreError):
+    """A request to Google Cloud Storage failed (after its retries); names the object and the server's answer."""
+
+
+class GCSPreconditionFailed(GCSError, PreconditionFailed):
+    """A conditional write (``ifGenerationMatch``) answered ``412 Precondition Failed``."""
+
+
+class GSPath(ObjectPath):
+    """The name of an object or a prefix, shown as ``gs://bucket/key`` (see :class:`ObjectPath`)."""
+
+    scheme = "gs"
+
+
+def parse_gs_url(url: str) -> tuple[str, str]:
+    """``gs://bucket/some/prefix`` -> ``("bucket", "some/prefix")``; a malformed URL is a :class:`ConfigError`."""
+    return parse_url(url, "gs")
+
+
+_clients: dict[tuple[int, str], Any] = {}
+_clients_lock = threading.Lock()
+
+
+def client() -> Any:
+    """A ``google.cloud.storage`` client (one per process and emulator endpoint): credentials are the application
+    default credentials, or none when ``STORAGE_EMULATOR_HOST`` names an emulator."""
+    storage = require("google.cloud.storage", extra="gcs", purpose="checkpoints in Google Cloud Storage (gs://)",
+                      package="google-cloud-storage")
+    key = (os.getpid(), os.environ.get("STORAGE_EMULATOR_HOST", ""))
+    with _clients_lock:
+        if key not in _clients:
+            from google.auth.exceptions import GoogleAuthError
+
+            try:
+                _clients[key] = storage.Client()
+            except GoogleAuthError as exc:
+                raise GCSError(f"no Google Cloud credentials for gs:// ({exc}); set up application default "
+                               "credentials (`gcloud auth application-default login`, GOOGLE_APPLICATION_CREDENTIALS "
+                               "naming a key file, or a VM's service account), or STORAGE_EMULATOR_HOST for an "
+                               "emulator") from None
+        return _clients[key]
+
+
+def retry() -> Any:
+    """Every request's retry policy: the client's transient errors, for up to :data:`DEADLINE` seconds. Writes are
+    retried too (a whole object is written or not; a create-only write that did land is told apart at commit)."""
+    from google.cloud.storage.retry import DEFAULT_RETRY
+
+    return DEFAULT_RETRY.with_timeout(DEADLINE)
+
+
+TIMEOUT = (CONNECT_TIMEOUT, READ_TIMEOUT)
+
+
+def _call(what: str, where: object, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, with a failure raised as :class:`GCSError` naming ``what`` and ``where`` (a missing
+    object as :class:`~ckptio.errors.CheckpointNotFoundError`, a failed condition as :class:`GCSPreconditionFailed`)."""
+    from google.api_core import exceptions as api
+    from google.auth.exceptions import GoogleAuthError
+    from requests import RequestException
+
+    try:
+        return fn(*args, **kwargs)
+    except api.NotFound:
+        raise CheckpointNotFoundError(f"{where}: missing (404)") from None
+    except api.PreconditionFailed as exc:
+        raise GCSPreconditionFailed(f"{what} {where} failed: 412 Precondition Failed: {exc.message}") from None
+    except api.GoogleAPICallError as exc:
+        raise GCSError(f"{what} {where} failed: {exc.code}: {exc.message}") from None
+    except (api.RetryError, GoogleAuthError, RequestException, ConnectionError, TimeoutError) as exc:
+        raise GCSError(f"{what} {where} failed: {type(exc).__name__}: {exc}") from None

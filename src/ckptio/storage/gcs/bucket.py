@@ -1,0 +1,136 @@
+"""A Google Cloud Storage bucket through ``google-cloud-storage``, as the object-store folder needs it
+(:class:`~ckptio.storage.objstore._store.Bucket`): a create-only write is ``ifGenerationMatch=0``, a replacement of
+one version ``ifGenerationMatch=<generation>``."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from ...errors import CheckpointNotFoundError
+from ..local import LocalWriteStream
+from ..objstore._store import Bucket, Obj
+from ._client import DELETE_THREADS, TIMEOUT, GSPath, _call, client, retry
+
+
+class GCSBucket(Bucket):
+    """One GCS bucket (credentials: the application default credentials, or an emulator's endpoint)."""
+
+    path_type = GSPath
+
+    def _bucket(self) -> Any:
+        return client().bucket(self.name)
+
+    def listing(self, prefix: str, *, delimiter: bool) -> tuple[list[Obj], list[str]]:
+        def run() -> tuple[list[Obj], list[str]]:
+            it = client().list_blobs(self.name, prefix=prefix, delimiter="/" if delimiter else None, timeout=TIMEOUT,
+                                     retry=retry())
+            objects = [Obj(b.name, int(b.size or 0), b.updated.timestamp(), b.generation) for b in it]
+            return objects, sorted(it.prefixes)
+
+        return _call("listing", self.path(prefix), run)
+
+    def head(self, key: str) -> Obj | None:
+        blob = _call("looking up", self.path(key), self._bucket().get_blob, key, timeout=TIMEOUT, retry=retry())
+        return None if blob is None else Obj(key, int(blob.size or 0), blob.updated.timestamp(), blob.generation)
+
+    def put(self, key: str, data: bytes, *, if_absent: bool = False, if_token: Any = None) -> None:
+        blob = self._bucket().blob(key)
+        _call("writing", self.path(key), blob.upload_from_string, data, content_type="application/octet-stream",
+              if_generation_match=0 if if_absent else if_token, timeout=TIMEOUT, retry=retry())
+
+    def get(self, key: str, limit: int) -> tuple[bytes, Any]:
+        where = self.path(key)
+        blob = _call("looking up", where, self._bucket().get_blob, key, timeout=TIMEOUT, retry=retry())
+        if blob is None:
+            raise CheckpointNotFoundError(f"{where}: missing (404)")
+        size = min(int(blob.size or 0), limit)
+        if size == 0:
+            return b"", blob.generation
+        pinned = self._bucket().blob(key, generation=blob.generation)  # the bytes of the version looked up
+        data = _call("reading", where, pinned.download_as_bytes, start=0, end=size - 1, raw_download=True,
+                     checksum=None, timeout=TIMEOUT, retry=retry())
+        return data, blob.generation
+
+    def read_into(self, key: str, offset: int, view: memoryview) -> int:
+        sink = _Into(view)
+        blob = self._bucket().blob(key)
+        _call("reading", self.path(key), blob.download_to_file, sink, start=offset, end=offset + view.nbytes - 1,
+              raw_download=True, checksum=None, timeout=TIMEOUT, retry=retry())
+        return sink.done
+
+    def delete(self, key: str) -> None:
+        try:
+            _call("removing", self.path(key), self._bucket().blob(key).delete, timeout=TIMEOUT, retry=retry())
+        except CheckpointNotFoundError:
+            pass  # gone already: what was asked
+
+    def delete_many(self, keys: list[str], where: object) -> None:
+        with ThreadPoolExecutor(min(DELETE_THREADS, len(keys)) or 1, thread_name_prefix="ckptio-gcs-delete") as pool:
+            for done in [pool.submit(self.delete, key) for key in keys]:
+                done.result()
+
+    def copy(self, src: str, dst: str) -> None:
+        bucket = self._bucket()
+        source, target = bucket.blob(src), bucket.blob(dst)
+        token = None
+        while True:  # a rewrite of a large object goes in several calls, each naming where the last stopped
+            token, _, _ = _call("copying", self.path(src), target.rewrite, source, token=token, timeout=TIMEOUT,
+                                retry=retry())
+            if token is None:
+                return
+
+    def upload_file(self, path: Path, key: str, *, if_absent: bool = False) -> None:
+        blob = self._bucket().blob(key)
+        _call("uploading", self.path(key), blob.upload_from_filename, str(path),
+              content_type="application/octet-stream", if_generation_match=0 if if_absent else None, timeout=TIMEOUT,
+              retry=retry())
+
+    def open_stream(self, spool: Path, key: str) -> "GCSWriteStream":
+        return GCSWriteStream(spool, self, key)
+
+
+class GCSWriteStream(LocalWriteStream):
+    """A file spooled locally with a running CRC-32C and uploaded when it is closed (the client checks the upload
+    with its own CRC-32C; a large file goes up as a resumable upload)."""
+
+    def __init__(self, spool: Path, bucket: GCSBucket, key: str) -> None:
+        spool.parent.mkdir(parents=True, exist_ok=True)
+        super().__init__(spool, durable=False)
+        self.bucket, self.key = bucket, key
+
+    def close(self) -> str:
+        if self._digest is not None:
+            return self._digest
+        digest = super().close()
+        try:
+            self.bucket.upload_file(self.path, self.key)
+        finally:
+            self.path.unlink(missing_ok=True)
+        return digest
+
+    def discard(self) -> None:
+        super().discard()
+        self.path.unlink(missing_ok=True)
+
+
+class _Into:
+    """A file-like sink writing a download into a buffer (no copy of the whole range in between)."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.view, self.done = view, 0
+
+    def write(self, data: bytes) -> int:
+        n = min(len(data), self.view.nbytes - self.done)
+        self.view[self.done:self.done + n] = data[:n]
+        self.done += n
+        return len(data)
+
+    def tell(self) -> int:
+        return self.done
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        if whence == 0:
+            self.done = offset  # a retried download starts again where it says
+        return self.done

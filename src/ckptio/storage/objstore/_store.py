@@ -1,0 +1,139 @@
+"""What a checkpoint folder in object storage needs from a bucket, whatever the cloud: the :class:`Bucket` interface
+each backend implements with its own client (:mod:`ckptio.storage.s3`, :mod:`ckptio.storage.gcs`), the printed
+location of an object (:class:`ObjectPath`) and the errors every backend raises."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from ...engine.manifest import MANIFEST_NAME as MANIFEST  # noqa: F401  (the commit point: written last)
+from ...engine.manifest import PENDING_NAME as PENDING  # noqa: F401  (written first, removed after the manifest)
+from ...errors import CheckpointError, ConfigError
+from ..confined import UnsafePathError, check_relative
+
+LEASE_SECONDS = 120.0
+"""A writer lease not renewed for this long belongs to a process that is gone and may be taken over."""
+MAX_POINTER_BYTES = 4096
+
+
+class ObjectStoreError(CheckpointError):
+    """A request to the object store failed (after its retries); names the object and the server's answer."""
+
+
+class PreconditionFailed(ObjectStoreError):
+    """A conditional write found the object not as required (a create-only write found one there, a replacement
+    found another version): another writer got there first."""
+
+
+def parse_url(url: str, scheme: str) -> tuple[str, str]:
+    """``<scheme>://bucket/some/prefix`` -> ``("bucket", "some/prefix")``; a malformed URL is a :class:`ConfigError`."""
+    if not url.startswith(f"{scheme}://"):
+        raise ConfigError(f"{url!r} is not an {scheme}:// location")
+    bucket, _, prefix = url[len(scheme) + 3:].partition("/")
+    prefix = prefix.strip("/")
+    if not bucket or "/" in bucket:
+        raise ConfigError(f"{url!r}: no bucket name (expected {scheme}://bucket/prefix)")
+    if prefix:
+        try:
+            check_relative(prefix, url)
+        except UnsafePathError as exc:
+            raise ConfigError(f"{url!r}: the prefix must be plain names separated by '/' ({exc})") from None
+    return bucket, prefix
+
+
+class ObjectPath(PurePosixPath):
+    """The name of an object or a prefix, shown as ``<scheme>://bucket/key``. Path arithmetic works as for a
+    local path (``/``, ``name``, ``parent``); it is never a local path (``os.fspath`` refuses it)."""
+
+    scheme = "object"
+
+    def __str__(self) -> str:
+        return f"{self.scheme}://" + super().__str__()
+
+    def __fspath__(self) -> str:
+        raise TypeError(f"{self} is an object-store location, not a local path")
+
+    @property
+    def bucket(self) -> str:
+        return self.parts[0]
+
+    @property
+    def key(self) -> str:
+        return "/".join(self.parts[1:])
+
+
+@dataclass(frozen=True)
+class Obj:
+    """An object as a listing or a lookup shows it."""
+
+    key: str
+    size: int
+    mtime: float
+    """Seconds since the epoch of its last write."""
+    token: Any = None
+    """What a conditional replacement of this version names (S3's ETag, GCS's generation); ``None`` if not known."""
+
+
+class Bucket(ABC):
+    """One bucket through one cloud's client. Every method names ``where`` (the printed location) in its errors:
+    a missing object is :class:`~ckptio.errors.CheckpointNotFoundError`, a failed condition
+    :class:`PreconditionFailed`, any other failure (after the client's retries) an :class:`ObjectStoreError`."""
+
+    path_type: type[ObjectPath] = ObjectPath
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def path(self, key: str = "") -> ObjectPath:
+        return self.path_type(self.name, *(p for p in key.split("/") if p))
+
+    @abstractmethod
+    def listing(self, prefix: str, *, delimiter: bool) -> tuple[list[Obj], list[str]]:
+        """The objects whose key starts with ``prefix`` and, with ``delimiter``, only those directly below it and
+        the sub-prefixes (each ending in ``/``) of the rest."""
+
+    @abstractmethod
+    def head(self, key: str) -> Obj | None:
+        """The object ``key``, ``None`` when there is none."""
+
+    @abstractmethod
+    def put(self, key: str, data: bytes, *, if_absent: bool = False, if_token: Any = None) -> None:
+        """Write the object whole (readers see the old or the new bytes): create-only with ``if_absent``, only over
+        the version ``if_token`` names when that is given."""
+
+    @abstractmethod
+    def get(self, key: str, limit: int) -> tuple[bytes, Any]:
+        """(the object's first ``limit`` bytes, its :attr:`Obj.token`)."""
+
+    @abstractmethod
+    def read_into(self, key: str, offset: int, view: memoryview) -> int:
+        """Read the object's bytes from ``offset`` into ``view`` (a ranged request); returns how many came."""
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove the object; one that is not there is no error."""
+
+    @abstractmethod
+    def delete_many(self, keys: list[str], where: object) -> None:
+        """Remove the objects (``where``: their common prefix, for the error)."""
+
+    @abstractmethod
+    def copy(self, src: str, dst: str) -> None:
+        """A server-side copy of any size."""
+
+    @abstractmethod
+    def upload_file(self, path: Path, key: str, *, if_absent: bool = False) -> None:
+        """Upload a local file as the object ``key`` (create-only with ``if_absent``)."""
+
+    @abstractmethod
+    def open_stream(self, spool: Path, key: str) -> Any:
+        """A :class:`~ckptio.storage.base.WriteStream` that becomes the object ``key`` when it is closed, spooled
+        at ``spool`` meanwhile."""
+
+    def sweep_uploads(self, prefix: str, older_than_s: float, now: float) -> list[ObjectPath]:
+        """Drop the unfinished uploads below ``prefix`` started at least ``older_than_s`` ago that the store keeps
+        (S3's multipart uploads); returns them. Nothing, for a store that keeps none."""
+        return []

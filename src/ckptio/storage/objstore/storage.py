@@ -1,0 +1,149 @@
+"""A checkpoint folder in object storage, whatever the cloud (see :mod:`ckptio.storage.objstore`)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ...engine.manifest import held_by
+from ..confined import check_relative
+from . import refs
+from ._store import MANIFEST, MAX_POINTER_BYTES, PENDING, Bucket, Obj, ObjectPath
+from .lease import ObjectLease
+from .reader import ObjectFolder
+from .writer import ObjectFolderWriter
+
+
+class ObjectStorage:
+    """A checkpoint folder in an object store. See :class:`ckptio.storage.base.Storage` and this package."""
+
+    refers = True
+    """A step's manifest may refer to objects of another step (``shared``); see :mod:`ckptio.storage.objstore.refs`."""
+
+    def __init__(self, store: Bucket, prefix: str) -> None:
+        self.store, self.bucket, self.prefix = store, store.name, prefix
+        self.root: ObjectPath = store.path(prefix)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self.root)!r})"
+
+    def _key(self, rel: str) -> str:
+        parts = check_relative(rel, self.root)
+        return "/".join((self.prefix, *parts)) if self.prefix else "/".join(parts)
+
+    def folder(self, rel: str = "", *, verifier: Any = None) -> ObjectFolder:
+        top = ObjectFolder(self.store, self.prefix, verifier=verifier)
+        top.holds_steps = True  # a step below it resolves its manifest's references
+        return top.sub(rel) if rel else top
+
+    def _objects(self, prefix: str) -> dict[str, Obj]:
+        """rel -> the listing entry of every object below ``prefix``, recursively."""
+        objects, _ = self.store.listing(prefix + "/", delimiter=False)
+        return {obj.key[len(prefix) + 1:]: obj for obj in objects}
+
+    def _delete_prefix(self, prefix: str, *, manifest_first: bool, objects: "dict[str, Any] | None" = None,
+                       keep: "set[str] | frozenset[str]" = frozenset()) -> None:
+        """Remove every object below ``prefix`` (``objects``: its listing, when the caller has it already) but those
+        of ``keep`` (paths below it other steps refer to: they stay, with the in-progress mark, for the sweep)."""
+        store = self.store
+        keys = sorted(k for k in (self._objects(prefix) if objects is None else objects) if k not in keep)
+        if manifest_first and MANIFEST in keys:
+            # marked in progress before it is uncommitted, unmarked last: a removal cut short leaves a folder
+            # sweep() recognises as ckptio's own, never one that looks like another tool's
+            store.put(f"{prefix}/{PENDING}", b"")
+            store.delete(f"{prefix}/{MANIFEST}")
+            from ... import _faults
+
+            _faults.point("delete.after_hide")
+            keys = [k for k in keys if k not in (MANIFEST, PENDING)] + ([] if keep else [PENDING])
+        elif keep:
+            keys = [k for k in keys if k != PENDING]
+        if keys:
+            store.delete_many([f"{prefix}/{k}" for k in keys], store.path(prefix))
+
+    def begin_step(self, name: str) -> ObjectFolderWriter:
+        # whatever sits under this name (an interrupted save, an older step of the same name) goes first,
+        # manifest first, so no object of it can end up in the new step's listing; what other steps refer to is
+        # handed over to them before
+        prefix = self._key(name)
+        if self._objects(prefix):
+            refs.hand_over(self, name)
+        self._delete_prefix(prefix, manifest_first=True)
+        writer = ObjectFolderWriter(self, name)
+        writer.mark_pending()
+        return writer
+
+    def attach_step(self, token: str, name: str) -> ObjectFolderWriter:
+        return ObjectFolderWriter(self, name)
+
+    def remove_step(self, name: str) -> None:
+        """Remove the step, less the objects other committed steps refer to; then collect what it referred to that
+        nothing refers to any more (objects of steps removed before, kept for it)."""
+        every = refs.references(self)
+        own = every.pop(name, {})
+        held = held_by(every.values())
+        self._delete_prefix(self._key(name), manifest_first=True, keep=held.get(name, set()))
+        for owner in sorted({target.partition("/")[0] for target in own.values()}):
+            objects = self._objects(self._key(owner))
+            keep = held.get(owner, set())
+            if MANIFEST not in objects and PENDING in objects and not (keep and set(objects) - {PENDING} <= keep):
+                from ... import _faults
+
+                _faults.point("sweep.before_remove")
+                self._delete_prefix(self._key(owner), manifest_first=False, objects=objects, keep=keep)
+
+    def remove_part(self, name: str, rel: str) -> None:
+        """Remove the objects below ``rel`` of the step ``name``, and the object ``rel`` itself if there is one."""
+        parts = check_relative(rel, self.root / name)
+        key = self._key(name + "/" + "/".join(parts))
+        referenced = refs.referenced(self, name)
+        held = {r[len(rel) + 1:] for r in referenced if r.startswith(rel + "/")}
+        self._delete_prefix(key, manifest_first=False, keep=held)
+        if rel not in referenced:
+            self.store.delete(key)
+
+    def sweep(self, older_than_s: float = 0.0) -> list[ObjectPath]:  # type: ignore[override]
+        """Remove steps ckptio began and never committed (in-progress mark, no manifest) whose newest object is at
+        least ``older_than_s`` old, and drop unfinished uploads under the folder started that long ago. A folder
+        without the mark (another tool's, such as a NeMo AutoModel step) is never removed."""
+        now = time.time()
+        removed: list[ObjectPath] = []
+        held: dict[str, set[str]] | None = None  # step -> its objects committed steps refer to (read once, if needed)
+        for entry in self.folder().listdir():
+            if entry.kind != "dir" or entry.name.startswith("."):
+                continue
+            prefix = self._key(entry.name)
+            objects = self._objects(prefix)
+            newest = max((o.mtime for o in objects.values()), default=0.0)
+            if MANIFEST not in objects and PENDING in objects and now - newest >= older_than_s:
+                if held is None:
+                    held = held_by(refs.references(self).values())
+                keep = held.get(entry.name, set())
+                if keep and set(objects) - {PENDING} <= keep:
+                    continue  # only objects other steps still refer to: nothing to collect yet
+                from ... import _faults
+
+                _faults.point("sweep.before_remove")
+                self._delete_prefix(prefix, manifest_first=False, objects=objects, keep=keep)
+                removed.append(self.root / entry.name)  # type: ignore[arg-type]
+        base = f"{self.prefix}/" if self.prefix else ""
+        return removed + self.store.sweep_uploads(base, older_than_s, now)
+
+    def write_pointer(self, name: str, target: str) -> None:
+        self.store.put(self._key(name), (target + "\n").encode())
+
+    def write_small(self, name: str, data: bytes) -> None:
+        """Replace the small object ``name`` at the root whole (one write: readers see the old or the new bytes)."""
+        self.store.put(self._key(name), data)
+
+    def read_pointer(self, name: str) -> str | None:
+        from ..posix import check_pointer_target
+
+        folder = self.folder()
+        if folder.kind(name) != "file":
+            return None
+        target = folder.read_text(name, max_size=MAX_POINTER_BYTES).strip()
+        return check_pointer_target(target, self.root / name, self.root)
+
+    def lock(self) -> ObjectLease:
+        return ObjectLease(self)
