@@ -910,3 +910,17 @@ def test_a_bucket_that_does_not_exist_is_named_as_such(bucket, tmp_path):
     for args in (["list", f"s3://{missing}/run1"], ["verify", f"s3://{missing}/run1/LATEST"]):
         done = ckptio_here(*args)
         assert done.returncode == 2 and f"the bucket {missing!r} does not exist" in done.stderr, (args, done.stderr)
+
+
+def test_a_gcs_bucket_that_does_not_exist_is_named_when_the_manager_is_made(gcs_bucket):
+    """The same on GCS: a manager made to train into ``gs://<no such bucket>/run1`` is refused when it is made, by a
+    ckptio error saying the bucket must exist, before anything is trained or recorded."""
+    import os
+
+    missing = f"{gcs_bucket}-missing"
+    out = subprocess.run([sys.executable, "-c", _NO_BUCKET_SCRIPT, f"gs://{missing}/run1"], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 1 and "made" not in out.stdout, out
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("ckptio.storage.gcs._client.GCSError: gs://" + missing + "/run1: the bucket"), last
+    assert f"{missing!r} does not exist" in last and "never creates one" in last, last

@@ -16,7 +16,7 @@ the server's error.
 from __future__ import annotations
 
 from ..objstore import ObjectStorage
-from ._client import GCSError, GCSPreconditionFailed, GSPath, client, parse_gs_url
+from ._client import TIMEOUT, GCSError, GCSPreconditionFailed, GSPath, _call, client, parse_gs_url
 from .bucket import GCSBucket, GCSWriteStream
 
 __all__ = ["GCSStorage", "GCSBucket", "GCSWriteStream", "GCSError", "GCSPreconditionFailed", "GSPath", "client",
@@ -30,3 +30,15 @@ class GCSStorage(ObjectStorage):
     def __init__(self, url: str) -> None:
         bucket, prefix = parse_gs_url(url)
         super().__init__(GCSBucket(bucket), prefix)
+
+    def check_writable(self) -> None:
+        """The bucket must exist (ckptio never creates one); a bucket that cannot be looked up (no permission to
+        read its metadata, no connection) is left to the requests that follow, which name what they met."""
+        try:
+            exists = _call("looking up", self.root, client().bucket(self.bucket).exists, timeout=TIMEOUT)
+        except GCSError:
+            return
+        if not exists:
+            raise GCSError(f"{self.root}: the bucket {self.bucket!r} does not exist; ckptio saves into an existing "
+                           f"bucket and never creates one: create it first (gcloud storage buckets create "
+                           f"gs://{self.bucket}), or check its name and STORAGE_EMULATOR_HOST")
