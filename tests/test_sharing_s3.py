@@ -136,8 +136,8 @@ def test_a_step_name_written_again_hands_its_shared_objects_over_first(store):
         _same(saved[step], _restored(url, after[step].name), f"step {step} after step 1 was written again")
 
 
-def test_a_damaged_shared_object_is_named_in_every_step_that_refers_to_it(bucket, capsys):
-    url = f"s3://{bucket}/damaged"
+def test_a_damaged_shared_object_is_named_in_every_step_that_refers_to_it(store, capsys):
+    url = store.url("damaged")
     run = Run(url, max_steps=100, freeze=True)
     for step in (1, 2, 3):
         run.mgr.save(step=step)
@@ -145,10 +145,10 @@ def test_a_damaged_shared_object_is_named_in_every_step_that_refers_to_it(bucket
     manifests = _manifests(url)
     rel, target = sorted(manifests[3].shared.items())[0]
     key = f"damaged/{target}"
-    data = bytearray(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+    data = bytearray(store.get(key))
     assert target.startswith(manifests[2].name + "/")  # step 2's second copy: step 1 holds its own
     data[-5] ^= 0x20  # a bit flips in the object steps 2 and 3 use
-    s3.put_object(Bucket=bucket, Key=key, Body=bytes(data))
+    store.put(key, bytes(data))
     capsys.readouterr()
     for step, m in manifests.items():
         assert main(["verify", f"{url}/{m.name}"]) == (0 if step == 1 else 1)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal, Union
 
+from .config_checks import parse_save_consolidated as _parse_save_consolidated
 from .config_checks import validate_preemption, validate_retention, validate_switches, validate_tiers
 from .errors import ConfigError
 
@@ -406,22 +407,6 @@ def _refuse_a_file(checkpoint_dir: str) -> None:
                 raise ConfigError(f"checkpoint_dir={checkpoint_dir!r} {where} a file, not a folder; give the folder the "
                                   "checkpoints go in (it is created when missing), e.g. checkpoint_dir='checkpoints'")
             return
-
-
-def _parse_save_consolidated(value: object) -> SaveConsolidated:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str):
-        low = value.strip().lower()
-        if low in ("true", "yes", "1"):
-            return True
-        if low in ("false", "no", "0", "none", ""):
-            return False
-        if low == "final":
-            return "final"
-        if low == "every":
-            return True
-    raise ConfigError(f"save_consolidated must be false, 'final', 'every' or true (the same as 'every'), got {value!r}")
 
 
 def _validate_template(template: object) -> None:

@@ -123,3 +123,20 @@ def parse_signal(value: Any, what: str = "preemption_signals") -> signal.Signals
         raise ConfigError(f"{what}: {sig.name} cannot be caught by any process; name a signal the job's scheduler "
                           "sends ahead of it (SIGTERM, or SIGUSR1 with slurm's --signal)")
     return sig
+
+
+def parse_save_consolidated(value: object) -> Any:
+    """``save_consolidated`` from what a YAML file or a command line gives: false, ``"final"`` or true (every)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        low = value.strip().lower()
+        if low in ("true", "yes", "1"):
+            return True
+        if low in ("false", "no", "0", "none", ""):
+            return False
+        if low == "final":
+            return "final"
+        if low == "every":
+            return True
+    raise ConfigError(f"save_consolidated must be false, 'final', 'every' or true (the same as 'every'), got {value!r}")
