@@ -1,0 +1,61 @@
+"""Saving on preemption in the framework integrations (issue 68), with the real frameworks in processes of their own.
+
+Each run is a tiny model trained a few steps; SIGTERM reaches it mid-step (every rank, or one rank alone). Proven
+for each framework: the step the signal came in is committed on every rank, a rerun resumes from it and ends
+bitwise equal to the run never stopped, and the handler that was there before ckptio's (the framework's own, or one
+the script installed first) still ran.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from distributed import launch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _same(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys(), what
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), f"{what}: {k} differs"
+
+
+def _ok(done, what: str) -> str:
+    text = done.stdout + done.stderr
+    assert done.returncode == 0, f"{what}:\n{text[-4000:]}"
+    return text
+
+
+# ------------------------------------------------------------------------------------------ the Hugging Face Trainer
+HF_STEPS = 16
+
+
+def _hf(*args: str, ranks: int) -> str:
+    return _ok(launch(str(ROOT / "tests" / "hf_run.py"), *args, ranks=ranks), " ".join(args))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks, mode, whom", [(1, "exit", ""), (2, "return", ":1")])
+def test_the_trainer_saves_the_step_the_signal_came_in_and_resumes_from_it_bitwise(tmp_path, ranks, mode, whom):
+    pytest.importorskip("transformers")
+    from ckptio.hf_trainer import last_checkpoint
+
+    _hf(str(tmp_path / "straight"), str(HF_STEPS), str(tmp_path / "straight.pt"), ranks=ranks)
+    root = tmp_path / "run"
+    text = _hf(str(root), str(HF_STEPS), str(tmp_path / "x.pt"), "--on-preemption", mode, "--sigterm-in", "7" + whom,
+               "--own-handler", ranks=ranks)
+    assert not (tmp_path / "x.pt").exists(), "the run went on after the signal"
+    assert f"own handler ran on rank {whom[1:] or 0}" in text, "the handler there before ckptio's did not run"
+    if mode == "return":  # train() returned on every rank, at the same step
+        assert all(f"rank {r} preempted at 7" in text for r in range(ranks)), text[-3000:]
+    assert sorted(p.name for p in root.iterdir()) == ["checkpoint-4", "checkpoint-7"]
+    assert last_checkpoint(root) == root / "checkpoint-7"  # committed: its manifest checks
+    assert {f"rng_state_{r}.pth" for r in range(ranks)} <= {p.name for p in (root / "checkpoint-7").iterdir()} \
+        or ranks == 1
+    _hf(str(root), str(HF_STEPS), str(tmp_path / "resumed.pt"), "--resume", ranks=ranks)
+    _same(torch.load(tmp_path / "resumed.pt", weights_only=True),
+          torch.load(tmp_path / "straight.pt", weights_only=True), f"{ranks} rank(s): preempted at 7, resumed")
