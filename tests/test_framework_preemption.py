@@ -59,3 +59,32 @@ def test_the_trainer_saves_the_step_the_signal_came_in_and_resumes_from_it_bitwi
     _hf(str(root), str(HF_STEPS), str(tmp_path / "resumed.pt"), "--resume", ranks=ranks)
     _same(torch.load(tmp_path / "resumed.pt", weights_only=True),
           torch.load(tmp_path / "straight.pt", weights_only=True), f"{ranks} rank(s): preempted at 7, resumed")
+
+
+# ------------------------------------------------------------------------------------------------------ accelerate
+def _acc(*args: str, ranks: int) -> str:
+    return _ok(launch(str(ROOT / "tests" / "acc_run.py"), *args, ranks=ranks), " ".join(args))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks, mode, whom", [(1, "exit", ""), (2, "return", ":1")])
+def test_accelerate_saves_the_step_the_signal_came_in_and_resumes_from_it_bitwise(tmp_path, ranks, mode, whom):
+    """A save every 3 steps (checkpoint_0 at 3, checkpoint_1 at 6); SIGTERM after step 7's compute: the loop's
+    ``save_on_preemption`` at the end of step 7 commits checkpoint_2 on every process."""
+    pytest.importorskip("accelerate")
+    from ckptio.accelerate import usable_checkpoints
+
+    _acc(str(tmp_path / "straight"), str(tmp_path / "straight.pt"), ranks=ranks)
+    root = tmp_path / "run"
+    text = _acc(str(root), str(tmp_path / "x.pt"), "--on-preemption", mode, "--sigterm-at", "7" + whom,
+                "--own-handler", ranks=ranks)
+    assert not (tmp_path / "x.pt").exists(), "the run went on after the signal"
+    assert f"own handler ran on rank {whom[1:] or 0}" in text, "the handler there before ckptio's did not run"
+    if mode == "return":
+        assert all(f"rank {r} preempted at 7" in text for r in range(ranks)), text[-3000:]
+    good, skipped = usable_checkpoints(root / "checkpoints")
+    assert [p.name for p in good] == ["checkpoint_2", "checkpoint_1", "checkpoint_0"] and not skipped, (good, skipped)
+    assert {f"random_states_{r}.pkl" for r in range(ranks)} <= {p.name for p in good[0].iterdir()}
+    _acc(str(root), str(tmp_path / "resumed.pt"), "--resume", ranks=ranks)
+    _same(torch.load(tmp_path / "resumed.pt", weights_only=True),
+          torch.load(tmp_path / "straight.pt", weights_only=True), f"{ranks} process(es): preempted at 7, resumed")

@@ -52,15 +52,15 @@ class FrameworkPreemption:
         none did."""
         return self._handler.agreed() if self._handler is not None else 0
 
-    def saved(self, signum: int, step: int) -> None:
-        """Say that step ``step`` was saved on every rank after ``signum``; the run stops next."""
+    def saved(self, signum: int, what: str) -> None:
+        """Say that ``what`` (the step, the folder) was saved on every rank after ``signum``; the run stops next."""
         assert self._handler is not None
         where = "this rank" if self._handler.received == signum else "another rank"
         self._handler.received = None
         self.preempted = signum
         if _dist.rank() == 0:
-            log.warning("%s: %s received (on %s); saved step %d on every rank, %s", self.who,
-                        signal.Signals(signum).name, where, step,
+            log.warning("%s: %s received (on %s); saved %s on every rank, %s", self.who,
+                        signal.Signals(signum).name, where, what,
                         "exiting" if self.mode == "exit" else "stopping the run and handing control back")
 
     @contextlib.contextmanager
@@ -92,6 +92,6 @@ def trainer_callback(preemption: FrameworkPreemption) -> Any:
             signum = preemption.due()
             if signum:
                 control.should_save = control.should_training_stop = True
-                preemption.saved(signum, state.global_step)
+                preemption.saved(signum, f"step {state.global_step}")
 
     return CkptioPreemptionCallback()
