@@ -88,3 +88,43 @@ def test_accelerate_saves_the_step_the_signal_came_in_and_resumes_from_it_bitwis
     _acc(str(root), str(tmp_path / "resumed.pt"), "--resume", ranks=ranks)
     _same(torch.load(tmp_path / "resumed.pt", weights_only=True),
           torch.load(tmp_path / "straight.pt", weights_only=True), f"{ranks} process(es): preempted at 7, resumed")
+
+
+# ------------------------------------------------------------------------------------------------------- Lightning
+LIT_EPOCHS = 4  # 8 batches an epoch on 1 rank, 4 on 2; ModelCheckpoint saves every epoch
+
+
+def _lit(*args: str, ranks: int) -> str:
+    ddp = ("--ddp",) if ranks > 1 else ()
+    return _ok(launch(str(ROOT / "tests" / "lit_run.py"), *args, *ddp, ranks=ranks), " ".join(args))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks, preemption", [(1, "exit"), (2, "exit"), (1, "return:SIGUSR1")])
+def test_lightning_saves_the_step_the_signal_came_in_and_resumes_from_it_bitwise(tmp_path, ranks, preemption):
+    """The signal comes mid-step 8 (the last batch of epoch 0 on 1 rank, of epoch 1 on 2, before the epoch's own
+    save): ``last.ckpt`` of step 8 is committed on every rank; Lightning's own handler still ran (its log, and its end
+    of ``fit`` on SIGTERM) and so did the script's own; ``fit(ckpt_path="last")`` resumes from it and ends bitwise equal
+    to the run never stopped. (Mid-epoch, Lightning resumes exactly only with a resumable data loader, whoever
+    writes the checkpoint: it warns so; this loader is not.)"""
+    pytest.importorskip("pytorch_lightning")
+    from ckptio.lightning import last_checkpoint, read_checkpoint
+
+    _lit(str(tmp_path / "straight"), str(LIT_EPOCHS), str(tmp_path / "straight.pt"), ranks=ranks)
+    root = tmp_path / "run"
+    text = _lit(str(root), str(LIT_EPOCHS), str(tmp_path / "x.pt"), "--on-preemption", preemption, "--signal-in", "8",
+                "--own-handler", ranks=ranks)
+    assert not (tmp_path / "x.pt").exists(), "the run went on after the signal"
+    assert all(f"own handler ran on rank {r}" in text for r in range(ranks)), "the handler before ckptio's did not run"
+    if preemption == "exit":
+        assert "Received SIGTERM" in text, "Lightning's own handler did not run"
+    else:  # fit returned on the step it saved
+        assert "rank 0 preempted at 8" in text, text[-3000:]
+    assert read_checkpoint(root / "last.ckpt")["global_step"] == 8  # committed: every byte checks
+    if preemption == "exit":
+        assert Path(last_checkpoint(root)) == root / "last.ckpt"
+    else:  # fit went on to its own end of training, where ModelCheckpoint saved the same step again beside ours
+        assert read_checkpoint(last_checkpoint(root))["global_step"] == 8
+    _lit(str(root), str(LIT_EPOCHS), str(tmp_path / "resumed.pt"), "--resume", ranks=ranks)
+    _same(torch.load(tmp_path / "resumed.pt", weights_only=True),
+          torch.load(tmp_path / "straight.pt", weights_only=True), f"{ranks} rank(s): preempted at 8, resumed")
