@@ -8,6 +8,9 @@ the script installed first) still ran.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import signal
 from pathlib import Path
 
 import pytest
@@ -128,3 +131,62 @@ def test_lightning_saves_the_step_the_signal_came_in_and_resumes_from_it_bitwise
     _lit(str(root), str(LIT_EPOCHS), str(tmp_path / "resumed.pt"), "--resume", ranks=ranks)
     _same(torch.load(tmp_path / "resumed.pt", weights_only=True),
           torch.load(tmp_path / "straight.pt", weights_only=True), f"{ranks} rank(s): preempted at 8, resumed")
+
+
+# --------------------------------------------------------------------------------------- in here: settings, handlers
+@pytest.mark.parametrize("settings, words", [
+    (dict(on_preemption="stop"), ["on_preemption", "stop"]),
+    (dict(on_preemption="exit", preemption_signals=["SIGKILL"]), ["preemption_signals", "SIGKILL"]),
+])
+def test_bad_settings_name_the_field_in_every_integration(tmp_path, settings, words):
+    from ckptio.errors import ConfigError
+
+    makers = []
+    if importlib.util.find_spec("accelerate"):
+        from ckptio.accelerate import CkptioAccelerator
+
+        makers.append(lambda: CkptioAccelerator(cpu=True, **settings))
+    if importlib.util.find_spec("pytorch_lightning"):
+        from ckptio.lightning import CkptioPreemption
+
+        makers.append(lambda: CkptioPreemption(**settings))
+    if importlib.util.find_spec("transformers"):
+        from hf_tiny import trainer
+
+        from ckptio.hf_trainer import CkptioTrainer
+
+        makers.append(lambda: trainer(functools.partial(CkptioTrainer, **settings), tmp_path, 4))
+    assert makers
+    for make in makers:
+        with pytest.raises(ConfigError) as err:
+            make()
+        assert all(w in str(err.value) for w in words), str(err.value)
+
+
+def test_a_run_without_a_signal_saves_nothing_more_and_gives_the_handlers_back(tmp_path):
+    """Lightning (its own handler comes and goes during fit) and the Trainer: after a run ckptio's handler is gone
+    and the one the script had is back; the checkpoints are the usual ones."""
+    mine = signal.signal(signal.SIGTERM, lambda *_: None)
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        if importlib.util.find_spec("pytorch_lightning"):
+            from lit_tiny import Tiny, loader, trainer as lit_trainer
+
+            from ckptio.lightning import CkptioCheckpointIO, CkptioPreemption
+
+            tr = lit_trainer(tmp_path / "lit", 1, [CkptioCheckpointIO()])
+            tr.callbacks.append(CkptioPreemption("exit"))
+            tr.fit(Tiny(), loader())
+            assert signal.getsignal(signal.SIGTERM) is before
+            assert sorted(p.name for p in (tmp_path / "lit").iterdir()) == ["epoch=0-step=8.ckpt"]
+        if importlib.util.find_spec("transformers"):
+            from hf_tiny import trainer as hf_trainer
+
+            from ckptio.hf_trainer import CkptioTrainer
+
+            tr = hf_trainer(functools.partial(CkptioTrainer, on_preemption="return"), tmp_path / "hf", 4)
+            tr.train()
+            assert signal.getsignal(signal.SIGTERM) is before and not tr.ckptio_preemption.preempted
+            assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["checkpoint-4"]
+    finally:
+        signal.signal(signal.SIGTERM, mine)
