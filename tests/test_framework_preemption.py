@@ -37,8 +37,8 @@ def _ok(done, what: str) -> str:
 HF_STEPS = 16
 
 
-def _hf(*args: str, ranks: int) -> str:
-    return _ok(launch(str(ROOT / "tests" / "hf_run.py"), *args, ranks=ranks), " ".join(args))
+def _hf(*args: str, ranks: int, real: bool = False) -> str:
+    return _ok(launch(str(ROOT / "tests" / "hf_run.py"), *args, ranks=ranks, real=real), " ".join(args))
 
 
 @pytest.mark.slow
@@ -50,7 +50,7 @@ def test_the_trainer_saves_the_step_the_signal_came_in_and_resumes_from_it_bitwi
     _hf(str(tmp_path / "straight"), str(HF_STEPS), str(tmp_path / "straight.pt"), ranks=ranks)
     root = tmp_path / "run"
     text = _hf(str(root), str(HF_STEPS), str(tmp_path / "x.pt"), "--on-preemption", mode, "--sigterm-in", "7" + whom,
-               "--own-handler", ranks=ranks)
+               "--own-handler", ranks=ranks, real=ranks > 1)  # 2 ranks: under the real torchrun
     assert not (tmp_path / "x.pt").exists(), "the run went on after the signal"
     assert f"own handler ran on rank {whom[1:] or 0}" in text, "the handler there before ckptio's did not run"
     if mode == "return":  # train() returned on every rank, at the same step
@@ -65,8 +65,8 @@ def test_the_trainer_saves_the_step_the_signal_came_in_and_resumes_from_it_bitwi
 
 
 # ------------------------------------------------------------------------------------------------------ accelerate
-def _acc(*args: str, ranks: int) -> str:
-    return _ok(launch(str(ROOT / "tests" / "acc_run.py"), *args, ranks=ranks), " ".join(args))
+def _acc(*args: str, ranks: int, real: bool = False) -> str:
+    return _ok(launch(str(ROOT / "tests" / "acc_run.py"), *args, ranks=ranks, real=real), " ".join(args))
 
 
 @pytest.mark.slow
@@ -80,7 +80,7 @@ def test_accelerate_saves_the_step_the_signal_came_in_and_resumes_from_it_bitwis
     _acc(str(tmp_path / "straight"), str(tmp_path / "straight.pt"), ranks=ranks)
     root = tmp_path / "run"
     text = _acc(str(root), str(tmp_path / "x.pt"), "--on-preemption", mode, "--sigterm-at", "7" + whom,
-                "--own-handler", ranks=ranks)
+                "--own-handler", ranks=ranks, real=ranks > 1)  # 2 ranks: under the real torchrun
     assert not (tmp_path / "x.pt").exists(), "the run went on after the signal"
     assert f"own handler ran on rank {whom[1:] or 0}" in text, "the handler there before ckptio's did not run"
     if mode == "return":
@@ -97,9 +97,9 @@ def test_accelerate_saves_the_step_the_signal_came_in_and_resumes_from_it_bitwis
 LIT_EPOCHS = 4  # 8 batches an epoch on 1 rank, 4 on 2; ModelCheckpoint saves every epoch
 
 
-def _lit(*args: str, ranks: int) -> str:
+def _lit(*args: str, ranks: int, real: bool = False) -> str:
     ddp = ("--ddp",) if ranks > 1 else ()
-    return _ok(launch(str(ROOT / "tests" / "lit_run.py"), *args, *ddp, ranks=ranks), " ".join(args))
+    return _ok(launch(str(ROOT / "tests" / "lit_run.py"), *args, *ddp, ranks=ranks, real=real), " ".join(args))
 
 
 @pytest.mark.slow
@@ -116,7 +116,7 @@ def test_lightning_saves_the_step_the_signal_came_in_and_resumes_from_it_bitwise
     _lit(str(tmp_path / "straight"), str(LIT_EPOCHS), str(tmp_path / "straight.pt"), ranks=ranks)
     root = tmp_path / "run"
     text = _lit(str(root), str(LIT_EPOCHS), str(tmp_path / "x.pt"), "--on-preemption", preemption, "--signal-in", "8",
-                "--own-handler", ranks=ranks)
+                "--own-handler", ranks=ranks, real=ranks > 1)  # 2 ranks: under the real torchrun
     assert not (tmp_path / "x.pt").exists(), "the run went on after the signal"
     assert all(f"own handler ran on rank {r}" in text for r in range(ranks)), "the handler before ckptio's did not run"
     if preemption == "exit":
