@@ -9,7 +9,11 @@
 ``--fail-at POINT:RANK``: global rank RANK raises an ``OSError`` the first time a ckptio save reaches the point. ``--resume``: ``load_state()`` first.
 ``--sigterm-at STEP``: every rank receives SIGTERM after step STEP (a preemption: accelerate has no handler, the
 process ends). ``--kill-at POINT:N``: global rank 0 SIGKILLs itself the N-th time a ckptio save reaches the named
-point (``ckptio._faults``). The main process writes the final state to OUT.
+point (``ckptio._faults``). ``--on-preemption exit|return``: ``CkptioAccelerator(on_preemption=...)``, the loop calling
+``save_on_preemption`` after each step; ``--sigterm-at STEP:RANK``: SIGTERM to global rank RANK alone;
+``--own-handler``: a SIGTERM handler of the script's own, installed first, prints ``own handler ran on rank R``; with
+``"return"`` each rank prints ``rank R preempted at S``. The main process writes the final state to OUT (not after a
+preemption).
 """
 
 from __future__ import annotations
@@ -58,15 +62,24 @@ def main() -> None:
         kill_at(_arg("--kill-at"))
     if _arg("--fail-at"):
         fail_at(_arg("--fail-at"))
-    at = int(_arg("--sigterm-at") or _arg("--sigkill-at") or 0)
+    at, _, whom = (_arg("--sigterm-at") or _arg("--sigkill-at") or "0").partition(":")
     how = signal.SIGKILL if _arg("--sigkill-at") else signal.SIGTERM
+    rank = os.environ.get("RANK", "0")
 
     def on_step(done: int) -> None:
-        if done == at:
+        if done == int(at) and whom in ("", rank):
             os.kill(os.getpid(), how)
 
-    kw = {"async_save": True} if "--async" in sys.argv else {}
+    kw: dict = {"async_save": True} if "--async" in sys.argv else {}
+    if _arg("--on-preemption"):
+        kw["on_preemption"] = _arg("--on-preemption")
+    if "--own-handler" in sys.argv:
+        signal.signal(signal.SIGTERM, lambda *_: print(f"own handler ran on rank {rank}", flush=True))
     result = train(root, cls, resume="--resume" in sys.argv, on_step=on_step, **kw)
+    stopped = int(result.pop("preempted", 0))
+    if stopped:
+        print(f"rank {rank} preempted at {stopped}", flush=True)
+        return
     if result.pop("main"):
         torch.save(result, out)
     if torch.distributed.is_initialized():

@@ -39,7 +39,9 @@ def accelerator(cls: type, root: Path, limit: int | None = None, **kw: Any) -> A
 def train(root: Path, cls: type, stop: int = STEPS, resume: bool = False, limit: int | None = None,
           on_step: Callable[[int], None] | None = None, **kw: Any) -> dict:
     """Train for ``STEPS`` steps with a save every ``EVERY``, stopping after ``stop`` steps; ``on_step(done)`` runs
-    after every step and its save; ``kw`` go to the accelerator (``async_save=True``); ``end_training`` at the end."""
+    after every step and its save; ``kw`` go to the accelerator (``async_save=True``, ``on_preemption``: then
+    ``save_on_preemption`` ends each step, and ``preempted`` in the result is the step it stopped at, or 0);
+    ``end_training`` at the end."""
     torch.manual_seed(0)
     acc = accelerator(cls, root, limit, **kw)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
@@ -75,6 +77,8 @@ def train(root: Path, cls: type, stop: int = STEPS, resume: bool = False, limit:
             acc.save_state()
         if on_step is not None:
             on_step(done)
+        if kw.get("on_preemption") and acc.save_on_preemption(step=done) is not None:  # "exit" does not come back
+            break
     acc.end_training()  # a background save is committed before the results are read
     out = {f"w/{k}": v.detach().clone() for k, v in acc.unwrap_model(model).state_dict().items()}
     out.update({f"o/{i}/{k}": v.clone() for i, s in enumerate(opt.optimizer.state.values()) for k, v in s.items()})
@@ -82,4 +86,6 @@ def train(root: Path, cls: type, stop: int = STEPS, resume: bool = False, limit:
     # resumed run does after load_state and the straight run did at step 0; that is the DataLoader's, not ours)
     out.update(lr=torch.tensor(opt.param_groups[0]["lr"]), total=counter.total)
     out["main"] = torch.tensor(acc.is_main_process)
+    if kw.get("on_preemption"):
+        out["preempted"] = torch.tensor(done if acc.ckptio_preempted else 0)
     return out

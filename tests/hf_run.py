@@ -8,7 +8,10 @@
 ``async_save=True``). ``--sigkill-after-save STEP``: every rank SIGKILLs itself as soon as the save of global step
 STEP returns (with ``--async``, its write is still in flight). ``--fail-at POINT:RANK``: global rank RANK raises an
 ``OSError`` the first time a ckptio save reaches the named point (a disk failing under the background write). ``--resume``:
-``train(resume_from_checkpoint=True)``. ``--sigterm-at STEP``: every rank receives SIGTERM after global step STEP
+``train(resume_from_checkpoint=True)``. ``--on-preemption exit|return``: ``CkptioTrainer(on_preemption=...)``;
+``--sigterm-in STEP[:RANK]``: SIGTERM as step STEP begins, to every rank or to global rank RANK alone; ``--own-handler``:
+a SIGTERM handler of the script's own, installed before the Trainer, prints ``own handler ran on rank R``; with
+``"return"`` the rank prints ``preempted at S`` after ``train``. ``--sigterm-at STEP``: every rank receives SIGTERM after global step STEP
 (a preemption: the Trainer has no handler, the process ends). ``--kill-at POINT:N``: global rank 0 SIGKILLs itself
 the N-th time a ckptio save reaches the named point (``ckptio._faults``). Global rank 0 writes the final weights
 and optimizer moments to OUT.
@@ -54,6 +57,18 @@ class Preempt(TrainerCallback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+class PreemptIn(TrainerCallback):
+    """SIGTERM to this process as step ``step`` begins (mid-step: it is seen at that step's end)."""
+
+    def __init__(self, at: str) -> None:
+        step, _, rank = at.partition(":")
+        self.step, self.rank = int(step), int(rank) if rank else None
+
+    def on_step_begin(self, args, state, control, **kw) -> None:  # noqa: ANN001
+        if state.global_step == self.step - 1 and self.rank in (None, int(os.environ.get("RANK", "0"))):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main() -> None:
     root, steps, out = Path(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
     if "--plain" in sys.argv:
@@ -63,6 +78,11 @@ def main() -> None:
 
         if "--async" in sys.argv:
             cls = functools.partial(cls, async_save=True)
+    if _arg("--on-preemption"):
+        cls = functools.partial(cls, on_preemption=_arg("--on-preemption"))
+    if "--own-handler" in sys.argv:
+        rank = os.environ.get("RANK", "0")
+        signal.signal(signal.SIGTERM, lambda *_: print(f"own handler ran on rank {rank}", flush=True))
     if _arg("--kill-at") and int(os.environ.get("RANK", "0")) == 0:
         kill_at(_arg("--kill-at"))
     if _arg("--fail-at"):
@@ -70,9 +90,14 @@ def main() -> None:
     tr = trainer(cls, root, steps)
     if _arg("--sigterm-at"):
         tr.add_callback(Preempt(int(_arg("--sigterm-at"))))
+    if _arg("--sigterm-in"):
+        tr.add_callback(PreemptIn(_arg("--sigterm-in")))
     if _arg("--sigkill-after-save"):
         tr.add_callback(KillAfterSave(int(_arg("--sigkill-after-save"))))
     tr.train(resume_from_checkpoint=True if "--resume" in sys.argv else None)
+    if getattr(tr, "ckptio_preemption", None) is not None and tr.ckptio_preemption.preempted:
+        print(f"rank {os.environ.get('RANK', '0')} preempted at {tr.state.global_step}", flush=True)
+        return
     if tr.is_world_process_zero():
         torch.save(state(tr), out)
     tr.accelerator.wait_for_everyone()

@@ -8,6 +8,10 @@ background saves. ``--sigterm-at STEP``: every rank sends itself SIGTERM after g
 forwards a preemption notice (Lightning stops at the next batch). ``--kill-at POINT:N``: global rank 0 SIGKILLs
 itself the N-th time a ckptio save reaches the named point (``ckptio._faults``), e.g. ``commit.before_rename:2``
 with the files written and not yet in place. Global rank 0 writes the final weights and optimizer moments to OUT.
+``--on-preemption MODE[:SIGNAL]``: ``CkptioPreemption(MODE, [SIGNAL])`` (SIGTERM by default); ``--signal-in STEP``:
+every rank sends itself that signal as global step STEP begins (mid-step); ``--own-handler``: a handler of the
+script's own on that signal, installed first, prints ``own handler ran on rank R``; a rank whose ``fit`` returned
+after a preemption prints ``rank R preempted at S`` and writes no OUT.
 """
 
 from __future__ import annotations
@@ -41,6 +45,15 @@ class Preempt(pl.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+class SignalIn(pl.Callback):
+    def __init__(self, step: int, signum: int) -> None:
+        self.step, self.signum = step, signum
+
+    def on_train_batch_start(self, trainer, *args) -> None:  # noqa: ANN001
+        if trainer.global_step == self.step - 1:
+            os.kill(os.getpid(), self.signum)
+
+
 def main() -> None:
     root, epochs, out = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])  # root: a folder or s3://bucket/prefix
     ddp = "--ddp" in sys.argv
@@ -52,6 +65,19 @@ def main() -> None:
     callbacks = [pl.callbacks.ModelCheckpoint(dirpath=root, every_n_epochs=1, save_top_k=-1, save_last=True)]
     if _arg("--sigterm-at"):
         callbacks.append(Preempt(int(_arg("--sigterm-at"))))
+    mode, _, name = (_arg("--on-preemption") or "").partition(":")
+    signum = signal.Signals[name or "SIGTERM"]
+    preemption = None
+    if mode:
+        from ckptio.lightning import CkptioPreemption
+
+        preemption = CkptioPreemption(mode, [signum.name])
+        callbacks.append(preemption)
+    if _arg("--signal-in"):
+        callbacks.append(SignalIn(int(_arg("--signal-in")), signum))
+    if "--own-handler" in sys.argv:
+        rank = os.environ.get("RANK", "0")
+        signal.signal(signum, lambda *_: print(f"own handler ran on rank {rank}", flush=True))
     if _arg("--kill-at") and int(os.environ.get("RANK", "0")) == 0:
         kill_at(_arg("--kill-at"))
     torch.manual_seed(0)
@@ -63,6 +89,9 @@ def main() -> None:
     if "--resume" in sys.argv:  # Lightning's "last" finds nothing in a bucket: ckptio's helper does
         ckpt_path = last_checkpoint(root) if root.startswith("s3://") else "last"
     tr.fit(module, loader(), ckpt_path=ckpt_path)
+    if preemption is not None and preemption.preempted:
+        print(f"rank {tr.global_rank} preempted at {tr.global_step}", flush=True)
+        return
     if tr.global_rank == 0:
         torch.save(state(module, tr), out)
     if ddp:

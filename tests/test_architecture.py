@@ -261,7 +261,8 @@ ALLOWED = {
     "tier/": {"engine/", "formats/", "formats/safetensors/", "storage/"},
     "goodput/": {"storage/", "engine/", "ckptio.config_checks"},
     "adopt/": {"state/", "formats/", "formats/dcp/", "formats/safetensors/", "storage/"},
-    "integrations/": {"engine/", "formats/", "formats/safetensors/", "storage/", "storage/objstore/", "storage/s3/"},
+    "integrations/": {"engine/", "formats/", "formats/safetensors/", "storage/", "storage/objstore/", "storage/s3/",
+                      "goodput/", "ckptio.config_checks"},
     "convert/": {"formats/", "storage/"},
     "cli/": {"engine/", "convert/", "formats/", *FAMILIES, "storage/", "storage/s3/", "goodput/"},
 }

@@ -337,6 +337,64 @@ assert mgr.preempted == signal.SIGTERM and step == 4, (mgr.preempted, step)
 assert [e.step for e in committed_checkpoints("checkpoints")] == [4]
 assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, "close() gave SIGTERM its handler back"
 """),
+    "docs/preemption.md: from ckptio.lightning import CkptioCheckpointIO, CkptioPreemption": Run("""
+import atexit, os, signal, traceback
+import pytorch_lightning as pl, torch
+from pytorch_lightning.callbacks import ModelCheckpoint
+from lit_tiny import Tiny, loader
+torch.manual_seed(0)
+class Preempted(Tiny):
+    def training_step(self, batch, idx):
+        if self.global_step == 4:  # the scheduler takes the node back during step 5
+            os.kill(os.getpid(), signal.SIGTERM)
+        return super().training_step(batch, idx)
+model, train_loader = Preempted(), loader()
+def _after_exit():  # "exit": the check runs as the process ends
+    try:
+        from ckptio.lightning import last_checkpoint, read_checkpoint
+        assert read_checkpoint(last_checkpoint("ckpts"))["global_step"] == 5
+        print("the block ran")  # what the harness looks for after the check
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+atexit.register(_after_exit)
+""", """
+raise AssertionError("fit went on after SIGTERM")
+"""),
+    "docs/preemption.md: trainer = CkptioTrainer(": Run(_HF + """
+import os, signal
+args = arguments(Path("out"), max_steps=8)
+calls = []
+def preempt(module, inputs):
+    calls.append(1)
+    if len(calls) == 3:  # the scheduler takes the node back during step 3
+        os.kill(os.getpid(), signal.SIGTERM)
+model.register_forward_pre_hook(preempt)
+""", """
+from ckptio.hf_trainer import last_checkpoint
+assert trainer.ckptio_preemption.preempted == signal.SIGTERM and trainer.state.global_step == 3
+assert last_checkpoint("out").name == "checkpoint-3"
+assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, "train() gave SIGTERM its handler back"
+"""),
+    "docs/preemption.md: accelerator = CkptioAccelerator(": Run("""
+import os, signal, torch
+from accelerate.utils import ProjectConfiguration
+from ckptio.accelerate import CkptioAccelerator
+model = torch.nn.Linear(4, 1)
+optimizer = torch.optim.AdamW(model.parameters())
+loader = torch.utils.data.DataLoader(torch.randn(32, 4), batch_size=4)
+def train_step(batch):
+    model(batch).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    if step == 3:  # the scheduler takes the node back during step 3
+        os.kill(os.getpid(), signal.SIGTERM)
+""", """
+from ckptio.accelerate import usable_checkpoints
+assert accelerator.ckptio_preempted == signal.SIGTERM and step == 3
+assert [p.name for p in usable_checkpoints("run/checkpoints")[0]] == ["checkpoint_0"]
+assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, "end_training() gave SIGTERM its handler back"
+"""),
     "docs/retention.md: cfg = CheckpointConfig(": Run("""
 import torch
 from ckptio import CheckpointConfig, CheckpointManager

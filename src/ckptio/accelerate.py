@@ -57,11 +57,17 @@ class CkptioAccelerator(Accelerator):
     and reads nothing unsafely (see the module's documentation). ``ckptio_verify``: ``"full"`` (every byte, the
     default) or ``"size"``. ``async_save``: ``save_state`` copies the states into host buffers (reused from save to
     save) and returns; the folder is written, committed and rotated in the background. The next ``save_state``,
-    ``load_state``, :meth:`wait_for_save` and ``end_training`` wait for it and raise its failure."""
+    ``load_state``, :meth:`wait_for_save` and ``end_training`` wait for it and raise its failure.
+    ``on_preemption`` (``"exit"`` or ``"return"``), ``preemption_signals``: as :class:`~ckptio.CheckpointConfig`'s;
+    the loop calls :meth:`save_on_preemption` at the end of each step (docs/preemption.md)."""
 
-    def __init__(self, *args: Any, ckptio_verify: str = "full", async_save: bool = False, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, ckptio_verify: str = "full", async_save: bool = False,
+                 on_preemption: str | None = None, preemption_signals: Any = ("SIGTERM",), **kwargs: Any) -> None:
+        from .integrations.framework_preemption import FrameworkPreemption
+
         if ckptio_verify not in ("full", "size"):
             raise ValueError(f"ckptio_verify must be 'full' or 'size', not {ckptio_verify!r}")
+        self.ckptio_preemption = FrameworkPreemption(on_preemption, preemption_signals, "CkptioAccelerator")
         super().__init__(*args, **kwargs)
         from .integrations.framework_async import FolderSaves
         from .integrations.framework_dirs import CheckedOnce
@@ -76,6 +82,29 @@ class CkptioAccelerator(Accelerator):
         if self.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
             raise CheckpointError(f"CkptioAccelerator checkpoints single-process and DDP runs; under "
                                   f"{self.distributed_type} accelerate writes sharded states through its own code")
+        self.ckptio_preemption.install()  # accelerate has no handler of its own: the script's (if any) still runs
+
+    def save_on_preemption(self, output_dir: str | None = None, step: int | None = None) -> str | None:
+        """Collective, at the end of each step, on every process: ``None`` unless a preemption signal
+        (``on_preemption``) reached any process; then ``save_state(output_dir)`` committed on every process, and
+        ``end_training`` and ``SystemExit(0)`` (``"exit"``), or the folder returned and ``ckptio_preempted`` set
+        (``"return"``: stop the loop). ``step`` only names the step in the log."""
+        signum = self.ckptio_preemption.due()
+        if not signum:
+            return None
+        folder = self.save_state(output_dir)
+        self.wait_for_save()
+        self.wait_for_everyone()
+        self.ckptio_preemption.saved(signum, folder if step is None else f"step {step} ({folder})")
+        if self.ckptio_preemption.mode == "exit":
+            self.end_training()
+            raise SystemExit(0)
+        return folder
+
+    @property
+    def ckptio_preempted(self) -> int | None:
+        """The signal on which :meth:`save_on_preemption` saved for the loop to stop; ``None`` before."""
+        return self.ckptio_preemption.preempted
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> str:
         """``Accelerator.save_state``, written into a hidden folder by every process and committed by the main one
@@ -136,8 +165,10 @@ class CkptioAccelerator(Accelerator):
             self._ckptio_log()
 
     def end_training(self) -> None:
-        """``Accelerator.end_training``, once the background save in flight is committed."""
+        """``Accelerator.end_training``, once the background save in flight is committed; the signals get back the
+        handlers they had before ``on_preemption``'s."""
         self.wait_for_save()
+        self.ckptio_preemption.close()
         super().end_training()
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any) -> str | None:

@@ -33,10 +33,9 @@ What changes is how it gets there and how it is read back:
   neither counted as kept nor deleted; the one just written and the newest complete one are never deleted), and
   deletes a checkpoint by hiding it first, so a crash never leaves half of one under its name. The Trainer's
   last deletion at the end of a run (``save_total_limit=1``: all but the best) is left out.
-* **Background saves** (``CkptioTrainer(..., async_save=True)``; the Trainer has none): the save copies the states
-  into host buffers and returns; the files are written, committed and rotated in the background, every rank's part
-  before rank 0 commits. The next save, ``train`` and the end of training wait for it and raise its failure; a kill
-  during the write leaves the previous checkpoint the newest complete one.
+* **Background saves** (``async_save=True``; the Trainer has none): states copied into host buffers, then written,
+  committed and rotated in the background (see :class:`CkptioTrainerMixin`).
+* **Saving on preemption** (``on_preemption``; docs/preemption.md): the step a signal came in, on every rank.
 
 Single process and DDP (``torchrun``) are supported. Under DeepSpeed or FSDP the Trainer writes sharded states
 through its own code; ``CkptioTrainer`` refuses them at construction rather than pretend.
@@ -82,19 +81,22 @@ class CkptioTrainerMixin:
     ``ckptio_verify``: ``"full"`` (every byte checked against its checksum before a resume, the default) or
     ``"size"``. ``async_save``: copy the states into host buffers (reused from save to save) and write, commit and
     rotate in the background (:mod:`ckptio.integrations.hf_trainer_save`); the next save, ``train`` and the end of training wait
-    for it and raise its failure.
+    for it and raise its failure. ``on_preemption``, ``preemption_signals``: save on preemption (docs/preemption.md).
     """
 
     ckptio_verify: str = "full"
 
-    def __init__(self, *args: Any, ckptio_verify: str = "full", async_save: bool = False, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, ckptio_verify: str = "full", async_save: bool = False,
+                 on_preemption: str | None = None, preemption_signals: Any = ("SIGTERM",), **kwargs: Any) -> None:
         if ckptio_verify not in ("full", "size"):
             raise ValueError(f"ckptio_verify must be 'full' or 'size', not {ckptio_verify!r}")
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
         from .integrations.framework_async import FolderSaves
         from .integrations.framework_dirs import CheckedOnce
+        from .integrations.framework_preemption import FrameworkPreemption, trainer_callback
         from .integrations.save_numbers import SaveNumbers
 
+        self.ckptio_preemption = FrameworkPreemption(on_preemption, preemption_signals, "CkptioTrainer")
         self.ckptio_verify = ckptio_verify
         self._ckptio_saves = FolderSaves("Trainer checkpoint save") if async_save else None
         self.ckptio_numbers = SaveNumbers()  # each save's numbers: logged under ckpt/, and to its listeners
@@ -107,6 +109,7 @@ class CkptioTrainerMixin:
             raise CheckpointError("CkptioTrainer checkpoints single-process and DDP runs; under DeepSpeed or FSDP the "
                                   "Trainer writes sharded states through its own code (use ckptio.CheckpointManager "
                                   "in a loop of your own for FSDP2)")
+        me.add_callback(trainer_callback(self.ckptio_preemption))  # at each step's end: a preemption signal?
         if async_save and me.args.push_to_hub:
             raise CheckpointError("CkptioTrainer(async_save=True) does not push checkpoints to the Hub (push_to_hub): "
                                   "save synchronously to push each one")
@@ -125,8 +128,9 @@ class CkptioTrainerMixin:
         elif resume_from_checkpoint:
             _check(Path(str(resume_from_checkpoint)), self.ckptio_verify, me.args.save_only_model)
         self._ckptio_resuming = Path(resume_from_checkpoint) if resume_from_checkpoint else None
-        out = super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
-        self.ckptio_wait()  # committed when train returns, whichever end-of-training hook this transformers has
+        with self.ckptio_preemption.during():  # installed after the Trainer's own (enable_jit_checkpoint): it still runs
+            out = super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
+            self.ckptio_wait()  # committed when train returns, whichever end-of-training hook this transformers has
         return out
 
     def _load_callback_state(self) -> None:
@@ -204,10 +208,8 @@ class CkptioTrainerMixin:
         super()._load_best_model()  # type: ignore[misc]
 
     def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
-        """``Trainer._finalize_training`` without its last deletion: with ``save_total_limit=1`` and a best checkpoint
-        the Trainer would now delete every folder but the best (the newest complete one and any torn one too).
-        ckptio's retention already ran at the last save, keeping the best and the newest complete checkpoint. The
-        background save in flight is committed first."""
+        """``Trainer._finalize_training`` without its last deletion (``save_total_limit=1``: all but the best, the newest
+        complete one too): ckptio's retention ran at the last save. The background save in flight commits first."""
         me: Any = self
         self.ckptio_wait()
         limit = me.args.save_total_limit
@@ -219,11 +221,9 @@ class CkptioTrainerMixin:
             me.args.save_total_limit = limit
 
     def _sorted_checkpoints(self, *args: Any, **kwargs: Any) -> list[str]:
-        """What the end of ``train`` deletes in transformers without ``_finalize_training`` (5.1 to 5.x): it lists
-        the checkpoints here and, with ``save_total_limit=1``, deletes every one but the best. ckptio's retention
-        already ran at the last save (keeping the best and the newest complete checkpoint), so nothing is listed; the
-        background save in flight is committed first, as ``_finalize_training`` does. ckptio's own saves never call
-        this (their retention is :func:`ckptio.integrations.framework_dirs.remove_oldest`)."""
+        """Nothing, for the end of ``train`` in transformers without ``_finalize_training`` (5.1 to 5.x), which deletes
+        what is listed here but the best (``save_total_limit=1``): as there, ckptio's retention ran at the last save
+        and the save in flight commits first. ckptio's own retention is ``framework_dirs.remove_oldest``."""
         self.ckptio_wait()
         return []
 

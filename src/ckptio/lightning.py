@@ -51,13 +51,14 @@ try:
 except ImportError as _missing:  # the integration is an extra
     raise MissingDependencyError("ckptio.lightning needs PyTorch Lightning: pip install 'ckptio[lightning]'") from _missing
 
-__all__ = ["CkptioCheckpointIO", "CkptioMetrics", "write_checkpoint", "read_checkpoint", "last_checkpoint", "install_loader",
+__all__ = ["CkptioCheckpointIO", "CkptioMetrics", "CkptioPreemption", "write_checkpoint", "read_checkpoint", "last_checkpoint", "install_loader",
            "uninstall_loader"]
 
 log = logging.getLogger("ckptio")
 
 from .storage.s3.fsspec_fs import register as _register_s3  # noqa: E402
 from .integrations.lightning_metrics import CkptioMetrics  # noqa: E402
+from .integrations.lightning_preemption import CkptioPreemption  # noqa: E402
 
 _register_s3()  # ModelCheckpoint(dirpath="s3://...") lists and times its folder through fsspec
 
