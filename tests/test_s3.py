@@ -203,11 +203,16 @@ def test_hostile_keys_and_pointers_are_refused(store):
     model, opt, mgr = _setup(url)
     with mgr:
         mgr.save(step=1)
-    store.put("h/epoch_0_step_1/../../escape", b"x")
+    # Azure keeps no blob with a '..' segment (the client resolves it before signing, and Azure's naming rules
+    # forbid a segment ending in '.'): that name is planted on the other stores only
+    dots = store.scheme != "az"
+    if dots:
+        store.put("h/epoch_0_step_1/../../escape", b"x")
     store.put("h/epoch_0_step_1//double", b"x")
     folder = open_storage(url).folder("epoch_0_step_1")
     kinds = {e.name: e.kind for e in folder.listdir()}
-    assert kinds.get("..") == "other" and "escape" not in kinds and kinds.get("") in (None, "other")
+    assert kinds.get("..") == ("other" if dots else None) and "escape" not in kinds and kinds.get("") in (None, "other")
+    assert kinds.get("") == "other" or store.scheme != "az"  # the empty segment is listed and never read
     store.put("h/LATEST", b"../elsewhere\n")
     with pytest.raises(CheckpointError, match="LATEST: the pointer names"):
         pointer_target(open_storage(url), LATEST)
