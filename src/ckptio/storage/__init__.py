@@ -81,8 +81,8 @@ def resolve_pointer(url: str) -> str:
 
 def open_storage(location: "str | os.PathLike[str]") -> Storage:
     """The storage behind a checkpoint folder given as a path or a location: the one place that chooses a
-    backend (a local POSIX folder, ``s3://bucket/prefix``, ``gs://bucket/prefix`` or ``az://container/prefix``; a URL scheme ckptio has no
-    backend for is refused, never read as a relative folder)."""
+    backend (a local POSIX folder, ``s3://bucket/prefix``, ``gs://bucket/prefix`` or ``az://container/prefix``, also
+    written ``abfs://``; a URL scheme ckptio has no backend for is refused, never read as a relative folder)."""
     from .objstore._store import ObjectPath
 
     if isinstance(location, ObjectPath):

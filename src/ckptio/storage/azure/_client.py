@@ -13,7 +13,7 @@ from ..objstore._store import ObjectPath, ObjectStoreError, PreconditionFailed, 
 CONNECT_TIMEOUT = 10
 READ_TIMEOUT = 120
 RETRIES = 6
-"""Times a request is tried again (exponential backoff from 1 s: about a minute in all) on 408, 429, 5xx and dropped
+"""Times a request is tried again (exponential backoff from 1 s: about a minute in all) on 408, 5xx and dropped
 connections before it fails."""
 THREADS = 4
 """Requests at once for one large upload (its blocks) and for removing many objects."""
