@@ -127,16 +127,21 @@ def _call(what: str, where: object, fn: Any, *args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
     except az.ResourceNotFoundError as exc:
         raise CheckpointNotFoundError(f"{where}: missing (404 {_code(exc)})") from None
-    except az.ClientAuthenticationError as exc:
-        raise AzureError(f"{what} {where} failed: not authorised ({_code(exc)}): check the account's credentials "
-                         f"(AZURE_STORAGE_CONNECTION_STRING, AZURE_STORAGE_ACCOUNT_KEY, or the identity's role: "
-                         f"Storage Blob Data Contributor)") from None
     except az.HttpResponseError as exc:
+        if exc.status_code is None:  # no answer to report: no token for the identity (DefaultAzureCredential)
+            raise AzureError(f"{what} {where} failed: {type(exc).__name__}: {_first_line(exc)}") from None
         if exc.status_code == 412 or _code(exc) == "BlobAlreadyExists":
             raise AzurePreconditionFailed(f"{what} {where} failed: {exc.status_code} {_code(exc)}") from None
-        raise AzureError(f"{what} {where} failed: {exc.status_code} {_code(exc)}") from None
+        hint = "" if exc.status_code not in (401, 403) else (
+            ": check the account's credentials (AZURE_STORAGE_CONNECTION_STRING, AZURE_STORAGE_ACCOUNT_KEY, "
+            "AZURE_STORAGE_SAS_TOKEN, or the identity's role: Storage Blob Data Contributor)")
+        raise AzureError(f"{what} {where} failed: {exc.status_code} {_code(exc)}{hint}") from None
     except (az.AzureError, ConnectionError, TimeoutError) as exc:
-        raise AzureError(f"{what} {where} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}") from None
+        raise AzureError(f"{what} {where} failed: {type(exc).__name__}: {_first_line(exc)}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).splitlines() or [""])[0][:300]
 
 
 def _code(exc: Any) -> str:
