@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import test_s3 as contract
+from cli_here import ckptio_here
 from ckptio import committed_checkpoints
 from ckptio.storage import open_storage
 
@@ -91,6 +92,9 @@ def test_a_container_that_does_not_exist_is_named_when_the_manager_is_made(azure
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith(f"ckptio.storage.azure._client.AzureError: az://{missing}/run1: the container"), last
     assert "never creates one" in last
+    for args in (["list", f"az://{missing}/run1"], ["verify", f"az://{missing}/run1/LATEST"]):
+        done = ckptio_here(*args)
+        assert done.returncode == 2 and f"the container {missing!r} does not exist" in done.stderr, (args, done.stderr)
 
 
 @contextlib.contextmanager
@@ -151,3 +155,16 @@ def test_a_server_that_keeps_failing_fails_the_save_cleanly(azure_container, azu
     _, _, again = contract._setup(f"az://{azure_container}/r3")
     with again:
         assert again.restore().step == 1
+
+
+def test_a_manifest_whose_answer_was_lost_is_not_taken_for_another_writers(azure_container, azure_server, monkeypatch):
+    """The manifest's create-only upload lands but its answer is lost; the client's retry is refused (409
+    BlobAlreadyExists). The save tells its own manifest from another writer's by its bytes and is committed."""
+    rule = contract._nth(lambda method, path: method == "PUT" and path.endswith("/lost/epoch_0_step_1/manifest.json"),
+                         {1: "lost"})
+    with _through(azure_server, monkeypatch, rule, retries=3) as proxy:
+        model, _, mgr = contract._setup(f"az://{azure_container}/lost")
+        with mgr:
+            mgr.save(step=1)
+    assert [f[0] for f in proxy.faults] == ["lost"], proxy.faults
+    contract._resumes_exactly(f"az://{azure_container}/lost", model, 1)

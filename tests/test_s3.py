@@ -456,7 +456,9 @@ class _FaultyProxy:
                 for k, v in resp.getheaders():
                     if k.lower() not in ("transfer-encoding", "content-length", "connection"):
                         self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
+                # a HEAD's answer has no body but the length of the object it describes (Azure's size of a blob)
+                length = resp.getheader("Content-Length") if self.command == "HEAD" else None
+                self.send_header("Content-Length", length or str(len(data)))
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)

@@ -126,6 +126,12 @@ def _call(what: str, where: object, fn: Any, *args: Any, **kwargs: Any) -> Any:
     try:
         return fn(*args, **kwargs)
     except az.ResourceNotFoundError as exc:
+        if _code(exc) == "ContainerNotFound":  # not a missing blob: nothing in this location can be saved or read
+            container = getattr(where, "bucket", where)
+            raise AzureError(f"{what} {where} failed: the container {container!r} does not exist (ContainerNotFound); "
+                             f"ckptio saves into an existing container and never creates one: create it first (az "
+                             f"storage container create --name {container}), or check its name and the storage "
+                             f"account") from None
         raise CheckpointNotFoundError(f"{where}: missing (404 {_code(exc)})") from None
     except az.HttpResponseError as exc:
         if exc.status_code is None:  # no answer to report: no token for the identity (DefaultAzureCredential)

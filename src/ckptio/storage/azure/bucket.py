@@ -11,7 +11,7 @@ from typing import Any
 
 from ...errors import CheckpointNotFoundError
 from ..objstore._store import Bucket, IntoView, Obj, SpooledUpload
-from ._client import THREADS, AbfsPath, AzPath, AzureError, AzurePreconditionFailed, _call, client
+from ._client import THREADS, AbfsPath, AzPath, AzureError, _call, client
 
 COPY_POLL_S = 0.2
 """Seconds between looks at a server-side copy the service finishes in the background (``x-ms-copy-status: pending``)."""
@@ -74,19 +74,21 @@ class AzureBucket(Bucket):
               **_conditions(if_absent, if_token))
 
     def get(self, key: str, limit: int) -> tuple[bytes, Any]:
-        where, blob = self.path(key), self._blob(key)
-        props = _call("looking up", where, blob.get_blob_properties)
-        if props.size == 0 or limit <= 0:
-            return b"", props.etag
-        # the bytes of the version looked up (If-Match: its ETag; one replaced meanwhile is read again)
-        from azure.core import MatchConditions
+        blob = self._blob(key)
 
-        try:
-            down = _call("reading", where, blob.download_blob, offset=0, length=min(int(props.size), limit),
-                         etag=props.etag, match_condition=MatchConditions.IfNotModified)
-            return _call("reading", where, down.readall), props.etag
-        except AzurePreconditionFailed:
-            return self.get(key, limit)
+        def run() -> tuple[bytes, Any]:
+            from azure.core.exceptions import HttpResponseError
+
+            try:  # one request: the first bytes and the ETag of the version they are of
+                down = blob.download_blob(offset=0, length=max(limit, 1))
+            except HttpResponseError as exc:
+                if exc.status_code != 416:
+                    raise
+                down = blob.download_blob()  # an empty blob has no byte 0 to range over
+            data = down.readall()
+            return data[:limit], down.properties.etag
+
+        return _call("reading", self.path(key), run)
 
     def read_into(self, key: str, offset: int, view: memoryview) -> int:
         if view.nbytes == 0:
