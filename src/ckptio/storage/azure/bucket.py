@@ -138,4 +138,5 @@ class AzureWriteStream(SpooledUpload):
 
 
 def _obj(props: Any) -> Obj:
-    return Obj(props.name, int(props.size or 0), props.last_modified.timestamp(), props.etag)
+    etag = props.etag if not props.etag or props.etag.startswith('"') else f'"{props.etag}"'  # as a lookup gives it
+    return Obj(props.name, int(props.size or 0), props.last_modified.timestamp(), etag)
