@@ -168,3 +168,23 @@ def test_a_manifest_whose_answer_was_lost_is_not_taken_for_another_writers(azure
             mgr.save(step=1)
     assert [f[0] for f in proxy.faults] == ["lost"], proxy.faults
     contract._resumes_exactly(f"az://{azure_container}/lost", model, 1)
+
+
+def test_a_large_file_goes_up_in_blocks_committed_create_only(azure_container, monkeypatch, tmp_path):
+    """Above the single-request size the client sends blocks and commits their list with the condition: a second
+    create-only upload of the name (a manifest over 8 MiB, say) is refused as the single request is."""
+    from ckptio.storage import azure
+    from ckptio.storage.objstore import PreconditionFailed
+
+    monkeypatch.setattr(azure._client, "SINGLE_PUT", 1 << 20)
+    monkeypatch.setattr(azure._client, "BLOCK", 1 << 20)
+    bucket = open_storage(f"az://{azure_container}").store
+    data = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8).numpy().tobytes()
+    (tmp_path / "big").write_bytes(data)
+    bucket.upload_file(tmp_path / "big", "big/manifest.json", if_absent=True)
+    blocks = azure.client().get_blob_client(azure_container, "big/manifest.json").get_block_list()[0]
+    assert len(blocks) == 3, blocks
+    (tmp_path / "other").write_bytes(data[::-1])
+    with pytest.raises(PreconditionFailed, match="409 BlobAlreadyExists"):
+        bucket.upload_file(tmp_path / "other", "big/manifest.json", if_absent=True)
+    assert bucket.get("big/manifest.json", 1 << 30)[0] == data

@@ -17,6 +17,9 @@ RETRIES = 6
 connections before it fails."""
 THREADS = 4
 """Requests at once for one large upload (its blocks) and for removing many objects."""
+SINGLE_PUT = 64 << 20
+"""A file up to this size goes up in one request; a larger one in blocks of :data:`BLOCK` (the client's defaults)."""
+BLOCK = 4 << 20
 SCHEMES = ("az", "abfs")
 """fsspec's (adlfs's) two names for a blob container: ``az://container/path`` and ``abfs://container/path``."""
 _ENV = ("AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT_URL", "AZURE_STORAGE_ACCOUNT_NAME",
@@ -76,7 +79,7 @@ def client() -> Any:
     blob = require("azure.storage.blob", extra="azure", purpose="checkpoints in Azure Blob Storage (az://)",
                    package="azure-storage-blob")
     env = {k: os.environ.get(k) for k in _ENV}
-    key = (os.getpid(), RETRIES, *env.values())
+    key = (os.getpid(), RETRIES, SINGLE_PUT, BLOCK, *env.values())
     with _clients_lock:
         if key not in _clients:
             _clients[key] = _make(blob, env)
@@ -84,7 +87,8 @@ def client() -> Any:
 
 
 def _make(blob: Any, env: dict[str, str | None]) -> Any:
-    options = {"connection_timeout": CONNECT_TIMEOUT, "read_timeout": READ_TIMEOUT,
+    options = {"connection_timeout": CONNECT_TIMEOUT, "read_timeout": READ_TIMEOUT, "max_single_put_size": SINGLE_PUT,
+               "max_block_size": BLOCK,
                "retry_policy": blob.ExponentialRetry(initial_backoff=1, increment_base=2, retry_total=RETRIES,
                                                      retry_to_secondary=False)}
     if env["AZURE_STORAGE_CONNECTION_STRING"]:
