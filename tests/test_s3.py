@@ -612,10 +612,11 @@ def _gcs_keys(bucket: str, prefix: str) -> dict[str, int]:
 
 
 @pytest.mark.slow
-def test_sigkill_during_saves_to_a_bucket_never_leaves_a_torn_checkpoint(bucket):
+@pytest.mark.parametrize("store", ["s3", "az"], indirect=True)
+def test_sigkill_during_saves_to_a_bucket_never_leaves_a_torn_checkpoint(store):
     """2 FSDP2 ranks save to the bucket in a loop with retention; one is SIGKILLed at a random moment (mid-
     upload, mid-commit or mid-delete); every committed checkpoint is whole, the newest and the best survive,
-    the next run takes over the dead job's lease and resumes. `tools/fault_injection.py --s3` runs more."""
+    the next run takes over the dead job's lease and resumes. `tools/fault_injection.py --s3` runs more (S3)."""
     import random
 
     from test_kill import kill_trial
@@ -623,8 +624,8 @@ def test_sigkill_during_saves_to_a_bucket_never_leaves_a_torn_checkpoint(bucket)
     rng = random.Random(7)
     mid_write = 0
     for trial in range(3):
-        mid_write += kill_trial(f"s3://{bucket}/kill{trial}", "safetensors", True, rng)["killed_mid_write"]
-    print(f"s3 kill tally: 3 trials, {mid_write} killed mid-write")
+        mid_write += kill_trial(store.url(f"kill{trial}"), "safetensors", True, rng)["killed_mid_write"]
+    print(f"{store.scheme} kill tally: 3 trials, {mid_write} killed mid-write")
 
 
 @pytest.mark.slow  # several CLI commands end to end

@@ -64,11 +64,6 @@ _clients: dict[tuple[Any, ...], Any] = {}
 _clients_lock = threading.Lock()
 
 
-def _account_url(name: str | None) -> str | None:
-    url = os.environ.get("AZURE_STORAGE_ACCOUNT_URL")
-    return url or (f"https://{name}.blob.core.windows.net" if name else None)
-
-
 def client() -> Any:
     """An ``azure.storage.blob.BlobServiceClient`` (one per process and set of settings). Credentials, in this order:
     ``AZURE_STORAGE_CONNECTION_STRING``; the account (``AZURE_STORAGE_ACCOUNT_URL``, or ``AZURE_STORAGE_ACCOUNT_NAME``
@@ -97,7 +92,7 @@ def _make(blob: Any, env: dict[str, str | None]) -> Any:
         except ValueError as exc:
             raise AzureError(f"AZURE_STORAGE_CONNECTION_STRING cannot be used: {exc}") from None
     name = env["AZURE_STORAGE_ACCOUNT_NAME"] or env["AZURE_STORAGE_ACCOUNT"]
-    url = _account_url(name)
+    url = env["AZURE_STORAGE_ACCOUNT_URL"] or (f"https://{name}.blob.core.windows.net" if name else None)
     if url is None:
         raise AzureError("no Azure storage account for az://: set AZURE_STORAGE_CONNECTION_STRING, or "
                          "AZURE_STORAGE_ACCOUNT_NAME (or AZURE_STORAGE_ACCOUNT_URL) with AZURE_STORAGE_ACCOUNT_KEY, "
