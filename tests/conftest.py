@@ -63,15 +63,15 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Fail the run if anything turned an ``s3://`` or ``gs://`` location into a local folder (pathlib reads
+    """Fail the run if anything turned an ``s3://``, ``gs://`` or ``az://`` location into a local folder (pathlib reads
     ``s3://b/p`` as the relative path ``s3:/b/p``): such a folder would appear beside the tests' working directory."""
     report = session.config.getoption("--exercised-modules")
     if report:
         sys.settrace(None)
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         Path(report, f"{worker}.txt").write_text("".join(f"{f}\n" for f in sorted(_RAN)))
-    leaked = [p for scheme in ("s3:", "gs:") for p in {Path.cwd() / scheme, Path(__file__).resolve().parents[1] / scheme}
-              if os.path.lexists(p)]
+    leaked = [p for scheme in ("s3:", "gs:", "az:", "abfs:")
+              for p in {Path.cwd() / scheme, Path(__file__).resolve().parents[1] / scheme} if os.path.lexists(p)]
     if leaked:
         session.config.get_terminal_writer().line(f"ERROR: a bucket location was written as a local folder: {leaked}",
                                                   red=True)
@@ -137,6 +137,42 @@ def gcs_bucket(gcs_server, monkeypatch):
     return name
 
 
+@pytest.fixture(scope="module")
+def azure_server():
+    """A real Azure Blob Storage-compatible server (Azurite; see tests/azuriteserver.py) on 127.0.0.1: its blob
+    endpoint URL. Azurite is installed with npm on first use; without node and npm the test is skipped."""
+    pytest.importorskip("azure.storage.blob")
+    import azuriteserver
+
+    why = azuriteserver.missing_tools()
+    if why:
+        pytest.skip(why)
+    try:
+        proc, url = azuriteserver.start()
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture
+def azure_container(azure_server, monkeypatch):
+    """A new container on that server, with ``AZURE_STORAGE_CONNECTION_STRING`` pointing the Azure client at it."""
+    import uuid
+
+    import azuriteserver
+
+    from ckptio.storage import azure
+
+    for name in azure._client._ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azuriteserver.connection_string(azure_server))
+    name = f"ckpt-{uuid.uuid4().hex[:8]}"
+    azure.client().create_container(name)
+    return name
+
+
 class Store:
     """A bucket of one backend as the contract tests see it: locations, and the objects read and written raw
     (through the backend's own ``Bucket``, below ckptio's checkpoint folder)."""
@@ -160,8 +196,11 @@ class Store:
         return self.raw.get(key, 1 << 40)[0]
 
 
-@pytest.fixture(params=["s3", "gs"])
+STORE_FIXTURES = {"s3": "bucket", "gs": "gcs_bucket", "az": "azure_container"}
+
+
+@pytest.fixture(params=list(STORE_FIXTURES))
 def store(request) -> Store:
-    """The same test on each object store: a new bucket on a real S3 server (moto) and on a real GCS server."""
-    name = request.getfixturevalue("bucket" if request.param == "s3" else "gcs_bucket")
-    return Store(request.param, name)
+    """The same test on each object store: a new bucket on a real S3 server (moto), on a real GCS server
+    (fake-gcs-server) and a new container on a real Azure Blob Storage server (Azurite)."""
+    return Store(request.param, request.getfixturevalue(STORE_FIXTURES[request.param]))

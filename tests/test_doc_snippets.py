@@ -150,6 +150,22 @@ def train_step():
     opt.zero_grad()
 """
 
+_AZURE = """
+import atexit, os, torch
+import azuriteserver
+proc, url = azuriteserver.start()
+atexit.register(proc.terminate)
+os.environ["AZURE_STORAGE_CONNECTION_STRING"] = azuriteserver.connection_string(url)
+from ckptio.storage.azure import client
+client().create_container("container")
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.AdamW(model.parameters())
+def train_step():
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
 _LIGHTNING = """
 import pytorch_lightning as pl, torch
 from lit_tiny import Evaluated as LitModel, TinyData as MyDataModule
@@ -304,6 +320,11 @@ assert not os.listdir("mem"), "a clean end frees the snapshots"
     "docs/object-storage.md: from ckptio import CheckpointConfig, CheckpointManager": Run(_GCS, """
 from ckptio import committed_checkpoints
 assert [e.step for e in committed_checkpoints("gs://bucket/run1")] == [20, 30]
+assert start is None
+"""),
+    "docs/object-storage.md: # credentials: AZURE_STORAGE_CONNECTION_STRING": Run(_AZURE, """
+from ckptio import committed_checkpoints
+assert [e.step for e in committed_checkpoints("az://container/run1")] == [20, 30]
 assert start is None
 """),
     "docs/goodput.md: cfg = CheckpointConfig(": Run("""
@@ -492,6 +513,11 @@ def _script(key: str) -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize("key", [k for k, r in RUNS.items() if not r.elsewhere])
 def test_the_block_runs_as_it_stands(key, tmp_path):
+    if "azuriteserver" in RUNS[key].prelude:
+        import azuriteserver
+
+        if azuriteserver.missing_tools():
+            pytest.skip(azuriteserver.missing_tools())
     script = tmp_path / "snippet.py"
     script.write_text(_script(key))
     work = tmp_path / "work"

@@ -364,6 +364,8 @@ def test_a_rank_needs_its_own_shards_and_the_small_file_of_whole_tensors(tmp_pat
                                                               ).stat().st_size / 4
 
 
+# many requests: on Azurite (a Node server, ~15 ms a request) 10-15 s, marked slow there
+@pytest.mark.parametrize("store", ["s3", "gs", pytest.param("az", marks=pytest.mark.slow)], indirect=True)
 def test_with_the_durable_tier_in_a_bucket(store, tmp_path, memory):
     """The memory tier over a durable tier in a bucket (S3 and GCS: ``store``): the snapshot newer than the bucket's
     checkpoint is restored from memory, a durable save newer than every snapshot from the bucket."""

@@ -145,17 +145,39 @@ def test_config_catches_misspelt_fields_and_values(tmp_path):
 
 
 def test_a_url_is_not_taken_for_a_local_folder(tmp_path, monkeypatch):
-    """pathlib reads 'az://bucket/run' as the relative folder 'az:/bucket/run'; a location ckptio has no
-    backend for must be refused, not written to (s3:// and gs:// have one: tests/test_s3.py, tests/test_gcs.py)."""
+    """pathlib reads 'hdfs://bucket/run' as the relative folder 'hdfs:/bucket/run'; a location ckptio has no
+    backend for must be refused, not written to (s3://, gs:// and az:// have one: tests/test_s3.py runs on each)."""
     monkeypatch.chdir(tmp_path)
     for key in ("checkpoint_dir", "restore_from"):
-        with pytest.raises(ConfigError, match=rf"{key}='az://bucket/run'.*az:// locations are not supported"):
-            CheckpointConfig(**{key: "az://bucket/run"})
+        with pytest.raises(ConfigError, match=rf"{key}='hdfs://bucket/run'.*hdfs:// locations are not supported"):
+            CheckpointConfig(**{key: "hdfs://bucket/run"})
     with pytest.raises(ConfigError, match=r"restore_from='s3:///run'.*no bucket name"):
         CheckpointConfig(restore_from="s3:///run")  # an s3:// location is parsed (and restored: test_s3.py)
     with pytest.raises(ConfigError, match=r"checkpoint_dir='gs://b/a/\.\./c'.*plain names"):
         CheckpointConfig(checkpoint_dir="gs://b/a/../c")  # so is a gs:// one
-    assert not (tmp_path / "az:").exists() and not (tmp_path / "gs:").exists()
+    with pytest.raises(ConfigError, match=r"checkpoint_dir='az://c/a/\.\./c'.*plain names"):
+        CheckpointConfig(checkpoint_dir="az://c/a/../c")  # and an az:// (abfs://) one
+    with pytest.raises(ConfigError, match=r"restore_from='abfs://c@acct.dfs.core.windows.net/run'.*container alone"):
+        CheckpointConfig(restore_from="abfs://c@acct.dfs.core.windows.net/run")
+    assert CheckpointConfig(checkpoint_dir="abfs://c/run").checkpoint_dir == "abfs://c/run"
+    assert not any((tmp_path / scheme).exists() for scheme in ("hdfs:", "gs:", "az:", "abfs:"))
+
+
+def test_an_az_location_without_the_azure_client_names_the_extra():
+    out = python("""
+        import sys
+        sys.modules["azure.storage.blob"] = None
+        from ckptio import CheckpointConfig
+        from ckptio.errors import MissingDependencyError
+        try:
+            CheckpointConfig(checkpoint_dir="az://container/run")
+        except MissingDependencyError as exc:
+            print("MDE", exc)
+        except ImportError as exc:
+            print("RAW", exc)""")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("MDE") and "pip install 'ckptio[azure]'" in out.stdout, out.stdout
+    assert "'azure-storage-blob'" in out.stdout, out.stdout
 
 
 def test_a_restore_only_manager_starts_no_thread_and_no_process_group(tmp_path):

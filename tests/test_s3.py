@@ -169,6 +169,10 @@ def test_two_writers_cannot_both_commit_a_step(store):
 
 def test_large_files_go_up_in_parts_and_read_back_verified(store, monkeypatch):
     monkeypatch.setattr(s3mod._common, "PART_SIZE", 5 << 20)  # S3's smallest part: 3 parts of a 12 MiB file
+    if store.scheme == "az":  # blocks above 8 MiB here (64 MiB by default), committed create-only as a list
+        from ckptio.storage import azure
+
+        monkeypatch.setattr(azure._client, "SINGLE_PUT", 8 << 20)
     storage = open_storage(store.url("big"))  # on GCS: one resumable upload (over 8 MiB)
     data = torch.randint(0, 256, (12 << 20,), dtype=torch.uint8).numpy().tobytes()
     writer = storage.begin_step("s")
@@ -203,11 +207,16 @@ def test_hostile_keys_and_pointers_are_refused(store):
     model, opt, mgr = _setup(url)
     with mgr:
         mgr.save(step=1)
-    store.put("h/epoch_0_step_1/../../escape", b"x")
+    # Azure keeps no blob with a '..' segment (the client resolves it before signing, and Azure's naming rules
+    # forbid a segment ending in '.'): that name is planted on the other stores only
+    dots = store.scheme != "az"
+    if dots:
+        store.put("h/epoch_0_step_1/../../escape", b"x")
     store.put("h/epoch_0_step_1//double", b"x")
     folder = open_storage(url).folder("epoch_0_step_1")
     kinds = {e.name: e.kind for e in folder.listdir()}
-    assert kinds.get("..") == "other" and "escape" not in kinds and kinds.get("") in (None, "other")
+    assert kinds.get("..") == ("other" if dots else None) and "escape" not in kinds and kinds.get("") in (None, "other")
+    assert kinds.get("") == "other" or store.scheme != "az"  # the empty segment is listed and never read
     store.put("h/LATEST", b"../elsewhere\n")
     with pytest.raises(CheckpointError, match="LATEST: the pointer names"):
         pointer_target(open_storage(url), LATEST)
@@ -216,6 +225,8 @@ def test_hostile_keys_and_pointers_are_refused(store):
         assert again.restore().step == 1
 
 
+# many requests: on Azurite (a Node server, ~15 ms a request) 10-15 s, marked slow there
+@pytest.mark.parametrize("store", ["s3", "gs", pytest.param("az", marks=pytest.mark.slow)], indirect=True)
 def test_a_second_process_is_refused_by_the_lease(store):
     url = store.url("lease")
     model, opt, mgr = _setup(url)
@@ -256,8 +267,8 @@ def test_configuration_of_s3_locations(bucket):
         CheckpointConfig(checkpoint_dir="s3:///prefix")
     with pytest.raises(ConfigError, match="plain names"):
         CheckpointConfig(checkpoint_dir="s3://b/a/../c")
-    with pytest.raises(ConfigError, match="az:// locations are not supported"):
-        CheckpointConfig(checkpoint_dir="az://b/c")
+    with pytest.raises(ConfigError, match="hdfs:// locations are not supported"):
+        CheckpointConfig(checkpoint_dir="hdfs://b/c")
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "torch_save"])
@@ -331,7 +342,8 @@ def test_two_ranks_save_in_the_background_and_one_resumes(store):
         assert torch.equal(resumed["state"][key], value), key
 
 
-@pytest.mark.parametrize("store", ["s3", pytest.param("gs", marks=pytest.mark.slow)], indirect=True)
+@pytest.mark.parametrize("store", ["s3", pytest.param("gs", marks=pytest.mark.slow),
+                                   pytest.param("az", marks=pytest.mark.slow)], indirect=True)
 def test_list_verify_and_prune_on_a_bucket(store):
     """The real ``ckptio`` executable on a bucket's folder: list (with an interrupted save), inspect (through the
     LATEST pointer), verify (a flipped byte found), prune (retention, the lock taken and given back)."""
@@ -448,7 +460,9 @@ class _FaultyProxy:
                 for k, v in resp.getheaders():
                     if k.lower() not in ("transfer-encoding", "content-length", "connection"):
                         self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
+                # a HEAD's answer has no body but the length of the object it describes (Azure's size of a blob)
+                length = resp.getheader("Content-Length") if self.command == "HEAD" else None
+                self.send_header("Content-Length", length or str(len(data)))
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)
@@ -598,10 +612,11 @@ def _gcs_keys(bucket: str, prefix: str) -> dict[str, int]:
 
 
 @pytest.mark.slow
-def test_sigkill_during_saves_to_a_bucket_never_leaves_a_torn_checkpoint(bucket):
+@pytest.mark.parametrize("store", ["s3", "az"], indirect=True)
+def test_sigkill_during_saves_to_a_bucket_never_leaves_a_torn_checkpoint(store):
     """2 FSDP2 ranks save to the bucket in a loop with retention; one is SIGKILLed at a random moment (mid-
     upload, mid-commit or mid-delete); every committed checkpoint is whole, the newest and the best survive,
-    the next run takes over the dead job's lease and resumes. `tools/fault_injection.py --s3` runs more."""
+    the next run takes over the dead job's lease and resumes. `tools/fault_injection.py --s3` runs more (S3)."""
     import random
 
     from test_kill import kill_trial
@@ -609,8 +624,8 @@ def test_sigkill_during_saves_to_a_bucket_never_leaves_a_torn_checkpoint(bucket)
     rng = random.Random(7)
     mid_write = 0
     for trial in range(3):
-        mid_write += kill_trial(f"s3://{bucket}/kill{trial}", "safetensors", True, rng)["killed_mid_write"]
-    print(f"s3 kill tally: 3 trials, {mid_write} killed mid-write")
+        mid_write += kill_trial(store.url(f"kill{trial}"), "safetensors", True, rng)["killed_mid_write"]
+    print(f"{store.scheme} kill tally: 3 trials, {mid_write} killed mid-write")
 
 
 @pytest.mark.slow  # several CLI commands end to end
@@ -783,7 +798,8 @@ def test_a_closed_file_larger_than_a_part_goes_up_in_parts(bucket, monkeypatch, 
     assert not s3mod.client().list_multipart_uploads(Bucket=bucket).get("Uploads")
 
 
-@pytest.mark.parametrize("store", ["s3", pytest.param("gs", marks=pytest.mark.slow)], indirect=True)
+@pytest.mark.parametrize("store", ["s3", pytest.param("gs", marks=pytest.mark.slow),
+                                   pytest.param("az", marks=pytest.mark.slow)], indirect=True)
 def test_latest_and_best_resolve_in_a_bucket_in_every_command(store, tmp_path):
     """Issue 52, row 2: every CLI example uses ``…/LATEST``; in a bucket ``verify`` said "holds no checkpoints" and
     ``inspect`` "no such folder". The pointers resolve there as they do on disk, in every command."""

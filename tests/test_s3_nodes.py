@@ -1,9 +1,9 @@
-"""Two "nodes" with no folder in common checkpoint to a bucket (S3, GCS); one is lost mid-save; the job resumes on 3,
-then 1.
+"""Two "nodes" with no folder in common checkpoint to a bucket (S3, GCS, Azure); one is lost mid-save; the job
+resumes on 3, then 1.
 
 Each node is its own ``torchrun`` (``--nnodes 2 --node-rank i``, rendezvous on 127.0.0.1) with 2 ranks, its own
 scratch folder (``TMPDIR``, where uploads are spooled, and its outputs) and nothing shared but the object store's
-server on loopback (S3: moto; the same test on GCS: fake-gcs-server). An uninterrupted run records the whole state
+server on loopback (S3: moto; the same test on GCS: fake-gcs-server, on Azure: Azurite). An uninterrupted run records the whole state
 at every saved step. The interrupted run loses node 1 while it saves step 4 (its ranks SIGKILLed after writing
 their files, before the commit); node 0 is then killed as a job scheduler would. The bucket must then resume, on 3
 ranks of one node, from step 2 with exactly the uninterrupted run's state; that job trains on to step 4 and saves,
@@ -30,10 +30,17 @@ pytestmark = pytest.mark.slow  # several multi-rank torchrun jobs
 WORKER = Path(__file__).with_name("s3_node_worker.py")
 
 
-@pytest.fixture(scope="module", params=["s3", "gs"])
+@pytest.fixture(scope="module", params=["s3", "gs", "az"])
 def s3(request):
-    """The environment of the jobs and the scheme of their bucket ``nodes``: the module's S3 server (moto), or its GCS
-    server (fake-gcs-server, tests/gcsserver.py)."""
+    """The environment of the jobs and the scheme of their bucket ``nodes``: the module's S3 server (moto), its GCS
+    server (fake-gcs-server, tests/gcsserver.py) or its Azure server (Azurite, tests/azuriteserver.py)."""
+    if request.param == "az":
+        import azuriteserver
+        from azure.storage.blob import BlobServiceClient
+
+        connection = azuriteserver.connection_string(request.getfixturevalue("azure_server"))
+        BlobServiceClient.from_connection_string(connection).create_container("nodes")
+        return {"AZURE_STORAGE_CONNECTION_STRING": connection, "CKPTIO_TEST_SCHEME": "az"}
     if request.param == "gs":
         server = request.getfixturevalue("gcs_server")
         from google.auth.credentials import AnonymousCredentials

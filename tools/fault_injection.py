@@ -12,7 +12,7 @@ the best, under retention), and that a new run resumes from the newest with the 
 
 runs the same trials against an ``s3://`` checkpoint folder on an S3-compatible server (moto's, started
 here on 127.0.0.1): kills land mid-upload, mid-commit and mid-delete, and the restarted job must take
-over the killed job's lease.
+over the killed job's lease. ``--azure`` runs them against an ``az://`` folder on Azurite instead.
 
     .venv/bin/python tools/fault_injection.py --memory --trials 20
 
@@ -51,6 +51,25 @@ def _start_s3() -> str:
     bucket = f"fault-{uuid.uuid4().hex[:8]}"
     client().create_bucket(Bucket=bucket)
     return bucket
+
+
+def _start_azure() -> str:
+    """Azurite on 127.0.0.1 (installed with npm on first use; stopped when this process exits); returns a new
+    container's name."""
+    import atexit
+    import os
+    import uuid
+
+    import azuriteserver
+
+    proc, url = azuriteserver.start()
+    atexit.register(proc.terminate)
+    os.environ["AZURE_STORAGE_CONNECTION_STRING"] = azuriteserver.connection_string(url)
+    from ckptio.storage.azure import client
+
+    container = f"fault-{uuid.uuid4().hex[:8]}"
+    client().create_container(container)
+    return container
 
 
 def _memory(trials: int, seed: int) -> int:
@@ -93,6 +112,7 @@ def main() -> int:
     p.add_argument("--trials", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--s3", action="store_true", help="checkpoint to s3:// on a local S3 server instead of a folder")
+    p.add_argument("--azure", action="store_true", help="checkpoint to az:// on Azurite (tests/azuriteserver.py)")
     p.add_argument("--memory", action="store_true", help="the memory tier's trials: a node of a 2-node job lost")
     p.add_argument("--start", choices=("forkserver", "spawn"), default="forkserver",
                    help="how rank processes start: forked from a server that imported torch and ckptio once "
@@ -104,7 +124,8 @@ def main() -> int:
         multiprocessing.set_forkserver_preload(["torch", "torch.distributed.fsdp", "ckptio", "test_kill"])
     if args.memory:
         return _memory(args.trials, args.seed)
-    bucket = _start_s3() if args.s3 else None
+    bucket = _start_s3() if args.s3 else _start_azure() if args.azure else None
+    scheme = "az" if args.azure else "s3"
     rng = random.Random(args.seed)
     tally = {"trials": 0, "passed": 0, "failed": 0, "killed_mid_write": 0, "killed_mid_delete": 0}
     start = time.monotonic()
@@ -113,7 +134,7 @@ def main() -> int:
         retention = trial % 4 >= 2
         async_save = trial % 8 >= 4
         with tempfile.TemporaryDirectory(prefix="ckptio-fault-") as local:
-            root = f"s3://{bucket}/trial{trial}" if bucket else local
+            root = f"{scheme}://{bucket}/trial{trial}" if bucket else local
             try:
                 result = kill_trial(root, fmt, retention, rng, async_save, args.start)
             except AssertionError as exc:

@@ -29,7 +29,8 @@ PathLike = Union[str, Path]  # any os.PathLike works at run time
 
 
 def _check_object_location(key: str, value: str, scheme: str) -> None:
-    """An ``s3://`` or ``gs://`` location is parsed (a bucket, a plain prefix) and its client installed."""
+    """An ``s3://``, ``gs://`` or ``az://`` (``abfs://``) location is parsed (a bucket, a plain prefix) and its client
+    installed."""
     from .errors import require
     from .storage.objstore import parse_url
 
@@ -39,6 +40,15 @@ def _check_object_location(key: str, value: str, scheme: str) -> None:
         raise ConfigError(f"{key}={value!r}: {exc}") from None
     if scheme == "s3":
         require("boto3", extra="s3", purpose="checkpoints in object storage (s3://)")
+    elif scheme in ("az", "abfs"):
+        from .storage.azure import parse_az_url
+
+        try:
+            parse_az_url(value)
+        except ConfigError as exc:
+            raise ConfigError(f"{key}={value!r}: {exc}") from None
+        require("azure.storage.blob", extra="azure", purpose="checkpoints in Azure Blob Storage (az://)",
+                package="azure-storage-blob")
     else:
         require("google.cloud.storage", extra="gcs", purpose="checkpoints in Google Cloud Storage (gs://)",
                         package="google-cloud-storage")
@@ -259,12 +269,12 @@ class CheckpointConfig:
         for key in ("checkpoint_dir", "restore_from"):
             value = getattr(self, key)
             scheme = url_scheme(value) if isinstance(value, str) else None
-            if scheme in ("s3", "gs"):
+            if scheme in ("s3", "gs", "az", "abfs"):
                 _check_object_location(key, value, scheme)
             elif scheme:
                 # pathlib would read 's3://b/p' as the relative folder 's3:/b/p' and write there silently
                 raise ConfigError(f"{key}={value!r}: {scheme}:// locations are not supported; give a local or "
-                                  "mounted folder, or an s3:// or gs:// location")
+                                  "mounted folder, or an s3://, gs:// or az:// location")
         _refuse_a_file(self.checkpoint_dir)
 
     def retention_policy(self):

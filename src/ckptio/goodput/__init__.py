@@ -57,7 +57,7 @@ class Goodput:
         self.log, self.names, self.storage = log, (config.name_template, config.auto_insert_field_names), storage
         self.record = RunRecord(storage, writer=_dist.rank() == 0, log=log) \
             if config.run_record and config.enabled else None
-        kind = url_scheme(str(config.checkpoint_dir)) or "local"  # an object store's scheme: s3, gs
+        kind = url_scheme(str(config.checkpoint_dir)) or "local"  # an object store's scheme: s3, gs, az
         saver.on_commit = functools.partial(self.committed, storage=kind)  # no cycle through the manager
         state_bytes = _state_bytes(model)
         self.listeners: list[Any] = []

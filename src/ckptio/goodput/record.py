@@ -12,7 +12,8 @@ Events (all with ``kind`` and ``time``, seconds since the epoch):
   set-up, when its manager was made); a ``start`` with no ``end`` since the previous one was a
   failure, which is how the run learns its mean time between failures (:meth:`RunRecord.failures`);
 * ``save``: ``step``, ``tier`` (``durable`` or ``memory``), ``blocked_s`` (what the training loop waited),
-  ``total_s`` (till committed, when known), ``bytes``, ``files``, ``storage`` (``local``, ``s3`` or ``gs``), ``ranks``;
+  ``total_s`` (till committed, when known), ``bytes``, ``files``, ``storage`` (``local``, ``s3``, ``gs``, ``az`` or
+  ``abfs``), ``ranks``;
 * ``restore``: ``step`` resumed from, ``tier``, ``steps_lost`` (the newest step the run is known to have reached
   before, minus that step), ``restore_s``, ``startup_s`` (from the process's start to the end of the restore);
 * ``progress``: the newest step reached (written at most every :data:`PROGRESS_EVERY_S` seconds, replacing the
@@ -52,7 +53,7 @@ of a job may differ by a little): what a forged stamp can add to the uptime."""
 _KINDS = ("start", "save", "save_failed", "restore", "progress", "remove", "end")
 _NUMBERS = ("time", "blocked_s", "total_s", "restore_s", "startup_s", "age_s")
 _COUNTS = ("step", "bytes", "files", "ranks", "steps_lost")
-_TEXTS = {"tier": ("durable", "memory"), "storage": ("local", "s3", "gs")}
+_TEXTS = {"tier": ("durable", "memory"), "storage": ("local", "s3", "gs", "az", "abfs")}
 
 
 class RunRecord:

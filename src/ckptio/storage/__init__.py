@@ -50,12 +50,16 @@ POINTER_NAMES = ("LATEST", "BEST")
 """The pointers of a checkpoint folder (a link on a filesystem, an object holding the name in a bucket)."""
 
 
-OBJECT_SCHEMES = ("s3", "gs")
+OBJECT_SCHEMES = ("s3", "gs", "az", "abfs")
 """The URL schemes of the object stores ckptio has a backend for."""
 
 
 def _object_storage(url: str) -> Storage:
     """The folder at ``url`` in the object store its scheme names (no pointer resolved)."""
+    if url_scheme(url) in ("az", "abfs"):
+        from .azure import AzureStorage
+
+        return AzureStorage(url)  # type: ignore[return-value]
     if url_scheme(url) == "gs":
         from .gcs import GCSStorage
 
@@ -77,8 +81,8 @@ def resolve_pointer(url: str) -> str:
 
 def open_storage(location: "str | os.PathLike[str]") -> Storage:
     """The storage behind a checkpoint folder given as a path or a location: the one place that chooses a
-    backend (a local POSIX folder, ``s3://bucket/prefix`` or ``gs://bucket/prefix``; a URL scheme ckptio has no
-    backend for is refused, never read as a relative folder)."""
+    backend (a local POSIX folder, ``s3://bucket/prefix``, ``gs://bucket/prefix`` or ``az://container/prefix``, also
+    written ``abfs://``; a URL scheme ckptio has no backend for is refused, never read as a relative folder)."""
     from .objstore._store import ObjectPath
 
     if isinstance(location, ObjectPath):

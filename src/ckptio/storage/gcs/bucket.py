@@ -9,8 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import CheckpointNotFoundError
-from ..local import LocalWriteStream
-from ..objstore._store import Bucket, Obj
+from ..objstore._store import Bucket, IntoView, Obj, SpooledUpload
 from ._client import DELETE_THREADS, TIMEOUT, GSPath, _call, client, retry
 
 
@@ -54,7 +53,7 @@ class GCSBucket(Bucket):
         return data, blob.generation
 
     def read_into(self, key: str, offset: int, view: memoryview) -> int:
-        sink = _Into(view)
+        sink = IntoView(view)
         blob = self._bucket().blob(key)
         _call("reading", self.path(key), blob.download_to_file, sink, start=offset, end=offset + view.nbytes - 1,
               raw_download=True, checksum=None, timeout=TIMEOUT, retry=retry())
@@ -91,46 +90,6 @@ class GCSBucket(Bucket):
         return GCSWriteStream(spool, self, key)
 
 
-class GCSWriteStream(LocalWriteStream):
+class GCSWriteStream(SpooledUpload):
     """A file spooled locally with a running CRC-32C and uploaded when it is closed (the client checks the upload
     with its own CRC-32C; a large file goes up as a resumable upload)."""
-
-    def __init__(self, spool: Path, bucket: GCSBucket, key: str) -> None:
-        spool.parent.mkdir(parents=True, exist_ok=True)
-        super().__init__(spool, durable=False)
-        self.bucket, self.key = bucket, key
-
-    def close(self) -> str:
-        if self._digest is not None:
-            return self._digest
-        digest = super().close()
-        try:
-            self.bucket.upload_file(self.path, self.key)
-        finally:
-            self.path.unlink(missing_ok=True)
-        return digest
-
-    def discard(self) -> None:
-        super().discard()
-        self.path.unlink(missing_ok=True)
-
-
-class _Into:
-    """A file-like sink writing a download into a buffer (no copy of the whole range in between)."""
-
-    def __init__(self, view: memoryview) -> None:
-        self.view, self.done = view, 0
-
-    def write(self, data: bytes) -> int:
-        n = min(len(data), self.view.nbytes - self.done)
-        self.view[self.done:self.done + n] = data[:n]
-        self.done += n
-        return len(data)
-
-    def tell(self) -> int:
-        return self.done
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        if whence == 0:
-            self.done = offset  # a retried download starts again where it says
-        return self.done

@@ -1,6 +1,7 @@
 """What a checkpoint folder in object storage needs from a bucket, whatever the cloud: the :class:`Bucket` interface
 each backend implements with its own client (:mod:`ckptio.storage.s3`, :mod:`ckptio.storage.gcs`), the printed
-location of an object (:class:`ObjectPath`) and the errors every backend raises."""
+location of an object (:class:`ObjectPath`), the errors every backend raises, and the pieces two backends share (a
+file spooled and uploaded whole at close, :class:`SpooledUpload`; a download into a buffer, :class:`IntoView`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from ...engine.manifest import MANIFEST_NAME as MANIFEST  # noqa: F401  (the com
 from ...engine.manifest import PENDING_NAME as PENDING  # noqa: F401  (written first, removed after the manifest)
 from ...errors import CheckpointError, ConfigError
 from ..confined import UnsafePathError, check_relative
+from ..local import LocalWriteStream
 
 LEASE_SECONDS = 120.0
 """A writer lease not renewed for this long belongs to a process that is gone and may be taken over."""
@@ -137,3 +139,49 @@ class Bucket(ABC):
         """Drop the unfinished uploads below ``prefix`` started at least ``older_than_s`` ago that the store keeps
         (S3's multipart uploads); returns them. Nothing, for a store that keeps none."""
         return []
+
+
+class SpooledUpload(LocalWriteStream):
+    """A file spooled locally with a running CRC-32C and uploaded when it is closed, by its bucket's
+    :meth:`Bucket.upload_file` (for a store whose client sends a large file in parallel requests itself: GCS's
+    resumable upload, Azure's blocks)."""
+
+    def __init__(self, spool: Path, bucket: Bucket, key: str) -> None:
+        spool.parent.mkdir(parents=True, exist_ok=True)
+        super().__init__(spool, durable=False)
+        self.bucket, self.key = bucket, key
+
+    def close(self) -> str:
+        if self._digest is not None:
+            return self._digest
+        digest = super().close()
+        try:
+            self.bucket.upload_file(self.path, self.key)
+        finally:
+            self.path.unlink(missing_ok=True)
+        return digest
+
+    def discard(self) -> None:
+        super().discard()
+        self.path.unlink(missing_ok=True)
+
+
+class IntoView:
+    """A file-like sink writing a download into a buffer (no copy of the whole range in between)."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.view, self.done = view, 0
+
+    def write(self, data: bytes) -> int:
+        n = min(len(data), self.view.nbytes - self.done)
+        self.view[self.done:self.done + n] = data[:n]
+        self.done += n
+        return len(data)
+
+    def tell(self) -> int:
+        return self.done
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        if whence == 0:
+            self.done = offset  # a retried download starts again where it says
+        return self.done

@@ -1,0 +1,142 @@
+"""An Azure Blob Storage container through ``azure-storage-blob``, as the object-store folder needs it
+(:class:`~ckptio.storage.objstore._store.Bucket`): a create-only write is ``If-None-Match: *`` (refused with
+``409 BlobAlreadyExists``), a replacement of one version ``If-Match: <its ETag>`` (refused with ``412``)."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from ...errors import CheckpointNotFoundError
+from ..objstore._store import Bucket, IntoView, Obj, SpooledUpload
+from ._client import THREADS, AbfsPath, AzPath, AzureError, _call, client
+
+COPY_POLL_S = 0.2
+"""Seconds between looks at a server-side copy the service finishes in the background (``x-ms-copy-status: pending``)."""
+
+
+def _conditions(if_absent: bool, if_token: Any) -> dict[str, Any]:
+    from azure.core import MatchConditions
+
+    if if_absent:
+        return {"match_condition": MatchConditions.IfMissing}  # If-None-Match: *
+    if if_token is not None:
+        return {"etag": if_token, "match_condition": MatchConditions.IfNotModified}  # If-Match: <etag>
+    return {}
+
+
+class AzureBucket(Bucket):
+    """One blob container (the account and credentials: :func:`~._client.client`), shown as ``az://`` or
+    ``abfs://`` as it was given."""
+
+    path_type = AzPath
+
+    def __init__(self, name: str, scheme: str = "az") -> None:
+        super().__init__(name)
+        self.path_type = AbfsPath if scheme == "abfs" else AzPath
+
+    def _container(self) -> Any:
+        return client().get_container_client(self.name)
+
+    def _blob(self, key: str) -> Any:
+        return client().get_blob_client(self.name, key)
+
+    def exists(self) -> bool:
+        """Whether the container exists."""
+        return bool(_call("looking up", self.path(), self._container().exists))
+
+    def listing(self, prefix: str, *, delimiter: bool) -> tuple[list[Obj], list[str]]:
+        def run() -> tuple[list[Obj], list[str]]:
+            container = self._container()
+            if not delimiter:
+                return [_obj(b) for b in container.list_blobs(name_starts_with=prefix)], []
+            objects, prefixes = [], []
+            for item in container.walk_blobs(name_starts_with=prefix, delimiter="/"):
+                if hasattr(item, "size"):  # a blob; a BlobPrefix has no size
+                    objects.append(_obj(item))
+                else:
+                    prefixes.append(item.name)
+            return objects, sorted(prefixes)
+
+        return _call("listing", self.path(prefix), run)
+
+    def head(self, key: str) -> Obj | None:
+        try:
+            props = _call("looking up", self.path(key), self._blob(key).get_blob_properties)
+        except CheckpointNotFoundError:
+            return None
+        return Obj(key, int(props.size), props.last_modified.timestamp(), props.etag)
+
+    def put(self, key: str, data: bytes, *, if_absent: bool = False, if_token: Any = None) -> None:
+        _call("writing", self.path(key), self._blob(key).upload_blob, data, overwrite=True,
+              **_conditions(if_absent, if_token))
+
+    def get(self, key: str, limit: int) -> tuple[bytes, Any]:
+        blob = self._blob(key)
+
+        def run() -> tuple[bytes, Any]:
+            from azure.core.exceptions import HttpResponseError
+
+            try:  # one request: the first bytes and the ETag of the version they are of
+                down = blob.download_blob(offset=0, length=max(limit, 1))
+            except HttpResponseError as exc:
+                if exc.status_code != 416:
+                    raise
+                down = blob.download_blob()  # an empty blob has no byte 0 to range over
+            data = down.readall()
+            return data[:limit], down.properties.etag
+
+        return _call("reading", self.path(key), run)
+
+    def read_into(self, key: str, offset: int, view: memoryview) -> int:
+        if view.nbytes == 0:
+            return 0
+        where, sink = self.path(key), IntoView(view)
+        down = _call("reading", where, self._blob(key).download_blob, offset=offset, length=view.nbytes)
+        _call("reading", where, down.readinto, sink)
+        return sink.done
+
+    def delete(self, key: str) -> None:
+        try:
+            _call("removing", self.path(key), self._blob(key).delete_blob)
+        except CheckpointNotFoundError:
+            pass  # gone already: what was asked
+
+    def delete_many(self, keys: list[str], where: object) -> None:
+        with ThreadPoolExecutor(min(THREADS, len(keys)) or 1, thread_name_prefix="ckptio-az-delete") as pool:
+            for done in [pool.submit(self.delete, key) for key in keys]:
+                done.result()
+
+    def copy(self, src: str, dst: str) -> None:
+        where, target = self.path(src), self._blob(dst)
+        # within one account the service copies without the bytes passing through here; a large blob's copy may
+        # finish in the background ('pending'), looked at until it is done
+        status = _call("copying", where, target.start_copy_from_url, self._blob(src).url).get("copy_status")
+        while status == "pending":
+            time.sleep(COPY_POLL_S)
+            status = _call("copying", where, target.get_blob_properties).copy.status
+        if status != "success":
+            raise AzureError(f"copying {where} to {self.path(dst)} failed: the copy ended {status!r}")
+
+    def upload_file(self, path: Path, key: str, *, if_absent: bool = False) -> None:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            # above 64 MiB the client sends 4 MiB blocks, THREADS at once, and commits the block list with the
+            # condition (If-None-Match: * on the list: a second writer's commit is refused the same way)
+            _call("uploading", self.path(key), self._blob(key).upload_blob, f, length=size, overwrite=True,
+                  max_concurrency=THREADS, **_conditions(if_absent, None))
+
+    def open_stream(self, spool: Path, key: str) -> "AzureWriteStream":
+        return AzureWriteStream(spool, self, key)
+
+
+class AzureWriteStream(SpooledUpload):
+    """A file spooled locally with a running CRC-32C and uploaded when it is closed (one request up to 64 MiB, blocks
+    sent in parallel above)."""
+
+
+def _obj(props: Any) -> Obj:
+    etag = props.etag if not props.etag or props.etag.startswith('"') else f'"{props.etag}"'  # as a lookup gives it
+    return Obj(props.name, int(props.size or 0), props.last_modified.timestamp(), etag)

@@ -1,0 +1,190 @@
+"""The Azure backend's own behaviour, beyond the object-store contract tests that run on it through the ``store``
+fixture (tests/test_s3.py and the others): credentials as Azure users set them, ``abfs://``, a container that does
+not exist, and faults in front of the server — against Azurite on 127.0.0.1 (tests/azuriteserver.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import test_s3 as contract
+from cli_here import ckptio_here
+from ckptio import committed_checkpoints
+from ckptio.storage import open_storage
+
+pytest.importorskip("azure.storage.blob")
+
+
+def _account(monkeypatch, azure_server: str, **env: str) -> None:
+    """The settings ``env`` alone (every other Azure variable unset), for a client made afresh."""
+    from ckptio.storage import azure
+
+    for name in azure._client._ENV:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+
+def test_an_account_url_with_its_key_or_a_sas_token(azure_container, azure_server, monkeypatch):
+    """Without a connection string: the account's URL with its key (the ``az`` CLI's variable names), then a SAS
+    token the key signed; each saves, resumes, and copies server-side (a copy's source is authorised by the SAS)."""
+    from datetime import datetime, timedelta, timezone
+
+    import azuriteserver
+    from azure.storage.blob import AccountSasPermissions, ResourceTypes, generate_account_sas
+
+    _account(monkeypatch, azure_server, AZURE_STORAGE_ACCOUNT_URL=azure_server,
+             AZURE_STORAGE_ACCOUNT=azuriteserver.ACCOUNT, AZURE_STORAGE_KEY=azuriteserver.KEY)
+    url = f"az://{azure_container}/keyed"
+    model, opt, mgr = contract._setup(url)
+    with mgr:
+        mgr.save(step=1)
+    sas = generate_account_sas(azuriteserver.ACCOUNT, azuriteserver.KEY, ResourceTypes(object=True, container=True),
+                               AccountSasPermissions(read=True, write=True, delete=True, list=True, create=True),
+                               expiry=datetime.now(timezone.utc) + timedelta(hours=1))
+    _account(monkeypatch, azure_server, AZURE_STORAGE_ACCOUNT_URL=azure_server, AZURE_STORAGE_SAS_TOKEN="?" + sas)
+    storage = open_storage(url)
+    storage.store.copy("keyed/epoch_0_step_1/manifest.json", "copied/manifest.json")
+    assert storage.store.get("copied/manifest.json", 1 << 20)[0] == \
+        storage.store.get("keyed/epoch_0_step_1/manifest.json", 1 << 20)[0]
+    model2, _, again = contract._setup(url, verify="full")
+    with again:
+        assert again.restore().step == 1
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
+
+
+def test_missing_or_wrong_credentials_are_named(azure_container, azure_server, monkeypatch):
+    from ckptio.storage.azure import AzureError
+
+    _account(monkeypatch, azure_server)
+    with pytest.raises(AzureError, match="AZURE_STORAGE_CONNECTION_STRING.*AZURE_STORAGE_ACCOUNT_NAME"):
+        open_storage(f"az://{azure_container}/run").folder().listdir()
+    # an account without a key: DefaultAzureCredential, which needs azure-identity (not installed here: named)
+    _account(monkeypatch, azure_server, AZURE_STORAGE_ACCOUNT_URL=azure_server)
+    monkeypatch.setitem(sys.modules, "azure.identity", None)
+    with pytest.raises(AzureError, match="install azure-identity for DefaultAzureCredential"):
+        open_storage(f"az://{azure_container}/run").folder().listdir()
+    _account(monkeypatch, azure_server, AZURE_STORAGE_ACCOUNT_URL=azure_server,
+             AZURE_STORAGE_ACCOUNT_NAME="devstoreaccount1", AZURE_STORAGE_ACCOUNT_KEY="d3Jvbmcga2V5")  # "wrong key"
+    with pytest.raises(AzureError, match=rf"listing az://{azure_container}/run failed: 403 .*check the account's credentials"):
+        open_storage(f"az://{azure_container}/run").folder().listdir()
+
+
+def test_an_abfs_location_is_the_same_folder_and_printed_as_given(azure_container):
+    model, opt, mgr = contract._setup(f"abfs://{azure_container}/run")
+    with mgr:
+        mgr.save(step=1)
+    (entry,) = committed_checkpoints(f"az://{azure_container}/run")
+    assert entry.step == 1
+    assert str(open_storage(f"abfs://{azure_container}/run/LATEST").root) == f"abfs://{azure_container}/run/" \
+        f"{entry.name}"
+
+
+def test_a_container_that_does_not_exist_is_named_when_the_manager_is_made(azure_container):
+    missing = f"{azure_container}-missing"
+    out = subprocess.run([sys.executable, "-c", contract._NO_BUCKET_SCRIPT, f"az://{missing}/run1"],
+                         capture_output=True, text=True, timeout=120)
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"ckptio.storage.azure._client.AzureError: az://{missing}/run1: the container"), last
+    assert "never creates one" in last
+    for args in (["list", f"az://{missing}/run1"], ["verify", f"az://{missing}/run1/LATEST"]):
+        done = ckptio_here(*args)
+        assert done.returncode == 2 and f"the container {missing!r} does not exist" in done.stderr, (args, done.stderr)
+
+
+@contextlib.contextmanager
+def _through(azure_server: str, monkeypatch, rule, retries: int):
+    """The client talks to Azurite through the contract tests' faulty proxy applying ``rule`` inside the block, and
+    tries a request ``retries`` more times."""
+    import azuriteserver
+
+    from ckptio.storage import azure
+
+    monkeypatch.setattr(azure._client, "RETRIES", retries)
+    proxy = contract._FaultyProxy(azure_server, rule)
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING",
+                       azuriteserver.connection_string(f"{proxy.url}/{azuriteserver.ACCOUNT}"))
+    try:
+        yield proxy
+    finally:
+        proxy.close()
+        monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azuriteserver.connection_string(azure_server))
+
+
+@pytest.mark.slow  # the client's backoff between tries
+def test_transient_server_errors_and_dropped_connections_are_retried(azure_container, azure_server, monkeypatch):
+    """503s (Azure's 'ServerBusy') and a dropped connection mid-save are retried by the client, writes included, and
+    the checkpoints are exact."""
+    rule = contract._nth(lambda method, path: method == "PUT" and "/r2/" in path, {1: "503", 4: "drop", 7: "503"})
+    with _through(azure_server, monkeypatch, rule, retries=3) as proxy:
+        model, opt, mgr = contract._setup(f"az://{azure_container}/r2")
+        with mgr:
+            mgr.save(step=1)
+            contract._train(model, opt, 1, 3)
+            mgr.save(step=2)
+    assert [f[0] for f in proxy.faults] == ["503", "drop", "503"], proxy.faults
+    contract._resumes_exactly(f"az://{azure_container}/r2", model, 2)
+
+
+def test_a_server_that_keeps_failing_fails_the_save_cleanly(azure_container, azure_server, monkeypatch):
+    """Writes of the second step always answered 503: the save raises once the client's tries are spent (1 here),
+    naming the blob and the answer; the first checkpoint stays the one a resume takes."""
+    from ckptio.storage.azure import AzureError
+
+    failing = {"on": False}
+
+    def rule(method: str, path: str, query: str) -> str:
+        return "503" if failing["on"] and method == "PUT" and "/r3/epoch_0_step_2/" in path else "pass"
+
+    with _through(azure_server, monkeypatch, rule, retries=1):
+        model, opt, mgr = contract._setup(f"az://{azure_container}/r3")
+        with mgr:
+            mgr.save(step=1)
+            failing["on"] = True
+            start = time.time()
+            with pytest.raises(AzureError, match=rf"az://{azure_container}/r3/epoch_0_step_2/.* 503"):
+                mgr.save(step=2)
+            assert time.time() - start < 60
+    assert not any(o.key.endswith("epoch_0_step_2/manifest.json") for o in open_storage(
+        f"az://{azure_container}").store.listing("r3/", delimiter=False)[0])
+    _, _, again = contract._setup(f"az://{azure_container}/r3")
+    with again:
+        assert again.restore().step == 1
+
+
+def test_a_manifest_whose_answer_was_lost_is_not_taken_for_another_writers(azure_container, azure_server, monkeypatch):
+    """The manifest's create-only upload lands but its answer is lost; the client's retry is refused (409
+    BlobAlreadyExists). The save tells its own manifest from another writer's by its bytes and is committed."""
+    rule = contract._nth(lambda method, path: method == "PUT" and path.endswith("/lost/epoch_0_step_1/manifest.json"),
+                         {1: "lost"})
+    with _through(azure_server, monkeypatch, rule, retries=3) as proxy:
+        model, _, mgr = contract._setup(f"az://{azure_container}/lost")
+        with mgr:
+            mgr.save(step=1)
+    assert [f[0] for f in proxy.faults] == ["lost"], proxy.faults
+    contract._resumes_exactly(f"az://{azure_container}/lost", model, 1)
+
+
+def test_a_large_file_goes_up_in_blocks_committed_create_only(azure_container, monkeypatch, tmp_path):
+    """Above the single-request size the client sends blocks and commits their list with the condition: a second
+    create-only upload of the name (a manifest over 8 MiB, say) is refused as the single request is."""
+    from ckptio.storage import azure
+    from ckptio.storage.objstore import PreconditionFailed
+
+    monkeypatch.setattr(azure._client, "SINGLE_PUT", 1 << 20)
+    monkeypatch.setattr(azure._client, "BLOCK", 1 << 20)
+    bucket = open_storage(f"az://{azure_container}").store
+    data = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8).numpy().tobytes()
+    (tmp_path / "big").write_bytes(data)
+    bucket.upload_file(tmp_path / "big", "big/manifest.json", if_absent=True)
+    blocks = azure.client().get_blob_client(azure_container, "big/manifest.json").get_block_list()[0]
+    assert len(blocks) == 3, blocks
+    (tmp_path / "other").write_bytes(data[::-1])
+    with pytest.raises(PreconditionFailed, match="409 BlobAlreadyExists"):
+        bucket.upload_file(tmp_path / "other", "big/manifest.json", if_absent=True)
+    assert bucket.get("big/manifest.json", 1 << 30)[0] == data
