@@ -31,7 +31,7 @@ def _events(folder: Path) -> list[dict]:
 
 
 def _run(folder: Path, *args: str, ranks: int = 1) -> subprocess.CompletedProcess:
-    return launch(LOOP, str(folder), *args, ranks=ranks, timeout=300)
+    return launch(LOOP, str(folder), *args, ranks=ranks, timeout=120)
 
 
 def _killed_and_resumed(folder: Path, *left_out: str, ranks: int = 1) -> tuple[list[dict], str]:
@@ -75,6 +75,10 @@ def test_on_two_ranks_a_killed_run_resumed_is_audited_exact_and_without_the_load
     assert audits[0]["verdict"] == "exact" and audits[0]["checked"] == 3, audits
     audits, _ = _killed_and_resumed(tmp_path / "wrong", "no-dataloader", ranks=2)
     assert audits[0]["verdict"] == "diverged" and audits[0]["causes"] == ["dataloader"], audits
+    third = _run(tmp_path / "exact", "12", "0")  # the run of 2 ranks resumed again from step 5, on 1 rank
+    assert third.returncode == 0, third.stderr[-2000:]
+    audits = [e for e in _events(tmp_path / "exact") if e["kind"] == "audit"]
+    assert audits[-1]["verdict"] == "diverged" and audits[-1]["causes"] == ["ranks"], audits
 
 
 # ------------------------------------------------------------------------------------------ in this process
@@ -145,3 +149,16 @@ def test_the_record_keeps_metrics_and_audits_typed_and_refuses_what_is_not():
         data = json.dumps({"format": "ckptio-record", "version": 1, "events": [bad]}).encode()
         with pytest.raises(CheckpointError, match=field):
             parse(data, "r")
+
+
+def test_a_partial_load_is_named_among_the_causes(tmp_path):
+    mgr = _manager(tmp_path)
+    _feed(mgr, {1: 1.0, 2: 0.9, 3: 0.8, 4: 0.7})
+    mgr.close()
+    mgr = _manager(tmp_path)
+    info = mgr.restore(tmp_path / "epoch_0_step_2", exclude=["bias"], states=["model", "rng"])
+    assert info.report.excluded and info.report.skipped_states
+    _feed(mgr, {3: 0.85})
+    mgr.close()
+    audit = [e for e in _events(tmp_path) if e["kind"] == "audit"][-1]
+    assert audit["verdict"] == "diverged" and audit["causes"] == ["dataloader", "load_exclude", "load_states"], audit
