@@ -110,8 +110,8 @@ class ResumeAudit:
             self.log.info("Resume audit from step %d: nothing recorded of the steps after it to compare (the run "
                           "that stopped reported no metrics there, or ended before it wrote them)", s)
             return
-        was = expected.pop(step, None) if step <= s + self.steps else None
-        shared = [k for k in AUDITED if was is not None and k in was and k in values]
+        was: dict[str, Any] = expected.pop(step, {}) if step <= s + self.steps else {}
+        shared = [k for k in AUDITED if k in was and k in values]
         if shared:
             state["checked"] += 1
             if any(not _same(was[k], values[k]) for k in shared):
