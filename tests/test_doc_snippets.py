@@ -327,6 +327,41 @@ from ckptio import committed_checkpoints
 assert [e.step for e in committed_checkpoints("az://container/run1")] == [20, 30]
 assert start is None
 """),
+    "docs/goodput.md: mgr = CheckpointManager(CheckpointConfig(": Run("""
+import os, subprocess, sys, torch
+from ckptio import CheckpointConfig, CheckpointManager, ResumableDataLoader
+OBJECTS = '''
+import torch
+from ckptio import CheckpointConfig, CheckpointManager, ResumableDataLoader
+torch.manual_seed(0)
+loader = ResumableDataLoader(torch.utils.data.TensorDataset(torch.randn(64, 4)), batch_size=4, seed=1)
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+sched = torch.optim.lr_scheduler.StepLR(opt, 3)
+'''
+FIRST = OBJECTS + '''
+import os, signal
+mgr = CheckpointManager(CheckpointConfig(checkpoint_dir="checkpoints", persist_every_steps=5),
+                        model=model, optimizer=opt, lr_scheduler=sched, dataloader=loader)
+for step, (x,) in enumerate(loader, 1):
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    opt.step()
+    sched.step()
+    opt.zero_grad()
+    mgr.maybe_save(step=step, metrics={"loss": loss.item(), "lr": sched.get_last_lr()[0]})
+    if step == 8:
+        os.kill(os.getpid(), signal.SIGKILL)  # the node is lost three steps after the save of step 5
+'''
+killed = subprocess.run([sys.executable, "-c", FIRST], capture_output=True, text=True)
+assert killed.returncode == -9, killed.stderr[-2000:]
+exec(OBJECTS)  # the new process's objects, as the script makes them
+""", """
+from ckptio.goodput.record import RECORD_NAME, parse
+events = parse(open(os.path.join("checkpoints", RECORD_NAME), "rb").read(), "record")
+audits = [e for e in events if e["kind"] == "audit"]
+assert [(a["step"], a["verdict"], a["checked"]) for a in audits] == [(5, "exact", 3)], audits
+"""),
     "docs/goodput.md: cfg = CheckpointConfig(": Run("""
 import torch
 from ckptio import CheckpointConfig, CheckpointManager

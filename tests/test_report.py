@@ -36,11 +36,12 @@ mgr = CheckpointManager(CheckpointConfig(checkpoint_dir=sys.argv[1], persist_eve
                                          save_top_k=2), model=model, optimizer=opt)
 info = mgr.restore()
 for step in range((info.step if info else 0) + 1, 25):
-    model(torch.randn(4, 64)).sum().backward()
+    loss = model(torch.randn(4, 64)).sum()
+    loss.backward()
     opt.step()
     opt.zero_grad()
     time.sleep(0.02)
-    mgr.maybe_save(step=step)
+    mgr.maybe_save(step=step, metrics={"loss": loss.item()})
     if step == int(sys.argv[2]):
         mgr.wait()  # the step-14 snapshot committed (it runs in the background; under load it may not be yet)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -123,6 +124,7 @@ def test_the_terminal_report_of_a_real_run(real_run, capsys):
     assert re.search(r"^14\s+memory\s+0\s", out, re.M), out  # resumed from the memory tier's step 14
     assert "Removed by retention: 2 checkpoint(s) (steps 6, 12)" in out
     assert "interval for the durable tier: every" in out and "learned from its failures" in out
+    assert "Resume audit from step 14: exact: the 1 step(s) compared match the run that stopped bitwise" in out, out
     assert main(["report", str(real_run), "--json", "--probe-mib", "0"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert [e["step"] for e in data["durable"]] == [6, 12, 18, 24] and data["failures"] == 1
@@ -182,6 +184,7 @@ def test_the_page_of_a_real_run_renders_its_charts_in_chromium(real_run, tmp_pat
     assert times.count("<rect") == 2 * 4 and times.count('stroke="#d7263d"') == 4  # each save against the limit
     assert sizes.count("<rect") == 4 and memory.count("<rect") >= 6
     assert re.search(r"<td>14</td><td>memory</td><td>0</td>", dom), "the restore's row"
+    assert "Resume audit from step 14: exact" in dom, "the resume audit's line"
     # a screenshot: the page draws far more than an empty page of the same size does
     shot, blank = tmp_path / "report.png", tmp_path / "blank.png"
     _browse(page, tmp_path, "--window-size=1200,1800", "--hide-scrollbars", f"--screenshot={shot}")
@@ -205,3 +208,22 @@ def test_no_text_of_the_run_is_markup_on_the_page(tmp_path, capsys):
     body = re.search(r"<body[^>]*>", dom).group(0)
     assert 'data-charts="3"' in body and "data-error" not in body, body  # no memory tier: said in words
     assert "No saves recorded." in dom and "<img" not in dom and "&lt;img src=x" in dom
+
+
+def test_the_resume_audits_are_said_in_the_terminal_and_on_the_page(tmp_path, capsys):
+    """An exact resume and one that diverged, as a run records them: one line each, values side by side, causes."""
+    (tmp_path / RECORD_NAME).write_bytes(dump([
+        {"kind": "start", "time": 1.0, "ranks": 1},
+        {"kind": "save", "time": 5.0, "step": 3, "tier": "durable", "blocked_s": 0.5},
+        {"kind": "audit", "time": 9.0, "step": 3, "verdict": "exact", "checked": 3},
+        {"kind": "audit", "time": 12.0, "step": 3, "verdict": "diverged", "checked": 1, "at": 4, "loss": 2.5,
+         "loss_was": 2.25, "lr": 0.001, "lr_was": 0.001, "causes": ["dataloader", "ranks"]}]))
+    assert main(["report", str(tmp_path), "--probe-mib", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "Resume audit from step 3: exact: the 3 step(s) compared match the run that stopped bitwise" in out
+    line = next(x for x in out.splitlines() if "DIVERGED" in x)
+    assert "DIVERGED at step 4: loss 2.5 now vs 2.25 recorded, lr 0.001 now vs 0.001 recorded" in line, line
+    assert "no data loader given to the manager" in line and "another number of ranks" in line, line
+    assert main(["report", str(tmp_path), "--json", "--probe-mib", "0"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [a["verdict"] for a in data["audits"]] == ["exact", "diverged"] and "DIVERGED" in data["audits"][1]["text"]

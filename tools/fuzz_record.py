@@ -1,8 +1,9 @@
 """The fuzz family of the run's record (``.ckptio_record.json``, issue 49), run by ``fuzz_readers.py``:
 
   record       the run's record with fields of other types, huge, negative and non-finite numbers, unknown kinds and
-               fields, deep nesting, too many events, byte damage and truncation, and the record as a link (to a
-               file outside), a folder, a FIFO or a huge sparse file
+               fields, the resume audit's values (non-finite ones as text) and verdicts with their causes, deep
+               nesting, too many events, byte damage and truncation, and the record as a link (to a file outside), a
+               folder, a FIFO or a huge sparse file
 
 Each input: a manager's record is opened over it (``RunRecord``, what every ``CheckpointManager`` does at start),
 which must never raise (a refused record is moved aside, its bytes kept, and a new one begins); then the gate's
@@ -25,6 +26,8 @@ from pathlib import Path
 from fuzz_kit import WrongResult, flip
 
 _VALUES = [None, True, -1, 0, 1.5, float("nan"), 1e308, 10**400, "", "x" * 300, [], {}, [[[[]]]], "durable", "s3"]
+_METRIC_VALUES = [2.5, -1e308, 5e-324, 0, "nan", "inf", "-inf", 1e308]
+"""What a loop may report of a step (the resume audit): non-finite values are kept as text."""
 _EDGE_TIMES = [0.0, 5e-324, 2.2e-308, 1e-9, 1e12, 1e12 - 1e-3]
 """Times and durations a record passes its checks with that once overflowed or divided by zero downstream."""
 
@@ -70,6 +73,14 @@ def _events(rng: random.Random) -> list[dict]:
     if rng.random() < 0.3:  # saves that failed while training went on (failed_saves_allowed)
         events += [{"kind": "save_failed", "time": 1503.0, "tier": rng.choice(["durable", "memory"]), "step": 20},
                    {"kind": "save_failed", "time": 1504.0, "tier": "durable"}]
+    if rng.random() < 0.5:  # the resume audit: the steps after a save, and a verdict on a resume
+        events += [{"kind": "metrics", "time": 1505.0 + i, "step": 11 + i, "loss": rng.choice(_METRIC_VALUES),
+                    "grad_norm": rng.choice(_METRIC_VALUES), "lr": 1e-4} for i in range(rng.randint(1, 3))]
+        events.append({"kind": "audit", "time": 1510.0, "step": 10, "checked": rng.randint(0, 3),
+                       **rng.choice([{"verdict": "exact"}, {"verdict": "tolerance", "tolerance": 1e-3},
+                                     {"verdict": "diverged", "at": 11, "causes": ["dataloader", "rng", "ranks"],
+                                      "loss": rng.choice(_METRIC_VALUES), "loss_was": rng.choice(_METRIC_VALUES),
+                                      "lr": 1e-4, "lr_was": 2e-4}])})
     events.append(rng.choice([{"kind": "end", "time": 2000.0}, {"kind": "progress", "time": 2000.0, "step": 99}]))
     return events
 
@@ -178,7 +189,8 @@ def _report(events: list[dict], root: Path, tmp: Path) -> None:
     if summary.goodput is not None and not 0 <= summary.goodput <= 1:
         raise WrongResult(f"goodput {summary.goodput}")
     for rate in (None, 1e9, 5e-324):
-        shown = text(summary, str(root), rate)
+        shown = "\n".join(line for line in text(summary, str(root), rate).splitlines()
+                           if not line.startswith("  Resume audit"))  # the loop's own values, nan included
         if "inf" in shown.lower() or "nan" in shown.lower():
             raise WrongResult(f"a number the report shows is not finite: {shown[:600]}")
         json.dumps(_as_json(summary, rate), allow_nan=False)  # ValueError (not a ckptio error) on inf or nan
@@ -223,5 +235,6 @@ def _plan(root: Path) -> None:
 
 
 def _typed(event: dict) -> dict:
-    numbers = ("time", "blocked_s", "total_s", "restore_s", "startup_s")
-    return {k: float(v) if k in numbers else v for k, v in event.items()}
+    numbers = ("time", "blocked_s", "total_s", "restore_s", "startup_s", "age_s", "tolerance")
+    metrics = ("loss", "grad_norm", "lr", "loss_was", "grad_norm_was", "lr_was")
+    return {k: float(v) if k in numbers or k in metrics and not isinstance(v, str) else v for k, v in event.items()}

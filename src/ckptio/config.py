@@ -217,6 +217,13 @@ class CheckpointConfig:
     run_record: bool = True
     """Keep the run's record (``.ckptio_record.json``: every save, restore and restart) beside the checkpoints."""
 
+    audit_steps: int = 3
+    """The resume audit (docs/goodput.md): the ``loss``, ``grad_norm``, ``lr`` given to ``maybe_save(metrics=)`` this
+    many steps after each durable save are recorded, and a resumed run's compared with them. 0: off."""
+
+    audit_tolerance: float = 0.0
+    """The resume audit: the relative difference still counted as the same (non-deterministic kernels); 0: exact."""
+
     memory_replicas: int = 2
     """The memory tier: each rank's part is held on this many distinct nodes (its own and the rest on others, of
     distinct failure domains first: ``$CKPTIO_FAILURE_DOMAIN``); 1: no copy elsewhere. See docs/memory-tier.md."""

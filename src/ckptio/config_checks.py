@@ -78,6 +78,12 @@ def validate_switches(self: Any) -> None:
     if type(allowed) is not int or not 0 <= allowed <= 10**6:
         raise ConfigError(f"failed_saves_allowed must be a whole number of saves from 0 (raise at the first failure) "
                           f"to 1000000, got {allowed!r}")
+    if type(self.audit_steps) is not int or not 0 <= self.audit_steps <= 100:
+        raise ConfigError(f"audit_steps must be a whole number of steps from 0 (no resume audit) to 100, got "
+                          f"{self.audit_steps!r}")
+    tol = self.audit_tolerance
+    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 <= tol <= 1:
+        raise ConfigError(f"audit_tolerance must be a relative difference in [0, 1] (0: exact), got {tol!r}")
 
 
 def validate_preemption(self: Any) -> None:

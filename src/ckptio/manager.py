@@ -225,7 +225,7 @@ class CheckpointManager:
         due (every ``memory_every_steps`` steps). Returns what :meth:`save` or :meth:`save_memory` returned, or
         ``None`` when nothing was due. After a preemption signal (``on_preemption``): see :attr:`preempted`."""
         step, epoch = position(self.step_scheduler, step, epoch)
-        self._goodput.tick(step)
+        self._goodput.tick(step, metrics)  # metrics: the resume audit's
         if self._preemption.agreed():  # a signal on any rank: save, then exit or hand back (docs/preemption.md)
             return self._preemption.stop(self, step, epoch, metrics, counters)
         due = what_is_due(self.config, self.step_scheduler, step, self._goodput)

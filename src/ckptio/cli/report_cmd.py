@@ -136,6 +136,11 @@ def text(summary: Summary, where: str, rate: float | None) -> str:
                            ["restored step", "tier", "steps lost", "restore", "start to first step"]))
     else:
         lines.append("No restore recorded.")
+    if summary.audits:
+        from ..goodput.audit import describe
+
+        lines += ["Resume audits (each resume against what the run that stopped recorded of the same steps):"]
+        lines += [f"  {describe(e)}" for e in summary.audits]
     removed = [str(e["step"]) for e in summary.removes if "step" in e]
     lines.append(f"Removed by retention: {len(summary.removes)} checkpoint(s)"
                  + (f" (steps {', '.join(removed[:12])}{', ...' if len(removed) > 12 else ''})" if removed else ""))

@@ -24,6 +24,7 @@ from .. import _dist
 from ..errors import CheckpointError
 from ..storage import url_scheme
 from ..engine.layout import parse_step_name
+from .audit import ResumeAudit
 from .interval import DEFAULT_MEMORY_SHARE, IntervalPlanner, basis, parse_duration, plan_two_tiers
 from .record import RunRecord
 
@@ -89,6 +90,7 @@ class Goodput:
                     self.planners[tier].costs.extend(e["blocked_s"] for e in self.record.saves(tier)[-20:]
                                                      if "blocked_s" in e)
         self.memory_share = _memory_share(config.memory_recovers, self.record)
+        self.audit = ResumeAudit(config.audit_steps, config.audit_tolerance, self.record, self.emit, log, saver.tracked)
         if sched_auto:
             step_scheduler.auto = self
         self._ticks, self.closed = 0, False
@@ -111,13 +113,14 @@ class Goodput:
                 self.log.warning("A checkpoint event listener failed (%s: %s)", type(exc).__name__, exc)
 
     # ---------------------------------------------------------------------------------------------- the loop
-    def tick(self, step: int) -> None:
+    def tick(self, step: int, metrics: dict[str, Any] | None = None) -> None:
         """Every rank, once per training step (repeated calls for one step count once); collective at the
-        process's third step when an interval is automatic."""
+        process's third step when an interval is automatic. ``metrics``: the loop's, for the resume audit."""
         if step == self._last_tick:
             return
         self._last_tick = step
         self._ticks += 1
+        self.audit.tick(step, metrics)
         if self.record is not None:
             self.record.progress(step)
         for planner in self.planners.values():
@@ -150,6 +153,8 @@ class Goodput:
     def saved(self, tier: str, step: int, blocked_s: float) -> None:
         """Every rank, at the end of ``save()`` / ``save_memory()`` (collective when an interval is automatic)."""
         planner = self.planners.get(tier)
+        if tier == "durable":
+            self.audit.saved(step)
         if planner is not None:
             planner.saved(step, blocked_s)
             if tier == "durable" and "memory" in self.planners:  # a durable save is also the newest snapshot
@@ -182,6 +187,7 @@ class Goodput:
         self.emit("restore", step=info.step, tier=info.tier, restore_s=round(restore_s, 6),
                   startup_s=round(process_age_s(), 3),
                   **({"steps_lost": max(0, newest - info.step)} if newest is not None else {}), begin=self._own(info))
+        self.audit.restored(info)
 
     def _own(self, info: Any) -> bool:
         """Whether ``info`` came from a checkpoint ckptio wrote: a memory snapshot, or a step directory with its own
@@ -203,6 +209,7 @@ class Goodput:
         """The manager is closed: a clean end is recorded (a process that ends otherwise was a failure)."""
         if not self.closed:
             self.closed = True
+            self.audit.finish()
             if clean:
                 self.emit("end")
             elif self.record is not None:

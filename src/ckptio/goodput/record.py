@@ -20,7 +20,12 @@ Events (all with ``kind`` and ``time``, seconds since the epoch):
   previous one), so that a failure's lost steps are known;
 * ``save_failed``: a save of ``tier`` (of ``step``, when known) failed and training went on (``failed_saves_allowed``);
 * ``remove``: retention removed the checkpoint of ``step`` (when its name gives the step);
-* ``end``: the run's processes closed their manager without an error.
+* ``end``: the run's processes closed their manager without an error;
+* ``metrics``: what the loop reported of ``step`` (``loss``, ``grad_norm``, ``lr``: a number, or ``"nan"``, ``"inf"``,
+  ``"-inf"``), for the first ``audit_steps`` steps after each durable save (:mod:`.audit`);
+* ``audit``: a resume from ``step`` compared with the run that stopped: ``verdict`` (``exact``, ``tolerance``,
+  ``diverged``), ``checked`` (steps compared), ``tolerance``; when diverged, ``at`` (the step), its values now and as
+  recorded (``loss`` and ``loss_was``...) and the likely ``causes`` (names of :data:`.audit.CAUSES`).
 """
 
 from __future__ import annotations
@@ -50,10 +55,13 @@ of a record's numbers can overflow what reads it (the report)."""
 _CLOCK_SLACK_S = 1.0
 """An event stamped up to this much after now is still counted (times are rounded to the millisecond, and the nodes
 of a job may differ by a little): what a forged stamp can add to the uptime."""
-_KINDS = ("start", "save", "save_failed", "restore", "progress", "remove", "end")
+_KINDS = ("start", "save", "save_failed", "restore", "progress", "remove", "end", "metrics", "audit")
 _NUMBERS = ("time", "blocked_s", "total_s", "restore_s", "startup_s", "age_s")
-_COUNTS = ("step", "bytes", "files", "ranks", "steps_lost")
-_TEXTS = {"tier": ("durable", "memory"), "storage": ("local", "s3", "gs", "az", "abfs")}
+_COUNTS = ("step", "bytes", "files", "ranks", "steps_lost", "at", "checked")
+_TEXTS = {"tier": ("durable", "memory"), "storage": ("local", "s3", "gs", "az", "abfs"),
+          "verdict": ("exact", "tolerance", "diverged")}
+_METRICS = ("loss", "grad_norm", "lr", "loss_was", "grad_norm_was", "lr_was")
+"""The resume audit's values: any finite number, or ``"nan"``, ``"inf"``, ``"-inf"``."""
 
 
 class RunRecord:
@@ -138,8 +146,10 @@ class RunRecord:
         else:
             self.events.append(event)
             self._encoded.append(_encode(event))
-        while len(self.events) > MAX_EVENTS:
-            oldest = next((i for i, e in enumerate(self.events) if e["kind"] in ("save", "progress")), 0)
+        while len(self.events) > MAX_EVENTS:  # the oldest audit values first (their checkpoints are gone), then saves
+            oldest = next((i for i, e in enumerate(self.events) if e["kind"] == "metrics"), None)
+            oldest = next((i for i, e in enumerate(self.events) if e["kind"] in ("save", "progress")), 0) \
+                if oldest is None else oldest
             del self.events[oldest], self._encoded[oldest]
         self._held = held
         if not self.writer or self.broken or self.deferred or held:
@@ -288,6 +298,14 @@ def _event(event: Any, where: str) -> dict[str, Any]:
             out[name] = number
         elif name in _COUNTS:
             out[name] = as_int(value, where, name)
+        elif name in _METRICS:
+            out[name] = _metric(value, where, name)
+        elif name == "tolerance":
+            out[name] = as_float(value, where, name)
+            if not 0 <= out[name] <= 1:
+                raise CheckpointError(f"{where}: tolerance must be in [0, 1], found {out[name]:g}")
+        elif name == "causes":
+            out[name] = _causes(value, where)
         elif name in _TEXTS:
             if value not in _TEXTS[name]:
                 raise CheckpointError(f"{where}: {name} must be one of {', '.join(_TEXTS[name])}, found {value!r:.40}")
@@ -297,3 +315,22 @@ def _event(event: Any, where: str) -> dict[str, Any]:
     if "time" not in out:
         raise CheckpointError(f"{where}: no time")
     return out
+
+
+def _metric(value: Any, where: str, name: str) -> float | str:
+    if value in ("nan", "inf", "-inf"):
+        return str(value)
+    number = as_float(value, where, name)
+    if not math.isfinite(number):
+        raise CheckpointError(f"{where}: {name} must be a finite number or \"nan\", \"inf\", \"-inf\"")
+    return number
+
+
+def _causes(value: Any, where: str) -> list[str]:
+    from .audit import CAUSES
+
+    if not isinstance(value, list) or len(value) > len(CAUSES) or len(set(map(str, value))) != len(value) \
+            or not all(isinstance(v, str) and v in CAUSES for v in value):
+        raise CheckpointError(f"{where}: causes must be a list of distinct names among {', '.join(CAUSES)}, found "
+                              f"{str(value)[:80]}")
+    return list(value)

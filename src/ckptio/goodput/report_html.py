@@ -13,6 +13,7 @@ import json
 import time
 from typing import Any
 
+from .audit import describe
 from .summary import Summary
 
 __all__ = ["render"]
@@ -37,7 +38,8 @@ def page_data(summary: Summary, where: str, storage_rate: float | None) -> dict[
             "wall_s": summary.wall_s, "blocked_s": summary.blocked_s, "redone_s": summary.redone_s,
             "restarting_s": summary.restarting_s, "setup_s": summary.setup_s, "unseen_s": summary.unseen_s,
             "unseen_steps": summary.unseen_steps, "unknown_lost": summary.unknown_lost, "failures": summary.failures, "mtbf_s": summary.mtbf_s,
-            "step_s": summary.step_s, "newest_step": summary.newest_step}
+            "step_s": summary.step_s, "newest_step": summary.newest_step,
+            "audits": [{"verdict": e.get("verdict"), "text": describe(e)} for e in summary.audits]}
 
 
 def render(summary: Summary, where: str, storage_rate: float | None = None) -> str:
@@ -81,6 +83,7 @@ whole save<i style="background:#d7263d"></i>the storage's measured limit for its
 <h2>Bytes of each durable save</h2><div id="bytes"></div>
 <h2>Memory-tier snapshots: training loop blocked</h2><div id="memory"></div>
 <h2>Restores</h2><div id="restores"></div>
+<h2>Resume audits</h2><div id="audits"></div>
 <p class="sub">Made by ckptio report on @MADE@. Goodput: the share of wall time left once the time the saves blocked,
 the steps redone after failures and the restarts are taken out (an estimate from the record).</p>
 <script type="application/json" id="data">@DATA@</script>
@@ -196,6 +199,14 @@ function restores() {
   });
   document.getElementById("restores").appendChild(t);
 }
+function audits() {
+  if (!D.audits.length) return none("audits", "No resume audited (maybe_save(metrics=...) gives it the loss).");
+  D.audits.forEach(a => {
+    const p = document.createElement("p"); p.textContent = a.text;
+    if (a.verdict === "diverged") p.style.color = "#d7263d";
+    document.getElementById("audits").appendChild(p);
+  });
+}
 function cards() {
   const add = (value, label) => {
     const c = document.createElement("div"); c.className = "card";
@@ -224,5 +235,6 @@ bars("times", D.durable, [{key: "total_s", color: "#a8c5e2"}, {key: "blocked_s",
 bars("bytes", D.durable, [{key: "bytes", color: "#6c8ebf"}], fmtB, "bytes", null);
 bars("memory", D.memory, [{key: "blocked_s", color: "#9ad0ae"}], fmtS, "seconds", null);
 restores();
+audits();
 document.body.dataset.charts = String(charts);
 """

@@ -76,6 +76,11 @@ class Summary:
         return [e for e in self.events if e["kind"] == "save_failed"]
 
     @property
+    def audits(self) -> list[dict[str, Any]]:
+        """The resume audits: each resume compared with the run that stopped (:mod:`.audit`)."""
+        return [e for e in self.events if e["kind"] == "audit"]
+
+    @property
     def failures(self) -> int:
         """Processes that ended without an ``end`` and were followed by another (stamps after now or before the
         record began not counted: :func:`~.record.failure_history`, what the ``"auto"`` interval learns from)."""

@@ -1,0 +1,102 @@
+"""What the resume audit costs a step: a plain training loop, and the same loop calling ``maybe_save(step=...,
+metrics={loss, grad_norm, lr})`` after each step with the audit off (``audit_steps=0``) and on (the default), in one
+process.
+
+    python benchmarks/resume_audit.py [--steps 600] [--every 50] [--rounds 5]
+
+Each loop trains a small MLP (AdamW) and saves durably every ``--every`` steps (kept: the 2 newest), so the audit
+records the 3 steps after each save (one write of the run's record per save) and checks nothing else. Rounds
+alternate between the three loops (the first is a warm-up); printed: the median time per step of each, its ratio
+to the plain loop, the ratio of the loop with the audit to the one without (1.00: it costs nothing measurable) and,
+for the noise, the spread of that ratio over the rounds. Then, with no save due, the time of one ``maybe_save`` call
+each way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import tempfile
+import time
+
+import torch
+
+from ckptio import CheckpointConfig, CheckpointManager
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--every", type=int, default=50)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=20000)
+    args = parser.parse_args()
+    logging.getLogger("ckptio").setLevel(logging.WARNING)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(64, 256)
+
+    def train_step() -> tuple[float, float]:
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        return loss.item(), norm.item()
+
+    times: dict[str, list[float]] = {"plain": [], "audit off": [], "audit on": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        mgrs = {mode: CheckpointManager(CheckpointConfig(checkpoint_dir=f"{tmp}/{i}", persist_every_steps=args.every,
+                                                         save_top_k=2, audit_steps=3 if mode == "audit on" else 0),
+                                model=model, optimizer=opt)
+                for i, mode in enumerate(times) if mode != "plain"}
+        calls_at: dict[str, dict[int, list[float]]] = {mode: {0: [], 3: []} for mode in mgrs}
+        """Per manager, the ``maybe_save`` calls of the steps that save (0) and that write the audit's values (3)."""
+        order = list(times)
+        for r in range(args.rounds + 1):
+            order = order[1:] + order[:1]  # each loop in each place in turn: no order favours one
+            for mode in order:
+                mgr = mgrs.get(mode)
+                first = 1 + r * args.steps
+                start = time.perf_counter()
+                for step in range(first, first + args.steps):
+                    loss, norm = train_step()
+                    if mgr is not None:
+                        called = time.perf_counter()
+                        mgr.maybe_save(step=step, metrics={"loss": loss, "grad_norm": norm, "lr": 1e-3})
+                        if r and step % args.every in (0, 3):
+                            calls_at[mode][step % args.every].append(time.perf_counter() - called)
+                if r:
+                    times[mode].append((time.perf_counter() - start) / args.steps)
+        recorded = sum(1 for e in mgrs["audit on"]._goodput.record.events if e["kind"] == "metrics")
+        calls = {}
+        for mode, mgr in mgrs.items():  # nothing due: the call alone
+            metrics = {"loss": 1.0, "grad_norm": 1.0, "lr": 1e-3}
+            first = 10**9 + 1
+            start = time.perf_counter()
+            for step in range(first, first + args.calls):
+                mgr.maybe_save(step=step * args.every + 1, metrics=metrics)
+            calls[mode] = (time.perf_counter() - start) / args.calls * 1e6
+        for mgr in mgrs.values():
+            mgr.close()
+    med = {mode: statistics.median(t) for mode, t in times.items()}
+    plain = med["plain"]
+    for mode, t in med.items():
+        print(f"{mode:20s} {t * 1e3:8.3f} ms/step   x{t / plain:.3f} the plain loop")
+    ratios = sorted(on / off for on, off in zip(times["audit on"], times["audit off"]))
+    print(f"audit on / off: x{med['audit on'] / med['audit off']:.3f} (rounds: x{ratios[0]:.3f} to x{ratios[-1]:.3f}; "
+          f"{args.steps * (args.rounds + 1) // args.every} saves of each loop, {recorded} steps recorded for the audit)")
+    save = statistics.median(calls_at["audit off"][0] + calls_at["audit on"][0])
+    write = statistics.median(calls_at["audit on"][3]) - statistics.median(calls_at["audit off"][3])
+    print(f"the call 3 steps after a save (it writes the audit's values into the record): {write * 1e3:+.2f} ms with "
+          f"the audit, once per save ({write / save:.1%} of the save's {save * 1e3:.0f} ms; "
+          f"{write / args.every / plain:.2%} of a step at a save every {args.every} steps of {plain * 1e3:.1f} ms)")
+    extra = calls["audit on"] - calls["audit off"]
+    print(f"maybe_save(metrics=) with nothing due: {calls['audit off']:.1f} us a call with the audit off, "
+          f"{calls['audit on']:.1f} us on ({extra:+.1f} us, {extra * 1e-6 / plain:+.3%} of a plain step)")
+
+
+if __name__ == "__main__":
+    main()
