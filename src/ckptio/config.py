@@ -5,12 +5,12 @@ from __future__ import annotations
 import difflib
 import functools
 import os
-import string
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal, Union
 
 from .config_checks import parse_save_consolidated as _parse_save_consolidated
+from .config_checks import validate_template as _validate_template
 from .config_checks import validate_preemption, validate_retention, validate_switches, validate_tiers
 from .errors import ConfigError
 
@@ -18,7 +18,6 @@ __all__ = ["CheckpointConfig", "MODEL_SAVE_FORMATS", "VERIFY_MODES"]
 
 MODEL_SAVE_FORMATS = ("safetensors", "torch_save")
 VERIFY_MODES = ("none", "size", "full")
-_TEMPLATE_FIELDS_REQUIRED = ("step",)
 
 SaveConsolidated = Union[bool, Literal["final", "every"]]
 ModelSaveFormat = Literal["safetensors", "torch_save"]
@@ -424,22 +423,6 @@ def _refuse_a_file(checkpoint_dir: str) -> None:
                 raise ConfigError(f"checkpoint_dir={checkpoint_dir!r} {where} a file, not a folder; give the folder the "
                                   "checkpoints go in (it is created when missing), e.g. checkpoint_dir='checkpoints'")
             return
-
-
-def _validate_template(template: object) -> None:
-    if not isinstance(template, str) or not template:
-        raise ConfigError("name_template must be a non-empty format string such as 'epoch_{epoch}_step_{step}'")
-    try:
-        names = {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
-    except ValueError as exc:
-        raise ConfigError(f"name_template {template!r} is not a valid format string: {exc}") from exc
-    for required in _TEMPLATE_FIELDS_REQUIRED:
-        if required not in names:
-            raise ConfigError(
-                f"name_template {template!r} must contain {{{required}}} so that every step gets its own directory"
-            )
-    if "/" in template or "\\" in template or template.startswith("."):
-        raise ConfigError(f"name_template {template!r} must name a single directory (no '/', no leading '.')")
 
 
 def _auto_io_threads() -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import string
 from typing import Any
 
 from .errors import ConfigError
@@ -146,3 +147,20 @@ def parse_save_consolidated(value: object) -> Any:
         if low == "every":
             return True
     raise ConfigError(f"save_consolidated must be false, 'final', 'every' or true (the same as 'every'), got {value!r}")
+
+
+def validate_template(template: object) -> None:
+    """``name_template``: a format string naming one directory per step."""
+    if not isinstance(template, str) or not template:
+        raise ConfigError("name_template must be a non-empty format string such as 'epoch_{epoch}_step_{step}'")
+    try:
+        names = {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
+    except ValueError as exc:
+        raise ConfigError(f"name_template {template!r} is not a valid format string: {exc}") from exc
+    for required in ("step",):
+        if required not in names:
+            raise ConfigError(
+                f"name_template {template!r} must contain {{{required}}} so that every step gets its own directory"
+            )
+    if "/" in template or "\\" in template or template.startswith("."):
+        raise ConfigError(f"name_template {template!r} must name a single directory (no '/', no leading '.')")
