@@ -1,0 +1,173 @@
+"""Megatron's distributed optimizer in the legacy layout (``mp_rank_TT/distrib_optim.pt``), against megatron-core.
+
+``megatron_fixture.py --dp 2`` has megatron-core train a tiny GPT three steps on TP=2 x DP=2 gloo ranks with its
+``DistributedDataParallel`` and ``DistributedOptimizer`` (hidden size 48, so that the norms' 48 elements leave
+padding in the 64-element aligned buffer; a bucket size that closes a bucket after a norm), and save it as
+Megatron-LM does: ``model_optim_rng.pt`` and the optimizer's own ``save_parameter_state`` into
+``distrib_optim.pt``. Beside it, ``reference_adam.pt`` holds Megatron's own fp32 state of every parameter,
+taken from the optimizer's bookkeeping (each DP rank's owned range, gathered), not from the flat files.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptio.errors import CheckpointCorruptError, CheckpointError
+
+pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.slow  # multi-process megatron-core runs
+
+FIXTURE = Path(__file__).with_name("megatron_fixture.py")
+ITER = "iter_0000003"
+# legacy (local spec) names -> the canonical names ckptio reads them under
+_CANONICAL = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+              "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("distopt") / "run"
+    run = subprocess.run([sys.executable, str(FIXTURE), "--tp", "2", "--dp", "2", "--iteration", "3", "--hidden", "48",
+                          "--bucket", "6192", "--out", str(out)], capture_output=True, text=True, timeout=300,
+                         start_new_session=True)
+    assert run.returncode == 0, f"megatron-core run failed:\n{run.stderr[-3000:]}"
+    return out
+
+
+def _canonical(name: str) -> str:
+    for old, new in _CANONICAL.items():
+        name = name.replace(old, new)
+    return name
+
+
+def _reference(made: Path) -> tuple[float, dict[str, dict[str, torch.Tensor]]]:
+    ref = torch.load(made / "reference_adam.pt")
+    return ref["step"], {_canonical(k): v for k, v in ref["state"].items()}
+
+
+def test_the_flat_buffers_give_megatrons_own_state_of_every_parameter_bitwise(made):
+    from ckptio.formats.megatron.format import read_legacy
+
+    step, ref = _reference(made)
+    model, info = read_legacy(made / "legacy" / ITER, optimizer=True)
+    assert info["optimizer_step"] == step == 3.0
+    assert set(info["optimizer"]) == {"param", "exp_avg", "exp_avg_sq"}
+    assert set(info["optimizer"]["exp_avg"]) == set(model) == set(ref)
+    for name, state in ref.items():
+        for key, want in state.items():
+            got = info["optimizer"][key][name][: want.shape[0]]  # the vocabulary padding rows are cut in ref
+            assert torch.equal(got, want), f"{key} of {name}"
+
+
+def test_without_distributed_optimizer_files_there_is_no_adam_state(made, tmp_path):
+    from ckptio.formats.megatron.format import MegatronFormat
+
+    bare = tmp_path / "bare"
+    shutil.copytree(made / "legacy", bare)
+    for f in bare.glob(f"{ITER}/mp_rank_*/distrib_optim.pt"):
+        f.unlink()
+    assert MegatronFormat().open_adam(bare) is None
+
+
+# ------------------------------------------------------------------------------------------------ refusals
+def _copy(made: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "copy"
+    shutil.copytree(made / "legacy", dst)
+    return dst
+
+
+def _rewrite(path: Path, change) -> None:
+    """Load one of the fixture's own torch.save files, change it, save it back (a damaged or odd checkpoint)."""
+    obj = torch.load(path, weights_only=False)
+    obj = change(obj) or obj
+    torch.save(obj, path)
+
+
+def _buffer(obj):
+    return next(iter(obj[0].values()))
+
+
+def _read(folder: Path):
+    from ckptio.formats.megatron.format import MegatronFormat
+
+    return MegatronFormat().open_adam(folder)
+
+
+def test_a_rank_folder_without_its_distrib_optim_is_refused_by_name(made, tmp_path):
+    run = _copy(made, tmp_path)
+    (run / ITER / "mp_rank_01" / "distrib_optim.pt").unlink()
+    with pytest.raises(CheckpointCorruptError, match=r"mp_rank_01.*no distrib_optim\.pt"):
+        _read(run)
+
+
+def test_a_missing_data_parallel_shard_is_refused_by_name(made, tmp_path):
+    run = _copy(made, tmp_path)
+
+    def cut(obj):
+        buf = _buffer(obj)
+        buf["exp_avg"] = buf["exp_avg"][: buf["exp_avg"].numel() // 2].clone()  # DP rank 1's half lost
+
+    _rewrite(run / ITER / "mp_rank_00" / "distrib_optim.pt", cut)
+    with pytest.raises(CheckpointCorruptError, match=r"mp_rank_00/distrib_optim\.pt: exp_avg is \[\d+\].*data-parallel"):
+        _read(run)
+
+
+def test_numel_unpadded_other_than_the_layout_is_refused(made, tmp_path):
+    run = _copy(made, tmp_path)
+    _rewrite(run / ITER / "mp_rank_01" / "distrib_optim.pt",
+             lambda obj: _buffer(obj).update(numel_unpadded=_buffer(obj)["numel_unpadded"] + 128))
+    with pytest.raises(CheckpointCorruptError, match=r"mp_rank_01/distrib_optim\.pt: numel_unpadded is \d+"):
+        _read(run)
+
+
+def test_values_in_the_padding_are_refused(made, tmp_path):
+    from ckptio.formats.megatron.distrib_optim import flat_layout
+
+    run = _copy(made, tmp_path)
+    model = torch.load(run / ITER / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)["model"]
+    params = [(k, v.numel()) for k, v in model.items() if isinstance(v, torch.Tensor)]
+    _, _, gaps = flat_layout(params, size=6192)
+    assert gaps, "the fixture's layout has padding between parameters"
+    _rewrite(run / ITER / "mp_rank_00" / "distrib_optim.pt",
+             lambda obj: _buffer(obj)["exp_avg_sq"].__setitem__(gaps[0][0], 1.0))
+    with pytest.raises(CheckpointCorruptError, match=r"exp_avg_sq holds values in the padding"):
+        _read(run)
+
+
+def test_a_bucket_size_other_than_the_runs_is_refused_not_misread(made, tmp_path):
+    """The run's arguments say how the buffer was bucketed; with other ones every parameter after the first
+    bucket would be shifted: the fp32 master copies no longer match the weights, which is refused."""
+    run = _copy(made, tmp_path)
+    for rank in ("mp_rank_00", "mp_rank_01"):
+        _rewrite(run / ITER / rank / "model_optim_rng.pt", lambda obj: setattr(obj["args"], "ddp_bucket_size", None))
+    with pytest.raises(CheckpointCorruptError, match=r"(numel_unpadded|master copy of) .*bucket size"):
+        _read(run)
+
+
+def test_the_format_before_coalesced_buckets_and_chained_optimizers_are_refused_by_name(made, tmp_path):
+    run = _copy(made, tmp_path)
+    _rewrite(run / ITER / "mp_rank_00" / "distrib_optim.pt", lambda obj: obj.pop("buckets_coalesced"))
+    with pytest.raises(CheckpointError, match=r"buckets_coalesced.*ckpt-convert-update-legacy-dist-opt-format"):
+        _read(run)
+    run = _copy(made, tmp_path / "b")
+    _rewrite(run / ITER / "mp_rank_00" / "distrib_optim.pt", lambda obj: [obj, obj])
+    with pytest.raises(CheckpointError, match=r"2 chained optimizers"):
+        _read(run)
+
+
+def test_ranks_that_disagree_on_the_step_are_refused(made, tmp_path):
+    run = _copy(made, tmp_path)
+
+    def bump(obj):
+        for group in obj["optimizer"]["optimizer"]["param_groups"]:
+            group["step"] = 4.0
+
+    _rewrite(run / ITER / "mp_rank_01" / "model_optim_rng.pt", bump)
+    with pytest.raises(CheckpointCorruptError, match=r"mp_rank_01/model_optim_rng\.pt: the optimizer's step is 4"):
+        _read(run)
