@@ -171,3 +171,79 @@ def test_ranks_that_disagree_on_the_step_are_refused(made, tmp_path):
     _rewrite(run / ITER / "mp_rank_01" / "model_optim_rng.pt", bump)
     with pytest.raises(CheckpointCorruptError, match=r"mp_rank_01/model_optim_rng\.pt: the optimizer's step is 4"):
         _read(run)
+
+
+# ------------------------------------------------------------------------------------------------ resume
+class _Reference:
+    """Megatron's own state (one of param / exp_avg / exp_avg_sq) as a tensor source under canonical names."""
+
+    def __init__(self, state: dict[str, dict[str, torch.Tensor]], key: str, folder: Path) -> None:
+        self.tensors, self.folder = {name: s[key] for name, s in state.items()}, folder
+
+    def index(self):
+        from ckptio.formats.common import TensorInfo
+
+        return {k: TensorInfo(tuple(v.shape), "float32") for k, v in self.tensors.items()}
+
+    def read(self, key: str) -> torch.Tensor:
+        return self.tensors[key]
+
+
+def _expected(made: Path, hf: Path) -> dict[str, torch.Tensor]:
+    """Megatron's own fp32 state under the Hugging Face names ``full_state`` gives (``model/...``, ``optim/...``)."""
+    import json
+
+    from ckptio.formats.naming import _RenamedSource, get_converter
+
+    _, ref = _reference(made)
+    config = json.loads((hf / "config.json").read_text())
+    out = {}
+    for key, prefix in (("param", "model/{}"), ("exp_avg", "optim/state.{}.exp_avg"),
+                        ("exp_avg_sq", "optim/state.{}.exp_avg_sq")):
+        source = _RenamedSource(_Reference(ref, key, hf), get_converter("megatron-to-llama"), config)
+        out.update({prefix.format(name): source.read(name) for name in source.index()})
+    return out
+
+
+def _restore(source: str, config: str) -> dict:
+    import torch.distributed as dist
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    from ckptio import CheckpointConfig, CheckpointManager
+    from toy import full_state
+
+    torch.manual_seed(7)
+    model = LlamaForCausalLM(AutoConfig.from_pretrained(config))
+    if dist.is_initialized():
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=str(Path(source).parent / "run")), model=model,
+                           optimizer=opt, rng=False) as mgr:
+        info = mgr.restore(source)
+    assert info.counters["optimizer_restored"] is True
+    out = full_state(model, opt)
+    out["steps"] = torch.tensor([float(opt.state[p]["step"]) for p in model.parameters()])
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_plain_model_and_adamw_resume_with_megatrons_fp32_state_bitwise(made, tmp_path, world):
+    """On 1 rank, and under FSDP2 on 2: the weights are Megatron's fp32 master copies, the moments Megatron's
+    own, bitwise, and every parameter's step is the 3 Megatron took."""
+    from ckptio.convert.formats import convert
+    from distributed import run_ranks
+
+    hf = convert(made / "legacy", tmp_path / "hf", "hf")
+    got = run_ranks(world, _restore, source=str(made / "legacy"), config=str(hf))[0]
+    steps = got.pop("steps")
+    assert bool((steps == 3).all()), steps
+    assert {v.item() for k, v in got.items() if k.endswith(".step")} == {3.0}
+    got = {k: v for k, v in got.items() if not k.endswith(".step")}
+    want = _expected(made, hf)
+    assert set(got) == set(want), sorted(set(got) ^ set(want))[:6]
+    for key, value in want.items():
+        assert got[key].dtype == torch.float32 and torch.equal(got[key], value), key
