@@ -247,3 +247,32 @@ def test_a_plain_model_and_adamw_resume_with_megatrons_fp32_state_bitwise(made, 
     assert set(got) == set(want), sorted(set(got) ^ set(want))[:6]
     for key, value in want.items():
         assert got[key].dtype == torch.float32 and torch.equal(got[key], value), key
+
+
+def test_fuzz_family_smoke():
+    """A CI-sized run of the distrib_optim.pt fuzz family (the long run: ``fuzz_readers.py --family
+    megatron_distopt --inputs 100000``): every damaged folder ends in a right read or a ckptio error."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import fuzz_readers
+
+    n = 80
+    tally = fuzz_readers.run(["megatron_distopt"], inputs=n, seed=5, verbose=True)["megatron_distopt"]
+    failures = "\n".join(f"input {i}: {d} <- {'; '.join(notes)}" for i, d, notes in tally["failures"])
+    assert tally["other"] == 0 and tally["harness"] == 0, failures
+    assert tally["clean"] > 0 and tally["ok"] + tally["clean"] == n
+
+
+def test_rank_files_found_bad_by_the_fuzzer_are_refused_by_name(made, tmp_path):
+    """Two inputs of the fuzz family, which the weights' reader met too: a model entry keyed by something else than a string, and a rank file that is
+    a 1 TiB sparse file (read whole before: a MemoryError; now only its zip directory is looked at)."""
+    from ckptio.formats.megatron.format import MegatronSource
+
+    run = _copy(made, tmp_path)
+    _rewrite(run / ITER / "mp_rank_00" / "model_optim_rng.pt", lambda obj: obj["model"].update({None: 1}))
+    with pytest.raises(CheckpointCorruptError, match=r"mp_rank_00/model_optim_rng\.pt: model entries named 'None'"):
+        MegatronSource(run)
+    run = _copy(made, tmp_path / "b")
+    with open(run / ITER / "mp_rank_01" / "model_optim_rng.pt", "wb") as fh:
+        fh.truncate(1 << 40)
+    with pytest.raises(CheckpointCorruptError, match=r"mp_rank_01/model_optim_rng\.pt: not a torch\.save archive"):
+        MegatronSource(run)

@@ -41,19 +41,25 @@ PARAM_ALIGN = 64
 SHARED_EMBEDDING = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
-def _arg(args: Any, name: str, default: Any = None) -> Any:
-    return getattr(args, name, default) if args is not None else default
+def _arg(args: Any, name: str, kind: type, default: Any = None) -> Any:
+    """The run's argument ``name`` when it is a ``kind`` (bool or a positive int), ``default`` when absent;
+    anything else is refused."""
+    value = getattr(args, name, None) if args is not None else None
+    if value is None:
+        return default
+    if kind is bool and isinstance(value, bool) or kind is int and type(value) is int and value > 0:
+        return value
+    raise CheckpointCorruptError(f"the run's argument {name} is {str(value)[:40]!r}, not a "
+                                 f"{'switch' if kind is bool else 'positive integer'}")
 
 
 def bucket_size(args: Any, pp_rank: int) -> int | None:
     """The gradient buffer's bucket size (elements) on pipeline stage ``pp_rank``, ``None`` for one bucket."""
-    if not _arg(args, "overlap_grad_reduce", False) or pp_rank > 0 or \
-            _arg(args, "overlap_param_gather_with_optimizer_step", False):
+    if not _arg(args, "overlap_grad_reduce", bool, False) or pp_rank > 0 or \
+            _arg(args, "overlap_param_gather_with_optimizer_step", bool, False):
         return None
-    size = _arg(args, "ddp_bucket_size")
-    if size is None:
-        size = max(40_000_000, 1_000_000 * int(_arg(args, "data_parallel_size", 1) or 1))
-    return int(size)
+    size = _arg(args, "ddp_bucket_size", int)
+    return size if size is not None else max(40_000_000, 1_000_000 * _arg(args, "data_parallel_size", int, 1))
 
 
 def flat_layout(params: list[tuple[str, int]], *, size: int | None, shared: set[str] = frozenset(),  # type: ignore[assignment]
@@ -111,11 +117,12 @@ def optimizer_step(optimizer: Any, where: object) -> float | None:
     groups = inner.get("param_groups") if isinstance(inner, dict) else None
     if not isinstance(groups, list):
         return None
-    steps = {g.get("step") for g in groups if isinstance(g, dict)}
-    if len(steps) != 1 or not all(isinstance(s, (int, float)) and not isinstance(s, bool) for s in steps):
-        raise CheckpointCorruptError(f"{where}: the optimizer's parameter groups record the steps {sorted(map(str, steps))}, "
-                                     "not one step")
-    return float(steps.pop())
+    steps = [g.get("step") if isinstance(g, dict) else g for g in groups]
+    if not steps or not all(type(s) in (int, float) and math.isfinite(s) and s >= 0 for s in steps) or \
+            len(set(steps)) != 1:
+        raise CheckpointCorruptError(f"{where}: the optimizer's parameter groups record the steps "
+                                     f"{[str(s)[:20] for s in steps[:4]]}, not one step")
+    return float(steps[0])
 
 
 def _buffers(obj: Any, where: str, dtype: torch.dtype) -> dict[str, Any]:
@@ -135,7 +142,7 @@ def _buffers(obj: Any, where: str, dtype: torch.dtype) -> dict[str, Any]:
     if not isinstance(by_dtype, dict) or len(by_dtype) != 1:
         raise CheckpointCorruptError(f"{where}: buffer 0 is not one (param dtype, grad dtype) entry")
     (key, entry), = by_dtype.items()
-    if not (isinstance(key, tuple) and len(key) == 2 and key[0] == dtype):
+    if not (isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], torch.dtype) and key[0] == dtype):
         raise CheckpointCorruptError(f"{where}: its buffer is for {key!r}, but the model's weights are {dtype}")
     if not isinstance(entry, dict) or set(entry) != {*STATE_KEYS, "numel_unpadded"}:
         raise CheckpointCorruptError(f"{where}: its buffer holds {sorted(map(str, entry))[:6] if isinstance(entry, dict) else type(entry).__name__}, "
@@ -158,7 +165,7 @@ def rank_state(root: Folder, rank_dir: str, model: dict[str, torch.Tensor], *, s
     obj, _, handle = megatron_pickle.open_lazy(root, rel)
     try:
         entry = _buffers(obj, where, dtypes.pop())
-        if entry["numel_unpadded"] != total:
+        if type(entry["numel_unpadded"]) is not int or entry["numel_unpadded"] != total:
             raise CheckpointCorruptError(f"{where}: numel_unpadded is {entry['numel_unpadded']!r}, but the "
                                          f"{len(model)} parameters of {rank_dir} lay out to {total} elements (bucket "
                                          f"size {size})")

@@ -37,7 +37,7 @@ from ...storage.confined import Folder
 from ...storage.parse import json_object
 from ..common import TensorInfo, dtype_name
 from .config import _arg, args_from_files, family, hf_config
-from .layout import (GLOBAL_SPLIT, ITERATION_FILE, LAYER_SPLIT, MAX_COMMON_BYTES, MAX_RANK_FILE_BYTES, NEMO_RANK_FILE,
+from .layout import (GLOBAL_SPLIT, ITERATION_FILE, LAYER_SPLIT, MAX_COMMON_BYTES, NEMO_RANK_FILE,
                      QKV_BIAS, VOCAB_KEYS, _LAYER, _RENAME, _rank_files, carry_side_files, iteration_folder, layout_of)
 from ..registry import Format, Opened, WriteOptions, register
 
@@ -78,6 +78,33 @@ def merge_tp(parts: list[torch.Tensor], split: Any, key: str, where: object) -> 
 
 
 # ------------------------------------------------------------------------------------------------ the layouts
+def _rank_file(root: Folder, rel: str) -> tuple[dict[str, Any], list[str], dict[str, torch.Tensor]]:
+    """A legacy rank file's object, its placeholder classes and its model's weights (canonical prefixes stripped,
+    ``_extra_state`` dropped). Read lazily: only the pickle and the model's tensors, never the whole file at once
+    (a rank file can be as large as the rank's share of the model)."""
+    from . import safe_pickle as megatron_pickle
+
+    obj, placeholders, handle = megatron_pickle.open_lazy(root, rel)
+    try:
+        where = root.display(rel)
+        if isinstance(obj, dict) and rel.endswith(NEMO_RANK_FILE) and not isinstance(obj.get("model"), dict):
+            obj = {"model": obj}  # a NeMo archive's rank file is the state dict itself
+        if not isinstance(obj, dict) or not isinstance(obj.get("model"), dict):
+            extra = " (virtual pipeline stages: model0, model1... are not supported)" if \
+                isinstance(obj, dict) and "model0" in obj else ""
+            raise CheckpointCorruptError(f"{where}: no 'model' state dict{extra}")
+        named = [k for k in obj["model"] if not isinstance(k, str)]
+        if named:
+            raise CheckpointCorruptError(f"{where}: model entries named {str(named[0])[:40]!r}, not a string")
+        model = {_strip(k): v for k, v in obj["model"].items() if not k.endswith("_extra_state")}
+        bad = [k for k, v in model.items() if not isinstance(v, megatron_pickle.LazyTensor)]
+        if bad:
+            raise CheckpointCorruptError(f"{where}: non-tensor model entries {bad[:3]}")
+        return obj, placeholders, {k: v.load() for k, v in model.items()}
+    finally:
+        handle.close()
+
+
 def read_legacy(folder: Path, *, optimizer: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The whole model (canonical names) and the run's ``args``/``iteration`` of a legacy iteration folder.
 
@@ -85,8 +112,6 @@ def read_legacy(folder: Path, *, optimizer: bool = False) -> tuple[dict[str, tor
     from each rank folder's ``distrib_optim.pt``), merged like the weights: ``info["optimizer"]`` maps
     ``param``/``exp_avg``/``exp_avg_sq`` to such a whole model, and ``info["optimizer_step"]`` is Adam's step
     (both absent when the folders have no ``distrib_optim.pt``)."""
-    from . import safe_pickle as megatron_pickle
-
     files = _rank_files(folder)
     tp = 1 + max(t for t, _ in files)
     pp = 1 + max(s for _, s in files)
@@ -99,20 +124,11 @@ def read_legacy(folder: Path, *, optimizer: bool = False) -> tuple[dict[str, tor
         shards = []
         for t in range(tp):
             rel = files[(t, stage)]
-            obj, placeholders = megatron_pickle.load(root, rel, max_size=MAX_RANK_FILE_BYTES)
+            obj, placeholders, model = _rank_file(root, rel)
             where = root.display(rel)
-            if isinstance(obj, dict) and rel.endswith(NEMO_RANK_FILE) and not isinstance(obj.get("model"), dict):
-                obj = {"model": obj}  # a NeMo archive's rank file is the state dict itself
-            if not isinstance(obj, dict) or not isinstance(obj.get("model"), dict):
-                extra = " (virtual pipeline stages: model0, model1... are not supported)" if "model0" in obj else ""
-                raise CheckpointCorruptError(f"{where}: no 'model' state dict{extra}")
             info["placeholders"].update(placeholders)
             if t == 0 and stage == 0:
                 info["args"], info["iteration"] = obj.get("args"), obj.get("iteration")
-            model = {_strip(k): v for k, v in obj["model"].items() if not k.endswith("_extra_state")}
-            bad = [k for k, v in model.items() if not isinstance(v, torch.Tensor)]
-            if bad:
-                raise CheckpointCorruptError(f"{where}: non-tensor model entries {bad[:3]}")
             parts = {"": model}
             if optim is not None:
                 parts.update(optim(rel, obj, model, stage, pp, info))
@@ -163,8 +179,12 @@ def _legacy_optimizer(root: Folder, files: dict[tuple[int, int], str]) -> Any:
         if info.setdefault("optimizer_step", step) != step:
             raise CheckpointCorruptError(f"{root.display(rel)}: the optimizer's step is {step}, another rank's "
                                          f"{info['optimizer_step']}")
-        tied = not _arg(args, "untie_embeddings_and_output_weights") and pp > 1
-        return rank_state(root, rel.rsplit("/", 1)[0], model, size=bucket_size(args, stage),
+        try:
+            size = bucket_size(args, stage)
+        except CheckpointCorruptError as exc:
+            raise CheckpointCorruptError(f"{root.display(rel)}: {exc}") from exc
+        tied = _arg(args, "untie_embeddings_and_output_weights") is not True and pp > 1
+        return rank_state(root, rel.rsplit("/", 1)[0], model, size=size,
                           shared=set(SHARED_EMBEDDING) if tied else set())
 
     return read
