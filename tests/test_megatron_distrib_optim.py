@@ -30,14 +30,27 @@ _CANONICAL = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_we
               "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
 
 
-@pytest.fixture(scope="module")
-def made(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("distopt") / "run"
+def _train(out: Path, family: str) -> Path:
     run = subprocess.run([sys.executable, str(FIXTURE), "--tp", "2", "--dp", "2", "--iteration", "3", "--hidden", "48",
-                          "--bucket", "6192", "--out", str(out)], capture_output=True, text=True, timeout=300,
-                         start_new_session=True)
+                          "--bucket", "6192", "--family", family, "--out", str(out)], capture_output=True, text=True,
+                         timeout=300, start_new_session=True)
     assert run.returncode == 0, f"megatron-core run failed:\n{run.stderr[-3000:]}"
     return out
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory) -> Path:
+    return _train(tmp_path_factory.mktemp("distopt") / "run", "llama")
+
+
+@pytest.fixture(scope="module")
+def made_qwen2(tmp_path_factory) -> Path:
+    """The same run with Qwen2's biases on the query/key/value projection (48 elements per rank: padded too)."""
+    return _train(tmp_path_factory.mktemp("distopt-qwen2") / "run", "qwen2")
+
+
+def _run_of(request, family: str) -> Path:
+    return request.getfixturevalue("made" if family == "llama" else "made_qwen2")
 
 
 def _canonical(name: str) -> str:
@@ -51,10 +64,13 @@ def _reference(made: Path) -> tuple[float, dict[str, dict[str, torch.Tensor]]]:
     return ref["step"], {_canonical(k): v for k, v in ref["state"].items()}
 
 
-def test_the_flat_buffers_give_megatrons_own_state_of_every_parameter_bitwise(made):
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_the_flat_buffers_give_megatrons_own_state_of_every_parameter_bitwise(request, family):
     from ckptio.formats.megatron.format import read_legacy
 
+    made = _run_of(request, family)
     step, ref = _reference(made)
+    assert any(k.endswith("linear_qkv.bias") for k in ref) == (family == "qwen2")
     model, info = read_legacy(made / "legacy" / ITER, optimizer=True)
     assert info["optimizer_step"] == step == 3.0
     assert set(info["optimizer"]) == {"param", "exp_avg", "exp_avg_sq"}
@@ -207,13 +223,13 @@ def _expected(made: Path, hf: Path) -> dict[str, torch.Tensor]:
 
 def _restore(source: str, config: str) -> dict:
     import torch.distributed as dist
-    from transformers import AutoConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from ckptio import CheckpointConfig, CheckpointManager
     from toy import full_state
 
     torch.manual_seed(7)
-    model = LlamaForCausalLM(AutoConfig.from_pretrained(config))
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config))
     if dist.is_initialized():
         from torch.distributed.fsdp import fully_shard
 
@@ -230,12 +246,14 @@ def _restore(source: str, config: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_a_plain_model_and_adamw_resume_with_megatrons_fp32_state_bitwise(made, tmp_path, world):
+@pytest.mark.parametrize("family,world", [("llama", 1), ("llama", 2), ("qwen2", 1)])
+def test_a_plain_model_and_adamw_resume_with_megatrons_fp32_state_bitwise(request, tmp_path, family, world):
     """On 1 rank, and under FSDP2 on 2: the weights are Megatron's fp32 master copies, the moments Megatron's
     own, bitwise, and every parameter's step is the 3 Megatron took."""
     from ckptio.convert.formats import convert
     from distributed import run_ranks
+
+    made = _run_of(request, family)
 
     hf = convert(made / "legacy", tmp_path / "hf", "hf")
     got = run_ranks(world, _restore, source=str(made / "legacy"), config=str(hf))[0]
