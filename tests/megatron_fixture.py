@@ -86,7 +86,8 @@ def apply_cpu_stubs():
 def apply_distopt_cpu_stubs():
     """What the distributed optimizer needs beyond :func:`apply_cpu_stubs`: its flag and norm tensors are made
     with ``device='cuda'`` (made on the CPU here), and it sorts parameters by ``Tensor.type()`` names, which say
-    ``torch.cuda.FloatTensor`` for its fp32 parameters (a CPU tensor answers with that name here)."""
+    ``torch.cuda.FloatTensor`` for its fp32 parameters (a CPU tensor answers with that name here); a tied
+    embedding is moved with ``.cuda()`` before its stages sync it (it stays where it is)."""
     def on_cpu(make):
         def made(*args, device=None, **kwargs):
             return make(*args, device="cpu" if device == "cuda" else device, **kwargs)
@@ -101,6 +102,7 @@ def apply_distopt_cpu_stubs():
         return name.replace("torch.", "torch.cuda.", 1) if not args and not kwargs and isinstance(name, str) else name
 
     torch.Tensor.type = cuda_type_name
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # a tied embedding's copies are synced "on the GPU"
 
 
 def full_weight(name, full_shape, rows=None):
@@ -131,7 +133,7 @@ def tp_slice(name, local_shape, tp, rank):
     return tuple(local_shape), lambda t: t  # norms: replicated
 
 
-def build_model(tp, pp, vocab=None):
+def build_model(tp, pp, vocab=None, tied=False):
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -155,12 +157,12 @@ def build_model(tp, pp, vocab=None):
         transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
         vocab_size=vocab or padded_vocab(tp), max_sequence_length=MAX_POS,
         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=False, position_embedding_type="rope",
+        share_embeddings_and_output_weights=tied, position_embedding_type="rope",
         rotary_percent=1.0, rotary_base=ROPE_BASE,
     )
 
 
-def fill_weights(model, tp, tp_rank, pp_rank, pp):
+def fill_weights(model, tp, tp_rank, pp_rank, pp, tied=False):
     """Copy this rank's slice of the seeded full weights into the model."""
     layer_offset = pp_rank * (NUM_LAYERS // pp)  # local layer numbering restarts on each stage
     with torch.no_grad():
@@ -169,6 +171,8 @@ def fill_weights(model, tp, tp_rank, pp_rank, pp):
             if name.startswith("decoder.layers."):
                 parts[2] = str(int(parts[2]) + layer_offset)
             gname = ".".join(parts)
+            if tied and gname == "output_layer.weight":  # a later stage's copy of the tied embedding
+                gname = "embedding.word_embeddings.weight"
             full_shape, shard = tp_slice(name, p.shape, tp, tp_rank)
             is_vocab = name.endswith(("word_embeddings.weight", "output_layer.weight"))
             p.copy_(shard(full_weight(gname, full_shape, VOCAB if is_vocab else None)))
@@ -358,60 +362,84 @@ def _whole(name, local, tp):
     return whole[:VOCAB] if name.endswith(("word_embeddings.weight", "output_layer.weight")) else whole
 
 
-def distopt_worker(rank, tp, dp, out, iteration, bucket, store_file):
-    """Train with Megatron's distributed optimizer on TP x DP ranks and save Megatron-LM's legacy layout:
-    ``mp_rank_TT/model_optim_rng.pt`` (DP rank 0) and ``mp_rank_TT/distrib_optim.pt`` (``save_parameter_state``)."""
+def _train_step(model, module, ids, pp):
+    """Forward and backward of one batch; with two pipeline stages the hidden states and their gradient go over
+    send/recv between them (the first stage's output, the last stage's input)."""
+    from megatron.core import parallel_state as ps
+
+    b, s = ids.shape
+    pos = torch.arange(s).unsqueeze(0).expand(b, -1)
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]
+    labels = ids.roll(-1, 1)
+    if pp == 1:
+        model(ids, pos, mask, labels=labels).float().mean().backward()
+    elif ps.is_pipeline_first_stage():
+        hidden = model(ids, pos, mask)
+        torch.distributed.send(hidden.detach().contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+        grad = torch.empty_like(hidden)
+        torch.distributed.recv(grad, src=ps.get_pipeline_model_parallel_next_rank())
+        hidden.backward(grad)
+    else:
+        hidden = torch.empty(s, b, HIDDEN)
+        torch.distributed.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
+        hidden.requires_grad_(True)
+        module.set_input_tensor(hidden)
+        model(ids, pos, mask, labels=labels).float().mean().backward()
+        torch.distributed.send(hidden.grad.contiguous(), dst=ps.get_pipeline_model_parallel_prev_rank())
+
+
+def distopt_worker(rank, tp, pp, dp, out, iteration, bucket, tied, store_file):
+    """Train with Megatron's distributed optimizer on TP x PP x DP ranks and save Megatron-LM's legacy layout:
+    ``mp_rank_TT[_PPP]/model_optim_rng.pt`` (DP rank 0) and ``distrib_optim.pt`` (``save_parameter_state``)."""
     import random
 
     import numpy as np
 
     quiet_megatron()
     torch.distributed.init_process_group(
-        "gloo", init_method=f"file://{store_file}", rank=rank, world_size=tp * dp,
+        "gloo", init_method=f"file://{store_file}", rank=rank, world_size=tp * pp * dp,
         timeout=datetime.timedelta(minutes=2))
     apply_cpu_stubs()
     apply_distopt_cpu_stubs()
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     random.seed(SEED)
     np.random.seed(SEED)
     torch.manual_seed(SEED)
     model_parallel_cuda_manual_seed(SEED)
-    tp_rank, dp_rank = ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
+    tp_rank, pp_rank, dp_rank = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+                                 ps.get_data_parallel_rank())
 
-    module = build_model(tp, 1)
-    fill_weights(module, tp, tp_rank, 0, 1)
+    module = build_model(tp, pp, tied=tied)
+    fill_weights(module, tp, tp_rank, pp_rank, pp, tied=tied)
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=bucket is not None,
                                                bucket_size=bucket)
     model = DistributedDataParallel(module.config, ddp_config, module)
     opt = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=1e-3, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, weight_decay=0.01,
         clip_grad=0.0, use_distributed_optimizer=True, params_dtype=torch.float32), [model])
-    b, s = 2, 12
-    pos = torch.arange(s).unsqueeze(0).expand(b, -1)
-    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]
-    for step in range(iteration):  # each DP rank its own batch; every TP rank of it the same
-        ids = torch.randint(0, VOCAB, (b, s), generator=torch.Generator().manual_seed(100 * step + dp_rank))
+    for step in range(iteration):  # each DP rank its own batch; every TP and PP rank of it the same
+        ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(100 * step + dp_rank))
         model.zero_grad_buffer()
         opt.zero_grad()
-        loss = model(ids, pos, mask, labels=ids.roll(-1, 1)).float().mean()
-        loss.backward()
-        model.finish_grad_sync()
+        _train_step(model, module, ids, pp)
+        finalize_model_grads([model])  # DP reduce-scatter, and a tied embedding's grads over the first/last stage
         ok, _, _ = opt.step()
         assert ok, "the optimizer step was skipped"
 
-    sub = f"mp_rank_{tp_rank:02d}"
+    sub = f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
     folder = os.path.join(out, "legacy", f"iter_{iteration:07d}", sub)
     os.makedirs(folder, exist_ok=True)
     torch.distributed.barrier()
     opt.save_parameter_state(os.path.join(folder, "distrib_optim.pt"))  # collective over DP; DP rank 0 writes
-    args = make_args(tp, 1, "torch")
+    args = make_args(tp, pp, "torch")
     args.data_parallel_size, args.use_distributed_optimizer = dp, True
     args.overlap_grad_reduce, args.ddp_bucket_size = bucket is not None, bucket
+    args.untie_embeddings_and_output_weights = not tied
     sched = {"max_lr": 1e-3, "min_lr": 1e-4, "lr_warmup_steps": 0, "lr_decay_steps": 100,
              "lr_decay_style": "cosine", "num_steps": iteration, "start_wd": 0.01, "end_wd": 0.01,
              "wd_incr_steps": 100, "wd_incr_style": "constant"}
@@ -421,14 +449,28 @@ def distopt_worker(rank, tp, dp, out, iteration, bucket, store_file):
                  "opt_param_scheduler": sched, "rng_state": rng_state(), "num_floating_point_operations_so_far": 0}
         torch.save(state, os.path.join(folder, "model_optim_rng.pt"))
 
-    # Megatron's own state of every parameter, whole (gathered over DP, then over TP), for the tests to compare with
-    local = {name: _local_adam(opt, p) for name, p in module.named_parameters()}
-    parts = [None] * tp
-    torch.distributed.all_gather_object(parts, local, group=ps.get_tensor_model_parallel_group())
+    # Megatron's own state of every parameter, whole (gathered over DP, then over TP and PP), for the tests
+    offset = pp_rank * (NUM_LAYERS // pp)
+    local = {}
+    for name, p in module.named_parameters():
+        state = _local_adam(opt, p)
+        if name.startswith("decoder.layers."):
+            parts = name.split(".")
+            name = ".".join(parts[:2] + [str(int(parts[2]) + offset)] + parts[3:])
+        if not (tied and name == "output_layer.weight"):  # the last stage's copy of the tied embedding
+            local[name] = state
+    everyone = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, (tp_rank, dp_rank, local))
     if rank == 0:
         step = {float(g["step"]) for g in opt.state_dict()["optimizer"]["param_groups"]}
         assert len(step) == 1
-        ref = {name: {k: _whole(name, [part[name][k] for part in parts], tp) for k in local[name]} for name in local}
+        parts = {}
+        for t, d, held in everyone:
+            for name, state in held.items():
+                if d == 0:
+                    parts.setdefault(name, {})[t] = state
+        ref = {name: {k: _whole(name, [by_tp[t][k] for t in range(tp)], tp) for k in by_tp[0]}
+               for name, by_tp in parts.items()}
         torch.save({"step": step.pop(), "state": ref}, os.path.join(out, "reference_adam.pt"))
         with open(os.path.join(out, "legacy", "latest_checkpointed_iteration.txt"), "w") as f:
             f.write(str(iteration))
@@ -478,10 +520,11 @@ def main():
     ap.add_argument("--family", choices=["llama", "qwen2"], default="llama",
                     help="qwen2: biases on the query/key/value projection (Megatron-LM's --add-qkv-bias)")
     ap.add_argument("--dp", type=int, default=None,
-                    help="train --iteration steps with the distributed optimizer on TP x DP ranks (PP 1) and save the "
+                    help="train --iteration steps with the distributed optimizer on TP x PP x DP ranks and save the "
                          "legacy layout with distrib_optim.pt, and reference_adam.pt: Megatron's own state per parameter")
     ap.add_argument("--hidden", type=int, default=None, help="the hidden size (default 64; FFN twice that)")
     ap.add_argument("--bucket", type=int, default=None, help="with --dp: the grad buffer's bucket size (elements)")
+    ap.add_argument("--tied", action="store_true", help="with --dp: embeddings tied to the output layer")
     ap.add_argument("--start-method", choices=["fork", "spawn"], default="fork",
                     help="fork (default) lets the ranks inherit the parent's megatron import (~2.5 s each)")
     a = ap.parse_args()
@@ -512,8 +555,9 @@ def main():
             (load_worker, (a.tp, a.pp, a.load, a.out, store_file))
         ranks = a.tp * a.pp
         if a.dp is not None:
-            assert a.pp == 1 and a.load is None, "--dp trains on TP x DP ranks, one pipeline stage"
-            fn, args, ranks = distopt_worker, (a.tp, a.dp, a.out, a.iteration, a.bucket, store_file), a.tp * a.dp
+            assert a.load is None and a.pp <= 2, "--dp trains on TP x PP x DP ranks, at most two pipeline stages"
+            fn, args = distopt_worker, (a.tp, a.pp, a.dp, a.out, a.iteration, a.bucket, a.tied, store_file)
+            ranks = a.tp * a.pp * a.dp
         mp.start_processes(fn, args=args, nprocs=ranks, join=True, start_method=a.start_method)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

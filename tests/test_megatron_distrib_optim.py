@@ -1,7 +1,8 @@
 """Megatron's distributed optimizer in the legacy layout (``mp_rank_TT/distrib_optim.pt``), against megatron-core.
 
 ``megatron_fixture.py --dp 2`` has megatron-core train a tiny GPT three steps on TP=2 x DP=2 gloo ranks with its
-``DistributedDataParallel`` and ``DistributedOptimizer`` (hidden size 48, so that the norms' 48 elements leave
+``DistributedDataParallel`` and ``DistributedOptimizer`` (also Qwen2, and TP=1 x PP=2 x DP=2 with tied
+embeddings; hidden size 48, so that the norms' 48 elements leave
 padding in the 64-element aligned buffer; a bucket size that closes a bucket after a norm), and save it as
 Megatron-LM does: ``model_optim_rng.pt`` and the optimizer's own ``save_parameter_state`` into
 ``distrib_optim.pt``. Beside it, ``reference_adam.pt`` holds Megatron's own fp32 state of every parameter,
@@ -30,8 +31,9 @@ _CANONICAL = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_we
               "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
 
 
-def _train(out: Path, family: str) -> Path:
-    run = subprocess.run([sys.executable, str(FIXTURE), "--tp", "2", "--dp", "2", "--iteration", "3", "--hidden", "48",
+def _train(out: Path, family: str, *layout: str) -> Path:
+    layout = layout or ("--tp", "2")
+    run = subprocess.run([sys.executable, str(FIXTURE), *layout, "--dp", "2", "--iteration", "3", "--hidden", "48",
                           "--bucket", "6192", "--family", family, "--out", str(out)], capture_output=True, text=True,
                          timeout=300, start_new_session=True)
     assert run.returncode == 0, f"megatron-core run failed:\n{run.stderr[-3000:]}"
@@ -49,8 +51,15 @@ def made_qwen2(tmp_path_factory) -> Path:
     return _train(tmp_path_factory.mktemp("distopt-qwen2") / "run", "qwen2")
 
 
+@pytest.fixture(scope="module")
+def made_pp2_tied(tmp_path_factory) -> Path:
+    """Two pipeline stages (the second keeps one bucket whatever the bucket size) and tied embeddings (the last
+    stage holds a copy of the embedding, in a bucket of its own): TP=1 x PP=2 x DP=2."""
+    return _train(tmp_path_factory.mktemp("distopt-pp2") / "run", "llama", "--tp", "1", "--pp", "2", "--tied")
+
+
 def _run_of(request, family: str) -> Path:
-    return request.getfixturevalue("made" if family == "llama" else "made_qwen2")
+    return request.getfixturevalue({"llama": "made", "qwen2": "made_qwen2", "pp2_tied": "made_pp2_tied"}[family])
 
 
 def _canonical(name: str) -> str:
@@ -64,7 +73,7 @@ def _reference(made: Path) -> tuple[float, dict[str, dict[str, torch.Tensor]]]:
     return ref["step"], {_canonical(k): v for k, v in ref["state"].items()}
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "pp2_tied"])
 def test_the_flat_buffers_give_megatrons_own_state_of_every_parameter_bitwise(request, family):
     from ckptio.formats.megatron.format import read_legacy
 
@@ -74,7 +83,8 @@ def test_the_flat_buffers_give_megatrons_own_state_of_every_parameter_bitwise(re
     model, info = read_legacy(made / "legacy" / ITER, optimizer=True)
     assert info["optimizer_step"] == step == 3.0
     assert set(info["optimizer"]) == {"param", "exp_avg", "exp_avg_sq"}
-    assert set(info["optimizer"]["exp_avg"]) == set(model) == set(ref)
+    copy = {"output_layer.weight"} if family == "pp2_tied" else set()  # the tied embedding's copy: not a weight
+    assert set(info["optimizer"]["exp_avg"]) == set(model) == set(ref) | copy
     for name, state in ref.items():
         for key, want in state.items():
             got = info["optimizer"][key][name][: want.shape[0]]  # the vocabulary padding rows are cut in ref
@@ -246,7 +256,7 @@ def _restore(source: str, config: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("family,world", [("llama", 1), ("llama", 2), ("qwen2", 1)])
+@pytest.mark.parametrize("family,world", [("llama", 1), ("llama", 2), ("qwen2", 1), ("pp2_tied", 1)])
 def test_a_plain_model_and_adamw_resume_with_megatrons_fp32_state_bitwise(request, tmp_path, family, world):
     """On 1 rank, and under FSDP2 on 2: the weights are Megatron's fp32 master copies, the moments Megatron's
     own, bitwise, and every parameter's step is the 3 Megatron took."""
@@ -262,6 +272,8 @@ def test_a_plain_model_and_adamw_resume_with_megatrons_fp32_state_bitwise(reques
     assert {v.item() for k, v in got.items() if k.endswith(".step")} == {3.0}
     got = {k: v for k, v in got.items() if not k.endswith(".step")}
     want = _expected(made, hf)
+    if family == "pp2_tied":  # the tied model's state dict names the one tensor twice
+        want["model/lm_head.weight"] = want["model/model.embed_tokens.weight"]
     assert set(got) == set(want), sorted(set(got) ^ set(want))[:6]
     for key, value in want.items():
         assert got[key].dtype == torch.float32 and torch.equal(got[key], value), key
