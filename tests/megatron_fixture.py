@@ -51,6 +51,8 @@ EPS, ROPE_BASE = (1e-6, 1000000) if QKV_BIAS else (1e-5, 10000)
 # --make-vocab-size-divisible-by of the run (Megatron-LM's default 128); --divisible-by sets it for the ranks
 DIVISIBLE_BY = int(os.environ.get("MEGATRON_FIXTURE_DIVISIBLE_BY", "128"))
 SEED = 1234
+# with --dp: train in bf16 (--bf16; an environment variable so that spawned ranks see it too)
+BF16 = os.environ.get("MEGATRON_FIXTURE_BF16") == "1"
 
 
 def padded_vocab(tp):
@@ -380,7 +382,7 @@ def _train_step(model, module, ids, pp):
         torch.distributed.recv(grad, src=ps.get_pipeline_model_parallel_next_rank())
         hidden.backward(grad)
     else:
-        hidden = torch.empty(s, b, HIDDEN)
+        hidden = torch.empty(s, b, HIDDEN, dtype=torch.bfloat16 if BF16 else torch.float32)
         torch.distributed.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
         hidden.requires_grad_(True)
         module.set_input_tensor(hidden)
@@ -416,12 +418,19 @@ def distopt_worker(rank, tp, pp, dp, out, iteration, bucket, tied, store_file):
 
     module = build_model(tp, pp, tied=tied)
     fill_weights(module, tp, tp_rank, pp_rank, pp, tied=tied)
+    chunk = module
+    if BF16:  # as Megatron-LM's --bf16: the model in bf16, fp32 master copies in the optimizer
+        from megatron.core.transformer.module import Float16Module
+
+        module.config.bf16 = True
+        chunk = Float16Module(module.config, module)
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=bucket is not None,
                                                bucket_size=bucket)
-    model = DistributedDataParallel(module.config, ddp_config, module)
+    model = DistributedDataParallel(module.config, ddp_config, chunk)
     opt = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=1e-3, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, weight_decay=0.01,
-        clip_grad=0.0, use_distributed_optimizer=True, params_dtype=torch.float32), [model])
+        clip_grad=0.0, use_distributed_optimizer=True, bf16=BF16,
+        params_dtype=torch.bfloat16 if BF16 else torch.float32), [model])
     for step in range(iteration):  # each DP rank its own batch; every TP and PP rank of it the same
         ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(100 * step + dp_rank))
         model.zero_grad_buffer()
@@ -440,6 +449,8 @@ def distopt_worker(rank, tp, pp, dp, out, iteration, bucket, tied, store_file):
     args.data_parallel_size, args.use_distributed_optimizer = dp, True
     args.overlap_grad_reduce, args.ddp_bucket_size = bucket is not None, bucket
     args.untie_embeddings_and_output_weights = not tied
+    if BF16:
+        args.bf16, args.params_dtype = True, torch.bfloat16
     sched = {"max_lr": 1e-3, "min_lr": 1e-4, "lr_warmup_steps": 0, "lr_decay_steps": 100,
              "lr_decay_style": "cosine", "num_steps": iteration, "start_wd": 0.01, "end_wd": 0.01,
              "wd_incr_steps": 100, "wd_incr_style": "constant"}
@@ -525,6 +536,7 @@ def main():
     ap.add_argument("--hidden", type=int, default=None, help="the hidden size (default 64; FFN twice that)")
     ap.add_argument("--bucket", type=int, default=None, help="with --dp: the grad buffer's bucket size (elements)")
     ap.add_argument("--tied", action="store_true", help="with --dp: embeddings tied to the output layer")
+    ap.add_argument("--bf16", action="store_true", help="with --dp: a bf16 model with fp32 master copies")
     ap.add_argument("--start-method", choices=["fork", "spawn"], default="fork",
                     help="fork (default) lets the ranks inherit the parent's megatron import (~2.5 s each)")
     a = ap.parse_args()
@@ -536,6 +548,10 @@ def main():
         global HIDDEN, FFN, KV_CH
         os.environ["MEGATRON_FIXTURE_HIDDEN"] = str(a.hidden)  # for spawned ranks
         HIDDEN, FFN, KV_CH = a.hidden, 2 * a.hidden, a.hidden // HEADS
+    if a.bf16:
+        global BF16
+        BF16 = True
+        os.environ["MEGATRON_FIXTURE_BF16"] = "1"  # for spawned ranks
     if a.family != FAMILY:
         global QKV_BIAS, EPS, ROPE_BASE
         os.environ["MEGATRON_FIXTURE_FAMILY"] = a.family  # for spawned ranks

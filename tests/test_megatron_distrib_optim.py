@@ -58,8 +58,15 @@ def made_pp2_tied(tmp_path_factory) -> Path:
     return _train(tmp_path_factory.mktemp("distopt-pp2") / "run", "llama", "--tp", "1", "--pp", "2", "--tied")
 
 
+@pytest.fixture(scope="module")
+def made_bf16(tmp_path_factory) -> Path:
+    """Megatron-LM's --bf16: the weights in bf16, the optimizer's master copies and moments in fp32."""
+    return _train(tmp_path_factory.mktemp("distopt-bf16") / "run", "llama", "--tp", "2", "--bf16")
+
+
 def _run_of(request, family: str) -> Path:
-    return request.getfixturevalue({"llama": "made", "qwen2": "made_qwen2", "pp2_tied": "made_pp2_tied"}[family])
+    return request.getfixturevalue({"llama": "made", "qwen2": "made_qwen2", "pp2_tied": "made_pp2_tied",
+                                    "bf16": "made_bf16"}[family])
 
 
 def _canonical(name: str) -> str:
@@ -73,7 +80,7 @@ def _reference(made: Path) -> tuple[float, dict[str, dict[str, torch.Tensor]]]:
     return ref["step"], {_canonical(k): v for k, v in ref["state"].items()}
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "pp2_tied"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "pp2_tied", "bf16"])
 def test_the_flat_buffers_give_megatrons_own_state_of_every_parameter_bitwise(request, family):
     from ckptio.formats.megatron.format import read_legacy
 
@@ -88,7 +95,8 @@ def test_the_flat_buffers_give_megatrons_own_state_of_every_parameter_bitwise(re
     for name, state in ref.items():
         for key, want in state.items():
             got = info["optimizer"][key][name][: want.shape[0]]  # the vocabulary padding rows are cut in ref
-            assert torch.equal(got, want), f"{key} of {name}"
+            assert got.dtype == want.dtype == torch.float32 and torch.equal(got, want), f"{key} of {name}"
+        assert model[name].dtype == (torch.bfloat16 if family == "bf16" else torch.float32)
 
 
 def test_without_distributed_optimizer_files_there_is_no_adam_state(made, tmp_path):
