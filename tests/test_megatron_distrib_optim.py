@@ -247,7 +247,7 @@ def _restore(source: str, config: str) -> dict:
     from toy import full_state
 
     torch.manual_seed(7)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config))
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config)).float()  # fp32, as Megatron's state
     if dist.is_initialized():
         from torch.distributed.fsdp import fully_shard
 
@@ -264,10 +264,12 @@ def _restore(source: str, config: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("family,world", [("llama", 1), ("llama", 2), ("qwen2", 1), ("pp2_tied", 1)])
+@pytest.mark.parametrize("family,world", [("llama", 1), ("llama", 2), ("qwen2", 1), ("pp2_tied", 1), ("bf16", 1),
+                                          ("bf16", 2)])
 def test_a_plain_model_and_adamw_resume_with_megatrons_fp32_state_bitwise(request, tmp_path, family, world):
     """On 1 rank, and under FSDP2 on 2: the weights are Megatron's fp32 master copies, the moments Megatron's
-    own, bitwise, and every parameter's step is the 3 Megatron took."""
+    own, bitwise, and every parameter's step is the 3 Megatron took. A bf16 run resumes into an fp32 model from
+    its fp32 master copies, not from its bf16 weights."""
     from ckptio.convert.formats import convert
     from distributed import run_ranks
 

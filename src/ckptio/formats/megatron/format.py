@@ -356,6 +356,16 @@ class MegatronFormat(Format):
             return None
         return float(step), {m: _as_llama(source) for m, source in moments.items()}
 
+    def open_masters(self, path: Path) -> Any:
+        folder = iteration_folder(path)
+        if layout_of(folder) != "legacy":
+            return None
+        tensors, info = read_legacy(folder, optimizer=True)
+        state = info.pop("optimizer", None)
+        if state is None or all(t.dtype == torch.float32 for t in tensors.values()):
+            return None  # no distributed optimizer's state, or fp32 weights that are the masters themselves
+        return _as_llama(MegatronSource(path, legacy=(state["param"], info)))
+
     def write(self, opened: Opened, source: Any, out: Path, options: WriteOptions) -> None:
         from . import write as megatron_write
 
