@@ -62,7 +62,7 @@ def bucket_size(args: Any, pp_rank: int) -> int | None:
     return size if size is not None else max(40_000_000, 1_000_000 * _arg(args, "data_parallel_size", int, 1))
 
 
-def flat_layout(params: list[tuple[str, int]], *, size: int | None, shared: set[str] = frozenset(),  # type: ignore[assignment]
+def flat_layout(params: list[tuple[str, int]], *, size: int | None, shared: frozenset[str] | set[str] = frozenset(),
                 ) -> tuple[dict[str, tuple[int, int]], int, list[tuple[int, int]]]:
     """Where each parameter is in the flat buffers of ``distrib_optim.pt``: ``{name: (start, end)}``, the buffers'
     length, and the padding ranges between parameters (which hold zeros). ``params``: (name, numel) in the
@@ -117,7 +117,7 @@ def optimizer_step(optimizer: Any, where: object) -> float | None:
     groups = inner.get("param_groups") if isinstance(inner, dict) else None
     if not isinstance(groups, list):
         return None
-    steps = [g.get("step") if isinstance(g, dict) else g for g in groups]
+    steps: list[Any] = [g.get("step") if isinstance(g, dict) else g for g in groups]
     if not steps or not all(type(s) in (int, float) and math.isfinite(s) and s >= 0 for s in steps) or \
             len(set(steps)) != 1:
         raise CheckpointCorruptError(f"{where}: the optimizer's parameter groups record the steps "
@@ -125,7 +125,7 @@ def optimizer_step(optimizer: Any, where: object) -> float | None:
     return float(steps[0])
 
 
-def _buffers(obj: Any, where: str, dtype: torch.dtype) -> dict[str, Any]:
+def _buffers(obj: Any, where: object, dtype: torch.dtype) -> dict[str, Any]:
     """The one buffer's entry of a ``distrib_optim.pt``: ``{param, exp_avg, exp_avg_sq, numel_unpadded}``."""
     if isinstance(obj, list):
         raise CheckpointError(f"{where}: holds the state of {len(obj)} chained optimizers (expert-parallel parameters "
