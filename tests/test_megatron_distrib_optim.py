@@ -316,3 +316,15 @@ def test_rank_files_found_bad_by_the_fuzzer_are_refused_by_name(made, tmp_path):
         fh.truncate(1 << 40)
     with pytest.raises(CheckpointCorruptError, match=r"mp_rank_01/model_optim_rng\.pt: not a torch\.save archive"):
         MegatronSource(run)
+
+
+def test_a_missing_tensor_parallel_rank_folder_is_refused_not_read_as_a_smaller_run(made, tmp_path):
+    """A fuzz input: the last TP rank's folder gone. The folders then look like TP=1 while the shards are TP=2."""
+    from ckptio.formats.megatron.format import MegatronSource
+
+    run = _copy(made, tmp_path)
+    shutil.rmtree(run / ITER / "mp_rank_01")
+    with pytest.raises(CheckpointCorruptError, match=r"tensor_model_parallel_size is 2, but its rank folders are for 1"):
+        MegatronSource(run)
+    with pytest.raises(CheckpointCorruptError, match=r"tensor_model_parallel_size is 2"):
+        _read(run)

@@ -105,6 +105,15 @@ def _rank_file(root: Folder, rel: str) -> tuple[dict[str, Any], list[str], dict[
         handle.close()
 
 
+def _check_ranks(args: Any, tp: int, pp: int, root: Folder) -> None:
+    """The rank folders found are the TP x PP the run's arguments record (a missing last rank is not a smaller run)."""
+    for name, found in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
+        value = _arg(args, name)
+        if type(value) is int and value != found:
+            raise CheckpointCorruptError(f"{root.display()}: the run's {name} is {value}, but its rank folders are "
+                                         f"for {found}: rank folders are missing or extra")
+
+
 def read_legacy(folder: Path, *, optimizer: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The whole model (canonical names) and the run's ``args``/``iteration`` of a legacy iteration folder.
 
@@ -129,6 +138,7 @@ def read_legacy(folder: Path, *, optimizer: bool = False) -> tuple[dict[str, tor
             info["placeholders"].update(placeholders)
             if t == 0 and stage == 0:
                 info["args"], info["iteration"] = obj.get("args"), obj.get("iteration")
+                _check_ranks(info["args"], tp, pp, root)
             parts = {"": model}
             if optim is not None:
                 parts.update(optim(rel, obj, model, stage, pp, info))
