@@ -42,7 +42,9 @@ import torch
 import torch.multiprocessing as mp
 
 # Tiny model; the names follow Megatron-LM's argument names.
-NUM_LAYERS, HIDDEN, FFN, HEADS, GROUPS, KV_CH = 4, 64, 128, 4, 2, 16
+# (--hidden 48 makes the norms' 48 elements no multiple of the distributed optimizer's 64-element alignment)
+HIDDEN = int(os.environ.get("MEGATRON_FIXTURE_HIDDEN", "64"))
+NUM_LAYERS, FFN, HEADS, GROUPS, KV_CH = 4, 2 * HIDDEN, 4, 2, HIDDEN // 4
 VOCAB, MAX_POS = 128, 64
 # the model family (--family; an environment variable so that spawned ranks see it too)
 FAMILY = os.environ.get("MEGATRON_FIXTURE_FAMILY", "llama")
@@ -51,6 +53,8 @@ EPS, ROPE_BASE = (1e-6, 1000000) if FAMILY != "llama" else (1e-5, 10000)
 # --make-vocab-size-divisible-by of the run (Megatron-LM's default 128); --divisible-by sets it for the ranks
 DIVISIBLE_BY = int(os.environ.get("MEGATRON_FIXTURE_DIVISIBLE_BY", "128"))
 SEED = 1234
+# with --dp: train in bf16 (--bf16; an environment variable so that spawned ranks see it too)
+BF16 = os.environ.get("MEGATRON_FIXTURE_BF16") == "1"
 
 
 def padded_vocab(tp):
@@ -83,6 +87,28 @@ def apply_cpu_stubs():
     mrandom._set_cuda_rng_state = lambda state, *a, **k: gen.set_state(state)
 
 
+def apply_distopt_cpu_stubs():
+    """What the distributed optimizer needs beyond :func:`apply_cpu_stubs`: its flag and norm tensors are made
+    with ``device='cuda'`` (made on the CPU here), and it sorts parameters by ``Tensor.type()`` names, which say
+    ``torch.cuda.FloatTensor`` for its fp32 parameters (a CPU tensor answers with that name here); a tied
+    embedding is moved with ``.cuda()`` before its stages sync it (it stays where it is)."""
+    def on_cpu(make):
+        def made(*args, device=None, **kwargs):
+            return make(*args, device="cpu" if device == "cuda" else device, **kwargs)
+        return made
+
+    for name in ("tensor", "zeros", "empty", "ones"):
+        setattr(torch, name, on_cpu(getattr(torch, name)))
+    type_of = torch.Tensor.type
+
+    def cuda_type_name(self, *args, **kwargs):
+        name = type_of(self, *args, **kwargs)
+        return name.replace("torch.", "torch.cuda.", 1) if not args and not kwargs and isinstance(name, str) else name
+
+    torch.Tensor.type = cuda_type_name
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # a tied embedding's copies are synced "on the GPU"
+
+
 def full_weight(name, full_shape, rows=None):
     """Deterministic full (unsharded) tensor for a global parameter name, the same for any layout.
     If `rows` is given (the vocab matrices), only rows[:rows] come from the name's seed. The padding
@@ -111,7 +137,7 @@ def tp_slice(name, local_shape, tp, rank):
     return tuple(local_shape), lambda t: t  # norms: replicated
 
 
-def build_model(tp, pp, vocab=None):
+def build_model(tp, pp, vocab=None, tied=False):
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -136,12 +162,12 @@ def build_model(tp, pp, vocab=None):
         transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=QK_NORM),
         vocab_size=vocab or padded_vocab(tp), max_sequence_length=MAX_POS,
         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=False, position_embedding_type="rope",
+        share_embeddings_and_output_weights=tied, position_embedding_type="rope",
         rotary_percent=1.0, rotary_base=ROPE_BASE,
     )
 
 
-def fill_weights(model, tp, tp_rank, pp_rank, pp):
+def fill_weights(model, tp, tp_rank, pp_rank, pp, tied=False):
     """Copy this rank's slice of the seeded full weights into the model."""
     layer_offset = pp_rank * (NUM_LAYERS // pp)  # local layer numbering restarts on each stage
     with torch.no_grad():
@@ -150,6 +176,8 @@ def fill_weights(model, tp, tp_rank, pp_rank, pp):
             if name.startswith("decoder.layers."):
                 parts[2] = str(int(parts[2]) + layer_offset)
             gname = ".".join(parts)
+            if tied and gname == "output_layer.weight":  # a later stage's copy of the tied embedding
+                gname = "embedding.word_embeddings.weight"
             full_shape, shard = tp_slice(name, p.shape, tp, tp_rank)
             is_vocab = name.endswith(("word_embeddings.weight", "output_layer.weight"))
             p.copy_(shard(full_weight(gname, full_shape, VOCAB if is_vocab else None)))
@@ -299,6 +327,171 @@ def worker(rank, tp, pp, out, iteration, store_file):
     torch.distributed.destroy_process_group()
 
 
+def _local_adam(opt, param):
+    """Megatron's own fp32 state of one local (TP-shard) parameter: each DP rank's owned range, put together.
+
+    Uses the distributed optimizer's own bookkeeping (which range of the parameter this DP rank owns, its main
+    param and Adam tensors for that range), gathered over the data-parallel group: an account of the state
+    independent of the flat buffers ``save_parameter_state`` writes."""
+    from megatron.core import parallel_state as ps
+
+    inner = opt.chained_optimizers[0] if hasattr(opt, "chained_optimizers") else opt
+    keys = ("param", "exp_avg", "exp_avg_sq")
+    if param in inner.model_param_gbuf_map:  # this DP rank owns part of the parameter
+        span = inner._get_model_param_range_map(param)["param"]
+        tensors = inner._get_main_param_and_optimizer_states(param)
+        mine = (span.start, span.end, {k: tensors[k].detach().clone() for k in keys})
+    else:
+        mine = (0, 0, {k: torch.empty(0) for k in keys})
+    parts = [None] * ps.get_data_parallel_world_size()
+    torch.distributed.all_gather_object(parts, mine, group=ps.get_data_parallel_group_gloo())
+    out = {k: torch.full((param.numel(),), float("nan")) for k in keys}
+    for start, end, part in parts:
+        for k in out:
+            out[k][start:end] = part[k]
+    assert not any(t.isnan().any() for t in out.values()), "a range of the parameter is owned by no DP rank"
+    return {k: t.view(param.shape) for k, t in out.items()}
+
+
+def _whole(name, local, tp):
+    """The whole tensor of a parameter from its TP shards (TP rank order), as tp_slice splits it; vocab rows cut."""
+    if name.endswith("linear_fc1.weight"):
+        halves = [t.chunk(2) for t in local]
+        whole = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+    elif name.endswith(("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight")):
+        whole = torch.cat(local)
+    elif name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        whole = torch.cat(local, 1)
+    else:
+        whole = local[0]
+    return whole[:VOCAB] if name.endswith(("word_embeddings.weight", "output_layer.weight")) else whole
+
+
+def _train_step(model, module, ids, pp):
+    """Forward and backward of one batch; with two pipeline stages the hidden states and their gradient go over
+    send/recv between them (the first stage's output, the last stage's input)."""
+    from megatron.core import parallel_state as ps
+
+    b, s = ids.shape
+    pos = torch.arange(s).unsqueeze(0).expand(b, -1)
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]
+    labels = ids.roll(-1, 1)
+    if pp == 1:
+        model(ids, pos, mask, labels=labels).float().mean().backward()
+    elif ps.is_pipeline_first_stage():
+        hidden = model(ids, pos, mask)
+        torch.distributed.send(hidden.detach().contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+        grad = torch.empty_like(hidden)
+        torch.distributed.recv(grad, src=ps.get_pipeline_model_parallel_next_rank())
+        hidden.backward(grad)
+    else:
+        hidden = torch.empty(s, b, HIDDEN, dtype=torch.bfloat16 if BF16 else torch.float32)
+        torch.distributed.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
+        hidden.requires_grad_(True)
+        module.set_input_tensor(hidden)
+        model(ids, pos, mask, labels=labels).float().mean().backward()
+        torch.distributed.send(hidden.grad.contiguous(), dst=ps.get_pipeline_model_parallel_prev_rank())
+
+
+def distopt_worker(rank, tp, pp, dp, out, iteration, bucket, tied, store_file):
+    """Train with Megatron's distributed optimizer on TP x PP x DP ranks and save Megatron-LM's legacy layout:
+    ``mp_rank_TT[_PPP]/model_optim_rng.pt`` (DP rank 0) and ``distrib_optim.pt`` (``save_parameter_state``)."""
+    import random
+
+    import numpy as np
+
+    quiet_megatron()
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{store_file}", rank=rank, world_size=tp * pp * dp,
+        timeout=datetime.timedelta(minutes=2))
+    apply_cpu_stubs()
+    apply_distopt_cpu_stubs()
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    random.seed(SEED)
+    np.random.seed(SEED)
+    torch.manual_seed(SEED)
+    model_parallel_cuda_manual_seed(SEED)
+    tp_rank, pp_rank, dp_rank = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+                                 ps.get_data_parallel_rank())
+
+    module = build_model(tp, pp, tied=tied)
+    fill_weights(module, tp, tp_rank, pp_rank, pp, tied=tied)
+    chunk = module
+    if BF16:  # as Megatron-LM's --bf16: the model in bf16, fp32 master copies in the optimizer
+        from megatron.core.transformer.module import Float16Module
+
+        module.config.bf16 = True
+        chunk = Float16Module(module.config, module)
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=bucket is not None,
+                                               bucket_size=bucket)
+    model = DistributedDataParallel(module.config, ddp_config, chunk)
+    opt = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=1e-3, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, weight_decay=0.01,
+        clip_grad=0.0, use_distributed_optimizer=True, bf16=BF16,
+        params_dtype=torch.bfloat16 if BF16 else torch.float32), [model])
+    for step in range(iteration):  # each DP rank its own batch; every TP and PP rank of it the same
+        ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(100 * step + dp_rank))
+        model.zero_grad_buffer()
+        opt.zero_grad()
+        _train_step(model, module, ids, pp)
+        finalize_model_grads([model])  # DP reduce-scatter, and a tied embedding's grads over the first/last stage
+        ok, _, _ = opt.step()
+        assert ok, "the optimizer step was skipped"
+
+    sub = f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+    folder = os.path.join(out, "legacy", f"iter_{iteration:07d}", sub)
+    os.makedirs(folder, exist_ok=True)
+    torch.distributed.barrier()
+    opt.save_parameter_state(os.path.join(folder, "distrib_optim.pt"))  # collective over DP; DP rank 0 writes
+    args = make_args(tp, pp, "torch")
+    args.data_parallel_size, args.use_distributed_optimizer = dp, True
+    args.overlap_grad_reduce, args.ddp_bucket_size = bucket is not None, bucket
+    args.untie_embeddings_and_output_weights = not tied
+    if BF16:
+        args.bf16, args.params_dtype = True, torch.bfloat16
+    sched = {"max_lr": 1e-3, "min_lr": 1e-4, "lr_warmup_steps": 0, "lr_decay_steps": 100,
+             "lr_decay_style": "cosine", "num_steps": iteration, "start_wd": 0.01, "end_wd": 0.01,
+             "wd_incr_steps": 100, "wd_incr_style": "constant"}
+    if dp_rank == 0:
+        state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration,
+                 "model": model.state_dict_for_save_checkpoint(), "optimizer": opt.state_dict(),
+                 "opt_param_scheduler": sched, "rng_state": rng_state(), "num_floating_point_operations_so_far": 0}
+        torch.save(state, os.path.join(folder, "model_optim_rng.pt"))
+
+    # Megatron's own state of every parameter, whole (gathered over DP, then over TP and PP), for the tests
+    offset = pp_rank * (NUM_LAYERS // pp)
+    local = {}
+    for name, p in module.named_parameters():
+        state = _local_adam(opt, p)
+        if name.startswith("decoder.layers."):
+            parts = name.split(".")
+            name = ".".join(parts[:2] + [str(int(parts[2]) + offset)] + parts[3:])
+        if not (tied and name == "output_layer.weight"):  # the last stage's copy of the tied embedding
+            local[name] = state
+    everyone = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, (tp_rank, dp_rank, local))
+    if rank == 0:
+        step = {float(g["step"]) for g in opt.state_dict()["optimizer"]["param_groups"]}
+        assert len(step) == 1
+        parts = {}
+        for t, d, held in everyone:
+            for name, state in held.items():
+                if d == 0:
+                    parts.setdefault(name, {})[t] = state
+        ref = {name: {k: _whole(name, [by_tp[t][k] for t in range(tp)], tp) for k in by_tp[0]}
+               for name, by_tp in parts.items()}
+        torch.save({"step": step.pop(), "state": ref}, os.path.join(out, "reference_adam.pt"))
+        with open(os.path.join(out, "legacy", "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(iteration))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
 def load_worker(rank, tp, pp, src, out, store_file):
     """Load the torch_dist checkpoint ``src`` into a fresh T x P model with Megatron's loader; save its logits."""
     quiet_megatron()
@@ -341,6 +534,13 @@ def main():
     ap.add_argument("--family", choices=["llama", "qwen2", "qwen3"], default="llama",
                     help="qwen2: biases on the query/key/value projection (Megatron-LM's --add-qkv-bias); "
                          "qwen3: RMSNorms on each query and key head (--qk-layernorm)")
+    ap.add_argument("--dp", type=int, default=None,
+                    help="train --iteration steps with the distributed optimizer on TP x PP x DP ranks and save the "
+                         "legacy layout with distrib_optim.pt, and reference_adam.pt: Megatron's own state per parameter")
+    ap.add_argument("--hidden", type=int, default=None, help="the hidden size (default 64; FFN twice that)")
+    ap.add_argument("--bucket", type=int, default=None, help="with --dp: the grad buffer's bucket size (elements)")
+    ap.add_argument("--tied", action="store_true", help="with --dp: embeddings tied to the output layer")
+    ap.add_argument("--bf16", action="store_true", help="with --dp: a bf16 model with fp32 master copies")
     ap.add_argument("--start-method", choices=["fork", "spawn"], default="fork",
                     help="fork (default) lets the ranks inherit the parent's megatron import (~2.5 s each)")
     a = ap.parse_args()
@@ -348,13 +548,21 @@ def main():
         global DIVISIBLE_BY
         DIVISIBLE_BY = a.divisible_by
         os.environ["MEGATRON_FIXTURE_DIVISIBLE_BY"] = str(a.divisible_by)  # for spawned ranks
+    if a.hidden is not None:
+        global HIDDEN, FFN, KV_CH
+        os.environ["MEGATRON_FIXTURE_HIDDEN"] = str(a.hidden)  # for spawned ranks
+        HIDDEN, FFN, KV_CH = a.hidden, 2 * a.hidden, a.hidden // HEADS
+    if a.bf16:
+        global BF16
+        BF16 = True
+        os.environ["MEGATRON_FIXTURE_BF16"] = "1"  # for spawned ranks
     if a.family != FAMILY:
         global QKV_BIAS, QK_NORM, EPS, ROPE_BASE
         os.environ["MEGATRON_FIXTURE_FAMILY"] = a.family  # for spawned ranks
         QKV_BIAS, QK_NORM = a.family == "qwen2", a.family == "qwen3"
         EPS, ROPE_BASE = (1e-6, 1000000) if a.family != "llama" else (1e-5, 10000)
     assert GROUPS % a.tp == 0 and NUM_LAYERS % a.pp == 0, "unsupported TP/PP for the tiny model"
-    if a.load is None:  # dist_checkpointing.save expects the target directory to exist
+    if a.load is None and a.dp is None:  # dist_checkpointing.save expects the target directory to exist
         os.makedirs(os.path.join(a.out, "torch_dist", f"iter_{a.iteration:07d}"), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="megatron_fixture_")
     try:
@@ -365,7 +573,12 @@ def main():
             import megatron.core.models.gpt  # noqa: F401
         fn, args = (worker, (a.tp, a.pp, a.out, a.iteration, store_file)) if a.load is None else \
             (load_worker, (a.tp, a.pp, a.load, a.out, store_file))
-        mp.start_processes(fn, args=args, nprocs=a.tp * a.pp, join=True, start_method=a.start_method)
+        ranks = a.tp * a.pp
+        if a.dp is not None:
+            assert a.load is None and a.pp <= 2, "--dp trains on TP x PP x DP ranks, at most two pipeline stages"
+            fn, args = distopt_worker, (a.tp, a.pp, a.dp, a.out, a.iteration, a.bucket, a.tied, store_file)
+            ranks = a.tp * a.pp * a.dp
+        mp.start_processes(fn, args=args, nprocs=ranks, join=True, start_method=a.start_method)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -177,10 +177,18 @@ def restore_foreign(path: Path, model_state: Any, *, strict: bool, log: Any) -> 
 
     def fill() -> int:
         opened = fmt.open(path)
+        masters = None
         try:
-            index = opened.source.index()
+            source = opened.source
+            index = source.index()
             live = {k: TensorInfo(tuple(v.shape), dtype_name(v.dtype)) for k, v in target.items()}
             check_compatible(index, live, f"{path} ({fmt.name})", strict=strict)
+            if any(index[k].dtype != live[k].dtype for k in live) and \
+                    all(live[k].dtype == "float32" for k in live):  # a 16-bit run into an fp32 model: its masters
+                masters = fmt.open_masters(path)
+                if masters is not None:
+                    source, index = masters, masters.index()
+                    check_compatible(index, live, f"{path} ({fmt.name}, fp32 master copies)", strict=strict)
             wrong = [f"{k}: {index[k].dtype} in the checkpoint, {live[k].dtype} in the model" for k in live
                      if index[k].dtype != live[k].dtype]
             if wrong:
@@ -190,10 +198,12 @@ def restore_foreign(path: Path, model_state: Any, *, strict: bool, log: Any) -> 
                 view = local_view(value)
                 if view.local.numel() == 0:
                     continue
-                view.local.copy_(_slice_of(opened.source.read(key), view))
+                view.local.copy_(_slice_of(source.read(key), view))
             return opened.step
         finally:
             opened.close()
+            if masters is not None:
+                masters.close()
 
     step = _dist.run_collectively(f"loading the weights of {path}", fill)
     _dist.run_collectively("applying the weights", lambda: model_state.load_state_dict(target))

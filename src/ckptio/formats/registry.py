@@ -153,6 +153,11 @@ class Format:
         per moment (``exp_avg``, ``exp_avg_sq``); ``None`` when the format or this checkpoint has none."""
         return None
 
+    def open_masters(self, path: Path) -> "TensorSource | None":
+        """The fp32 master copies of a checkpoint whose weights are 16-bit, under the names :meth:`open` gives the
+        weights, where the format saves them (a resume into an fp32 model takes these); ``None`` otherwise."""
+        return None
+
     def training_extras(self, path: Path) -> dict[str, Any]:
         """What else of a foreign checkpoint continues a run: ``lr_scheduler`` (a scheduler's state dict) and
         ``param_groups`` (the optimizer's hyper-parameters per group), where the format saves them."""

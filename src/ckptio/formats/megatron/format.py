@@ -38,8 +38,8 @@ from ...storage.confined import Folder
 from ...storage.parse import json_object
 from ..common import TensorInfo, dtype_name
 from .config import _arg, args_from_files, hf_config
-from .layout import (GLOBAL_SPLIT, ITERATION_FILE, LAYER_SPLIT, MAX_COMMON_BYTES, MAX_RANK_FILE_BYTES, NEMO_RANK_FILE,
-                     OPTIONAL, VOCAB_KEYS, _LAYER, _RENAME, _rank_files, carry_side_files, iteration_folder, layout_of)
+from .layout import (GLOBAL_SPLIT, ITERATION_FILE, LAYER_SPLIT, MAX_COMMON_BYTES, NEMO_RANK_FILE, OPTIONAL, VOCAB_KEYS,
+                     _LAYER, _RENAME, _rank_files, carry_side_files, iteration_folder, layout_of)
 from ..registry import Format, Opened, WriteOptions, register
 
 
@@ -79,41 +79,76 @@ def merge_tp(parts: list[torch.Tensor], split: Any, key: str, where: object) -> 
 
 
 # ------------------------------------------------------------------------------------------------ the layouts
-def read_legacy(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The whole model (canonical names) and the run's ``args``/``iteration`` of a legacy iteration folder."""
+def _rank_file(root: Folder, rel: str) -> tuple[dict[str, Any], list[str], dict[str, torch.Tensor]]:
+    """A legacy rank file's object, its placeholder classes and its model's weights (canonical prefixes stripped,
+    ``_extra_state`` dropped). Read lazily: only the pickle and the model's tensors, never the whole file at once
+    (a rank file can be as large as the rank's share of the model)."""
     from . import safe_pickle as megatron_pickle
 
+    obj, placeholders, handle = megatron_pickle.open_lazy(root, rel)
+    try:
+        where = root.display(rel)
+        if isinstance(obj, dict) and rel.endswith(NEMO_RANK_FILE) and not isinstance(obj.get("model"), dict):
+            obj = {"model": obj}  # a NeMo archive's rank file is the state dict itself
+        if not isinstance(obj, dict) or not isinstance(obj.get("model"), dict):
+            extra = " (virtual pipeline stages: model0, model1... are not supported)" if \
+                isinstance(obj, dict) and "model0" in obj else ""
+            raise CheckpointCorruptError(f"{where}: no 'model' state dict{extra}")
+        named = [k for k in obj["model"] if not isinstance(k, str)]
+        if named:
+            raise CheckpointCorruptError(f"{where}: model entries named {str(named[0])[:40]!r}, not a string")
+        model = {_strip(k): v for k, v in obj["model"].items() if not k.endswith("_extra_state")}
+        bad = [k for k, v in model.items() if not isinstance(v, megatron_pickle.LazyTensor)]
+        if bad:
+            raise CheckpointCorruptError(f"{where}: non-tensor model entries {bad[:3]}")
+        return obj, placeholders, {k: v.load() for k, v in model.items()}
+    finally:
+        handle.close()
+
+
+def _check_ranks(args: Any, tp: int, pp: int, root: Folder) -> None:
+    """The rank folders found are the TP x PP the run's arguments record (a missing last rank is not a smaller run)."""
+    for name, found in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
+        value = _arg(args, name)
+        if type(value) is int and value != found:
+            raise CheckpointCorruptError(f"{root.display()}: the run's {name} is {value}, but its rank folders are "
+                                         f"for {found}: rank folders are missing or extra")
+
+
+def read_legacy(folder: Path, *, optimizer: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The whole model (canonical names) and the run's ``args``/``iteration`` of a legacy iteration folder.
+
+    ``optimizer``: also the distributed optimizer's state of every parameter (fp32 master copy and Adam moments,
+    from each rank folder's ``distrib_optim.pt``), merged like the weights: ``info["optimizer"]`` maps
+    ``param``/``exp_avg``/``exp_avg_sq`` to such a whole model, and ``info["optimizer_step"]`` is Adam's step
+    (both absent when the folders have no ``distrib_optim.pt``)."""
     files = _rank_files(folder)
     tp = 1 + max(t for t, _ in files)
     pp = 1 + max(s for _, s in files)
     root = Folder(folder)
-    out: dict[str, torch.Tensor] = {}
+    sets: dict[str, dict[str, torch.Tensor]] = {"": {}}
     info: dict[str, Any] = {"tp": tp, "pp": pp, "placeholders": set()}
+    optim = _legacy_optimizer(root, files) if optimizer else None
     offset = 0
     for stage in range(pp):
         shards = []
         for t in range(tp):
             rel = files[(t, stage)]
-            obj, placeholders = megatron_pickle.load(root, rel, max_size=MAX_RANK_FILE_BYTES)
+            obj, placeholders, model = _rank_file(root, rel)
             where = root.display(rel)
-            if isinstance(obj, dict) and rel.endswith(NEMO_RANK_FILE) and not isinstance(obj.get("model"), dict):
-                obj = {"model": obj}  # a NeMo archive's rank file is the state dict itself
-            if not isinstance(obj, dict) or not isinstance(obj.get("model"), dict):
-                extra = " (virtual pipeline stages: model0, model1... are not supported)" if "model0" in obj else ""
-                raise CheckpointCorruptError(f"{where}: no 'model' state dict{extra}")
             info["placeholders"].update(placeholders)
             if t == 0 and stage == 0:
                 info["args"], info["iteration"] = obj.get("args"), obj.get("iteration")
-            model = {_strip(k): v for k, v in obj["model"].items() if not k.endswith("_extra_state")}
-            bad = [k for k, v in model.items() if not isinstance(v, torch.Tensor)]
-            if bad:
-                raise CheckpointCorruptError(f"{where}: non-tensor model entries {bad[:3]}")
-            shards.append((where, model))
-        keys = list(shards[0][1])
-        for where, model in shards[1:]:
-            if set(model) != set(keys):
+                _check_ranks(info["args"], tp, pp, root)
+            parts = {"": model}
+            if optim is not None:
+                parts.update(optim(rel, obj, model, stage, pp, info))
+            shards.append((where, parts))
+        keys = list(shards[0][1][""])
+        for where, parts in shards[1:]:
+            if set(parts[""]) != set(keys):
                 raise CheckpointCorruptError(f"{where}: holds other parameters than {shards[0][0]}: "
-                                             f"{sorted(set(model) ^ set(keys))[:3]}")
+                                             f"{sorted(set(parts['']) ^ set(keys))[:3]}")
         layers = sorted({k[2] for k in (_kind(key, shards[0][0]) for key in keys) if k[2] is not None})
         # layer indices restart at 0 on each stage; a stage already numbered globally is kept as is
         base = 0 if layers and layers[0] == offset else offset
@@ -121,11 +156,49 @@ def read_legacy(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
             name, split, layer = _kind(key, shards[0][0])
             if layer is not None:
                 name = f"decoder.layers.{base + layer}.{name}"
-            if name in out:
+            if name in sets[""]:
                 raise CheckpointCorruptError(f"{shards[0][0]}: {name} is held by two pipeline stages")
-            out[name] = merge_tp([m[key] for _, m in shards], split, key, shards[0][0])
+            for part in shards[0][1]:
+                sets.setdefault(part, {})[name] = merge_tp([p[part][key] for _, p in shards], split, key, shards[0][0])
         offset = base + (layers[-1] + 1 if layers else 0)
-    return out, info
+    if len(sets) > 1:
+        info["optimizer"] = {k: v for k, v in sets.items() if k}
+    return sets[""], info
+
+
+def _legacy_optimizer(root: Folder, files: dict[tuple[int, int], str]) -> Any:
+    """A reader of one rank's distributed optimizer state for :func:`read_legacy`, or ``None`` when no rank
+    folder has a ``distrib_optim.pt``; refuses a folder without one when others have it."""
+    from .distrib_optim import DISTRIB_OPTIM_FILE, SHARED_EMBEDDING, bucket_size, optimizer_step, rank_state
+
+    dirs = {rank: rel.rsplit("/", 1)[0] for rank, rel in files.items()}
+    have = {rank for rank, d in dirs.items() if root.kind(f"{d}/{DISTRIB_OPTIM_FILE}") is not None}
+    if not have:
+        return None
+    if len(have) != len(dirs):
+        missing = sorted(d for rank, d in dirs.items() if rank not in have)
+        raise CheckpointCorruptError(f"{root.display()}: the rank folders {missing[:4]} have no {DISTRIB_OPTIM_FILE}, "
+                                     "which the others have")
+
+    def read(rel: str, obj: dict[str, Any], model: dict[str, torch.Tensor], stage: int, pp: int,
+             info: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
+        args = obj.get("args") if obj.get("args") is not None else info.get("args")
+        step = optimizer_step(obj.get("optimizer"), root.display(rel))
+        if step is None:
+            raise CheckpointCorruptError(f"{root.display(rel)}: records no optimizer step beside its "
+                                         f"{DISTRIB_OPTIM_FILE}")
+        if info.setdefault("optimizer_step", step) != step:
+            raise CheckpointCorruptError(f"{root.display(rel)}: the optimizer's step is {step}, another rank's "
+                                         f"{info['optimizer_step']}")
+        try:
+            size = bucket_size(args, stage)
+        except CheckpointCorruptError as exc:
+            raise CheckpointCorruptError(f"{root.display(rel)}: {exc}") from exc
+        tied = _arg(args, "untie_embeddings_and_output_weights") is not True and pp > 1
+        return rank_state(root, rel.rsplit("/", 1)[0], model, size=size,
+                          shared=set(SHARED_EMBEDDING) if tied else set())
+
+    return read
 
 
 class _DistModel:
@@ -187,16 +260,19 @@ class _DistModel:
 class MegatronSource:
     """A Megatron checkpoint's whole model under Megatron-Core GPT names, vocabulary padding cut off."""
 
-    def __init__(self, path: Path, *, args: Any = None, prefix: str = "") -> None:
+    def __init__(self, path: Path, *, args: Any = None, prefix: str = "",
+                 legacy: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None) -> None:
         """``args``: the model's Megatron arguments when the checkpoint does not carry them (a NeMo config);
-        ``prefix``: another set of parameter-shaped tensors of a distributed checkpoint (optimizer moments)."""
+        ``prefix``: another set of parameter-shaped tensors of a distributed checkpoint (optimizer moments);
+        ``legacy``: a legacy checkpoint's tensors and info as :func:`read_legacy` gave them (one of its sets of
+        optimizer state, read once for all of them)."""
         self.run = path
         self.folder = iteration_folder(path)
         self.layout = layout_of(self.folder)
         if prefix and self.layout != "dist":
             raise CheckpointError(f"{path}: only distributed (torch_dist) checkpoints are read beyond the weights")
         if self.layout == "legacy":
-            tensors, self.info = read_legacy(self.folder)
+            tensors, self.info = legacy if legacy is not None else read_legacy(self.folder)
             self._index = {k: TensorInfo(tuple(v.shape), dtype_name(v.dtype)) for k, v in tensors.items()}
             self._read = tensors.__getitem__
             self.info["layers"] = 1 + max((int(m.group(1)) for m in map(_LAYER.match, tensors) if m), default=-1)
@@ -276,13 +352,31 @@ class MegatronFormat(Format):
                       cleanup=lambda: shutil.rmtree(extras, ignore_errors=True))
 
     def open_adam(self, path: Path) -> tuple[float, dict[str, Any]] | None:
-        if layout_of(iteration_folder(path)) != "dist":
-            return None  # the legacy files key Adam's state by parameter position in each rank's groups
+        folder = iteration_folder(path)
+        if layout_of(folder) == "legacy":  # the distributed optimizer's distrib_optim.pt files, when present
+            _, info = read_legacy(folder, optimizer=True)
+            state = info.pop("optimizer", None)
+            if state is None:
+                return None  # without the distributed optimizer the files key Adam's state by position in groups
+            sources = {m: MegatronSource(path, legacy=(state[m], dict(info))) for m in ("exp_avg", "exp_avg_sq")}
+            return float(info["optimizer_step"]), {m: _as_llama(source) for m, source in sources.items()}
+        if layout_of(folder) != "dist":
+            return None
         moments = {m: MegatronSource(path, prefix=f"optimizer.state.{m}.") for m in ("exp_avg", "exp_avg_sq")}
         step = moments["exp_avg"].info.get("optimizer_step")
         if not moments["exp_avg"].index() or step is None:
             return None
         return float(step), {m: _as_llama(source) for m, source in moments.items()}
+
+    def open_masters(self, path: Path) -> Any:
+        folder = iteration_folder(path)
+        if layout_of(folder) != "legacy":
+            return None
+        tensors, info = read_legacy(folder, optimizer=True)
+        state = info.pop("optimizer", None)
+        if state is None or all(t.dtype == torch.float32 for t in tensors.values()):
+            return None  # no distributed optimizer's state, or fp32 weights that are the masters themselves
+        return _as_llama(MegatronSource(path, legacy=(state["param"], info)))
 
     def write(self, opened: Opened, source: Any, out: Path, options: WriteOptions) -> None:
         from . import write as megatron_write

@@ -1,0 +1,88 @@
+"""The fuzz family of Megatron's distributed optimizer in the legacy layout (see ``fuzz_readers.py`` for the oracle):
+a run folder written by the real megatron-core (``tests/megatron_fixture.py --dp 2``: TP=2 x DP=2, three steps of
+its ``DistributedOptimizer``, ``model_optim_rng.pt`` and ``distrib_optim.pt`` per TP rank; built once, kept in the
+fuzzer's scratch folder), damaged one to three files at a time — three times in four a ``distrib_optim.pt`` —
+as bytes, pickles, whole entries and the saved object itself, then read as a resume does: the format's
+detection, the weights, and Adam's moments, master copies and step. An untouched folder must read exactly what
+the pristine one holds; a damaged one that still reads must still have every fp32 master copy equal to its
+weight (the reader's own promise)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from fuzz_frameworks import _fixed_dir, _kinds, _objects, _place, damage
+from fuzz_kit import Case, WrongResult, load_image
+
+HERE = Path(__file__).resolve().parent
+ITER = "iter_0000003"
+
+
+def _run() -> Path:
+    out = _fixed_dir("megatron-distopt")
+    if not (out / "legacy" / "latest_checkpointed_iteration.txt").is_file():
+        cmd = [sys.executable, str(HERE.parent / "tests" / "megatron_fixture.py"), "--tp", "2", "--dp", "2",
+               "--iteration", "3", "--hidden", "48", "--bucket", "6192", "--out", str(out)]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if r.returncode != 0:
+            raise RuntimeError(f"the megatron-core run failed: {r.stderr[-2000:]}")
+    return out / "legacy"
+
+
+def _read(root: Path) -> dict[str, torch.Tensor]:
+    from ckptio.formats import registry
+    from ckptio.formats.megatron.format import read_legacy
+    from ckptio.formats.megatron.layout import iteration_folder
+
+    fmt = registry.detect(root)
+    got: dict[str, torch.Tensor] = {}
+    adam = fmt.open_adam(root)
+    if adam is not None:
+        step, moments = adam
+        try:
+            for m, source in moments.items():
+                got.update({f"{m}/{k}": source.read(k) for k in source.index()})
+        finally:
+            for source in moments.values():
+                source.close()
+        got["step"] = torch.tensor(step)
+    model, info = read_legacy(iteration_folder(root), optimizer=True)
+    got.update({f"model/{k}": v for k, v in model.items()})
+    for name, master in info.get("optimizer", {}).get("param", {}).items():
+        if not torch.equal(master.to(model[name].dtype), model[name]):
+            raise WrongResult(f"the fp32 master copy of {name} read is not its weight")
+        got[f"param/{name}"] = master
+    return got
+
+
+class MegatronDistOpt:
+    def prepare(self) -> None:
+        if hasattr(self, "image"):
+            return
+        root = _run()
+        self.image = load_image(root)
+        self.objs = _objects(self.image)
+        self.want = _read(root)
+
+    def __call__(self, rng: Case, tmp: Path) -> None:
+        self.prepare()
+        rng.reading = False
+        image = dict(self.image)
+        kinds = _kinds(image)
+        if rng.random() < 0.75:  # mostly the new file kind
+            kinds = {k: v for k, v in kinds.items() if k.endswith("distrib_optim.pt")}
+        touched = set() if rng.pristine else damage(rng, image, kinds, tmp, self.objs, manifest=None)
+        root = tmp / "run"
+        _place(rng, image, root, tmp)
+        rng.reading = True
+        got = _read(root)
+        if touched:
+            return  # a damaged file that still reads is a checkpoint of other values (no checksums to hold it to)
+        if set(got) != set(self.want) or any(not torch.equal(got[k], v) for k, v in self.want.items()):
+            raise WrongResult("an undamaged Megatron checkpoint read other values")
+
+
+FAMILIES = {"megatron_distopt": MegatronDistOpt()}

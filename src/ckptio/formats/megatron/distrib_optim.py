@@ -1,0 +1,197 @@
+"""Megatron's distributed optimizer state in the legacy layout: ``mp_rank_TT[_PPP]/distrib_optim.pt``.
+
+With ``--use-distributed-optimizer`` and ``--ckpt-format torch``, Megatron-LM writes beside each tensor/pipeline
+rank's ``model_optim_rng.pt`` (which keeps only the optimizer's hyper-parameters and step) one
+``distrib_optim.pt``: the data-parallel ranks' shards of that rank's fp32 master parameters and Adam moments,
+gathered on DP rank 0 into three flat buffers (``param``, ``exp_avg``, ``exp_avg_sq``) that say nothing of
+which parameter is where. That follows from the model and the run's arguments, by megatron-core's rules for the
+gradient buffer (megatron-core >= 0.6, the format with ``buckets_coalesced``):
+
+* the parameters that are trained, taken in the reverse of the model's order (the order of its state dict);
+* each starts at a multiple of 64 elements of the buffer;
+* a bucket closes after the parameter that makes it hold at least the bucket size (``--ddp-bucket-size``, or
+  ``max(40e6, 1e6 * DP)`` with ``--overlap-grad-reduce``; one bucket without it, and on every pipeline stage but
+  the first), and around a tied embedding's copy on a pipeline's first and last stage; its end is padded to a
+  multiple of lcm(DP, 128), so that each DP rank owns an equal contiguous part;
+* the file keeps each bucket up to its last parameter's end (the padding between parameters included, the
+  bucket's tail padding cut), the buckets one after another.
+
+Everything is checked, and refused by name when it does not hold: the file's structure, one buffer of the
+model's dtype, its length against the layout, zeros in the padding, and every parameter's fp32 master copy
+against the weight in ``model_optim_rng.pt`` (equal after rounding to the model's dtype) — a wrong ordering, a
+wrong bucket size or a missing data-parallel shard cannot pass that.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ...errors import CheckpointCorruptError, CheckpointError
+from ...storage.confined import Folder
+
+__all__ = ["DISTRIB_OPTIM_FILE", "STATE_KEYS", "bucket_size", "flat_layout", "optimizer_step", "rank_state"]
+
+DISTRIB_OPTIM_FILE = "distrib_optim.pt"
+STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
+PARAM_ALIGN = 64
+"""Every parameter starts at a multiple of this many elements of the gradient buffer."""
+SHARED_EMBEDDING = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def _arg(args: Any, name: str, kind: type, default: Any = None) -> Any:
+    """The run's argument ``name`` when it is a ``kind`` (bool or a positive int), ``default`` when absent;
+    anything else is refused."""
+    value = getattr(args, name, None) if args is not None else None
+    if value is None:
+        return default
+    if kind is bool and isinstance(value, bool) or kind is int and type(value) is int and value > 0:
+        return value
+    raise CheckpointCorruptError(f"the run's argument {name} is {str(value)[:40]!r}, not a "
+                                 f"{'switch' if kind is bool else 'positive integer'}")
+
+
+def bucket_size(args: Any, pp_rank: int) -> int | None:
+    """The gradient buffer's bucket size (elements) on pipeline stage ``pp_rank``, ``None`` for one bucket."""
+    if not _arg(args, "overlap_grad_reduce", bool, False) or pp_rank > 0 or \
+            _arg(args, "overlap_param_gather_with_optimizer_step", bool, False):
+        return None
+    size = _arg(args, "ddp_bucket_size", int)
+    return size if size is not None else max(40_000_000, 1_000_000 * _arg(args, "data_parallel_size", int, 1))
+
+
+def flat_layout(params: list[tuple[str, int]], *, size: int | None, shared: frozenset[str] | set[str] = frozenset(),
+                ) -> tuple[dict[str, tuple[int, int]], int, list[tuple[int, int]]]:
+    """Where each parameter is in the flat buffers of ``distrib_optim.pt``: ``{name: (start, end)}``, the buffers'
+    length, and the padding ranges between parameters (which hold zeros). ``params``: (name, numel) in the
+    model's order; ``size``: the bucket size or ``None``; ``shared``: parameters that get a bucket of their own.
+
+    Positions in the gradient buffer are computed first (each bucket starts at a multiple of 128 there, so the
+    64-element alignment is the same relative to the bucket as in the buffer), then each bucket's span up to its
+    last parameter's end is laid after the previous one's."""
+    at, bucket_start, members = 0, 0, 0
+    buffer_pos: dict[str, tuple[int, int, int]] = {}
+    spans: list[tuple[int, int]] = []  # (start, unpadded end) of each bucket in the buffer
+
+    def close(end: int) -> int:
+        nonlocal bucket_start, members
+        spans.append((bucket_start, end))
+        bucket_start = math.ceil(end / 128) * 128 if end % 128 else end  # any multiple of 128 keeps the layout
+        members = 0
+        return bucket_start
+
+    end = 0
+    for name, numel in reversed(params):
+        at = math.ceil(at / PARAM_ALIGN) * PARAM_ALIGN
+        if name in shared and members:
+            at = close(at)
+        end = at + numel
+        buffer_pos[name] = (at, end, len(spans))
+        members += 1
+        at = close(end) if (size is not None and end - bucket_start >= size) or name in shared else end
+    if members:
+        close(end)
+    offsets, total = [], 0
+    for start, stop in spans:
+        offsets.append(total - start)
+        total += stop - start
+    slots = {name: (a + offsets[b], e + offsets[b]) for name, (a, e, b) in buffer_pos.items()}
+    gaps, covered = [], 0
+    for a, e in sorted(slots.values()):
+        if a > covered:
+            gaps.append((covered, a))
+        covered = max(covered, e)
+    if covered < total:
+        gaps.append((covered, total))
+    return slots, total, gaps
+
+
+def optimizer_step(optimizer: Any, where: object) -> float | None:
+    """The Adam step a rank file's ``optimizer`` entry records (in every parameter group, equal), or ``None``."""
+    if isinstance(optimizer, list):
+        raise CheckpointError(f"{where}: holds the state of {len(optimizer)} chained optimizers (expert-parallel "
+                              "parameters have their own); ckptio reads the distributed optimizer of dense models")
+    inner = optimizer.get("optimizer") if isinstance(optimizer, dict) else None
+    groups = inner.get("param_groups") if isinstance(inner, dict) else None
+    if not isinstance(groups, list):
+        return None
+    steps: list[Any] = [g.get("step") if isinstance(g, dict) else g for g in groups]
+    if not steps or not all(type(s) in (int, float) and math.isfinite(s) and s >= 0 for s in steps) or \
+            len(set(steps)) != 1:
+        raise CheckpointCorruptError(f"{where}: the optimizer's parameter groups record the steps "
+                                     f"{[str(s)[:20] for s in steps[:4]]}, not one step")
+    return float(steps[0])
+
+
+def _buffers(obj: Any, where: object, dtype: torch.dtype) -> dict[str, Any]:
+    """The one buffer's entry of a ``distrib_optim.pt``: ``{param, exp_avg, exp_avg_sq, numel_unpadded}``."""
+    if isinstance(obj, list):
+        raise CheckpointError(f"{where}: holds the state of {len(obj)} chained optimizers (expert-parallel parameters "
+                              "have their own); ckptio reads the distributed optimizer of dense models")
+    if not isinstance(obj, dict) or obj.get("buckets_coalesced") is not True:
+        raise CheckpointError(f"{where}: not the distributed optimizer's state in the format of megatron-core >= 0.6 "
+                              "(no buckets_coalesced); convert it with Megatron-LM's "
+                              "--ckpt-convert-update-legacy-dist-opt-format first")
+    buffers = {k: v for k, v in obj.items() if k != "buckets_coalesced"}
+    if list(buffers) != [0]:
+        raise CheckpointError(f"{where}: holds the gradient buffers {sorted(map(str, buffers))[:4]}; ckptio reads one "
+                              "(every parameter of one dtype)")
+    by_dtype = buffers[0]
+    if not isinstance(by_dtype, dict) or len(by_dtype) != 1:
+        raise CheckpointCorruptError(f"{where}: buffer 0 is not one (param dtype, grad dtype) entry")
+    (key, entry), = by_dtype.items()
+    if not (isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], torch.dtype) and key[0] == dtype):
+        raise CheckpointCorruptError(f"{where}: its buffer is for {key!r}, but the model's weights are {dtype}")
+    if not isinstance(entry, dict) or set(entry) != {*STATE_KEYS, "numel_unpadded"}:
+        raise CheckpointCorruptError(f"{where}: its buffer holds {sorted(map(str, entry))[:6] if isinstance(entry, dict) else type(entry).__name__}, "
+                                     f"not {list(STATE_KEYS)} and numel_unpadded")
+    return entry
+
+
+def rank_state(root: Folder, rank_dir: str, model: dict[str, torch.Tensor], *, size: int | None,
+               shared: set[str]) -> dict[str, dict[str, torch.Tensor]]:
+    """``{"param"|"exp_avg"|"exp_avg_sq": {name: tensor shaped like the weight}}`` of one tensor/pipeline rank,
+    from its ``distrib_optim.pt`` and its model's weights (``model``, in the rank file's order)."""
+    from . import safe_pickle as megatron_pickle
+
+    rel = f"{rank_dir}/{DISTRIB_OPTIM_FILE}"
+    where = root.display(rel)
+    dtypes = {v.dtype for v in model.values()}
+    if len(dtypes) != 1:
+        raise CheckpointError(f"{where}: the model's weights mix dtypes {sorted(map(str, dtypes))}; ckptio reads one buffer")
+    slots, total, gaps = flat_layout([(k, v.numel()) for k, v in model.items()], size=size, shared=shared)
+    obj, _, handle = megatron_pickle.open_lazy(root, rel)
+    try:
+        entry = _buffers(obj, where, dtypes.pop())
+        if type(entry["numel_unpadded"]) is not int or entry["numel_unpadded"] != total:
+            raise CheckpointCorruptError(f"{where}: numel_unpadded is {entry['numel_unpadded']!r}, but the "
+                                         f"{len(model)} parameters of {rank_dir} lay out to {total} elements (bucket "
+                                         f"size {size})")
+        flat = {}
+        for key in STATE_KEYS:
+            t = entry[key]
+            if not isinstance(t, megatron_pickle.LazyTensor) or t.dtype != torch.float32 or t.shape != (total,):
+                shape = list(t.shape) if isinstance(t, megatron_pickle.LazyTensor) else type(t).__name__
+                raise CheckpointCorruptError(f"{where}: {key} is {shape} "
+                                             f"{getattr(t, 'dtype', '')}, not a float32 buffer of {total} elements "
+                                             "(a data-parallel shard missing or extra?)")
+            flat[key] = t
+        for key, t in flat.items():
+            for a, e in gaps:
+                if t.read(a, e - a).any():
+                    raise CheckpointCorruptError(f"{where}: {key} holds values in the padding at elements {a}..{e}: "
+                                                 "its layout is not the one the model and the run's arguments give")
+        out: dict[str, dict[str, torch.Tensor]] = {key: {} for key in STATE_KEYS}
+        for name, (a, e) in slots.items():
+            weight = model[name]
+            for key, t in flat.items():
+                out[key][name] = t.read(a, e - a).view(weight.shape)
+            if not torch.equal(out["param"][name].to(weight.dtype), weight):
+                raise CheckpointCorruptError(f"{where}: the fp32 master copy of {name} is not the weight "
+                                             f"{root.display(rank_dir)} holds: the buffers are not laid out as "
+                                             f"the model and the run's arguments say (bucket size {size})")
+        return out
+    finally:
+        handle.close()
