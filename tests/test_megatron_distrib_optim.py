@@ -292,7 +292,7 @@ def test_a_plain_model_and_adamw_resume_with_megatrons_fp32_state_bitwise(reques
 def test_fuzz_family_smoke():
     """A CI-sized run of the distrib_optim.pt fuzz family (the long run: ``fuzz_readers.py --family
     megatron_distopt --inputs 100000``): every damaged folder ends in a right read or a ckptio error."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
     import fuzz_readers
 
     n = 80
