@@ -184,8 +184,11 @@ def test_ctrl_c_during_a_dcp_write_is_a_keyboard_interrupt(tmp_path, fmt):
     import sys
 
     root = tmp_path / "ck"
+    # as from a terminal: SIGINT at its default, which the interpreter turns into KeyboardInterrupt (a pytest-xdist
+    # worker ignores SIGINT, and a child inherits an ignored signal)
     proc = subprocess.Popen([sys.executable, "-c", _CTRL_C_SCRIPT, str(root), fmt], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         lines = []
         while not lines or lines[-1] not in ("WRITING\n", ""):
