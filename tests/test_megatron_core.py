@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from ckptio.convert.formats import convert
+from megatron_restore import restore_with_adam
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.slow  # multi-process megatron-core runs
@@ -124,29 +125,6 @@ def test_ckptio_legacy_files_hold_what_megatron_wrote_rank_by_rank(made, tmp_pat
         assert ours["args"].tensor_model_parallel_size == 2 and ours["args"].num_query_groups == 2
 
 
-def _restore_with_adam(source: str, config: str) -> dict:
-    import torch.distributed as dist
-    from transformers import AutoConfig, LlamaForCausalLM
-
-    from ckptio import CheckpointConfig, CheckpointManager
-    from toy import full_state
-
-    torch.manual_seed(7)
-    model = LlamaForCausalLM(AutoConfig.from_pretrained(config))
-    if dist.is_initialized():
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with CheckpointManager(CheckpointConfig(checkpoint_dir=str(Path(source).parent / "run")), model=model,
-                           optimizer=opt, rng=False) as mgr:
-        info = mgr.restore(source)
-    assert info.counters["optimizer_restored"] is True
-    out = full_state(model, opt)
-    out["steps"] = torch.tensor([float(opt.state[p]["step"]) for p in model.parameters()])
-    return out
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -157,7 +135,7 @@ def test_restore_from_megatron_brings_adams_moments_to_the_right_elements(made, 
     from distributed import run_ranks
 
     hf = convert(made[(2, 2)] / "torch_dist", tmp_path / "hf", "hf")
-    got = run_ranks(world, _restore_with_adam, source=str(made[(2, 2)] / "torch_dist"), config=str(hf))[0]
+    got = run_ranks(world, restore_with_adam, source=str(made[(2, 2)] / "torch_dist"), config=str(hf))[0]
     steps = got.pop("steps")
     assert steps.numel() == 39 and bool((steps == 1).all()), steps
     params = [k.removeprefix("model/") for k in got if k.startswith("model/")]

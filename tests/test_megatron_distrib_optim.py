@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from ckptio.errors import CheckpointCorruptError, CheckpointError
+from megatron_restore import restore_with_adam
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.slow  # multi-process megatron-core runs
@@ -239,29 +240,6 @@ def _expected(made: Path, hf: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def _restore(source: str, config: str) -> dict:
-    import torch.distributed as dist
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from ckptio import CheckpointConfig, CheckpointManager
-    from toy import full_state
-
-    torch.manual_seed(7)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config)).float()  # fp32, as Megatron's state
-    if dist.is_initialized():
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with CheckpointManager(CheckpointConfig(checkpoint_dir=str(Path(source).parent / "run")), model=model,
-                           optimizer=opt, rng=False) as mgr:
-        info = mgr.restore(source)
-    assert info.counters["optimizer_restored"] is True
-    out = full_state(model, opt)
-    out["steps"] = torch.tensor([float(opt.state[p]["step"]) for p in model.parameters()])
-    return out
 
 
 @pytest.mark.parametrize("family,world", [("llama", 1), ("llama", 2), ("qwen2", 1), ("pp2_tied", 1), ("bf16", 1),
@@ -276,7 +254,7 @@ def test_a_plain_model_and_adamw_resume_with_megatrons_fp32_state_bitwise(reques
     made = _run_of(request, family)
 
     hf = convert(made / "legacy", tmp_path / "hf", "hf")
-    got = run_ranks(world, _restore, source=str(made / "legacy"), config=str(hf))[0]
+    got = run_ranks(world, restore_with_adam, source=str(made / "legacy"), config=str(hf))[0]
     steps = got.pop("steps")
     assert bool((steps == 3).all()), steps
     assert {v.item() for k, v in got.items() if k.endswith(".step")} == {3.0}

@@ -25,6 +25,7 @@ from ckptio.errors import CheckpointError
 from ckptio.formats.hf_fields import UnsupportedFieldError
 from ckptio.formats.safetensors.sharded import SafetensorsSource
 from cli_here import ckptio_here
+from megatron_restore import restore_with_adam
 
 FIXTURE = Path(__file__).with_name("megatron_fixture.py")
 # the fixture's tiny model (megatron_fixture.py, --family qwen2)
@@ -277,29 +278,6 @@ def test_qnemo_still_refuses_a_qwen2(hf, tmp_path):
     assert not (tmp_path / "q").exists()
 
 
-def _restore_qwen2_with_adam(source: str, config: str) -> dict:
-    import torch.distributed as dist
-    from transformers import AutoConfig, Qwen2ForCausalLM
-
-    from ckptio import CheckpointConfig, CheckpointManager
-    from toy import full_state
-
-    torch.manual_seed(7)
-    model = Qwen2ForCausalLM(AutoConfig.from_pretrained(config))
-    if dist.is_initialized():
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with CheckpointManager(CheckpointConfig(checkpoint_dir=str(Path(source).parent / "run")), model=model,
-                           optimizer=opt, rng=False) as mgr:
-        info = mgr.restore(source)
-    assert info.counters["optimizer_restored"] is True
-    out = full_state(model, opt)
-    out["steps"] = torch.tensor([float(opt.state[p]["step"]) for p in model.parameters()])
-    return out
 
 
 @pytest.mark.slow
@@ -312,7 +290,7 @@ def test_restore_from_megatron_brings_a_qwen2_its_biases_and_their_moments(made,
 
     src = made[(2, 2)] / "torch_dist"
     hf = convert(src, tmp_path / "hf", "hf")
-    got = run_ranks(world, _restore_qwen2_with_adam, source=str(src), config=str(hf))[0]
+    got = run_ranks(world, restore_with_adam, source=str(src), config=str(hf))[0]
     steps = got.pop("steps")
     params = [k.removeprefix("model/") for k in got if k.startswith("model/")]
     assert len(params) == steps.numel() == 51 and bool((steps == 1).all()), steps

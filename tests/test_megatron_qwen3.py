@@ -29,6 +29,7 @@ from ckptio.errors import CheckpointError
 from ckptio.formats.hf_fields import UnsupportedFieldError
 from ckptio.formats.safetensors.sharded import SafetensorsSource
 from cli_here import ckptio_here
+from megatron_restore import restore_with_adam
 
 FIXTURE = Path(__file__).with_name("megatron_fixture.py")
 # the fixture's tiny model (megatron_fixture.py, --family qwen3); Qwen3's head_dim is its own field (16 here)
@@ -343,29 +344,6 @@ def test_megatron_core_loads_a_qwen3_ckptio_exports(tmp_path):
     assert torch.allclose(got["logits"], want, atol=1e-5, rtol=0), (got["logits"] - want).abs().max()
 
 
-def _restore_qwen3_with_adam(source: str, config: str) -> dict:
-    import torch.distributed as dist
-    from transformers import AutoConfig, Qwen3ForCausalLM
-
-    from ckptio import CheckpointConfig, CheckpointManager
-    from toy import full_state
-
-    torch.manual_seed(7)
-    model = Qwen3ForCausalLM(AutoConfig.from_pretrained(config))
-    if dist.is_initialized():
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with CheckpointManager(CheckpointConfig(checkpoint_dir=str(Path(source).parent / "run")), model=model,
-                           optimizer=opt, rng=False) as mgr:
-        info = mgr.restore(source)
-    assert info.counters["optimizer_restored"] is True
-    out = full_state(model, opt)
-    out["steps"] = torch.tensor([float(opt.state[p]["step"]) for p in model.parameters()])
-    return out
 
 
 @pytest.mark.slow
@@ -378,7 +356,7 @@ def test_restore_from_megatron_brings_a_qwen3_its_qk_norms_and_their_moments(mad
 
     src = made[(2, 2)] / "torch_dist"
     hf = convert(src, tmp_path / "hf", "hf")
-    got = run_ranks(world, _restore_qwen3_with_adam, source=str(src), config=str(hf))[0]
+    got = run_ranks(world, restore_with_adam, source=str(src), config=str(hf))[0]
     steps = got.pop("steps")
     params = [k.removeprefix("model/") for k in got if k.startswith("model/")]
     assert len(params) == steps.numel() == 47 and bool((steps == 1).all()), steps
