@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 from fuzz_frameworks import _fixed_dir, _kinds, _objects, _place, damage
-from fuzz_kit import Case, Special, WrongResult, load_image, materialize
+from fuzz_kit import Case, Special, WrongResult, adam_tensors, load_image, materialize
 
 HERE = Path(__file__).resolve().parent
 
@@ -52,16 +52,7 @@ def _read(root: Path) -> dict[str, torch.Tensor]:
         got = {k: opened.source.read(k) for k in opened.source.index()}
     finally:
         opened.close()
-    adam = fmt.open_adam(root)
-    if adam is not None:
-        step, moments = adam
-        try:
-            for m, source in moments.items():
-                got.update({f"{m}/{k}": source.read(k) for k in source.index()})
-        finally:
-            for source in moments.values():
-                source.close()
-        got["step"] = torch.tensor(step)
+    got.update(adam_tensors(fmt, root))
     extras = fmt.training_extras(root)
     got["scheduler"] = torch.tensor(float(len(repr(extras.get("lr_scheduler")))))
     _check_hyper(extras)

@@ -65,6 +65,26 @@ class Special(tuple):
 Image = dict  # relative path -> bytes | Special
 
 
+def adam_tensors(fmt: Any, root: Path) -> dict[str, Any]:
+    """What a format's ``open_adam`` gives for ``root`` as one flat dict (``<moment>/<key>`` and ``step``; empty
+    without Adam's state), every source it opened closed."""
+    import torch
+
+    adam = fmt.open_adam(root)
+    if adam is None:
+        return {}
+    step, moments = adam
+    got: dict[str, Any] = {}
+    try:
+        for m, source in moments.items():
+            got.update({f"{m}/{k}": source.read(k) for k in source.index()})
+    finally:
+        for source in moments.values():
+            source.close()
+    got["step"] = torch.tensor(step)
+    return got
+
+
 def load_image(folder: Path) -> dict[str, Any]:
     """The regular files under ``folder`` (recursively) as an image."""
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}

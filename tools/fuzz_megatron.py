@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 from fuzz_frameworks import _fixed_dir, _kinds, _objects, _place, damage
-from fuzz_kit import Case, WrongResult, load_image
+from fuzz_kit import Case, WrongResult, adam_tensors, load_image
 
 HERE = Path(__file__).resolve().parent
 ITER = "iter_0000003"
@@ -39,16 +39,7 @@ def _read(root: Path) -> dict[str, torch.Tensor]:
 
     fmt = registry.detect(root)
     got: dict[str, torch.Tensor] = {}
-    adam = fmt.open_adam(root)
-    if adam is not None:
-        step, moments = adam
-        try:
-            for m, source in moments.items():
-                got.update({f"{m}/{k}": source.read(k) for k in source.index()})
-        finally:
-            for source in moments.values():
-                source.close()
-        got["step"] = torch.tensor(step)
+    got.update(adam_tensors(fmt, root))
     model, info = read_legacy(iteration_folder(root), optimizer=True)
     got.update({f"model/{k}": v for k, v in model.items()})
     for name, master in info.get("optimizer", {}).get("param", {}).items():
