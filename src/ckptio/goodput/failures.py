@@ -66,15 +66,8 @@ class SaveFailures:
         if not self.sync_may_fail:
             work()
             return True
-        try:
-            work()
-        except (OSError, CheckpointError) as exc:
-            if not tolerable(exc):
-                raise
-            self.failed("durable", step, exc)
-            return False
-        self.in_a_row["durable"] = 0
-        return True
+        self.steps["durable"] = step  # a synchronous save has nothing in flight beside it
+        return self.settle("durable", lambda: work() or True) is not None
 
     def failed(self, tier: str, step: int | None, exc: Exception) -> None:
         """Count one failed save of ``tier``; raise ``exc`` once more than :attr:`allowed` failed in a row."""
