@@ -220,34 +220,17 @@ def test_restore_from_a_megatron_checkpoint_fills_a_sharded_model(tmp_path, layo
 def test_a_nemo2_checkpoint_reads_its_sizes_from_context(hf, tmp_path):
     """NeMo 2.0: ``weights/`` is a Megatron-Core distributed checkpoint with ``module.``-prefixed keys and an
     empty ``common.pt``; the sizes are in ``context/model.yaml`` (built here from the documented layout)."""
-    import json
-    import warnings
-
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-
-    from ckptio.formats.dcp.format import load_all
+    from megatron_shared import nemo2_folder
 
     out = convert(hf, tmp_path / "mg", "megatron", options={"tp": 1, "pp": 1})
-    state = {f"module.{k}": v for k, v in load_all(out / "iter_0000000").items()}
-    weights = tmp_path / "nemo2" / "weights"
-    weights.mkdir(parents=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(weights)), no_dist=True,
-                 planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
-    torch.save({}, weights / "common.pt")
-    (weights / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
-                                                        "common_backend": "torch", "common_backend_version": 1}))
-    (tmp_path / "nemo2" / "context").mkdir()
-    (tmp_path / "nemo2" / "context" / "model.yaml").write_text("\n".join([
+    nemo2_folder(out / "iter_0000000", tmp_path / "nemo2", [
         "_target_: nemo.collections.llm.gpt.model.llama.LlamaModel", "config:",
         "  _target_: nemo.collections.llm.gpt.model.llama.LlamaConfig",
         "  activation_func:", "    _call_: false", "    _target_: torch.nn.functional.silu",
         "  add_bias_linear: false", "  ffn_hidden_size: 128", "  gated_linear_unit: true", "  hidden_size: 64",
         "  kv_channels: 16", "  layernorm_epsilon: 1.0e-06", "  normalization: RMSNorm", "  num_attention_heads: 4",
         "  num_layers: 4", "  num_query_groups: 2", "  position_embedding_type: rope", "  rotary_base: 10000",
-        "  seq_length: 2048", "  share_embeddings_and_output_weights: false", "  vocab_size: 100", ""]))
+        "  seq_length: 2048", "  share_embeddings_and_output_weights: false", "  vocab_size: 100", ""])
     back = convert(tmp_path / "nemo2", tmp_path / "back", "hf")
     _same_weights(hf, back)
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from ckptio.convert.formats import convert
-from megatron_restore import restore_with_adam
+from megatron_shared import restore_with_adam
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.slow  # multi-process megatron-core runs

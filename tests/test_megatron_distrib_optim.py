@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from ckptio.errors import CheckpointCorruptError, CheckpointError
-from megatron_restore import restore_with_adam
+from megatron_shared import restore_with_adam
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.slow  # multi-process megatron-core runs

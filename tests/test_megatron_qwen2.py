@@ -25,7 +25,7 @@ from ckptio.errors import CheckpointError
 from ckptio.formats.hf_fields import UnsupportedFieldError
 from ckptio.formats.safetensors.sharded import SafetensorsSource
 from cli_here import ckptio_here
-from megatron_restore import restore_with_adam
+from megatron_shared import restore_with_adam
 
 FIXTURE = Path(__file__).with_name("megatron_fixture.py")
 # the fixture's tiny model (megatron_fixture.py, --family qwen2)
@@ -107,26 +107,10 @@ def test_a_tied_qwen2_travels_as_megatron_shares_it(tmp_path):
 def test_a_nemo2_qwen2_reads_its_family_from_context(hf, tmp_path):
     """NeMo 2.0 keeps Megatron-Core's TransformerConfig in ``context/model.yaml`` (its Qwen2Config sets
     ``add_qkv_bias: true``); ``weights/`` is a torch_dist checkpoint with ``module.`` keys."""
-    import warnings
-
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-
-    from ckptio.formats.dcp.format import load_all
+    from megatron_shared import nemo2_folder
 
     out = convert(hf, tmp_path / "mg", "megatron")
-    state = {f"module.{k}": v for k, v in load_all(out / "iter_0000000").items()}
-    weights = tmp_path / "nemo2" / "weights"
-    weights.mkdir(parents=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(weights)), no_dist=True,
-                 planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
-    torch.save({}, weights / "common.pt")
-    (weights / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
-                                                        "common_backend": "torch", "common_backend_version": 1}))
-    (tmp_path / "nemo2" / "context").mkdir()
-    (tmp_path / "nemo2" / "context" / "model.yaml").write_text("\n".join([
+    nemo2_folder(out / "iter_0000000", tmp_path / "nemo2", [
         "_target_: nemo.collections.llm.gpt.model.qwen2.Qwen2Model", "config:",
         "  _target_: nemo.collections.llm.gpt.model.qwen2.Qwen2Config",
         "  activation_func:", "    _call_: false", "    _target_: torch.nn.functional.silu",
@@ -134,7 +118,7 @@ def test_a_nemo2_qwen2_reads_its_family_from_context(hf, tmp_path):
         "  hidden_size: 64", "  kv_channels: 16", "  layernorm_epsilon: 1.0e-06", "  normalization: RMSNorm",
         "  num_attention_heads: 4", "  num_layers: 4", "  num_query_groups: 2", "  position_embedding_type: rope",
         "  rotary_base: 1000000.0", "  seq_length: 64", "  share_embeddings_and_output_weights: false",
-        "  vocab_size: 128", ""]))
+        "  vocab_size: 128", ""])
     back = convert(tmp_path / "nemo2", tmp_path / "back", "hf")
     _same_weights(hf, back)
     assert _config(back)["model_type"] == "qwen2"

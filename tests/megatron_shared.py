@@ -1,0 +1,63 @@
+"""What the Megatron test files of every family and layout share: the model they resume into with Adam's state
+(:func:`restore_with_adam`), and a NeMo 2.0 folder made from a Megatron export (:func:`nemo2_folder`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def restore_with_adam(source: str, config: str) -> dict:
+    """A Hugging Face model built from ``config`` (any family), in fp32 as Megatron's optimizer state, FSDP2-sharded
+    when a process group is up, with ``AdamW``, restored by ckptio from ``source``: its full state (weights and
+    moments, :func:`toy.full_state`) and each parameter's step (run through ``distributed.run_ranks``)."""
+    import torch.distributed as dist
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ckptio import CheckpointConfig, CheckpointManager
+    from toy import full_state
+
+    torch.manual_seed(7)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config)).float()  # fp32, as Megatron's state
+    if dist.is_initialized():
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=str(Path(source).parent / "run")), model=model,
+                           optimizer=opt, rng=False) as mgr:
+        info = mgr.restore(source)
+    assert info.counters["optimizer_restored"] is True
+    out = full_state(model, opt)
+    out["steps"] = torch.tensor([float(opt.state[p]["step"]) for p in model.parameters()])
+    return out
+
+
+def nemo2_folder(iteration: Path, root: Path, model_yaml: list[str]) -> Path:
+    """``root`` made a NeMo 2.0 checkpoint of the torch_dist ``iteration`` folder: ``weights/`` a Megatron-Core
+    distributed checkpoint with ``module.``-prefixed keys and an empty ``common.pt``, ``context/model.yaml`` the
+    lines ``model_yaml`` (the model's TransformerConfig, as NeMo writes it)."""
+    import json
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    from ckptio.formats.dcp.format import load_all
+
+    state = {f"module.{k}": v for k, v in load_all(iteration).items()}
+    weights = root / "weights"
+    weights.mkdir(parents=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(weights)), no_dist=True,
+                 planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
+    torch.save({}, weights / "common.pt")
+    (weights / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                                                        "common_backend": "torch", "common_backend_version": 1}))
+    (root / "context").mkdir()
+    (root / "context" / "model.yaml").write_text("\n".join(model_yaml))
+    return root
