@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from ckptio.cli import main
+from ckptio.convert import convert
 from ckptio.errors import ConfigError
 from ckptio.formats.hf_fields import UnsupportedFieldError
 
@@ -359,3 +360,40 @@ def test_megatron_round_trip_carries_the_generation_config_and_tokenizer_files(t
     from transformers import GenerationConfig
 
     assert GenerationConfig.from_pretrained(tmp_path / "back").temperature == 0.6
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("num_attention_heads", "x", "num_attention_heads must be a whole number"),
+    ("num_hidden_layers", 0, "num_hidden_layers must be a whole number"),
+    ("num_key_value_heads", 3, "not a multiple of num_key_value_heads 3"),
+    ("rope_parameters", {"rope_type": "default", "rope_theta": 10 ** 400}, "must be a positive finite number"),
+    ("rms_norm_eps", float("nan"), "rms_norm_eps must be a number"),
+], ids=["text", "zero", "kv-heads", "huge", "nan"])
+def test_a_config_of_impossible_sizes_given_to_a_megatron_export_is_refused_by_name(tmp_path, field, value, words):
+    """What a small config.json makes the writer build is bounded: a size that is not a positive whole number, heads
+    that do not divide, a huge or NaN number are refused naming the file and the field (the fuzzer's ``hf_config``
+    family found each as a bare ValueError, KeyError, OverflowError or ZeroDivisionError)."""
+    from ckptio import CheckpointError
+
+    src = _llama(tmp_path / "src", tied=False)
+    config = _config(src)
+    config[field] = value
+    (tmp_path / "bad.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=words) as err:
+        convert(src, tmp_path / "mg", "megatron", config=str(tmp_path / "bad.json"))
+    assert "config.json" in str(err.value)
+    assert not (tmp_path / "mg").exists()
+
+
+def test_a_config_whose_heads_do_not_fit_the_weights_is_refused_naming_the_tensors(tmp_path):
+    """A config with other (valid) head counts than the weights were made with is refused naming the projections,
+    not cut into other heads nor failed by a bare reshape error."""
+    from ckptio import CheckpointError
+
+    src = _llama(tmp_path / "src", tied=False)
+    config = _config(src)
+    config.pop("num_key_value_heads")  # 4 key/value heads assumed, the weights have 2
+    (tmp_path / "bad.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"key projection has shape \(16, 32\).*4 key/value heads"):
+        convert(src, tmp_path / "mg", "megatron", config=str(tmp_path / "bad.json"))
+    assert not (tmp_path / "mg").exists()

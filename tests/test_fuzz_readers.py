@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
 INPUTS = {"chunk_index": 200, "hf_trainer": 150, "lightning": 150, "memory": 100, "accelerate": 100, "automodel": 60,
-          "record": 300}
+          "record": 300, "hf_config": 200}
 """Inputs per family: what fits in about a minute for all six on a loaded two-core machine (the readers of an
 adopted AutoModel step and of a memory snapshot cost tens of milliseconds per input: a full restore each)."""
 

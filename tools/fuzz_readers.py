@@ -29,9 +29,9 @@ with the manifest re-signed four times in five so that the reader behind the che
   memory       memory-tier snapshots (memory_tier.json, the snapshot, node-id): CheckpointManager.restore
   chunk_index  .ckptio-chunks of safetensors and DCP folders, damaged and sealed again (size and CRC-32C)
 
-and the run's record (``fuzz_record.py``, ``record``), and Megatron's distributed optimizer in the legacy layout
+and the run's record (``fuzz_record.py``, ``record``), Megatron's distributed optimizer in the legacy layout
 (``fuzz_megatron.py``, ``megatron_distopt``: ``distrib_optim.pt`` beside ``model_optim_rng.pt``, written by
-megatron-core).
+megatron-core), and the ``config.json`` that ``convert --config`` names (``fuzz_config.py``, ``hf_config``).
 
 Each input ends in one of three ways, tallied per family:
 
@@ -452,13 +452,14 @@ FAMILIES: dict[str, Callable[[random.Random, Path], None]] = {
 
 
 def _all_families() -> dict[str, Callable[[random.Random, Path], None]]:
+    from fuzz_config import FAMILIES as CONFIG
     from fuzz_deepspeed import FAMILIES as DEEPSPEED
     from fuzz_frameworks import FAMILIES as FRAMEWORKS
     from fuzz_megatron import FAMILIES as MEGATRON
     from fuzz_record import fuzz_record
     from fuzz_steps import FAMILIES as STEPS
 
-    return {**FAMILIES, **FRAMEWORKS, **STEPS, **DEEPSPEED, **MEGATRON, "record": fuzz_record}
+    return {**FAMILIES, **FRAMEWORKS, **STEPS, **DEEPSPEED, **MEGATRON, **CONFIG, "record": fuzz_record}
 
 
 def run(families: list[str], inputs: int, seed: int, verbose: bool = True, *, timeout: float = TIMEOUT_S,

@@ -15,6 +15,7 @@ instead of writing a model that computes something else.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +23,7 @@ from ..errors import CheckpointCorruptError, ConfigError
 
 __all__ = ["DEFAULT_THETA", "Rope", "UnsupportedFieldError", "rope", "dtype_name", "refuse", "rope_config", "CARRIED",
            "INERT", "MODEL_FIELDS", "LLAMA_TYPES", "MEGATRON_TYPES", "DEFAULT_EPS", "unknown_fields", "class_fields",
-           "refuse_type"]
+           "refuse_type", "check_sizes"]
 
 DEFAULT_THETA = 10000.0
 """transformers' (and Megatron's) rotary base when a config gives none."""
@@ -54,9 +55,54 @@ class Rope:
 
 
 def _number(value: Any, where: object, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise CheckpointCorruptError(f"{where}: {name} must be a positive number, found {value!r:.60}")
+    ok = not isinstance(value, bool) and isinstance(value, (int, float))
+    try:
+        ok = ok and value > 0 and math.isfinite(float(value))
+    except OverflowError:  # an integer past any float
+        ok = False
+    if not ok:
+        raise CheckpointCorruptError(f"{where}: {name} must be a positive finite number, found {str(value):.60}")
     return float(value)
+
+
+_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+"""The sizes every Llama-style config must give (positive whole numbers)."""
+_OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+_MAX_SIZE = 1 << 31
+
+
+def _size(config: dict[str, Any], where: object, name: str, required: bool) -> int | None:
+    value = config.get(name)
+    if value is None and not required:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < _MAX_SIZE:
+        raise CheckpointCorruptError(f"{where}: {name} must be a whole number from 1 to {_MAX_SIZE - 1}, found "
+                                     f"{str(value):.60}" + (" (missing)" if name not in config else ""))
+    return value
+
+
+def check_sizes(config: dict[str, Any], where: object) -> None:
+    """Refuse a config whose model sizes are not positive whole numbers that fit together (the heads divide the
+    hidden size unless ``head_dim`` is given, the key/value heads divide the heads), or whose norm epsilon or
+    dropout is not a number in range: what a writer builds from them is then bounded and consistent."""
+    sizes = {name: _size(config, where, name, True) for name in _SIZES}
+    sizes.update({name: _size(config, where, name, False) for name in _OPTIONAL_SIZES})
+    heads, kv = sizes["num_attention_heads"], sizes["num_key_value_heads"]
+    if sizes["head_dim"] is None and sizes["hidden_size"] % heads:
+        raise CheckpointCorruptError(f"{where}: hidden_size {sizes['hidden_size']} is not a multiple of "
+                                     f"num_attention_heads {heads} (and no head_dim is given)")
+    if kv is not None and heads % kv:
+        raise CheckpointCorruptError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads "
+                                     f"{kv}")
+    for name, low, high in (("rms_norm_eps", 0.0, 1.0), ("attention_dropout", 0.0, 1.0)):
+        value = config.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not low <= value <= high):
+            raise CheckpointCorruptError(f"{where}: {name} must be a number from {low:g} to {high:g}, found "
+                                         f"{str(value):.60}")
+    if not isinstance(config.get("tie_word_embeddings", False), bool):
+        raise CheckpointCorruptError(f"{where}: tie_word_embeddings must be true or false, found "
+                                     f"{str(config['tie_word_embeddings']):.60}")
 
 
 def rope(config: dict[str, Any], where: object) -> Rope:
@@ -219,6 +265,7 @@ def refuse(config: dict[str, Any], where: object, target: str, *, holds: tuple[s
     raise :class:`UnsupportedFieldError` naming the first that it cannot. Returns the config's rotary embedding."""
     kind = config.get("model_type")
     refuse_type(config, where, target, types)  # before the rotary embedding: Gemma 3's (one per layer type) is none
+    check_sizes(config, where)
     r = rope(config, where)
     for name, value, ok, hint in _llama_checks(config, r, types):
         if not ok and name.rpartition(".")[2] not in holds and name not in holds:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointCorruptError, CheckpointError, ConfigError
 from .common import TensorInfo, dtype_name, read_json, torch_dtype
 
 __all__ = ["Rule", "Converter", "CONVERTERS", "register", "get_converter", "apply", "check_invertible",
@@ -93,10 +93,22 @@ def _qkv_dims(config: dict[str, Any]) -> tuple[int, int, int]:
     return heads, kv, head_dim
 
 
+def _rows(t: torch.Tensor, want: int, what: str, config: dict[str, Any]) -> None:
+    """Refuse a projection whose rows are not what the config's head counts give (it would be cut into other
+    heads)."""
+    if t.dim() < 1 or t.shape[0] != want:
+        heads, kv, hd = _qkv_dims(config)
+        raise CheckpointCorruptError(f"the {what} has shape {tuple(t.shape)}, but the config's {heads} attention "
+                                     f"heads, {kv} key/value heads and head size {hd} give {want} rows")
+
+
 def _fuse_qkv(parts: list[torch.Tensor], config: dict[str, Any]) -> torch.Tensor:
     q, k, v = parts
     heads, kv, hd = _qkv_dims(config)
     per = heads // kv
+    for t, want, what in ((q, heads * hd, "query projection"), (k, kv * hd, "key projection"),
+                          (v, kv * hd, "value projection")):
+        _rows(t, want, what, config)
     rest = q.shape[1:]
     groups = [q.reshape(kv, per * hd, *rest), k.reshape(kv, hd, *rest), v.reshape(kv, hd, *rest)]
     return torch.cat(groups, dim=1).reshape(kv * (per + 2) * hd, *rest)
@@ -105,6 +117,7 @@ def _fuse_qkv(parts: list[torch.Tensor], config: dict[str, Any]) -> torch.Tensor
 def _split_qkv(t: torch.Tensor, config: dict[str, Any]) -> list[torch.Tensor]:
     heads, kv, hd = _qkv_dims(config)
     per = heads // kv
+    _rows(t, kv * (per + 2) * hd, "fused query/key/value projection", config)
     rest = t.shape[1:]
     g = t.reshape(kv, (per + 2) * hd, *rest)
     q, k, v = g.split([per * hd, hd, hd], dim=1)
@@ -193,7 +206,11 @@ class _RenamedSource:
         self._infos: dict[str, TensorInfo] = {}
         for tgt, (rule, srcs, n) in self._plan.outputs.items():  # shapes from metadata, via meta tensors
             metas = [torch.empty(self._index[s].shape, dtype=torch_dtype(self._index[s].dtype), device="meta") for s in srcs]
-            out = _forward(rule, metas, config)[n]
+            try:
+                out = _forward(rule, metas, config)[n]
+            except CheckpointCorruptError as e:
+                raise CheckpointCorruptError(f"{getattr(source, 'folder', 'the source')}: {', '.join(srcs)}: {e}") \
+                    from None
             self._infos[tgt] = TensorInfo(tuple(out.shape), dtype_name(out.dtype))
 
     def index(self) -> dict[str, TensorInfo]:
