@@ -9,7 +9,8 @@ forwards a preemption notice (Lightning stops at the next batch). ``--kill-at PO
 itself the N-th time a ckptio save reaches the named point (``ckptio._faults``), e.g. ``commit.before_rename:2``
 with the files written and not yet in place. Global rank 0 writes the final weights and optimizer moments to OUT.
 ``--on-preemption MODE[:SIGNAL]``: ``CkptioPreemption(MODE, [SIGNAL])`` (SIGTERM by default); ``--signal-in STEP``:
-every rank sends itself that signal as global step STEP begins (mid-step); ``--own-handler``: a handler of the
+every rank sends itself that signal as global step STEP begins (mid-step; ``STEP:R``: global rank R alone);
+``--own-handler``: a handler of the
 script's own on that signal, installed first, prints ``own handler ran on rank R``; a rank whose ``fit`` returned
 after a preemption prints ``rank R preempted at S`` and writes no OUT.
 """
@@ -46,11 +47,12 @@ class Preempt(pl.Callback):
 
 
 class SignalIn(pl.Callback):
-    def __init__(self, step: int, signum: int) -> None:
-        self.step, self.signum = step, signum
+    def __init__(self, at: str, signum: int) -> None:
+        step, _, rank = at.partition(":")
+        self.step, self.rank, self.signum = int(step), int(rank) if rank else None, signum
 
     def on_train_batch_start(self, trainer, *args) -> None:  # noqa: ANN001
-        if trainer.global_step == self.step - 1:
+        if trainer.global_step == self.step - 1 and self.rank in (None, trainer.global_rank):
             os.kill(os.getpid(), self.signum)
 
 
@@ -74,7 +76,7 @@ def main() -> None:
         preemption = CkptioPreemption(mode, [signum.name])
         callbacks.append(preemption)
     if _arg("--signal-in"):
-        callbacks.append(SignalIn(int(_arg("--signal-in")), signum))
+        callbacks.append(SignalIn(_arg("--signal-in"), signum))
     if "--own-handler" in sys.argv:
         rank = os.environ.get("RANK", "0")
         signal.signal(signum, lambda *_: print(f"own handler ran on rank {rank}", flush=True))

@@ -155,6 +155,64 @@ def test_a_memory_tier_snapshot_that_fails_does_not_end_the_run(tmp_path, caplog
     assert [(e["tier"], e.get("step")) for e in record["events"] if e["kind"] == "save_failed"] == [("memory", 2)]
 
 
+@pytest.mark.parametrize("tolerant", [True, False], ids=["tolerance-on", "tolerance-off"])
+@pytest.mark.parametrize("point, background", [("save.states_written", False), ("commit.before_manifest", False),
+                                               ("commit.before_rename", True)])
+def test_a_save_failing_at_a_fault_point_commits_nothing_and_the_newest_restores_bitwise(tmp_path, point,
+                                                                                         background, tolerant):
+    """Issue 68, "nothing half-written is ever left committed", with failure tolerance on (``failed_saves_allowed=3``,
+    ``sync_saves_may_fail``) and off (``failed_saves_allowed=0``): a durable save every 2 steps, the one of step 4
+    fails at a fault point of ckptio's own (no space left), synchronous or in the background. On: training goes on and
+    the next interval (6) commits; off: the run stops (the failure raised at 4, or at the save of 6 that settles it).
+    Either way the failed save left nothing committed or lying around, every committed checkpoint is whole, and the
+    newest restores bitwise."""
+    from toy import full_state
+
+    from ckptio.engine.manifest import check_files
+
+    get_logger()
+    root = tmp_path / "ck"
+    model, opt = _objects()
+    tolerance = dict(failed_saves_allowed=3, sync_saves_may_fail=True) if tolerant else dict(failed_saves_allowed=0)
+    mgr = CheckpointManager(CheckpointConfig(checkpoint_dir=str(root), persist_every_steps=2, async_save=background,
+                                             **tolerance), model=model, optimizer=opt, rng=False)
+    states, stopped = {}, None
+    try:
+        for step in range(1, 7):
+            _step(model, opt)
+            if step == 4:
+                mgr.wait()  # the save of 2 committed (in the background: written later), before the fault is armed
+                _faults.set_hook(_full_disk_at(point, times=1))
+            try:
+                mgr.maybe_save(step=step)
+            except (OSError, CheckpointError) as exc:
+                assert "No space left" in str(exc), exc
+                stopped = step
+                break
+            if step % 2 == 0:
+                states[step] = full_state(model, opt)
+        mgr.close()
+    finally:
+        _faults.set_hook(None)
+    if tolerant:
+        assert stopped is None
+        assert [e.step for e in committed_checkpoints(str(root))] == [2, 6]
+    else:
+        assert stopped == (6 if background else 4)
+        assert [e.step for e in committed_checkpoints(str(root))] == [2]
+    _no_temporaries(root)
+    for e in committed_checkpoints(str(root)):
+        assert not check_files(e.path, e.manifest, checksums=True), e.path
+    model, opt = _objects()
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=str(root)), model=model, optimizer=opt, rng=False) as again:
+        info = again.restore()
+    newest = 6 if tolerant else 2
+    assert info.step == newest
+    restored = full_state(model, opt)
+    assert restored.keys() == states[newest].keys()
+    assert all(torch.equal(restored[k], states[newest][k]) for k in restored), f"step {newest} not restored bitwise"
+
+
 @pytest.mark.parametrize("value", [-1, 1.5, "3", True, 10**7])
 def test_failed_saves_allowed_is_a_count(tmp_path, value):
     with pytest.raises(ConfigError, match="failed_saves_allowed"):

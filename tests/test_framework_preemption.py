@@ -99,15 +99,18 @@ LIT_EPOCHS = 4  # 8 batches an epoch on 1 rank, 4 on 2; ModelCheckpoint saves ev
 
 def _lit(*args: str, ranks: int, real: bool = False) -> str:
     ddp = ("--ddp",) if ranks > 1 else ()
-    return _ok(launch(str(ROOT / "tests" / "lit_run.py"), *args, *ddp, ranks=ranks, real=real), " ".join(args))
+    return _ok(launch(str(ROOT / "tests" / "lit_run.py"), *args, *ddp, ranks=ranks, real=real, timeout=300),
+               " ".join(args))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ranks, preemption", [(1, "exit"), (2, "exit"), (1, "return:SIGUSR1")])
-def test_lightning_saves_the_step_the_signal_came_in_and_resumes_from_it_bitwise(tmp_path, ranks, preemption):
+@pytest.mark.parametrize("ranks, preemption, whom", [(1, "exit", ""), (2, "exit", ""), (2, "exit", ":1"),
+                                                     (2, "return", ":0"), (1, "return:SIGUSR1", "")])
+def test_lightning_saves_the_step_the_signal_came_in_and_resumes_from_it_bitwise(tmp_path, ranks, preemption, whom):
     """The signal comes mid-step 8 (the last batch of epoch 0 on 1 rank, of epoch 1 on 2, before the epoch's own
-    save): ``last.ckpt`` of step 8 is committed on every rank; Lightning's own handler still ran (its log, and its end
-    of ``fit`` on SIGTERM) and so did the script's own; ``fit(ckpt_path="last")`` resumes from it and ends bitwise equal
+    save), to every rank or (``whom``) to one alone: ``last.ckpt`` of step 8 is committed on every rank; Lightning's
+    own handler still ran, on every rank together (its log, and its end of ``fit`` on SIGTERM: with ``"return"`` too,
+    as ckptio warns) and so did the script's own; ``fit(ckpt_path="last")`` resumes from it and ends bitwise equal
     to the run never stopped. (Mid-epoch, Lightning resumes exactly only with a resumable data loader, whoever
     writes the checkpoint: it warns so; this loader is not.)"""
     pytest.importorskip("pytorch_lightning")
@@ -115,16 +118,20 @@ def test_lightning_saves_the_step_the_signal_came_in_and_resumes_from_it_bitwise
 
     _lit(str(tmp_path / "straight"), str(LIT_EPOCHS), str(tmp_path / "straight.pt"), ranks=ranks)
     root = tmp_path / "run"
-    text = _lit(str(root), str(LIT_EPOCHS), str(tmp_path / "x.pt"), "--on-preemption", preemption, "--signal-in", "8",
-                "--own-handler", ranks=ranks, real=ranks > 1)  # 2 ranks: under the real torchrun
+    text = _lit(str(root), str(LIT_EPOCHS), str(tmp_path / "x.pt"), "--on-preemption", preemption, "--signal-in",
+                "8" + whom, "--own-handler", ranks=ranks, real=ranks > 1)  # 2 ranks: under the real torchrun
     assert not (tmp_path / "x.pt").exists(), "the run went on after the signal"
     assert all(f"own handler ran on rank {r}" in text for r in range(ranks)), "the handler before ckptio's did not run"
-    if preemption == "exit":
-        assert "Received SIGTERM" in text, "Lightning's own handler did not run"
+    if whom:
+        assert f"SIGTERM received (on {'this' if whom == ':0' else 'another'} rank); saved step 8" in text, text[-3000:]
+    if preemption == "return":
+        assert "Lightning ends fit on SIGTERM itself" in text, text[-3000:]
+    if not preemption.endswith("SIGUSR1"):
+        assert text.count("Received SIGTERM") == ranks, "Lightning's own handler did not run on every rank"
     else:  # fit returned on the step it saved
         assert "rank 0 preempted at 8" in text, text[-3000:]
     assert read_checkpoint(root / "last.ckpt")["global_step"] == 8  # committed: every byte checks
-    if preemption == "exit":
+    if not preemption.endswith("SIGUSR1"):
         assert Path(last_checkpoint(root)) == root / "last.ckpt"
     else:  # fit went on to its own end of training, where ModelCheckpoint saved the same step again beside ours
         assert read_checkpoint(last_checkpoint(root))["global_step"] == 8

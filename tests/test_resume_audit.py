@@ -81,6 +81,35 @@ def test_on_two_ranks_a_killed_run_resumed_is_audited_exact_and_without_the_load
     assert audits[-1]["verdict"] == "diverged" and audits[-1]["causes"] == ["ranks"], audits
 
 
+def _killed_after_a_snapshot_and_resumed(folder: Path, *left_out: str) -> tuple[dict, str]:
+    """Snapshots at 4 and 8, durable saves at 6 and 12; killed at 11 (three steps after the snapshot of 8, newer than
+    the durable 6), resumed from the memory tier to step 14 leaving ``left_out`` out of the manager."""
+    folder.mkdir()
+    env = {"CKPTIO_MEMORY_DIR": str(folder / "shm")}
+    every = ("memory=4", "persist=6")
+    first = launch(LOOP, str(folder / "ckpt"), "14", "11", *every, env=env, timeout=120)
+    assert first.returncode != 0, "the first run was to be killed at step 11"
+    recorded = sorted({e["step"] for e in _events(folder / "ckpt") if e["kind"] == "metrics"})
+    assert recorded == [5, 6, 7, 8, 9, 10, 11], recorded  # after the snapshot of 4, the save of 6, the snapshot of 8
+    second = launch(LOOP, str(folder / "ckpt"), "14", "0", *every, *left_out, env=env, timeout=120)
+    assert second.returncode == 0, second.stdout + second.stderr
+    events = _events(folder / "ckpt")
+    assert [(e["step"], e["tier"]) for e in events if e["kind"] == "restore"] == [(8, "memory")], events
+    audits = [e for e in events if e["kind"] == "audit"]
+    assert len(audits) == 1, audits
+    return audits[0], second.stdout + second.stderr
+
+
+def test_a_loop_killed_after_a_memory_snapshot_and_resumed_from_it_is_audited_exact_and_without_its_loader_not(
+        tmp_path):
+    audit, out = _killed_after_a_snapshot_and_resumed(tmp_path / "exact")
+    assert audit["verdict"] == "exact" and audit["step"] == 8 and audit["checked"] == 3, audit
+    audit, out = _killed_after_a_snapshot_and_resumed(tmp_path / "wrong", "no-dataloader")
+    assert audit["verdict"] == "diverged" and audit["step"] == 8 and audit["at"] == 9, audit
+    assert audit["causes"] == ["dataloader"], audit
+    assert "DIVERGED at step 9" in out and "data loader" in out, out
+
+
 # ------------------------------------------------------------------------------------------ in this process
 def _manager(folder: Path, **config) -> CheckpointManager:
     torch.manual_seed(0)

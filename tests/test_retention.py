@@ -1,7 +1,9 @@
-"""Retention and pointers: property-based sequences of saves, resumes and crashes at every point."""
+"""Retention and pointers: property-based sequences of saves, resumes, crashes and failures at every point, with
+failure tolerance on (``failed_saves_allowed``, ``sync_saves_may_fail``: a failed save lets the run go on) or off."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -32,31 +34,39 @@ class Box:
         self.v = sd["v"]
 
 
-def manager(root: Path, **cfg) -> tuple[CheckpointManager, Box]:
+TOLERANCE = {True: dict(failed_saves_allowed=20, sync_saves_may_fail=True), False: dict(failed_saves_allowed=0)}
+"""Failure tolerance on (more failures allowed in a row than a sequence has saves) and off."""
+
+
+def manager(root: Path, tolerant: bool = False, **cfg) -> tuple[CheckpointManager, Box]:
     box = Box()
-    config = CheckpointConfig(checkpoint_dir=str(root), monitor="val_loss", mode="min", **cfg)
+    config = CheckpointConfig(checkpoint_dir=str(root), monitor="val_loss", mode="min", **TOLERANCE[tolerant], **cfg)
     return CheckpointManager(config, extra_states={"box": box}, rng=False), box
 
 
 op = st.one_of(
     st.tuples(st.just("save"), st.floats(0, 10, allow_nan=False)),
     st.tuples(st.just("crash"), st.floats(0, 10, allow_nan=False), st.sampled_from(_faults.POINTS)),
+    st.tuples(st.just("fail"), st.floats(0, 10, allow_nan=False), st.sampled_from(_faults.POINTS)),
     st.tuples(st.just("resume")),
 )
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(ops=st.lists(op, min_size=1, max_size=12), k=st.integers(1, 3), keep_latest=st.sampled_from([None, 1, 2]))
-def test_invariants_hold_through_saves_resumes_and_crashes(ops, k, keep_latest):
+@given(ops=st.lists(op, min_size=1, max_size=12), k=st.integers(1, 3), keep_latest=st.sampled_from([None, 1, 2]),
+       tolerant=st.booleans())
+def test_invariants_hold_through_saves_resumes_and_crashes(ops, k, keep_latest, tolerant):
+    """``crash``: the process dies at a fault point; ``fail``: the storage fails there (no space left), which with
+    tolerance on the run goes on from (the save said failed) and with it off ends the run (a new one resumes)."""
     root = Path(tempfile.mkdtemp(prefix="ckptio-retention-"))
     try:
-        mgr, box = manager(root, save_top_k=k, keep_latest=keep_latest)
+        mgr, box = manager(root, tolerant, save_top_k=k, keep_latest=keep_latest)
         step = 0
         ever: dict[str, float] = {}  # every checkpoint that was committed, with its metric
         for entry in ops:
             kind = entry[0]
             if kind == "resume":
-                mgr, box = manager(root, save_top_k=k, keep_latest=keep_latest)
+                mgr, box = manager(root, tolerant, save_top_k=k, keep_latest=keep_latest)
                 info = mgr.restore()
                 newest = max(committed_checkpoints(root), key=lambda e: e.step, default=None)
                 assert (info is None) == (newest is None)
@@ -69,20 +79,27 @@ def test_invariants_hold_through_saves_resumes_and_crashes(ops, k, keep_latest):
             name = f"epoch_0_step_{step}"
             crashed_at = None
             seen: list[str] = []
-            if kind == "crash":
-                def hook(point: str, target: str = entry[2]) -> None:
+            if kind in ("crash", "fail"):
+                def hook(point: str, target: str = entry[2], crash: bool = kind == "crash") -> None:
                     seen.append(point)
                     if point == target:
-                        raise Crash(point)
+                        raise Crash(point) if crash else OSError(errno.ENOSPC, f"No space left ({point})")
                 _faults.set_hook(hook)
+                stopped = kind == "crash"
                 try:
                     mgr.save(step=step, metrics={"val_loss": metric})
                 except Crash as c:
                     crashed_at = str(c)
+                except OSError as e:  # tolerance off: the failure ends the run
+                    assert not tolerant, f"a failure at {entry[2]} was raised with failure tolerance on: {e}"
+                    crashed_at, stopped = entry[2], True
                 finally:
                     _faults.set_hook(None)
-                mgr, box = manager(root, save_top_k=k, keep_latest=keep_latest)  # the process died: a new run
-                mgr.restore()
+                if kind == "fail" and entry[2] in seen:
+                    crashed_at = entry[2]  # failed (or failed past its commit): no clean save to check pointers by
+                if stopped:
+                    mgr, box = manager(root, tolerant, save_top_k=k, keep_latest=keep_latest)  # a new run
+                    mgr.restore()
             else:
                 mgr.save(step=step, metrics={"val_loss": metric})
             # committed once the rename happened, which is just before the "commit.before_pointer" point

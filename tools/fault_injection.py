@@ -8,6 +8,12 @@ one checkpoint while the loop overwrites the parameters for the next), SIGKILLs 
 every committed checkpoint is intact byte for byte, that nothing committed was lost (the latest and
 the best, under retention), and that a new run resumes from the newest with the right values.
 
+    .venv/bin/python tools/fault_injection.py --tolerance both --trials 50
+
+runs the same trials with failure tolerance on (``failed_saves_allowed=3``, ``sync_saves_may_fail``: the rank that
+survives its peer's kill fails its saves and goes on) and off (``failed_saves_allowed=0``), every other trial
+(``on`` or ``off``: all of them; by default the configuration's defaults).
+
     .venv/bin/python tools/fault_injection.py --s3 --trials 20
 
 runs the same trials against an ``s3://`` checkpoint folder on an S3-compatible server (moto's, started
@@ -114,6 +120,9 @@ def main() -> int:
     p.add_argument("--s3", action="store_true", help="checkpoint to s3:// on a local S3 server instead of a folder")
     p.add_argument("--azure", action="store_true", help="checkpoint to az:// on Azurite (tests/azuriteserver.py)")
     p.add_argument("--memory", action="store_true", help="the memory tier's trials: a node of a 2-node job lost")
+    p.add_argument("--tolerance", choices=("default", "on", "off", "both"), default="default",
+                   help="failure tolerance of the saving job: failed_saves_allowed=3 with sync_saves_may_fail (on), "
+                        "failed_saves_allowed=0 (off), each every other trial (both), or the defaults")
     p.add_argument("--start", choices=("forkserver", "spawn"), default="forkserver",
                    help="how rank processes start: forked from a server that imported torch and ckptio once "
                         "(default: ~3 s less per trial), or each a fresh interpreter")
@@ -133,19 +142,22 @@ def main() -> int:
         fmt = ("safetensors", "torch_save")[trial % 2]
         retention = trial % 4 >= 2
         async_save = trial % 8 >= 4
+        tolerant = {"default": None, "on": True, "off": False, "both": trial % 16 < 8}[args.tolerance]
+        label = f"{fmt}, retention={retention}, async={async_save}" + \
+            ("" if tolerant is None else f", tolerance={'on' if tolerant else 'off'}")
         with tempfile.TemporaryDirectory(prefix="ckptio-fault-") as local:
             root = f"{scheme}://{bucket}/trial{trial}" if bucket else local
             try:
-                result = kill_trial(root, fmt, retention, rng, async_save, args.start)
+                result = kill_trial(root, fmt, retention, rng, async_save, args.start, tolerant)
             except AssertionError as exc:
                 tally["failed"] += 1
-                print(f"trial {trial}: FAILED ({fmt}, retention={retention}, async={async_save}): {exc}", flush=True)
+                print(f"trial {trial}: FAILED ({label}): {exc}", flush=True)
                 continue
         tally["trials"] += 1
         tally["passed"] += 1
         tally["killed_mid_write"] += int(result["killed_mid_write"])
         tally["killed_mid_delete"] += int(result["killed_mid_delete"])
-        print(f"trial {trial:>3}: ok ({fmt}, retention={retention}, async={async_save}) resumed at step {result['resumed_step']}"
+        print(f"trial {trial:>3}: ok ({label}) resumed at step {result['resumed_step']}"
               f"{' [mid-write]' if result['killed_mid_write'] else ''}"
               f"{' [mid-delete]' if result['killed_mid_delete'] else ''}", flush=True)
     tally["trials"] += tally["failed"]

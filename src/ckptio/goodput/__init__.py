@@ -153,8 +153,7 @@ class Goodput:
     def saved(self, tier: str, step: int, blocked_s: float) -> None:
         """Every rank, at the end of ``save()`` / ``save_memory()`` (collective when an interval is automatic)."""
         planner = self.planners.get(tier)
-        if tier == "durable":
-            self.audit.saved(step)
+        self.audit.saved(step)  # a resume from either tier is audited against the steps after it
         if planner is not None:
             planner.saved(step, blocked_s)
             if tier == "durable" and "memory" in self.planners:  # a durable save is also the newest snapshot

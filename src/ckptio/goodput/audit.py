@@ -1,8 +1,10 @@
 """The resume audit: whether a resumed run continues the run that stopped (docs/goodput.md, "The resume audit").
 
-For the first ``audit_steps`` steps after each durable save, rank 0 records what the loop reports of them through
-``maybe_save(metrics=...)`` (``loss``, and ``grad_norm`` and ``lr`` when given) as ``metrics`` events of the run's
-record. After a resume from step ``s``, the same steps after ``s`` are compared with what the run that stopped recorded
+For the first ``audit_steps`` steps after each durable save and each memory snapshot, rank 0 records what the loop
+reports of them through ``maybe_save(metrics=...)`` (``loss``, and ``grad_norm`` and ``lr`` when given) as ``metrics``
+events of the run's record, each step once however many windows hold it, the record written once at the last step of
+each window (snapshots every few steps cost one write of the record each, no more). After a resume from step ``s``
+(a durable checkpoint or a memory snapshot), the same steps after ``s`` are compared with what the run that stopped recorded
 for them: the same bitwise (``exact``), within ``audit_tolerance`` (relative), or ``diverged`` at the first step that
 is not, with both values of that step and the causes ckptio can see (a state the manager was not given, another
 number of ranks, tensors cast on load, a partial load). Said once in the log, as an ``audit`` event in the record, and
@@ -52,22 +54,23 @@ def _close(was: float | str, now: float | str, tolerance: float) -> bool:
 
 
 class ResumeAudit:
-    """Rank 0's recording of the steps after each durable save, and its check of a resumed run's."""
+    """Rank 0's recording of the steps after each durable save and memory snapshot, and its check of a resumed
+    run's."""
 
     def __init__(self, steps: int, tolerance: float, record: Any, emit: Callable[..., None], log: Any,
                  tracked: Any) -> None:
         self.steps, self.tolerance, self.record, self.emit, self.log = steps, tolerance, record, emit, log
         self.tracked = tracked
         self.on = bool(steps) and record is not None and record.writer
-        self._recording: tuple[int, int] | None = None
-        """``(s, s + steps)``: the steps after the durable save of ``s`` whose metrics are recorded."""
+        self._windows: list[tuple[int, int]] = []
+        """``(s, s + steps)`` of each save or snapshot of ``s`` whose steps after it are still to be recorded."""
         self._checking: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------------------------------- the run that saves
     def saved(self, step: int) -> None:
-        """A durable save of ``step`` (called or committed): record the steps after it."""
+        """A durable save (called or committed) or a memory snapshot of ``step``: record the steps after it."""
         if self.on:
-            self._recording = (step, step + self.steps)
+            self._windows = [w for w in self._windows if w[1] > step] + [(step, step + self.steps)]
 
     def tick(self, step: int, metrics: dict[str, Any] | None) -> None:
         """The loop reached ``step`` and reported ``metrics``: recorded in a window, checked after a resume."""
@@ -84,14 +87,15 @@ class ResumeAudit:
             return
         if self._checking is not None:
             self._check(step, values)
-        window = self._recording
-        if window is not None and window[0] < step <= window[1]:
-            self.record.add("metrics", lazy=step < window[1], step=step, **values)  # written once, at the last
+        ends = [end for start, end in self._windows if start < step <= end]
+        if ends:  # written with the last step of a window: once a window, whatever the windows overlap
+            self.record.add("metrics", lazy=step not in ends, step=step, **values)
+            self._windows = [w for w in self._windows if w[1] > step]
 
     # ------------------------------------------------------------------------------------------- the run that resumes
     def restored(self, info: Any) -> None:
         """A restore of ``info.step``: the steps after it are compared with what the record holds of them."""
-        self._recording = None
+        self._windows = []
         if not self.on:
             return
         s, expected = info.step, {}

@@ -32,7 +32,10 @@ class Preemption:
     (``active`` only with ``on_preemption`` set on an enabled manager: otherwise it installs nothing and costs
     nothing)."""
 
-    def __init__(self, config: Any, log: Any) -> None:
+    def __init__(self, config: Any, log: Any, *, defer_previous: bool = False) -> None:
+        self.defer_previous = defer_previous
+        """The handler replaced is not called from the signal but by :meth:`call_previous`, on every rank together
+        once they agreed (Lightning's: it makes a collective call)."""
         self.active = bool(config.on_preemption) and bool(config.enabled)
         self.mode: str | None = config.on_preemption
         self.grace_s: float | None = None
@@ -59,8 +62,13 @@ class Preemption:
     def _handler(self, signum: int, frame: Any) -> None:
         if self.received is None:
             self.received = signum
+        if not self.defer_previous:
+            self.call_previous(signum, frame)
+
+    def call_previous(self, signum: int, frame: Any = None) -> None:
+        """Call the handler ``signum`` had before ours, when it was a Python function (a framework's own): it hears
+        the signal too. Python's own SIGINT handler is left out: it would raise KeyboardInterrupt and lose the save."""
         previous = self._previous.get(signal.Signals(signum))
-        # a framework's handler runs too; Python's own SIGINT handler would raise KeyboardInterrupt and lose the save
         if callable(previous) and previous is not signal.default_int_handler:
             previous(signum, frame)
 

@@ -22,7 +22,7 @@ Events (all with ``kind`` and ``time``, seconds since the epoch):
 * ``remove``: retention removed the checkpoint of ``step`` (when its name gives the step);
 * ``end``: the run's processes closed their manager without an error;
 * ``metrics``: what the loop reported of ``step`` (``loss``, ``grad_norm``, ``lr``: a number, or ``"nan"``, ``"inf"``,
-  ``"-inf"``), for the first ``audit_steps`` steps after each durable save (:mod:`.audit`);
+  ``"-inf"``), for the first ``audit_steps`` steps after each durable save and memory snapshot (:mod:`.audit`);
 * ``audit``: a resume from ``step`` compared with the run that stopped: ``verdict`` (``exact``, ``tolerance``,
   ``diverged``), ``checked`` (steps compared), ``tolerance``; when diverged, ``at`` (the step), its values now and as
   recorded (``loss`` and ``loss_was``...) and the likely ``causes`` (names of :data:`.audit.CAUSES`).

@@ -32,12 +32,12 @@ class FrameworkPreemption:
     field), installed by :meth:`install` (on the main thread), given back by :meth:`close`."""
 
     def __init__(self, on_preemption: str | None, preemption_signals: Sequence[Any] = ("SIGTERM",),
-                 who: str = "") -> None:
+                 who: str = "", defer_previous: bool = False) -> None:
         self._config = SimpleNamespace(on_preemption=on_preemption, preemption_signals=preemption_signals,
                                        preemption_grace=None, enabled=True)
         validate_preemption(self._config)
         self.mode: str | None = on_preemption
-        self.who = who
+        self.who, self.defer_previous = who, defer_previous
         self._handler: Preemption | None = None
         self.preempted: int | None = None
         """The signal on which the integration saved and stopped the run (``None`` before)."""
@@ -45,12 +45,18 @@ class FrameworkPreemption:
     def install(self) -> None:
         """Put ckptio's handler on the signals (when on, once): it chains to the handler each had."""
         if self.mode is not None and self._handler is None:
-            self._handler = Preemption(self._config, log)
+            self._handler = Preemption(self._config, log, defer_previous=self.defer_previous)
 
     def due(self) -> int:
         """Collective when installed (every rank, at the end of each step): the signal any rank received, 0 when
         none did."""
         return self._handler.agreed() if self._handler is not None else 0
+
+    def call_previous(self, signum: int) -> None:
+        """With ``defer_previous`` (every rank, after the save): the handler the signal had before ckptio's, called
+        on every rank together, whichever got the signal."""
+        if self._handler is not None and self.defer_previous:
+            self._handler.call_previous(signum)
 
     def saved(self, signum: int, what: str) -> None:
         """Say that ``what`` (the step, the folder) was saved on every rank after ``signum``; the run stops next."""
