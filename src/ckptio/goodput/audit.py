@@ -69,6 +69,12 @@ class ResumeAudit:
         if self.on:
             self._recording = (step, step + self.steps)
 
+    def wants(self, step: int) -> bool:
+        """Whether :meth:`tick` of ``step`` would record or check anything: a loop may skip reading its metrics (a
+        device sync) for the other steps."""
+        window = self._recording
+        return bool(self.on) and (self._checking is not None or (window is not None and window[0] < step <= window[1]))
+
     def tick(self, step: int, metrics: dict[str, Any] | None) -> None:
         """The loop reached ``step`` and reported ``metrics``: recorded in a window, checked after a resume."""
         if not self.on or not metrics:
@@ -89,8 +95,10 @@ class ResumeAudit:
             self.record.add("metrics", lazy=step < window[1], step=step, **values)  # written once, at the last
 
     # ------------------------------------------------------------------------------------------- the run that resumes
-    def restored(self, info: Any) -> None:
-        """A restore of ``info.step``: the steps after it are compared with what the record holds of them."""
+    def restored(self, info: Any, causes: list[str] | None = None) -> None:
+        """A restore of ``info.step``: the steps after it are compared with what the record holds of them.
+        ``causes``: what the caller knows was not resumed (names of :data:`CAUSES`); by default what the manager's
+        tracked states and ``info`` say."""
         self._recording = None
         if not self.on:
             return
@@ -99,7 +107,7 @@ class ResumeAudit:
             if event["kind"] == "metrics" and s < event.get("step", -1) <= s + self.steps:
                 expected[event["step"]] = {k: event[k] for k in AUDITED if k in event}  # the newest wins
         self._checking = {"from": s, "expected": expected, "checked": 0, "differs": False,
-                          "causes": self._causes(info)}
+                          "causes": self._causes(info) if causes is None else list(causes)}
 
     def _check(self, step: int, values: dict[str, Any]) -> None:
         state = self._checking

@@ -1,0 +1,89 @@
+"""The resume audit fed by the framework integrations (issue 68): Lightning, the Hugging Face Trainer and accelerate
+record the steps after each save in the run's record in their checkpoint folder, and a run resumed from one of
+those saves is told ``exact``, or ``diverged`` at the first step that is not, with no line of the user's.
+
+The runs are the real frameworks on CPU in processes of their own (accelerate also on 2 ranks under torchrun): a run
+that saves, trains on and is stopped (SIGKILL, or its end), then a fresh process resumed from the save."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from ckptio.goodput.record import RECORD_NAME, parse
+
+from distributed import launch
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = ROOT / "tests"
+
+
+def _events(folder: Path) -> list[dict]:
+    return parse((folder / RECORD_NAME).read_bytes(), folder)
+
+
+def _ok(done: subprocess.CompletedProcess, what: str) -> str:
+    text = done.stdout + done.stderr
+    assert done.returncode == 0, f"{what}:\n{text[-4000:]}"
+    return text
+
+
+def _report(folder: Path, capsys: pytest.CaptureFixture) -> str:
+    from ckptio.cli import main
+
+    capsys.readouterr()
+    assert main(["report", str(folder), "--probe-mib", "0"]) == 0
+    return capsys.readouterr().out
+
+
+def _audits(folder: Path) -> list[dict]:
+    return [e for e in _events(folder) if e["kind"] == "audit"]
+
+
+def _said(text: str) -> list[str]:
+    return [line for line in text.splitlines() if "Resume audit" in line]
+
+
+# ------------------------------------------------------------------------------------------------------ accelerate
+def _acc(*args: str, ranks: int = 1) -> subprocess.CompletedProcess:
+    return launch(str(TESTS / "acc_run.py"), *args, ranks=ranks, real=ranks > 1, timeout=300)
+
+
+def _acc_killed_and_resumed(tmp_path: Path, *resume: str, ranks: int = 1) -> tuple[Path, str]:
+    """A save every 3 steps, ``clip_grad_norm_`` each step, SIGKILLed after step 10; the newest save (step 9) is
+    gone too, and a fresh process resumes from step 6 with ``resume``'s flags."""
+    pytest.importorskip("accelerate")
+    run = tmp_path / "run"
+    first = _acc(str(run), str(tmp_path / "first.pt"), "--clip", "--sigkill-at", "10", ranks=ranks)
+    assert first.returncode != 0, "the first run was to be killed after step 10"
+    folder = run / "checkpoints"
+    recorded = [e for e in _events(folder) if e["kind"] == "metrics"]
+    assert [e["step"] for e in recorded] == [4, 5, 6, 7, 8, 9], recorded  # step 10's, held, died with the process
+    assert all({"loss", "grad_norm", "lr"} <= set(e) for e in recorded), recorded
+    assert [e["step"] for e in _events(folder) if e["kind"] == "save"] == [3, 6, 9]
+    shutil.rmtree(folder / "checkpoint_2")
+    text = _ok(_acc(str(run), str(tmp_path / "resumed.pt"), "--clip", "--resume", *resume, ranks=ranks), "resumed")
+    return folder, text
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_accelerate_killed_after_a_save_and_resumed_is_audited_exact(tmp_path, ranks, capsys):
+    folder, text = _acc_killed_and_resumed(tmp_path, ranks=ranks)
+    (audit,) = _audits(folder)
+    assert audit["verdict"] == "exact" and audit["step"] == 6 and audit["checked"] == 3, audit
+    lines = _said(text)
+    assert len(lines) == 1 and "from step 6: exact" in lines[0], text[-3000:]
+    assert "Resume audit from step 6: exact: the 3 step(s) compared" in _report(folder, capsys)
+
+
+def test_accelerate_resumed_in_another_data_order_is_told_it_diverged_at_the_next_step(tmp_path, capsys):
+    folder, text = _acc_killed_and_resumed(tmp_path, "--no-skip")
+    (audit,) = _audits(folder)
+    assert audit["verdict"] == "diverged" and audit["at"] == 7 and audit["loss"] != audit["loss_was"], audit
+    assert audit["lr"] == audit["lr_was"], audit
+    lines = _said(text)
+    assert len(lines) == 1 and "DIVERGED at step 7" in lines[0], text[-3000:]
+    assert "DIVERGED at step 7" in _report(folder, capsys)
