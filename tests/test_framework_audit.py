@@ -59,12 +59,12 @@ def _acc_killed_and_resumed(tmp_path: Path, *resume: str, ranks: int = 1) -> tup
     run = tmp_path / "run"
     first = _acc(str(run), str(tmp_path / "first.pt"), "--clip", "--sigkill-at", "10", ranks=ranks)
     assert first.returncode != 0, "the first run was to be killed after step 10"
-    folder = run / "checkpoints"
+    folder = run  # the project folder: accelerate takes every name in run/checkpoints for a checkpoint's
     recorded = [e for e in _events(folder) if e["kind"] == "metrics"]
     assert [e["step"] for e in recorded] == [4, 5, 6, 7, 8, 9], recorded  # step 10's, held, died with the process
     assert all({"loss", "grad_norm", "lr"} <= set(e) for e in recorded), recorded
     assert [e["step"] for e in _events(folder) if e["kind"] == "save"] == [3, 6, 9]
-    shutil.rmtree(folder / "checkpoint_2")
+    shutil.rmtree(folder / "checkpoints" / "checkpoint_2")
     text = _ok(_acc(str(run), str(tmp_path / "resumed.pt"), "--clip", "--resume", *resume, ranks=ranks), "resumed")
     return folder, text
 
@@ -87,3 +87,40 @@ def test_accelerate_resumed_in_another_data_order_is_told_it_diverged_at_the_nex
     lines = _said(text)
     assert len(lines) == 1 and "DIVERGED at step 7" in lines[0], text[-3000:]
     assert "DIVERGED at step 7" in _report(folder, capsys)
+
+
+# ------------------------------------------------------------------------------------------ the Hugging Face Trainer
+def _hf_killed_and_resumed(tmp_path: Path, *resume: str, ranks: int = 1) -> tuple[Path, str]:
+    """A save every 4 steps; SIGKILLed as the save of step 8 returns, which is gone too; a fresh process resumes from
+    step 4 with ``resume``'s flags."""
+    pytest.importorskip("transformers")
+    run = tmp_path / "run"
+    first = launch(str(TESTS / "hf_run.py"), str(run), "16", str(tmp_path / "first.pt"), "--sigkill-after-save", "8",
+                   ranks=ranks, real=ranks > 1, timeout=300)
+    assert first.returncode != 0, "the first run was to be killed after the save of step 8"
+    recorded = [e for e in _events(run) if e["kind"] == "metrics"]
+    assert [e["step"] for e in recorded] == [5, 6, 7], recorded
+    assert all({"loss", "grad_norm", "lr"} <= set(e) for e in recorded), recorded
+    shutil.rmtree(run / "checkpoint-8")
+    text = _ok(launch(str(TESTS / "hf_run.py"), str(run), "16", str(tmp_path / "resumed.pt"), "--resume", *resume,
+                      ranks=ranks, real=ranks > 1, timeout=300), "resumed")
+    return run, text
+
+
+def test_the_trainer_killed_after_a_save_and_resumed_is_audited_exact(tmp_path, capsys):
+    run, text = _hf_killed_and_resumed(tmp_path)
+    (audit,) = _audits(run)
+    assert audit["verdict"] == "exact" and audit["step"] == 4 and audit["checked"] == 3, audit
+    lines = _said(text)
+    assert len(lines) == 1 and "from step 4: exact" in lines[0], text[-3000:]
+    assert "Resume audit from step 4: exact" in _report(run, capsys)
+
+
+def test_the_trainer_resumed_with_ignore_data_skip_is_told_it_diverged_naming_the_data(tmp_path, capsys):
+    run, text = _hf_killed_and_resumed(tmp_path, "--ignore-data-skip")
+    (audit,) = _audits(run)
+    assert audit["verdict"] == "diverged" and audit["at"] == 5 and audit["causes"] == ["dataloader"], audit
+    assert audit["loss"] != audit["loss_was"] and audit["lr"] == audit["lr_was"], audit
+    lines = _said(text)
+    assert len(lines) == 1 and "DIVERGED at step 5" in lines[0] and "data loader" in lines[0], text[-3000:]
+    assert "DIVERGED at step 5" in _report(run, capsys)

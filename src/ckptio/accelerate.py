@@ -102,11 +102,15 @@ class CkptioAccelerator(Accelerator):
         return norm
 
     def _ckptio_audited(self, folder: Path) -> Any:
-        """The record of the run whose checkpoints are in ``folder``, made once."""
+        """The record of the run whose checkpoints are in ``folder``, made once: in ``project_dir`` with automatic
+        naming (accelerate reads every name in ``project_dir/checkpoints`` as a numbered checkpoint), else beside
+        the checkpoint folders."""
         from .integrations.framework_audit import FrameworkAudit
 
         if self.ckptio_audit is None:
-            self.ckptio_audit = self.ckptio_steps.audit = FrameworkAudit(folder)
+            auto = self.project_configuration.automatic_checkpoint_naming
+            where = Path(self.project_dir) if auto and self.project_dir is not None else folder
+            self.ckptio_audit = self.ckptio_steps.audit = FrameworkAudit(where)
             self.ckptio_numbers.listeners.append(self.ckptio_audit.committed)
         return self.ckptio_audit
 
