@@ -124,3 +124,38 @@ def test_the_trainer_resumed_with_ignore_data_skip_is_told_it_diverged_naming_th
     lines = _said(text)
     assert len(lines) == 1 and "DIVERGED at step 5" in lines[0] and "data loader" in lines[0], text[-3000:]
     assert "DIVERGED at step 5" in _report(run, capsys)
+
+
+# ------------------------------------------------------------------------------------------------------ Lightning
+def _lit_ended_and_resumed(tmp_path: Path, *resume: str) -> tuple[Path, str]:
+    """Two epochs of 8 steps, a save at the end of each (and ``last.ckpt``); a fresh process resumes from the save
+    of step 8 with ``resume``'s flags."""
+    pytest.importorskip("pytorch_lightning")
+    run = tmp_path / "run"
+    _ok(launch(str(TESTS / "lit_run.py"), str(run), "2", str(tmp_path / "first.pt"), timeout=300), "first run")
+    recorded = [e for e in _events(run) if e["kind"] == "metrics"]
+    assert [e["step"] for e in recorded] == [9, 10, 11], recorded
+    assert all({"loss", "lr"} <= set(e) for e in recorded), recorded
+    assert [e["step"] for e in _events(run) if e["kind"] == "save"] == [8, 8, 16, 16]  # each with last.ckpt
+    text = _ok(launch(str(TESTS / "lit_run.py"), str(run), "2", str(tmp_path / "resumed.pt"), "--from",
+                      "epoch=0-step=8.ckpt", *resume, timeout=300), "resumed")
+    return run, text
+
+
+def test_lightning_resumed_from_a_save_is_audited_exact(tmp_path, capsys):
+    run, text = _lit_ended_and_resumed(tmp_path)
+    (audit,) = _audits(run)
+    assert audit["verdict"] == "exact" and audit["step"] == 8 and audit["checked"] == 3, audit
+    lines = _said(text)
+    assert len(lines) == 1 and "from step 8: exact" in lines[0], text[-3000:]
+    assert "Resume audit from step 8: exact" in _report(run, capsys)
+
+
+def test_lightning_resumed_on_other_data_is_told_it_diverged_at_the_next_step(tmp_path, capsys):
+    run, text = _lit_ended_and_resumed(tmp_path, "--other-data")
+    (audit,) = _audits(run)
+    assert audit["verdict"] == "diverged" and audit["at"] == 9 and audit["causes"] == ["rng"], audit
+    assert audit["loss"] != audit["loss_was"] and audit["lr"] == audit["lr_was"], audit
+    lines = _said(text)
+    assert len(lines) == 1 and "DIVERGED at step 9" in lines[0] and "Lightning saves none" in lines[0], text[-3000:]
+    assert "DIVERGED at step 9" in _report(run, capsys)

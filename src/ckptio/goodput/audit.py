@@ -21,7 +21,7 @@ AUDITED = ("loss", "grad_norm", "lr")
 CAUSES = {
     "dataloader": "no data loader given to the manager (dataloader=): the data order is not resumed",
     "lr_scheduler": "no lr_scheduler given to the manager: the learning rate is not resumed",
-    "rng": "the RNG streams not saved (rng=False): dropout and sampling are not resumed",
+    "rng": "the RNG streams not saved (rng=False; Lightning saves none): dropout and sampling are not resumed",
     "ranks": "another number of ranks than the save's",
     "dtype": "tensors cast to another dtype on load (load_cast_dtype)",
     "load_exclude": "model keys left out of the load (load_exclude, strict=False)",
