@@ -132,19 +132,21 @@ class CkptioTrainerMixin:
         elif resume_from_checkpoint:
             _check(Path(str(resume_from_checkpoint)), self.ckptio_verify, me.args.save_only_model)
         self._ckptio_resuming = Path(resume_from_checkpoint) if resume_from_checkpoint else None
-        if self.ckptio_audit is None or self.ckptio_audit.ended:
+        if self.ckptio_audit is None or self.ckptio_audit.ended:  # a record object per train(): one writer at a time
             from .integrations.framework_audit import FrameworkAudit
 
+            if self.ckptio_audit is not None:
+                self.ckptio_numbers.listeners.remove(self.ckptio_audit.committed)
             self.ckptio_audit = FrameworkAudit(me.args.output_dir)
             self.ckptio_numbers.listeners.append(self.ckptio_audit.committed)
-        with self.ckptio_preemption.during():  # installed after the Trainer's own (enable_jit_checkpoint): it still runs
-            try:
+        clean = False
+        try:
+            with self.ckptio_preemption.during():  # after the Trainer's own (enable_jit_checkpoint): it still runs
                 out = super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
                 self.ckptio_wait()  # committed when train returns, whichever end-of-training hook this transformers has
-            except BaseException:
-                self.ckptio_audit.end(clean=False)
-                raise
-        self.ckptio_audit.end()
+                clean = True
+        finally:  # a save on preemption that exits ends the process cleanly too
+            self.ckptio_audit.end(clean=clean or bool(self.ckptio_preemption.preempted))
         return out
 
     # ------------------------------------------------------------------------------------------- the resume audit

@@ -88,9 +88,8 @@ class FrameworkAudit:
             return
         self._opening = step
         self._save_steps[step if key is None else key] = step
-        del_keys = list(self._save_steps)[:-16]
-        for k in del_keys:
-            del self._save_steps[k]
+        while len(self._save_steps) > 16:  # the saves not yet committed: one or two in flight
+            del self._save_steps[next(iter(self._save_steps))]
 
     def committed(self, event: dict[str, Any]) -> None:
         """A listener of the integration's :class:`~.save_numbers.SaveNumbers`: each committed save into the record
