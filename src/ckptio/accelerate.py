@@ -255,7 +255,7 @@ class CkptioAccelerator(Accelerator):
         folder = Folder(path)
         manifest = read_manifest(folder) if folder.kind(MANIFEST_NAME) == "file" else None
         steps = manifest.counters.get("steps") if manifest is not None else None
-        if type(steps) is not int or steps < 0:
+        if manifest is None or type(steps) is not int or steps < 0:
             return
         self.ckptio_steps.step = steps
         loaders = self._dataloaders and self.dataloader_config.use_seedable_sampler

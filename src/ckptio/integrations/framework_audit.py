@@ -111,9 +111,9 @@ class FrameworkAudit:
 
         self._last, self._opening = None, None
         newest = self.record.newest_step()
+        values: dict[str, Any] = {"steps_lost": max(0, newest - step)} if newest is not None else {}
         self.emit("restore", step=step, tier="durable", restore_s=round(restore_s, 6),
-                  startup_s=round(process_age_s(), 3),
-                  **({"steps_lost": max(0, newest - step)} if newest is not None else {}))
+                  startup_s=round(process_age_s(), 3), **values)
         causes = list(causes or [])
         if saved_ranks and saved_ranks != _dist.world_size() and "ranks" not in causes:
             causes.append("ranks")

@@ -54,24 +54,28 @@ class AuditFeed(pl.Callback):
 
 def _trainer_on_stack(depth: int = 16) -> pl.Trainer | None:
     """The ``Trainer`` whose call reached the plugin: ``self`` (or ``self.trainer``) of a caller's frame."""
-    frame = sys._getframe(2)
+    frame: Any = sys._getframe(2)
     for _ in range(depth):
         if frame is None:
             return None
         obj = frame.f_locals.get("self")
-        for candidate in (obj, getattr(obj, "trainer", None)):
+        try:
+            owner = getattr(obj, "trainer", None)
+        except Exception:  # a property that raises (a module not attached to a trainer): not the one
+            owner = None
+        for candidate in (obj, owner):
             if isinstance(candidate, pl.Trainer):
                 return candidate
         frame = frame.f_back
     return None
 
 
-def _audit(io: Any, path: Any) -> tuple[FrameworkAudit, pl.Trainer] | None:
+def _audit(io: Any, path: Any) -> tuple[FrameworkAudit, Any] | None:
     """The audit of the folder ``path`` is in, fed from the fitting trainer found on the stack; ``None`` elsewhere
     (another rank, an object store, a load outside ``fit``)."""
     if _dist.rank() != 0 or "://" in str(path):
         return None
-    trainer = _trainer_on_stack()
+    trainer: Any = _trainer_on_stack()
     if trainer is None or trainer.state.fn != "fit":
         return None
     folder = Path(path).absolute().parent
