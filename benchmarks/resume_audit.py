@@ -4,12 +4,18 @@ process.
 
     python benchmarks/resume_audit.py [--steps 600] [--every 50] [--rounds 5]
 
+    python benchmarks/resume_audit.py --accelerate [--steps 600] [--rounds 5]
+
 Each loop trains a small MLP (AdamW) and saves durably every ``--every`` steps (kept: the 2 newest), so the audit
 records the 3 steps after each save (one write of the run's record per save) and checks nothing else. Rounds
 alternate between the three loops (the first is a warm-up); printed: the median time per step of each, its ratio
 to the plain loop, the ratio of the loop with the audit to the one without (1.00: it costs nothing measurable) and,
 for the noise, the spread of that ratio over the rounds. Then, with no save due, the time of one ``maybe_save`` call
 each way.
+
+``--accelerate``: the same step through accelerate (``backward``, ``clip_grad_norm_``, no saves timed), with the
+plain ``Accelerator`` and with ``CkptioAccelerator`` after one ``save_state`` (its audit made, the window after the
+save passed: what every step outside the windows pays), rounds alternated; then the two hooks' own time a step.
 """
 
 from __future__ import annotations
@@ -19,10 +25,66 @@ import logging
 import statistics
 import tempfile
 import time
+from typing import Any
 
 import torch
 
 from ckptio import CheckpointConfig, CheckpointManager
+
+
+def accelerate_main(args: argparse.Namespace) -> None:
+    """The per-step cost of the audit's hooks in ``CkptioAccelerator`` (``--accelerate``)."""
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    from ckptio.accelerate import CkptioAccelerator
+
+    times: dict[str, list[float]] = {"Accelerator": [], "CkptioAccelerator": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        loops = {}
+        for name, cls in (("Accelerator", Accelerator), ("CkptioAccelerator", CkptioAccelerator)):
+            torch.manual_seed(0)
+            acc = cls(cpu=True, project_config=ProjectConfiguration(project_dir=f"{tmp}/{name}",
+                                                                    automatic_checkpoint_naming=True))
+            model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256))
+            model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+            loops[name] = (acc, model, opt)
+        x = torch.randn(64, 256)
+
+        def step(acc: Any, model: Any, opt: Any) -> None:
+            acc.backward(model(x).pow(2).mean())
+            acc.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+
+        ckptio = loops["CkptioAccelerator"]
+        ckptio[0].save_state()
+        for _ in range(5):  # past the window after the save
+            step(*ckptio)
+        for r in range(args.rounds + 1):
+            for name in (list(loops) if r % 2 else list(reversed(loops))):
+                start = time.perf_counter()
+                for _ in range(args.steps):
+                    step(*loops[name])
+                if r:
+                    times[name].append((time.perf_counter() - start) / args.steps)
+        acc, model, _opt = ckptio
+        loss, norm = model(x).pow(2).mean(), torch.tensor(1.0)
+        start = time.perf_counter()
+        for _ in range(args.calls):
+            acc.ckptio_steps.backward(loss, True)
+            acc.ckptio_steps.grad_norm(norm)
+        hooks = (time.perf_counter() - start) / args.calls
+        assert acc.ckptio_audit is not None and not acc.ckptio_audit.wants(acc.ckptio_steps.step + 1)
+        acc.end_training()
+    med = {name: statistics.median(t) for name, t in times.items()}
+    for name, t in med.items():
+        print(f"{name:20s} {t * 1e3:8.3f} ms/step")
+    ratios = sorted(b / a for a, b in zip(times["Accelerator"], times["CkptioAccelerator"]))
+    print(f"CkptioAccelerator / Accelerator: x{med['CkptioAccelerator'] / med['Accelerator']:.3f} (rounds: "
+          f"x{ratios[0]:.3f} to x{ratios[-1]:.3f})")
+    print(f"the audit's hooks (backward, clip_grad_norm_) outside its windows: {hooks * 1e6:.2f} us a step "
+          f"({hooks / med['Accelerator']:.3%} of a step)")
 
 
 def main() -> None:
@@ -31,8 +93,11 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=20000)
+    parser.add_argument("--accelerate", action="store_true", help="the audit's per-step cost in CkptioAccelerator")
     args = parser.parse_args()
     logging.getLogger("ckptio").setLevel(logging.WARNING)
+    if args.accelerate:
+        return accelerate_main(args)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -12,7 +12,8 @@ process ends). ``--kill-at POINT:N``: global rank 0 SIGKILLs itself the N-th tim
 point (``ckptio._faults``). ``--on-preemption exit|return``: ``CkptioAccelerator(on_preemption=...)``, the loop calling
 ``save_on_preemption`` after each step; ``--sigterm-at STEP:RANK``: SIGTERM to global rank RANK alone;
 ``--own-handler``: a SIGTERM handler of the script's own, installed first, prints ``own handler ran on rank R``; with
-``"return"`` each rank prints ``rank R preempted at S``. The main process writes the final state to OUT (not after a
+``"return"`` each rank prints ``rank R preempted at S``. ``--clip``: ``clip_grad_norm_`` each step; ``--no-skip``: a
+resumed run does not skip the batches already seen (another data order). The main process writes the final state to OUT (not after a
 preemption).
 """
 
@@ -75,7 +76,8 @@ def main() -> None:
         kw["on_preemption"] = _arg("--on-preemption")
     if "--own-handler" in sys.argv:
         signal.signal(signal.SIGTERM, lambda *_: print(f"own handler ran on rank {rank}", flush=True))
-    result = train(root, cls, resume="--resume" in sys.argv, on_step=on_step, **kw)
+    result = train(root, cls, resume="--resume" in sys.argv, on_step=on_step, skip="--no-skip" not in sys.argv,
+                   clip="--clip" in sys.argv, **kw)
     stopped = int(result.pop("preempted", 0))
     if stopped:
         print(f"rank {rank} preempted at {stopped}", flush=True)

@@ -37,11 +37,12 @@ def accelerator(cls: type, root: Path, limit: int | None = None, **kw: Any) -> A
 
 
 def train(root: Path, cls: type, stop: int = STEPS, resume: bool = False, limit: int | None = None,
-          on_step: Callable[[int], None] | None = None, **kw: Any) -> dict:
+          on_step: Callable[[int], None] | None = None, skip: bool = True, clip: bool = False, **kw: Any) -> dict:
     """Train for ``STEPS`` steps with a save every ``EVERY``, stopping after ``stop`` steps; ``on_step(done)`` runs
     after every step and its save; ``kw`` go to the accelerator (``async_save=True``, ``on_preemption``: then
     ``save_on_preemption`` ends each step, and ``preempted`` in the result is the step it stopped at, or 0);
-    ``end_training`` at the end."""
+    ``end_training`` at the end. ``skip``: a resumed run skips the batches the steps done took (``False``: it
+    starts its epoch over, another data order); ``clip``: ``clip_grad_norm_`` each step."""
     torch.manual_seed(0)
     acc = accelerator(cls, root, limit, **kw)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
@@ -59,12 +60,14 @@ def train(root: Path, cls: type, stop: int = STEPS, resume: bool = False, limit:
         done = counter.n
         if cls is Accelerator:  # its load_state leaves the counter at 0: the next save_state would collide
             acc.project_configuration.iteration = len(list((root / "checkpoints").iterdir()))
-    batches = acc.skip_first_batches(data, done) if done else data
+    batches = acc.skip_first_batches(data, done) if done and skip else data
     for xb, yb in batches:
         if done >= stop:
             break
         loss = torch.nn.functional.mse_loss(model(xb), yb)
         acc.backward(loss)
+        if clip:
+            acc.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
         opt.zero_grad()

@@ -13,7 +13,8 @@ STEP returns (with ``--async``, its write is still in flight). ``--fail-at POINT
 a SIGTERM handler of the script's own, installed before the Trainer, prints ``own handler ran on rank R``; with
 ``"return"`` the rank prints ``preempted at S`` after ``train``. ``--sigterm-at STEP``: every rank receives SIGTERM after global step STEP
 (a preemption: the Trainer has no handler, the process ends). ``--kill-at POINT:N``: global rank 0 SIGKILLs itself
-the N-th time a ckptio save reaches the named point (``ckptio._faults``). Global rank 0 writes the final weights
+the N-th time a ckptio save reaches the named point (``ckptio._faults``). ``--ignore-data-skip``: the Trainer's
+``ignore_data_skip`` (a resumed run starts its epoch's data over). Global rank 0 writes the final weights
 and optimizer moments to OUT.
 """
 
@@ -87,7 +88,7 @@ def main() -> None:
         kill_at(_arg("--kill-at"))
     if _arg("--fail-at"):
         fail_at(_arg("--fail-at"))
-    tr = trainer(cls, root, steps)
+    tr = trainer(cls, root, steps, **({"ignore_data_skip": True} if "--ignore-data-skip" in sys.argv else {}))
     if _arg("--sigterm-at"):
         tr.add_callback(Preempt(int(_arg("--sigterm-at"))))
     if _arg("--sigterm-in"):

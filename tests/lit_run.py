@@ -12,7 +12,8 @@ with the files written and not yet in place. Global rank 0 writes the final weig
 every rank sends itself that signal as global step STEP begins (mid-step; ``STEP:R``: global rank R alone);
 ``--own-handler``: a handler of the
 script's own on that signal, installed first, prints ``own handler ran on rank R``; a rank whose ``fit`` returned
-after a preemption prints ``rank R preempted at S`` and writes no OUT.
+after a preemption prints ``rank R preempted at S`` and writes no OUT. ``--from NAME``: ``fit(ckpt_path=DIR/NAME)``;
+``--other-data``: the same samples in the reverse order.
 """
 
 from __future__ import annotations
@@ -90,7 +91,13 @@ def main() -> None:
     ckpt_path = None
     if "--resume" in sys.argv:  # Lightning's "last" finds nothing in a bucket: ckptio's helper does
         ckpt_path = last_checkpoint(root) if root.startswith("s3://") else "last"
-    tr.fit(module, loader(), ckpt_path=ckpt_path)
+    if _arg("--from"):
+        ckpt_path = os.path.join(root, _arg("--from"))
+    data = loader()
+    if "--other-data" in sys.argv:  # the same samples in the reverse order
+        data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*(t.flip(0) for t in data.dataset.tensors)),
+                                           batch_size=data.batch_size, shuffle=False)
+    tr.fit(module, data, ckpt_path=ckpt_path)
     if preemption is not None and preemption.preempted:
         print(f"rank {tr.global_rank} preempted at {tr.global_step}", flush=True)
         return

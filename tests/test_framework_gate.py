@@ -36,7 +36,7 @@ from ckptio.hf_trainer import CkptioTrainer, last_checkpoint, usable_checkpoints
 
 
 def _names(root: Path) -> list[str]:
-    return sorted((p.name for p in root.iterdir()), key=lambda n: (n.startswith("."), len(n), n))
+    return sorted((p.name for p in root.iterdir() if p.name != ".ckptio_record.json"), key=lambda n: (n.startswith("."), len(n), n))
 
 
 @pytest.fixture(scope="module")

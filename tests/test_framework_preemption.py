@@ -55,7 +55,7 @@ def test_the_trainer_saves_the_step_the_signal_came_in_and_resumes_from_it_bitwi
     assert f"own handler ran on rank {whom[1:] or 0}" in text, "the handler there before ckptio's did not run"
     if mode == "return":  # train() returned on every rank, at the same step
         assert all(f"rank {r} preempted at 7" in text for r in range(ranks)), text[-3000:]
-    assert sorted(p.name for p in root.iterdir()) == ["checkpoint-4", "checkpoint-7"]
+    assert sorted(p.name for p in root.iterdir()) == [".ckptio_record.json", "checkpoint-4", "checkpoint-7"]
     assert last_checkpoint(root) == root / "checkpoint-7"  # committed: its manifest checks
     assert {f"rng_state_{r}.pth" for r in range(ranks)} <= {p.name for p in (root / "checkpoint-7").iterdir()} \
         or ranks == 1
@@ -185,7 +185,7 @@ def test_a_run_without_a_signal_saves_nothing_more_and_gives_the_handlers_back(t
             tr.callbacks.append(CkptioPreemption("exit"))
             tr.fit(Tiny(), loader())
             assert signal.getsignal(signal.SIGTERM) is before
-            assert sorted(p.name for p in (tmp_path / "lit").iterdir()) == ["epoch=0-step=8.ckpt"]
+            assert sorted(p.name for p in (tmp_path / "lit").iterdir()) == [".ckptio_record.json", "epoch=0-step=8.ckpt"]
         if importlib.util.find_spec("transformers"):
             from hf_tiny import trainer as hf_trainer
 
@@ -194,6 +194,6 @@ def test_a_run_without_a_signal_saves_nothing_more_and_gives_the_handlers_back(t
             tr = hf_trainer(functools.partial(CkptioTrainer, on_preemption="return"), tmp_path / "hf", 4)
             tr.train()
             assert signal.getsignal(signal.SIGTERM) is before and not tr.ckptio_preemption.preempted
-            assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["checkpoint-4"]
+            assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [".ckptio_record.json", "checkpoint-4"]
     finally:
         signal.signal(signal.SIGTERM, mine)

@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM, Trainer  # noqa: E402
 
 from ckptio import CheckpointCorruptError, NoUsableCheckpointError  # noqa: E402
 from ckptio.hf_trainer import CkptioTrainer, last_checkpoint, usable_checkpoints  # noqa: E402
+from ckptio.goodput.record import RECORD_NAME as RECORD  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNNER = str(ROOT / "tests" / "hf_run.py")
@@ -38,8 +39,9 @@ def _same(a: dict, b: dict, what: str) -> None:
 
 
 def _names(root: Path) -> list[str]:
-    """The folders in ``root`` (the runner's .pt outputs left out), checkpoints by step, hidden ones last."""
-    return sorted((p.name for p in root.iterdir() if p.suffix != ".pt"), key=lambda n: (n.startswith("."), len(n), n))
+    """The folders in ``root`` (the runner's .pt outputs and the run's record left out), checkpoints by step, hidden
+    ones last."""
+    return sorted((p.name for p in root.iterdir() if p.suffix != ".pt" and p.name != RECORD), key=lambda n: (n.startswith("."), len(n), n))
 
 
 @pytest.fixture(scope="module")

@@ -134,7 +134,7 @@ def _preempt_kill_resume(root: Path, ranks: int, *extra: str) -> dict:
     assert read_checkpoint(root / "last.ckpt")["global_step"] == per_epoch  # the old last.ckpt, whole
     assert any(p.name.startswith(".last.ckpt.tmp-") for p in root.iterdir())  # the killed save's folder
     _run(str(root), str(EPOCHS), str(root / "resumed.pt"), "--resume", *extra, ranks=ranks)
-    assert not [p.name for p in root.iterdir() if p.name.startswith(".")]  # swept by the next save
+    assert [p.name for p in root.iterdir() if p.name.startswith(".")] == [".ckptio_record.json"]  # swept by the next save
     return torch.load(root / "resumed.pt", weights_only=True)
 
 
@@ -209,7 +209,7 @@ def test_a_ckptio_folder_replaces_a_lightning_file_of_the_same_name(tmp_path):
     assert (tmp_path / "last.ckpt").is_file()
     fit(tmp_path, 2, [CkptioCheckpointIO()], ckpt_path="last", save_last=True)
     assert (tmp_path / "last.ckpt" / "manifest.json").is_file()
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no leftover of the exchange
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [".ckptio_record.json"]  # no leftover of the exchange
 
 
 def test_a_state_dict_of_sharded_tensors_is_refused_naming_the_type(tmp_path):

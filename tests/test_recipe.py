@@ -304,3 +304,28 @@ def test_a_run_killed_without_notice_resumes_from_the_memory_tier(tmp_path):
     a, b = final_weights(tmp_path / "straight" / final, False), final_weights(tmp_path / "killed" / final, False)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert not any((tmp_path / "shm").iterdir()), "the clean end of the rerun freed the memory tier"
+
+
+def test_the_recipes_run_is_audited_after_a_resume(tmp_path):
+    """The recipe hands its loss and lr to ``maybe_save``: the steps after each save are recorded, and a fresh run
+    resumed from the save of step 5 (the one of step 10 gone) is audited exact over steps 6 to 8."""
+    import shutil
+
+    from ckptio.goodput.record import RECORD_NAME, parse
+
+    folder = tmp_path / "c"
+    args = ["--checkpoint.checkpoint_dir", str(folder), "--step_scheduler.max_steps", "10",
+            "--step_scheduler.ckpt_every_steps", "5", "--data.num_sentences", "300",
+            "--checkpoint.save_consolidated", "false"]
+    run(1, "tiny_llama.yaml", *args)
+    events = parse((folder / RECORD_NAME).read_bytes(), folder)
+    recorded = [e for e in events if e["kind"] == "metrics"]
+    assert [e["step"] for e in recorded] == [6, 7, 8] and all({"loss", "lr"} <= set(e) for e in recorded), recorded
+    last = next(p for p in folder.iterdir() if p.name.endswith("_step_10"))
+    shutil.rmtree(last)
+    (folder / "LATEST").unlink()
+    second = run(1, "tiny_llama.yaml", *args)
+    assert "Resumed at step 5" in second.stdout, second.stdout[-3000:]
+    audits = [e for e in parse((folder / RECORD_NAME).read_bytes(), folder) if e["kind"] == "audit"]
+    assert len(audits) == 1 and audits[0]["verdict"] == "exact" and audits[0]["checked"] == 3, audits
+    assert "Resume audit from step 5: exact" in second.stdout + second.stderr

@@ -233,16 +233,15 @@ class FinetuneRecipe:
                 steps.step += 1
                 self.stats.steps_run += 1
                 tokens += batch.numel() * self.world
-                loss_value = loss.item()
+                loss_value, lr = loss.item(), self.lr_scheduler.get_last_lr()[0]
                 if log_file is not None:
-                    log_file.write(json.dumps({"step": steps.step, "loss": loss_value,
-                                               "lr": self.lr_scheduler.get_last_lr()[0]}) + "\n")
+                    log_file.write(json.dumps({"step": steps.step, "loss": loss_value, "lr": lr}) + "\n")
                     log_file.flush()
                 if steps.step % self.cfg.step_scheduler.log_every_steps == 0 or steps.step == 1:
                     rate = tokens / max(1e-9, time.perf_counter() - t0)
                     log(f"step {steps.step:>5}/{steps.max_steps} | loss {loss_value:.4f} | "
-                        f"lr {self.lr_scheduler.get_last_lr()[0]:.2e} | {rate:,.0f} tok/s")
-                metrics = {}
+                        f"lr {lr:.2e} | {rate:,.0f} tok/s")
+                metrics = {"loss": loss_value, "lr": lr}  # the resume audit's (docs/goodput.md), kept in each manifest
                 # the last step and, with checkpoint.monitor, a preemption save are ranked too
                 stop = bool(self.cfg.checkpoint.monitor) and self.checkpointer.preemption_pending()
                 if steps.is_val_step() or (steps.done and steps.val_every_steps) or stop:

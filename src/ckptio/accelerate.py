@@ -83,6 +83,36 @@ class CkptioAccelerator(Accelerator):
             raise CheckpointError(f"CkptioAccelerator checkpoints single-process and DDP runs; under "
                                   f"{self.distributed_type} accelerate writes sharded states through its own code")
         self.ckptio_preemption.install()  # accelerate has no handler of its own: the script's (if any) still runs
+        from .integrations.framework_audit import BackwardSteps
+
+        self.ckptio_audit: Any = None
+        """The run's record in the checkpoints' folder and its resume audit (made at the first save or load)."""
+        self.ckptio_steps = BackwardSteps(None, lambda: self._optimizers[0].param_groups[0]["lr"]
+                                          if self._optimizers else None)
+
+    def backward(self, loss: Any, **kwargs: Any) -> None:
+        """``Accelerator.backward``; its ``loss`` (and the step it ends) is noted for the resume audit."""
+        self.ckptio_steps.backward(loss, self.sync_gradients)
+        super().backward(loss, **kwargs)
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: Any, norm_type: Any = 2) -> Any:
+        """``Accelerator.clip_grad_norm_``; the norm it returns is noted for the resume audit."""
+        norm = super().clip_grad_norm_(parameters, max_norm, norm_type)
+        self.ckptio_steps.grad_norm(norm)
+        return norm
+
+    def _ckptio_audited(self, folder: Path) -> Any:
+        """The record of the run whose checkpoints are in ``folder``, made once: in ``project_dir`` with automatic
+        naming (accelerate reads every name in ``project_dir/checkpoints`` as a numbered checkpoint), else beside
+        the checkpoint folders."""
+        from .integrations.framework_audit import FrameworkAudit
+
+        if self.ckptio_audit is None:
+            auto = self.project_configuration.automatic_checkpoint_naming
+            where = Path(self.project_dir) if auto and self.project_dir is not None else folder
+            self.ckptio_audit = self.ckptio_steps.audit = FrameworkAudit(where)
+            self.ckptio_numbers.listeners.append(self.ckptio_audit.committed)
+        return self.ckptio_audit
 
     def save_on_preemption(self, output_dir: str | None = None, step: int | None = None) -> str | None:
         """Collective, at the end of each step, on every process: ``None`` unless a preemption signal
@@ -120,6 +150,8 @@ class CkptioAccelerator(Accelerator):
             raise ValueError("save_state needs an output_dir when automatic checkpoint naming is off")
         else:
             final = Path(output_dir).expanduser()
+        self.ckptio_steps.flush()
+        self._ckptio_audited(final.parent).saved(self.ckptio_steps.step, key=config.iteration)
         timer = self.ckptio_numbers.start(step=config.iteration, folder=final)
         tmp = final.parent / f".{final.name}.tmp-{config.iteration & 0xFFFFFFFF:08x}"
         if self.is_main_process:
@@ -168,6 +200,9 @@ class CkptioAccelerator(Accelerator):
         """``Accelerator.end_training``, once the background save in flight is committed; the signals get back the
         handlers they had before ``on_preemption``'s."""
         self.wait_for_save()
+        self.ckptio_steps.flush()
+        if self.ckptio_audit is not None:
+            self.ckptio_audit.end()
         self.ckptio_preemption.close()
         super().end_training()
 
@@ -208,7 +243,24 @@ class CkptioAccelerator(Accelerator):
                 obj.load_state_dict(state)
         if auto and (m := _NAME.match(path.name)):
             self.project_configuration.iteration = int(m.group(1)) + 1
+        self._ckptio_resumed(path)
         return str(path)
+
+    def _ckptio_resumed(self, path: Path) -> None:
+        """The step count the checkpoint at ``path`` was saved at, and the resume audit from it (a folder without a
+        manifest, the plain Accelerator's, says no step: nothing to compare)."""
+        from .engine.manifest import MANIFEST_NAME, read_manifest
+        from .storage.confined import Folder
+
+        folder = Folder(path)
+        manifest = read_manifest(folder) if folder.kind(MANIFEST_NAME) == "file" else None
+        steps = manifest.counters.get("steps") if manifest is not None else None
+        if manifest is None or type(steps) is not int or steps < 0:
+            return
+        self.ckptio_steps.step = steps
+        loaders = self._dataloaders and self.dataloader_config.use_seedable_sampler
+        causes = ([] if loaders else ["dataloader"]) + ([] if self._schedulers else ["lr_scheduler"])
+        self._ckptio_audited(path.parent).restored(steps, causes=causes, saved_ranks=manifest.world_size)
 
 
     def _load_accelerate_state(self, path: Path, load_kwargs: dict | None, kwargs: dict[str, Any]) -> None:
@@ -307,6 +359,7 @@ def _committer(accelerator: Any, final: Path, tmp: Path, auto: bool) -> Any:
     from .storage.local import LocalFolderWriter
 
     step, world = accelerator.project_configuration.iteration, accelerator.num_processes
+    steps = accelerator.ckptio_steps.step  # the optimizer steps done (the resume audit's count)
     limit, complete = accelerator.project_configuration.total_limit, accelerator._ckptio_complete
 
     def run() -> None:
@@ -315,7 +368,7 @@ def _committer(accelerator: Any, final: Path, tmp: Path, auto: bool) -> Any:
                                                  "optimizer" if name.startswith("optimizer") else "model",
                                                  "safetensors" if name.endswith(".safetensors") else "pt", name)
                   for name in writer.files() if not name.startswith("random_states_")}
-        commit(writer, step=step, epoch=0, world_size=world, states=states)
+        commit(writer, step=step, epoch=0, world_size=world, states=states, counters={"steps": steps})
         if auto:
             remove_oldest(final.parent, _NAME, limit, check=complete, saved=final.name, setting="total_limit")
 

@@ -54,12 +54,13 @@ import torch
 from .errors import CheckpointCorruptError, CheckpointError, MissingDependencyError
 from .integrations.hf_trainer_save import NAME as _NAME, OPTIMIZER as _OPTIMIZER, SCHEDULER as _SCHEDULER
 from .integrations.hf_trainer_save import TRAINER_STATE as _TRAINER_STATE, WEIGHTS as _WEIGHTS
+from .integrations.hf_trainer_state import trainer_state
 from .storage.parse import DATA_ERRORS
 
 try:
     import accelerate  # noqa: F401  (the Trainer's own requirement, imported lazily by transformers)
     from transformers import Trainer
-    from transformers.trainer_callback import TrainerState
+    from transformers.trainer_callback import TrainerState  # noqa: F401  (the Trainer's, checked here)
 except ImportError as _missing:  # the integration is an extra
     raise MissingDependencyError(f"ckptio.hf_trainer needs transformers and accelerate (missing: {_missing.name}): "
                                  f"pip install 'ckptio[hf]'") from _missing
@@ -110,6 +111,9 @@ class CkptioTrainerMixin:
                                   "Trainer writes sharded states through its own code (use ckptio.CheckpointManager "
                                   "in a loop of your own for FSDP2)")
         me.add_callback(trainer_callback(self.ckptio_preemption))  # at each step's end: a preemption signal?
+        self.ckptio_audit: Any = None
+        """The run's record in ``output_dir`` and its resume audit (rank 0; made when ``train`` starts)."""
+        self._ckptio_loss: Any = None
         if async_save and me.args.push_to_hub:
             raise CheckpointError("CkptioTrainer(async_save=True) does not push checkpoints to the Hub (push_to_hub): "
                                   "save synchronously to push each one")
@@ -128,10 +132,43 @@ class CkptioTrainerMixin:
         elif resume_from_checkpoint:
             _check(Path(str(resume_from_checkpoint)), self.ckptio_verify, me.args.save_only_model)
         self._ckptio_resuming = Path(resume_from_checkpoint) if resume_from_checkpoint else None
-        with self.ckptio_preemption.during():  # installed after the Trainer's own (enable_jit_checkpoint): it still runs
-            out = super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
-            self.ckptio_wait()  # committed when train returns, whichever end-of-training hook this transformers has
+        if self.ckptio_audit is None or self.ckptio_audit.ended:  # a record object per train(): one writer at a time
+            from .integrations.framework_audit import FrameworkAudit
+
+            if self.ckptio_audit is not None:
+                self.ckptio_numbers.listeners.remove(self.ckptio_audit.committed)
+            self.ckptio_audit = FrameworkAudit(me.args.output_dir)
+            self.ckptio_numbers.listeners.append(self.ckptio_audit.committed)
+        clean = False
+        try:
+            with self.ckptio_preemption.during():  # after the Trainer's own (enable_jit_checkpoint): it still runs
+                out = super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
+                self.ckptio_wait()  # committed when train returns, whichever end-of-training hook this transformers has
+                clean = True
+        finally:  # a save on preemption that exits ends the process cleanly too
+            self.ckptio_audit.end(clean=clean or bool(self.ckptio_preemption.preempted))
         return out
+
+    # ------------------------------------------------------------------------------------------- the resume audit
+    def training_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.training_step``; in the steps the resume audit records or compares, its loss is kept (summed
+        over the micro-batches of a step)."""
+        loss = super().training_step(model, inputs, *args, **kwargs)  # type: ignore[misc]
+        me: Any = self
+        if self.ckptio_audit is not None and self.ckptio_audit.wants(me.state.global_step + 1):
+            self._ckptio_loss = loss.detach() + (0 if self._ckptio_loss is None else self._ckptio_loss)
+        return loss
+
+    def _maybe_log_save_evaluate(self, tr_loss: Any, grad_norm: Any, *args: Any, **kwargs: Any) -> Any:
+        """The end of each step: its loss, grad norm and learning rate (what the Trainer computed) to the resume
+        audit, before the Trainer logs, evaluates and saves it."""
+        me: Any = self
+        loss, self._ckptio_loss = self._ckptio_loss, None
+        lr = kwargs.get("learning_rate", args[5] if len(args) > 5 else None)
+        if loss is not None and self.ckptio_audit is not None:
+            values = {"loss": loss, "grad_norm": grad_norm, "lr": lr}
+            self.ckptio_audit.tick(me.state.global_step, {k: v for k, v in values.items() if v is not None})
+        return super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)  # type: ignore[misc]
 
     def _load_callback_state(self) -> None:
         """``Trainer._load_callback_state`` once the arguments stored for each callback of this run are known to fit
@@ -149,6 +186,13 @@ class CkptioTrainerMixin:
                         raise CheckpointCorruptError(f"{self._ckptio_resuming}/{_TRAINER_STATE}: the stored state of "
                                                      f"the callback {name} does not fit its class ({exc})") from exc
         super()._load_callback_state()  # type: ignore[misc]
+        checkpoint = self._ckptio_resuming  # the Trainer resumes from it: its global step is the checkpoint's
+        if self.ckptio_audit is not None and checkpoint is not None:
+            rng = [p.name for p in checkpoint.iterdir() if _RNG.match(p.name)]  # one per rank saved
+            name = f"rng_state_{me.args.process_index}.pth" if me.args.world_size > 1 else "rng_state.pth"
+            causes = ([] if name in rng else ["rng"]) + (["dataloader"] if me.args.ignore_data_skip else []) + \
+                (["lr_scheduler"] if me.args.save_only_model else [])
+            self.ckptio_audit.restored(me.state.global_step, causes=causes, saved_ranks=len(rng) or None)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         from .formats import pt as pt_format
@@ -233,6 +277,8 @@ class CkptioTrainerMixin:
         with ``async_save``)."""
         from .integrations.hf_trainer_save import save_checkpoint
 
+        if self.ckptio_audit is not None:
+            self.ckptio_audit.saved(self.state.global_step)  # type: ignore[attr-defined]
         save_checkpoint(self, trial, self._ckptio_saves, self._ckptio_complete)
         for metrics in self.ckptio_numbers.drain():  # the saves committed by now, into the Trainer's log
             self.log(metrics)  # type: ignore[attr-defined]
@@ -293,7 +339,7 @@ def _check(path: Path, verify: str, model_only: bool) -> None:
     committed = check_manifest(folder, verify, required=False)
     if not committed and folder.kind(_INCOMPLETE) is not None:
         raise CheckpointCorruptError(f"{path}: the Trainer marked this save incomplete ({_INCOMPLETE})")
-    state = _trainer_state(folder)
+    state = trainer_state(folder)
     named = _NAME.match(path.name)
     if named and int(named.group(1)) != state.global_step:  # the Trainer names each folder for its step
         raise CheckpointCorruptError(
@@ -339,74 +385,6 @@ def _side_files(folder: Any) -> None:
         for shard in set(shards.values()):
             if not isinstance(shard, str) or shard not in names:
                 raise CheckpointCorruptError(f"{where}: names a shard {str(shard)[:80]!r} the folder does not hold")
-
-
-_NUMBER = (int, float)
-_STATE_FIELDS: dict[str, tuple[Any, ...]] = {  # field -> the types TrainerState and the Trainer use it with
-    "epoch": (int, float, type(None)), "global_step": (int,), "max_steps": (int,), "logging_steps": _NUMBER,
-    "eval_steps": _NUMBER, "save_steps": _NUMBER, "train_batch_size": (int,), "num_train_epochs": _NUMBER,
-    "num_input_tokens_seen": _NUMBER, "total_flos": _NUMBER, "log_history": (list,),
-    "best_metric": (int, float, type(None)), "best_global_step": (int, type(None)),
-    "best_model_checkpoint": (str, type(None)), "is_local_process_zero": (bool,), "is_world_process_zero": (bool,),
-    "is_hyper_param_search": (bool,), "trial_name": (str, type(None)), "trial_params": (dict, type(None)),
-    "stateful_callbacks": (dict, type(None)),
-}
-_COUNTS = ("epoch", "global_step", "max_steps", "num_train_epochs", "num_input_tokens_seen", "total_flos",
-           "best_global_step")
-_REQUIRED = ("global_step", "train_batch_size")  # the Trainer divides by the batch size when it resumes
-
-
-def _trainer_state(folder: Any) -> TrainerState:
-    """``trainer_state.json`` read bounded, every field the Trainer reads checked for its type and range."""
-    import dataclasses
-
-    from .storage.parse import as_float, as_int, field, parsing, read_json
-
-    where = folder.display(_TRAINER_STATE)
-    if folder.kind(_TRAINER_STATE) != "file":
-        raise CheckpointCorruptError(f"{where}: missing (a save cut short)")
-    data = read_json(folder, _TRAINER_STATE, max_size=_MAX_JSON, what="a Trainer state ")
-    known = {f.name for f in dataclasses.fields(TrainerState)}
-    if set(data) - known:
-        raise CheckpointCorruptError(f"{where}: not a Trainer state (unknown keys {sorted(set(data) - known)[:5]})")
-    for key, kinds in _STATE_FIELDS.items():
-        value = field(data, key, kinds, where, default=None)
-        if value is None and key in _REQUIRED:
-            raise CheckpointCorruptError(f"{where}: {key!r} is missing (the Trainer needs it to resume)")
-        if isinstance(value, int) and not isinstance(value, bool):
-            as_int(value, where, key, lo=0 if key in _COUNTS else -(1 << 63))
-        elif isinstance(value, float):
-            as_float(value, where, key)
-            if key in _COUNTS and value < 0:
-                raise CheckpointCorruptError(f"{where}: {key!r} must not be negative, found {value}")
-    if data.get("train_batch_size") == 0 or any(data.get(k) is not None and data[k] <= 0
-                                                for k in ("logging_steps", "eval_steps", "save_steps")):
-        raise CheckpointCorruptError(f"{where}: the batch size, logging, eval and save steps must be positive")
-    if isinstance(data.get("best_model_checkpoint"), str) and (len(data["best_model_checkpoint"]) > 4096 or
-                                                               "\0" in data["best_model_checkpoint"]):
-        raise CheckpointCorruptError(f"{where}: 'best_model_checkpoint' is not a path")
-    for i, entry in enumerate(data.get("log_history") or ()):
-        if not isinstance(entry, dict):
-            raise CheckpointCorruptError(f"{where}: log_history[{i}] must be an object, found {type(entry).__name__}")
-    _check_callbacks(data.get("stateful_callbacks") or {}, where)
-    with parsing(where):
-        state = TrainerState(**data)
-    return state
-
-
-def _check_callbacks(callbacks: dict[str, Any], where: object) -> None:
-    """``stateful_callbacks`` as ``Trainer._load_callback_state`` reads it: by class name, one state or a list of
-    them, each ``{"args": {name: value}, "attributes": {name: value}}`` (public names only: they are set on the
-    callback)."""
-    for name, states in callbacks.items():
-        for i, state in enumerate(states if isinstance(states, list) else [states]):
-            what = f"stateful_callbacks[{name!r}]" + (f"[{i}]" if isinstance(states, list) else "")
-            if not isinstance(state, dict):
-                raise CheckpointCorruptError(f"{where}: {what} must be an object, found {type(state).__name__}")
-            for part in ("args", "attributes"):
-                names = state.get(part, {})
-                if not isinstance(names, dict) or not all(k.isidentifier() and not k.startswith("_") for k in names):
-                    raise CheckpointCorruptError(f"{where}: {what}[{part!r}] must map public names to values")
 
 
 def read_rng_state(checkpoint: Path, name: str) -> dict[str, Any]:

@@ -41,7 +41,7 @@ import torch
 
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, MissingDependencyError
 from .integrations import lightning_load
-from .integrations import lightning_keep
+from .integrations import lightning_audit, lightning_keep
 from .integrations.lightning_keep import last_checkpoint, s3_location as _s3
 from .integrations.save_numbers import SaveNumbers
 from .storage.parse import MAX_DEPTH, check_depth, parsing
@@ -87,6 +87,7 @@ class CkptioCheckpointIO(CheckpointIO):
         self._stager: Any = None
         self._swept: set[Any] = set()
         self._written: Any = None  # the checkpoint saved last: never deleted
+        self._audit: Any = None  # the run's record and resume audit (lightning_audit)
         self.numbers = SaveNumbers()
         """Each save's numbers: add a listener (``numbers.listeners``), or let :class:`CkptioMetrics` log them."""
         if install_loader:
@@ -98,6 +99,7 @@ class CkptioCheckpointIO(CheckpointIO):
             raise TypeError(f"CkptioCheckpointIO takes no storage_options (got {storage_options!r})")
         self.wait()
         self._sweep(path)
+        lightning_audit.saved(self, checkpoint, path)  # the resume audit records the steps after it
         self._written = str(path) if _s3(path) is not None else Path(os.path.abspath(path))
         step, folder = _int(checkpoint.get("global_step")), str(path) if _s3(path) is not None else Path(path)
         timer = self.numbers.start(step=step, folder=folder)
@@ -156,6 +158,7 @@ class CkptioCheckpointIO(CheckpointIO):
                                         last_name=ModelCheckpoint.CHECKPOINT_NAME_LAST,
                                         suffix=ModelCheckpoint.FILE_EXTENSION)
         forget_torn(checkpoint)
+        lightning_audit.loaded(self, checkpoint, path)  # fit resumes from it: the steps after it are audited
         return checkpoint
 
     def remove_checkpoint(self, path: Any) -> None:

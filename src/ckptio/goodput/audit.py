@@ -23,7 +23,7 @@ AUDITED = ("loss", "grad_norm", "lr")
 CAUSES = {
     "dataloader": "no data loader given to the manager (dataloader=): the data order is not resumed",
     "lr_scheduler": "no lr_scheduler given to the manager: the learning rate is not resumed",
-    "rng": "the RNG streams not saved (rng=False): dropout and sampling are not resumed",
+    "rng": "the RNG streams not saved (rng=False; Lightning saves none): dropout and sampling are not resumed",
     "ranks": "another number of ranks than the save's",
     "dtype": "tensors cast to another dtype on load (load_cast_dtype)",
     "load_exclude": "model keys left out of the load (load_exclude, strict=False)",
@@ -72,6 +72,11 @@ class ResumeAudit:
         if self.on:
             self._windows = [w for w in self._windows if w[1] > step] + [(step, step + self.steps)]
 
+    def wants(self, step: int) -> bool:
+        """Whether :meth:`tick` of ``step`` would record or check anything: a loop may skip reading its metrics (a
+        device sync) for the other steps."""
+        return bool(self.on) and (self._checking is not None or any(a < step <= b for a, b in self._windows))
+
     def tick(self, step: int, metrics: dict[str, Any] | None) -> None:
         """The loop reached ``step`` and reported ``metrics``: recorded in a window, checked after a resume."""
         if not self.on or not metrics:
@@ -93,8 +98,10 @@ class ResumeAudit:
             self._windows = [w for w in self._windows if w[1] > step]
 
     # ------------------------------------------------------------------------------------------- the run that resumes
-    def restored(self, info: Any) -> None:
-        """A restore of ``info.step``: the steps after it are compared with what the record holds of them."""
+    def restored(self, info: Any, causes: list[str] | None = None) -> None:
+        """A restore of ``info.step``: the steps after it are compared with what the record holds of them.
+        ``causes``: what the caller knows was not resumed (names of :data:`CAUSES`); by default what the manager's
+        tracked states and ``info`` say."""
         self._windows = []
         if not self.on:
             return
@@ -103,7 +110,7 @@ class ResumeAudit:
             if event["kind"] == "metrics" and s < event.get("step", -1) <= s + self.steps:
                 expected[event["step"]] = {k: event[k] for k in AUDITED if k in event}  # the newest wins
         self._checking = {"from": s, "expected": expected, "checked": 0, "differs": False,
-                          "causes": self._causes(info)}
+                          "causes": self._causes(info) if causes is None else list(causes)}
 
     def _check(self, step: int, values: dict[str, Any]) -> None:
         state = self._checking

@@ -84,7 +84,7 @@ def newest(root: str | Path, found: tuple[list[Path], list[tuple[str, str]]]) ->
 
 
 def commit(writer: Any, *, step: int, epoch: int, world_size: int, states: dict[str, Any],
-           metrics: dict[str, float] | None = None) -> None:
+           metrics: dict[str, float] | None = None, counters: dict[str, Any] | None = None) -> None:
     """Describe every file ``writer`` holds (size, CRC-32C read back) in a manifest and commit the folder."""
     from ..engine.manifest import MANIFEST_NAME, Manifest, software_versions
 
@@ -92,7 +92,7 @@ def commit(writer: Any, *, step: int, epoch: int, world_size: int, states: dict[
     sums = {rel: writer.checksum_of(rel) for rel in files}
     manifest = Manifest(name=writer.final.name, step=step, epoch=epoch, world_size=world_size,
                         model_save_format="safetensors", states=states, files=files, metrics=metrics or {},
-                        checksums=sums, versions=software_versions())
+                        checksums=sums, versions=software_versions(), counters=counters or {})
     writer.commit((MANIFEST_NAME, manifest.to_json().encode()))
 
 

@@ -6,8 +6,8 @@ replaced (the framework's own, or the script's), so the framework still hears it
 integration asks :meth:`FrameworkPreemption.due` (collective: one all-reduce of one integer when on), so that every
 rank saves the same step even when the signal reached one rank alone; it saves through the framework's own save,
 then the framework's run stops (``"exit"``: ``SystemExit(0)``; ``"return"``: the framework's loop ends and control
-comes back to the script, the signal in ``preempted``). ``preemption_grace`` is not offered: a framework's save
-keeps no run record to judge it by.
+comes back to the script, the signal in ``preempted``). ``preemption_grace`` is not offered: the run's record the
+integrations keep (:mod:`.framework_audit`) holds their saves' costs, but nothing judges the grace by it yet.
 """
 
 from __future__ import annotations
