@@ -101,7 +101,8 @@ def test_a_location_naming_its_account_as_fsspec_does(azure_container, azure_ser
     (entry,) = committed_checkpoints(f"az://{azure_container}/run")
     assert str(open_storage(f"{named}/LATEST").root) == f"{named}/{entry.name}"
     # the account's key alone, its name from the location (the endpoint: Azurite's, not <account>.blob...)
-    _account(monkeypatch, azure_server, AZURE_STORAGE_ACCOUNT_URL=azure_server, AZURE_STORAGE_ACCOUNT_KEY=azuriteserver.KEY)
+    _account(monkeypatch, azure_server, AZURE_STORAGE_ACCOUNT_URL=azure_server,
+             AZURE_STORAGE_ACCOUNT_KEY=azuriteserver.KEY)
     model2, _, again = contract._setup(f"az://{azure_container}@{account}.blob.core.windows.net/run", verify="full")
     with again:
         assert again.restore().step == 1
