@@ -64,10 +64,10 @@ def test_missing_or_wrong_credentials_are_named(azure_container, azure_server, m
     _account(monkeypatch, azure_server)
     with pytest.raises(AzureError, match="AZURE_STORAGE_CONNECTION_STRING.*AZURE_STORAGE_ACCOUNT_NAME"):
         open_storage(f"az://{azure_container}/run").folder().listdir()
-    # an account without a key: DefaultAzureCredential, which needs azure-identity (not installed here: named)
+    # an account without a key: DefaultAzureCredential, which needs azure-identity (made missing here: named)
     _account(monkeypatch, azure_server, AZURE_STORAGE_ACCOUNT_URL=azure_server)
     monkeypatch.setitem(sys.modules, "azure.identity", None)
-    with pytest.raises(AzureError, match="install azure-identity for DefaultAzureCredential"):
+    with pytest.raises(AzureError, match=r"install azure-identity for DefaultAzureCredential.*ckptio\[azure\]"):
         open_storage(f"az://{azure_container}/run").folder().listdir()
     _account(monkeypatch, azure_server, AZURE_STORAGE_ACCOUNT_URL=azure_server,
              AZURE_STORAGE_ACCOUNT_NAME="devstoreaccount1", AZURE_STORAGE_ACCOUNT_KEY="d3Jvbmcga2V5")  # "wrong key"
@@ -83,6 +83,56 @@ def test_an_abfs_location_is_the_same_folder_and_printed_as_given(azure_containe
     assert entry.step == 1
     assert str(open_storage(f"abfs://{azure_container}/run/LATEST").root) == f"abfs://{azure_container}/run/" \
         f"{entry.name}"
+
+
+def test_a_location_naming_its_account_as_fsspec_does(azure_container, azure_server, monkeypatch):
+    """``abfs://container@account.dfs.core.windows.net/path`` (and ``.blob.``, and ``az://``): the same folder as
+    ``az://container/path`` when the credentials are that account's (a connection string, or the account's key),
+    printed as given; credentials of another account are refused naming both."""
+    import azuriteserver
+
+    from ckptio.errors import ConfigError
+
+    account = azuriteserver.ACCOUNT
+    named = f"abfs://{azure_container}@{account}.dfs.core.windows.net/run"
+    model, opt, mgr = contract._setup(named)
+    with mgr:
+        mgr.save(step=1)
+    (entry,) = committed_checkpoints(f"az://{azure_container}/run")
+    assert str(open_storage(f"{named}/LATEST").root) == f"{named}/{entry.name}"
+    # the account's key alone, its name from the location (the endpoint: Azurite's, not <account>.blob...)
+    _account(monkeypatch, azure_server, AZURE_STORAGE_ACCOUNT_URL=azure_server,
+             AZURE_STORAGE_ACCOUNT_KEY=azuriteserver.KEY)
+    model2, _, again = contract._setup(f"az://{azure_container}@{account}.blob.core.windows.net/run", verify="full")
+    with again:
+        assert again.restore().step == 1
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
+    _account(monkeypatch, azure_server, AZURE_STORAGE_CONNECTION_STRING=azuriteserver.connection_string(azure_server))
+    with pytest.raises(ConfigError, match=f"names the storage account 'other1' but AZURE_STORAGE_CONNECTION_STRING "
+                                          f"is for the account '{account}'"):
+        committed_checkpoints(f"abfs://{azure_container}@other1.dfs.core.windows.net/run")
+
+
+def test_an_account_without_a_key_uses_default_azure_credential(azure_container, azure_server, monkeypatch):
+    """No connection string, key or SAS token: the account's requests carry a token of ``DefaultAzureCredential``
+    (azure-identity, installed here), for the account the settings or the location name. A token is never sent over
+    plain HTTP (Azurite's): that is refused by name, not with a traceback."""
+    pytest.importorskip("azure.identity")
+    from azure.identity import DefaultAzureCredential
+
+    from ckptio.storage import azure
+
+    _account(monkeypatch, azure_server, AZURE_STORAGE_ACCOUNT_NAME="someaccount")
+    made = azure.client()
+    assert isinstance(made.credential, DefaultAzureCredential) and made.account_name == "someaccount"
+    assert made.url == "https://someaccount.blob.core.windows.net/"
+    _account(monkeypatch, azure_server)  # the account named in the location only
+    assert isinstance(azure.client("other1").credential, DefaultAzureCredential)
+    # Azurite speaks HTTP, over which the client sends no token: refused by name, before any request
+    _account(monkeypatch, azure_server, AZURE_STORAGE_ACCOUNT_URL=azure_server)
+    with pytest.raises(azure.AzureError, match=rf"{azure_server} cannot be used: Token credential is only supported "
+                                               "with HTTPS"):
+        committed_checkpoints(f"az://{azure_container}/run")
 
 
 def test_a_container_that_does_not_exist_is_named_when_the_manager_is_made(azure_container):

@@ -327,6 +327,15 @@ from ckptio import committed_checkpoints
 assert [e.step for e in committed_checkpoints("az://container/run1")] == [20, 30]
 assert start is None
 """),
+    "docs/object-storage.md: # the account named in the location": Run(_AZURE + """
+import azuriteserver
+del os.environ["AZURE_STORAGE_CONNECTION_STRING"]
+os.environ.update(AZURE_STORAGE_ACCOUNT_URL=url, AZURE_STORAGE_ACCOUNT_KEY=azuriteserver.KEY)
+account = azuriteserver.ACCOUNT
+""", """
+from ckptio import committed_checkpoints
+assert [e.step for e in committed_checkpoints(url)] == [1]
+"""),
     "docs/goodput.md: mgr = CheckpointManager(CheckpointConfig(": Run("""
 import os, subprocess, sys, torch
 from ckptio import CheckpointConfig, CheckpointManager, ResumableDataLoader

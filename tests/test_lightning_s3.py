@@ -6,6 +6,8 @@ top-k and last keep the names Lightning keeps locally; a run stopped and resumed
 bitwise equal to the run uninterrupted; a run SIGKILLed while ``last.ckpt`` is being swapped (old one no longer
 committed, new one complete beside it) resumes from the new one, and the next save finishes the swap; a run
 killed while writing the hidden copy keeps the old ``last.ckpt``; Lightning's own ``.ckpt`` object resumes.
+The same on ``gs://`` and ``az://`` (fake-gcs-server, Azurite): Lightning looks at the folder through ckptio's fsspec
+filesystem over its own clients (:mod:`ckptio.storage.objstore.fsspec_fs`).
 """
 
 from __future__ import annotations
@@ -40,15 +42,15 @@ def _top(bucket: str, prefix: str = "run") -> dict[str, set[str]]:
     return out
 
 
-def test_a_gs_path_is_refused_by_the_plugin_never_written_as_a_local_folder(tmp_path, monkeypatch):
-    """The plugin writes to a local folder or s3:// only: a gs:// path (pathlib would read it as the relative folder
-    'gs:/…') is refused by name, and nothing appears on the local disk."""
+def test_a_path_of_no_object_store_is_refused_by_the_plugin_never_written_as_a_local_folder(tmp_path, monkeypatch):
+    """The plugin writes to a local folder or object storage only: an hdfs:// path (pathlib would read it as the
+    relative folder 'hdfs:/…') is refused by name, and nothing appears on the local disk."""
     from ckptio.errors import ConfigError
 
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ConfigError, match=r"gs://b/run/epoch=0\.ckpt.*gs:// is not supported"):
+    with pytest.raises(ConfigError, match=r"hdfs://b/run/epoch=0\.ckpt.*hdfs:// is not supported"):
         CkptioCheckpointIO().save_checkpoint({"state_dict": {"w": torch.zeros(2)}, "global_step": 1},
-                                             "gs://b/run/epoch=0.ckpt")
+                                             "hdfs://b/run/epoch=0.ckpt")
     assert not list(tmp_path.iterdir())
 
 
@@ -109,6 +111,26 @@ def test_killed_while_last_is_replaced_resumes_and_ends_bitwise_equal(bucket, tm
     _run(url, str(EPOCHS), str(tmp_path / "resumed.pt"), "--resume")
     same(torch.load(tmp_path / "resumed.pt", weights_only=True), straight, f"s3: killed at {point}, resumed")
     assert not [n for n in _top(bucket) if n.startswith(".")], _top(bucket)
+
+
+@pytest.mark.parametrize("store", ["gs", "az"], indirect=True)
+def test_stopped_and_resumed_from_last_on_gcs_and_azure(store, tmp_path, straight):
+    """``ModelCheckpoint(dirpath="gs://…")`` (``az://``): Lightning lists and times the folder through fsspec (ckptio's
+    filesystem over its own client: no gcsfs or adlfs here), the plugin writes and replaces the folders; a run
+    stopped and resumed from ``last`` ends bitwise equal, and Lightning's own ``.ckpt`` object resumes too."""
+    url = store.url("run")
+    fit(url, 2, [CkptioCheckpointIO()], save_last=True)
+    assert last_checkpoint(url) == f"{url}/last.ckpt"
+    resumed = fit(url, EPOCHS, [CkptioCheckpointIO()], ckpt_path=last_checkpoint(url), save_last=True)
+    same(resumed, straight, f"{store.scheme}: stopped, resumed from last")
+    assert read_checkpoint(f"{url}/last.ckpt")["global_step"] == 8 * EPOCHS
+    names = {key[len("run/"):].split("/")[0] for key in store.keys("run/")}
+    assert sorted(names) == ["epoch=0-step=8.ckpt", "epoch=1-step=16.ckpt", "epoch=2-step=24.ckpt",
+                             "epoch=3-step=32.ckpt", "last.ckpt"], sorted(names)
+    fit(str(tmp_path), 2, save_last=True)  # Lightning's own .ckpt file, then put in the bucket
+    store.put("theirs/last.ckpt", (tmp_path / "last.ckpt").read_bytes())
+    resumed = fit(store.url("again"), EPOCHS, [CkptioCheckpointIO()], ckpt_path=store.url("theirs/last.ckpt"))
+    same(resumed, straight, f"Lightning .ckpt in {store.scheme}:// -> ckptio")
 
 
 def test_lightnings_own_ckpt_object_resumes(bucket, tmp_path, straight):

@@ -157,8 +157,10 @@ def test_a_url_is_not_taken_for_a_local_folder(tmp_path, monkeypatch):
         CheckpointConfig(checkpoint_dir="gs://b/a/../c")  # so is a gs:// one
     with pytest.raises(ConfigError, match=r"checkpoint_dir='az://c/a/\.\./c'.*plain names"):
         CheckpointConfig(checkpoint_dir="az://c/a/../c")  # and an az:// (abfs://) one
-    with pytest.raises(ConfigError, match=r"restore_from='abfs://c@acct.dfs.core.windows.net/run'.*container alone"):
-        CheckpointConfig(restore_from="abfs://c@acct.dfs.core.windows.net/run")
+    with pytest.raises(ConfigError, match=r"restore_from='abfs://c@acct.example.com/run'.*<account>.dfs.core"):
+        CheckpointConfig(restore_from="abfs://c@acct.example.com/run")  # as fsspec: the account's host, or none
+    for form in ("abfs://c@acct.dfs.core.windows.net/run", "az://c@acct.blob.core.windows.net/run"):
+        assert CheckpointConfig(restore_from=form).restore_from == form
     assert CheckpointConfig(checkpoint_dir="abfs://c/run").checkpoint_dir == "abfs://c/run"
     assert not any((tmp_path / scheme).exists() for scheme in ("hdfs:", "gs:", "az:", "abfs:"))
 

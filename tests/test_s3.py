@@ -392,14 +392,19 @@ def test_list_verify_and_prune_on_a_bucket(store):
 class _FaultyProxy:
     """An HTTP proxy on 127.0.0.1 in front of the S3 server that answers some requests itself with a 503
     (``SlowDown``, as S3 does under load), a 409 (``ConditionalRequestConflict``, as S3 answers a
-    conditional write racing another; moto never does) or drops the connection without an answer, before
-    (``drop``) or after (``lost``) the server carried the request out, by a rule on (method, path, query)."""
+    conditional write racing another; moto never does), a 403 (``refuse``: a write the server will not take, retried by
+    no client), drops the connection without an answer, before (``drop``) or after (``lost``) the server carried the
+    request out, answers half the body then drops (``cut``), or holds the request :attr:`stall_s` seconds before
+    carrying it out (``stall``: a server slower than the client's read timeout), by a rule on (method, path, query)."""
+
+    stall_s = 4.0
 
     def __init__(self, upstream: str, rule) -> None:
         import http.client
         import http.server
         import threading
-        from urllib.parse import urlsplit
+        import re
+        from urllib.parse import quote, urlsplit
 
         self.rule, self.faults = rule, []
         host, port = urlsplit(upstream).hostname, urlsplit(upstream).port
@@ -427,24 +432,31 @@ class _FaultyProxy:
             def _handle(self) -> None:
                 body = self._body()
                 path, _, query = self.path.partition("?")
+                if "uploadType=multipart" in query:  # GCS names the object in the body's metadata: the rule sees it
+                    named = re.search(rb'"name": ?"([^"]+)"', body)
+                    query += f"&name={quote(named.group(1).decode(), safe='')}" if named else ""
                 action = proxy.rule(self.command, path, query)
                 if action == "drop":
                     proxy.faults.append(("drop", self.command, self.path))
                     self.close_connection = True
                     self.connection.shutdown(2)
                     return
-                if action in ("503", "409"):
+                if action in ("503", "409", "refuse"):
                     proxy.faults.append((action, self.command, self.path))
                     xml = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>" \
                         if action == "503" else b"<Error><Code>ConditionalRequestConflict</Code><Message>A " \
                         b"conflicting conditional operation is currently in progress against this resource." \
-                        b"</Message></Error>"
-                    self.send_response(int(action))
+                        b"</Message></Error>" if action == "409" else \
+                        b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>"
+                    self.send_response(403 if action == "refuse" else int(action))
                     self.send_header("Content-Type", "application/xml")
                     self.send_header("Content-Length", str(len(xml)))
                     self.end_headers()
                     self.wfile.write(xml)
                     return
+                if action == "stall":
+                    proxy.faults.append(("stall", self.command, self.path))
+                    time.sleep(proxy.stall_s)
                 conn = http.client.HTTPConnection(host, port, timeout=60)
                 headers = {k: v for k, v in self.headers.items() if k.lower() != "transfer-encoding"}
                 headers["Content-Length"] = str(len(body))
@@ -464,7 +476,13 @@ class _FaultyProxy:
                 length = resp.getheader("Content-Length") if self.command == "HEAD" else None
                 self.send_header("Content-Length", length or str(len(data)))
                 self.end_headers()
-                if self.command != "HEAD":
+                if action == "cut":  # the announced length, half of it sent, then the connection drops
+                    proxy.faults.append(("cut", self.command, self.path))
+                    self.wfile.write(data[:len(data) // 2])
+                    self.wfile.flush()
+                    self.close_connection = True
+                    self.connection.shutdown(2)
+                elif self.command != "HEAD":
                     self.wfile.write(data)
                 conn.close()
 
@@ -551,7 +569,8 @@ def test_a_server_that_keeps_failing_fails_the_save_cleanly(bucket, s3_server, m
 
 def _gcs_object(prefix: str):
     """A proxy rule's match: a GCS JSON-API write (upload, delete) of an object whose name starts with ``prefix``
-    (the name is in the query of an upload, in the path otherwise, URL-encoded either way)."""
+    (the name is in the query of an upload, where the proxy puts a multipart upload's, in the path otherwise,
+    URL-encoded either way)."""
     from urllib.parse import quote
 
     encoded = quote(prefix, safe="")

@@ -7,8 +7,10 @@ equal to the state a run never killed had at that step.
 Each trial is a process forked from the test (torch imported once), killed either at a random instant or at the
 n-th passage of a named point (:mod:`ckptio._faults`), so that the rare windows (between a link and the manifest,
 between a manifest removed and the objects deleted) are hit on purpose, not by luck. ``CKPTIO_KILL_TRIALS`` and
-``CKPTIO_KILL_TRIALS_S3`` change the number of trials (default 100 and 24; every other trial aims at the next
-point in turn: each point is aimed at 5 times locally and once or twice in a bucket).
+``CKPTIO_KILL_TRIALS_S3``, ``CKPTIO_KILL_TRIALS_GS``, ``CKPTIO_KILL_TRIALS_AZ`` change the number of trials (default
+100 locally, 24 on S3, 12 on GCS and on Azure; every other trial aims at the next point in turn: each point is aimed
+at 5 times locally and once or twice in a bucket). The bucket trials take the ``store`` fixture: S3 (moto), GCS
+(fake-gcs-server) and Azure (Azurite), each on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -174,9 +176,15 @@ def test_local_saves_killed_at_random_never_leave_a_torn_or_missing_file(tmp_pat
     print(counts)
 
 
-def test_bucket_saves_killed_at_random_never_refer_to_a_deleted_object(bucket):
-    n = int(os.environ.get("CKPTIO_KILL_TRIALS_S3", "24"))
-    local_only = {"commit.before_rename"}  # a bucket has no rename: its commit is the manifest's conditional PUT
-    counts = _trials(f"s3://{bucket}/run", n, seed=48, max_delay=1.5, points=[p for p in POINTS if p not in local_only])
+KILL_TRIALS = {"s3": ("CKPTIO_KILL_TRIALS_S3", "24", 48), "gs": ("CKPTIO_KILL_TRIALS_GS", "12", 49),
+               "az": ("CKPTIO_KILL_TRIALS_AZ", "12", 50)}
+"""Per object store: the variable that sets its number of trials, the suite's number, the seed."""
+
+
+def test_bucket_saves_killed_at_random_never_refer_to_a_deleted_object(store):
+    variable, default, seed = KILL_TRIALS[store.scheme]
+    n = int(os.environ.get(variable, default))
+    local_only = {"commit.before_rename"}  # a bucket has no rename: its commit is the manifest's conditional write
+    counts = _trials(store.url("run"), n, seed=seed, max_delay=1.5, points=[p for p in POINTS if p not in local_only])
     assert counts["trials"] == n and counts["killed"] >= n // 2, counts
-    print(counts)
+    print(store.scheme, counts)

@@ -56,11 +56,13 @@ __all__ = ["CkptioCheckpointIO", "CkptioMetrics", "CkptioPreemption", "write_che
 
 log = logging.getLogger("ckptio")
 
+from .storage.objstore.fsspec_fs import register as _register_objects  # noqa: E402
 from .storage.s3.fsspec_fs import register as _register_s3  # noqa: E402
 from .integrations.lightning_metrics import CkptioMetrics  # noqa: E402
 from .integrations.lightning_preemption import CkptioPreemption  # noqa: E402
 
 _register_s3()  # ModelCheckpoint(dirpath="s3://...") lists and times its folder through fsspec
+_register_objects()  # gs:// and az:// (abfs://) alike, unless gcsfs or adlfs is installed
 
 MODEL_DIR, STATE_DIR, TRAINER_STATE = "model", "state", "trainer_state.pt"
 _FORMAT = "lightning-checkpoint/1"
@@ -395,12 +397,12 @@ def _read_lightning_object(url: str) -> dict[str, Any]:
     import tempfile
 
     from .formats.lightning import read_lightning
-    from .storage.s3 import S3Storage
+    from .storage import open_storage
     from .storage.transfer import copy_file_down
 
     parent, _, name = url.rpartition("/")
     with tempfile.TemporaryDirectory(prefix="ckptio-lightning-") as tmp:
-        return read_lightning(copy_file_down(S3Storage(parent).folder(), name, Path(tmp) / name))
+        return read_lightning(copy_file_down(open_storage(parent).folder(), name, Path(tmp) / name))
 
 
 def _read_all(source: Any, keys: list[str] | int, where: object, told: object = None) -> dict[str, torch.Tensor]:

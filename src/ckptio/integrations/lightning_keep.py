@@ -145,46 +145,54 @@ def _kept(path: Path) -> bool:
 
 
 def s3_location(path: Any) -> tuple[Any, str] | None:
-    """(the storage of the parent folder, the name) for an ``s3://`` path; ``None`` for a local one. Another URL
-    (``gs://``: the plugin does not write there yet) is a :class:`ConfigError`, never read as a local folder."""
+    """(the storage of the parent folder, the name) for a path in object storage (``s3://``, ``gs://``, ``az://`` or
+    ``abfs://``); ``None`` for a local one. Another URL is a :class:`ConfigError`, never read as a local folder."""
     from ..errors import ConfigError
-    from ..storage import url_scheme
+    from ..storage import OBJECT_SCHEMES, open_storage, url_scheme
 
     text = str(path)
     scheme = url_scheme(text)
     if scheme is None:
         return None
-    if scheme != "s3":
-        raise ConfigError(f"{text}: the Lightning plugin keeps checkpoints in a local or mounted folder or in s3:// "
-                          f"only; {scheme}:// is not supported by it yet")
-    from ..storage.s3 import S3Storage
-
+    if scheme not in OBJECT_SCHEMES:
+        raise ConfigError(f"{text}: the Lightning plugin keeps checkpoints in a local or mounted folder or in object "
+                          f"storage ({', '.join(s + '://' for s in OBJECT_SCHEMES)}); {scheme}:// is not supported")
     parent, _, name = text.rstrip("/").rpartition("/")
-    return S3Storage(parent), name
+    return open_storage(parent), name
 
 
 def last_checkpoint(dirpath: str | Path, name: str = "last") -> str | None:
     """The newest complete ``last`` checkpoint (``last.ckpt``, ``last-v1.ckpt``...: the names Lightning's
     ``ckpt_path="last"`` considers; ``name`` is ``ModelCheckpoint.CHECKPOINT_NAME_LAST``) in ``dirpath``, a local
-    folder or ``s3://bucket/prefix``, for ``trainer.fit(..., ckpt_path=...)``; ``None`` when there is none.
-    Lightning's own ``ckpt_path="last"`` finds nothing in an object store (it normalises the listed paths, which
-    drops the ``s3://``), so a run checkpointed to S3 resumes with this."""
+    folder or ``s3://bucket/prefix`` (``gs://``, ``az://`` alike), for ``trainer.fit(..., ckpt_path=...)``; ``None``
+    when there is none. Lightning's own ``ckpt_path="last"`` finds nothing in an object store (it normalises the
+    listed paths, which drops the ``s3://``), so a run checkpointed to a bucket resumes with this."""
     s3 = s3_location(str(dirpath).rstrip("/") + "/x")
     found: list[tuple[float, str]] = []
     if s3 is not None:
-        from ..storage.s3.fsspec_fs import CkptioS3FileSystem
-
         storage, root = s3[0], str(s3[0].root)
         for entry in storage.folder().listdir():
             if _is_last(Path(entry.name), name, ".ckpt") and _s3_complete(storage, entry.name):
-                found.append((CkptioS3FileSystem().modified(f"{root}/{entry.name}").timestamp(),
-                              f"{root}/{entry.name}"))
+                found.append((_object_modified(storage, entry.name), f"{root}/{entry.name}"))
     else:
         root_path = Path(dirpath)
         for p in root_path.iterdir() if root_path.is_dir() else []:
             if _is_last(p, name, ".ckpt") and not p.is_symlink() and (p.is_file() or _committed_at(p) is not None):
                 found.append((_modified(p), str(p)))
     return max(found)[1] if found else None
+
+
+def _object_modified(storage: Any, name: str) -> float:
+    """When ``name`` in a bucket was written: an object's time; a folder's, its manifest's (when it was committed),
+    else its newest object's."""
+    from ..storage.objstore._store import MANIFEST
+
+    bucket, key = storage.store, storage._key(name)
+    for candidate in (key, f"{key}/{MANIFEST}"):
+        obj = bucket.head(candidate)
+        if obj is not None:
+            return float(obj.mtime)
+    return max(o.mtime for o in bucket.listing(f"{key}/", delimiter=False)[0])
 
 
 def _s3_complete(storage: Any, name: str) -> bool:

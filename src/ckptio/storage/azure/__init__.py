@@ -1,4 +1,5 @@
-"""Checkpoint folders in Azure Blob Storage: ``az://container/prefix`` (fsspec's and adlfs's scheme; ``abfs://`` too).
+"""Checkpoint folders in Azure Blob Storage: ``az://container/prefix`` (fsspec's and adlfs's scheme; ``abfs://`` too,
+and as adlfs reads it ``abfs://container@account.dfs.core.windows.net/prefix``, naming the storage account).
 
 The folder's protocol (manifest-last commit with a create-only write, the lease, retention, references, the sweep)
 is the object store's, :mod:`ckptio.storage.objstore`; this package is its container (:class:`~.bucket.AzureBucket`)
@@ -8,7 +9,8 @@ through the maintained client, ``azure-storage-blob`` (``pip install 'ckptio[azu
 
 Credentials are read as Azure's own tools read them (:func:`~._client.client`): ``AZURE_STORAGE_CONNECTION_STRING``;
 or the account (``AZURE_STORAGE_ACCOUNT_NAME`` or ``AZURE_STORAGE_ACCOUNT_URL``) with ``AZURE_STORAGE_ACCOUNT_KEY`` or
-``AZURE_STORAGE_SAS_TOKEN``; or the account alone with ``DefaultAzureCredential`` when ``azure-identity`` is installed.
+``AZURE_STORAGE_SAS_TOKEN``; or the account alone (in the settings or the location) with ``DefaultAzureCredential``
+(``azure-identity``, part of the ``azure`` extra).
 Every request is bounded in time and retried on transient errors (:data:`~._client.RETRIES`); a failure is raised
 naming the blob and the server's error.
 """
@@ -39,6 +41,7 @@ class AzureStorage(ObjectStorage):
         except AzureError:
             return
         if not exists:
-            raise AzureError(f"{self.root}: the container {self.bucket!r} does not exist; ckptio saves into an "
+            container = self.store.container  # type: ignore[attr-defined]
+            raise AzureError(f"{self.root}: the container {container!r} does not exist; ckptio saves into an "
                              f"existing container and never creates one: create it first (az storage container "
-                             f"create --name {self.bucket}), or check its name and the storage account")
+                             f"create --name {container}), or check its name and the storage account")

@@ -4,6 +4,7 @@ them) and error mapping."""
 from __future__ import annotations
 
 import os
+import re
 import threading
 from typing import Any
 
@@ -47,25 +48,46 @@ class AbfsPath(AzPath):
     scheme = "abfs"
 
 
+_HOST = re.compile(r"(?P<account>[a-z0-9]{3,24})\.(?:dfs|blob)\.core\.windows\.net")
+
+
 def parse_az_url(url: str) -> tuple[str, str, str]:
     """``az://container/some/prefix`` (or ``abfs://``) -> ``("az", "container", "some/prefix")``; a malformed URL is a
-    :class:`ConfigError`. The account is the credentials' (see :func:`client`), never part of the URL."""
+    :class:`ConfigError`. As fsspec (adlfs) reads it, the container may name its storage account:
+    ``abfs://container@account.dfs.core.windows.net/prefix`` (or ``.blob.``) gives ``"container@account.dfs..."``,
+    which :func:`split_account` takes apart; without it the account is the credentials' (see :func:`client`)."""
     scheme = url.partition("://")[0]
     if scheme not in SCHEMES:
         raise ConfigError(f"{url!r} is not an az:// or abfs:// location")
     container, prefix = parse_url(url, scheme)
-    if "@" in container:
-        raise ConfigError(f"{url!r}: name the container alone ({scheme}://container/path); the storage account is "
-                          "the one of AZURE_STORAGE_CONNECTION_STRING or AZURE_STORAGE_ACCOUNT_NAME")
+    try:
+        split_account(container)
+    except ValueError as exc:
+        raise ConfigError(f"{url!r}: {exc}") from None
     return scheme, container, prefix
+
+
+def split_account(name: str) -> tuple[str, str | None]:
+    """``"container@account.dfs.core.windows.net"`` -> ``("container", "account")``; ``"container"`` ->
+    ``("container", None)``. Anything else after the ``@`` is a ``ValueError`` saying what is expected."""
+    container, at, host = name.partition("@")
+    if not at:
+        return name, None
+    match = _HOST.fullmatch(host)
+    if not container or match is None:
+        raise ValueError(f"{name!r} is not container@<account>.dfs.core.windows.net (or .blob.core.windows.net), "
+                         f"the storage account's name being 3 to 24 lowercase letters and digits")
+    return container, match["account"]
 
 
 _clients: dict[tuple[Any, ...], Any] = {}
 _clients_lock = threading.Lock()
 
 
-def client() -> Any:
-    """An ``azure.storage.blob.BlobServiceClient`` (one per process and set of settings). Credentials, in this order:
+def client(account: str | None = None) -> Any:
+    """An ``azure.storage.blob.BlobServiceClient`` (one per process, ``account`` and set of settings) for the storage
+    ``account`` a URL names (``abfs://container@account.dfs.core.windows.net``), else for the credentials' account:
+    settings naming another account are a :class:`ConfigError` naming both. Credentials, in this order:
     ``AZURE_STORAGE_CONNECTION_STRING``; the account (``AZURE_STORAGE_ACCOUNT_URL``, or ``AZURE_STORAGE_ACCOUNT_NAME``
     for ``https://<name>.blob.core.windows.net``) with ``AZURE_STORAGE_ACCOUNT_KEY`` or ``AZURE_STORAGE_SAS_TOKEN``;
     the account alone with ``DefaultAzureCredential`` when ``azure-identity`` is installed (environment, workload or
@@ -74,30 +96,36 @@ def client() -> Any:
     blob = require("azure.storage.blob", extra="azure", purpose="checkpoints in Azure Blob Storage (az://)",
                    package="azure-storage-blob")
     env = {k: os.environ.get(k) for k in _ENV}
-    key = (os.getpid(), RETRIES, SINGLE_PUT, BLOCK, *env.values())
+    key = (os.getpid(), account, RETRIES, SINGLE_PUT, BLOCK, CONNECT_TIMEOUT, READ_TIMEOUT, *env.values())
     with _clients_lock:
         if key not in _clients:
-            _clients[key] = _make(blob, env)
+            _clients[key] = _make(blob, env, account)
         return _clients[key]
 
 
-def _make(blob: Any, env: dict[str, str | None]) -> Any:
+def _make(blob: Any, env: dict[str, str | None], account: str | None) -> Any:
     options = {"connection_timeout": CONNECT_TIMEOUT, "read_timeout": READ_TIMEOUT, "max_single_put_size": SINGLE_PUT,
                "max_block_size": BLOCK,
                "retry_policy": blob.ExponentialRetry(initial_backoff=1, increment_base=2, retry_total=RETRIES,
                                                      retry_to_secondary=False)}
     if env["AZURE_STORAGE_CONNECTION_STRING"]:
         try:
-            return blob.BlobServiceClient.from_connection_string(env["AZURE_STORAGE_CONNECTION_STRING"], **options)
+            made = blob.BlobServiceClient.from_connection_string(env["AZURE_STORAGE_CONNECTION_STRING"], **options)
         except ValueError as exc:
             raise AzureError(f"AZURE_STORAGE_CONNECTION_STRING cannot be used: {exc}") from None
+        _same_account(account, made.account_name, "AZURE_STORAGE_CONNECTION_STRING")
+        return made
     name = env["AZURE_STORAGE_ACCOUNT_NAME"] or env["AZURE_STORAGE_ACCOUNT"]
+    _same_account(account, name, "AZURE_STORAGE_ACCOUNT_NAME" if env["AZURE_STORAGE_ACCOUNT_NAME"] else
+                  "AZURE_STORAGE_ACCOUNT")
+    name = name or account
     url = env["AZURE_STORAGE_ACCOUNT_URL"] or (f"https://{name}.blob.core.windows.net" if name else None)
     if url is None:
         raise AzureError("no Azure storage account for az://: set AZURE_STORAGE_CONNECTION_STRING, or "
                          "AZURE_STORAGE_ACCOUNT_NAME (or AZURE_STORAGE_ACCOUNT_URL) with AZURE_STORAGE_ACCOUNT_KEY, "
                          "AZURE_STORAGE_SAS_TOKEN or an identity DefaultAzureCredential finds (pip install "
-                         "azure-identity)")
+                         "'ckptio[azure]'), or name the account in the location: "
+                         "abfs://container@account.dfs.core.windows.net/path")
     secret = env["AZURE_STORAGE_ACCOUNT_KEY"] or env["AZURE_STORAGE_KEY"]
     credential: Any
     if secret:
@@ -111,9 +139,19 @@ def _make(blob: Any, env: dict[str, str | None]) -> Any:
         except ImportError:
             raise AzureError(f"no credentials for the Azure storage account {url}: set AZURE_STORAGE_ACCOUNT_KEY or "
                              "AZURE_STORAGE_SAS_TOKEN, or AZURE_STORAGE_CONNECTION_STRING, or install azure-identity "
-                             "for DefaultAzureCredential (az login, a managed or workload identity)") from None
+                             "for DefaultAzureCredential (az login, a managed or workload identity): pip install "
+                             "'ckptio[azure]'") from None
         credential = DefaultAzureCredential()
-    return blob.BlobServiceClient(url, credential=credential, **options)
+    try:
+        return blob.BlobServiceClient(url, credential=credential, **options)
+    except ValueError as exc:  # a malformed account URL; a token (DefaultAzureCredential) over plain HTTP
+        raise AzureError(f"the Azure storage account {url} cannot be used: {exc}") from None
+
+
+def _same_account(wanted: str | None, have: str | None, setting: str) -> None:
+    if wanted is not None and have and have != wanted:
+        raise ConfigError(f"the location names the storage account {wanted!r} but {setting} is for the account "
+                          f"{have!r}: name one account (the location's, or none and the settings')")
 
 
 def _call(what: str, where: object, fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -126,7 +164,7 @@ def _call(what: str, where: object, fn: Any, *args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
     except az.ResourceNotFoundError as exc:
         if _code(exc) == "ContainerNotFound":  # not a missing blob: nothing in this location can be saved or read
-            container = getattr(where, "bucket", where)
+            container = split_account(str(getattr(where, "bucket", where)))[0]
             raise AzureError(f"{what} {where} failed: the container {container!r} does not exist (ContainerNotFound); "
                              f"ckptio saves into an existing container and never creates one: create it first (az "
                              f"storage container create --name {container}), or check its name and the storage "

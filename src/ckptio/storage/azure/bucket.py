@@ -11,7 +11,7 @@ from typing import Any
 
 from ...errors import CheckpointNotFoundError
 from ..objstore._store import Bucket, IntoView, Obj, SpooledUpload
-from ._client import THREADS, AbfsPath, AzPath, AzureError, _call, client
+from ._client import THREADS, AbfsPath, AzPath, AzureError, _call, client, split_account
 
 COPY_POLL_S = 0.2
 """Seconds between looks at a server-side copy the service finishes in the background (``x-ms-copy-status: pending``)."""
@@ -28,20 +28,21 @@ def _conditions(if_absent: bool, if_token: Any) -> dict[str, Any]:
 
 
 class AzureBucket(Bucket):
-    """One blob container (the account and credentials: :func:`~._client.client`), shown as ``az://`` or
-    ``abfs://`` as it was given."""
+    """One blob container (the account and credentials: :func:`~._client.client`; the account may be named in the
+    location, ``container@account.dfs.core.windows.net``), shown as ``az://`` or ``abfs://`` as it was given."""
 
     path_type = AzPath
 
     def __init__(self, name: str, scheme: str = "az") -> None:
-        super().__init__(name)
+        super().__init__(name)  # as given: "container", or "container@account.dfs.core.windows.net"
         self.path_type = AbfsPath if scheme == "abfs" else AzPath
+        self.container, self.account = split_account(name)
 
     def _container(self) -> Any:
-        return client().get_container_client(self.name)
+        return client(self.account).get_container_client(self.container)
 
     def _blob(self, key: str) -> Any:
-        return client().get_blob_client(self.name, key)
+        return client(self.account).get_blob_client(self.container, key)
 
     def exists(self) -> bool:
         """Whether the container exists."""

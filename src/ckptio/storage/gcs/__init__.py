@@ -16,7 +16,7 @@ the server's error.
 from __future__ import annotations
 
 from ..objstore import ObjectStorage
-from ._client import TIMEOUT, GCSError, GCSPreconditionFailed, GSPath, _call, client, parse_gs_url
+from ._client import GCSError, GCSPreconditionFailed, GSPath, _call, client, parse_gs_url, timeout
 from .bucket import GCSBucket, GCSWriteStream
 
 __all__ = ["GCSStorage", "GCSBucket", "GCSWriteStream", "GCSError", "GCSPreconditionFailed", "GSPath", "client",
@@ -35,7 +35,7 @@ class GCSStorage(ObjectStorage):
         """The bucket must exist (ckptio never creates one); a bucket that cannot be looked up (no permission to
         read its metadata, no connection) is left to the requests that follow, which name what they met."""
         try:
-            exists = _call("looking up", self.root, client().bucket(self.bucket).exists, timeout=TIMEOUT)
+            exists = _call("looking up", self.root, client().bucket(self.bucket).exists, timeout=timeout())
         except GCSError:
             return
         if not exists:

@@ -68,7 +68,10 @@ def retry() -> Any:
     return DEFAULT_RETRY.with_timeout(DEADLINE)
 
 
-TIMEOUT = (CONNECT_TIMEOUT, READ_TIMEOUT)
+def timeout() -> tuple[float, float]:
+    """Every request's (connect, read) timeouts in seconds: a server that accepts no connection, or stalls mid-answer,
+    for that long is a ``ReadTimeout``/``ConnectTimeout`` the retry policy retries, then reported by name."""
+    return (CONNECT_TIMEOUT, READ_TIMEOUT)
 
 
 def _call(what: str, where: object, fn: Any, *args: Any, **kwargs: Any) -> Any:

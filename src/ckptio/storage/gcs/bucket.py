@@ -10,7 +10,7 @@ from typing import Any
 
 from ...errors import CheckpointNotFoundError
 from ..objstore._store import Bucket, IntoView, Obj, SpooledUpload
-from ._client import DELETE_THREADS, TIMEOUT, GSPath, _call, client, retry
+from ._client import DELETE_THREADS, GSPath, _call, client, retry, timeout
 
 
 class GCSBucket(Bucket):
@@ -23,7 +23,7 @@ class GCSBucket(Bucket):
 
     def listing(self, prefix: str, *, delimiter: bool) -> tuple[list[Obj], list[str]]:
         def run() -> tuple[list[Obj], list[str]]:
-            it = client().list_blobs(self.name, prefix=prefix, delimiter="/" if delimiter else None, timeout=TIMEOUT,
+            it = client().list_blobs(self.name, prefix=prefix, delimiter="/" if delimiter else None, timeout=timeout(),
                                      retry=retry())
             objects = [Obj(b.name, int(b.size or 0), b.updated.timestamp(), b.generation) for b in it]
             return objects, sorted(it.prefixes)
@@ -31,17 +31,17 @@ class GCSBucket(Bucket):
         return _call("listing", self.path(prefix), run)
 
     def head(self, key: str) -> Obj | None:
-        blob = _call("looking up", self.path(key), self._bucket().get_blob, key, timeout=TIMEOUT, retry=retry())
+        blob = _call("looking up", self.path(key), self._bucket().get_blob, key, timeout=timeout(), retry=retry())
         return None if blob is None else Obj(key, int(blob.size or 0), blob.updated.timestamp(), blob.generation)
 
     def put(self, key: str, data: bytes, *, if_absent: bool = False, if_token: Any = None) -> None:
         blob = self._bucket().blob(key)
         _call("writing", self.path(key), blob.upload_from_string, data, content_type="application/octet-stream",
-              if_generation_match=0 if if_absent else if_token, timeout=TIMEOUT, retry=retry())
+              if_generation_match=0 if if_absent else if_token, timeout=timeout(), retry=retry())
 
     def get(self, key: str, limit: int) -> tuple[bytes, Any]:
         where = self.path(key)
-        blob = _call("looking up", where, self._bucket().get_blob, key, timeout=TIMEOUT, retry=retry())
+        blob = _call("looking up", where, self._bucket().get_blob, key, timeout=timeout(), retry=retry())
         if blob is None:
             raise CheckpointNotFoundError(f"{where}: missing (404)")
         size = min(int(blob.size or 0), limit)
@@ -49,19 +49,19 @@ class GCSBucket(Bucket):
             return b"", blob.generation
         pinned = self._bucket().blob(key, generation=blob.generation)  # the bytes of the version looked up
         data = _call("reading", where, pinned.download_as_bytes, start=0, end=size - 1, raw_download=True,
-                     checksum=None, timeout=TIMEOUT, retry=retry())
+                     checksum=None, timeout=timeout(), retry=retry())
         return data, blob.generation
 
     def read_into(self, key: str, offset: int, view: memoryview) -> int:
         sink = IntoView(view)
         blob = self._bucket().blob(key)
         _call("reading", self.path(key), blob.download_to_file, sink, start=offset, end=offset + view.nbytes - 1,
-              raw_download=True, checksum=None, timeout=TIMEOUT, retry=retry())
+              raw_download=True, checksum=None, timeout=timeout(), retry=retry())
         return sink.done
 
     def delete(self, key: str) -> None:
         try:
-            _call("removing", self.path(key), self._bucket().blob(key).delete, timeout=TIMEOUT, retry=retry())
+            _call("removing", self.path(key), self._bucket().blob(key).delete, timeout=timeout(), retry=retry())
         except CheckpointNotFoundError:
             pass  # gone already: what was asked
 
@@ -75,7 +75,7 @@ class GCSBucket(Bucket):
         source, target = bucket.blob(src), bucket.blob(dst)
         token = None
         while True:  # a rewrite of a large object goes in several calls, each naming where the last stopped
-            token, _, _ = _call("copying", self.path(src), target.rewrite, source, token=token, timeout=TIMEOUT,
+            token, _, _ = _call("copying", self.path(src), target.rewrite, source, token=token, timeout=timeout(),
                                 retry=retry())
             if token is None:
                 return
@@ -83,7 +83,7 @@ class GCSBucket(Bucket):
     def upload_file(self, path: Path, key: str, *, if_absent: bool = False) -> None:
         blob = self._bucket().blob(key)
         _call("uploading", self.path(key), blob.upload_from_filename, str(path),
-              content_type="application/octet-stream", if_generation_match=0 if if_absent else None, timeout=TIMEOUT,
+              content_type="application/octet-stream", if_generation_match=0 if if_absent else None, timeout=timeout(),
               retry=retry())
 
     def open_stream(self, spool: Path, key: str) -> "GCSWriteStream":
