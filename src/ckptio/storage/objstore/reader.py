@@ -12,7 +12,7 @@ WINDOW = 256 << 20
 """Smallest ranged ``GET``: a shorter read fetches this much from its offset, kept in the folder's
 :class:`WindowCache`, and the reads that follow inside it (the next tensors, the same file opened again
 to load after its header was scanned) are served from memory. One request per tensor piece made a
-restore from a bucket ×8 slower than a raw download of the same files (``benchmarks/s3_save_load.py``)."""
+restore from a bucket ×8 slower than a raw download of the same files (``benchmarks/objstore_cost.py``)."""
 WINDOW_GAP = 16 << 20
 """A window goes on over a gap of up to this many bytes between ranges its handle was told it will read: one
 request less costs more than that on the loopback server (~50 ms a request at ~0.5 GB/s; FSDP's optimizer step
