@@ -3,9 +3,12 @@ its manifest, is the object store's: :mod:`ckptio.storage.objstore.writer`)."""
 
 from __future__ import annotations
 
+import base64
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from crc32c import crc32c
 
 from ...errors import CheckpointError
 from ..local import LocalWriteStream
@@ -43,8 +46,8 @@ class S3WriteStream(LocalWriteStream):
             return self._digest
         digest = super().close()
         try:
-            if self._parts is None:
-                upload_file(self.path, self.bucket, self.key, self.where)
+            if self._parts is None:  # the CRC-32C of the write pass goes along: the client computes none of its own
+                upload_file(self.path, self.bucket, self.key, self.where, crc=self._out.checksum.value)
             else:
                 self._parts.finish(self.path.stat().st_size)
         finally:
@@ -58,14 +61,20 @@ class S3WriteStream(LocalWriteStream):
         self.path.unlink(missing_ok=True)
 
 
+def _b64(crc: int) -> str:
+    """A CRC-32C as S3's ``x-amz-checksum-crc32c`` carries it (base64 of its 4 big-endian bytes)."""
+    return base64.b64encode(crc.to_bytes(4, "big")).decode()
+
+
 class _Parts:
     """A multipart upload fed while its file is still being written: each part read back from the spool (the page
-    cache) and sent on a pool's thread; :meth:`finish` sends the rest and completes, :meth:`abort` drops it."""
+    cache) and sent on a pool's thread with its CRC-32C (the server checks it); :meth:`finish` sends the rest and
+    completes, :meth:`abort` drops it."""
 
     def __init__(self, path: Path, bucket: str, key: str, where: object) -> None:
         self.path, self.bucket, self.key, self.where = path, bucket, key, where
         self.upload = _call("starting the upload of", where, client().create_multipart_upload, Bucket=bucket,
-                            Key=key)["UploadId"]
+                            Key=key, ChecksumAlgorithm="CRC32C")["UploadId"]
         self.pool = ThreadPoolExecutor(_common.UPLOAD_THREADS, thread_name_prefix="ckptio-s3-upload")
         self.futures: list[Any] = []
         self.sent = 0
@@ -100,25 +109,36 @@ class _Parts:
 
 def _upload_part(path: Path, bucket: str, key: str, where: object, upload: str, number: int, offset: int,
                  length: int) -> dict[str, Any]:
-    """One part of a multipart upload, read from ``path`` at ``offset``."""
+    """One part of a multipart upload, read from ``path`` at ``offset``, sent with its CRC-32C (hardware, ~5 GB/s):
+    boto3 would otherwise compute a CRC-32 of every part itself (zlib's, ~3x the CPU)."""
     with open(path, "rb") as fh:
         fh.seek(offset)
         data = fh.read(length)
     if len(data) != length:
         raise CheckpointError(f"{where}: its spool file {path} is shorter than written ({offset + len(data)} bytes)")
+    crc = _b64(crc32c(data))
     etag = _call(f"uploading part {number} of", where, client().upload_part, Bucket=bucket, Key=key, UploadId=upload,
-                 PartNumber=number, Body=data)["ETag"]
-    return {"PartNumber": number, "ETag": etag}
+                 PartNumber=number, Body=data, ChecksumCRC32C=crc)["ETag"]
+    return {"PartNumber": number, "ETag": etag, "ChecksumCRC32C": crc}
 
 
-def upload_file(path: Path, bucket: str, key: str, where: object, *, if_none_match: bool = False) -> None:
-    """Upload a local file: one ``PUT`` up to :data:`PART_SIZE`, else parts in parallel (aborted on failure)."""
+def upload_file(path: Path, bucket: str, key: str, where: object, *, if_none_match: bool = False,
+                crc: int | None = None) -> None:
+    """Upload a local file: one ``PUT`` up to :data:`PART_SIZE`, else parts in parallel (aborted on failure). Every
+    request carries the CRC-32C of its bytes, which the server checks (``crc``: the file's, when the caller computed
+    it while writing; else it is computed here)."""
     s3 = client()
     size = path.stat().st_size
     extra = {"IfNoneMatch": "*"} if if_none_match else {}
     if size <= _common.PART_SIZE:
+        if crc is None:
+            data = path.read_bytes()
+            _call("uploading", where, s3.put_object, Bucket=bucket, Key=key, Body=data,
+                  ChecksumAlgorithm="CRC32C", ChecksumCRC32C=_b64(crc32c(data)), **extra)
+            return
         with open(path, "rb") as fh:
-            _call("uploading", where, s3.put_object, Bucket=bucket, Key=key, Body=fh, **extra)
+            _call("uploading", where, s3.put_object, Bucket=bucket, Key=key, Body=fh, ChecksumAlgorithm="CRC32C",
+                  ChecksumCRC32C=_b64(crc), **extra)
         return
     _Parts(path, bucket, key, where).finish(size, **extra)
 
