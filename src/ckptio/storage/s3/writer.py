@@ -4,6 +4,8 @@ its manifest, is the object store's: :mod:`ckptio.storage.objstore.writer`)."""
 from __future__ import annotations
 
 import base64
+import io
+import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -107,18 +109,60 @@ class _Parts:
             pass
 
 
+class _Window(io.RawIOBase):
+    """The bytes ``[offset, offset + length)`` of a file, read as a file of their own: a part goes up from the spool
+    in the client's small reads (reused buffers), never held whole in a fresh buffer (a 64 MiB ``read`` costs ~10x
+    the CPU of the same bytes read 1 MiB at a time: every page of a new buffer faults in)."""
+
+    def __init__(self, path: Path, offset: int, length: int) -> None:
+        super().__init__()
+        self._fh = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by close()
+        self.offset, self.length, self.pos = offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buf: Any) -> int:
+        view = memoryview(buf).cast("B")[:max(0, self.length - self.pos)]
+        done = os.preadv(self._fh.fileno(), [view], self.offset + self.pos) if view.nbytes else 0
+        self.pos += done
+        return done
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = min(self.length, max(0, pos + (0, self.pos, self.length)[whence]))
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def close(self) -> None:
+        self._fh.close()
+        super().close()
+
+    def crc(self, where: object) -> str:
+        """The CRC-32C of the window, as S3 takes it (read 1 MiB at a time); the window is rewound."""
+        buf = bytearray(1 << 20)
+        value, self.pos = 0, 0
+        while n := self.readinto(buf):
+            value = crc32c(memoryview(buf)[:n], value)
+        if self.pos != self.length:
+            raise CheckpointError(f"{where}: its spool file {self._fh.name} is shorter than written "
+                                  f"({self.offset + self.pos} bytes)")
+        self.pos = 0
+        return _b64(value)
+
+
 def _upload_part(path: Path, bucket: str, key: str, where: object, upload: str, number: int, offset: int,
                  length: int) -> dict[str, Any]:
-    """One part of a multipart upload, read from ``path`` at ``offset``, sent with its CRC-32C (hardware, ~5 GB/s):
-    boto3 would otherwise compute a CRC-32 of every part itself (zlib's, ~3x the CPU)."""
-    with open(path, "rb") as fh:
-        fh.seek(offset)
-        data = fh.read(length)
-    if len(data) != length:
-        raise CheckpointError(f"{where}: its spool file {path} is shorter than written ({offset + len(data)} bytes)")
-    crc = _b64(crc32c(data))
-    etag = _call(f"uploading part {number} of", where, client().upload_part, Bucket=bucket, Key=key, UploadId=upload,
-                 PartNumber=number, Body=data, ChecksumCRC32C=crc)["ETag"]
+    """One part of a multipart upload, read from ``path`` at ``offset``, sent with its CRC-32C (hardware, ~14 GB/s
+    here): boto3 would otherwise compute a CRC-32 of every part itself (zlib's, ~3.5x the CPU)."""
+    with _Window(path, offset, length) as body:
+        crc = body.crc(where)
+        etag = _call(f"uploading part {number} of", where, client().upload_part, Bucket=bucket, Key=key,
+                     UploadId=upload, PartNumber=number, Body=body, ContentLength=length, ChecksumCRC32C=crc)["ETag"]
     return {"PartNumber": number, "ETag": etag, "ChecksumCRC32C": crc}
 
 
@@ -131,14 +175,9 @@ def upload_file(path: Path, bucket: str, key: str, where: object, *, if_none_mat
     size = path.stat().st_size
     extra = {"IfNoneMatch": "*"} if if_none_match else {}
     if size <= _common.PART_SIZE:
-        if crc is None:
-            data = path.read_bytes()
-            _call("uploading", where, s3.put_object, Bucket=bucket, Key=key, Body=data,
-                  ChecksumAlgorithm="CRC32C", ChecksumCRC32C=_b64(crc32c(data)), **extra)
-            return
-        with open(path, "rb") as fh:
-            _call("uploading", where, s3.put_object, Bucket=bucket, Key=key, Body=fh, ChecksumAlgorithm="CRC32C",
-                  ChecksumCRC32C=_b64(crc), **extra)
+        with _Window(path, 0, size) as body:
+            _call("uploading", where, s3.put_object, Bucket=bucket, Key=key, Body=body, ContentLength=size,
+                  ChecksumAlgorithm="CRC32C", ChecksumCRC32C=body.crc(where) if crc is None else _b64(crc), **extra)
         return
     _Parts(path, bucket, key, where).finish(size, **extra)
 
