@@ -144,6 +144,9 @@ def _sum(value: float) -> float:
 
 
 NAMES = ("save", "raw put", "restore", "raw get")
+TINY = ("tiny save", "tiny restore")
+"""The same save and restore of a state of a few KB: what a save's protocol (manifest, commit, pointers, listings,
+the lease) and a restore's fixed requests cost, whatever the size."""
 
 
 def run(args: argparse.Namespace, backend: str, bucket: str) -> None:
@@ -157,25 +160,28 @@ def run(args: argparse.Namespace, backend: str, bucket: str) -> None:
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     raw = Raw(backend, bucket)
     model, opt = build_state(_size(args.size), shard=world > 1)
-    walls: dict[str, list[float]] = {k: [] for k in NAMES}
-    cpus: dict[str, list[float]] = {k: [] for k in NAMES}
+    tiny = torch.nn.Linear(32, 32)
+    walls: dict[str, list[float]] = {k: [] for k in NAMES + TINY}
+    cpus: dict[str, list[float]] = {k: [] for k in NAMES + TINY}
     total, count = 0, 0
     tag = f"w{world}"
     for round_ in range(args.repeats + 1):  # round 0 warms up and is not counted
         root = f"{backend}://{bucket}/{tag}r{round_}"
         extra = {"verify": args.verify} if args.verify else {}
 
-        def save() -> None:
-            with CheckpointManager(CheckpointConfig(checkpoint_dir=root), model=model, optimizer=opt, rng=False) as m:
+        def save(root: str = root, state: "torch.nn.Module" = model, optim: object = opt) -> None:
+            with CheckpointManager(CheckpointConfig(checkpoint_dir=root), model=state, optimizer=optim, rng=False) as m:
                 m.save(step=1)
 
-        def restore() -> None:
-            fresh = torch.optim.AdamW(model.parameters())
-            with CheckpointManager(CheckpointConfig(checkpoint_dir=root, **extra), model=model, optimizer=fresh,
+        def restore(root: str = root, state: "torch.nn.Module" = model, optim: bool = True) -> None:
+            fresh = torch.optim.AdamW(state.parameters()) if optim else None
+            with CheckpointManager(CheckpointConfig(checkpoint_dir=root, **extra), model=state, optimizer=fresh,
                                    rng=False) as again:
                 assert again.restore() is not None
 
         got: dict[str, tuple[float, float]] = {"save": _measured(save)}
+        got["tiny save"] = _measured(lambda: save(root + "tiny", tiny, None))
+        got["tiny restore"] = _measured(lambda: restore(root + "tiny", tiny, False))
         prefix = f"{tag}r{round_}/epoch_0_step_1/"
         objects = {o.key: o.size for o in open_storage(f"{backend}://{bucket}").store.listing(prefix, delimiter=False)[0]}
         total, count = sum(objects.values()), len(objects)
@@ -204,6 +210,10 @@ def run(args: argparse.Namespace, backend: str, bucket: str) -> None:
             if round_:
                 walls[name].append(wall)
                 cpus[name].append(cpu)
+        for name in TINY:
+            if round_:
+                walls[name].append(got[name][0])
+                cpus[name].append(_sum(got[name][1]))
         if rank == 0:
             print(f"  {backend} world {world} round {round_}{' (warm-up)' if not round_ else ''}: " + ", ".join(line),
                   flush=True)
@@ -217,7 +227,10 @@ def run(args: argparse.Namespace, backend: str, bucket: str) -> None:
               f"({w['save']:.2f} vs {w['raw put']:.2f} s)\n"
               f"  RESULT {backend} world={world} restore CPU/GB x{c['restore'] / c['raw get']:.2f} "
               f"({c['restore']:.2f} vs {c['raw get']:.2f} cpu-s/GB)  wall x{w['restore'] / w['raw get']:.2f} "
-              f"({w['restore']:.2f} vs {w['raw get']:.2f} s)\n", flush=True)
+              f"({w['restore']:.2f} vs {w['raw get']:.2f} s)\n"
+              f"  fixed: a save of a {sum(p.numel() * 4 for p in tiny.parameters()) >> 10} KB state "
+              f"{c['tiny save']:.3f} cpu-s ({c['tiny save'] / gb:.2f} cpu-s/GB of this checkpoint), its restore "
+              f"{c['tiny restore']:.3f} cpu-s ({c['tiny restore'] / gb:.2f} cpu-s/GB)\n", flush=True)
 
 
 def main() -> int:
