@@ -817,6 +817,64 @@ def test_a_closed_file_larger_than_a_part_goes_up_in_parts(bucket, monkeypatch, 
     assert not s3mod.client().list_multipart_uploads(Bucket=bucket).get("Uploads")
 
 
+def test_a_step_is_listed_in_one_request_and_a_restore_reads_it_whole(store, monkeypatch):
+    """Opening a step lists its objects once, recursively: its folders (DCP's model/, optim/, ...) are listed from
+    that answer, not with a request each; what the listing shows is the same, and the restore is exact."""
+    model, opt, mgr = _setup(store.url("one"))
+    _train(model, opt, 2, seed=1)
+    with mgr:
+        mgr.save(step=1)
+    storage = open_storage(store.url("one"))
+    (step,) = [e.name for e in storage.folder().listdir() if e.kind == "dir" and e.name.startswith("epoch_")]
+    expected = {k[len(f"one/{step}/"):]: n for k, n in store.keys(f"one/{step}/").items()}
+    assert len({rel.rpartition("/")[0] for rel in expected}) >= 2  # folders below the step
+    asked = []
+    real = type(storage.store).listing
+
+    def counted(self, prefix, *, delimiter):
+        asked.append(prefix)
+        return real(self, prefix, delimiter=delimiter)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(type(storage.store), "listing", counted)
+        folder = storage.folder(step)
+        assert {rel: e.size for rel, e in folder.walk_files()} == expected
+    assert asked == ["one/", f"one/{step}/"], asked  # the checkpoint folder, the step
+    model2, opt2, again = _setup(store.url("one"))
+    with again:
+        assert again.restore() is not None
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_every_upload_carries_the_crc32c_of_its_bytes_for_the_server_to_check(bucket, monkeypatch):
+    """The CRC-32C ckptio computes anyway goes along with each request (``x-amz-checksum-crc32c``), in place of the
+    CRC-32 boto3 would compute of every request itself: a whole object's is the one of the write pass, a part's its
+    own; the server checks it and keeps it."""
+    import base64
+
+    from crc32c import crc32c
+
+    def b64(data: bytes) -> str:
+        return base64.b64encode(crc32c(data).to_bytes(4, "big")).decode()
+
+    monkeypatch.setattr(s3mod._common, "PART_SIZE", 5 << 20)
+    s3 = s3mod.client()
+    data = torch.randint(0, 256, (12 << 20,), dtype=torch.uint8).numpy().tobytes()
+    writer = open_storage(f"s3://{bucket}/sums").begin_step("s")
+    for name, size in (("small.bin", 3 << 20), ("big.bin", len(data))):
+        with writer.open(name) as stream:
+            stream.write(data[:size])
+        assert stream.close() == f"crc32c:{crc32c(data[:size]):08x}"
+    got = s3.get_object_attributes(Bucket=bucket, Key="sums/s/small.bin", ObjectAttributes=["Checksum"])
+    assert got.get("Checksum", {}).get("ChecksumCRC32C") == b64(data[:3 << 20])
+    # in parts (5, 5 and 2 MiB): each part's own CRC-32C, which S3 combines into the object's (a CRC of the CRCs)
+    parts = [data[i:i + (5 << 20)] for i in range(0, len(data), 5 << 20)]
+    combined = b"".join(crc32c(p).to_bytes(4, "big") for p in parts)
+    got = s3.get_object_attributes(Bucket=bucket, Key="sums/s/big.bin", ObjectAttributes=["Checksum"])
+    assert got.get("Checksum", {}).get("ChecksumCRC32C", "").split("-")[0] == b64(combined)
+
+
 @pytest.mark.parametrize("store", ["s3", pytest.param("gs", marks=pytest.mark.slow),
                                    pytest.param("az", marks=pytest.mark.slow)], indirect=True)
 def test_latest_and_best_resolve_in_a_bucket_in_every_command(store, tmp_path):

@@ -6,13 +6,13 @@ from typing import Any
 
 from ...errors import CheckpointCorruptError, CheckpointNotFoundError
 from ..confined import Entry, FolderReads, ReadHandle, UnsafePathError, check_relative
-from ._store import Bucket, ObjectPath
+from ._store import Bucket, Obj, ObjectPath
 
 WINDOW = 256 << 20
 """Smallest ranged ``GET``: a shorter read fetches this much from its offset, kept in the folder's
 :class:`WindowCache`, and the reads that follow inside it (the next tensors, the same file opened again
 to load after its header was scanned) are served from memory. One request per tensor piece made a
-restore from a bucket ×8 slower than a raw download of the same files (``benchmarks/s3_save_load.py``)."""
+restore from a bucket ×8 slower than a raw download of the same files (``benchmarks/objstore_cost.py``)."""
 WINDOW_GAP = 16 << 20
 """A window goes on over a gap of up to this many bytes between ranges its handle was told it will read: one
 request less costs more than that on the loopback server (~50 ms a request at ~0.5 GB/s; FSDP's optimizer step
@@ -116,6 +116,9 @@ class ObjectFolder(FolderReads):
         """A checkpoint folder: a folder below it is a step, whose manifest may refer to other steps' objects."""
         self._step_of: str | None = None  # the checkpoint folder's prefix, when this may be a step
         self._aliases: dict[str, tuple[str, int]] | None = None  # rel -> (key, size) of files held by other steps
+        self._below: list[tuple[str, int]] | None = None
+        """Every object below this folder (rel, size), when one recursive listing of its step gave them: its folders
+        are listed from it, not one request each (a restore opened each of a step's folders, each listed once)."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({str(self.path)!r})"
@@ -126,7 +129,7 @@ class ObjectFolder(FolderReads):
     def plain(self) -> "ObjectFolder":
         """The same folder without a verifier."""
         plain = ObjectFolder(self.store, self.prefix, listings=self._listings)
-        plain._cache, plain._aliases = self._cache, self._shared()
+        plain._cache, plain._aliases, plain._below = self._cache, self._shared(), self._below
         return plain
 
     def _shared(self) -> dict[str, tuple[str, int]]:
@@ -165,6 +168,8 @@ class ObjectFolder(FolderReads):
             raise CheckpointNotFoundError(f"{self.path / rel}: no such folder")
         sub = ObjectFolder(self.store, self._key(rel), verifier=self.verifier)
         sub._cache = self._cache
+        if self._below is not None:
+            sub._below = [(k[len(rel) + 1:], n) for k, n in self._below if k.startswith(rel + "/")]
         if self.holds_steps:
             sub._step_of = self.prefix
         else:
@@ -187,7 +192,11 @@ class ObjectFolder(FolderReads):
         files: dict[str, int] = {}
         dirs: set[str] = set()
         others: set[str] = set()
-        objects, prefixes = self.store.listing(prefix, delimiter=True)
+        if self._below is None and self._step_of is not None:  # a step: all of it in one listing
+            below = f"{self.prefix}/" if self.prefix else ""
+            self._below = [(o.key[len(below):], o.size) for o in self.store.listing(below, delimiter=False)[0]]
+        objects, prefixes = self._from_below(rel) if self._below is not None else \
+            self.store.listing(prefix, delimiter=True)
         for common in prefixes:
             name = common[len(prefix):].rstrip("/")
             (dirs if _plain(name) else others).add(name)
@@ -206,6 +215,21 @@ class ObjectFolder(FolderReads):
                 files[head] = size
         self._listings[rel] = (files, dirs, others)
         return files, dirs, others
+
+    def _from_below(self, rel: str) -> tuple[list[Obj], list[str]]:
+        """What a listing of ``rel`` with a delimiter answers, made from :attr:`_below`."""
+        assert self._below is not None
+        base = f"{self.prefix}/" if self.prefix else ""
+        want = f"{rel}/" if rel else ""
+        objects, prefixes = [], set()
+        for key, size in self._below:
+            if key.startswith(want):
+                head, sep, _ = key[len(want):].partition("/")
+                if sep:
+                    prefixes.add(f"{base}{want}{head}/")
+                else:
+                    objects.append(Obj(f"{base}{key}", size, 0.0))
+        return objects, sorted(prefixes)
 
     def kind(self, rel: str) -> str | None:
         parts = check_relative(rel, self.path)

@@ -3,9 +3,14 @@ its manifest, is the object store's: :mod:`ckptio.storage.objstore.writer`)."""
 
 from __future__ import annotations
 
+import base64
+import io
+import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from crc32c import crc32c
 
 from ...errors import CheckpointError
 from ..local import LocalWriteStream
@@ -43,8 +48,8 @@ class S3WriteStream(LocalWriteStream):
             return self._digest
         digest = super().close()
         try:
-            if self._parts is None:
-                upload_file(self.path, self.bucket, self.key, self.where)
+            if self._parts is None:  # the CRC-32C of the write pass goes along: the client computes none of its own
+                upload_file(self.path, self.bucket, self.key, self.where, crc=self._out.checksum.value)
             else:
                 self._parts.finish(self.path.stat().st_size)
         finally:
@@ -58,14 +63,20 @@ class S3WriteStream(LocalWriteStream):
         self.path.unlink(missing_ok=True)
 
 
+def _b64(crc: int) -> str:
+    """A CRC-32C as S3's ``x-amz-checksum-crc32c`` carries it (base64 of its 4 big-endian bytes)."""
+    return base64.b64encode(crc.to_bytes(4, "big")).decode()
+
+
 class _Parts:
     """A multipart upload fed while its file is still being written: each part read back from the spool (the page
-    cache) and sent on a pool's thread; :meth:`finish` sends the rest and completes, :meth:`abort` drops it."""
+    cache) and sent on a pool's thread with its CRC-32C (the server checks it); :meth:`finish` sends the rest and
+    completes, :meth:`abort` drops it."""
 
     def __init__(self, path: Path, bucket: str, key: str, where: object) -> None:
         self.path, self.bucket, self.key, self.where = path, bucket, key, where
         self.upload = _call("starting the upload of", where, client().create_multipart_upload, Bucket=bucket,
-                            Key=key)["UploadId"]
+                            Key=key, ChecksumAlgorithm="CRC32C")["UploadId"]
         self.pool = ThreadPoolExecutor(_common.UPLOAD_THREADS, thread_name_prefix="ckptio-s3-upload")
         self.futures: list[Any] = []
         self.sent = 0
@@ -98,27 +109,75 @@ class _Parts:
             pass
 
 
+class _Window(io.RawIOBase):
+    """The bytes ``[offset, offset + length)`` of a file, read as a file of their own: a part goes up from the spool
+    in the client's small reads (reused buffers), never held whole in a fresh buffer (a 64 MiB ``read`` costs ~10x
+    the CPU of the same bytes read 1 MiB at a time: every page of a new buffer faults in)."""
+
+    def __init__(self, path: Path, offset: int, length: int) -> None:
+        super().__init__()
+        self._fh = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by close()
+        self.offset, self.length, self.pos = offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buf: Any) -> int:
+        view = memoryview(buf).cast("B")[:max(0, self.length - self.pos)]
+        done = os.preadv(self._fh.fileno(), [view], self.offset + self.pos) if view.nbytes else 0
+        self.pos += done
+        return done
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = min(self.length, max(0, pos + (0, self.pos, self.length)[whence]))
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def close(self) -> None:
+        self._fh.close()
+        super().close()
+
+    def crc(self, where: object) -> str:
+        """The CRC-32C of the window, as S3 takes it (read 1 MiB at a time); the window is rewound."""
+        buf = bytearray(1 << 20)
+        value, self.pos = 0, 0
+        while n := self.readinto(buf):
+            value = crc32c(memoryview(buf)[:n], value)
+        if self.pos != self.length:
+            raise CheckpointError(f"{where}: its spool file {self._fh.name} is shorter than written "
+                                  f"({self.offset + self.pos} bytes)")
+        self.pos = 0
+        return _b64(value)
+
+
 def _upload_part(path: Path, bucket: str, key: str, where: object, upload: str, number: int, offset: int,
                  length: int) -> dict[str, Any]:
-    """One part of a multipart upload, read from ``path`` at ``offset``."""
-    with open(path, "rb") as fh:
-        fh.seek(offset)
-        data = fh.read(length)
-    if len(data) != length:
-        raise CheckpointError(f"{where}: its spool file {path} is shorter than written ({offset + len(data)} bytes)")
-    etag = _call(f"uploading part {number} of", where, client().upload_part, Bucket=bucket, Key=key, UploadId=upload,
-                 PartNumber=number, Body=data)["ETag"]
-    return {"PartNumber": number, "ETag": etag}
+    """One part of a multipart upload, read from ``path`` at ``offset``, sent with its CRC-32C (hardware, ~14 GB/s
+    here): boto3 would otherwise compute a CRC-32 of every part itself (zlib's, ~3.5x the CPU)."""
+    with _Window(path, offset, length) as body:
+        crc = body.crc(where)
+        etag = _call(f"uploading part {number} of", where, client().upload_part, Bucket=bucket, Key=key,
+                     UploadId=upload, PartNumber=number, Body=body, ContentLength=length, ChecksumCRC32C=crc)["ETag"]
+    return {"PartNumber": number, "ETag": etag, "ChecksumCRC32C": crc}
 
 
-def upload_file(path: Path, bucket: str, key: str, where: object, *, if_none_match: bool = False) -> None:
-    """Upload a local file: one ``PUT`` up to :data:`PART_SIZE`, else parts in parallel (aborted on failure)."""
+def upload_file(path: Path, bucket: str, key: str, where: object, *, if_none_match: bool = False,
+                crc: int | None = None) -> None:
+    """Upload a local file: one ``PUT`` up to :data:`PART_SIZE`, else parts in parallel (aborted on failure). Every
+    request carries the CRC-32C of its bytes, which the server checks (``crc``: the file's, when the caller computed
+    it while writing; else it is computed here)."""
     s3 = client()
     size = path.stat().st_size
     extra = {"IfNoneMatch": "*"} if if_none_match else {}
     if size <= _common.PART_SIZE:
-        with open(path, "rb") as fh:
-            _call("uploading", where, s3.put_object, Bucket=bucket, Key=key, Body=fh, **extra)
+        with _Window(path, 0, size) as body:
+            _call("uploading", where, s3.put_object, Bucket=bucket, Key=key, Body=body, ContentLength=size,
+                  ChecksumAlgorithm="CRC32C", ChecksumCRC32C=body.crc(where) if crc is None else _b64(crc), **extra)
         return
     _Parts(path, bucket, key, where).finish(size, **extra)
 
