@@ -137,7 +137,8 @@ def tp_slice(name, local_shape, tp, rank):
     return tuple(local_shape), lambda t: t  # norms: replicated
 
 
-def build_model(tp, pp, vocab=None, tied=False):
+def build_model(tp, pp, vocab=None, tied=False, vpp=None, vp_stage=None):
+    """This rank's GPTModel (with ``vpp``: its model chunk ``vp_stage`` of the virtual pipeline stages)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -155,21 +156,22 @@ def build_model(tp, pp, vocab=None, tied=False):
         # Create empty CPU params. The weights are filled in later by fill_weights().
         use_cpu_initialization=True, perform_initialization=False,
         params_dtype=torch.float32, pipeline_dtype=torch.float32,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
     )
     return GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=QK_NORM),
         vocab_size=vocab or padded_vocab(tp), max_sequence_length=MAX_POS,
-        pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+        pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
         share_embeddings_and_output_weights=tied, position_embedding_type="rope",
-        rotary_percent=1.0, rotary_base=ROPE_BASE,
+        rotary_percent=1.0, rotary_base=ROPE_BASE, vp_stage=vp_stage,
     )
 
 
-def fill_weights(model, tp, tp_rank, pp_rank, pp, tied=False):
-    """Copy this rank's slice of the seeded full weights into the model."""
-    layer_offset = pp_rank * (NUM_LAYERS // pp)  # local layer numbering restarts on each stage
+def fill_weights(model, tp, tp_rank, pp_rank, pp, tied=False, offset=None):
+    """Copy this rank's slice of the seeded full weights into the model (``offset``: its first layer's number)."""
+    layer_offset = pp_rank * (NUM_LAYERS // pp) if offset is None else offset  # local numbering restarts per stage
     with torch.no_grad():
         for name, p in model.named_parameters():
             parts = name.split(".")
@@ -541,6 +543,8 @@ def main():
     ap.add_argument("--bucket", type=int, default=None, help="with --dp: the grad buffer's bucket size (elements)")
     ap.add_argument("--tied", action="store_true", help="with --dp: embeddings tied to the output layer")
     ap.add_argument("--bf16", action="store_true", help="with --dp: a bf16 model with fp32 master copies")
+    ap.add_argument("--vpp", type=int, default=None,
+                    help="virtual pipeline stages: V model chunks per pipeline rank (tests/megatron_vpp.py)")
     ap.add_argument("--start-method", choices=["fork", "spawn"], default="fork",
                     help="fork (default) lets the ranks inherit the parent's megatron import (~2.5 s each)")
     a = ap.parse_args()
@@ -578,6 +582,11 @@ def main():
             assert a.load is None and a.pp <= 2, "--dp trains on TP x PP x DP ranks, at most two pipeline stages"
             fn, args = distopt_worker, (a.tp, a.pp, a.dp, a.out, a.iteration, a.bucket, a.tied, store_file)
             ranks = a.tp * a.pp * a.dp
+        if a.vpp is not None:
+            import megatron_vpp
+
+            fn, args = (megatron_vpp.save_worker, (a.tp, a.pp, a.vpp, a.out, a.iteration, store_file)) \
+                if a.load is None else (megatron_vpp.load_worker, (a.tp, a.pp, a.vpp, a.load, a.out, store_file))
         mp.start_processes(fn, args=args, nprocs=ranks, join=True, start_method=a.start_method)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -79,29 +79,33 @@ def merge_tp(parts: list[torch.Tensor], split: Any, key: str, where: object) -> 
 
 
 # ------------------------------------------------------------------------------------------------ the layouts
-def _rank_file(root: Folder, rel: str) -> tuple[dict[str, Any], list[str], dict[str, torch.Tensor]]:
+def _rank_file(root: Folder, rel: str) -> tuple[dict[str, Any], list[str], list[dict[str, torch.Tensor]]]:
     """A legacy rank file's object, its placeholder classes and its model's weights (canonical prefixes stripped,
-    ``_extra_state`` dropped). Read lazily: only the pickle and the model's tensors, never the whole file at once
-    (a rank file can be as large as the rank's share of the model)."""
+    ``_extra_state`` dropped): one state dict, or one per model chunk with virtual pipeline stages
+    (:mod:`~ckptio.formats.megatron.vpp`). Read lazily: only the pickle and the model's tensors, never the whole
+    file at once (a rank file can be as large as the rank's share of the model)."""
     from . import safe_pickle as megatron_pickle
+    from .vpp import chunk_models
 
     obj, placeholders, handle = megatron_pickle.open_lazy(root, rel)
     try:
         where = root.display(rel)
         if isinstance(obj, dict) and rel.endswith(NEMO_RANK_FILE) and not isinstance(obj.get("model"), dict):
             obj = {"model": obj}  # a NeMo archive's rank file is the state dict itself
-        if not isinstance(obj, dict) or not isinstance(obj.get("model"), dict):
-            extra = " (virtual pipeline stages: model0, model1... are not supported)" if \
-                isinstance(obj, dict) and "model0" in obj else ""
-            raise CheckpointCorruptError(f"{where}: no 'model' state dict{extra}")
-        named = [k for k in obj["model"] if not isinstance(k, str)]
-        if named:
-            raise CheckpointCorruptError(f"{where}: model entries named {str(named[0])[:40]!r}, not a string")
-        model = {_strip(k): v for k, v in obj["model"].items() if not k.endswith("_extra_state")}
-        bad = [k for k, v in model.items() if not isinstance(v, megatron_pickle.LazyTensor)]
-        if bad:
-            raise CheckpointCorruptError(f"{where}: non-tensor model entries {bad[:3]}")
-        return obj, placeholders, {k: v.load() for k, v in model.items()}
+        chunks = chunk_models(obj, where) if isinstance(obj, dict) else []
+        if not chunks or not all(isinstance(c, dict) for c in chunks):
+            raise CheckpointCorruptError(f"{where}: no 'model' state dict")
+        models = []
+        for chunk in chunks:
+            named = [k for k in chunk if not isinstance(k, str)]
+            if named:
+                raise CheckpointCorruptError(f"{where}: model entries named {str(named[0])[:40]!r}, not a string")
+            model = {_strip(k): v for k, v in chunk.items() if not k.endswith("_extra_state")}
+            bad = [k for k, v in model.items() if not isinstance(v, megatron_pickle.LazyTensor)]
+            if bad:
+                raise CheckpointCorruptError(f"{where}: non-tensor model entries {bad[:3]}")
+            models.append({k: v.load() for k, v in model.items()})
+        return obj, placeholders, models
     finally:
         handle.close()
 
@@ -129,41 +133,74 @@ def read_legacy(folder: Path, *, optimizer: bool = False) -> tuple[dict[str, tor
     sets: dict[str, dict[str, torch.Tensor]] = {"": {}}
     info: dict[str, Any] = {"tp": tp, "pp": pp, "placeholders": set()}
     optim = _legacy_optimizer(root, files) if optimizer else None
-    offset = 0
+    merged: dict[tuple[int, int], tuple[str, dict[str, dict[tuple[str, int | None], torch.Tensor]], list[int]]] = {}
     for stage in range(pp):
-        shards = []
+        chunks: dict[int, list[tuple[str, dict[str, dict[str, torch.Tensor]]]]] = {}
         for t in range(tp):
             rel = files[(t, stage)]
-            obj, placeholders, model = _rank_file(root, rel)
+            obj, placeholders, models = _rank_file(root, rel)
             where = root.display(rel)
             info["placeholders"].update(placeholders)
             if t == 0 and stage == 0:
                 info["args"], info["iteration"] = obj.get("args"), obj.get("iteration")
                 _check_ranks(info["args"], tp, pp, root)
-            parts = {"": model}
-            if optim is not None:
-                parts.update(optim(rel, obj, model, stage, pp, info))
-            shards.append((where, parts))
-        keys = list(shards[0][1][""])
-        for where, parts in shards[1:]:
-            if set(parts[""]) != set(keys):
-                raise CheckpointCorruptError(f"{where}: holds other parameters than {shards[0][0]}: "
-                                             f"{sorted(set(parts['']) ^ set(keys))[:3]}")
-        layers = sorted({k[2] for k in (_kind(key, shards[0][0]) for key in keys) if k[2] is not None})
-        # layer indices restart at 0 on each stage; a stage already numbered globally is kept as is
+            _check_chunks(info, len(models), where, optim is not None)
+            for v, model in enumerate(models):
+                parts = {"": model}
+                if optim is not None:
+                    parts.update(optim(rel, obj, model, stage, pp, info))
+                chunks.setdefault(v, []).append((where, parts))
+        for v, shards in chunks.items():
+            merged[(v, stage)] = _merge_chunk(shards)
+    offset = 0
+    for key in sorted(merged):  # layer order: chunk 0 over every stage, then chunk 1... (one chunk: stage order)
+        where, parts, layers = merged[key]
+        # layer indices restart at 0 on each stage (chunk); one already numbered globally is kept as is
         base = 0 if layers and layers[0] == offset else offset
-        for key in keys:
-            name, split, layer = _kind(key, shards[0][0])
-            if layer is not None:
-                name = f"decoder.layers.{base + layer}.{name}"
-            if name in sets[""]:
-                raise CheckpointCorruptError(f"{shards[0][0]}: {name} is held by two pipeline stages")
-            for part in shards[0][1]:
-                sets.setdefault(part, {})[name] = merge_tp([p[part][key] for _, p in shards], split, key, shards[0][0])
+        for part, tensors in parts.items():
+            for (name, layer), t in tensors.items():
+                name = name if layer is None else f"decoder.layers.{base + layer}.{name}"
+                if part == "" and name in sets[""]:
+                    raise CheckpointCorruptError(f"{where}: {name} is held by two pipeline stages")
+                sets.setdefault(part, {})[name] = t
         offset = base + (layers[-1] + 1 if layers else 0)
     if len(sets) > 1:
         info["optimizer"] = {k: v for k, v in sets.items() if k}
     return sets[""], info
+
+
+def _check_chunks(info: dict[str, Any], found: int, where: str, optimizer: bool) -> None:
+    """Every rank file holds as many model chunks as the first, the run's recorded number (virtual pipeline)."""
+    from .vpp import check_recorded
+
+    if info.setdefault("vpp", found) != found:
+        raise CheckpointCorruptError(f"{where}: holds {found} model chunk(s), the first rank file {info['vpp']}")
+    check_recorded(info.get("args"), found, where)
+    if optimizer and found > 1:
+        raise CheckpointError(f"{where}: the distributed optimizer's distrib_optim.pt of virtual pipeline stages "
+                              "(one gradient buffer per model chunk) is not read by ckptio; its torch_dist "
+                              "checkpoints are")
+
+
+def _merge_chunk(shards: list[tuple[str, dict[str, dict[str, torch.Tensor]]]],
+                 ) -> tuple[str, dict[str, dict[tuple[str, int | None], torch.Tensor]], list[int]]:
+    """One model chunk of a pipeline stage merged over its TP ranks' ``shards``: where it was read, each part's
+    tensors keyed by (name with the layer left out, chunk-local layer or ``None``), the chunk's layer numbers."""
+    where, first = shards[0]
+    keys = list(first[""])
+    for other, parts in shards[1:]:
+        if set(parts[""]) != set(keys):
+            raise CheckpointCorruptError(f"{other}: holds other parameters than {where}: "
+                                         f"{sorted(set(parts['']) ^ set(keys))[:3]}")
+    out: dict[str, dict[tuple[str, int | None], torch.Tensor]] = {part: {} for part in first}
+    layers: set[int] = set()
+    for key in keys:
+        name, split, layer = _kind(key, where)
+        if layer is not None:
+            layers.add(layer)
+        for part in first:
+            out[part][(name, layer)] = merge_tp([p[part][key] for _, p in shards], split, key, where)
+    return where, out, sorted(layers)
 
 
 def _legacy_optimizer(root: Folder, files: dict[tuple[int, int], str]) -> Any:
@@ -384,7 +421,7 @@ class MegatronFormat(Format):
         extra = options.extra
         megatron_write.write(source, opened.extras, out, tp=extra.get("tp"), pp=extra.get("pp"),
                              layout=extra.get("layout", "dist"), iteration=opened.step,
-                             divisible_by=extra.get("divisible_by"), like=extra.get("like"))
+                             divisible_by=extra.get("divisible_by"), like=extra.get("like"), vpp=extra.get("vpp"))
 
     def describe(self, path: Path) -> dict[str, Any]:
         from dataclasses import asdict

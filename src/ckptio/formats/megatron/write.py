@@ -160,36 +160,46 @@ def write_dist(folder: Path, tensors: dict[str, torch.Tensor], args: argparse.Na
 
 
 def write_legacy(folder: Path, tensors: dict[str, torch.Tensor], args: argparse.Namespace, iteration: int) -> None:
-    """Megatron-LM's legacy layout: each TP × PP rank's shard in ``mp_rank_TT[_PPP]/model_optim_rng.pt``."""
+    """Megatron-LM's legacy layout: each TP × PP rank's shard in ``mp_rank_TT[_PPP]/model_optim_rng.pt``, under
+    ``model`` (or ``model0``, ``model1``... with virtual pipeline stages, :mod:`~ckptio.formats.megatron.vpp`)."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    per_stage = args.num_layers // pp
+    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
     for stage in range(pp):
-        shards: list[dict[str, torch.Tensor | None]] = [collections.OrderedDict() for _ in range(tp)]
-        if stage == 0:
-            for t, part in enumerate(_split(tensors["embedding.word_embeddings.weight"], 0, tp)):
-                shards[t]["embedding.word_embeddings.weight"] = part.clone()
-        for local in range(per_stage):
-            i = stage * per_stage + local
-            for suffix in _suffixes(args):
-                split = LAYER_SPLIT[suffix]
-                name = f"decoder.layers.{local}.{_LEGACY_NAMES.get(suffix, suffix)}"
-                for t, part in enumerate(_split(tensors[f"decoder.layers.{i}.{suffix}"], split, tp)):
-                    shards[t][name] = part.clone()
-            for module in EXTRA_STATE_MODULES:
-                for shard in shards:
-                    shard[f"decoder.layers.{local}.{module}._extra_state"] = None
-        if stage == pp - 1:
-            for t in range(tp):
-                shards[t]["decoder.final_layernorm.weight"] = tensors["decoder.final_layernorm.weight"].clone()
-            if "output_layer.weight" in tensors:
-                for t, part in enumerate(_split(tensors["output_layer.weight"], 0, tp)):
-                    shards[t]["output_layer.weight"] = part.clone()
-                    shards[t]["output_layer._extra_state"] = None
-        for t, shard in enumerate(shards):
+        chunks = [_legacy_chunk(tensors, args, stage, v, vpp) for v in range(vpp)]
+        for t in range(tp):
             rank_dir = folder / (f"mp_rank_{t:02d}" + (f"_{stage:03d}" if pp > 1 else ""))
             rank_dir.mkdir()
-            torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration, "model": shard},
+            models = {"model": chunks[0][t]} if vpp == 1 else {f"model{v}": c[t] for v, c in enumerate(chunks)}
+            torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration, **models},
                        rank_dir / RANK_FILE)
+
+
+def _legacy_chunk(tensors: dict[str, torch.Tensor], args: argparse.Namespace, stage: int, chunk: int,
+                  vpp: int) -> list[dict[str, torch.Tensor | None]]:
+    """Each TP rank's state dict of model chunk ``chunk`` of pipeline ``stage``, its layers numbered from 0."""
+    from .vpp import chunk_layers
+
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    shards: list[dict[str, torch.Tensor | None]] = [collections.OrderedDict() for _ in range(tp)]
+    if stage == 0 and chunk == 0:
+        for t, part in enumerate(_split(tensors["embedding.word_embeddings.weight"], 0, tp)):
+            shards[t]["embedding.word_embeddings.weight"] = part.clone()
+    for local, i in enumerate(chunk_layers(args.num_layers, pp, vpp, stage, chunk)):
+        for suffix in _suffixes(args):
+            name = f"decoder.layers.{local}.{_LEGACY_NAMES.get(suffix, suffix)}"
+            for t, part in enumerate(_split(tensors[f"decoder.layers.{i}.{suffix}"], LAYER_SPLIT[suffix], tp)):
+                shards[t][name] = part.clone()
+        for module in EXTRA_STATE_MODULES:
+            for shard in shards:
+                shard[f"decoder.layers.{local}.{module}._extra_state"] = None
+    if stage == pp - 1 and chunk == vpp - 1:
+        for t in range(tp):
+            shards[t]["decoder.final_layernorm.weight"] = tensors["decoder.final_layernorm.weight"].clone()
+        if "output_layer.weight" in tensors:
+            for t, part in enumerate(_split(tensors["output_layer.weight"], 0, tp)):
+                shards[t]["output_layer.weight"] = part.clone()
+                shards[t]["output_layer._extra_state"] = None
+    return shards
 
 
 # the model sizes a run's args must share with the exported model (Megatron-LM name, what the Llama config gives)
@@ -219,11 +229,13 @@ def like_run(run: Path, ours: argparse.Namespace, tp: int | None, pp: int | None
 
 
 def write(source: Any, extras: Path | None, out: Path, *, tp: int | None, pp: int | None, layout: str, iteration: int,
-          divisible_by: int | None = None, like: str | Path | None = None) -> None:
+          divisible_by: int | None = None, like: str | Path | None = None, vpp: int | None = None) -> None:
     """The run folder ``out`` (new), appearing whole: written beside it, then renamed into place.
 
     ``tp``/``pp``/``divisible_by`` default to 1, 1 and Megatron-LM's 128; ``like``: an existing Megatron run
-    whose recorded arguments give them (and whose model sizes must be this model's)."""
+    whose recorded arguments give them (and whose model sizes must be this model's); ``vpp``: virtual pipeline
+    stages (model chunks per stage, :mod:`~ckptio.formats.megatron.vpp`)."""
+    from . import vpp as virtual
     from ..common import read_json
 
     if layout not in ("dist", "legacy"):
@@ -241,6 +253,7 @@ def write(source: Any, extras: Path | None, out: Path, *, tp: int | None, pp: in
         raise ConfigError(f"--tp and --pp must be at least 1, got TP={tp} PP={pp}")
     args = megatron_args(config, tp, pp, ckpt_format, DIVISIBLE_BY if divisible_by is None else divisible_by,
                          where=cfg)
+    virtual.apply(args, vpp)
     tensors = _tensors(source, config, args)
     from ...storage import LocalFolderWriter
     from ...storage.confined import Folder
