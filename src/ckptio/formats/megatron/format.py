@@ -132,6 +132,8 @@ def read_legacy(folder: Path, *, optimizer: bool = False) -> tuple[dict[str, tor
     root = Folder(folder)
     sets: dict[str, dict[str, torch.Tensor]] = {"": {}}
     info: dict[str, Any] = {"tp": tp, "pp": pp, "placeholders": set()}
+    from .vpp import check_chunks
+
     optim = _legacy_optimizer(root, files) if optimizer else None
     merged: dict[tuple[int, int], tuple[str, dict[str, dict[tuple[str, int | None], torch.Tensor]], list[int]]] = {}
     for stage in range(pp):
@@ -144,7 +146,7 @@ def read_legacy(folder: Path, *, optimizer: bool = False) -> tuple[dict[str, tor
             if t == 0 and stage == 0:
                 info["args"], info["iteration"] = obj.get("args"), obj.get("iteration")
                 _check_ranks(info["args"], tp, pp, root)
-            _check_chunks(info, len(models), where, optim is not None)
+            check_chunks(info, len(models), where, optim is not None)
             for v, model in enumerate(models):
                 parts = {"": model}
                 if optim is not None:
@@ -167,19 +169,6 @@ def read_legacy(folder: Path, *, optimizer: bool = False) -> tuple[dict[str, tor
     if len(sets) > 1:
         info["optimizer"] = {k: v for k, v in sets.items() if k}
     return sets[""], info
-
-
-def _check_chunks(info: dict[str, Any], found: int, where: str, optimizer: bool) -> None:
-    """Every rank file holds as many model chunks as the first, the run's recorded number (virtual pipeline)."""
-    from .vpp import check_recorded
-
-    if info.setdefault("vpp", found) != found:
-        raise CheckpointCorruptError(f"{where}: holds {found} model chunk(s), the first rank file {info['vpp']}")
-    check_recorded(info.get("args"), found, where)
-    if optimizer and found > 1:
-        raise CheckpointError(f"{where}: the distributed optimizer's distrib_optim.pt of virtual pipeline stages "
-                              "(one gradient buffer per model chunk) is not read by ckptio; its torch_dist "
-                              "checkpoints are")
 
 
 def _merge_chunk(shards: list[tuple[str, dict[str, dict[str, torch.Tensor]]]],
@@ -256,11 +245,12 @@ class _DistModel:
                                   "ckptio reads torch_dist checkpoints")
         common, placeholders = megatron_pickle.load(root, "common.pt", max_size=MAX_COMMON_BYTES)
         common = common if isinstance(common, dict) else {}
-        optimizer = common.get("optimizer")
-        state = optimizer.get("state") if isinstance(optimizer, dict) else None
-        step = state.get("common_step") if isinstance(state, dict) else None
+        from .distrib_optim import dist_optimizer_step
+
+        step, sharding = dist_optimizer_step(common.get("optimizer"), root.display("common.pt"))
         self.info: dict[str, Any] = {"args": common.get("args"), "iteration": common.get("iteration"),
-                                     "placeholders": set(placeholders), "optimizer_step": step}
+                                     "placeholders": set(placeholders), "optimizer_step": step,
+                                     "optimizer_sharding": sharding}
         self.source = dcp_format.DCPSource(root)
         self._stacked: dict[str, torch.Tensor] = {}
         self.index: dict[str, TensorInfo] = {}
@@ -400,7 +390,11 @@ class MegatronFormat(Format):
         if layout_of(folder) != "dist":
             return None
         moments = {m: MegatronSource(path, prefix=f"optimizer.state.{m}.") for m in ("exp_avg", "exp_avg_sq")}
-        step = moments["exp_avg"].info.get("optimizer_step")
+        step, sharding = moments["exp_avg"].info.get("optimizer_step"), moments["exp_avg"].info["optimizer_sharding"]
+        if sharding is not None and not moments["exp_avg"].index():
+            raise CheckpointError(f"{path}: the distributed optimizer's state is saved in its {sharding!r} format "
+                                  "(each data-parallel group's flat buckets); ckptio reads its fully_reshardable "
+                                  "format (Megatron-LM's --dist-ckpt-optim-fully-reshardable)")
         if not moments["exp_avg"].index() or step is None:
             return None
         return float(step), {m: _as_llama(source) for m, source in moments.items()}
@@ -418,10 +412,17 @@ class MegatronFormat(Format):
     def write(self, opened: Opened, source: Any, out: Path, options: WriteOptions) -> None:
         from . import write as megatron_write
 
-        extra = options.extra
-        megatron_write.write(source, opened.extras, out, tp=extra.get("tp"), pp=extra.get("pp"),
-                             layout=extra.get("layout", "dist"), iteration=opened.step,
-                             divisible_by=extra.get("divisible_by"), like=extra.get("like"), vpp=extra.get("vpp"))
+        from .optim_write import open_adam
+
+        extra, adam = options.extra, open_adam(opened)  # a ckptio checkpoint's Adam state goes along
+        try:
+            megatron_write.write(source, opened.extras, out, tp=extra.get("tp"), pp=extra.get("pp"),
+                                 layout=extra.get("layout", "dist"), iteration=opened.step,
+                                 divisible_by=extra.get("divisible_by"), like=extra.get("like"), vpp=extra.get("vpp"),
+                                 adam=adam)
+        finally:
+            if adam is not None:
+                adam.close()
 
     def describe(self, path: Path) -> dict[str, Any]:
         from dataclasses import asdict

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ...errors import CheckpointCorruptError, ConfigError
+from ...errors import CheckpointCorruptError, CheckpointError, ConfigError
 
 __all__ = ["apply", "chunk_layers", "chunk_models"]
 
@@ -33,6 +33,18 @@ def chunk_models(obj: dict[str, Any], where: object) -> list[Any]:
         raise CheckpointCorruptError(f"{where}: holds the model chunks {[f'model{n}' for n in numbered[:6]]}, not "
                                      "model0, model1... without a gap")
     return [obj[f"model{n}"] for n in numbered]
+
+
+def check_chunks(info: dict[str, Any], found: int, where: str, optimizer: bool) -> None:
+    """Every rank file holds as many model chunks as the first, the run's recorded number; the distributed
+    optimizer's files of a run with chunks are refused (one gradient buffer per chunk: not read)."""
+    if info.setdefault("vpp", found) != found:
+        raise CheckpointCorruptError(f"{where}: holds {found} model chunk(s), the first rank file {info['vpp']}")
+    check_recorded(info.get("args"), found, where)
+    if optimizer and found > 1:
+        raise CheckpointError(f"{where}: the distributed optimizer's distrib_optim.pt of virtual pipeline stages "
+                              "(one gradient buffer per model chunk) is not read by ckptio; its torch_dist "
+                              "checkpoints are")
 
 
 def check_recorded(args: Any, found: int, where: object) -> None:

@@ -32,7 +32,7 @@ import torch
 
 from ...errors import CheckpointError, ConfigError
 from .. import hf_fields
-from .layout import GLOBAL_SPLIT, ITERATION_FILE, LAYER_SPLIT, OPTIONAL, RANK_FILE, SIDE_FILES, VOCAB_KEYS
+from .layout import GLOBAL_SPLIT, ITERATION_FILE, LAYER_SPLIT, OPTIONAL, RANK_FILE, SIDE_FILES, VOCAB_KEYS, run_args
 
 DIVISIBLE_BY = 128
 """Megatron-LM's default ``--make-vocab-size-divisible-by``."""
@@ -138,15 +138,21 @@ def _suffixes(args: argparse.Namespace) -> list[str]:
     return [s for s in LAYER_SPLIT if s not in OPTIONAL or getattr(args, OPTIONAL[s])]
 
 
-def write_dist(folder: Path, tensors: dict[str, torch.Tensor], args: argparse.Namespace, iteration: int) -> None:
-    """Megatron-Core's torch_dist layout: whole tensors, layers stacked, ``_extra_state`` for each linear."""
+def write_dist(folder: Path, tensors: dict[str, torch.Tensor], args: argparse.Namespace, iteration: int,
+               moments: dict[str, dict[str, torch.Tensor]] | None = None, common: dict[str, Any] | None = None) -> None:
+    """Megatron-Core's torch_dist layout: whole tensors, layers stacked, ``_extra_state`` for each linear; with
+    ``moments`` (Adam's, named like ``tensors``) under ``optimizer.state.<moment>.``, and ``common`` entries
+    added to ``common.pt`` (:mod:`~ckptio.formats.megatron.optim_write`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     layers = args.num_layers
-    state: dict[str, Any] = {k: v for k, v in tensors.items() if k in GLOBAL_SPLIT}
-    for suffix in _suffixes(args):
-        state[f"decoder.layers.{suffix}"] = torch.stack([tensors[f"decoder.layers.{i}.{suffix}"] for i in range(layers)])
+    state: dict[str, Any] = {}
+    for prefix, named in [("", tensors)] + [(f"optimizer.state.{m}.", t) for m, t in (moments or {}).items()]:
+        state.update({prefix + k: v for k, v in named.items() if k in GLOBAL_SPLIT})
+        for suffix in _suffixes(args):
+            state[f"{prefix}decoder.layers.{suffix}"] = torch.stack([named[f"decoder.layers.{i}.{suffix}"]
+                                                                     for i in range(layers)])
     for module in EXTRA_STATE_MODULES:  # Megatron-Core's strict load asks for these objects (None: no FP8 state)
         for i in range(layers):
             state[f"decoder.layers.{module}._extra_state/shard_{i}_{layers}"] = [None]
@@ -154,7 +160,8 @@ def write_dist(folder: Path, tensors: dict[str, torch.Tensor], args: argparse.Na
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder), thread_count=1), no_dist=True,
                  planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
-    torch.save({"args": args, "iteration": iteration, "checkpoint_version": 3.0}, folder / "common.pt")
+    torch.save({"args": args, "iteration": iteration, "checkpoint_version": 3.0, **(common or {})},
+               folder / "common.pt")
     (folder / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                                                       "common_backend": "torch", "common_backend_version": 1}))
 
@@ -229,12 +236,14 @@ def like_run(run: Path, ours: argparse.Namespace, tp: int | None, pp: int | None
 
 
 def write(source: Any, extras: Path | None, out: Path, *, tp: int | None, pp: int | None, layout: str, iteration: int,
-          divisible_by: int | None = None, like: str | Path | None = None, vpp: int | None = None) -> None:
+          divisible_by: int | None = None, like: str | Path | None = None, vpp: int | None = None,
+          adam: Any = None) -> None:
     """The run folder ``out`` (new), appearing whole: written beside it, then renamed into place.
 
     ``tp``/``pp``/``divisible_by`` default to 1, 1 and Megatron-LM's 128; ``like``: an existing Megatron run
     whose recorded arguments give them (and whose model sizes must be this model's); ``vpp``: virtual pipeline
-    stages (model chunks per stage, :mod:`~ckptio.formats.megatron.vpp`)."""
+    stages (model chunks per stage, :mod:`~ckptio.formats.megatron.vpp`); ``adam``: the source's Adam state
+    (:class:`~ckptio.formats.megatron.optim_write.SourceAdam`), written beside the weights."""
     from . import vpp as virtual
     from ..common import read_json
 
@@ -254,14 +263,24 @@ def write(source: Any, extras: Path | None, out: Path, *, tp: int | None, pp: in
     args = megatron_args(config, tp, pp, ckpt_format, DIVISIBLE_BY if divisible_by is None else divisible_by,
                          where=cfg)
     virtual.apply(args, vpp)
+    if like is not None and adam is not None:
+        args.global_batch_size = getattr(run_args(Path(like)), "global_batch_size", None)
+    extra: dict[str, Any] = {}
+    if adam is not None:
+        from .optim_write import MOMENTS, common_entries
+
+        extra["common"] = common_entries(adam, args, layout)
+        extra["moments"] = {m: _tensors(adam.moments[m], config, args) for m in MOMENTS}
     tensors = _tensors(source, config, args)
     from ...storage import LocalFolderWriter
     from ...storage.confined import Folder
 
     writer = LocalFolderWriter.create(out)  # fsynced and renamed into place at commit, like every convert output
     try:
-        (write_dist if layout == "dist" else write_legacy)(writer.local_path(f"iter_{iteration:07d}"), tensors, args,
-                                                           iteration)
+        if layout == "dist":
+            write_dist(writer.local_path(f"iter_{iteration:07d}"), tensors, args, iteration, **extra)
+        else:
+            write_legacy(writer.local_path(f"iter_{iteration:07d}"), tensors, args, iteration)
         writer.write_bytes(ITERATION_FILE, str(iteration).encode())
         for name in SIDE_FILES:  # generation config and tokenizer, for the way back to Hugging Face
             if extras is not None and (extras / name).is_file():
