@@ -33,7 +33,7 @@ from ...errors import CheckpointCorruptError, CheckpointError
 from ...storage.confined import Folder
 
 __all__ = ["DISTRIB_OPTIM_FILE", "STATE_KEYS", "bucket_size", "dist_optimizer_step", "flat_layout", "optimizer_step",
-           "rank_state"]
+           "rank_state", "read_common"]
 
 DISTRIB_OPTIM_FILE = "distrib_optim.pt"
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
@@ -142,11 +142,32 @@ def dist_optimizer_step(optimizer: Any, where: object) -> tuple[float | None, st
     state = optimizer.get("state")
     if isinstance(state, dict) and "common_step" in state:
         step = state["common_step"]
+        if callable(getattr(step, "load", None)) and getattr(step, "numel", None) == 1:  # safe_pickle's LazyTensor
+            step = step.load()
         step = step.item() if isinstance(step, torch.Tensor) and step.numel() == 1 else step
         if type(step) not in (int, float) or not math.isfinite(step) or step < 0:
             raise CheckpointCorruptError(f"{where}: the optimizer's common_step is {str(step)[:40]!r}, not a step")
         return float(step), kind
     return (optimizer_step(optimizer, where) if kind in RESHARDABLE else None), kind
+
+
+def read_common(root: Folder) -> tuple[dict[str, Any], list[str], float | None, str | None]:
+    """A torch_dist checkpoint's ``common.pt`` (only its pickle is read, so a large or sparse file costs no memory;
+    of its tensors, only the step), its placeholder classes, Adam's step and the distributed optimizer's sharding
+    format (:func:`dist_optimizer_step`)."""
+    from . import safe_pickle as megatron_pickle
+
+    where = root.display("common.pt")
+    common, placeholders, handle = megatron_pickle.open_lazy(root, "common.pt")
+    try:
+        common = common if isinstance(common, dict) else {}
+        step, sharding = dist_optimizer_step(common.get("optimizer"), where)
+    finally:
+        handle.close()
+    args = common.get("args")
+    if args is not None and not isinstance(args, dict) and not hasattr(args, "__dict__"):
+        raise CheckpointCorruptError(f"{where}: its args are a {type(args).__name__}, not the run's arguments")
+    return common, placeholders, step, sharding
 
 
 def _buffers(obj: Any, where: object, dtype: torch.dtype) -> dict[str, Any]:

@@ -38,7 +38,7 @@ from ...storage.confined import Folder
 from ...storage.parse import json_object
 from ..common import TensorInfo, dtype_name
 from .config import _arg, args_from_files, hf_config
-from .layout import (GLOBAL_SPLIT, ITERATION_FILE, LAYER_SPLIT, MAX_COMMON_BYTES, NEMO_RANK_FILE, OPTIONAL, VOCAB_KEYS,
+from .layout import (GLOBAL_SPLIT, ITERATION_FILE, LAYER_SPLIT, NEMO_RANK_FILE, OPTIONAL, VOCAB_KEYS,
                      _LAYER, _RENAME, _rank_files, carry_side_files, iteration_folder, layout_of)
 from ..registry import Format, Opened, WriteOptions, register
 
@@ -234,7 +234,7 @@ class _DistModel:
         """``prefix``: read the tensors under it instead of the weights (``optimizer.state.exp_avg.``: Adam's
         first moments, keyed like the weights)."""
         from ..dcp import format as dcp_format
-        from . import safe_pickle as megatron_pickle
+        from .distrib_optim import read_common
 
         if not (folder / "common.pt").is_file() and (folder / "weights").is_dir():
             folder = folder / "weights"
@@ -243,11 +243,7 @@ class _DistModel:
         if meta.get("sharded_backend") != "torch_dist":
             raise CheckpointError(f"{root.display('metadata.json')}: sharded backend {meta.get('sharded_backend')!r}; "
                                   "ckptio reads torch_dist checkpoints")
-        common, placeholders = megatron_pickle.load(root, "common.pt", max_size=MAX_COMMON_BYTES)
-        common = common if isinstance(common, dict) else {}
-        from .distrib_optim import dist_optimizer_step
-
-        step, sharding = dist_optimizer_step(common.get("optimizer"), root.display("common.pt"))
+        common, placeholders, step, sharding = read_common(root)
         self.info: dict[str, Any] = {"args": common.get("args"), "iteration": common.get("iteration"),
                                      "placeholders": set(placeholders), "optimizer_step": step,
                                      "optimizer_sharding": sharding}
