@@ -142,3 +142,20 @@ def test_what_megatron_would_not_train_on_is_refused_by_name(tmp_path):
     with pytest.raises(ConfigError, match="Float16OptimizerWithFloat16Params"):
         convert(bf16, tmp_path / "bf16", "megatron")
     assert not (tmp_path / "legacy").exists() and not (tmp_path / "bf16").exists()
+
+
+def test_the_export_reads_back_as_the_ckptio_state_it_came_from(trained):
+    """ckptio -> Megatron (TP=2, moments padded and fused) -> ckptio's Megatron reader: every weight and moment
+    is the source's, bitwise, under the Hugging Face names, and the step is its step."""
+    from ckptio.formats.megatron.format import MegatronFormat, MegatronSource, _as_llama
+
+    _, model, opt, out = trained
+    step, moments = MegatronFormat().open_adam(out)
+    weights = _as_llama(MegatronSource(out))
+    assert step == 2.0
+    names = dict(model.named_parameters())
+    assert set(weights.index()) == set(names) == set(moments["exp_avg"].index())
+    for name, p in names.items():
+        assert torch.equal(weights.read(name), p.detach()), name
+        for moment, source in moments.items():
+            assert torch.equal(source.read(name), opt.state[p][moment]), (moment, name)
