@@ -626,7 +626,8 @@ def main():
         if a.train is not None:
             import megatron_optim
 
-            fn, args, ranks = megatron_optim.train_worker, (a.tp, a.train, a.out, store_file), a.tp
+            dp = a.dp or 1
+            fn, args, ranks = megatron_optim.train_worker, (a.tp, dp, a.train, a.out, store_file), a.tp * dp
         mp.start_processes(fn, args=args, nprocs=ranks, join=True, start_method=a.start_method)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -14,6 +14,10 @@ torch_dist iteration folder what Megatron-LM's ``save_checkpoint`` writes for it
   constant schedule at the source's learning rate and weight decay, ``num_steps`` = step × the run's global batch
   size (Megatron-LM counts samples; 1 without ``--like``).
 
+With ``optimizer="distributed"`` (``--megatron-optimizer distributed``) the ``optimizer`` entry is the
+``DistributedOptimizer``'s in its ``fully_reshardable`` format instead: the step in every parameter group,
+``param_state_sharding_type``, and the fp32 master copies (the weights) as ``optimizer.state.param.<key>``.
+
 Refused by name: an optimizer that is not Adam (no moments for some parameter), steps that differ between
 parameters, hyper-parameters that differ inside one of megatron's groups, and reduced-precision weights (a bf16 or
 fp16 model trains with megatron's ``Float16OptimizerWithFloat16Params``, whose fp32 master copies ckptio does not
@@ -138,8 +142,14 @@ def scheduler_state(groups: list[dict[str, Any]], step: float, args: argparse.Na
             "end_wd": wd, "wd_incr_style": "constant", "wd_incr_steps": max(1, int(step) * int(batch))}
 
 
-def common_entries(adam: SourceAdam, args: argparse.Namespace, layout: str) -> dict[str, Any]:
-    """What ``common.pt`` gets besides the model's entries: ``optimizer`` and ``opt_param_scheduler``."""
+def common_entries(adam: SourceAdam, args: argparse.Namespace, layout: str, kind: str = "plain") -> dict[str, Any]:
+    """What ``common.pt`` gets besides the model's entries: ``optimizer`` and ``opt_param_scheduler``; ``kind``
+    ``"distributed"``: the ``optimizer`` entry of megatron-core's ``DistributedOptimizer`` in its
+    ``fully_reshardable`` format (the step in every parameter group; the fp32 master copies, here the weights,
+    go beside the moments as ``optimizer.state.param.<key>``)."""
+    if kind not in ("plain", "distributed"):
+        raise ConfigError(f"--megatron-optimizer {kind!r}: use 'plain' (megatron-core's FP32Optimizer) or "
+                          "'distributed' (its DistributedOptimizer, fully_reshardable format)")
     if layout != "dist":
         raise ConfigError(f"{adam.where}: the optimizer is written into torch_dist exports only (the legacy layout's "
                           "'optimizer' entry keys Adam's state by parameter position on each rank); use "
@@ -150,5 +160,8 @@ def common_entries(adam: SourceAdam, args: argparse.Namespace, layout: str) -> d
                           "does not write; convert with --dtype fp32 to carry the optimizer")
     names = {n: tuple(i.shape) for n, i in adam.moments["exp_avg"].index().items()}
     groups = param_groups(adam, names)
-    return {"optimizer": {"state": {"common_step": torch.tensor(adam.step)}, "param_groups": groups},
-            "opt_param_scheduler": scheduler_state(groups, adam.step, args)}
+    optimizer: dict[str, Any] = {"state": {"common_step": torch.tensor(adam.step)}, "param_groups": groups}
+    if kind == "distributed":
+        optimizer = {"optimizer": {"param_groups": [{**g, "step": adam.step} for g in groups]},
+                     "param_state_sharding_type": "fully_reshardable"}
+    return {"optimizer": optimizer, "opt_param_scheduler": scheduler_state(groups, adam.step, args)}

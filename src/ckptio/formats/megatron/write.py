@@ -237,13 +237,14 @@ def like_run(run: Path, ours: argparse.Namespace, tp: int | None, pp: int | None
 
 def write(source: Any, extras: Path | None, out: Path, *, tp: int | None, pp: int | None, layout: str, iteration: int,
           divisible_by: int | None = None, like: str | Path | None = None, vpp: int | None = None,
-          adam: Any = None) -> None:
+          adam: Any = None, optimizer: str = "plain") -> None:
     """The run folder ``out`` (new), appearing whole: written beside it, then renamed into place.
 
     ``tp``/``pp``/``divisible_by`` default to 1, 1 and Megatron-LM's 128; ``like``: an existing Megatron run
     whose recorded arguments give them (and whose model sizes must be this model's); ``vpp``: virtual pipeline
     stages (model chunks per stage, :mod:`~ckptio.formats.megatron.vpp`); ``adam``: the source's Adam state
-    (:class:`~ckptio.formats.megatron.optim_write.SourceAdam`), written beside the weights."""
+    (:class:`~ckptio.formats.megatron.optim_write.SourceAdam`), written beside the weights for megatron-core's
+    ``optimizer`` ("plain" or "distributed")."""
     from . import vpp as virtual
     from ..common import read_json
 
@@ -269,9 +270,11 @@ def write(source: Any, extras: Path | None, out: Path, *, tp: int | None, pp: in
     if adam is not None:
         from .optim_write import MOMENTS, common_entries
 
-        extra["common"] = common_entries(adam, args, layout)
+        extra["common"] = common_entries(adam, args, layout, optimizer)
         extra["moments"] = {m: _tensors(adam.moments[m], config, args) for m in MOMENTS}
     tensors = _tensors(source, config, args)
+    if adam is not None and optimizer == "distributed":
+        extra["moments"]["param"] = tensors  # the fp32 master copies are the (fp32) weights
     from ...storage import LocalFolderWriter
     from ...storage.confined import Folder
 
