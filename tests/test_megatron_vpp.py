@@ -125,3 +125,24 @@ def test_virtual_pipeline_stages_that_do_not_divide_the_layers_are_refused(hf, t
         convert(hf, tmp_path / "a", "megatron", options={"pp": 2, "vpp": 4})
     with pytest.raises(ConfigError, match="--vpp needs --pp"):
         convert(hf, tmp_path / "b", "megatron", options={"vpp": 2})
+
+
+def test_damaged_chunk_tensors_and_args_are_refused_by_name(made, tmp_path):
+    """Found by the megatron_vpp fuzz family: a tensor with fewer dimensions than its TP split, and args saved as a
+    string, were an IndexError and a TypeError; they are CheckpointCorruptError naming the rank file."""
+    import shutil
+
+    from ckptio.errors import CheckpointCorruptError
+    from ckptio.formats.megatron.format import MegatronSource
+
+    for name, change in (("flat", lambda o: o["model1"].__setitem__("decoder.layers.0.mlp.linear_fc2.weight",
+                                                                     torch.zeros(8))),
+                         ("args", lambda o: o.__setitem__("args", "x"))):
+        run = tmp_path / name
+        shutil.copytree(made / "legacy", run)
+        rank = run / "iter_0000002" / ("mp_rank_00_001" if name == "flat" else "mp_rank_00_000") / "model_optim_rng.pt"
+        obj = torch.load(rank, weights_only=False)
+        change(obj)
+        torch.save(obj, rank)
+        with pytest.raises(CheckpointCorruptError, match="mp_rank_00_00"):
+            MegatronSource(run)

@@ -70,6 +70,9 @@ def merge_tp(parts: list[torch.Tensor], split: Any, key: str, where: object) -> 
         return parts[0]
     if len({tuple(p.shape) for p in parts}) != 1:
         raise CheckpointCorruptError(f"{where}: the TP shards of {key!r} differ in shape: {[list(p.shape) for p in parts]}")
+    if parts[0].dim() <= (0 if split == "glu" else split):
+        raise CheckpointCorruptError(f"{where}: {key!r} has {parts[0].dim()} dimensions; it is split along dim "
+                                     f"{0 if split == 'glu' else split}")
     if split == "glu":
         if parts[0].shape[0] % 2:
             raise CheckpointCorruptError(f"{where}: {key!r} has an odd number of rows; it cannot hold [gate; up]")

@@ -36,8 +36,12 @@ def chunk_models(obj: dict[str, Any], where: object) -> list[Any]:
 
 
 def check_chunks(info: dict[str, Any], found: int, where: str, optimizer: bool) -> None:
-    """Every rank file holds as many model chunks as the first, the run's recorded number; the distributed
+    """Every rank file holds as many model chunks as the first, the run's recorded number (in its args, which must
+    be an object of arguments); the distributed
     optimizer's files of a run with chunks are refused (one gradient buffer per chunk: not read)."""
+    args = info.get("args")  # the first rank file's: refused here when it is no object of arguments
+    if args is not None and not isinstance(args, dict) and not hasattr(args, "__dict__"):
+        raise CheckpointCorruptError(f"{where}: the run's args are a {type(args).__name__}, not its arguments")
     if info.setdefault("vpp", found) != found:
         raise CheckpointCorruptError(f"{where}: holds {found} model chunk(s), the first rank file {info['vpp']}")
     check_recorded(info.get("args"), found, where)
