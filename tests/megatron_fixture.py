@@ -53,6 +53,8 @@ EPS, ROPE_BASE = (1e-6, 1000000) if FAMILY != "llama" else (1e-5, 10000)
 # --make-vocab-size-divisible-by of the run (Megatron-LM's default 128); --divisible-by sets it for the ranks
 DIVISIBLE_BY = int(os.environ.get("MEGATRON_FIXTURE_DIVISIBLE_BY", "128"))
 SEED = 1234
+# with --dp: also save torch_dist, the distributed optimizer in these sharding formats (--dist-formats)
+DIST_FORMATS = [f for f in os.environ.get("MEGATRON_FIXTURE_DIST_FORMATS", "").split(",") if f]
 # with --dp: train in bf16 (--bf16; an environment variable so that spawned ranks see it too)
 BF16 = os.environ.get("MEGATRON_FIXTURE_BF16") == "1"
 
@@ -137,7 +139,8 @@ def tp_slice(name, local_shape, tp, rank):
     return tuple(local_shape), lambda t: t  # norms: replicated
 
 
-def build_model(tp, pp, vocab=None, tied=False):
+def build_model(tp, pp, vocab=None, tied=False, vpp=None, vp_stage=None):
+    """This rank's GPTModel (with ``vpp``: its model chunk ``vp_stage`` of the virtual pipeline stages)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -155,21 +158,22 @@ def build_model(tp, pp, vocab=None, tied=False):
         # Create empty CPU params. The weights are filled in later by fill_weights().
         use_cpu_initialization=True, perform_initialization=False,
         params_dtype=torch.float32, pipeline_dtype=torch.float32,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
     )
     return GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=QK_NORM),
         vocab_size=vocab or padded_vocab(tp), max_sequence_length=MAX_POS,
-        pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+        pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
         share_embeddings_and_output_weights=tied, position_embedding_type="rope",
-        rotary_percent=1.0, rotary_base=ROPE_BASE,
+        rotary_percent=1.0, rotary_base=ROPE_BASE, vp_stage=vp_stage,
     )
 
 
-def fill_weights(model, tp, tp_rank, pp_rank, pp, tied=False):
-    """Copy this rank's slice of the seeded full weights into the model."""
-    layer_offset = pp_rank * (NUM_LAYERS // pp)  # local layer numbering restarts on each stage
+def fill_weights(model, tp, tp_rank, pp_rank, pp, tied=False, offset=None):
+    """Copy this rank's slice of the seeded full weights into the model (``offset``: its first layer's number)."""
+    layer_offset = pp_rank * (NUM_LAYERS // pp) if offset is None else offset  # local numbering restarts per stage
     with torch.no_grad():
         for name, p in model.named_parameters():
             parts = name.split(".")
@@ -463,6 +467,9 @@ def distopt_worker(rank, tp, pp, dp, out, iteration, bucket, tied, store_file):
                  "opt_param_scheduler": sched, "rng_state": rng_state(), "num_floating_point_operations_so_far": 0}
         torch.save(state, os.path.join(folder, "model_optim_rng.pt"))
 
+    for fmt in DIST_FORMATS:  # --dist-formats: torch_dist too, the optimizer in megatron-core's sharding format
+        _save_dist_distopt(module, opt, args, sched, os.path.join(out, f"torch_dist_{fmt}"), iteration, fmt, rank)
+
     # Megatron's own state of every parameter, whole (gathered over DP, then over TP and PP), for the tests
     offset = pp_rank * (NUM_LAYERS // pp)
     local = {}
@@ -490,6 +497,27 @@ def distopt_worker(rank, tp, pp, dp, out, iteration, bucket, tied, store_file):
             f.write(str(iteration))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+
+
+def _save_dist_distopt(module, opt, legacy_args, sched, run, iteration, fmt, rank):
+    """Megatron-LM's torch_dist save of a DistributedOptimizer run: model and optimizer sharded state dicts (the
+    optimizer's in sharding format ``fmt``) through ``dist_checkpointing.save``, into the run folder ``run``."""
+    from argparse import Namespace
+
+    from megatron.core import dist_checkpointing
+
+    folder = os.path.join(run, f"iter_{iteration:07d}")
+    os.makedirs(folder, exist_ok=True)
+    torch.distributed.barrier()
+    model_sd = module.sharded_state_dict()
+    state = {"args": Namespace(**{**vars(legacy_args), "ckpt_format": "torch_dist"}), "checkpoint_version": 3.0,
+             "iteration": iteration, "model": model_sd,
+             "optimizer": opt.sharded_state_dict(model_sd, metadata={"distrib_optim_sharding_type": fmt}),
+             "opt_param_scheduler": sched, "num_floating_point_operations_so_far": 0}
+    dist_checkpointing.save(state, folder, content_metadata={"singleton_local_shards": False})
+    if rank == 0:
+        with open(os.path.join(run, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(iteration))
 
 
 def load_worker(rank, tp, pp, src, out, store_file):
@@ -541,6 +569,14 @@ def main():
     ap.add_argument("--bucket", type=int, default=None, help="with --dp: the grad buffer's bucket size (elements)")
     ap.add_argument("--tied", action="store_true", help="with --dp: embeddings tied to the output layer")
     ap.add_argument("--bf16", action="store_true", help="with --dp: a bf16 model with fp32 master copies")
+    ap.add_argument("--dist-formats", default=None,
+                    help="with --dp: also save torch_dist in these comma-separated sharding formats of the "
+                         "distributed optimizer (fully_sharded_model_space, fully_reshardable, dp_reshardable)")
+    ap.add_argument("--vpp", type=int, default=None,
+                    help="virtual pipeline stages: V model chunks per pipeline rank (tests/megatron_vpp.py)")
+    ap.add_argument("--train", default=None,
+                    help="a torch_dist iteration folder with Adam's state: megatron-core's optimizer loads it and "
+                         "trains one step on TP ranks; --out FILE gets the state before and after (megatron_optim.py)")
     ap.add_argument("--start-method", choices=["fork", "spawn"], default="fork",
                     help="fork (default) lets the ranks inherit the parent's megatron import (~2.5 s each)")
     a = ap.parse_args()
@@ -552,6 +588,10 @@ def main():
         global HIDDEN, FFN, KV_CH
         os.environ["MEGATRON_FIXTURE_HIDDEN"] = str(a.hidden)  # for spawned ranks
         HIDDEN, FFN, KV_CH = a.hidden, 2 * a.hidden, a.hidden // HEADS
+    if a.dist_formats:
+        global DIST_FORMATS
+        DIST_FORMATS = a.dist_formats.split(",")
+        os.environ["MEGATRON_FIXTURE_DIST_FORMATS"] = a.dist_formats  # for spawned ranks
     if a.bf16:
         global BF16
         BF16 = True
@@ -562,7 +602,7 @@ def main():
         QKV_BIAS, QK_NORM = a.family == "qwen2", a.family == "qwen3"
         EPS, ROPE_BASE = (1e-6, 1000000) if a.family != "llama" else (1e-5, 10000)
     assert GROUPS % a.tp == 0 and NUM_LAYERS % a.pp == 0, "unsupported TP/PP for the tiny model"
-    if a.load is None and a.dp is None:  # dist_checkpointing.save expects the target directory to exist
+    if a.load is None and a.dp is None and a.train is None:  # dist_checkpointing.save expects the target directory to exist
         os.makedirs(os.path.join(a.out, "torch_dist", f"iter_{a.iteration:07d}"), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="megatron_fixture_")
     try:
@@ -578,6 +618,16 @@ def main():
             assert a.load is None and a.pp <= 2, "--dp trains on TP x PP x DP ranks, at most two pipeline stages"
             fn, args = distopt_worker, (a.tp, a.pp, a.dp, a.out, a.iteration, a.bucket, a.tied, store_file)
             ranks = a.tp * a.pp * a.dp
+        if a.vpp is not None:
+            import megatron_vpp
+
+            fn, args = (megatron_vpp.save_worker, (a.tp, a.pp, a.vpp, a.out, a.iteration, store_file)) \
+                if a.load is None else (megatron_vpp.load_worker, (a.tp, a.pp, a.vpp, a.load, a.out, store_file))
+        if a.train is not None:
+            import megatron_optim
+
+            dp = a.dp or 1
+            fn, args, ranks = megatron_optim.train_worker, (a.tp, dp, a.train, a.out, store_file), a.tp * dp
         mp.start_processes(fn, args=args, nprocs=ranks, join=True, start_method=a.start_method)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

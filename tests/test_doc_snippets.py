@@ -42,6 +42,23 @@ class Run:
     elsewhere: str = ""   # run by another test, named here
 
 
+_MEGATRON_RUN = """
+import shutil, subprocess, sys
+subprocess.run([sys.executable, sys.path[0] + "/megatron_fixture.py", "--out", "made"], check=True, capture_output=True)
+shutil.copytree("made/torch_dist", "megatron-run")  # megatron-core's torch_dist run: iteration 2, one Adam step
+"""
+_MEGATRON_RESTORED = """
+assert info.step == 2 and info.counters["optimizer_restored"] is True
+assert all(float(optimizer.state[p]["step"]) == 1.0 and optimizer.state[p]["exp_avg"].abs().sum() > 0
+           for p in model.parameters())
+"""
+
+
+def blocks_of(page: str) -> list[str]:
+    """The ``python`` blocks of one page, in order."""
+    return re.findall(r"```python\n(.*?)\n```", (ROOT / page).read_text(), re.S)
+
+
 _TINY = """
 import torch
 from toy import Counter
@@ -236,6 +253,16 @@ assert __import__("os").path.isdir("checkpoints/epoch_0_step_99")"""),
         python="automodel"),
     "docs/migrate-automodel.md: from nemo_automodel": Run(
         _AUTOMODEL.replace("WRITER", _BY_CKPTIO), _SAME_AS_SAVED, python="automodel"),
+    "docs/migrate-megatron.md: import torch": Run(_MEGATRON_RUN, _MEGATRON_RESTORED),
+    "docs/migrate-megatron.md: from ckptio import committed_checkpoints": Run(
+        _MEGATRON_RUN + blocks_of("docs/migrate-megatron.md")[0], """
+import math, subprocess, sys
+subprocess.run([sys.executable, sys.path[0] + "/megatron_fixture.py", "--tp", "2", "--train",
+                "back-to-megatron/iter_0000002", "--out", "trained.pt"], check=True, capture_output=True)
+trained = torch.load("trained.pt")  # megatron-core's optimizer loaded it strictly and took a step
+assert trained["iteration"] == 2 and math.isfinite(trained["loss"])
+assert all(p["before"]["step"] == 1.0 and p["after"]["step"] == 2.0 for p in trained["params"].values())
+"""),
     "docs/converters.md: from ckptio.convert import Converter, Rule, register": Run("", """
 import torch
 from ckptio.convert import check_invertible, get_converter

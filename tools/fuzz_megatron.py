@@ -1,17 +1,27 @@
-"""The fuzz family of Megatron's distributed optimizer in the legacy layout (see ``fuzz_readers.py`` for the oracle):
+"""The fuzz families of Megatron checkpoints (see ``fuzz_readers.py`` for the oracle).
+
+``megatron_distopt``, Megatron's distributed optimizer in the legacy layout:
 a run folder written by the real megatron-core (``tests/megatron_fixture.py --dp 2``: TP=2 x DP=2, three steps of
 its ``DistributedOptimizer``, ``model_optim_rng.pt`` and ``distrib_optim.pt`` per TP rank; built once, kept in the
 fuzzer's scratch folder), damaged one to three files at a time — three times in four a ``distrib_optim.pt`` —
 as bytes, pickles, whole entries and the saved object itself, then read as a resume does: the format's
 detection, the weights, and Adam's moments, master copies and step. An untouched folder must read exactly what
 the pristine one holds; a damaged one that still reads must still have every fp32 master copy equal to its
-weight (the reader's own promise)."""
+weight (the reader's own promise).
+
+``megatron_vpp``: the legacy rank files of a run with virtual pipeline stages (``megatron_fixture.py --pp 2 --vpp
+2``: ``model0``/``model1`` in each), damaged as above, three times in four a rank file, read as a conversion and a
+resume do (detection, every chunk's weights, no Adam state). ``megatron_dist_distopt``: a torch_dist checkpoint of
+the DistributedOptimizer in its ``fully_reshardable`` format (``--dp 2 --dist-formats fully_reshardable``: the
+step in ``common.pt``'s parameter groups, the moments in the DCP files), three times in four ``common.pt`` or
+``.metadata`` damaged, read for its weights and Adam's moments and step."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from fuzz_frameworks import _fixed_dir, _kinds, _objects, _place, damage
@@ -76,4 +86,66 @@ class MegatronDistOpt:
             raise WrongResult("an undamaged Megatron checkpoint read other values")
 
 
-FAMILIES = {"megatron_distopt": MegatronDistOpt()}
+def _fixture(name: str, sub: str, *args: str) -> Path:
+    out = _fixed_dir(name)
+    if not (out / sub / "latest_checkpointed_iteration.txt").is_file():
+        cmd = [sys.executable, str(HERE.parent / "tests" / "megatron_fixture.py"), *args, "--out", str(out)]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if r.returncode != 0:
+            raise RuntimeError(f"the megatron-core run failed: {r.stderr[-2000:]}")
+    return out / sub
+
+
+def _read_any(root: Path) -> dict[str, torch.Tensor]:
+    """Detection, the weights as a conversion reads them, and Adam's state as a resume does."""
+    from ckptio.formats import registry
+    from ckptio.formats.megatron.format import MegatronSource
+
+    fmt = registry.detect(root)
+    got: dict[str, torch.Tensor] = dict(adam_tensors(fmt, root))
+    source = MegatronSource(root)
+    got.update({f"model/{k}": source.read(k) for k in source.index()})
+    return got
+
+
+class _Damaged(MegatronDistOpt):
+    """A megatron-core run's folder, damaged mostly in the files whose names end with one of ``favour``."""
+
+    def __init__(self, run: Any, favour: tuple[str, ...]) -> None:
+        self.run, self.favour = run, favour
+
+    def prepare(self) -> None:
+        if hasattr(self, "image"):
+            return
+        root = self.run()
+        self.image = load_image(root)
+        self.objs = _objects(self.image)
+        self.want = _read_any(root)
+
+    def __call__(self, rng: Case, tmp: Path) -> None:
+        self.prepare()
+        rng.reading = False
+        image = dict(self.image)
+        kinds = _kinds(image)
+        if rng.random() < 0.75:
+            kinds = {k: v for k, v in kinds.items() if k.endswith(self.favour)} or kinds
+        touched = set() if rng.pristine else damage(rng, image, kinds, tmp, self.objs, manifest=None)
+        root = tmp / "run"
+        _place(rng, image, root, tmp)
+        rng.reading = True
+        got = _read_any(root)
+        if touched:
+            return
+        if set(got) != set(self.want) or any(not torch.equal(got[k], v) for k, v in self.want.items()):
+            raise WrongResult("an undamaged Megatron checkpoint read other values")
+
+
+FAMILIES = {
+    "megatron_distopt": MegatronDistOpt(),
+    "megatron_vpp": _Damaged(lambda: _fixture("megatron-vpp", "legacy", "--tp", "1", "--pp", "2", "--vpp", "2"),
+                             ("model_optim_rng.pt",)),
+    "megatron_dist_distopt": _Damaged(lambda: _fixture("megatron-dist-distopt", "torch_dist_fully_reshardable",
+                                                       "--tp", "2", "--dp", "2", "--iteration", "3", "--hidden", "48",
+                                                       "--dist-formats", "fully_reshardable"),
+                                      ("common.pt", ".metadata")),
+}

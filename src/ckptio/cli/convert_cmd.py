@@ -29,6 +29,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-shard-size", default="5GB", help="largest file of an hf target (default 5GB)")
     p.add_argument("--tp", type=int, default=None, help="megatron target: tensor-parallel size to split for (default 1)")
     p.add_argument("--pp", type=int, default=None, help="megatron target: pipeline stages to split into (default 1)")
+    p.add_argument("--vpp", type=int, default=None,
+                   help="megatron target: virtual pipeline stages (model chunks per pipeline stage; default none)")
+    p.add_argument("--megatron-optimizer", choices=["plain", "distributed"], default=None,
+                   help="megatron target from a checkpoint with Adam's state: the optimizer megatron-core will load "
+                        "it into (plain: FP32Optimizer, the default; distributed: DistributedOptimizer, "
+                        "fully_reshardable format)")
     p.add_argument("--vocab-divisible-by", type=int, default=None, metavar="N",
                    help="megatron target: pad the vocabulary to a multiple of N x TP rows, as the run's "
                         "--make-vocab-size-divisible-by (default 128)")
@@ -47,6 +53,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 TARGETS = ("step_dir", "nemo", "deepspeed-universal", "megatron", "dcp", "safetensors", "hf", "lightning", "torch")
 """The formats ckptio writes, for ``--to``'s help: the registry's writable ones (``tests/test_cli.py`` holds them
 equal), written out so that ``--help`` does not import every format, torch included."""
+
+
+def _megatron_flags(args: argparse.Namespace) -> list[str]:
+    """The options given that apply to ``--to megatron`` only."""
+    return [flag for flag, value in (("--tp", args.tp), ("--pp", args.pp), ("--vpp", args.vpp),
+                                     ("--megatron-optimizer", args.megatron_optimizer), ("--like", args.like),
+                                     ("--vocab-divisible-by", args.vocab_divisible_by)) if value is not None]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -72,8 +85,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"ckptio convert: error: --to {args.to!r}: not a format ckptio writes; use one of "
               f"{', '.join(formats.FORMATS)}", file=sys.stderr)
         return 2
-    megatron_only = [flag for flag, value in (("--tp", args.tp), ("--pp", args.pp), ("--like", args.like),
-                                              ("--vocab-divisible-by", args.vocab_divisible_by)) if value is not None]
+    megatron_only = _megatron_flags(args)
     if megatron_only and args.to != "megatron":
         print(f"ckptio convert: error: {', '.join(megatron_only)} only apply to --to megatron", file=sys.stderr)
         return 2
@@ -89,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         out = formats.convert(args.source, args.dest, args.to, dtype=args.dtype, max_shard_size=args.max_shard_size,
                               naming=args.naming, progress=on_open,
-                              options={"tp": args.tp, "pp": args.pp, "layout": args.megatron_layout,
+                              options={"tp": args.tp, "pp": args.pp, "vpp": args.vpp,
+                                       "optimizer": args.megatron_optimizer, "layout": args.megatron_layout,
                                        "divisible_by": args.vocab_divisible_by, "like": args.like},
                               config=args.config)
     finally:

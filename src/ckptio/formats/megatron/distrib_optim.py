@@ -32,7 +32,8 @@ import torch
 from ...errors import CheckpointCorruptError, CheckpointError
 from ...storage.confined import Folder
 
-__all__ = ["DISTRIB_OPTIM_FILE", "STATE_KEYS", "bucket_size", "flat_layout", "optimizer_step", "rank_state"]
+__all__ = ["DISTRIB_OPTIM_FILE", "STATE_KEYS", "bucket_size", "dist_optimizer_step", "flat_layout", "optimizer_step",
+           "rank_state", "read_common"]
 
 DISTRIB_OPTIM_FILE = "distrib_optim.pt"
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
@@ -123,6 +124,50 @@ def optimizer_step(optimizer: Any, where: object) -> float | None:
         raise CheckpointCorruptError(f"{where}: the optimizer's parameter groups record the steps "
                                      f"{[str(s)[:20] for s in steps[:4]]}, not one step")
     return float(steps[0])
+
+
+RESHARDABLE = ("fully_reshardable", "fully_sharded_model_space")
+"""The distributed optimizer's torch_dist formats that key Adam's state like the model (``optimizer.state.exp_avg.
+<model key>``, whole tensors); its others (``dp_reshardable``...) keep each data-parallel group's flat buckets."""
+
+
+def dist_optimizer_step(optimizer: Any, where: object) -> tuple[float | None, str | None]:
+    """The Adam step of a torch_dist checkpoint's common ``optimizer`` entry — the plain optimizer's
+    ``state.common_step``, or the distributed optimizer's parameter groups' step — and the distributed optimizer's
+    sharding format (``param_state_sharding_type``; ``None`` for the plain optimizer)."""
+    if not isinstance(optimizer, dict):
+        return None, None
+    kind = optimizer.get("param_state_sharding_type")
+    kind = None if kind is None else str(kind)[:60]
+    state = optimizer.get("state")
+    if isinstance(state, dict) and "common_step" in state:
+        step = state["common_step"]
+        if callable(getattr(step, "load", None)) and getattr(step, "numel", None) == 1:  # safe_pickle's LazyTensor
+            step = step.load()
+        step = step.item() if isinstance(step, torch.Tensor) and step.numel() == 1 else step
+        if type(step) not in (int, float) or not math.isfinite(step) or step < 0:
+            raise CheckpointCorruptError(f"{where}: the optimizer's common_step is {str(step)[:40]!r}, not a step")
+        return float(step), kind
+    return (optimizer_step(optimizer, where) if kind in RESHARDABLE else None), kind
+
+
+def read_common(root: Folder) -> tuple[dict[str, Any], list[str], float | None, str | None]:
+    """A torch_dist checkpoint's ``common.pt`` (only its pickle is read, so a large or sparse file costs no memory;
+    of its tensors, only the step), its placeholder classes, Adam's step and the distributed optimizer's sharding
+    format (:func:`dist_optimizer_step`)."""
+    from . import safe_pickle as megatron_pickle
+
+    where = root.display("common.pt")
+    common, placeholders, handle = megatron_pickle.open_lazy(root, "common.pt")
+    try:
+        common = common if isinstance(common, dict) else {}
+        step, sharding = dist_optimizer_step(common.get("optimizer"), where)
+    finally:
+        handle.close()
+    args = common.get("args")
+    if args is not None and not isinstance(args, dict) and not hasattr(args, "__dict__"):
+        raise CheckpointCorruptError(f"{where}: its args are a {type(args).__name__}, not the run's arguments")
+    return common, placeholders, step, sharding
 
 
 def _buffers(obj: Any, where: object, dtype: torch.dtype) -> dict[str, Any]:

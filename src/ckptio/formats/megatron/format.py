@@ -38,7 +38,7 @@ from ...storage.confined import Folder
 from ...storage.parse import json_object
 from ..common import TensorInfo, dtype_name
 from .config import _arg, args_from_files, hf_config
-from .layout import (GLOBAL_SPLIT, ITERATION_FILE, LAYER_SPLIT, MAX_COMMON_BYTES, NEMO_RANK_FILE, OPTIONAL, VOCAB_KEYS,
+from .layout import (GLOBAL_SPLIT, ITERATION_FILE, LAYER_SPLIT, NEMO_RANK_FILE, OPTIONAL, VOCAB_KEYS,
                      _LAYER, _RENAME, _rank_files, carry_side_files, iteration_folder, layout_of)
 from ..registry import Format, Opened, WriteOptions, register
 
@@ -70,6 +70,9 @@ def merge_tp(parts: list[torch.Tensor], split: Any, key: str, where: object) -> 
         return parts[0]
     if len({tuple(p.shape) for p in parts}) != 1:
         raise CheckpointCorruptError(f"{where}: the TP shards of {key!r} differ in shape: {[list(p.shape) for p in parts]}")
+    if parts[0].dim() <= (0 if split == "glu" else split):
+        raise CheckpointCorruptError(f"{where}: {key!r} has {parts[0].dim()} dimensions; it is split along dim "
+                                     f"{0 if split == 'glu' else split}")
     if split == "glu":
         if parts[0].shape[0] % 2:
             raise CheckpointCorruptError(f"{where}: {key!r} has an odd number of rows; it cannot hold [gate; up]")
@@ -79,29 +82,33 @@ def merge_tp(parts: list[torch.Tensor], split: Any, key: str, where: object) -> 
 
 
 # ------------------------------------------------------------------------------------------------ the layouts
-def _rank_file(root: Folder, rel: str) -> tuple[dict[str, Any], list[str], dict[str, torch.Tensor]]:
+def _rank_file(root: Folder, rel: str) -> tuple[dict[str, Any], list[str], list[dict[str, torch.Tensor]]]:
     """A legacy rank file's object, its placeholder classes and its model's weights (canonical prefixes stripped,
-    ``_extra_state`` dropped). Read lazily: only the pickle and the model's tensors, never the whole file at once
-    (a rank file can be as large as the rank's share of the model)."""
+    ``_extra_state`` dropped): one state dict, or one per model chunk with virtual pipeline stages
+    (:mod:`~ckptio.formats.megatron.vpp`). Read lazily: only the pickle and the model's tensors, never the whole
+    file at once (a rank file can be as large as the rank's share of the model)."""
     from . import safe_pickle as megatron_pickle
+    from .vpp import chunk_models
 
     obj, placeholders, handle = megatron_pickle.open_lazy(root, rel)
     try:
         where = root.display(rel)
         if isinstance(obj, dict) and rel.endswith(NEMO_RANK_FILE) and not isinstance(obj.get("model"), dict):
             obj = {"model": obj}  # a NeMo archive's rank file is the state dict itself
-        if not isinstance(obj, dict) or not isinstance(obj.get("model"), dict):
-            extra = " (virtual pipeline stages: model0, model1... are not supported)" if \
-                isinstance(obj, dict) and "model0" in obj else ""
-            raise CheckpointCorruptError(f"{where}: no 'model' state dict{extra}")
-        named = [k for k in obj["model"] if not isinstance(k, str)]
-        if named:
-            raise CheckpointCorruptError(f"{where}: model entries named {str(named[0])[:40]!r}, not a string")
-        model = {_strip(k): v for k, v in obj["model"].items() if not k.endswith("_extra_state")}
-        bad = [k for k, v in model.items() if not isinstance(v, megatron_pickle.LazyTensor)]
-        if bad:
-            raise CheckpointCorruptError(f"{where}: non-tensor model entries {bad[:3]}")
-        return obj, placeholders, {k: v.load() for k, v in model.items()}
+        chunks = chunk_models(obj, where) if isinstance(obj, dict) else []
+        if not chunks or not all(isinstance(c, dict) for c in chunks):
+            raise CheckpointCorruptError(f"{where}: no 'model' state dict")
+        models = []
+        for chunk in chunks:
+            named = [k for k in chunk if not isinstance(k, str)]
+            if named:
+                raise CheckpointCorruptError(f"{where}: model entries named {str(named[0])[:40]!r}, not a string")
+            model = {_strip(k): v for k, v in chunk.items() if not k.endswith("_extra_state")}
+            bad = [k for k, v in model.items() if not isinstance(v, megatron_pickle.LazyTensor)]
+            if bad:
+                raise CheckpointCorruptError(f"{where}: non-tensor model entries {bad[:3]}")
+            models.append({k: v.load() for k, v in model.items()})
+        return obj, placeholders, models
     finally:
         handle.close()
 
@@ -128,42 +135,64 @@ def read_legacy(folder: Path, *, optimizer: bool = False) -> tuple[dict[str, tor
     root = Folder(folder)
     sets: dict[str, dict[str, torch.Tensor]] = {"": {}}
     info: dict[str, Any] = {"tp": tp, "pp": pp, "placeholders": set()}
+    from .vpp import check_chunks
+
     optim = _legacy_optimizer(root, files) if optimizer else None
-    offset = 0
+    merged: dict[tuple[int, int], tuple[str, dict[str, dict[tuple[str, int | None], torch.Tensor]], list[int]]] = {}
     for stage in range(pp):
-        shards = []
+        chunks: dict[int, list[tuple[str, dict[str, dict[str, torch.Tensor]]]]] = {}
         for t in range(tp):
             rel = files[(t, stage)]
-            obj, placeholders, model = _rank_file(root, rel)
+            obj, placeholders, models = _rank_file(root, rel)
             where = root.display(rel)
             info["placeholders"].update(placeholders)
             if t == 0 and stage == 0:
                 info["args"], info["iteration"] = obj.get("args"), obj.get("iteration")
                 _check_ranks(info["args"], tp, pp, root)
-            parts = {"": model}
-            if optim is not None:
-                parts.update(optim(rel, obj, model, stage, pp, info))
-            shards.append((where, parts))
-        keys = list(shards[0][1][""])
-        for where, parts in shards[1:]:
-            if set(parts[""]) != set(keys):
-                raise CheckpointCorruptError(f"{where}: holds other parameters than {shards[0][0]}: "
-                                             f"{sorted(set(parts['']) ^ set(keys))[:3]}")
-        layers = sorted({k[2] for k in (_kind(key, shards[0][0]) for key in keys) if k[2] is not None})
-        # layer indices restart at 0 on each stage; a stage already numbered globally is kept as is
+            check_chunks(info, len(models), where, optim is not None)
+            for v, model in enumerate(models):
+                parts = {"": model}
+                if optim is not None:
+                    parts.update(optim(rel, obj, model, stage, pp, info))
+                chunks.setdefault(v, []).append((where, parts))
+        for v, shards in chunks.items():
+            merged[(v, stage)] = _merge_chunk(shards)
+    offset = 0
+    for key in sorted(merged):  # layer order: chunk 0 over every stage, then chunk 1... (one chunk: stage order)
+        where, parts, layers = merged[key]
+        # layer indices restart at 0 on each stage (chunk); one already numbered globally is kept as is
         base = 0 if layers and layers[0] == offset else offset
-        for key in keys:
-            name, split, layer = _kind(key, shards[0][0])
-            if layer is not None:
-                name = f"decoder.layers.{base + layer}.{name}"
-            if name in sets[""]:
-                raise CheckpointCorruptError(f"{shards[0][0]}: {name} is held by two pipeline stages")
-            for part in shards[0][1]:
-                sets.setdefault(part, {})[name] = merge_tp([p[part][key] for _, p in shards], split, key, shards[0][0])
+        for part, tensors in parts.items():
+            for (name, layer), t in tensors.items():
+                name = name if layer is None else f"decoder.layers.{base + layer}.{name}"
+                if part == "" and name in sets[""]:
+                    raise CheckpointCorruptError(f"{where}: {name} is held by two pipeline stages")
+                sets.setdefault(part, {})[name] = t
         offset = base + (layers[-1] + 1 if layers else 0)
     if len(sets) > 1:
         info["optimizer"] = {k: v for k, v in sets.items() if k}
     return sets[""], info
+
+
+def _merge_chunk(shards: list[tuple[str, dict[str, dict[str, torch.Tensor]]]],
+                 ) -> tuple[str, dict[str, dict[tuple[str, int | None], torch.Tensor]], list[int]]:
+    """One model chunk of a pipeline stage merged over its TP ranks' ``shards``: where it was read, each part's
+    tensors keyed by (name with the layer left out, chunk-local layer or ``None``), the chunk's layer numbers."""
+    where, first = shards[0]
+    keys = list(first[""])
+    for other, parts in shards[1:]:
+        if set(parts[""]) != set(keys):
+            raise CheckpointCorruptError(f"{other}: holds other parameters than {where}: "
+                                         f"{sorted(set(parts['']) ^ set(keys))[:3]}")
+    out: dict[str, dict[tuple[str, int | None], torch.Tensor]] = {part: {} for part in first}
+    layers: set[int] = set()
+    for key in keys:
+        name, split, layer = _kind(key, where)
+        if layer is not None:
+            layers.add(layer)
+        for part in first:
+            out[part][(name, layer)] = merge_tp([p[part][key] for _, p in shards], split, key, where)
+    return where, out, sorted(layers)
 
 
 def _legacy_optimizer(root: Folder, files: dict[tuple[int, int], str]) -> Any:
@@ -208,7 +237,7 @@ class _DistModel:
         """``prefix``: read the tensors under it instead of the weights (``optimizer.state.exp_avg.``: Adam's
         first moments, keyed like the weights)."""
         from ..dcp import format as dcp_format
-        from . import safe_pickle as megatron_pickle
+        from .distrib_optim import read_common
 
         if not (folder / "common.pt").is_file() and (folder / "weights").is_dir():
             folder = folder / "weights"
@@ -217,13 +246,10 @@ class _DistModel:
         if meta.get("sharded_backend") != "torch_dist":
             raise CheckpointError(f"{root.display('metadata.json')}: sharded backend {meta.get('sharded_backend')!r}; "
                                   "ckptio reads torch_dist checkpoints")
-        common, placeholders = megatron_pickle.load(root, "common.pt", max_size=MAX_COMMON_BYTES)
-        common = common if isinstance(common, dict) else {}
-        optimizer = common.get("optimizer")
-        state = optimizer.get("state") if isinstance(optimizer, dict) else None
-        step = state.get("common_step") if isinstance(state, dict) else None
+        common, placeholders, step, sharding = read_common(root)
         self.info: dict[str, Any] = {"args": common.get("args"), "iteration": common.get("iteration"),
-                                     "placeholders": set(placeholders), "optimizer_step": step}
+                                     "placeholders": set(placeholders), "optimizer_step": step,
+                                     "optimizer_sharding": sharding}
         self.source = dcp_format.DCPSource(root)
         self._stacked: dict[str, torch.Tensor] = {}
         self.index: dict[str, TensorInfo] = {}
@@ -363,7 +389,11 @@ class MegatronFormat(Format):
         if layout_of(folder) != "dist":
             return None
         moments = {m: MegatronSource(path, prefix=f"optimizer.state.{m}.") for m in ("exp_avg", "exp_avg_sq")}
-        step = moments["exp_avg"].info.get("optimizer_step")
+        step, sharding = moments["exp_avg"].info.get("optimizer_step"), moments["exp_avg"].info["optimizer_sharding"]
+        if sharding is not None and not moments["exp_avg"].index():
+            raise CheckpointError(f"{path}: the distributed optimizer's state is saved in its {sharding!r} format "
+                                  "(each data-parallel group's flat buckets); ckptio reads its fully_reshardable "
+                                  "format (Megatron-LM's --dist-ckpt-optim-fully-reshardable)")
         if not moments["exp_avg"].index() or step is None:
             return None
         return float(step), {m: _as_llama(source) for m, source in moments.items()}
@@ -381,10 +411,17 @@ class MegatronFormat(Format):
     def write(self, opened: Opened, source: Any, out: Path, options: WriteOptions) -> None:
         from . import write as megatron_write
 
-        extra = options.extra
-        megatron_write.write(source, opened.extras, out, tp=extra.get("tp"), pp=extra.get("pp"),
-                             layout=extra.get("layout", "dist"), iteration=opened.step,
-                             divisible_by=extra.get("divisible_by"), like=extra.get("like"))
+        from .optim_write import open_adam
+
+        extra, adam = options.extra, open_adam(opened)  # a ckptio checkpoint's Adam state goes along
+        try:
+            megatron_write.write(source, opened.extras, out, tp=extra.get("tp"), pp=extra.get("pp"),
+                                 layout=extra.get("layout", "dist"), iteration=opened.step,
+                                 divisible_by=extra.get("divisible_by"), like=extra.get("like"), vpp=extra.get("vpp"),
+                                 adam=adam, optimizer=extra.get("optimizer") or "plain")
+        finally:
+            if adam is not None:
+                adam.close()
 
     def describe(self, path: Path) -> dict[str, Any]:
         from dataclasses import asdict

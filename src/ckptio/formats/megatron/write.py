@@ -32,7 +32,7 @@ import torch
 
 from ...errors import CheckpointError, ConfigError
 from .. import hf_fields
-from .layout import GLOBAL_SPLIT, ITERATION_FILE, LAYER_SPLIT, OPTIONAL, RANK_FILE, SIDE_FILES, VOCAB_KEYS
+from .layout import GLOBAL_SPLIT, ITERATION_FILE, LAYER_SPLIT, OPTIONAL, RANK_FILE, SIDE_FILES, VOCAB_KEYS, run_args
 
 DIVISIBLE_BY = 128
 """Megatron-LM's default ``--make-vocab-size-divisible-by``."""
@@ -138,15 +138,21 @@ def _suffixes(args: argparse.Namespace) -> list[str]:
     return [s for s in LAYER_SPLIT if s not in OPTIONAL or getattr(args, OPTIONAL[s])]
 
 
-def write_dist(folder: Path, tensors: dict[str, torch.Tensor], args: argparse.Namespace, iteration: int) -> None:
-    """Megatron-Core's torch_dist layout: whole tensors, layers stacked, ``_extra_state`` for each linear."""
+def write_dist(folder: Path, tensors: dict[str, torch.Tensor], args: argparse.Namespace, iteration: int,
+               moments: dict[str, dict[str, torch.Tensor]] | None = None, common: dict[str, Any] | None = None) -> None:
+    """Megatron-Core's torch_dist layout: whole tensors, layers stacked, ``_extra_state`` for each linear; with
+    ``moments`` (Adam's, named like ``tensors``) under ``optimizer.state.<moment>.``, and ``common`` entries
+    added to ``common.pt`` (:mod:`~ckptio.formats.megatron.optim_write`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     layers = args.num_layers
-    state: dict[str, Any] = {k: v for k, v in tensors.items() if k in GLOBAL_SPLIT}
-    for suffix in _suffixes(args):
-        state[f"decoder.layers.{suffix}"] = torch.stack([tensors[f"decoder.layers.{i}.{suffix}"] for i in range(layers)])
+    state: dict[str, Any] = {}
+    for prefix, named in [("", tensors)] + [(f"optimizer.state.{m}.", t) for m, t in (moments or {}).items()]:
+        state.update({prefix + k: v for k, v in named.items() if k in GLOBAL_SPLIT})
+        for suffix in _suffixes(args):
+            state[f"{prefix}decoder.layers.{suffix}"] = torch.stack([named[f"decoder.layers.{i}.{suffix}"]
+                                                                     for i in range(layers)])
     for module in EXTRA_STATE_MODULES:  # Megatron-Core's strict load asks for these objects (None: no FP8 state)
         for i in range(layers):
             state[f"decoder.layers.{module}._extra_state/shard_{i}_{layers}"] = [None]
@@ -154,42 +160,53 @@ def write_dist(folder: Path, tensors: dict[str, torch.Tensor], args: argparse.Na
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder), thread_count=1), no_dist=True,
                  planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
-    torch.save({"args": args, "iteration": iteration, "checkpoint_version": 3.0}, folder / "common.pt")
+    torch.save({"args": args, "iteration": iteration, "checkpoint_version": 3.0, **(common or {})},
+               folder / "common.pt")
     (folder / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                                                       "common_backend": "torch", "common_backend_version": 1}))
 
 
 def write_legacy(folder: Path, tensors: dict[str, torch.Tensor], args: argparse.Namespace, iteration: int) -> None:
-    """Megatron-LM's legacy layout: each TP × PP rank's shard in ``mp_rank_TT[_PPP]/model_optim_rng.pt``."""
+    """Megatron-LM's legacy layout: each TP × PP rank's shard in ``mp_rank_TT[_PPP]/model_optim_rng.pt``, under
+    ``model`` (or ``model0``, ``model1``... with virtual pipeline stages, :mod:`~ckptio.formats.megatron.vpp`)."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    per_stage = args.num_layers // pp
+    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
     for stage in range(pp):
-        shards: list[dict[str, torch.Tensor | None]] = [collections.OrderedDict() for _ in range(tp)]
-        if stage == 0:
-            for t, part in enumerate(_split(tensors["embedding.word_embeddings.weight"], 0, tp)):
-                shards[t]["embedding.word_embeddings.weight"] = part.clone()
-        for local in range(per_stage):
-            i = stage * per_stage + local
-            for suffix in _suffixes(args):
-                split = LAYER_SPLIT[suffix]
-                name = f"decoder.layers.{local}.{_LEGACY_NAMES.get(suffix, suffix)}"
-                for t, part in enumerate(_split(tensors[f"decoder.layers.{i}.{suffix}"], split, tp)):
-                    shards[t][name] = part.clone()
-            for module in EXTRA_STATE_MODULES:
-                for shard in shards:
-                    shard[f"decoder.layers.{local}.{module}._extra_state"] = None
-        if stage == pp - 1:
-            for t in range(tp):
-                shards[t]["decoder.final_layernorm.weight"] = tensors["decoder.final_layernorm.weight"].clone()
-            if "output_layer.weight" in tensors:
-                for t, part in enumerate(_split(tensors["output_layer.weight"], 0, tp)):
-                    shards[t]["output_layer.weight"] = part.clone()
-                    shards[t]["output_layer._extra_state"] = None
-        for t, shard in enumerate(shards):
+        chunks = [_legacy_chunk(tensors, args, stage, v, vpp) for v in range(vpp)]
+        for t in range(tp):
             rank_dir = folder / (f"mp_rank_{t:02d}" + (f"_{stage:03d}" if pp > 1 else ""))
             rank_dir.mkdir()
-            torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration, "model": shard},
+            models = {"model": chunks[0][t]} if vpp == 1 else {f"model{v}": c[t] for v, c in enumerate(chunks)}
+            torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration, **models},
                        rank_dir / RANK_FILE)
+
+
+def _legacy_chunk(tensors: dict[str, torch.Tensor], args: argparse.Namespace, stage: int, chunk: int,
+                  vpp: int) -> list[dict[str, torch.Tensor | None]]:
+    """Each TP rank's state dict of model chunk ``chunk`` of pipeline ``stage``, its layers numbered from 0."""
+    from .vpp import chunk_layers
+
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    shards: list[dict[str, torch.Tensor | None]] = [collections.OrderedDict() for _ in range(tp)]
+    if stage == 0 and chunk == 0:
+        for t, part in enumerate(_split(tensors["embedding.word_embeddings.weight"], 0, tp)):
+            shards[t]["embedding.word_embeddings.weight"] = part.clone()
+    for local, i in enumerate(chunk_layers(args.num_layers, pp, vpp, stage, chunk)):
+        for suffix in _suffixes(args):
+            name = f"decoder.layers.{local}.{_LEGACY_NAMES.get(suffix, suffix)}"
+            for t, part in enumerate(_split(tensors[f"decoder.layers.{i}.{suffix}"], LAYER_SPLIT[suffix], tp)):
+                shards[t][name] = part.clone()
+        for module in EXTRA_STATE_MODULES:
+            for shard in shards:
+                shard[f"decoder.layers.{local}.{module}._extra_state"] = None
+    if stage == pp - 1 and chunk == vpp - 1:
+        for t in range(tp):
+            shards[t]["decoder.final_layernorm.weight"] = tensors["decoder.final_layernorm.weight"].clone()
+        if "output_layer.weight" in tensors:
+            for t, part in enumerate(_split(tensors["output_layer.weight"], 0, tp)):
+                shards[t]["output_layer.weight"] = part.clone()
+                shards[t]["output_layer._extra_state"] = None
+    return shards
 
 
 # the model sizes a run's args must share with the exported model (Megatron-LM name, what the Llama config gives)
@@ -219,11 +236,16 @@ def like_run(run: Path, ours: argparse.Namespace, tp: int | None, pp: int | None
 
 
 def write(source: Any, extras: Path | None, out: Path, *, tp: int | None, pp: int | None, layout: str, iteration: int,
-          divisible_by: int | None = None, like: str | Path | None = None) -> None:
+          divisible_by: int | None = None, like: str | Path | None = None, vpp: int | None = None,
+          adam: Any = None, optimizer: str = "plain") -> None:
     """The run folder ``out`` (new), appearing whole: written beside it, then renamed into place.
 
     ``tp``/``pp``/``divisible_by`` default to 1, 1 and Megatron-LM's 128; ``like``: an existing Megatron run
-    whose recorded arguments give them (and whose model sizes must be this model's)."""
+    whose recorded arguments give them (and whose model sizes must be this model's); ``vpp``: virtual pipeline
+    stages (model chunks per stage, :mod:`~ckptio.formats.megatron.vpp`); ``adam``: the source's Adam state
+    (:class:`~ckptio.formats.megatron.optim_write.SourceAdam`), written beside the weights for megatron-core's
+    ``optimizer`` ("plain" or "distributed")."""
+    from . import vpp as virtual
     from ..common import read_json
 
     if layout not in ("dist", "legacy"):
@@ -241,14 +263,27 @@ def write(source: Any, extras: Path | None, out: Path, *, tp: int | None, pp: in
         raise ConfigError(f"--tp and --pp must be at least 1, got TP={tp} PP={pp}")
     args = megatron_args(config, tp, pp, ckpt_format, DIVISIBLE_BY if divisible_by is None else divisible_by,
                          where=cfg)
+    virtual.apply(args, vpp)
+    if like is not None and adam is not None:
+        args.global_batch_size = getattr(run_args(Path(like)), "global_batch_size", None)
+    extra: dict[str, Any] = {}
+    if adam is not None:
+        from .optim_write import MOMENTS, common_entries
+
+        extra["common"] = common_entries(adam, args, layout, optimizer)
+        extra["moments"] = {m: _tensors(adam.moments[m], config, args) for m in MOMENTS}
     tensors = _tensors(source, config, args)
+    if adam is not None and optimizer == "distributed":
+        extra["moments"]["param"] = tensors  # the fp32 master copies are the (fp32) weights
     from ...storage import LocalFolderWriter
     from ...storage.confined import Folder
 
     writer = LocalFolderWriter.create(out)  # fsynced and renamed into place at commit, like every convert output
     try:
-        (write_dist if layout == "dist" else write_legacy)(writer.local_path(f"iter_{iteration:07d}"), tensors, args,
-                                                           iteration)
+        if layout == "dist":
+            write_dist(writer.local_path(f"iter_{iteration:07d}"), tensors, args, iteration, **extra)
+        else:
+            write_legacy(writer.local_path(f"iter_{iteration:07d}"), tensors, args, iteration)
         writer.write_bytes(ITERATION_FILE, str(iteration).encode())
         for name in SIDE_FILES:  # generation config and tokenizer, for the way back to Hugging Face
             if extras is not None and (extras / name).is_file():

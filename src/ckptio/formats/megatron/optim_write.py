@@ -1,0 +1,167 @@
+"""Adam's state written into a Megatron-Core export, for megatron-core's optimizer to load and train on.
+
+``ckptio convert STEP_DIR OUT --to megatron`` from a ckptio checkpoint whose optimizer is Adam/AdamW adds to the
+torch_dist iteration folder what Megatron-LM's ``save_checkpoint`` writes for its (non-distributed) fp32 optimizer
+(``FP32Optimizer.sharded_state_dict``):
+
+* the sharded tensors ``optimizer.state.exp_avg.<model key>`` and ``optimizer.state.exp_avg_sq.<model key>``,
+  shaped, stacked and padded like the model's own (the moments are renamed, fused and split exactly like the
+  weights: fusing q/k/v and [gate; up] only moves elements; the padding rows are zeros);
+* in ``common.pt``: ``optimizer`` = ``{"state": {"common_step": step}, "param_groups": [...]}`` with megatron-core's
+  two parameter groups (``_get_param_groups``' standard ones: weight decay on the matrices, ``wd_mult`` 0 for the
+  norms and biases), each with the source's Adam hyper-parameters (betas, eps...) and megatron's keys
+  (``wd_mult``, ``lr_mult``, ``is_expert_parallel``, ``is_decoupled_lr``...), and ``opt_param_scheduler`` with a
+  constant schedule at the source's learning rate and weight decay, ``num_steps`` = step × the run's global batch
+  size (Megatron-LM counts samples; 1 without ``--like``).
+
+With ``optimizer="distributed"`` (``--megatron-optimizer distributed``) the ``optimizer`` entry is the
+``DistributedOptimizer``'s in its ``fully_reshardable`` format instead: the step in every parameter group,
+``param_state_sharding_type``, and the fp32 master copies (the weights) as ``optimizer.state.param.<key>``.
+
+Refused by name: an optimizer that is not Adam (no moments for some parameter), steps that differ between
+parameters, hyper-parameters that differ inside one of megatron's groups, and reduced-precision weights (a bf16 or
+fp16 model trains with megatron's ``Float16OptimizerWithFloat16Params``, whose fp32 master copies ckptio does not
+write), and the legacy layout (its ``optimizer`` entry keys the state by parameter position on each rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+
+from ...errors import CheckpointError, ConfigError
+from ..common import TensorInfo
+
+__all__ = ["MOMENTS", "SourceAdam", "open_adam"]
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+GROUP_KEYS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
+_TORCH_ONLY = ("params", "param_names", "initial_lr")
+
+
+class _Moment:
+    """One moment of every optimized parameter, as a source keyed like the weights (a Hugging Face model)."""
+
+    def __init__(self, source: Any, moment: str, index: dict[str, TensorInfo], folder: Any) -> None:
+        self.source, self.moment, self._index, self.folder = source, moment, index, folder
+
+    def index(self) -> dict[str, TensorInfo]:
+        return dict(self._index)
+
+    def read(self, key: str) -> torch.Tensor:
+        t = self.source.read(f"state.{key}.{self.moment}")
+        return t.to(torch.float32).reshape(self._index[key].shape)
+
+
+class SourceAdam:
+    """A ckptio checkpoint's Adam state, keyed by the model's (Hugging Face) names."""
+
+    def __init__(self, step_dir: Any, weights: Any) -> None:
+        from ..training_state import open_saved_optimizer, per_parameter
+
+        self.where = step_dir
+        self.source, values, self.scheduler = open_saved_optimizer(step_dir)
+        state, self.hyper = per_parameter(values) if self.source is not None else ({}, {})
+        index = weights.index()
+        saved = self.source.index() if self.source is not None else {}
+        missing = [n for n in index if not all(f"state.{n}.{m}" in saved for m in MOMENTS)]
+        if missing:
+            self.close()
+            raise CheckpointError(f"{step_dir}: the optimizer is not Adam/AdamW with state for every parameter (no "
+                                  f"exp_avg/exp_avg_sq for {missing[:3]}); a Megatron export holds Adam's moments")
+        steps = {float(self._step(n, state)) for n in index}
+        if len(steps) != 1:
+            self.close()
+            raise CheckpointError(f"{step_dir}: the parameters' Adam steps differ ({sorted(steps)[:4]}); Megatron "
+                                  "keeps one step for all")
+        self.step = steps.pop()
+        self.moments = {m: _Moment(self.source, m, index, getattr(weights, "folder", None)) for m in MOMENTS}
+
+    def _step(self, name: str, state: dict[str, dict[str, Any]]) -> float:
+        value = state.get(name, {}).get("step")
+        value = self.source.read(f"state.{name}.step") if value is None else value
+        return float(value.item() if isinstance(value, torch.Tensor) else value)
+
+    def close(self) -> None:
+        if self.source is not None:
+            self.source.close()
+
+
+def open_adam(opened: Any) -> SourceAdam | None:
+    """The Adam state of a ckptio step directory being converted, or ``None`` when it holds no optimizer."""
+    from ..training_state import open_saved_optimizer
+
+    if getattr(opened, "step_dir", None) is None:
+        return None
+    source, _, _ = open_saved_optimizer(opened.step_dir)
+    if source is None:
+        return None
+    source.close()
+    return SourceAdam(opened.step_dir, opened.source)
+
+
+def _megatron_group(name: str, shape: tuple[int, ...]) -> int:
+    """0: megatron-core's default group (weight decay); 1: its ``wd_mult`` 0 group (1-dim parameters, biases)."""
+    return 1 if len(shape) == 1 or name.endswith(".bias") else 0
+
+
+def param_groups(adam: SourceAdam, names: dict[str, tuple[int, ...]]) -> list[dict[str, Any]]:
+    """megatron-core's two parameter groups for the Hugging Face parameters ``names`` (name: shape), with the
+    source's hyper-parameters (equal inside each group, else refused) and megatron's group keys."""
+    groups: list[dict[str, Any] | None] = [None, None]
+    for name, shape in names.items():
+        which = _megatron_group(name, shape)
+        hyper = {k: v for k, v in adam.hyper.get(name, {}).items() if k not in _TORCH_ONLY}
+        if groups[which] is None:
+            groups[which] = hyper
+        elif groups[which] != hyper:
+            raise CheckpointError(f"{adam.where}: {name} has other Adam hyper-parameters ({_differ(groups[which], hyper)}) "
+                                  f"than the other parameters of megatron's {'no-' if which else ''}weight-decay group")
+    out = []
+    for which, hyper in enumerate(groups):
+        hyper = dict(hyper if hyper is not None else (groups[1 - which] or {}))
+        lr = float(hyper.get("lr", 0.0))
+        out.append({**hyper, "wd_mult": 0.0 if which else 1.0, "lr_mult": 1.0, "is_expert_parallel": False,
+                    "is_decoupled_lr": False, "default_config": True, "max_lr": lr, "min_lr": lr})
+    return out
+
+
+def _differ(a: dict[str, Any], b: dict[str, Any]) -> str:
+    keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    return ", ".join(f"{k}: {str(b.get(k))[:20]} vs {str(a.get(k))[:20]}" for k in keys[:3])
+
+
+def scheduler_state(groups: list[dict[str, Any]], step: float, args: argparse.Namespace) -> dict[str, Any]:
+    """Megatron's ``opt_param_scheduler``: a constant schedule at the source's learning rate and weight decay."""
+    lr, wd = float(groups[0].get("lr", 0.0)), float(groups[0].get("weight_decay", 0.0))
+    batch = getattr(args, "global_batch_size", None) or 1
+    return {"max_lr": lr, "min_lr": lr, "lr_warmup_steps": 0, "num_steps": int(step) * int(batch),
+            "lr_decay_style": "constant", "lr_decay_steps": max(1, int(step) * int(batch)), "start_wd": wd,
+            "end_wd": wd, "wd_incr_style": "constant", "wd_incr_steps": max(1, int(step) * int(batch))}
+
+
+def common_entries(adam: SourceAdam, args: argparse.Namespace, layout: str, kind: str = "plain") -> dict[str, Any]:
+    """What ``common.pt`` gets besides the model's entries: ``optimizer`` and ``opt_param_scheduler``; ``kind``
+    ``"distributed"``: the ``optimizer`` entry of megatron-core's ``DistributedOptimizer`` in its
+    ``fully_reshardable`` format (the step in every parameter group; the fp32 master copies, here the weights,
+    go beside the moments as ``optimizer.state.param.<key>``)."""
+    if kind not in ("plain", "distributed"):
+        raise ConfigError(f"--megatron-optimizer {kind!r}: use 'plain' (megatron-core's FP32Optimizer) or "
+                          "'distributed' (its DistributedOptimizer, fully_reshardable format)")
+    if layout != "dist":
+        raise ConfigError(f"{adam.where}: the optimizer is written into torch_dist exports only (the legacy layout's "
+                          "'optimizer' entry keys Adam's state by parameter position on each rank); use "
+                          "--megatron-layout dist")
+    if getattr(args, "bf16", False) or getattr(args, "fp16", False):
+        raise ConfigError(f"{adam.where}: a {'bf16' if args.bf16 else 'fp16'} model trains in Megatron with "
+                          "Float16OptimizerWithFloat16Params (fp32 master copies beside the weights), which ckptio "
+                          "does not write; convert with --dtype fp32 to carry the optimizer")
+    names = {n: tuple(i.shape) for n, i in adam.moments["exp_avg"].index().items()}
+    groups = param_groups(adam, names)
+    optimizer: dict[str, Any] = {"state": {"common_step": torch.tensor(adam.step)}, "param_groups": groups}
+    if kind == "distributed":
+        optimizer = {"optimizer": {"param_groups": [{**g, "step": adam.step} for g in groups]},
+                     "param_state_sharding_type": "fully_reshardable"}
+    return {"optimizer": optimizer, "opt_param_scheduler": scheduler_state(groups, adam.step, args)}

@@ -1,0 +1,146 @@
+"""``megatron_fixture.py --train SRC --out FILE [--dp N]``: megatron-core's own optimizer resumes from a torch_dist
+checkpoint and trains one step (TP ranks, one pipeline stage, fp32 on CPU; with ``--dp``: TP x DP ranks and the
+``DistributedOptimizer``, loading its ``fully_reshardable`` format).
+
+Each rank builds its GPTModel shard in megatron-core's ``DistributedDataParallel`` with ``get_megatron_optimizer``
+(Adam, non-distributed: ``FP32Optimizer`` over megatron's two parameter groups) and an ``OptimizerParamScheduler``
+that takes its values from the checkpoint, then loads SRC as Megatron-LM's ``load_checkpoint`` does for torch_dist:
+``dist_checkpointing.load({"model": ..., "optimizer": optimizer.sharded_state_dict(..., is_loading=True)}, strict
+"raise_all")``, ``load_state_dict`` of model, optimizer and scheduler. Then one training step on a fixed batch.
+FILE gets, per parameter (whole: TP shards merged, vocabulary padding cut), its value, moments and step before and
+after the step, its gradient and its group's hyper-parameters at the step, and the loss.
+"""
+import datetime
+
+import torch
+
+import megatron_fixture as mf
+
+KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def _snapshot(inner, module):
+    out = {}
+    for name, p in module.named_parameters():
+        state = inner.optimizer.state[p]
+        out[name] = {"param": p.detach().clone(), **{k: state[k].detach().clone() for k in KEYS},
+                     "step": float(state["step"])}
+    return out
+
+
+def _distributed_snapshot(opt, module):
+    """Each parameter's fp32 state as the distributed optimizer holds it (each DP rank's range, gathered)."""
+    step = {float(g["step"]) for g in opt.state_dict()["optimizer"]["param_groups"]}
+    assert len(step) == 1
+    step = step.pop()
+    return {name: {**mf._local_adam(opt, p), "step": step} for name, p in module.named_parameters()}
+
+
+def _keep_step_apart(inner):
+    """On CPU (torch's AdamW) the distributed optimizer's load of a fully_reshardable state copies every entry of
+    the parameter's state from the checkpoint, ``step`` included, which that format keeps in the groups (TE's and
+    apex's Adam have no per-parameter step): the step is left to ``load_state_dict``, which sets it from the groups."""
+    set_states = inner._set_main_param_and_optimizer_states
+
+    def without_step(model_param, tensors):
+        group, order = inner.model_param_group_index_map[model_param]
+        state = inner.optimizer.state[inner.optimizer.param_groups[group]["params"][order]]
+        step = state.pop("step", None)
+        set_states(model_param, tensors)
+        if step is not None:
+            state["step"] = step
+
+    inner._set_main_param_and_optimizer_states = without_step
+
+
+def train_worker(rank, tp, dp, src, out, store_file):
+    distributed = dp > 1
+    mf.quiet_megatron()
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=tp * dp,
+                                         timeout=datetime.timedelta(minutes=2))
+    mf.apply_cpu_stubs()
+    mf.apply_distopt_cpu_stubs()
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from torch.distributed.checkpoint import FileSystemReader
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    torch.manual_seed(mf.SEED)
+    model_parallel_cuda_manual_seed(mf.SEED)
+    vocab = FileSystemReader(src).read_metadata().state_dict_metadata["embedding.word_embeddings.weight"].size[0]
+    module = mf.build_model(tp, 1, vocab=vocab)
+    model = DistributedDataParallel(module.config, DistributedDataParallelConfig(
+        use_distributed_optimizer=distributed), module)
+    # the run's own settings differ from the checkpoint's: what trains must come from the checkpoint
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=5e-2, min_lr=0.0, weight_decay=0.5,
+                                                 adam_beta1=0.5, adam_beta2=0.5, adam_eps=1e-3, clip_grad=0.0,
+                                                 params_dtype=torch.float32,
+                                                 use_distributed_optimizer=distributed), [model])
+    sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=5e-2, min_lr=0.0, lr_warmup_steps=0, lr_decay_steps=10,
+                                    lr_decay_style="cosine", start_wd=0.5, end_wd=0.5, wd_incr_steps=10,
+                                    wd_incr_style="constant", use_checkpoint_opt_param_scheduler=True)
+    if distributed:  # on CPU the DistributedOptimizer wraps torch's AdamW, which keeps a step per parameter, and its
+        # state_dict() (run before loading) asks for one; TE's and apex's Adam keep it in the groups. A fresh step 0:
+        inner = opt.chained_optimizers[0] if hasattr(opt, "chained_optimizers") else opt
+        inner.init_state_fn(inner.optimizer, inner.config)
+        for state in inner.optimizer.state.values():
+            state["step"] = torch.tensor(0.0)
+        _keep_step_apart(inner)
+    model_sd = module.sharded_state_dict()
+    metadata = {"distrib_optim_sharding_type": "fully_reshardable"} if distributed else None
+    wanted = {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=True, metadata=metadata)}
+    loaded = dist_checkpointing.load(wanted, src, strict="raise_all")
+    module.load_state_dict(loaded["model"])
+    opt.load_state_dict(loaded["optimizer"])
+    sched.load_state_dict(loaded["opt_param_scheduler"])
+    inner = opt.chained_optimizers[0] if hasattr(opt, "chained_optimizers") else opt
+    if distributed:  # its load_state_dict gives every parameter one shared step tensor, which torch's AdamW would
+        for state in inner.optimizer.state.values():  # increment once per parameter (TE's Adam: the group's step)
+            state["step"] = state["step"].clone()
+    snapshot = (lambda: _distributed_snapshot(opt, module)) if distributed else (lambda: _snapshot(inner, module))
+    before = snapshot()
+    hyper = {}
+    for group in inner.optimizer.param_groups:
+        for p in group["params"]:
+            hyper[id(p)] = {k: group[k] for k in ("lr", "weight_decay", "betas", "eps", "wd_mult")}
+    if distributed:  # the optimizer's groups hold its main params (shards): the model's params by their group
+        by_wd = {g["wd_mult"]: {k: g[k] for k in ("lr", "weight_decay", "betas", "eps", "wd_mult")}
+                 for g in inner.optimizer.param_groups}  # megatron's groups: no weight decay on 1-dim params
+        hyper = {id(p): by_wd[0.0 if p.dim() == 1 else 1.0] for p in module.parameters()}
+
+    ids = torch.randint(0, mf.VOCAB, (2, 12), generator=torch.Generator().manual_seed(5))
+    b, s = ids.shape
+    model.zero_grad_buffer()
+    opt.zero_grad()
+    loss = model(ids, torch.arange(s).unsqueeze(0).expand(b, -1), torch.triu(torch.ones(s, s, dtype=torch.bool), 1)
+                 [None, None], labels=ids.roll(-1, 1)).float().mean()
+    loss.backward()
+    finalize_model_grads([model])
+    ok, _, _ = opt.step()
+    assert ok, "the optimizer step was skipped"
+    after = snapshot()
+    local = {name: {"before": before[name], "after": after[name],
+                    "grad": torch.empty(0) if distributed else p.grad.detach().clone(),
+                    "hyper": hyper[id(p)]} for name, p in module.named_parameters()}
+    everyone = [None] * (tp * dp)
+    torch.distributed.all_gather_object(everyone, (ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank(),
+                                                   local))
+    if rank == 0:
+        held = {t: held for t, d, held in everyone if d == 0}
+        result = {}
+        for name in local:
+            shards = [held[t][name] for t in range(tp)]
+            whole = {when: {k: mf._whole(name, [sh[when][k] for sh in shards], tp) for k in ("param", *KEYS)}
+                     for when in ("before", "after")}
+            for when in whole:
+                whole[when]["step"] = shards[0][when]["step"]
+            grad = None if distributed else mf._whole(name, [sh["grad"] for sh in shards], tp)
+            result[name] = {**whole, "grad": grad,
+                            "hyper": shards[0]["hyper"]}
+        torch.save({"params": result, "loss": float(loss), "iteration": loaded.get("iteration")}, out)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()

@@ -1,0 +1,188 @@
+"""A ckptio checkpoint with Adam's state goes to Megatron (``--to megatron``) and megatron-core trains on from it.
+
+The source is a ckptio step directory of the tiny Llama ``megatron_fixture.py`` builds (its sizes), trained two
+AdamW steps. Its export (torch_dist, TP=2) is loaded by megatron-core's own optimizer and scheduler in a real
+process (``megatron_optim.py``: ``get_megatron_optimizer``, ``dist_checkpointing.load`` strict, the
+``load_state_dict`` calls of Megatron-LM's ``load_checkpoint``): the moments Megatron holds are ckptio's bitwise,
+the step and learning rate are the source's, and its next training step moves every parameter as a plain torch
+AdamW step from that state with the same gradient does.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptio.convert.formats import convert
+
+pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.slow  # multi-process megatron-core runs
+
+FIXTURE = Path(__file__).with_name("megatron_fixture.py")
+
+
+def _megatron(*args: str) -> None:
+    run = subprocess.run([sys.executable, str(FIXTURE), *args], capture_output=True, text=True, timeout=300,
+                         start_new_session=True)
+    assert run.returncode == 0, f"megatron-core run {args} failed:\n{run.stderr[-3000:]}"
+
+
+def _llama(dtype: torch.dtype = torch.float32):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                         rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, torch_dtype=dtype)
+    torch.manual_seed(3)
+    return LlamaForCausalLM(config).to(dtype)
+
+
+def _step_dir(root: Path, dtype: torch.dtype = torch.float32) -> tuple[Path, torch.nn.Module, torch.optim.Optimizer]:
+    """A ckptio checkpoint of the tiny Llama after two AdamW steps (weight decay, betas 0.9/0.95), at step 2."""
+    from ckptio import CheckpointConfig, CheckpointManager
+
+    model = _llama(dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+    for step in range(2):
+        x = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(step))
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=str(root)), model=model, optimizer=opt, rng=False) as mgr:
+        mgr.save(step=2)
+    return next(p for p in root.iterdir() if p.name.startswith("epoch")), model, opt
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("megatron_optim")
+    step, model, opt = _step_dir(root / "ck")
+    out = convert(step, root / "export", "megatron", options={"tp": 2})
+    _megatron("--tp", "2", "--train", str(out / "iter_0000002"), "--out", str(root / "trained.pt"))
+    return torch.load(root / "trained.pt"), model, opt, out
+
+
+@pytest.fixture(scope="module")
+def trained_distributed(tmp_path_factory):
+    """The same source exported for megatron-core's DistributedOptimizer (fully_reshardable), loaded on TP=1 x DP=2."""
+    root = tmp_path_factory.mktemp("megatron_optim_dist")
+    step, model, opt = _step_dir(root / "ck")
+    out = convert(step, root / "export", "megatron", options={"optimizer": "distributed"})
+    _megatron("--tp", "1", "--dp", "2", "--train", str(out / "iter_0000002"), "--out", str(root / "trained.pt"))
+    return torch.load(root / "trained.pt"), model, opt
+
+
+def _megatron_named(model, opt, moment: str | None) -> dict[str, torch.Tensor]:
+    """The HF model's weights (or one Adam moment) under Megatron-Core names, whole, through ckptio's converter."""
+    from ckptio.formats.naming import _RenamedSource, get_converter
+
+    class Held:
+        folder = None
+
+        def __init__(self):
+            self.t = {n: (p.detach() if moment is None else opt.state[p][moment]) for n, p in model.named_parameters()}
+
+        def index(self):
+            from ckptio.formats.common import TensorInfo, dtype_name
+
+            return {k: TensorInfo(tuple(v.shape), dtype_name(v.dtype)) for k, v in self.t.items()}
+
+        def read(self, key):
+            return self.t[key]
+
+    renamed = _RenamedSource(Held(), get_converter("llama-to-megatron"), model.config.to_dict())
+    return {k: renamed.read(k) for k in renamed.index()}
+
+
+def _canonical(name: str) -> str:
+    """The local spec's norm names (``input_layernorm``) as the torch_dist names ckptio's converter gives."""
+    from ckptio.formats.megatron.layout import _LAYER, _RENAME
+
+    m = _LAYER.match(name)
+    return f"decoder.layers.{m.group(1)}.{_RENAME.get(m.group(2), m.group(2))}" if m else name
+
+
+def test_megatron_core_loads_ckptios_adam_state_bitwise(trained):
+    got, model, opt, _ = trained
+    assert got["iteration"] == 2
+    for moment in (None, "exp_avg", "exp_avg_sq"):
+        ours = _megatron_named(model, opt, moment)
+        assert set(ours) == {_canonical(n) for n in got["params"]}
+        for name, theirs in got["params"].items():
+            assert torch.equal(theirs["before"][moment or "param"], ours[_canonical(name)]), (moment, name)
+    assert {p["before"]["step"] for p in got["params"].values()} == {2.0}
+
+
+def test_megatron_core_trains_on_as_adamw_would_from_that_state(trained):
+    got, *_ = trained
+    assert torch.isfinite(torch.tensor(got["loss"]))
+    decayed = set()
+    for name, p in got["params"].items():
+        hyper = p["hyper"]
+        assert hyper["lr"] == 2e-3 and hyper["betas"] == (0.9, 0.95) and hyper["eps"] == 1e-8, (name, hyper)
+        if hyper["weight_decay"]:
+            decayed.add(name)
+        w = p["before"]["param"].clone().requires_grad_(True)
+        ref = torch.optim.AdamW([w], lr=hyper["lr"], betas=hyper["betas"], eps=hyper["eps"],
+                                weight_decay=hyper["weight_decay"])
+        ref.state[w] = {"step": torch.tensor(p["before"]["step"]), "exp_avg": p["before"]["exp_avg"].clone(),
+                        "exp_avg_sq": p["before"]["exp_avg_sq"].clone()}
+        w.grad = p["grad"]
+        ref.step()
+        assert p["after"]["step"] == 3.0
+        assert not torch.equal(p["after"]["param"], p["before"]["param"]), name
+        for key, mine in (("param", w.detach()), ("exp_avg", ref.state[w]["exp_avg"]),
+                          ("exp_avg_sq", ref.state[w]["exp_avg_sq"])):
+            assert torch.allclose(p["after"][key], mine, rtol=1e-6, atol=1e-9), (name, key)
+    # megatron's grouping: weight decay on the matrices, none on the norms
+    assert decayed == {n for n, p in got["params"].items() if p["before"]["param"].dim() > 1}
+
+
+def test_what_megatron_would_not_train_on_is_refused_by_name(tmp_path):
+    from ckptio.errors import ConfigError
+
+    step, *_ = _step_dir(tmp_path / "ck")
+    with pytest.raises(ConfigError, match="torch_dist exports only"):
+        convert(step, tmp_path / "legacy", "megatron", options={"layout": "legacy"})
+    bf16, *_ = _step_dir(tmp_path / "ck16", torch.bfloat16)
+    with pytest.raises(ConfigError, match="Float16OptimizerWithFloat16Params"):
+        convert(bf16, tmp_path / "bf16", "megatron")
+    assert not (tmp_path / "legacy").exists() and not (tmp_path / "bf16").exists()
+
+
+def test_the_export_reads_back_as_the_ckptio_state_it_came_from(trained):
+    """ckptio -> Megatron (TP=2, moments padded and fused) -> ckptio's Megatron reader: every weight and moment
+    is the source's, bitwise, under the Hugging Face names, and the step is its step."""
+    from ckptio.formats.megatron.format import MegatronFormat, MegatronSource, _as_llama
+
+    _, model, opt, out = trained
+    step, moments = MegatronFormat().open_adam(out)
+    weights = _as_llama(MegatronSource(out))
+    assert step == 2.0
+    names = dict(model.named_parameters())
+    assert set(weights.index()) == set(names) == set(moments["exp_avg"].index())
+    for name, p in names.items():
+        assert torch.equal(weights.read(name), p.detach()), name
+        for moment, source in moments.items():
+            assert torch.equal(source.read(name), opt.state[p][moment]), (moment, name)
+
+
+def test_megatron_cores_distributed_optimizer_loads_and_trains_on_the_distributed_export(trained_distributed):
+    """Each DP rank's range of every parameter, gathered: the fp32 master copy, moments and step are ckptio's,
+    bitwise; one step later the step is 3 and every parameter and moment has moved."""
+    got, model, opt = trained_distributed
+    assert got["iteration"] == 2 and torch.isfinite(torch.tensor(got["loss"]))
+    for moment in (None, "exp_avg", "exp_avg_sq"):
+        ours = _megatron_named(model, opt, moment)
+        assert set(ours) == {_canonical(n) for n in got["params"]}
+        for name, theirs in got["params"].items():
+            assert torch.equal(theirs["before"][moment or "param"], ours[_canonical(name)]), (moment, name)
+    for name, p in got["params"].items():
+        assert p["before"]["step"] == 2.0 and p["after"]["step"] == 3.0
+        assert p["hyper"]["lr"] == 2e-3 and p["hyper"]["betas"] == (0.9, 0.95), (name, p["hyper"])
+        for key in ("param", "exp_avg", "exp_avg_sq"):
+            assert not torch.equal(p["after"][key], p["before"][key]), (name, key)
