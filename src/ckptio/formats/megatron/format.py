@@ -38,9 +38,11 @@ from ...storage.confined import Folder
 from ...storage.parse import json_object
 from ..common import TensorInfo, dtype_name
 from .config import _arg, args_from_files, hf_config
-from .layout import (GLOBAL_SPLIT, ITERATION_FILE, LAYER_SPLIT, MAX_COMMON_BYTES, NEMO_RANK_FILE, OPTIONAL, VOCAB_KEYS,
+from .layout import (GLOBAL_SPLIT, ITERATION_FILE, LAYER_SPLIT, MAX_COMMON_BYTES, NEMO_RANK_FILE, OPTIONAL, RANK_FILE,
+                     VOCAB_KEYS,
                      _LAYER, _RENAME, _rank_files, carry_side_files, iteration_folder, layout_of)
 from ..registry import Format, Opened, WriteOptions, register
+from . import moe
 
 
 
@@ -57,6 +59,9 @@ def _kind(key: str, where: object) -> tuple[str, Any, int | None]:
         suffix = _RENAME.get(m.group(2), m.group(2))
         if suffix in LAYER_SPLIT:
             return suffix, LAYER_SPLIT[suffix], int(m.group(1))
+        expert = moe.kind(suffix)  # a mixture of experts' router and experts
+        if expert is not None:
+            return expert[0], expert[1], int(m.group(1))
     elif key in GLOBAL_SPLIT:
         return key, GLOBAL_SPLIT[key], None
     raise CheckpointError(f"{where}: {key!r} is not a parameter of a Llama-style Megatron GPT model (ckptio maps "
@@ -123,6 +128,10 @@ def read_legacy(folder: Path, *, optimizer: bool = False) -> tuple[dict[str, tor
     ``param``/``exp_avg``/``exp_avg_sq`` to such a whole model, and ``info["optimizer_step"]`` is Adam's step
     (both absent when the folders have no ``distrib_optim.pt``)."""
     files = _rank_files(folder)
+    experts = moe.rank_dirs(folder, RANK_FILE)  # with expert parallelism: each (TP, PP) rank's file of every EP rank
+    if experts is not None and optimizer:
+        raise CheckpointError(f"{folder}: the distributed optimizer's state of an expert-parallel legacy checkpoint "
+                              "is not read (its weights are); convert the torch_dist checkpoint instead")
     tp = 1 + max(t for t, _ in files)
     pp = 1 + max(s for _, s in files)
     root = Folder(folder)
@@ -134,12 +143,14 @@ def read_legacy(folder: Path, *, optimizer: bool = False) -> tuple[dict[str, tor
         shards = []
         for t in range(tp):
             rel = files[(t, stage)]
-            obj, placeholders, model = _rank_file(root, rel)
+            obj, placeholders, model = _rank_file(root, rel) if experts is None else \
+                moe.rank_model(root, [f"{d}/{rel.rsplit('/', 1)[1]}" for d in experts[(t, stage)]], _rank_file)
             where = root.display(rel)
             info["placeholders"].update(placeholders)
             if t == 0 and stage == 0:
                 info["args"], info["iteration"] = obj.get("args"), obj.get("iteration")
                 _check_ranks(info["args"], tp, pp, root)
+                moe.check_legacy(info["args"], tp, root.display(rel))
             parts = {"": model}
             if optim is not None:
                 parts.update(optim(rel, obj, model, stage, pp, info))
@@ -227,15 +238,21 @@ class _DistModel:
         self.source = dcp_format.DCPSource(root)
         self._stacked: dict[str, torch.Tensor] = {}
         self.index: dict[str, TensorInfo] = {}
-        self._where: dict[str, tuple[str, int | None]] = {}
+        self._where: dict[str, tuple[str, int | tuple[int, int] | None]] = {}
         for key, ti in self.source.index().items():
             if prefix and not key.startswith(prefix):
                 continue
             name = _strip(key[len(prefix):])
-            if name.startswith("decoder.layers.") and name[len("decoder.layers."):] in LAYER_SPLIT:
+            if name.startswith("decoder.layers.") and (name[len("decoder.layers."):] in LAYER_SPLIT or
+                                                       name[len("decoder.layers."):] == moe.ROUTER):
                 for i in range(ti.shape[0]):
                     self._add(f"decoder.layers.{i}.{name[len('decoder.layers.'):]}", TensorInfo(ti.shape[1:], ti.dtype),
                               key, i)
+            elif moe.dist_key(name[len("decoder.layers."):]) is not None:  # [layers, experts, ...]
+                for i in range(ti.shape[0]):
+                    for j in range(ti.shape[1]):
+                        self._add(f"decoder.layers.{i}.mlp.experts.{j}.{moe.dist_key(name[len('decoder.layers.'):])}",
+                                  TensorInfo(ti.shape[2:], ti.dtype), key, (i, j))
             elif name in GLOBAL_SPLIT:
                 self._add(name, ti, key, None)
             elif not name.startswith(("optimizer.", "rng_state")):
@@ -243,7 +260,7 @@ class _DistModel:
         self.info["layers"] = 1 + max((int(_LAYER.match(k).group(1)) for k in self.index if _LAYER.match(k)),  # type: ignore[union-attr]
                                       default=-1)
 
-    def _add(self, name: str, info: TensorInfo, key: str, layer: int | None) -> None:
+    def _add(self, name: str, info: TensorInfo, key: str, layer: int | tuple[int, int] | None) -> None:
         self.index[name] = info
         self._where[name] = (key, layer)
 
@@ -296,6 +313,7 @@ class MegatronSource:
             if held != (self.info["layers"] if _arg(args, switch, False) else 0):
                 raise CheckpointCorruptError(f"{self.folder}: {held} of its {self.info['layers']} layers hold "
                                              f"{suffix}, but the run's {switch}={_arg(args, switch)!r}")
+        moe.check(self._index, args, self.info["layers"], self.folder)
         if self.config["tie_word_embeddings"]:  # a last-stage copy of the tied embedding is not a weight of its own
             self._index.pop("output_layer.weight", None)
         self.vocab = self.config["vocab_size"]
@@ -322,7 +340,8 @@ class MegatronSource:
 def _as_llama(source: MegatronSource) -> Any:
     from ..naming import _RenamedSource, get_converter
 
-    return _RenamedSource(source, get_converter("megatron-to-llama"), source.config)
+    naming = "megatron-to-mixtral" if source.config.get("model_type") == "mixtral" else "megatron-to-llama"
+    return _RenamedSource(source, get_converter(naming), source.config)
 
 
 class MegatronFormat(Format):

@@ -32,6 +32,7 @@ import torch
 
 from ...errors import CheckpointError, ConfigError
 from .. import hf_fields
+from . import moe
 from .layout import GLOBAL_SPLIT, ITERATION_FILE, LAYER_SPLIT, OPTIONAL, RANK_FILE, SIDE_FILES, VOCAB_KEYS
 
 DIVISIBLE_BY = 128
@@ -76,7 +77,7 @@ def megatron_args(config: dict[str, Any], tp: int, pp: int, layout: str,
         untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, ckpt_format=layout,
         bf16=dtype == "bfloat16", fp16=dtype == "float16",
-        attention_dropout=float(config.get("attention_dropout", 0.0)),
+        attention_dropout=float(config.get("attention_dropout", 0.0)), **moe.megatron_args(config, tp),
     )
 
 
@@ -97,7 +98,8 @@ def _tensors(source: Any, config: dict[str, Any], args: argparse.Namespace) -> d
                                   f"config is a {config.get('model_type', 'llama')}'s (Megatron holds them in every "
                                   f"layer, as a {kind} model_type, or in none)")
     tied = "lm_head.weight" not in index
-    renamed = _RenamedSource(_WithHead(source) if tied else source, get_converter("llama-to-megatron"), config)
+    naming = "mixtral-to-megatron" if config.get("model_type") == "mixtral" else "llama-to-megatron"
+    renamed = _RenamedSource(_WithHead(source) if tied else source, get_converter(naming), config)
     out = {}
     for key in renamed.index():
         t = renamed.read(key).contiguous()
@@ -135,7 +137,7 @@ def _split(t: torch.Tensor, split: Any, tp: int) -> list[torch.Tensor]:
 def _suffixes(args: argparse.Namespace) -> list[str]:
     """The per-layer parameters of the run: all of :data:`LAYER_SPLIT`, the :data:`OPTIONAL` ones when their switch
     (``add_qkv_bias``, ``qk_layernorm``) is on."""
-    return [s for s in LAYER_SPLIT if s not in OPTIONAL or getattr(args, OPTIONAL[s])]
+    return moe.suffixes(args, [s for s in LAYER_SPLIT if s not in OPTIONAL or getattr(args, OPTIONAL[s])])
 
 
 def write_dist(folder: Path, tensors: dict[str, torch.Tensor], args: argparse.Namespace, iteration: int) -> None:
@@ -147,9 +149,10 @@ def write_dist(folder: Path, tensors: dict[str, torch.Tensor], args: argparse.Na
     state: dict[str, Any] = {k: v for k, v in tensors.items() if k in GLOBAL_SPLIT}
     for suffix in _suffixes(args):
         state[f"decoder.layers.{suffix}"] = torch.stack([tensors[f"decoder.layers.{i}.{suffix}"] for i in range(layers)])
-    for module in EXTRA_STATE_MODULES:  # Megatron-Core's strict load asks for these objects (None: no FP8 state)
-        for i in range(layers):
+    for module in moe.extra_state_modules(args, EXTRA_STATE_MODULES):  # Megatron-Core's strict load asks for
+        for i in range(layers):                                        # these objects (None: no FP8 state)
             state[f"decoder.layers.{module}._extra_state/shard_{i}_{layers}"] = [None]
+    state.update(moe.dist_experts(tensors, args))
     with warnings.catch_warnings():  # a single-process save is what is meant here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder), thread_count=1), no_dist=True,
@@ -171,13 +174,14 @@ def write_legacy(folder: Path, tensors: dict[str, torch.Tensor], args: argparse.
         for local in range(per_stage):
             i = stage * per_stage + local
             for suffix in _suffixes(args):
-                split = LAYER_SPLIT[suffix]
+                split = LAYER_SPLIT.get(suffix)  # the router (not in it): whole on every rank
                 name = f"decoder.layers.{local}.{_LEGACY_NAMES.get(suffix, suffix)}"
                 for t, part in enumerate(_split(tensors[f"decoder.layers.{i}.{suffix}"], split, tp)):
                     shards[t][name] = part.clone()
-            for module in EXTRA_STATE_MODULES:
+            for module in moe.extra_state_modules(args, EXTRA_STATE_MODULES):
                 for shard in shards:
                     shard[f"decoder.layers.{local}.{module}._extra_state"] = None
+            moe.legacy_experts(shards, tensors, args, i, local, _split)
         if stage == pp - 1:
             for t in range(tp):
                 shards[t]["decoder.final_layernorm.weight"] = tensors["decoder.final_layernorm.weight"].clone()
@@ -194,7 +198,8 @@ def write_legacy(folder: Path, tensors: dict[str, torch.Tensor], args: argparse.
 
 # the model sizes a run's args must share with the exported model (Megatron-LM name, what the Llama config gives)
 _SIZES = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-          "vocab_size", "untie_embeddings_and_output_weights", "add_qkv_bias", "qk_layernorm")
+          "vocab_size", "untie_embeddings_and_output_weights", "add_qkv_bias", "qk_layernorm", "num_experts",
+          "moe_router_topk")
 
 
 def like_run(run: Path, ours: argparse.Namespace, tp: int | None, pp: int | None,
