@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointCorruptError, CheckpointError, ConfigError
 from .common import TensorInfo, dtype_name, read_json, torch_dtype
 
 __all__ = ["Rule", "Converter", "CONVERTERS", "register", "get_converter", "apply", "check_invertible",
@@ -198,7 +198,12 @@ class _RenamedSource:
         self._infos: dict[str, TensorInfo] = {}
         for tgt, (rule, srcs, n) in self._plan.outputs.items():  # shapes from metadata, via meta tensors
             metas = [torch.empty(self._index[s].shape, dtype=torch_dtype(self._index[s].dtype), device="meta") for s in srcs]
-            out = _forward(rule, metas, config)[n]
+            try:
+                out = _forward(rule, metas, config)[n]
+            except (RuntimeError, ValueError) as exc:  # shapes the config's sizes cannot split or fuse
+                shapes = {s: list(self._index[s].shape) for s in srcs}
+                raise CheckpointCorruptError(f"{getattr(source, 'folder', '')}: {shapes} cannot become {tgt!r} "
+                                             f"({rule.transform} with the config's sizes): {exc}") from exc
             self._infos[tgt] = TensorInfo(tuple(out.shape), dtype_name(out.dtype))
 
     def index(self) -> dict[str, TensorInfo]:
