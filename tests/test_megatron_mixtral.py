@@ -299,3 +299,52 @@ def test_megatron_core_loads_a_mixtral_ckptio_exports_at_another_expert_parallel
     want, routed = _run(src, got["input_ids"])
     assert all(r == {0, 1, 2, 3} for r in routed), routed
     assert torch.allclose(got["logits"], want, atol=1e-5, rtol=0), (got["logits"] - want).abs().max()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["torch_dist", "legacy"])
+def test_restore_from_megatron_brings_a_mixtral_its_experts_and_their_moments(made, tmp_path, layout):
+    """A plain MixtralForCausalLM (transformers 5 fuses each layer's experts into gate_up_proj and down_proj in
+    memory) with AdamW, restored from the EP=2 run: every expert's weights are Megatron's, bit for bit, and from
+    torch_dist so are Adam's moments (the legacy files of a run without the distributed optimizer carry no moments
+    ckptio maps: the weights only)."""
+    from ckptio.formats.dcp.format import load_all
+    from distributed import run_ranks
+    from megatron_shared import restore_with_adam
+
+    src = made[(1, 1, 2)] / layout
+    hf = convert(src, tmp_path / "hf", "hf")
+    got = run_ranks(1, restore_with_adam, source=str(src), config=str(hf))[0] if layout == "torch_dist" else None
+    if got is None:  # weights only: AdamW's moments start fresh
+        from ckptio import CheckpointConfig, CheckpointManager
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hf)).float()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        with CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path / "run")), model=model, optimizer=opt,
+                               rng=False) as mgr:
+            mgr.restore(str(src))
+        got = {f"model/{k}": v for k, v in model.state_dict().items()}
+    mega = load_all(made[(1, 1, 2)] / "torch_dist" / "iter_0000002")
+    moe = "decoder.layers.mlp.experts.experts."
+    for i in range(4):
+        p = f"model.layers.{i}.mlp."
+        assert torch.equal(got[f"model/{p}gate.weight"], mega["decoder.layers.mlp.router.weight"][i])
+        assert torch.equal(got[f"model/{p}experts.gate_up_proj"], mega[moe + "linear_fc1.weight"][i])
+        assert torch.equal(got[f"model/{p}experts.down_proj"], mega[moe + "linear_fc2.weight"][i])
+        if layout == "legacy":
+            continue
+        for m in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(got[f"optim/state.{p}experts.gate_up_proj.{m}"],
+                               mega[f"optimizer.state.{m}.{moe}linear_fc1.weight"][i])
+            assert torch.equal(got[f"optim/state.{p}experts.down_proj.{m}"],
+                               mega[f"optimizer.state.{m}.{moe}linear_fc2.weight"][i])
+            assert torch.equal(got[f"optim/state.{p}gate.weight.{m}"],
+                               mega[f"optimizer.state.{m}.decoder.layers.mlp.router.weight"][i])
+    if layout == "torch_dist":
+        steps = got.pop("steps")
+        params = [k.removeprefix("model/") for k in got if k.startswith("model/")]
+        assert len(params) == steps.numel() == 39 and bool((steps == 1).all()), steps
+        for name in params:  # Megatron's one Adam step (megatron_fixture.py): every element, the experts' included
+            g = got[f"optim/state.{name}.exp_avg"] / 0.1
+            assert torch.allclose(got[f"optim/state.{name}.exp_avg_sq"], 0.05 * g * g, rtol=1e-4, atol=1e-9), name

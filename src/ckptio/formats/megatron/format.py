@@ -129,15 +129,15 @@ def read_legacy(folder: Path, *, optimizer: bool = False) -> tuple[dict[str, tor
     (both absent when the folders have no ``distrib_optim.pt``)."""
     files = _rank_files(folder)
     experts = moe.rank_dirs(folder, RANK_FILE)  # with expert parallelism: each (TP, PP) rank's file of every EP rank
-    if experts is not None and optimizer:
-        raise CheckpointError(f"{folder}: the distributed optimizer's state of an expert-parallel legacy checkpoint "
-                              "is not read (its weights are); convert the torch_dist checkpoint instead")
     tp = 1 + max(t for t, _ in files)
     pp = 1 + max(s for _, s in files)
     root = Folder(folder)
     sets: dict[str, dict[str, torch.Tensor]] = {"": {}}
     info: dict[str, Any] = {"tp": tp, "pp": pp, "placeholders": set()}
     optim = _legacy_optimizer(root, files) if optimizer else None
+    if experts is not None and optim is not None:
+        raise CheckpointError(f"{folder}: the distributed optimizer's state of an expert-parallel legacy checkpoint "
+                              "is not read (its weights are); restore from the run's torch_dist checkpoint instead")
     offset = 0
     for stage in range(pp):
         shards = []
