@@ -348,3 +348,40 @@ def test_restore_from_megatron_brings_a_mixtral_its_experts_and_their_moments(ma
         for name in params:  # Megatron's one Adam step (megatron_fixture.py): every element, the experts' included
             g = got[f"optim/state.{name}.exp_avg"] / 0.1
             assert torch.allclose(got[f"optim/state.{name}.exp_avg_sq"], 0.05 * g * g, rtol=1e-4, atol=1e-9), name
+
+
+# ------------------------------------------------------------------------------------------- found by the fuzzer
+def _rewrite_rank(out: Path, rank: str, change) -> None:
+    f = out / "iter_0000000" / rank / "model_optim_rng.pt"
+    state = torch.load(f, weights_only=False)
+    change(state["model"])
+    torch.save(state, f)
+
+
+@pytest.mark.parametrize("key,value,says", [
+    ("decoder.layers.0.self_attention.linear_proj.weight", torch.zeros(64), r"has 1 dimension\(s\).*dimension 1"),
+    ("decoder.layers.0.self_attention.linear_qkv.weight", torch.zeros(0), r"cannot become"),
+])
+def test_rank_files_whose_shapes_cannot_be_merged_or_split_are_refused_by_name(hf, tmp_path, key, value, says):
+    """Two inputs of the megatron_mixtral fuzz family (tools/fuzz_megatron.py), which met the dense readers too:
+    a row-parallel weight saved 1-D (an IndexError), a q/k/v weight of no rows (a RuntimeError of a reshape)."""
+    out = convert(hf, tmp_path / "mg", "megatron", options={"tp": 2, "layout": "legacy"})
+    for rank in ("mp_rank_00", "mp_rank_01"):
+        _rewrite_rank(out, rank, lambda model: model.update({key: value}))
+    with pytest.raises(CheckpointError, match=says):
+        convert(out, tmp_path / "back", "hf")
+    assert not (tmp_path / "back").exists()
+
+
+@pytest.mark.slow
+def test_an_optimizer_step_that_is_no_number_is_refused_by_name(made, tmp_path):
+    """An input of the fuzz family: common.pt's optimizer step replaced by a dict (a TypeError before)."""
+    from ckptio.formats.megatron.format import MegatronFormat
+
+    run = Path(shutil.copytree(made[(1, 1, 2)] / "torch_dist", tmp_path / "run"))
+    common = run / "iter_0000002" / "common.pt"
+    state = torch.load(common, weights_only=False)
+    state["optimizer"]["state"]["common_step"] = {}
+    torch.save(state, common)
+    with pytest.raises(CheckpointError, match=r"records the optimizer's step as dict"):
+        MegatronFormat().open_adam(run)

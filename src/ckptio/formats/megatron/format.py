@@ -75,6 +75,9 @@ def merge_tp(parts: list[torch.Tensor], split: Any, key: str, where: object) -> 
         return parts[0]
     if len({tuple(p.shape) for p in parts}) != 1:
         raise CheckpointCorruptError(f"{where}: the TP shards of {key!r} differ in shape: {[list(p.shape) for p in parts]}")
+    if parts[0].dim() <= (0 if split == "glu" else split):
+        raise CheckpointCorruptError(f"{where}: {key!r} has {parts[0].dim()} dimension(s); its tensor-parallel shards "
+                                     f"are split along dimension {0 if split == 'glu' else split}")
     if split == "glu":
         if parts[0].shape[0] % 2:
             raise CheckpointCorruptError(f"{where}: {key!r} has an odd number of rows; it cannot hold [gate; up]")
@@ -385,6 +388,11 @@ class MegatronFormat(Format):
         step = moments["exp_avg"].info.get("optimizer_step")
         if not moments["exp_avg"].index() or step is None:
             return None
+        if isinstance(step, torch.Tensor) and step.numel() == 1:
+            step = step.item()
+        if isinstance(step, bool) or not isinstance(step, (int, float)):
+            raise CheckpointCorruptError(f"{moments['exp_avg'].folder}: common.pt records the optimizer's step as "
+                                         f"{type(step).__name__} {str(step)[:40]!r}, not a number")
         return float(step), {m: _as_llama(source) for m, source in moments.items()}
 
     def open_masters(self, path: Path) -> Any:
