@@ -385,3 +385,17 @@ def test_an_optimizer_step_that_is_no_number_is_refused_by_name(made, tmp_path):
     torch.save(state, common)
     with pytest.raises(CheckpointError, match=r"records the optimizer's step as dict"):
         MegatronFormat().open_adam(run)
+
+
+@pytest.mark.slow
+def test_fuzz_family_smoke():
+    """A CI-sized run of the megatron_mixtral fuzz family (the long run: ``tools/fuzz_readers.py --family
+    megatron_mixtral --inputs 100000``): every damaged folder ends in a right read or a ckptio error."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import fuzz_readers
+
+    n = 60
+    tally = fuzz_readers.run(["megatron_mixtral"], inputs=n, seed=5, verbose=True)["megatron_mixtral"]
+    failures = "\n".join(f"input {i}: {d} <- {'; '.join(notes)}" for i, d, notes in tally["failures"])
+    assert tally["other"] == 0 and tally["harness"] == 0, failures
+    assert tally["clean"] > 0 and tally["ok"] + tally["clean"] == n
