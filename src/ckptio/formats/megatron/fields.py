@@ -1,4 +1,5 @@
-"""Every Megatron model argument, placed: carried into the Hugging Face Llama/Qwen2/Qwen3 config, inert, or refused.
+"""Every Megatron model argument, placed: carried into the Hugging Face Llama/Qwen2/Qwen3/Mixtral config, inert, or
+refused.
 
 A Megatron run builds its model from Megatron-Core's ``TransformerConfig`` (with ``ModelParallelConfig``), whose
 fields Megatron-LM fills from arguments of the same names, plus a few Megatron-LM arguments it translates

@@ -351,7 +351,8 @@ class MegatronFormat(Format):
     """Megatron-LM legacy (``mp_rank_*``) and Megatron-Core ``torch_dist`` checkpoints, read as HF Llama/Qwen2/Qwen3."""
 
     name = "megatron"
-    summary = "Megatron-LM / Megatron-Core checkpoint (mp_rank_* or torch_dist), read as Hugging Face Llama/Qwen2/Qwen3"
+    summary = ("Megatron-LM / Megatron-Core checkpoint (mp_rank_* or torch_dist), read as Hugging Face "
+               "Llama/Qwen2/Qwen3/Mixtral")
     priority = 25
 
     def detect(self, path: Path) -> bool:
@@ -390,7 +391,7 @@ class MegatronFormat(Format):
             return None
         if isinstance(step, torch.Tensor) and step.numel() == 1:
             step = step.item()
-        if isinstance(step, bool) or not isinstance(step, (int, float)):
+        if type(step) not in (int, float) or not 0 <= step < float("inf"):
             raise CheckpointCorruptError(f"{moments['exp_avg'].folder}: common.pt records the optimizer's step as "
                                          f"{type(step).__name__} {str(step)[:40]!r}, not a number")
         return float(step), {m: _as_llama(source) for m, source in moments.items()}
@@ -426,7 +427,8 @@ class MegatronFormat(Format):
         files = {rel: e.size for rel, e in folder.walk_files() if e.kind == "file"}
         layout = {"legacy": "Megatron-LM legacy (mp_rank_*)", "dist": "Megatron-Core torch_dist"}[source.layout or ""]
         return {"path": str(path), "kind": self.name, "label": self.summary, "iteration": info.get("iteration"),
-                "weights": f"{source.folder.name}: {layout}, saved on TP={tp} PP={pp}",
+                "weights": f"{source.folder.name}: {layout}, saved on TP={tp} PP={pp}" + (
+                    f" EP={_arg(args, 'expert_model_parallel_size')}" if moe.experts_of(args) else ""),
                 "layout": source.layout, "tp": tp, "pp": pp, "layers": info.get("layers"),
                 "architecture": f"{source.config['architectures'][0]} (Megatron GPT)", "config": source.config,
                 "placeholders": sorted(info.get("placeholders", ())),
