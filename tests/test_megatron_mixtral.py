@@ -399,3 +399,15 @@ def test_fuzz_family_smoke():
     failures = "\n".join(f"input {i}: {d} <- {'; '.join(notes)}" for i, d, notes in tally["failures"])
     assert tally["other"] == 0 and tally["harness"] == 0, failures
     assert tally["clean"] > 0 and tally["ok"] + tally["clean"] == n
+
+
+def test_args_that_are_no_namespace_are_refused_by_name(hf, tmp_path):
+    """An input of the fuzz family: common.pt's ``args`` replaced by a number (a TypeError of vars() before)."""
+    out = convert(hf, tmp_path / "mg", "megatron", options={"layout": "dist"})
+    common = out / "iter_0000000" / "common.pt"
+    state = torch.load(common, weights_only=False)
+    state["args"] = 7
+    torch.save(state, common)
+    with pytest.raises(CheckpointError, match=r"the run's args are missing"):
+        convert(out, tmp_path / "back", "hf")
+    assert not (tmp_path / "back").exists()

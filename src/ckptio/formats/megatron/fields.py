@@ -172,7 +172,7 @@ def _every_layer(value: Any) -> bool:
 def refused(args: Any) -> list[str]:
     """Each argument of ``args`` (a Namespace or a dict) that asks for something a Llama does not compute, as
     ``name=value (what it is)``."""
-    values = args if isinstance(args, dict) else vars(args) if args is not None else {}
+    values = args if isinstance(args, dict) else vars(args) if hasattr(args, "__dict__") else {}
     out = []
     if "moe_layer_freq" in values and not _every_layer(values["moe_layer_freq"]):
         out.append(f"moe_layer_freq={values['moe_layer_freq']!r} (dense layers between the mixture-of-experts layers)")
