@@ -4,6 +4,7 @@
     python megatron_fixture.py --tp T --pp P --load SRC --out FILE              # load one, save its logits
     ... --family qwen2                                                          # Qwen2-style: q/k/v biases
     ... --family qwen3                                                          # Qwen3-style: q/k norms
+    ... --family mixtral --ep E                                                 # Mixtral-style experts over EP=E
 
 Used by ``tests/test_megatron_core.py``; needs the ``megatron-core`` package (a test extra).
 
@@ -50,6 +51,16 @@ VOCAB, MAX_POS = 128, 64
 FAMILY = os.environ.get("MEGATRON_FIXTURE_FAMILY", "llama")
 QKV_BIAS, QK_NORM = FAMILY == "qwen2", FAMILY == "qwen3"
 EPS, ROPE_BASE = (1e-6, 1000000) if FAMILY != "llama" else (1e-5, 10000)
+if FAMILY == "mixtral":  # Mixtral's norm epsilon and rotary base
+    EPS, ROPE_BASE = 1e-5, 1000000
+# --family mixtral: every MLP a mixture of EXPERTS SwiGLU experts of MOE_FFN, TOPK of them per token (SequentialMLP,
+# softmax over the top-k router logits), spread over --ep expert-parallel ranks (the data-parallel ranks)
+EXPERTS, TOPK, MOE_FFN = 4, 2, HIDDEN // 2
+EP = int(os.environ.get("MEGATRON_FIXTURE_EP", "1"))
+
+
+def moe_family():
+    return FAMILY == "mixtral"
 # --make-vocab-size-divisible-by of the run (Megatron-LM's default 128); --divisible-by sets it for the ranks
 DIVISIBLE_BY = int(os.environ.get("MEGATRON_FIXTURE_DIVISIBLE_BY", "128"))
 SEED = 1234
@@ -87,6 +98,12 @@ def apply_cpu_stubs():
     torch.cuda.get_rng_state = lambda device="cuda": gen.get_state()
     mrandom._get_cuda_rng_state = lambda *a, **k: gen.get_state()
     mrandom._set_cuda_rng_state = lambda state, *a, **k: gen.set_state(state)
+    # the router's gating linear asks for Transformer Engine's GEMM by a name megatron-core 0.16.1 defines only
+    # when Transformer Engine is installed: without it, the plain matmul
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def apply_distopt_cpu_stubs():
@@ -159,10 +176,12 @@ def build_model(tp, pp, vocab=None, tied=False, vpp=None, vp_stage=None):
         use_cpu_initialization=True, perform_initialization=False,
         params_dtype=torch.float32, pipeline_dtype=torch.float32,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
+        **moe_config(),
     )
     return GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=QK_NORM),
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=QK_NORM,
+                                                        num_experts=EXPERTS if moe_family() else None),
         vocab_size=vocab or padded_vocab(tp), max_sequence_length=MAX_POS,
         pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
         post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
@@ -171,15 +190,37 @@ def build_model(tp, pp, vocab=None, tied=False, vpp=None, vp_stage=None):
     )
 
 
+def moe_config():
+    """The MoE fields of the TransformerConfig (none for a dense family): Mixtral's routing, no token dropping."""
+    if not moe_family():
+        return {}
+    return dict(num_moe_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=MOE_FFN, moe_grouped_gemm=False,
+                moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.02, moe_router_pre_softmax=False,
+                moe_router_score_function="softmax", moe_token_dispatcher_type="allgather",
+                expert_model_parallel_size=EP)
+
+
+def global_name(name, layer_offset):
+    """A parameter's name in the whole model: the layer numbered over all stages, a local expert by its global
+    index (this expert-parallel rank's experts follow the earlier ranks')."""
+    from megatron.core import parallel_state as ps
+
+    parts = name.split(".")
+    if name.startswith("decoder.layers."):
+        parts[2] = str(int(parts[2]) + layer_offset)
+    if "local_experts" in parts:
+        at = parts.index("local_experts")
+        j = int(parts[at + 1]) + ps.get_expert_model_parallel_rank() * (EXPERTS // EP)
+        parts[at:at + 2] = [str(j)]
+    return ".".join(parts)
+
+
 def fill_weights(model, tp, tp_rank, pp_rank, pp, tied=False, offset=None):
     """Copy this rank's slice of the seeded full weights into the model (``offset``: its first layer's number)."""
     layer_offset = pp_rank * (NUM_LAYERS // pp) if offset is None else offset  # local numbering restarts per stage
     with torch.no_grad():
         for name, p in model.named_parameters():
-            parts = name.split(".")
-            if name.startswith("decoder.layers."):
-                parts[2] = str(int(parts[2]) + layer_offset)
-            gname = ".".join(parts)
+            gname = global_name(name, layer_offset)  # local layer numbering restarts on each stage
             if tied and gname == "output_layer.weight":  # a later stage's copy of the tied embedding
                 gname = "embedding.word_embeddings.weight"
             full_shape, shard = tp_slice(name, p.shape, tp, tp_rank)
@@ -194,7 +235,10 @@ def make_args(tp, pp, fmt):
 
     from megatron.core.transformer.enums import AttnBackend
 
-    return Namespace(
+    moe = {}
+    if moe_family():  # Megatron-LM's own names: --num-experts, --moe-*, --expert-model-parallel-size
+        moe = {("num_experts" if k == "num_moe_experts" else k): v for k, v in moe_config().items()}
+    return Namespace(**moe,
         num_layers=NUM_LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN,
         num_attention_heads=HEADS, num_query_groups=GROUPS, group_query_attention=True,
         kv_channels=KV_CH, padded_vocab_size=padded_vocab(tp), vocab_size=VOCAB,
@@ -254,7 +298,7 @@ def worker(rank, tp, pp, out, iteration, store_file):
     quiet_megatron()
 
     torch.distributed.init_process_group(  # short timeout: a failed rank must not hang the others
-        "gloo", init_method=f"file://{store_file}", rank=rank, world_size=tp * pp,
+        "gloo", init_method=f"file://{store_file}", rank=rank, world_size=tp * pp * EP,
         timeout=datetime.timedelta(minutes=2))
     apply_cpu_stubs()
     from megatron.core import dist_checkpointing
@@ -264,7 +308,8 @@ def worker(rank, tp, pp, out, iteration, store_file):
         get_param_id_to_sharded_param_map, optim_state_to_sharding_state)
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 expert_model_parallel_size=EP)
     random.seed(SEED)
     np.random.seed(SEED)
     torch.manual_seed(SEED)
@@ -300,13 +345,15 @@ def worker(rank, tp, pp, out, iteration, store_file):
     optim_sd["state"]["common_step"] = step  # Megatron stores one shared step
     sharded_sd = dict(
         common, args=make_args(tp, pp, "torch_dist"), model=model_sd, optimizer=optim_sd,
-        rng_state=ShardedObject("rng_state", rng_state(), (pp, tp), (pp_rank, tp_rank), replica_id=0),
+        rng_state=ShardedObject("rng_state", rng_state(), (pp, tp), (pp_rank, tp_rank), replica_id=ps.get_data_parallel_rank()),
     )
     dist_dir = os.path.join(out, "torch_dist", iter_name)
     dist_checkpointing.save(sharded_sd, dist_dir, content_metadata={"singleton_local_shards": False})
 
     # (b) legacy "torch" format: one file per TP/PP rank, per-layer names, stage-local layer ids.
     sub = f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+    if EP > 1:  # Megatron-LM's get_checkpoint_name: the expert-parallel rank last, after the pipeline's if any
+        sub += f"_{ps.get_expert_model_parallel_rank():03d}"
     os.makedirs(os.path.join(out, "legacy", iter_name, sub), exist_ok=True)
     legacy = dict(
         args=make_args(tp, pp, "torch"), **common, model=model.state_dict_for_save_checkpoint(),
@@ -315,12 +362,13 @@ def worker(rank, tp, pp, out, iteration, store_file):
     # Megatron-LM's key order
     order = ["args", "checkpoint_version", "iteration", "model", "optimizer", "opt_param_scheduler",
              "rng_state", "num_floating_point_operations_so_far"]
-    torch.save({k: legacy[k] for k in order}, os.path.join(out, "legacy", iter_name, sub, "model_optim_rng.pt"))
+    if ps.get_expert_data_parallel_rank() == 0:  # as Megatron-LM: one copy of each expert-parallel shard
+        torch.save({k: legacy[k] for k in order}, os.path.join(out, "legacy", iter_name, sub, "model_optim_rng.pt"))
 
     # (c) reference logits from the saved weights
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
     logits = pipeline_logits(model, ids, tp)
-    if logits is not None and tp_rank == 0:
+    if logits is not None and tp_rank == 0 and ps.get_data_parallel_rank() == 0:
         torch.save({"input_ids": ids, "logits": logits}, os.path.join(out, "reference.pt"))
 
     torch.distributed.barrier()
@@ -524,7 +572,7 @@ def load_worker(rank, tp, pp, src, out, store_file):
     """Load the torch_dist checkpoint ``src`` into a fresh T x P model with Megatron's loader; save its logits."""
     quiet_megatron()
     torch.distributed.init_process_group(
-        "gloo", init_method=f"file://{store_file}", rank=rank, world_size=tp * pp,
+        "gloo", init_method=f"file://{store_file}", rank=rank, world_size=tp * pp * EP,
         timeout=datetime.timedelta(minutes=2))
     apply_cpu_stubs()
     from megatron.core import dist_checkpointing
@@ -532,7 +580,8 @@ def load_worker(rank, tp, pp, src, out, store_file):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from torch.distributed.checkpoint import FileSystemReader
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 expert_model_parallel_size=EP)
     model_parallel_cuda_manual_seed(SEED)
     vocab = FileSystemReader(src).read_metadata().state_dict_metadata["embedding.word_embeddings.weight"].size[0]
     model = build_model(tp, pp, vocab=vocab)
@@ -545,7 +594,7 @@ def load_worker(rank, tp, pp, src, out, store_file):
     model.eval()
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
     logits = pipeline_logits(model, ids, tp)
-    if logits is not None and ps.get_tensor_model_parallel_rank() == 0:
+    if logits is not None and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
         torch.save({"input_ids": ids, "logits": logits}, out)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
@@ -559,7 +608,9 @@ def main():
     ap.add_argument("--iteration", type=int, default=2)
     ap.add_argument("--load", default=None, help="a torch_dist iteration folder to load (then --out is a file)")
     ap.add_argument("--divisible-by", type=int, default=None, help="--make-vocab-size-divisible-by (default 128)")
-    ap.add_argument("--family", choices=["llama", "qwen2", "qwen3"], default="llama",
+    ap.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (--family mixtral; the data-parallel "
+                    "ranks: TP x PP x EP processes)")
+    ap.add_argument("--family", choices=["llama", "qwen2", "qwen3", "mixtral"], default="llama",
                     help="qwen2: biases on the query/key/value projection (Megatron-LM's --add-qkv-bias); "
                          "qwen3: RMSNorms on each query and key head (--qk-layernorm)")
     ap.add_argument("--dp", type=int, default=None,
@@ -598,9 +649,17 @@ def main():
         os.environ["MEGATRON_FIXTURE_BF16"] = "1"  # for spawned ranks
     if a.family != FAMILY:
         global QKV_BIAS, QK_NORM, EPS, ROPE_BASE
+        globals()["FAMILY"] = a.family
         os.environ["MEGATRON_FIXTURE_FAMILY"] = a.family  # for spawned ranks
         QKV_BIAS, QK_NORM = a.family == "qwen2", a.family == "qwen3"
         EPS, ROPE_BASE = (1e-6, 1000000) if a.family != "llama" else (1e-5, 10000)
+        if a.family == "mixtral":  # Mixtral's norm epsilon and rotary base
+            EPS, ROPE_BASE = 1e-5, 1000000
+    global EP
+    if a.ep != EP:
+        EP = a.ep
+        os.environ["MEGATRON_FIXTURE_EP"] = str(a.ep)  # for spawned ranks
+    assert EP == 1 or moe_family(), "--ep needs experts (--family mixtral)"
     assert GROUPS % a.tp == 0 and NUM_LAYERS % a.pp == 0, "unsupported TP/PP for the tiny model"
     if a.load is None and a.dp is None and a.train is None:  # dist_checkpointing.save expects the target directory to exist
         os.makedirs(os.path.join(a.out, "torch_dist", f"iter_{a.iteration:07d}"), exist_ok=True)
@@ -613,7 +672,7 @@ def main():
             import megatron.core.models.gpt  # noqa: F401
         fn, args = (worker, (a.tp, a.pp, a.out, a.iteration, store_file)) if a.load is None else \
             (load_worker, (a.tp, a.pp, a.load, a.out, store_file))
-        ranks = a.tp * a.pp
+        ranks = a.tp * a.pp * EP
         if a.dp is not None:
             assert a.load is None and a.pp <= 2, "--dp trains on TP x PP x DP ranks, at most two pipeline stages"
             fn, args = distopt_worker, (a.tp, a.pp, a.dp, a.out, a.iteration, a.bucket, a.tied, store_file)

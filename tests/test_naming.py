@@ -83,15 +83,45 @@ def test_llama_to_megatron_gives_the_same_logits_and_round_trips_bitwise(tied):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_every_registered_converter_is_invertible():
+def _mixtral_files(folder) -> tuple[dict, dict]:
+    """A tiny Mixtral's tensors as transformers saves them (each expert's w1/w2/w3, not the fused 3-D experts it
+    holds in memory) and its config."""
+    from safetensors.torch import load_file
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    MixtralForCausalLM(MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=3,
+                                     num_experts_per_tok=2)).save_pretrained(folder)
+    sd = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        sd.update(load_file(f))
+    return sd, json.loads((folder / "config.json").read_text())
+
+
+def test_every_registered_converter_is_invertible(tmp_path):
     """The test every converter must pass (docs/converters.md): forward then inverse is the identity."""
     model = _llama(False)
-    sd, config = model.state_dict(), model.config.to_dict()
+    models = {"llama": (model.state_dict(), model.config.to_dict()), "mixtral": _mixtral_files(tmp_path)}
     for name, conv in CONVERTERS.items():
-        if name.startswith("llama-to"):
+        sd, config = models["mixtral" if "mixtral" in name else "llama"]
+        if name.startswith(("llama-to", "mixtral-to")):
             check_invertible(conv, sd, config)
         else:
             check_invertible(conv, apply(conv.inverse(), sd, config), config)
+
+
+def test_mixtral_to_megatron_fuses_each_experts_gate_and_up(tmp_path):
+    """Mixtral's w1 (gate) and w3 (up) become Megatron's [gate; up] in the expert's linear_fc1, w2 its linear_fc2,
+    the gate Megatron's router: each expert by its own index."""
+    sd, config = _mixtral_files(tmp_path)
+    mega = apply(get_converter("mixtral-to-megatron"), sd, config)
+    e = "model.layers.1.block_sparse_moe."
+    assert torch.equal(mega["decoder.layers.1.mlp.experts.2.linear_fc1.weight"],
+                       torch.cat([sd[e + "experts.2.w1.weight"], sd[e + "experts.2.w3.weight"]]))
+    assert torch.equal(mega["decoder.layers.1.mlp.experts.2.linear_fc2.weight"], sd[e + "experts.2.w2.weight"])
+    assert torch.equal(mega["decoder.layers.1.mlp.router.weight"], sd[e + "gate.weight"])
+    assert not any(k.endswith((".mlp.linear_fc1.weight", ".mlp.linear_fc2.weight")) for k in mega)
 
 
 def test_unmatched_keys_are_refused_by_name():

@@ -1,5 +1,7 @@
 """The fuzz families of Megatron checkpoints (see ``fuzz_readers.py`` for the oracle).
 
+``megatron_mixtral``: a mixture of experts with expert parallelism (:class:`MegatronMixtral`).
+
 ``megatron_distopt``, Megatron's distributed optimizer in the legacy layout:
 a run folder written by the real megatron-core (``tests/megatron_fixture.py --dp 2``: TP=2 x DP=2, three steps of
 its ``DistributedOptimizer``, ``model_optim_rng.pt`` and ``distrib_optim.pt`` per TP rank; built once, kept in the
@@ -140,8 +142,68 @@ class _Damaged(MegatronDistOpt):
             raise WrongResult("an undamaged Megatron checkpoint read other values")
 
 
+
+def _mixtral_run() -> Path:
+    """A Mixtral written by megatron-core at TP=1 PP=2 EP=2 (``mp_rank_TT_PPP_EEE`` rank folders and torch_dist)."""
+    out = _fixed_dir("megatron-mixtral")
+    if not (out / "torch_dist" / "latest_checkpointed_iteration.txt").is_file():
+        cmd = [sys.executable, str(HERE.parent / "tests" / "megatron_fixture.py"), "--family", "mixtral", "--tp", "1",
+               "--pp", "2", "--ep", "2", "--out", str(out)]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if r.returncode != 0:
+            raise RuntimeError(f"the megatron-core run failed: {r.stderr[-2000:]}")
+        (out / "reference.pt").unlink()
+    return out
+
+
+def _read_mixtral(root: Path, layout: str) -> dict[str, torch.Tensor]:
+    """What converting ``root`` (one layout's run folder) reads: every tensor of the Mixtral, and Adam's state."""
+    from ckptio.formats import registry
+
+    fmt = registry.detect(root)
+    opened = fmt.open(root)
+    try:
+        got = {f"model/{k}": opened.source.read(k) for k in opened.source.index()}
+    finally:
+        opened.close()
+    if layout == "torch_dist":
+        got.update(adam_tensors(fmt, root))
+    return got
+
+
+class MegatronMixtral:
+    """A megatron-core Mixtral's legacy expert-parallel rank files or its torch_dist folder (one of them per input),
+    damaged one to three files at a time, then read as a conversion does (every expert, and Adam's moments of the
+    torch_dist one); an untouched folder must read exactly what the pristine one holds."""
+
+    def prepare(self) -> None:
+        if hasattr(self, "images"):
+            return
+        out = _mixtral_run()
+        self.images = {layout: load_image(out / layout) for layout in ("legacy", "torch_dist")}
+        self.objs = {layout: _objects(image) for layout, image in self.images.items()}
+        self.want = {layout: _read_mixtral(out / layout, layout) for layout in self.images}
+
+    def __call__(self, rng: Case, tmp: Path) -> None:
+        self.prepare()
+        rng.reading = False
+        layout = rng.choice(sorted(self.images))
+        image = dict(self.images[layout])
+        touched = set() if rng.pristine else damage(rng, image, _kinds(image), tmp, self.objs[layout], manifest=None)
+        root = tmp / "run"
+        _place(rng, image, root, tmp)
+        rng.reading = True
+        got = _read_mixtral(root, layout)
+        if touched:
+            return
+        want = self.want[layout]
+        if set(got) != set(want) or any(not torch.equal(got[k], v) for k, v in want.items()):
+            raise WrongResult(f"an undamaged Megatron Mixtral ({layout}) read other values")
+
+
 FAMILIES = {
     "megatron_distopt": MegatronDistOpt(),
+    "megatron_mixtral": MegatronMixtral(),
     "megatron_vpp": _Damaged(lambda: _fixture("megatron-vpp", "legacy", "--tp", "1", "--pp", "2", "--vpp", "2"),
                              ("model_optim_rng.pt",)),
     "megatron_dist_distopt": _Damaged(lambda: _fixture("megatron-dist-distopt", "torch_dist_fully_reshardable",

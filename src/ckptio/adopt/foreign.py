@@ -108,7 +108,10 @@ def _fill_moments(path: Path, model_state: Any, optimizer: Any, step: float, mom
     import torch
     from torch.distributed.tensor import DTensor
 
+    from ..formats.live_experts import as_live
+
     names = {id(p): model_state._strip(n) for n, p in model_state.model.named_parameters()}
+    moments = {m: as_live(source, set(names.values())) for m, source in moments.items()}  # fused experts
     indexes = {moment: source.index() for moment, source in moments.items()}
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -179,7 +182,9 @@ def restore_foreign(path: Path, model_state: Any, *, strict: bool, log: Any) -> 
         opened = fmt.open(path)
         masters = None
         try:
-            source = opened.source
+            from ..formats.live_experts import as_live
+
+            source = as_live(opened.source, target)  # a Mixtral's experts, fused in memory by transformers 5
             index = source.index()
             live = {k: TensorInfo(tuple(v.shape), dtype_name(v.dtype)) for k, v in target.items()}
             check_compatible(index, live, f"{path} ({fmt.name})", strict=strict)
@@ -187,7 +192,8 @@ def restore_foreign(path: Path, model_state: Any, *, strict: bool, log: Any) -> 
                     all(live[k].dtype == "float32" for k in live):  # a 16-bit run into an fp32 model: its masters
                 masters = fmt.open_masters(path)
                 if masters is not None:
-                    source, index = masters, masters.index()
+                    source = as_live(masters, target)
+                    index = source.index()
                     check_compatible(index, live, f"{path} ({fmt.name}, fp32 master copies)", strict=strict)
             wrong = [f"{k}: {index[k].dtype} in the checkpoint, {live[k].dtype} in the model" for k in live
                      if index[k].dtype != live[k].dtype]

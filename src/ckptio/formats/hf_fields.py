@@ -177,6 +177,8 @@ _MUST: dict[str, tuple[Any, str]] = {  # field -> (the value a Llama-shaped targ
     "use_sliding_window": (False, "Only full attention is carried; Qwen2 attends in a window of sliding_window tokens "
                                   "on the layers from max_window_layers on when this is true."),
     "is_encoder_decoder": (False, "Only decoder-only models are mapped."),
+    "router_jitter_noise": (0.0, "Mixtral's router jitter is not carried (Megatron's moe_input_jitter_eps jitters at "
+                                 "inference too); set it to 0.0."),
 }
 MODEL_FIELDS: dict[str, frozenset[str]] = {
     "llama": CARRIED | INERT | {"hidden_act", "attention_bias", "mlp_bias", "pretraining_tp", "is_encoder_decoder"},
@@ -185,6 +187,11 @@ MODEL_FIELDS: dict[str, frozenset[str]] = {
                                 "layer_types", "is_encoder_decoder"},
     "qwen3": CARRIED | INERT | {"hidden_act", "attention_bias", "use_sliding_window", "sliding_window",
                                 "max_window_layers", "layer_types", "is_encoder_decoder"},
+    # Mixtral: the experts' count and top-k carried; router_aux_loss_coef (training only) travels as Megatron's
+    # moe_aux_loss_coeff; output_router_logits only adds the router's logits to the output
+    "mixtral": CARRIED | INERT | {"hidden_act", "sliding_window", "num_local_experts", "num_experts_per_tok",
+                                  "router_aux_loss_coef", "output_router_logits", "router_jitter_noise",
+                                  "is_encoder_decoder"},
 }
 """The fields each model type reads (anything else in its config.json, a stray field of another type, it ignores)."""
 _SWITCHED = {kind: frozenset({"sliding_window", "max_window_layers"}) for kind in ("qwen2", "qwen3")}
@@ -193,8 +200,9 @@ _SWITCHED = {kind: frozenset({"sliding_window", "max_window_layers"}) for kind i
 full attention."""
 LLAMA_TYPES = ("llama", "mistral")
 """The model types every Llama-shaped target holds."""
-MEGATRON_TYPES = (*LLAMA_TYPES, "qwen2", "qwen3")
-"""The model types Megatron holds: also ``qwen2`` (its ``add_qkv_bias``) and ``qwen3`` (its ``qk_layernorm``)."""
+MEGATRON_TYPES = (*LLAMA_TYPES, "qwen2", "qwen3", "mixtral")
+"""The model types Megatron holds: also ``qwen2`` (its ``add_qkv_bias``), ``qwen3`` (its ``qk_layernorm``) and
+``mixtral`` (its ``num_experts``)."""
 DEFAULT_EPS = {"qwen2": 1e-6, "qwen3": 1e-6}
 """transformers' ``rms_norm_eps`` when a config of the type gives none (1e-5 for the others)."""
 
@@ -220,8 +228,8 @@ def _llama_checks(config: dict[str, Any], r: Rope, types: tuple[str, ...]) -> li
     kind = config.get("model_type")
     checks = [("model_type", kind, kind in (*types, None),
                f"ckptio maps Llama-style decoders (RMSNorm, SwiGLU, RoPE) of the model types {', '.join(types)} to "
-               "this target (mistral without a sliding window; qwen2, whose q/k/v projections have biases, and "
-               "qwen3, whose queries and keys are normalised per head, to Megatron only).")]
+               "this target (mistral without a sliding window; qwen2, whose q/k/v projections have biases, "
+               "qwen3, whose queries and keys are normalised per head, and mixtral's experts, to Megatron only).")]
     reads = _placed(config) - _SWITCHED.get(kind if isinstance(kind, str) else "", frozenset())
     for name in sorted(_MUST):
         if name in reads:

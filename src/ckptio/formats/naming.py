@@ -142,7 +142,8 @@ def _forward(rule: Rule, parts: list[torch.Tensor], config: dict[str, Any]) -> l
 
 
 def _pattern(p: str) -> re.Pattern:
-    return re.compile("^" + re.escape(p).replace(r"\{i\}", r"(?P<i>\d+)") + "$")
+    """``{i}`` (a layer index) and ``{j}`` (an expert index) stand for numbers."""
+    return re.compile("^" + re.escape(p).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{j\}", r"(?P<j>\d+)") + "$")
 
 
 @dataclass
@@ -163,8 +164,12 @@ def plan(converter: Converter, keys: list[str]) -> _Plan:
             m = first.match(key)
             if not m:
                 continue
-            i = m.groupdict().get("i")
-            fill = (lambda p: p.replace("{i}", i)) if i is not None else (lambda p: p)
+            found = {k: v for k, v in m.groupdict().items() if v is not None}
+
+            def fill(p: str, found: dict[str, str] = found) -> str:
+                for name, number in found.items():
+                    p = p.replace("{" + name + "}", number)
+                return p
             srcs = [fill(p) for p in rule.sources]
             missing = [s for s in srcs if s not in keyset]
             if missing:
@@ -211,6 +216,10 @@ class _RenamedSource:
             except CheckpointCorruptError as e:
                 raise CheckpointCorruptError(f"{getattr(source, 'folder', 'the source')}: {', '.join(srcs)}: {e}") \
                     from None
+            except (RuntimeError, ValueError) as exc:  # shapes the config's sizes cannot split or fuse
+                shapes = {s: list(self._index[s].shape) for s in srcs}
+                raise CheckpointCorruptError(f"{getattr(source, 'folder', '')}: {shapes} cannot become {tgt!r} "
+                                             f"({rule.transform} with the config's sizes): {exc}") from exc
             self._infos[tgt] = TensorInfo(tuple(out.shape), dtype_name(out.dtype))
 
     def index(self) -> dict[str, TensorInfo]:
@@ -268,6 +277,22 @@ LLAMA_TO_MEGATRON = Converter(
     ),
 )
 register(LLAMA_TO_MEGATRON)
+
+_E = "block_sparse_moe."
+MIXTRAL_TO_MEGATRON = Converter(
+    name="mixtral-to-megatron",
+    inverse_name="megatron-to-mixtral",
+    needs=("num_attention_heads", "hidden_size"),
+    doc="Hugging Face Mixtral -> Megatron-Core MoE GPT (the attention as llama-to-megatron; the router; each expert's "
+        "fc1 = [w1 (gate); w3 (up)], fc2 = w2)",
+    rules=tuple(r for r in LLAMA_TO_MEGATRON.rules if ".mlp." not in r.sources[0]) + (
+        Rule((_L + _E + "gate.weight",), (_M + "mlp.router.weight",)),
+        Rule((_L + _E + "experts.{j}.w1.weight", _L + _E + "experts.{j}.w3.weight"),
+             (_M + "mlp.experts.{j}.linear_fc1.weight",), "concat"),
+        Rule((_L + _E + "experts.{j}.w2.weight",), (_M + "mlp.experts.{j}.linear_fc2.weight",)),
+    ),
+)
+register(MIXTRAL_TO_MEGATRON)
 
 
 def describe() -> list[dict[str, Any]]:

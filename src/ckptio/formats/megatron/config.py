@@ -17,13 +17,11 @@ from typing import Any
 
 from ...errors import CheckpointError
 from ..hf_fields import DEFAULT_THETA, MEGATRON_TYPES, Rope, dtype_name, refuse_type, rope, rope_config
-from .fields import MUST, refused
-
-def _arg(args: Any, name: str, default: Any = None) -> Any:
-    return getattr(args, name, default) if args is not None else default
+from .fields import MUST, _arg, refused
 
 
-FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "mixtral": "MixtralForCausalLM"}
 """The Hugging Face model types a Megatron GPT run converts to, with their classes."""
 
 
@@ -31,6 +29,10 @@ def family(args: Any) -> str:
     """``qwen2`` for a run with biases on the query/key/value projection (Megatron-LM's ``--add-qkv-bias``, which
     is how Megatron trains Qwen2/2.5), ``qwen3`` for one with an RMSNorm on each query and key head
     (``--qk-layernorm``, how it trains Qwen3), else ``llama``; what none computes is refused by :func:`hf_config`."""
+    from .moe import experts_of
+
+    if experts_of(args):  # a mixture of experts: with neither biases nor q/k norms (else refused), a Mixtral
+        return "mixtral"
     if _arg(args, "qk_layernorm", False):
         return "qwen3"
     return "qwen2" if _arg(args, "add_qkv_bias", False) else "llama"
@@ -49,6 +51,10 @@ def _not_llama(args: Any) -> list[str]:
         problems.append("linear biases (add_bias_linear=True)")
     if _arg(args, "qk_layernorm", False) and _arg(args, "add_qkv_bias", False):  # a Qwen3's biases are on q/k/v/o
         problems.append("qk_layernorm with add_qkv_bias (Qwen3's norms with Qwen2's biases)")
+    from .moe import experts_of
+
+    if experts_of(args) and (_arg(args, "qk_layernorm", False) or _arg(args, "add_qkv_bias", False)):
+        problems.append("experts with qk_layernorm or add_qkv_bias (a Qwen MoE: only Mixtral's experts are mapped)")
     if _arg(args, "rotary_interleaved", False):
         problems.append("interleaved rotary embeddings")
     if _arg(args, "rotary_percent", None) not in (None, 1, 1.0):
@@ -110,7 +116,12 @@ def hf_config(args: Any, where: object, layers: int, vocab_rows: int) -> dict[st
         "attention_dropout": float(_arg(args, "attention_dropout", 0.0) or 0.0),
     }
     kind = family(args)
-    if kind != "llama":  # qwen2: q/k/v biases (no attention_bias field), qwen3: none; no mlp_bias; full attention
+    if kind == "mixtral":  # no attention_bias/mlp_bias fields; the experts' sizes and routing
+        from .moe import hf_fields as moe_fields
+
+        del config["attention_bias"], config["mlp_bias"]
+        config.update(architectures=[FAMILIES[kind]], model_type=kind, **moe_fields(args, where))
+    elif kind != "llama":  # qwen2: q/k/v biases (no attention_bias field), qwen3: none; no mlp_bias; full attention
         del config["mlp_bias"]
         if kind == "qwen2":
             del config["attention_bias"]
@@ -169,7 +180,10 @@ def nemo2_args(model: dict[str, Any]) -> Any:
         add_qkv_bias=bool(config.get("add_qkv_bias", False)), qk_layernorm=bool(config.get("qk_layernorm", False)),
         vocab_size=config.get("vocab_size"),
         untie_embeddings_and_output_weights=not config.get("share_embeddings_and_output_weights", True),
-        bf16=bool(config.get("bf16")), fp16=bool(config.get("fp16")), rope_scaling=scaling)
+        bf16=bool(config.get("bf16")), fp16=bool(config.get("fp16")), rope_scaling=scaling,
+        num_moe_experts=config.get("num_moe_experts"), moe_router_topk=config.get("moe_router_topk"),
+        moe_ffn_hidden_size=config.get("moe_ffn_hidden_size"), moe_layer_freq=config.get("moe_layer_freq", 1),
+        moe_aux_loss_coeff=config.get("moe_aux_loss_coeff"))
 
 
 def args_from_files(folder: Path, run: Path) -> Any:
@@ -211,4 +225,7 @@ def hf_args(hf: dict[str, Any], where: object) -> Any:
         rope_scaling={"rope_type": r.kind, **r.scaling} if r.kind != "default" else None,
         add_bias_linear=bool(hf.get("attention_bias") or hf.get("mlp_bias")),
         add_qkv_bias=hf.get("model_type") == "qwen2", qk_layernorm=hf.get("model_type") == "qwen3",
-        bf16=dtype == "bfloat16", fp16=dtype == "float16")
+        bf16=dtype == "bfloat16", fp16=dtype == "float16",
+        **({"num_experts": hf.get("num_local_experts"), "moe_router_topk": hf.get("num_experts_per_tok"),
+            "moe_ffn_hidden_size": hf.get("intermediate_size"), "moe_aux_loss_coeff": hf.get("router_aux_loss_coef")}
+           if hf.get("model_type") == "mixtral" else {}))

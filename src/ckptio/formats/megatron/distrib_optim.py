@@ -32,7 +32,7 @@ import torch
 from ...errors import CheckpointCorruptError, CheckpointError
 from ...storage.confined import Folder
 
-__all__ = ["DISTRIB_OPTIM_FILE", "STATE_KEYS", "bucket_size", "dist_optimizer_step", "flat_layout", "optimizer_step",
+__all__ = ["DISTRIB_OPTIM_FILE", "legacy_reader", "STATE_KEYS", "bucket_size", "dist_optimizer_step", "flat_layout", "optimizer_step",
            "rank_state", "read_common"]
 
 DISTRIB_OPTIM_FILE = "distrib_optim.pt"
@@ -240,3 +240,36 @@ def rank_state(root: Folder, rank_dir: str, model: dict[str, torch.Tensor], *, s
         return out
     finally:
         handle.close()
+
+
+def legacy_reader(root: Folder, files: dict[tuple[int, int], str]) -> Any:
+    """A reader of one rank's distributed optimizer state for :func:`read_legacy`, or ``None`` when no rank
+    folder has a ``distrib_optim.pt``; refuses a folder without one when others have it."""
+    dirs = {rank: rel.rsplit("/", 1)[0] for rank, rel in files.items()}
+    have = {rank for rank, d in dirs.items() if root.kind(f"{d}/{DISTRIB_OPTIM_FILE}") is not None}
+    if not have:
+        return None
+    if len(have) != len(dirs):
+        missing = sorted(d for rank, d in dirs.items() if rank not in have)
+        raise CheckpointCorruptError(f"{root.display()}: the rank folders {missing[:4]} have no {DISTRIB_OPTIM_FILE}, "
+                                     "which the others have")
+
+    def read(rel: str, obj: dict[str, Any], model: dict[str, torch.Tensor], stage: int, pp: int,
+             info: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
+        args = obj.get("args") if obj.get("args") is not None else info.get("args")
+        step = optimizer_step(obj.get("optimizer"), root.display(rel))
+        if step is None:
+            raise CheckpointCorruptError(f"{root.display(rel)}: records no optimizer step beside its "
+                                         f"{DISTRIB_OPTIM_FILE}")
+        if info.setdefault("optimizer_step", step) != step:
+            raise CheckpointCorruptError(f"{root.display(rel)}: the optimizer's step is {step}, another rank's "
+                                         f"{info['optimizer_step']}")
+        try:
+            size = bucket_size(args, stage)
+        except CheckpointCorruptError as exc:
+            raise CheckpointCorruptError(f"{root.display(rel)}: {exc}") from exc
+        tied = getattr(args, "untie_embeddings_and_output_weights", None) is not True and pp > 1
+        return rank_state(root, rel.rsplit("/", 1)[0], model, size=size,
+                          shared=set(SHARED_EMBEDDING) if tied else set())
+
+    return read

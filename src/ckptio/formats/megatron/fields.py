@@ -1,4 +1,5 @@
-"""Every Megatron model argument, placed: carried into the Hugging Face Llama/Qwen2/Qwen3 config, inert, or refused.
+"""Every Megatron model argument, placed: carried into the Hugging Face Llama/Qwen2/Qwen3/Mixtral config, inert, or
+refused.
 
 A Megatron run builds its model from Megatron-Core's ``TransformerConfig`` (with ``ModelParallelConfig``), whose
 fields Megatron-LM fills from arguments of the same names, plus a few Megatron-LM arguments it translates
@@ -30,12 +31,15 @@ CARRIED = frozenset({
     "rotary_seq_len_interpolation_factor", "use_rope_scaling", "rope_scaling_factor", "rope_scaling",
     "untie_embeddings_and_output_weights", "vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by",
     "max_position_embeddings", "seq_length", "params_dtype", "bf16", "fp16", "use_rotary_position_embeddings",
-    "qk_layernorm",
+    "qk_layernorm", "num_moe_experts", "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_aux_loss_coeff",
+    "moe_layer_freq",
 })
 """Read by :func:`ckptio.formats.megatron.config.hf_config` (the ones a Llama or a Qwen2 cannot hold otherwise refused
 there: a LayerNorm, biases other than Qwen2's on the query/key/value projection, another activation or position
 embedding, a partial or interpolated RoPE); ``add_qkv_bias`` and ``qk_layernorm`` decide the family (Llama, Qwen2 or
-Qwen3)."""
+Qwen3), ``num_experts`` (``num_moe_experts``) a Mixtral with ``moe_router_topk`` experts per token of
+``moe_ffn_hidden_size``, in every layer (``moe_layer_freq`` 1: dense layers between are refused by :func:`refused`).
+``moe_aux_loss_coeff`` is Mixtral's ``router_aux_loss_coef``: it shapes training only, and travels both ways."""
 
 _OFF: dict[str, tuple[tuple[Any, ...], str]] = {
     # argument: (the values under which a Llama computes the same, what it is)
@@ -58,8 +62,28 @@ _OFF: dict[str, tuple[tuple[Any, ...], str]] = {
     "activation_func_clamp_value": ((None,), "a clamped activation"),
     "squared_relu": ((False, None), "a squared-ReLU MLP"),
     "openai_gelu": ((False, None), "a GELU MLP"),
-    "num_moe_experts": ((None, 0), "mixture-of-experts layers"),
-    "num_experts": ((None, 0), "mixture-of-experts layers"),
+    # a mixture of experts routes as Mixtral exactly with these (megatron-core 0.16.1's TopKRouter): softmax over the
+    # top-k logits (= softmax over all, top-k, renormalised), no scaling, no dropping, no jitter, no shared expert
+    "moe_router_load_balancing_type": (("aux_loss", "seq_aux_loss", "global_aux_loss", "none", None),
+                                       "Sinkhorn routing"),
+    "moe_router_score_function": (("softmax", None), "sigmoid router scores"),
+    "moe_router_pre_softmax": ((False, None), "softmax over all experts before top-k, not renormalised"),
+    "moe_router_topk_scaling_factor": ((None, 1, 1.0), "scaled routing weights"),
+    "moe_router_num_groups": ((None,), "group-limited routing"),
+    "moe_router_group_topk": ((None,), "group-limited routing"),
+    "moe_router_topk_limited_devices": ((None,), "device-limited routing"),
+    "moe_router_enable_expert_bias": ((False, None), "a routing bias per expert"),
+    "moe_router_force_load_balancing": ((False, None), "random router logits"),
+    "moe_expert_capacity_factor": ((None,), "token dropping over an expert capacity"),
+    "moe_token_dropping": ((False, None), "token dropping over an expert capacity"),
+    "moe_pad_expert_input_to_capacity": ((False, None), "expert inputs padded to capacity"),
+    "moe_input_jitter_eps": ((None, 0, 0.0), "jitter on the router's input (also at inference)"),
+    "moe_shared_expert_intermediate_size": ((None, 0), "shared experts"),
+    "moe_shared_expert_gate": ((False, None), "a gated shared expert"),
+    "moe_grouped_gemm": ((False, None), "grouped-GEMM experts (GroupedMLP weight layout, not read)"),
+    "moe_use_legacy_grouped_gemm": ((False, None), "grouped-GEMM experts (GroupedMLP weight layout, not read)"),
+    "moe_apply_probs_on_input": ((False, None), "routing weights applied to the experts' input"),
+    "moe_latent_size": ((None,), "experts in a latent space"),
     "mtp_num_layers": ((None, 0), "multi-token-prediction layers"),
     "is_hybrid_model": ((False, None), "a hybrid (Mamba) model"),
     "heterogeneous_block_specs": ((False, None), "layers of different shapes"),
@@ -95,16 +119,16 @@ _INERT_NAMES = """
     recompute_modules fp8 fp8_recipe fp8_quantizer_factory fp8_margin fp8_interval fp8_amax_history_len
     fp8_amax_compute_algo fp8_wgrad fp8_dot_product_attention fp8_multi_head_attention tp_only_amax_red
     first_last_layers_bf16 num_layers_at_start_in_bf16 num_layers_at_end_in_bf16 use_kitchen use_kitchen_attention
-    kitchen_attention_backend fp4 fp4_recipe fp4_quantizer_factory moe_shared_expert_intermediate_size
-    moe_shared_expert_gate moe_shared_expert_overlap moe_layer_freq moe_ffn_hidden_size moe_router_load_balancing_type
-    moe_router_topk moe_enable_routing_replay moe_router_topk_limited_devices moe_router_padding_for_quantization
-    moe_router_padding_for_fp8 moe_router_num_groups moe_router_group_topk moe_router_pre_softmax
-    moe_router_topk_scaling_factor moe_router_score_function moe_router_dtype moe_router_enable_expert_bias
-    moe_router_bias_update_rate moe_router_force_load_balancing moe_grouped_gemm moe_use_legacy_grouped_gemm
-    moe_aux_loss_coeff moe_z_loss_coeff moe_input_jitter_eps moe_token_dropping moe_token_dispatcher_type
-    moe_enable_deepep moe_flex_dispatcher_backend moe_per_layer_logging moe_expert_capacity_factor
-    moe_pad_expert_input_to_capacity moe_token_drop_policy moe_layer_recompute moe_permute_fusion moe_router_fusion
-    moe_apply_probs_on_input moe_latent_size moe_deepep_num_sms moe_hybridep_num_sms cp_comm_type enable_cuda_graph
+    kitchen_attention_backend fp4 fp4_recipe fp4_quantizer_factory
+    moe_shared_expert_overlap
+    moe_enable_routing_replay moe_router_padding_for_quantization
+    moe_router_padding_for_fp8
+    moe_router_dtype
+    moe_router_bias_update_rate
+    moe_z_loss_coeff moe_token_dispatcher_type
+    moe_enable_deepep moe_flex_dispatcher_backend moe_per_layer_logging
+    moe_token_drop_policy moe_layer_recompute moe_permute_fusion moe_router_fusion
+    moe_deepep_num_sms moe_hybridep_num_sms cp_comm_type enable_cuda_graph
     cuda_graph_use_single_mempool cuda_graph_retain_backward_graph cuda_graph_warmup_steps external_cuda_graph
     cuda_graph_impl cuda_graph_scope clone_scatter_output_in_embedding disable_parameter_transpose_cache
     config_logger_dir flash_decode batch_invariant_mode use_te_activation_func inference_rng_tracker
@@ -134,11 +158,24 @@ INERT = frozenset(_INERT_NAMES.split()) | frozenset(_PARALLEL_NAMES.split())
 """Training, performance, initialisation, parallel layout and runtime settings."""
 
 
+def _arg(args: Any, name: str, default: Any = None) -> Any:
+    """The argument ``name`` of a run's ``args`` (a Namespace), ``default`` when absent."""
+    return getattr(args, name, default) if args is not None else default
+
+
+def _every_layer(value: Any) -> bool:
+    """``moe_layer_freq`` of a run whose every layer is a mixture of experts (1, or a pattern of ones)."""
+    return value in (1, None) and not isinstance(value, bool) or isinstance(value, list) and bool(value) and all(
+        v == 1 and not isinstance(v, bool) for v in value)
+
+
 def refused(args: Any) -> list[str]:
     """Each argument of ``args`` (a Namespace or a dict) that asks for something a Llama does not compute, as
     ``name=value (what it is)``."""
-    values = args if isinstance(args, dict) else vars(args) if args is not None else {}
+    values = args if isinstance(args, dict) else vars(args) if hasattr(args, "__dict__") else {}
     out = []
+    if "moe_layer_freq" in values and not _every_layer(values["moe_layer_freq"]):
+        out.append(f"moe_layer_freq={values['moe_layer_freq']!r} (dense layers between the mixture-of-experts layers)")
     for name, (off, what) in _OFF.items():
         if name in values:
             value = values[name]

@@ -38,9 +38,11 @@ from ...storage.confined import Folder
 from ...storage.parse import json_object
 from ..common import TensorInfo, dtype_name
 from .config import _arg, args_from_files, hf_config
-from .layout import (GLOBAL_SPLIT, ITERATION_FILE, LAYER_SPLIT, NEMO_RANK_FILE, OPTIONAL, VOCAB_KEYS,
+from .layout import (GLOBAL_SPLIT, ITERATION_FILE, LAYER_SPLIT, NEMO_RANK_FILE, OPTIONAL, RANK_FILE,
+                     VOCAB_KEYS,
                      _LAYER, _RENAME, _rank_files, carry_side_files, iteration_folder, layout_of)
 from ..registry import Format, Opened, WriteOptions, register
+from . import moe
 
 
 
@@ -57,6 +59,9 @@ def _kind(key: str, where: object) -> tuple[str, Any, int | None]:
         suffix = _RENAME.get(m.group(2), m.group(2))
         if suffix in LAYER_SPLIT:
             return suffix, LAYER_SPLIT[suffix], int(m.group(1))
+        expert = moe.kind(suffix)  # a mixture of experts' router and experts
+        if expert is not None:
+            return expert[0], expert[1], int(m.group(1))
     elif key in GLOBAL_SPLIT:
         return key, GLOBAL_SPLIT[key], None
     raise CheckpointError(f"{where}: {key!r} is not a parameter of a Llama-style Megatron GPT model (ckptio maps "
@@ -71,8 +76,8 @@ def merge_tp(parts: list[torch.Tensor], split: Any, key: str, where: object) -> 
     if len({tuple(p.shape) for p in parts}) != 1:
         raise CheckpointCorruptError(f"{where}: the TP shards of {key!r} differ in shape: {[list(p.shape) for p in parts]}")
     if parts[0].dim() <= (0 if split == "glu" else split):
-        raise CheckpointCorruptError(f"{where}: {key!r} has {parts[0].dim()} dimensions; it is split along dim "
-                                     f"{0 if split == 'glu' else split}")
+        raise CheckpointCorruptError(f"{where}: {key!r} has {parts[0].dim()} dimension(s); its tensor-parallel shards "
+                                     f"are split along dimension {0 if split == 'glu' else split}")
     if split == "glu":
         if parts[0].shape[0] % 2:
             raise CheckpointCorruptError(f"{where}: {key!r} has an odd number of rows; it cannot hold [gate; up]")
@@ -130,25 +135,32 @@ def read_legacy(folder: Path, *, optimizer: bool = False) -> tuple[dict[str, tor
     ``param``/``exp_avg``/``exp_avg_sq`` to such a whole model, and ``info["optimizer_step"]`` is Adam's step
     (both absent when the folders have no ``distrib_optim.pt``)."""
     files = _rank_files(folder)
+    experts = moe.rank_dirs(folder, RANK_FILE)  # with expert parallelism: each (TP, PP) rank's file of every EP rank
     tp = 1 + max(t for t, _ in files)
     pp = 1 + max(s for _, s in files)
     root = Folder(folder)
     sets: dict[str, dict[str, torch.Tensor]] = {"": {}}
     info: dict[str, Any] = {"tp": tp, "pp": pp, "placeholders": set()}
+    from .distrib_optim import legacy_reader
     from .vpp import check_chunks
 
-    optim = _legacy_optimizer(root, files) if optimizer else None
-    merged: dict[tuple[int, int], tuple[str, dict[str, dict[tuple[str, int | None], torch.Tensor]], list[int]]] = {}
+    optim = legacy_reader(root, files) if optimizer else None
+    if experts is not None and optim is not None:
+        raise CheckpointError(f"{folder}: the distributed optimizer's state of an expert-parallel legacy checkpoint "
+                              "is not read (its weights are); restore from the run's torch_dist checkpoint instead")
+    merged: dict[tuple[int, int], tuple[Any, dict[str, dict[tuple[str, int | None], torch.Tensor]], list[int]]] = {}
     for stage in range(pp):
-        chunks: dict[int, list[tuple[str, dict[str, dict[str, torch.Tensor]]]]] = {}
+        chunks: dict[int, list[tuple[Any, dict[str, dict[str, torch.Tensor]]]]] = {}
         for t in range(tp):
             rel = files[(t, stage)]
-            obj, placeholders, models = _rank_file(root, rel)
+            obj, placeholders, models = _rank_file(root, rel) if experts is None else \
+                moe.rank_models(root, [f"{d}/{rel.rsplit('/', 1)[1]}" for d in experts[(t, stage)]], _rank_file)
             where = root.display(rel)
             info["placeholders"].update(placeholders)
             if t == 0 and stage == 0:
                 info["args"], info["iteration"] = obj.get("args"), obj.get("iteration")
                 _check_ranks(info["args"], tp, pp, root)
+                moe.check_legacy(info["args"], tp, root.display(rel))
             check_chunks(info, len(models), where, optim is not None)
             for v, model in enumerate(models):
                 parts = {"": model}
@@ -159,23 +171,23 @@ def read_legacy(folder: Path, *, optimizer: bool = False) -> tuple[dict[str, tor
             merged[(v, stage)] = _merge_chunk(shards)
     offset = 0
     for key in sorted(merged):  # layer order: chunk 0 over every stage, then chunk 1... (one chunk: stage order)
-        where, parts, layers = merged[key]
+        at, chunk_parts, layers = merged[key]
         # layer indices restart at 0 on each stage (chunk); one already numbered globally is kept as is
         base = 0 if layers and layers[0] == offset else offset
-        for part, tensors in parts.items():
-            for (name, layer), t in tensors.items():
-                name = name if layer is None else f"decoder.layers.{base + layer}.{name}"
+        for part, tensors in chunk_parts.items():
+            for (local_name, layer), tensor in tensors.items():
+                name = local_name if layer is None else f"decoder.layers.{base + layer}.{local_name}"
                 if part == "" and name in sets[""]:
-                    raise CheckpointCorruptError(f"{where}: {name} is held by two pipeline stages")
-                sets.setdefault(part, {})[name] = t
+                    raise CheckpointCorruptError(f"{at}: {name} is held by two pipeline stages")
+                sets.setdefault(part, {})[name] = tensor
         offset = base + (layers[-1] + 1 if layers else 0)
     if len(sets) > 1:
         info["optimizer"] = {k: v for k, v in sets.items() if k}
     return sets[""], info
 
 
-def _merge_chunk(shards: list[tuple[str, dict[str, dict[str, torch.Tensor]]]],
-                 ) -> tuple[str, dict[str, dict[tuple[str, int | None], torch.Tensor]], list[int]]:
+def _merge_chunk(shards: list[tuple[Any, dict[str, dict[str, torch.Tensor]]]],
+                 ) -> tuple[Any, dict[str, dict[tuple[str, int | None], torch.Tensor]], list[int]]:
     """One model chunk of a pipeline stage merged over its TP ranks' ``shards``: where it was read, each part's
     tensors keyed by (name with the layer left out, chunk-local layer or ``None``), the chunk's layer numbers."""
     where, first = shards[0]
@@ -193,41 +205,6 @@ def _merge_chunk(shards: list[tuple[str, dict[str, dict[str, torch.Tensor]]]],
         for part in first:
             out[part][(name, layer)] = merge_tp([p[part][key] for _, p in shards], split, key, where)
     return where, out, sorted(layers)
-
-
-def _legacy_optimizer(root: Folder, files: dict[tuple[int, int], str]) -> Any:
-    """A reader of one rank's distributed optimizer state for :func:`read_legacy`, or ``None`` when no rank
-    folder has a ``distrib_optim.pt``; refuses a folder without one when others have it."""
-    from .distrib_optim import DISTRIB_OPTIM_FILE, SHARED_EMBEDDING, bucket_size, optimizer_step, rank_state
-
-    dirs = {rank: rel.rsplit("/", 1)[0] for rank, rel in files.items()}
-    have = {rank for rank, d in dirs.items() if root.kind(f"{d}/{DISTRIB_OPTIM_FILE}") is not None}
-    if not have:
-        return None
-    if len(have) != len(dirs):
-        missing = sorted(d for rank, d in dirs.items() if rank not in have)
-        raise CheckpointCorruptError(f"{root.display()}: the rank folders {missing[:4]} have no {DISTRIB_OPTIM_FILE}, "
-                                     "which the others have")
-
-    def read(rel: str, obj: dict[str, Any], model: dict[str, torch.Tensor], stage: int, pp: int,
-             info: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
-        args = obj.get("args") if obj.get("args") is not None else info.get("args")
-        step = optimizer_step(obj.get("optimizer"), root.display(rel))
-        if step is None:
-            raise CheckpointCorruptError(f"{root.display(rel)}: records no optimizer step beside its "
-                                         f"{DISTRIB_OPTIM_FILE}")
-        if info.setdefault("optimizer_step", step) != step:
-            raise CheckpointCorruptError(f"{root.display(rel)}: the optimizer's step is {step}, another rank's "
-                                         f"{info['optimizer_step']}")
-        try:
-            size = bucket_size(args, stage)
-        except CheckpointCorruptError as exc:
-            raise CheckpointCorruptError(f"{root.display(rel)}: {exc}") from exc
-        tied = _arg(args, "untie_embeddings_and_output_weights") is not True and pp > 1
-        return rank_state(root, rel.rsplit("/", 1)[0], model, size=size,
-                          shared=set(SHARED_EMBEDDING) if tied else set())
-
-    return read
 
 
 class _DistModel:
@@ -253,15 +230,21 @@ class _DistModel:
         self.source = dcp_format.DCPSource(root)
         self._stacked: dict[str, torch.Tensor] = {}
         self.index: dict[str, TensorInfo] = {}
-        self._where: dict[str, tuple[str, int | None]] = {}
+        self._where: dict[str, tuple[str, int | tuple[int, int] | None]] = {}
         for key, ti in self.source.index().items():
             if prefix and not key.startswith(prefix):
                 continue
             name = _strip(key[len(prefix):])
-            if name.startswith("decoder.layers.") and name[len("decoder.layers."):] in LAYER_SPLIT:
+            if name.startswith("decoder.layers.") and (name[len("decoder.layers."):] in LAYER_SPLIT or
+                                                       name[len("decoder.layers."):] == moe.ROUTER):
                 for i in range(ti.shape[0]):
                     self._add(f"decoder.layers.{i}.{name[len('decoder.layers.'):]}", TensorInfo(ti.shape[1:], ti.dtype),
                               key, i)
+            elif moe.dist_key(name[len("decoder.layers."):]) is not None:  # [layers, experts, ...]
+                for i in range(ti.shape[0]):
+                    for j in range(ti.shape[1]):
+                        self._add(f"decoder.layers.{i}.mlp.experts.{j}.{moe.dist_key(name[len('decoder.layers.'):])}",
+                                  TensorInfo(ti.shape[2:], ti.dtype), key, (i, j))
             elif name in GLOBAL_SPLIT:
                 self._add(name, ti, key, None)
             elif not name.startswith(("optimizer.", "rng_state")):
@@ -269,7 +252,7 @@ class _DistModel:
         self.info["layers"] = 1 + max((int(_LAYER.match(k).group(1)) for k in self.index if _LAYER.match(k)),  # type: ignore[union-attr]
                                       default=-1)
 
-    def _add(self, name: str, info: TensorInfo, key: str, layer: int | None) -> None:
+    def _add(self, name: str, info: TensorInfo, key: str, layer: int | tuple[int, int] | None) -> None:
         self.index[name] = info
         self._where[name] = (key, layer)
 
@@ -322,6 +305,7 @@ class MegatronSource:
             if held != (self.info["layers"] if _arg(args, switch, False) else 0):
                 raise CheckpointCorruptError(f"{self.folder}: {held} of its {self.info['layers']} layers hold "
                                              f"{suffix}, but the run's {switch}={_arg(args, switch)!r}")
+        moe.check(self._index, args, self.info["layers"], self.folder)
         if self.config["tie_word_embeddings"]:  # a last-stage copy of the tied embedding is not a weight of its own
             self._index.pop("output_layer.weight", None)
         self.vocab = self.config["vocab_size"]
@@ -348,14 +332,16 @@ class MegatronSource:
 def _as_llama(source: MegatronSource) -> Any:
     from ..naming import _RenamedSource, get_converter
 
-    return _RenamedSource(source, get_converter("megatron-to-llama"), source.config)
+    naming = "megatron-to-mixtral" if source.config.get("model_type") == "mixtral" else "megatron-to-llama"
+    return _RenamedSource(source, get_converter(naming), source.config)
 
 
 class MegatronFormat(Format):
     """Megatron-LM legacy (``mp_rank_*``) and Megatron-Core ``torch_dist`` checkpoints, read as HF Llama/Qwen2/Qwen3."""
 
     name = "megatron"
-    summary = "Megatron-LM / Megatron-Core checkpoint (mp_rank_* or torch_dist), read as Hugging Face Llama/Qwen2/Qwen3"
+    summary = ("Megatron-LM / Megatron-Core checkpoint (mp_rank_* or torch_dist), read as Hugging Face "
+               "Llama/Qwen2/Qwen3/Mixtral")
     priority = 25
 
     def detect(self, path: Path) -> bool:
@@ -396,6 +382,11 @@ class MegatronFormat(Format):
                                   "format (Megatron-LM's --dist-ckpt-optim-fully-reshardable)")
         if not moments["exp_avg"].index() or step is None:
             return None
+        if isinstance(step, torch.Tensor) and step.numel() == 1:
+            step = step.item()
+        if type(step) not in (int, float) or not 0 <= step < float("inf"):
+            raise CheckpointCorruptError(f"{moments['exp_avg'].folder}: common.pt records the optimizer's step as "
+                                         f"{type(step).__name__} {str(step)[:40]!r}, not a number")
         return float(step), {m: _as_llama(source) for m, source in moments.items()}
 
     def open_masters(self, path: Path) -> Any:
@@ -436,7 +427,8 @@ class MegatronFormat(Format):
         files = {rel: e.size for rel, e in folder.walk_files() if e.kind == "file"}
         layout = {"legacy": "Megatron-LM legacy (mp_rank_*)", "dist": "Megatron-Core torch_dist"}[source.layout or ""]
         return {"path": str(path), "kind": self.name, "label": self.summary, "iteration": info.get("iteration"),
-                "weights": f"{source.folder.name}: {layout}, saved on TP={tp} PP={pp}",
+                "weights": f"{source.folder.name}: {layout}, saved on TP={tp} PP={pp}" + (
+                    f" EP={_arg(args, 'expert_model_parallel_size')}" if moe.experts_of(args) else ""),
                 "layout": source.layout, "tp": tp, "pp": pp, "layers": info.get("layers"),
                 "architecture": f"{source.config['architectures'][0]} (Megatron GPT)", "config": source.config,
                 "placeholders": sorted(info.get("placeholders", ())),

@@ -76,8 +76,18 @@ def layout_of(folder: Path) -> str | None:
 
 
 def _rank_files(folder: Path) -> dict[tuple[int, int], str]:
+    """``(tp, pp) -> rank file``; of expert-parallel rank 0 for a run with expert parallelism (:mod:`.moe`)."""
+    from .moe import rank_dirs
+
     found: dict[tuple[int, int], str] = {}
     root = Folder(folder)
+    experts = rank_dirs(folder, RANK_FILE)
+    if experts is not None:
+        for rank, dirs in experts.items():
+            if root.kind(f"{dirs[0]}/{RANK_FILE}") is None:
+                raise CheckpointCorruptError(f"{folder / dirs[0]}: holds no {RANK_FILE}")
+            found[rank] = f"{dirs[0]}/{RANK_FILE}"
+        return found
     for p in root.listdir():
         m = _RANK_DIR.match(p.name)
         if not m or p.kind != "dir":

@@ -114,14 +114,15 @@ def param_groups(adam: SourceAdam, names: dict[str, tuple[int, ...]]) -> list[di
     for name, shape in names.items():
         which = _megatron_group(name, shape)
         hyper = {k: v for k, v in adam.hyper.get(name, {}).items() if k not in _TORCH_ONLY}
-        if groups[which] is None:
+        held = groups[which]
+        if held is None:
             groups[which] = hyper
-        elif groups[which] != hyper:
-            raise CheckpointError(f"{adam.where}: {name} has other Adam hyper-parameters ({_differ(groups[which], hyper)}) "
+        elif held != hyper:
+            raise CheckpointError(f"{adam.where}: {name} has other Adam hyper-parameters ({_differ(held, hyper)}) "
                                   f"than the other parameters of megatron's {'no-' if which else ''}weight-decay group")
     out = []
-    for which, hyper in enumerate(groups):
-        hyper = dict(hyper if hyper is not None else (groups[1 - which] or {}))
+    for which, given in enumerate(groups):
+        hyper = dict(given if given is not None else (groups[1 - which] or {}))
         lr = float(hyper.get("lr", 0.0))
         out.append({**hyper, "wd_mult": 0.0 if which else 1.0, "lr_mult": 1.0, "is_expert_parallel": False,
                     "is_decoupled_lr": False, "default_config": True, "max_lr": lr, "min_lr": lr})

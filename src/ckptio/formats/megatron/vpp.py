@@ -35,7 +35,7 @@ def chunk_models(obj: dict[str, Any], where: object) -> list[Any]:
     return [obj[f"model{n}"] for n in numbered]
 
 
-def check_chunks(info: dict[str, Any], found: int, where: str, optimizer: bool) -> None:
+def check_chunks(info: dict[str, Any], found: int, where: object, optimizer: bool) -> None:
     """Every rank file holds as many model chunks as the first, the run's recorded number (in its args, which must
     be an object of arguments); the distributed
     optimizer's files of a run with chunks are refused (one gradient buffer per chunk: not read)."""

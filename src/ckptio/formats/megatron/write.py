@@ -32,6 +32,7 @@ import torch
 
 from ...errors import CheckpointError, ConfigError
 from .. import hf_fields
+from . import moe
 from .layout import GLOBAL_SPLIT, ITERATION_FILE, LAYER_SPLIT, OPTIONAL, RANK_FILE, SIDE_FILES, VOCAB_KEYS, run_args
 
 DIVISIBLE_BY = 128
@@ -76,7 +77,7 @@ def megatron_args(config: dict[str, Any], tp: int, pp: int, layout: str,
         untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, ckpt_format=layout,
         bf16=dtype == "bfloat16", fp16=dtype == "float16",
-        attention_dropout=float(config.get("attention_dropout", 0.0)),
+        attention_dropout=float(config.get("attention_dropout", 0.0)), **moe.megatron_args(config, tp),
     )
 
 
@@ -97,7 +98,8 @@ def _tensors(source: Any, config: dict[str, Any], args: argparse.Namespace) -> d
                                   f"config is a {config.get('model_type', 'llama')}'s (Megatron holds them in every "
                                   f"layer, as a {kind} model_type, or in none)")
     tied = "lm_head.weight" not in index
-    renamed = _RenamedSource(_WithHead(source) if tied else source, get_converter("llama-to-megatron"), config)
+    naming = "mixtral-to-megatron" if config.get("model_type") == "mixtral" else "llama-to-megatron"
+    renamed = _RenamedSource(_WithHead(source) if tied else source, get_converter(naming), config)
     out = {}
     for key in renamed.index():
         t = renamed.read(key).contiguous()
@@ -135,7 +137,7 @@ def _split(t: torch.Tensor, split: Any, tp: int) -> list[torch.Tensor]:
 def _suffixes(args: argparse.Namespace) -> list[str]:
     """The per-layer parameters of the run: all of :data:`LAYER_SPLIT`, the :data:`OPTIONAL` ones when their switch
     (``add_qkv_bias``, ``qk_layernorm``) is on."""
-    return [s for s in LAYER_SPLIT if s not in OPTIONAL or getattr(args, OPTIONAL[s])]
+    return moe.suffixes(args, [s for s in LAYER_SPLIT if s not in OPTIONAL or getattr(args, OPTIONAL[s])])
 
 
 def write_dist(folder: Path, tensors: dict[str, torch.Tensor], args: argparse.Namespace, iteration: int,
@@ -153,9 +155,10 @@ def write_dist(folder: Path, tensors: dict[str, torch.Tensor], args: argparse.Na
         for suffix in _suffixes(args):
             state[f"{prefix}decoder.layers.{suffix}"] = torch.stack([named[f"decoder.layers.{i}.{suffix}"]
                                                                      for i in range(layers)])
-    for module in EXTRA_STATE_MODULES:  # Megatron-Core's strict load asks for these objects (None: no FP8 state)
+    for module in moe.extra_state_modules(args, EXTRA_STATE_MODULES):  # Megatron-Core's strict load asks for
         for i in range(layers):
             state[f"decoder.layers.{module}._extra_state/shard_{i}_{layers}"] = [None]
+    state.update(moe.dist_experts(tensors, args))
     with warnings.catch_warnings():  # a single-process save is what is meant here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder), thread_count=1), no_dist=True,
@@ -194,11 +197,13 @@ def _legacy_chunk(tensors: dict[str, torch.Tensor], args: argparse.Namespace, st
     for local, i in enumerate(chunk_layers(args.num_layers, pp, vpp, stage, chunk)):
         for suffix in _suffixes(args):
             name = f"decoder.layers.{local}.{_LEGACY_NAMES.get(suffix, suffix)}"
-            for t, part in enumerate(_split(tensors[f"decoder.layers.{i}.{suffix}"], LAYER_SPLIT[suffix], tp)):
+            split = LAYER_SPLIT.get(suffix)  # the router (not in it): whole on every rank
+            for t, part in enumerate(_split(tensors[f"decoder.layers.{i}.{suffix}"], split, tp)):
                 shards[t][name] = part.clone()
-        for module in EXTRA_STATE_MODULES:
+        for module in moe.extra_state_modules(args, EXTRA_STATE_MODULES):
             for shard in shards:
                 shard[f"decoder.layers.{local}.{module}._extra_state"] = None
+        moe.legacy_experts(shards, tensors, args, i, local, _split)
     if stage == pp - 1 and chunk == vpp - 1:
         for t in range(tp):
             shards[t]["decoder.final_layernorm.weight"] = tensors["decoder.final_layernorm.weight"].clone()
@@ -211,7 +216,8 @@ def _legacy_chunk(tensors: dict[str, torch.Tensor], args: argparse.Namespace, st
 
 # the model sizes a run's args must share with the exported model (Megatron-LM name, what the Llama config gives)
 _SIZES = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-          "vocab_size", "untie_embeddings_and_output_weights", "add_qkv_bias", "qk_layernorm")
+          "vocab_size", "untie_embeddings_and_output_weights", "add_qkv_bias", "qk_layernorm", "num_experts",
+          "moe_router_topk")
 
 
 def like_run(run: Path, ours: argparse.Namespace, tp: int | None, pp: int | None,
@@ -267,6 +273,9 @@ def write(source: Any, extras: Path | None, out: Path, *, tp: int | None, pp: in
     if like is not None and adam is not None:
         args.global_batch_size = getattr(run_args(Path(like)), "global_batch_size", None)
     extra: dict[str, Any] = {}
+    if adam is not None and moe.experts_of(args):
+        raise ConfigError(f"{adam.where}: the optimizer of a mixture of experts is not written to Megatron (its "
+                          "weights are); convert the model without its optimizer (its Hugging Face bundle)")
     if adam is not None:
         from .optim_write import MOMENTS, common_entries
 
