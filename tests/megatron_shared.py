@@ -61,3 +61,18 @@ def nemo2_folder(iteration: Path, root: Path, model_yaml: list[str]) -> Path:
     (root / "context").mkdir()
     (root / "context" / "model.yaml").write_text("\n".join(model_yaml))
     return root
+
+
+def fuzz_smoke(family: str, inputs: int, seed: int = 5) -> None:
+    """A CI-sized run of one Megatron fuzz family of ``tools/fuzz_megatron.py`` (the long run: ``tools/fuzz_readers.py
+    --family FAMILY --inputs 100000``): every damaged folder must end in a right read or a ckptio error, and the
+    attacks must reach a reader."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import fuzz_readers
+
+    tally = fuzz_readers.run([family], inputs=inputs, seed=seed, verbose=True)[family]
+    failures = "\n".join(f"input {i}: {d} <- {'; '.join(notes)}" for i, d, notes in tally["failures"])
+    assert tally["other"] == 0 and tally["harness"] == 0, failures
+    assert tally["clean"] > 0 and tally["ok"] + tally["clean"] == inputs

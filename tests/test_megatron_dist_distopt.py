@@ -92,3 +92,12 @@ def test_the_bucketed_dp_reshardable_format_is_refused_by_name_and_its_weights_s
     ours, theirs = MegatronSource(folder), MegatronSource(made / "torch_dist_fully_reshardable")
     assert ours.index() == theirs.index()
     assert all(torch.equal(ours.read(k), theirs.read(k)) for k in ours.index())
+
+
+@pytest.mark.slow
+def test_fuzz_family_smoke():
+    """A CI-sized run of the megatron_dist_distopt fuzz family (the DistributedOptimizer's torch_dist, written by
+    megatron-core): every damaged folder ends in a right read or a ckptio error."""
+    from megatron_shared import fuzz_smoke
+
+    fuzz_smoke("megatron_dist_distopt", 60)

@@ -270,14 +270,9 @@ def test_a_plain_model_and_adamw_resume_with_megatrons_fp32_state_bitwise(reques
 def test_fuzz_family_smoke():
     """A CI-sized run of the distrib_optim.pt fuzz family (the long run: ``fuzz_readers.py --family
     megatron_distopt --inputs 100000``): every damaged folder ends in a right read or a ckptio error."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-    import fuzz_readers
+    from megatron_shared import fuzz_smoke
 
-    n = 80
-    tally = fuzz_readers.run(["megatron_distopt"], inputs=n, seed=5, verbose=True)["megatron_distopt"]
-    failures = "\n".join(f"input {i}: {d} <- {'; '.join(notes)}" for i, d, notes in tally["failures"])
-    assert tally["other"] == 0 and tally["harness"] == 0, failures
-    assert tally["clean"] > 0 and tally["ok"] + tally["clean"] == n
+    fuzz_smoke("megatron_distopt", 80)
 
 
 def test_rank_files_found_bad_by_the_fuzzer_are_refused_by_name(made, tmp_path):

@@ -360,7 +360,7 @@ def _rewrite_rank(out: Path, rank: str, change) -> None:
 
 @pytest.mark.parametrize("key,value,says", [
     ("decoder.layers.0.self_attention.linear_proj.weight", torch.zeros(64), r"has 1 dimension\(s\).*dimension 1"),
-    ("decoder.layers.0.self_attention.linear_qkv.weight", torch.zeros(0), r"cannot become"),
+    ("decoder.layers.0.self_attention.linear_qkv.weight", torch.zeros(0), r"cannot become|query/key/value projection has shape \(0,\)"),
 ])
 def test_rank_files_whose_shapes_cannot_be_merged_or_split_are_refused_by_name(hf, tmp_path, key, value, says):
     """Two inputs of the megatron_mixtral fuzz family (tools/fuzz_megatron.py), which met the dense readers too:
@@ -383,7 +383,7 @@ def test_an_optimizer_step_that_is_no_number_is_refused_by_name(made, tmp_path):
     state = torch.load(common, weights_only=False)
     state["optimizer"]["state"]["common_step"] = {}
     torch.save(state, common)
-    with pytest.raises(CheckpointError, match=r"records the optimizer's step as dict"):
+    with pytest.raises(CheckpointError, match=r"records the optimizer's step as dict|common_step is '\{\}', not a step"):
         MegatronFormat().open_adam(run)
 
 
@@ -391,14 +391,9 @@ def test_an_optimizer_step_that_is_no_number_is_refused_by_name(made, tmp_path):
 def test_fuzz_family_smoke():
     """A CI-sized run of the megatron_mixtral fuzz family (the long run: ``tools/fuzz_readers.py --family
     megatron_mixtral --inputs 100000``): every damaged folder ends in a right read or a ckptio error."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-    import fuzz_readers
+    from megatron_shared import fuzz_smoke
 
-    n = 60
-    tally = fuzz_readers.run(["megatron_mixtral"], inputs=n, seed=5, verbose=True)["megatron_mixtral"]
-    failures = "\n".join(f"input {i}: {d} <- {'; '.join(notes)}" for i, d, notes in tally["failures"])
-    assert tally["other"] == 0 and tally["harness"] == 0, failures
-    assert tally["clean"] > 0 and tally["ok"] + tally["clean"] == n
+    fuzz_smoke("megatron_mixtral", 60)
 
 
 def test_args_that_are_no_namespace_are_refused_by_name(hf, tmp_path):
@@ -408,6 +403,6 @@ def test_args_that_are_no_namespace_are_refused_by_name(hf, tmp_path):
     state = torch.load(common, weights_only=False)
     state["args"] = 7
     torch.save(state, common)
-    with pytest.raises(CheckpointError, match=r"the run's args are missing"):
+    with pytest.raises(CheckpointError, match=r"the run's args are missing|its args are a int, not the run's arguments"):
         convert(out, tmp_path / "back", "hf")
     assert not (tmp_path / "back").exists()

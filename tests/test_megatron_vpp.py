@@ -146,3 +146,12 @@ def test_damaged_chunk_tensors_and_args_are_refused_by_name(made, tmp_path):
         torch.save(obj, rank)
         with pytest.raises(CheckpointCorruptError, match="mp_rank_00_00"):
             MegatronSource(run)
+
+
+@pytest.mark.slow
+def test_fuzz_family_smoke():
+    """A CI-sized run of the megatron_vpp fuzz family (legacy rank files with model chunks, written by megatron-core):
+    every damaged folder ends in a right read or a ckptio error."""
+    from megatron_shared import fuzz_smoke
+
+    fuzz_smoke("megatron_vpp", 60)

@@ -54,7 +54,6 @@ import torch
 from .errors import CheckpointCorruptError, CheckpointError, MissingDependencyError
 from .integrations.hf_trainer_save import NAME as _NAME, OPTIMIZER as _OPTIMIZER, SCHEDULER as _SCHEDULER
 from .integrations.hf_trainer_save import TRAINER_STATE as _TRAINER_STATE, WEIGHTS as _WEIGHTS
-from .integrations.hf_trainer_state import trainer_state
 from .storage.parse import DATA_ERRORS
 
 try:
@@ -64,6 +63,8 @@ try:
 except ImportError as _missing:  # the integration is an extra
     raise MissingDependencyError(f"ckptio.hf_trainer needs transformers and accelerate (missing: {_missing.name}): "
                                  f"pip install 'ckptio[hf]'") from _missing
+
+from .integrations.hf_trainer_state import trainer_state  # noqa: E402 (needs transformers, checked above)
 
 __all__ = ["CkptioTrainerMixin", "CkptioTrainer", "usable_checkpoints", "last_checkpoint"]
 

@@ -41,7 +41,7 @@ import torch
 
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, MissingDependencyError
 from .integrations import lightning_load
-from .integrations import lightning_audit, lightning_keep
+from .integrations import lightning_keep
 from .integrations.lightning_keep import last_checkpoint, s3_location as _s3
 from .integrations.save_numbers import SaveNumbers
 from .storage.parse import MAX_DEPTH, check_depth, parsing
@@ -50,6 +50,8 @@ try:
     from pytorch_lightning.plugins.io import CheckpointIO
 except ImportError as _missing:  # the integration is an extra
     raise MissingDependencyError("ckptio.lightning needs PyTorch Lightning: pip install 'ckptio[lightning]'") from _missing
+
+from .integrations import lightning_audit  # noqa: E402 (needs Lightning, checked above)
 
 __all__ = ["CkptioCheckpointIO", "CkptioMetrics", "CkptioPreemption", "write_checkpoint", "read_checkpoint", "last_checkpoint", "install_loader",
            "uninstall_loader"]

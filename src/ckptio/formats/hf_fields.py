@@ -67,7 +67,6 @@ def _number(value: Any, where: object, name: str) -> float:
 
 _SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 """The sizes every Llama-style config must give (positive whole numbers)."""
-_OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings")
 _MAX_SIZE = 1 << 31
 
 
@@ -85,12 +84,14 @@ def check_sizes(config: dict[str, Any], where: object) -> None:
     """Refuse a config whose model sizes are not positive whole numbers that fit together (the heads divide the
     hidden size unless ``head_dim`` is given, the key/value heads divide the heads), or whose norm epsilon or
     dropout is not a number in range: what a writer builds from them is then bounded and consistent."""
-    sizes = {name: _size(config, where, name, True) for name in _SIZES}
-    sizes.update({name: _size(config, where, name, False) for name in _OPTIONAL_SIZES})
-    heads, kv = sizes["num_attention_heads"], sizes["num_key_value_heads"]
-    if sizes["head_dim"] is None and sizes["hidden_size"] % heads:
-        raise CheckpointCorruptError(f"{where}: hidden_size {sizes['hidden_size']} is not a multiple of "
-                                     f"num_attention_heads {heads} (and no head_dim is given)")
+    hidden, heads = (int(_size(config, where, name, True) or 0) for name in ("hidden_size", "num_attention_heads"))
+    for name in _SIZES:
+        _size(config, where, name, True)
+    kv, head_dim = (_size(config, where, name, False) for name in ("num_key_value_heads", "head_dim"))
+    _size(config, where, "max_position_embeddings", False)
+    if head_dim is None and hidden % heads:
+        raise CheckpointCorruptError(f"{where}: hidden_size {hidden} is not a multiple of num_attention_heads {heads} "
+                                     "(and no head_dim is given)")
     if kv is not None and heads % kv:
         raise CheckpointCorruptError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads "
                                      f"{kv}")
