@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import statistics
 import tempfile
 import time
@@ -87,6 +88,41 @@ def accelerate_main(args: argparse.Namespace) -> None:
           f"({hooks / med['Accelerator']:.3%} of a step)")
 
 
+def memory_main(args: argparse.Namespace, train_step: Any, model: Any, opt: Any) -> None:
+    """The audit's cost a step with the memory tier snapshotting every ``k`` steps (``--memory k,...``): every step
+    is in a window, and with ``k <= audit_steps`` nearly every step ends one (the record is written then)."""
+    for k in args.memory:
+        times: dict[str, list[float]] = {"audit off": [], "audit on": []}
+        with tempfile.TemporaryDirectory() as tmp:
+            os.environ["CKPTIO_MEMORY_DIR"] = f"{tmp}/shm"
+            mgrs = {mode: CheckpointManager(CheckpointConfig(
+                checkpoint_dir=f"{tmp}/{i}", persist_every_steps=10**9, memory_every_steps=k,
+                audit_steps=3 if mode == "audit on" else 0), model=model, optimizer=opt)
+                for i, mode in enumerate(times)}
+            for mgr in mgrs.values():  # the run's record is written from the first save on: one durable save
+                mgr.save(step=0)
+            order = list(times)
+            for r in range(args.rounds + 1):
+                order.reverse()
+                for mode in order:
+                    mgr, first = mgrs[mode], 1 + r * args.steps
+                    start = time.perf_counter()
+                    for step in range(first, first + args.steps):
+                        loss, norm = train_step()
+                        mgr.maybe_save(step=step, metrics={"loss": loss, "grad_norm": norm, "lr": 1e-3})
+                    if r:
+                        times[mode].append((time.perf_counter() - start) / args.steps)
+                    mgr.wait()
+            recorded = sum(1 for e in mgrs["audit on"]._goodput.record.events if e["kind"] == "metrics")
+            for mgr in mgrs.values():
+                mgr.close()
+        med = {mode: statistics.median(t) for mode, t in times.items()}
+        ratios = sorted(on / off for on, off in zip(times["audit on"], times["audit off"]))
+        print(f"memory snapshot every {k} step(s): audit off {med['audit off'] * 1e3:.3f} ms/step, on "
+              f"{med['audit on'] * 1e3:.3f} ms/step: on / off x{statistics.median(ratios):.3f} (median of the rounds' "
+              f"ratios; rounds x{ratios[0]:.3f} to x{ratios[-1]:.3f}; {recorded} steps recorded for the audit)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=600)
@@ -94,6 +130,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=20000)
     parser.add_argument("--accelerate", action="store_true", help="the audit's per-step cost in CkptioAccelerator")
+    parser.add_argument("--memory", type=lambda v: [int(k) for k in v.split(",")], default=None,
+                        help="K[,K...]: the audit's per-step cost with a memory snapshot every K steps")
     args = parser.parse_args()
     logging.getLogger("ckptio").setLevel(logging.WARNING)
     if args.accelerate:
@@ -111,6 +149,8 @@ def main() -> None:
         opt.zero_grad()
         return loss.item(), norm.item()
 
+    if args.memory:
+        return memory_main(args, train_step, model, opt)
     times: dict[str, list[float]] = {"plain": [], "audit off": [], "audit on": []}
     with tempfile.TemporaryDirectory() as tmp:
         mgrs = {mode: CheckpointManager(CheckpointConfig(checkpoint_dir=f"{tmp}/{i}", persist_every_steps=args.every,
