@@ -90,8 +90,22 @@ def accelerate_main(args: argparse.Namespace) -> None:
 
 def memory_main(args: argparse.Namespace, train_step: Any, model: Any, opt: Any) -> None:
     """The audit's cost a step with the memory tier snapshotting every ``k`` steps (``--memory k,...``): every step
-    is in a window, and with ``k <= audit_steps`` nearly every step ends one (the record is written then)."""
+    is in a window, and with ``k <= audit_steps`` nearly every step ends one (the record is written then). Also
+    counted: the record's replacements (``os.replace``, seen by an audit hook) made by the training thread."""
+    import sys
+    import threading
+
+    main_thread, on_loop = threading.get_ident(), {"audit off": 0, "audit on": 0}
+    counting: list[str] = []
+
+    def hook(event: str, hook_args: tuple) -> None:
+        if counting and event == "os.rename" and str(hook_args[1]).endswith(".ckptio_record.json") \
+                and threading.get_ident() == main_thread:
+            on_loop[counting[0]] += 1
+
+    sys.addaudithook(hook)
     for k in args.memory:
+        on_loop.update({"audit off": 0, "audit on": 0})
         times: dict[str, list[float]] = {"audit off": [], "audit on": []}
         with tempfile.TemporaryDirectory() as tmp:
             os.environ["CKPTIO_MEMORY_DIR"] = f"{tmp}/shm"
@@ -106,12 +120,14 @@ def memory_main(args: argparse.Namespace, train_step: Any, model: Any, opt: Any)
                 order.reverse()
                 for mode in order:
                     mgr, first = mgrs[mode], 1 + r * args.steps
+                    counting[:] = [mode] if r else []
                     start = time.perf_counter()
                     for step in range(first, first + args.steps):
                         loss, norm = train_step()
                         mgr.maybe_save(step=step, metrics={"loss": loss, "grad_norm": norm, "lr": 1e-3})
                     if r:
                         times[mode].append((time.perf_counter() - start) / args.steps)
+                    counting[:] = []
                     mgr.wait()
             recorded = sum(1 for e in mgrs["audit on"]._goodput.record.events if e["kind"] == "metrics")
             for mgr in mgrs.values():
@@ -121,6 +137,9 @@ def memory_main(args: argparse.Namespace, train_step: Any, model: Any, opt: Any)
         print(f"memory snapshot every {k} step(s): audit off {med['audit off'] * 1e3:.3f} ms/step, on "
               f"{med['audit on'] * 1e3:.3f} ms/step: on / off x{statistics.median(ratios):.3f} (median of the rounds' "
               f"ratios; rounds x{ratios[0]:.3f} to x{ratios[-1]:.3f}; {recorded} steps recorded for the audit)")
+        steps = args.steps * args.rounds
+        print(f"  writes of the record by the training thread a step: {on_loop['audit off'] / steps:.3f} audit off, "
+              f"{on_loop['audit on'] / steps:.3f} audit on")
 
 
 def main() -> None:
@@ -193,6 +212,9 @@ def main() -> None:
     ratios = sorted(on / off for on, off in zip(times["audit on"], times["audit off"]))
     print(f"audit on / off: x{med['audit on'] / med['audit off']:.3f} (rounds: x{ratios[0]:.3f} to x{ratios[-1]:.3f}; "
           f"{args.steps * (args.rounds + 1) // args.every} saves of each loop, {recorded} steps recorded for the audit)")
+        steps = args.steps * args.rounds
+        print(f"  writes of the record by the training thread a step: {on_loop['audit off'] / steps:.3f} audit off, "
+              f"{on_loop['audit on'] / steps:.3f} audit on")
     save = statistics.median(calls_at["audit off"][0] + calls_at["audit on"][0])
     write = statistics.median(calls_at["audit on"][3]) - statistics.median(calls_at["audit off"][3])
     print(f"the call 3 steps after a save (it writes the audit's values into the record): {write * 1e3:+.2f} ms with "
