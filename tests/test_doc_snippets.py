@@ -387,6 +387,7 @@ for step, (x,) in enumerate(loader, 1):
     opt.zero_grad()
     mgr.maybe_save(step=step, metrics={"loss": loss.item(), "lr": sched.get_last_lr()[0]})
     if step == 8:
+        mgr.wait()  # the record's thread wrote the values (a kill within its few ms would lose this window's)
         os.kill(os.getpid(), signal.SIGKILL)  # the node is lost three steps after the save of step 5
 '''
 killed = subprocess.run([sys.executable, "-c", FIRST], capture_output=True, text=True)

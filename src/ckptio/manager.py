@@ -80,8 +80,7 @@ class CheckpointManager:
                  extra_states: dict[str, Stateful] | None = None, model_key_prefix: str = "",
                  tokenizer: Any | None = None, base_model_path: str | Path | None = None) -> None:
         config.validate()
-        self.config = config
-        self.log = get_logger()
+        self.config, self.log = config, get_logger()
         self.tracked = tracked_states(config, model, optimizer, tokenizer, base_model_path, model_key_prefix)
         self.step_scheduler = step_scheduler
         for name, obj in (("lr_scheduler", lr_scheduler), ("dataloader", dataloader),
@@ -188,10 +187,11 @@ class CheckpointManager:
         return job.final_dir
 
     def wait(self) -> Path | None:
-        """Collective: block until the save in flight (and a memory snapshot's) is committed; re-raise its error here.
-        Returns the directory it committed (``None`` when nothing was in flight)."""
+        """Collective: block until the save in flight (and a memory snapshot's, the run's record) is committed; re-raise
+        its error here. Returns the directory it committed (``None`` when nothing was in flight)."""
         if self._memory is not None:
             self._memory.wait()
+        self._goodput.flush()  # the record's thread's write and the snapshots' events held back: on disk
         return self._writer.wait() if self._writer is not None else None
 
     def wait_for_staging(self) -> None:

@@ -97,15 +97,16 @@ class Goodput:
         self._last_tick: int | None = None
         atexit.register(_at_exit, weakref.ref(self))  # a script that never closes its manager ends cleanly too
 
-    def emit(self, kind: str, *, lazy: bool = False, begin: bool | None = None, **values: Any) -> None:
+    def emit(self, kind: str, *, lazy: bool = False, background: bool = False, begin: bool | None = None,
+             **values: Any) -> None:
         """One event: into the record (rank 0 writes it, once the run saved or restored; ``lazy``: with a later
-        write; ``begin``: whether this event starts the writing, by default a save's or a restore's) and to every
-        listener; a listener's error is logged."""
+        write; ``background``: by the record's thread; ``begin``: whether this event starts the writing, by default a
+        save's or a restore's) and to every listener; a listener's error is logged."""
         values["time"] = round(time.time(), 3)
         if self.record is not None:
             if kind in ("save", "restore") if begin is None else begin:
                 self.record.begin()
-            self.record.add(kind, lazy=lazy, **values)
+            self.record.add(kind, lazy=lazy, background=background, **values)
         for listener in list(self.listeners):
             try:
                 listener({"kind": kind, **values})
@@ -160,7 +161,7 @@ class Goodput:
                 self.planners["memory"].last_saved = step
             self.sync()
         if tier == "memory":
-            self.emit("save", lazy=True, step=step, tier="memory", blocked_s=round(blocked_s, 6),
+            self.emit("save", lazy=True, background=True, step=step, tier="memory", blocked_s=round(blocked_s, 6),
                       ranks=_dist.world_size())
 
     def committed(self, job: Any, files: dict[str, int], removed: list[Any], storage: str) -> None:
@@ -211,8 +212,13 @@ class Goodput:
             self.audit.finish()
             if clean:
                 self.emit("end")
-            elif self.record is not None:
-                self.record.flush()  # the snapshots' events held back, before the process goes
+            if self.record is not None:
+                self.record.close()  # the snapshots' events held back, what its thread was asked: on disk
+
+    def flush(self) -> None:
+        """The record on disk holds every event made so far (``CheckpointManager.wait``)."""
+        if self.record is not None:
+            self.record.flush()
 
 
 def _at_exit(ref: "weakref.ref[Goodput]") -> None:

@@ -3,7 +3,8 @@
 For the first ``audit_steps`` steps after each durable save and each memory snapshot, rank 0 records what the loop
 reports of them through ``maybe_save(metrics=...)`` (``loss``, and ``grad_norm`` and ``lr`` when given) as ``metrics``
 events of the run's record, each step once however many windows hold it, the record written once at the last step of
-each window (snapshots every few steps cost one write of the record each, no more). After a resume from step ``s``
+each window (snapshots every few steps cost one write of the record each, no more), by the record's own thread: the
+training thread pays no write (:mod:`.record_writer`). After a resume from step ``s``
 (a durable checkpoint or a memory snapshot), the same steps after ``s`` are compared with what the run that stopped recorded
 for them: the same bitwise (``exact``), within ``audit_tolerance`` (relative), or ``diverged`` at the first step that
 is not, with both values of that step and the causes ckptio can see (a state the manager was not given, another
@@ -94,7 +95,7 @@ class ResumeAudit:
             self._check(step, values)
         ends = [end for start, end in self._windows if start < step <= end]
         if ends:  # written with the last step of a window: once a window, whatever the windows overlap
-            self.record.add("metrics", lazy=step not in ends, step=step, **values)
+            self.record.add("metrics", lazy=step not in ends, background=True, step=step, **values)
             self._windows = [w for w in self._windows if w[1] > step]
 
     # ------------------------------------------------------------------------------------------- the run that resumes

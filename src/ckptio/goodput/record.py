@@ -33,13 +33,16 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError
 from ..storage.parse import as_float, as_int, field, json_object
+from .record_writer import BackgroundWrites
 
 __all__ = ["RECORD_NAME", "RunRecord", "MAX_EVENTS", "PROGRESS_EVERY_S", "failure_history"]
 
@@ -85,6 +88,12 @@ class RunRecord:
         self._written_at = 0.0
         self._held = False
         self._lock = threading.Lock()  # the background writer records its commits from its own thread
+        self._io = threading.Lock()
+        """Held while the record is written: one write at a time, in the order of the events they hold."""
+        self._made = self._written = 0
+        """Events added, and added when the record on disk was made: an older record never replaces a newer."""
+        self._writes = BackgroundWrites(self._write_newest, "ckptio-record")
+        _RECORDS.add(self)
 
     # -------------------------------------------------------------------------------------------- reading
     def _read(self) -> list[dict[str, Any]]:
@@ -130,16 +139,18 @@ class RunRecord:
             pass
 
     # -------------------------------------------------------------------------------------------- writing
-    def add(self, kind: str, *, lazy: bool = False, **values: Any) -> None:
+    def add(self, kind: str, *, lazy: bool = False, background: bool = False, **values: Any) -> None:
         """Append an event (``time``: now, unless given) and write the record (rank 0); a write that fails is logged,
         never raised: the record must not stop training. ``lazy``: written with the next event that is not, or once
         :data:`PROGRESS_EVERY_S` seconds have passed since the last write (a memory-tier snapshot's event: the
-        training thread makes it, and a write costs milliseconds next to a snapshot's few)."""
+        training thread makes it, and a write costs milliseconds next to a snapshot's few). ``background``: written
+        by the record's own thread (:mod:`.record_writer`; the resume audit's values, the progress), the newest
+        record wins; :meth:`flush` and :meth:`close` wait for it."""
         with self._lock:
             self._add({"kind": kind, "time": round(time.time(), 3), **values},
-                      lazy and time.monotonic() - self._written_at < PROGRESS_EVERY_S)
+                      lazy and time.monotonic() - self._written_at < PROGRESS_EVERY_S, background)
 
-    def _add(self, event: dict[str, Any], held: bool = False) -> None:
+    def _add(self, event: dict[str, Any], held: bool = False, background: bool = False) -> None:
         kind = event["kind"]
         if kind == "progress" and self.events and self.events[-1]["kind"] == "progress":
             self.events[-1], self._encoded[-1] = event, _encode(event)
@@ -151,28 +162,59 @@ class RunRecord:
             oldest = next((i for i, e in enumerate(self.events) if e["kind"] in ("save", "progress")), 0) \
                 if oldest is None else oldest
             del self.events[oldest], self._encoded[oldest]
+        self._made += 1
         self._held = held
         if not self.writer or self.broken or self.deferred or held:
             return
-        self._write()
+        if not (background and self._writes.request()):
+            self._write()
 
     def flush(self) -> None:
-        """Write the events held back (``lazy``), if any."""
+        """Write the events held back (``lazy``), if any, and wait for the record's thread to write what it was
+        asked to: the record on disk then holds every event added before."""
         with self._lock:
             if self._held and self.writer and not self.broken and not self.deferred:
                 self._held = False
                 self._write()
+        self._writes.wait()
+
+    def close(self) -> None:
+        """:meth:`flush`, and end the record's thread (the events added later are written by their caller)."""
+        self.flush()
+        self._writes.close()
 
     def _write(self) -> None:
-        self._written_at = time.monotonic()
-        try:
-            self.storage.write_small(RECORD_NAME, _HEAD + ",".join(self._encoded).encode() + b"]}")
-        except FileNotFoundError:
-            pass  # the folder is made by the first save: the events are written with the next one after it
-        except (CheckpointError, OSError) as exc:
-            self.broken = True
-            self.log.warning("Could not write the run's record %s (%s); it is kept in memory only, training goes on",
-                             self.where, exc)
+        """The record now, on the caller's thread (holding ``_lock``)."""
+        self._writes.cancel()
+        self._put(_HEAD + ",".join(self._encoded).encode() + b"]}", self._made)
+
+    def _write_newest(self) -> None:
+        """On the record's thread: the record as it is now (the events held back too)."""
+        with self._lock:
+            if not self.writer or self.broken or self.deferred:
+                return
+            self._held = False
+            made, encoded = self._made, list(self._encoded)  # the join, the bulk of it, off the lock
+        self._put(_HEAD + ",".join(encoded).encode() + b"]}", made)
+
+    def _put(self, data: bytes, made: int) -> None:
+        with self._io:
+            if made <= self._written:
+                return  # a newer record is on disk already
+            self._written_at = time.monotonic()
+            try:
+                self.storage.write_small(RECORD_NAME, data)
+                self._written = made
+            except FileNotFoundError:
+                pass  # the folder is made by the first save: the events are written with the next one after it
+            except (CheckpointError, OSError) as exc:
+                self.broken = True
+                self.log.warning("Could not write the run's record %s (%s); it is kept in memory only, training "
+                                 "goes on", self.where, exc)
+
+    def _forked(self) -> None:
+        """In a forked child: the locks may have been held by a thread of the parent at the fork."""
+        self._lock, self._io = threading.Lock(), threading.Lock()
 
     def begin(self) -> None:
         """The run saved or restored: from the next event on, the record is written (with the events held so far),
@@ -190,7 +232,7 @@ class RunRecord:
         now = time.monotonic()
         if now - self._progress_at >= PROGRESS_EVERY_S:
             self._progress_at = now
-            self.add("progress", step=step)
+            self.add("progress", background=True, step=step)
 
     # -------------------------------------------------------------------------------------------- what it says
     def newest_step(self) -> int | None:
@@ -260,6 +302,17 @@ def failure_history(events: list[dict[str, Any]], now: float) -> tuple[int, floa
         up += last - began
     return failures, up
 
+
+_RECORDS: "weakref.WeakSet[RunRecord]" = weakref.WeakSet()
+
+
+def _after_fork() -> None:
+    for record in list(_RECORDS):
+        record._forked()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
 
 _HEAD = b'{"format":"ckptio-record","version":1,"events":['
 

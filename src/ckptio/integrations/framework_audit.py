@@ -128,8 +128,7 @@ class FrameworkAudit:
         self.audit.finish()
         if clean:
             self.emit("end")
-        else:
-            self.record.flush()
+        self.record.close()  # what its thread was asked, and the events held back: on disk
 
 
 class BackwardSteps:
