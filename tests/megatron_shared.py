@@ -76,3 +76,13 @@ def fuzz_smoke(family: str, inputs: int, seed: int = 5) -> None:
     failures = "\n".join(f"input {i}: {d} <- {'; '.join(notes)}" for i, d, notes in tally["failures"])
     assert tally["other"] == 0 and tally["harness"] == 0, failures
     assert tally["clean"] > 0 and tally["ok"] + tally["clean"] == inputs
+
+
+def same_weights(a: Path, b: Path) -> None:
+    """The two safetensors folders hold the same keys, bitwise the same tensors (a round trip's check)."""
+    from ckptio.formats.safetensors.sharded import SafetensorsSource
+
+    x, y = SafetensorsSource(a), SafetensorsSource(b)
+    assert x.index().keys() == y.index().keys()
+    for key in x.index():
+        assert torch.equal(x.read(key), y.read(key)), f"{key} differs after the round trip"

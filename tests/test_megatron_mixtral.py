@@ -29,6 +29,7 @@ from ckptio.errors import CheckpointError
 from ckptio.formats.hf_fields import UnsupportedFieldError
 from ckptio.formats.safetensors.sharded import SafetensorsSource
 from cli_here import ckptio_here
+from megatron_shared import same_weights
 
 FIXTURE = Path(__file__).with_name("megatron_fixture.py")
 # the fixture's tiny model (megatron_fixture.py --family mixtral): 4 experts of 32, 2 per token
@@ -64,13 +65,6 @@ def _run(hf: Path, ids: torch.Tensor) -> tuple[torch.Tensor, list[set[int]]]:
     return out.logits, [set(r.topk(k, dim=-1).indices.flatten().tolist()) for r in out.router_logits]
 
 
-def _same_weights(a: Path, b: Path) -> None:
-    x, y = SafetensorsSource(a), SafetensorsSource(b)
-    assert x.index().keys() == y.index().keys()
-    for key in x.index():
-        assert torch.equal(x.read(key), y.read(key)), f"{key} differs after the round trip"
-
-
 def _config(folder: Path) -> dict:
     return json.loads((folder / "config.json").read_text())
 
@@ -98,7 +92,7 @@ def test_mixtral_to_megatron_and_back_is_bitwise(hf, tmp_path, layout, tp, pp):
     assert index["decoder.layers.3.mlp.experts.3.linear_fc1.weight"].shape == (64, 64)
     assert not any(k.endswith(".mlp.linear_fc1.weight") for k in index)
     back = convert(out, tmp_path / "back", "hf")
-    _same_weights(hf, back)
+    same_weights(hf, back)
     config = _config(back)
     assert config["model_type"] == "mixtral" and config["architectures"] == ["MixtralForCausalLM"]
     assert (config["num_local_experts"], config["num_experts_per_tok"], config["intermediate_size"]) == (4, 2, 32)
@@ -117,13 +111,13 @@ def test_router_aux_loss_coef_travels_as_moe_aux_loss_coeff(tmp_path):
     assert run_args(out).moe_aux_loss_coeff == 0.05
     back = convert(out, tmp_path / "back", "hf")
     assert _config(back)["router_aux_loss_coef"] == 0.05
-    _same_weights(src, back)
+    same_weights(src, back)
 
 
 def test_a_tied_mixtral_travels(tmp_path):
     src = _mixtral(tmp_path / "tied", tie_word_embeddings=True)
     back = convert(convert(src, tmp_path / "mg", "megatron", options={"tp": 2, "pp": 2}), tmp_path / "back", "hf")
-    _same_weights(src, back)
+    same_weights(src, back)
     assert _config(back)["tie_word_embeddings"] is True
 
 
@@ -200,7 +194,7 @@ def test_megatron_moe_arguments_that_route_the_same_are_inert(hf, tmp_path, arg,
     """The router's precision, how tokens travel between ranks, the training losses and fusions: what the converted
     model computes does not depend on them."""
     back = convert(_with_args(hf, tmp_path, **{arg: value}), tmp_path / "back", "hf")
-    _same_weights(hf, back)
+    same_weights(hf, back)
 
 
 def test_a_run_whose_args_and_tensors_disagree_about_the_experts_is_refused(hf, tmp_path):
@@ -226,7 +220,7 @@ def test_a_mixtral_config_json_beside_a_checkpoint_without_args_gives_its_family
     torch.save({}, out / "iter_0000000" / "common.pt")
     shutil.copy(hf / "config.json", out / "config.json")
     back = convert(out, tmp_path / "back", "hf")
-    _same_weights(hf, back)
+    same_weights(hf, back)
     assert _config(back)["model_type"] == "mixtral"
 
 

@@ -25,7 +25,7 @@ from ckptio.errors import CheckpointError
 from ckptio.formats.hf_fields import UnsupportedFieldError
 from ckptio.formats.safetensors.sharded import SafetensorsSource
 from cli_here import ckptio_here
-from megatron_shared import restore_with_adam
+from megatron_shared import restore_with_adam, same_weights
 
 FIXTURE = Path(__file__).with_name("megatron_fixture.py")
 # the fixture's tiny model (megatron_fixture.py, --family qwen2)
@@ -57,13 +57,6 @@ def _logits(hf: Path, ids: torch.Tensor) -> torch.Tensor:
         return model(ids).logits
 
 
-def _same_weights(a: Path, b: Path) -> None:
-    x, y = SafetensorsSource(a), SafetensorsSource(b)
-    assert x.index().keys() == y.index().keys()
-    for key in x.index():
-        assert torch.equal(x.read(key), y.read(key)), f"{key} differs after the round trip"
-
-
 def _config(folder: Path) -> dict:
     return json.loads((folder / "config.json").read_text())
 
@@ -84,7 +77,7 @@ def test_qwen2_to_megatron_and_back_is_bitwise(hf, tmp_path, layout, tp, pp):
     args = run_args(out)
     assert args.add_qkv_bias is True and args.add_bias_linear is False and args.rotary_base == THETA
     back = convert(out, tmp_path / "back", "hf")
-    _same_weights(hf, back)
+    same_weights(hf, back)
     config = _config(back)
     assert config["model_type"] == "qwen2" and config["architectures"] == ["Qwen2ForCausalLM"]
     assert config["use_sliding_window"] is False and config["rms_norm_eps"] == 1e-6
@@ -100,7 +93,7 @@ def test_a_tied_qwen2_travels_as_megatron_shares_it(tmp_path):
     out = convert(src, tmp_path / "mg", "megatron", options={"tp": 2, "pp": 2, "layout": "legacy"})
     assert "output_layer.weight" not in MegatronSource(out).index()
     back = convert(out, tmp_path / "back", "hf")
-    _same_weights(src, back)
+    same_weights(src, back)
     assert _config(back)["tie_word_embeddings"] is True
 
 
@@ -120,7 +113,7 @@ def test_a_nemo2_qwen2_reads_its_family_from_context(hf, tmp_path):
         "  rotary_base: 1000000.0", "  seq_length: 64", "  share_embeddings_and_output_weights: false",
         "  vocab_size: 128", ""])
     back = convert(tmp_path / "nemo2", tmp_path / "back", "hf")
-    _same_weights(hf, back)
+    same_weights(hf, back)
     assert _config(back)["model_type"] == "qwen2"
 
 
@@ -163,7 +156,7 @@ def test_a_qwen2_window_that_is_off_is_not_refused(hf, tmp_path):
 
     src = _respelled(Path(shutil.copytree(hf, tmp_path / "src")), sliding_window=131072, max_window_layers=2)
     back = convert(convert(src, tmp_path / "mg", "megatron"), tmp_path / "back", "hf")
-    _same_weights(src, back)
+    same_weights(src, back)
 
 
 def test_qwen2_biases_elsewhere_are_refused_by_the_cli(hf, tmp_path):

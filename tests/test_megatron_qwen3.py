@@ -29,7 +29,7 @@ from ckptio.errors import CheckpointError
 from ckptio.formats.hf_fields import UnsupportedFieldError
 from ckptio.formats.safetensors.sharded import SafetensorsSource
 from cli_here import ckptio_here
-from megatron_shared import restore_with_adam
+from megatron_shared import restore_with_adam, same_weights
 
 FIXTURE = Path(__file__).with_name("megatron_fixture.py")
 # the fixture's tiny model (megatron_fixture.py, --family qwen3); Qwen3's head_dim is its own field (16 here)
@@ -62,13 +62,6 @@ def _logits(hf: Path, ids: torch.Tensor) -> torch.Tensor:
         return model(ids).logits
 
 
-def _same_weights(a: Path, b: Path) -> None:
-    x, y = SafetensorsSource(a), SafetensorsSource(b)
-    assert x.index().keys() == y.index().keys()
-    for key in x.index():
-        assert torch.equal(x.read(key), y.read(key)), f"{key} differs after the round trip"
-
-
 def _config(folder: Path) -> dict:
     return json.loads((folder / "config.json").read_text())
 
@@ -94,7 +87,7 @@ def test_qwen3_to_megatron_and_back_is_bitwise(hf, tmp_path, layout, tp, pp):
     assert index["decoder.layers.3.self_attention.q_layernorm.weight"].shape == (16,)
     assert index["decoder.layers.3.self_attention.k_layernorm.weight"].shape == (16,)
     back = convert(out, tmp_path / "back", "hf")
-    _same_weights(hf, back)
+    same_weights(hf, back)
     config = _config(back)
     assert config["model_type"] == "qwen3" and config["architectures"] == ["Qwen3ForCausalLM"]
     assert config["use_sliding_window"] is False and config["attention_bias"] is False
@@ -111,7 +104,7 @@ def test_a_tied_qwen3_travels_as_megatron_shares_it(tmp_path):
     out = convert(src, tmp_path / "mg", "megatron", options={"tp": 2, "pp": 2, "layout": "legacy"})
     assert "output_layer.weight" not in MegatronSource(out).index()
     back = convert(out, tmp_path / "back", "hf")
-    _same_weights(src, back)
+    same_weights(src, back)
     assert _config(back)["tie_word_embeddings"] is True
 
 
@@ -120,7 +113,7 @@ def test_a_qwen3_head_dim_other_than_hidden_over_heads_travels(tmp_path):
     norms and the fused projection take head_dim (Megatron's kv_channels), not the quotient."""
     src = _qwen3(tmp_path / "wide", head_dim=32)
     back = convert(convert(src, tmp_path / "mg", "megatron", options={"tp": 2}), tmp_path / "back", "hf")
-    _same_weights(src, back)
+    same_weights(src, back)
     ids = (torch.arange(24).reshape(2, 12) * 7) % 128
     assert torch.equal(_logits(back, ids), _logits(src, ids))
 
@@ -141,7 +134,7 @@ def test_a_nemo2_qwen3_reads_its_family_from_context(hf, tmp_path):
         "  position_embedding_type: rope", "  rotary_base: 1000000.0", "  seq_length: 64",
         "  share_embeddings_and_output_weights: false", "  vocab_size: 128", ""])
     back = convert(tmp_path / "nemo2", tmp_path / "back", "hf")
-    _same_weights(hf, back)
+    same_weights(hf, back)
     assert _config(back)["model_type"] == "qwen3"
 
 
@@ -179,7 +172,7 @@ def test_a_qwen3_window_that_is_off_is_not_refused(hf, tmp_path):
     """Qwen3's own configs say ``sliding_window: null, use_sliding_window: false, max_window_layers: 28``."""
     src = _respelled(Path(shutil.copytree(hf, tmp_path / "src")), sliding_window=4096, max_window_layers=2)
     back = convert(convert(src, tmp_path / "mg", "megatron"), tmp_path / "back", "hf")
-    _same_weights(src, back)
+    same_weights(src, back)
 
 
 def _with_args(hf: Path, tmp_path: Path, **changes) -> Path:
@@ -362,7 +355,7 @@ def test_a_qwen3_config_json_beside_a_checkpoint_without_args_gives_its_family(h
     out = _without_args(hf, tmp_path)
     shutil.copy(hf / "config.json", out / "config.json")
     back = convert(out, tmp_path / "back", "hf")
-    _same_weights(hf, back)
+    same_weights(hf, back)
     assert _config(back)["model_type"] == "qwen3"
 
 
