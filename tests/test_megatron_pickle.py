@@ -150,3 +150,18 @@ def test_a_compressed_storage_cannot_inflate_past_the_file(tmp_path):
     with pytest.raises(CheckpointCorruptError, match="rng_state.pth.*would expand to 402653184 bytes"):
         _load(path)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100 << 10  # KiB: nothing was inflated
+
+
+def test_an_archive_whose_member_names_are_no_utf8_is_refused_by_name():
+    """An input of the megatron_mixtral fuzz family: the central directory's UTF-8 flag set on a name that is not
+    UTF-8 made zipfile raise a bare UnicodeDecodeError out of the reader."""
+    buf = io.BytesIO()
+    torch.save({"model": {"w": torch.zeros(2)}}, buf)
+    data = bytearray(buf.getvalue())
+    at = data.rfind(b"PK\x01\x02")
+    while at != -1:  # every central directory entry: flag bit 11 (UTF-8 names), first byte of the name 0xff
+        data[at + 8:at + 10] = (int.from_bytes(data[at + 8:at + 10], "little") | 0x800).to_bytes(2, "little")
+        data[at + 46] = 0xFF
+        at = data.rfind(b"PK\x01\x02", 0, at)
+    with pytest.raises(CheckpointCorruptError, match=r"bad\.pt: not a torch.save archive .*UnicodeDecodeError"):
+        megatron_pickle.loads(bytes(data), "bad.pt")

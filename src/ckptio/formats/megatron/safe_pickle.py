@@ -317,11 +317,12 @@ def loads(data: bytes, where: object, *, standins: Any = None) -> tuple[Any, lis
     ``torch.save`` stores its members uncompressed, so all of them together never hold more bytes than the
     archive: a member that would inflate past that is refused before it is read."""
     try:
-        with zipfile.ZipFile(io.BytesIO(data)) as archive:
-            return _load_archive(archive, Budget(len(data), where), standins)
-    except zipfile.BadZipFile as exc:
-        raise CheckpointCorruptError(f"{where}: not a torch.save archive ({exc}); files of the pre-1.6 "
-                                     "format are not read") from exc
+        with parsing(where, "not a torch.save archive"):  # a member name that is no UTF-8, a cut directory...
+            archive = zipfile.ZipFile(io.BytesIO(data))
+    except CheckpointCorruptError as exc:
+        raise CheckpointCorruptError(f"{exc}; files of the pre-1.6 format are not read") from exc.__cause__
+    with archive:
+        return _load_archive(archive, Budget(len(data), where), standins)
 
 
 def load(folder: Folder, rel: str, *, max_size: int, standins: Any = None) -> tuple[Any, list[str]]:
