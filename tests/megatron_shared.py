@@ -86,3 +86,28 @@ def same_weights(a: Path, b: Path) -> None:
     assert x.index().keys() == y.index().keys()
     for key in x.index():
         assert torch.equal(x.read(key), y.read(key)), f"{key} differs after the round trip"
+
+
+def run_fixture(*args: str, timeout: float = 300) -> None:
+    """Run ``tests/megatron_fixture.py`` with ``args`` (megatron-core itself, in processes of its own)."""
+    import subprocess
+    import sys
+
+    fixture = Path(__file__).with_name("megatron_fixture.py")
+    run = subprocess.run([sys.executable, str(fixture), *args], capture_output=True, text=True, timeout=timeout,
+                         start_new_session=True)
+    assert run.returncode == 0, f"megatron-core run {args} failed:\n{run.stderr[-3000:]}"
+
+
+def check_fixture_adam(got: dict, params: int = 39) -> None:
+    """``got`` (:func:`restore_with_adam`'s result) holds the fixture's one made-up Adam step for each of the
+    ``params`` parameters: the moments of gradient ``g`` (``exp_avg = 0.1 g``, ``exp_avg_sq = 0.05 g²``) and the
+    weights that step left (``2 g - 0.5 - 1e-3 sign(g)``)."""
+    steps = got.pop("steps")
+    assert steps.numel() == params and bool((steps == 1).all()), steps
+    names = [k.removeprefix("model/") for k in got if k.startswith("model/")]
+    assert len(names) == params
+    for name in names:
+        g = got[f"optim/state.{name}.exp_avg"] / 0.1
+        assert torch.allclose(got[f"optim/state.{name}.exp_avg_sq"], 0.05 * g * g, rtol=1e-4, atol=1e-9), name
+        assert torch.allclose(got[f"model/{name}"], 2 * g - 0.5 - 1e-3 * torch.sign(g), atol=2e-6, rtol=0), name

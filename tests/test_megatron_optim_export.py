@@ -10,25 +10,16 @@ AdamW step from that state with the same gradient does.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from ckptio.convert.formats import convert
+from megatron_shared import run_fixture
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.slow  # multi-process megatron-core runs
-
-FIXTURE = Path(__file__).with_name("megatron_fixture.py")
-
-
-def _megatron(*args: str) -> None:
-    run = subprocess.run([sys.executable, str(FIXTURE), *args], capture_output=True, text=True, timeout=300,
-                         start_new_session=True)
-    assert run.returncode == 0, f"megatron-core run {args} failed:\n{run.stderr[-3000:]}"
 
 
 def _llama(dtype: torch.dtype = torch.float32):
@@ -62,7 +53,7 @@ def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("megatron_optim")
     step, model, opt = _step_dir(root / "ck")
     out = convert(step, root / "export", "megatron", options={"tp": 2})
-    _megatron("--tp", "2", "--train", str(out / "iter_0000002"), "--out", str(root / "trained.pt"))
+    run_fixture("--tp", "2", "--train", str(out / "iter_0000002"), "--out", str(root / "trained.pt"))
     return torch.load(root / "trained.pt"), model, opt, out
 
 
@@ -72,7 +63,7 @@ def trained_distributed(tmp_path_factory):
     root = tmp_path_factory.mktemp("megatron_optim_dist")
     step, model, opt = _step_dir(root / "ck")
     out = convert(step, root / "export", "megatron", options={"optimizer": "distributed"})
-    _megatron("--tp", "1", "--dp", "2", "--train", str(out / "iter_0000002"), "--out", str(root / "trained.pt"))
+    run_fixture("--tp", "1", "--dp", "2", "--train", str(out / "iter_0000002"), "--out", str(root / "trained.pt"))
     return torch.load(root / "trained.pt"), model, opt
 
 

@@ -10,32 +10,22 @@ moments land on their elements. Out: ``--vpp 2`` exports that megatron-core load
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from ckptio.convert.formats import convert
-from megatron_shared import restore_with_adam
+from megatron_shared import check_fixture_adam, restore_with_adam, run_fixture
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.slow  # multi-process megatron-core runs
-
-FIXTURE = Path(__file__).with_name("megatron_fixture.py")
-
-
-def _megatron(*args: str) -> None:
-    run = subprocess.run([sys.executable, str(FIXTURE), *args], capture_output=True, text=True, timeout=300,
-                         start_new_session=True)
-    assert run.returncode == 0, f"megatron-core run {args} failed:\n{run.stderr[-3000:]}"
 
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("megatron_vpp")
-    _megatron("--tp", "1", "--pp", "2", "--vpp", "2", "--out", str(root))
+    run_fixture("--tp", "1", "--pp", "2", "--vpp", "2", "--out", str(root))
     return root
 
 
@@ -73,20 +63,14 @@ def test_virtual_pipeline_moments_reach_their_elements(made, hf):
     from distributed import run_ranks
 
     got = run_ranks(1, restore_with_adam, source=str(made / "torch_dist"), config=str(hf))[0]
-    assert bool((got.pop("steps") == 1).all())
-    params = [k.removeprefix("model/") for k in got if k.startswith("model/")]
-    assert len(params) == 39
-    for name in params:
-        g = got[f"optim/state.{name}.exp_avg"] / 0.1
-        assert torch.allclose(got[f"optim/state.{name}.exp_avg_sq"], 0.05 * g * g, rtol=1e-4, atol=1e-9), name
-        assert torch.allclose(got[f"model/{name}"], 2 * g - 0.5 - 1e-3 * torch.sign(g), atol=2e-6, rtol=0), name
+    check_fixture_adam(got)
 
 
 @pytest.mark.parametrize("layout", ["dist", "legacy"])
 def test_megatron_core_loads_a_virtual_pipeline_export_strictly(made, hf, tmp_path, layout):
     ref = torch.load(made / "reference.pt")
     out = convert(hf, tmp_path / "export", "megatron", options={"tp": 1, "pp": 2, "vpp": 2, "layout": layout})
-    _megatron("--tp", "1", "--pp", "2", "--vpp", "2", "--load", str(out / "iter_0000000"),
+    run_fixture("--tp", "1", "--pp", "2", "--vpp", "2", "--load", str(out / "iter_0000000"),
               "--out", str(tmp_path / "logits.pt"))
     got = torch.load(tmp_path / "logits.pt")
     assert torch.allclose(got["logits"], ref["logits"], atol=1e-5, rtol=0), (got["logits"] - ref["logits"]).abs().max()
