@@ -59,12 +59,10 @@ __all__ = ["CkptioCheckpointIO", "CkptioMetrics", "CkptioPreemption", "write_che
 log = logging.getLogger("ckptio")
 
 from .storage.objstore.fsspec_fs import register as _register_objects  # noqa: E402
-from .storage.s3.fsspec_fs import register as _register_s3  # noqa: E402
 from .integrations.lightning_metrics import CkptioMetrics  # noqa: E402
 from .integrations.lightning_preemption import CkptioPreemption  # noqa: E402
 
-_register_s3()  # ModelCheckpoint(dirpath="s3://...") lists and times its folder through fsspec
-_register_objects()  # gs:// and az:// (abfs://) alike, unless gcsfs or adlfs is installed
+_register_objects()  # ModelCheckpoint(dirpath="s3://...", gs://, az://) lists and times its folder through fsspec
 
 MODEL_DIR, STATE_DIR, TRAINER_STATE = "model", "state", "trainer_state.pt"
 _FORMAT = "lightning-checkpoint/1"

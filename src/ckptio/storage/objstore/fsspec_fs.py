@@ -1,12 +1,13 @@
-"""An fsspec filesystem for ``gs://`` and ``az://`` (``abfs://``) over ckptio's own buckets
+"""An fsspec filesystem for ``s3://``, ``gs://`` and ``az://`` (``abfs://``) over ckptio's own buckets
 (:class:`~._store.Bucket`), for frameworks that look at folders through fsspec (Lightning's ``ModelCheckpoint``
-lists, tests and times its ``dirpath`` with it) — what :mod:`ckptio.storage.s3.fsspec_fs` is for ``s3://``.
+lists, tests and times its ``dirpath`` with it).
 
-A scheme is registered by :func:`register` only when fsspec's own filesystem for it is not installed (``gcsfs``,
-``adlfs``): a user who has one keeps it. It offers what a framework needs around checkpoints: listing (a folder
+A scheme is registered by :func:`register` only when fsspec's own filesystem for it is not installed (``s3fs``,
+``gcsfs``, ``adlfs``): a user who has one keeps it. It offers what a framework needs around checkpoints: listing (a folder
 ckptio is still writing, marked in progress and without its manifest, is not listed), ``info``, ``modified``, small
 reads and writes through ``open`` (whole objects), deletion, and no-op directory creation. Credentials are the
-backend's (application default credentials or ``STORAGE_EMULATOR_HOST``; Azure's settings).
+backend's (the standard AWS configuration; application default credentials or ``STORAGE_EMULATOR_HOST``; Azure's
+settings).
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ from fsspec.spec import AbstractFileSystem
 
 from ._store import MANIFEST, PENDING, Bucket
 
-__all__ = ["CkptioGSFileSystem", "CkptioAzureFileSystem", "register", "bucket_of"]
+__all__ = ["CkptioS3FileSystem", "CkptioGSFileSystem", "CkptioAzureFileSystem", "register", "bucket_of"]
 
 
 def bucket_of(scheme: str, name: str) -> Bucket:
-    """The backend's bucket ``name`` for ``scheme`` (``gs``, ``az``, ``abfs``)."""
+    """The backend's bucket ``name`` for ``scheme`` (``s3``, ``gs``, ``az``, ``abfs``)."""
     from .. import open_storage
 
     return open_storage(f"{scheme}://{name}").store  # type: ignore[attr-defined,no-any-return]
@@ -111,6 +112,12 @@ class _ObjectFileSystem(AbstractFileSystem):
         self.rm_file(path)
 
 
+class CkptioS3FileSystem(_ObjectFileSystem):
+    """``s3://bucket/key`` (``s3a://``) through ckptio's S3 client."""
+
+    protocol = ("s3", "s3a")
+
+
 class CkptioGSFileSystem(_ObjectFileSystem):
     """``gs://bucket/key`` through ckptio's GCS client."""
 
@@ -141,13 +148,13 @@ class _Upload(io.BytesIO):
         super().close()
 
 
-OWN = {CkptioGSFileSystem: "gcsfs", CkptioAzureFileSystem: "adlfs"}
+OWN = {CkptioS3FileSystem: "s3fs", CkptioGSFileSystem: "gcsfs", CkptioAzureFileSystem: "adlfs"}
 """Each filesystem and fsspec's own for its schemes, which is used instead when it is installed."""
 
 
 def register() -> list[str]:
-    """Make ``gs://`` and ``az://`` (``abfs://``) paths in fsspec use ckptio's buckets where fsspec's own filesystem
-    for them (gcsfs, adlfs) is not installed. Returns the schemes registered."""
+    """Make ``s3://``, ``gs://`` and ``az://`` (``abfs://``) paths in fsspec use ckptio's buckets where fsspec's own
+    filesystem for them (s3fs, gcsfs, adlfs) is not installed. Returns the schemes registered."""
     import fsspec
 
     done = []
