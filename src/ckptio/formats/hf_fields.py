@@ -84,11 +84,10 @@ def check_sizes(config: dict[str, Any], where: object) -> None:
     """Refuse a config whose model sizes are not positive whole numbers that fit together (the heads divide the
     hidden size unless ``head_dim`` is given, the key/value heads divide the heads), or whose norm epsilon or
     dropout is not a number in range: what a writer builds from them is then bounded and consistent."""
-    hidden, heads = (int(_size(config, where, name, True) or 0) for name in ("hidden_size", "num_attention_heads"))
-    for name in _SIZES:
-        _size(config, where, name, True)
-    kv, head_dim = (_size(config, where, name, False) for name in ("num_key_value_heads", "head_dim"))
-    _size(config, where, "max_position_embeddings", False)
+    sizes = {name: _size(config, where, name, True) or 0 for name in _SIZES}  # each is checked in order
+    hidden, heads = sizes["hidden_size"], sizes["num_attention_heads"]
+    kv, head_dim, _ = (_size(config, where, name, False)
+                       for name in ("num_key_value_heads", "head_dim", "max_position_embeddings"))
     if head_dim is None and hidden % heads:
         raise CheckpointCorruptError(f"{where}: hidden_size {hidden} is not a multiple of num_attention_heads {heads} "
                                      "(and no head_dim is given)")
