@@ -8,6 +8,18 @@ from typing import Any
 
 import torch
 
+RECORD = ".ckptio_record.json"
+"""The run's record (``ckptio.goodput.record.RECORD_NAME``, spelled out: this module imports nothing of ckptio)."""
+
+
+def run_names(root: Path) -> list[str]:
+    """What a run left in ``root``, checkpoints by step and hidden ones last, without the runners' ``.pt`` outputs,
+    the run's record and what a killed write of it left (a SIGKILL, or a SIGTERM without a handler, can cut the
+    record's background write short; the next run sweeps it)."""
+    names = (p.name for p in root.iterdir() if p.suffix != ".pt" and not p.name.startswith((RECORD, f".{RECORD}.")))
+    return sorted(names, key=lambda n: (n.startswith("."), len(n), n))
+
+
 SCORES = (0.5, 0.9, 0.3, 0.8, 0.6, 0.95, 0.2, 0.4)
 """What the fake metric ``eval_score`` says at the 1st, 2nd, … evaluation: the best is not the latest."""
 

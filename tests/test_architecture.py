@@ -252,7 +252,7 @@ ALLOWED = {
     "formats/dcp/": {"formats/", "formats/safetensors/", "storage/"},
     "formats/safetensors/": {"formats/", "formats/dcp/", "storage/"},
     "formats/megatron/": {"formats/", "formats/dcp/", "storage/"},
-    "formats/deepspeed/": {"formats/", "formats/megatron/", "storage/"},
+    "formats/deepspeed/": {"formats/", "storage/"},
     "formats/nemo/": {"formats/", *FAMILIES, "state/", "storage/"},
     "storage/": {"storage/objstore/", "storage/s3/", "storage/gcs/", "storage/azure/"},
     "storage/objstore/": {"storage/"},

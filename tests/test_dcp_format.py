@@ -61,3 +61,37 @@ def test_hostile_value_in_dcp_is_refused(tmp_path, monkeypatch):
     with pytest.raises(CheckpointCorruptError, match=r"evil.*'payload' is not a plain value"):
         dcp_format.load(target, folder)
     assert not (tmp_path / "PWNED").exists()
+
+
+def test_a_numpy_rng_state_value_is_read_and_a_frameworks_class_is_refused_by_name(tmp_path):
+    """Megatron-Core's torch_dist saves ``rng_state`` as a DCP value holding numpy's RNG state, which
+    ``torch.load(weights_only=True)`` refuses; ckptio's restricted unpickler builds it. A framework's class is
+    refused by name. Read in a fresh process: importing megatron.core (or another test's import) allow-lists
+    classes for ``weights_only`` in this one."""
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    enums = pytest.importorskip("megatron.core.enums")
+    np.random.seed(5)
+    dcp.save({"x": torch.ones(2), "rng_state": {"np": np.random.get_state()}}, checkpoint_id=str(tmp_path / "ok"))
+    with pytest.warns(UserWarning):
+        dcp.save({"x": torch.ones(2), "args": enums.ModelType.encoder_or_decoder},
+                 checkpoint_id=str(tmp_path / "framework"))
+    probe = """if True:
+        import sys, numpy as np
+        from ckptio import CheckpointCorruptError
+        from ckptio.formats.dcp.format import load_all
+        got = load_all(sys.argv[1] + "/ok")["rng_state"]["np"]
+        np.random.seed(5)
+        want = np.random.get_state()
+        assert got[0] == want[0] and (got[1] == want[1]).all() and got[2:] == want[2:], got
+        try:
+            load_all(sys.argv[1] + "/framework")
+        except CheckpointCorruptError as exc:
+            print(exc)
+        """
+    out = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "framework" in out.stdout and "'args' holds objects of megatron.core.enums.ModelType" in out.stdout, out.stdout

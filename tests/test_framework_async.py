@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from distributed import launch  # noqa: E402
-from hf_tiny import state, trainer  # noqa: E402
+from hf_tiny import run_names, state, trainer  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from transformers import Trainer, TrainerCallback  # noqa: E402
 
@@ -41,10 +41,6 @@ def _same(a: dict, b: dict, what: str) -> None:
     assert a.keys() == b.keys(), what
     for k in a:
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), f"{what}: {k} differs"
-
-
-def _names(root: Path) -> list[str]:
-    return sorted((p.name for p in root.iterdir() if p.suffix != ".pt" and p.name != ".ckptio_record.json"), key=lambda n: (n.startswith("."), len(n), n))
 
 
 @pytest.fixture
@@ -88,7 +84,7 @@ def test_trainer_async_save_is_staged_written_while_training_goes_on_and_equals_
     ours.train()
     assert held == [True], "training did not go on while the first save was being written"
     _same(state(ours), straight[0], "async saves, uninterrupted")
-    assert _names(tmp_path) == _names(straight[1]) == [f"checkpoint-{s}" for s in (4, 8, 12, 16)]
+    assert run_names(tmp_path) == run_names(straight[1]) == [f"checkpoint-{s}" for s in (4, 8, 12, 16)]
     for step in (4, 16):
         mine, theirs = tmp_path / f"checkpoint-{step}", straight[1] / f"checkpoint-{step}"
         assert (mine / "manifest.json").is_file()
@@ -108,7 +104,7 @@ def test_trainer_async_keeps_the_checkpoints_the_trainer_keeps(tmp_path, limit):
         tr = trainer(cls, tmp_path / name, 24, evaluate=True, save_total_limit=limit, metric_for_best_model="score",
                      greater_is_better=True, load_best_model_at_end=True)
         tr.train()
-        ends[name] = (_names(tmp_path / name), Path(tr.state.best_model_checkpoint).name, tr.state.best_metric,
+        ends[name] = (run_names(tmp_path / name), Path(tr.state.best_model_checkpoint).name, tr.state.best_metric,
                       {k: v.clone() for k, v in tr.model.state_dict().items()})
     assert ends["async"][:3] == ends["plain"][:3], (ends["async"][:3], ends["plain"][:3])
     _same(ends["async"][3], ends["plain"][3], "the best model loaded at the end")
@@ -140,7 +136,7 @@ def test_trainer_async_failure_is_raised_on_the_training_thread(tmp_path, faults
         trainer(AsyncTrainer, tmp_path, 8).train()
     assert any("background Trainer checkpoint save" in note for note in info.value.__notes__)
     # raised by the next save's wait, before it began: nothing committed, the first save's hidden folder left
-    names = _names(tmp_path)
+    names = run_names(tmp_path)
     assert len(names) == 1 and names[0].startswith(".checkpoint-4.tmp-"), names
 
 
@@ -158,16 +154,16 @@ def _trainer_kill_resume(root: Path, ranks: int) -> dict:
     """Killed (rank 0, SIGKILL) while its second save is written in the background; rerun and killed (every rank)
     right after its save of step 12 returns; rerun to the end."""
     _hf(str(root), str(STEPS), str(root / "x.pt"), "--async", "--kill-at", f"{WRITING}:2", ranks=ranks, ok=False)
-    names = _names(root)
+    names = run_names(root)
     assert names[0] == "checkpoint-4" and len(names) == 2 and names[1].startswith(".checkpoint-8.tmp-"), names
     _hf(str(root), str(STEPS), str(root / "y.pt"), "--async", "--resume", "--sigkill-after-save", "12", ranks=ranks,
         ok=False)
-    names = _names(root)
+    names = run_names(root)
     assert names[:2] == ["checkpoint-4", "checkpoint-8"] and len(names) == 3, names
     assert names[2] == "checkpoint-12" or names[2].startswith(".checkpoint-12.tmp-"), names
     assert usable_checkpoints(root)[1] == []  # whatever the kill cut, no torn folder under a checkpoint's name
     _hf(str(root), str(STEPS), str(root / "resumed.pt"), "--async", "--resume", ranks=ranks)
-    assert _names(root) == [f"checkpoint-{s}" for s in (4, 8, 12, 16)]
+    assert run_names(root) == [f"checkpoint-{s}" for s in (4, 8, 12, 16)]
     return torch.load(root / "resumed.pt", weights_only=True)
 
 
@@ -186,7 +182,7 @@ def test_trainer_async_two_ranks_killed_resumed_and_a_rank_1_failure_commits_not
                ranks=2, ok=False)
     assert re.search(r"writing .*checkpoint-4 failed on rank\(s\) \[1\]", text), text[-3000:]
     assert "No space left on device (injected" in text
-    names = _names(tmp_path / "failed")
+    names = run_names(tmp_path / "failed")
     assert len(names) == 1 and names[0].startswith(".checkpoint-4.tmp-"), names
 
 
@@ -206,7 +202,7 @@ def acc_straight(tmp_path_factory) -> tuple[dict, Path]:
 
 
 def _acc_names(root: Path) -> list[str]:
-    return _names(root / "checkpoints")
+    return run_names(root / "checkpoints")
 
 
 def test_accelerate_async_save_is_staged_written_while_training_goes_on_and_equals_accelerates(tmp_path,

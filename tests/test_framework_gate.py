@@ -26,17 +26,13 @@ pytest.importorskip("accelerate")
 
 from acc_tiny import train as acc_train  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
-from hf_tiny import trainer  # noqa: E402
+from hf_tiny import run_names, trainer  # noqa: E402
 from transformers import Trainer  # noqa: E402
 
 from ckptio import CheckpointCorruptError, NoUsableCheckpointError  # noqa: E402
 from ckptio import accelerate as ck_acc  # noqa: E402
 from ckptio.accelerate import CkptioAccelerator  # noqa: E402
 from ckptio.hf_trainer import CkptioTrainer, last_checkpoint, usable_checkpoints  # noqa: E402
-
-
-def _names(root: Path) -> list[str]:
-    return sorted((p.name for p in root.iterdir() if p.name != ".ckptio_record.json"), key=lambda n: (n.startswith("."), len(n), n))
 
 
 @pytest.fixture(scope="module")
@@ -59,12 +55,12 @@ def test_trainer_retention_never_counts_a_torn_folder_nor_deletes_the_newest_com
     shutil.copytree(tmp_path / "checkpoint-2", torn, ignore=shutil.ignore_patterns("manifest.json", "optimizer.pt"))
     ours = trainer(CkptioTrainer, tmp_path, 4, save_steps=2, save_total_limit=1)
     ours.train(resume_from_checkpoint=True)  # resumes from checkpoint-2, saves checkpoint-4
-    assert _names(tmp_path) == ["checkpoint-4", "checkpoint-8"]  # the torn one left alone, not counted
+    assert run_names(tmp_path) == ["checkpoint-4", "checkpoint-8"]  # the torn one left alone, not counted
     assert last_checkpoint(tmp_path).name == "checkpoint-4"
     # the next resume goes on from checkpoint-4
     again = trainer(CkptioTrainer, tmp_path, 6, save_steps=2, save_total_limit=1)
     again.train(resume_from_checkpoint=True)
-    assert again.state.global_step == 6 and _names(tmp_path) == ["checkpoint-6", "checkpoint-8"]
+    assert again.state.global_step == 6 and run_names(tmp_path) == ["checkpoint-6", "checkpoint-8"]
 
 
 def test_the_end_of_training_keeps_the_best_and_the_newest_and_leaves_a_torn_folder(tmp_path):
@@ -77,7 +73,7 @@ def test_the_end_of_training_keeps_the_best_and_the_newest_and_leaves_a_torn_fol
                    greater_is_better=True, load_best_model_at_end=True)
     ours.train()
     assert Path(ours.state.best_model_checkpoint).name == "checkpoint-8" and ours.args.save_total_limit == 1
-    assert _names(tmp_path) == ["checkpoint-8", "checkpoint-12", "checkpoint-40"]
+    assert run_names(tmp_path) == ["checkpoint-8", "checkpoint-12", "checkpoint-40"]
     assert last_checkpoint(tmp_path).name == "checkpoint-12"
 
 
@@ -88,7 +84,7 @@ def test_accelerate_total_limit_never_counts_a_torn_folder(tmp_path):
     torn.mkdir()
     shutil.copy(ckpts / "checkpoint_0" / "model.safetensors", torn / "model.safetensors")
     acc_train(tmp_path, CkptioAccelerator, stop=6, resume=True, limit=1)  # loads 0, saves checkpoint_1
-    assert _names(ckpts) == ["checkpoint_1", "checkpoint_5"]
+    assert run_names(ckpts) == ["checkpoint_1", "checkpoint_5"]
     good, skipped = ck_acc.usable_checkpoints(ckpts)
     assert [p.name for p in good] == ["checkpoint_1"] and [n for n, _ in skipped] == ["checkpoint_5"]
 
@@ -109,9 +105,9 @@ def test_remove_oldest_ranks_only_complete_folders(tmp_path):
 
     name = re.compile(r"^c-(\d+)$")
     assert remove_oldest(tmp_path, name, 1, check=check, saved="c-2") == []  # 2 complete: 2 (just saved) and 3
-    assert _names(tmp_path) == ["c-1", "c-2", "c-3", "c-7", "c-9"]
+    assert run_names(tmp_path) == ["c-1", "c-2", "c-3", "c-7", "c-9"]
     assert [p.name for p in remove_oldest(tmp_path, name, 1, check=check, saved="c-3")] == ["c-2"]
-    assert _names(tmp_path) == ["c-1", "c-3", "c-7", "c-9"]
+    assert run_names(tmp_path) == ["c-1", "c-3", "c-7", "c-9"]
 
 
 # ------------------------------------------------------------------------------- row 2: trainer_state.json fields

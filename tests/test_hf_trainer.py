@@ -20,7 +20,7 @@ import torch
 pytest.importorskip("transformers")
 
 from distributed import launch  # noqa: E402
-from hf_tiny import model, state, trainer  # noqa: E402
+from hf_tiny import model, run_names, state, trainer  # noqa: E402
 from transformers import AutoModelForCausalLM, Trainer  # noqa: E402
 
 from ckptio import CheckpointCorruptError, NoUsableCheckpointError  # noqa: E402
@@ -38,12 +38,6 @@ def _same(a: dict, b: dict, what: str) -> None:
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), f"{what}: {k} differs"
 
 
-def _names(root: Path) -> list[str]:
-    """The folders in ``root`` (the runner's .pt outputs and the run's record left out), checkpoints by step, hidden
-    ones last."""
-    return sorted((p.name for p in root.iterdir() if p.suffix != ".pt" and p.name != RECORD), key=lambda n: (n.startswith("."), len(n), n))
-
-
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory) -> dict:
     tr = trainer(Trainer, tmp_path_factory.mktemp("straight"), STEPS)
@@ -54,7 +48,7 @@ def straight(tmp_path_factory) -> dict:
 def test_a_checkpoint_is_the_trainers_layout_committed_and_loadable(tmp_path, straight):
     ours = trainer(CkptioTrainer, tmp_path, 8)
     ours.train()
-    assert _names(tmp_path) == ["checkpoint-4", "checkpoint-8"]
+    assert run_names(tmp_path) == ["checkpoint-4", "checkpoint-8"]
     step = tmp_path / "checkpoint-8"
     manifest = json.loads((step / "manifest.json").read_text())
     assert {"model.safetensors", "config.json", "optimizer.pt", "scheduler.pt", "rng_state.pth",
@@ -145,7 +139,7 @@ def test_the_checkpoints_kept_are_the_ones_the_trainer_keeps(tmp_path, limit):
         tr = trainer(cls, tmp_path / name, 24, evaluate=True, save_total_limit=limit, metric_for_best_model="score",
                      greater_is_better=True, load_best_model_at_end=True)
         tr.train()
-        ends[name] = (_names(tmp_path / name), Path(tr.state.best_model_checkpoint).name, tr.state.best_metric,
+        ends[name] = (run_names(tmp_path / name), Path(tr.state.best_model_checkpoint).name, tr.state.best_metric,
                       {k: v.clone() for k, v in tr.model.state_dict().items()})
     assert ends["ckptio"][:3] == ends["plain"][:3], (ends["ckptio"][:3], ends["plain"][:3])
     assert ends["ckptio"][1] == "checkpoint-24" and ends["ckptio"][2] == 0.95
@@ -169,13 +163,14 @@ def _preempt_kill_resume(root: Path, ranks: int) -> dict:
     """SIGTERM after step 6 (checkpoint-4 is the newest), then a rerun SIGKILLed while its second save
     (checkpoint-12) is written and not yet in place, then a rerun to the end."""
     _run(str(root), str(STEPS), str(root / "x.pt"), "--sigterm-at", "6", ranks=ranks, ok=False)
-    assert _names(root) == ["checkpoint-4"]
+    assert run_names(root) == ["checkpoint-4"]
     _run(str(root), str(STEPS), str(root / "y.pt"), "--resume", "--kill-at", "commit.before_rename:2", ranks=ranks,
          ok=False)
-    names = _names(root)
+    names = run_names(root)
     assert names[:2] == ["checkpoint-4", "checkpoint-8"] and names[2].startswith(".checkpoint-12.tmp-"), names
     _run(str(root), str(STEPS), str(root / "resumed.pt"), "--resume", ranks=ranks)
-    assert _names(root) == ["checkpoint-4", "checkpoint-8", "checkpoint-12", "checkpoint-16"]
+    assert run_names(root) == ["checkpoint-4", "checkpoint-8", "checkpoint-12", "checkpoint-16"]
+    assert not list(root.glob(f".{RECORD}.*.tmp")), "a killed write of the record was not swept by the next run"
     return torch.load(root / "resumed.pt", weights_only=True)
 
 
@@ -217,7 +212,7 @@ def test_the_example_trains_and_resumes(tmp_path):
     for steps in (10, 20):
         done = launch(str(script), "--dir", str(tmp_path), "--steps", str(steps), timeout=300)
         assert done.returncode == 0 and f"trained to step {steps}" in done.stdout, done.stderr[-2000:]
-    assert _names(tmp_path) == ["checkpoint-15", "checkpoint-20"]  # save_total_limit=2
+    assert run_names(tmp_path) == ["checkpoint-15", "checkpoint-20"]  # save_total_limit=2
     assert (tmp_path / "checkpoint-20" / "manifest.json").is_file()
 
 
@@ -237,7 +232,7 @@ def test_a_folder_whose_name_disagrees_with_its_step_is_never_resumed_from_nor_o
     _same(state(ours), straight, "resumed from checkpoint-8 past a misnamed copy of checkpoint-4")
     assert "skipping checkpoint-10" in caplog.text and "records step 4" in caplog.text
     # retention counted the real folders only: the misnamed copy is left alone, the newest two real ones are kept
-    assert _names(tmp_path) == ["checkpoint-10", "checkpoint-12", "checkpoint-16"]
+    assert run_names(tmp_path) == ["checkpoint-10", "checkpoint-12", "checkpoint-16"]
 
 
 def test_a_resume_says_which_checkpoint_it_loaded(tmp_path, caplog):

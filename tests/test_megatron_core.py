@@ -100,7 +100,7 @@ def test_megatron_core_loads_what_ckptio_exports(made, tmp_path, to_tp, to_pp):
 def test_ckptio_legacy_files_hold_what_megatron_wrote_rank_by_rank(made, tmp_path):
     """Megatron's TP=2 PP=2 legacy files -> HF -> ckptio's legacy export for TP=2 PP=2: each rank file's
     model tensors are Megatron's, under the same names (stage-local layer numbers, fc1 as [gate_r; up_r])."""
-    from ckptio.formats.megatron import safe_pickle as megatron_pickle
+    from ckptio.formats import safe_pickle as megatron_pickle
     from ckptio.storage.confined import Folder
 
     src = made[(2, 2)] / "legacy"

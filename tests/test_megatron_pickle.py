@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ckptio.errors import CheckpointCorruptError
-from ckptio.formats.megatron import safe_pickle as megatron_pickle
+from ckptio.formats import safe_pickle as megatron_pickle
 from ckptio.storage.confined import Folder
 
 

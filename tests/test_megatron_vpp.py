@@ -79,7 +79,7 @@ def test_megatron_core_loads_a_virtual_pipeline_export_strictly(made, hf, tmp_pa
 def test_a_virtual_pipeline_round_trip_is_bitwise(made, hf, tmp_path):
     """Megatron's legacy VPP files -> HF -> ckptio's legacy export at PP=2 VPP=2: every rank file holds Megatron's
     chunks, tensor for tensor under the same names; and that export reads back as Megatron's model, bitwise."""
-    from ckptio.formats.megatron import safe_pickle as megatron_pickle
+    from ckptio.formats import safe_pickle as megatron_pickle
     from ckptio.storage.confined import Folder
 
     out = convert(hf, tmp_path / "export", "megatron", options={"pp": 2, "vpp": 2, "layout": "legacy"})

@@ -86,7 +86,7 @@ def test_every_reader_of_a_torch_save_pickle_refuses_it_naming_the_file(tmp_path
     """The DCP item reader (tensor and plain-value paths) and the restricted unpickler of Megatron's and NeMo's
     ``.pt`` files: one gate, the same refusal."""
     from ckptio.formats.dcp import items
-    from ckptio.formats.megatron import safe_pickle
+    from ckptio.formats import safe_pickle
     from ckptio.storage.confined import Folder
 
     blob, plain = _archive(data), _archive(data, storage=False)

@@ -324,7 +324,7 @@ def _check(path: Path, verify: str) -> None:
 def read_random_states(folder: Any, name: str) -> dict[str, Any]:
     """accelerate's ``random_states_R.pkl`` in ``folder`` through ckptio's restricted unpickler, each generator's
     state checked for the structure and ranges its ``set_state`` takes."""
-    from .formats.megatron import safe_pickle as megatron_pickle
+    from .formats import safe_pickle as megatron_pickle
     from .integrations.framework_dirs import check_numpy_rng, check_python_rng, check_torch_rng
     from .storage.parse import as_int, check_depth, parsing
 

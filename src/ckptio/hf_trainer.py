@@ -391,7 +391,7 @@ def _side_files(folder: Any) -> None:
 def read_rng_state(checkpoint: Path, name: str) -> dict[str, Any]:
     """The Trainer's ``rng_state*.pth`` through ckptio's restricted unpickler (numpy arrays and tensors only), each
     generator's state checked for the structure and ranges its ``set_state`` takes."""
-    from .formats.megatron import safe_pickle as megatron_pickle
+    from .formats import safe_pickle as megatron_pickle
     from .integrations.framework_dirs import check_numpy_rng, check_python_rng, check_torch_rng
     from .storage.confined import Folder
     from .storage.parse import check_depth, parsing

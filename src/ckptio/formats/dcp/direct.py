@@ -34,6 +34,7 @@ from .items import parse, plain_value, read_into
 from ..safetensors import chunk_index
 from ..safetensors.chunk_index import overlapping_rows
 from ..common import TensorInfo, dtype_name
+from .. import safe_pickle
 from ..pt import check_bytes
 from .metadata import boxes, check_data_files, read_metadata
 
@@ -211,12 +212,23 @@ def execute(p: Plan, progress: Callable[[int], None] | None = None,
 
 
 def _value(data: bytes, path: Any, key: str) -> Any:
-    check_bytes(data, f"{path}: DCP value {key!r}")
+    """A non-tensor value: ``torch.load(weights_only=True)``, or where that refuses a class, ckptio's restricted
+    unpickler (numpy arrays: Megatron's ``rng_state`` holds numpy's RNG state). A framework's class is refused."""
+    where = f"{path}: DCP value {key!r}"
+    check_bytes(data, where)
     try:
         return torch.load(io.BytesIO(data), weights_only=True)
-    except Exception as exc:
+    except Exception:
+        pass
+    try:
+        value, placeholders = safe_pickle.loads(data, where)
+    except CheckpointCorruptError as exc:
         raise CheckpointCorruptError(f"{path}: DCP value {key!r} is not a plain value that can be loaded safely: "
                                      f"{exc}") from exc
+    if placeholders:
+        raise CheckpointCorruptError(f"{where} holds objects of {', '.join(placeholders)}, which ckptio does not "
+                                     "build")
+    return value
 
 
 def _read_with_torch(handle: Any, r: _Read) -> None:

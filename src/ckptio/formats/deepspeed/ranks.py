@@ -26,7 +26,7 @@ import math
 from typing import Any
 
 from ...errors import CheckpointCorruptError
-from ..megatron.safe_pickle import Placeholder
+from ..safe_pickle import Placeholder
 
 __all__ = ["check_count", "check_padding", "check_slices"]
 

@@ -1,6 +1,6 @@
 """A DeepSpeed checkpoint's fp32 master weights and Adam moments, one parameter at a time, without DeepSpeed.
 
-Every file goes through the one read gate (:func:`ckptio.formats.megatron.safe_pickle.open_lazy`): only the pickle
+Every file goes through the one read gate (:func:`ckptio.formats.safe_pickle.open_lazy`): only the pickle
 is read when a file is opened, DeepSpeed's own classes become named stand-ins (:data:`STANDINS`; any other class is
 refused by name), and each tensor is a range of the file that is read when a parameter needs it.
 
@@ -33,7 +33,7 @@ from ...errors import CheckpointCorruptError, CheckpointError, ConfigError
 from ...storage.confined import Folder
 from ...storage.parse import parsing
 from ..common import TensorInfo, dtype_name
-from ..megatron.safe_pickle import LazyTensor, Placeholder, open_lazy
+from ..safe_pickle import LazyTensor, Placeholder, open_lazy
 from . import ranks
 from .layout import MODEL_FILES
 

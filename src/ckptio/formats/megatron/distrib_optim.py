@@ -155,7 +155,7 @@ def read_common(root: Folder) -> tuple[dict[str, Any], list[str], float | None, 
     """A torch_dist checkpoint's ``common.pt`` (only its pickle is read, so a large or sparse file costs no memory;
     of its tensors, only the step), its placeholder classes, Adam's step and the distributed optimizer's sharding
     format (:func:`dist_optimizer_step`)."""
-    from . import safe_pickle as megatron_pickle
+    from .. import safe_pickle as megatron_pickle
 
     where = root.display("common.pt")
     common, placeholders, handle = megatron_pickle.open_lazy(root, "common.pt")
@@ -199,7 +199,7 @@ def rank_state(root: Folder, rank_dir: str, model: dict[str, torch.Tensor], *, s
                shared: set[str]) -> dict[str, dict[str, torch.Tensor]]:
     """``{"param"|"exp_avg"|"exp_avg_sq": {name: tensor shaped like the weight}}`` of one tensor/pipeline rank,
     from its ``distrib_optim.pt`` and its model's weights (``model``, in the rank file's order)."""
-    from . import safe_pickle as megatron_pickle
+    from .. import safe_pickle as megatron_pickle
 
     rel = f"{rank_dir}/{DISTRIB_OPTIM_FILE}"
     where = root.display(rel)

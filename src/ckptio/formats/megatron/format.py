@@ -6,7 +6,7 @@ iteration folder ``iter_NNNNNNN``/``release``):
 * **legacy** (Megatron-LM ``--ckpt-format torch``): ``mp_rank_TT/`` (tensor parallel only) or
   ``mp_rank_TT_PPP/`` (with pipeline stages), each with ``model_optim_rng.pt``: that rank's shard of the
   weights under per-layer names, the layer index restarting at 0 on every stage. Read with
-  :mod:`ckptio.formats.megatron.safe_pickle` (no Megatron needed, no code run).
+  :mod:`ckptio.formats.safe_pickle` (no Megatron needed, no code run).
 * **distributed** (Megatron-Core ``torch_dist``, also NeMo 2.0's ``weights/``): ``metadata.json``,
   ``common.pt`` and a DCP folder of whole tensors, the layers stacked along a leading dimension.
 
@@ -92,7 +92,7 @@ def _rank_file(root: Folder, rel: str) -> tuple[dict[str, Any], list[str], list[
     ``_extra_state`` dropped): one state dict, or one per model chunk with virtual pipeline stages
     (:mod:`~ckptio.formats.megatron.vpp`). Read lazily: only the pickle and the model's tensors, never the whole
     file at once (a rank file can be as large as the rank's share of the model)."""
-    from . import safe_pickle as megatron_pickle
+    from .. import safe_pickle as megatron_pickle
     from .vpp import chunk_models
 
     obj, placeholders, handle = megatron_pickle.open_lazy(root, rel)

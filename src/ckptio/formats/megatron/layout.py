@@ -111,7 +111,7 @@ def _rank_files(folder: Path) -> dict[tuple[int, int], str]:
 def run_args(path: Path) -> Any:
     """The Megatron-LM arguments an existing run recorded (``args`` of its newest checkpoint): its TP and PP, its
     vocabulary padding and its model sizes. Read from ``common.pt`` or the first rank file; refused when absent."""
-    from . import safe_pickle as megatron_pickle
+    from .. import safe_pickle as megatron_pickle
 
     folder = iteration_folder(path)
     layout = layout_of(folder)

@@ -96,7 +96,7 @@ def rank_dirs(folder: Any, rank_file: str) -> dict[tuple[int, int], list[str]] |
 
 
 def _ep_without_pp(root: Folder, rel: str) -> bool:
-    from . import safe_pickle as megatron_pickle
+    from .. import safe_pickle as megatron_pickle
 
     if root.kind(rel) is None:
         return False

@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
-from ...errors import CheckpointCorruptError
-from ...storage.confined import Folder
-from ...storage.parse import Budget, check_pickle, parsing, zip_member
+from ..errors import CheckpointCorruptError
+from ..storage.confined import Folder
+from ..storage.parse import Budget, check_pickle, parsing, zip_member
 
 __all__ = ["Placeholder", "LazyTensor", "load", "loads", "open_lazy"]
 
