@@ -6,6 +6,8 @@ router ``block_sparse_moe.gate``) but builds it with every layer's experts in tw
 ``mlp.experts.down_proj`` [E, hidden, ffn] (its ``w2``), and the router as ``mlp.gate``. A restore from such a
 checkpoint into the live model (:mod:`ckptio.adopt.foreign`), of the weights and of Adam's moments alike, reads
 through :func:`as_live`, which stacks each layer's experts when read, so that every element keeps its value.
+A Qwen2-MoE is saved the same way under its own names (``mlp.experts.{j}.gate_proj/up_proj/down_proj``, the router
+already ``mlp.gate``) and fused into the same two parameters.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ _FUSED = re.compile(r"^(.*)\.mlp\.(experts\.gate_up_proj|experts\.down_proj|gate
 # live part -> the per-expert tensors of the saved layout it stacks (concatenated along dim 0 when several)
 _MIXTRAL = {"experts.gate_up_proj": ("block_sparse_moe.experts.{j}.w1.weight", "block_sparse_moe.experts.{j}.w3.weight"),
             "experts.down_proj": ("block_sparse_moe.experts.{j}.w2.weight",)}
+_QWEN2_MOE = {"experts.gate_up_proj": ("mlp.experts.{j}.gate_proj.weight", "mlp.experts.{j}.up_proj.weight"),
+              "experts.down_proj": ("mlp.experts.{j}.down_proj.weight",)}
 
 
 class _LiveExperts:
@@ -67,7 +71,7 @@ class _LiveExperts:
 
 def as_live(source: Any, live: set[str] | dict[str, Any]) -> Any:
     """``source`` as the live model's names ask for it: itself, unless the model holds fused experts
-    (``...mlp.experts.gate_up_proj``) that the source keeps per expert in Mixtral's saved layout."""
+    (``...mlp.experts.gate_up_proj``) that the source keeps per expert in Mixtral's or Qwen2-MoE's saved layout."""
     index = source.index()
     plan: dict[str, Any] = {}
     for key in live:
@@ -79,11 +83,12 @@ def as_live(source: Any, live: set[str] | dict[str, Any]) -> Any:
             if f"{prefix}.block_sparse_moe.gate.weight" in index:
                 plan[key] = f"{prefix}.block_sparse_moe.gate.weight"
             continue
+        saved = _MIXTRAL if f"{prefix}.{_MIXTRAL[part][0].format(j=0)}" in index else _QWEN2_MOE
         count = 0
-        while f"{prefix}.{_MIXTRAL[part][0].format(j=count)}" in index:
+        while f"{prefix}.{saved[part][0].format(j=count)}" in index:
             count += 1
         if count:
-            plan[key] = [[f"{prefix}.{p.format(j=j)}" for p in _MIXTRAL[part]] for j in range(count)]
+            plan[key] = [[f"{prefix}.{p.format(j=j)}" for p in saved[part]] for j in range(count)]
             missing = [n for names in plan[key] for n in names if n not in index]
             if missing:
                 raise CheckpointCorruptError(f"{getattr(source, 'folder', '')}: {missing[0]!r} is missing beside the "

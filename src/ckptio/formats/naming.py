@@ -294,6 +294,26 @@ MIXTRAL_TO_MEGATRON = Converter(
 )
 register(MIXTRAL_TO_MEGATRON)
 
+QWEN2MOE_TO_MEGATRON = Converter(
+    name="qwen2moe-to-megatron",
+    inverse_name="megatron-to-qwen2moe",
+    needs=("num_attention_heads", "hidden_size"),
+    doc="Hugging Face Qwen2-MoE -> Megatron-Core MoE GPT with a shared expert (the attention and its q/k/v biases as "
+        "llama-to-megatron; the router; each expert's and the shared expert's fc1 = [gate_proj; up_proj], fc2 = "
+        "down_proj; the shared expert's sigmoid gate as its gate_weight)",
+    rules=tuple(r for r in LLAMA_TO_MEGATRON.rules if ".mlp." not in r.sources[0]) + (
+        Rule((_L + "mlp.gate.weight",), (_M + "mlp.router.weight",)),
+        Rule((_L + "mlp.experts.{j}.gate_proj.weight", _L + "mlp.experts.{j}.up_proj.weight"),
+             (_M + "mlp.experts.{j}.linear_fc1.weight",), "concat"),
+        Rule((_L + "mlp.experts.{j}.down_proj.weight",), (_M + "mlp.experts.{j}.linear_fc2.weight",)),
+        Rule((_L + "mlp.shared_expert.gate_proj.weight", _L + "mlp.shared_expert.up_proj.weight"),
+             (_M + "mlp.shared_experts.linear_fc1.weight",), "concat"),
+        Rule((_L + "mlp.shared_expert.down_proj.weight",), (_M + "mlp.shared_experts.linear_fc2.weight",)),
+        Rule((_L + "mlp.shared_expert_gate.weight",), (_M + "mlp.shared_experts.gate_weight",)),
+    ),
+)
+register(QWEN2MOE_TO_MEGATRON)
+
 
 def describe() -> list[dict[str, Any]]:
     """Registered converters, for ``ckptio convert --list-namings``."""

@@ -21,7 +21,7 @@ from .fields import MUST, _arg, refused
 
 
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-            "mixtral": "MixtralForCausalLM"}
+            "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 """The Hugging Face model types a Megatron GPT run converts to, with their classes."""
 
 
@@ -30,9 +30,10 @@ def family(args: Any) -> str:
     is how Megatron trains Qwen2/2.5), ``qwen3`` for one with an RMSNorm on each query and key head
     (``--qk-layernorm``, how it trains Qwen3), else ``llama``; what none computes is refused by :func:`hf_config`."""
     from .moe import experts_of
+    from .qwen2moe import shared_of
 
-    if experts_of(args):  # a mixture of experts: with neither biases nor q/k norms (else refused), a Mixtral
-        return "mixtral"
+    if experts_of(args):  # a mixture of experts: a Qwen2-MoE with a (gated) shared expert, else a Mixtral
+        return "qwen2_moe" if shared_of(args) else "mixtral"
     if _arg(args, "qk_layernorm", False):
         return "qwen3"
     return "qwen2" if _arg(args, "add_qkv_bias", False) else "llama"
@@ -52,9 +53,9 @@ def _not_llama(args: Any) -> list[str]:
     if _arg(args, "qk_layernorm", False) and _arg(args, "add_qkv_bias", False):  # a Qwen3's biases are on q/k/v/o
         problems.append("qk_layernorm with add_qkv_bias (Qwen3's norms with Qwen2's biases)")
     from .moe import experts_of
+    from .qwen2moe import problems as moe_problems
 
-    if experts_of(args) and (_arg(args, "qk_layernorm", False) or _arg(args, "add_qkv_bias", False)):
-        problems.append("experts with qk_layernorm or add_qkv_bias (a Qwen MoE: only Mixtral's experts are mapped)")
+    problems += moe_problems(args, experts_of(args))  # q/k norms, biases without a gated shared expert...
     if _arg(args, "rotary_interleaved", False):
         problems.append("interleaved rotary embeddings")
     if _arg(args, "rotary_percent", None) not in (None, 1, 1.0):
@@ -116,11 +117,14 @@ def hf_config(args: Any, where: object, layers: int, vocab_rows: int) -> dict[st
         "attention_dropout": float(_arg(args, "attention_dropout", 0.0) or 0.0),
     }
     kind = family(args)
-    if kind == "mixtral":  # no attention_bias/mlp_bias fields; the experts' sizes and routing
+    if kind in ("mixtral", "qwen2_moe"):  # no attention_bias/mlp_bias fields; the experts' sizes and routing
         from .moe import hf_fields as moe_fields
 
         del config["attention_bias"], config["mlp_bias"]
         config.update(architectures=[FAMILIES[kind]], model_type=kind, **moe_fields(args, where))
+        if kind == "qwen2_moe":  # and a Qwen2's full attention
+            config.update(use_sliding_window=False, sliding_window=None, max_window_layers=layers,
+                          layer_types=["full_attention"] * layers)
     elif kind != "llama":  # qwen2: q/k/v biases (no attention_bias field), qwen3: none; no mlp_bias; full attention
         del config["mlp_bias"]
         if kind == "qwen2":
@@ -224,8 +228,17 @@ def hf_args(hf: dict[str, Any], where: object) -> Any:
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
         rope_scaling={"rope_type": r.kind, **r.scaling} if r.kind != "default" else None,
         add_bias_linear=bool(hf.get("attention_bias") or hf.get("mlp_bias")),
-        add_qkv_bias=hf.get("model_type") == "qwen2", qk_layernorm=hf.get("model_type") == "qwen3",
+        add_qkv_bias=hf.get("model_type") in ("qwen2", "qwen2_moe"), qk_layernorm=hf.get("model_type") == "qwen3",
         bf16=dtype == "bfloat16", fp16=dtype == "float16",
         **({"num_experts": hf.get("num_local_experts"), "moe_router_topk": hf.get("num_experts_per_tok"),
             "moe_ffn_hidden_size": hf.get("intermediate_size"), "moe_aux_loss_coeff": hf.get("router_aux_loss_coef")}
-           if hf.get("model_type") == "mixtral" else {}))
+           if hf.get("model_type") == "mixtral" else {}),
+        **(_qwen2moe_args(hf) if hf.get("model_type") == "qwen2_moe" else {}))
+
+
+def _qwen2moe_args(hf: dict[str, Any]) -> dict[str, Any]:
+    """The MoE arguments of a Qwen2-MoE ``config.json`` (its shared expert gated, its routing by ``norm_topk_prob``)."""
+    return {"num_experts": hf.get("num_experts"), "moe_router_topk": hf.get("num_experts_per_tok"),
+            "moe_ffn_hidden_size": hf.get("moe_intermediate_size"), "moe_aux_loss_coeff": hf.get("router_aux_loss_coef"),
+            "moe_shared_expert_intermediate_size": hf.get("shared_expert_intermediate_size"),
+            "moe_shared_expert_gate": True, "moe_router_pre_softmax": not hf.get("norm_topk_prob", False)}

@@ -1,5 +1,5 @@
-"""Every Megatron model argument, placed: carried into the Hugging Face Llama/Qwen2/Qwen3/Mixtral config, inert, or
-refused.
+"""Every Megatron model argument, placed: carried into the Hugging Face Llama/Qwen2/Qwen3/Mixtral/Qwen2-MoE config,
+inert, or refused.
 
 A Megatron run builds its model from Megatron-Core's ``TransformerConfig`` (with ``ModelParallelConfig``), whose
 fields Megatron-LM fills from arguments of the same names, plus a few Megatron-LM arguments it translates
@@ -9,7 +9,8 @@ head: ``qk_layernorm``) decides from all of them:
 
 * :data:`CARRIED` — read into the converted config (sizes, heads, norm epsilon, rotary base, tying, dtype);
 * :data:`MUST` — a feature a Llama does not compute (a window, a 1+gamma norm, QK L2 norms, experts...): the
-  argument must hold its "off" value, or the conversion is refused naming it;
+  argument must hold its "off" value, or the conversion is refused naming it (a Qwen2-MoE carries its shared expert
+  and its pre-softmax routing: :data:`_QWEN2_MOE`);
 * :data:`INERT` — training, performance, initialisation, parallel layout and runtime switches: what the converted
   model computes does not depend on them.
 
@@ -63,7 +64,8 @@ _OFF: dict[str, tuple[tuple[Any, ...], str]] = {
     "squared_relu": ((False, None), "a squared-ReLU MLP"),
     "openai_gelu": ((False, None), "a GELU MLP"),
     # a mixture of experts routes as Mixtral exactly with these (megatron-core 0.16.1's TopKRouter): softmax over the
-    # top-k logits (= softmax over all, top-k, renormalised), no scaling, no dropping, no jitter, no shared expert
+    # top-k logits (= softmax over all, top-k, renormalised), no scaling, no dropping, no jitter, no shared expert;
+    # with a shared expert it is a Qwen2-MoE, which carries the first three of _QWEN2_MOE (.qwen2moe checks the gate)
     "moe_router_load_balancing_type": (("aux_loss", "seq_aux_loss", "global_aux_loss", "none", None),
                                        "Sinkhorn routing"),
     "moe_router_score_function": (("softmax", None), "sigmoid router scores"),
@@ -105,6 +107,10 @@ _OFF: dict[str, tuple[tuple[Any, ...], str]] = {
     "query_pre_attn_scalar": ((None,), "queries scaled by another number than sqrt(head_dim) (Gemma 2)"),
 }
 MUST = frozenset(_OFF)
+_QWEN2_MOE = ("moe_router_pre_softmax", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
+"""Carried by a Qwen2-MoE (a run with experts and a shared expert): its routing (``norm_topk_prob`` is ``not
+moe_router_pre_softmax``) and its shared expert, which :func:`ckptio.formats.megatron.qwen2moe.problems` requires
+gated."""
 
 _INERT_NAMES = """
     mtp_loss_scaling_factor attention_backend hidden_dropout attention_dropout fp32_residual_connection
@@ -174,10 +180,13 @@ def refused(args: Any) -> list[str]:
     ``name=value (what it is)``."""
     values = args if isinstance(args, dict) else vars(args) if hasattr(args, "__dict__") else {}
     out = []
+    experts, shared = values.get("num_experts") or values.get("num_moe_experts"), \
+        values.get("moe_shared_expert_intermediate_size")
+    carried = _QWEN2_MOE if experts and isinstance(shared, int) and not isinstance(shared, bool) and shared > 0 else ()
     if "moe_layer_freq" in values and not _every_layer(values["moe_layer_freq"]):
         out.append(f"moe_layer_freq={values['moe_layer_freq']!r} (dense layers between the mixture-of-experts layers)")
     for name, (off, what) in _OFF.items():
-        if name in values:
+        if name in values and name not in carried:
             value = values[name]
             if not any(value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in off):
                 out.append(f"{name}={value!r} ({what})")

@@ -1,4 +1,4 @@
-"""Megatron-LM and Megatron-Core checkpoints, read as one Hugging Face Llama, Qwen2 or Qwen3 model.
+"""Megatron-LM and Megatron-Core checkpoints, read as one Hugging Face Llama, Qwen2, Qwen3 (or MoE, :mod:`.moe`) model.
 
 Layouts, detected from the folder (a run folder with ``latest_checkpointed_iteration.txt``, or one
 iteration folder ``iter_NNNNNNN``/``release``):
@@ -38,8 +38,7 @@ from ...storage.confined import Folder
 from ...storage.parse import json_object
 from ..common import TensorInfo, dtype_name
 from .config import _arg, args_from_files, hf_config
-from .layout import (GLOBAL_SPLIT, ITERATION_FILE, LAYER_SPLIT, NEMO_RANK_FILE, OPTIONAL, RANK_FILE,
-                     VOCAB_KEYS,
+from .layout import (GLOBAL_SPLIT, ITERATION_FILE, LAYER_SPLIT, NEMO_RANK_FILE, OPTIONAL, RANK_FILE, VOCAB_KEYS,
                      _LAYER, _RENAME, _rank_files, carry_side_files, iteration_folder, layout_of)
 from ..registry import Format, Opened, WriteOptions, register
 from . import moe
@@ -236,7 +235,7 @@ class _DistModel:
                 continue
             name = _strip(key[len(prefix):])
             if name.startswith("decoder.layers.") and (name[len("decoder.layers."):] in LAYER_SPLIT or
-                                                       name[len("decoder.layers."):] == moe.ROUTER):
+                                                       moe.per_layer(name[len("decoder.layers."):])):
                 for i in range(ti.shape[0]):
                     self._add(f"decoder.layers.{i}.{name[len('decoder.layers.'):]}", TensorInfo(ti.shape[1:], ti.dtype),
                               key, i)
@@ -332,7 +331,8 @@ class MegatronSource:
 def _as_llama(source: MegatronSource) -> Any:
     from ..naming import _RenamedSource, get_converter
 
-    naming = "megatron-to-mixtral" if source.config.get("model_type") == "mixtral" else "megatron-to-llama"
+    naming = {"mixtral": "megatron-to-mixtral", "qwen2_moe": "megatron-to-qwen2moe"}.get(
+        source.config.get("model_type"), "megatron-to-llama")
     return _RenamedSource(source, get_converter(naming), source.config)
 
 

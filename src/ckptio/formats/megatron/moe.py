@@ -17,7 +17,8 @@ naming converter makes Mixtral's ``block_sparse_moe.experts.{j}.w1``/``w3`` (gat
 The routing is Mixtral's exactly when Megatron computes softmax over the top-k logits (``moe_router_pre_softmax``
 off, ``moe_router_score_function`` softmax), which equals softmax over all experts then top-k renormalised, with no
 scaling, no token dropping, no group-limited routing and no input jitter; :mod:`.fields` refuses every other value by
-name.
+name. A run with a gated shared expert (and Qwen2's q/k/v biases) is a Qwen2-MoE instead (:mod:`.qwen2moe`), whose
+shared expert's parameters are per layer like the router's.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 from ...errors import CheckpointCorruptError, CheckpointError
 from ...storage.confined import Folder
 from .fields import _arg
+from .qwen2moe import SHARED_MODULES, SHARED_SPLIT, shared_of
 
 ROUTER = "mlp.router.weight"
 EXPERT_SPLIT = {"linear_fc1.weight": "glu", "linear_fc2.weight": 1}
@@ -50,8 +52,16 @@ def kind(suffix: str) -> tuple[str, Any] | None:
     """(name, split) of a per-layer MoE parameter (after ``decoder.layers.{i}.``), ``None`` for another."""
     if suffix == ROUTER:
         return ROUTER, None
+    if suffix in SHARED_SPLIT:  # a Qwen2-MoE's shared expert
+        return suffix, SHARED_SPLIT[suffix]
     m = _EXPERT.match(suffix)
     return (f"mlp.experts.{int(m.group(1))}.{m.group(2)}", EXPERT_SPLIT[m.group(2)]) if m else None
+
+
+def per_layer(suffix: str) -> bool:
+    """Whether a torch_dist key (after ``decoder.layers.``) is an MoE parameter stacked over the layers only: the router
+    and a shared expert's parameters."""
+    return suffix == ROUTER or suffix in SHARED_SPLIT
 
 
 def dist_key(suffix: str) -> str | None:
@@ -180,6 +190,12 @@ def check(index: dict[str, Any], args: Any, layers: int, where: object) -> None:
         raise CheckpointCorruptError(f"{where}: {routers} of its {layers} layers hold a router and {dense} a dense MLP, "
                                      f"but the run's num_experts={experts or None!r}"
                                      + (f" (expert weights missing or extra: {extra})" if extra else ""))
+    shared = {k for k in index if ".mlp.shared_experts." in k}
+    want = {f"decoder.layers.{i}.{p}" for i in range(layers) for p in SHARED_SPLIT} if shared_of(args) else set()
+    if shared != want:
+        raise CheckpointCorruptError(f"{where}: the run's moe_shared_expert_intermediate_size="
+                                     f"{shared_of(args) or None!r}, but its shared-expert weights missing or extra "
+                                     f"are {sorted(shared ^ want)[:3]}")
 
 
 def shape_check(config: dict[str, Any]) -> None:
@@ -203,9 +219,14 @@ def hf_fields(args: Any, where: object) -> dict[str, Any]:
         raise CheckpointError(f"{where}: moe_router_topk={topk!r} for {experts} experts")
     ffn = _arg(args, "moe_ffn_hidden_size", None) or _arg(args, "ffn_hidden_size", None)
     aux = _arg(args, "moe_aux_loss_coeff", None)
-    return {"num_local_experts": experts, "num_experts_per_tok": topk, "intermediate_size": ffn,
-            "router_aux_loss_coef": float(aux) if isinstance(aux, (int, float)) and not isinstance(aux, bool) else 0.0,
-            "output_router_logits": False, "router_jitter_noise": 0.0, "sliding_window": None}
+    mixtral = {"num_local_experts": experts, "num_experts_per_tok": topk, "intermediate_size": ffn,
+               "router_aux_loss_coef": float(aux) if isinstance(aux, (int, float)) and not isinstance(aux, bool)
+               else 0.0, "output_router_logits": False, "router_jitter_noise": 0.0, "sliding_window": None}
+    if shared_of(args):  # a Qwen2-MoE (the dense intermediate_size stays the run's ffn_hidden_size)
+        from . import qwen2moe
+
+        return qwen2moe.hf_fields(args, where, mixtral)
+    return mixtral
 
 
 def check_legacy(args: Any, tp: int, where: object) -> None:
@@ -224,6 +245,10 @@ def check_legacy(args: Any, tp: int, where: object) -> None:
 def megatron_args(config: dict[str, Any], tp: int) -> dict[str, Any]:
     """Megatron-LM's MoE arguments for a Mixtral ``config`` (none for a dense model): its experts, routed as Mixtral
     routes (softmax over the top-k logits, no dropping), SequentialMLP experts without expert parallelism."""
+    if config.get("model_type") == "qwen2_moe":
+        from . import qwen2moe
+
+        return qwen2moe.megatron_args(config, tp)
     if config.get("model_type") != "mixtral":
         return {}
     shape_check(config)
@@ -238,15 +263,19 @@ def megatron_args(config: dict[str, Any], tp: int) -> dict[str, Any]:
 
 
 def suffixes(args: Any, dense: list[str]) -> list[str]:
-    """The per-layer parameters besides the experts': an MoE run's router in place of the dense MLP."""
+    """The per-layer parameters besides the experts': an MoE run's router (and shared expert) in place of the dense
+    MLP."""
     if not experts_of(args):
         return dense
-    return [s for s in dense if s not in ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight")] + [ROUTER]
+    return [s for s in dense if s not in ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight")] + [ROUTER] + (
+        list(SHARED_SPLIT) if shared_of(args) else [])
 
 
 def extra_state_modules(args: Any, dense: tuple[str, ...]) -> tuple[str, ...]:
     """The modules whose ``_extra_state`` every layer holds: an MoE layer has no dense MLP (its experts' are apart)."""
-    return dense if not experts_of(args) else tuple(m for m in dense if not m.startswith("mlp."))
+    if not experts_of(args):
+        return dense
+    return tuple(m for m in dense if not m.startswith("mlp.")) + (SHARED_MODULES if shared_of(args) else ())
 
 
 def dist_experts(tensors: dict[str, torch.Tensor], args: Any) -> dict[str, Any]:

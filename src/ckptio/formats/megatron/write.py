@@ -73,7 +73,7 @@ def megatron_args(config: dict[str, Any], tp: int, pp: int, layout: str,
         max_position_embeddings=int(config.get("max_position_embeddings") or 4096),
         norm_epsilon=float(config.get("rms_norm_eps", hf_fields.DEFAULT_EPS.get(str(kind), 1e-5))),
         rotary_base=rope.theta, rotary_percent=1.0, position_embedding_type="rope", normalization="RMSNorm",
-        swiglu=True, add_bias_linear=False, add_qkv_bias=kind == "qwen2", qk_layernorm=kind == "qwen3",
+        swiglu=True, add_bias_linear=False, add_qkv_bias=kind in ("qwen2", "qwen2_moe"), qk_layernorm=kind == "qwen3",
         untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, ckpt_format=layout,
         bf16=dtype == "bfloat16", fp16=dtype == "float16",
@@ -98,7 +98,8 @@ def _tensors(source: Any, config: dict[str, Any], args: argparse.Namespace) -> d
                                   f"config is a {config.get('model_type', 'llama')}'s (Megatron holds them in every "
                                   f"layer, as a {kind} model_type, or in none)")
     tied = "lm_head.weight" not in index
-    naming = "mixtral-to-megatron" if config.get("model_type") == "mixtral" else "llama-to-megatron"
+    naming = {"mixtral": "mixtral-to-megatron", "qwen2_moe": "qwen2moe-to-megatron"}.get(
+        str(config.get("model_type")), "llama-to-megatron")
     renamed = _RenamedSource(_WithHead(source) if tied else source, get_converter(naming), config)
     out = {}
     for key in renamed.index():
@@ -197,7 +198,7 @@ def _legacy_chunk(tensors: dict[str, torch.Tensor], args: argparse.Namespace, st
     for local, i in enumerate(chunk_layers(args.num_layers, pp, vpp, stage, chunk)):
         for suffix in _suffixes(args):
             name = f"decoder.layers.{local}.{_LEGACY_NAMES.get(suffix, suffix)}"
-            split = LAYER_SPLIT.get(suffix)  # the router (not in it): whole on every rank
+            split = LAYER_SPLIT.get(suffix, moe.kind(suffix)[1] if moe.kind(suffix) else None)  # a router: whole
             for t, part in enumerate(_split(tensors[f"decoder.layers.{i}.{suffix}"], split, tp)):
                 shards[t][name] = part.clone()
         for module in moe.extra_state_modules(args, EXTRA_STATE_MODULES):
