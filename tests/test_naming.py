@@ -83,16 +83,20 @@ def test_llama_to_megatron_gives_the_same_logits_and_round_trips_bitwise(tied):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def _mixtral_files(folder) -> tuple[dict, dict]:
-    """A tiny Mixtral's tensors as transformers saves them (each expert's w1/w2/w3, not the fused 3-D experts it
-    holds in memory) and its config."""
+def _mixtral_files(folder, kind: str = "mixtral") -> tuple[dict, dict]:
+    """A tiny Mixtral's (or Qwen2-MoE's) tensors as transformers saves them (each expert's w1/w2/w3, gate_proj/
+    up_proj/down_proj, not the fused 3-D experts it holds in memory) and its config."""
     from safetensors.torch import load_file
-    from transformers import MixtralConfig, MixtralForCausalLM
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     torch.manual_seed(0)
-    MixtralForCausalLM(MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=3,
-                                     num_experts_per_tok=2)).save_pretrained(folder)
+    sizes = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 num_experts_per_tok=2)
+    if kind == "qwen2moe":
+        Qwen2MoeForCausalLM(Qwen2MoeConfig(**sizes, intermediate_size=32, moe_intermediate_size=16, num_experts=3,
+                                           shared_expert_intermediate_size=24)).save_pretrained(folder)
+    else:
+        MixtralForCausalLM(MixtralConfig(**sizes, intermediate_size=16, num_local_experts=3)).save_pretrained(folder)
     sd = {}
     for f in sorted(folder.glob("*.safetensors")):
         sd.update(load_file(f))
@@ -102,10 +106,11 @@ def _mixtral_files(folder) -> tuple[dict, dict]:
 def test_every_registered_converter_is_invertible(tmp_path):
     """The test every converter must pass (docs/converters.md): forward then inverse is the identity."""
     model = _llama(False)
-    models = {"llama": (model.state_dict(), model.config.to_dict()), "mixtral": _mixtral_files(tmp_path)}
+    models = {"llama": (model.state_dict(), model.config.to_dict()), "mixtral": _mixtral_files(tmp_path / "m"),
+              "qwen2moe": _mixtral_files(tmp_path / "q", "qwen2moe")}
     for name, conv in CONVERTERS.items():
-        sd, config = models["mixtral" if "mixtral" in name else "llama"]
-        if name.startswith(("llama-to", "mixtral-to")):
+        sd, config = models[next((k for k in ("mixtral", "qwen2moe") if k in name), "llama")]
+        if name.startswith(("llama-to", "mixtral-to", "qwen2moe-to")):
             check_invertible(conv, sd, config)
         else:
             check_invertible(conv, apply(conv.inverse(), sd, config), config)
@@ -122,6 +127,22 @@ def test_mixtral_to_megatron_fuses_each_experts_gate_and_up(tmp_path):
     assert torch.equal(mega["decoder.layers.1.mlp.experts.2.linear_fc2.weight"], sd[e + "experts.2.w2.weight"])
     assert torch.equal(mega["decoder.layers.1.mlp.router.weight"], sd[e + "gate.weight"])
     assert not any(k.endswith((".mlp.linear_fc1.weight", ".mlp.linear_fc2.weight")) for k in mega)
+
+
+def test_qwen2moe_to_megatron_maps_the_shared_expert_and_its_gate(tmp_path):
+    """Qwen2-MoE's shared expert becomes megatron-core's shared_experts ([gate_proj; up_proj] in linear_fc1), its
+    sigmoid gate shared_experts.gate_weight; each expert and the router as Mixtral's, under Qwen2-MoE's names."""
+    sd, config = _mixtral_files(tmp_path, "qwen2moe")
+    mega = apply(get_converter("qwen2moe-to-megatron"), sd, config)
+    e, m = "model.layers.1.mlp.", "decoder.layers.1.mlp."
+    assert torch.equal(mega[m + "shared_experts.linear_fc1.weight"],
+                       torch.cat([sd[e + "shared_expert.gate_proj.weight"], sd[e + "shared_expert.up_proj.weight"]]))
+    assert torch.equal(mega[m + "shared_experts.linear_fc2.weight"], sd[e + "shared_expert.down_proj.weight"])
+    assert torch.equal(mega[m + "shared_experts.gate_weight"], sd[e + "shared_expert_gate.weight"])
+    assert torch.equal(mega[m + "experts.2.linear_fc1.weight"],
+                       torch.cat([sd[e + "experts.2.gate_proj.weight"], sd[e + "experts.2.up_proj.weight"]]))
+    assert torch.equal(mega[m + "router.weight"], sd[e + "gate.weight"])
+    assert mega["decoder.layers.1.self_attention.linear_qkv.bias"].shape == (64,)
 
 
 def test_unmatched_keys_are_refused_by_name():

@@ -1,6 +1,7 @@
 """The fuzz families of Megatron checkpoints (see ``fuzz_readers.py`` for the oracle).
 
-``megatron_mixtral``: a mixture of experts with expert parallelism (:class:`MegatronMixtral`).
+``megatron_mixtral``: a mixture of experts with expert parallelism (:class:`MegatronMixtral`); ``megatron_qwen2moe``
+the same with a Qwen2-MoE (a gated shared expert and q/k/v biases, ``megatron_fixture.py --family qwen2moe``).
 
 ``megatron_distopt``, Megatron's distributed optimizer in the legacy layout:
 a run folder written by the real megatron-core (``tests/megatron_fixture.py --dp 2``: TP=2 x DP=2, three steps of
@@ -143,11 +144,12 @@ class _Damaged(MegatronDistOpt):
 
 
 
-def _mixtral_run() -> Path:
-    """A Mixtral written by megatron-core at TP=1 PP=2 EP=2 (``mp_rank_TT_PPP_EEE`` rank folders and torch_dist)."""
-    out = _fixed_dir("megatron-mixtral")
+def _mixtral_run(family: str = "mixtral") -> Path:
+    """A Mixtral (or another ``family`` of experts) written by megatron-core at TP=1 PP=2 EP=2 (``mp_rank_TT_PPP_EEE``
+    rank folders and torch_dist)."""
+    out = _fixed_dir(f"megatron-{family}")
     if not (out / "torch_dist" / "latest_checkpointed_iteration.txt").is_file():
-        cmd = [sys.executable, str(HERE.parent / "tests" / "megatron_fixture.py"), "--family", "mixtral", "--tp", "1",
+        cmd = [sys.executable, str(HERE.parent / "tests" / "megatron_fixture.py"), "--family", family, "--tp", "1",
                "--pp", "2", "--ep", "2", "--out", str(out)]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if r.returncode != 0:
@@ -174,12 +176,16 @@ def _read_mixtral(root: Path, layout: str) -> dict[str, torch.Tensor]:
 class MegatronMixtral:
     """A megatron-core Mixtral's legacy expert-parallel rank files or its torch_dist folder (one of them per input),
     damaged one to three files at a time, then read as a conversion does (every expert, and Adam's moments of the
-    torch_dist one); an untouched folder must read exactly what the pristine one holds."""
+    torch_dist one); an untouched folder must read exactly what the pristine one holds. ``family``: the fixture's
+    (``mixtral``, or ``qwen2moe`` with its shared expert)."""
+
+    def __init__(self, family: str = "mixtral") -> None:
+        self.family = family
 
     def prepare(self) -> None:
         if hasattr(self, "images"):
             return
-        out = _mixtral_run()
+        out = _mixtral_run(self.family)
         self.images = {layout: load_image(out / layout) for layout in ("legacy", "torch_dist")}
         self.objs = {layout: _objects(image) for layout, image in self.images.items()}
         self.want = {layout: _read_mixtral(out / layout, layout) for layout in self.images}
@@ -198,12 +204,13 @@ class MegatronMixtral:
             return
         want = self.want[layout]
         if set(got) != set(want) or any(not torch.equal(got[k], v) for k, v in want.items()):
-            raise WrongResult(f"an undamaged Megatron Mixtral ({layout}) read other values")
+            raise WrongResult(f"an undamaged Megatron {self.family} ({layout}) read other values")
 
 
 FAMILIES = {
     "megatron_distopt": MegatronDistOpt(),
     "megatron_mixtral": MegatronMixtral(),
+    "megatron_qwen2moe": MegatronMixtral("qwen2moe"),
     "megatron_vpp": _Damaged(lambda: _fixture("megatron-vpp", "legacy", "--tp", "1", "--pp", "2", "--vpp", "2"),
                              ("model_optim_rng.pt",)),
     "megatron_dist_distopt": _Damaged(lambda: _fixture("megatron-dist-distopt", "torch_dist_fully_reshardable",

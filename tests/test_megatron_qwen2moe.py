@@ -1,0 +1,271 @@
+"""The Qwen2-MoE family in Megatron checkpoints, both ways: experts, a sigmoid-gated shared expert, q/k/v biases.
+
+Megatron-LM trains a Qwen2-MoE as a GPT model with ``--num-experts E --moe-router-topk K --moe-ffn-hidden-size F
+--moe-shared-expert-intermediate-size S --moe-shared-expert-gate --add-qkv-bias`` (megatron-core's ``SharedExpertMLP``
+with its ``gate_weight``), routed with ``--moe-router-pre-softmax`` as Qwen2-MoE's ``norm_topk_prob=False`` (softmax
+over every expert, top-k, not renormalised) or without it as ``norm_topk_prob=True``. Hugging Face holds it as
+``Qwen2MoeForCausalLM``, saved per expert (``mlp.experts.{j}.gate_proj``...; transformers 5 fuses them in memory).
+In: megatron-core itself (``megatron_fixture.py --family qwen2moe``) builds, saves and runs a tiny Qwen2-MoE at TP=2
+EP=2, and ``ckptio convert`` gives a Qwen2-MoE with Megatron's logits from both layouts, on tokens routed to every
+expert. Out: a Qwen2-MoE (``norm_topk_prob=True``, the other routing) written with ``--to megatron`` loads in
+megatron-core (strict) at EP=2 with the same logits, and comes back bitwise. What neither family computes (dense layers
+between, an ungated shared expert, a Qwen2-MoE without its biases...) is refused by name, nothing written.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptio.convert.formats import convert
+from ckptio.errors import CheckpointError
+from ckptio.formats.hf_fields import UnsupportedFieldError
+from cli_here import ckptio_here
+from megatron_shared import run_fixture, same_weights
+
+# the fixture's tiny model (megatron_fixture.py --family qwen2moe): 4 experts of 32, 2 per token, a shared one of 48
+SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-6,
+             tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+             shared_expert_intermediate_size=48)
+THETA = 1000000.0
+IDS = (torch.arange(48).reshape(2, 24) * 7) % 128
+
+
+def _qwen2moe(folder: Path, *, seed: int = 3, **extra) -> Path:
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2MoeConfig(**{**SIZES, **extra}, rope_parameters={"rope_theta": THETA, "rope_type": "default"})
+    model = Qwen2MoeForCausalLM(config).eval()
+    with torch.no_grad():  # a router that tells the experts apart, biases and a gate that matter
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0.0, 0.5)
+            layer.mlp.shared_expert_gate.weight.normal_(0.0, 0.5)
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0.0, 0.1)
+    model.save_pretrained(folder)
+    return folder
+
+
+def _run(hf: Path, ids: torch.Tensor) -> tuple[torch.Tensor, list[set[int]]]:
+    """The logits of the Qwen2-MoE in ``hf`` and the experts each layer routed the tokens to."""
+    from transformers import AutoModelForCausalLM, Qwen2MoeForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf).eval()
+    assert isinstance(model, Qwen2MoeForCausalLM)
+    with torch.no_grad():
+        out = model(ids, output_router_logits=True)
+    k = model.config.num_experts_per_tok
+    return out.logits, [set(r.topk(k, dim=-1).indices.flatten().tolist()) for r in out.router_logits]
+
+
+def _config(folder: Path) -> dict:
+    return json.loads((folder / "config.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory) -> Path:
+    return _qwen2moe(tmp_path_factory.mktemp("qwen2moe") / "model")
+
+
+# ------------------------------------------------------------------------------------------- out and back
+@pytest.mark.parametrize("layout,tp,pp,norm", [("dist", 2, 2, False), ("legacy", 2, 2, False),
+                                               ("legacy", 1, 1, True)])
+def test_qwen2moe_to_megatron_and_back_is_bitwise(hf, tmp_path, layout, tp, pp, norm):
+    from ckptio.formats.megatron.format import MegatronSource
+    from ckptio.formats.megatron.layout import run_args
+
+    src = _respelled(Path(shutil.copytree(hf, tmp_path / "src")), norm_topk_prob=True) if norm else hf
+    out = convert(src, tmp_path / "mg", "megatron", options={"tp": tp, "pp": pp, "layout": layout})
+    args = run_args(out)
+    assert (args.num_experts, args.moe_router_topk, args.moe_ffn_hidden_size) == (4, 2, 32)
+    assert (args.moe_shared_expert_intermediate_size, args.moe_shared_expert_gate, args.add_qkv_bias) == (48, True, True)
+    assert args.moe_router_pre_softmax is not norm and args.ffn_hidden_size == 128
+    index = MegatronSource(out).index()
+    assert index["decoder.layers.3.mlp.shared_experts.linear_fc1.weight"].shape == (96, 64)
+    assert index["decoder.layers.3.mlp.shared_experts.gate_weight"].shape == (1, 64)
+    assert index["decoder.layers.3.self_attention.linear_qkv.bias"].shape == (128,)
+    back = convert(out, tmp_path / "back", "hf")
+    same_weights(src, back)
+    config = _config(back)
+    assert config["model_type"] == "qwen2_moe" and config["architectures"] == ["Qwen2MoeForCausalLM"]
+    assert {k: config[k] for k in SIZES} == SIZES and config["norm_topk_prob"] is norm
+    assert config["decoder_sparse_step"] == 1 and config["mlp_only_layers"] == [] and config["qkv_bias"] is True
+    (want, routed), (got, _) = _run(src, IDS), _run(back, IDS)
+    assert all(r == {0, 1, 2, 3} for r in routed), routed
+    assert torch.equal(got, want)
+
+
+def test_a_qwen2moe_config_json_beside_a_checkpoint_without_args_gives_its_family(hf, tmp_path):
+    out = convert(hf, tmp_path / "mg", "megatron", options={"layout": "dist"})
+    torch.save({}, out / "iter_0000000" / "common.pt")
+    shutil.copy(hf / "config.json", out / "config.json")
+    back = convert(out, tmp_path / "back", "hf")
+    same_weights(hf, back)
+    assert _config(back)["model_type"] == "qwen2_moe" and _config(back)["norm_topk_prob"] is False
+
+
+# ------------------------------------------------------------------------------------------- refusals
+def _respelled(src: Path, **changes) -> Path:
+    config = _config(src)
+    config.update(changes)
+    (src / "config.json").write_text(json.dumps(config))
+    return src
+
+
+@pytest.mark.parametrize("changes,field,value", [
+    ({"decoder_sparse_step": 2}, "decoder_sparse_step", 2),
+    ({"mlp_only_layers": [1]}, "mlp_only_layers", [1]),
+    ({"qkv_bias": False}, "qkv_bias", False),
+    ({"use_sliding_window": True, "sliding_window": 8}, "use_sliding_window", True),
+    ({"hidden_act": "gelu"}, "hidden_act", "gelu"),
+])
+def test_qwen2moe_fields_megatron_does_not_carry_are_refused_by_name(hf, tmp_path, changes, field, value):
+    src = _respelled(Path(shutil.copytree(hf, tmp_path / "src")), **changes)
+    with pytest.raises(UnsupportedFieldError) as err:
+        convert(src, tmp_path / "mg", "megatron")
+    assert err.value.field == field and err.value.value == value
+    assert not (tmp_path / "mg").exists()
+
+
+def _with_args(hf: Path, tmp_path: Path, **changes) -> Path:
+    out = convert(hf, tmp_path / "mg", "megatron", options={"layout": "dist"})
+    common = out / "iter_0000000" / "common.pt"
+    state = torch.load(common, weights_only=False)
+    for k, v in changes.items():
+        setattr(state["args"], k, v)
+    torch.save(state, common)
+    return out
+
+
+@pytest.mark.parametrize("changes,says", [
+    ({"moe_shared_expert_gate": False}, "moe_shared_expert_gate=False (a shared expert without Qwen2-MoE's sigmoid"),
+    ({"add_qkv_bias": False}, "moe_shared_expert_intermediate_size=48 without add_qkv_bias"),
+    ({"qk_layernorm": True}, "experts with qk_layernorm or add_qkv_bias"),
+    ({"moe_shared_expert_intermediate_size": None}, "experts with qk_layernorm or add_qkv_bias"),
+    ({"moe_router_topk_scaling_factor": 2.5}, "moe_router_topk_scaling_factor=2.5 (scaled routing weights)"),
+    ({"moe_router_score_function": "sigmoid"}, "moe_router_score_function='sigmoid' (sigmoid router scores)"),
+    ({"moe_layer_freq": [1, 0, 1, 0]}, "moe_layer_freq=[1, 0, 1, 0] (dense layers between"),
+    ({"moe_router_pre_softmax": 1}, "moe_router_pre_softmax=1, not true or false"),
+])
+def test_megatron_arguments_a_qwen2moe_does_not_compute_are_refused_by_name(hf, tmp_path, changes, says):
+    """A shared expert must be gated (Qwen2-MoE's sigmoid gate) and come with Qwen2's q/k/v biases; without a shared
+    expert the biases make no Mixtral; Mixtral's other refusals (scaling, sigmoid scores, dense layers) stay."""
+    out = _with_args(hf, tmp_path, **changes)
+    run = ckptio_here("convert", str(out), str(tmp_path / "back"), "--to", "hf", "--no-progress")
+    assert run.returncode == 2 and says in run.stderr, run.stderr
+    assert not (tmp_path / "back").exists()
+
+
+def test_a_layer_without_its_shared_expert_gate_is_refused(hf, tmp_path):
+    out = convert(hf, tmp_path / "mg", "megatron", options={"tp": 2, "layout": "legacy"})
+    for f in (out / "iter_0000000").glob("mp_rank_*/model_optim_rng.pt"):
+        state = torch.load(f, weights_only=False)
+        del state["model"]["decoder.layers.1.mlp.shared_experts.gate_weight"]
+        torch.save(state, f)
+    with pytest.raises(CheckpointError, match=r"moe_shared_expert_intermediate_size=48.*layers.1.mlp.shared_experts"):
+        convert(out, tmp_path / "back", "hf")
+    assert not (tmp_path / "back").exists()
+
+
+# ------------------------------------------------------------------------------------------- megatron-core
+TP, EP = 2, 2
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory) -> Path:
+    """One megatron-core run at TP=2 EP=2 (four gloo ranks), routed as norm_topk_prob=False, in both layouts."""
+    pytest.importorskip("megatron.core")
+    out = tmp_path_factory.mktemp("megatron-qwen2moe") / "run"
+    run_fixture("--family", "qwen2moe", "--tp", str(TP), "--ep", str(EP), "--out", str(out))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["torch_dist", "legacy"])
+def test_megatron_qwen2moe_converts_to_a_qwen2moe_with_megatrons_logits(made, tmp_path, layout):
+    ref = torch.load(made / "reference.pt")
+    if layout == "legacy":  # Megatron-LM's names: the expert-parallel rank after the tensor-parallel one
+        assert sorted(p.name for p in (made / layout / "iter_0000002").iterdir()) == [
+            "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+    run = ckptio_here("convert", str(made / layout), str(tmp_path / "hf"), "--to", "hf", "--no-progress")
+    assert run.returncode == 0, run.stderr
+    config = _config(tmp_path / "hf")
+    assert config["model_type"] == "qwen2_moe" and config["norm_topk_prob"] is False
+    assert (config["shared_expert_intermediate_size"], config["router_aux_loss_coef"]) == (48, 0.02)
+    got, routed = _run(tmp_path / "hf", ref["input_ids"])
+    assert all(r == {0, 1, 2, 3} for r in routed), f"not every expert got tokens: {routed}"
+    assert torch.allclose(got, ref["logits"], atol=1e-5, rtol=0), (got - ref["logits"]).abs().max()
+
+
+@pytest.mark.slow
+def test_megatron_core_loads_a_qwen2moe_ckptio_exports_at_another_expert_parallelism(tmp_path):
+    """A Qwen2MoeForCausalLM with norm_topk_prob=True made by transformers -> ``--to megatron`` at TP=2 -> megatron-core's
+    strict loader into a TP=1 EP=2 model routed without pre-softmax -> the logits transformers gives."""
+    pytest.importorskip("megatron.core")
+    src = _qwen2moe(tmp_path / "hf", seed=1, norm_topk_prob=True)
+    run = ckptio_here("convert", str(src), str(tmp_path / "mg"), "--to", "megatron", "--tp", "2", "--no-progress")
+    assert run.returncode == 0, run.stderr
+    run_fixture("--family", "qwen2moe", "--norm-topk", "--ep", "2", "--load", str(tmp_path / "mg" / "iter_0000000"),
+                "--out", str(tmp_path / "logits.pt"))
+    got = torch.load(tmp_path / "logits.pt")
+    want, routed = _run(src, got["input_ids"])
+    assert all(r == {0, 1, 2, 3} for r in routed), routed
+    assert torch.allclose(got["logits"], want, atol=1e-5, rtol=0), (got["logits"] - want).abs().max()
+
+
+@pytest.mark.slow
+def test_restore_from_megatron_brings_a_qwen2moe_its_experts_and_their_moments(made, tmp_path):
+    """A plain Qwen2MoeForCausalLM (its experts fused into gate_up_proj and down_proj in memory) with AdamW, restored
+    from the torch_dist run: every expert's and the shared expert's weights and Adam moments are Megatron's, bit for
+    bit, and every parameter holds Megatron's one Adam step."""
+    from ckptio.formats.dcp.format import load_all
+    from megatron_shared import restore_with_adam
+
+    src = made / "torch_dist"
+    hf = convert(src, tmp_path / "hf", "hf")
+    got = restore_with_adam(source=str(src), config=str(hf))  # in this process: one rank, no FSDP
+    mega = load_all(src / "iter_0000002")
+    moe, shared = "decoder.layers.mlp.experts.experts.", "decoder.layers.mlp.shared_experts."
+    for i in range(4):
+        p = f"model.layers.{i}.mlp."
+        for prefix, state in [("", "model/{}"), *((f"optimizer.state.{m}.", "optim/state.{}." + m)
+                                                  for m in ("exp_avg", "exp_avg_sq"))]:
+            pairs = {"gate.weight": "decoder.layers.mlp.router.weight", "experts.gate_up_proj": moe + "linear_fc1.weight",
+                     "experts.down_proj": moe + "linear_fc2.weight", "shared_expert_gate.weight": shared + "gate_weight",
+                     "shared_expert.down_proj.weight": shared + "linear_fc2.weight"}
+            for ours, theirs in pairs.items():
+                assert torch.equal(got[state.format(p + ours)], mega[prefix + theirs][i]), (state, ours)
+            gate, up = mega[prefix + shared + "linear_fc1.weight"][i].chunk(2)
+            assert torch.equal(got[state.format(p + "shared_expert.gate_proj.weight")], gate)
+            assert torch.equal(got[state.format(p + "shared_expert.up_proj.weight")], up)
+    steps = got.pop("steps")
+    params = [k.removeprefix("model/") for k in got if k.startswith("model/")]
+    assert len(params) == steps.numel() == 67 and bool((steps == 1).all()), steps
+    for name in params:  # Megatron's one Adam step (megatron_fixture.py): every element, the experts' included
+        g = got[f"optim/state.{name}.exp_avg"] / 0.1
+        assert torch.allclose(got[f"optim/state.{name}.exp_avg_sq"], 0.05 * g * g, rtol=1e-4, atol=1e-9), name
+
+
+@pytest.mark.slow
+def test_fuzz_family_smoke(made):
+    """A CI-sized run of the megatron_qwen2moe fuzz family (the long run: ``tools/fuzz_readers.py --family
+    megatron_qwen2moe --inputs 100000``, on a TP1 PP2 EP2 run of its own): every damaged folder of a megatron-core
+    Qwen2-MoE ends in a right read or a ckptio error. Here on this file's TP2 EP2 run, put where the family keeps its
+    run so that it is not built twice."""
+    import sys
+
+    from megatron_shared import fuzz_smoke
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from fuzz_frameworks import _fixed_dir
+
+    for layout in ("torch_dist", "legacy"):
+        if not (_fixed_dir("megatron-qwen2moe") / layout).exists():
+            shutil.copytree(made / layout, _fixed_dir("megatron-qwen2moe") / layout)
+    fuzz_smoke("megatron_qwen2moe", 30)
