@@ -145,7 +145,7 @@ def _with_args(hf: Path, tmp_path: Path, **changes) -> Path:
 
 @pytest.mark.parametrize("changes,says", [
     ({"moe_shared_expert_gate": False}, "moe_shared_expert_gate=False (a shared expert without Qwen2-MoE's sigmoid"),
-    ({"add_qkv_bias": False}, "moe_shared_expert_intermediate_size=48 without add_qkv_bias"),
+    ({"add_qkv_bias": False}, "moe_shared_expert_intermediate_size=48 (shared experts, a Qwen2-MoE's) without add_qkv"),
     ({"qk_layernorm": True}, "experts with qk_layernorm or add_qkv_bias"),
     ({"moe_shared_expert_intermediate_size": None}, "experts with qk_layernorm or add_qkv_bias"),
     ({"moe_router_topk_scaling_factor": 2.5}, "moe_router_topk_scaling_factor=2.5 (scaled routing weights)"),

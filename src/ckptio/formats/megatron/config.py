@@ -97,7 +97,8 @@ def hf_config(args: Any, where: object, layers: int, vocab_rows: int) -> dict[st
         raise CheckpointError(f"{where}: not a Llama-style model ({', '.join(problems)}); ckptio maps Megatron GPT "
                               "models with RMSNorm, SwiGLU, RoPE and no linear biases to Hugging Face Llama, and "
                               "with biases on the query/key/value projection only (add_qkv_bias) to Qwen2, with "
-                              "RMSNorms on each query and key head (qk_layernorm) to Qwen3")
+                              "RMSNorms on each query and key head (qk_layernorm) to Qwen3, with experts to Mixtral, "
+                              "or to Qwen2-MoE with a gated shared expert and add_qkv_bias")
     hidden, heads = _arg(args, "hidden_size"), _arg(args, "num_attention_heads")
     if not isinstance(hidden, int) or not isinstance(heads, int):
         raise CheckpointError(f"{where}: the run's args are missing (hidden_size, num_attention_heads...); put the "

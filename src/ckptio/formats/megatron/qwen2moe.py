@@ -51,8 +51,8 @@ def problems(args: Any, experts: int) -> list[str]:
         out.append("experts with qk_layernorm or add_qkv_bias (a Qwen MoE: Mixtral's experts, or Qwen2-MoE's with "
                    "a gated shared expert, are mapped)")
     if shared and not bias:
-        out.append(f"moe_shared_expert_intermediate_size={shared} without add_qkv_bias (a Qwen2-MoE's q/k/v "
-                   "projections have biases)")
+        out.append(f"moe_shared_expert_intermediate_size={shared} (shared experts, a Qwen2-MoE's) without add_qkv_bias "
+                   "(a Qwen2-MoE's q/k/v projections have biases)")
     gate = _arg(args, "moe_shared_expert_gate", False)
     if shared and gate is not True:
         out.append(f"moe_shared_expert_gate={gate!r} (a shared expert without Qwen2-MoE's sigmoid gate)")

@@ -198,7 +198,8 @@ def _legacy_chunk(tensors: dict[str, torch.Tensor], args: argparse.Namespace, st
     for local, i in enumerate(chunk_layers(args.num_layers, pp, vpp, stage, chunk)):
         for suffix in _suffixes(args):
             name = f"decoder.layers.{local}.{_LEGACY_NAMES.get(suffix, suffix)}"
-            split = LAYER_SPLIT.get(suffix, moe.kind(suffix)[1] if moe.kind(suffix) else None)  # a router: whole
+            expert = moe.kind(suffix)  # a router (whole on every rank) or a shared expert's parameter
+            split = LAYER_SPLIT[suffix] if suffix in LAYER_SPLIT else expert[1] if expert else None
             for t, part in enumerate(_split(tensors[f"decoder.layers.{i}.{suffix}"], split, tp)):
                 shards[t][name] = part.clone()
         for module in moe.extra_state_modules(args, EXTRA_STATE_MODULES):
