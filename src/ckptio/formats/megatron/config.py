@@ -28,7 +28,8 @@ FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "
 def family(args: Any) -> str:
     """``qwen2`` for a run with biases on the query/key/value projection (Megatron-LM's ``--add-qkv-bias``, which
     is how Megatron trains Qwen2/2.5), ``qwen3`` for one with an RMSNorm on each query and key head
-    (``--qk-layernorm``, how it trains Qwen3), else ``llama``; what none computes is refused by :func:`hf_config`."""
+    (``--qk-layernorm``, how it trains Qwen3), else ``llama``; with experts ``qwen2_moe`` when they have a shared expert
+    (:mod:`.qwen2moe`), else ``mixtral``; what none computes is refused by :func:`hf_config`."""
     from .moe import experts_of
     from .qwen2moe import shared_of
 

@@ -65,7 +65,7 @@ _OFF: dict[str, tuple[tuple[Any, ...], str]] = {
     "openai_gelu": ((False, None), "a GELU MLP"),
     # a mixture of experts routes as Mixtral exactly with these (megatron-core 0.16.1's TopKRouter): softmax over the
     # top-k logits (= softmax over all, top-k, renormalised), no scaling, no dropping, no jitter, no shared expert;
-    # with a shared expert it is a Qwen2-MoE, which carries the first three of _QWEN2_MOE (.qwen2moe checks the gate)
+    # with a shared expert it is a Qwen2-MoE, which carries the names in _QWEN2_MOE (.qwen2moe checks the gate)
     "moe_router_load_balancing_type": (("aux_loss", "seq_aux_loss", "global_aux_loss", "none", None),
                                        "Sinkhorn routing"),
     "moe_router_score_function": (("softmax", None), "sigmoid router scores"),
