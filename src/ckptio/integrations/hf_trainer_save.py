@@ -123,10 +123,24 @@ def _committer(me: Any, run_dir: Path, final: Path, tmp: Path, complete: Callabl
     """Rank 0's commit of ``tmp`` as ``final`` and the retention after it, with what they need of the Trainer's state
     read now (training goes on changing it while a background save commits)."""
     from .framework_dirs import commit, remove_oldest
-    from ..engine.manifest import StateEntry
     from ..storage.local import LocalFolderWriter
 
     step, epoch, world = me.state.global_step, int(me.state.epoch or 0), me.args.world_size
+    metrics, keep, limit = commit_facts(me)
+
+    def run() -> None:
+        writer = LocalFolderWriter(final, tmp)
+        commit(writer, step=step, epoch=epoch, world_size=world, states=states_of(writer.files()), metrics=metrics)
+        remove_oldest(run_dir, NAME, limit, keep=keep, check=complete, saved=final.name, setting="save_total_limit")
+
+    return run
+
+
+def commit_facts(me: Any) -> tuple[dict[str, float], frozenset[str], int | None]:
+    """What a commit needs of the Trainer's state, read now (a background commit runs while training changes it):
+    the metric for the best model at this step (for the manifest), the best checkpoint's name (kept by retention)
+    and ``save_total_limit``."""
+    step = me.state.global_step
     metrics = {}
     key = me.args.metric_for_best_model
     if key:
@@ -135,18 +149,17 @@ def _committer(me: Any, run_dir: Path, final: Path, tmp: Path, complete: Callabl
             if entry.get("step") == step and isinstance(entry.get(key), (int, float)):
                 metrics[key] = float(entry[key])
     best = me.state.best_model_checkpoint
-    keep = frozenset({Path(best).name} if best else ())
-    limit = me.args.save_total_limit
+    keep = frozenset({str(best).rstrip("/").rpartition("/")[2]} if best else ())
+    return metrics, keep, me.args.save_total_limit
 
-    def run() -> None:
-        writer = LocalFolderWriter(final, tmp)
-        files = writer.files()
-        weights = next((n for n in WEIGHTS if n in files), None)
-        states = {"model": StateEntry("model", "hf", weights)} if weights else {}
-        if OPTIMIZER in files:
-            states.update(optimizer=StateEntry("optimizer", "pt", OPTIMIZER),
-                          lr_scheduler=StateEntry("object", "pt", SCHEDULER))
-        commit(writer, step=step, epoch=epoch, world_size=world, states=states, metrics=metrics)
-        remove_oldest(run_dir, NAME, limit, keep=keep, check=complete, saved=final.name, setting="save_total_limit")
 
-    return run
+def states_of(files: dict[str, int]) -> dict[str, Any]:
+    """The manifest's states of a checkpoint holding ``files``: the model's weights, the optimizer and scheduler."""
+    from ..engine.manifest import StateEntry
+
+    weights = next((n for n in WEIGHTS if n in files), None)
+    states = {"model": StateEntry("model", "hf", weights)} if weights else {}
+    if OPTIMIZER in files:
+        states.update(optimizer=StateEntry("optimizer", "pt", OPTIMIZER),
+                      lr_scheduler=StateEntry("object", "pt", SCHEDULER))
+    return states
