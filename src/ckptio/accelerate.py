@@ -59,11 +59,21 @@ class CkptioAccelerator(Accelerator):
     save) and returns; the folder is written, committed and rotated in the background. The next ``save_state``,
     ``load_state``, :meth:`wait_for_save` and ``end_training`` wait for it and raise its failure.
     ``on_preemption`` (``"exit"`` or ``"return"``), ``preemption_signals``: as :class:`~ckptio.CheckpointConfig`'s;
-    the loop calls :meth:`save_on_preemption` at the end of each step (docs/preemption.md)."""
+    the loop calls :meth:`save_on_preemption` at the end of each step (docs/preemption.md).
+    ``ckptio_checkpoint_dir``: ``s3://bucket/prefix`` (``gs://``, ``az://``): ``save_state()`` without a folder writes
+    ``checkpoint_N`` there (``total_limit`` applied there) and ``load_state()`` takes the newest complete one there
+    (or the URL of one of them), instead of ``project_dir/checkpoints``; the run's record is kept there too
+    (:mod:`ckptio.integrations.framework_bucket`)."""
 
     def __init__(self, *args: Any, ckptio_verify: str = "full", async_save: bool = False,
-                 on_preemption: str | None = None, preemption_signals: Any = ("SIGTERM",), **kwargs: Any) -> None:
+                 on_preemption: str | None = None, preemption_signals: Any = ("SIGTERM",),
+                 ckptio_checkpoint_dir: str | None = None, **kwargs: Any) -> None:
+        from .integrations.framework_bucket import BucketRun
         from .integrations.framework_preemption import FrameworkPreemption
+
+        self.ckptio_run = None if ckptio_checkpoint_dir is None else \
+            BucketRun(ckptio_checkpoint_dir, _NAME, "project_dir", "total_limit")
+        """Where ``save_state()`` and ``load_state()`` keep the checkpoints when ``ckptio_checkpoint_dir`` is given."""
 
         if ckptio_verify not in ("full", "size"):
             raise ValueError(f"ckptio_verify must be 'full' or 'size', not {ckptio_verify!r}")
@@ -109,7 +119,8 @@ class CkptioAccelerator(Accelerator):
 
         if self.ckptio_audit is None:
             auto = self.project_configuration.automatic_checkpoint_naming
-            where = Path(self.project_dir) if auto and self.project_dir is not None else folder
+            where = self.ckptio_run.url if self.ckptio_run is not None else \
+                Path(self.project_dir) if auto and self.project_dir is not None else folder
             self.ckptio_audit = self.ckptio_steps.audit = FrameworkAudit(where)
             self.ckptio_numbers.listeners.append(self.ckptio_audit.committed)
         return self.ckptio_audit
@@ -144,6 +155,11 @@ class CkptioAccelerator(Accelerator):
         self.wait_for_save()  # the previous save is committed and its staging buffers are free
         config = self.project_configuration
         auto = config.automatic_checkpoint_naming
+        if self.ckptio_run is not None and output_dir is None:
+            from .integrations.accelerate_bucket import save_state
+
+            return save_state(self, self.ckptio_run, safe_serialization,
+                              lambda out: super(CkptioAccelerator, self).save_state(out, safe_serialization, **kwargs))
         if auto:
             final = Path(self.project_dir) / "checkpoints" / f"checkpoint_{self.save_iteration}"
         elif output_dir is None:
@@ -203,6 +219,8 @@ class CkptioAccelerator(Accelerator):
         self.ckptio_steps.flush()
         if self.ckptio_audit is not None:
             self.ckptio_audit.end()
+        if self.ckptio_run is not None:
+            self.ckptio_run.release()
         self.ckptio_preemption.close()
         super().end_training()
 
@@ -217,7 +235,14 @@ class CkptioAccelerator(Accelerator):
             raise ValueError("CkptioAccelerator never loads with weights_only=False")
         self.wait_for_save()
         auto = self.project_configuration.automatic_checkpoint_naming
-        if input_dir is None:
+        run, check = self.ckptio_run, (lambda folder: _check(folder, self.ckptio_verify))
+        if run is not None and (input_dir is None or run.name_of(str(input_dir))):
+            fetched = run.newest(check) if input_dir is None else (None, run.resolve(str(input_dir), check))
+            if fetched is None:
+                log.info("ckptio: no checkpoint in %s", run.url)
+                return None
+            path, auto = fetched[1], True
+        elif input_dir is None:
             if not auto:
                 raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
             root = Path(self.project_dir) / "checkpoints"
@@ -244,6 +269,9 @@ class CkptioAccelerator(Accelerator):
         if auto and (m := _NAME.match(path.name)):
             self.project_configuration.iteration = int(m.group(1)) + 1
         self._ckptio_resumed(path)
+        if run is not None:
+            run.drop_copies()
+            return run.location(path.name)
         return str(path)
 
     def _ckptio_resumed(self, path: Path) -> None:
@@ -355,7 +383,6 @@ def _committer(accelerator: Any, final: Path, tmp: Path, auto: bool) -> Any:
     """The main process's commit of ``tmp`` as ``final`` and ``total_limit`` after it (with automatic naming), with
     what they need of the accelerator read now (a background save commits while training goes on)."""
     from .integrations.framework_dirs import commit, remove_oldest
-    from .engine.manifest import StateEntry
     from .storage.local import LocalFolderWriter
 
     step, world = accelerator.project_configuration.iteration, accelerator.num_processes
@@ -364,15 +391,22 @@ def _committer(accelerator: Any, final: Path, tmp: Path, auto: bool) -> Any:
 
     def run() -> None:
         writer = LocalFolderWriter(final, tmp)
-        states = {name.split(".")[0]: StateEntry("object" if name.startswith(("custom", "scheduler")) else
-                                                 "optimizer" if name.startswith("optimizer") else "model",
-                                                 "safetensors" if name.endswith(".safetensors") else "pt", name)
-                  for name in writer.files() if not name.startswith("random_states_")}
-        commit(writer, step=step, epoch=0, world_size=world, states=states, counters={"steps": steps})
+        commit(writer, step=step, epoch=0, world_size=world, states=states_of(writer.files()),
+               counters={"steps": steps})
         if auto:
             remove_oldest(final.parent, _NAME, limit, check=complete, saved=final.name, setting="total_limit")
 
     return run
+
+
+def states_of(files: dict[str, int]) -> dict[str, Any]:
+    """The manifest's states of a folder of accelerate's holding ``files`` (each file one state, under its stem)."""
+    from .engine.manifest import StateEntry
+
+    return {name.split(".")[0]: StateEntry("object" if name.startswith(("custom", "scheduler")) else
+                                           "optimizer" if name.startswith("optimizer") else "model",
+                                           "safetensors" if name.endswith(".safetensors") else "pt", name)
+            for name in files if not name.startswith("random_states_")}
 
 
 def _staged_writer(acc: Any, tmp: Path, safe: bool) -> Any:

@@ -95,9 +95,9 @@ class CkptioTrainerMixin:
                  ckptio_checkpoint_dir: str | None = None, **kwargs: Any) -> None:
         if ckptio_verify not in ("full", "size"):
             raise ValueError(f"ckptio_verify must be 'full' or 'size', not {ckptio_verify!r}")
-        from .integrations.hf_trainer_bucket import BucketRun
+        from .integrations.hf_trainer_bucket import bucket_run
 
-        self.ckptio_run = BucketRun(ckptio_checkpoint_dir) if ckptio_checkpoint_dir is not None else None
+        self.ckptio_run = bucket_run(ckptio_checkpoint_dir) if ckptio_checkpoint_dir is not None else None
         """Where the checkpoints are when ``ckptio_checkpoint_dir`` is given (``None``: in ``output_dir``)."""
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
         from .integrations.framework_async import FolderSaves
@@ -274,7 +274,7 @@ class CkptioTrainerMixin:
                 return super()._load_best_model()  # type: ignore[misc,no-any-return]
             finally:
                 me.state.best_model_checkpoint = best
-                self.ckptio_run.release()
+                self.ckptio_run.drop_copies()
         if best:
             _check(Path(best), self.ckptio_verify, True)
         super()._load_best_model()  # type: ignore[misc]
