@@ -22,6 +22,10 @@ the plain ``Accelerator.load_state`` still reads it; ckptio adds what accelerate
   ``wait_for_save()`` and ``end_training()`` wait for it and raise its failure; a kill during the write leaves the
   previous checkpoint the newest complete one.
 
+``CkptioAccelerator(..., ckptio_checkpoint_dir="s3://bucket/run")`` (``gs://``, ``az://``) keeps the ``checkpoint_N``
+folders of ``save_state()`` / ``load_state()`` in a bucket with the same guarantees
+(:mod:`ckptio.integrations.framework_bucket`); ``project_dir`` stays local.
+
 Single process and multi-process CPU/GPU DDP are supported; FSDP, DeepSpeed and Megatron-LM write their own
 sharded states and are refused.
 """

@@ -37,6 +37,9 @@ What changes is how it gets there and how it is read back:
   committed and rotated in the background (see :class:`CkptioTrainerMixin`).
 * **Saving on preemption** (``on_preemption``; docs/preemption.md): the step a signal came in, on every rank.
 
+``CkptioTrainer(..., ckptio_checkpoint_dir="s3://bucket/run")`` (``gs://``, ``az://``) keeps the checkpoints in a bucket
+with the same guarantees (:mod:`ckptio.integrations.hf_trainer_bucket`); ``output_dir`` keeps the logs.
+
 Single process and DDP (``torchrun``) are supported. Under DeepSpeed or FSDP the Trainer writes sharded states
 through its own code; ``CkptioTrainer`` refuses them at construction rather than pretend.
 """
