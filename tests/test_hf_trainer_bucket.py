@@ -3,7 +3,8 @@ storage (``gs://``, ``az://`` alike), against real loopback servers (moto, fake-
 transformers Trainer.
 
 Proven here: the checkpoints are committed steps in the bucket (manifest last) and none is left in the local
-``output_dir``; ``save_total_limit`` rotates them there (saved in the foreground and with ``async_save``); ``resume_from_checkpoint=True`` passes over a torn and a
+``output_dir``; ``save_total_limit`` rotates them there (saved in the foreground and with ``async_save``);
+``resume_from_checkpoint=True`` passes over a torn and a
 damaged folder and ends bitwise equal to the run uninterrupted; the best model is kept and reloaded at the end as the
 Trainer does locally; a named checkpoint URL resumes.
 """
@@ -19,6 +20,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from distributed import launch  # noqa: E402
 from hf_tiny import Tokens, arguments, model, run_names, state, trainer  # noqa: E402
 from transformers import Trainer  # noqa: E402
 
@@ -26,6 +28,7 @@ from ckptio.errors import ConfigError  # noqa: E402
 from ckptio.hf_trainer import CkptioTrainer  # noqa: E402
 
 STEPS = 16
+RUNNER = str(Path(__file__).resolve().parent / "hf_run.py")
 
 
 def _same(a: dict, b: dict, what: str) -> None:
@@ -111,3 +114,32 @@ def test_a_location_that_is_no_object_store_is_refused_by_name(tmp_path):
         CkptioTrainer(model=model(), args=arguments(tmp_path, 4), train_dataset=Tokens(),
                       ckptio_checkpoint_dir="hdfs://b/run")
     assert not list(Path(tmp_path).iterdir())
+
+
+def _run(*args: str, ok: bool = True) -> None:
+    done = launch(RUNNER, *args, ranks=2)
+    text = done.stdout + done.stderr
+    assert (done.returncode == 0) == ok, text[-4000:]
+
+
+@pytest.mark.slow
+def test_two_ranks_killed_before_a_commit_then_resumed_from_the_bucket_end_bitwise_equal(bucket, tmp_path):
+    """2 DDP ranks (torchrun) save into the bucket, each uploading its own RNG file; rank 0 is SIGKILLed before the
+    manifest of its second save (checkpoint-8 uploaded, not committed, its lease left behind); the rerun takes the
+    lease over, resumes from checkpoint-4 and ends bitwise equal to the plain Trainer's uninterrupted 2-rank run."""
+    from conftest import Store
+
+    _run(str(tmp_path / "plain"), str(STEPS), str(tmp_path / "straight.pt"), "--plain")
+    url = f"s3://{bucket}/run"
+    _run(str(tmp_path / "a"), str(STEPS), str(tmp_path / "x.pt"), "--bucket", url, "--kill-at",
+         "commit.before_manifest:2", ok=False)
+    folders = _folders(Store("s3", bucket))
+    assert "manifest.json" in folders["checkpoint-4"] and "manifest.json" not in folders["checkpoint-8"]
+    assert {"rng_state_0.pth", "rng_state_1.pth"} <= folders["checkpoint-8"]
+    _run(str(tmp_path / "b"), str(STEPS), str(tmp_path / "resumed.pt"), "--bucket", url, "--resume")
+    _same(torch.load(tmp_path / "resumed.pt", weights_only=True),
+          torch.load(tmp_path / "straight.pt", weights_only=True), "2 ranks, killed before a commit -> resumed")
+    folders = _folders(Store("s3", bucket))
+    assert all("manifest.json" in folders[f"checkpoint-{s}"] for s in (4, 8, 12, 16))
+    assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(json.loads(
+        Store("s3", bucket).get("run/checkpoint-16/manifest.json"))["files"])

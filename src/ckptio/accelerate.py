@@ -47,10 +47,11 @@ try:
 except ImportError as _missing:  # the integration is an extra
     raise MissingDependencyError("ckptio.accelerate needs accelerate: pip install 'ckptio[accelerate]'") from _missing
 
+from .integrations.accelerate_state import NAME as _NAME  # noqa: E402
+
 __all__ = ["CkptioAccelerator", "usable_checkpoints", "read_random_states"]
 
 log = logging.getLogger("ckptio")
-_NAME = re.compile(r"^checkpoint_(\d+)$")
 _CUSTOM = re.compile(r"^custom_checkpoint_(\d+)\.pkl$")
 _RANDOM = re.compile(r"^random_states_(\d+)\.pkl$")
 _MAX_RNG = 64 << 20
@@ -154,13 +155,14 @@ class CkptioAccelerator(Accelerator):
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> str:
         """``Accelerator.save_state``, written into a hidden folder by every process and committed by the main one
         (in the background with ``async_save``); returns the checkpoint's folder."""
+        from .integrations.accelerate_state import committer, staged_writer
         from .storage.posix import sweep_leftovers
 
         self.wait_for_save()  # the previous save is committed and its staging buffers are free
         config = self.project_configuration
         auto = config.automatic_checkpoint_naming
         if self.ckptio_run is not None and output_dir is None:
-            from .integrations.accelerate_bucket import save_state
+            from .integrations.accelerate_state import save_state
 
             return save_state(self, self.ckptio_run, safe_serialization,
                               lambda out: super(CkptioAccelerator, self).save_state(out, safe_serialization, **kwargs))
@@ -182,7 +184,7 @@ class CkptioAccelerator(Accelerator):
             tmp.mkdir(parents=True)
         self.wait_for_everyone()
         if self._ckptio_saves is not None:
-            write = _staged_writer(self, tmp, safe_serialization)
+            write = staged_writer(self, tmp, safe_serialization)
             config.iteration += 1
         else:
             config.automatic_checkpoint_naming = False
@@ -190,7 +192,7 @@ class CkptioAccelerator(Accelerator):
                 super().save_state(str(tmp), safe_serialization, **kwargs)
             finally:
                 config.automatic_checkpoint_naming = auto
-        commit = timer.wrap(_committer(self, final, tmp, auto) if self.is_main_process else None,
+        commit = timer.wrap(committer(self, final, tmp, auto) if self.is_main_process else None,
                             background=self._ckptio_saves is not None)
         if self._ckptio_saves is not None:
             self._ckptio_saves.start(final, write, commit)
@@ -233,6 +235,7 @@ class CkptioAccelerator(Accelerator):
         complete ``checkpoint_N`` (``None`` is returned, nothing loaded, when there is none at all). The registered
         objects are read with ``weights_only``."""
         from .integrations import framework_dirs
+        from .integrations.accelerate_state import load_accelerate_state
         from .formats import pt as pt_format
 
         if load_kwargs and load_kwargs.get("weights_only") is False:
@@ -265,7 +268,7 @@ class CkptioAccelerator(Accelerator):
         from safetensors import SafetensorError
 
         with parsing(path, "(accelerate's reader)", also=(SafetensorError, OSError)):  # its errors name no file
-            self._load_accelerate_state(path, load_kwargs, kwargs)
+            load_accelerate_state(self, path, load_kwargs, kwargs)
         for i, obj in enumerate(self._custom_objects):
             state = pt_format.load(path / f"custom_checkpoint_{i}.pkl")
             with parsing(path / f"custom_checkpoint_{i}.pkl", f"(loading it into {type(obj).__name__})"):
@@ -293,35 +296,6 @@ class CkptioAccelerator(Accelerator):
         loaders = self._dataloaders and self.dataloader_config.use_seedable_sampler
         causes = ([] if loaders else ["dataloader"]) + ([] if self._schedulers else ["lr_scheduler"])
         self._ckptio_audited(path.parent).restored(steps, causes=causes, saved_ranks=manifest.world_size)
-
-
-    def _load_accelerate_state(self, path: Path, load_kwargs: dict | None, kwargs: dict[str, Any]) -> None:
-        """What ``Accelerator.load_state`` loads for a DDP or single-process run (models, optimizers, schedulers,
-        dataloaders, scaler, RNG, ``step``) through accelerate's own reader, which reads them with
-        ``weights_only``; the registered objects, which it would unpickle without restriction, are left out."""
-        import inspect
-
-        from accelerate import __version__ as accelerate_version
-        from accelerate.checkpointing import load_accelerator_state
-
-        models = list(self._models)
-        for hook in self._load_model_state_pre_hook.values():
-            hook(models, str(path))
-        map_location = kwargs.pop("map_location", None)
-        if map_location is None:
-            # as accelerate decides it (older releases have no multi_device: the accelerator types they listed)
-            multi = getattr(self, "multi_device", str(self.distributed_type.value) in (
-                "MULTI_GPU", "MULTI_MLU", "MULTI_MUSA", "MULTI_NPU"))
-            map_location = "on_device" if self.num_processes > 1 and multi and \
-                self.distributed_type != DistributedType.MULTI_XPU else "cpu"
-        if "load_kwargs" in inspect.signature(load_accelerator_state).parameters:  # newer accelerate
-            kwargs["load_kwargs"] = load_kwargs
-        elif load_kwargs:
-            raise ValueError(f"load_kwargs needs a newer accelerate than {accelerate_version}")
-        override = load_accelerator_state(str(path), models, self._optimizers, self._schedulers, self._dataloaders,
-                                          self.state.process_index, self.scaler, map_location, **kwargs)
-        if "step" in override:
-            self.step = override["step"]
 
 
 def usable_checkpoints(folder: str | Path, *, verify: str = "full") -> tuple[list[Path], list[tuple[str, str]]]:
@@ -381,69 +355,3 @@ def read_random_states(folder: Any, name: str) -> dict[str, Any]:
             else:
                 check_torch_rng(states[key], where, key, many=True)
     return states
-
-
-def _committer(accelerator: Any, final: Path, tmp: Path, auto: bool) -> Any:
-    """The main process's commit of ``tmp`` as ``final`` and ``total_limit`` after it (with automatic naming), with
-    what they need of the accelerator read now (a background save commits while training goes on)."""
-    from .integrations.framework_dirs import commit, remove_oldest
-    from .storage.local import LocalFolderWriter
-
-    step, world = accelerator.project_configuration.iteration, accelerator.num_processes
-    steps = accelerator.ckptio_steps.step  # the optimizer steps done (the resume audit's count)
-    limit, complete = accelerator.project_configuration.total_limit, accelerator._ckptio_complete
-
-    def run() -> None:
-        writer = LocalFolderWriter(final, tmp)
-        commit(writer, step=step, epoch=0, world_size=world, states=states_of(writer.files()),
-               counters={"steps": steps})
-        if auto:
-            remove_oldest(final.parent, _NAME, limit, check=complete, saved=final.name, setting="total_limit")
-
-    return run
-
-
-def states_of(files: dict[str, int]) -> dict[str, Any]:
-    """The manifest's states of a folder of accelerate's holding ``files`` (each file one state, under its stem)."""
-    from .engine.manifest import StateEntry
-
-    return {name.split(".")[0]: StateEntry("object" if name.startswith(("custom", "scheduler")) else
-                                           "optimizer" if name.startswith("optimizer") else "model",
-                                           "safetensors" if name.endswith(".safetensors") else "pt", name)
-            for name in files if not name.startswith("random_states_")}
-
-
-def _staged_writer(acc: Any, tmp: Path, safe: bool) -> Any:
-    """What ``Accelerator.save_state`` writes for a DDP or single-process run, split for a background save: the
-    samplers, the scaler and the RNG states (small, of this instant) written now through accelerate's own
-    ``save_accelerator_state``; the models, optimizers, schedulers and registered objects copied now and written by
-    the returned function through accelerate's ``save``, under accelerate's names."""
-    from accelerate.checkpointing import save_accelerator_state
-    from accelerate.utils import OPTIMIZER_NAME, SAFE_WEIGHTS_NAME, SCHEDULER_NAME, WEIGHTS_NAME, save
-
-    from .integrations.framework_async import reached_writing
-
-    each_node = acc.project_configuration.save_on_each_node
-    weights = [acc.get_state_dict(model, unwrap=False) for model in acc._models]
-    for hook in acc._save_model_state_pre_hook.values():
-        hook(acc._models, weights, str(tmp))
-    save_accelerator_state(str(tmp), [], [], [], acc._dataloaders, acc.state.process_index, acc.step, acc.scaler,
-                           save_on_each_node=each_node, safe_serialization=safe)
-    weights, others = acc._ckptio_saves.stage(weights, acc._models,
-                                              optimizers=[o.state_dict() for o in acc._optimizers],
-                                              schedulers=[s.state_dict() for s in acc._schedulers],
-                                              custom=[obj.state_dict() for obj in acc._custom_objects])
-
-    def write() -> None:
-        for i, state in enumerate(weights):
-            name = SAFE_WEIGHTS_NAME if safe else WEIGHTS_NAME
-            save(state, tmp / (name.replace(".", f"_{i}.") if i else name), save_on_each_node=each_node,
-                 safe_serialization=safe)
-        reached_writing()
-        for what, prefix in (("optimizers", OPTIMIZER_NAME), ("schedulers", SCHEDULER_NAME)):
-            for i, state in enumerate(others[what]):
-                save(state, tmp / f"{prefix}{f'_{i}' if i else ''}.bin", save_on_each_node=each_node)
-        for i, state in enumerate(others["custom"]):
-            save(state, tmp / f"custom_checkpoint_{i}.pkl", save_on_each_node=each_node)
-
-    return write

@@ -38,7 +38,7 @@ What changes is how it gets there and how it is read back:
 * **Saving on preemption** (``on_preemption``; docs/preemption.md): the step a signal came in, on every rank.
 
 ``CkptioTrainer(..., ckptio_checkpoint_dir="s3://bucket/run")`` (``gs://``, ``az://``) keeps the checkpoints in a bucket
-with the same guarantees (:mod:`ckptio.integrations.hf_trainer_bucket`); ``output_dir`` keeps the logs.
+with the same guarantees (:func:`ckptio.integrations.hf_trainer_save.bucket_run`); ``output_dir`` keeps the logs.
 
 Single process and DDP (``torchrun``) are supported. Under DeepSpeed or FSDP the Trainer writes sharded states
 through its own code; ``CkptioTrainer`` refuses them at construction rather than pretend.
@@ -88,7 +88,7 @@ class CkptioTrainerMixin:
     for it and raise its failure. ``on_preemption``, ``preemption_signals``: save on preemption (docs/preemption.md).
     ``ckptio_checkpoint_dir``: ``s3://bucket/prefix`` (``gs://``, ``az://``) to keep the ``checkpoint-N`` folders
     (and the run's record) in object storage instead of ``output_dir``, which keeps the logs
-    (:mod:`ckptio.integrations.hf_trainer_bucket`).
+    (:func:`ckptio.integrations.hf_trainer_save.bucket_run`).
     """
 
     ckptio_verify: str = "full"
@@ -98,7 +98,7 @@ class CkptioTrainerMixin:
                  ckptio_checkpoint_dir: str | None = None, **kwargs: Any) -> None:
         if ckptio_verify not in ("full", "size"):
             raise ValueError(f"ckptio_verify must be 'full' or 'size', not {ckptio_verify!r}")
-        from .integrations.hf_trainer_bucket import bucket_run
+        from .integrations.hf_trainer_save import bucket_run
 
         self.ckptio_run = bucket_run(ckptio_checkpoint_dir) if ckptio_checkpoint_dir is not None else None
         """Where the checkpoints are when ``ckptio_checkpoint_dir`` is given (``None``: in ``output_dir``)."""
@@ -311,9 +311,9 @@ class CkptioTrainerMixin:
         if self.ckptio_audit is not None:
             self.ckptio_audit.saved(self.state.global_step)  # type: ignore[attr-defined]
         if self.ckptio_run is not None:
-            from .integrations import hf_trainer_bucket
+            from .integrations.hf_trainer_save import save_to_bucket
 
-            hf_trainer_bucket.save_checkpoint(self, trial, self._ckptio_saves, self.ckptio_run)
+            save_to_bucket(self, trial, self._ckptio_saves, self.ckptio_run)
         else:
             save_checkpoint(self, trial, self._ckptio_saves, self._ckptio_complete)
         for metrics in self.ckptio_numbers.drain():  # the saves committed by now, into the Trainer's log

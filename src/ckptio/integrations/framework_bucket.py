@@ -1,5 +1,5 @@
-"""Checkpoint folders of a framework's own layout (the Trainer's ``checkpoint-N``, accelerate's ``checkpoint_N``) kept in
-object storage by the framework integrations (``ckptio_checkpoint_dir="s3://bucket/run"``; ``gs://``, ``az://`` alike).
+"""Checkpoint folders of a framework's own layout (the Trainer's ``checkpoint-N``, accelerate's ``checkpoint_N``) kept
+in object storage by the framework integrations (``ckptio_checkpoint_dir="s3://bucket/run"``; ``gs://``, ``az://`` alike).
 
 Each folder is a step of ckptio's object-store protocol (:mod:`ckptio.storage.objstore`): the main process begins it
 (whatever sat under its name removed, manifest first; marked in progress), every process writes its files as the
@@ -103,8 +103,8 @@ class BucketRun:
 
     def _numbered(self) -> list[tuple[int, str]]:
         entries = self.storage.folder().listdir()
-        return sorted(((int(m.group(1)), e.name) for e in entries if e.kind == "dir" and (m := self.pattern.match(e.name))),
-                      reverse=True)
+        found = ((m, e.name) for e in entries if e.kind == "dir" and (m := self.pattern.match(e.name)))
+        return sorted(((int(m.group(1)), name) for m, name in found), reverse=True)
 
     def rotate(self, limit: int | None, keep: frozenset[str], saved: str) -> list[str]:
         """At most ``limit`` committed folders, the oldest others deleted (manifest first); never ``saved``, the
