@@ -14,7 +14,8 @@ a SIGTERM handler of the script's own, installed before the Trainer, prints ``ow
 ``"return"`` the rank prints ``preempted at S`` after ``train``. ``--sigterm-at STEP``: every rank receives SIGTERM after global step STEP
 (a preemption: the Trainer has no handler, the process ends). ``--kill-at POINT:N``: global rank 0 SIGKILLs itself
 the N-th time a ckptio save reaches the named point (``ckptio._faults``). ``--ignore-data-skip``: the Trainer's
-``ignore_data_skip`` (a resumed run starts its epoch's data over). Global rank 0 writes the final weights
+``ignore_data_skip`` (a resumed run starts its epoch's data over). ``--bucket URL``: ``ckptio_checkpoint_dir=URL`` (the
+checkpoints in object storage; the store's settings come from the environment). Global rank 0 writes the final weights
 and optimizer moments to OUT.
 """
 
@@ -79,6 +80,8 @@ def main() -> None:
 
         if "--async" in sys.argv:
             cls = functools.partial(cls, async_save=True)
+    if _arg("--bucket"):
+        cls = functools.partial(cls, ckptio_checkpoint_dir=_arg("--bucket"))
     if _arg("--on-preemption"):
         cls = functools.partial(cls, on_preemption=_arg("--on-preemption"))
     if "--own-handler" in sys.argv:

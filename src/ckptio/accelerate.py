@@ -22,6 +22,10 @@ the plain ``Accelerator.load_state`` still reads it; ckptio adds what accelerate
   ``wait_for_save()`` and ``end_training()`` wait for it and raise its failure; a kill during the write leaves the
   previous checkpoint the newest complete one.
 
+``CkptioAccelerator(..., ckptio_checkpoint_dir="s3://bucket/run")`` (``gs://``, ``az://``) keeps the ``checkpoint_N``
+folders of ``save_state()`` / ``load_state()`` in a bucket with the same guarantees
+(:mod:`ckptio.integrations.framework_bucket`); ``project_dir`` stays local.
+
 Single process and multi-process CPU/GPU DDP are supported; FSDP, DeepSpeed and Megatron-LM write their own
 sharded states and are refused.
 """
@@ -43,10 +47,11 @@ try:
 except ImportError as _missing:  # the integration is an extra
     raise MissingDependencyError("ckptio.accelerate needs accelerate: pip install 'ckptio[accelerate]'") from _missing
 
+from .integrations.accelerate_state import NAME as _NAME  # noqa: E402
+
 __all__ = ["CkptioAccelerator", "usable_checkpoints", "read_random_states"]
 
 log = logging.getLogger("ckptio")
-_NAME = re.compile(r"^checkpoint_(\d+)$")
 _CUSTOM = re.compile(r"^custom_checkpoint_(\d+)\.pkl$")
 _RANDOM = re.compile(r"^random_states_(\d+)\.pkl$")
 _MAX_RNG = 64 << 20
@@ -59,11 +64,21 @@ class CkptioAccelerator(Accelerator):
     save) and returns; the folder is written, committed and rotated in the background. The next ``save_state``,
     ``load_state``, :meth:`wait_for_save` and ``end_training`` wait for it and raise its failure.
     ``on_preemption`` (``"exit"`` or ``"return"``), ``preemption_signals``: as :class:`~ckptio.CheckpointConfig`'s;
-    the loop calls :meth:`save_on_preemption` at the end of each step (docs/preemption.md)."""
+    the loop calls :meth:`save_on_preemption` at the end of each step (docs/preemption.md).
+    ``ckptio_checkpoint_dir``: ``s3://bucket/prefix`` (``gs://``, ``az://``): ``save_state()`` without a folder writes
+    ``checkpoint_N`` there (``total_limit`` applied there) and ``load_state()`` takes the newest complete one there
+    (or the URL of one of them), instead of ``project_dir/checkpoints``; the run's record is kept there too
+    (:mod:`ckptio.integrations.framework_bucket`)."""
 
     def __init__(self, *args: Any, ckptio_verify: str = "full", async_save: bool = False,
-                 on_preemption: str | None = None, preemption_signals: Any = ("SIGTERM",), **kwargs: Any) -> None:
+                 on_preemption: str | None = None, preemption_signals: Any = ("SIGTERM",),
+                 ckptio_checkpoint_dir: str | None = None, **kwargs: Any) -> None:
+        from .integrations.framework_bucket import BucketRun
         from .integrations.framework_preemption import FrameworkPreemption
+
+        self.ckptio_run = None if ckptio_checkpoint_dir is None else \
+            BucketRun(ckptio_checkpoint_dir, _NAME, "project_dir", "total_limit")
+        """Where ``save_state()`` and ``load_state()`` keep the checkpoints when ``ckptio_checkpoint_dir`` is given."""
 
         if ckptio_verify not in ("full", "size"):
             raise ValueError(f"ckptio_verify must be 'full' or 'size', not {ckptio_verify!r}")
@@ -109,7 +124,8 @@ class CkptioAccelerator(Accelerator):
 
         if self.ckptio_audit is None:
             auto = self.project_configuration.automatic_checkpoint_naming
-            where = Path(self.project_dir) if auto and self.project_dir is not None else folder
+            where = self.ckptio_run.url if self.ckptio_run is not None else \
+                Path(self.project_dir) if auto and self.project_dir is not None else folder
             self.ckptio_audit = self.ckptio_steps.audit = FrameworkAudit(where)
             self.ckptio_numbers.listeners.append(self.ckptio_audit.committed)
         return self.ckptio_audit
@@ -139,11 +155,17 @@ class CkptioAccelerator(Accelerator):
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> str:
         """``Accelerator.save_state``, written into a hidden folder by every process and committed by the main one
         (in the background with ``async_save``); returns the checkpoint's folder."""
+        from .integrations.accelerate_state import committer, staged_writer
         from .storage.posix import sweep_leftovers
 
         self.wait_for_save()  # the previous save is committed and its staging buffers are free
         config = self.project_configuration
         auto = config.automatic_checkpoint_naming
+        if self.ckptio_run is not None and output_dir is None:
+            from .integrations.accelerate_state import save_state
+
+            return save_state(self, self.ckptio_run, safe_serialization,
+                              lambda out: super(CkptioAccelerator, self).save_state(out, safe_serialization, **kwargs))
         if auto:
             final = Path(self.project_dir) / "checkpoints" / f"checkpoint_{self.save_iteration}"
         elif output_dir is None:
@@ -162,7 +184,7 @@ class CkptioAccelerator(Accelerator):
             tmp.mkdir(parents=True)
         self.wait_for_everyone()
         if self._ckptio_saves is not None:
-            write = _staged_writer(self, tmp, safe_serialization)
+            write = staged_writer(self, tmp, safe_serialization)
             config.iteration += 1
         else:
             config.automatic_checkpoint_naming = False
@@ -170,7 +192,7 @@ class CkptioAccelerator(Accelerator):
                 super().save_state(str(tmp), safe_serialization, **kwargs)
             finally:
                 config.automatic_checkpoint_naming = auto
-        commit = timer.wrap(_committer(self, final, tmp, auto) if self.is_main_process else None,
+        commit = timer.wrap(committer(self, final, tmp, auto) if self.is_main_process else None,
                             background=self._ckptio_saves is not None)
         if self._ckptio_saves is not None:
             self._ckptio_saves.start(final, write, commit)
@@ -203,6 +225,8 @@ class CkptioAccelerator(Accelerator):
         self.ckptio_steps.flush()
         if self.ckptio_audit is not None:
             self.ckptio_audit.end()
+        if self.ckptio_run is not None:
+            self.ckptio_run.release()
         self.ckptio_preemption.close()
         super().end_training()
 
@@ -211,13 +235,21 @@ class CkptioAccelerator(Accelerator):
         complete ``checkpoint_N`` (``None`` is returned, nothing loaded, when there is none at all). The registered
         objects are read with ``weights_only``."""
         from .integrations import framework_dirs
+        from .integrations.accelerate_state import load_accelerate_state
         from .formats import pt as pt_format
 
         if load_kwargs and load_kwargs.get("weights_only") is False:
             raise ValueError("CkptioAccelerator never loads with weights_only=False")
         self.wait_for_save()
         auto = self.project_configuration.automatic_checkpoint_naming
-        if input_dir is None:
+        run, check = self.ckptio_run, (lambda folder: _check(folder, self.ckptio_verify))
+        if run is not None and (input_dir is None or run.name_of(str(input_dir))):
+            fetched = run.newest(check) if input_dir is None else (None, run.resolve(str(input_dir), check))
+            if fetched is None:
+                log.info("ckptio: no checkpoint in %s", run.url)
+                return None
+            path, auto = fetched[1], True
+        elif input_dir is None:
             if not auto:
                 raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
             root = Path(self.project_dir) / "checkpoints"
@@ -236,7 +268,7 @@ class CkptioAccelerator(Accelerator):
         from safetensors import SafetensorError
 
         with parsing(path, "(accelerate's reader)", also=(SafetensorError, OSError)):  # its errors name no file
-            self._load_accelerate_state(path, load_kwargs, kwargs)
+            load_accelerate_state(self, path, load_kwargs, kwargs)
         for i, obj in enumerate(self._custom_objects):
             state = pt_format.load(path / f"custom_checkpoint_{i}.pkl")
             with parsing(path / f"custom_checkpoint_{i}.pkl", f"(loading it into {type(obj).__name__})"):
@@ -244,6 +276,9 @@ class CkptioAccelerator(Accelerator):
         if auto and (m := _NAME.match(path.name)):
             self.project_configuration.iteration = int(m.group(1)) + 1
         self._ckptio_resumed(path)
+        if run is not None:
+            run.drop_copies()
+            return run.location(path.name)
         return str(path)
 
     def _ckptio_resumed(self, path: Path) -> None:
@@ -261,35 +296,6 @@ class CkptioAccelerator(Accelerator):
         loaders = self._dataloaders and self.dataloader_config.use_seedable_sampler
         causes = ([] if loaders else ["dataloader"]) + ([] if self._schedulers else ["lr_scheduler"])
         self._ckptio_audited(path.parent).restored(steps, causes=causes, saved_ranks=manifest.world_size)
-
-
-    def _load_accelerate_state(self, path: Path, load_kwargs: dict | None, kwargs: dict[str, Any]) -> None:
-        """What ``Accelerator.load_state`` loads for a DDP or single-process run (models, optimizers, schedulers,
-        dataloaders, scaler, RNG, ``step``) through accelerate's own reader, which reads them with
-        ``weights_only``; the registered objects, which it would unpickle without restriction, are left out."""
-        import inspect
-
-        from accelerate import __version__ as accelerate_version
-        from accelerate.checkpointing import load_accelerator_state
-
-        models = list(self._models)
-        for hook in self._load_model_state_pre_hook.values():
-            hook(models, str(path))
-        map_location = kwargs.pop("map_location", None)
-        if map_location is None:
-            # as accelerate decides it (older releases have no multi_device: the accelerator types they listed)
-            multi = getattr(self, "multi_device", str(self.distributed_type.value) in (
-                "MULTI_GPU", "MULTI_MLU", "MULTI_MUSA", "MULTI_NPU"))
-            map_location = "on_device" if self.num_processes > 1 and multi and \
-                self.distributed_type != DistributedType.MULTI_XPU else "cpu"
-        if "load_kwargs" in inspect.signature(load_accelerator_state).parameters:  # newer accelerate
-            kwargs["load_kwargs"] = load_kwargs
-        elif load_kwargs:
-            raise ValueError(f"load_kwargs needs a newer accelerate than {accelerate_version}")
-        override = load_accelerator_state(str(path), models, self._optimizers, self._schedulers, self._dataloaders,
-                                          self.state.process_index, self.scaler, map_location, **kwargs)
-        if "step" in override:
-            self.step = override["step"]
 
 
 def usable_checkpoints(folder: str | Path, *, verify: str = "full") -> tuple[list[Path], list[tuple[str, str]]]:
@@ -349,63 +355,3 @@ def read_random_states(folder: Any, name: str) -> dict[str, Any]:
             else:
                 check_torch_rng(states[key], where, key, many=True)
     return states
-
-
-def _committer(accelerator: Any, final: Path, tmp: Path, auto: bool) -> Any:
-    """The main process's commit of ``tmp`` as ``final`` and ``total_limit`` after it (with automatic naming), with
-    what they need of the accelerator read now (a background save commits while training goes on)."""
-    from .integrations.framework_dirs import commit, remove_oldest
-    from .engine.manifest import StateEntry
-    from .storage.local import LocalFolderWriter
-
-    step, world = accelerator.project_configuration.iteration, accelerator.num_processes
-    steps = accelerator.ckptio_steps.step  # the optimizer steps done (the resume audit's count)
-    limit, complete = accelerator.project_configuration.total_limit, accelerator._ckptio_complete
-
-    def run() -> None:
-        writer = LocalFolderWriter(final, tmp)
-        states = {name.split(".")[0]: StateEntry("object" if name.startswith(("custom", "scheduler")) else
-                                                 "optimizer" if name.startswith("optimizer") else "model",
-                                                 "safetensors" if name.endswith(".safetensors") else "pt", name)
-                  for name in writer.files() if not name.startswith("random_states_")}
-        commit(writer, step=step, epoch=0, world_size=world, states=states, counters={"steps": steps})
-        if auto:
-            remove_oldest(final.parent, _NAME, limit, check=complete, saved=final.name, setting="total_limit")
-
-    return run
-
-
-def _staged_writer(acc: Any, tmp: Path, safe: bool) -> Any:
-    """What ``Accelerator.save_state`` writes for a DDP or single-process run, split for a background save: the
-    samplers, the scaler and the RNG states (small, of this instant) written now through accelerate's own
-    ``save_accelerator_state``; the models, optimizers, schedulers and registered objects copied now and written by
-    the returned function through accelerate's ``save``, under accelerate's names."""
-    from accelerate.checkpointing import save_accelerator_state
-    from accelerate.utils import OPTIMIZER_NAME, SAFE_WEIGHTS_NAME, SCHEDULER_NAME, WEIGHTS_NAME, save
-
-    from .integrations.framework_async import reached_writing
-
-    each_node = acc.project_configuration.save_on_each_node
-    weights = [acc.get_state_dict(model, unwrap=False) for model in acc._models]
-    for hook in acc._save_model_state_pre_hook.values():
-        hook(acc._models, weights, str(tmp))
-    save_accelerator_state(str(tmp), [], [], [], acc._dataloaders, acc.state.process_index, acc.step, acc.scaler,
-                           save_on_each_node=each_node, safe_serialization=safe)
-    weights, others = acc._ckptio_saves.stage(weights, acc._models,
-                                              optimizers=[o.state_dict() for o in acc._optimizers],
-                                              schedulers=[s.state_dict() for s in acc._schedulers],
-                                              custom=[obj.state_dict() for obj in acc._custom_objects])
-
-    def write() -> None:
-        for i, state in enumerate(weights):
-            name = SAFE_WEIGHTS_NAME if safe else WEIGHTS_NAME
-            save(state, tmp / (name.replace(".", f"_{i}.") if i else name), save_on_each_node=each_node,
-                 safe_serialization=safe)
-        reached_writing()
-        for what, prefix in (("optimizers", OPTIMIZER_NAME), ("schedulers", SCHEDULER_NAME)):
-            for i, state in enumerate(others[what]):
-                save(state, tmp / f"{prefix}{f'_{i}' if i else ''}.bin", save_on_each_node=each_node)
-        for i, state in enumerate(others["custom"]):
-            save(state, tmp / f"custom_checkpoint_{i}.pkl", save_on_each_node=each_node)
-
-    return write

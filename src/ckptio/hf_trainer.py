@@ -37,6 +37,9 @@ What changes is how it gets there and how it is read back:
   committed and rotated in the background (see :class:`CkptioTrainerMixin`).
 * **Saving on preemption** (``on_preemption``; docs/preemption.md): the step a signal came in, on every rank.
 
+``CkptioTrainer(..., ckptio_checkpoint_dir="s3://bucket/run")`` (``gs://``, ``az://``) keeps the checkpoints in a bucket
+with the same guarantees (:func:`ckptio.integrations.hf_trainer_save.bucket_run`); ``output_dir`` keeps the logs.
+
 Single process and DDP (``torchrun``) are supported. Under DeepSpeed or FSDP the Trainer writes sharded states
 through its own code; ``CkptioTrainer`` refuses them at construction rather than pretend.
 """
@@ -64,12 +67,11 @@ except ImportError as _missing:  # the integration is an extra
     raise MissingDependencyError(f"ckptio.hf_trainer needs transformers and accelerate (missing: {_missing.name}): "
                                  f"pip install 'ckptio[hf]'") from _missing
 
-from .integrations.hf_trainer_state import trainer_state  # noqa: E402 (needs transformers, checked above)
+from .integrations.hf_trainer_state import side_files, trainer_state  # noqa: E402 (needs transformers, checked above)
 
 __all__ = ["CkptioTrainerMixin", "CkptioTrainer", "usable_checkpoints", "last_checkpoint"]
 
 log = logging.getLogger("ckptio")
-_MAX_JSON = 256 << 20
 _MAX_RNG = 64 << 20
 _INCOMPLETE = "checkpoint-is-incomplete.txt"  # the Trainer's own marker of a save it began on SIGTERM
 _RNG = re.compile(r"^rng_state(_\d+)?\.pth$")
@@ -84,14 +86,22 @@ class CkptioTrainerMixin:
     ``"size"``. ``async_save``: copy the states into host buffers (reused from save to save) and write, commit and
     rotate in the background (:mod:`ckptio.integrations.hf_trainer_save`); the next save, ``train`` and the end of training wait
     for it and raise its failure. ``on_preemption``, ``preemption_signals``: save on preemption (docs/preemption.md).
+    ``ckptio_checkpoint_dir``: ``s3://bucket/prefix`` (``gs://``, ``az://``) to keep the ``checkpoint-N`` folders
+    (and the run's record) in object storage instead of ``output_dir``, which keeps the logs
+    (:func:`ckptio.integrations.hf_trainer_save.bucket_run`).
     """
 
     ckptio_verify: str = "full"
 
     def __init__(self, *args: Any, ckptio_verify: str = "full", async_save: bool = False,
-                 on_preemption: str | None = None, preemption_signals: Any = ("SIGTERM",), **kwargs: Any) -> None:
+                 on_preemption: str | None = None, preemption_signals: Any = ("SIGTERM",),
+                 ckptio_checkpoint_dir: str | None = None, **kwargs: Any) -> None:
         if ckptio_verify not in ("full", "size"):
             raise ValueError(f"ckptio_verify must be 'full' or 'size', not {ckptio_verify!r}")
+        from .integrations.hf_trainer_save import bucket_run
+
+        self.ckptio_run = bucket_run(ckptio_checkpoint_dir) if ckptio_checkpoint_dir is not None else None
+        """Where the checkpoints are when ``ckptio_checkpoint_dir`` is given (``None``: in ``output_dir``)."""
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
         from .integrations.framework_async import FolderSaves
         from .integrations.framework_dirs import CheckedOnce
@@ -115,6 +125,9 @@ class CkptioTrainerMixin:
         self.ckptio_audit: Any = None
         """The run's record in ``output_dir`` and its resume audit (rank 0; made when ``train`` starts)."""
         self._ckptio_loss: Any = None
+        if self.ckptio_run is not None and me.args.push_to_hub:
+            raise CheckpointError("CkptioTrainer(ckptio_checkpoint_dir=...) does not push checkpoints to the Hub "
+                                  "(push_to_hub): they are in object storage, not in output_dir")
         if async_save and me.args.push_to_hub:
             raise CheckpointError("CkptioTrainer(async_save=True) does not push checkpoints to the Hub (push_to_hub): "
                                   "save synchronously to push each one")
@@ -125,11 +138,15 @@ class CkptioTrainerMixin:
         when ``output_dir`` holds none), and a named checkpoint is checked before anything is loaded."""
         me: Any = self
         self.ckptio_wait()
+        run, where = self.ckptio_run, self.ckptio_run.url if self.ckptio_run else me.args.output_dir
+        check = (lambda path: _check(path, self.ckptio_verify, me.args.save_only_model))
         if resume_from_checkpoint is True:
-            found = last_checkpoint(me.args.output_dir, verify=self.ckptio_verify)
+            found = last_checkpoint(where, verify=self.ckptio_verify) if run is None else run.newest(check)
             if found is None:
-                log.info("ckptio: no checkpoint in %s, starting a fresh run", me.args.output_dir)
-            resume_from_checkpoint = str(found) if found is not None else None
+                log.info("ckptio: no checkpoint in %s, starting a fresh run", where)
+            resume_from_checkpoint = None if found is None else str(found[1] if isinstance(found, tuple) else found)
+        elif resume_from_checkpoint and run is not None:
+            resume_from_checkpoint = str(run.resolve(str(resume_from_checkpoint), check))
         elif resume_from_checkpoint:
             _check(Path(str(resume_from_checkpoint)), self.ckptio_verify, me.args.save_only_model)
         self._ckptio_resuming = Path(resume_from_checkpoint) if resume_from_checkpoint else None
@@ -138,7 +155,7 @@ class CkptioTrainerMixin:
 
             if self.ckptio_audit is not None:
                 self.ckptio_numbers.listeners.remove(self.ckptio_audit.committed)
-            self.ckptio_audit = FrameworkAudit(me.args.output_dir)
+            self.ckptio_audit = FrameworkAudit(where)
             self.ckptio_numbers.listeners.append(self.ckptio_audit.committed)
         clean = False
         try:
@@ -148,6 +165,8 @@ class CkptioTrainerMixin:
                 clean = True
         finally:  # a save on preemption that exits ends the process cleanly too
             self.ckptio_audit.end(clean=clean or bool(self.ckptio_preemption.preempted))
+            if run is not None:
+                run.release()
         return out
 
     # ------------------------------------------------------------------------------------------- the resume audit
@@ -187,6 +206,9 @@ class CkptioTrainerMixin:
                         raise CheckpointCorruptError(f"{self._ckptio_resuming}/{_TRAINER_STATE}: the stored state of "
                                                      f"the callback {name} does not fit its class ({exc})") from exc
         super()._load_callback_state()  # type: ignore[misc]
+        best, run = me.state.best_global_step, self.ckptio_run
+        if run is not None and best and f"checkpoint-{best}" in run.committed():  # the Trainer drops a URL it resumed
+            me.state.best_model_checkpoint = run.location(f"checkpoint-{best}")
         checkpoint = self._ckptio_resuming  # the Trainer resumes from it: its global step is the checkpoint's
         if self.ckptio_audit is not None and checkpoint is not None:
             rng = [p.name for p in checkpoint.iterdir() if _RNG.match(p.name)]  # one per rank saved
@@ -248,6 +270,14 @@ class CkptioTrainerMixin:
         me: Any = self
         self.ckptio_wait()
         best = me.state.best_model_checkpoint
+        if best and self.ckptio_run is not None:  # read from a checked local copy
+            check = (lambda path: _check(path, self.ckptio_verify, True))
+            me.state.best_model_checkpoint = str(self.ckptio_run.resolve(best, check))
+            try:
+                return super()._load_best_model()  # type: ignore[misc,no-any-return]
+            finally:
+                me.state.best_model_checkpoint = best
+                self.ckptio_run.drop_copies()
         if best:
             _check(Path(best), self.ckptio_verify, True)
         super()._load_best_model()  # type: ignore[misc]
@@ -280,7 +310,12 @@ class CkptioTrainerMixin:
 
         if self.ckptio_audit is not None:
             self.ckptio_audit.saved(self.state.global_step)  # type: ignore[attr-defined]
-        save_checkpoint(self, trial, self._ckptio_saves, self._ckptio_complete)
+        if self.ckptio_run is not None:
+            from .integrations.hf_trainer_save import save_to_bucket
+
+            save_to_bucket(self, trial, self._ckptio_saves, self.ckptio_run)
+        else:
+            save_checkpoint(self, trial, self._ckptio_saves, self._ckptio_complete)
         for metrics in self.ckptio_numbers.drain():  # the saves committed by now, into the Trainer's log
             self.log(metrics)  # type: ignore[attr-defined]
 
@@ -316,15 +351,6 @@ def last_checkpoint(output_dir: str | Path, *, verify: str = "full") -> Path | N
     return framework_dirs.newest(output_dir, usable_checkpoints(output_dir, verify=verify))
 
 
-def _config_errors() -> tuple[type[BaseException], ...]:
-    """What else transformers raises about a configuration it refuses: huggingface_hub's validators, where they exist."""
-    try:
-        from huggingface_hub.errors import StrictDataclassError
-    except ImportError:
-        return ()
-    return (StrictDataclassError,)
-
-
 def _check(path: Path, verify: str, model_only: bool) -> None:
     """Raise a :class:`CheckpointError` naming what is wrong unless ``path`` is a complete checkpoint.
 
@@ -357,35 +383,9 @@ def _check(path: Path, verify: str, model_only: bool) -> None:
     for entry in folder.listdir():
         if _RNG.match(entry.name):
             read_rng_state(path, entry.name)
-    _side_files(folder)
+    side_files(folder)
     if not committed:  # nothing says its files are whole: read them
         read_files(folder, lambda n: n in _STATES or n.startswith("pytorch_model-") and n.endswith(".bin"))
-
-
-def _side_files(folder: Any) -> None:
-    """The JSON files the Trainer reads when it resumes (``config.json`` for its version, the weights' index, the
-    adapter's configuration), read bounded and typed as the readers use them."""
-    from transformers import configuration_utils
-
-    from .storage.parse import field, parsing, read_json
-
-    config_class = getattr(configuration_utils, "PreTrainedConfig", None) or configuration_utils.PretrainedConfig
-
-    names = {e.name for e in folder.listdir() if e.kind == "file"}
-    if "config.json" in names:
-        where = folder.display("config.json")
-        config = read_json(folder, "config.json", max_size=_MAX_JSON, what="a model configuration ")
-        field(config, "transformers_version", (str, type(None)), where, default=None)
-        with parsing(where, "as a model configuration", also=_config_errors()):
-            config_class.from_dict(config)
-    if "adapter_config.json" in names:
-        read_json(folder, "adapter_config.json", max_size=_MAX_JSON, what="an adapter configuration ")
-    for name in sorted(n for n in names if n.endswith(".index.json")):
-        where = folder.display(name)
-        shards = field(read_json(folder, name, max_size=_MAX_JSON), "weight_map", dict, where)
-        for shard in set(shards.values()):
-            if not isinstance(shard, str) or shard not in names:
-                raise CheckpointCorruptError(f"{where}: names a shard {str(shard)[:80]!r} the folder does not hold")
 
 
 def read_rng_state(checkpoint: Path, name: str) -> dict[str, Any]:

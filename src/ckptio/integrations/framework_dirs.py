@@ -13,7 +13,7 @@ from typing import Any, Callable
 from ..errors import CheckpointCorruptError, CheckpointError, NoUsableCheckpointError
 from ..storage.parse import as_float, as_int
 
-__all__ = ["check_manifest", "usable", "newest", "commit", "remove_oldest", "read_files", "CheckedOnce", "check_python_rng",
+__all__ = ["check_manifest", "usable", "newest", "commit", "remove_oldest", "beyond_limit", "read_files", "CheckedOnce", "check_python_rng",
            "check_numpy_rng", "check_torch_rng"]
 
 log = logging.getLogger("ckptio")
@@ -84,13 +84,17 @@ def newest(root: str | Path, found: tuple[list[Path], list[tuple[str, str]]]) ->
 
 
 def commit(writer: Any, *, step: int, epoch: int, world_size: int, states: dict[str, Any],
-           metrics: dict[str, float] | None = None, counters: dict[str, Any] | None = None) -> None:
-    """Describe every file ``writer`` holds (size, CRC-32C read back) in a manifest and commit the folder."""
+           metrics: dict[str, float] | None = None, counters: dict[str, Any] | None = None,
+           name: str | None = None, sums: dict[str, str] | None = None) -> None:
+    """Describe every file ``writer`` holds (size, CRC-32C read back) in a manifest and commit the folder.
+    ``name``: the folder's (default: the local writer's final one); ``sums``: checksums the other ranks computed of
+    the files they wrote (in a bucket, where this rank cannot read them back)."""
     from ..engine.manifest import MANIFEST_NAME, Manifest, software_versions
 
     files = writer.files()
-    sums = {rel: writer.checksum_of(rel) for rel in files}
-    manifest = Manifest(name=writer.final.name, step=step, epoch=epoch, world_size=world_size,
+    known = sums or {}
+    sums = {rel: known[rel] if rel in known else writer.checksum_of(rel) for rel in files}
+    manifest = Manifest(name=name or writer.final.name, step=step, epoch=epoch, world_size=world_size,
                         model_save_format="safetensors", states=states, files=files, metrics=metrics or {},
                         checksums=sums, versions=software_versions(), counters=counters or {})
     writer.commit((MANIFEST_NAME, manifest.to_json().encode()))
@@ -121,14 +125,22 @@ def remove_oldest(root: Path, name: re.Pattern[str], limit: int | None, *, keep:
                 log.info("ckptio: %s is not a complete checkpoint, neither counted nor deleted (%s)", path.name, exc)
                 continue
         complete.append(path)  # newest first
-    if len(complete) <= limit:
-        return []
-    protected = {complete[0].name, saved, *keep} & {p.name for p in complete}
-    doomed = [p for p in reversed(complete) if p.name not in protected][: len(complete) - max(limit, len(protected))]
+    names = beyond_limit([p.name for p in complete], limit, keep=keep, saved=saved)
+    doomed = [p for p in reversed(complete) if p.name in names]
     for p in doomed:
         log.info("ckptio: deleting %s (%s=%d)", p.name, setting, limit)
         remove_tree(p)
     return doomed
+
+
+def beyond_limit(complete: list[str], limit: int, *, keep: frozenset[str] = frozenset(),
+                 saved: str | None = None) -> list[str]:
+    """Which of the ``complete`` folders (newest first) go to keep at most ``limit``, oldest first: never ``saved``,
+    the newest one or those in ``keep``."""
+    if not limit or limit <= 0 or len(complete) <= limit:
+        return []
+    protected = {complete[0], saved, *keep} & set(complete)
+    return [n for n in reversed(complete) if n not in protected][: len(complete) - max(limit, len(protected))]
 
 
 def read_files(folder: Any, is_state: Callable[[str], bool]) -> None:

@@ -1,7 +1,8 @@
 """How ``CkptioTrainer`` (:mod:`ckptio.hf_trainer`) writes a ``checkpoint-N`` folder: every rank into one hidden
 folder, rank 0 committing it with its manifest and then applying ``save_total_limit``; synchronously, or with
 ``async_save`` staged on the training thread and written, committed and rotated in the background
-(:mod:`ckptio.integrations.framework_async`).
+(:mod:`ckptio.integrations.framework_async`); with ``ckptio_checkpoint_dir``, into object storage
+(:func:`save_to_bucket`).
 
 In the background the Trainer's own writers run on the staged copies: ``Trainer._save`` with the staged state dict
 (``save_pretrained``: weights, configuration, tokenizer, ``training_args.bin``), then ``torch.save`` of the staged
@@ -18,7 +19,8 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["NAME", "TRAINER_STATE", "OPTIMIZER", "SCHEDULER", "WEIGHTS", "save_checkpoint"]
+__all__ = ["NAME", "TRAINER_STATE", "OPTIMIZER", "SCHEDULER", "WEIGHTS", "save_checkpoint", "bucket_run",
+           "save_to_bucket"]
 
 NAME = re.compile(r"^checkpoint-(\d+)$")
 """A Trainer checkpoint's folder name; its group is the global step."""
@@ -123,10 +125,24 @@ def _committer(me: Any, run_dir: Path, final: Path, tmp: Path, complete: Callabl
     """Rank 0's commit of ``tmp`` as ``final`` and the retention after it, with what they need of the Trainer's state
     read now (training goes on changing it while a background save commits)."""
     from .framework_dirs import commit, remove_oldest
-    from ..engine.manifest import StateEntry
     from ..storage.local import LocalFolderWriter
 
     step, epoch, world = me.state.global_step, int(me.state.epoch or 0), me.args.world_size
+    metrics, keep, limit = commit_facts(me)
+
+    def run() -> None:
+        writer = LocalFolderWriter(final, tmp)
+        commit(writer, step=step, epoch=epoch, world_size=world, states=states_of(writer.files()), metrics=metrics)
+        remove_oldest(run_dir, NAME, limit, keep=keep, check=complete, saved=final.name, setting="save_total_limit")
+
+    return run
+
+
+def commit_facts(me: Any) -> tuple[dict[str, float], frozenset[str], int | None]:
+    """What a commit needs of the Trainer's state, read now (a background commit runs while training changes it):
+    the metric for the best model at this step (for the manifest), the best checkpoint's name (kept by retention)
+    and ``save_total_limit``."""
+    step = me.state.global_step
     metrics = {}
     key = me.args.metric_for_best_model
     if key:
@@ -135,18 +151,84 @@ def _committer(me: Any, run_dir: Path, final: Path, tmp: Path, complete: Callabl
             if entry.get("step") == step and isinstance(entry.get(key), (int, float)):
                 metrics[key] = float(entry[key])
     best = me.state.best_model_checkpoint
-    keep = frozenset({Path(best).name} if best else ())
-    limit = me.args.save_total_limit
+    keep = frozenset({str(best).rstrip("/").rpartition("/")[2]} if best else ())
+    return metrics, keep, me.args.save_total_limit
 
-    def run() -> None:
-        writer = LocalFolderWriter(final, tmp)
-        files = writer.files()
-        weights = next((n for n in WEIGHTS if n in files), None)
-        states = {"model": StateEntry("model", "hf", weights)} if weights else {}
-        if OPTIMIZER in files:
-            states.update(optimizer=StateEntry("optimizer", "pt", OPTIMIZER),
-                          lr_scheduler=StateEntry("object", "pt", SCHEDULER))
-        commit(writer, step=step, epoch=epoch, world_size=world, states=states, metrics=metrics)
-        remove_oldest(run_dir, NAME, limit, keep=keep, check=complete, saved=final.name, setting="save_total_limit")
 
-    return run
+def states_of(files: dict[str, int]) -> dict[str, Any]:
+    """The manifest's states of a checkpoint holding ``files``: the model's weights, the optimizer and scheduler."""
+    from ..engine.manifest import StateEntry
+
+    weights = next((n for n in WEIGHTS if n in files), None)
+    states = {"model": StateEntry("model", "hf", weights)} if weights else {}
+    if OPTIMIZER in files:
+        states.update(optimizer=StateEntry("optimizer", "pt", OPTIMIZER),
+                      lr_scheduler=StateEntry("object", "pt", SCHEDULER))
+    return states
+
+
+def bucket_run(url: str) -> Any:
+    """The Trainer's ``checkpoint-N`` folders under ``url`` in object storage (``ckptio_checkpoint_dir``): each saved by
+    :func:`save_to_bucket` as a step of ckptio's object-store protocol, read back through a checked local copy
+    (:class:`~ckptio.integrations.framework_bucket.BucketRun`); ``output_dir`` keeps the logs."""
+    from .framework_bucket import BucketRun
+
+    return BucketRun(url, NAME, "Trainer's output_dir", "save_total_limit")
+
+
+def save_to_bucket(me: Any, trial: Any, saves: Any, run: Any) -> None:
+    """The Trainer's ``_save_checkpoint`` into ``run`` (in the background through ``saves`` when it is given): the
+    same writers as a local save, each rank's files spooled locally and uploaded, rank 0 committing the folder."""
+    from .framework_dirs import commit
+
+    if saves is not None:
+        saves.wait()
+    step = me.state.global_step
+    name = f"checkpoint-{step}"
+    timer = me.ckptio_numbers.start(step=step, folder=run.location(name))
+    if me.hp_search_backend is None and trial is None:
+        me.store_flos()
+    should = me.args.should_save
+    writer = run.begin(name, should, me.accelerator.wait_for_everyone)
+    tmp = writer.local_path()
+    write = _staged_writer(me, tmp, saves) if saves is not None else _writer(me, tmp)
+    if saves is None:
+        write()
+    best = me.state.best_global_step
+    if best and (best == step or f"checkpoint-{best}" in run.committed()):
+        me.state.best_model_checkpoint = run.location(f"checkpoint-{best}")
+    if not me.args.save_only_model:
+        me._save_scaler(str(tmp))
+        me._save_rng_state(str(tmp))
+    if should:
+        _store_callback_states(me)
+        me.state.save_to_json(str(tmp / TRAINER_STATE))
+    sums: dict[str, str] = {}
+
+    def publish() -> None:  # every rank: its files uploaded, their checksums to rank 0
+        sums.update(run.publish(writer, tmp, should))
+
+    commit_now = None
+    if should:
+        facts = (step, int(me.state.epoch or 0), me.args.world_size) + commit_facts(me)
+
+        def commit_now() -> None:
+            at, epoch, world, metrics, keep, limit = facts
+            commit(writer, step=at, epoch=epoch, world_size=world, states=states_of(writer.files()), metrics=metrics,
+                   name=name, sums=sums)
+            run.rotate(limit, keep, name)
+
+    wrapped = timer.wrap(commit_now, background=saves is not None)
+    if saves is not None:
+        def background() -> None:
+            write()
+            publish()
+
+        saves.start(run.storage.root / name, background, wrapped)
+        timer.returned()
+        return
+    publish()
+    if wrapped is not None:
+        wrapped()
+    me.accelerator.wait_for_everyone()  # committed before any rank reads it
+    timer.returned()

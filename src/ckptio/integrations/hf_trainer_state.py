@@ -1,5 +1,6 @@
-"""The Hugging Face Trainer's ``trainer_state.json`` read as :mod:`ckptio.hf_trainer` checks a checkpoint before a resume:
-bounded, and every field the Trainer reads checked for its type and range."""
+"""The Hugging Face Trainer's ``trainer_state.json`` and side files (model configuration, weights index) read as
+:mod:`ckptio.hf_trainer` checks a checkpoint before a resume: bounded, and every field the Trainer reads checked for its
+type and range."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from transformers.trainer_callback import TrainerState
 from ..errors import CheckpointCorruptError
 from .hf_trainer_save import TRAINER_STATE
 
-__all__ = ["trainer_state"]
+__all__ = ["trainer_state", "side_files"]
 
 _MAX_JSON = 256 << 20
 
@@ -80,3 +81,38 @@ def _check_callbacks(callbacks: dict[str, Any], where: object) -> None:
                 names = state.get(part, {})
                 if not isinstance(names, dict) or not all(k.isidentifier() and not k.startswith("_") for k in names):
                     raise CheckpointCorruptError(f"{where}: {what}[{part!r}] must map public names to values")
+
+
+def _config_errors() -> tuple[type[BaseException], ...]:
+    """What else transformers raises about a configuration it refuses: huggingface_hub's validators, where they exist."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return ()
+    return (StrictDataclassError,)
+
+
+def side_files(folder: Any) -> None:
+    """The JSON files the Trainer reads when it resumes (``config.json`` for its version, the weights' index, the
+    adapter's configuration), read bounded and typed as the readers use them."""
+    from transformers import configuration_utils
+
+    from ..storage.parse import field, parsing, read_json
+
+    config_class = getattr(configuration_utils, "PreTrainedConfig", None) or configuration_utils.PretrainedConfig
+
+    names = {e.name for e in folder.listdir() if e.kind == "file"}
+    if "config.json" in names:
+        where = folder.display("config.json")
+        config = read_json(folder, "config.json", max_size=_MAX_JSON, what="a model configuration ")
+        field(config, "transformers_version", (str, type(None)), where, default=None)
+        with parsing(where, "as a model configuration", also=_config_errors()):
+            config_class.from_dict(config)
+    if "adapter_config.json" in names:
+        read_json(folder, "adapter_config.json", max_size=_MAX_JSON, what="an adapter configuration ")
+    for name in sorted(n for n in names if n.endswith(".index.json")):
+        where = folder.display(name)
+        shards = field(read_json(folder, name, max_size=_MAX_JSON), "weight_map", dict, where)
+        for shard in set(shards.values()):
+            if not isinstance(shard, str) or shard not in names:
+                raise CheckpointCorruptError(f"{where}: names a shard {str(shard)[:80]!r} the folder does not hold")
