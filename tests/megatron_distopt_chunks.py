@@ -28,15 +28,9 @@ import torch.multiprocessing as mp
 
 
 def _owner(opt, param):
-    """The chained DistributedOptimizer that holds ``param``."""
+    """The chained DistributedOptimizer whose gradient buffers hold ``param``."""
     for inner in opt.chained_optimizers:
-        if param in inner.model_param_gbuf_map:
-            return inner
-        if any(param is p for g in inner.optimizer.param_groups for p in g.get("orig_params", [])):
-            return inner
-    for inner in opt.chained_optimizers:  # a DP rank that owns no part of it: the optimizer of its kind
-        expert = not getattr(param, "allreduce", True)
-        if any(not getattr(p, "allreduce", True) == expert for b in inner.buffers for p in b.params):
+        if any(param is p for buffer in inner.buffers for p in buffer.params):
             return inner
     raise AssertionError("no optimizer holds the parameter")
 

@@ -107,9 +107,11 @@ def _megatron_group(name: str, shape: tuple[int, ...]) -> int:
     return 1 if len(shape) == 1 or name.endswith(".bias") else 0
 
 
-def param_groups(adam: SourceAdam, names: dict[str, tuple[int, ...]]) -> list[dict[str, Any]]:
+def param_groups(adam: SourceAdam, names: dict[str, tuple[int, ...]], expert: bool = False) -> list[dict[str, Any]]:
     """megatron-core's two parameter groups for the Hugging Face parameters ``names`` (name: shape), with the
-    source's hyper-parameters (equal inside each group, else refused) and megatron's group keys."""
+    source's hyper-parameters (equal inside each group, else refused) and megatron's group keys; ``expert``: the
+    groups of the experts' optimizer (``is_expert_parallel``), only those that have parameters (megatron-core's
+    ``_get_param_groups`` makes a group per kind of parameter present)."""
     groups: list[dict[str, Any] | None] = [None, None]
     for name, shape in names.items():
         which = _megatron_group(name, shape)
@@ -122,11 +124,18 @@ def param_groups(adam: SourceAdam, names: dict[str, tuple[int, ...]]) -> list[di
                                   f"than the other parameters of megatron's {'no-' if which else ''}weight-decay group")
     out = []
     for which, given in enumerate(groups):
+        if expert and given is None:
+            continue
         hyper = dict(given if given is not None else (groups[1 - which] or {}))
         lr = float(hyper.get("lr", 0.0))
-        out.append({**hyper, "wd_mult": 0.0 if which else 1.0, "lr_mult": 1.0, "is_expert_parallel": False,
+        out.append({**hyper, "wd_mult": 0.0 if which else 1.0, "lr_mult": 1.0, "is_expert_parallel": expert,
                     "is_decoupled_lr": False, "default_config": True, "max_lr": lr, "min_lr": lr})
     return out
+
+
+def _is_expert(name: str) -> bool:
+    """A Hugging Face MoE parameter that megatron-core's experts' optimizer holds (not the router)."""
+    return ".experts." in name
 
 
 def _differ(a: dict[str, Any], b: dict[str, Any]) -> str:
@@ -160,9 +169,18 @@ def common_entries(adam: SourceAdam, args: argparse.Namespace, layout: str, kind
                           "Float16OptimizerWithFloat16Params (fp32 master copies beside the weights), which ckptio "
                           "does not write; convert with --dtype fp32 to carry the optimizer")
     names = {n: tuple(i.shape) for n, i in adam.moments["exp_avg"].index().items()}
-    groups = param_groups(adam, names)
-    optimizer: dict[str, Any] = {"state": {"common_step": torch.tensor(adam.step)}, "param_groups": groups}
-    if kind == "distributed":
-        optimizer = {"optimizer": {"param_groups": [{**g, "step": adam.step} for g in groups]},
-                     "param_state_sharding_type": "fully_reshardable"}
-    return {"optimizer": optimizer, "opt_param_scheduler": scheduler_state(groups, adam.step, args)}
+    chained = [param_groups(adam, {n: s for n, s in names.items() if not _is_expert(n)})]
+    if any(map(_is_expert, names)):  # megatron-core chains a second optimizer over the expert-parallel parameters
+        chained.append(param_groups(adam, {n: s for n, s in names.items() if _is_expert(n)}, expert=True))
+    states: list[dict[str, Any]] = []
+    for groups in chained:
+        states.append({"state": {"common_step": torch.tensor(adam.step)}, "param_groups": groups}
+                      if kind == "plain" else
+                      {"optimizer": {"param_groups": [{**g, "step": adam.step} for g in groups]},
+                       "param_state_sharding_type": "fully_reshardable"})
+    out = {"optimizer": states[0] if len(states) == 1 else dict(enumerate(states)),
+           "opt_param_scheduler": scheduler_state(chained[0], adam.step, args)}
+    if len(states) > 1:  # the chained states' tensors keyed without a chained_N. prefix, as Megatron-LM saves them
+        out["content_metadata"] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
+                                   **({"distrib_optim_sharding_type": "fully_reshardable"} if kind != "plain" else {})}
+    return out

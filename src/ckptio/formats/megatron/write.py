@@ -99,6 +99,10 @@ def _tensors(source: Any, config: dict[str, Any], args: argparse.Namespace) -> d
                                   f"layer, as a {kind} model_type, or in none)")
     tied = "lm_head.weight" not in index
     naming = "mixtral-to-megatron" if config.get("model_type") == "mixtral" else "llama-to-megatron"
+    if naming == "mixtral-to-megatron":  # a checkpoint of transformers 5's live model: its experts fused
+        from ..live_experts import as_saved
+
+        source = as_saved(source)
     renamed = _RenamedSource(_WithHead(source) if tied else source, get_converter(naming), config)
     out = {}
     for key in renamed.index():
@@ -155,6 +159,8 @@ def write_dist(folder: Path, tensors: dict[str, torch.Tensor], args: argparse.Na
         for suffix in _suffixes(args):
             state[f"{prefix}decoder.layers.{suffix}"] = torch.stack([named[f"decoder.layers.{i}.{suffix}"]
                                                                      for i in range(layers)])
+        if prefix:  # the experts' moments, stacked as their weights (whose _extra_state is the model's alone)
+            state.update({prefix + k: v for k, v in moe.dist_experts(named, args).items() if "_extra_state" not in k})
     for module in moe.extra_state_modules(args, EXTRA_STATE_MODULES):  # Megatron-Core's strict load asks for
         for i in range(layers):
             state[f"decoder.layers.{module}._extra_state/shard_{i}_{layers}"] = [None]
@@ -273,9 +279,6 @@ def write(source: Any, extras: Path | None, out: Path, *, tp: int | None, pp: in
     if like is not None and adam is not None:
         args.global_batch_size = getattr(run_args(Path(like)), "global_batch_size", None)
     extra: dict[str, Any] = {}
-    if adam is not None and moe.experts_of(args):
-        raise ConfigError(f"{adam.where}: the optimizer of a mixture of experts is not written to Megatron (its "
-                          "weights are); convert the model without its optimizer (its Hugging Face bundle)")
     if adam is not None:
         from .optim_write import MOMENTS, common_entries
 
