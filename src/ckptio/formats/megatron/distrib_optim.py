@@ -114,10 +114,10 @@ def optimizer_step(optimizer: Any, where: object, chained: int = 1) -> float | N
     """The Adam step a rank file's ``optimizer`` entry records (in every parameter group, equal), or ``None``;
     ``chained``: 2 for a run with expert-parallel parameters (the dense and the experts' optimizer, a list)."""
     if isinstance(optimizer, list) and len(optimizer) == chained > 1:
-        steps = {optimizer_step(o, where) for o in optimizer}
-        if len(steps) != 1:
-            raise CheckpointCorruptError(f"{where}: its chained optimizers record the steps {sorted(map(str, steps))}")
-        return steps.pop()
+        each = {optimizer_step(o, where) for o in optimizer}
+        if len(each) != 1:
+            raise CheckpointCorruptError(f"{where}: its chained optimizers record the steps {sorted(map(str, each))}")
+        return each.pop()
     if isinstance(optimizer, list) or chained > 1:
         raise CheckpointError(f"{where}: holds the state of {len(optimizer) if isinstance(optimizer, list) else 1} "
                               f"chained optimizers, but the run has {chained} (a second one for expert-parallel "
@@ -261,6 +261,11 @@ _EXPERT = re.compile(r"^decoder\.layers\.\d+\.mlp\.experts\.(\d+)\.")
 """An expert's parameter in a merged rank model (:func:`ckptio.formats.megatron.moe.rank_model`): its global index."""
 
 
+def _expert(name: str) -> int:
+    m = _EXPERT.match(name)
+    return int(m.group(1)) if m else -1
+
+
 def rank_state(root: Folder, rank_dirs: list[str], models: list[dict[str, torch.Tensor]], *, sizes: list[int | None],
                shared: set[str]) -> list[dict[str, dict[str, torch.Tensor]]]:
     """Per model chunk, ``{"param"|"exp_avg"|"exp_avg_sq": {name: tensor shaped like the weight}}`` of one
@@ -274,7 +279,7 @@ def rank_state(root: Folder, rank_dirs: list[str], models: list[dict[str, torch.
 
     ep = len(rank_dirs)
     experts = [{n for n in m if _EXPERT.match(n)} for m in models]
-    held = {int(_EXPERT.match(n).group(1)) for names in experts for n in names}  # type: ignore[union-attr]
+    held = {_expert(n) for names in experts for n in names}
     if (ep > 1) != bool(held) or len(held) % ep:
         raise CheckpointCorruptError(f"{root.display(rank_dirs[0])}: {len(held)} experts over {ep} expert-parallel "
                                      "rank folder(s)")
@@ -288,13 +293,13 @@ def rank_state(root: Folder, rank_dirs: list[str], models: list[dict[str, torch.
         obj, _, handle = megatron_pickle.open_lazy(root, rel)
         try:
             states = _states(obj, where, chained)
-            parts = [(states[0], dense, range(len(models)))] if e == 0 else []
+            parts = [(states[0], dense, list(range(len(models))))] if e == 0 else []
             if e == 0 and states[0] is None:
                 raise CheckpointCorruptError(f"{where}: holds no state of the dense parameters (written by their "
                                              "data-parallel rank 0, whose folder is expert-parallel rank 0's)")
             if held:
-                mine = [{k: v for k, v in m.items() if k in names and local * e <= int(_EXPERT.match(k).group(1))
-                         < local * (e + 1)} for m, names in zip(models, experts)]  # type: ignore[union-attr]
+                mine = [{k: v for k, v in m.items() if k in names and local * e <= _expert(k) < local * (e + 1)}
+                        for m, names in zip(models, experts)]
                 parts.append((states[1], mine, [v for v, m in enumerate(mine) if m]))
             for state, chunk_models, chunks in parts:
                 for (dtype, entry), v in zip(_buffers(state, where, len(chunks)), chunks):
@@ -303,7 +308,7 @@ def rank_state(root: Folder, rank_dirs: list[str], models: list[dict[str, torch.
                         raise CheckpointCorruptError(f"{where}: a buffer is for {dtype}, but the weights of its model "
                                                      f"chunk are {sorted(map(str, dtypes))}")
                     got = _read_buffer(entry, where, chunk_models[v], size=sizes[v], shared=shared,
-                                       held_by=root.display(rank_dir))
+                                       held_by=str(root.display(rank_dir)))
                     for key in STATE_KEYS:
                         out[v][key].update(got[key])
         finally:
