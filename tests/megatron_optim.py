@@ -62,6 +62,22 @@ def _keep_step_apart(inner):
     inner._set_main_param_and_optimizer_states = without_step
 
 
+def _load_dist(src, module, opt, sched, distributed):
+    """Megatron-LM's load_checkpoint of a torch_dist folder: strict, with the checkpoint's own content metadata
+    (how chained optimizers are keyed)."""
+    from megatron.core import dist_checkpointing
+
+    model_sd = module.sharded_state_dict()
+    metadata = {**(dist_checkpointing.load_content_metadata(src) or {}),
+                **({"distrib_optim_sharding_type": "fully_reshardable"} if distributed else {})} or None
+    wanted = {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=True, metadata=metadata)}
+    loaded = dist_checkpointing.load(wanted, src, strict="raise_all")
+    module.load_state_dict(loaded["model"])
+    opt.load_state_dict(loaded["optimizer"])
+    sched.load_state_dict(loaded["opt_param_scheduler"])
+    return loaded
+
+
 def train_worker(rank, tp, dp, src, out, store_file):
     distributed = os.environ.get("MEGATRON_FIXTURE_TRAIN_OPTIMIZER", "distributed" if dp > 1 else "plain") != "plain"
     mf.quiet_megatron()
@@ -69,7 +85,6 @@ def train_worker(rank, tp, dp, src, out, store_file):
                                          timeout=datetime.timedelta(minutes=2))
     mf.apply_cpu_stubs()
     mf.apply_distopt_cpu_stubs()
-    from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -80,7 +95,12 @@ def train_worker(rank, tp, dp, src, out, store_file):
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=mf.EP)
     torch.manual_seed(mf.SEED)
     model_parallel_cuda_manual_seed(mf.SEED)
-    vocab = FileSystemReader(src).read_metadata().state_dict_metadata["embedding.word_embeddings.weight"].size[0]
+    legacy = os.path.join(src, f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}", "model_optim_rng.pt")
+    if os.path.exists(legacy):  # Megatron-LM's legacy layout: each rank's torch.save, Adam's state by position
+        obj = torch.load(legacy, weights_only=False)
+        vocab = obj["model"]["embedding.word_embeddings.weight"].shape[0] * tp
+    else:
+        vocab = FileSystemReader(src).read_metadata().state_dict_metadata["embedding.word_embeddings.weight"].size[0]
     module = mf.build_model(tp, 1, vocab=vocab)
     model = DistributedDataParallel(module.config, DistributedDataParallelConfig(
         use_distributed_optimizer=distributed), module)
@@ -99,15 +119,14 @@ def train_worker(rank, tp, dp, src, out, store_file):
             for state in inner.optimizer.state.values():
                 state["step"] = torch.tensor(0.0)
             _keep_step_apart(inner)
-    model_sd = module.sharded_state_dict()
-    # as Megatron-LM's load_checkpoint: the checkpoint's own content metadata (how chained optimizers are keyed)
-    metadata = {**(dist_checkpointing.load_content_metadata(src) or {}),
-                **({"distrib_optim_sharding_type": "fully_reshardable"} if distributed else {})} or None
-    wanted = {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=True, metadata=metadata)}
-    loaded = dist_checkpointing.load(wanted, src, strict="raise_all")
-    module.load_state_dict(loaded["model"])
-    opt.load_state_dict(loaded["optimizer"])
-    sched.load_state_dict(loaded["opt_param_scheduler"])
+    if os.path.exists(legacy):  # as Megatron-LM's load_checkpoint of the legacy layout
+        module.load_state_dict(obj["model"], strict=True)
+        opt.load_state_dict(obj["optimizer"])
+        sched.load_state_dict(obj["opt_param_scheduler"])
+        loaded = {"iteration": obj["iteration"]}
+    else:
+        loaded = _load_dist(src, module, opt, sched, distributed)
+
     if distributed:  # its load_state_dict gives every parameter one shared step tensor, which torch's AdamW would
         for inner in _inners(opt):  # increment once per parameter (TE's Adam: the group's step)
             for state in inner.optimizer.state.values():

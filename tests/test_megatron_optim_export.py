@@ -137,8 +137,9 @@ def test_what_megatron_would_not_train_on_is_refused_by_name(tmp_path):
     from ckptio.errors import ConfigError
 
     step, *_ = _step_dir(tmp_path / "ck")
-    with pytest.raises(ConfigError, match="torch_dist exports only"):
-        convert(step, tmp_path / "legacy", "megatron", options={"layout": "legacy"})
+    for options in ({"optimizer": "distributed"}, {"pp": 2, "vpp": 2}):
+        with pytest.raises(ConfigError, match="plain optimizer of a dense model without virtual pipeline stages"):
+            convert(step, tmp_path / "legacy", "megatron", options={"layout": "legacy", **options})
     bf16, *_ = _step_dir(tmp_path / "ck16", torch.bfloat16)
     with pytest.raises(ConfigError, match="Float16OptimizerWithFloat16Params"):
         convert(bf16, tmp_path / "bf16", "megatron")
@@ -257,4 +258,31 @@ def test_megatron_core_loads_a_mixtures_adam_state_at_ep2_bitwise_and_trains_on(
         for key in ("param", "exp_avg", "exp_avg_sq"):
             if name.endswith("mlp.router.weight") or name in experts:
                 continue  # an expert no token reached this step keeps its gradient zero (its moments still decay)
+            assert not torch.equal(p["after"][key], p["before"][key]), (name, key)
+
+
+# ------------------------------------------------------------------------------------------------ the legacy layout
+@pytest.fixture(scope="module")
+def trained_legacy(tmp_path_factory):
+    """The Llama exported in Megatron-LM's legacy layout (TP=2: ``mp_rank_TT/model_optim_rng.pt``, Adam's state
+    keyed by position in megatron-core's groups), loaded as Megatron-LM's legacy load_checkpoint does and trained."""
+    root = tmp_path_factory.mktemp("megatron_optim_legacy")
+    step, model, opt = _step_dir(root / "ck")
+    out = convert(step, root / "export", "megatron", options={"tp": 2, "layout": "legacy"})
+    run_fixture("--tp", "2", "--train", str(out / "iter_0000002"), "--out", str(root / "trained.pt"))
+    return torch.load(root / "trained.pt"), model, opt
+
+
+def test_megatron_core_loads_a_legacy_exports_adam_state_by_position_bitwise_and_trains_on(trained_legacy):
+    got, model, opt = trained_legacy
+    assert got["iteration"] == 2 and torch.isfinite(torch.tensor(got["loss"]))
+    for moment in (None, "exp_avg", "exp_avg_sq"):
+        ours = _megatron_named(model, opt, moment)
+        assert set(ours) == {_canonical(n) for n in got["params"]}
+        for name, theirs in got["params"].items():
+            assert torch.equal(theirs["before"][moment or "param"], ours[_canonical(name)]), (moment, name)
+    for name, p in got["params"].items():
+        assert p["before"]["step"] == 2.0 and p["after"]["step"] == 3.0, name
+        assert p["hyper"]["lr"] == 2e-3 and (p["hyper"]["weight_decay"] == 0) == (p["before"]["param"].dim() == 1)
+        for key in ("param", "exp_avg", "exp_avg_sq"):
             assert not torch.equal(p["after"][key], p["before"][key]), (name, key)
