@@ -293,7 +293,7 @@ def rank_state(root: Folder, rank_dirs: list[str], models: list[dict[str, torch.
         obj, _, handle = megatron_pickle.open_lazy(root, rel)
         try:
             states = _states(obj, where, chained)
-            parts = [(states[0], dense, list(range(len(models))))] if e == 0 else []
+            parts = [(states[0], dense, [v for v, m in enumerate(dense) if m])] if e == 0 else []
             if e == 0 and states[0] is None:
                 raise CheckpointCorruptError(f"{where}: holds no state of the dense parameters (written by their "
                                              "data-parallel rank 0, whose folder is expert-parallel rank 0's)")

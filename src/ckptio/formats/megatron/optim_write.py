@@ -211,7 +211,7 @@ def _module_order(name: str) -> tuple[int, int, int]:
     return {"embedding.word_embeddings.weight": 0, "decoder.final_layernorm.weight": 2}.get(name, 3), 0, 0
 
 
-def legacy_optimizer(weights: dict[str, Any], moments: dict[str, dict[str, torch.Tensor]], step: float,
+def legacy_optimizer(weights: dict[str, Any], moments: dict[str, dict[str, Any]], step: float,
                      groups: list[dict[str, Any]]) -> dict[str, Any]:
     """One legacy rank file's ``optimizer`` entry: the state dict of megatron-core's plain (fp32) optimizer, which
     keys Adam's state by position: the rank's parameters in megatron-core's groups (weight decay, then none for
