@@ -638,6 +638,8 @@ def main():
     ap.add_argument("--train", default=None,
                     help="a torch_dist iteration folder with Adam's state: megatron-core's optimizer loads it and "
                          "trains one step on TP ranks; --out FILE gets the state before and after (megatron_optim.py)")
+    ap.add_argument("--train-optimizer", choices=["plain", "distributed"], default=None,
+                    help="with --train: megatron-core's optimizer (default: distributed with --dp, else plain)")
     ap.add_argument("--start-method", choices=["fork", "spawn"], default="fork",
                     help="fork (default) lets the ranks inherit the parent's megatron import (~2.5 s each)")
     a = ap.parse_args()
@@ -700,6 +702,8 @@ def main():
             import megatron_optim
 
             dp = a.dp or 1
+            if a.train_optimizer:
+                os.environ["MEGATRON_FIXTURE_TRAIN_OPTIMIZER"] = a.train_optimizer  # for the ranks
             fn, args, ranks = megatron_optim.train_worker, (a.tp, dp, a.train, a.out, store_file), a.tp * dp
         mp.start_processes(fn, args=args, nprocs=ranks, join=True, start_method=a.start_method)
     finally:

@@ -11,6 +11,7 @@ FILE gets, per parameter (whole: TP shards merged, vocabulary padding cut), its 
 after the step, its gradient and its group's hyper-parameters at the step, and the loss.
 """
 import datetime
+import os
 
 import torch
 
@@ -19,21 +20,29 @@ import megatron_fixture as mf
 KEYS = ("exp_avg", "exp_avg_sq")
 
 
-def _snapshot(inner, module):
+def _inners(opt):
+    """The optimizers megatron-core chains (the dense one, and the experts' with expert parallelism)."""
+    return opt.chained_optimizers if hasattr(opt, "chained_optimizers") else [opt]
+
+
+def _snapshot(opt, module):
     out = {}
     for name, p in module.named_parameters():
-        state = inner.optimizer.state[p]
+        state = next(i.optimizer.state[p] for i in _inners(opt) if p in i.optimizer.state)
         out[name] = {"param": p.detach().clone(), **{k: state[k].detach().clone() for k in KEYS},
                      "step": float(state["step"])}
     return out
 
 
 def _distributed_snapshot(opt, module):
-    """Each parameter's fp32 state as the distributed optimizer holds it (each DP rank's range, gathered)."""
-    step = {float(g["step"]) for g in opt.state_dict()["optimizer"]["param_groups"]}
+    """Each parameter's fp32 state as the distributed optimizer holds it (each DP rank's range, gathered over the
+    data-parallel group of the optimizer that holds it: the experts' is the expert data-parallel group)."""
+    from megatron_distopt_chunks import _local_adam, _owner
+
+    step = {float(g["step"]) for i in _inners(opt) for g in i.state_dict()["optimizer"]["param_groups"]}
     assert len(step) == 1
     step = step.pop()
-    return {name: {**mf._local_adam(opt, p), "step": step} for name, p in module.named_parameters()}
+    return {name: {**_local_adam(_owner(opt, p), p)[0], "step": step} for name, p in module.named_parameters()}
 
 
 def _keep_step_apart(inner):
@@ -53,14 +62,29 @@ def _keep_step_apart(inner):
     inner._set_main_param_and_optimizer_states = without_step
 
 
+def _load_dist(src, module, opt, sched, distributed):
+    """Megatron-LM's load_checkpoint of a torch_dist folder: strict, with the checkpoint's own content metadata
+    (how chained optimizers are keyed)."""
+    from megatron.core import dist_checkpointing
+
+    model_sd = module.sharded_state_dict()
+    metadata = {**(dist_checkpointing.load_content_metadata(src) or {}),
+                **({"distrib_optim_sharding_type": "fully_reshardable"} if distributed else {})} or None
+    wanted = {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=True, metadata=metadata)}
+    loaded = dist_checkpointing.load(wanted, src, strict="raise_all")
+    module.load_state_dict(loaded["model"])
+    opt.load_state_dict(loaded["optimizer"])
+    sched.load_state_dict(loaded["opt_param_scheduler"])
+    return loaded
+
+
 def train_worker(rank, tp, dp, src, out, store_file):
-    distributed = dp > 1
+    distributed = os.environ.get("MEGATRON_FIXTURE_TRAIN_OPTIMIZER", "distributed" if dp > 1 else "plain") != "plain"
     mf.quiet_megatron()
     torch.distributed.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=tp * dp,
                                          timeout=datetime.timedelta(minutes=2))
     mf.apply_cpu_stubs()
     mf.apply_distopt_cpu_stubs()
-    from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -68,10 +92,15 @@ def train_worker(rank, tp, dp, src, out, store_file):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from torch.distributed.checkpoint import FileSystemReader
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=mf.EP)
     torch.manual_seed(mf.SEED)
     model_parallel_cuda_manual_seed(mf.SEED)
-    vocab = FileSystemReader(src).read_metadata().state_dict_metadata["embedding.word_embeddings.weight"].size[0]
+    legacy = os.path.join(src, f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}", "model_optim_rng.pt")
+    if os.path.exists(legacy):  # Megatron-LM's legacy layout: each rank's torch.save, Adam's state by position
+        obj = torch.load(legacy, weights_only=False)
+        vocab = obj["model"]["embedding.word_embeddings.weight"].shape[0] * tp
+    else:
+        vocab = FileSystemReader(src).read_metadata().state_dict_metadata["embedding.word_embeddings.weight"].size[0]
     module = mf.build_model(tp, 1, vocab=vocab)
     model = DistributedDataParallel(module.config, DistributedDataParallelConfig(
         use_distributed_optimizer=distributed), module)
@@ -85,32 +114,37 @@ def train_worker(rank, tp, dp, src, out, store_file):
                                     wd_incr_style="constant", use_checkpoint_opt_param_scheduler=True)
     if distributed:  # on CPU the DistributedOptimizer wraps torch's AdamW, which keeps a step per parameter, and its
         # state_dict() (run before loading) asks for one; TE's and apex's Adam keep it in the groups. A fresh step 0:
-        inner = opt.chained_optimizers[0] if hasattr(opt, "chained_optimizers") else opt
-        inner.init_state_fn(inner.optimizer, inner.config)
-        for state in inner.optimizer.state.values():
-            state["step"] = torch.tensor(0.0)
-        _keep_step_apart(inner)
-    model_sd = module.sharded_state_dict()
-    metadata = {"distrib_optim_sharding_type": "fully_reshardable"} if distributed else None
-    wanted = {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=True, metadata=metadata)}
-    loaded = dist_checkpointing.load(wanted, src, strict="raise_all")
-    module.load_state_dict(loaded["model"])
-    opt.load_state_dict(loaded["optimizer"])
-    sched.load_state_dict(loaded["opt_param_scheduler"])
-    inner = opt.chained_optimizers[0] if hasattr(opt, "chained_optimizers") else opt
+        for inner in _inners(opt):
+            inner.init_state_fn(inner.optimizer, inner.config)
+            for state in inner.optimizer.state.values():
+                state["step"] = torch.tensor(0.0)
+            _keep_step_apart(inner)
+    if os.path.exists(legacy):  # as Megatron-LM's load_checkpoint of the legacy layout
+        module.load_state_dict(obj["model"], strict=True)
+        opt.load_state_dict(obj["optimizer"])
+        sched.load_state_dict(obj["opt_param_scheduler"])
+        loaded = {"iteration": obj["iteration"]}
+    else:
+        loaded = _load_dist(src, module, opt, sched, distributed)
+
     if distributed:  # its load_state_dict gives every parameter one shared step tensor, which torch's AdamW would
-        for state in inner.optimizer.state.values():  # increment once per parameter (TE's Adam: the group's step)
-            state["step"] = state["step"].clone()
-    snapshot = (lambda: _distributed_snapshot(opt, module)) if distributed else (lambda: _snapshot(inner, module))
+        for inner in _inners(opt):  # increment once per parameter (TE's Adam: the group's step)
+            for state in inner.optimizer.state.values():
+                state["step"] = state["step"].clone()
+    snapshot = (lambda: _distributed_snapshot(opt, module)) if distributed else (lambda: _snapshot(opt, module))
     before = snapshot()
+    keys = ("lr", "weight_decay", "betas", "eps", "wd_mult", "is_expert_parallel")
     hyper = {}
-    for group in inner.optimizer.param_groups:
-        for p in group["params"]:
-            hyper[id(p)] = {k: group[k] for k in ("lr", "weight_decay", "betas", "eps", "wd_mult")}
+    for inner in _inners(opt):
+        for group in inner.optimizer.param_groups:
+            for p in group["params"]:
+                hyper[id(p)] = {k: group[k] for k in keys}
     if distributed:  # the optimizer's groups hold its main params (shards): the model's params by their group
-        by_wd = {g["wd_mult"]: {k: g[k] for k in ("lr", "weight_decay", "betas", "eps", "wd_mult")}
-                 for g in inner.optimizer.param_groups}  # megatron's groups: no weight decay on 1-dim params
-        hyper = {id(p): by_wd[0.0 if p.dim() == 1 else 1.0] for p in module.parameters()}
+        from megatron_distopt_chunks import _owner
+
+        # megatron's groups: no weight decay on 1-dim params; the experts' in an optimizer of their own
+        hyper = {id(p): next({k: g[k] for k in keys} for g in _owner(opt, p).optimizer.param_groups
+                             if g["wd_mult"] == (0.0 if p.dim() == 1 else 1.0)) for p in module.parameters()}
 
     ids = torch.randint(0, mf.VOCAB, (2, 12), generator=torch.Generator().manual_seed(5))
     b, s = ids.shape
@@ -123,16 +157,19 @@ def train_worker(rank, tp, dp, src, out, store_file):
     ok, _, _ = opt.step()
     assert ok, "the optimizer step was skipped"
     after = snapshot()
-    local = {name: {"before": before[name], "after": after[name],
+    local = {mf.global_name(name, 0): {"before": before[name], "after": after[name],
                     "grad": torch.empty(0) if distributed else p.grad.detach().clone(),
                     "hyper": hyper[id(p)]} for name, p in module.named_parameters()}
     everyone = [None] * (tp * dp)
     torch.distributed.all_gather_object(everyone, (ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank(),
                                                    local))
     if rank == 0:
-        held = {t: held for t, d, held in everyone if d == 0}
+        held = {}
+        for t, d, part in everyone:  # DP rank 0's copy of each parameter; with EP, each expert from its EP rank
+            for name, value in part.items():
+                held.setdefault(t, {}).setdefault(name, value)
         result = {}
-        for name in local:
+        for name in held[0]:
             shards = [held[t][name] for t in range(tp)]
             whole = {when: {k: mf._whole(name, [sh[when][k] for sh in shards], tp) for k in ("param", *KEYS)}
                      for when in ("before", "after")}

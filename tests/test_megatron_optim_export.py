@@ -137,8 +137,9 @@ def test_what_megatron_would_not_train_on_is_refused_by_name(tmp_path):
     from ckptio.errors import ConfigError
 
     step, *_ = _step_dir(tmp_path / "ck")
-    with pytest.raises(ConfigError, match="torch_dist exports only"):
-        convert(step, tmp_path / "legacy", "megatron", options={"layout": "legacy"})
+    for options in ({"optimizer": "distributed"}, {"pp": 2, "vpp": 2}):
+        with pytest.raises(ConfigError, match="plain optimizer of a dense model without virtual pipeline stages"):
+            convert(step, tmp_path / "legacy", "megatron", options={"layout": "legacy", **options})
     bf16, *_ = _step_dir(tmp_path / "ck16", torch.bfloat16)
     with pytest.raises(ConfigError, match="Float16OptimizerWithFloat16Params"):
         convert(bf16, tmp_path / "bf16", "megatron")
@@ -175,5 +176,113 @@ def test_megatron_cores_distributed_optimizer_loads_and_trains_on_the_distribute
     for name, p in got["params"].items():
         assert p["before"]["step"] == 2.0 and p["after"]["step"] == 3.0
         assert p["hyper"]["lr"] == 2e-3 and p["hyper"]["betas"] == (0.9, 0.95), (name, p["hyper"])
+        for key in ("param", "exp_avg", "exp_avg_sq"):
+            assert not torch.equal(p["after"][key], p["before"][key]), (name, key)
+
+
+# ------------------------------------------------------------------------------------------------ a mixture of experts
+def _mixtral_step_dir(root: Path) -> tuple[Path, torch.nn.Module, torch.optim.Optimizer]:
+    """A ckptio checkpoint of a tiny Mixtral (megatron_fixture.py --family mixtral's sizes; transformers 5 fuses its
+    experts in memory, and so does the checkpoint) after two AdamW steps, at step 2."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from ckptio import CheckpointConfig, CheckpointManager
+
+    torch.manual_seed(3)
+    model = MixtralForCausalLM(MixtralConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        num_local_experts=4, num_experts_per_tok=2, rope_parameters={"rope_theta": 1e6, "rope_type": "default"}))
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+    for step in range(2):
+        x = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(step))
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=str(root)), model=model, optimizer=opt, rng=False) as mgr:
+        mgr.save(step=2)
+    return next(p for p in root.iterdir() if p.name.startswith("epoch")), model, opt
+
+
+@pytest.fixture(scope="module", params=["plain", "distributed"])
+def trained_moe(request, tmp_path_factory):
+    """The Mixtral exported (torch_dist, TP=1), loaded and trained one step by megatron-core at EP=2 (two ranks,
+    each two of the four experts; the experts' optimizer chained beside the dense one)."""
+    root = tmp_path_factory.mktemp(f"megatron_moe_optim_{request.param}")
+    step, model, opt = _mixtral_step_dir(root / "ck")
+    out = convert(step, root / "export", "megatron", options={"optimizer": request.param})
+    run_fixture("--family", "mixtral", "--ep", "2", "--dp", "2", "--train", str(out / "iter_0000002"),
+                "--train-optimizer", request.param, "--out", str(root / "trained.pt"))
+    return torch.load(root / "trained.pt"), model, opt, request.param
+
+
+def _megatron_named_moe(model, opt, moment: str | None) -> dict[str, torch.Tensor]:
+    """The Mixtral's weights (or one moment), its live fused experts split per expert, under Megatron-Core names."""
+    from ckptio.formats.common import TensorInfo, dtype_name
+    from ckptio.formats.live_experts import as_saved
+    from ckptio.formats.naming import _RenamedSource, get_converter
+
+    class Held:
+        folder = None
+        t = {n: (p.detach() if moment is None else opt.state[p][moment]) for n, p in model.named_parameters()}
+
+        def index(self):
+            return {k: TensorInfo(tuple(v.shape), dtype_name(v.dtype)) for k, v in self.t.items()}
+
+        def read(self, key):
+            return self.t[key]
+
+    renamed = _RenamedSource(as_saved(Held()), get_converter("mixtral-to-megatron"), model.config.to_dict())
+    return {k: renamed.read(k) for k in renamed.index()}
+
+
+def test_megatron_core_loads_a_mixtures_adam_state_at_ep2_bitwise_and_trains_on(trained_moe):
+    """Every expert's weights, moments and step as megatron-core's plain or distributed optimizer holds them at EP=2
+    (each from the EP rank that holds it) are the ckptio checkpoint's, bitwise; the experts sit in an optimizer of
+    their own (``is_expert_parallel``) with the source's hyper-parameters, and one step later every parameter and
+    moment has moved and the step is 3."""
+    got, model, opt, kind = trained_moe
+    assert got["iteration"] == 2 and torch.isfinite(torch.tensor(got["loss"]))
+    for moment in (None, "exp_avg", "exp_avg_sq"):
+        ours = _megatron_named_moe(model, opt, moment)
+        assert set(ours) == {_canonical(n) for n in got["params"]}
+        for name, theirs in got["params"].items():
+            assert torch.equal(theirs["before"][moment or "param"], ours[_canonical(name)]), (kind, moment, name)
+    experts = {n for n in got["params"] if ".mlp.experts." in n}
+    assert len(experts) == 4 * 4 * 2
+    for name, p in got["params"].items():
+        assert p["before"]["step"] == 2.0 and p["after"]["step"] == 3.0, (name, p["before"]["step"])
+        assert p["hyper"]["is_expert_parallel"] == (name in experts), name
+        assert p["hyper"]["lr"] == 2e-3 and p["hyper"]["betas"] == (0.9, 0.95), (name, p["hyper"])
+        assert (p["hyper"]["weight_decay"] == 0) == (p["before"]["param"].dim() == 1), (name, p["hyper"])
+        for key in ("param", "exp_avg", "exp_avg_sq"):
+            if name.endswith("mlp.router.weight") or name in experts:
+                continue  # an expert no token reached this step keeps its gradient zero (its moments still decay)
+            assert not torch.equal(p["after"][key], p["before"][key]), (name, key)
+
+
+# ------------------------------------------------------------------------------------------------ the legacy layout
+@pytest.fixture(scope="module")
+def trained_legacy(tmp_path_factory):
+    """The Llama exported in Megatron-LM's legacy layout (TP=2: ``mp_rank_TT/model_optim_rng.pt``, Adam's state
+    keyed by position in megatron-core's groups), loaded as Megatron-LM's legacy load_checkpoint does and trained."""
+    root = tmp_path_factory.mktemp("megatron_optim_legacy")
+    step, model, opt = _step_dir(root / "ck")
+    out = convert(step, root / "export", "megatron", options={"tp": 2, "layout": "legacy"})
+    run_fixture("--tp", "2", "--train", str(out / "iter_0000002"), "--out", str(root / "trained.pt"))
+    return torch.load(root / "trained.pt"), model, opt
+
+
+def test_megatron_core_loads_a_legacy_exports_adam_state_by_position_bitwise_and_trains_on(trained_legacy):
+    got, model, opt = trained_legacy
+    assert got["iteration"] == 2 and torch.isfinite(torch.tensor(got["loss"]))
+    for moment in (None, "exp_avg", "exp_avg_sq"):
+        ours = _megatron_named(model, opt, moment)
+        assert set(ours) == {_canonical(n) for n in got["params"]}
+        for name, theirs in got["params"].items():
+            assert torch.equal(theirs["before"][moment or "param"], ours[_canonical(name)]), (moment, name)
+    for name, p in got["params"].items():
+        assert p["before"]["step"] == 2.0 and p["after"]["step"] == 3.0, name
+        assert p["hyper"]["lr"] == 2e-3 and (p["hyper"]["weight_decay"] == 0) == (p["before"]["param"].dim() == 1)
         for key in ("param", "exp_avg", "exp_avg_sq"):
             assert not torch.equal(p["after"][key], p["before"][key]), (name, key)

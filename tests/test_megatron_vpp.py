@@ -134,7 +134,8 @@ def test_damaged_chunk_tensors_and_args_are_refused_by_name(made, tmp_path):
 
 @pytest.mark.slow
 def test_fuzz_family_smoke():
-    """A CI-sized run of the megatron_vpp fuzz family (legacy rank files with model chunks, written by megatron-core):
+    """A CI-sized run of the megatron_vpp fuzz family (legacy rank files with model chunks and the distributed
+    optimizer's distrib_optim.pt, written by megatron-core):
     every damaged folder ends in a right read or a ckptio error."""
     from megatron_shared import fuzz_smoke
 

@@ -12,9 +12,11 @@ detection, the weights, and Adam's moments, master copies and step. An untouched
 the pristine one holds; a damaged one that still reads must still have every fp32 master copy equal to its
 weight (the reader's own promise).
 
-``megatron_vpp``: the legacy rank files of a run with virtual pipeline stages (``megatron_fixture.py --pp 2 --vpp
-2``: ``model0``/``model1`` in each), damaged as above, three times in four a rank file, read as a conversion and a
-resume do (detection, every chunk's weights, no Adam state). ``megatron_dist_distopt``: a torch_dist checkpoint of
+``megatron_vpp``: the legacy rank files of a run with virtual pipeline stages and the distributed optimizer
+(``megatron_distopt_chunks.py --pp 2 --vpp 2 --dp 2``: ``model0``/``model1`` in each, ``distrib_optim.pt`` with one
+buffer per chunk), damaged as above, three times in four a rank file or a ``distrib_optim.pt``, read as a conversion
+and a resume do (detection, every chunk's weights, Adam's state). ``megatron_mixtral`` also damages the legacy
+files of an EP=2 run of the distributed optimizer (``distrib_optim.pt``: the dense and the experts' chained states). ``megatron_dist_distopt``: a torch_dist checkpoint of
 the DistributedOptimizer in its ``fully_reshardable`` format (``--dp 2 --dist-formats fully_reshardable``: the
 step in ``common.pt``'s parameter groups, the moments in the DCP files), three times in four ``common.pt`` or
 ``.metadata`` damaged, read for its weights and Adam's moments and step."""
@@ -89,10 +91,10 @@ class MegatronDistOpt:
             raise WrongResult("an undamaged Megatron checkpoint read other values")
 
 
-def _fixture(name: str, sub: str, *args: str) -> Path:
+def _fixture(name: str, sub: str, *args: str, script: str = "megatron_fixture.py") -> Path:
     out = _fixed_dir(name)
     if not (out / sub / "latest_checkpointed_iteration.txt").is_file():
-        cmd = [sys.executable, str(HERE.parent / "tests" / "megatron_fixture.py"), *args, "--out", str(out)]
+        cmd = [sys.executable, str(HERE.parent / "tests" / script), *args, "--out", str(out)]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if r.returncode != 0:
             raise RuntimeError(f"the megatron-core run failed: {r.stderr[-2000:]}")
@@ -168,7 +170,7 @@ def _read_mixtral(root: Path, layout: str) -> dict[str, torch.Tensor]:
         got = {f"model/{k}": opened.source.read(k) for k in opened.source.index()}
     finally:
         opened.close()
-    if layout == "torch_dist":
+    if layout != "legacy":  # torch_dist's moments, or the distributed optimizer's distrib_optim.pt
         got.update(adam_tensors(fmt, root))
     return got
 
@@ -187,8 +189,14 @@ class MegatronMixtral:
             return
         out = _mixtral_run(self.family)
         self.images = {layout: load_image(out / layout) for layout in ("legacy", "torch_dist")}
+        if self.family == "mixtral":  # and the distributed optimizer's chained states of an EP run
+            self.images["legacy_distopt"] = load_image(_fixture(
+                "megatron-mixtral-distopt", "legacy", "--family", "mixtral", "--ep", "2", "--dp", "2",
+                script="megatron_distopt_chunks.py"))
         self.objs = {layout: _objects(image) for layout, image in self.images.items()}
-        self.want = {layout: _read_mixtral(out / layout, layout) for layout in self.images}
+        self.want = {layout: _read_mixtral(out / layout if layout in ("legacy", "torch_dist") else
+                                           _fixed_dir("megatron-mixtral-distopt") / "legacy", layout)
+                     for layout in self.images}
 
     def __call__(self, rng: Case, tmp: Path) -> None:
         self.prepare()
@@ -211,8 +219,9 @@ FAMILIES = {
     "megatron_distopt": MegatronDistOpt(),
     "megatron_mixtral": MegatronMixtral(),
     "megatron_qwen2moe": MegatronMixtral("qwen2moe"),
-    "megatron_vpp": _Damaged(lambda: _fixture("megatron-vpp", "legacy", "--tp", "1", "--pp", "2", "--vpp", "2"),
-                             ("model_optim_rng.pt",)),
+    "megatron_vpp": _Damaged(lambda: _fixture("megatron-vpp-distopt", "legacy", "--pp", "2", "--vpp", "2", "--dp", "2",
+                                              "--bucket", "6192", script="megatron_distopt_chunks.py"),
+                             ("model_optim_rng.pt", "distrib_optim.pt")),
     "megatron_dist_distopt": _Damaged(lambda: _fixture("megatron-dist-distopt", "torch_dist_fully_reshardable",
                                                        "--tp", "2", "--dp", "2", "--iteration", "3", "--hidden", "48",
                                                        "--dist-formats", "fully_reshardable"),

@@ -20,7 +20,7 @@ import torch
 from ..errors import CheckpointCorruptError
 from .common import TensorInfo
 
-__all__ = ["as_live"]
+__all__ = ["as_live", "as_saved"]
 
 _FUSED = re.compile(r"^(.*)\.mlp\.(experts\.gate_up_proj|experts\.down_proj|gate\.weight)$")
 # live part -> the per-expert tensors of the saved layout it stacks (concatenated along dim 0 when several)
@@ -94,3 +94,62 @@ def as_live(source: Any, live: set[str] | dict[str, Any]) -> Any:
                 raise CheckpointCorruptError(f"{getattr(source, 'folder', '')}: {missing[0]!r} is missing beside the "
                                              "other experts of its layer")
     return _LiveExperts(source, plan) if plan else source
+
+
+class _SavedExperts:
+    """``source`` (holding transformers 5's fused live experts) with each expert under its saved names."""
+
+    def __init__(self, source: Any, plan: dict[str, tuple[str, int | None, slice]]) -> None:
+        self.source, self.folder, self._plan = source, getattr(source, "folder", None), plan
+        index = source.index()
+        fused = {live for live, _, _ in plan.values()}
+        self._index = {k: v for k, v in index.items() if k not in fused}
+        for name, (live, j, rows) in plan.items():
+            shape = index[live].shape[1:] if j is not None else index[live].shape
+            self._index[name] = TensorInfo((len(range(shape[0])[rows]), *shape[1:]), index[live].dtype)
+
+    def index(self) -> dict[str, TensorInfo]:
+        return dict(self._index)
+
+    def read(self, key: str) -> torch.Tensor:
+        if key not in self._plan:
+            return self.source.read(key)
+        live, j, rows = self._plan[key]
+        t = self.source.read(live)
+        return t if j is None else t[j][rows].clone()
+
+    def close(self) -> None:
+        close = getattr(self.source, "close", None)
+        if callable(close):
+            close()
+
+
+def as_saved(source: Any, model_type: object = "mixtral") -> Any:
+    """``source`` with each layer's fused live experts (``mlp.experts.gate_up_proj`` [E, 2 ffn, hidden],
+    ``mlp.experts.down_proj`` [E, hidden, ffn]) under the saved names of ``model_type`` (Mixtral's
+    ``block_sparse_moe.experts.{j}.w1/w3/w2.weight`` and router ``block_sparse_moe.gate.weight``; Qwen2-MoE's
+    ``mlp.experts.{j}.gate_proj/up_proj/down_proj.weight``, its router's name the live one): the way back of
+    :func:`as_live`, for a checkpoint saved from the live model; itself when it holds no fused experts."""
+    mixtral = model_type == "mixtral"
+    saved = _MIXTRAL if mixtral else _QWEN2_MOE
+    index = source.index()
+    plan: dict[str, tuple[str, int | None, slice]] = {}
+    for key, info in index.items():
+        m = _FUSED.match(key)
+        if m is None or m.group(2) == "gate.weight":
+            continue
+        prefix, part = m.group(1), m.group(2)
+        if len(info.shape) != 3 or part == "experts.gate_up_proj" and info.shape[1] % 2:
+            raise CheckpointCorruptError(f"{getattr(source, 'folder', '')}: {key} is {list(info.shape)}, not the "
+                                         "[experts, rows, columns] of fused experts"
+                                         + (" with [gate; up] rows" if part == "experts.gate_up_proj" else ""))
+        half = info.shape[1] // 2
+        for j in range(info.shape[0]):
+            if part == "experts.gate_up_proj":
+                plan[f"{prefix}.{saved[part][0].format(j=j)}"] = (key, j, slice(0, half))
+                plan[f"{prefix}.{saved[part][1].format(j=j)}"] = (key, j, slice(half, None))
+            else:
+                plan[f"{prefix}.{saved[part][0].format(j=j)}"] = (key, j, slice(None))
+        if mixtral and f"{prefix}.mlp.gate.weight" in index:
+            plan[f"{prefix}.block_sparse_moe.gate.weight"] = (f"{prefix}.mlp.gate.weight", None, slice(None))
+    return _SavedExperts(source, plan) if plan else source

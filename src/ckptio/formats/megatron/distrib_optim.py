@@ -25,6 +25,7 @@ wrong bucket size or a missing data-parallel shard cannot pass that.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import torch
@@ -109,11 +110,18 @@ def flat_layout(params: list[tuple[str, int]], *, size: int | None, shared: froz
     return slots, total, gaps
 
 
-def optimizer_step(optimizer: Any, where: object) -> float | None:
-    """The Adam step a rank file's ``optimizer`` entry records (in every parameter group, equal), or ``None``."""
-    if isinstance(optimizer, list):
-        raise CheckpointError(f"{where}: holds the state of {len(optimizer)} chained optimizers (expert-parallel "
-                              "parameters have their own); ckptio reads the distributed optimizer of dense models")
+def optimizer_step(optimizer: Any, where: object, chained: int = 1) -> float | None:
+    """The Adam step a rank file's ``optimizer`` entry records (in every parameter group, equal), or ``None``;
+    ``chained``: 2 for a run with expert-parallel parameters (the dense and the experts' optimizer, a list)."""
+    if isinstance(optimizer, list) and len(optimizer) == chained > 1:
+        each = {optimizer_step(o, where) for o in optimizer}
+        if len(each) != 1:
+            raise CheckpointCorruptError(f"{where}: its chained optimizers record the steps {sorted(map(str, each))}")
+        return each.pop()
+    if isinstance(optimizer, list) or chained > 1:
+        raise CheckpointError(f"{where}: holds the state of {len(optimizer) if isinstance(optimizer, list) else 1} "
+                              f"chained optimizers, but the run has {chained} (a second one for expert-parallel "
+                              "parameters, exactly when the model has experts)")
     inner = optimizer.get("optimizer") if isinstance(optimizer, dict) else None
     groups = inner.get("param_groups") if isinstance(inner, dict) else None
     if not isinstance(groups, list):
@@ -170,106 +178,177 @@ def read_common(root: Folder) -> tuple[dict[str, Any], list[str], float | None, 
     return common, placeholders, step, sharding
 
 
-def _buffers(obj: Any, where: object, dtype: torch.dtype) -> dict[str, Any]:
-    """The one buffer's entry of a ``distrib_optim.pt``: ``{param, exp_avg, exp_avg_sq, numel_unpadded}``."""
-    if isinstance(obj, list):
-        raise CheckpointError(f"{where}: holds the state of {len(obj)} chained optimizers (expert-parallel parameters "
-                              "have their own); ckptio reads the distributed optimizer of dense models")
+def _states(obj: Any, where: object, chained: int) -> list[Any]:
+    """The optimizers' states a ``distrib_optim.pt`` holds: one, or with expert-parallel parameters the list of
+    megatron-core's ``ChainedOptimizer.save_parameter_state`` (the dense optimizer's, ``None`` on the ranks that are
+    not its data-parallel rank 0, then the experts')."""
+    if chained == 1:
+        if isinstance(obj, list):
+            raise CheckpointError(f"{where}: holds the state of {len(obj)} chained optimizers, but the model has no "
+                                  "expert-parallel parameters (which alone have an optimizer of their own)")
+        return [obj]
+    if not isinstance(obj, list) or len(obj) != chained:
+        raise CheckpointCorruptError(f"{where}: holds the state of {len(obj) if isinstance(obj, list) else 1} "
+                                     f"optimizer(s), not the {chained} of a run with expert-parallel parameters "
+                                     "(the dense one and the experts')")
+    return obj
+
+
+def _buffers(obj: Any, where: object, count: int) -> list[tuple[Any, dict[str, Any]]]:
+    """The ``count`` gradient buffers of one optimizer's state (one per model chunk that has such parameters, in
+    chunk order): each ``(param dtype, {param, exp_avg, exp_avg_sq, numel_unpadded})``."""
     if not isinstance(obj, dict) or obj.get("buckets_coalesced") is not True:
         raise CheckpointError(f"{where}: not the distributed optimizer's state in the format of megatron-core >= 0.6 "
                               "(no buckets_coalesced); convert it with Megatron-LM's "
                               "--ckpt-convert-update-legacy-dist-opt-format first")
     buffers = {k: v for k, v in obj.items() if k != "buckets_coalesced"}
-    if list(buffers) != [0]:
-        raise CheckpointError(f"{where}: holds the gradient buffers {sorted(map(str, buffers))[:4]}; ckptio reads one "
-                              "(every parameter of one dtype)")
-    by_dtype = buffers[0]
-    if not isinstance(by_dtype, dict) or len(by_dtype) != 1:
-        raise CheckpointCorruptError(f"{where}: buffer 0 is not one (param dtype, grad dtype) entry")
-    (key, entry), = by_dtype.items()
-    if not (isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], torch.dtype) and key[0] == dtype):
-        raise CheckpointCorruptError(f"{where}: its buffer is for {key!r}, but the model's weights are {dtype}")
-    if not isinstance(entry, dict) or set(entry) != {*STATE_KEYS, "numel_unpadded"}:
-        raise CheckpointCorruptError(f"{where}: its buffer holds {sorted(map(str, entry))[:6] if isinstance(entry, dict) else type(entry).__name__}, "
-                                     f"not {list(STATE_KEYS)} and numel_unpadded")
-    return entry
+    if list(buffers) != list(range(count)):
+        raise CheckpointCorruptError(f"{where}: holds the gradient buffers {sorted(map(str, buffers))[:4]}, but the "
+                                     f"rank's {count} model chunk(s) have {count} (one each, every parameter of one "
+                                     "dtype)")
+    out = []
+    for n in range(count):
+        by_dtype = buffers[n]
+        if not isinstance(by_dtype, dict) or len(by_dtype) != 1:
+            raise CheckpointCorruptError(f"{where}: buffer {n} is not one (param dtype, grad dtype) entry")
+        (key, entry), = by_dtype.items()
+        if not (isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], torch.dtype)):
+            raise CheckpointCorruptError(f"{where}: buffer {n} is keyed {str(key)[:60]}, not (param dtype, grad dtype)")
+        if not isinstance(entry, dict) or set(entry) != {*STATE_KEYS, "numel_unpadded"}:
+            held = sorted(map(str, entry))[:6] if isinstance(entry, dict) else type(entry).__name__
+            raise CheckpointCorruptError(f"{where}: buffer {n} holds {held}, not {list(STATE_KEYS)} and numel_unpadded")
+        out.append((key[0], entry))
+    return out
 
 
-def rank_state(root: Folder, rank_dir: str, model: dict[str, torch.Tensor], *, size: int | None,
-               shared: set[str]) -> dict[str, dict[str, torch.Tensor]]:
-    """``{"param"|"exp_avg"|"exp_avg_sq": {name: tensor shaped like the weight}}`` of one tensor/pipeline rank,
-    from its ``distrib_optim.pt`` and its model's weights (``model``, in the rank file's order)."""
+def _read_buffer(entry: dict[str, Any], where: object, model: dict[str, torch.Tensor], *, size: int | None,
+                 shared: set[str], held_by: str) -> dict[str, dict[str, torch.Tensor]]:
+    """``{"param"|"exp_avg"|"exp_avg_sq": {name: tensor shaped like the weight}}`` of one gradient buffer's entry,
+    laid out from its parameters ``model`` (in the rank file's order), each master copy checked against the
+    weight ``held_by`` holds."""
     from .. import safe_pickle as megatron_pickle
 
-    rel = f"{rank_dir}/{DISTRIB_OPTIM_FILE}"
-    where = root.display(rel)
-    dtypes = {v.dtype for v in model.values()}
-    if len(dtypes) != 1:
-        raise CheckpointError(f"{where}: the model's weights mix dtypes {sorted(map(str, dtypes))}; ckptio reads one buffer")
     slots, total, gaps = flat_layout([(k, v.numel()) for k, v in model.items()], size=size, shared=shared)
-    obj, _, handle = megatron_pickle.open_lazy(root, rel)
-    try:
-        entry = _buffers(obj, where, dtypes.pop())
-        if type(entry["numel_unpadded"]) is not int or entry["numel_unpadded"] != total:
-            raise CheckpointCorruptError(f"{where}: numel_unpadded is {entry['numel_unpadded']!r}, but the "
-                                         f"{len(model)} parameters of {rank_dir} lay out to {total} elements (bucket "
-                                         f"size {size})")
-        flat = {}
-        for key in STATE_KEYS:
-            t = entry[key]
-            if not isinstance(t, megatron_pickle.LazyTensor) or t.dtype != torch.float32 or t.shape != (total,):
-                shape = list(t.shape) if isinstance(t, megatron_pickle.LazyTensor) else type(t).__name__
-                raise CheckpointCorruptError(f"{where}: {key} is {shape} "
-                                             f"{getattr(t, 'dtype', '')}, not a float32 buffer of {total} elements "
-                                             "(a data-parallel shard missing or extra?)")
-            flat[key] = t
+    if type(entry["numel_unpadded"]) is not int or entry["numel_unpadded"] != total:
+        raise CheckpointCorruptError(f"{where}: numel_unpadded is {str(entry['numel_unpadded'])[:20]}, but its "
+                                     f"{len(model)} parameters lay out to {total} elements (bucket size {size})")
+    flat = {}
+    for key in STATE_KEYS:
+        t = entry[key]
+        if not isinstance(t, megatron_pickle.LazyTensor) or t.dtype != torch.float32 or t.shape != (total,):
+            shape = list(t.shape) if isinstance(t, megatron_pickle.LazyTensor) else type(t).__name__
+            raise CheckpointCorruptError(f"{where}: {key} is {shape} {getattr(t, 'dtype', '')}, not a float32 "
+                                         f"buffer of {total} elements (a data-parallel shard missing or extra?)")
+        flat[key] = t
+    for key, t in flat.items():
+        for a, e in gaps:
+            if t.read(a, e - a).any():
+                raise CheckpointCorruptError(f"{where}: {key} holds values in the padding at elements {a}..{e}: "
+                                             "its layout is not the one the model and the run's arguments give")
+    out: dict[str, dict[str, torch.Tensor]] = {key: {} for key in STATE_KEYS}
+    for name, (a, e) in slots.items():
+        weight = model[name]
         for key, t in flat.items():
-            for a, e in gaps:
-                if t.read(a, e - a).any():
-                    raise CheckpointCorruptError(f"{where}: {key} holds values in the padding at elements {a}..{e}: "
-                                                 "its layout is not the one the model and the run's arguments give")
-        out: dict[str, dict[str, torch.Tensor]] = {key: {} for key in STATE_KEYS}
-        for name, (a, e) in slots.items():
-            weight = model[name]
-            for key, t in flat.items():
-                out[key][name] = t.read(a, e - a).view(weight.shape)
-            if not torch.equal(out["param"][name].to(weight.dtype), weight):
-                raise CheckpointCorruptError(f"{where}: the fp32 master copy of {name} is not the weight "
-                                             f"{root.display(rank_dir)} holds: the buffers are not laid out as "
-                                             f"the model and the run's arguments say (bucket size {size})")
-        return out
-    finally:
-        handle.close()
+            out[key][name] = t.read(a, e - a).view(weight.shape)
+        if not torch.equal(out["param"][name].to(weight.dtype), weight):
+            raise CheckpointCorruptError(f"{where}: the fp32 master copy of {name} is not the weight {held_by} "
+                                         "holds: the buffers are not laid out as the model and the run's arguments "
+                                         f"say (bucket size {size})")
+    return out
 
 
-def legacy_reader(root: Folder, files: dict[tuple[int, int], str]) -> Any:
+_EXPERT = re.compile(r"^decoder\.layers\.\d+\.mlp\.experts\.(\d+)\.")
+"""An expert's parameter in a merged rank model (:func:`ckptio.formats.megatron.moe.rank_model`): its global index."""
+
+
+def _expert(name: str) -> int:
+    m = _EXPERT.match(name)
+    return int(m.group(1)) if m else -1
+
+
+def rank_state(root: Folder, rank_dirs: list[str], models: list[dict[str, torch.Tensor]], *, sizes: list[int | None],
+               shared: set[str]) -> list[dict[str, dict[str, torch.Tensor]]]:
+    """Per model chunk, ``{"param"|"exp_avg"|"exp_avg_sq": {name: tensor shaped like the weight}}`` of one
+    tensor/pipeline rank, from the ``distrib_optim.pt`` of its folder (of each expert-parallel rank's folder,
+    ``rank_dirs``, with experts) and its chunks' weights (``models``, in the rank file's order; the experts under
+    their global index). ``sizes``: each chunk's bucket size.
+
+    The dense optimizer keeps one buffer per chunk, in EP rank 0's file; the experts' optimizer, in each EP rank's
+    file, one per chunk with experts, of that rank's experts (``e * E/EP`` on) in their order."""
+    from .. import safe_pickle as megatron_pickle
+
+    ep = len(rank_dirs)
+    experts = [{n for n in m if _EXPERT.match(n)} for m in models]
+    held = {_expert(n) for names in experts for n in names}
+    if (ep > 1) != bool(held) or len(held) % ep:
+        raise CheckpointCorruptError(f"{root.display(rank_dirs[0])}: {len(held)} experts over {ep} expert-parallel "
+                                     "rank folder(s)")
+    local = len(held) // ep if held else 0
+    chained = 2 if held else 1
+    dense = [{k: v for k, v in m.items() if k not in names} for m, names in zip(models, experts)]
+    out: list[dict[str, dict[str, torch.Tensor]]] = [{key: {} for key in STATE_KEYS} for _ in models]
+    for e, rank_dir in enumerate(rank_dirs):
+        rel = f"{rank_dir}/{DISTRIB_OPTIM_FILE}"
+        where = root.display(rel)
+        obj, _, handle = megatron_pickle.open_lazy(root, rel)
+        try:
+            states = _states(obj, where, chained)
+            parts = [(states[0], dense, [v for v, m in enumerate(dense) if m])] if e == 0 else []
+            if e == 0 and states[0] is None:
+                raise CheckpointCorruptError(f"{where}: holds no state of the dense parameters (written by their "
+                                             "data-parallel rank 0, whose folder is expert-parallel rank 0's)")
+            if held:
+                mine = [{k: v for k, v in m.items() if k in names and local * e <= _expert(k) < local * (e + 1)}
+                        for m, names in zip(models, experts)]
+                parts.append((states[1], mine, [v for v, m in enumerate(mine) if m]))
+            for state, chunk_models, chunks in parts:
+                for (dtype, entry), v in zip(_buffers(state, where, len(chunks)), chunks):
+                    dtypes = {t.dtype for t in chunk_models[v].values()}
+                    if dtypes != {dtype}:
+                        raise CheckpointCorruptError(f"{where}: a buffer is for {dtype}, but the weights of its model "
+                                                     f"chunk are {sorted(map(str, dtypes))}")
+                    got = _read_buffer(entry, where, chunk_models[v], size=sizes[v], shared=shared,
+                                       held_by=str(root.display(rank_dir)))
+                    for key in STATE_KEYS:
+                        out[v][key].update(got[key])
+        finally:
+            handle.close()
+    for v, model in enumerate(models):  # back in the model's order
+        out[v] = {key: {name: out[v][key][name] for name in model} for key in STATE_KEYS}
+    return out
+
+
+def legacy_reader(root: Folder, files: dict[tuple[int, int], str],
+                  experts: dict[tuple[int, int], list[str]] | None = None) -> Any:
     """A reader of one rank's distributed optimizer state for :func:`read_legacy`, or ``None`` when no rank
-    folder has a ``distrib_optim.pt``; refuses a folder without one when others have it."""
-    dirs = {rank: rel.rsplit("/", 1)[0] for rank, rel in files.items()}
-    have = {rank for rank, d in dirs.items() if root.kind(f"{d}/{DISTRIB_OPTIM_FILE}") is not None}
+    folder has a ``distrib_optim.pt``; refuses a folder without one when others have it. ``experts``: each
+    (TP, PP) rank's folder of every expert-parallel rank (:func:`ckptio.formats.megatron.moe.rank_dirs`)."""
+    dirs = {rank: [rel.rsplit("/", 1)[0]] if experts is None else experts[rank] for rank, rel in files.items()}
+    every = [d for ds in dirs.values() for d in ds]
+    have = {d for d in every if root.kind(f"{d}/{DISTRIB_OPTIM_FILE}") is not None}
     if not have:
         return None
-    if len(have) != len(dirs):
-        missing = sorted(d for rank, d in dirs.items() if rank not in have)
+    if len(have) != len(every):
+        missing = sorted(set(every) - have)
         raise CheckpointCorruptError(f"{root.display()}: the rank folders {missing[:4]} have no {DISTRIB_OPTIM_FILE}, "
                                      "which the others have")
 
-    def read(rel: str, obj: dict[str, Any], model: dict[str, torch.Tensor], stage: int, pp: int,
-             info: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
+    def read(rank: tuple[int, int], obj: dict[str, Any], models: list[dict[str, torch.Tensor]], pp: int,
+             info: dict[str, Any]) -> list[dict[str, dict[str, torch.Tensor]]]:
+        rel = files[rank]
         args = obj.get("args") if obj.get("args") is not None else info.get("args")
-        step = optimizer_step(obj.get("optimizer"), root.display(rel))
+        step = optimizer_step(obj.get("optimizer"), root.display(rel), 2 if len(dirs[rank]) > 1 else 1)
         if step is None:
             raise CheckpointCorruptError(f"{root.display(rel)}: records no optimizer step beside its "
                                          f"{DISTRIB_OPTIM_FILE}")
         if info.setdefault("optimizer_step", step) != step:
             raise CheckpointCorruptError(f"{root.display(rel)}: the optimizer's step is {step}, another rank's "
                                          f"{info['optimizer_step']}")
-        try:
-            size = bucket_size(args, stage)
+        try:  # Megatron-LM's get_model: bucketing only in the first model chunk (each chunk its own DDP)
+            sizes = [bucket_size(args, rank[1]) if v == 0 else None for v in range(len(models))]
         except CheckpointCorruptError as exc:
             raise CheckpointCorruptError(f"{root.display(rel)}: {exc}") from exc
         tied = getattr(args, "untie_embeddings_and_output_weights", None) is not True and pp > 1
-        return rank_state(root, rel.rsplit("/", 1)[0], model, size=size,
-                          shared=set(SHARED_EMBEDDING) if tied else set())
+        return rank_state(root, dirs[rank], models, sizes=sizes, shared=set(SHARED_EMBEDDING) if tied else set())
 
     return read

@@ -143,10 +143,7 @@ def read_legacy(folder: Path, *, optimizer: bool = False) -> tuple[dict[str, tor
     from .distrib_optim import legacy_reader
     from .vpp import check_chunks
 
-    optim = legacy_reader(root, files) if optimizer else None
-    if experts is not None and optim is not None:
-        raise CheckpointError(f"{folder}: the distributed optimizer's state of an expert-parallel legacy checkpoint "
-                              "is not read (its weights are); restore from the run's torch_dist checkpoint instead")
+    optim = legacy_reader(root, files, experts) if optimizer else None
     merged: dict[tuple[int, int], tuple[Any, dict[str, dict[tuple[str, int | None], torch.Tensor]], list[int]]] = {}
     for stage in range(pp):
         chunks: dict[int, list[tuple[Any, dict[str, dict[str, torch.Tensor]]]]] = {}
@@ -160,11 +157,10 @@ def read_legacy(folder: Path, *, optimizer: bool = False) -> tuple[dict[str, tor
                 info["args"], info["iteration"] = obj.get("args"), obj.get("iteration")
                 _check_ranks(info["args"], tp, pp, root)
                 moe.check_legacy(info["args"], tp, root.display(rel))
-            check_chunks(info, len(models), where, optim is not None)
+            check_chunks(info, len(models), where)
+            states = optim((t, stage), obj, models, pp, info) if optim is not None else None
             for v, model in enumerate(models):
-                parts = {"": model}
-                if optim is not None:
-                    parts.update(optim(rel, obj, model, stage, pp, info))
+                parts = {"": model, **(states[v] if states is not None else {})}
                 chunks.setdefault(v, []).append((where, parts))
         for v, shards in chunks.items():
             merged[(v, stage)] = _merge_chunk(shards)

@@ -21,7 +21,14 @@ With ``optimizer="distributed"`` (``--megatron-optimizer distributed``) the ``op
 Refused by name: an optimizer that is not Adam (no moments for some parameter), steps that differ between
 parameters, hyper-parameters that differ inside one of megatron's groups, and reduced-precision weights (a bf16 or
 fp16 model trains with megatron's ``Float16OptimizerWithFloat16Params``, whose fp32 master copies ckptio does not
-write), and the legacy layout (its ``optimizer`` entry keys the state by parameter position on each rank).
+write), and in the legacy layout the distributed optimizer, experts and virtual pipeline stages. The legacy layout
+gets the plain optimizer of a dense model: each rank file's ``optimizer`` is the fp32 optimizer's torch state dict,
+Adam's state keyed by position (:func:`legacy_optimizer`), and its ``opt_param_scheduler``.
+
+A mixture of experts (a Mixtral) goes as megatron-core's ``get_megatron_optimizer`` chains it: a second optimizer
+over the expert-parallel parameters (its own ``is_expert_parallel`` groups), ``common.pt``'s ``optimizer`` the two
+states ``{0: dense, 1: experts}``, their tensors keyed without a ``chained_N.`` prefix as ``content_metadata``'s
+``chained_optim_avoid_prefix`` says (Megatron-LM's saves set it).
 """
 
 from __future__ import annotations
@@ -107,9 +114,11 @@ def _megatron_group(name: str, shape: tuple[int, ...]) -> int:
     return 1 if len(shape) == 1 or name.endswith(".bias") else 0
 
 
-def param_groups(adam: SourceAdam, names: dict[str, tuple[int, ...]]) -> list[dict[str, Any]]:
+def param_groups(adam: SourceAdam, names: dict[str, tuple[int, ...]], expert: bool = False) -> list[dict[str, Any]]:
     """megatron-core's two parameter groups for the Hugging Face parameters ``names`` (name: shape), with the
-    source's hyper-parameters (equal inside each group, else refused) and megatron's group keys."""
+    source's hyper-parameters (equal inside each group, else refused) and megatron's group keys; ``expert``: the
+    groups of the experts' optimizer (``is_expert_parallel``), only those that have parameters (megatron-core's
+    ``_get_param_groups`` makes a group per kind of parameter present)."""
     groups: list[dict[str, Any] | None] = [None, None]
     for name, shape in names.items():
         which = _megatron_group(name, shape)
@@ -122,11 +131,18 @@ def param_groups(adam: SourceAdam, names: dict[str, tuple[int, ...]]) -> list[di
                                   f"than the other parameters of megatron's {'no-' if which else ''}weight-decay group")
     out = []
     for which, given in enumerate(groups):
+        if expert and given is None:
+            continue
         hyper = dict(given if given is not None else (groups[1 - which] or {}))
         lr = float(hyper.get("lr", 0.0))
-        out.append({**hyper, "wd_mult": 0.0 if which else 1.0, "lr_mult": 1.0, "is_expert_parallel": False,
+        out.append({**hyper, "wd_mult": 0.0 if which else 1.0, "lr_mult": 1.0, "is_expert_parallel": expert,
                     "is_decoupled_lr": False, "default_config": True, "max_lr": lr, "min_lr": lr})
     return out
+
+
+def _is_expert(name: str) -> bool:
+    """A Hugging Face MoE parameter that megatron-core's experts' optimizer holds (not the router)."""
+    return ".experts." in name
 
 
 def _differ(a: dict[str, Any], b: dict[str, Any]) -> str:
@@ -151,18 +167,61 @@ def common_entries(adam: SourceAdam, args: argparse.Namespace, layout: str, kind
     if kind not in ("plain", "distributed"):
         raise ConfigError(f"--megatron-optimizer {kind!r}: use 'plain' (megatron-core's FP32Optimizer) or "
                           "'distributed' (its DistributedOptimizer, fully_reshardable format)")
-    if layout != "dist":
-        raise ConfigError(f"{adam.where}: the optimizer is written into torch_dist exports only (the legacy layout's "
-                          "'optimizer' entry keys Adam's state by parameter position on each rank); use "
-                          "--megatron-layout dist")
+    if layout != "dist" and (kind != "plain" or getattr(args, "num_experts", None) or
+                             (getattr(args, "virtual_pipeline_model_parallel_size", None) or 1) > 1):
+        raise ConfigError(f"{adam.where}: the optimizer goes into a legacy export for megatron-core's plain optimizer "
+                          "of a dense model without virtual pipeline stages only (the distributed optimizer's "
+                          "distrib_optim.pt, the experts' chained optimizer and the chunks' order are not written); "
+                          "use --megatron-layout dist")
     if getattr(args, "bf16", False) or getattr(args, "fp16", False):
         raise ConfigError(f"{adam.where}: a {'bf16' if args.bf16 else 'fp16'} model trains in Megatron with "
                           "Float16OptimizerWithFloat16Params (fp32 master copies beside the weights), which ckptio "
                           "does not write; convert with --dtype fp32 to carry the optimizer")
     names = {n: tuple(i.shape) for n, i in adam.moments["exp_avg"].index().items()}
-    groups = param_groups(adam, names)
-    optimizer: dict[str, Any] = {"state": {"common_step": torch.tensor(adam.step)}, "param_groups": groups}
-    if kind == "distributed":
-        optimizer = {"optimizer": {"param_groups": [{**g, "step": adam.step} for g in groups]},
-                     "param_state_sharding_type": "fully_reshardable"}
-    return {"optimizer": optimizer, "opt_param_scheduler": scheduler_state(groups, adam.step, args)}
+    chained = [param_groups(adam, {n: s for n, s in names.items() if not _is_expert(n)})]
+    if any(map(_is_expert, names)):  # megatron-core chains a second optimizer over the expert-parallel parameters
+        chained.append(param_groups(adam, {n: s for n, s in names.items() if _is_expert(n)}, expert=True))
+    states: list[dict[str, Any]] = []
+    for groups in chained:
+        states.append({"state": {"common_step": torch.tensor(adam.step)}, "param_groups": groups}
+                      if kind == "plain" else
+                      {"optimizer": {"param_groups": [{**g, "step": adam.step} for g in groups]},
+                       "param_state_sharding_type": "fully_reshardable"})
+    out = {"optimizer": states[0] if len(states) == 1 else dict(enumerate(states)),
+           "opt_param_scheduler": scheduler_state(chained[0], adam.step, args)}
+    if len(states) > 1:  # the chained states' tensors keyed without a chained_N. prefix, as Megatron-LM saves them
+        out["content_metadata"] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
+                                   **({"distrib_optim_sharding_type": "fully_reshardable"} if kind != "plain" else {})}
+    return out
+
+
+_LEGACY_ORDER = ("input_layernorm.weight", "self_attention.linear_proj.weight", "self_attention.linear_qkv.weight",
+                 "self_attention.linear_qkv.bias", "self_attention.q_layernorm.weight",
+                 "self_attention.k_layernorm.weight", "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight",
+                 "mlp.linear_fc2.weight")
+"""A layer's parameters in the order megatron-core's local spec registers them (``TransformerLayer``: the input
+norm, ``SelfAttention``: ``linear_proj`` (in ``Attention``), then ``linear_qkv``, ``q_layernorm``, ``k_layernorm``;
+the MLP's norm, ``linear_fc1``, ``linear_fc2``)."""
+
+
+def _module_order(name: str) -> tuple[int, int, int]:
+    if name.startswith("decoder.layers."):
+        layer, suffix = name[len("decoder.layers."):].split(".", 1)
+        return 1, int(layer), _LEGACY_ORDER.index(suffix)
+    return {"embedding.word_embeddings.weight": 0, "decoder.final_layernorm.weight": 2}.get(name, 3), 0, 0
+
+
+def legacy_optimizer(weights: dict[str, Any], moments: dict[str, dict[str, Any]], step: float,
+                     groups: list[dict[str, Any]]) -> dict[str, Any]:
+    """One legacy rank file's ``optimizer`` entry: the state dict of megatron-core's plain (fp32) optimizer, which
+    keys Adam's state by position: the rank's parameters in megatron-core's groups (weight decay, then none for
+    1-dim parameters and biases), each in the order the model registers them (``weights``: the rank's shard)."""
+    names = sorted((n for n, t in weights.items() if isinstance(t, torch.Tensor)), key=_module_order)
+    members = [[n for n in names if _megatron_group(n, tuple(weights[n].shape)) == which] for which in (0, 1)]
+    state, out_groups, at = {}, [], 0
+    for which, group in enumerate(members):
+        for i, name in enumerate(group):
+            state[at + i] = {"step": torch.tensor(step), **{m: moments[m][name] for m in MOMENTS}}
+        out_groups.append({**groups[which], "params": list(range(at, at + len(group)))})
+        at += len(group)
+    return {"state": state, "param_groups": out_groups}

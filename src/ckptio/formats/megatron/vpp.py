@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ...errors import CheckpointCorruptError, CheckpointError, ConfigError
+from ...errors import CheckpointCorruptError, ConfigError
 
 __all__ = ["apply", "chunk_layers", "chunk_models"]
 
@@ -35,20 +35,15 @@ def chunk_models(obj: dict[str, Any], where: object) -> list[Any]:
     return [obj[f"model{n}"] for n in numbered]
 
 
-def check_chunks(info: dict[str, Any], found: int, where: object, optimizer: bool) -> None:
+def check_chunks(info: dict[str, Any], found: int, where: object) -> None:
     """Every rank file holds as many model chunks as the first, the run's recorded number (in its args, which must
-    be an object of arguments); the distributed
-    optimizer's files of a run with chunks are refused (one gradient buffer per chunk: not read)."""
+    be an object of arguments)."""
     args = info.get("args")  # the first rank file's: refused here when it is no object of arguments
     if args is not None and not isinstance(args, dict) and not hasattr(args, "__dict__"):
         raise CheckpointCorruptError(f"{where}: the run's args are a {type(args).__name__}, not its arguments")
     if info.setdefault("vpp", found) != found:
         raise CheckpointCorruptError(f"{where}: holds {found} model chunk(s), the first rank file {info['vpp']}")
     check_recorded(info.get("args"), found, where)
-    if optimizer and found > 1:
-        raise CheckpointError(f"{where}: the distributed optimizer's distrib_optim.pt of virtual pipeline stages "
-                              "(one gradient buffer per model chunk) is not read by ckptio; its torch_dist "
-                              "checkpoints are")
 
 
 def check_recorded(args: Any, found: int, where: object) -> None:

@@ -100,6 +100,10 @@ def _tensors(source: Any, config: dict[str, Any], args: argparse.Namespace) -> d
     tied = "lm_head.weight" not in index
     naming = {"mixtral": "mixtral-to-megatron", "qwen2_moe": "qwen2moe-to-megatron"}.get(
         str(config.get("model_type")), "llama-to-megatron")
+    if naming != "llama-to-megatron":  # a checkpoint of transformers 5's live model: its experts fused
+        from ..live_experts import as_saved
+
+        source = as_saved(source, config.get("model_type"))
     renamed = _RenamedSource(_WithHead(source) if tied else source, get_converter(naming), config)
     out = {}
     for key in renamed.index():
@@ -156,6 +160,8 @@ def write_dist(folder: Path, tensors: dict[str, torch.Tensor], args: argparse.Na
         for suffix in _suffixes(args):
             state[f"{prefix}decoder.layers.{suffix}"] = torch.stack([named[f"decoder.layers.{i}.{suffix}"]
                                                                      for i in range(layers)])
+        if prefix:  # the experts' moments, stacked as their weights (whose _extra_state is the model's alone)
+            state.update({prefix + k: v for k, v in moe.dist_experts(named, args).items() if "_extra_state" not in k})
     for module in moe.extra_state_modules(args, EXTRA_STATE_MODULES):  # Megatron-Core's strict load asks for
         for i in range(layers):
             state[f"decoder.layers.{module}._extra_state/shard_{i}_{layers}"] = [None]
@@ -170,18 +176,30 @@ def write_dist(folder: Path, tensors: dict[str, torch.Tensor], args: argparse.Na
                                                       "common_backend": "torch", "common_backend_version": 1}))
 
 
-def write_legacy(folder: Path, tensors: dict[str, torch.Tensor], args: argparse.Namespace, iteration: int) -> None:
+def write_legacy(folder: Path, tensors: dict[str, torch.Tensor], args: argparse.Namespace, iteration: int,
+                 moments: dict[str, dict[str, torch.Tensor]] | None = None, common: dict[str, Any] | None = None) -> None:
     """Megatron-LM's legacy layout: each TP × PP rank's shard in ``mp_rank_TT[_PPP]/model_optim_rng.pt``, under
-    ``model`` (or ``model0``, ``model1``... with virtual pipeline stages, :mod:`~ckptio.formats.megatron.vpp`)."""
+    ``model`` (or ``model0``, ``model1``... with virtual pipeline stages, :mod:`~ckptio.formats.megatron.vpp`); with
+    ``moments``, each rank's plain optimizer state (:func:`~ckptio.formats.megatron.optim_write.legacy_optimizer`)
+    and the ``common`` scheduler."""
+    from .optim_write import legacy_optimizer
+
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
     for stage in range(pp):
         chunks = [_legacy_chunk(tensors, args, stage, v, vpp) for v in range(vpp)]
+        parts = {m: _legacy_chunk(named, args, stage, 0, 1) for m, named in (moments or {}).items()}
         for t in range(tp):
             rank_dir = folder / (f"mp_rank_{t:02d}" + (f"_{stage:03d}" if pp > 1 else ""))
             rank_dir.mkdir()
             models = {"model": chunks[0][t]} if vpp == 1 else {f"model{v}": c[t] for v, c in enumerate(chunks)}
-            torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration, **models},
+            optim = {}
+            if moments and common:  # one chunk (common_entries refuses more)
+                entry = common["optimizer"]
+                optim = {"optimizer": legacy_optimizer(chunks[0][t], {m: p[t] for m, p in parts.items()},
+                                                       float(entry["state"]["common_step"]), entry["param_groups"]),
+                         "opt_param_scheduler": common["opt_param_scheduler"]}
+            torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration, **models, **optim},
                        rank_dir / RANK_FILE)
 
 
@@ -275,9 +293,6 @@ def write(source: Any, extras: Path | None, out: Path, *, tp: int | None, pp: in
     if like is not None and adam is not None:
         args.global_batch_size = getattr(run_args(Path(like)), "global_batch_size", None)
     extra: dict[str, Any] = {}
-    if adam is not None and moe.experts_of(args):
-        raise ConfigError(f"{adam.where}: the optimizer of a mixture of experts is not written to Megatron (its "
-                          "weights are); convert the model without its optimizer (its Hugging Face bundle)")
     if adam is not None:
         from .optim_write import MOMENTS, common_entries
 
@@ -294,7 +309,7 @@ def write(source: Any, extras: Path | None, out: Path, *, tp: int | None, pp: in
         if layout == "dist":
             write_dist(writer.local_path(f"iter_{iteration:07d}"), tensors, args, iteration, **extra)
         else:
-            write_legacy(writer.local_path(f"iter_{iteration:07d}"), tensors, args, iteration)
+            write_legacy(writer.local_path(f"iter_{iteration:07d}"), tensors, args, iteration, **extra)
         writer.write_bytes(ITERATION_FILE, str(iteration).encode())
         for name in SIDE_FILES:  # generation config and tokenizer, for the way back to Hugging Face
             if extras is not None and (extras / name).is_file():

@@ -1,0 +1,182 @@
+"""The distributed optimizer's legacy ``distrib_optim.pt`` with several gradient buffers per rank, against megatron-core.
+
+``megatron_distopt_chunks.py`` has megatron-core 0.16.1 train two steps with its ``DistributedDataParallel`` and
+``get_megatron_optimizer`` and save as Megatron-LM's legacy save does:
+
+* virtual pipeline stages (PP=2 x VPP=2 x DP=2, a bucket size that splits chunk 0 of the first stage): one gradient
+  buffer per model chunk, ``distrib_optim.pt`` keyed 0, 1... in chunk order, buckets only in the first chunk;
+* expert parallelism (a Mixtral, EP=2 over DP=2): a list of the two chained optimizers' states, the dense one's
+  (written where its DP rank is 0: EP rank 0's folder, ``None`` in the others) and each EP rank's expert buffer
+  (its expert data-parallel group).
+
+Read, every parameter's fp32 master copy and Adam moments are Megatron's own (``reference_adam.pt``, from the
+optimizers' bookkeeping) bitwise, and a plain Hugging Face model with AdamW resumes with them.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptio.errors import CheckpointCorruptError, CheckpointError
+
+pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.slow  # multi-process megatron-core runs
+
+FIXTURE = Path(__file__).with_name("megatron_distopt_chunks.py")
+ITER = "iter_0000002"
+_CANONICAL = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+              "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+RUNS = {"vpp": ("--pp", "2", "--vpp", "2", "--bucket", "6192"), "ep": ("--family", "mixtral", "--ep", "2")}
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory) -> dict[str, Path]:
+    runs = {}
+    for name, layout in RUNS.items():
+        out = tmp_path_factory.mktemp(f"distopt-{name}") / "run"
+        run = subprocess.run([sys.executable, str(FIXTURE), *layout, "--dp", "2", "--out", str(out)],
+                             capture_output=True, text=True, timeout=300, start_new_session=True)
+        assert run.returncode == 0, f"megatron-core run failed:\n{run.stderr[-3000:]}"
+        runs[name] = out
+    return runs
+
+
+def _reference(run: Path) -> tuple[float, dict[str, dict[str, torch.Tensor]]]:
+    ref = torch.load(run / "reference_adam.pt")
+    out = {}
+    for name, state in ref["state"].items():
+        for old, new in _CANONICAL.items():
+            name = name.replace(old, new)
+        out[name] = state
+    return ref["step"], out
+
+
+@pytest.mark.parametrize("run", list(RUNS))
+def test_every_buffer_gives_megatrons_own_state_of_every_parameter_bitwise(made, run):
+    from ckptio.formats.megatron.format import read_legacy
+
+    step, ref = _reference(made[run])
+    assert any(".mlp.experts." in k for k in ref) == (run == "ep")
+    model, info = read_legacy(made[run] / "legacy" / ITER, optimizer=True)
+    assert info["optimizer_step"] == step == 2.0
+    assert set(info["optimizer"]["exp_avg"]) == set(model) == set(ref)
+    for name, state in ref.items():
+        for key, want in state.items():
+            got = info["optimizer"][key][name][: want.shape[0]]  # the vocabulary padding rows are cut in ref
+            assert got.dtype == want.dtype == torch.float32 and torch.equal(got, want), f"{key} of {name}"
+
+
+class _Reference:
+    """Megatron's own state (one of param / exp_avg / exp_avg_sq) as a tensor source under canonical names."""
+
+    def __init__(self, state: dict[str, dict[str, torch.Tensor]], key: str, folder: Path) -> None:
+        self.tensors, self.folder = {name: s[key] for name, s in state.items()}, folder
+
+    def index(self):
+        from ckptio.formats.common import TensorInfo
+
+        return {k: TensorInfo(tuple(v.shape), "float32") for k, v in self.tensors.items()}
+
+    def read(self, key: str) -> torch.Tensor:
+        return self.tensors[key]
+
+
+@pytest.mark.parametrize("run", list(RUNS))
+def test_a_plain_model_and_adamw_resume_with_megatrons_fp32_state_bitwise(made, tmp_path, run):
+    """A plain Llama (VPP) or Mixtral (EP; transformers 5 fuses its experts in memory) with AdamW: its weights are
+    Megatron's fp32 master copies, its moments Megatron's, bitwise, every parameter's step Megatron's 2."""
+    import json
+
+    from ckptio.convert.formats import convert
+    from ckptio.formats.live_experts import as_live
+    from ckptio.formats.naming import _RenamedSource, get_converter
+    from distributed import run_ranks
+    from megatron_shared import restore_with_adam
+
+    src = made[run] / "legacy"
+    hf = convert(src, tmp_path / "hf", "hf")
+    got = run_ranks(1, restore_with_adam, source=str(src), config=str(hf))[0]
+    assert bool((got.pop("steps") == 2).all())
+    _, ref = _reference(made[run])
+    config = json.loads((hf / "config.json").read_text())
+    naming = "megatron-to-mixtral" if run == "ep" else "megatron-to-llama"
+    want, live = {}, {k.removeprefix("model/") for k in got if k.startswith("model/")}
+    for key, prefix in (("param", "model/{}"), ("exp_avg", "optim/state.{}.exp_avg"),
+                        ("exp_avg_sq", "optim/state.{}.exp_avg_sq")):
+        source = as_live(_RenamedSource(_Reference(ref, key, hf), get_converter(naming), config), live)
+        want.update({prefix.format(name): source.read(name) for name in source.index()})
+    got = {k: v for k, v in got.items() if not k.endswith(".step")}
+    assert set(got) == set(want), sorted(set(got) ^ set(want))[:6]
+    for key, value in want.items():
+        assert got[key].dtype == torch.float32 and torch.equal(got[key], value[: got[key].shape[0]]), key
+
+
+# ------------------------------------------------------------------------------------------------ refusals
+def _copy(made: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "copy"
+    shutil.copytree(made / "legacy", dst)
+    return dst
+
+
+def _rewrite(path: Path, change) -> None:
+    obj = torch.load(path, weights_only=False)
+    obj = change(obj) or obj
+    torch.save(obj, path)
+
+
+def _read(folder: Path):
+    from ckptio.formats.megatron.format import MegatronFormat
+
+    return MegatronFormat().open_adam(folder)
+
+
+def test_a_chunk_buffer_missing_or_extra_is_refused_by_name(made, tmp_path):
+    run = _copy(made["vpp"], tmp_path)
+    _rewrite(run / ITER / "mp_rank_00_001" / "distrib_optim.pt", lambda obj: [obj.pop(1), obj][1])
+    with pytest.raises(CheckpointCorruptError, match=r"mp_rank_00_001/distrib_optim\.pt: holds the gradient buffers "
+                                                     r"\['0'\], but the rank's 2 model chunk\(s\) have 2"):
+        _read(run)
+
+
+def test_chunk_buffers_swapped_are_refused_not_misread(made, tmp_path):
+    run = _copy(made["vpp"], tmp_path)
+    _rewrite(run / ITER / "mp_rank_00_000" / "distrib_optim.pt", lambda obj: obj.update({0: obj[1], 1: obj[0]}))
+    with pytest.raises(CheckpointCorruptError, match=r"mp_rank_00_000/distrib_optim\.pt: (numel_unpadded|the fp32 "
+                                                     r"master copy)"):
+        _read(run)
+
+
+def test_expert_parallel_files_without_their_optimizers_are_refused_by_name(made, tmp_path):
+    run = _copy(made["ep"], tmp_path)
+    _rewrite(run / ITER / "mp_rank_00_001" / "distrib_optim.pt", lambda obj: obj[:1])
+    with pytest.raises(CheckpointCorruptError, match=r"mp_rank_00_001/distrib_optim\.pt: holds the state of 1 "
+                                                     r"optimizer\(s\), not the 2 .*expert-parallel"):
+        _read(run)
+    run = _copy(made["ep"], tmp_path / "b")
+    _rewrite(run / ITER / "mp_rank_00_000" / "distrib_optim.pt", lambda obj: [None, obj[1]])
+    with pytest.raises(CheckpointCorruptError, match=r"mp_rank_00_000/distrib_optim\.pt: .*no state of the dense "
+                                                     r"parameters"):
+        _read(run)
+
+
+def test_expert_ranks_files_swapped_are_refused_not_misread(made, tmp_path):
+    run = _copy(made["ep"], tmp_path)
+    a, b = (run / ITER / f"mp_rank_00_00{e}" / "distrib_optim.pt" for e in (0, 1))
+    first, second = torch.load(a, weights_only=False), torch.load(b, weights_only=False)
+    torch.save([first[0], second[1]], a)
+    torch.save([None, first[1]], b)
+    with pytest.raises(CheckpointCorruptError, match=r"distrib_optim\.pt: the fp32 master copy of .*experts"):
+        _read(run)
+
+
+def test_a_dense_run_with_chained_optimizers_is_refused(made, tmp_path):
+    run = _copy(made["vpp"], tmp_path)
+    _rewrite(run / ITER / "mp_rank_00_000" / "distrib_optim.pt", lambda obj: [obj, obj])
+    with pytest.raises(CheckpointError, match=r"2 chained optimizers"):
+        _read(run)
