@@ -1017,3 +1017,37 @@ def test_a_gcs_bucket_that_does_not_exist_is_named_when_the_manager_is_made(gcs_
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("ckptio.storage.gcs._client.GCSError: gs://" + missing + "/run1: the bucket"), last
     assert f"{missing!r} does not exist" in last and "never creates one" in last, last
+
+
+def test_a_restore_lists_the_folder_and_its_step_once_and_reads_no_byte_twice(store, monkeypatch):
+    """One restore (the manager's choice of step, its manifest, the states, the record of what it resumed from) asks
+    the store for the checkpoint folder's listing once, for the step's once, and for no byte of an object twice: the
+    folders it opens share what was listed and read (each request costs the client more CPU than a MB of data)."""
+    model, opt, mgr = _setup(store.url("once"))
+    _train(model, opt, 2, seed=1)
+    with mgr:
+        mgr.save(step=1)
+    model2, opt2, again = _setup(store.url("once"), verify="full")
+    storage = again.storage
+    listed, read = [], []
+    kind = type(storage.store)
+    real_listing, real_read = kind.listing, kind.read_into
+
+    def listing(self, prefix, *, delimiter):
+        listed.append(prefix)
+        return real_listing(self, prefix, delimiter=delimiter)
+
+    def read_into(self, key, offset, view):
+        read.append((key, offset, view.nbytes))
+        return real_read(self, key, offset, view)
+
+    with again, monkeypatch.context() as patched:
+        patched.setattr(kind, "listing", listing)
+        patched.setattr(kind, "read_into", read_into)
+        assert again.restore() is not None
+    assert sorted(listed) == ["once/", "once/epoch_0_step_1/"], listed
+    for key in {k for k, _, _ in read}:
+        spans = sorted((o, o + n) for k, o, n in read if k == key)
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), (key, read)
+    assert [k for k, _, _ in read].count("once/epoch_0_step_1/manifest.json") == 1, read
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))

@@ -292,14 +292,14 @@ class CheckpointManager:
         self.wait()
         options = load_options(self.config, ["model", "optim", *self.tracked.objects], states=states, exclude=exclude,
                                strict=strict, cast_dtype=cast_dtype)
-        target = path if path is not None else self.config.restore_from
-        start = time.perf_counter()
-        info = self._restorer.restore(None if target is None else os.fspath(target), verify, options)
-        if info is not None:
-            self._goodput.restored(info, time.perf_counter() - start)
-            self.restored = info
-            if info.path.parent == self.storage.root:
-                self._saver.protected = {info.path.name}  # retention keeps what this run resumed from
+        target, start = path if path is not None else self.config.restore_from, time.perf_counter()
+        with self.storage.session():  # the folder and the step are listed once, the manifest read once
+            info = self._restorer.restore(None if target is None else os.fspath(target), verify, options)
+            if info is not None:
+                self._goodput.restored(info, time.perf_counter() - start)
+                self.restored = info
+                if info.path.parent == self.storage.root:
+                    self._saver.protected = {info.path.name}  # retention keeps what this run resumed from
         return info
 
 

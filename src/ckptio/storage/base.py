@@ -143,6 +143,10 @@ class Storage(Protocol):
     def folder(self, rel: str = "", *, verifier: Any = None) -> Folder:
         """Read access, confined to ``rel`` inside the root (see :mod:`ckptio.storage.confined`)."""
 
+    def session(self) -> Any:
+        """A context manager: the folders opened while it lasts (one restore) may share what they listed and read
+        (an object store lists the folder and a step once; nothing to share on a local disk)."""
+
     def begin_step(self, name: str) -> FolderWriter:
         """Rank 0: start writing the step directory ``name``."""
 

@@ -8,6 +8,8 @@ reader therefore sees no directory or a complete one.
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 import uuid
 from pathlib import Path
@@ -276,6 +278,9 @@ class LocalStorage:
 
         top = Folder(self.root, verifier=verifier)  # type: ignore[arg-type]
         return top.sub(rel) if rel else top
+
+    def session(self) -> "contextlib.AbstractContextManager[None]":
+        return contextlib.nullcontext()  # the kernel keeps what a local folder lists and reads
 
     def begin_step(self, name: str) -> LocalFolderWriter:
         self.root.mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,12 @@ WINDOW_GAP = 16 << 20
 """A window goes on over a gap of up to this many bytes between ranges its handle was told it will read: one
 request less costs more than that on the loopback server (~50 ms a request at ~0.5 GB/s; FSDP's optimizer step
 counters, a few bytes each between other ranks' shards, were one request each)."""
+DIRECT = 1 << 20
+"""A read of at least this many bytes whose window would hold just it (the end of an advised range) is fetched
+straight into the reader's buffer: no window allocated, filled and copied out again."""
+BACK = 1 << 20
+"""A window begins this many bytes before its read at most: at the start of the advised range the read lies in, or
+of an object this small when nothing was advised."""
 CACHE_BYTES = 512 << 20
 """Most bytes of windows a folder tree keeps (least recently used dropped first)."""
 
@@ -48,6 +54,41 @@ class WindowCache:
             self._bytes -= len(old)
 
 
+class Session:
+    """The bucket as the folders of one read session see it (:meth:`~.storage.ObjectStorage.session`: one restore):
+    every listing is asked for once and kept, and one :class:`WindowCache` is shared. A restore opens the checkpoint
+    folder and its step several times (choosing the step, reading its manifest, planning, loading, recording what it
+    resumed from); each folder listed both again and read the manifest again, 10 listings and 4 manifest reads on
+    every rank, which cost a rank of a 4-rank restore of 256 MB more CPU than the bytes of its share of the data.
+    Every other request goes to the bucket."""
+
+    def __init__(self, store: Bucket) -> None:
+        import threading
+
+        self.store = store
+        self.cache = WindowCache()
+        self._listed: dict[tuple[str, bool], tuple[list[Obj], list[str]]] = {}
+        self._lock = threading.Lock()
+
+    def listing(self, prefix: str, *, delimiter: bool) -> tuple[list[Obj], list[str]]:
+        with self._lock:
+            found = self._listed.get((prefix, delimiter))
+        if found is None:
+            found = self.store.listing(prefix, delimiter=delimiter)
+            with self._lock:
+                self._listed[(prefix, delimiter)] = found
+        return list(found[0]), list(found[1])
+
+    def forget(self) -> None:
+        """Drop what was listed and fetched (the folder was written to)."""
+        with self._lock:
+            self._listed.clear()
+            self.cache = WindowCache()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+
 class ObjectReadHandle(ReadHandle):
     """An object of known size read with ranged requests (positional, thread-safe). A read shorter
     than :data:`WINDOW` is served from ``cache`` (fetching a window first when none holds it); a longer one
@@ -71,21 +112,41 @@ class ObjectReadHandle(ReadHandle):
         with self.cache.lock:
             found = self.cache.find(self.key, offset, n)
             if found is None:
-                buf = bytearray(self._window_end(offset, n) - offset)
-                self._get(memoryview(buf), offset)
-                self.cache.add(self.key, offset, buf)
-                found = memoryview(buf)[:n]
-            view[:] = found
+                start, end = self._window_start(offset), self._window_end(offset, n)
+                if start == offset and end == offset + n and n >= DIRECT:
+                    found = view  # the window would be just this read: fetched into its buffer, not kept
+            if found is None:
+                buf = bytearray(end - start)
+                self._get(memoryview(buf), start)
+                self.cache.add(self.key, start, buf)
+                found = memoryview(buf)[offset - start:offset - start + n]
+            if found is not view:
+                view[:] = found
+                return
+        self._get(view, offset)
+
+    def _window_start(self, offset: int) -> int:
+        """Where the window fetched for a short read at ``offset`` begins: at the read, or up to :data:`BACK` bytes
+        before it at the start of the advised range it lies in (a zip reader reads a small file's end first, then
+        the whole file: one request, not two); without advice, at 0 in an object of at most that many bytes."""
+        if self._advice is None:
+            return 0 if self.size <= BACK else offset
+        for start, stop in self._advice:
+            if start <= offset < stop:
+                return start if offset - start <= BACK else offset
+        return offset
 
     def _window_end(self, offset: int, n: int) -> int:
         """Where the window fetched for a short read at ``offset`` ends: :data:`WINDOW` on, but not past the advised
-        range it lies in (:meth:`~ckptio.storage.confined.ReadHandle.advise`), and just the read outside them."""
+        range it lies in (:meth:`~ckptio.storage.confined.ReadHandle.advise`), and just the read outside them, unless
+        an advised range begins at most :data:`BACK` bytes after it (a file's header, read before the data it
+        describes: one request for both, not three)."""
         end = min(self.size, offset + WINDOW)
         if self._advice is None:
             return end
         reach = None
         for start, stop in self._advice:
-            if reach is None and start <= offset < stop:
+            if reach is None and (start <= offset < stop or offset + n <= start < end and start - offset - n <= BACK):
                 reach = stop
             elif reach is not None and start - reach <= WINDOW_GAP and start < end:
                 reach = stop  # a short gap costs less to fetch than another request

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Any
+from typing import Any, Iterator
 
 from ...engine.manifest import held_by
 from ..confined import check_relative
 from . import refs
 from ._store import MANIFEST, MAX_POINTER_BYTES, PENDING, Bucket, Obj, ObjectPath
 from .lease import ObjectLease
-from .reader import ObjectFolder
+from .reader import ObjectFolder, Session
 from .writer import ObjectFolderWriter
 
 
@@ -23,6 +24,7 @@ class ObjectStorage:
     def __init__(self, store: Bucket, prefix: str) -> None:
         self.store, self.bucket, self.prefix = store, store.name, prefix
         self.root: ObjectPath = store.path(prefix)
+        self._session: Session | None = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({str(self.root)!r})"
@@ -32,9 +34,31 @@ class ObjectStorage:
         return "/".join((self.prefix, *parts)) if self.prefix else "/".join(parts)
 
     def folder(self, rel: str = "", *, verifier: Any = None) -> ObjectFolder:
-        top = ObjectFolder(self.store, self.prefix, verifier=verifier)
+        session = self._session
+        top = ObjectFolder(session if session is not None else self.store, self.prefix,  # type: ignore[arg-type]
+                           verifier=verifier)
+        if session is not None:
+            top._cache = session.cache
         top.holds_steps = True  # a step below it resolves its manifest's references
         return top.sub(rel) if rel else top
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        """While this lasts (one restore), the folders :meth:`folder` opens share their listings and fetched windows
+        (:class:`~.reader.Session`): the folder and a step are listed, and each byte fetched, once. A write through
+        this storage drops the listings; nested sessions are one."""
+        if self._session is not None:
+            yield
+            return
+        self._session = Session(self.store)
+        try:
+            yield
+        finally:
+            self._session = None
+
+    def _wrote(self) -> None:
+        if self._session is not None:
+            self._session.forget()
 
     def _objects(self, prefix: str) -> dict[str, Obj]:
         """rel -> the listing entry of every object below ``prefix``, recursively."""
@@ -65,6 +89,7 @@ class ObjectStorage:
         # whatever sits under this name (an interrupted save, an older step of the same name) goes first,
         # manifest first, so no object of it can end up in the new step's listing; what other steps refer to is
         # handed over to them before
+        self._wrote()
         prefix = self._key(name)
         if self._objects(prefix):
             refs.hand_over(self, name)
@@ -79,6 +104,7 @@ class ObjectStorage:
     def remove_step(self, name: str) -> None:
         """Remove the step, less the objects other committed steps refer to; then collect what it referred to that
         nothing refers to any more (objects of steps removed before, kept for it)."""
+        self._wrote()
         every = refs.references(self)
         own = every.pop(name, {})
         held = held_by(every.values())
@@ -94,6 +120,7 @@ class ObjectStorage:
 
     def remove_part(self, name: str, rel: str) -> None:
         """Remove the objects below ``rel`` of the step ``name``, and the object ``rel`` itself if there is one."""
+        self._wrote()
         parts = check_relative(rel, self.root / name)
         key = self._key(name + "/" + "/".join(parts))
         referenced = refs.referenced(self, name)
@@ -106,6 +133,7 @@ class ObjectStorage:
         """Remove steps ckptio began and never committed (in-progress mark, no manifest) whose newest object is at
         least ``older_than_s`` old, and drop unfinished uploads under the folder started that long ago. A folder
         without the mark (another tool's, such as a NeMo AutoModel step) is never removed."""
+        self._wrote()
         now = time.time()
         removed: list[ObjectPath] = []
         held: dict[str, set[str]] | None = None  # step -> its objects committed steps refer to (read once, if needed)
@@ -130,10 +158,12 @@ class ObjectStorage:
         return removed + self.store.sweep_uploads(base, older_than_s, now)
 
     def write_pointer(self, name: str, target: str) -> None:
+        self._wrote()
         self.store.put(self._key(name), (target + "\n").encode())
 
     def write_small(self, name: str, data: bytes) -> None:
         """Replace the small object ``name`` at the root whole (one write: readers see the old or the new bytes)."""
+        self._wrote()
         self.store.put(self._key(name), data)
 
     def read_pointer(self, name: str) -> str | None:
