@@ -1,7 +1,8 @@
 """Uploading to GCS from memory as the bytes are written (:class:`~ckptio.storage.objstore.upload.PartStream`): an
 object that stays within one part goes up in one request, a larger one as a resumable upload session fed a part at a
-time (GCS takes a session's bytes in order only: one part in flight). A part whose request fails is sent again from
-where the server says it has the bytes, for up to :data:`~._client.DEADLINE` seconds.
+time (GCS takes a session's bytes in order only: one part in flight). A part whose request fails is sent again, from
+where the server's last answer said it had the bytes, for up to :data:`~._client.DEADLINE` seconds (bytes a server
+took twice would not match the object's CRC-32C, checked at the end).
 
 Checked: the object's CRC-32C as GCS computed it, in its answer to the last request, must be the CRC-32C of the
 bytes handed to the client (the stream's running CRC-32C, which the manifest records); the last request also names
@@ -40,7 +41,6 @@ class GCSParts(Parts):
         self.bucket, self.key, self.where = bucket, key, bucket.path(key)
         self.part_size = PART
         self.session: str | None = None
-        self._finished: dict[str, Any] = {}
 
     def single(self, data: memoryview, crc: int) -> None:
         blob = self.bucket._bucket().blob(self.key)
@@ -100,31 +100,8 @@ class GCSParts(Parts):
                     raise GCSError(f"{what} {self.where} failed: {failure}")
             if time.monotonic() + delay > deadline:
                 raise GCSError(f"{what} {self.where} failed after {DEADLINE:.0f} s of retries: {failure}")
-            time.sleep(delay)
+            time.sleep(delay)  # then the rest of the part again: the server says what it has in its answer (308)
             delay = min(2 * delay, 8.0)
-            done = self._where_now(http, offset, end, total, done)
-            if done < 0:
-                return self._finished
-
-    def _where_now(self, http: Any, offset: int, end: int, total: int | None, done: int) -> int:
-        """How much of the part the server has (asked after a failed request; ``done`` if it cannot say); -1 when
-        the object is made already (its answer kept in :attr:`_finished`)."""
-        from requests import RequestException
-
-        try:
-            answer = http.request("PUT", self.session, data=b"", timeout=timeout(),
-                                  headers={"Content-Range": f"bytes */{total if total is not None else '*'}",
-                                           "Content-Length": "0"})
-        except (RequestException, ConnectionError, TimeoutError):
-            return done
-        if answer.status_code in (200, 201):
-            self._finished = answer.json()
-            return -1
-        if answer.status_code == 308:
-            have = _persisted(answer)
-            if offset <= have <= end:
-                return have - offset
-        return done
 
     def _check(self, theirs: Any, size: Any, generation: Any, want_size: int, crc: int) -> None:
         """The object GCS made must be the bytes sent: its CRC-32C and size; else it is removed."""
