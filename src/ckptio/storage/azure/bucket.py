@@ -140,7 +140,7 @@ class AzureBucket(Bucket):
 
 class AzureWriteStream(PartStream):
     """A new blob uploaded from memory as it is written: blocks of :data:`~._client.UPLOAD_BLOCK` staged
-    :data:`~._client.THREADS` at once and committed by their list at :meth:`close` (a blob within one block: one
+    :data:`~._client.UPLOAD_THREADS` at once and committed by their list at :meth:`close` (a blob within one block: one
     request); no local spool."""
 
     def __init__(self, bucket: AzureBucket, key: str) -> None:
@@ -153,9 +153,8 @@ class _Blocks(Parts):
     upload) or a CRC-64 the client computes with an optional extension; the bytes sent are the part buffer whose
     CRC-32C the manifest records, so a restore checks them (and the connection's TLS, those in transit)."""
 
-    threads = THREADS
-
     def __init__(self, bucket: AzureBucket, key: str) -> None:
+        self.threads = _client.UPLOAD_THREADS
         self.blob, self.where = bucket._blob(key), bucket.path(key)
         self.part_size = _client.UPLOAD_BLOCK
         self.prefix = uuid.uuid4().hex[:16]  # the ids of one upload's blocks (all of one length, as Azure wants)

@@ -4,6 +4,7 @@ a create-only condition."""
 
 from __future__ import annotations
 
+import threading
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,7 @@ class ObjectFolderWriter:
         self.store = storage.store
         self.prefix = storage._key(name)
         self._scratch: Scratch | None = None
+        self._scratch_lock = threading.Lock()
         self._local_sums: dict[str, str] = {}
         self.regions = self.store.spools
         """Whether a file of :meth:`open` may be written as regions by several threads (see :attr:`Bucket.spools`)."""
@@ -34,11 +36,12 @@ class ObjectFolderWriter:
     def spool(self) -> Path:
         """This writer's local scratch folder, made when first needed (an S3 upload's spool, :meth:`local_path`):
         a save to a store that uploads from memory makes none."""
-        if self._scratch is None:
-            # ranks other than the committing one never call commit/abort: their spool goes with the writer; a
-            # killed process's is removed by the next process that spools (ckptio.storage.scratch)
-            self._scratch = Scratch(f"ckptio-{self.store.path_type.scheme}-{self.name}-")
-        return self._scratch.path
+        with self._scratch_lock:  # files are opened on several threads: one folder (a second would be collected)
+            if self._scratch is None:
+                # ranks other than the committing one never call commit/abort: their spool goes with the writer; a
+                # killed process's is removed by the next process that spools (ckptio.storage.scratch)
+                self._scratch = Scratch(f"ckptio-{self.store.path_type.scheme}-{self.name}-")
+            return self._scratch.path
 
     @property
     def _local(self) -> Path:
