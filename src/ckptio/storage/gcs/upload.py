@@ -14,13 +14,10 @@ from __future__ import annotations
 import base64
 import io
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..objstore.upload import Parts
 from ._client import DEADLINE, GCSError, _call, client, retry, timeout
-
-if TYPE_CHECKING:
-    from .bucket import GCSBucket
 
 PART = 16 << 20
 """Bytes a request of a resumable upload carries (GCS: a multiple of 256 KiB)."""
@@ -37,7 +34,7 @@ class GCSParts(Parts):
 
     threads = 1
 
-    def __init__(self, bucket: "GCSBucket", key: str) -> None:
+    def __init__(self, bucket: Any, key: str) -> None:
         self.bucket, self.key, self.where = bucket, key, bucket.path(key)
         self.part_size = PART
         self.session: str | None = None
