@@ -394,7 +394,7 @@ class _FaultyProxy:
     (``SlowDown``, as S3 does under load), a 409 (``ConditionalRequestConflict``, as S3 answers a
     conditional write racing another; moto never does), a 403 (``refuse``: a write the server will not take, retried by
     no client), drops the connection without an answer, before (``drop``) or after (``lost``) the server carried the
-    request out, answers half the body then drops (``cut``), or holds the request :attr:`stall_s` seconds before
+    request out, answers half the body then drops (``cut``), forwards the request with a byte of its body flipped (``flip``), or holds the request :attr:`stall_s` seconds before
     carrying it out (``stall``: a server slower than the client's read timeout), by a rule on (method, path, query)."""
 
     stall_s = 4.0
@@ -457,6 +457,9 @@ class _FaultyProxy:
                 if action == "stall":
                     proxy.faults.append(("stall", self.command, self.path))
                     time.sleep(proxy.stall_s)
+                if action == "flip" and body:  # one byte of the request's body damaged on the way
+                    proxy.faults.append(("flip", self.command, self.path))
+                    body = body[:len(body) // 2] + bytes([body[len(body) // 2] ^ 0xFF]) + body[len(body) // 2 + 1:]
                 conn = http.client.HTTPConnection(host, port, timeout=60)
                 headers = {k: v for k, v in self.headers.items() if k.lower() != "transfer-encoding"}
                 headers["Content-Length"] = str(len(body))

@@ -173,7 +173,9 @@ class _OneFilePerRank(FileSystemWriter):
         name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
         path = str(self.fs.concat_path(self.path, name))
         values = _ResolvedOnce(planner)
-        groups = [g for g in _balanced(plan.items, self.thread_count) if g] if self.thread_count > 1 else []
+        # a writer whose files are uploaded from memory as written (GCS, Azure) takes them front to back only
+        threads = self.thread_count if getattr(self.fs.writer, "regions", True) else 1
+        groups = [g for g in _balanced(plan.items, threads) if g] if threads > 1 else []
         results: list[Any] = []
         if len(groups) < 2:
             with self.fs.create_stream(path, "wb") as stream:
@@ -191,11 +193,11 @@ class _OneFilePerRank(FileSystemWriter):
                 except BaseException as exc:  # on the calling thread: raised below, after every thread ended
                     failed.append(exc)
 
-            threads = [threading.Thread(target=write, args=(k,), name=f"ckptio-dcp-{k}") for k in range(1, len(groups))]
-            for t in threads:
+            workers = [threading.Thread(target=write, args=(k,), name=f"ckptio-dcp-{k}") for k in range(1, len(groups))]
+            for t in workers:
                 t.start()
             write(0)
-            for t in threads:
+            for t in workers:
                 t.join()
             if failed:
                 raise failed[0]

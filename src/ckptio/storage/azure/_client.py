@@ -21,6 +21,11 @@ THREADS = 4
 SINGLE_PUT = 64 << 20
 """A file up to this size goes up in one request; a larger one in blocks of :data:`BLOCK` (the client's defaults)."""
 BLOCK = 4 << 20
+UPLOAD_BLOCK = 16 << 20
+"""The blocks a file written by a save is uploaded in, from memory (:class:`~.bucket.AzureWriteStream`)."""
+UPLOAD_THREADS = 2
+"""Blocks of one such file staged at once (measured: 16 MiB blocks 2 at a time cost ~15% less CPU than 8 MiB 4 at a
+time, the client's pipeline running once a block)."""
 SCHEMES = ("az", "abfs")
 """fsspec's (adlfs's) two names for a blob container: ``az://container/path`` and ``abfs://container/path``."""
 _ENV = ("AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT_URL", "AZURE_STORAGE_ACCOUNT_NAME",

@@ -5,12 +5,15 @@
 from __future__ import annotations
 
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from ...errors import CheckpointNotFoundError
-from ..objstore._store import Bucket, IntoView, Obj, SpooledUpload
+from ..objstore._store import Bucket, IntoView, Obj
+from ..objstore.upload import Parts, PartStream
+from . import _client
 from ._client import THREADS, AbfsPath, AzPath, AzureError, _call, client, split_account
 
 COPY_POLL_S = 0.2
@@ -129,13 +132,49 @@ class AzureBucket(Bucket):
             _call("uploading", self.path(key), self._blob(key).upload_blob, f, length=size, overwrite=True,
                   max_concurrency=THREADS, **_conditions(if_absent, None))
 
-    def open_stream(self, spool: Path, key: str) -> "AzureWriteStream":
-        return AzureWriteStream(spool, self, key)
+    spools = False
+
+    def open_stream(self, spool: Path | None, key: str) -> "AzureWriteStream":
+        return AzureWriteStream(self, key)
 
 
-class AzureWriteStream(SpooledUpload):
-    """A file spooled locally with a running CRC-32C and uploaded when it is closed (one request up to 64 MiB, blocks
-    sent in parallel above)."""
+class AzureWriteStream(PartStream):
+    """A new blob uploaded from memory as it is written: blocks of :data:`~._client.UPLOAD_BLOCK` staged
+    :data:`~._client.UPLOAD_THREADS` at once and committed by their list at :meth:`close` (a blob within one block: one
+    request); no local spool."""
+
+    def __init__(self, bucket: AzureBucket, key: str) -> None:
+        super().__init__(_Blocks(bucket, key), bucket.path(key))
+
+
+class _Blocks(Parts):
+    """One blob uploaded block by block (``stage_block``, retried by the client's policy; ``commit_block_list``).
+    A block goes up with no checksum of its own: Azure checks only MD5 (~1.3 CPU-s/GB here, twice the whole raw
+    upload) or a CRC-64 the client computes with an optional extension; the bytes sent are the part buffer whose
+    CRC-32C the manifest records, so a restore checks them (and the connection's TLS, those in transit)."""
+
+    def __init__(self, bucket: AzureBucket, key: str) -> None:
+        self.threads = _client.UPLOAD_THREADS
+        self.blob, self.where = bucket._blob(key), bucket.path(key)
+        self.part_size = _client.UPLOAD_BLOCK
+        self.prefix = uuid.uuid4().hex[:16]  # the ids of one upload's blocks (all of one length, as Azure wants)
+
+    def _id(self, number: int) -> str:
+        return f"{self.prefix}{number:08d}"
+
+    def send(self, number: int, offset: int, data: memoryview, crc: int) -> None:
+        _call(f"uploading block {number + 1} of", self.where, self.blob.stage_block, self._id(number), data,
+              length=data.nbytes)
+
+    def finish(self, number: int, offset: int, data: memoryview, crc: int, size: int, total_crc: int) -> None:
+        if data.nbytes:
+            self.send(number, offset, data, crc)
+            number += 1
+        _call("committing the blocks of", self.where, self.blob.commit_block_list,
+              [self._id(n) for n in range(number)])
+
+    def single(self, data: memoryview, crc: int) -> None:
+        _call("uploading", self.where, self.blob.upload_blob, bytes(data), length=data.nbytes, overwrite=True)
 
 
 def _obj(props: Any) -> Obj:

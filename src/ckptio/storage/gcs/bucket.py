@@ -9,8 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import CheckpointNotFoundError
-from ..objstore._store import Bucket, IntoView, Obj, SpooledUpload
+from ..objstore._store import Bucket, IntoView, Obj
+from ..objstore.upload import PartStream
 from ._client import DELETE_THREADS, GSPath, _call, client, retry, timeout
+from .upload import GCSParts
 
 
 class GCSBucket(Bucket):
@@ -86,10 +88,15 @@ class GCSBucket(Bucket):
               content_type="application/octet-stream", if_generation_match=0 if if_absent else None, timeout=timeout(),
               retry=retry())
 
-    def open_stream(self, spool: Path, key: str) -> "GCSWriteStream":
-        return GCSWriteStream(spool, self, key)
+    spools = False
+
+    def open_stream(self, spool: Path | None, key: str) -> "GCSWriteStream":
+        return GCSWriteStream(self, key)
 
 
-class GCSWriteStream(SpooledUpload):
-    """A file spooled locally with a running CRC-32C and uploaded when it is closed (the client checks the upload
-    with its own CRC-32C; a large file goes up as a resumable upload)."""
+class GCSWriteStream(PartStream):
+    """A new object uploaded from memory as it is written, checked against its CRC-32C (see :mod:`.upload`); no
+    local spool."""
+
+    def __init__(self, bucket: GCSBucket, key: str) -> None:
+        super().__init__(GCSParts(bucket, key), bucket.path(key))

@@ -1,7 +1,7 @@
 """What a checkpoint folder in object storage needs from a bucket, whatever the cloud: the :class:`Bucket` interface
 each backend implements with its own client (:mod:`ckptio.storage.s3`, :mod:`ckptio.storage.gcs`), the printed
-location of an object (:class:`ObjectPath`), the errors every backend raises, and the pieces two backends share (a
-file spooled and uploaded whole at close, :class:`SpooledUpload`; a download into a buffer, :class:`IntoView`)."""
+location of an object (:class:`ObjectPath`), the errors every backend raises, and a piece two backends share (a
+download into a buffer, :class:`IntoView`; their uploads from memory: :mod:`.upload`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from ...engine.manifest import MANIFEST_NAME as MANIFEST  # noqa: F401  (the com
 from ...engine.manifest import PENDING_NAME as PENDING  # noqa: F401  (written first, removed after the manifest)
 from ...errors import CheckpointError, ConfigError
 from ..confined import UnsafePathError, check_relative
-from ..local import LocalWriteStream
 
 LEASE_SECONDS = 120.0
 """A writer lease not renewed for this long belongs to a process that is gone and may be taken over."""
@@ -131,39 +130,19 @@ class Bucket(ABC):
         """Upload a local file as the object ``key`` (create-only with ``if_absent``)."""
 
     @abstractmethod
-    def open_stream(self, spool: Path, key: str) -> Any:
-        """A :class:`~ckptio.storage.base.WriteStream` that becomes the object ``key`` when it is closed, spooled
-        at ``spool`` meanwhile."""
+    def open_stream(self, spool: Path | None, key: str) -> Any:
+        """A :class:`~ckptio.storage.base.WriteStream` that becomes the object ``key`` when it is closed, its bytes
+        kept at ``spool`` meanwhile by a bucket that :attr:`spools` (``None`` for one that does not)."""
+
+    spools = True
+    """Whether a stream of :meth:`open_stream` keeps its bytes in a local file (S3's: its parts are read back from
+    it), which several threads may also write regions of at once (:mod:`ckptio.storage.regions`); ``False``: the
+    stream uploads from memory as it is written, front to back (GCS's and Azure's, :mod:`.upload`)."""
 
     def sweep_uploads(self, prefix: str, older_than_s: float, now: float) -> list[ObjectPath]:
         """Drop the unfinished uploads below ``prefix`` started at least ``older_than_s`` ago that the store keeps
         (S3's multipart uploads); returns them. Nothing, for a store that keeps none."""
         return []
-
-
-class SpooledUpload(LocalWriteStream):
-    """A file spooled locally with a running CRC-32C and uploaded when it is closed, by its bucket's
-    :meth:`Bucket.upload_file` (for a store whose client sends a large file in parallel requests itself: GCS's
-    resumable upload, Azure's blocks)."""
-
-    def __init__(self, spool: Path, bucket: Bucket, key: str) -> None:
-        spool.parent.mkdir(parents=True, exist_ok=True)
-        super().__init__(spool, durable=False)
-        self.bucket, self.key = bucket, key
-
-    def close(self) -> str:
-        if self._digest is not None:
-            return self._digest
-        digest = super().close()
-        try:
-            self.bucket.upload_file(self.path, self.key)
-        finally:
-            self.path.unlink(missing_ok=True)
-        return digest
-
-    def discard(self) -> None:
-        super().discard()
-        self.path.unlink(missing_ok=True)
 
 
 class IntoView:

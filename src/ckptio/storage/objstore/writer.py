@@ -1,8 +1,10 @@
-"""Writing a folder to object storage: files spooled and uploaded as the store's backend does it, a step committed by
-its manifest, written last with a create-only condition."""
+"""Writing a folder to object storage: files uploaded as the store's backend does it (S3: spooled and sent in parts as
+they are written; GCS, Azure: from memory, see :mod:`.upload`), a step committed by its manifest, written last with
+a create-only condition."""
 
 from __future__ import annotations
 
+import threading
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,12 +26,30 @@ class ObjectFolderWriter:
         self.storage, self.name, self.token = storage, name, name
         self.store = storage.store
         self.prefix = storage._key(name)
-        # ranks other than the committing one never call commit/abort: their spool goes with the writer; a killed
-        # process's is removed by the next process that spools (ckptio.storage.scratch)
-        self._scratch = Scratch(f"ckptio-{self.store.path_type.scheme}-{name}-")
-        self.spool = self._scratch.path
-        self._local = self.spool / "local"
+        self._scratch: Scratch | None = None
+        self._scratch_lock = threading.Lock()
         self._local_sums: dict[str, str] = {}
+        self.regions = self.store.spools
+        """Whether a file of :meth:`open` may be written as regions by several threads (see :attr:`Bucket.spools`)."""
+
+    @property
+    def spool(self) -> Path:
+        """This writer's local scratch folder, made when first needed (an S3 upload's spool, :meth:`local_path`):
+        a save to a store that uploads from memory makes none."""
+        with self._scratch_lock:  # files are opened on several threads: one folder (a second would be collected)
+            if self._scratch is None:
+                # ranks other than the committing one never call commit/abort: their spool goes with the writer; a
+                # killed process's is removed by the next process that spools (ckptio.storage.scratch)
+                self._scratch = Scratch(f"ckptio-{self.store.path_type.scheme}-{self.name}-")
+            return self._scratch.path
+
+    @property
+    def _local(self) -> Path:
+        return self.spool / "local"
+
+    def _drop_spool(self) -> None:
+        if self._scratch is not None:
+            self._scratch.remove()
 
     def _where(self, rel: str) -> ObjectPath:
         return self.storage.root / self.name / rel  # type: ignore[return-value]
@@ -38,7 +58,8 @@ class ObjectFolderWriter:
         return "/".join((self.prefix, *check_relative(rel, self._where(""))))
 
     def open(self, rel: str) -> Any:
-        return self.store.open_stream(self.spool / "streams" / uuid.uuid4().hex, self._key(rel))
+        key = self._key(rel)
+        return self.store.open_stream(self.spool / "streams" / uuid.uuid4().hex if self.store.spools else None, key)
 
     def write_bytes(self, rel: str, data: bytes) -> str:
         with self.open(rel) as stream:
@@ -64,7 +85,7 @@ class ObjectFolderWriter:
     def _upload_local(self) -> None:
         from ..checksum import file_checksum
 
-        if self._local.is_dir():
+        if self._scratch is not None and self._local.is_dir():
             for path in sorted(self._local.rglob("*")):
                 rel = path.relative_to(self._local).as_posix()
                 if path.is_file() and not path.is_symlink() and rel not in self._local_sums:
@@ -110,10 +131,8 @@ class ObjectFolderWriter:
 
             _faults.point("commit.before_manifest")
             name, data = manifest
-            path = self.spool / "manifest"
-            path.write_bytes(data)
             try:
-                self.store.upload_file(path, self._key(name), if_absent=True)
+                self.store.put(self._key(name), data, if_absent=True)
             except PreconditionFailed:
                 if self._landed(name, data):
                     pass  # this writer's own upload, whose answer was lost and which the client tried again
@@ -124,7 +143,7 @@ class ObjectFolderWriter:
                 self.store.delete(self._key(PENDING))
             except Exception:  # noqa: BLE001
                 pass
-        self._scratch.remove()
+        self._drop_spool()
         return self._where("").parent / self.name  # type: ignore[return-value]
 
     def _landed(self, name: str, data: bytes) -> bool:
@@ -137,9 +156,9 @@ class ObjectFolderWriter:
         return there == data
 
     def abort(self) -> None:
-        self._scratch.remove()
+        self._drop_spool()
         self.storage._delete_prefix(self.prefix, manifest_first=True)
 
     def abort_spool(self) -> None:
         """Drop the local spool only: objects already uploaded stay (adding files to a committed step)."""
-        self._scratch.remove()
+        self._drop_spool()

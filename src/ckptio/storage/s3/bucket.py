@@ -82,7 +82,8 @@ class S3Bucket(Bucket):
     def upload_file(self, path: Path, key: str, *, if_absent: bool = False) -> None:
         upload_file(path, self.name, key, self.path(key), if_none_match=if_absent)
 
-    def open_stream(self, spool: Path, key: str) -> S3WriteStream:
+    def open_stream(self, spool: Path | None, key: str) -> S3WriteStream:
+        assert spool is not None, "an S3 upload spools its parts"
         return S3WriteStream(spool, self.name, key, self.path(key))  # type: ignore[arg-type]
 
     def sweep_uploads(self, prefix: str, older_than_s: float, now: float) -> list[ObjectPath]:

@@ -1,0 +1,127 @@
+"""Uploading to GCS from memory as the bytes are written (:class:`~ckptio.storage.objstore.upload.PartStream`): an
+object that stays within one part goes up in one request, a larger one as a resumable upload session fed a part at a
+time (GCS takes a session's bytes in order only: one part in flight). A part whose request fails is sent again, from
+where the server's last answer said it had the bytes, for up to :data:`~._client.DEADLINE` seconds (bytes a server
+took twice would not match the object's CRC-32C, checked at the end).
+
+Checked: the object's CRC-32C as GCS computed it, in its answer to the last request, must be the CRC-32C of the
+bytes handed to the client (the stream's running CRC-32C, which the manifest records); the last request also names
+it (``X-Goog-Hash``), which GCS checks before it makes the object. An object that does not match is removed and the
+save fails naming it."""
+
+from __future__ import annotations
+
+import base64
+import io
+import time
+from typing import Any
+
+from ..objstore.upload import Parts
+from ._client import DEADLINE, GCSError, _call, client, retry, timeout
+
+PART = 16 << 20
+"""Bytes a request of a resumable upload carries (GCS: a multiple of 256 KiB)."""
+_TRANSIENT = frozenset({408, 429, 500, 502, 503, 504})
+
+
+def _b64(crc: int) -> str:
+    """A CRC-32C as GCS writes it (base64 of its 4 big-endian bytes)."""
+    return base64.b64encode(crc.to_bytes(4, "big")).decode()
+
+
+class GCSParts(Parts):
+    """One object of a GCS bucket, uploaded part by part (see the module)."""
+
+    threads = 1
+
+    def __init__(self, bucket: Any, key: str) -> None:
+        self.bucket, self.key, self.where = bucket, key, bucket.path(key)
+        self.part_size = PART
+        self.session: str | None = None
+
+    def single(self, data: memoryview, crc: int) -> None:
+        blob = self.bucket._bucket().blob(self.key)
+        # the client computes no checksum of its own (checksum=None): the one compared is ckptio's, below
+        _call("uploading", self.where, blob.upload_from_file, io.BytesIO(data), size=data.nbytes,
+              content_type="application/octet-stream", checksum=None, timeout=timeout(), retry=retry())
+        self._check(blob.crc32c, blob.size, blob.generation, data.nbytes, crc)
+
+    def send(self, number: int, offset: int, data: memoryview, crc: int) -> None:
+        if self.session is None:
+            blob = self.bucket._bucket().blob(self.key)
+            self.session = _call("starting the upload of", self.where, blob.create_resumable_upload_session,
+                                 content_type="application/octet-stream", checksum=None, timeout=timeout(),
+                                 retry=retry())
+        self._put(number, offset, data, None, None)
+
+    def finish(self, number: int, offset: int, data: memoryview, crc: int, size: int, total_crc: int) -> None:
+        answer = self._put(number, offset, data, size, total_crc)
+        self._check(answer.get("crc32c"), answer.get("size"), answer.get("generation"), size, total_crc)
+
+    def _put(self, number: int, offset: int, data: memoryview, total: int | None, crc: int | None) -> dict[str, Any]:
+        """PUT ``data`` at ``offset`` of the session (``total``: the object's size, on the last request), sending
+        again what the server did not take; the server's JSON answer once the object is made, else ``{}``."""
+        from requests import RequestException
+
+        assert self.session is not None
+        http, end = client()._http, offset + data.nbytes
+        deadline, delay, done = time.monotonic() + DEADLINE, 0.5, 0
+        what = f"uploading part {number + 1} of"
+        while True:
+            rest = data[done:]
+            headers = {"Content-Type": "application/octet-stream", "Content-Length": str(rest.nbytes),
+                       "Content-Range": f"bytes {offset + done}-{end - 1}/{total if total is not None else '*'}"
+                       if rest.nbytes else f"bytes */{total}"}
+            if crc is not None:
+                headers["X-Goog-Hash"] = f"crc32c={_b64(crc)}"
+            try:
+                answer = http.request("PUT", self.session, data=rest if rest.nbytes else b"", headers=headers, timeout=timeout())
+                failure = f"{answer.status_code} {answer.text[:300]}"
+            except (RequestException, ConnectionError, TimeoutError) as exc:
+                answer, failure = None, f"{type(exc).__name__}: {exc}"
+            if answer is not None:
+                if answer.status_code in (200, 201):
+                    return answer.json()
+                if answer.status_code == 308:
+                    have = _persisted(answer)
+                    if have == end and total is None:
+                        return {}
+                    if not offset <= have <= end:
+                        raise GCSError(f"{what} {self.where} failed: the server has {have} bytes of the upload, "
+                                       f"this part is bytes {offset} to {end}")
+                    if have > offset + done:  # part of the request went in: the rest is sent again at once
+                        done = have - offset
+                        continue
+                    failure = f"308 with no progress (the server has {have} bytes)"
+                elif answer.status_code not in _TRANSIENT:
+                    raise GCSError(f"{what} {self.where} failed: {failure}")
+            if time.monotonic() + delay > deadline:
+                raise GCSError(f"{what} {self.where} failed after {DEADLINE:.0f} s of retries: {failure}")
+            time.sleep(delay)  # then the rest of the part again: the server says what it has in its answer (308)
+            delay = min(2 * delay, 8.0)
+
+    def _check(self, theirs: Any, size: Any, generation: Any, want_size: int, crc: int) -> None:
+        """The object GCS made must be the bytes sent: its CRC-32C and size; else it is removed."""
+        if theirs == _b64(crc) and size is not None and int(size) == want_size:
+            return
+        try:
+            blob = self.bucket._bucket().blob(self.key, generation=int(generation) if generation else None)
+            _call("removing", self.where, blob.delete, timeout=timeout(), retry=retry())
+        except Exception:  # noqa: BLE001 - a step's objects go with it when the failed save is cleaned up
+            pass
+        raise GCSError(f"uploading {self.where} failed: the object GCS made ({size} bytes, CRC-32C {theirs}) is not "
+                       f"what was sent ({want_size} bytes, CRC-32C {_b64(crc)}): damaged on the way; removed")
+
+    def abort(self) -> None:
+        if self.session is None:
+            return
+        try:  # a resumable session is cancelled by a DELETE of its URL (it would expire in a week anyway)
+            client()._http.request("DELETE", self.session, timeout=timeout())
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _persisted(answer: Any) -> int:
+    """The bytes a session holds, from a ``308``'s ``Range: bytes=0-N`` (none: 0)."""
+    value = answer.headers.get("Range", "")
+    return int(value.rpartition("-")[2]) + 1 if value.startswith("bytes=") else 0

@@ -1,0 +1,101 @@
+"""GCS and Azure saves upload each file from memory as it is written (storage/objstore/upload.py), against the real
+servers (fake-gcs-server, Azurite): no local spool file, the object is exactly the bytes written and its digest their
+CRC-32C, a part whose request fails is sent again, and (GCS) an object whose bytes were damaged on the way is refused
+and removed, never left for a manifest to name."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from ckptio.errors import CheckpointError
+from ckptio.storage import open_storage
+from ckptio.storage.checksum import bytes_checksum
+from ckptio.storage.lock import SCRATCH_LOCK
+from test_objstore_faults import _faulty, _hits
+
+BOTH = pytest.mark.parametrize("store", ["gs", "az"], indirect=True)
+MB = 1 << 20
+
+
+def _local_files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file() and p.name != SCRATCH_LOCK]
+
+
+@BOTH
+def test_a_64mb_file_goes_up_with_no_spool_file(store, tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where a writer's scratch folder would be made
+    storage = open_storage(store.url("nospool"))
+    writer = storage.begin_step("step")
+    data = os.urandom(64 * MB)
+    with writer.open("big.bin") as stream:
+        for i in range(0, len(data), 3 * MB):  # as a serialiser writes: pieces not aligned with the parts
+            stream.write(memoryview(data)[i:i + 3 * MB])
+        assert _local_files(tmp_path) == [], "a file of the save was spooled to local disk"
+    assert stream.close() == bytes_checksum(data)
+    assert store.get("nospool/step/big.bin") == data
+    writer.abort()
+
+
+@BOTH
+@pytest.mark.parametrize("size", [0, 3 * MB, 40 * MB + 5])
+def test_an_upload_from_memory_is_the_bytes_written(store, size):
+    writer = open_storage(store.url("sizes")).begin_step(f"s{size}")
+    data = os.urandom(size)
+    with writer.open("f.bin") as stream:
+        stream.write(data)
+    assert stream.close() == bytes_checksum(data)
+    assert store.get(f"sizes/s{size}/f.bin") == data
+
+
+@BOTH
+def test_a_part_whose_request_is_dropped_is_sent_again(store, request, monkeypatch):
+    writer = open_storage(store.url("dropped")).begin_step("step")
+    data = os.urandom(40 * MB)
+    seen: list[str] = []
+    match = _hits(store, "dropped/step/f.bin", ("PUT",))
+
+    def rule(method: str, path: str, query: str) -> str:
+        hit = match(method, path, query) or (store.scheme == "gs" and method == "PUT" and "upload_id=" in query)
+        if hit:
+            seen.append(path)
+        return "drop" if hit and len(seen) == 2 else "pass"  # the second part's first try
+
+    with _faulty(store, request, monkeypatch, rule) as proxy:
+        from ckptio.storage import azure, gcs
+
+        for module in (gcs._client, azure._client):  # a part of 16 MiB through the proxy on a loaded machine
+            monkeypatch.setattr(module, "READ_TIMEOUT", 30)
+        with writer.open("f.bin") as stream:
+            stream.write(data)
+    assert [f[0] for f in proxy.faults] == ["drop"], proxy.faults
+    assert stream.close() == bytes_checksum(data)
+    assert store.get("dropped/step/f.bin") == data
+
+
+@pytest.mark.parametrize("store", ["gs"], indirect=True)  # Azure checks a block only by MD5: see upload.py
+@pytest.mark.parametrize("size", [3 * MB, 40 * MB])
+def test_a_part_damaged_on_the_way_is_refused_and_the_object_removed(store, request, monkeypatch, size):
+    writer = open_storage(store.url("damaged")).begin_step(f"s{size}")
+    key = f"damaged/s{size}/f.bin"
+    data = os.urandom(size)
+    match = _hits(store, key, ("POST", "PUT"))
+    seen: list[str] = []
+
+    def rule(method: str, path: str, query: str) -> str:
+        hit = match(method, path, query) or (method == "PUT" and "upload_id=" in query)
+        if hit:
+            seen.append(path)
+        # one request of the object: the whole of a small one (its single request), the first part of a large one
+        return "flip" if hit and len(seen) == (1 if size < 16 * MB else 2) else "pass"
+
+    with _faulty(store, request, monkeypatch, rule) as proxy:
+        with pytest.raises(CheckpointError, match=r"damaged|400|CRC|crc32c|hash") as refused:
+            with writer.open("f.bin") as stream:
+                stream.write(data)
+    assert [f[0] for f in proxy.faults] == ["flip"], proxy.faults
+    assert key in str(refused.value), refused.value
+    assert key not in store.keys("damaged/"), "the damaged object was left"
