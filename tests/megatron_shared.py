@@ -111,3 +111,16 @@ def check_fixture_adam(got: dict, params: int = 39) -> None:
         g = got[f"optim/state.{name}.exp_avg"] / 0.1
         assert torch.allclose(got[f"optim/state.{name}.exp_avg_sq"], 0.05 * g * g, rtol=1e-4, atol=1e-9), name
         assert torch.allclose(got[f"model/{name}"], 2 * g - 0.5 - 1e-3 * torch.sign(g), atol=2e-6, rtol=0), name
+
+
+def routed_logits(hf: Path, ids: torch.Tensor, kind: type) -> tuple[torch.Tensor, list[set[int]]]:
+    """The logits of the mixture of experts in ``hf`` (loaded as ``kind``, which it must be) and the experts each
+    layer routed the tokens to."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf).eval()
+    assert isinstance(model, kind)
+    with torch.no_grad():
+        out = model(ids, output_router_logits=True)
+    k = model.config.num_experts_per_tok
+    return out.logits, [set(r.topk(k, dim=-1).indices.flatten().tolist()) for r in out.router_logits]

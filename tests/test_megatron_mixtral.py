@@ -29,7 +29,7 @@ from ckptio.errors import CheckpointError
 from ckptio.formats.hf_fields import UnsupportedFieldError
 from ckptio.formats.safetensors.sharded import SafetensorsSource
 from cli_here import ckptio_here
-from megatron_shared import same_weights
+from megatron_shared import routed_logits, same_weights
 
 FIXTURE = Path(__file__).with_name("megatron_fixture.py")
 # the fixture's tiny model (megatron_fixture.py --family mixtral): 4 experts of 32, 2 per token
@@ -54,15 +54,9 @@ def _mixtral(folder: Path, *, seed: int = 0, **extra) -> Path:
 
 
 def _run(hf: Path, ids: torch.Tensor) -> tuple[torch.Tensor, list[set[int]]]:
-    """The logits of the Mixtral in ``hf`` and the experts each layer routed the tokens to."""
-    from transformers import AutoModelForCausalLM, MixtralForCausalLM
+    from transformers import MixtralForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf).eval()
-    assert isinstance(model, MixtralForCausalLM)
-    with torch.no_grad():
-        out = model(ids, output_router_logits=True)
-    k = model.config.num_experts_per_tok
-    return out.logits, [set(r.topk(k, dim=-1).indices.flatten().tolist()) for r in out.router_logits]
+    return routed_logits(hf, ids, MixtralForCausalLM)
 
 
 def _config(folder: Path) -> dict:

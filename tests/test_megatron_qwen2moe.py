@@ -25,7 +25,7 @@ from ckptio.convert.formats import convert
 from ckptio.errors import CheckpointError
 from ckptio.formats.hf_fields import UnsupportedFieldError
 from cli_here import ckptio_here
-from megatron_shared import run_fixture, same_weights
+from megatron_shared import routed_logits, run_fixture, same_weights
 
 # the fixture's tiny model (megatron_fixture.py --family qwen2moe): 4 experts of 32, 2 per token, a shared one of 48
 SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -53,15 +53,9 @@ def _qwen2moe(folder: Path, *, seed: int = 3, **extra) -> Path:
 
 
 def _run(hf: Path, ids: torch.Tensor) -> tuple[torch.Tensor, list[set[int]]]:
-    """The logits of the Qwen2-MoE in ``hf`` and the experts each layer routed the tokens to."""
-    from transformers import AutoModelForCausalLM, Qwen2MoeForCausalLM
+    from transformers import Qwen2MoeForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf).eval()
-    assert isinstance(model, Qwen2MoeForCausalLM)
-    with torch.no_grad():
-        out = model(ids, output_router_logits=True)
-    k = model.config.num_experts_per_tok
-    return out.logits, [set(r.topk(k, dim=-1).indices.flatten().tolist()) for r in out.router_logits]
+    return routed_logits(hf, ids, Qwen2MoeForCausalLM)
 
 
 def _config(folder: Path) -> dict:
