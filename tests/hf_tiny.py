@@ -20,6 +20,13 @@ def run_names(root: Path) -> list[str]:
     return sorted(names, key=lambda n: (n.startswith("."), len(n), n))
 
 
+def same_tensors(a: dict, b: dict, what: str) -> None:
+    """``a`` and ``b`` hold the same names, and under each a tensor of the same dtype and values, bit for bit."""
+    assert a.keys() == b.keys(), what
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), f"{what}: {k} differs"
+
+
 SCORES = (0.5, 0.9, 0.3, 0.8, 0.6, 0.95, 0.2, 0.4)
 """What the fake metric ``eval_score`` says at the 1st, 2nd, … evaluation: the best is not the latest."""
 

@@ -20,7 +20,7 @@ import torch
 pytest.importorskip("transformers")
 
 from distributed import launch  # noqa: E402
-from hf_tiny import model, run_names, state, trainer  # noqa: E402
+from hf_tiny import model, run_names, same_tensors, state, trainer  # noqa: E402
 from transformers import AutoModelForCausalLM, Trainer  # noqa: E402
 
 from ckptio import CheckpointCorruptError, NoUsableCheckpointError  # noqa: E402
@@ -30,12 +30,6 @@ from ckptio.goodput.record import RECORD_NAME as RECORD  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 RUNNER = str(ROOT / "tests" / "hf_run.py")
 STEPS = 16
-
-
-def _same(a: dict, b: dict, what: str) -> None:
-    assert a.keys() == b.keys(), what
-    for k in a:
-        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), f"{what}: {k} differs"
 
 
 @pytest.fixture(scope="module")
@@ -55,11 +49,11 @@ def test_a_checkpoint_is_the_trainers_layout_committed_and_loadable(tmp_path, st
             "trainer_state.json"} <= set(manifest["files"]) == set(manifest["checksums"])
     assert manifest["step"] == 8 and manifest["states"]["model"]["path"] == "model.safetensors"
     loaded = AutoModelForCausalLM.from_pretrained(step)
-    _same({k: v for k, v in loaded.state_dict().items()}, ours.model.state_dict(), "from_pretrained(checkpoint-8)")
+    same_tensors({k: v for k, v in loaded.state_dict().items()}, ours.model.state_dict(), "from_pretrained(checkpoint-8)")
     # the plain Trainer resumes from ckptio's folder (the manifest is one more file to it), bitwise
     plain = trainer(Trainer, tmp_path, STEPS)
     plain.train(resume_from_checkpoint=str(step))
-    _same(state(plain), straight, "ckptio checkpoint -> plain Trainer")
+    same_tensors(state(plain), straight, "ckptio checkpoint -> plain Trainer")
 
 
 def test_the_trainers_own_checkpoints_resume_under_ckptio(tmp_path, straight):
@@ -67,7 +61,7 @@ def test_the_trainers_own_checkpoints_resume_under_ckptio(tmp_path, straight):
     assert not (tmp_path / "checkpoint-8" / "manifest.json").exists()
     ours = trainer(CkptioTrainer, tmp_path, STEPS)
     ours.train(resume_from_checkpoint=True)
-    _same(state(ours), straight, "plain Trainer checkpoint -> ckptio")
+    same_tensors(state(ours), straight, "plain Trainer checkpoint -> ckptio")
     assert (tmp_path / "checkpoint-16" / "manifest.json").is_file()
 
 
@@ -87,7 +81,7 @@ def test_resume_true_takes_the_newest_complete_checkpoint(tmp_path, straight, ca
     assert "link" in why["checkpoint-20"]
     ours = trainer(CkptioTrainer, tmp_path, STEPS)
     ours.train(resume_from_checkpoint=True)
-    _same(state(ours), straight, "resumed past a damaged, a torn and a linked checkpoint")
+    same_tensors(state(ours), straight, "resumed past a damaged, a torn and a linked checkpoint")
     assert "skipping checkpoint-12" in caplog.text
 
 
@@ -143,7 +137,7 @@ def test_the_checkpoints_kept_are_the_ones_the_trainer_keeps(tmp_path, limit):
                       {k: v.clone() for k, v in tr.model.state_dict().items()})
     assert ends["ckptio"][:3] == ends["plain"][:3], (ends["ckptio"][:3], ends["plain"][:3])
     assert ends["ckptio"][1] == "checkpoint-24" and ends["ckptio"][2] == 0.95
-    _same(ends["ckptio"][3], ends["plain"][3], "the best model loaded at the end")
+    same_tensors(ends["ckptio"][3], ends["plain"][3], "the best model loaded at the end")
     kept = json.loads((tmp_path / "ckptio" / "checkpoint-24" / "manifest.json").read_text())
     assert kept["metrics"] == {"eval_score": 0.95}
 
@@ -176,26 +170,26 @@ def _preempt_kill_resume(root: Path, ranks: int) -> dict:
 
 @pytest.mark.slow
 def test_preempted_and_killed_mid_save_then_resumed_ends_bitwise_equal(tmp_path, straight):
-    _same(_preempt_kill_resume(tmp_path, 1), straight, "1 rank, SIGTERM + SIGKILL -> resume")
+    same_tensors(_preempt_kill_resume(tmp_path, 1), straight, "1 rank, SIGTERM + SIGKILL -> resume")
 
 
 @pytest.mark.slow
 def test_two_ranks_preempted_killed_resumed_adopted_and_resumed_on_one(tmp_path):
     _run(str(tmp_path / "plain"), str(STEPS), str(tmp_path / "straight.pt"), "--plain", ranks=2)
     straight = torch.load(tmp_path / "straight.pt", weights_only=True)
-    _same(_preempt_kill_resume(tmp_path / "ours", 2), straight, "2 ranks, SIGTERM + SIGKILL -> resume")
+    same_tensors(_preempt_kill_resume(tmp_path / "ours", 2), straight, "2 ranks, SIGTERM + SIGKILL -> resume")
     # the plain Trainer's 2-rank folders (rng_state_0/1.pth) resume under ckptio on 2 ranks
     for name in ("checkpoint-12", "checkpoint-16"):
         shutil.rmtree(tmp_path / "plain" / name)
     _run(str(tmp_path / "plain"), str(STEPS), str(tmp_path / "adopted.pt"), "--resume", ranks=2)
-    _same(torch.load(tmp_path / "adopted.pt", weights_only=True), straight, "2 ranks, plain Trainer -> ckptio")
+    same_tensors(torch.load(tmp_path / "adopted.pt", weights_only=True), straight, "2 ranks, plain Trainer -> ckptio")
     # another number of ranks: the 2-rank checkpoint-16 goes on on 1 rank (its RNG files are per rank)
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "ours" / "checkpoint-16").state_dict()
     one = trainer(CkptioTrainer, tmp_path / "ours", 20)
     seen = {}
     one.add_callback(_Peek(seen))
     one.train(resume_from_checkpoint=True)
-    _same(seen["weights"], saved, "2 ranks -> 1 rank, restored weights")
+    same_tensors(seen["weights"], saved, "2 ranks -> 1 rank, restored weights")
     assert one.state.global_step == 20 and (tmp_path / "ours" / "checkpoint-20" / "manifest.json").is_file()
 
 
@@ -229,7 +223,7 @@ def test_a_folder_whose_name_disagrees_with_its_step_is_never_resumed_from_nor_o
     assert "named for step 10" in why and "records step 4" in why, why
     ours = trainer(CkptioTrainer, tmp_path, STEPS, save_total_limit=2)
     ours.train(resume_from_checkpoint=True)
-    _same(state(ours), straight, "resumed from checkpoint-8 past a misnamed copy of checkpoint-4")
+    same_tensors(state(ours), straight, "resumed from checkpoint-8 past a misnamed copy of checkpoint-4")
     assert "skipping checkpoint-10" in caplog.text and "records step 4" in caplog.text
     # retention counted the real folders only: the misnamed copy is left alone, the newest two real ones are kept
     assert run_names(tmp_path) == ["checkpoint-10", "checkpoint-12", "checkpoint-16"]

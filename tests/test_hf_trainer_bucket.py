@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("transformers")
 
 from distributed import launch  # noqa: E402
-from hf_tiny import Tokens, arguments, model, run_names, state, trainer  # noqa: E402
+from hf_tiny import Tokens, arguments, model, run_names, same_tensors, state, trainer  # noqa: E402
 from transformers import Trainer  # noqa: E402
 
 from ckptio.errors import ConfigError  # noqa: E402
@@ -29,12 +29,6 @@ from ckptio.hf_trainer import CkptioTrainer  # noqa: E402
 
 STEPS = 16
 RUNNER = str(Path(__file__).resolve().parent / "hf_run.py")
-
-
-def _same(a: dict, b: dict, what: str) -> None:
-    assert a.keys() == b.keys(), what
-    for k in a:
-        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), f"{what}: {k} differs"
 
 
 @pytest.fixture(scope="module")
@@ -80,13 +74,13 @@ def test_checkpoints_are_committed_in_the_bucket_rotated_there_and_resumed_bitwi
         store.put(f"run/checkpoint-16/{rel}", store.get(f"run/checkpoint-8/{rel}"))
     resumed = trainer(ours, tmp_path / "out2", STEPS, save_total_limit=2)
     resumed.train(resume_from_checkpoint=True)
-    _same(state(resumed), straight, "resumed from checkpoint-8 in the bucket")
+    same_tensors(state(resumed), straight, "resumed from checkpoint-8 in the bucket")
     assert "skipping checkpoint-16" in caplog.text and "skipping checkpoint-12" in caplog.text
     assert sorted(n for n in _folders(store) if n.startswith("checkpoint-")) == ["checkpoint-12", "checkpoint-16"]
     # a named checkpoint URL resumes too
     named = trainer(ours, tmp_path / "out3", STEPS)
     named.train(resume_from_checkpoint=store.url("run/checkpoint-12"))
-    _same(state(named), straight, "resumed from the URL of checkpoint-12")
+    same_tensors(state(named), straight, "resumed from the URL of checkpoint-12")
 
 
 def test_the_best_model_is_kept_in_the_bucket_and_reloaded_as_the_trainer_does_locally(bucket, tmp_path):
@@ -102,7 +96,7 @@ def test_the_best_model_is_kept_in_the_bucket_and_reloaded_as_the_trainer_does_l
         ends[name] = (tr.state.best_model_checkpoint.rpartition("/")[2], tr.state.best_metric,
                       {k: v.clone() for k, v in tr.model.state_dict().items()})
     assert ends["bucket"][:2] == ends["local"][:2] == ("checkpoint-8", 0.9)
-    _same(ends["bucket"][2], ends["local"][2], "the best model loaded at the end")
+    same_tensors(ends["bucket"][2], ends["local"][2], "the best model loaded at the end")
     kept = [n for n in run_names(tmp_path / "local") if n.startswith("checkpoint-")]
     from conftest import Store
 
@@ -137,7 +131,7 @@ def test_two_ranks_killed_before_a_commit_then_resumed_from_the_bucket_end_bitwi
     assert "manifest.json" in folders["checkpoint-4"] and "manifest.json" not in folders["checkpoint-8"]
     assert {"rng_state_0.pth", "rng_state_1.pth"} <= folders["checkpoint-8"]
     _run(str(tmp_path / "b"), str(STEPS), str(tmp_path / "resumed.pt"), "--bucket", url, "--resume")
-    _same(torch.load(tmp_path / "resumed.pt", weights_only=True),
+    same_tensors(torch.load(tmp_path / "resumed.pt", weights_only=True),
           torch.load(tmp_path / "straight.pt", weights_only=True), "2 ranks, killed before a commit -> resumed")
     folders = _folders(Store("s3", bucket))
     assert all("manifest.json" in folders[f"checkpoint-{s}"] for s in (4, 8, 12, 16))
