@@ -46,6 +46,11 @@ NOT_HERE = ["tests/test_convert.py::test_inspect_describes_every_format_convert_
             "tests/test_s3.py::test_list_verify_and_prune_on_a_bucket",
             "tests/test_cli.py::test_every_reporting_command_speaks_json",
             "tests/test_cli.py::test_progress_is_plain_lines_when_piped",
+            "tests/test_cli.py::test_progress_is_a_redrawn_bar_on_a_terminal",
+            # a pipe closed early and the converter's memory bound are ckptio's own loops; the formats they read are
+            # read at the floor by the round trips (~35 s saved)
+            "tests/test_cli.py::test_a_reader_that_stops_early_leaves_the_command_quiet",
+            "tests/test_convert.py::test_streaming_conversion_memory_is_bounded",
             # Lightning's 2-rank case runs the preemption and kill sequence at the floor, through its own DDP strategy;
             # the Trainer's and accelerate's run there on 1 rank (on 2 ranks, with the tested set only: ~60 s saved)
             "tests/test_lightning_plugin.py::test_preempted_and_killed_mid_save_then_resumed_ends_bitwise_equal",
