@@ -203,9 +203,10 @@ MODEL_FIELDS: dict[str, frozenset[str]] = {
                                     "router_aux_loss_coef", "output_router_logits", "decoder_sparse_step",
                                     "mlp_only_layers", "qkv_bias"},
     # Qwen3-MoE: Qwen2-MoE's experts and routing without the shared expert, Qwen3's q/k norms, no biases; transformers
-    # 5 saves the expert count as num_local_experts (num_experts maps to it), the Hub's configs as num_experts
+    # 5 saves the expert count as num_local_experts (num_experts maps to it), the Hub's configs as num_experts;
+    # max_window_layers is transformers 4's (no layer_types: neither reads one)
     "qwen3_moe": CARRIED | INERT | {"hidden_act", "attention_bias", "use_sliding_window", "sliding_window",
-                                    "max_window_layers", "layer_types", "is_encoder_decoder", "num_experts",
+                                    "max_window_layers", "is_encoder_decoder", "num_experts",
                                     "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
                                     "norm_topk_prob", "router_aux_loss_coef", "output_router_logits",
                                     "decoder_sparse_step", "mlp_only_layers"},
