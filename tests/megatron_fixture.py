@@ -6,6 +6,7 @@
     ... --family qwen3                                                          # Qwen3-style: q/k norms
     ... --family mixtral --ep E                                                 # Mixtral-style experts over EP=E
     ... --family qwen2moe --ep E [--norm-topk]                                  # Qwen2-MoE: + a gated shared expert
+    ... --family qwen3moe --ep E [--norm-topk]                                  # Qwen3-MoE: experts + q/k norms
 
 Used by ``tests/test_megatron_core.py``; needs the ``megatron-core`` package (a test extra).
 
@@ -50,23 +51,29 @@ NUM_LAYERS, FFN, HEADS, GROUPS, KV_CH = 4, 2 * HIDDEN, 4, 2, HIDDEN // 4
 VOCAB, MAX_POS = 128, 64
 # the model family (--family; an environment variable so that spawned ranks see it too)
 FAMILY = os.environ.get("MEGATRON_FIXTURE_FAMILY", "llama")
-QKV_BIAS, QK_NORM = FAMILY in ("qwen2", "qwen2moe"), FAMILY == "qwen3"
-EPS, ROPE_BASE = (1e-6, 1000000) if FAMILY != "llama" else (1e-5, 10000)
-if FAMILY == "mixtral":  # Mixtral's norm epsilon and rotary base
-    EPS, ROPE_BASE = 1e-5, 1000000
+
+
+def family_settings(family):
+    """(q/k/v biases, q/k norms, norm epsilon, rotary base) of a family: the Qwens' epsilon and base, Mixtral's."""
+    eps, base = {"llama": (1e-5, 10000), "mixtral": (1e-5, 1000000)}.get(family, (1e-6, 1000000))
+    return family in ("qwen2", "qwen2moe"), family in ("qwen3", "qwen3moe"), eps, base
+
+
+QKV_BIAS, QK_NORM, EPS, ROPE_BASE = family_settings(FAMILY)
 # --family mixtral: every MLP a mixture of EXPERTS SwiGLU experts of MOE_FFN, TOPK of them per token (SequentialMLP,
 # softmax over the top-k router logits), spread over --ep expert-parallel ranks (the data-parallel ranks)
 EXPERTS, TOPK, MOE_FFN = 4, 2, HIDDEN // 2
 EP = int(os.environ.get("MEGATRON_FIXTURE_EP", "1"))
 # --family qwen2moe: the same experts (and Qwen2's q/k/v biases), plus a shared expert of SHARED_FFN gated by a sigmoid
 # (moe_shared_expert_gate), routed as Qwen2-MoE's norm_topk_prob=False (softmax over all experts, top-k, not
-# renormalised: moe_router_pre_softmax), or with --norm-topk as Mixtral (norm_topk_prob=True)
+# renormalised: moe_router_pre_softmax), or with --norm-topk as Mixtral (norm_topk_prob=True); --family qwen3moe: the
+# same experts and routing with Qwen3's q/k norms, no shared expert, no biases
 SHARED_FFN = 3 * HIDDEN // 4
 NORM_TOPK = os.environ.get("MEGATRON_FIXTURE_NORM_TOPK") == "1"
 
 
 def moe_family():
-    return FAMILY in ("mixtral", "qwen2moe")
+    return FAMILY in ("mixtral", "qwen2moe", "qwen3moe")
 # --make-vocab-size-divisible-by of the run (Megatron-LM's default 128); --divisible-by sets it for the ranks
 DIVISIBLE_BY = int(os.environ.get("MEGATRON_FIXTURE_DIVISIBLE_BY", "128"))
 SEED = 1234
@@ -202,7 +209,7 @@ def moe_config():
         return {}
     return dict(num_moe_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=MOE_FFN, moe_grouped_gemm=False,
                 moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.02,
-                moe_router_pre_softmax=FAMILY == "qwen2moe" and not NORM_TOPK,
+                moe_router_pre_softmax=FAMILY in ("qwen2moe", "qwen3moe") and not NORM_TOPK,
                 moe_router_score_function="softmax", moe_token_dispatcher_type="allgather",
                 expert_model_parallel_size=EP, **(dict(
                     moe_shared_expert_intermediate_size=SHARED_FFN, moe_shared_expert_gate=True)
@@ -619,8 +626,9 @@ def main():
     ap.add_argument("--divisible-by", type=int, default=None, help="--make-vocab-size-divisible-by (default 128)")
     ap.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (--family mixtral; the data-parallel "
                     "ranks: TP x PP x EP processes)")
-    ap.add_argument("--norm-topk", action="store_true", help="--family qwen2moe: routed as norm_topk_prob=True")
-    ap.add_argument("--family", choices=["llama", "qwen2", "qwen3", "mixtral", "qwen2moe"], default="llama",
+    ap.add_argument("--norm-topk", action="store_true", help="--family qwen2moe, qwen3moe: norm_topk_prob=True")
+    ap.add_argument("--family", choices=["llama", "qwen2", "qwen3", "mixtral", "qwen2moe", "qwen3moe"],
+                    default="llama",
                     help="qwen2: biases on the query/key/value projection (Megatron-LM's --add-qkv-bias); "
                          "qwen3: RMSNorms on each query and key head (--qk-layernorm)")
     ap.add_argument("--dp", type=int, default=None,
@@ -663,10 +671,7 @@ def main():
         global QKV_BIAS, QK_NORM, EPS, ROPE_BASE
         globals()["FAMILY"] = a.family
         os.environ["MEGATRON_FIXTURE_FAMILY"] = a.family  # for spawned ranks
-        QKV_BIAS, QK_NORM = a.family in ("qwen2", "qwen2moe"), a.family == "qwen3"
-        EPS, ROPE_BASE = (1e-6, 1000000) if a.family != "llama" else (1e-5, 10000)
-        if a.family == "mixtral":  # Mixtral's norm epsilon and rotary base
-            EPS, ROPE_BASE = 1e-5, 1000000
+        QKV_BIAS, QK_NORM, EPS, ROPE_BASE = family_settings(a.family)
     if a.norm_topk:
         global NORM_TOPK
         NORM_TOPK = True
@@ -675,7 +680,7 @@ def main():
     if a.ep != EP:
         EP = a.ep
         os.environ["MEGATRON_FIXTURE_EP"] = str(a.ep)  # for spawned ranks
-    assert EP == 1 or moe_family(), "--ep needs experts (--family mixtral or qwen2moe)"
+    assert EP == 1 or moe_family(), "--ep needs experts (--family mixtral, qwen2moe or qwen3moe)"
     assert GROUPS % a.tp == 0 and NUM_LAYERS % a.pp == 0, "unsupported TP/PP for the tiny model"
     if a.load is None and a.dp is None and a.train is None:  # dist_checkpointing.save expects the target directory to exist
         os.makedirs(os.path.join(a.out, "torch_dist", f"iter_{a.iteration:07d}"), exist_ok=True)

@@ -124,3 +124,37 @@ def routed_logits(hf: Path, ids: torch.Tensor, kind: type) -> tuple[torch.Tensor
         out = model(ids, output_router_logits=True)
     k = model.config.num_experts_per_tok
     return out.logits, [set(r.topk(k, dim=-1).indices.flatten().tolist()) for r in out.router_logits]
+
+
+def config_of(folder: Path) -> dict:
+    """The ``config.json`` in ``folder``."""
+    import json
+
+    return json.loads((folder / "config.json").read_text())
+
+
+def respelled(src: Path, **changes) -> Path:
+    """``src``'s ``config.json`` with ``changes`` (a field given ``None`` removed), in place."""
+    import json
+
+    config = config_of(src)
+    for k, v in changes.items():
+        if v is None:
+            config.pop(k, None)
+        else:
+            config[k] = v
+    (src / "config.json").write_text(json.dumps(config))
+    return src
+
+
+def with_args(hf: Path, tmp_path: Path, **changes) -> Path:
+    """``hf`` exported to torch_dist in ``tmp_path/mg``, its recorded Megatron ``args`` then changed by ``changes``."""
+    from ckptio.convert.formats import convert
+
+    out = convert(hf, tmp_path / "mg", "megatron", options={"layout": "dist"})
+    common = out / "iter_0000000" / "common.pt"
+    state = torch.load(common, weights_only=False)
+    for k, v in changes.items():
+        setattr(state["args"], k, v)
+    torch.save(state, common)
+    return out

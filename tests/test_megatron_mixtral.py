@@ -15,7 +15,6 @@ GEMM...) and every Mixtral field Megatron does not hold is refused by name, noth
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 import sys
@@ -29,7 +28,7 @@ from ckptio.errors import CheckpointError
 from ckptio.formats.hf_fields import UnsupportedFieldError
 from ckptio.formats.safetensors.sharded import SafetensorsSource
 from cli_here import ckptio_here
-from megatron_shared import routed_logits, same_weights
+from megatron_shared import config_of, respelled, routed_logits, same_weights, with_args
 
 FIXTURE = Path(__file__).with_name("megatron_fixture.py")
 # the fixture's tiny model (megatron_fixture.py --family mixtral): 4 experts of 32, 2 per token
@@ -59,10 +58,6 @@ def _run(hf: Path, ids: torch.Tensor) -> tuple[torch.Tensor, list[set[int]]]:
     return routed_logits(hf, ids, MixtralForCausalLM)
 
 
-def _config(folder: Path) -> dict:
-    return json.loads((folder / "config.json").read_text())
-
-
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory) -> Path:
     return _mixtral(tmp_path_factory.mktemp("mixtral") / "model")
@@ -87,7 +82,7 @@ def test_mixtral_to_megatron_and_back_is_bitwise(hf, tmp_path, layout, tp, pp):
     assert not any(k.endswith(".mlp.linear_fc1.weight") for k in index)
     back = convert(out, tmp_path / "back", "hf")
     same_weights(hf, back)
-    config = _config(back)
+    config = config_of(back)
     assert config["model_type"] == "mixtral" and config["architectures"] == ["MixtralForCausalLM"]
     assert (config["num_local_experts"], config["num_experts_per_tok"], config["intermediate_size"]) == (4, 2, 32)
     assert config["sliding_window"] is None and config["rope_parameters"]["rope_theta"] == THETA
@@ -104,7 +99,7 @@ def test_router_aux_loss_coef_travels_as_moe_aux_loss_coeff(tmp_path):
     out = convert(src, tmp_path / "mg", "megatron", options={"layout": "legacy"})
     assert run_args(out).moe_aux_loss_coeff == 0.05
     back = convert(out, tmp_path / "back", "hf")
-    assert _config(back)["router_aux_loss_coef"] == 0.05
+    assert config_of(back)["router_aux_loss_coef"] == 0.05
     same_weights(src, back)
 
 
@@ -112,16 +107,10 @@ def test_a_tied_mixtral_travels(tmp_path):
     src = _mixtral(tmp_path / "tied", tie_word_embeddings=True)
     back = convert(convert(src, tmp_path / "mg", "megatron", options={"tp": 2, "pp": 2}), tmp_path / "back", "hf")
     same_weights(src, back)
-    assert _config(back)["tie_word_embeddings"] is True
+    assert config_of(back)["tie_word_embeddings"] is True
 
 
 # ------------------------------------------------------------------------------------------- refusals
-def _respelled(src: Path, **changes) -> Path:
-    config = _config(src)
-    config.update(changes)
-    (src / "config.json").write_text(json.dumps(config))
-    return src
-
 
 @pytest.mark.parametrize("changes,field,value", [
     ({"sliding_window": 8}, "sliding_window", 8),
@@ -131,21 +120,11 @@ def _respelled(src: Path, **changes) -> Path:
                           "original_max_position_embeddings": 16}}, "rope_parameters.rope_type", "yarn"),
 ])
 def test_mixtral_fields_megatron_does_not_carry_are_refused_by_name(hf, tmp_path, changes, field, value):
-    src = _respelled(Path(shutil.copytree(hf, tmp_path / "src")), **changes)
+    src = respelled(Path(shutil.copytree(hf, tmp_path / "src")), **changes)
     with pytest.raises(UnsupportedFieldError) as err:
         convert(src, tmp_path / "mg", "megatron")
     assert err.value.field == field and err.value.value == value
     assert not (tmp_path / "mg").exists()
-
-
-def _with_args(hf: Path, tmp_path: Path, **changes) -> Path:
-    out = convert(hf, tmp_path / "mg", "megatron", options={"layout": "dist"})
-    common = out / "iter_0000000" / "common.pt"
-    state = torch.load(common, weights_only=False)
-    for k, v in changes.items():
-        setattr(state["args"], k, v)
-    torch.save(state, common)
-    return out
 
 
 @pytest.mark.parametrize("arg,value,says", [
@@ -169,11 +148,11 @@ def _with_args(hf: Path, tmp_path: Path, **changes) -> Path:
     ("moe_apply_probs_on_input", True, "applied to the experts' input"),
     ("moe_latent_size", 16, "experts in a latent space"),
     ("moe_layer_freq", [1, 0, 1, 0], "dense layers between"),
-    ("qk_layernorm", True, "experts with qk_layernorm or add_qkv_bias"),
+    ("qk_layernorm", True, "hold self_attention.q_layernorm.weight, but the run's qk_layernorm=True"),  # Qwen3-MoE's
     ("add_qkv_bias", True, "experts with qk_layernorm or add_qkv_bias"),
 ])
 def test_megatron_moe_arguments_mixtral_does_not_compute_are_refused_by_name(hf, tmp_path, arg, value, says):
-    out = _with_args(hf, tmp_path, **{arg: value})
+    out = with_args(hf, tmp_path, **{arg: value})
     run = ckptio_here("convert", str(out), str(tmp_path / "back"), "--to", "hf", "--no-progress")
     assert run.returncode == 2 and says in run.stderr, run.stderr
     if arg not in ("qk_layernorm", "add_qkv_bias"):
@@ -187,12 +166,12 @@ def test_megatron_moe_arguments_mixtral_does_not_compute_are_refused_by_name(hf,
 def test_megatron_moe_arguments_that_route_the_same_are_inert(hf, tmp_path, arg, value):
     """The router's precision, how tokens travel between ranks, the training losses and fusions: what the converted
     model computes does not depend on them."""
-    back = convert(_with_args(hf, tmp_path, **{arg: value}), tmp_path / "back", "hf")
+    back = convert(with_args(hf, tmp_path, **{arg: value}), tmp_path / "back", "hf")
     same_weights(hf, back)
 
 
 def test_a_run_whose_args_and_tensors_disagree_about_the_experts_is_refused(hf, tmp_path):
-    out = _with_args(hf, tmp_path, num_experts=8)
+    out = with_args(hf, tmp_path, num_experts=8)
     with pytest.raises(CheckpointError, match=r"num_experts=8.*expert weights missing"):
         convert(out, tmp_path / "back", "hf")
     assert not (tmp_path / "back").exists()
@@ -215,7 +194,7 @@ def test_a_mixtral_config_json_beside_a_checkpoint_without_args_gives_its_family
     shutil.copy(hf / "config.json", out / "config.json")
     back = convert(out, tmp_path / "back", "hf")
     same_weights(hf, back)
-    assert _config(back)["model_type"] == "mixtral"
+    assert config_of(back)["model_type"] == "mixtral"
 
 
 # ------------------------------------------------------------------------------------------- megatron-core
@@ -255,7 +234,7 @@ def test_megatron_mixtral_converts_to_a_mixtral_with_megatrons_logits(made, tmp_
     run = ckptio_here("convert", str(made[(tp, pp, ep)] / layout), str(tmp_path / "hf"), "--to", "hf",
                       "--no-progress")
     assert run.returncode == 0, run.stderr
-    config = _config(tmp_path / "hf")
+    config = config_of(tmp_path / "hf")
     assert config["model_type"] == "mixtral" and config["router_aux_loss_coef"] == 0.02
     got, routed = _run(tmp_path / "hf", ref["input_ids"])
     assert all(r == {0, 1, 2, 3} for r in routed), f"not every expert got tokens: {routed}"

@@ -181,18 +181,32 @@ def test_megatron_cores_distributed_optimizer_loads_and_trains_on_the_distribute
 
 
 # ------------------------------------------------------------------------------------------------ a mixture of experts
-def _mixtral_step_dir(root: Path) -> tuple[Path, torch.nn.Module, torch.optim.Optimizer]:
-    """A ckptio checkpoint of a tiny Mixtral (megatron_fixture.py --family mixtral's sizes; transformers 5 fuses its
-    experts in memory, and so does the checkpoint) after two AdamW steps, at step 2."""
-    from transformers import MixtralConfig, MixtralForCausalLM
+def _moe(family: str) -> torch.nn.Module:
+    """A tiny mixture of experts of ``megatron_fixture.py --family F``'s sizes: a Mixtral, a Qwen2-MoE (its gated
+    shared expert and q/k/v biases) or a Qwen3-MoE (its q/k norms), both routed as norm_topk_prob=False (the fixture's
+    moe_router_pre_softmax)."""
+    import transformers
 
+    sizes = dict(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=16, max_position_embeddings=64, tie_word_embeddings=False, num_experts_per_tok=2,
+                 rope_parameters={"rope_theta": 1e6, "rope_type": "default"})
+    kind, extra = {
+        "mixtral": ("Mixtral", dict(intermediate_size=32, rms_norm_eps=1e-5, num_local_experts=4)),
+        "qwen2moe": ("Qwen2Moe", dict(intermediate_size=128, moe_intermediate_size=32, num_experts=4, rms_norm_eps=1e-6,
+                                      shared_expert_intermediate_size=48, norm_topk_prob=False)),
+        "qwen3moe": ("Qwen3Moe", dict(intermediate_size=128, moe_intermediate_size=32, num_experts=4, rms_norm_eps=1e-6,
+                                      norm_topk_prob=False)),
+    }[family]
+    torch.manual_seed(3)
+    return getattr(transformers, f"{kind}ForCausalLM")(getattr(transformers, f"{kind}Config")(**sizes, **extra))
+
+
+def _moe_step_dir(root: Path, family: str) -> tuple[Path, torch.nn.Module, torch.optim.Optimizer]:
+    """A ckptio checkpoint of a tiny mixture of experts (:func:`_moe`; transformers 5 fuses its experts in memory, and
+    so does the checkpoint) after two AdamW steps, at step 2."""
     from ckptio import CheckpointConfig, CheckpointManager
 
-    torch.manual_seed(3)
-    model = MixtralForCausalLM(MixtralConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
-        num_local_experts=4, num_experts_per_tok=2, rope_parameters={"rope_theta": 1e6, "rope_type": "default"}))
+    model = _moe(family)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
     for step in range(2):
         x = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(step))
@@ -204,20 +218,22 @@ def _mixtral_step_dir(root: Path) -> tuple[Path, torch.nn.Module, torch.optim.Op
     return next(p for p in root.iterdir() if p.name.startswith("epoch")), model, opt
 
 
-@pytest.fixture(scope="module", params=["plain", "distributed"])
+@pytest.fixture(scope="module", params=[("mixtral", "plain"), ("mixtral", "distributed"), ("qwen2moe", "plain"),
+                                        ("qwen2moe", "distributed"), ("qwen3moe", "distributed")], ids="-".join)
 def trained_moe(request, tmp_path_factory):
-    """The Mixtral exported (torch_dist, TP=1), loaded and trained one step by megatron-core at EP=2 (two ranks,
-    each two of the four experts; the experts' optimizer chained beside the dense one)."""
-    root = tmp_path_factory.mktemp(f"megatron_moe_optim_{request.param}")
-    step, model, opt = _mixtral_step_dir(root / "ck")
-    out = convert(step, root / "export", "megatron", options={"optimizer": request.param})
-    run_fixture("--family", "mixtral", "--ep", "2", "--dp", "2", "--train", str(out / "iter_0000002"),
-                "--train-optimizer", request.param, "--out", str(root / "trained.pt"))
-    return torch.load(root / "trained.pt"), model, opt, request.param
+    """The mixture of experts exported (torch_dist, TP=1), loaded and trained one step by megatron-core at EP=2 (two
+    ranks, each two of the four experts; the experts' optimizer chained beside the dense one)."""
+    family, kind = request.param
+    root = tmp_path_factory.mktemp(f"megatron_moe_optim_{family}_{kind}")
+    step, model, opt = _moe_step_dir(root / "ck", family)
+    out = convert(step, root / "export", "megatron", options={"optimizer": kind})
+    run_fixture("--family", family, "--ep", "2", "--dp", "2", "--train", str(out / "iter_0000002"),
+                "--train-optimizer", kind, "--out", str(root / "trained.pt"))
+    return torch.load(root / "trained.pt"), model, opt, kind
 
 
 def _megatron_named_moe(model, opt, moment: str | None) -> dict[str, torch.Tensor]:
-    """The Mixtral's weights (or one moment), its live fused experts split per expert, under Megatron-Core names."""
+    """The mixture's weights (or one moment), its live fused experts split per expert, under Megatron-Core names."""
     from ckptio.formats.common import TensorInfo, dtype_name
     from ckptio.formats.live_experts import as_saved
     from ckptio.formats.naming import _RenamedSource, get_converter
@@ -232,13 +248,16 @@ def _megatron_named_moe(model, opt, moment: str | None) -> dict[str, torch.Tenso
         def read(self, key):
             return self.t[key]
 
-    renamed = _RenamedSource(as_saved(Held()), get_converter("mixtral-to-megatron"), model.config.to_dict())
+    kind = model.config.model_type
+    naming = "mixtral-to-megatron" if kind == "mixtral" else "qwen2moe-to-megatron"  # Qwen3-MoE's too
+    renamed = _RenamedSource(as_saved(Held(), kind), get_converter(naming), model.config.to_dict())
     return {k: renamed.read(k) for k in renamed.index()}
 
 
 def test_megatron_core_loads_a_mixtures_adam_state_at_ep2_bitwise_and_trains_on(trained_moe):
     """Every expert's weights, moments and step as megatron-core's plain or distributed optimizer holds them at EP=2
-    (each from the EP rank that holds it) are the ckptio checkpoint's, bitwise; the experts sit in an optimizer of
+    (each from the EP rank that holds it) are the ckptio checkpoint's, bitwise (a Mixtral's, a Qwen2-MoE's with its
+    shared expert, a Qwen3-MoE's with its q/k norms); the experts sit in an optimizer of
     their own (``is_expert_parallel``) with the source's hyper-parameters, and one step later every parameter and
     moment has moved and the step is 3."""
     got, model, opt, kind = trained_moe

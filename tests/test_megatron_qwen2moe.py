@@ -14,7 +14,6 @@ between, an ungated shared expert, a Qwen2-MoE without its biases...) is refused
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from ckptio.convert.formats import convert
 from ckptio.errors import CheckpointError
 from ckptio.formats.hf_fields import UnsupportedFieldError
 from cli_here import ckptio_here
-from megatron_shared import routed_logits, run_fixture, same_weights
+from megatron_shared import config_of, respelled, routed_logits, run_fixture, same_weights, with_args
 
 # the fixture's tiny model (megatron_fixture.py --family qwen2moe): 4 experts of 32, 2 per token, a shared one of 48
 SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -58,10 +57,6 @@ def _run(hf: Path, ids: torch.Tensor) -> tuple[torch.Tensor, list[set[int]]]:
     return routed_logits(hf, ids, Qwen2MoeForCausalLM)
 
 
-def _config(folder: Path) -> dict:
-    return json.loads((folder / "config.json").read_text())
-
-
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory) -> Path:
     return _qwen2moe(tmp_path_factory.mktemp("qwen2moe") / "model")
@@ -74,7 +69,7 @@ def test_qwen2moe_to_megatron_and_back_is_bitwise(hf, tmp_path, layout, tp, pp, 
     from ckptio.formats.megatron.format import MegatronSource
     from ckptio.formats.megatron.layout import run_args
 
-    src = _respelled(Path(shutil.copytree(hf, tmp_path / "src")), norm_topk_prob=True) if norm else hf
+    src = respelled(Path(shutil.copytree(hf, tmp_path / "src")), norm_topk_prob=True) if norm else hf
     out = convert(src, tmp_path / "mg", "megatron", options={"tp": tp, "pp": pp, "layout": layout})
     args = run_args(out)
     assert (args.num_experts, args.moe_router_topk, args.moe_ffn_hidden_size) == (4, 2, 32)
@@ -86,7 +81,7 @@ def test_qwen2moe_to_megatron_and_back_is_bitwise(hf, tmp_path, layout, tp, pp, 
     assert index["decoder.layers.3.self_attention.linear_qkv.bias"].shape == (128,)
     back = convert(out, tmp_path / "back", "hf")
     same_weights(src, back)
-    config = _config(back)
+    config = config_of(back)
     assert config["model_type"] == "qwen2_moe" and config["architectures"] == ["Qwen2MoeForCausalLM"]
     assert {k: config[k] for k in SIZES} == SIZES and config["norm_topk_prob"] is norm
     assert config["decoder_sparse_step"] == 1 and config["mlp_only_layers"] == [] and config["qkv_bias"] is True
@@ -101,16 +96,10 @@ def test_a_qwen2moe_config_json_beside_a_checkpoint_without_args_gives_its_famil
     shutil.copy(hf / "config.json", out / "config.json")
     back = convert(out, tmp_path / "back", "hf")
     same_weights(hf, back)
-    assert _config(back)["model_type"] == "qwen2_moe" and _config(back)["norm_topk_prob"] is False
+    assert config_of(back)["model_type"] == "qwen2_moe" and config_of(back)["norm_topk_prob"] is False
 
 
 # ------------------------------------------------------------------------------------------- refusals
-def _respelled(src: Path, **changes) -> Path:
-    config = _config(src)
-    config.update(changes)
-    (src / "config.json").write_text(json.dumps(config))
-    return src
-
 
 @pytest.mark.parametrize("changes,field,value", [
     ({"decoder_sparse_step": 2}, "decoder_sparse_step", 2),
@@ -120,21 +109,11 @@ def _respelled(src: Path, **changes) -> Path:
     ({"hidden_act": "gelu"}, "hidden_act", "gelu"),
 ])
 def test_qwen2moe_fields_megatron_does_not_carry_are_refused_by_name(hf, tmp_path, changes, field, value):
-    src = _respelled(Path(shutil.copytree(hf, tmp_path / "src")), **changes)
+    src = respelled(Path(shutil.copytree(hf, tmp_path / "src")), **changes)
     with pytest.raises(UnsupportedFieldError) as err:
         convert(src, tmp_path / "mg", "megatron")
     assert err.value.field == field and err.value.value == value
     assert not (tmp_path / "mg").exists()
-
-
-def _with_args(hf: Path, tmp_path: Path, **changes) -> Path:
-    out = convert(hf, tmp_path / "mg", "megatron", options={"layout": "dist"})
-    common = out / "iter_0000000" / "common.pt"
-    state = torch.load(common, weights_only=False)
-    for k, v in changes.items():
-        setattr(state["args"], k, v)
-    torch.save(state, common)
-    return out
 
 
 @pytest.mark.parametrize("changes,says", [
@@ -150,7 +129,7 @@ def _with_args(hf: Path, tmp_path: Path, **changes) -> Path:
 def test_megatron_arguments_a_qwen2moe_does_not_compute_are_refused_by_name(hf, tmp_path, changes, says):
     """A shared expert must be gated (Qwen2-MoE's sigmoid gate) and come with Qwen2's q/k/v biases; without a shared
     expert the biases make no Mixtral; Mixtral's other refusals (scaling, sigmoid scores, dense layers) stay."""
-    out = _with_args(hf, tmp_path, **changes)
+    out = with_args(hf, tmp_path, **changes)
     run = ckptio_here("convert", str(out), str(tmp_path / "back"), "--to", "hf", "--no-progress")
     assert run.returncode == 2 and says in run.stderr, run.stderr
     assert not (tmp_path / "back").exists()
@@ -189,7 +168,7 @@ def test_megatron_qwen2moe_converts_to_a_qwen2moe_with_megatrons_logits(made, tm
             "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
     run = ckptio_here("convert", str(made / layout), str(tmp_path / "hf"), "--to", "hf", "--no-progress")
     assert run.returncode == 0, run.stderr
-    config = _config(tmp_path / "hf")
+    config = config_of(tmp_path / "hf")
     assert config["model_type"] == "qwen2_moe" and config["norm_topk_prob"] is False
     assert (config["shared_expert_intermediate_size"], config["router_aux_loss_coef"]) == (48, 0.02)
     got, routed = _run(tmp_path / "hf", ref["input_ids"])

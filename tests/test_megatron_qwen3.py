@@ -29,7 +29,7 @@ from ckptio.errors import CheckpointError
 from ckptio.formats.hf_fields import UnsupportedFieldError
 from ckptio.formats.safetensors.sharded import SafetensorsSource
 from cli_here import ckptio_here
-from megatron_shared import restore_with_adam, same_weights
+from megatron_shared import config_of, respelled, restore_with_adam, same_weights, with_args
 
 FIXTURE = Path(__file__).with_name("megatron_fixture.py")
 # the fixture's tiny model (megatron_fixture.py, --family qwen3); Qwen3's head_dim is its own field (16 here)
@@ -62,10 +62,6 @@ def _logits(hf: Path, ids: torch.Tensor) -> torch.Tensor:
         return model(ids).logits
 
 
-def _config(folder: Path) -> dict:
-    return json.loads((folder / "config.json").read_text())
-
-
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory) -> Path:
     return _qwen3(tmp_path_factory.mktemp("qwen3") / "model")
@@ -88,7 +84,7 @@ def test_qwen3_to_megatron_and_back_is_bitwise(hf, tmp_path, layout, tp, pp):
     assert index["decoder.layers.3.self_attention.k_layernorm.weight"].shape == (16,)
     back = convert(out, tmp_path / "back", "hf")
     same_weights(hf, back)
-    config = _config(back)
+    config = config_of(back)
     assert config["model_type"] == "qwen3" and config["architectures"] == ["Qwen3ForCausalLM"]
     assert config["use_sliding_window"] is False and config["attention_bias"] is False
     assert config["rms_norm_eps"] == 1e-6 and config["head_dim"] == 16
@@ -105,7 +101,7 @@ def test_a_tied_qwen3_travels_as_megatron_shares_it(tmp_path):
     assert "output_layer.weight" not in MegatronSource(out).index()
     back = convert(out, tmp_path / "back", "hf")
     same_weights(src, back)
-    assert _config(back)["tie_word_embeddings"] is True
+    assert config_of(back)["tie_word_embeddings"] is True
 
 
 def test_a_qwen3_head_dim_other_than_hidden_over_heads_travels(tmp_path):
@@ -135,20 +131,10 @@ def test_a_nemo2_qwen3_reads_its_family_from_context(hf, tmp_path):
         "  share_embeddings_and_output_weights: false", "  vocab_size: 128", ""])
     back = convert(tmp_path / "nemo2", tmp_path / "back", "hf")
     same_weights(hf, back)
-    assert _config(back)["model_type"] == "qwen3"
+    assert config_of(back)["model_type"] == "qwen3"
 
 
 # ------------------------------------------------------------------------------------------- refusals
-def _respelled(src: Path, **changes) -> Path:
-    config = _config(src)
-    for k, v in changes.items():
-        if v is None:
-            config.pop(k, None)
-        else:
-            config[k] = v
-    (src / "config.json").write_text(json.dumps(config))
-    return src
-
 
 @pytest.mark.parametrize("changes,field,value", [
     ({"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2, "layer_types": None},
@@ -161,7 +147,7 @@ def _respelled(src: Path, **changes) -> Path:
     ({"hidden_act": "gelu"}, "hidden_act", "gelu"),
 ])
 def test_qwen3_fields_megatron_does_not_carry_are_refused_by_name(hf, tmp_path, changes, field, value):
-    src = _respelled(Path(shutil.copytree(hf, tmp_path / "src")), **changes)
+    src = respelled(Path(shutil.copytree(hf, tmp_path / "src")), **changes)
     with pytest.raises(UnsupportedFieldError) as err:
         convert(src, tmp_path / "mg", "megatron")
     assert err.value.field == field and err.value.value == value
@@ -170,19 +156,9 @@ def test_qwen3_fields_megatron_does_not_carry_are_refused_by_name(hf, tmp_path, 
 
 def test_a_qwen3_window_that_is_off_is_not_refused(hf, tmp_path):
     """Qwen3's own configs say ``sliding_window: null, use_sliding_window: false, max_window_layers: 28``."""
-    src = _respelled(Path(shutil.copytree(hf, tmp_path / "src")), sliding_window=4096, max_window_layers=2)
+    src = respelled(Path(shutil.copytree(hf, tmp_path / "src")), sliding_window=4096, max_window_layers=2)
     back = convert(convert(src, tmp_path / "mg", "megatron"), tmp_path / "back", "hf")
     same_weights(src, back)
-
-
-def _with_args(hf: Path, tmp_path: Path, **changes) -> Path:
-    out = convert(hf, tmp_path / "mg", "megatron", options={"layout": "dist"})
-    common = out / "iter_0000000" / "common.pt"
-    state = torch.load(common, weights_only=False)
-    for k, v in changes.items():
-        setattr(state["args"], k, v)
-    torch.save(state, common)
-    return out
 
 
 @pytest.mark.parametrize("arg,value,says", [
@@ -191,14 +167,14 @@ def _with_args(hf: Path, tmp_path: Path, **changes) -> Path:
     ("normalization", "LayerNorm", "normalization=LayerNorm"),  # the q/k norms would be LayerNorms too
 ])
 def test_megatron_runs_with_qk_norms_no_qwen3_computes_are_refused_by_the_cli(hf, tmp_path, arg, value, says):
-    out = _with_args(hf, tmp_path, **{arg: value})
+    out = with_args(hf, tmp_path, **{arg: value})
     run = ckptio_here("convert", str(out), str(tmp_path / "back"), "--to", "hf", "--no-progress")
     assert run.returncode == 2 and says in run.stderr, run.stderr
     assert not (tmp_path / "back").exists()
 
 
 def test_a_run_whose_args_and_tensors_disagree_about_the_qk_norms_is_refused(hf, tmp_path):
-    out = _with_args(hf, tmp_path, qk_layernorm=False)
+    out = with_args(hf, tmp_path, qk_layernorm=False)
     with pytest.raises(CheckpointError, match=r"q_layernorm\.weight.*qk_layernorm=False"):
         convert(out, tmp_path / "back", "hf")
     assert not (tmp_path / "back").exists()
@@ -298,7 +274,7 @@ def test_megatron_qwen3_converts_to_a_qwen3_with_megatrons_logits(made, tmp_path
     ref = torch.load(made[(tp, pp)] / "reference.pt")
     run = ckptio_here("convert", str(made[(tp, pp)] / layout), str(tmp_path / "hf"), "--to", "hf", "--no-progress")
     assert run.returncode == 0, run.stderr
-    config = _config(tmp_path / "hf")
+    config = config_of(tmp_path / "hf")
     assert config["model_type"] == "qwen3" and config["rope_parameters"]["rope_theta"] == THETA
     got = _logits(tmp_path / "hf", ref["input_ids"])
     assert got.shape == ref["logits"].shape
@@ -319,8 +295,6 @@ def test_megatron_core_loads_a_qwen3_ckptio_exports(tmp_path):
     got = torch.load(tmp_path / "logits.pt")
     want = _logits(src, got["input_ids"])
     assert torch.allclose(got["logits"], want, atol=1e-5, rtol=0), (got["logits"] - want).abs().max()
-
-
 
 
 @pytest.mark.slow
@@ -356,14 +330,14 @@ def test_a_qwen3_config_json_beside_a_checkpoint_without_args_gives_its_family(h
     shutil.copy(hf / "config.json", out / "config.json")
     back = convert(out, tmp_path / "back", "hf")
     same_weights(hf, back)
-    assert _config(back)["model_type"] == "qwen3"
+    assert config_of(back)["model_type"] == "qwen3"
 
 
 def test_a_gemma_config_json_beside_a_checkpoint_without_args_is_refused(hf, tmp_path):
     """A config.json stands for the run's args only for a model Megatron computes; a Gemma's is not read as a
     Llama's (its soft-capping, post-norms and scaled embedding dropped)."""
     out = _without_args(hf, tmp_path)
-    gemma = {**_config(hf), "model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"],
+    gemma = {**config_of(hf), "model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"],
              "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
     (out / "config.json").write_text(json.dumps(gemma))
     with pytest.raises(UnsupportedFieldError) as err:

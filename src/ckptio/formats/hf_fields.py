@@ -179,7 +179,7 @@ _MUST: dict[str, tuple[Any, str]] = {  # field -> (the value a Llama-shaped targ
     "is_encoder_decoder": (False, "Only decoder-only models are mapped."),
     "router_jitter_noise": (0.0, "Mixtral's router jitter is not carried (Megatron's moe_input_jitter_eps jitters at "
                                  "inference too); set it to 0.0."),
-    "decoder_sparse_step": (1, "Only a Qwen2-MoE whose every layer is a mixture of experts is mapped (Megatron's "
+    "decoder_sparse_step": (1, "Only a Qwen MoE whose every layer is a mixture of experts is mapped (Megatron's "
                                "moe_layer_freq patterns are not)."),
     "qkv_bias": (True, "A Qwen2-MoE is mapped with its q/k/v biases (Megatron's add_qkv_bias)."),
 }
@@ -202,18 +202,28 @@ MODEL_FIELDS: dict[str, frozenset[str]] = {
                                     "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob",
                                     "router_aux_loss_coef", "output_router_logits", "decoder_sparse_step",
                                     "mlp_only_layers", "qkv_bias"},
+    # Qwen3-MoE: Qwen2-MoE's experts and routing without the shared expert, Qwen3's q/k norms, no biases; transformers
+    # 5 saves the expert count as num_local_experts (num_experts maps to it), the Hub's configs as num_experts;
+    # max_window_layers is transformers 4's (no layer_types: neither reads one)
+    "qwen3_moe": CARRIED | INERT | {"hidden_act", "attention_bias", "use_sliding_window", "sliding_window",
+                                    "max_window_layers", "is_encoder_decoder", "num_experts",
+                                    "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                    "norm_topk_prob", "router_aux_loss_coef", "output_router_logits",
+                                    "decoder_sparse_step", "mlp_only_layers"},
 }
 """The fields each model type reads (anything else in its config.json, a stray field of another type, it ignores)."""
-_SWITCHED = {kind: frozenset({"sliding_window", "max_window_layers"}) for kind in ("qwen2", "qwen3", "qwen2_moe")}
+_SWITCHED = {kind: frozenset({"sliding_window", "max_window_layers"})
+             for kind in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")}
 """Fields a model type reads only when a switch in :data:`_MUST` is on (Qwen2's and Qwen3's window, with
 ``use_sliding_window``): Qwen2.5's own configs hold ``sliding_window: 131072`` with the switch off, which computes
 full attention."""
 LLAMA_TYPES = ("llama", "mistral")
 """The model types every Llama-shaped target holds."""
-MEGATRON_TYPES = (*LLAMA_TYPES, "qwen2", "qwen3", "mixtral", "qwen2_moe")
+MEGATRON_TYPES = (*LLAMA_TYPES, "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 """The model types Megatron holds: also ``qwen2`` (its ``add_qkv_bias``), ``qwen3`` (its ``qk_layernorm``),
-``mixtral`` (its ``num_experts``) and ``qwen2_moe`` (experts with a gated shared expert)."""
-DEFAULT_EPS = {"qwen2": 1e-6, "qwen3": 1e-6}
+``mixtral`` (its ``num_experts``), ``qwen2_moe`` (experts with a gated shared expert) and ``qwen3_moe`` (experts with
+``qk_layernorm``)."""
+DEFAULT_EPS = {"qwen2": 1e-6, "qwen3": 1e-6, "qwen3_moe": 1e-6}
 """transformers' ``rms_norm_eps`` when a config of the type gives none (1e-5 for the others)."""
 
 
@@ -239,17 +249,17 @@ def _llama_checks(config: dict[str, Any], r: Rope, types: tuple[str, ...]) -> li
     checks = [("model_type", kind, kind in (*types, None),
                f"ckptio maps Llama-style decoders (RMSNorm, SwiGLU, RoPE) of the model types {', '.join(types)} to "
                "this target (mistral without a sliding window; qwen2, whose q/k/v projections have biases, "
-               "qwen3, whose queries and keys are normalised per head, and mixtral's and qwen2_moe's experts, to "
-               "Megatron only).")]
+               "qwen3, whose queries and keys are normalised per head, and mixtral's, qwen2_moe's and qwen3_moe's "
+               "experts, to Megatron only).")]
     reads = _placed(config) - _SWITCHED.get(kind if isinstance(kind, str) else "", frozenset())
     for name in sorted(_MUST):
         if name in reads:
             want, hint = _MUST[name]
             value = config.get(name, want)  # transformers' default for each is the value a Llama computes
             checks.append((name, value, value == want and isinstance(value, bool) == isinstance(want, bool), hint))
-    if "mlp_only_layers" in reads:  # Qwen2-MoE's dense layers ([] or null: none)
+    if "mlp_only_layers" in reads:  # a Qwen MoE's dense layers ([] or null: none)
         value = config.get("mlp_only_layers")
-        checks.append(("mlp_only_layers", value, value in (None, []), "Only a Qwen2-MoE whose every layer is a "
+        checks.append(("mlp_only_layers", value, value in (None, []), "Only a Qwen MoE whose every layer is a "
                        "mixture of experts is mapped (Megatron's moe_layer_freq patterns are not)."))
     if "layer_types" in reads:  # transformers 5 writes each layer's attention; older configs leave it out
         value = config.get("layer_types")

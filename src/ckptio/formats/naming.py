@@ -300,7 +300,8 @@ QWEN2MOE_TO_MEGATRON = Converter(
     needs=("num_attention_heads", "hidden_size"),
     doc="Hugging Face Qwen2-MoE -> Megatron-Core MoE GPT with a shared expert (the attention and its q/k/v biases as "
         "llama-to-megatron; the router; each expert's and the shared expert's fc1 = [gate_proj; up_proj], fc2 = "
-        "down_proj; the shared expert's sigmoid gate as its gate_weight)",
+        "down_proj; the shared expert's sigmoid gate as its gate_weight); also Qwen3-MoE, the same without the shared "
+        "expert, its q/k norms as llama-to-megatron's",
     rules=tuple(r for r in LLAMA_TO_MEGATRON.rules if ".mlp." not in r.sources[0]) + (
         Rule((_L + "mlp.gate.weight",), (_M + "mlp.router.weight",)),
         Rule((_L + "mlp.experts.{j}.gate_proj.weight", _L + "mlp.experts.{j}.up_proj.weight"),

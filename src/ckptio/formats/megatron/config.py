@@ -6,7 +6,7 @@ NeMo 2.0 checkpoints in ``context/model.yaml`` (the model's config under ``confi
 ``TransformerConfig`` names), or a Hugging Face ``config.json``. All become Megatron-LM argument names,
 and :func:`hf_config` turns those into the Hugging Face config of the converted model: a Llama, a Qwen2 when
 the run has biases on its query/key/value projection only (``add_qkv_bias``), or a Qwen3 when it normalises each
-query and key head (``qk_layernorm``; :func:`family`).
+query and key head (``qk_layernorm``; :func:`family`), or with experts a Mixtral, a Qwen2-MoE or a Qwen3-MoE.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from .fields import MUST, _arg, refused
 
 
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-            "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+            "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 """The Hugging Face model types a Megatron GPT run converts to, with their classes."""
 
 
@@ -29,12 +29,13 @@ def family(args: Any) -> str:
     """``qwen2`` for a run with biases on the query/key/value projection (Megatron-LM's ``--add-qkv-bias``, which
     is how Megatron trains Qwen2/2.5), ``qwen3`` for one with an RMSNorm on each query and key head
     (``--qk-layernorm``, how it trains Qwen3), else ``llama``; with experts ``qwen2_moe`` when they have a shared expert
-    (:mod:`.qwen2moe`), else ``mixtral``; what none computes is refused by :func:`hf_config`."""
+    (:mod:`.qwen2moe`), ``qwen3_moe`` with q/k norms, else ``mixtral``; what none computes is refused by
+    :func:`hf_config`."""
     from .moe import experts_of
-    from .qwen2moe import shared_of
+    from .qwen2moe import qwen3, shared_of
 
-    if experts_of(args):  # a mixture of experts: a Qwen2-MoE with a (gated) shared expert, else a Mixtral
-        return "qwen2_moe" if shared_of(args) else "mixtral"
+    if experts_of(args):  # a mixture of experts: a Qwen2-MoE with a (gated) shared expert, a Qwen3-MoE with q/k norms
+        return "qwen2_moe" if shared_of(args) else "qwen3_moe" if qwen3(args) else "mixtral"
     if _arg(args, "qk_layernorm", False):
         return "qwen3"
     return "qwen2" if _arg(args, "add_qkv_bias", False) else "llama"
@@ -99,7 +100,8 @@ def hf_config(args: Any, where: object, layers: int, vocab_rows: int) -> dict[st
                               "models with RMSNorm, SwiGLU, RoPE and no linear biases to Hugging Face Llama, and "
                               "with biases on the query/key/value projection only (add_qkv_bias) to Qwen2, with "
                               "RMSNorms on each query and key head (qk_layernorm) to Qwen3, with experts to Mixtral, "
-                              "or to Qwen2-MoE with a gated shared expert and add_qkv_bias")
+                              "to Qwen2-MoE with a gated shared expert and add_qkv_bias, or to Qwen3-MoE with "
+                              "qk_layernorm")
     hidden, heads = _arg(args, "hidden_size"), _arg(args, "num_attention_heads")
     if not isinstance(hidden, int) or not isinstance(heads, int):
         raise CheckpointError(f"{where}: the run's args are missing (hidden_size, num_attention_heads...); put the "
@@ -119,14 +121,15 @@ def hf_config(args: Any, where: object, layers: int, vocab_rows: int) -> dict[st
         "attention_dropout": float(_arg(args, "attention_dropout", 0.0) or 0.0),
     }
     kind = family(args)
-    if kind in ("mixtral", "qwen2_moe"):  # no attention_bias/mlp_bias fields; the experts' sizes and routing
-        from .moe import hf_fields as moe_fields
+    if kind in ("mixtral", "qwen2_moe", "qwen3_moe"):  # no mlp_bias field (nor attention_bias but Qwen3-MoE's);
+        from .moe import hf_fields as moe_fields  # the experts' sizes and routing
 
         del config["attention_bias"], config["mlp_bias"]
         config.update(architectures=[FAMILIES[kind]], model_type=kind, **moe_fields(args, where))
-        if kind == "qwen2_moe":  # and a Qwen2's full attention
-            config.update(use_sliding_window=False, sliding_window=None, max_window_layers=layers,
-                          layer_types=["full_attention"] * layers)
+        if kind != "mixtral":  # and a Qwen's full attention (Qwen3-MoE has no layer_types)
+            config.update(use_sliding_window=False, sliding_window=None, max_window_layers=layers)
+        if kind == "qwen2_moe":
+            config.update(layer_types=["full_attention"] * layers)
     elif kind != "llama":  # qwen2: q/k/v biases (no attention_bias field), qwen3: none; no mlp_bias; full attention
         del config["mlp_bias"]
         if kind == "qwen2":
@@ -230,17 +233,22 @@ def hf_args(hf: dict[str, Any], where: object) -> Any:
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
         rope_scaling={"rope_type": r.kind, **r.scaling} if r.kind != "default" else None,
         add_bias_linear=bool(hf.get("attention_bias") or hf.get("mlp_bias")),
-        add_qkv_bias=hf.get("model_type") in ("qwen2", "qwen2_moe"), qk_layernorm=hf.get("model_type") == "qwen3",
+        add_qkv_bias=hf.get("model_type") in ("qwen2", "qwen2_moe"),
+        qk_layernorm=hf.get("model_type") in ("qwen3", "qwen3_moe"),
         bf16=dtype == "bfloat16", fp16=dtype == "float16",
         **({"num_experts": hf.get("num_local_experts"), "moe_router_topk": hf.get("num_experts_per_tok"),
             "moe_ffn_hidden_size": hf.get("intermediate_size"), "moe_aux_loss_coeff": hf.get("router_aux_loss_coef")}
            if hf.get("model_type") == "mixtral" else {}),
-        **(_qwen2moe_args(hf) if hf.get("model_type") == "qwen2_moe" else {}))
+        **(_qwen_moe_args(hf) if hf.get("model_type") in ("qwen2_moe", "qwen3_moe") else {}))
 
 
-def _qwen2moe_args(hf: dict[str, Any]) -> dict[str, Any]:
-    """The MoE arguments of a Qwen2-MoE ``config.json`` (its shared expert gated, its routing by ``norm_topk_prob``)."""
-    return {"num_experts": hf.get("num_experts"), "moe_router_topk": hf.get("num_experts_per_tok"),
+def _qwen_moe_args(hf: dict[str, Any]) -> dict[str, Any]:
+    """The MoE arguments of a Qwen2-MoE ``config.json`` (its shared expert gated, its routing by ``norm_topk_prob``) or
+    of a Qwen3-MoE one (no shared expert)."""
+    from .qwen2moe import experts_field
+
+    shared = {"moe_shared_expert_intermediate_size": hf.get("shared_expert_intermediate_size"),
+              "moe_shared_expert_gate": True} if hf.get("model_type") == "qwen2_moe" else {}
+    return {"num_experts": hf.get(experts_field(hf)), "moe_router_topk": hf.get("num_experts_per_tok"),
             "moe_ffn_hidden_size": hf.get("moe_intermediate_size"), "moe_aux_loss_coeff": hf.get("router_aux_loss_coef"),
-            "moe_shared_expert_intermediate_size": hf.get("shared_expert_intermediate_size"),
-            "moe_shared_expert_gate": True, "moe_router_pre_softmax": not hf.get("norm_topk_prob", False)}
+            "moe_router_pre_softmax": not hf.get("norm_topk_prob", False), **shared}

@@ -1,5 +1,5 @@
-"""Every Megatron model argument, placed: carried into the Hugging Face Llama/Qwen2/Qwen3/Mixtral/Qwen2-MoE config,
-inert, or refused.
+"""Every Megatron model argument, placed: carried into the Hugging Face Llama/Qwen2/Qwen3/Mixtral/Qwen2-MoE/Qwen3-MoE
+config, inert, or refused.
 
 A Megatron run builds its model from Megatron-Core's ``TransformerConfig`` (with ``ModelParallelConfig``), whose
 fields Megatron-LM fills from arguments of the same names, plus a few Megatron-LM arguments it translates
@@ -10,7 +10,7 @@ head: ``qk_layernorm``) decides from all of them:
 * :data:`CARRIED` — read into the converted config (sizes, heads, norm epsilon, rotary base, tying, dtype);
 * :data:`MUST` — a feature a Llama does not compute (a window, a 1+gamma norm, QK L2 norms, experts...): the
   argument must hold its "off" value, or the conversion is refused naming it (a Qwen2-MoE carries its shared expert
-  and its pre-softmax routing: :data:`_QWEN2_MOE`);
+  and its pre-softmax routing: :data:`_QWEN2_MOE`; a Qwen3-MoE that routing);
 * :data:`INERT` — training, performance, initialisation, parallel layout and runtime switches: what the converted
   model computes does not depend on them.
 
@@ -66,6 +66,7 @@ _OFF: dict[str, tuple[tuple[Any, ...], str]] = {
     # a mixture of experts routes as Mixtral exactly with these (megatron-core 0.16.1's TopKRouter): softmax over the
     # top-k logits (= softmax over all, top-k, renormalised), no scaling, no dropping, no jitter, no shared expert;
     # with a shared expert it is a Qwen2-MoE, which carries the names in _QWEN2_MOE (.qwen2moe checks the gate)
+    # and with q/k norms (qk_layernorm) a Qwen3-MoE, which carries the first (its routing, norm_topk_prob)
     "moe_router_load_balancing_type": (("aux_loss", "seq_aux_loss", "global_aux_loss", "none", None),
                                        "Sinkhorn routing"),
     "moe_router_score_function": (("softmax", None), "sigmoid router scores"),
@@ -110,7 +111,7 @@ MUST = frozenset(_OFF)
 _QWEN2_MOE = ("moe_router_pre_softmax", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
 """Carried by a Qwen2-MoE (a run with experts and a shared expert): its routing (``norm_topk_prob`` is ``not
 moe_router_pre_softmax``) and its shared expert, which :func:`ckptio.formats.megatron.qwen2moe.problems` requires
-gated."""
+gated; a Qwen3-MoE (experts with ``qk_layernorm``, no shared expert) carries the routing alone."""
 
 _INERT_NAMES = """
     mtp_loss_scaling_factor attention_backend hidden_dropout attention_dropout fp32_residual_connection
@@ -182,7 +183,8 @@ def refused(args: Any) -> list[str]:
     out = []
     experts, shared = values.get("num_experts") or values.get("num_moe_experts"), \
         values.get("moe_shared_expert_intermediate_size")
-    carried = _QWEN2_MOE if experts and isinstance(shared, int) and not isinstance(shared, bool) and shared > 0 else ()
+    carried = _QWEN2_MOE if experts and isinstance(shared, int) and not isinstance(shared, bool) and shared > 0 else \
+        _QWEN2_MOE[:1] if experts and values.get("qk_layernorm") is True else ()  # a Qwen3-MoE: its routing
     if "moe_layer_freq" in values and not _every_layer(values["moe_layer_freq"]):
         out.append(f"moe_layer_freq={values['moe_layer_freq']!r} (dense layers between the mixture-of-experts layers)")
     for name, (off, what) in _OFF.items():

@@ -327,7 +327,7 @@ class MegatronSource:
 def _as_llama(source: MegatronSource) -> Any:
     from ..naming import _RenamedSource, get_converter
 
-    naming = {"mixtral": "megatron-to-mixtral", "qwen2_moe": "megatron-to-qwen2moe"}.get(
+    naming = {"mixtral": "megatron-to-mixtral", "qwen2_moe": "megatron-to-qwen2moe", "qwen3_moe": "megatron-to-qwen2moe"}.get(
         str(source.config.get("model_type")), "megatron-to-llama")
     return _RenamedSource(source, get_converter(naming), source.config)
 

@@ -18,7 +18,7 @@ The routing is Mixtral's exactly when Megatron computes softmax over the top-k l
 off, ``moe_router_score_function`` softmax), which equals softmax over all experts then top-k renormalised, with no
 scaling, no token dropping, no group-limited routing and no input jitter; :mod:`.fields` refuses every other value by
 name. A run with a gated shared expert (and Qwen2's q/k/v biases) is a Qwen2-MoE instead (:mod:`.qwen2moe`), whose
-shared expert's parameters are per layer like the router's.
+shared expert's parameters are per layer like the router's; one with q/k norms (``qk_layernorm``) a Qwen3-MoE.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 from ...errors import CheckpointCorruptError, CheckpointError
 from ...storage.confined import Folder
 from .fields import _arg
-from .qwen2moe import SHARED_MODULES, SHARED_SPLIT, shared_of
+from .qwen2moe import SHARED_MODULES, SHARED_SPLIT, qwen3, shared_of
 
 ROUTER = "mlp.router.weight"
 EXPERT_SPLIT = {"linear_fc1.weight": "glu", "linear_fc2.weight": 1}
@@ -222,7 +222,7 @@ def hf_fields(args: Any, where: object) -> dict[str, Any]:
     mixtral = {"num_local_experts": experts, "num_experts_per_tok": topk, "intermediate_size": ffn,
                "router_aux_loss_coef": float(aux) if isinstance(aux, (int, float)) and not isinstance(aux, bool)
                else 0.0, "output_router_logits": False, "router_jitter_noise": 0.0, "sliding_window": None}
-    if shared_of(args):  # a Qwen2-MoE (the dense intermediate_size stays the run's ffn_hidden_size)
+    if shared_of(args) or qwen3(args):  # a Qwen2-/Qwen3-MoE (intermediate_size stays the run's ffn_hidden_size)
         from . import qwen2moe
 
         return qwen2moe.hf_fields(args, where, mixtral)
@@ -245,7 +245,7 @@ def check_legacy(args: Any, tp: int, where: object) -> None:
 def megatron_args(config: dict[str, Any], tp: int) -> dict[str, Any]:
     """Megatron-LM's MoE arguments for a Mixtral ``config`` (none for a dense model): its experts, routed as Mixtral
     routes (softmax over the top-k logits, no dropping), SequentialMLP experts without expert parallelism."""
-    if config.get("model_type") == "qwen2_moe":
+    if config.get("model_type") in ("qwen2_moe", "qwen3_moe"):
         from . import qwen2moe
 
         return qwen2moe.megatron_args(config, tp)

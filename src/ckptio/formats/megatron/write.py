@@ -73,7 +73,7 @@ def megatron_args(config: dict[str, Any], tp: int, pp: int, layout: str,
         max_position_embeddings=int(config.get("max_position_embeddings") or 4096),
         norm_epsilon=float(config.get("rms_norm_eps", hf_fields.DEFAULT_EPS.get(str(kind), 1e-5))),
         rotary_base=rope.theta, rotary_percent=1.0, position_embedding_type="rope", normalization="RMSNorm",
-        swiglu=True, add_bias_linear=False, add_qkv_bias=kind in ("qwen2", "qwen2_moe"), qk_layernorm=kind == "qwen3",
+        swiglu=True, add_bias_linear=False, add_qkv_bias=kind in ("qwen2", "qwen2_moe"), qk_layernorm=kind in ("qwen3", "qwen3_moe"),
         untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, ckpt_format=layout,
         bf16=dtype == "bfloat16", fp16=dtype == "float16",
@@ -98,7 +98,7 @@ def _tensors(source: Any, config: dict[str, Any], args: argparse.Namespace) -> d
                                   f"config is a {config.get('model_type', 'llama')}'s (Megatron holds them in every "
                                   f"layer, as a {kind} model_type, or in none)")
     tied = "lm_head.weight" not in index
-    naming = {"mixtral": "mixtral-to-megatron", "qwen2_moe": "qwen2moe-to-megatron"}.get(
+    naming = {"mixtral": "mixtral-to-megatron", "qwen2_moe": "qwen2moe-to-megatron", "qwen3_moe": "qwen2moe-to-megatron"}.get(
         str(config.get("model_type")), "llama-to-megatron")
     if naming != "llama-to-megatron":  # a checkpoint of transformers 5's live model: its experts fused
         from ..live_experts import as_saved
