@@ -218,8 +218,8 @@ def _moe_step_dir(root: Path, family: str) -> tuple[Path, torch.nn.Module, torch
     return next(p for p in root.iterdir() if p.name.startswith("epoch")), model, opt
 
 
-@pytest.fixture(scope="module", params=[("mixtral", "plain"), ("mixtral", "distributed"), ("qwen2moe", "plain"),
-                                        ("qwen2moe", "distributed"), ("qwen3moe", "distributed")], ids="-".join)
+@pytest.fixture(scope="module", params=[("mixtral", "plain"), ("mixtral", "distributed"), ("qwen2moe", "distributed"),
+                                        ("qwen3moe", "distributed")], ids="-".join)
 def trained_moe(request, tmp_path_factory):
     """The mixture of experts exported (torch_dist, TP=1), loaded and trained one step by megatron-core at EP=2 (two
     ranks, each two of the four experts; the experts' optimizer chained beside the dense one)."""

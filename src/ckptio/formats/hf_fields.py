@@ -223,8 +223,10 @@ MEGATRON_TYPES = (*LLAMA_TYPES, "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3
 """The model types Megatron holds: also ``qwen2`` (its ``add_qkv_bias``), ``qwen3`` (its ``qk_layernorm``),
 ``mixtral`` (its ``num_experts``), ``qwen2_moe`` (experts with a gated shared expert) and ``qwen3_moe`` (experts with
 ``qk_layernorm``)."""
-DEFAULT_EPS = {"qwen2": 1e-6, "qwen3": 1e-6, "qwen3_moe": 1e-6}
-"""transformers' ``rms_norm_eps`` when a config of the type gives none (1e-5 for the others)."""
+DEFAULT_EPS = {"llama": 1e-6, "mistral": 1e-6, "qwen2": 1e-6, "qwen3": 1e-6, "mixtral": 1e-5, "qwen2_moe": 1e-6,
+               "qwen3_moe": 1e-6}
+"""transformers' ``rms_norm_eps`` when a config of the type gives none (the same in transformers 4 and 5); each of
+:data:`MEGATRON_TYPES` has its own, so that a config leaving it out is exported as transformers reads it."""
 
 
 _GEMMA = (" megatron-core (0.16) builds no Gemma: it has no logit soft-capping (Gemma 2's attention and final logits), "
