@@ -296,17 +296,19 @@ def test_a_megatron_export_of_an_already_renamed_model_is_a_clear_error(hf, tmp_
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"])
-def test_a_config_without_rms_norm_eps_gets_the_model_types_own_default(kind):
-    """A ``config.json`` that leaves ``rms_norm_eps`` out means transformers' default for its model type (1e-6 for a
-    Llama, 1e-5 for a Mixtral): the Megatron export's ``norm_epsilon`` is that, not one guess for every type."""
+def test_a_config_without_rms_norm_eps_or_rope_gets_the_model_types_own_defaults(kind):
+    """A ``config.json`` that leaves ``rms_norm_eps`` or the rotary base out means transformers' default for its model
+    type (an epsilon of 1e-6 for a Llama, 1e-5 for a Mixtral; a base of 10000, 1e6 for a Mixtral): the Megatron export
+    holds those, not one guess for every type."""
     import transformers
 
     from ckptio.formats.megatron.write import megatron_args
 
     default = transformers.AutoConfig.for_model(kind)
-    config = {k: v for k, v in default.to_dict().items() if k != "rms_norm_eps"}
+    config = {k: v for k, v in default.to_dict().items() if k not in ("rms_norm_eps", "rope_theta", "rope_parameters")}
     config.update(model_type=kind, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                   intermediate_size=128, num_hidden_layers=2, vocab_size=128, sliding_window=None,
                   layer_types=None, use_sliding_window=False, mlp_only_layers=[], decoder_sparse_step=1)
     config = {k: v for k, v in config.items() if v is not None or k == "sliding_window"}
-    assert megatron_args(config, 1, 1, "torch_dist").norm_epsilon == default.rms_norm_eps
+    args = megatron_args(config, 1, 1, "torch_dist")
+    assert (args.norm_epsilon, args.rotary_base) == (default.rms_norm_eps, default.rope_parameters["rope_theta"])

@@ -5,8 +5,8 @@ transformers 5 keeps the rotary embedding's settings in one ``rope_parameters`` 
 in ``dtype``; transformers 4 wrote ``rope_theta`` at the top level, scaling as ``rope_scaling`` (its kind
 under ``rope_type`` or the older ``type``) and ``torch_dtype``. Every converter reads these fields here, so a
 config in either spelling gives the same values, with transformers' own priority: ``rope_scaling`` when
-present, else ``rope_parameters``; a ``rope_theta`` inside the mapping before the top-level one; 10000
-when neither is given.
+present, else ``rope_parameters``; a ``rope_theta`` inside the mapping before the top-level one; the model
+type's default when neither is given (10000; a Mixtral's 1e6).
 
 A target that cannot hold a field refuses it by name (:func:`refuse`, :class:`UnsupportedFieldError`)
 instead of writing a model that computes something else.
@@ -26,6 +26,8 @@ __all__ = ["DEFAULT_THETA", "Rope", "UnsupportedFieldError", "rope", "dtype_name
            "refuse_type", "check_sizes"]
 
 DEFAULT_THETA = 10000.0
+_THETAS = {"mixtral": 1e6}
+"""The rotary base transformers gives a model type whose config names none, where it is not :data:`DEFAULT_THETA`."""
 """transformers' (and Megatron's) rotary base when a config gives none."""
 _KEYS = ("rope_theta", "rope_type", "type", "partial_rotary_factor")
 
@@ -121,7 +123,9 @@ def rope(config: dict[str, Any], where: object) -> Rope:
     if not isinstance(kind, str):
         raise CheckpointCorruptError(f"{where}: {source}.rope_type must be a string, found {kind!r:.60}")
     partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor"))
-    return Rope(theta=DEFAULT_THETA if theta is None else _number(theta, where, "rope_theta"), kind=kind,
+    if theta is None:
+        theta = _THETAS.get(str(config.get("model_type")), DEFAULT_THETA)
+    return Rope(theta=_number(theta, where, "rope_theta"), kind=kind,
                 scaling={k: v for k, v in params.items() if k not in _KEYS} if kind != "default" else {},
                 partial=1.0 if partial is None else _number(partial, where, "partial_rotary_factor"),
                 source=source)
