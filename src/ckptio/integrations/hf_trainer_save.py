@@ -205,9 +205,6 @@ def save_to_bucket(me: Any, trial: Any, saves: Any, run: Any) -> None:
         me.state.save_to_json(str(tmp / TRAINER_STATE))
     sums: dict[str, str] = {}
 
-    def publish() -> None:  # every rank: its files uploaded, their checksums to rank 0
-        sums.update(run.publish(writer, tmp, should))
-
     commit_now = None
     if should:
         facts = (step, int(me.state.epoch or 0), me.args.world_size) + commit_facts(me)
@@ -220,14 +217,10 @@ def save_to_bucket(me: Any, trial: Any, saves: Any, run: Any) -> None:
 
     wrapped = timer.wrap(commit_now, background=saves is not None)
     if saves is not None:
-        def background() -> None:
-            write()
-            publish()
-
-        saves.start(run.storage.root / name, background, wrapped)
+        run.save_in_background(saves, writer, write, should, wrapped, sums)
         timer.returned()
         return
-    publish()
+    sums.update(run.publish(writer, tmp, should))
     if wrapped is not None:
         wrapped()
     me.accelerator.wait_for_everyone()  # committed before any rank reads it
