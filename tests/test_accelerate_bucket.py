@@ -4,9 +4,10 @@ and the real accelerate.
 
 Proven here: the folders are committed steps in the bucket (manifest last), none in the local ``project_dir``;
 ``total_limit`` rotates them there; a stopped run resumed with ``load_state()`` passes over a torn folder and ends
-bitwise equal to the run uninterrupted, in the foreground and with ``async_save``; ``load_state(url)`` loads a named one;
-on 2 ranks (torchrun) each rank uploads its own files, rank 0 commits, and a kill before a commit leaves no committed
-torn folder: the rerun resumes bitwise equal to the uninterrupted 2-rank run.
+bitwise equal to the run uninterrupted, in the foreground and with ``async_save``; ``load_state(url)`` loads a named
+one; on 2 ranks (torchrun) each rank uploads its own files, rank 0 commits, a kill before a commit leaves no
+committed torn folder (the rerun resumes bitwise equal to the uninterrupted 2-rank run) and a rank's failed upload
+in the background commits nothing and is raised on both ranks.
 """
 
 from __future__ import annotations

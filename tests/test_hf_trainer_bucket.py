@@ -94,6 +94,35 @@ def test_the_best_model_is_kept_in_the_bucket_and_reloaded_as_the_trainer_does_l
     assert sorted(n for n in Store("s3", bucket).folders() if n.startswith("checkpoint-")) == sorted(kept)
 
 
+def test_each_hyperparameter_search_trial_keeps_its_checkpoints_under_its_own_prefix(bucket, tmp_path):
+    """``Trainer.hyperparameter_search`` with the real optuna backend, 2 trials: as locally (``output_dir/run-N``),
+    each trial's checkpoints are committed under ``url/run-N`` with its own record and its own rotation
+    (``save_total_limit=1``), its lease released; nothing of a trial lands beside another's."""
+    optuna = pytest.importorskip("optuna")
+    from conftest import Store
+
+    rates = {}
+
+    def space(trial):  # noqa: ANN001, ANN202
+        rates[trial.number] = trial.suggest_float("learning_rate", 1e-3, 1e-2)
+        return {"learning_rate": rates[trial.number]}
+
+    tr = CkptioTrainer(model_init=model, args=arguments(tmp_path / "out", 4, save_steps=2, save_total_limit=1),
+                       train_dataset=Tokens(), eval_dataset=Tokens(8, seed=4),
+                       ckptio_checkpoint_dir=f"s3://{bucket}/run")
+    tr.hyperparameter_search(hp_space=space, n_trials=2, direction="minimize", backend="optuna",
+                             sampler=optuna.samplers.RandomSampler(seed=0))
+    store = Store("s3", bucket)
+    assert sorted(store.folders()) == ["run-0", "run-1"]  # nothing directly under the url, no lease left
+    for number, rate in rates.items():
+        folders = store.folders(f"run/run-{number}")
+        assert sorted(folders) == [".ckptio_record.json", "checkpoint-4"], folders
+        saved = json.loads(store.get(f"run/run-{number}/checkpoint-4/trainer_state.json"))
+        assert saved["trial_params"] == {"learning_rate": rate}  # this trial's own checkpoint
+        assert "manifest.json" in folders["checkpoint-4"]
+    assert len(set(rates.values())) == 2
+
+
 def test_a_location_that_is_no_object_store_is_refused_by_name(tmp_path):
     with pytest.raises(ConfigError, match=r"ckptio_checkpoint_dir='hdfs://b/run'.*output_dir"):
         CkptioTrainer(model=model(), args=arguments(tmp_path, 4), train_dataset=Tokens(),

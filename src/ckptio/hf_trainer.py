@@ -57,6 +57,7 @@ import torch
 from .errors import CheckpointCorruptError, CheckpointError, MissingDependencyError
 from .integrations.hf_trainer_save import NAME as _NAME, OPTIMIZER as _OPTIMIZER, SCHEDULER as _SCHEDULER
 from .integrations.hf_trainer_save import TRAINER_STATE as _TRAINER_STATE, WEIGHTS as _WEIGHTS
+from .integrations.hf_trainer_save import trial_run as _trial_run
 from .storage.parse import DATA_ERRORS
 
 try:
@@ -87,8 +88,8 @@ class CkptioTrainerMixin:
     rotate in the background (:mod:`ckptio.integrations.hf_trainer_save`); the next save, ``train`` and the end of training wait
     for it and raise its failure. ``on_preemption``, ``preemption_signals``: save on preemption (docs/preemption.md).
     ``ckptio_checkpoint_dir``: ``s3://bucket/prefix`` (``gs://``, ``az://``) to keep the ``checkpoint-N`` folders
-    (and the run's record) in object storage instead of ``output_dir``, which keeps the logs
-    (:func:`ckptio.integrations.hf_trainer_save.bucket_run`).
+    (and the run's record) in object storage instead of ``output_dir``, which keeps the logs; a
+    ``hyperparameter_search`` trial's under ``prefix/<its run name>`` (:mod:`ckptio.integrations.hf_trainer_save`).
     """
 
     ckptio_verify: str = "full"
@@ -138,6 +139,7 @@ class CkptioTrainerMixin:
         when ``output_dir`` holds none), and a named checkpoint is checked before anything is loaded."""
         me: Any = self
         self.ckptio_wait()
+        base, self.ckptio_run = self.ckptio_run, _trial_run(me, self.ckptio_run, args, kwargs)  # a trial's: url/run-N
         run, where = self.ckptio_run, self.ckptio_run.url if self.ckptio_run else me.args.output_dir
         check = (lambda path: _check(path, self.ckptio_verify, me.args.save_only_model))
         if resume_from_checkpoint is True:
@@ -167,6 +169,7 @@ class CkptioTrainerMixin:
             self.ckptio_audit.end(clean=clean or bool(self.ckptio_preemption.preempted))
             if run is not None:
                 run.release()
+                self.ckptio_run = base
         return out
 
     # ------------------------------------------------------------------------------------------- the resume audit

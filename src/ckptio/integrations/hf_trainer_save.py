@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 __all__ = ["NAME", "TRAINER_STATE", "OPTIMIZER", "SCHEDULER", "WEIGHTS", "save_checkpoint", "bucket_run",
-           "save_to_bucket"]
+           "trial_run", "save_to_bucket"]
 
 NAME = re.compile(r"^checkpoint-(\d+)$")
 """A Trainer checkpoint's folder name; its group is the global step."""
@@ -174,6 +174,23 @@ def bucket_run(url: str) -> Any:
     from .framework_bucket import BucketRun
 
     return BucketRun(url, NAME, "Trainer's output_dir", "save_total_limit")
+
+
+def trial_run(me: Any, base: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The run of one ``train`` of ``me`` whose checkpoints go to ``base`` (``ckptio_checkpoint_dir``; ``None``: to
+    ``output_dir``): ``base`` itself, or for a trial of ``hyperparameter_search`` the folder ``base/<run name>`` (the
+    run name the Trainer gives the trial's local folder ``output_dir/<run name>``: ``run-N``, or its ``hp_name``),
+    with its own lease, record and rotation. ``args``, ``kwargs``: those of ``train`` after
+    ``resume_from_checkpoint`` (the trial is the first)."""
+    import os
+
+    trial = kwargs.get("trial", args[0] if args else None)
+    if base is None or me.hp_search_backend is None or trial is None:
+        return base
+    name = Path(os.path.relpath(me._get_output_dir(trial=trial), me.args.output_dir)).as_posix()
+    if name in ("", ".") or name.startswith("../"):
+        return base
+    return bucket_run(base.location(name))
 
 
 def save_to_bucket(me: Any, trial: Any, saves: Any, run: Any) -> None:
