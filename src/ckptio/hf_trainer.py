@@ -309,13 +309,11 @@ class CkptioTrainerMixin:
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """The Trainer's save, written into a hidden folder by every rank and committed by rank 0 (in the background
         with ``async_save``)."""
-        from .integrations.hf_trainer_save import save_checkpoint
+        from .integrations.hf_trainer_save import save_checkpoint, save_to_bucket
 
         if self.ckptio_audit is not None:
             self.ckptio_audit.saved(self.state.global_step)  # type: ignore[attr-defined]
         if self.ckptio_run is not None:
-            from .integrations.hf_trainer_save import save_to_bucket
-
             save_to_bucket(self, trial, self._ckptio_saves, self.ckptio_run)
         else:
             save_checkpoint(self, trial, self._ckptio_saves, self._ckptio_complete)
@@ -323,12 +321,14 @@ class CkptioTrainerMixin:
             self.log(metrics)  # type: ignore[attr-defined]
 
     def ckptio_wait(self) -> None:
-        """Block until the background save in flight (``async_save``) is committed and its retention done; raise its
-        failure. Called by the next save, ``train`` and the end of training; a no-op without ``async_save``."""
+        """Block until the save in flight (``async_save``) is committed and its retention done (its failure raised),
+        and the run's record is on disk with every event so far; called by the next save, ``train``, the end."""
         if self._ckptio_saves is not None:
             self._ckptio_saves.wait()
             for metrics in self.ckptio_numbers.drain():
                 self.log(metrics)  # type: ignore[attr-defined]
+        if self.ckptio_audit is not None:
+            self.ckptio_audit.flush()
 
 
 class CkptioTrainer(CkptioTrainerMixin, Trainer):
