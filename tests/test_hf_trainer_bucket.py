@@ -112,6 +112,7 @@ def test_each_hyperparameter_search_trial_keeps_its_checkpoints_under_its_own_pr
                        ckptio_checkpoint_dir=f"s3://{bucket}/run")
     tr.hyperparameter_search(hp_space=space, n_trials=2, direction="minimize", backend="optuna",
                              sampler=optuna.samplers.RandomSampler(seed=0))
+    assert tr.ckptio_run.url == f"s3://{bucket}/run"  # the search over, the trainer's run is the url's again
     store = Store("s3", bucket)
     assert sorted(store.folders()) == ["run-0", "run-1"]  # nothing directly under the url, no lease left
     for number, rate in rates.items():

@@ -139,8 +139,8 @@ class CkptioTrainerMixin:
         when ``output_dir`` holds none), and a named checkpoint is checked before anything is loaded."""
         me: Any = self
         self.ckptio_wait()
-        base, self.ckptio_run = self.ckptio_run, _trial_run(me, self.ckptio_run, args, kwargs)  # a trial's: url/run-N
-        run, where = self.ckptio_run, self.ckptio_run.url if self.ckptio_run else me.args.output_dir
+        run = self.ckptio_run = _trial_run(me, self.ckptio_run, args, kwargs)  # a trial's: url/<its run name>
+        where = run.url if run else me.args.output_dir
         check = (lambda path: _check(path, self.ckptio_verify, me.args.save_only_model))
         if resume_from_checkpoint is True:
             found = last_checkpoint(where, verify=self.ckptio_verify) if run is None else run.newest(check)
@@ -169,7 +169,7 @@ class CkptioTrainerMixin:
             self.ckptio_audit.end(clean=clean or bool(self.ckptio_preemption.preempted))
             if run is not None:
                 run.release()
-                self.ckptio_run = base
+                self.ckptio_run = run.parent or run
         return out
 
     # ------------------------------------------------------------------------------------------- the resume audit

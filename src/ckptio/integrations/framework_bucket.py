@@ -45,6 +45,8 @@ class BucketRun:
         self.storage: Any = open_storage(self.url)
         self._lease: Any = None
         self._copies: list[Path] = []
+        self.parent: BucketRun | None = None
+        """The run this one is a part of (a hyperparameter search trial's, under the run's url)."""
 
     def location(self, name: str) -> str:
         """``url/name``, as the Trainer's state records a checkpoint."""

@@ -176,21 +176,24 @@ def bucket_run(url: str) -> Any:
     return BucketRun(url, NAME, "Trainer's output_dir", "save_total_limit")
 
 
-def trial_run(me: Any, base: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The run of one ``train`` of ``me`` whose checkpoints go to ``base`` (``ckptio_checkpoint_dir``; ``None``: to
-    ``output_dir``): ``base`` itself, or for a trial of ``hyperparameter_search`` the folder ``base/<run name>`` (the
-    run name the Trainer gives the trial's local folder ``output_dir/<run name>``: ``run-N``, or its ``hp_name``),
-    with its own lease, record and rotation. ``args``, ``kwargs``: those of ``train`` after
-    ``resume_from_checkpoint`` (the trial is the first)."""
+def trial_run(me: Any, current: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The run of one ``train`` of ``me`` whose checkpoints go to ``ckptio_checkpoint_dir`` (``current``: its run,
+    or a trial's left by a ``train`` that raised; ``None``: to ``output_dir``): that run, or for a trial of
+    ``hyperparameter_search`` the folder ``<url>/<run name>`` (the run name the Trainer gives the trial's local folder
+    ``output_dir/<run name>``: ``run-N``, or its ``hp_name``), with its own lease, record and rotation, whose
+    ``parent`` is the run. ``args``, ``kwargs``: those of ``train`` after ``resume_from_checkpoint``."""
     import os
 
+    base = current.parent or current if current is not None else None
     trial = kwargs.get("trial", args[0] if args else None)
     if base is None or me.hp_search_backend is None or trial is None:
         return base
     name = Path(os.path.relpath(me._get_output_dir(trial=trial), me.args.output_dir)).as_posix()
     if name in ("", ".") or name.startswith("../"):
         return base
-    return bucket_run(base.location(name))
+    run = bucket_run(base.location(name))
+    run.parent = base
+    return run
 
 
 def save_to_bucket(me: Any, trial: Any, saves: Any, run: Any) -> None:
