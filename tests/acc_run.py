@@ -1,7 +1,7 @@
 """Run the tiny accelerate loop (``acc_tiny.train``) in a process of its own or under torchrun (DDP on CPU ranks).
 
     python tests/acc_run.py DIR OUT [--plain | --async] [--resume] [--sigterm-at STEP | --sigkill-at STEP]
-                            [--kill-at POINT:N] [--fail-at POINT:RANK]
+                            [--kill-at POINT:N] [--fail-at POINT:RANK] [--bucket URL]
     python -m torch.distributed.run --nproc-per-node=2 tests/acc_run.py DIR OUT [...]
 
 ``--plain``: the plain ``Accelerator``; otherwise ``CkptioAccelerator`` (``--async``: ``async_save=True``).
@@ -13,8 +13,9 @@ point (``ckptio._faults``). ``--on-preemption exit|return``: ``CkptioAccelerator
 ``save_on_preemption`` after each step; ``--sigterm-at STEP:RANK``: SIGTERM to global rank RANK alone;
 ``--own-handler``: a SIGTERM handler of the script's own, installed first, prints ``own handler ran on rank R``; with
 ``"return"`` each rank prints ``rank R preempted at S``. ``--clip``: ``clip_grad_norm_`` each step; ``--no-skip``: a
-resumed run does not skip the batches already seen (another data order). The main process writes the final state to OUT (not after a
-preemption).
+resumed run does not skip the batches already seen (another data order). ``--bucket URL``:
+``ckptio_checkpoint_dir=URL`` (the checkpoints in object storage; the store's settings come from the environment).
+The main process writes the final state to OUT (not after a preemption).
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ def main() -> None:
             os.kill(os.getpid(), how)
 
     kw: dict = {"async_save": True} if "--async" in sys.argv else {}
+    if _arg("--bucket"):
+        kw["ckptio_checkpoint_dir"] = _arg("--bucket")
     if _arg("--on-preemption"):
         kw["on_preemption"] = _arg("--on-preemption")
     if "--own-handler" in sys.argv:

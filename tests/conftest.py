@@ -188,6 +188,14 @@ class Store:
     def get(self, key: str) -> bytes:
         return self.raw.get(key, 1 << 40)[0]
 
+    def folders(self, prefix: str = "run") -> dict[str, set[str]]:
+        """name directly under ``prefix`` -> the objects below it (a run's checkpoint folders and their files)."""
+        out: dict[str, set[str]] = {}
+        for key in self.keys(prefix + "/"):
+            name, _, rest = key[len(prefix) + 1:].partition("/")
+            out.setdefault(name, set()).add(rest)
+        return out
+
 
 STORE_FIXTURES = {"s3": "bucket", "gs": "gcs_bucket", "az": "azure_container"}
 

@@ -159,3 +159,66 @@ def test_lightning_resumed_on_other_data_is_told_it_diverged_at_the_next_step(tm
     lines = _said(text)
     assert len(lines) == 1 and "DIVERGED at step 9" in lines[0] and "Lightning saves none" in lines[0], text[-3000:]
     assert "DIVERGED at step 9" in _report(run, capsys)
+
+
+# ------------------------------------------------------------------------------------------------------ the waits
+def _on_disk_is_in_memory(folder: Path, audit) -> None:  # noqa: ANN001
+    """The record on disk holds every event the integration's record has added so far (the metrics the record's
+    thread writes in the background too)."""
+    assert audit.record.events and _events(folder) == audit.record.events
+
+
+def test_after_each_integrations_wait_the_record_on_disk_holds_every_event_so_far(tmp_path):
+    """``wait_for_save``, ``ckptio_wait`` and ``CkptioCheckpointIO.wait`` return with the run's record on disk: the
+    saves committed and the steps recorded after them, which the record's own thread writes in the background."""
+    pytest.importorskip("accelerate")
+    import torch
+    from acc_tiny import accelerator
+
+    from ckptio.accelerate import CkptioAccelerator
+
+    acc = accelerator(CkptioAccelerator, tmp_path / "acc")
+    model, opt = acc.prepare(torch.nn.Linear(4, 1), torch.optim.SGD(torch.nn.Linear(4, 1).parameters(), lr=0.1))
+    for step in range(1, 4):  # a save after step 1; step 2's metrics recorded at step 3's backward
+        acc.backward(model(torch.ones(2, 4)).sum())
+        opt.step()
+        if step == 1:
+            acc.save_state()
+        if step > 1:
+            acc.wait_for_save()
+            _on_disk_is_in_memory(tmp_path / "acc", acc.ckptio_audit)
+    assert [e["step"] for e in _events(tmp_path / "acc") if e["kind"] == "metrics"] == [2]
+    acc.end_training()
+
+    pytest.importorskip("transformers")
+    from hf_tiny import trainer
+    from transformers import TrainerCallback
+
+    from ckptio.hf_trainer import CkptioTrainer
+
+    class Check(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw) -> None:  # noqa: ANN001
+            if state.global_step > 2:  # after the first save (a record is written once the run saved)
+                tr.ckptio_wait()
+                _on_disk_is_in_memory(tmp_path / "hf", tr.ckptio_audit)
+
+    tr = trainer(CkptioTrainer, tmp_path / "hf", 5, save_steps=2)
+    tr.add_callback(Check())
+    tr.train()
+
+    pytest.importorskip("pytorch_lightning")
+    import lit_tiny
+    import pytorch_lightning as pl
+
+    from ckptio.lightning import CkptioCheckpointIO
+
+    class LitCheck(pl.Callback):
+        def on_train_batch_end(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+            if io._audit is not None:
+                io.wait()
+                _on_disk_is_in_memory(tmp_path / "lit", io._audit)
+
+    io = CkptioCheckpointIO()
+    lit = lit_tiny.trainer(tmp_path / "lit", 1, [io], every_n_train_steps=2, save_top_k=-1)
+    lit.callbacks.append(LitCheck())
+    lit.fit(lit_tiny.Tiny(), lit_tiny.loader(n=24))

@@ -38,15 +38,6 @@ def straight(tmp_path_factory) -> dict:
     return state(tr)
 
 
-def _folders(store, prefix: str = "run") -> dict[str, set[str]]:
-    """name directly under ``prefix`` -> the objects below it."""
-    out: dict[str, set[str]] = {}
-    for key in store.keys(prefix + "/"):
-        name, _, rest = key[len(prefix) + 1:].partition("/")
-        out.setdefault(name, set()).add(rest)
-    return out
-
-
 # Azurite answers a request in ~15 ms: 10 s there, marked slow
 @pytest.mark.parametrize("store", ["s3", "gs", pytest.param("az", marks=pytest.mark.slow)], indirect=True)
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
@@ -58,7 +49,7 @@ def test_checkpoints_are_committed_in_the_bucket_rotated_there_and_resumed_bitwi
     first = trainer(ours, tmp_path / "out", 12, save_total_limit=2)
     first.train()
     assert not [n for n in run_names(tmp_path / "out") if n.startswith(("checkpoint-", ".checkpoint-"))]
-    folders = _folders(store)
+    folders = store.folders()
     assert sorted(n for n in folders if n.startswith("checkpoint-")) == ["checkpoint-12", "checkpoint-8"]
     assert ".ckptio_record.json" in folders  # the run's record beside its checkpoints
     manifest = json.loads(store.get("run/checkpoint-12/manifest.json"))
@@ -76,7 +67,7 @@ def test_checkpoints_are_committed_in_the_bucket_rotated_there_and_resumed_bitwi
     resumed.train(resume_from_checkpoint=True)
     same_tensors(state(resumed), straight, "resumed from checkpoint-8 in the bucket")
     assert "skipping checkpoint-16" in caplog.text and "skipping checkpoint-12" in caplog.text
-    assert sorted(n for n in _folders(store) if n.startswith("checkpoint-")) == ["checkpoint-12", "checkpoint-16"]
+    assert sorted(n for n in store.folders() if n.startswith("checkpoint-")) == ["checkpoint-12", "checkpoint-16"]
     # a named checkpoint URL resumes too
     named = trainer(ours, tmp_path / "out3", STEPS)
     named.train(resume_from_checkpoint=store.url("run/checkpoint-12"))
@@ -100,7 +91,37 @@ def test_the_best_model_is_kept_in_the_bucket_and_reloaded_as_the_trainer_does_l
     kept = [n for n in run_names(tmp_path / "local") if n.startswith("checkpoint-")]
     from conftest import Store
 
-    assert sorted(n for n in _folders(Store("s3", bucket)) if n.startswith("checkpoint-")) == sorted(kept)
+    assert sorted(n for n in Store("s3", bucket).folders() if n.startswith("checkpoint-")) == sorted(kept)
+
+
+def test_each_hyperparameter_search_trial_keeps_its_checkpoints_under_its_own_prefix(bucket, tmp_path):
+    """``Trainer.hyperparameter_search`` with the real optuna backend, 2 trials: as locally (``output_dir/run-N``),
+    each trial's checkpoints are committed under ``url/run-N`` with its own record and its own rotation
+    (``save_total_limit=1``), its lease released; nothing of a trial lands beside another's."""
+    optuna = pytest.importorskip("optuna")
+    from conftest import Store
+
+    rates = {}
+
+    def space(trial):  # noqa: ANN001, ANN202
+        rates[trial.number] = trial.suggest_float("learning_rate", 1e-3, 1e-2)
+        return {"learning_rate": rates[trial.number]}
+
+    tr = CkptioTrainer(model_init=model, args=arguments(tmp_path / "out", 4, save_steps=2, save_total_limit=1),
+                       train_dataset=Tokens(), eval_dataset=Tokens(8, seed=4),
+                       ckptio_checkpoint_dir=f"s3://{bucket}/run")
+    tr.hyperparameter_search(hp_space=space, n_trials=2, direction="minimize", backend="optuna",
+                             sampler=optuna.samplers.RandomSampler(seed=0))
+    assert tr.ckptio_run.url == f"s3://{bucket}/run"  # the search over, the trainer's run is the url's again
+    store = Store("s3", bucket)
+    assert sorted(store.folders()) == ["run-0", "run-1"]  # nothing directly under the url, no lease left
+    for number, rate in rates.items():
+        folders = store.folders(f"run/run-{number}")
+        assert sorted(folders) == [".ckptio_record.json", "checkpoint-4"], folders
+        saved = json.loads(store.get(f"run/run-{number}/checkpoint-4/trainer_state.json"))
+        assert saved["trial_params"] == {"learning_rate": rate}  # this trial's own checkpoint
+        assert "manifest.json" in folders["checkpoint-4"]
+    assert len(set(rates.values())) == 2
 
 
 def test_a_location_that_is_no_object_store_is_refused_by_name(tmp_path):
@@ -127,13 +148,13 @@ def test_two_ranks_killed_before_a_commit_then_resumed_from_the_bucket_end_bitwi
     url = f"s3://{bucket}/run"
     _run(str(tmp_path / "a"), str(STEPS), str(tmp_path / "x.pt"), "--bucket", url, "--kill-at",
          "commit.before_manifest:2", ok=False)
-    folders = _folders(Store("s3", bucket))
+    folders = Store("s3", bucket).folders()
     assert "manifest.json" in folders["checkpoint-4"] and "manifest.json" not in folders["checkpoint-8"]
     assert {"rng_state_0.pth", "rng_state_1.pth"} <= folders["checkpoint-8"]
     _run(str(tmp_path / "b"), str(STEPS), str(tmp_path / "resumed.pt"), "--bucket", url, "--resume")
     same_tensors(torch.load(tmp_path / "resumed.pt", weights_only=True),
           torch.load(tmp_path / "straight.pt", weights_only=True), "2 ranks, killed before a commit -> resumed")
-    folders = _folders(Store("s3", bucket))
+    folders = Store("s3", bucket).folders()
     assert all("manifest.json" in folders[f"checkpoint-{s}"] for s in (4, 8, 12, 16))
     assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(json.loads(
         Store("s3", bucket).get("run/checkpoint-16/manifest.json"))["files"])

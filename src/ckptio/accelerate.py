@@ -212,11 +212,13 @@ class CkptioAccelerator(Accelerator):
 
     def wait_for_save(self) -> None:
         """Block until the background save in flight (``async_save``) is committed and ``total_limit`` applied on
-        every process; raise its failure. Call it (or ``end_training``) before the process ends; a no-op without
-        ``async_save``."""
+        every process, and the run's record is on disk with every event so far; raise the save's failure. Call it
+        (or ``end_training``) before the process ends."""
         if self._ckptio_saves is not None:
             self._ckptio_saves.wait()
             self._ckptio_log()
+        if self.ckptio_audit is not None:
+            self.ckptio_audit.flush()
 
     def end_training(self) -> None:
         """``Accelerator.end_training``, once the background save in flight is committed; the signals get back the

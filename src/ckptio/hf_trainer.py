@@ -57,6 +57,7 @@ import torch
 from .errors import CheckpointCorruptError, CheckpointError, MissingDependencyError
 from .integrations.hf_trainer_save import NAME as _NAME, OPTIMIZER as _OPTIMIZER, SCHEDULER as _SCHEDULER
 from .integrations.hf_trainer_save import TRAINER_STATE as _TRAINER_STATE, WEIGHTS as _WEIGHTS
+from .integrations.hf_trainer_save import trial_run as _trial_run
 from .storage.parse import DATA_ERRORS
 
 try:
@@ -87,8 +88,8 @@ class CkptioTrainerMixin:
     rotate in the background (:mod:`ckptio.integrations.hf_trainer_save`); the next save, ``train`` and the end of training wait
     for it and raise its failure. ``on_preemption``, ``preemption_signals``: save on preemption (docs/preemption.md).
     ``ckptio_checkpoint_dir``: ``s3://bucket/prefix`` (``gs://``, ``az://``) to keep the ``checkpoint-N`` folders
-    (and the run's record) in object storage instead of ``output_dir``, which keeps the logs
-    (:func:`ckptio.integrations.hf_trainer_save.bucket_run`).
+    (and the run's record) in object storage instead of ``output_dir``, which keeps the logs; a
+    ``hyperparameter_search`` trial's under ``prefix/<its run name>`` (:mod:`ckptio.integrations.hf_trainer_save`).
     """
 
     ckptio_verify: str = "full"
@@ -138,7 +139,8 @@ class CkptioTrainerMixin:
         when ``output_dir`` holds none), and a named checkpoint is checked before anything is loaded."""
         me: Any = self
         self.ckptio_wait()
-        run, where = self.ckptio_run, self.ckptio_run.url if self.ckptio_run else me.args.output_dir
+        run = self.ckptio_run = _trial_run(me, self.ckptio_run, args, kwargs)  # a trial's: url/<its run name>
+        where = run.url if run else me.args.output_dir
         check = (lambda path: _check(path, self.ckptio_verify, me.args.save_only_model))
         if resume_from_checkpoint is True:
             found = last_checkpoint(where, verify=self.ckptio_verify) if run is None else run.newest(check)
@@ -167,6 +169,7 @@ class CkptioTrainerMixin:
             self.ckptio_audit.end(clean=clean or bool(self.ckptio_preemption.preempted))
             if run is not None:
                 run.release()
+                self.ckptio_run = run.parent or run
         return out
 
     # ------------------------------------------------------------------------------------------- the resume audit
@@ -306,13 +309,11 @@ class CkptioTrainerMixin:
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """The Trainer's save, written into a hidden folder by every rank and committed by rank 0 (in the background
         with ``async_save``)."""
-        from .integrations.hf_trainer_save import save_checkpoint
+        from .integrations.hf_trainer_save import save_checkpoint, save_to_bucket
 
         if self.ckptio_audit is not None:
             self.ckptio_audit.saved(self.state.global_step)  # type: ignore[attr-defined]
         if self.ckptio_run is not None:
-            from .integrations.hf_trainer_save import save_to_bucket
-
             save_to_bucket(self, trial, self._ckptio_saves, self.ckptio_run)
         else:
             save_checkpoint(self, trial, self._ckptio_saves, self._ckptio_complete)
@@ -320,12 +321,14 @@ class CkptioTrainerMixin:
             self.log(metrics)  # type: ignore[attr-defined]
 
     def ckptio_wait(self) -> None:
-        """Block until the background save in flight (``async_save``) is committed and its retention done; raise its
-        failure. Called by the next save, ``train`` and the end of training; a no-op without ``async_save``."""
+        """Block until the save in flight (``async_save``) is committed and its retention done (its failure raised),
+        and the run's record is on disk with every event so far; called by the next save, ``train``, the end."""
         if self._ckptio_saves is not None:
             self._ckptio_saves.wait()
             for metrics in self.ckptio_numbers.drain():
                 self.log(metrics)  # type: ignore[attr-defined]
+        if self.ckptio_audit is not None:
+            self.ckptio_audit.flush()
 
 
 class CkptioTrainer(CkptioTrainerMixin, Trainer):

@@ -188,10 +188,13 @@ class CkptioCheckpointIO(CheckpointIO):
             target.unlink()
 
     def wait(self) -> None:
-        """Block until the background save (if any) is durable; raise its error if it failed."""
+        """Block until the background save (if any) is durable and the run's record (if any) is on disk with every
+        event so far; raise the save's error if it failed."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self._audit is not None:
+            self._audit.flush()
         if self._error is not None:
             error, self._error = self._error, None
             raise CheckpointError(f"the background save of a Lightning checkpoint failed: {error}") from error

@@ -148,11 +148,7 @@ def save_state(acc: Any, run: BucketRun, safe_serialization: bool, save: Callabl
 
     wrapped = timer.wrap(commit_now if main else None, background=saves is not None)
     if saves is not None:
-        def background() -> None:
-            write()
-            sums.update(run.publish(writer, tmp, main))
-
-        saves.start(run.storage.root / name, background, wrapped)
+        run.save_in_background(saves, writer, write, main, wrapped, sums)
         timer.returned()
         return run.location(name)
     sums.update(run.publish(writer, tmp, main))

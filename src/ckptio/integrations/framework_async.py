@@ -90,16 +90,21 @@ class FolderSaves:
                 out[-1][name] = model[name] if kept.startswith("\0") else copies[kept]
         return out, staged["others"]
 
-    def start(self, final: Path, write: Callable[[], None], commit: Callable[[], None] | None) -> None:
+    def start(self, final: Path, write: Callable[[], Any], commit: Callable[[], None] | None,
+              gathered: Callable[[list[Any]], None] | None = None) -> None:
         """Write and commit ``final`` in the background: ``write`` (this rank's part) on every rank, then, once every
-        rank's part is in, ``commit`` (given on the rank that commits, ``None`` elsewhere). A collective the first
-        time (the writer's process group is created)."""
+        rank's part is in, ``commit`` (given on the rank that commits, ``None`` elsewhere). ``gathered``: handed
+        every rank's result of ``write`` (indexed by rank; small and picklable) in the same round, before
+        ``commit``. ``write`` runs no collective (a rank that failed before it would not be there). A collective the
+        first time (the writer's process group is created)."""
         self.wait()
         if self._writer is None:
             self._writer = BackgroundWriter(log, self.what)
 
         def work() -> None:
-            _dist.run_collectively(f"writing {final}", write)
+            _, parts = _dist.agree(f"writing {final}", write, share=None if gathered is None else lambda part: part)
+            if gathered is not None:
+                gathered(parts)
             _dist.run_collectively(f"committing {final}", commit if commit is not None else lambda: None)
 
         self._writer.start(final, work)

@@ -119,6 +119,12 @@ class FrameworkAudit:
             causes.append("ranks")
         self.audit.restored(SimpleNamespace(step=step), causes=causes)
 
+    def flush(self) -> None:
+        """The record on disk holds every event added so far (the integration's wait: what the record's thread was
+        asked to write, written)."""
+        if self.record is not None:
+            self.record.flush()
+
     def end(self, clean: bool = True) -> None:
         """Training ended: the verdict on the steps compared so far, and ``end`` (a clean end) or the held events
         written (an error: the process is a failure in the record)."""

@@ -45,6 +45,8 @@ class BucketRun:
         self.storage: Any = open_storage(self.url)
         self._lease: Any = None
         self._copies: list[Path] = []
+        self.parent: BucketRun | None = None
+        """The run this one is a part of (a hyperparameter search trial's, under the run's url)."""
 
     def location(self, name: str) -> str:
         """``url/name``, as the Trainer's state records a checkpoint."""
@@ -70,17 +72,37 @@ class BucketRun:
         wait_for_everyone()
         return writer if writer is not None else self.storage.attach_step(name, name)
 
-    def publish(self, writer: Any, spool: Path, main: bool) -> dict[str, str]:
-        """Collective: this process's files of ``spool`` (its writer's local folder) uploaded; returns every process's
-        checksums of what it uploaded (for the main one's manifest). The other processes drop their spool."""
+    def upload(self, writer: Any, spool: Path, main: bool) -> dict[str, str]:
+        """This process's files of ``spool`` (its writer's local folder) uploaded: their checksums. The other
+        processes than the main one drop their spool."""
         rels = [p.relative_to(spool).as_posix() for p in sorted(spool.rglob("*")) if p.is_file()]
         writer.files()  # uploads them
-        sums: dict[str, str] = {}
-        for part in _dist.all_gather_object({rel: writer.checksum_of(rel) for rel in rels}):
-            sums.update(part)
+        sums = {rel: writer.checksum_of(rel) for rel in rels}
         if not main:
             writer.abort_spool()
         return sums
+
+    def publish(self, writer: Any, spool: Path, main: bool) -> dict[str, str]:
+        """Collective: :meth:`upload` on every process (a failure raised on every process); returns every process's
+        checksums of what it uploaded (for the main one's manifest)."""
+        _, parts = _dist.agree(f"uploading {self.location(writer.name)}", lambda: self.upload(writer, spool, main),
+                               share=lambda sums: sums)
+        return _merged(parts)
+
+    def save_in_background(self, saves: Any, writer: Any, write: Callable[[], None], main: bool,
+                           commit: Callable[[], None] | None, sums: dict[str, str]) -> None:
+        """The folder of ``writer`` written (``write``: this process's part into its spool) and uploaded in the
+        background through ``saves`` (a :class:`~ckptio.integrations.framework_async.FolderSaves`), every process's
+        checksums put in ``sums`` in the round that tells every process all parts are in, then ``commit`` (on the
+        main process; ``None`` elsewhere). The upload runs no collective of its own: a process whose part failed
+        answers that round like the others, and the failure is raised on every process."""
+        spool = writer.local_path()
+
+        def part() -> dict[str, str]:
+            write()
+            return self.upload(writer, spool, main)
+
+        saves.start(self.storage.root / writer.name, part, commit, gathered=lambda parts: sums.update(_merged(parts)))
 
     def release(self) -> None:
         """Give up the lease (the end of training) and remove the local copies read in this run."""
@@ -159,3 +181,8 @@ class BucketRun:
         if name is None:
             raise ConfigError(f"{location}: not a checkpoint folder of ckptio_checkpoint_dir {self.url}")
         return self.fetch(name, check)
+
+
+def _merged(parts: list[dict[str, str]]) -> dict[str, str]:
+    """One mapping of every process's checksums (each process uploads files of its own)."""
+    return {rel: digest for part in parts for rel, digest in part.items()}

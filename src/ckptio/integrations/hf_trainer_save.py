@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 __all__ = ["NAME", "TRAINER_STATE", "OPTIMIZER", "SCHEDULER", "WEIGHTS", "save_checkpoint", "bucket_run",
-           "save_to_bucket"]
+           "trial_run", "save_to_bucket"]
 
 NAME = re.compile(r"^checkpoint-(\d+)$")
 """A Trainer checkpoint's folder name; its group is the global step."""
@@ -176,6 +176,26 @@ def bucket_run(url: str) -> Any:
     return BucketRun(url, NAME, "Trainer's output_dir", "save_total_limit")
 
 
+def trial_run(me: Any, current: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The run of one ``train`` of ``me`` whose checkpoints go to ``ckptio_checkpoint_dir`` (``current``: its run,
+    or a trial's left by a ``train`` that raised; ``None``: to ``output_dir``): that run, or for a trial of
+    ``hyperparameter_search`` the folder ``<url>/<run name>`` (the run name the Trainer gives the trial's local folder
+    ``output_dir/<run name>``: ``run-N``, or its ``hp_name``), with its own lease, record and rotation, whose
+    ``parent`` is the run. ``args``, ``kwargs``: those of ``train`` after ``resume_from_checkpoint``."""
+    import os
+
+    base = current.parent or current if current is not None else None
+    trial = kwargs.get("trial", args[0] if args else None)
+    if base is None or me.hp_search_backend is None or trial is None:
+        return base
+    name = Path(os.path.relpath(me._get_output_dir(trial=trial), me.args.output_dir)).as_posix()
+    if name in ("", ".") or name.startswith("../"):
+        return base
+    run = bucket_run(base.location(name))
+    run.parent = base
+    return run
+
+
 def save_to_bucket(me: Any, trial: Any, saves: Any, run: Any) -> None:
     """The Trainer's ``_save_checkpoint`` into ``run`` (in the background through ``saves`` when it is given): the
     same writers as a local save, each rank's files spooled locally and uploaded, rank 0 committing the folder."""
@@ -205,9 +225,6 @@ def save_to_bucket(me: Any, trial: Any, saves: Any, run: Any) -> None:
         me.state.save_to_json(str(tmp / TRAINER_STATE))
     sums: dict[str, str] = {}
 
-    def publish() -> None:  # every rank: its files uploaded, their checksums to rank 0
-        sums.update(run.publish(writer, tmp, should))
-
     commit_now = None
     if should:
         facts = (step, int(me.state.epoch or 0), me.args.world_size) + commit_facts(me)
@@ -220,14 +237,10 @@ def save_to_bucket(me: Any, trial: Any, saves: Any, run: Any) -> None:
 
     wrapped = timer.wrap(commit_now, background=saves is not None)
     if saves is not None:
-        def background() -> None:
-            write()
-            publish()
-
-        saves.start(run.storage.root / name, background, wrapped)
+        run.save_in_background(saves, writer, write, should, wrapped, sums)
         timer.returned()
         return
-    publish()
+    sums.update(run.publish(writer, tmp, should))
     if wrapped is not None:
         wrapped()
     me.accelerator.wait_for_everyone()  # committed before any rank reads it
