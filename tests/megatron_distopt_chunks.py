@@ -2,6 +2,7 @@
 
     python megatron_distopt_chunks.py --pp 2 --vpp 2 --dp 2 --bucket 6192 --out DIR           # VPP: one buffer per chunk
     python megatron_distopt_chunks.py --family mixtral --ep 2 --dp 2 --out DIR                # EP: dense + expert buffers
+    python megatron_distopt_chunks.py --family mixtral --pp 2 --vpp 2 --ep 2 --dp 2 --dist --out DIR  # both, + torch_dist
 
 megatron-core 0.16.1 builds each model chunk (``vp_stage=v``), wraps each in its ``DistributedDataParallel`` (bucketing
 off for chunks after the first, as Megatron-LM's ``get_model`` does) and makes the optimizer with
@@ -13,7 +14,13 @@ name, the step and the DP rank) through DDP's hooks, so that the real bucketed r
 Saves what Megatron-LM's legacy save does: ``mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`` (on expert-DP rank 0;
 ``model0``, ``model1``... with chunks) and ``distrib_optim.pt`` (the optimizer's ``save_parameter_state``: with
 experts a list of the two optimizers' states, ``None`` for the dense one where its DP rank is not 0), and
-``reference_adam.pt``: every parameter's fp32 state from the optimizers' own bookkeeping, under global names.
+``reference_adam.pt``: every parameter's fp32 state from the optimizers' own bookkeeping, under global names, and
+``reference.pt``: the trained model's logits (chunk by chunk and stage by stage, as ``megatron_vpp.chunk_logits``).
+
+``--dist`` also saves torch_dist as Megatron-LM's ``generate_state_dict`` does (``model0``, ``model1``... with chunks,
+the optimizer's ``sharded_state_dict`` of them): ``torch_dist/`` with today's metadata (the ``fully_reshardable`` format,
+``chained_optim_avoid_prefix``), and ``torch_dist_chained/`` without ``chained_optim_avoid_prefix`` (megatron-core's
+default, which Megatron-LM before 0.14 kept): with experts each chained optimizer's tensors under ``chained_N.``.
 """
 import argparse
 import datetime
@@ -55,7 +62,34 @@ def _local_adam(inner, param):
     return {k: t.view(param.shape) for k, t in out.items()}, group.rank()
 
 
-def worker(rank, tp, pp, vpp, dp, ep, out, iteration, bucket, store_file):
+DIST_SAVES = {"torch_dist": {"distrib_optim_sharding_type": "fully_reshardable", "singleton_local_shards": False,
+                             "chained_optim_avoid_prefix": True},
+              "torch_dist_chained": {"distrib_optim_sharding_type": "fully_reshardable"}}
+
+
+def _save_dist(modules, opt, args, out, iteration, rank):
+    """Megatron-LM's torch_dist save of the model chunks and their (chained) distributed optimizer, once per
+    metadata of :data:`DIST_SAVES`."""
+    from argparse import Namespace
+
+    from megatron.core import dist_checkpointing
+
+    for name, metadata in DIST_SAVES.items():
+        folder = os.path.join(out, name, f"iter_{iteration:07d}")
+        os.makedirs(folder, exist_ok=True)
+        torch.distributed.barrier()
+        models = {"model": modules[0].sharded_state_dict(metadata=metadata)} if len(modules) == 1 else \
+            {f"model{v}": m.sharded_state_dict(metadata=metadata) for v, m in enumerate(modules)}
+        state = {"args": Namespace(**{**vars(args), "ckpt_format": "torch_dist"}), "checkpoint_version": 3.0,
+                 "iteration": iteration, **models, "optimizer": opt.sharded_state_dict(models, metadata=metadata),
+                 "num_floating_point_operations_so_far": 0}
+        dist_checkpointing.save(state, folder, content_metadata=metadata)
+        if rank == 0:
+            with open(os.path.join(out, name, "latest_checkpointed_iteration.txt"), "w") as f:
+                f.write(str(iteration))
+
+
+def worker(rank, tp, pp, vpp, dp, ep, out, iteration, bucket, dist, store_file):
     import megatron_fixture as mf
     import megatron_vpp
 
@@ -120,6 +154,14 @@ def worker(rank, tp, pp, vpp, dp, ep, out, iteration, bucket, store_file):
         torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration, **models,
                     "optimizer": opt.state_dict(), "rng_state": mf.rng_state(),
                     "num_floating_point_operations_so_far": 0}, os.path.join(folder, "model_optim_rng.pt"))
+    if dist:
+        _save_dist(modules, opt, args, out, iteration, rank)
+    for module in modules:
+        module.eval()
+    ids = torch.arange(mf.VOCAB).reshape(4, -1)  # every token once: enough to reach every expert of every layer
+    logits = megatron_vpp.chunk_logits(modules, ids, tp, pp)
+    if logits is not None and tp_rank == 0 and dp_rank == 0:
+        torch.save({"input_ids": ids, "logits": logits}, os.path.join(out, "reference.pt"))
 
     local = {}
     for v, module in enumerate(modules):
@@ -158,6 +200,7 @@ def main():
     ap.add_argument("--hidden", type=int, default=48)
     ap.add_argument("--bucket", type=int, default=None)
     ap.add_argument("--iteration", type=int, default=2)
+    ap.add_argument("--dist", action="store_true", help="also save torch_dist (torch_dist/, torch_dist_chained/)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     os.environ.update(MEGATRON_FIXTURE_FAMILY=a.family, MEGATRON_FIXTURE_EP=str(a.ep),
@@ -170,7 +213,7 @@ def main():
 
     tmp = tempfile.mkdtemp(prefix="megatron_distopt_")
     try:
-        mp.start_processes(worker, args=(a.tp, a.pp, a.vpp, a.dp, a.ep, a.out, a.iteration, a.bucket,
+        mp.start_processes(worker, args=(a.tp, a.pp, a.vpp, a.dp, a.ep, a.out, a.iteration, a.bucket, a.dist,
                                          os.path.join(tmp, "store")),
                            nprocs=a.tp * a.pp * a.dp, join=True, start_method="fork")
     finally:

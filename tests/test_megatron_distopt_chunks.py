@@ -7,10 +7,15 @@
   buffer per model chunk, ``distrib_optim.pt`` keyed 0, 1... in chunk order, buckets only in the first chunk;
 * expert parallelism (a Mixtral, EP=2 over DP=2): a list of the two chained optimizers' states, the dense one's
   (written where its DP rank is 0: EP rank 0's folder, ``None`` in the others) and each EP rank's expert buffer
-  (its expert data-parallel group).
+  (its expert data-parallel group);
+* both (a Mixtral at PP=2 x VPP=2 x EP=2 on four ranks): ``mp_rank_00_PPP_EEE`` files with ``model0``/``model1``,
+  each optimizer one buffer per chunk; saved in torch_dist too, as Megatron-LM does today (``fully_reshardable``,
+  the chained optimizers' tensors keyed like one's) and without ``chained_optim_avoid_prefix`` (megatron-core's
+  default: the tensors under ``chained_0.``/``chained_1.``).
 
 Read, every parameter's fp32 master copy and Adam moments are Megatron's own (``reference_adam.pt``, from the
-optimizers' bookkeeping) bitwise, and a plain Hugging Face model with AdamW resumes with them.
+optimizers' bookkeeping) bitwise, and a plain Hugging Face model with AdamW resumes with them; the Mixtral of the
+VPP x EP run gives Megatron's logits (``reference.pt``) from every layout.
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ FIXTURE = Path(__file__).with_name("megatron_distopt_chunks.py")
 ITER = "iter_0000002"
 _CANONICAL = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
               "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
-RUNS = {"vpp": ("--pp", "2", "--vpp", "2", "--bucket", "6192"), "ep": ("--family", "mixtral", "--ep", "2")}
+RUNS = {"vpp": ("--pp", "2", "--vpp", "2", "--bucket", "6192"), "ep": ("--family", "mixtral", "--ep", "2"),
+        "vppep": ("--family", "mixtral", "--pp", "2", "--vpp", "2", "--ep", "2", "--dist")}
+SOURCES = [(run, "legacy") for run in RUNS] + [("vppep", "torch_dist"), ("vppep", "torch_dist_chained")]
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +69,7 @@ def test_every_buffer_gives_megatrons_own_state_of_every_parameter_bitwise(made,
     from ckptio.formats.megatron.format import read_legacy
 
     step, ref = _reference(made[run])
-    assert any(".mlp.experts." in k for k in ref) == (run == "ep")
+    assert any(".mlp.experts." in k for k in ref) == (run != "vpp")
     model, info = read_legacy(made[run] / "legacy" / ITER, optimizer=True)
     assert info["optimizer_step"] == step == 2.0
     assert set(info["optimizer"]["exp_avg"]) == set(model) == set(ref)
@@ -87,10 +94,23 @@ class _Reference:
         return self.tensors[key]
 
 
-@pytest.mark.parametrize("run", list(RUNS))
-def test_a_plain_model_and_adamw_resume_with_megatrons_fp32_state_bitwise(made, tmp_path, run):
-    """A plain Llama (VPP) or Mixtral (EP; transformers 5 fuses its experts in memory) with AdamW: its weights are
-    Megatron's fp32 master copies, its moments Megatron's, bitwise, every parameter's step Megatron's 2."""
+@pytest.mark.parametrize("layout", ["legacy", "torch_dist", "torch_dist_chained"])
+def test_virtual_pipeline_stages_with_experts_convert_to_a_mixtral_with_megatrons_logits(made, tmp_path, layout):
+    from ckptio.convert.formats import convert
+    from megatron_shared import routed_logits
+    from transformers import MixtralForCausalLM
+
+    ref = torch.load(made["vppep"] / "reference.pt")
+    got, routed = routed_logits(convert(made["vppep"] / layout, tmp_path / "hf", "hf"), ref["input_ids"],
+                                MixtralForCausalLM)
+    assert len(routed) == 4 and all(r == {0, 1, 2, 3} for r in routed), f"not every expert got tokens: {routed}"
+    assert torch.allclose(got, ref["logits"], atol=1e-5, rtol=0), (got - ref["logits"]).abs().max()
+
+
+@pytest.mark.parametrize("run,layout", SOURCES)
+def test_a_plain_model_and_adamw_resume_with_megatrons_fp32_state_bitwise(made, tmp_path, run, layout):
+    """A plain Llama (VPP) or Mixtral (EP, VPP x EP; transformers 5 fuses its experts in memory) with AdamW: its
+    weights are Megatron's fp32 master copies, its moments Megatron's, bitwise, every parameter's step Megatron's 2."""
     import json
 
     from ckptio.convert.formats import convert
@@ -99,13 +119,13 @@ def test_a_plain_model_and_adamw_resume_with_megatrons_fp32_state_bitwise(made, 
     from distributed import run_ranks
     from megatron_shared import restore_with_adam
 
-    src = made[run] / "legacy"
+    src = made[run] / layout
     hf = convert(src, tmp_path / "hf", "hf")
     got = run_ranks(1, restore_with_adam, source=str(src), config=str(hf))[0]
     assert bool((got.pop("steps") == 2).all())
     _, ref = _reference(made[run])
     config = json.loads((hf / "config.json").read_text())
-    naming = "megatron-to-mixtral" if run == "ep" else "megatron-to-llama"
+    naming = "megatron-to-llama" if run == "vpp" else "megatron-to-mixtral"
     want, live = {}, {k.removeprefix("model/") for k in got if k.startswith("model/")}
     for key, prefix in (("param", "model/{}"), ("exp_avg", "optim/state.{}.exp_avg"),
                         ("exp_avg_sq", "optim/state.{}.exp_avg_sq")):
@@ -180,3 +200,35 @@ def test_a_dense_run_with_chained_optimizers_is_refused(made, tmp_path):
     _rewrite(run / ITER / "mp_rank_00_000" / "distrib_optim.pt", lambda obj: [obj, obj])
     with pytest.raises(CheckpointError, match=r"2 chained optimizers"):
         _read(run)
+
+
+def test_model_chunks_with_experts_of_another_family_than_mixtral_are_refused_by_name(made, tmp_path):
+    """Virtual pipeline stages with expert parallelism are read for the Mixtral tested here only: a run whose args
+    add a shared expert (Qwen2-MoE) or query/key norms is refused, naming the rank file."""
+    from argparse import Namespace
+
+    for arg, value, says in (("moe_shared_expert_intermediate_size", 24, "a shared expert"),
+                             ("qk_layernorm", True, "qk_layernorm")):
+        run = _copy(made["vppep"], tmp_path / arg)
+        _rewrite(run / ITER / "mp_rank_00_000_000" / "model_optim_rng.pt",
+                 lambda obj: obj.update(args=Namespace(**{**vars(obj["args"]), arg: value})))
+        with pytest.raises(CheckpointError, match=rf"mp_rank_00_000_000/model_optim_rng\.pt: 2 model chunks .*{says}"):
+            _read(run)
+
+
+def test_a_chained_optimizers_tensor_under_both_prefixes_is_refused(made, tmp_path):
+    """torch_dist keys without a ``chained_N.`` prefix and with one name the same tensor: refused, not one chosen."""
+    import torch.distributed.checkpoint as dcp
+
+    from ckptio.formats.dcp.format import load_all
+
+    src = made["vppep"] / "torch_dist_chained" / ITER
+    dst = tmp_path / "run" / ITER
+    state = load_all(src)
+    key = next(k for k in state if k.startswith("chained_0.optimizer.state.exp_avg."))
+    state[key.removeprefix("chained_0.")] = state[key].clone()
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(dst)), no_dist=True)
+    for name in ("common.pt", "metadata.json"):
+        shutil.copy(src / name, dst / name)
+    with pytest.raises(CheckpointCorruptError, match=r"both hold"):
+        _read(dst)

@@ -357,7 +357,8 @@ def test_an_optimizer_step_that_is_no_number_is_refused_by_name(made, tmp_path):
 @pytest.mark.slow
 def test_fuzz_family_smoke():
     """A CI-sized run of the megatron_mixtral fuzz family (the long run: ``tools/fuzz_readers.py --family
-    megatron_mixtral --inputs 100000``): every damaged folder ends in a right read or a ckptio error."""
+    megatron_mixtral --inputs 100000``; EP=2 runs, and a PP=2 x VPP=2 x EP=2 one's legacy and torch_dist files):
+    every damaged folder ends in a right read or a ckptio error."""
     from megatron_shared import fuzz_smoke
 
     fuzz_smoke("megatron_mixtral", 60)

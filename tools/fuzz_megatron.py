@@ -16,7 +16,9 @@ weight (the reader's own promise).
 (``megatron_distopt_chunks.py --pp 2 --vpp 2 --dp 2``: ``model0``/``model1`` in each, ``distrib_optim.pt`` with one
 buffer per chunk), damaged as above, three times in four a rank file or a ``distrib_optim.pt``, read as a conversion
 and a resume do (detection, every chunk's weights, Adam's state). ``megatron_mixtral`` also damages the legacy
-files of an EP=2 run of the distributed optimizer (``distrib_optim.pt``: the dense and the experts' chained states). ``megatron_dist_distopt``: a torch_dist checkpoint of
+files of an EP=2 run of the distributed optimizer (``distrib_optim.pt``: the dense and the experts' chained states),
+and a PP=2 x VPP=2 x EP=2 one's legacy files and torch_dist folders (``megatron_distopt_chunks.py --dist``: with and
+without ``chained_N.`` prefixes). ``megatron_dist_distopt``: a torch_dist checkpoint of
 the DistributedOptimizer in its ``fully_reshardable`` format (``--dp 2 --dist-formats fully_reshardable``: the
 step in ``common.pt``'s parameter groups, the moments in the DCP files), three times in four ``common.pt`` or
 ``.metadata`` damaged, read for its weights and Adam's moments and step."""
@@ -189,14 +191,21 @@ class MegatronMixtral:
             return
         out = _mixtral_run(self.family)
         self.images = {layout: load_image(out / layout) for layout in ("legacy", "torch_dist")}
+        roots = {layout: out / layout for layout in self.images}
         if self.family == "mixtral":  # and the distributed optimizer's chained states of an EP run
-            self.images["legacy_distopt"] = load_image(_fixture(
-                "megatron-mixtral-distopt", "legacy", "--family", "mixtral", "--ep", "2", "--dp", "2",
-                script="megatron_distopt_chunks.py"))
+            roots["legacy_distopt"] = _fixture("megatron-mixtral-distopt", "legacy", "--family", "mixtral", "--ep",
+                                               "2", "--dp", "2", script="megatron_distopt_chunks.py")
+            # and of a PP=2 x VPP=2 x EP=2 run: model0/model1 in each rank file, a buffer per chunk in each state,
+            # torch_dist with and without the chained optimizers' chained_N. prefixes
+            vppep = _fixture("megatron-mixtral-vppep", "legacy", "--family", "mixtral", "--pp", "2",
+                             "--vpp", "2", "--ep", "2", "--dp", "2", "--dist", script="megatron_distopt_chunks.py")
+            for sub in ("legacy", "torch_dist", "torch_dist_chained"):
+                roots[f"{sub}_vppep"] = vppep.parent / sub
+            for layout in ("legacy_distopt", *(f"{sub}_vppep" for sub in ("legacy", "torch_dist",
+                                                                          "torch_dist_chained"))):
+                self.images[layout] = load_image(roots[layout])
         self.objs = {layout: _objects(image) for layout, image in self.images.items()}
-        self.want = {layout: _read_mixtral(out / layout if layout in ("legacy", "torch_dist") else
-                                           _fixed_dir("megatron-mixtral-distopt") / "legacy", layout)
-                     for layout in self.images}
+        self.want = {layout: _read_mixtral(roots[layout], layout) for layout in self.images}
 
     def __call__(self, rng: Case, tmp: Path) -> None:
         self.prepare()

@@ -32,7 +32,8 @@ with the manifest re-signed four times in five so that the reader behind the che
 and the run's record (``fuzz_record.py``, ``record``), Megatron's distributed optimizer in the legacy layout
 (``fuzz_megatron.py``, ``megatron_distopt``: ``distrib_optim.pt`` beside ``model_optim_rng.pt``, written by
 megatron-core; ``megatron_vpp``: legacy rank files with virtual pipeline chunks and their ``distrib_optim.pt``;
-``megatron_mixtral``: also an EP=2 run's chained ``distrib_optim.pt``; ``megatron_dist_distopt``: the
+``megatron_mixtral``: also an EP=2 run's chained ``distrib_optim.pt``, and a PP=2 x VPP=2 x EP=2 run's legacy files
+and torch_dist folders, with and without ``chained_N.`` prefixes; ``megatron_dist_distopt``: the
 DistributedOptimizer's torch_dist in its fully_reshardable format), and the ``config.json`` that ``convert --config``
 names (``fuzz_config.py``, ``hf_config``).
 

@@ -142,9 +142,20 @@ RESHARDABLE = ("fully_reshardable", "fully_sharded_model_space")
 def dist_optimizer_step(optimizer: Any, where: object) -> tuple[float | None, str | None]:
     """The Adam step of a torch_dist checkpoint's common ``optimizer`` entry — the plain optimizer's
     ``state.common_step``, or the distributed optimizer's parameter groups' step — and the distributed optimizer's
-    sharding format (``param_state_sharding_type``; ``None`` for the plain optimizer)."""
+    sharding format (``param_state_sharding_type``; ``None`` for the plain optimizer). A ``ChainedOptimizer``'s
+    (a run with expert-parallel parameters: the dense and the experts' optimizer) is ``{0: ..., 1: ...}``, each
+    its optimizer's entry, which must agree."""
     if not isinstance(optimizer, dict):
         return None, None
+    if optimizer and all(type(k) is int for k in optimizer):
+        if sorted(optimizer) != list(range(len(optimizer))) or len(optimizer) < 2:
+            raise CheckpointCorruptError(f"{where}: the optimizer entry is keyed {sorted(optimizer)[:4]}, not the "
+                                         "chained optimizers 0, 1...")
+        each = {dist_optimizer_step(optimizer[n], where) for n in range(len(optimizer))}
+        if len(each) != 1:
+            raise CheckpointCorruptError(f"{where}: its chained optimizers record the steps and formats "
+                                         f"{sorted(map(str, each))[:4]}")
+        return each.pop()
     kind = optimizer.get("param_state_sharding_type")
     kind = None if kind is None else str(kind)[:60]
     state = optimizer.get("state")

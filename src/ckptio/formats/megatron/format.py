@@ -43,6 +43,9 @@ from .layout import (GLOBAL_SPLIT, ITERATION_FILE, LAYER_SPLIT, NEMO_RANK_FILE, 
 from ..registry import Format, Opened, WriteOptions, register
 from . import moe
 
+_CHAINED = re.compile(r"^chained_\d+\.(?=optimizer\.)")
+"""The prefix of a chained optimizer's tensors in torch_dist (megatron-core's ``ChainedOptimizer``, its ``N``-th
+optimizer, unless the save's metadata says ``chained_optim_avoid_prefix``)."""
 
 
 def _strip(key: str) -> str:
@@ -227,9 +230,10 @@ class _DistModel:
         self.index: dict[str, TensorInfo] = {}
         self._where: dict[str, tuple[str, int | tuple[int, int] | None]] = {}
         for key, ti in self.source.index().items():
-            if prefix and not key.startswith(prefix):
+            bare = _CHAINED.sub("", key, count=1)  # a chained optimizer's tensors, without chained_optim_avoid_prefix
+            if prefix and not bare.startswith(prefix):
                 continue
-            name = _strip(key[len(prefix):])
+            name = _strip(bare[len(prefix):])
             if name.startswith("decoder.layers.") and (name[len("decoder.layers."):] in LAYER_SPLIT or
                                                        moe.per_layer(name[len("decoder.layers."):])):
                 for i in range(ti.shape[0]):
@@ -248,6 +252,8 @@ class _DistModel:
                                       default=-1)
 
     def _add(self, name: str, info: TensorInfo, key: str, layer: int | tuple[int, int] | None) -> None:
+        if name in self.index:
+            raise CheckpointCorruptError(f"{self.source.folder}: {key} and {self._where[name][0]} both hold {name}")
         self.index[name] = info
         self._where[name] = (key, layer)
 

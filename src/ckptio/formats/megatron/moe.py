@@ -148,17 +148,34 @@ def rank_model(root: Folder, rels: list[str], read: Callable[[Folder, str], tupl
 
 def rank_models(root: Folder, rels: list[str], read: Callable[[Folder, str], tuple[dict[str, Any], list[str],
                 list[dict[str, torch.Tensor]]]]) -> tuple[dict[str, Any], list[str], list[dict[str, torch.Tensor]]]:
-    """:func:`rank_model` with a reader of every model chunk of a rank file; an expert-parallel run holds one (virtual
-    pipeline stages with expert parallelism are refused by name)."""
-    def one(folder: Folder, rel: str) -> tuple[dict[str, Any], list[str], dict[str, torch.Tensor]]:
-        obj, placeholders, models = read(folder, rel)
-        if len(models) != 1:
-            raise CheckpointError(f"{folder.display(rel)}: {len(models)} model chunks (virtual pipeline stages) with "
-                                  "expert parallelism; ckptio reads expert-parallel legacy files of one chunk")
-        return obj, placeholders, models[0]
+    """:func:`rank_model` with a reader of every model chunk of a rank file: each chunk (virtual pipeline stage)
+    merged over the EP ranks' files, which must hold as many chunks as EP rank 0's (each file read once). Several
+    chunks (virtual pipeline stages) are read for a Mixtral only (what is tested against megatron-core)."""
+    held: dict[str, tuple[dict[str, Any], list[str], list[dict[str, torch.Tensor]]]] = {}
 
-    obj, placeholders, model = rank_model(root, rels, one)
-    return obj, placeholders, [model]
+    def chunks(folder: Folder, rel: str) -> tuple[dict[str, Any], list[str], list[dict[str, torch.Tensor]]]:
+        if rel not in held:
+            held[rel] = read(folder, rel)
+        return held[rel]
+
+    obj, placeholders, first = chunks(root, rels[0])
+    args = obj.get("args")
+    other = [name for name, on in (("a shared expert", shared_of(args)), ("add_qkv_bias", _arg(args, "add_qkv_bias")),
+                                   ("qk_layernorm", _arg(args, "qk_layernorm"))) if on]
+    if len(first) > 1 and other:
+        raise CheckpointError(f"{root.display(rels[0])}: {len(first)} model chunks (virtual pipeline stages) with "
+                              f"expert parallelism and {other[0]}; ckptio reads such files of a Mixtral only")
+    models = []
+    for v in range(len(first)):
+        def one(folder: Folder, rel: str, v: int = v) -> tuple[dict[str, Any], list[str], dict[str, torch.Tensor]]:
+            got, marks, models = chunks(folder, rel)
+            if len(models) != len(first):
+                raise CheckpointCorruptError(f"{folder.display(rel)}: holds {len(models)} model chunk(s), "
+                                             f"{folder.display(rels[0])} {len(first)}")
+            return got, marks, models[v]
+
+        models.append(rank_model(root, rels, one)[2])
+    return obj, placeholders, models
 
 
 def _arg_ep(obj: dict[str, Any]) -> int | None:
