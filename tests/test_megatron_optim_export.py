@@ -137,8 +137,8 @@ def test_what_megatron_would_not_train_on_is_refused_by_name(tmp_path):
     from ckptio.errors import ConfigError
 
     step, *_ = _step_dir(tmp_path / "ck")
-    for options in ({"optimizer": "distributed"}, {"pp": 2, "vpp": 2}):
-        with pytest.raises(ConfigError, match="plain optimizer of a dense model without virtual pipeline stages"):
+    for options in ({"pp": 2, "vpp": 2}, {"pp": 2, "vpp": 2, "optimizer": "distributed"}):
+        with pytest.raises(ConfigError, match="legacy export of a dense model without virtual pipeline stages"):
             convert(step, tmp_path / "legacy", "megatron", options={"layout": "legacy", **options})
     bf16, *_ = _step_dir(tmp_path / "ck16", torch.bfloat16)
     with pytest.raises(ConfigError, match="Float16OptimizerWithFloat16Params"):
@@ -286,3 +286,41 @@ def test_megatron_core_loads_a_legacy_exports_adam_state_by_position_bitwise_and
         assert p["hyper"]["lr"] == 2e-3 and (p["hyper"]["weight_decay"] == 0) == (p["before"]["param"].dim() == 1)
         for key in ("param", "exp_avg", "exp_avg_sq"):
             assert not torch.equal(p["after"][key], p["before"][key]), (name, key)
+
+
+@pytest.fixture(scope="module")
+def trained_legacy_distributed(tmp_path_factory):
+    """The Llama exported in the legacy layout for megatron-core's DistributedOptimizer (TP=2: each rank folder's
+    ``distrib_optim.pt`` beside ``model_optim_rng.pt``), loaded on TP=2 x DP=2 as Megatron-LM's legacy
+    load_checkpoint does (``load_state_dict``, then ``load_parameter_state``) and trained one step."""
+    root = tmp_path_factory.mktemp("megatron_optim_legacy_dist")
+    step, model, opt = _step_dir(root / "ck")
+    out = convert(step, root / "export", "megatron", options={"tp": 2, "layout": "legacy", "optimizer": "distributed"})
+    run_fixture("--tp", "2", "--dp", "2", "--train", str(out / "iter_0000002"), "--train-optimizer", "distributed",
+                "--out", str(root / "trained.pt"))
+    return torch.load(root / "trained.pt"), model, opt, out
+
+
+def test_megatron_cores_distributed_optimizer_loads_a_legacy_export_bitwise_and_trains_on(trained_legacy_distributed):
+    """Each DP rank's range of every parameter, gathered: the fp32 master copy and moments megatron-core scattered
+    from the flat buffers are ckptio's, bitwise, the step 2; one step later it is 3 and everything has moved. ckptio's
+    own reader lays the buffers out again and finds the source's state."""
+    from ckptio.formats.megatron.format import MegatronFormat
+
+    got, model, opt, out = trained_legacy_distributed
+    assert got["iteration"] == 2 and torch.isfinite(torch.tensor(got["loss"]))
+    for moment in (None, "exp_avg", "exp_avg_sq"):
+        ours = _megatron_named(model, opt, moment)
+        assert set(ours) == {_canonical(n) for n in got["params"]}
+        for name, theirs in got["params"].items():
+            assert torch.equal(theirs["before"][moment or "param"], ours[_canonical(name)]), (moment, name)
+    for name, p in got["params"].items():
+        assert p["before"]["step"] == 2.0 and p["after"]["step"] == 3.0, name
+        assert p["hyper"]["lr"] == 2e-3 and (p["hyper"]["weight_decay"] == 0) == (p["before"]["param"].dim() == 1)
+        for key in ("param", "exp_avg", "exp_avg_sq"):
+            assert not torch.equal(p["after"][key], p["before"][key]), (name, key)
+    step, moments = MegatronFormat().open_adam(out)
+    assert step == 2.0
+    for name, p in model.named_parameters():
+        for moment, source in moments.items():
+            assert torch.equal(source.read(name), opt.state[p][moment]), (moment, name)

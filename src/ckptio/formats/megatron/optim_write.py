@@ -21,9 +21,12 @@ With ``optimizer="distributed"`` (``--megatron-optimizer distributed``) the ``op
 Refused by name: an optimizer that is not Adam (no moments for some parameter), steps that differ between
 parameters, hyper-parameters that differ inside one of megatron's groups, and reduced-precision weights (a bf16 or
 fp16 model trains with megatron's ``Float16OptimizerWithFloat16Params``, whose fp32 master copies ckptio does not
-write), and in the legacy layout the distributed optimizer, experts and virtual pipeline stages. The legacy layout
-gets the plain optimizer of a dense model: each rank file's ``optimizer`` is the fp32 optimizer's torch state dict,
-Adam's state keyed by position (:func:`legacy_optimizer`), and its ``opt_param_scheduler``.
+write), and in the legacy layout experts, virtual pipeline stages and (for the distributed optimizer) a tied
+embedding over pipeline stages. The legacy layout gets the optimizer of a dense model: with the plain optimizer each
+rank file's ``optimizer`` is the fp32 optimizer's torch state dict, Adam's state keyed by position
+(:func:`legacy_optimizer`); with the distributed optimizer it holds the groups and the step, and a
+``distrib_optim.pt`` beside it the fp32 master copies and moments in megatron-core's flat buffers
+(:func:`legacy_distributed`, loaded by its ``load_parameter_state``); and each its ``opt_param_scheduler``.
 
 A mixture of experts (a Mixtral) goes as megatron-core's ``get_megatron_optimizer`` chains it: a second optimizer
 over the expert-parallel parameters (its own ``is_expert_parallel`` groups), ``common.pt``'s ``optimizer`` the two
@@ -167,12 +170,16 @@ def common_entries(adam: SourceAdam, args: argparse.Namespace, layout: str, kind
     if kind not in ("plain", "distributed"):
         raise ConfigError(f"--megatron-optimizer {kind!r}: use 'plain' (megatron-core's FP32Optimizer) or "
                           "'distributed' (its DistributedOptimizer, fully_reshardable format)")
-    if layout != "dist" and (kind != "plain" or getattr(args, "num_experts", None) or
+    if layout != "dist" and (getattr(args, "num_experts", None) or
                              (getattr(args, "virtual_pipeline_model_parallel_size", None) or 1) > 1):
-        raise ConfigError(f"{adam.where}: the optimizer goes into a legacy export for megatron-core's plain optimizer "
-                          "of a dense model without virtual pipeline stages only (the distributed optimizer's "
-                          "distrib_optim.pt, the experts' chained optimizer and the chunks' order are not written); "
-                          "use --megatron-layout dist")
+        raise ConfigError(f"{adam.where}: the optimizer goes into a legacy export of a dense model without virtual "
+                          "pipeline stages only (the experts' chained optimizer and the chunks' order are not "
+                          "written); use --megatron-layout dist")
+    if layout != "dist" and kind != "plain" and not args.untie_embeddings_and_output_weights and \
+            args.pipeline_model_parallel_size > 1:
+        raise ConfigError(f"{adam.where}: a tied embedding over pipeline stages (its copy on the last stage, in a "
+                          "gradient bucket of its own) is not written into the distributed optimizer's "
+                          "distrib_optim.pt; use --megatron-layout dist")
     if getattr(args, "bf16", False) or getattr(args, "fp16", False):
         raise ConfigError(f"{adam.where}: a {'bf16' if args.bf16 else 'fp16'} model trains in Megatron with "
                           "Float16OptimizerWithFloat16Params (fp32 master copies beside the weights), which ckptio "
@@ -225,3 +232,36 @@ def legacy_optimizer(weights: dict[str, Any], moments: dict[str, dict[str, Any]]
         out_groups.append({**groups[which], "params": list(range(at, at + len(group)))})
         at += len(group)
     return {"state": state, "param_groups": out_groups}
+
+
+def registered(shard: dict[str, Any]) -> dict[str, Any]:
+    """A dense rank's legacy state dict with its parameters in the order the model registers them (as megatron-core's
+    own ``state_dict`` has them, which readers of ``distrib_optim.pt`` lay its buffers out by), the ``_extra_state``
+    entries after them."""
+    names = sorted((n for n, t in shard.items() if isinstance(t, torch.Tensor)), key=_module_order)
+    return {**{n: shard[n] for n in names}, **{n: t for n, t in shard.items() if not isinstance(t, torch.Tensor)}}
+
+
+def legacy_distributed(weights: dict[str, Any], moments: dict[str, dict[str, Any]], entry: dict[str, Any],
+                       args: argparse.Namespace, stage: int) -> tuple[dict[str, Any], dict[Any, Any]]:
+    """One legacy rank folder's state for megatron-core's ``DistributedOptimizer``: its rank file's ``optimizer``
+    entry (``DistributedOptimizer.state_dict()``: the parameter groups with the step, no per-parameter state) and
+    its ``distrib_optim.pt`` (``save_parameter_state``'s: the fp32 master copies, ``moments["param"]``, and the
+    moments in three flat buffers laid out by megatron-core's gradient-buffer rules,
+    :func:`~ckptio.formats.megatron.distrib_optim.flat_layout`, the padding zeros). ``weights``: the rank's parameters
+    in the order the model registers them (:func:`registered`); ``entry``: :func:`common_entries`' ``optimizer``.
+    The buffers keep each bucket up to its last parameter, so they are the same for every data-parallel size (the
+    bucket size, with the run's ``--overlap-grad-reduce``, from ``args``)."""
+    from .distrib_optim import STATE_KEYS, bucket_size, flat_layout
+
+    names = list(weights)
+    slots, total, _ = flat_layout([(n, weights[n].numel()) for n in names], size=bucket_size(args, stage))
+    buffers: dict[str, Any] = {}
+    for key in STATE_KEYS:
+        flat = torch.zeros(total, dtype=torch.float32)
+        for name, (start, end) in slots.items():
+            flat[start:end] = moments[key][name].reshape(-1)
+        buffers[key] = flat
+    buffers["numel_unpadded"] = total
+    return ({"optimizer": {"param_groups": [dict(g) for g in entry["optimizer"]["param_groups"]]}},
+            {"buckets_coalesced": True, 0: {(torch.float32, torch.float32): buffers}})
