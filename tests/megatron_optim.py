@@ -97,7 +97,8 @@ def train_worker(rank, tp, dp, src, out, store_file):
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=mf.EP)
     torch.manual_seed(mf.SEED)
     model_parallel_cuda_manual_seed(mf.SEED)
-    legacy = os.path.join(src, f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}", "model_optim_rng.pt")
+    legacy = os.path.join(src, f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}" + (
+        f"_{ps.get_expert_model_parallel_rank():03d}" if mf.EP > 1 else ""), "model_optim_rng.pt")
     if os.path.exists(legacy):  # Megatron-LM's legacy layout: each rank's torch.save, Adam's state by position
         obj = torch.load(legacy, weights_only=False)
         vocab = obj["model"]["embedding.word_embeddings.weight"].shape[0] * tp

@@ -138,8 +138,11 @@ def test_what_megatron_would_not_train_on_is_refused_by_name(tmp_path):
 
     step, *_ = _step_dir(tmp_path / "ck")
     for options in ({"pp": 2, "vpp": 2}, {"pp": 2, "vpp": 2, "optimizer": "distributed"}):
-        with pytest.raises(ConfigError, match="legacy export of a dense model without virtual pipeline stages"):
+        with pytest.raises(ConfigError, match="legacy export without virtual pipeline stages only"):
             convert(step, tmp_path / "legacy", "megatron", options={"layout": "legacy", **options})
+    moe, *_ = _mixtral_step_dir(tmp_path / "ckmoe")
+    with pytest.raises(ConfigError, match="distributed optimizer's state of a mixture of experts"):
+        convert(moe, tmp_path / "legacy", "megatron", options={"layout": "legacy", "optimizer": "distributed"})
     bf16, *_ = _step_dir(tmp_path / "ck16", torch.bfloat16)
     with pytest.raises(ConfigError, match="Float16OptimizerWithFloat16Params"):
         convert(bf16, tmp_path / "bf16", "megatron")
@@ -204,15 +207,18 @@ def _mixtral_step_dir(root: Path) -> tuple[Path, torch.nn.Module, torch.optim.Op
     return next(p for p in root.iterdir() if p.name.startswith("epoch")), model, opt
 
 
-@pytest.fixture(scope="module", params=["plain", "distributed"])
+@pytest.fixture(scope="module", params=["plain", "distributed", "legacy"])
 def trained_moe(request, tmp_path_factory):
-    """The Mixtral exported (torch_dist, TP=1), loaded and trained one step by megatron-core at EP=2 (two ranks,
-    each two of the four experts; the experts' optimizer chained beside the dense one)."""
+    """The Mixtral exported (torch_dist, TP=1; or ``legacy``: the plain optimizer in EP=2 rank folders, each a
+    ``ChainedOptimizer.state_dict()`` list), loaded and trained one step by megatron-core at EP=2 (two ranks, each two
+    of the four experts; the experts' optimizer chained beside the dense one)."""
     root = tmp_path_factory.mktemp(f"megatron_moe_optim_{request.param}")
     step, model, opt = _mixtral_step_dir(root / "ck")
-    out = convert(step, root / "export", "megatron", options={"optimizer": request.param})
+    kind = "plain" if request.param == "legacy" else request.param
+    options = {"layout": "legacy", "ep": 2} if request.param == "legacy" else {}
+    out = convert(step, root / "export", "megatron", options={"optimizer": kind, **options})
     run_fixture("--family", "mixtral", "--ep", "2", "--dp", "2", "--train", str(out / "iter_0000002"),
-                "--train-optimizer", request.param, "--out", str(root / "trained.pt"))
+                "--train-optimizer", kind, "--out", str(root / "trained.pt"))
     return torch.load(root / "trained.pt"), model, opt, request.param
 
 

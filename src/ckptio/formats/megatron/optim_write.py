@@ -21,22 +21,24 @@ With ``optimizer="distributed"`` (``--megatron-optimizer distributed``) the ``op
 Refused by name: an optimizer that is not Adam (no moments for some parameter), steps that differ between
 parameters, hyper-parameters that differ inside one of megatron's groups, and reduced-precision weights (a bf16 or
 fp16 model trains with megatron's ``Float16OptimizerWithFloat16Params``, whose fp32 master copies ckptio does not
-write), and in the legacy layout experts, virtual pipeline stages and (for the distributed optimizer) a tied
-embedding over pipeline stages. The legacy layout gets the optimizer of a dense model: with the plain optimizer each
-rank file's ``optimizer`` is the fp32 optimizer's torch state dict, Adam's state keyed by position
-(:func:`legacy_optimizer`); with the distributed optimizer it holds the groups and the step, and a
-``distrib_optim.pt`` beside it the fp32 master copies and moments in megatron-core's flat buffers
-(:func:`legacy_distributed`, loaded by its ``load_parameter_state``); and each its ``opt_param_scheduler``.
+write), and in the legacy layout virtual pipeline stages and, for the distributed optimizer, experts and a tied
+embedding over pipeline stages. In the legacy layout, with the plain optimizer each rank file's ``optimizer`` is the
+fp32 optimizer's torch state dict, Adam's state keyed by position (:func:`legacy_optimizer`); with the distributed
+optimizer it holds the groups and the step, and a ``distrib_optim.pt`` beside it the fp32 master copies and moments
+in megatron-core's flat buffers (:func:`legacy_distributed`, loaded by its ``load_parameter_state``); and each its
+``opt_param_scheduler``.
 
 A mixture of experts (a Mixtral) goes as megatron-core's ``get_megatron_optimizer`` chains it: a second optimizer
 over the expert-parallel parameters (its own ``is_expert_parallel`` groups), ``common.pt``'s ``optimizer`` the two
 states ``{0: dense, 1: experts}``, their tensors keyed without a ``chained_N.`` prefix as ``content_metadata``'s
-``chained_optim_avoid_prefix`` says (Megatron-LM's saves set it).
+``chained_optim_avoid_prefix`` says (Megatron-LM's saves set it); in a legacy rank file (of each expert-parallel
+rank), the list of the two plain optimizers' state dicts (:func:`legacy_plain`).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Any
 
 import torch
@@ -170,11 +172,13 @@ def common_entries(adam: SourceAdam, args: argparse.Namespace, layout: str, kind
     if kind not in ("plain", "distributed"):
         raise ConfigError(f"--megatron-optimizer {kind!r}: use 'plain' (megatron-core's FP32Optimizer) or "
                           "'distributed' (its DistributedOptimizer, fully_reshardable format)")
-    if layout != "dist" and (getattr(args, "num_experts", None) or
-                             (getattr(args, "virtual_pipeline_model_parallel_size", None) or 1) > 1):
-        raise ConfigError(f"{adam.where}: the optimizer goes into a legacy export of a dense model without virtual "
-                          "pipeline stages only (the experts' chained optimizer and the chunks' order are not "
-                          "written); use --megatron-layout dist")
+    if layout != "dist" and (getattr(args, "virtual_pipeline_model_parallel_size", None) or 1) > 1:
+        raise ConfigError(f"{adam.where}: the optimizer goes into a legacy export without virtual pipeline stages "
+                          "only (the order of the chunks' parameters in it is not written); use --megatron-layout dist")
+    if layout != "dist" and kind != "plain" and getattr(args, "num_experts", None):
+        raise ConfigError(f"{adam.where}: the distributed optimizer's state of a mixture of experts (each "
+                          "expert-parallel rank's distrib_optim.pt, the dense and the experts' optimizer chained) is "
+                          "not written in the legacy layout; use --megatron-optimizer plain or --megatron-layout dist")
     if layout != "dist" and kind != "plain" and not args.untie_embeddings_and_output_weights and \
             args.pipeline_model_parallel_size > 1:
         raise ConfigError(f"{adam.where}: a tied embedding over pipeline stages (its copy on the last stage, in a "
@@ -205,17 +209,35 @@ def common_entries(adam: SourceAdam, args: argparse.Namespace, layout: str, kind
 _LEGACY_ORDER = ("input_layernorm.weight", "self_attention.linear_proj.weight", "self_attention.linear_qkv.weight",
                  "self_attention.linear_qkv.bias", "self_attention.q_layernorm.weight",
                  "self_attention.k_layernorm.weight", "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight",
-                 "mlp.linear_fc2.weight")
+                 "mlp.linear_fc2.weight", "mlp.router.weight", "mlp.experts", "mlp.shared_experts.linear_fc1.weight",
+                 "mlp.shared_experts.linear_fc2.weight", "mlp.shared_experts.gate_weight")
 """A layer's parameters in the order megatron-core's local spec registers them (``TransformerLayer``: the input
 norm, ``SelfAttention``: ``linear_proj`` (in ``Attention``), then ``linear_qkv``, ``q_layernorm``, ``k_layernorm``;
-the MLP's norm, ``linear_fc1``, ``linear_fc2``)."""
+the MLP's norm, ``linear_fc1``, ``linear_fc2``; a ``MoELayer``'s router, its local experts (each ``linear_fc1``,
+``linear_fc2``), its shared expert's ``linear_fc1``, ``linear_fc2`` and gate)."""
+_LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight$")
 
 
-def _module_order(name: str) -> tuple[int, int, int]:
+def _module_order(name: str) -> tuple[int, ...]:
     if name.startswith("decoder.layers."):
         layer, suffix = name[len("decoder.layers."):].split(".", 1)
-        return 1, int(layer), _LEGACY_ORDER.index(suffix)
-    return {"embedding.word_embeddings.weight": 0, "decoder.final_layernorm.weight": 2}.get(name, 3), 0, 0
+        expert = _LOCAL_EXPERT.match(suffix)
+        if expert:
+            return 1, int(layer), _LEGACY_ORDER.index("mlp.experts"), int(expert.group(1)), int(expert.group(2))
+        return 1, int(layer), _LEGACY_ORDER.index(suffix), 0, 0
+    return {"embedding.word_embeddings.weight": 0, "decoder.final_layernorm.weight": 2}.get(name, 3), 0, 0, 0, 0
+
+
+def legacy_plain(weights: dict[str, Any], moments: dict[str, dict[str, Any]], entry: dict[Any, Any]) -> Any:
+    """One legacy rank file's ``optimizer`` entry for megatron-core's plain optimizer (:func:`legacy_optimizer`);
+    with experts (``entry`` :func:`common_entries`' chained ``{0: dense, 1: experts}``) the list
+    ``ChainedOptimizer.state_dict()`` gives: the dense optimizer's over the rest, the experts' over the rank's local
+    experts."""
+    if "state" in entry:
+        return legacy_optimizer(weights, moments, float(entry["state"]["common_step"]), entry["param_groups"])
+    return [legacy_optimizer({n: w for n, w in weights.items() if bool(_LOCAL_EXPERT.match(n.split(".", 3)[-1]))
+                              == bool(which)}, moments, float(entry[which]["state"]["common_step"]),
+                             entry[which]["param_groups"]) for which in (0, 1)]
 
 
 def legacy_optimizer(weights: dict[str, Any], moments: dict[str, dict[str, Any]], step: float,
@@ -224,13 +246,14 @@ def legacy_optimizer(weights: dict[str, Any], moments: dict[str, dict[str, Any]]
     keys Adam's state by position: the rank's parameters in megatron-core's groups (weight decay, then none for
     1-dim parameters and biases), each in the order the model registers them (``weights``: the rank's shard)."""
     names = sorted((n for n, t in weights.items() if isinstance(t, torch.Tensor)), key=_module_order)
-    members = [[n for n in names if _megatron_group(n, tuple(weights[n].shape)) == which] for which in (0, 1)]
     state, out_groups, at = {}, [], 0
-    for which, group in enumerate(members):
-        for i, name in enumerate(group):
+    for group_entry in groups:  # the weight-decay group (wd_mult 1) and the other; the experts' only what they have
+        which = 0 if group_entry["wd_mult"] else 1
+        members = [n for n in names if _megatron_group(n, tuple(weights[n].shape)) == which]
+        for i, name in enumerate(members):
             state[at + i] = {"step": torch.tensor(step), **{m: moments[m][name] for m in MOMENTS}}
-        out_groups.append({**groups[which], "params": list(range(at, at + len(group)))})
-        at += len(group)
+        out_groups.append({**group_entry, "params": list(range(at, at + len(members)))})
+        at += len(members)
     return {"state": state, "param_groups": out_groups}
 
 
