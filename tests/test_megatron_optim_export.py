@@ -140,9 +140,6 @@ def test_what_megatron_would_not_train_on_is_refused_by_name(tmp_path):
     for options in ({"pp": 2, "vpp": 2}, {"pp": 2, "vpp": 2, "optimizer": "distributed"}):
         with pytest.raises(ConfigError, match="legacy export without virtual pipeline stages only"):
             convert(step, tmp_path / "legacy", "megatron", options={"layout": "legacy", **options})
-    moe, *_ = _mixtral_step_dir(tmp_path / "ckmoe")
-    with pytest.raises(ConfigError, match="distributed optimizer's state of a mixture of experts"):
-        convert(moe, tmp_path / "legacy", "megatron", options={"layout": "legacy", "optimizer": "distributed"})
     bf16, *_ = _step_dir(tmp_path / "ck16", torch.bfloat16)
     with pytest.raises(ConfigError, match="Float16OptimizerWithFloat16Params"):
         convert(bf16, tmp_path / "bf16", "megatron")
@@ -207,19 +204,20 @@ def _mixtral_step_dir(root: Path) -> tuple[Path, torch.nn.Module, torch.optim.Op
     return next(p for p in root.iterdir() if p.name.startswith("epoch")), model, opt
 
 
-@pytest.fixture(scope="module", params=["plain", "distributed", "legacy"])
+@pytest.fixture(scope="module", params=["plain", "distributed", "legacy-plain", "legacy-distributed"])
 def trained_moe(request, tmp_path_factory):
-    """The Mixtral exported (torch_dist, TP=1; or ``legacy``: the plain optimizer in EP=2 rank folders, each a
-    ``ChainedOptimizer.state_dict()`` list), loaded and trained one step by megatron-core at EP=2 (two ranks, each two
-    of the four experts; the experts' optimizer chained beside the dense one)."""
+    """The Mixtral exported (torch_dist, TP=1; or ``legacy-``: in EP=2 rank folders, each rank file's optimizer a
+    ``ChainedOptimizer`` list, with the distributed optimizer each folder's ``distrib_optim.pt`` the list of the
+    dense state (EP rank 0's only) and the experts'), loaded and trained one step by megatron-core at EP=2 (two
+    ranks, each two of the four experts; the experts' optimizer chained beside the dense one)."""
     root = tmp_path_factory.mktemp(f"megatron_moe_optim_{request.param}")
     step, model, opt = _mixtral_step_dir(root / "ck")
-    kind = "plain" if request.param == "legacy" else request.param
-    options = {"layout": "legacy", "ep": 2} if request.param == "legacy" else {}
+    kind = request.param.removeprefix("legacy-")
+    options = {"layout": "legacy", "ep": 2} if request.param.startswith("legacy") else {}
     out = convert(step, root / "export", "megatron", options={"optimizer": kind, **options})
     run_fixture("--family", "mixtral", "--ep", "2", "--dp", "2", "--train", str(out / "iter_0000002"),
                 "--train-optimizer", kind, "--out", str(root / "trained.pt"))
-    return torch.load(root / "trained.pt"), model, opt, request.param
+    return torch.load(root / "trained.pt"), model, opt, request.param, out
 
 
 def _megatron_named_moe(model, opt, moment: str | None) -> dict[str, torch.Tensor]:
@@ -247,7 +245,12 @@ def test_megatron_core_loads_a_mixtures_adam_state_at_ep2_bitwise_and_trains_on(
     (each from the EP rank that holds it) are the ckptio checkpoint's, bitwise; the experts sit in an optimizer of
     their own (``is_expert_parallel``) with the source's hyper-parameters, and one step later every parameter and
     moment has moved and the step is 3."""
-    got, model, opt, kind = trained_moe
+    got, model, opt, kind, out = trained_moe
+    if kind == "legacy-distributed":  # ckptio's reader lays the EP ranks' buffers out again: every master copy is
+        from ckptio.formats.megatron.format import MegatronFormat, MegatronSource, _as_llama  # the weight, the
+        # padding zeros
+        step, moments = MegatronFormat().open_adam(out)
+        assert step == 2.0 and moments["exp_avg"].index().keys() == _as_llama(MegatronSource(out)).index().keys()
     assert got["iteration"] == 2 and torch.isfinite(torch.tensor(got["loss"]))
     for moment in (None, "exp_avg", "exp_avg_sq"):
         ours = _megatron_named_moe(model, opt, moment)

@@ -21,8 +21,8 @@ With ``optimizer="distributed"`` (``--megatron-optimizer distributed``) the ``op
 Refused by name: an optimizer that is not Adam (no moments for some parameter), steps that differ between
 parameters, hyper-parameters that differ inside one of megatron's groups, and reduced-precision weights (a bf16 or
 fp16 model trains with megatron's ``Float16OptimizerWithFloat16Params``, whose fp32 master copies ckptio does not
-write), and in the legacy layout virtual pipeline stages and, for the distributed optimizer, experts and a tied
-embedding over pipeline stages. In the legacy layout, with the plain optimizer each rank file's ``optimizer`` is the
+write), and in the legacy layout virtual pipeline stages and, for the distributed optimizer, a tied embedding over
+pipeline stages. In the legacy layout, with the plain optimizer each rank file's ``optimizer`` is the
 fp32 optimizer's torch state dict, Adam's state keyed by position (:func:`legacy_optimizer`); with the distributed
 optimizer it holds the groups and the step, and a ``distrib_optim.pt`` beside it the fp32 master copies and moments
 in megatron-core's flat buffers (:func:`legacy_distributed`, loaded by its ``load_parameter_state``); and each its
@@ -32,7 +32,7 @@ A mixture of experts (a Mixtral) goes as megatron-core's ``get_megatron_optimize
 over the expert-parallel parameters (its own ``is_expert_parallel`` groups), ``common.pt``'s ``optimizer`` the two
 states ``{0: dense, 1: experts}``, their tensors keyed without a ``chained_N.`` prefix as ``content_metadata``'s
 ``chained_optim_avoid_prefix`` says (Megatron-LM's saves set it); in a legacy rank file (of each expert-parallel
-rank), the list of the two plain optimizers' state dicts (:func:`legacy_plain`).
+rank), the list of the two optimizers' entries (:func:`legacy_state`).
 """
 
 from __future__ import annotations
@@ -175,10 +175,6 @@ def common_entries(adam: SourceAdam, args: argparse.Namespace, layout: str, kind
     if layout != "dist" and (getattr(args, "virtual_pipeline_model_parallel_size", None) or 1) > 1:
         raise ConfigError(f"{adam.where}: the optimizer goes into a legacy export without virtual pipeline stages "
                           "only (the order of the chunks' parameters in it is not written); use --megatron-layout dist")
-    if layout != "dist" and kind != "plain" and getattr(args, "num_experts", None):
-        raise ConfigError(f"{adam.where}: the distributed optimizer's state of a mixture of experts (each "
-                          "expert-parallel rank's distrib_optim.pt, the dense and the experts' optimizer chained) is "
-                          "not written in the legacy layout; use --megatron-optimizer plain or --megatron-layout dist")
     if layout != "dist" and kind != "plain" and not args.untie_embeddings_and_output_weights and \
             args.pipeline_model_parallel_size > 1:
         raise ConfigError(f"{adam.where}: a tied embedding over pipeline stages (its copy on the last stage, in a "
@@ -228,16 +224,29 @@ def _module_order(name: str) -> tuple[int, ...]:
     return {"embedding.word_embeddings.weight": 0, "decoder.final_layernorm.weight": 2}.get(name, 3), 0, 0, 0, 0
 
 
-def legacy_plain(weights: dict[str, Any], moments: dict[str, dict[str, Any]], entry: dict[Any, Any]) -> Any:
-    """One legacy rank file's ``optimizer`` entry for megatron-core's plain optimizer (:func:`legacy_optimizer`);
-    with experts (``entry`` :func:`common_entries`' chained ``{0: dense, 1: experts}``) the list
-    ``ChainedOptimizer.state_dict()`` gives: the dense optimizer's over the rest, the experts' over the rank's local
-    experts."""
-    if "state" in entry:
-        return legacy_optimizer(weights, moments, float(entry["state"]["common_step"]), entry["param_groups"])
-    return [legacy_optimizer({n: w for n, w in weights.items() if bool(_LOCAL_EXPERT.match(n.split(".", 3)[-1]))
-                              == bool(which)}, moments, float(entry[which]["state"]["common_step"]),
-                             entry[which]["param_groups"]) for which in (0, 1)]
+def legacy_state(weights: dict[str, Any], moments: dict[str, dict[str, Any]], entry: dict[Any, Any],
+                 args: argparse.Namespace, stage: int, ep_rank: int) -> tuple[Any, Any]:
+    """One legacy rank folder's optimizer: its rank file's ``optimizer`` entry and, for the distributed optimizer, its
+    ``distrib_optim.pt`` (else ``None``). ``weights``: the rank's parameters (of expert-parallel rank ``ep_rank``) in
+    the order the model registers them (:func:`registered`); ``entry``: :func:`common_entries`' ``optimizer``.
+
+    The plain optimizer's entry is :func:`legacy_optimizer`'s; the distributed optimizer's is
+    :func:`legacy_distributed`'s. With experts (``entry`` chained, ``{0: dense, 1: experts}``) each is the list
+    ``ChainedOptimizer`` saves: the dense optimizer's over the rest, the experts' over the rank's local experts; the
+    dense one's ``distrib_optim.pt`` state only in EP rank 0's folder (its data-parallel rank 0's), ``None`` in the
+    others'."""
+    chained = [entry[0], entry[1]] if 0 in entry else [entry]
+    parts = [weights] if len(chained) == 1 else [
+        {n: w for n, w in weights.items() if bool(_LOCAL_EXPERT.match(n.split(".", 3)[-1])) == bool(which)}
+        for which in (0, 1)]
+    if "param_state_sharding_type" not in chained[0]:
+        plain = [legacy_optimizer(p, moments, float(c["state"]["common_step"]), c["param_groups"])
+                 for p, c in zip(parts, chained)]
+        return (plain[0] if len(plain) == 1 else plain), None
+    made = [legacy_distributed(p, moments, c, args, stage) for p, c in zip(parts, chained)]
+    if len(made) == 1:
+        return made[0]
+    return [m[0] for m in made], [None if ep_rank else made[0][1], made[1][1]]
 
 
 def legacy_optimizer(weights: dict[str, Any], moments: dict[str, dict[str, Any]], step: float,

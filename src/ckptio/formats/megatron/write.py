@@ -183,11 +183,11 @@ def write_legacy(folder: Path, tensors: dict[str, torch.Tensor], args: argparse.
                  moments: dict[str, dict[str, torch.Tensor]] | None = None, common: dict[str, Any] | None = None) -> None:
     """Megatron-LM's legacy layout: each TP × PP rank's shard in ``mp_rank_TT[_PPP]/model_optim_rng.pt``, under
     ``model`` (or ``model0``, ``model1``... with virtual pipeline stages, :mod:`~ckptio.formats.megatron.vpp`); with
-    ``moments``, each rank's plain optimizer state (:func:`~ckptio.formats.megatron.optim_write.legacy_plain`)
+    ``moments``, each rank's plain optimizer state (:func:`~ckptio.formats.megatron.optim_write.legacy_state`)
     or the distributed optimizer's, its ``distrib_optim.pt`` beside the rank file
     (:func:`~ckptio.formats.megatron.optim_write.legacy_distributed`), and the ``common`` scheduler."""
     from .distrib_optim import DISTRIB_OPTIM_FILE
-    from .optim_write import legacy_distributed, legacy_plain, registered
+    from .optim_write import legacy_state, registered
 
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
@@ -203,14 +203,12 @@ def write_legacy(folder: Path, tensors: dict[str, torch.Tensor], args: argparse.
             models = {"model": held[0]} if vpp == 1 else {f"model{v}": c for v, c in enumerate(held)}
             optim = {}
             if moments and common:  # one chunk (common_entries refuses more)
-                entry, mine = common["optimizer"], {m: _ep_rank(p[t], e, ep) for m, p in parts.items()}
-                if "param_state_sharding_type" in entry:  # the distributed optimizer's state: distrib_optim.pt
-                    models["model"] = registered(models["model"])
-                    optimizer, flat = legacy_distributed(
-                        {n: w for n, w in models["model"].items() if w is not None}, mine, entry, args, stage)
+                models["model"] = registered(models["model"])  # as megatron-core's state_dict orders them
+                optimizer, flat = legacy_state({n: w for n, w in models["model"].items() if w is not None},
+                                               {m: _ep_rank(p[t], e, ep) for m, p in parts.items()},
+                                               common["optimizer"], args, stage, e)
+                if flat is not None:  # the distributed optimizer's fp32 state
                     torch.save(flat, rank_dir / DISTRIB_OPTIM_FILE)
-                else:
-                    optimizer = legacy_plain(held[0], mine, entry)
                 optim = {"optimizer": optimizer, "opt_param_scheduler": common["opt_param_scheduler"]}
             torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration, **models, **optim},
                        rank_dir / RANK_FILE)
