@@ -22,21 +22,22 @@ pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.slow  # multi-process megatron-core runs
 
 
-def _llama(dtype: torch.dtype = torch.float32):
+def _llama(dtype: torch.dtype = torch.float32, tied: bool = False):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
-                         rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, torch_dtype=dtype)
+                         rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tied, torch_dtype=dtype)
     torch.manual_seed(3)
     return LlamaForCausalLM(config).to(dtype)
 
 
-def _step_dir(root: Path, dtype: torch.dtype = torch.float32) -> tuple[Path, torch.nn.Module, torch.optim.Optimizer]:
+def _step_dir(root: Path, dtype: torch.dtype = torch.float32,
+              tied: bool = False) -> tuple[Path, torch.nn.Module, torch.optim.Optimizer]:
     """A ckptio checkpoint of the tiny Llama after two AdamW steps (weight decay, betas 0.9/0.95), at step 2."""
     from ckptio import CheckpointConfig, CheckpointManager
 
-    model = _llama(dtype)
+    model = _llama(dtype, tied)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
     for step in range(2):
         x = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(step))
@@ -140,6 +141,9 @@ def test_what_megatron_would_not_train_on_is_refused_by_name(tmp_path):
     for options in ({"pp": 2, "vpp": 2}, {"pp": 2, "vpp": 2, "optimizer": "distributed"}):
         with pytest.raises(ConfigError, match="legacy export without virtual pipeline stages only"):
             convert(step, tmp_path / "legacy", "megatron", options={"layout": "legacy", **options})
+    tied, *_ = _step_dir(tmp_path / "cktied", tied=True)
+    with pytest.raises(ConfigError, match="a tied embedding over pipeline stages"):
+        convert(tied, tmp_path / "legacy", "megatron", options={"layout": "legacy", "pp": 2, "optimizer": "distributed"})
     bf16, *_ = _step_dir(tmp_path / "ck16", torch.bfloat16)
     with pytest.raises(ConfigError, match="Float16OptimizerWithFloat16Params"):
         convert(bf16, tmp_path / "bf16", "megatron")
