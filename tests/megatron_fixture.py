@@ -585,7 +585,8 @@ def _save_dist_distopt(module, opt, legacy_args, sched, run, iteration, fmt, ran
 
 
 def load_worker(rank, tp, pp, src, out, store_file):
-    """Load the torch_dist checkpoint ``src`` into a fresh T x P model with Megatron's loader; save its logits."""
+    """Load the checkpoint ``src`` into a fresh T x P (x EP) model with Megatron's loader (torch_dist), or each
+    rank's own legacy ``mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt``, strictly; save its logits."""
     quiet_megatron()
     torch.distributed.init_process_group(
         "gloo", init_method=f"file://{store_file}", rank=rank, world_size=tp * pp * EP,
@@ -599,14 +600,26 @@ def load_worker(rank, tp, pp, src, out, store_file):
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                  expert_model_parallel_size=EP)
     model_parallel_cuda_manual_seed(SEED)
-    vocab = FileSystemReader(src).read_metadata().state_dict_metadata["embedding.word_embeddings.weight"].size[0]
+    sub = f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}" + (
+        f"_{ps.get_pipeline_model_parallel_rank():03d}" if pp > 1 else "") + (
+        f"_{ps.get_expert_model_parallel_rank():03d}" if EP > 1 else "")
+    legacy = os.path.join(src, sub, "model_optim_rng.pt")
+    if os.path.exists(legacy):  # Megatron-LM's legacy layout: this rank's own file, loaded strictly
+        state = torch.load(legacy, weights_only=False)["model"]
+        vocab = tp * next(v.shape[0] for k, v in state.items() if k.endswith(("word_embeddings.weight",
+                                                                               "output_layer.weight")))
+    else:
+        vocab = FileSystemReader(src).read_metadata().state_dict_metadata["embedding.word_embeddings.weight"].size[0]
     model = build_model(tp, pp, vocab=vocab)
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
-    wanted = model.sharded_state_dict()
-    loaded = dist_checkpointing.load(wanted, src)  # strict: every requested key must be in the checkpoint
-    model.load_state_dict({k: v for k, v in loaded.items() if k in wanted})
+    if os.path.exists(legacy):
+        model.load_state_dict(state, strict=True)
+    else:
+        wanted = model.sharded_state_dict()
+        loaded = dist_checkpointing.load(wanted, src)  # strict: every requested key must be in the checkpoint
+        model.load_state_dict({k: v for k, v in loaded.items() if k in wanted})
     model.eval()
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
     logits = pipeline_logits(model, ids, tp)

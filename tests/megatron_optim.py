@@ -1,6 +1,8 @@
 """``megatron_fixture.py --train SRC --out FILE [--dp N]``: megatron-core's own optimizer resumes from a torch_dist
 checkpoint and trains one step (TP ranks, one pipeline stage, fp32 on CPU; with ``--dp``: TP x DP ranks and the
-``DistributedOptimizer``, loading its ``fully_reshardable`` format).
+``DistributedOptimizer``, loading its ``fully_reshardable`` format). A legacy checkpoint (``mp_rank_TT/``) is loaded
+as Megatron-LM's legacy ``load_checkpoint`` does: ``load_state_dict`` of its rank file's entries, and with the
+distributed optimizer ``load_parameter_state`` of the ``distrib_optim.pt`` beside it.
 
 Each rank builds its GPTModel shard in megatron-core's ``DistributedDataParallel`` with ``get_megatron_optimizer``
 (Adam, non-distributed: ``FP32Optimizer`` over megatron's two parameter groups) and an ``OptimizerParamScheduler``
@@ -95,7 +97,8 @@ def train_worker(rank, tp, dp, src, out, store_file):
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=mf.EP)
     torch.manual_seed(mf.SEED)
     model_parallel_cuda_manual_seed(mf.SEED)
-    legacy = os.path.join(src, f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}", "model_optim_rng.pt")
+    legacy = os.path.join(src, f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}" + (
+        f"_{ps.get_expert_model_parallel_rank():03d}" if mf.EP > 1 else ""), "model_optim_rng.pt")
     if os.path.exists(legacy):  # Megatron-LM's legacy layout: each rank's torch.save, Adam's state by position
         obj = torch.load(legacy, weights_only=False)
         vocab = obj["model"]["embedding.word_embeddings.weight"].shape[0] * tp
@@ -122,6 +125,12 @@ def train_worker(rank, tp, dp, src, out, store_file):
     if os.path.exists(legacy):  # as Megatron-LM's load_checkpoint of the legacy layout
         module.load_state_dict(obj["model"], strict=True)
         opt.load_state_dict(obj["optimizer"])
+        if distributed:  # its fp32 master copies and moments: the flat buffers of distrib_optim.pt, scattered.
+            # megatron-core 0.16.1 copies them in place into its main params, which for fp32 parameters are views
+            # of the parameters themselves: autograd refuses that unless gradients are off (its fully_reshardable
+            # load is a torch.no_grad method; this one is not)
+            with torch.no_grad():
+                opt.load_parameter_state(os.path.join(os.path.dirname(legacy), "distrib_optim.pt"))
         sched.load_state_dict(obj["opt_param_scheduler"])
         loaded = {"iteration": obj["iteration"]}
     else:

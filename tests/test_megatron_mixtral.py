@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from ckptio.convert.formats import convert
-from ckptio.errors import CheckpointError
+from ckptio.errors import CheckpointError, ConfigError
 from ckptio.formats.hf_fields import UnsupportedFieldError
 from ckptio.formats.safetensors.sharded import SafetensorsSource
 from cli_here import ckptio_here
@@ -266,6 +266,36 @@ def test_megatron_core_loads_a_mixtral_ckptio_exports_at_another_expert_parallel
     want, routed = _run(src, got["input_ids"])
     assert all(r == {0, 1, 2, 3} for r in routed), routed
     assert torch.allclose(got["logits"], want, atol=1e-5, rtol=0), (got["logits"] - want).abs().max()
+
+
+@pytest.mark.parametrize("options,says", [
+    ({"ep": 2}, "applies to the legacy layout"), ({"ep": 3, "layout": "legacy"}, "cannot split the model's 4 experts"),
+    ({"ep": 2, "layout": "legacy", "pp": 2, "vpp": 2}, "with --vpp: expert-parallel rank folders")])
+def test_expert_parallel_rank_folders_that_cannot_be_written_are_refused_by_name(hf, tmp_path, options, says):
+    with pytest.raises(ConfigError, match=says):
+        convert(hf, tmp_path / "mg", "megatron", options=options)
+    assert not (tmp_path / "mg").exists()
+
+
+@pytest.mark.slow
+def test_megatron_core_loads_a_mixtrals_legacy_export_split_over_expert_parallel_ranks(tmp_path):
+    """A MixtralForCausalLM -> ``--megatron-layout legacy --ep 2`` (``mp_rank_00_000``, ``mp_rank_00_001``: each EP
+    rank's two experts as its local experts 0 and 1, the rest repeated) -> each megatron-core rank of a TP=1 EP=2
+    model loads its own file strictly -> the logits transformers gives; and ckptio reads the folders back bitwise."""
+    pytest.importorskip("megatron.core")
+    src = _mixtral(tmp_path / "hf", seed=3)
+    run = ckptio_here("convert", str(src), str(tmp_path / "mg"), "--to", "megatron", "--megatron-layout", "legacy",
+                      "--ep", "2", "--no-progress")
+    assert run.returncode == 0, run.stderr
+    out = tmp_path / "mg"
+    folder = out / "iter_0000000"
+    assert sorted(p.name for p in folder.iterdir()) == ["mp_rank_00_000", "mp_rank_00_001"]
+    _megatron("--tp", "1", "--pp", "1", "--ep", "2", "--load", str(folder), "--out", str(tmp_path / "logits.pt"))
+    got = torch.load(tmp_path / "logits.pt")
+    want, routed = _run(src, got["input_ids"])
+    assert all(r == {0, 1, 2, 3} for r in routed), routed
+    assert torch.allclose(got["logits"], want, atol=1e-5, rtol=0), (got["logits"] - want).abs().max()
+    same_weights(src, convert(out, tmp_path / "back", "hf"))
 
 
 @pytest.mark.slow

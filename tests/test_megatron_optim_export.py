@@ -22,21 +22,22 @@ pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.slow  # multi-process megatron-core runs
 
 
-def _llama(dtype: torch.dtype = torch.float32):
+def _llama(dtype: torch.dtype = torch.float32, tied: bool = False):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
-                         rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, torch_dtype=dtype)
+                         rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tied, torch_dtype=dtype)
     torch.manual_seed(3)
     return LlamaForCausalLM(config).to(dtype)
 
 
-def _step_dir(root: Path, dtype: torch.dtype = torch.float32) -> tuple[Path, torch.nn.Module, torch.optim.Optimizer]:
+def _step_dir(root: Path, dtype: torch.dtype = torch.float32,
+              tied: bool = False) -> tuple[Path, torch.nn.Module, torch.optim.Optimizer]:
     """A ckptio checkpoint of the tiny Llama after two AdamW steps (weight decay, betas 0.9/0.95), at step 2."""
     from ckptio import CheckpointConfig, CheckpointManager
 
-    model = _llama(dtype)
+    model = _llama(dtype, tied)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
     for step in range(2):
         x = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(step))
@@ -137,9 +138,12 @@ def test_what_megatron_would_not_train_on_is_refused_by_name(tmp_path):
     from ckptio.errors import ConfigError
 
     step, *_ = _step_dir(tmp_path / "ck")
-    for options in ({"optimizer": "distributed"}, {"pp": 2, "vpp": 2}):
-        with pytest.raises(ConfigError, match="plain optimizer of a dense model without virtual pipeline stages"):
+    for options in ({"pp": 2, "vpp": 2}, {"pp": 2, "vpp": 2, "optimizer": "distributed"}):
+        with pytest.raises(ConfigError, match="legacy export without virtual pipeline stages only"):
             convert(step, tmp_path / "legacy", "megatron", options={"layout": "legacy", **options})
+    tied, *_ = _step_dir(tmp_path / "cktied", tied=True)
+    with pytest.raises(ConfigError, match="a tied embedding over pipeline stages"):
+        convert(tied, tmp_path / "legacy", "megatron", options={"layout": "legacy", "pp": 2, "optimizer": "distributed"})
     bf16, *_ = _step_dir(tmp_path / "ck16", torch.bfloat16)
     with pytest.raises(ConfigError, match="Float16OptimizerWithFloat16Params"):
         convert(bf16, tmp_path / "bf16", "megatron")
@@ -218,18 +222,23 @@ def _moe_step_dir(root: Path, family: str) -> tuple[Path, torch.nn.Module, torch
     return next(p for p in root.iterdir() if p.name.startswith("epoch")), model, opt
 
 
-@pytest.fixture(scope="module", params=[("mixtral", "plain"), ("mixtral", "distributed"), ("qwen2moe", "distributed"),
+@pytest.fixture(scope="module", params=[("mixtral", "plain"), ("mixtral", "distributed"), ("mixtral", "legacy-plain"),
+                                        ("mixtral", "legacy-distributed"), ("qwen2moe", "distributed"),
                                         ("qwen3moe", "distributed")], ids="-".join)
 def trained_moe(request, tmp_path_factory):
-    """The mixture of experts exported (torch_dist, TP=1), loaded and trained one step by megatron-core at EP=2 (two
+    """The mixture of experts exported (torch_dist, TP=1; or ``legacy-``: in EP=2 rank folders, each rank file's
+    optimizer a ``ChainedOptimizer`` list, with the distributed optimizer each folder's ``distrib_optim.pt`` the list
+    of the dense state (EP rank 0's only) and the experts'), loaded and trained one step by megatron-core at EP=2 (two
     ranks, each two of the four experts; the experts' optimizer chained beside the dense one)."""
-    family, kind = request.param
-    root = tmp_path_factory.mktemp(f"megatron_moe_optim_{family}_{kind}")
+    family, layout_kind = request.param
+    root = tmp_path_factory.mktemp(f"megatron_moe_optim_{family}_{layout_kind}")
     step, model, opt = _moe_step_dir(root / "ck", family)
-    out = convert(step, root / "export", "megatron", options={"optimizer": kind})
+    kind = layout_kind.removeprefix("legacy-")
+    options = {"layout": "legacy", "ep": 2} if layout_kind.startswith("legacy") else {}
+    out = convert(step, root / "export", "megatron", options={"optimizer": kind, **options})
     run_fixture("--family", family, "--ep", "2", "--dp", "2", "--train", str(out / "iter_0000002"),
                 "--train-optimizer", kind, "--out", str(root / "trained.pt"))
-    return torch.load(root / "trained.pt"), model, opt, kind
+    return torch.load(root / "trained.pt"), model, opt, layout_kind, out
 
 
 def _megatron_named_moe(model, opt, moment: str | None) -> dict[str, torch.Tensor]:
@@ -260,7 +269,12 @@ def test_megatron_core_loads_a_mixtures_adam_state_at_ep2_bitwise_and_trains_on(
     shared expert, a Qwen3-MoE's with its q/k norms); the experts sit in an optimizer of
     their own (``is_expert_parallel``) with the source's hyper-parameters, and one step later every parameter and
     moment has moved and the step is 3."""
-    got, model, opt, kind = trained_moe
+    got, model, opt, kind, out = trained_moe
+    if kind == "legacy-distributed":  # ckptio's reader lays the EP ranks' buffers out again: every master copy is
+        from ckptio.formats.megatron.format import MegatronFormat, MegatronSource, _as_llama  # the weight, the
+        # padding zeros
+        step, moments = MegatronFormat().open_adam(out)
+        assert step == 2.0 and moments["exp_avg"].index().keys() == _as_llama(MegatronSource(out)).index().keys()
     assert got["iteration"] == 2 and torch.isfinite(torch.tensor(got["loss"]))
     for moment in (None, "exp_avg", "exp_avg_sq"):
         ours = _megatron_named_moe(model, opt, moment)
@@ -305,3 +319,41 @@ def test_megatron_core_loads_a_legacy_exports_adam_state_by_position_bitwise_and
         assert p["hyper"]["lr"] == 2e-3 and (p["hyper"]["weight_decay"] == 0) == (p["before"]["param"].dim() == 1)
         for key in ("param", "exp_avg", "exp_avg_sq"):
             assert not torch.equal(p["after"][key], p["before"][key]), (name, key)
+
+
+@pytest.fixture(scope="module")
+def trained_legacy_distributed(tmp_path_factory):
+    """The Llama exported in the legacy layout for megatron-core's DistributedOptimizer (TP=2: each rank folder's
+    ``distrib_optim.pt`` beside ``model_optim_rng.pt``), loaded on TP=2 x DP=2 as Megatron-LM's legacy
+    load_checkpoint does (``load_state_dict``, then ``load_parameter_state``) and trained one step."""
+    root = tmp_path_factory.mktemp("megatron_optim_legacy_dist")
+    step, model, opt = _step_dir(root / "ck")
+    out = convert(step, root / "export", "megatron", options={"tp": 2, "layout": "legacy", "optimizer": "distributed"})
+    run_fixture("--tp", "2", "--dp", "2", "--train", str(out / "iter_0000002"), "--train-optimizer", "distributed",
+                "--out", str(root / "trained.pt"))
+    return torch.load(root / "trained.pt"), model, opt, out
+
+
+def test_megatron_cores_distributed_optimizer_loads_a_legacy_export_bitwise_and_trains_on(trained_legacy_distributed):
+    """Each DP rank's range of every parameter, gathered: the fp32 master copy and moments megatron-core scattered
+    from the flat buffers are ckptio's, bitwise, the step 2; one step later it is 3 and everything has moved. ckptio's
+    own reader lays the buffers out again and finds the source's state."""
+    from ckptio.formats.megatron.format import MegatronFormat
+
+    got, model, opt, out = trained_legacy_distributed
+    assert got["iteration"] == 2 and torch.isfinite(torch.tensor(got["loss"]))
+    for moment in (None, "exp_avg", "exp_avg_sq"):
+        ours = _megatron_named(model, opt, moment)
+        assert set(ours) == {_canonical(n) for n in got["params"]}
+        for name, theirs in got["params"].items():
+            assert torch.equal(theirs["before"][moment or "param"], ours[_canonical(name)]), (moment, name)
+    for name, p in got["params"].items():
+        assert p["before"]["step"] == 2.0 and p["after"]["step"] == 3.0, name
+        assert p["hyper"]["lr"] == 2e-3 and (p["hyper"]["weight_decay"] == 0) == (p["before"]["param"].dim() == 1)
+        for key in ("param", "exp_avg", "exp_avg_sq"):
+            assert not torch.equal(p["after"][key], p["before"][key]), (name, key)
+    step, moments = MegatronFormat().open_adam(out)
+    assert step == 2.0
+    for name, p in model.named_parameters():
+        for moment, source in moments.items():
+            assert torch.equal(source.read(name), opt.state[p][moment]), (moment, name)

@@ -63,15 +63,17 @@ def hf(tmp_path_factory) -> Path:
 
 
 # ------------------------------------------------------------------------------------------- out and back
-@pytest.mark.parametrize("layout,tp,pp,norm", [("dist", 2, 2, False), ("legacy", 2, 2, False),
-                                               ("legacy", 1, 1, True)])
-def test_qwen2moe_to_megatron_and_back_is_bitwise(hf, tmp_path, layout, tp, pp, norm):
+@pytest.mark.parametrize("layout,tp,pp,norm,ep", [("dist", 2, 2, False, None), ("legacy", 2, 2, False, None),
+                                                  ("legacy", 1, 1, True, None), ("legacy", 2, 2, False, 2)])
+def test_qwen2moe_to_megatron_and_back_is_bitwise(hf, tmp_path, layout, tp, pp, norm, ep):
     from ckptio.formats.megatron.format import MegatronSource
     from ckptio.formats.megatron.layout import run_args
 
     src = respelled(Path(shutil.copytree(hf, tmp_path / "src")), norm_topk_prob=True) if norm else hf
-    out = convert(src, tmp_path / "mg", "megatron", options={"tp": tp, "pp": pp, "layout": layout})
+    out = convert(src, tmp_path / "mg", "megatron", options={"tp": tp, "pp": pp, "layout": layout, "ep": ep})
     args = run_args(out)
+    if ep:  # mp_rank_TT_PPP_EEE: each EP rank two of the experts, the shared expert in every one
+        assert len(list((out / "iter_0000000").glob("mp_rank_0?_00?_00?"))) == tp * pp * ep
     assert (args.num_experts, args.moe_router_topk, args.moe_ffn_hidden_size) == (4, 2, 32)
     assert (args.moe_shared_expert_intermediate_size, args.moe_shared_expert_gate, args.add_qkv_bias) == (48, True, True)
     assert args.moe_router_pre_softmax is not norm and args.ffn_hidden_size == 128

@@ -31,6 +31,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pp", type=int, default=None, help="megatron target: pipeline stages to split into (default 1)")
     p.add_argument("--vpp", type=int, default=None,
                    help="megatron target: virtual pipeline stages (model chunks per pipeline stage; default none)")
+    p.add_argument("--ep", type=int, default=None,
+                   help="megatron target, legacy layout: expert-parallel ranks to split a mixture of experts' experts "
+                        "over (a rank folder each; default 1)")
     p.add_argument("--megatron-optimizer", choices=["plain", "distributed"], default=None,
                    help="megatron target from a checkpoint with Adam's state: the optimizer megatron-core will load "
                         "it into (plain: FP32Optimizer, the default; distributed: DistributedOptimizer, "
@@ -57,7 +60,7 @@ equal), written out so that ``--help`` does not import every format, torch inclu
 
 def _megatron_flags(args: argparse.Namespace) -> list[str]:
     """The options given that apply to ``--to megatron`` only."""
-    return [flag for flag, value in (("--tp", args.tp), ("--pp", args.pp), ("--vpp", args.vpp),
+    return [flag for flag, value in (("--tp", args.tp), ("--pp", args.pp), ("--vpp", args.vpp), ("--ep", args.ep),
                                      ("--megatron-optimizer", args.megatron_optimizer), ("--like", args.like),
                                      ("--vocab-divisible-by", args.vocab_divisible_by)) if value is not None]
 
@@ -101,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         out = formats.convert(args.source, args.dest, args.to, dtype=args.dtype, max_shard_size=args.max_shard_size,
                               naming=args.naming, progress=on_open,
-                              options={"tp": args.tp, "pp": args.pp, "vpp": args.vpp,
+                              options={"tp": args.tp, "pp": args.pp, "vpp": args.vpp, "ep": args.ep,
                                        "optimizer": args.megatron_optimizer, "layout": args.megatron_layout,
                                        "divisible_by": args.vocab_divisible_by, "like": args.like},
                               config=args.config)

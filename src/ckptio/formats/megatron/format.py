@@ -411,7 +411,7 @@ class MegatronFormat(Format):
             megatron_write.write(source, opened.extras, out, tp=extra.get("tp"), pp=extra.get("pp"),
                                  layout=extra.get("layout", "dist"), iteration=opened.step,
                                  divisible_by=extra.get("divisible_by"), like=extra.get("like"), vpp=extra.get("vpp"),
-                                 adam=adam, optimizer=extra.get("optimizer") or "plain")
+                                 adam=adam, optimizer=extra.get("optimizer") or "plain", ep=extra.get("ep"))
         finally:
             if adam is not None:
                 adam.close()

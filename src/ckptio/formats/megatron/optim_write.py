@@ -21,19 +21,24 @@ With ``optimizer="distributed"`` (``--megatron-optimizer distributed``) the ``op
 Refused by name: an optimizer that is not Adam (no moments for some parameter), steps that differ between
 parameters, hyper-parameters that differ inside one of megatron's groups, and reduced-precision weights (a bf16 or
 fp16 model trains with megatron's ``Float16OptimizerWithFloat16Params``, whose fp32 master copies ckptio does not
-write), and in the legacy layout the distributed optimizer, experts and virtual pipeline stages. The legacy layout
-gets the plain optimizer of a dense model: each rank file's ``optimizer`` is the fp32 optimizer's torch state dict,
-Adam's state keyed by position (:func:`legacy_optimizer`), and its ``opt_param_scheduler``.
+write), and in the legacy layout virtual pipeline stages and, for the distributed optimizer, a tied embedding over
+pipeline stages. In the legacy layout, with the plain optimizer each rank file's ``optimizer`` is the
+fp32 optimizer's torch state dict, Adam's state keyed by position (:func:`legacy_optimizer`); with the distributed
+optimizer it holds the groups and the step, and a ``distrib_optim.pt`` beside it the fp32 master copies and moments
+in megatron-core's flat buffers (:func:`legacy_distributed`, loaded by its ``load_parameter_state``); and each its
+``opt_param_scheduler``.
 
 A mixture of experts (a Mixtral) goes as megatron-core's ``get_megatron_optimizer`` chains it: a second optimizer
 over the expert-parallel parameters (its own ``is_expert_parallel`` groups), ``common.pt``'s ``optimizer`` the two
 states ``{0: dense, 1: experts}``, their tensors keyed without a ``chained_N.`` prefix as ``content_metadata``'s
-``chained_optim_avoid_prefix`` says (Megatron-LM's saves set it).
+``chained_optim_avoid_prefix`` says (Megatron-LM's saves set it); in a legacy rank file (of each expert-parallel
+rank), the list of the two optimizers' entries (:func:`legacy_state`).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Any
 
 import torch
@@ -167,12 +172,14 @@ def common_entries(adam: SourceAdam, args: argparse.Namespace, layout: str, kind
     if kind not in ("plain", "distributed"):
         raise ConfigError(f"--megatron-optimizer {kind!r}: use 'plain' (megatron-core's FP32Optimizer) or "
                           "'distributed' (its DistributedOptimizer, fully_reshardable format)")
-    if layout != "dist" and (kind != "plain" or getattr(args, "num_experts", None) or
-                             (getattr(args, "virtual_pipeline_model_parallel_size", None) or 1) > 1):
-        raise ConfigError(f"{adam.where}: the optimizer goes into a legacy export for megatron-core's plain optimizer "
-                          "of a dense model without virtual pipeline stages only (the distributed optimizer's "
-                          "distrib_optim.pt, the experts' chained optimizer and the chunks' order are not written); "
-                          "use --megatron-layout dist")
+    if layout != "dist" and (getattr(args, "virtual_pipeline_model_parallel_size", None) or 1) > 1:
+        raise ConfigError(f"{adam.where}: the optimizer goes into a legacy export without virtual pipeline stages "
+                          "only (the order of the chunks' parameters in it is not written); use --megatron-layout dist")
+    if layout != "dist" and kind != "plain" and not args.untie_embeddings_and_output_weights and \
+            args.pipeline_model_parallel_size > 1:
+        raise ConfigError(f"{adam.where}: a tied embedding over pipeline stages (its copy on the last stage, in a "
+                          "gradient bucket of its own) is not written into the distributed optimizer's "
+                          "distrib_optim.pt; use --megatron-layout dist")
     if getattr(args, "bf16", False) or getattr(args, "fp16", False):
         raise ConfigError(f"{adam.where}: a {'bf16' if args.bf16 else 'fp16'} model trains in Megatron with "
                           "Float16OptimizerWithFloat16Params (fp32 master copies beside the weights), which ckptio "
@@ -198,17 +205,48 @@ def common_entries(adam: SourceAdam, args: argparse.Namespace, layout: str, kind
 _LEGACY_ORDER = ("input_layernorm.weight", "self_attention.linear_proj.weight", "self_attention.linear_qkv.weight",
                  "self_attention.linear_qkv.bias", "self_attention.q_layernorm.weight",
                  "self_attention.k_layernorm.weight", "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight",
-                 "mlp.linear_fc2.weight")
+                 "mlp.linear_fc2.weight", "mlp.router.weight", "mlp.experts", "mlp.shared_experts.linear_fc1.weight",
+                 "mlp.shared_experts.linear_fc2.weight", "mlp.shared_experts.gate_weight")
 """A layer's parameters in the order megatron-core's local spec registers them (``TransformerLayer``: the input
 norm, ``SelfAttention``: ``linear_proj`` (in ``Attention``), then ``linear_qkv``, ``q_layernorm``, ``k_layernorm``;
-the MLP's norm, ``linear_fc1``, ``linear_fc2``)."""
+the MLP's norm, ``linear_fc1``, ``linear_fc2``; a ``MoELayer``'s router, its local experts (each ``linear_fc1``,
+``linear_fc2``), its shared expert's ``linear_fc1``, ``linear_fc2`` and gate)."""
+_LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight$")
 
 
-def _module_order(name: str) -> tuple[int, int, int]:
+def _module_order(name: str) -> tuple[int, ...]:
     if name.startswith("decoder.layers."):
         layer, suffix = name[len("decoder.layers."):].split(".", 1)
-        return 1, int(layer), _LEGACY_ORDER.index(suffix)
-    return {"embedding.word_embeddings.weight": 0, "decoder.final_layernorm.weight": 2}.get(name, 3), 0, 0
+        expert = _LOCAL_EXPERT.match(suffix)
+        if expert:
+            return 1, int(layer), _LEGACY_ORDER.index("mlp.experts"), int(expert.group(1)), int(expert.group(2))
+        return 1, int(layer), _LEGACY_ORDER.index(suffix), 0, 0
+    return {"embedding.word_embeddings.weight": 0, "decoder.final_layernorm.weight": 2}.get(name, 3), 0, 0, 0, 0
+
+
+def legacy_state(weights: dict[str, Any], moments: dict[str, dict[str, Any]], entry: dict[Any, Any],
+                 args: argparse.Namespace, stage: int, ep_rank: int) -> tuple[Any, Any]:
+    """One legacy rank folder's optimizer: its rank file's ``optimizer`` entry and, for the distributed optimizer, its
+    ``distrib_optim.pt`` (else ``None``). ``weights``: the rank's parameters (of expert-parallel rank ``ep_rank``) in
+    the order the model registers them (:func:`registered`); ``entry``: :func:`common_entries`' ``optimizer``.
+
+    The plain optimizer's entry is :func:`legacy_optimizer`'s; the distributed optimizer's is
+    :func:`legacy_distributed`'s. With experts (``entry`` chained, ``{0: dense, 1: experts}``) each is the list
+    ``ChainedOptimizer`` saves: the dense optimizer's over the rest, the experts' over the rank's local experts; the
+    dense one's ``distrib_optim.pt`` state only in EP rank 0's folder (its data-parallel rank 0's), ``None`` in the
+    others'."""
+    chained = [entry[0], entry[1]] if 0 in entry else [entry]
+    parts = [weights] if len(chained) == 1 else [
+        {n: w for n, w in weights.items() if bool(_LOCAL_EXPERT.match(n.split(".", 3)[-1])) == bool(which)}
+        for which in (0, 1)]
+    if "param_state_sharding_type" not in chained[0]:
+        plain = [legacy_optimizer(p, moments, float(c["state"]["common_step"]), c["param_groups"])
+                 for p, c in zip(parts, chained)]
+        return (plain[0] if len(plain) == 1 else plain), None
+    made = [legacy_distributed(p, moments, c, args, stage) for p, c in zip(parts, chained)]
+    if len(made) == 1:
+        return made[0]
+    return [m[0] for m in made], [None if ep_rank else made[0][1], made[1][1]]
 
 
 def legacy_optimizer(weights: dict[str, Any], moments: dict[str, dict[str, Any]], step: float,
@@ -217,11 +255,45 @@ def legacy_optimizer(weights: dict[str, Any], moments: dict[str, dict[str, Any]]
     keys Adam's state by position: the rank's parameters in megatron-core's groups (weight decay, then none for
     1-dim parameters and biases), each in the order the model registers them (``weights``: the rank's shard)."""
     names = sorted((n for n, t in weights.items() if isinstance(t, torch.Tensor)), key=_module_order)
-    members = [[n for n in names if _megatron_group(n, tuple(weights[n].shape)) == which] for which in (0, 1)]
     state, out_groups, at = {}, [], 0
-    for which, group in enumerate(members):
-        for i, name in enumerate(group):
+    for group_entry in groups:  # the weight-decay group (wd_mult 1) and the other; the experts' only what they have
+        which = 0 if group_entry["wd_mult"] else 1
+        members = [n for n in names if _megatron_group(n, tuple(weights[n].shape)) == which]
+        for i, name in enumerate(members):
             state[at + i] = {"step": torch.tensor(step), **{m: moments[m][name] for m in MOMENTS}}
-        out_groups.append({**groups[which], "params": list(range(at, at + len(group)))})
-        at += len(group)
+        out_groups.append({**group_entry, "params": list(range(at, at + len(members)))})
+        at += len(members)
     return {"state": state, "param_groups": out_groups}
+
+
+def registered(shard: dict[str, Any]) -> dict[str, Any]:
+    """A dense rank's legacy state dict with its parameters in the order the model registers them (as megatron-core's
+    own ``state_dict`` has them, which readers of ``distrib_optim.pt`` lay its buffers out by), the ``_extra_state``
+    entries after them."""
+    names = sorted((n for n, t in shard.items() if isinstance(t, torch.Tensor)), key=_module_order)
+    return {**{n: shard[n] for n in names}, **{n: t for n, t in shard.items() if not isinstance(t, torch.Tensor)}}
+
+
+def legacy_distributed(weights: dict[str, Any], moments: dict[str, dict[str, Any]], entry: dict[str, Any],
+                       args: argparse.Namespace, stage: int) -> tuple[dict[str, Any], dict[Any, Any]]:
+    """One legacy rank folder's state for megatron-core's ``DistributedOptimizer``: its rank file's ``optimizer``
+    entry (``DistributedOptimizer.state_dict()``: the parameter groups with the step, no per-parameter state) and
+    its ``distrib_optim.pt`` (``save_parameter_state``'s: the fp32 master copies, ``moments["param"]``, and the
+    moments in three flat buffers laid out by megatron-core's gradient-buffer rules,
+    :func:`~ckptio.formats.megatron.distrib_optim.flat_layout`, the padding zeros). ``weights``: the rank's parameters
+    in the order the model registers them (:func:`registered`); ``entry``: :func:`common_entries`' ``optimizer``.
+    The buffers keep each bucket up to its last parameter, so they are the same for every data-parallel size (the
+    bucket size, with the run's ``--overlap-grad-reduce``, from ``args``)."""
+    from .distrib_optim import STATE_KEYS, bucket_size, flat_layout
+
+    names = list(weights)
+    slots, total, _ = flat_layout([(n, weights[n].numel()) for n in names], size=bucket_size(args, stage))
+    buffers: dict[str, Any] = {}
+    for key in STATE_KEYS:
+        flat = torch.zeros(total, dtype=torch.float32)
+        for name, (start, end) in slots.items():
+            flat[start:end] = moments[key][name].reshape(-1)
+        buffers[key] = flat
+    buffers["numel_unpadded"] = total
+    return ({"optimizer": {"param_groups": [dict(g) for g in entry["optimizer"]["param_groups"]]}},
+            {"buckets_coalesced": True, 0: {(torch.float32, torch.float32): buffers}})

@@ -15,15 +15,18 @@ D × T, D being ``--vocab-divisible-by``, Megatron-LM's ``--make-vocab-size-divi
 added rows are zeros). ``--like RUN`` takes T, P and D from an existing Megatron run's recorded arguments. The torch_dist layout holds whole tensors with the layers stacked,
 as Megatron-Core stores them, and Megatron-Core reshards them to its own TP × PP on load; its
 ``common.pt`` records the run's ``args`` (sizes, TP, PP) for loaders and for ckptio. The legacy layout
-holds each rank's shard under per-layer names, layer numbers restarting on every pipeline stage. Both
-carry the weights only (no optimizer), like a converted release checkpoint.
+holds each rank's shard under per-layer names, layer numbers restarting on every pipeline stage. From a
+Hugging Face model both carry the weights only, like a converted release checkpoint; from a ckptio checkpoint with
+Adam's state, the optimizer too (:mod:`~ckptio.formats.megatron.optim_write`).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import json
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -180,27 +183,54 @@ def write_legacy(folder: Path, tensors: dict[str, torch.Tensor], args: argparse.
                  moments: dict[str, dict[str, torch.Tensor]] | None = None, common: dict[str, Any] | None = None) -> None:
     """Megatron-LM's legacy layout: each TP × PP rank's shard in ``mp_rank_TT[_PPP]/model_optim_rng.pt``, under
     ``model`` (or ``model0``, ``model1``... with virtual pipeline stages, :mod:`~ckptio.formats.megatron.vpp`); with
-    ``moments``, each rank's plain optimizer state (:func:`~ckptio.formats.megatron.optim_write.legacy_optimizer`)
-    and the ``common`` scheduler."""
-    from .optim_write import legacy_optimizer
+    ``moments``, each rank's plain optimizer state (:func:`~ckptio.formats.megatron.optim_write.legacy_state`)
+    or the distributed optimizer's, its ``distrib_optim.pt`` beside the rank file
+    (:func:`~ckptio.formats.megatron.optim_write.legacy_distributed`), and the ``common`` scheduler."""
+    from .distrib_optim import DISTRIB_OPTIM_FILE
+    from .optim_write import legacy_state, registered
 
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+    ep = getattr(args, "expert_model_parallel_size", None) or 1
     for stage in range(pp):
         chunks = [_legacy_chunk(tensors, args, stage, v, vpp) for v in range(vpp)]
         parts = {m: _legacy_chunk(named, args, stage, 0, 1) for m, named in (moments or {}).items()}
-        for t in range(tp):
-            rank_dir = folder / (f"mp_rank_{t:02d}" + (f"_{stage:03d}" if pp > 1 else ""))
+        for t, e in itertools.product(range(tp), range(ep)):
+            rank_dir = folder / (f"mp_rank_{t:02d}" + (f"_{stage:03d}" if pp > 1 else "") +
+                                 (f"_{e:03d}" if ep > 1 else ""))  # Megatron-LM appends the EP rank last
             rank_dir.mkdir()
-            models = {"model": chunks[0][t]} if vpp == 1 else {f"model{v}": c[t] for v, c in enumerate(chunks)}
+            held = [_ep_rank(c[t], e, ep) for c in chunks]
+            models = {"model": held[0]} if vpp == 1 else {f"model{v}": c for v, c in enumerate(held)}
             optim = {}
             if moments and common:  # one chunk (common_entries refuses more)
-                entry = common["optimizer"]
-                optim = {"optimizer": legacy_optimizer(chunks[0][t], {m: p[t] for m, p in parts.items()},
-                                                       float(entry["state"]["common_step"]), entry["param_groups"]),
-                         "opt_param_scheduler": common["opt_param_scheduler"]}
+                models["model"] = registered(models["model"])  # as megatron-core's state_dict orders them
+                optimizer, flat = legacy_state({n: w for n, w in models["model"].items() if w is not None},
+                                               {m: _ep_rank(p[t], e, ep) for m, p in parts.items()},
+                                               common["optimizer"], args, stage, e)
+                if flat is not None:  # the distributed optimizer's fp32 state
+                    torch.save(flat, rank_dir / DISTRIB_OPTIM_FILE)
+                optim = {"optimizer": optimizer, "opt_param_scheduler": common["opt_param_scheduler"]}
             torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration, **models, **optim},
                        rank_dir / RANK_FILE)
+
+
+_LOCAL_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..+)$")
+
+
+def _ep_rank(shard: dict[str, Any], e: int, ep: int) -> dict[str, Any]:
+    """Expert-parallel rank ``e``'s part of a rank's ``shard`` (which holds every expert): the experts
+    ``e × E/EP`` to ``(e + 1) × E/EP - 1`` as its local experts from 0, everything else as it is."""
+    if ep == 1:
+        return shard
+    local = len({m.group(2) for m in map(_LOCAL_EXPERT.match, shard) if m}) // ep
+    out = {}
+    for name, value in shard.items():
+        m = _LOCAL_EXPERT.match(name)
+        if m is None:
+            out[name] = value
+        elif e * local <= int(m.group(2)) < (e + 1) * local:
+            out[f"{m.group(1)}{int(m.group(2)) - e * local}{m.group(3)}"] = value
+    return out
 
 
 def _legacy_chunk(tensors: dict[str, torch.Tensor], args: argparse.Namespace, stage: int, chunk: int,
@@ -234,6 +264,8 @@ def _legacy_chunk(tensors: dict[str, torch.Tensor], args: argparse.Namespace, st
     return shards
 
 
+_BUCKETING = ("data_parallel_size", "overlap_grad_reduce", "ddp_bucket_size", "overlap_param_gather_with_optimizer_step")
+"""The run's arguments that decide its gradient buckets, and so the distributed optimizer's flat buffers."""
 # the model sizes a run's args must share with the exported model (Megatron-LM name, what the Llama config gives)
 _SIZES = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
           "vocab_size", "untie_embeddings_and_output_weights", "add_qkv_bias", "qk_layernorm", "num_experts",
@@ -261,14 +293,45 @@ def like_run(run: Path, ours: argparse.Namespace, tp: int | None, pp: int | None
     return int(found["--tp"]), int(found["--pp"]), int(found["--vocab-divisible-by"])
 
 
+def _expert_parallel(args: argparse.Namespace, ep: int | None, layout: str) -> None:
+    """Record ``ep`` expert-parallel ranks in ``args`` (a legacy export then has a rank folder per EP rank,
+    ``mp_rank_TT[_PPP]_EEE``), after checking that they split the experts evenly."""
+    if ep is None or ep == 1:
+        return
+    experts = moe.experts_of(args)
+    if type(ep) is not int or ep < 1:
+        raise ConfigError(f"--ep must be a positive integer, got {ep!r}")
+    if layout != "legacy":
+        raise ConfigError(f"--ep {ep} applies to the legacy layout (a rank folder per expert-parallel rank); "
+                          "megatron-core reshards a torch_dist checkpoint to any expert parallelism itself")
+    if not experts or experts % ep:
+        raise ConfigError(f"cannot split the model's {experts} experts over --ep {ep} expert-parallel ranks evenly")
+    if (getattr(args, "virtual_pipeline_model_parallel_size", None) or 1) > 1:
+        raise ConfigError(f"--ep {ep} with --vpp: expert-parallel rank folders of model chunks are not written")
+    args.expert_model_parallel_size = ep
+
+
+def _optimizer_args(args: argparse.Namespace, like: str | Path | None, optimizer: str) -> None:
+    """What the optimizer's export takes from the ``--like`` run into ``args``: its batch size (the scheduler counts
+    samples) and, for the distributed optimizer, its gradient buckets (the legacy ``distrib_optim.pt``'s layout)."""
+    if like is not None:
+        theirs = run_args(Path(like))
+        args.global_batch_size = getattr(theirs, "global_batch_size", None)
+        for name in _BUCKETING if optimizer == "distributed" else ():
+            setattr(args, name, getattr(theirs, name, None))
+    if optimizer == "distributed":
+        args.use_distributed_optimizer = True
+
+
 def write(source: Any, extras: Path | None, out: Path, *, tp: int | None, pp: int | None, layout: str, iteration: int,
           divisible_by: int | None = None, like: str | Path | None = None, vpp: int | None = None,
-          adam: Any = None, optimizer: str = "plain") -> None:
+          adam: Any = None, optimizer: str = "plain", ep: int | None = None) -> None:
     """The run folder ``out`` (new), appearing whole: written beside it, then renamed into place.
 
     ``tp``/``pp``/``divisible_by`` default to 1, 1 and Megatron-LM's 128; ``like``: an existing Megatron run
     whose recorded arguments give them (and whose model sizes must be this model's); ``vpp``: virtual pipeline
-    stages (model chunks per stage, :mod:`~ckptio.formats.megatron.vpp`); ``adam``: the source's Adam state
+    stages (model chunks per stage, :mod:`~ckptio.formats.megatron.vpp`); ``ep``: expert-parallel ranks, each its
+    own legacy rank folder of its share of the experts (:func:`_expert_parallel`); ``adam``: the source's Adam state
     (:class:`~ckptio.formats.megatron.optim_write.SourceAdam`), written beside the weights for megatron-core's
     ``optimizer`` ("plain" or "distributed")."""
     from . import vpp as virtual
@@ -290,8 +353,9 @@ def write(source: Any, extras: Path | None, out: Path, *, tp: int | None, pp: in
     args = megatron_args(config, tp, pp, ckpt_format, DIVISIBLE_BY if divisible_by is None else divisible_by,
                          where=cfg)
     virtual.apply(args, vpp)
-    if like is not None and adam is not None:
-        args.global_batch_size = getattr(run_args(Path(like)), "global_batch_size", None)
+    _expert_parallel(args, ep, layout)
+    if adam is not None:
+        _optimizer_args(args, like, optimizer)
     extra: dict[str, Any] = {}
     if adam is not None:
         from .optim_write import MOMENTS, common_entries
