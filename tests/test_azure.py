@@ -238,3 +238,20 @@ def test_a_large_file_goes_up_in_blocks_committed_create_only(azure_container, m
     with pytest.raises(PreconditionFailed, match="409 BlobAlreadyExists"):
         bucket.upload_file(tmp_path / "other", "big/manifest.json", if_absent=True)
     assert bucket.get("big/manifest.json", 1 << 30)[0] == data
+
+
+def test_the_clients_transport_is_the_one_azure_storage_blob_makes_less_the_per_request_proxy_lookup(azure_container):
+    """ckptio gives the client its own transport (a session that reads the environment's proxies once per host): it
+    must read answers in the blocks azure-storage-blob's own transport does (256 KiB, not azure-core's 4 KiB, which
+    costs a restore twice the CPU) and keep ckptio's timeouts."""
+    import os
+
+    from azure.storage.blob import BlobServiceClient
+
+    from ckptio.storage.azure import _client
+
+    ours = _client.client()._pipeline._transport.connection_config
+    plain = BlobServiceClient.from_connection_string(
+        os.environ["AZURE_STORAGE_CONNECTION_STRING"])._pipeline._transport.connection_config
+    assert ours.data_block_size == plain.data_block_size
+    assert (ours.timeout, ours.read_timeout) == (_client.CONNECT_TIMEOUT, _client.READ_TIMEOUT)

@@ -1054,3 +1054,71 @@ def test_a_restore_lists_the_folder_and_its_step_once_and_reads_no_byte_twice(st
         assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), (key, read)
     assert [k for k, _, _ in read].count("once/epoch_0_step_1/manifest.json") == 1, read
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+
+
+def test_a_save_makes_only_the_requests_its_guarantees_need(store, monkeypatch):
+    """The requests of two saves in one manager (each costs the client more CPU than a MB of data): the folder is
+    listed once per manager (the sweep of leftovers), a step twice (what was under its name, before; every rank's
+    files, at the commit); no folder scan without a retention rule to apply, no lookup or server-side copy of DCP's
+    ``.metadata`` (written whole under its name), no object written twice but the record (its ``start`` and ``save``,
+    then its ``end``) and the ``LATEST`` pointer (once a save)."""
+    model, opt, mgr = _setup(store.url("few"))
+    kind = type(mgr.storage.store)
+    calls: list[tuple[str, str]] = []
+
+    def counted(name):
+        real = getattr(kind, name)
+
+        def call(self, key, *args, **kwargs):
+            calls.append((name, key))
+            return real(self, key, *args, **kwargs)
+        return call
+
+    with monkeypatch.context() as patched:
+        for name in ("listing", "head", "put", "get", "read_into", "delete", "copy", "upload_file", "open_stream"):
+            patched.setattr(kind, name, counted(name))
+        with mgr:
+            for step in (1, 2):
+                _train(model, opt, 1, seed=step)
+                mgr.save(step=step)
+    listed = [key for name, key in calls if name == "listing"]
+    assert listed == ["few/", "few/epoch_0_step_1/", "few/epoch_0_step_1/", "few/epoch_0_step_2/",
+                      "few/epoch_0_step_2/"], listed  # the sweep's look at the folder; then each step's, twice
+    assert not [c for c in calls if c[0] in ("head", "copy", "upload_file")], calls
+    written = [key for name, key in calls if name == "put"]
+    step = "few/epoch_0_step_{}/"
+    assert sorted(written) == sorted(["few/.ckptio.lock", *(step.format(s) + p for s in (1, 2)
+                                                              for p in (".ckptio-pending", "manifest.json")),
+                                      "few/LATEST", "few/LATEST", *["few/.ckptio_record.json"] * 3]), written
+    assert [key for name, key in calls if name == "delete"] == [
+        step.format(1) + ".ckptio-pending", step.format(2) + ".ckptio-pending", "few/.ckptio.lock"], calls
+    assert not [c for c in calls if c[0] in ("get", "read_into")], calls
+    model2, opt2, again = _setup(store.url("few"), verify="full")
+    with again:
+        assert again.restore().step == 2
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+
+
+def test_the_environments_proxies_are_looked_up_once_per_host_not_per_request(store, monkeypatch):
+    """GCS's and Azure's clients send through ``requests``, which looks the proxies up in the environment at every
+    request (~1.5 ms of CPU each): ckptio's sessions look them up once per host. A proxy the environment names is
+    still honoured: one for another host (NO_PROXY exempts the loopback server) changes nothing."""
+    if store.scheme == "s3":
+        pytest.skip("boto3 sends through urllib3, reading its proxies once per client")
+    import requests.utils
+
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    looked: list[int] = []
+    real = requests.utils.should_bypass_proxies
+
+    def should_bypass_proxies(url, no_proxy):
+        looked.append(1)
+        return real(url, no_proxy)
+
+    monkeypatch.setattr(requests.utils, "should_bypass_proxies", should_bypass_proxies)
+    model, opt, mgr = _setup(store.url("env"))
+    with mgr:
+        mgr.save(step=1)
+    assert len(looked) <= 2, len(looked)
+    assert "env/epoch_0_step_1/manifest.json" in store.keys("env/")

@@ -162,6 +162,8 @@ def after_commit(storage: "Storage | Path", policy: RetentionPolicy, *,
     """
     from .layout import BEST, LATEST, committed_checkpoints
 
+    if not policy.monitor and not policy.active and not policy.keep_optimizer_latest:
+        return []  # nothing to decide: the folder is not scanned (a listing and a manifest read per step in a bucket)
     storage = _storage(storage)
     entries = committed_checkpoints(storage)
     if policy.monitor:

@@ -53,6 +53,11 @@ class _WriterFileSystem(FileSystem):
         self._writing = 0  # files (or regions of one) being written
         self._closed = False  # set by quiesce(): no new file
         self._regioned: dict[str, Any] = {}  # files written as regions by several threads (plan_regions)
+        self.whole = bool(getattr(writer, "writes_whole", False))
+        """The writer's files are made whole as their streams close, in a new folder (a bucket's step): DCP's
+        temporary ``.metadata.tmp`` goes straight under its final name (a rename there is a copy and a delete), and
+        what exists is what this save wrote (no lookup: DCP asks on every rank)."""
+        self._opened: set[str] = set()  # names DCP opened (as it named them)
 
     def _rel(self, path: str | os.PathLike) -> str:
         inner = Path(str(path).partition(_REGION)[0]).relative_to(self.base).as_posix()
@@ -67,13 +72,20 @@ class _WriterFileSystem(FileSystem):
 
     def _open(self, path: str | os.PathLike, name: str) -> Any:
         where, _, region = str(path).partition(_REGION)
-        return self._regioned[name].region(int(region)) if region else self.writer.open(name)
+        if region:
+            return self._regioned[name].region(int(region))
+        if self.whole:
+            with self._lock:
+                self._opened.add(name)
+            return self.writer.open(_final(name))
+        return self.writer.open(name)
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
         if "w" not in mode:
             raise CheckpointError(f"{path}: the DCP writer does not read")
         name = self._rel(path)
+        kept = _final(name) if self.whole else name  # the name the file is written (and its digest kept) under
         with self._cond:
             live = not self._closed
             self._writing += live
@@ -100,7 +112,7 @@ class _WriterFileSystem(FileSystem):
             digest = stream.close()  # a region of a file: the file's digest once its last region closed
             if digest is not None:
                 with self._lock:
-                    self.digests[name] = digest
+                    self.digests[kept] = digest
         finally:
             if live:
                 with self._cond:
@@ -121,6 +133,8 @@ class _WriterFileSystem(FileSystem):
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         old, new = self._rel(path), self._rel(new_path)
+        if self.whole and _final(old) == new and old in self._opened:
+            return  # written under its final name already
         self.writer.rename(old, new)
         with self._lock:
             if old in self.digests:
@@ -131,7 +145,19 @@ class _WriterFileSystem(FileSystem):
         self.writer.local_path("/".join(p for p in (self.rel, "" if inner == "." else inner) if p))
 
     def exists(self, path: str | os.PathLike) -> bool:
+        if self.whole:
+            with self._lock:
+                return self._rel(path) in self._opened
         return self.writer.exists(self._rel(path))
+
+
+_TMP = ".metadata.tmp"
+"""The temporary name DCP writes its metadata under before renaming it (``__R.metadata.tmp`` per rank)."""
+
+
+def _final(name: str) -> str:
+    """The name DCP renames the file ``name`` to once written (its metadata's temporary), else ``name``."""
+    return name[:-len(".tmp")] if name.endswith(_TMP) else name
 
 
 _REGION = "#region-"
@@ -267,7 +293,10 @@ def save(state_dict: dict[str, Any], writer: "FolderWriter | str | Path", rel: s
 
         writer = LocalFolderWriter.in_place(writer)
     base = writer.local_path(rel)
-    storage = _OneFilePerRank(str(base), sync_files=True, thread_count=thread_count)
+    # a writer whose streams are durable once closed (a bucket's objects) has nothing to fsync: DCP would call
+    # os.sync() for a stream with no file descriptor, flushing every file system of the machine
+    storage = _OneFilePerRank(str(base), sync_files=not getattr(writer, "writes_whole", False),
+                              thread_count=thread_count)
     fs = _WriterFileSystem(writer, rel, base)
     storage.fs = fs
     where = base if rel else writer.local_path()

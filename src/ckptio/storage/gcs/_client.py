@@ -50,8 +50,12 @@ def client() -> Any:
         if key not in _clients:
             from google.auth.exceptions import GoogleAuthError
 
+            from ..objstore.environ import read_once
+
             try:
-                _clients[key] = storage.Client()
+                made = storage.Client()
+                read_once(made._http)  # the environment's proxies looked up once per host, not at every request
+                _clients[key] = made
             except GoogleAuthError as exc:
                 raise GCSError(f"no Google Cloud credentials for gs:// ({exc}); set up application default "
                                "credentials (`gcloud auth application-default login`, GOOGLE_APPLICATION_CREDENTIALS "

@@ -91,9 +91,10 @@ class ObjectStorage:
         # handed over to them before
         self._wrote()
         prefix = self._key(name)
-        if self._objects(prefix):
+        objects = self._objects(prefix)  # listed once: handing objects over copies them out, leaving these as they are
+        if objects:
             refs.hand_over(self, name)
-        self._delete_prefix(prefix, manifest_first=True)
+            self._delete_prefix(prefix, manifest_first=True, objects=objects)
         writer = ObjectFolderWriter(self, name)
         writer.mark_pending()
         return writer
