@@ -46,6 +46,14 @@ class WindowCache:
                 return memoryview(buf)[offset - start:offset - start + n]
         return None
 
+    def held(self, key: str, offset: int, n: int) -> memoryview | None:
+        """The first bytes (fewer than ``n``) of a read at ``offset`` that a window holds, when one holds its start
+        but not all of it; ``None`` otherwise."""
+        for (k, start), buf in reversed(self._windows.items()):
+            if k == key and start <= offset < start + len(buf) < offset + n:
+                return memoryview(buf)[offset - start:]
+        return None
+
     def add(self, key: str, offset: int, buf: bytearray) -> None:
         self._windows[(key, offset)] = buf
         self._bytes += len(buf)
@@ -106,6 +114,14 @@ class ObjectReadHandle(ReadHandle):
         n = view.nbytes
         if n == 0:
             return
+        with self.cache.lock:
+            held = self.cache.held(self.key, offset, n)
+        if held is not None:  # the window of a header's reads holds the start of the data after it
+            view[:held.nbytes] = held
+            view, offset, n = view[held.nbytes:], offset + held.nbytes, n - held.nbytes
+            if n >= DIRECT:
+                self._get(view, offset)
+                return
         if n >= WINDOW:
             self._get(view, offset)
             return
