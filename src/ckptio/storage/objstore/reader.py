@@ -35,7 +35,7 @@ class WindowCache:
         from collections import OrderedDict
 
         self.limit = limit
-        self._windows: "OrderedDict[tuple[str, int], Any]" = OrderedDict()  # bytes-like: a bytearray, a numpy array
+        self._windows: "OrderedDict[tuple[str, int], bytearray]" = OrderedDict()
         self._bytes = 0
         self.lock = threading.Lock()
 
@@ -54,7 +54,7 @@ class WindowCache:
                 return memoryview(buf)[offset - start:]
         return None
 
-    def add(self, key: str, offset: int, buf: Any) -> None:
+    def add(self, key: str, offset: int, buf: bytearray) -> None:
         self._windows[(key, offset)] = buf
         self._bytes += len(buf)
         while self._bytes > self.limit and len(self._windows) > 1:
@@ -130,7 +130,7 @@ class ObjectReadHandle(ReadHandle):
                 if start == offset and end == offset + n and n >= DIRECT:
                     found = view  # the window would be just this read: fetched into its buffer, not kept
             if found is None:
-                buf = _buffer(end - start)
+                buf = bytearray(end - start)
                 self._get(memoryview(buf), start)
                 self.cache.add(self.key, start, buf)
                 found = memoryview(buf)[offset - start:offset - start + n]
@@ -343,14 +343,6 @@ class ObjectFolder(FolderReads):
         if self.verifier is not None:
             self.verifier._attach(self, rel, handle)
         return handle
-
-def _buffer(n: int) -> Any:
-    """``n`` bytes for a window, not zeroed first: the download writes every one (a zeroed ``bytearray`` wrote the
-    whole window once more, ~0.1 CPU-s/GB of a restore)."""
-    import numpy
-
-    return numpy.empty(n, dtype=numpy.uint8)
-
 
 def _plain(name: str) -> bool:
     try:
