@@ -241,9 +241,9 @@ def test_a_large_file_goes_up_in_blocks_committed_create_only(azure_container, m
 
 
 def test_the_clients_transport_is_the_one_azure_storage_blob_makes_less_the_per_request_proxy_lookup(azure_container):
-    """ckptio gives the client its own transport (a session that reads the environment's proxies once per host): it
-    must read answers in the blocks azure-storage-blob's own transport does (256 KiB, not azure-core's 4 KiB, which
-    costs a restore twice the CPU) and keep ckptio's timeouts."""
+    """ckptio's client settings (the environment's proxies read once, its timeouts, its read size) leave the
+    transport azure-storage-blob makes: it reads answers in that transport's blocks (256 KiB; azure-core's own default,
+    4 KiB, costs a restore twice the CPU) with ckptio's timeouts."""
     import os
 
     from azure.storage.blob import BlobServiceClient
@@ -255,3 +255,17 @@ def test_the_clients_transport_is_the_one_azure_storage_blob_makes_less_the_per_
         os.environ["AZURE_STORAGE_CONNECTION_STRING"])._pipeline._transport.connection_config
     assert ours.data_block_size == plain.data_block_size
     assert (ours.timeout, ours.read_timeout) == (_client.CONNECT_TIMEOUT, _client.READ_TIMEOUT)
+
+
+def test_a_large_read_is_fetched_in_requests_of_read_chunk(azure_container, monkeypatch):
+    """A read of 48 MiB is three ranged GETs of ``READ_CHUNK`` (16 MiB), not five (the client's 32 MiB and then 4 MiB
+    at a time; each request costs the client more CPU than a MB of data); the bytes are the blob's."""
+    data = torch.randint(0, 256, (48 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)).numpy()
+    store = open_storage(f"az://{azure_container}").store
+    store.put("big", data.tobytes())
+    view = memoryview(bytearray(len(data)))
+    with monkeypatch.context() as patched:
+        sent = contract._http_requests(patched)
+        assert store.read_into("big", 0, view) == len(data)
+    assert bytes(view) == data.tobytes()
+    assert [m for m, _ in sent] == ["GET"] * 3, sent

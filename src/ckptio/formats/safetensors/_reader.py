@@ -29,6 +29,9 @@ from ._writer import ST_NAMES
 __all__ = ["SafetensorsFile", "StEntry", "MAX_HEADER_BYTES"]
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+HEAD_BYTES = 64 << 10
+"""The first bytes of a file the handle is told its header's reads need, when the data's spans are known: the header's
+length and the header (a few KB in most files) are then one request to an object store, not two."""
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,7 @@ class SafetensorsFile:
         self.path = self.handle.path
         try:
             if spans is not None:
-                self.handle.advise([])
+                self.handle.advise([(0, min(HEAD_BYTES, self.handle.size))])
             self.metadata, self.entries = self._parse()
             if spans is not None:
                 self.handle.advise([(self.data_start + a, self.data_start + b) for a, b in spans])

@@ -7,7 +7,7 @@ import threading
 from typing import Any
 
 from ...errors import CheckpointNotFoundError, require
-from ..objstore._store import ObjectPath, ObjectStoreError, PreconditionFailed, parse_url
+from ..objstore._store import NET_ENV, ObjectPath, ObjectStoreError, PreconditionFailed, environment_network, parse_url
 
 CONNECT_TIMEOUT = 10
 READ_TIMEOUT = 120
@@ -36,7 +36,7 @@ def parse_gs_url(url: str) -> tuple[str, str]:
     return parse_url(url, "gs")
 
 
-_clients: dict[tuple[int, str], Any] = {}
+_clients: dict[tuple[Any, ...], Any] = {}
 _clients_lock = threading.Lock()
 
 
@@ -45,22 +45,23 @@ def client() -> Any:
     default credentials, or none when ``STORAGE_EMULATOR_HOST`` names an emulator."""
     storage = require("google.cloud.storage", extra="gcs", purpose="checkpoints in Google Cloud Storage (gs://)",
                       package="google-cloud-storage")
-    key = (os.getpid(), os.environ.get("STORAGE_EMULATOR_HOST", ""))
+    key = (os.getpid(), os.environ.get("STORAGE_EMULATOR_HOST", ""), *(os.environ.get(k) for k in NET_ENV))
     with _clients_lock:
         if key not in _clients:
             from google.auth.exceptions import GoogleAuthError
 
-            from ..objstore.environ import read_once
-
             try:
                 made = storage.Client()
-                read_once(made._http)  # the environment's proxies looked up once per host, not at every request
-                _clients[key] = made
             except GoogleAuthError as exc:
                 raise GCSError(f"no Google Cloud credentials for gs:// ({exc}); set up application default "
                                "credentials (`gcloud auth application-default login`, GOOGLE_APPLICATION_CREDENTIALS "
                                "naming a key file, or a VM's service account), or STORAGE_EMULATOR_HOST for an "
                                "emulator") from None
+            # the environment's proxy and CA bundle looked up once, not at every request (one endpoint)
+            session = made._http
+            session.proxies, session.verify = environment_network(made.api_endpoint)
+            session.trust_env = False
+            _clients[key] = made
         return _clients[key]
 
 

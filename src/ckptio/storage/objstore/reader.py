@@ -46,6 +46,14 @@ class WindowCache:
                 return memoryview(buf)[offset - start:offset - start + n]
         return None
 
+    def held(self, key: str, offset: int, n: int) -> memoryview | None:
+        """The first bytes (fewer than ``n``) of a read at ``offset`` that a window holds, when one holds its start
+        but not all of it; ``None`` otherwise."""
+        for (k, start), buf in reversed(self._windows.items()):
+            if k == key and start <= offset < start + len(buf) < offset + n:
+                return memoryview(buf)[offset - start:]
+        return None
+
     def add(self, key: str, offset: int, buf: bytearray) -> None:
         self._windows[(key, offset)] = buf
         self._bytes += len(buf)
@@ -106,13 +114,19 @@ class ObjectReadHandle(ReadHandle):
         n = view.nbytes
         if n == 0:
             return
+        with self.cache.lock:
+            held = self.cache.held(self.key, offset, n)
+        if held is not None:  # a window (a header's) holds the start of this read: the rest is fetched from its end
+            view[:held.nbytes] = held
+            view, offset, n = view[held.nbytes:], offset + held.nbytes, n - held.nbytes
         if n >= WINDOW:
             self._get(view, offset)
             return
         with self.cache.lock:
             found = self.cache.find(self.key, offset, n)
             if found is None:
-                start, end = self._window_start(offset), self._window_end(offset, n)
+                start = offset if held is not None else self._window_start(offset)
+                end = self._window_end(offset, n)
                 if start == offset and end == offset + n and n >= DIRECT:
                     found = view  # the window would be just this read: fetched into its buffer, not kept
             if found is None:
