@@ -157,6 +157,21 @@ def test_a_batch_size_ramp_up_needs_the_increment(tmp_path):
     assert "rampup_batch_size" in _refused(tmp_path, args=_args("cosine", None, rampup_batch_size=[4, 4, 100]))
 
 
+def test_a_decoupled_embedding_schedule_needs_its_group(tmp_path):
+    assert "decoupled_lr" in _refused(tmp_path, args=_args("cosine", None, decoupled_lr=1e-3))
+    ref = _trained("cosine", None, "linear")
+    ref.optimizer.param_groups[1].update(max_lr=1e-3, min_lr=0.0)  # megatron-core's group of the embedding
+    ref.step(0)
+    path = _legacy(tmp_path / "given", ref.state_dict(), _args("cosine", None, decoupled_lr=1e-3))
+    opt = _optimizer()
+    opt.param_groups[1].update(max_lr=1e-3, min_lr=0.0)
+    sched = megatron_schedule(opt, path)
+    for _ in range(50):
+        ref.step(GBS)
+        sched.step()
+        assert _groups(opt) == _groups(ref.optimizer)
+
+
 def test_wsd_without_its_annealing_style_is_refused(tmp_path):
     ref = _trained("WSD", "linear", "linear")
     assert "lr_wsd_decay_style" in _refused(tmp_path, ref.state_dict(), _args("WSD", None, lr_wsd_decay_style="x"))

@@ -18,7 +18,8 @@ Every field of the state is placed:
   counts samples);
 * refused by name: any other field, a state without the weight-decay schedule (megatron-core would then take the
   run's arguments, which ckptio does not reproduce), and without a given increment a run with a batch-size
-  ramp-up (``rampup_batch_size``: its increment changes).
+  ramp-up (``rampup_batch_size``: its increment changes), and a run with ``decoupled_lr`` unless a parameter
+  group carries its ``max_lr`` (the embedding's and output layer's, as megatron-core's groups do).
 
 Per parameter group, as megatron-core's ``step``: ``max_lr``, ``min_lr``, ``start_wd``, ``end_wd`` in a group
 replace the schedule's, and its weight decay is multiplied by the group's ``wd_mult`` (megatron-core gives the
@@ -259,6 +260,12 @@ def megatron_schedule(optimizer: torch.optim.Optimizer, checkpoint_path: str | P
                                   "per step)")
     if type(increment) is not int or increment <= 0:
         raise CheckpointError(f"{where}: the increment per step is {str(increment)[:40]!r}, not a positive integer")
+    decoupled = _arg(args, "decoupled_lr")
+    if decoupled is not None and not any("max_lr" in group for group in optimizer.param_groups):
+        raise CheckpointError(f"{where}: the run gives the embedding and output layer their own schedule "
+                              f"(decoupled_lr={str(decoupled)[:40]}, decoupled_min_lr="
+                              f"{str(_arg(args, 'decoupled_min_lr'))[:40]}); put max_lr and min_lr in their "
+                              "parameter group, as megatron-core does")
     schedule = schedule_of(state, args, where, init_lr=init_lr, wsd_decay_steps=wsd_decay_steps,
                            lr_wsd_decay_style=lr_wsd_decay_style)
     return MegatronLRScheduler(optimizer, schedule, increment)
