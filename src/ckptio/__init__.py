@@ -51,7 +51,8 @@ _EXPORTS = {
 
 __all__ = [  # the same names as _EXPORTS (tests/test_packaging.py keeps them in step)
     "__version__", "CheckpointConfig", "CheckpointManager", "RestoreInfo", "Stateful", "load_pretrained", "save_nemo",
-    "restore_nemo", "NemoModel", "megatron_schedule", "MegatronLRScheduler", "export_qnemo", "load_qnemo", "ModelState", "OptimizerState", "RNGState", "ResumableDataLoader", "ResumableSampler",
+    "restore_nemo", "NemoModel", "megatron_schedule", "MegatronLRScheduler", "export_qnemo", "load_qnemo",
+    "ModelState", "OptimizerState", "RNGState", "ResumableDataLoader", "ResumableSampler",
     "StepScheduler", "LoadReport", "Manifest", "read_manifest", "committed_checkpoints", "newest_checkpoint", "CheckpointError",
     "CheckpointNotFoundError", "CheckpointMismatchError", "CheckpointCorruptError", "ConfigError", "NoUsableCheckpointError",
 ]
