@@ -175,6 +175,8 @@ def test_a_decoupled_embedding_schedule_needs_its_group(tmp_path):
 def test_wsd_without_its_annealing_style_is_refused(tmp_path):
     ref = _trained("WSD", "linear", "linear")
     assert "lr_wsd_decay_style" in _refused(tmp_path, ref.state_dict(), _args("WSD", None, lr_wsd_decay_style="x"))
+    assert "lr_wsd_decay_iters" in _refused(tmp_path / "b", ref.state_dict(), _args("WSD", "linear",
+                                                                                  lr_wsd_decay_iters=None))
 
 
 def test_damaged_or_missing_state_names_the_file(tmp_path):

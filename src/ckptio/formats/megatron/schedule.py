@@ -21,6 +21,10 @@ Every field of the state is placed:
   ramp-up (``rampup_batch_size``: its increment changes), and a run with ``decoupled_lr`` unless a parameter
   group carries its ``max_lr`` (the embedding's and output layer's, as megatron-core's groups do).
 
+The run's ``override_opt_param_scheduler`` and ``use_checkpoint_opt_param_scheduler`` are not consulted: they
+say how Megatron loads a state, and the saved state is the schedule that was in effect (megatron-core saves the
+values it used, overridden or not).
+
 Per parameter group, as megatron-core's ``step``: ``max_lr``, ``min_lr``, ``start_wd``, ``end_wd`` in a group
 replace the schedule's, and its weight decay is multiplied by the group's ``wd_mult`` (megatron-core gives the
 norms and biases ``wd_mult=0``).
@@ -213,6 +217,9 @@ def schedule_of(state: dict[str, Any], args: Any, where: object, *, init_lr: flo
         if lr_wsd_decay_style not in WSD_STYLES:
             raise CheckpointError(f"{where}: the run's lr_wsd_decay_style is {str(lr_wsd_decay_style)[:40]!r}; "
                                   f"megatron-core's are {list(WSD_STYLES)}")
+        if wsd_decay_steps is None:
+            raise CheckpointError(f"{where}: a WSD schedule, but the run's args record neither lr_wsd_decay_iters nor "
+                                  "lr_wsd_decay_samples; pass wsd_decay_steps= (samples)")
         out["wsd_decay_steps"] = _number(wsd_decay_steps, "lr_wsd_decay_samples", where, whole=True)
         if not 0 < out["wsd_decay_steps"] <= out["lr_decay_steps"]:
             raise CheckpointCorruptError(f"{where}: WSD anneals over {out['wsd_decay_steps']} steps, not between 1 "
