@@ -261,7 +261,7 @@ def make_args(tp, pp, fmt):
         make_vocab_size_divisible_by=DIVISIBLE_BY, max_position_embeddings=MAX_POS, seq_length=MAX_POS,
         norm_epsilon=EPS, rotary_base=ROPE_BASE, rotary_percent=1.0, rotary_interleaved=False,
         position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
-        untie_embeddings_and_output_weights=True, add_bias_linear=False, add_qkv_bias=QKV_BIAS, qk_layernorm=QK_NORM,
+        global_batch_size=1, untie_embeddings_and_output_weights=True, add_bias_linear=False, add_qkv_bias=QKV_BIAS, qk_layernorm=QK_NORM,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, data_parallel_size=1,
         params_dtype=torch.float32, fp16=False, bf16=False, transformer_impl="local",
         attention_backend=AttnBackend.auto, exit_signal=signal.SIGTERM, ckpt_format=fmt,

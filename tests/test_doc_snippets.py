@@ -252,6 +252,19 @@ assert __import__("os").path.isdir("checkpoints/epoch_0_step_99")"""),
     "docs/migrate-automodel.md: from nemo_automodel": Run(
         _AUTOMODEL.replace("WRITER", _BY_CKPTIO), _SAME_AS_SAVED, python="automodel"),
     "docs/migrate-megatron.md: import torch": Run(_MEGATRON_RUN, _MEGATRON_RESTORED),
+    "docs/migrate-megatron.md: from ckptio import megatron_schedule": Run(
+        _MEGATRON_RUN + blocks_of("docs/migrate-megatron.md")[0], """
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+ref = OptimizerParamScheduler(torch.optim.AdamW(model.parameters()), init_lr=0.0, max_lr=1e-3, min_lr=1e-4,
+                              lr_warmup_steps=0, lr_decay_steps=100, lr_decay_style="cosine", start_wd=0.0,
+                              end_wd=0.0, wd_incr_steps=100, wd_incr_style="constant")
+ref.step(2)  # the fixture's opt_param_scheduler: cosine, num_steps = iteration 2 x global batch size 1
+for _ in range(5):
+    assert [g["lr"] for g in optimizer.param_groups] == [g["lr"] for g in ref.optimizer.param_groups]
+    optimizer.step(); scheduler.step(); ref.step(1)
+mgr.save(step=7)
+assert scheduler.num_steps == 7
+"""),
     "docs/migrate-megatron.md: from ckptio import committed_checkpoints": Run(
         _MEGATRON_RUN + blocks_of("docs/migrate-megatron.md")[0], """
 import math, subprocess, sys

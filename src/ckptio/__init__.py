@@ -26,6 +26,8 @@ _EXPORTS = {
     "save_nemo": "formats.nemo.model",
     "restore_nemo": "formats.nemo.model",
     "NemoModel": "formats.nemo.model",
+    "megatron_schedule": "formats.megatron.schedule",
+    "MegatronLRScheduler": "formats.megatron.schedule",
     "export_qnemo": "formats.nemo.qnemo",
     "load_qnemo": "formats.nemo.qnemo",
     "ModelState": "state",
@@ -49,7 +51,8 @@ _EXPORTS = {
 
 __all__ = [  # the same names as _EXPORTS (tests/test_packaging.py keeps them in step)
     "__version__", "CheckpointConfig", "CheckpointManager", "RestoreInfo", "Stateful", "load_pretrained", "save_nemo",
-    "restore_nemo", "NemoModel", "export_qnemo", "load_qnemo", "ModelState", "OptimizerState", "RNGState", "ResumableDataLoader", "ResumableSampler",
+    "restore_nemo", "NemoModel", "megatron_schedule", "MegatronLRScheduler", "export_qnemo", "load_qnemo",
+    "ModelState", "OptimizerState", "RNGState", "ResumableDataLoader", "ResumableSampler",
     "StepScheduler", "LoadReport", "Manifest", "read_manifest", "committed_checkpoints", "newest_checkpoint", "CheckpointError",
     "CheckpointNotFoundError", "CheckpointMismatchError", "CheckpointCorruptError", "ConfigError", "NoUsableCheckpointError",
 ]
@@ -78,6 +81,7 @@ if TYPE_CHECKING:  # what IDEs and type checkers see
                          ConfigError, NoUsableCheckpointError)
     from .formats.nemo.model import NemoModel, restore_nemo, save_nemo
     from .formats.nemo.qnemo import export_qnemo, load_qnemo
+    from .formats.megatron.schedule import MegatronLRScheduler, megatron_schedule
     from .engine.layout import committed_checkpoints, newest_checkpoint
     from .manager import CheckpointManager, Stateful
     from .engine.manifest import Manifest, read_manifest
