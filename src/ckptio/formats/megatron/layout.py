@@ -108,21 +108,29 @@ def _rank_files(folder: Path) -> dict[tuple[int, int], str]:
     return found
 
 
+def record_file(path: Path) -> tuple[str, Folder, str] | None:
+    """(layout, folder, file) of where the Megatron checkpoint ``path`` (a run or an ``iter_NNNNNNN`` folder)
+    records its run (``args``, ``opt_param_scheduler``): a torch_dist ``common.pt`` (``dist``) or the first rank file
+    (``legacy``); ``None`` when ``path`` is neither."""
+    folder = iteration_folder(path)
+    layout = layout_of(folder)
+    if layout == "dist":
+        return layout, Folder(folder if (folder / "common.pt").is_file() else folder / "weights"), "common.pt"
+    if layout == "legacy":
+        return layout, Folder(folder), _rank_files(folder)[(0, 0)]
+    return None
+
+
 def run_args(path: Path) -> Any:
     """The Megatron-LM arguments an existing run recorded (``args`` of its newest checkpoint): its TP and PP, its
     vocabulary padding and its model sizes. Read from ``common.pt`` or the first rank file; refused when absent."""
     from .. import safe_pickle as megatron_pickle
 
-    folder = iteration_folder(path)
-    layout = layout_of(folder)
-    if layout == "dist":
-        root = Folder(folder if (folder / "common.pt").is_file() else folder / "weights")
-        rel = "common.pt"
-    elif layout == "legacy":
-        root, rel = Folder(folder), _rank_files(folder)[(0, 0)]
-    else:
+    found = record_file(path)
+    if found is None:
         raise CheckpointError(f"{path}: not a Megatron run or checkpoint folder (no mp_rank_* folders, no "
                               "metadata.json and common.pt)")
+    _, root, rel = found
     obj, _ = megatron_pickle.load(root, rel, max_size=MAX_RANK_FILE_BYTES)
     args = obj.get("args") if isinstance(obj, dict) else None
     if args is None or not hasattr(args, "num_layers"):

@@ -39,8 +39,6 @@ from typing import Any
 import torch
 
 from ...errors import CheckpointCorruptError, CheckpointError
-from ...storage.confined import Folder
-from .layout import iteration_folder, layout_of
 
 DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
@@ -143,23 +141,19 @@ def read_scheduler_state(path: Path) -> tuple[dict[str, Any], Any, Path]:
     run folder or an ``iter_NNNNNNN`` folder; legacy rank files or ``torch_dist``)."""
     from .. import safe_pickle
     from .distrib_optim import read_common
-    from .layout import _rank_files
+    from .layout import record_file
 
-    folder = iteration_folder(Path(path))
-    layout = layout_of(folder)
+    found = record_file(Path(path))
+    if found is None:
+        raise CheckpointError(f"{path}: not a Megatron checkpoint (neither mp_rank_* folders nor a torch_dist "
+                              "metadata.json and common.pt)")
+    layout, root, rel = found
     if layout == "legacy":
-        root = Folder(folder)
-        rel = _rank_files(folder)[(0, 0)]
         obj, _, handle = safe_pickle.open_lazy(root, rel)
         handle.close()  # only the pickle is needed
-        where = root.display(rel)
-    elif layout == "dist":
-        root = Folder(folder if (folder / "common.pt").is_file() else folder / "weights")
-        obj, _, _, _ = read_common(root)
-        where = root.display("common.pt")
     else:
-        raise CheckpointError(f"{folder}: not a Megatron checkpoint (neither mp_rank_* folders nor a torch_dist "
-                              "metadata.json and common.pt)")
+        obj, _, _, _ = read_common(root)
+    where = root.display(rel)
     if not isinstance(obj, dict):
         raise CheckpointCorruptError(f"{where}: holds a {type(obj).__name__}, not a Megatron checkpoint's dict")
     state = obj.get("opt_param_scheduler")
