@@ -30,10 +30,10 @@ class ObjectFolderWriter:
         self._scratch_lock = threading.Lock()
         self._local_sums: dict[str, str] = {}
         self.regions = self.store.spools
+        """Whether a file of :meth:`open` may be written as regions by several threads (see :attr:`Bucket.spools`)."""
         self.writes_whole = True
         """A file of :meth:`open` becomes its object whole when its stream closes (nothing to fsync, no need of a
         temporary name and a rename: a copy and a delete here), in a step :meth:`ObjectStorage.begin_step` emptied."""
-        """Whether a file of :meth:`open` may be written as regions by several threads (see :attr:`Bucket.spools`)."""
 
     @property
     def spool(self) -> Path:
