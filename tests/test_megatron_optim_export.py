@@ -98,14 +98,30 @@ def _canonical(name: str) -> str:
     return f"decoder.layers.{m.group(1)}.{_RENAME.get(m.group(2), m.group(2))}" if m else name
 
 
+def _megatron_holds_ours(got, model, opt, named=_megatron_named, tag=()) -> None:
+    """Every weight and moment megatron-core held before its step (``got``) is the ckptio state's, bitwise, under
+    Megatron-Core names (``named``; ``tag`` leads each failure's message)."""
+    for moment in (None, "exp_avg", "exp_avg_sq"):
+        ours = named(model, opt, moment)
+        assert set(ours) == {_canonical(n) for n in got["params"]}
+        for name, theirs in got["params"].items():
+            assert torch.equal(theirs["before"][moment or "param"], ours[_canonical(name)]), (*tag, moment, name)
+
+
+def _stepped_on_from_step_2(got) -> None:
+    """megatron-core's step went from 2 to 3 with the source's learning rate and weight decay on the matrices only,
+    and every parameter and moment moved."""
+    for name, p in got["params"].items():
+        assert p["before"]["step"] == 2.0 and p["after"]["step"] == 3.0, name
+        assert p["hyper"]["lr"] == 2e-3 and (p["hyper"]["weight_decay"] == 0) == (p["before"]["param"].dim() == 1)
+        for key in ("param", "exp_avg", "exp_avg_sq"):
+            assert not torch.equal(p["after"][key], p["before"][key]), (name, key)
+
+
 def test_megatron_core_loads_ckptios_adam_state_bitwise(trained):
     got, model, opt, _ = trained
     assert got["iteration"] == 2
-    for moment in (None, "exp_avg", "exp_avg_sq"):
-        ours = _megatron_named(model, opt, moment)
-        assert set(ours) == {_canonical(n) for n in got["params"]}
-        for name, theirs in got["params"].items():
-            assert torch.equal(theirs["before"][moment or "param"], ours[_canonical(name)]), (moment, name)
+    _megatron_holds_ours(got, model, opt)
     assert {p["before"]["step"] for p in got["params"].values()} == {2.0}
 
 
@@ -172,11 +188,7 @@ def test_megatron_cores_distributed_optimizer_loads_and_trains_on_the_distribute
     bitwise; one step later the step is 3 and every parameter and moment has moved."""
     got, model, opt = trained_distributed
     assert got["iteration"] == 2 and torch.isfinite(torch.tensor(got["loss"]))
-    for moment in (None, "exp_avg", "exp_avg_sq"):
-        ours = _megatron_named(model, opt, moment)
-        assert set(ours) == {_canonical(n) for n in got["params"]}
-        for name, theirs in got["params"].items():
-            assert torch.equal(theirs["before"][moment or "param"], ours[_canonical(name)]), (moment, name)
+    _megatron_holds_ours(got, model, opt)
     for name, p in got["params"].items():
         assert p["before"]["step"] == 2.0 and p["after"]["step"] == 3.0
         assert p["hyper"]["lr"] == 2e-3 and p["hyper"]["betas"] == (0.9, 0.95), (name, p["hyper"])
@@ -276,11 +288,7 @@ def test_megatron_core_loads_a_mixtures_adam_state_at_ep2_bitwise_and_trains_on(
         step, moments = MegatronFormat().open_adam(out)
         assert step == 2.0 and moments["exp_avg"].index().keys() == _as_llama(MegatronSource(out)).index().keys()
     assert got["iteration"] == 2 and torch.isfinite(torch.tensor(got["loss"]))
-    for moment in (None, "exp_avg", "exp_avg_sq"):
-        ours = _megatron_named_moe(model, opt, moment)
-        assert set(ours) == {_canonical(n) for n in got["params"]}
-        for name, theirs in got["params"].items():
-            assert torch.equal(theirs["before"][moment or "param"], ours[_canonical(name)]), (kind, moment, name)
+    _megatron_holds_ours(got, model, opt, _megatron_named_moe, (kind,))
     experts = {n for n in got["params"] if ".mlp.experts." in n}
     assert len(experts) == 4 * 4 * 2
     for name, p in got["params"].items():
@@ -309,16 +317,8 @@ def trained_legacy(tmp_path_factory):
 def test_megatron_core_loads_a_legacy_exports_adam_state_by_position_bitwise_and_trains_on(trained_legacy):
     got, model, opt = trained_legacy
     assert got["iteration"] == 2 and torch.isfinite(torch.tensor(got["loss"]))
-    for moment in (None, "exp_avg", "exp_avg_sq"):
-        ours = _megatron_named(model, opt, moment)
-        assert set(ours) == {_canonical(n) for n in got["params"]}
-        for name, theirs in got["params"].items():
-            assert torch.equal(theirs["before"][moment or "param"], ours[_canonical(name)]), (moment, name)
-    for name, p in got["params"].items():
-        assert p["before"]["step"] == 2.0 and p["after"]["step"] == 3.0, name
-        assert p["hyper"]["lr"] == 2e-3 and (p["hyper"]["weight_decay"] == 0) == (p["before"]["param"].dim() == 1)
-        for key in ("param", "exp_avg", "exp_avg_sq"):
-            assert not torch.equal(p["after"][key], p["before"][key]), (name, key)
+    _megatron_holds_ours(got, model, opt)
+    _stepped_on_from_step_2(got)
 
 
 @pytest.fixture(scope="module")
@@ -342,16 +342,8 @@ def test_megatron_cores_distributed_optimizer_loads_a_legacy_export_bitwise_and_
 
     got, model, opt, out = trained_legacy_distributed
     assert got["iteration"] == 2 and torch.isfinite(torch.tensor(got["loss"]))
-    for moment in (None, "exp_avg", "exp_avg_sq"):
-        ours = _megatron_named(model, opt, moment)
-        assert set(ours) == {_canonical(n) for n in got["params"]}
-        for name, theirs in got["params"].items():
-            assert torch.equal(theirs["before"][moment or "param"], ours[_canonical(name)]), (moment, name)
-    for name, p in got["params"].items():
-        assert p["before"]["step"] == 2.0 and p["after"]["step"] == 3.0, name
-        assert p["hyper"]["lr"] == 2e-3 and (p["hyper"]["weight_decay"] == 0) == (p["before"]["param"].dim() == 1)
-        for key in ("param", "exp_avg", "exp_avg_sq"):
-            assert not torch.equal(p["after"][key], p["before"][key]), (name, key)
+    _megatron_holds_ours(got, model, opt)
+    _stepped_on_from_step_2(got)
     step, moments = MegatronFormat().open_adam(out)
     assert step == 2.0
     for name, p in model.named_parameters():
