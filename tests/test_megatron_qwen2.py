@@ -12,7 +12,6 @@ name, nothing written.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ from ckptio.errors import CheckpointError
 from ckptio.formats.hf_fields import UnsupportedFieldError
 from ckptio.formats.safetensors.sharded import SafetensorsSource
 from cli_here import ckptio_here
-from megatron_shared import restore_with_adam, same_weights
+from megatron_shared import config_of, respelled, restore_with_adam, same_weights
 
 FIXTURE = Path(__file__).with_name("megatron_fixture.py")
 # the fixture's tiny model (megatron_fixture.py, --family qwen2)
@@ -57,10 +56,6 @@ def _logits(hf: Path, ids: torch.Tensor) -> torch.Tensor:
         return model(ids).logits
 
 
-def _config(folder: Path) -> dict:
-    return json.loads((folder / "config.json").read_text())
-
-
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory) -> Path:
     return _qwen2(tmp_path_factory.mktemp("qwen2") / "model")
@@ -78,7 +73,7 @@ def test_qwen2_to_megatron_and_back_is_bitwise(hf, tmp_path, layout, tp, pp):
     assert args.add_qkv_bias is True and args.add_bias_linear is False and args.rotary_base == THETA
     back = convert(out, tmp_path / "back", "hf")
     same_weights(hf, back)
-    config = _config(back)
+    config = config_of(back)
     assert config["model_type"] == "qwen2" and config["architectures"] == ["Qwen2ForCausalLM"]
     assert config["use_sliding_window"] is False and config["rms_norm_eps"] == 1e-6
     ids = (torch.arange(24).reshape(2, 12) * 5) % 128
@@ -94,7 +89,7 @@ def test_a_tied_qwen2_travels_as_megatron_shares_it(tmp_path):
     assert "output_layer.weight" not in MegatronSource(out).index()
     back = convert(out, tmp_path / "back", "hf")
     same_weights(src, back)
-    assert _config(back)["tie_word_embeddings"] is True
+    assert config_of(back)["tie_word_embeddings"] is True
 
 
 def test_a_nemo2_qwen2_reads_its_family_from_context(hf, tmp_path):
@@ -114,21 +109,10 @@ def test_a_nemo2_qwen2_reads_its_family_from_context(hf, tmp_path):
         "  vocab_size: 128", ""])
     back = convert(tmp_path / "nemo2", tmp_path / "back", "hf")
     same_weights(hf, back)
-    assert _config(back)["model_type"] == "qwen2"
+    assert config_of(back)["model_type"] == "qwen2"
 
 
 # ------------------------------------------------------------------------------------------- refusals
-def _respelled(src: Path, **changes) -> Path:
-    config = _config(src)
-    for k, v in changes.items():
-        if v is None:
-            config.pop(k, None)
-        else:
-            config[k] = v
-    (src / "config.json").write_text(json.dumps(config))
-    return src
-
-
 @pytest.mark.parametrize("changes,field,value", [
     ({"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2, "layer_types": None},
      "use_sliding_window", True),
@@ -143,7 +127,7 @@ def _respelled(src: Path, **changes) -> Path:
 def test_qwen2_fields_megatron_does_not_carry_are_refused_by_name(hf, tmp_path, changes, field, value):
     import shutil
 
-    src = _respelled(Path(shutil.copytree(hf, tmp_path / "src")), **changes)
+    src = respelled(Path(shutil.copytree(hf, tmp_path / "src")), **changes)
     with pytest.raises(UnsupportedFieldError) as err:
         convert(src, tmp_path / "mg", "megatron")
     assert err.value.field == field and err.value.value == value
@@ -154,7 +138,7 @@ def test_a_qwen2_window_that_is_off_is_not_refused(hf, tmp_path):
     """Qwen2.5's own configs say ``sliding_window: 131072, use_sliding_window: false``: the window is never used."""
     import shutil
 
-    src = _respelled(Path(shutil.copytree(hf, tmp_path / "src")), sliding_window=131072, max_window_layers=2)
+    src = respelled(Path(shutil.copytree(hf, tmp_path / "src")), sliding_window=131072, max_window_layers=2)
     back = convert(convert(src, tmp_path / "mg", "megatron"), tmp_path / "back", "hf")
     same_weights(src, back)
 
@@ -208,7 +192,7 @@ def test_megatron_qwen2_converts_to_a_qwen2_with_megatrons_logits(made, tmp_path
     ref = torch.load(made[(tp, pp)] / "reference.pt")
     run = ckptio_here("convert", str(made[(tp, pp)] / layout), str(tmp_path / "hf"), "--to", "hf", "--no-progress")
     assert run.returncode == 0, run.stderr
-    config = _config(tmp_path / "hf")
+    config = config_of(tmp_path / "hf")
     assert config["model_type"] == "qwen2" and config["rope_parameters"]["rope_theta"] == THETA
     got = _logits(tmp_path / "hf", ref["input_ids"])
     assert got.shape == ref["logits"].shape
