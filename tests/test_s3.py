@@ -1099,7 +1099,7 @@ def test_a_save_makes_only_the_requests_its_guarantees_need(store, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
 
 
-def test_the_environments_proxies_are_looked_up_once_per_host_not_per_request(store, monkeypatch):
+def test_a_save_looks_the_environments_proxies_up_once_per_client_not_per_request(store, monkeypatch):
     """GCS's and Azure's clients send through ``requests``, which looks the proxies up in the environment at every
     request (~1.5 ms of CPU each): ckptio's clients look them up once, when made. A proxy the environment names is
     still honoured: one for another host (NO_PROXY exempts the loopback server) changes nothing."""
