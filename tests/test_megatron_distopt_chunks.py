@@ -11,11 +11,12 @@
 * both (a Mixtral at PP=2 x VPP=2 x EP=2 on four ranks): ``mp_rank_00_PPP_EEE`` files with ``model0``/``model1``,
   each optimizer one buffer per chunk; saved in torch_dist too, as Megatron-LM does today (``fully_reshardable``,
   the chained optimizers' tensors keyed like one's) and without ``chained_optim_avoid_prefix`` (megatron-core's
-  default: the tensors under ``chained_0.``/``chained_1.``).
+  default: the tensors under ``chained_0.``/``chained_1.``);
+* the same with a Qwen2-MoE (a gated shared expert, q/k/v biases) and a Qwen3-MoE (q/k norms), legacy and torch_dist.
 
 Read, every parameter's fp32 master copy and Adam moments are Megatron's own (``reference_adam.pt``, from the
-optimizers' bookkeeping) bitwise, and a plain Hugging Face model with AdamW resumes with them; the Mixtral of the
-VPP x EP run gives Megatron's logits (``reference.pt``) from every layout.
+optimizers' bookkeeping) bitwise, and a plain Hugging Face model with AdamW resumes with them; the Mixtral, Qwen2-MoE
+and Qwen3-MoE of the VPP x EP runs give Megatron's logits (``reference.pt``) from every layout.
 """
 
 from __future__ import annotations
@@ -38,8 +39,14 @@ ITER = "iter_0000002"
 _CANONICAL = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
               "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
 RUNS = {"vpp": ("--pp", "2", "--vpp", "2", "--bucket", "6192"), "ep": ("--family", "mixtral", "--ep", "2"),
-        "vppep": ("--family", "mixtral", "--pp", "2", "--vpp", "2", "--ep", "2", "--dist")}
-SOURCES = [(run, "legacy") for run in RUNS] + [("vppep", "torch_dist"), ("vppep", "torch_dist_chained")]
+        "vppep": ("--family", "mixtral", "--pp", "2", "--vpp", "2", "--ep", "2", "--dist"),
+        **{family: ("--family", family, "--pp", "2", "--vpp", "2", "--ep", "2", "--dist")
+           for family in ("qwen2moe", "qwen3moe")}}
+SOURCES = [(run, "legacy") for run in RUNS] + [("vppep", "torch_dist"), ("vppep", "torch_dist_chained"),
+                                               ("qwen2moe", "torch_dist"), ("qwen3moe", "torch_dist")]
+KINDS = {"vppep": "MixtralForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+"""The Hugging Face class each run of virtual pipeline stages with experts converts to."""
+NAMINGS = {"vpp": "megatron-to-llama", "qwen2moe": "megatron-to-qwen2moe", "qwen3moe": "megatron-to-qwen2moe"}
 
 
 @pytest.fixture(scope="module")
@@ -94,22 +101,27 @@ class _Reference:
         return self.tensors[key]
 
 
-@pytest.mark.parametrize("layout", ["legacy", "torch_dist", "torch_dist_chained"])
-def test_virtual_pipeline_stages_with_experts_convert_to_a_mixtral_with_megatrons_logits(made, tmp_path, layout):
+@pytest.mark.parametrize("run,layout", [(run, layout) for run, layout in SOURCES if run in KINDS])
+def test_virtual_pipeline_stages_with_experts_convert_to_hugging_face_with_megatrons_logits(made, tmp_path, run,
+                                                                                            layout):
+    """A Mixtral, a Qwen2-MoE (gated shared expert, q/k/v biases) and a Qwen3-MoE (q/k norms) of PP=2 x VPP=2 x
+    EP=2, from every layout: megatron-core's logits, on tokens that reach every expert of every layer."""
+    import transformers
+
     from ckptio.convert.formats import convert
     from megatron_shared import routed_logits
-    from transformers import MixtralForCausalLM
 
-    ref = torch.load(made["vppep"] / "reference.pt")
-    got, routed = routed_logits(convert(made["vppep"] / layout, tmp_path / "hf", "hf"), ref["input_ids"],
-                                MixtralForCausalLM)
+    ref = torch.load(made[run] / "reference.pt")
+    got, routed = routed_logits(convert(made[run] / layout, tmp_path / "hf", "hf"), ref["input_ids"],
+                                getattr(transformers, KINDS[run]))
     assert len(routed) == 4 and all(r == {0, 1, 2, 3} for r in routed), f"not every expert got tokens: {routed}"
     assert torch.allclose(got, ref["logits"], atol=1e-5, rtol=0), (got - ref["logits"]).abs().max()
 
 
 @pytest.mark.parametrize("run,layout", SOURCES)
 def test_a_plain_model_and_adamw_resume_with_megatrons_fp32_state_bitwise(made, tmp_path, run, layout):
-    """A plain Llama (VPP) or Mixtral (EP, VPP x EP; transformers 5 fuses its experts in memory) with AdamW: its
+    """A plain Llama (VPP), Mixtral (EP, VPP x EP), Qwen2-MoE or Qwen3-MoE (VPP x EP; transformers 5 fuses their
+    experts in memory) with AdamW: its
     weights are Megatron's fp32 master copies, its moments Megatron's, bitwise, every parameter's step Megatron's 2."""
     import json
 
@@ -125,7 +137,7 @@ def test_a_plain_model_and_adamw_resume_with_megatrons_fp32_state_bitwise(made, 
     assert bool((got.pop("steps") == 2).all())
     _, ref = _reference(made[run])
     config = json.loads((hf / "config.json").read_text())
-    naming = "megatron-to-llama" if run == "vpp" else "megatron-to-mixtral"
+    naming = NAMINGS.get(run, "megatron-to-mixtral")
     want, live = {}, {k.removeprefix("model/") for k in got if k.startswith("model/")}
     for key, prefix in (("param", "model/{}"), ("exp_avg", "optim/state.{}.exp_avg"),
                         ("exp_avg_sq", "optim/state.{}.exp_avg_sq")):
@@ -202,18 +214,27 @@ def test_a_dense_run_with_chained_optimizers_is_refused(made, tmp_path):
         _read(run)
 
 
-def test_model_chunks_with_experts_of_another_family_than_mixtral_are_refused_by_name(made, tmp_path):
-    """Virtual pipeline stages with expert parallelism are read for the Mixtral tested here only: a run whose args
-    add a shared expert (Qwen2-MoE) or query/key norms is refused, naming the rank file."""
+def test_model_chunks_with_experts_whose_args_name_another_family_are_refused_by_name(made, tmp_path):
+    """Virtual pipeline stages with expert parallelism are read for a Mixtral, a Qwen2-MoE and a Qwen3-MoE: a
+    Mixtral's file whose args add a shared expert or query/key norms its weights lack is refused, naming the
+    argument; so is a Qwen2-MoE whose EP rank 1 lacks a chunk's shared expert gate."""
     from argparse import Namespace
 
-    for arg, value, says in (("moe_shared_expert_intermediate_size", 24, "a shared expert"),
-                             ("qk_layernorm", True, "qk_layernorm")):
+    for arg, value, says in (("moe_shared_expert_intermediate_size", 24, r"moe_shared_expert_intermediate_size=24 "
+                                                                         r"\(shared experts"),
+                             ("qk_layernorm", True, r"0 of its 4 layers hold self_attention\.q_layernorm\.weight, "
+                                                    r"but the run's qk_layernorm=True")):
         run = _copy(made["vppep"], tmp_path / arg)
         _rewrite(run / ITER / "mp_rank_00_000_000" / "model_optim_rng.pt",
                  lambda obj: obj.update(args=Namespace(**{**vars(obj["args"]), arg: value})))
-        with pytest.raises(CheckpointError, match=rf"mp_rank_00_000_000/model_optim_rng\.pt: 2 model chunks .*{says}"):
+        with pytest.raises(CheckpointError, match=says):
             _read(run)
+    run = _copy(made["qwen2moe"], tmp_path / "qwen2moe")
+    _rewrite(run / ITER / "mp_rank_00_001_001" / "model_optim_rng.pt",
+             lambda obj: [obj["model1"].pop("decoder.layers.0.mlp.shared_experts.gate_weight"), obj][1])
+    with pytest.raises(CheckpointCorruptError, match=r"mp_rank_00_001_001/model_optim_rng\.pt: holds other shared "
+                                                     r"parameters than .*mp_rank_00_001_000.*shared_experts\.gate"):
+        _read(run)
 
 
 def test_a_chained_optimizers_tensor_under_both_prefixes_is_refused(made, tmp_path):

@@ -149,8 +149,9 @@ def rank_model(root: Folder, rels: list[str], read: Callable[[Folder, str], tupl
 def rank_models(root: Folder, rels: list[str], read: Callable[[Folder, str], tuple[dict[str, Any], list[str],
                 list[dict[str, torch.Tensor]]]]) -> tuple[dict[str, Any], list[str], list[dict[str, torch.Tensor]]]:
     """:func:`rank_model` with a reader of every model chunk of a rank file: each chunk (virtual pipeline stage)
-    merged over the EP ranks' files, which must hold as many chunks as EP rank 0's (each file read once). Several
-    chunks (virtual pipeline stages) are read for a Mixtral only (what is tested against megatron-core)."""
+    merged over the EP ranks' files, which must hold as many chunks as EP rank 0's (each file read once): a
+    Mixtral's, a Qwen2-MoE's or a Qwen3-MoE's (each tested against megatron-core), whose shared expert, biases and
+    q/k norms are per layer like the router's."""
     held: dict[str, tuple[dict[str, Any], list[str], list[dict[str, torch.Tensor]]]] = {}
 
     def chunks(folder: Folder, rel: str) -> tuple[dict[str, Any], list[str], list[dict[str, torch.Tensor]]]:
@@ -159,12 +160,6 @@ def rank_models(root: Folder, rels: list[str], read: Callable[[Folder, str], tup
         return held[rel]
 
     obj, placeholders, first = chunks(root, rels[0])
-    args = obj.get("args")
-    other = [name for name, on in (("a shared expert", shared_of(args)), ("add_qkv_bias", _arg(args, "add_qkv_bias")),
-                                   ("qk_layernorm", _arg(args, "qk_layernorm"))) if on]
-    if len(first) > 1 and other:
-        raise CheckpointError(f"{root.display(rels[0])}: {len(first)} model chunks (virtual pipeline stages) with "
-                              f"expert parallelism and {other[0]}; ckptio reads such files of a Mixtral only")
     models = []
     for v in range(len(first)):
         def one(folder: Folder, rel: str, v: int = v) -> tuple[dict[str, Any], list[str], dict[str, torch.Tensor]]:
