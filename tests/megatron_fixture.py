@@ -649,7 +649,7 @@ def main():
                          "legacy layout with distrib_optim.pt, and reference_adam.pt: Megatron's own state per parameter")
     ap.add_argument("--hidden", type=int, default=None, help="the hidden size (default 64; FFN twice that)")
     ap.add_argument("--bucket", type=int, default=None, help="with --dp: the grad buffer's bucket size (elements)")
-    ap.add_argument("--tied", action="store_true", help="with --dp: embeddings tied to the output layer")
+    ap.add_argument("--tied", action="store_true", help="with --dp or --train: embeddings tied to the output layer")
     ap.add_argument("--bf16", action="store_true", help="with --dp: a bf16 model with fp32 master copies")
     ap.add_argument("--dist-formats", default=None,
                     help="with --dp: also save torch_dist in these comma-separated sharding formats of the "

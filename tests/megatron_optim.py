@@ -11,6 +11,9 @@ that takes its values from the checkpoint, then loads SRC as Megatron-LM's ``loa
 "raise_all")``, ``load_state_dict`` of model, optimizer and scheduler. Then one training step on a fixed batch.
 FILE gets, per parameter (whole: TP shards merged, vocabulary padding cut), its value, moments and step before and
 after the step, its gradient and its group's hyper-parameters at the step, and the loss.
+
+With ``--pp 2 [--vpp V] [--tied]`` a legacy export is loaded stage by stage, chunk by chunk, and trained one step on a
+made-up loss (:func:`train_pipeline_worker`); a tied embedding's last-stage copy goes under FILE's ``copies``.
 """
 import datetime
 import os

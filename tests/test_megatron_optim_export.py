@@ -297,24 +297,6 @@ def test_megatron_core_loads_a_mixtures_adam_state_at_ep2_bitwise_and_trains_on(
 
 # ------------------------------------------------------------------------------------------------ the legacy layout
 @pytest.fixture(scope="module")
-def trained_legacy(tmp_path_factory):
-    """The Llama exported in Megatron-LM's legacy layout (TP=2: ``mp_rank_TT/model_optim_rng.pt``, Adam's state
-    keyed by position in megatron-core's groups), loaded as Megatron-LM's legacy load_checkpoint does and trained."""
-    root = tmp_path_factory.mktemp("megatron_optim_legacy")
-    step, model, opt = _step_dir(root / "ck")
-    out = convert(step, root / "export", "megatron", options={"tp": 2, "layout": "legacy"})
-    run_fixture("--tp", "2", "--train", str(out / "iter_0000002"), "--out", str(root / "trained.pt"))
-    return torch.load(root / "trained.pt"), model, opt
-
-
-def test_megatron_core_loads_a_legacy_exports_adam_state_by_position_bitwise_and_trains_on(trained_legacy):
-    got, model, opt = trained_legacy
-    assert got["iteration"] == 2 and torch.isfinite(torch.tensor(got["loss"]))
-    _megatron_holds_ours(got, model, opt)
-    _stepped_on_from_step_2(got)
-
-
-@pytest.fixture(scope="module")
 def trained_legacy_distributed(tmp_path_factory):
     """The Llama exported in the legacy layout for megatron-core's DistributedOptimizer (TP=2: each rank folder's
     ``distrib_optim.pt`` beside ``model_optim_rng.pt``), loaded on TP=2 x DP=2 as Megatron-LM's legacy
@@ -347,23 +329,25 @@ def test_megatron_cores_distributed_optimizer_loads_a_legacy_export_bitwise_and_
 @pytest.fixture(scope="module", params=["plain", "distributed"])
 def trained_legacy_vpp_tied(request, tmp_path_factory):
     """The Llama with tied embeddings exported in the legacy layout at PP=2 x VPP=2 (rank files with ``model0``,
-    ``model1``; the last stage's last chunk holds the tied embedding's copy as ``output_layer.weight``; the plain
-    optimizer's state by position over both chunks, or ``distrib_optim.pt`` with one buffer per chunk, the embedding
-    and its copy each in a bucket of its own), loaded by megatron-core on PP=2 (x DP=2 for the distributed optimizer)
-    as Megatron-LM's legacy load_checkpoint does, and trained one step. Hidden size 48: the norms' 48 elements are no
+    ``model1``; the last stage's last chunk holds the tied embedding's copy as ``output_layer.weight``): with the plain
+    optimizer at TP=2 (``mp_rank_TT_PPP``, Adam's state keyed by position in megatron-core's groups over both
+    chunks), or with ``distrib_optim.pt`` (one buffer per chunk, the embedding and its copy each in a bucket of its
+    own) at DP=2; loaded by megatron-core as Megatron-LM's legacy load_checkpoint does, and trained one step. Hidden size 48: the norms' 48 elements are no
     multiple of the buffers' 64-element alignment, so a bucket closed around the embedding moves what follows it."""
     kind = request.param
     root = tmp_path_factory.mktemp(f"megatron_optim_legacy_vpp_tied_{kind}")
     step, model, opt = _step_dir(root / "ck", tied=True, hidden=48)
-    out = convert(step, root / "export", "megatron", options={"pp": 2, "vpp": 2, "layout": "legacy",
+    tp = 2 if kind == "plain" else 1
+    out = convert(step, root / "export", "megatron", options={"tp": tp, "pp": 2, "vpp": 2, "layout": "legacy",
                                                               "optimizer": kind})
-    run_fixture("--pp", "2", "--vpp", "2", "--tied", "--hidden", "48", *(("--dp", "2") if kind == "distributed" else ()),
+    run_fixture("--tp", str(tp), "--pp", "2", "--vpp", "2", "--tied", "--hidden", "48",
+                *(("--dp", "2") if kind == "distributed" else ()),
                 "--train", str(out / "iter_0000002"), "--train-optimizer", kind, "--out", str(root / "trained.pt"))
     return torch.load(root / "trained.pt"), model, opt, out, kind
 
 
 def test_megatron_core_loads_a_legacy_vpp_export_with_a_tied_embedding_bitwise_and_trains_on(trained_legacy_vpp_tied):
-    """Every chunk's weights and Adam state are ckptio's, bitwise; the tied embedding's copy on the last stage is
+    """Every TP shard's and chunk's weights and Adam state are ckptio's, bitwise; the tied embedding's copy on the last stage is
     the embedding, its state the embedding's, before and after a step that moved everything (its gradient summed
     over both copies by finalize_model_grads). ckptio's own reader finds the source's state in the distributed
     optimizer's export."""

@@ -21,12 +21,13 @@ With ``optimizer="distributed"`` (``--megatron-optimizer distributed``) the ``op
 Refused by name: an optimizer that is not Adam (no moments for some parameter), steps that differ between
 parameters, hyper-parameters that differ inside one of megatron's groups, and reduced-precision weights (a bf16 or
 fp16 model trains with megatron's ``Float16OptimizerWithFloat16Params``, whose fp32 master copies ckptio does not
-write), and in the legacy layout virtual pipeline stages and, for the distributed optimizer, a tied embedding over
-pipeline stages. In the legacy layout, with the plain optimizer each rank file's ``optimizer`` is the
+write). In the legacy layout, with the plain optimizer each rank file's ``optimizer`` is the
 fp32 optimizer's torch state dict, Adam's state keyed by position (:func:`legacy_optimizer`); with the distributed
 optimizer it holds the groups and the step, and a ``distrib_optim.pt`` beside it the fp32 master copies and moments
 in megatron-core's flat buffers (:func:`legacy_distributed`, loaded by its ``load_parameter_state``); and each its
-``opt_param_scheduler``.
+``opt_param_scheduler``. With virtual pipeline stages the positions run over the rank's model chunks in chunk order
+and ``distrib_optim.pt`` holds a buffer per chunk; a tied embedding over pipeline stages has its copy on the last
+stage (``output_layer.weight``, a parameter of megatron-core's there, its state the embedding's).
 
 A mixture of experts (a Mixtral) goes as megatron-core's ``get_megatron_optimizer`` chains it: a second optimizer
 over the expert-parallel parameters (its own ``is_expert_parallel`` groups), ``common.pt``'s ``optimizer`` the two
