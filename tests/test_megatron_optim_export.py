@@ -332,8 +332,9 @@ def trained_legacy_vpp_tied(request, tmp_path_factory):
     ``model1``; the last stage's last chunk holds the tied embedding's copy as ``output_layer.weight``): with the plain
     optimizer at TP=2 (``mp_rank_TT_PPP``, Adam's state keyed by position in megatron-core's groups over both
     chunks), or with ``distrib_optim.pt`` (one buffer per chunk, the embedding and its copy each in a bucket of its
-    own) at DP=2; loaded by megatron-core as Megatron-LM's legacy load_checkpoint does, and trained one step. Hidden size 48: the norms' 48 elements are no
-    multiple of the buffers' 64-element alignment, so a bucket closed around the embedding moves what follows it."""
+    own) at DP=2; loaded by megatron-core as Megatron-LM's legacy load_checkpoint does, and trained one step. Hidden
+    size 48: the norms' 48 elements are no multiple of the buffers' 64-element alignment, so there is padding to
+    place between the parameters as megatron-core does."""
     kind = request.param
     root = tmp_path_factory.mktemp(f"megatron_optim_legacy_vpp_tied_{kind}")
     step, model, opt = _step_dir(root / "ck", tied=True, hidden=48)
@@ -347,10 +348,10 @@ def trained_legacy_vpp_tied(request, tmp_path_factory):
 
 
 def test_megatron_core_loads_a_legacy_vpp_export_with_a_tied_embedding_bitwise_and_trains_on(trained_legacy_vpp_tied):
-    """Every TP shard's and chunk's weights and Adam state are ckptio's, bitwise; the tied embedding's copy on the last stage is
-    the embedding, its state the embedding's, before and after a step that moved everything (its gradient summed
-    over both copies by finalize_model_grads). ckptio's own reader finds the source's state in the distributed
-    optimizer's export."""
+    """Every TP shard's and chunk's weights and Adam state are ckptio's, bitwise; the tied embedding's copy on the
+    last stage is the embedding, its state the embedding's, before and after a step that moved everything (its
+    gradient summed over both copies by finalize_model_grads). ckptio's own reader finds the source's state in the
+    distributed optimizer's export."""
     from ckptio.formats.megatron.format import MegatronFormat
 
     got, model, opt, out, kind = trained_legacy_vpp_tied
