@@ -649,7 +649,7 @@ def main():
                          "legacy layout with distrib_optim.pt, and reference_adam.pt: Megatron's own state per parameter")
     ap.add_argument("--hidden", type=int, default=None, help="the hidden size (default 64; FFN twice that)")
     ap.add_argument("--bucket", type=int, default=None, help="with --dp: the grad buffer's bucket size (elements)")
-    ap.add_argument("--tied", action="store_true", help="with --dp: embeddings tied to the output layer")
+    ap.add_argument("--tied", action="store_true", help="with --dp or --train: embeddings tied to the output layer")
     ap.add_argument("--bf16", action="store_true", help="with --dp: a bf16 model with fp32 master copies")
     ap.add_argument("--dist-formats", default=None,
                     help="with --dp: also save torch_dist in these comma-separated sharding formats of the "
@@ -711,7 +711,7 @@ def main():
             assert a.load is None and a.pp <= 2, "--dp trains on TP x PP x DP ranks, at most two pipeline stages"
             fn, args = distopt_worker, (a.tp, a.pp, a.dp, a.out, a.iteration, a.bucket, a.tied, store_file)
             ranks = a.tp * a.pp * a.dp
-        if a.vpp is not None:
+        if a.vpp is not None and a.train is None:
             import megatron_vpp
 
             fn, args = (megatron_vpp.save_worker, (a.tp, a.pp, a.vpp, a.out, a.iteration, store_file)) \
@@ -723,6 +723,10 @@ def main():
             if a.train_optimizer:
                 os.environ["MEGATRON_FIXTURE_TRAIN_OPTIMIZER"] = a.train_optimizer  # for the ranks
             fn, args, ranks = megatron_optim.train_worker, (a.tp, dp, a.train, a.out, store_file), a.tp * dp
+            if a.pp > 1:  # a legacy export's pipeline stages (and model chunks, and a tied embedding's copy)
+                fn, args = megatron_optim.train_pipeline_worker, (a.tp, a.pp, a.vpp, dp, a.tied, a.train, a.out,
+                                                                  store_file)
+                ranks = a.tp * a.pp * dp
         mp.start_processes(fn, args=args, nprocs=ranks, join=True, start_method=a.start_method)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -11,6 +11,9 @@ that takes its values from the checkpoint, then loads SRC as Megatron-LM's ``loa
 "raise_all")``, ``load_state_dict`` of model, optimizer and scheduler. Then one training step on a fixed batch.
 FILE gets, per parameter (whole: TP shards merged, vocabulary padding cut), its value, moments and step before and
 after the step, its gradient and its group's hyper-parameters at the step, and the loss.
+
+With ``--pp 2 [--vpp V] [--tied]`` a legacy export is loaded stage by stage, chunk by chunk, and trained one step on a
+made-up loss (:func:`train_pipeline_worker`); a tied embedding's last-stage copy goes under FILE's ``copies``.
 """
 import datetime
 import os
@@ -169,7 +172,16 @@ def train_worker(rank, tp, dp, src, out, store_file):
     local = {mf.global_name(name, 0): {"before": before[name], "after": after[name],
                     "grad": torch.empty(0) if distributed else p.grad.detach().clone(),
                     "hyper": hyper[id(p)]} for name, p in module.named_parameters()}
-    everyone = [None] * (tp * dp)
+    _report(rank, tp, dp, local, float(loss), loaded.get("iteration"), out, distributed)
+
+
+def _report(rank, tp, dp, local, loss, iteration, out, distributed, world=None):
+    """Gather every rank's ``local`` (global name: before, after, grad, hyper) on rank 0 and save it to ``out``, each
+    parameter whole (TP shards merged); a name ``copy:N`` (a tied embedding's copy on the last stage) goes under
+    ``copies``."""
+    from megatron.core import parallel_state as ps
+
+    everyone = [None] * (world or tp * dp)
     torch.distributed.all_gather_object(everyone, (ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank(),
                                                    local))
     if rank == 0:
@@ -187,6 +199,108 @@ def train_worker(rank, tp, dp, src, out, store_file):
             grad = None if distributed else mf._whole(name, [sh["grad"] for sh in shards], tp)
             result[name] = {**whole, "grad": grad,
                             "hyper": shards[0]["hyper"]}
-        torch.save({"params": result, "loss": float(loss), "iteration": loaded.get("iteration")}, out)
+        copies = {n.removeprefix("copy:"): result.pop(n) for n in list(result) if n.startswith("copy:")}
+        torch.save({"params": result, "copies": copies, "loss": loss, "iteration": iteration}, out)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+
+
+def train_pipeline_worker(rank, tp, pp, vpp, dp, tied, src, out, store_file):
+    """``--train`` of a legacy export with ``--pp`` (``--vpp``, ``--tied``): each stage's rank file loaded into its
+    model chunks (each in its ``DistributedDataParallel``, bucketing in the first only, as Megatron-LM's
+    ``get_model``), megatron-core's optimizer over all of them (plain, or distributed with ``load_parameter_state``),
+    then one step on a made-up loss ``sum(p * g)`` (``g`` seeded by the global name) through DDP's hooks and
+    ``finalize_model_grads``, which all-reduces a tied embedding's gradient between its first- and last-stage copy."""
+    import zlib
+
+    import megatron_vpp
+    from megatron_distopt_chunks import _owner
+
+    distributed = os.environ.get("MEGATRON_FIXTURE_TRAIN_OPTIMIZER", "distributed" if dp > 1 else "plain") != "plain"
+    mf.quiet_megatron()
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank,
+                                         world_size=tp * pp * dp, timeout=datetime.timedelta(minutes=2))
+    mf.apply_cpu_stubs()
+    mf.apply_distopt_cpu_stubs()
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 virtual_pipeline_model_parallel_size=vpp)
+    torch.manual_seed(mf.SEED)
+    model_parallel_cuda_manual_seed(mf.SEED)
+    tp_rank, pp_rank, dp_rank = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+                                 ps.get_data_parallel_rank())
+    folder = os.path.join(src, f"mp_rank_{tp_rank:02d}_{pp_rank:03d}")
+    obj = torch.load(os.path.join(folder, "model_optim_rng.pt"), weights_only=False)
+    states = [obj["model"]] if not vpp else [obj[f"model{v}"] for v in range(vpp)]
+    vocab = next(t.shape[0] * tp for s in states for k, t in s.items()
+                 if k.endswith(("word_embeddings.weight", "output_layer.weight")))
+    offsets = [megatron_vpp.layer_offset(pp_rank, v, pp, vpp) if vpp else pp_rank * (mf.NUM_LAYERS // pp)
+               for v in range(vpp or 1)]
+    modules = [mf.build_model(tp, pp, vocab=vocab, tied=tied, vpp=vpp, vp_stage=v if vpp else None)
+               for v in range(vpp or 1)]
+    chunks = [DistributedDataParallel(m.config, DistributedDataParallelConfig(use_distributed_optimizer=distributed),
+                                      m, disable_bucketing=v > 0) for v, m in enumerate(modules)]
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=5e-2, min_lr=0.0, weight_decay=0.5,
+                                                 adam_beta1=0.5, adam_beta2=0.5, adam_eps=1e-3, clip_grad=0.0,
+                                                 params_dtype=torch.float32,
+                                                 use_distributed_optimizer=distributed), chunks)
+    sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=5e-2, min_lr=0.0, lr_warmup_steps=0, lr_decay_steps=10,
+                                    lr_decay_style="cosine", start_wd=0.5, end_wd=0.5, wd_incr_steps=10,
+                                    wd_incr_style="constant", use_checkpoint_opt_param_scheduler=True)
+    if distributed:  # as train_worker: torch's AdamW state made before loading, the step kept apart
+        for inner in _inners(opt):
+            inner.init_state_fn(inner.optimizer, inner.config)
+            for state in inner.optimizer.state.values():
+                state["step"] = torch.tensor(0.0)
+            _keep_step_apart(inner)
+    for module, state in zip(modules, states):  # Megatron-LM's legacy load_checkpoint, chunk by chunk
+        module.load_state_dict(state, strict=True)
+    opt.load_state_dict(obj["optimizer"])
+    if distributed:
+        with torch.no_grad():
+            opt.load_parameter_state(os.path.join(folder, "distrib_optim.pt"))
+        for inner in _inners(opt):  # one step tensor per parameter (see train_worker)
+            for state in inner.optimizer.state.values():
+                state["step"] = state["step"].clone()
+    sched.load_state_dict(obj["opt_param_scheduler"])
+
+    def global_named():
+        for v, module in enumerate(modules):
+            for name, p in module.named_parameters():
+                name = mf.global_name(name, offsets[v])
+                yield (f"copy:{name}" if tied and name == "output_layer.weight" else name), module, p
+
+    def snapshot():
+        out = {}
+        for v, module in enumerate(modules):
+            held = _distributed_snapshot(opt, module) if distributed else _snapshot(opt, module)
+            out.update({mf.global_name(n, offsets[v]): s for n, s in held.items()})
+        return {name: out[name.removeprefix("copy:")] for name, _, _ in global_named()}
+
+    before = snapshot()
+    keys = ("lr", "weight_decay", "betas", "eps", "wd_mult", "is_expert_parallel")
+    groups = {id(p): g for inner in _inners(opt) for g in inner.optimizer.param_groups for p in g["params"]}
+    hyper = {name: {k: groups[id(p)][k] for k in keys} if not distributed else next(
+        {k: g[k] for k in keys} for g in _owner(opt, p).optimizer.param_groups
+        if g["wd_mult"] == (0.0 if p.dim() == 1 else 1.0)) for name, _, p in global_named()}
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    opt.zero_grad()
+    loss = 0.0
+    for name, _, p in global_named():
+        seed = zlib.crc32(f"{name}/{dp_rank}".encode())
+        loss = loss + (p * torch.randn(p.shape, generator=torch.Generator().manual_seed(seed))).sum()
+    loss.backward()
+    finalize_model_grads(chunks)
+    ok, _, _ = opt.step()
+    assert ok, "the optimizer step was skipped"
+    after = snapshot()
+    local = {name: {"before": before[name], "after": after[name], "hyper": hyper[name],
+                    "grad": torch.empty(0) if distributed else p.main_grad.detach().clone()}
+             for name, _, p in global_named()}
+    _report(rank, tp, dp, local, float(loss), obj.get("iteration"), out, distributed, world=tp * pp * dp)

@@ -21,12 +21,13 @@ With ``optimizer="distributed"`` (``--megatron-optimizer distributed``) the ``op
 Refused by name: an optimizer that is not Adam (no moments for some parameter), steps that differ between
 parameters, hyper-parameters that differ inside one of megatron's groups, and reduced-precision weights (a bf16 or
 fp16 model trains with megatron's ``Float16OptimizerWithFloat16Params``, whose fp32 master copies ckptio does not
-write), and in the legacy layout virtual pipeline stages and, for the distributed optimizer, a tied embedding over
-pipeline stages. In the legacy layout, with the plain optimizer each rank file's ``optimizer`` is the
+write). In the legacy layout, with the plain optimizer each rank file's ``optimizer`` is the
 fp32 optimizer's torch state dict, Adam's state keyed by position (:func:`legacy_optimizer`); with the distributed
 optimizer it holds the groups and the step, and a ``distrib_optim.pt`` beside it the fp32 master copies and moments
 in megatron-core's flat buffers (:func:`legacy_distributed`, loaded by its ``load_parameter_state``); and each its
-``opt_param_scheduler``.
+``opt_param_scheduler``. With virtual pipeline stages the positions run over the rank's model chunks in chunk order
+and ``distrib_optim.pt`` holds a buffer per chunk; a tied embedding over pipeline stages has its copy on the last
+stage (``output_layer.weight``, a parameter of megatron-core's there, its state the embedding's).
 
 A mixture of experts (a Mixtral) goes as megatron-core's ``get_megatron_optimizer`` chains it: a second optimizer
 over the expert-parallel parameters (its own ``is_expert_parallel`` groups), ``common.pt``'s ``optimizer`` the two
@@ -172,14 +173,6 @@ def common_entries(adam: SourceAdam, args: argparse.Namespace, layout: str, kind
     if kind not in ("plain", "distributed"):
         raise ConfigError(f"--megatron-optimizer {kind!r}: use 'plain' (megatron-core's FP32Optimizer) or "
                           "'distributed' (its DistributedOptimizer, fully_reshardable format)")
-    if layout != "dist" and (getattr(args, "virtual_pipeline_model_parallel_size", None) or 1) > 1:
-        raise ConfigError(f"{adam.where}: the optimizer goes into a legacy export without virtual pipeline stages "
-                          "only (the order of the chunks' parameters in it is not written); use --megatron-layout dist")
-    if layout != "dist" and kind != "plain" and not args.untie_embeddings_and_output_weights and \
-            args.pipeline_model_parallel_size > 1:
-        raise ConfigError(f"{adam.where}: a tied embedding over pipeline stages (its copy on the last stage, in a "
-                          "gradient bucket of its own) is not written into the distributed optimizer's "
-                          "distrib_optim.pt; use --megatron-layout dist")
     if getattr(args, "bf16", False) or getattr(args, "fp16", False):
         raise ConfigError(f"{adam.where}: a {'bf16' if args.bf16 else 'fp16'} model trains in Megatron with "
                           "Float16OptimizerWithFloat16Params (fp32 master copies beside the weights), which ckptio "
@@ -224,11 +217,12 @@ def _module_order(name: str) -> tuple[int, ...]:
     return {"embedding.word_embeddings.weight": 0, "decoder.final_layernorm.weight": 2}.get(name, 3), 0, 0, 0, 0
 
 
-def legacy_state(weights: dict[str, Any], moments: dict[str, dict[str, Any]], entry: dict[Any, Any],
+def legacy_state(chunks: list[dict[str, Any]], moments: list[dict[str, dict[str, Any]]], entry: dict[Any, Any],
                  args: argparse.Namespace, stage: int, ep_rank: int) -> tuple[Any, Any]:
     """One legacy rank folder's optimizer: its rank file's ``optimizer`` entry and, for the distributed optimizer, its
-    ``distrib_optim.pt`` (else ``None``). ``weights``: the rank's parameters (of expert-parallel rank ``ep_rank``) in
-    the order the model registers them (:func:`registered`); ``entry``: :func:`common_entries`' ``optimizer``.
+    ``distrib_optim.pt`` (else ``None``). ``chunks``: each model chunk's parameters on the rank (of expert-parallel
+    rank ``ep_rank``; one chunk without virtual pipeline stages) in the order the model registers them
+    (:func:`registered`), ``moments`` each chunk's; ``entry``: :func:`common_entries`' ``optimizer``.
 
     The plain optimizer's entry is :func:`legacy_optimizer`'s; the distributed optimizer's is
     :func:`legacy_distributed`'s. With experts (``entry`` chained, ``{0: dense, 1: experts}``) each is the list
@@ -236,9 +230,9 @@ def legacy_state(weights: dict[str, Any], moments: dict[str, dict[str, Any]], en
     dense one's ``distrib_optim.pt`` state only in EP rank 0's folder (its data-parallel rank 0's), ``None`` in the
     others'."""
     chained = [entry[0], entry[1]] if 0 in entry else [entry]
-    parts = [weights] if len(chained) == 1 else [
-        {n: w for n, w in weights.items() if bool(_LOCAL_EXPERT.match(n.split(".", 3)[-1])) == bool(which)}
-        for which in (0, 1)]
+    parts = [chunks] if len(chained) == 1 else [
+        [{n: w for n, w in c.items() if bool(_LOCAL_EXPERT.match(n.split(".", 3)[-1])) == bool(which)}
+         for c in chunks] for which in (0, 1)]
     if "param_state_sharding_type" not in chained[0]:
         plain = [legacy_optimizer(p, moments, float(c["state"]["common_step"]), c["param_groups"])
                  for p, c in zip(parts, chained)]
@@ -249,18 +243,20 @@ def legacy_state(weights: dict[str, Any], moments: dict[str, dict[str, Any]], en
     return [m[0] for m in made], [None if ep_rank else made[0][1], made[1][1]]
 
 
-def legacy_optimizer(weights: dict[str, Any], moments: dict[str, dict[str, Any]], step: float,
+def legacy_optimizer(chunks: list[dict[str, Any]], moments: list[dict[str, dict[str, Any]]], step: float,
                      groups: list[dict[str, Any]]) -> dict[str, Any]:
     """One legacy rank file's ``optimizer`` entry: the state dict of megatron-core's plain (fp32) optimizer, which
     keys Adam's state by position: the rank's parameters in megatron-core's groups (weight decay, then none for
-    1-dim parameters and biases), each in the order the model registers them (``weights``: the rank's shard)."""
-    names = sorted((n for n, t in weights.items() if isinstance(t, torch.Tensor)), key=_module_order)
+    1-dim parameters and biases), each the model chunks' in chunk order, a chunk's in the order the model registers
+    them (``chunks``: the rank's shard of each, ``moments`` their moments), as ``_get_param_groups`` collects them."""
+    names = [sorted((n for n, t in c.items() if isinstance(t, torch.Tensor)), key=_module_order) for c in chunks]
     state, out_groups, at = {}, [], 0
     for group_entry in groups:  # the weight-decay group (wd_mult 1) and the other; the experts' only what they have
         which = 0 if group_entry["wd_mult"] else 1
-        members = [n for n in names if _megatron_group(n, tuple(weights[n].shape)) == which]
-        for i, name in enumerate(members):
-            state[at + i] = {"step": torch.tensor(step), **{m: moments[m][name] for m in MOMENTS}}
+        members = [(v, n) for v, c in enumerate(chunks) for n in names[v]
+                   if _megatron_group(n, tuple(c[n].shape)) == which]
+        for i, (v, name) in enumerate(members):
+            state[at + i] = {"step": torch.tensor(step), **{m: moments[v][m][name] for m in MOMENTS}}
         out_groups.append({**group_entry, "params": list(range(at, at + len(members)))})
         at += len(members)
     return {"state": state, "param_groups": out_groups}
@@ -274,26 +270,35 @@ def registered(shard: dict[str, Any]) -> dict[str, Any]:
     return {**{n: shard[n] for n in names}, **{n: t for n, t in shard.items() if not isinstance(t, torch.Tensor)}}
 
 
-def legacy_distributed(weights: dict[str, Any], moments: dict[str, dict[str, Any]], entry: dict[str, Any],
+def legacy_distributed(chunks: list[dict[str, Any]], moments: list[dict[str, dict[str, Any]]], entry: dict[str, Any],
                        args: argparse.Namespace, stage: int) -> tuple[dict[str, Any], dict[Any, Any]]:
     """One legacy rank folder's state for megatron-core's ``DistributedOptimizer``: its rank file's ``optimizer``
     entry (``DistributedOptimizer.state_dict()``: the parameter groups with the step, no per-parameter state) and
-    its ``distrib_optim.pt`` (``save_parameter_state``'s: the fp32 master copies, ``moments["param"]``, and the
+    its ``distrib_optim.pt`` (``save_parameter_state``'s: the fp32 master copies, ``moments[v]["param"]``, and the
     moments in three flat buffers laid out by megatron-core's gradient-buffer rules,
-    :func:`~ckptio.formats.megatron.distrib_optim.flat_layout`, the padding zeros). ``weights``: the rank's parameters
-    in the order the model registers them (:func:`registered`); ``entry``: :func:`common_entries`' ``optimizer``.
+    :func:`~ckptio.formats.megatron.distrib_optim.flat_layout`, the padding zeros), one gradient buffer per model
+    chunk that has parameters here, numbered in chunk order. ``chunks``: each model chunk's parameters in the order
+    the model registers them (:func:`registered`); ``entry``: :func:`common_entries`' ``optimizer``.
     The buffers keep each bucket up to its last parameter, so they are the same for every data-parallel size (the
-    bucket size, with the run's ``--overlap-grad-reduce``, from ``args``)."""
-    from .distrib_optim import STATE_KEYS, bucket_size, flat_layout
+    bucket size, with the run's ``--overlap-grad-reduce``, from ``args``, in the first chunk only: Megatron-LM's
+    ``get_model`` buckets no other); a tied embedding over pipeline stages, and its copy on the last stage, each in a
+    bucket of its own, as megatron-core's ``_ParamAndGradBuffer`` puts a ``shared_embedding`` parameter."""
+    from .distrib_optim import SHARED_EMBEDDING, STATE_KEYS, bucket_size, flat_layout
 
-    names = list(weights)
-    slots, total, _ = flat_layout([(n, weights[n].numel()) for n in names], size=bucket_size(args, stage))
-    buffers: dict[str, Any] = {}
-    for key in STATE_KEYS:
-        flat = torch.zeros(total, dtype=torch.float32)
-        for name, (start, end) in slots.items():
-            flat[start:end] = moments[key][name].reshape(-1)
-        buffers[key] = flat
-    buffers["numel_unpadded"] = total
-    return ({"optimizer": {"param_groups": [dict(g) for g in entry["optimizer"]["param_groups"]]}},
-            {"buckets_coalesced": True, 0: {(torch.float32, torch.float32): buffers}})
+    tied = not args.untie_embeddings_and_output_weights and args.pipeline_model_parallel_size > 1
+    flat_state: dict[Any, Any] = {"buckets_coalesced": True}
+    for v, weights in enumerate(chunks):
+        if not weights:
+            continue
+        slots, total, _ = flat_layout([(n, w.numel()) for n, w in weights.items()],
+                                      size=bucket_size(args, stage) if v == 0 else None,
+                                      shared=set(SHARED_EMBEDDING) if tied else set())
+        buffers: dict[str, Any] = {}
+        for key in STATE_KEYS:
+            flat = torch.zeros(total, dtype=torch.float32)
+            for name, (start, end) in slots.items():
+                flat[start:end] = moments[v][key][name].reshape(-1)
+            buffers[key] = flat
+        buffers["numel_unpadded"] = total
+        flat_state[len(flat_state) - 1] = {(torch.float32, torch.float32): buffers}
+    return {"optimizer": {"param_groups": [dict(g) for g in entry["optimizer"]["param_groups"]]}}, flat_state

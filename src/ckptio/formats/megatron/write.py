@@ -194,22 +194,23 @@ def write_legacy(folder: Path, tensors: dict[str, torch.Tensor], args: argparse.
     ep = getattr(args, "expert_model_parallel_size", None) or 1
     for stage in range(pp):
         chunks = [_legacy_chunk(tensors, args, stage, v, vpp) for v in range(vpp)]
-        parts = {m: _legacy_chunk(named, args, stage, 0, 1) for m, named in (moments or {}).items()}
+        parts = {m: [_legacy_chunk(named, args, stage, v, vpp) for v in range(vpp)]
+                 for m, named in (moments or {}).items()}
         for t, e in itertools.product(range(tp), range(ep)):
             rank_dir = folder / (f"mp_rank_{t:02d}" + (f"_{stage:03d}" if pp > 1 else "") +
                                  (f"_{e:03d}" if ep > 1 else ""))  # Megatron-LM appends the EP rank last
             rank_dir.mkdir()
             held = [_ep_rank(c[t], e, ep) for c in chunks]
-            models = {"model": held[0]} if vpp == 1 else {f"model{v}": c for v, c in enumerate(held)}
             optim = {}
-            if moments and common:  # one chunk (common_entries refuses more)
-                models["model"] = registered(models["model"])  # as megatron-core's state_dict orders them
-                optimizer, flat = legacy_state({n: w for n, w in models["model"].items() if w is not None},
-                                               {m: _ep_rank(p[t], e, ep) for m, p in parts.items()},
-                                               common["optimizer"], args, stage, e)
+            if moments and common:
+                held = [registered(c) for c in held]  # as megatron-core's state_dict orders them
+                optimizer, flat = legacy_state([{n: w for n, w in c.items() if w is not None} for c in held],
+                                               [{m: _ep_rank(p[v][t], e, ep) for m, p in parts.items()}
+                                                for v in range(vpp)], common["optimizer"], args, stage, e)
                 if flat is not None:  # the distributed optimizer's fp32 state
                     torch.save(flat, rank_dir / DISTRIB_OPTIM_FILE)
                 optim = {"optimizer": optimizer, "opt_param_scheduler": common["opt_param_scheduler"]}
+            models = {"model": held[0]} if vpp == 1 else {f"model{v}": c for v, c in enumerate(held)}
             torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration, **models, **optim},
                        rank_dir / RANK_FILE)
 
@@ -257,8 +258,11 @@ def _legacy_chunk(tensors: dict[str, torch.Tensor], args: argparse.Namespace, st
     if stage == pp - 1 and chunk == vpp - 1:
         for t in range(tp):
             shards[t]["decoder.final_layernorm.weight"] = tensors["decoder.final_layernorm.weight"].clone()
-        if "output_layer.weight" in tensors:
-            for t, part in enumerate(_split(tensors["output_layer.weight"], 0, tp)):
+        head = tensors.get("output_layer.weight")
+        if head is None and pp > 1:  # megatron-core's copy of the tied embedding on the last stage, a parameter
+            head = tensors["embedding.word_embeddings.weight"]  # that its state dict holds (and its optimizer)
+        if head is not None:
+            for t, part in enumerate(_split(head, 0, tp)):
                 shards[t]["output_layer.weight"] = part.clone()
                 shards[t]["output_layer._extra_state"] = None
     return shards
