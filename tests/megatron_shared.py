@@ -8,10 +8,12 @@ from pathlib import Path
 import torch
 
 
-def restore_with_adam(source: str, config: str) -> dict:
+def restore_with_adam(source: str, config: str, train: bool = False) -> dict:
     """A Hugging Face model built from ``config`` (any family), in fp32 as Megatron's optimizer state, FSDP2-sharded
     when a process group is up, with ``AdamW``, restored by ckptio from ``source``: its full state (weights and
-    moments, :func:`toy.full_state`) and each parameter's step (run through ``distributed.run_ranks``)."""
+    moments, :func:`toy.full_state`, the DTensors gathered whole) and each parameter's step (run through
+    ``distributed.run_ranks``). With ``train``: then one training step on fixed tokens, and ``loss`` its loss and
+    ``steps_after`` each parameter's step after it (one more for every parameter that got a gradient)."""
     import torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -33,6 +35,13 @@ def restore_with_adam(source: str, config: str) -> dict:
     assert info.counters["optimizer_restored"] is True
     out = full_state(model, opt)
     out["steps"] = torch.tensor([float(opt.state[p]["step"]) for p in model.parameters()])
+    if train:  # the resumed optimizer steps on, every parameter (fused experts included) with a gradient
+        ids = (torch.arange(48).reshape(2, 24) * 7) % model.config.vocab_size
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        out["loss"] = loss.detach()
+        out["steps_after"] = torch.tensor([float(opt.state[p]["step"]) for p in model.parameters()])
     return out
 
 
