@@ -15,6 +15,7 @@ def restore_with_adam(source: str, config: str, train: bool = False) -> dict:
     ``distributed.run_ranks``). With ``train``: then one training step on fixed tokens, and ``loss`` its loss and
     ``steps_after`` each parameter's step after it (one more for every parameter that got a gradient)."""
     import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ckptio import CheckpointConfig, CheckpointManager
@@ -33,6 +34,11 @@ def restore_with_adam(source: str, config: str, train: bool = False) -> dict:
                            optimizer=opt, rng=False) as mgr:
         info = mgr.restore(source)
     assert info.counters["optimizer_restored"] is True
+    for name, p in model.named_parameters():  # each moment sharded as its parameter (whole, or an FSDP2 DTensor)
+        for m in ("exp_avg", "exp_avg_sq"):
+            moment = opt.state[p][m]
+            assert isinstance(moment, DTensor) == isinstance(p, DTensor) and moment.shape == p.shape and \
+                getattr(moment, "placements", None) == getattr(p, "placements", None), (name, m, moment.shape)
     out = full_state(model, opt)
     out["steps"] = torch.tensor([float(opt.state[p]["step"]) for p in model.parameters()])
     if train:  # the resumed optimizer steps on, every parameter (fused experts included) with a gradient

@@ -195,16 +195,20 @@ def test_megatron_core_loads_a_qwen2moe_ckptio_exports_at_another_expert_paralle
 
 
 @pytest.mark.slow
-def test_restore_from_megatron_brings_a_qwen2moe_its_experts_and_their_moments(made, tmp_path):
-    """A plain Qwen2MoeForCausalLM (its experts fused into gate_up_proj and down_proj in memory) with AdamW, restored
-    from the torch_dist run: every expert's and the shared expert's weights and Adam moments are Megatron's, bit for
-    bit, and every parameter holds Megatron's one Adam step."""
+@pytest.mark.parametrize("world", [1, 2])
+def test_restore_from_megatron_brings_a_qwen2moe_its_experts_and_their_moments(made, tmp_path, world):
+    """A plain Qwen2MoeForCausalLM (its experts fused into gate_up_proj and down_proj in memory) with AdamW, on 1 rank
+    and under FSDP2 on 2 (the DTensors gathered whole), restored from the torch_dist run: every expert's and the
+    shared expert's weights and Adam moments are Megatron's, bit for bit, every parameter holds Megatron's one Adam
+    step, and it trains on."""
     from ckptio.formats.dcp.format import load_all
+    from distributed import run_ranks
     from megatron_shared import restore_with_adam
 
     src = made / "torch_dist"
     hf = convert(src, tmp_path / "hf", "hf")
-    got = restore_with_adam(source=str(src), config=str(hf))  # in this process: one rank, no FSDP
+    got = run_ranks(world, restore_with_adam, source=str(src), config=str(hf), train=True)[0]
+    assert bool(torch.isfinite(got.pop("loss"))) and bool((got.pop("steps_after") == 2).all())
     mega = load_all(src / "iter_0000002")
     moe, shared = "decoder.layers.mlp.experts.experts.", "decoder.layers.mlp.shared_experts."
     for i in range(4):
