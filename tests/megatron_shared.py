@@ -8,11 +8,14 @@ from pathlib import Path
 import torch
 
 
-def restore_with_adam(source: str, config: str) -> dict:
+def restore_with_adam(source: str, config: str, train: bool = False) -> dict:
     """A Hugging Face model built from ``config`` (any family), in fp32 as Megatron's optimizer state, FSDP2-sharded
     when a process group is up, with ``AdamW``, restored by ckptio from ``source``: its full state (weights and
-    moments, :func:`toy.full_state`) and each parameter's step (run through ``distributed.run_ranks``)."""
+    moments, :func:`toy.full_state`, the DTensors gathered whole) and each parameter's step (run through
+    ``distributed.run_ranks``). With ``train``: then one training step on fixed tokens, and ``loss`` its loss and
+    ``steps_after`` each parameter's step after it (one more for every parameter that got a gradient)."""
     import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ckptio import CheckpointConfig, CheckpointManager
@@ -31,8 +34,20 @@ def restore_with_adam(source: str, config: str) -> dict:
                            optimizer=opt, rng=False) as mgr:
         info = mgr.restore(source)
     assert info.counters["optimizer_restored"] is True
+    for name, p in model.named_parameters():  # each moment sharded as its parameter (whole, or an FSDP2 DTensor)
+        for m in ("exp_avg", "exp_avg_sq"):
+            moment = opt.state[p][m]
+            assert isinstance(moment, DTensor) == isinstance(p, DTensor) and moment.shape == p.shape and \
+                getattr(moment, "placements", None) == getattr(p, "placements", None), (name, m, moment.shape)
     out = full_state(model, opt)
     out["steps"] = torch.tensor([float(opt.state[p]["step"]) for p in model.parameters()])
+    if train:  # the resumed optimizer steps on, every parameter (fused experts included) with a gradient
+        ids = (torch.arange(48).reshape(2, 24) * 7) % model.config.vocab_size
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        out["loss"] = loss.detach()
+        out["steps_after"] = torch.tensor([float(opt.state[p]["step"]) for p in model.parameters()])
     return out
 
 
@@ -158,3 +173,49 @@ def with_args(hf: Path, tmp_path: Path, **changes) -> Path:
         setattr(state["args"], k, v)
     torch.save(state, common)
     return out
+
+
+def megatron_as_hf(mega: dict, vocab: int = 128, groups: int = 2, head_dim: int = 16) -> dict[str, torch.Tensor]:
+    """A torch_dist checkpoint of the fixture's Qwen-style mixtures of experts (``load_all`` of its iteration folder:
+    each layer's tensors stacked along dimension 0), its weights and Adam's moments under the names :func:`restore_with_adam`
+    gives them (``model/...``, ``optim/state....exp_avg``...): written out here from Megatron's layout, independently
+    of ckptio's readers (the fused query/key/value rows grouped per query group: its heads' queries, a key, a value)."""
+    out = {}
+    for prefix, name in [("", "model/{}"), *((f"optimizer.state.{m}.", "optim/state.{}." + m)
+                                             for m in ("exp_avg", "exp_avg_sq"))]:
+        def put(ours: str, theirs: str, pick=lambda t: t) -> None:
+            if prefix + theirs in mega:
+                out[name.format(ours)] = pick(mega[prefix + theirs])
+
+        put("model.embed_tokens.weight", "embedding.word_embeddings.weight", lambda t: t[:vocab])
+        put("lm_head.weight", "output_layer.weight", lambda t: t[:vocab])
+        put("model.norm.weight", "decoder.final_layernorm.weight")
+        for i in range(mega[prefix + "decoder.layers.mlp.router.weight"].shape[0]):
+            p, d = f"model.layers.{i}.", "decoder.layers."
+            layer = lambda t, i=i: t[i]  # noqa: E731
+            for ours, theirs in {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+                                 "post_attention_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+                                 "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
+                                 "self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
+                                 "self_attn.k_norm.weight": "self_attention.k_layernorm.weight",
+                                 "mlp.gate.weight": "mlp.router.weight",
+                                 "mlp.experts.gate_up_proj": "mlp.experts.experts.linear_fc1.weight",
+                                 "mlp.experts.down_proj": "mlp.experts.experts.linear_fc2.weight",
+                                 "mlp.shared_expert.down_proj.weight": "mlp.shared_experts.linear_fc2.weight",
+                                 "mlp.shared_expert_gate.weight": "mlp.shared_experts.gate_weight"}.items():
+                put(p + ours, d + theirs, layer)
+            for j, part in enumerate(("gate_proj", "up_proj")):
+                put(f"{p}mlp.shared_expert.{part}.weight", d + "mlp.shared_experts.linear_fc1.weight",
+                    lambda t, i=i, j=j: t[i].chunk(2)[j])
+            for kind in ("weight", "bias"):
+                for j, part in enumerate(("q_proj", "k_proj", "v_proj")):
+                    put(f"{p}self_attn.{part}.{kind}", f"{d}self_attention.linear_qkv.{kind}",
+                        lambda t, i=i, j=j: _qkv(t[i], groups, head_dim)[j])
+    return out
+
+
+def _qkv(fused: torch.Tensor, groups: int, head_dim: int) -> tuple[torch.Tensor, ...]:
+    """Megatron's fused query/key/value rows (per query group: its queries, one key, one value) as q, k, v."""
+    per = fused.reshape(groups, -1, *fused.shape[1:])
+    q = per.shape[1] - 2 * head_dim
+    return tuple(t.reshape(-1, *fused.shape[1:]) for t in per.split([q, head_dim, head_dim], dim=1))

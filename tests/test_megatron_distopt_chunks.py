@@ -118,11 +118,13 @@ def test_virtual_pipeline_stages_with_experts_convert_to_hugging_face_with_megat
     assert torch.allclose(got, ref["logits"], atol=1e-5, rtol=0), (got - ref["logits"]).abs().max()
 
 
-@pytest.mark.parametrize("run,layout", SOURCES)
-def test_a_plain_model_and_adamw_resume_with_megatrons_fp32_state_bitwise(made, tmp_path, run, layout):
+@pytest.mark.parametrize("run,layout,world", [(*s, 1) for s in SOURCES] + [("ep", "legacy", 2),
+                                                                          ("vppep", "torch_dist", 2)])
+def test_a_plain_model_and_adamw_resume_with_megatrons_fp32_state_bitwise(made, tmp_path, run, layout, world):
     """A plain Llama (VPP), Mixtral (EP, VPP x EP), Qwen2-MoE or Qwen3-MoE (VPP x EP; transformers 5 fuses their
-    experts in memory) with AdamW: its
-    weights are Megatron's fp32 master copies, its moments Megatron's, bitwise, every parameter's step Megatron's 2."""
+    experts in memory) with AdamW, on 1 rank and under FSDP2 on 2 (the fused experts' weights and moments sharded as
+    DTensors, gathered whole to compare): its weights are Megatron's fp32 master copies, its moments Megatron's,
+    bitwise, every parameter's step Megatron's 2; and it trains on, every parameter stepping a third time."""
     import json
 
     from ckptio.convert.formats import convert
@@ -133,8 +135,9 @@ def test_a_plain_model_and_adamw_resume_with_megatrons_fp32_state_bitwise(made, 
 
     src = made[run] / layout
     hf = convert(src, tmp_path / "hf", "hf")
-    got = run_ranks(1, restore_with_adam, source=str(src), config=str(hf))[0]
+    got = run_ranks(world, restore_with_adam, source=str(src), config=str(hf), train=True)[0]
     assert bool((got.pop("steps") == 2).all())
+    assert bool(torch.isfinite(got.pop("loss"))) and bool((got.pop("steps_after") == 3).all())
     _, ref = _reference(made[run])
     config = json.loads((hf / "config.json").read_text())
     naming = NAMINGS.get(run, "megatron-to-mixtral")

@@ -195,36 +195,26 @@ def test_megatron_core_loads_a_qwen2moe_ckptio_exports_at_another_expert_paralle
 
 
 @pytest.mark.slow
-def test_restore_from_megatron_brings_a_qwen2moe_its_experts_and_their_moments(made, tmp_path):
-    """A plain Qwen2MoeForCausalLM (its experts fused into gate_up_proj and down_proj in memory) with AdamW, restored
-    from the torch_dist run: every expert's and the shared expert's weights and Adam moments are Megatron's, bit for
-    bit, and every parameter holds Megatron's one Adam step."""
+@pytest.mark.parametrize("world", [1, 2])
+def test_restore_from_megatron_brings_a_qwen2moe_its_experts_and_their_moments(made, tmp_path, world):
+    """A plain Qwen2MoeForCausalLM (its experts fused into gate_up_proj and down_proj in memory) with AdamW, on 1 rank
+    and under FSDP2 on 2 (the DTensors gathered whole; the shared expert's [1, 64] gate split 1 row and 0),
+    restored from the torch_dist run: every weight and Adam moment is Megatron's, bit for bit, the experts', the
+    shared expert's and the biases' included, every parameter holds Megatron's one Adam step, and it trains on."""
     from ckptio.formats.dcp.format import load_all
-    from megatron_shared import restore_with_adam
+    from distributed import run_ranks
+    from megatron_shared import check_fixture_adam, megatron_as_hf, restore_with_adam
 
     src = made / "torch_dist"
     hf = convert(src, tmp_path / "hf", "hf")
-    got = restore_with_adam(source=str(src), config=str(hf))  # in this process: one rank, no FSDP
-    mega = load_all(src / "iter_0000002")
-    moe, shared = "decoder.layers.mlp.experts.experts.", "decoder.layers.mlp.shared_experts."
-    for i in range(4):
-        p = f"model.layers.{i}.mlp."
-        for prefix, state in [("", "model/{}"), *((f"optimizer.state.{m}.", "optim/state.{}." + m)
-                                                  for m in ("exp_avg", "exp_avg_sq"))]:
-            pairs = {"gate.weight": "decoder.layers.mlp.router.weight", "experts.gate_up_proj": moe + "linear_fc1.weight",
-                     "experts.down_proj": moe + "linear_fc2.weight", "shared_expert_gate.weight": shared + "gate_weight",
-                     "shared_expert.down_proj.weight": shared + "linear_fc2.weight"}
-            for ours, theirs in pairs.items():
-                assert torch.equal(got[state.format(p + ours)], mega[prefix + theirs][i]), (state, ours)
-            gate, up = mega[prefix + shared + "linear_fc1.weight"][i].chunk(2)
-            assert torch.equal(got[state.format(p + "shared_expert.gate_proj.weight")], gate)
-            assert torch.equal(got[state.format(p + "shared_expert.up_proj.weight")], up)
-    steps = got.pop("steps")
-    params = [k.removeprefix("model/") for k in got if k.startswith("model/")]
-    assert len(params) == steps.numel() == 67 and bool((steps == 1).all()), steps
-    for name in params:  # Megatron's one Adam step (megatron_fixture.py): every element, the experts' included
-        g = got[f"optim/state.{name}.exp_avg"] / 0.1
-        assert torch.allclose(got[f"optim/state.{name}.exp_avg_sq"], 0.05 * g * g, rtol=1e-4, atol=1e-9), name
+    got = run_ranks(world, restore_with_adam, source=str(src), config=str(hf), train=True)[0]
+    assert bool(torch.isfinite(got.pop("loss"))) and bool((got.pop("steps_after") == 2).all())
+    want = megatron_as_hf(load_all(src / "iter_0000002"))
+    assert set(want) == {k for k in got if not k.endswith(".step") and k != "steps"}
+    for key, value in want.items():
+        assert got[key].dtype == torch.float32 and torch.equal(got[key], value), key
+    assert {v.item() for k, v in got.items() if k.endswith(".step")} == {1.0}
+    check_fixture_adam(got, params=67)
 
 
 @pytest.mark.slow

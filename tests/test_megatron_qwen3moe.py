@@ -179,25 +179,23 @@ def test_megatron_core_loads_a_qwen3moe_ckptio_exports_at_another_expert_paralle
 
 
 @pytest.mark.slow
-def test_restore_from_megatron_brings_a_qwen3moe_its_experts_norms_and_their_moments(made, tmp_path):
-    """A plain Qwen3MoeForCausalLM (its experts fused in memory) with AdamW, restored from the torch_dist run: every
-    expert's, the router's and the q/k norms' weights and Adam moments are Megatron's, bit for bit, and every
-    parameter holds the fixture's one Adam step."""
+@pytest.mark.parametrize("world", [1, 2])
+def test_restore_from_megatron_brings_a_qwen3moe_its_experts_norms_and_their_moments(made, tmp_path, world):
+    """A plain Qwen3MoeForCausalLM (its experts fused in memory) with AdamW, on 1 rank and under FSDP2 on 2 (the
+    DTensors gathered whole), restored from the torch_dist run: every weight and Adam moment is Megatron's, bit for
+    bit, the experts', the router's and the q/k norms' included, every parameter holds the fixture's one Adam step,
+    and it trains on."""
     from ckptio.formats.dcp.format import load_all
-    from megatron_shared import check_fixture_adam, restore_with_adam
+    from distributed import run_ranks
+    from megatron_shared import check_fixture_adam, megatron_as_hf, restore_with_adam
 
     src = made / "torch_dist"
-    got = restore_with_adam(source=str(src), config=str(convert(src, tmp_path / "hf", "hf")))
-    mega = load_all(src / "iter_0000002")
-    pairs = {"mlp.gate.weight": "mlp.router.weight",
-             "mlp.experts.gate_up_proj": "mlp.experts.experts.linear_fc1.weight",
-             "mlp.experts.down_proj": "mlp.experts.experts.linear_fc2.weight",
-             "self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
-             "self_attn.k_norm.weight": "self_attention.k_layernorm.weight"}
-    for i in range(4):
-        for prefix, state in [("", "model/{}"), *((f"optimizer.state.{m}.", "optim/state.{}." + m)
-                                                  for m in ("exp_avg", "exp_avg_sq"))]:
-            for ours, theirs in pairs.items():
-                assert torch.equal(got[state.format(f"model.layers.{i}.{ours}")],
-                                   mega[f"{prefix}decoder.layers.{theirs}"][i]), (state, i, ours)
+    got = run_ranks(world, restore_with_adam, source=str(src), config=str(convert(src, tmp_path / "hf", "hf")),
+                    train=True)[0]
+    assert bool(torch.isfinite(got.pop("loss"))) and bool((got.pop("steps_after") == 2).all())
+    want = megatron_as_hf(load_all(src / "iter_0000002"))
+    assert set(want) == {k for k in got if not k.endswith(".step") and k != "steps"}
+    for key, value in want.items():
+        assert got[key].dtype == torch.float32 and torch.equal(got[key], value), key
+    assert {v.item() for k, v in got.items() if k.endswith(".step")} == {1.0}
     check_fixture_adam(got, params=47)

@@ -121,7 +121,10 @@ def _fill_moments(path: Path, model_state: Any, optimizer: Any, step: float, mom
                 if names[id(p)] not in indexes[moment]:
                     raise CheckpointMismatchError(f"{path}: no {moment} for {names[id(p)]!r}")
                 local = _slice_of(source.read(names[id(p)]), view).to(view.local.dtype).clone()
-                state[moment] = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False) \
+                # the parameter's own global shape and stride: inferred from the local shard, an uneven split
+                # (a [1, N] gate over 2 ranks: 1 row and 0) would give each rank another global shape
+                state[moment] = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                                                   shape=p.shape, stride=p.stride()) \
                     if isinstance(p, DTensor) else local
             optimizer.state[p] = state
 
