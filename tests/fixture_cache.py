@@ -1,13 +1,13 @@
-"""The megatron-core runs the tests build (``megatron_fixture.py``, ``megatron_distopt_chunks.py``: a tiny model trained
-and saved on gloo ranks, tens of seconds each), built once per test session and shared by every test file and fuzz
-family that asks for the same run, on one xdist worker or several.
+"""The megatron-core and DeepSpeed runs the tests build (``megatron_fixture.py``, ``megatron_distopt_chunks.py``,
+``ds_run.py``: a tiny model trained and saved on gloo ranks, tens of seconds each), built once per test session and
+shared by every test file and fuzz family that asks for the same run, on one xdist worker or several.
 
-:func:`built` keys a run by a hash of the scripts it runs (every ``tests/megatron_*.py``: they import each other), its
-arguments (in any order), and the megatron-core and torch versions. The runs live under the session's own temporary
-folder (``CACHE_ENV``, set by ``conftest.py`` for each session: under xdist the folder its workers' temporary folders
-sit in), so nothing outlives the session and a code change can never meet an old run. A lock per run has a second
-worker wait for the first one's build instead of building it again; a run is built in a temporary folder and renamed
-into place whole, so a run folder that exists is complete.
+:func:`built` and :func:`ds_run` key a run by a hash of the scripts it runs, its arguments, and the versions of the
+packages it runs. The runs live under the session's own temporary folder (``CACHE_ENV``, set by ``conftest.py`` for
+each session: under xdist the folder its workers' temporary folders sit in), so nothing outlives the session and a
+code change can never meet an old run. A lock per run has a second worker wait for the first one's build instead of
+building it again; a run is built in a temporary folder and renamed into place whole, so a run folder that exists is
+complete.
 
 The runs are shared: a test reads them and never writes into them (it copies what it wants to change)."""
 
@@ -114,6 +114,24 @@ def built(script: str, *args: str, timeout: float = 300) -> Path:
     identity = fingerprint(script, _options(args), version("megatron-core"), version("torch"),
                            files=tuple(HERE.glob("megatron_*.py")))
     return cached(Path(script).stem, identity, build, " ".join(args))
+
+
+def ds_run(*args: str, ranks: int = 2) -> Path:
+    """The run folder ``tests/ds_run.py FOLDER ARGS`` writes on ``ranks`` ranks under the real torchrun (DeepSpeed
+    on CPU), built once per session (:func:`cached`): test_deepspeed.py, test_deepspeed_cli.py and the deepspeed fuzz
+    family build the same runs. Keyed by ``args`` as given, ``ranks``, ``ds_run.py`` and ``toy.py`` (the model), and
+    the DeepSpeed and torch versions."""
+    from distributed import launch
+
+    def build(out: Path) -> None:
+        r = launch(str(HERE / "ds_run.py"), str(out), *args, ranks=ranks, real=True, env={"DS_ACCELERATOR": "cpu"},
+                   timeout=300)
+        if r.returncode != 0:
+            raise RuntimeError(f"DeepSpeed run {' '.join(args)} failed:\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}")
+
+    identity = fingerprint("ds_run.py", list(args), ranks, version("deepspeed"), version("torch"),
+                           files=(HERE / "ds_run.py", HERE / "toy.py"))
+    return cached("ds_run", identity, build, f"{' '.join(args)} on {ranks} ranks")
 
 
 def _listing(folder: Path) -> dict[str, list[int] | None]:

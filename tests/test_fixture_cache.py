@@ -12,6 +12,8 @@ import pytest
 
 import fixture_cache
 
+pytestmark = pytest.mark.slow  # the shared runs serve the slow tests (megatron-core's, DeepSpeed's) only
+
 # a stand-in for a megatron-core script: it notes each build in COUNT, takes a while, and writes its --out folder
 SCRIPT = """
 import argparse, os, sys, time
