@@ -78,6 +78,25 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = 1
 
 
+@pytest.fixture(scope="session", autouse=True)
+def megatron_runs(tmp_path_factory):
+    """This session's folder of shared megatron-core runs (``fixture_cache.built``; the fuzz families of
+    ``tools/fuzz_megatron.py`` find it in the environment too): one build of each run per session, on any worker."""
+    import fixture_cache
+
+    folder = fixture_cache.session_folder(tmp_path_factory)
+    before = os.environ.get(fixture_cache.CACHE_ENV)
+    os.environ[fixture_cache.CACHE_ENV] = str(folder)
+    yield folder
+    written = fixture_cache.changed(folder) if folder.is_dir() else []
+    if written:
+        pytest.fail(f"a test wrote into the shared megatron-core runs (copy a run to change it): {written[:10]}")
+    if before is None:
+        os.environ.pop(fixture_cache.CACHE_ENV, None)
+    else:
+        os.environ[fixture_cache.CACHE_ENV] = before
+
+
 def _serving(server):
     """A loopback server module's process (``server.start()``) for a fixture: its URL, the process stopped after."""
     try:

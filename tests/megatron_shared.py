@@ -30,7 +30,9 @@ def restore_with_adam(source: str, config: str, train: bool = False) -> dict:
             fully_shard(layer)
         fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with CheckpointManager(CheckpointConfig(checkpoint_dir=str(Path(source).parent / "run")), model=model,
+    # the manager's own folder beside ``config`` (the test's), never beside ``source``: a megatron-core run shared by
+    # the session's test files (fixture_cache.built) is only read
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=str(Path(config).parent / "run")), model=model,
                            optimizer=opt, rng=False) as mgr:
         info = mgr.restore(source)
     assert info.counters["optimizer_restored"] is True

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -54,12 +55,13 @@ def runs(tmp_path_factory):
     the HF Trainer does (``checkpoint-3/``); zero1: ZeRO-1 on 1 rank in bf16; fp16: ZeRO-2 on 1 rank in fp16 with its
     dynamic loss scaler (DeepSpeed's CPU accelerator is told it may: ``ds_run.py``). Each with DeepSpeed's universal
     folder of step 3."""
+    from fixture_cache import ds_run
+
     root = tmp_path_factory.mktemp("ds")
-    out = {"zero2": root / "zero2", "zero3": root / "zero3", "zero1": root / "zero1", "fp16": root / "fp16"}
-    _ds(out["zero2"], "--stage", "2", "--more", "1")
-    _ds(out["zero3"], "--stage", "3", "--bf16", "--model", "llama", "--hf")
-    _ds(out["zero1"], "--stage", "1", "--bf16", ranks=1)
-    _ds(out["fp16"], "--stage", "2", "--fp16", ranks=1)
+    out = {kind: Path(shutil.copytree(ds_run(*args, ranks=ranks), root / kind, symlinks=True))  # a copy: the tests
+           for kind, args, ranks in [("zero2", ("--stage", "2", "--more", "1"), 2),  # below write into it
+                                     ("zero3", ("--stage", "3", "--bf16", "--model", "llama", "--hf"), 2),
+                                     ("zero1", ("--stage", "1", "--bf16"), 1), ("fp16", ("--stage", "2", "--fp16"), 1)]}
     tags = {"zero2": out["zero2"] / "global_step3", "zero3": out["zero3"] / "checkpoint-3" / "global_step3",
             "zero1": out["zero1"] / "global_step3", "fp16": out["fp16"] / "global_step3"}
     return {k: (out[k], tags[k], _universal(tags[k])) for k in out}
@@ -479,9 +481,11 @@ def test_rank_files_swapped_by_name_are_refused_by_name(runs, tmp_path):
 def odd3(tmp_path_factory):
     """ZeRO-3 on 2 ranks (fp32) of the toy model 33 wide: its LayerNorms and second biases hold 33 elements, so each
     rank holds 17 of them and rank 1's last one is padding. With DeepSpeed's universal folder of step 3."""
-    out = tmp_path_factory.mktemp("ds-odd") / "zero3"
-    _ds(out, "--stage", "3", "--hidden", "33")
-    return out, _universal(out / "global_step3")
+    from fixture_cache import ds_run
+
+    out = Path(shutil.copytree(ds_run("--stage", "3", "--hidden", "33"), tmp_path_factory.mktemp("ds-odd") / "zero3",
+                               symlinks=True))  # the deepspeed fuzz family's ZeRO-3 run; copied: the universal folder
+    return out, _universal(out / "global_step3")  # goes beside it
 
 
 def _swap(tag: Path, kind: str) -> None:

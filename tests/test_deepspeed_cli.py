@@ -24,24 +24,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 pytest.importorskip("deepspeed", reason="test-only dependency: pip install --no-build-isolation deepspeed")
 
 from cli_here import ckptio_here  # noqa: E402
-from distributed import launch, run_ranks  # noqa: E402
+from distributed import run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.slow
 HERE = Path(__file__).resolve().parent
-ENV = {"DS_ACCELERATOR": "cpu"}
-
-
-def _ds(out: Path, *args: str) -> None:
-    r = launch(str(HERE / "ds_run.py"), str(out), *args, ranks=2, real=True, env=ENV, timeout=300)
-    assert r.returncode == 0, f"DeepSpeed run failed:\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ds")
-    _ds(root / "zero2", "--stage", "2", "--more", "1")
-    _ds(root / "zero3", "--stage", "3", "--bf16", "--model", "llama", "--hf")
-    return {"zero2": root / "zero2", "zero3": root / "zero3"}
+def runs():
+    """test_deepspeed.py's runs (shared, read-only: ``fixture_cache.ds_run``; a test copies what it changes)."""
+    from fixture_cache import ds_run
+
+    return {"zero2": ds_run("--stage", "2", "--more", "1"),
+            "zero3": ds_run("--stage", "3", "--bf16", "--model", "llama", "--hf")}
 
 
 def _copy(runs, kind: str, tmp_path: Path) -> Path:

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from ckptio.convert.formats import convert
+from fixture_cache import built
 from megatron_shared import check_fixture_adam, restore_with_adam
 
 pytest.importorskip("megatron.core")
@@ -39,13 +40,8 @@ def _megatron(*args: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def made(tmp_path_factory) -> dict[tuple[int, int], Path]:
-    root = tmp_path_factory.mktemp("megatron")
-    out = {}
-    for tp, pp in LAYOUTS:
-        _megatron("--tp", str(tp), "--pp", str(pp), "--out", str(root / f"tp{tp}pp{pp}"))
-        out[(tp, pp)] = root / f"tp{tp}pp{pp}"
-    return out
+def made() -> dict[tuple[int, int], Path]:
+    return {(tp, pp): built("megatron_fixture.py", "--tp", str(tp), "--pp", str(pp)) for tp, pp in LAYOUTS}
 
 
 def _logits(hf: Path, ids: torch.Tensor) -> torch.Tensor:

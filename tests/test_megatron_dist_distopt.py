@@ -14,8 +14,6 @@ flattened_range is not supported".)
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,22 +21,17 @@ import torch
 
 from ckptio.convert.formats import convert
 from ckptio.errors import CheckpointError
+from fixture_cache import built
 from megatron_shared import restore_with_adam
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.slow  # multi-process megatron-core runs
 
-FIXTURE = Path(__file__).with_name("megatron_fixture.py")
-
 
 @pytest.fixture(scope="module")
-def made(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("dist-distopt") / "run"
-    run = subprocess.run([sys.executable, str(FIXTURE), "--tp", "2", "--dp", "2", "--iteration", "3", "--hidden", "48",
-                          "--dist-formats", "fully_reshardable,dp_reshardable", "--out", str(out)],
-                         capture_output=True, text=True, timeout=300, start_new_session=True)
-    assert run.returncode == 0, f"megatron-core run failed:\n{run.stderr[-3000:]}"
-    return out
+def made() -> Path:
+    return built("megatron_fixture.py", "--tp", "2", "--dp", "2", "--iteration", "3", "--hidden", "48",
+                 "--dist-formats", "fully_reshardable,dp_reshardable")
 
 
 def _reference(made: Path) -> tuple[float, dict[str, dict[str, torch.Tensor]]]:

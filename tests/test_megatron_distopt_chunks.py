@@ -22,14 +22,13 @@ and Qwen3-MoE of the VPP x EP runs give Megatron's logits (``reference.pt``) fro
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from ckptio.errors import CheckpointCorruptError, CheckpointError
+from fixture_cache import built
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.slow  # multi-process megatron-core runs
@@ -50,15 +49,8 @@ NAMINGS = {"vpp": "megatron-to-llama", "qwen2moe": "megatron-to-qwen2moe", "qwen
 
 
 @pytest.fixture(scope="module")
-def made(tmp_path_factory) -> dict[str, Path]:
-    runs = {}
-    for name, layout in RUNS.items():
-        out = tmp_path_factory.mktemp(f"distopt-{name}") / "run"
-        run = subprocess.run([sys.executable, str(FIXTURE), *layout, "--dp", "2", "--out", str(out)],
-                             capture_output=True, text=True, timeout=300, start_new_session=True)
-        assert run.returncode == 0, f"megatron-core run failed:\n{run.stderr[-3000:]}"
-        runs[name] = out
-    return runs
+def made() -> dict[str, Path]:
+    return {name: built(FIXTURE.name, *layout, "--dp", "2") for name, layout in RUNS.items()}
 
 
 def _reference(run: Path) -> tuple[float, dict[str, dict[str, torch.Tensor]]]:

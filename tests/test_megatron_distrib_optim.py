@@ -12,14 +12,13 @@ taken from the optimizer's bookkeeping (each DP rank's owned range, gathered), n
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from ckptio.errors import CheckpointCorruptError, CheckpointError
+from fixture_cache import built
 from megatron_shared import restore_with_adam
 
 pytest.importorskip("megatron.core")
@@ -32,37 +31,35 @@ _CANONICAL = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_we
               "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
 
 
-def _train(out: Path, family: str, *layout: str) -> Path:
+def _train(family: str, *layout: str) -> Path:
+    """The run (shared, read-only: ``fixture_cache.built``; the megatron_distopt fuzz family's is the llama one)."""
     layout = layout or ("--tp", "2")
-    run = subprocess.run([sys.executable, str(FIXTURE), *layout, "--dp", "2", "--iteration", "3", "--hidden", "48",
-                          "--bucket", "6192", "--family", family, "--out", str(out)], capture_output=True, text=True,
-                         timeout=300, start_new_session=True)
-    assert run.returncode == 0, f"megatron-core run failed:\n{run.stderr[-3000:]}"
-    return out
+    return built(FIXTURE.name, *layout, "--dp", "2", "--iteration", "3", "--hidden", "48", "--bucket", "6192",
+                 "--family", family)
 
 
 @pytest.fixture(scope="module")
-def made(tmp_path_factory) -> Path:
-    return _train(tmp_path_factory.mktemp("distopt") / "run", "llama")
+def made() -> Path:
+    return _train("llama")
 
 
 @pytest.fixture(scope="module")
-def made_qwen2(tmp_path_factory) -> Path:
+def made_qwen2() -> Path:
     """The same run with Qwen2's biases on the query/key/value projection (48 elements per rank: padded too)."""
-    return _train(tmp_path_factory.mktemp("distopt-qwen2") / "run", "qwen2")
+    return _train("qwen2")
 
 
 @pytest.fixture(scope="module")
-def made_pp2_tied(tmp_path_factory) -> Path:
+def made_pp2_tied() -> Path:
     """Two pipeline stages (the second keeps one bucket whatever the bucket size) and tied embeddings (the last
     stage holds a copy of the embedding, in a bucket of its own): TP=1 x PP=2 x DP=2."""
-    return _train(tmp_path_factory.mktemp("distopt-pp2") / "run", "llama", "--tp", "1", "--pp", "2", "--tied")
+    return _train("llama", "--tp", "1", "--pp", "2", "--tied")
 
 
 @pytest.fixture(scope="module")
-def made_bf16(tmp_path_factory) -> Path:
+def made_bf16() -> Path:
     """Megatron-LM's --bf16: the weights in bf16, the optimizer's master copies and moments in fp32."""
-    return _train(tmp_path_factory.mktemp("distopt-bf16") / "run", "llama", "--tp", "2", "--bf16")
+    return _train("llama", "--tp", "2", "--bf16")
 
 
 def _run_of(request, family: str) -> Path:

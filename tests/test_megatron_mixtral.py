@@ -28,6 +28,7 @@ from ckptio.errors import CheckpointError, ConfigError
 from ckptio.formats.hf_fields import UnsupportedFieldError
 from ckptio.formats.safetensors.sharded import SafetensorsSource
 from cli_here import ckptio_here
+from fixture_cache import built
 from megatron_shared import config_of, respelled, routed_logits, same_weights, with_args
 
 FIXTURE = Path(__file__).with_name("megatron_fixture.py")
@@ -208,12 +209,11 @@ LAYOUTS = [(1, 1, 2), (2, 1, 1), (1, 2, 2)]  # TP, PP, EP
 
 
 @pytest.fixture(scope="module")
-def made(tmp_path_factory) -> dict[tuple[int, int, int], Path]:
+def made() -> dict[tuple[int, int, int], Path]:
+    """The runs (shared, read-only: ``fixture_cache.built``; the megatron_mixtral fuzz family's is TP=1 PP=2 EP=2)."""
     pytest.importorskip("megatron.core")
-    root = tmp_path_factory.mktemp("megatron-mixtral")
-    for tp, pp, ep in LAYOUTS:
-        _megatron("--tp", str(tp), "--pp", str(pp), "--ep", str(ep), "--out", str(root / f"tp{tp}pp{pp}ep{ep}"))
-    return {(tp, pp, ep): root / f"tp{tp}pp{pp}ep{ep}" for tp, pp, ep in LAYOUTS}
+    return {(tp, pp, ep): built(FIXTURE.name, "--family", "mixtral", "--tp", str(tp), "--pp", str(pp), "--ep", str(ep))
+            for tp, pp, ep in LAYOUTS}
 
 
 @pytest.mark.slow

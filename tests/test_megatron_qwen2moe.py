@@ -24,6 +24,7 @@ from ckptio.convert.formats import convert
 from ckptio.errors import CheckpointError
 from ckptio.formats.hf_fields import UnsupportedFieldError
 from cli_here import ckptio_here
+from fixture_cache import built
 from megatron_shared import config_of, respelled, routed_logits, run_fixture, same_weights, with_args
 
 # the fixture's tiny model (megatron_fixture.py --family qwen2moe): 4 experts of 32, 2 per token, a shared one of 48
@@ -153,12 +154,10 @@ TP, EP = 2, 2
 
 
 @pytest.fixture(scope="module")
-def made(tmp_path_factory) -> Path:
+def made() -> Path:
     """One megatron-core run at TP=2 EP=2 (four gloo ranks), routed as norm_topk_prob=False, in both layouts."""
     pytest.importorskip("megatron.core")
-    out = tmp_path_factory.mktemp("megatron-qwen2moe") / "run"
-    run_fixture("--family", "qwen2moe", "--tp", str(TP), "--ep", str(EP), "--out", str(out))
-    return out
+    return built("megatron_fixture.py", "--family", "qwen2moe", "--tp", str(TP), "--ep", str(EP))
 
 
 @pytest.mark.slow

@@ -29,6 +29,7 @@ from ckptio.errors import CheckpointError
 from ckptio.formats.hf_fields import UnsupportedFieldError
 from ckptio.formats.safetensors.sharded import SafetensorsSource
 from cli_here import ckptio_here
+from fixture_cache import built
 from megatron_shared import config_of, respelled, restore_with_adam, same_weights, with_args
 
 FIXTURE = Path(__file__).with_name("megatron_fixture.py")
@@ -259,12 +260,9 @@ LAYOUTS = [(2, 1), (2, 2)]
 
 
 @pytest.fixture(scope="module")
-def made(tmp_path_factory) -> dict[tuple[int, int], Path]:
+def made() -> dict[tuple[int, int], Path]:
     pytest.importorskip("megatron.core")
-    root = tmp_path_factory.mktemp("megatron-qwen3")
-    for tp, pp in LAYOUTS:
-        _megatron("--tp", str(tp), "--pp", str(pp), "--out", str(root / f"tp{tp}pp{pp}"))
-    return {(tp, pp): root / f"tp{tp}pp{pp}" for tp, pp in LAYOUTS}
+    return {(tp, pp): built(FIXTURE.name, "--family", "qwen3", "--tp", str(tp), "--pp", str(pp)) for tp, pp in LAYOUTS}
 
 
 @pytest.mark.slow

@@ -24,6 +24,7 @@ import torch
 from ckptio.convert.formats import convert
 from ckptio.errors import CheckpointError
 from ckptio.formats.hf_fields import UnsupportedFieldError
+from fixture_cache import built
 from megatron_shared import config_of, respelled, routed_logits, run_fixture, same_weights, with_args
 
 # the fixture's tiny model (megatron_fixture.py --family qwen3moe): 4 experts of 32, 2 per token
@@ -143,12 +144,10 @@ def test_megatron_arguments_a_qwen3moe_does_not_compute_are_refused_by_name(hf, 
 
 # ------------------------------------------------------------------------------------------- megatron-core
 @pytest.fixture(scope="module")
-def made(tmp_path_factory) -> Path:
+def made() -> Path:
     """One megatron-core run at TP=2 EP=2 (four gloo ranks), routed as norm_topk_prob=False, in both layouts."""
     pytest.importorskip("megatron.core")
-    out = tmp_path_factory.mktemp("megatron-qwen3moe") / "run"
-    run_fixture("--family", "qwen3moe", "--tp", "2", "--ep", "2", "--out", str(out))
-    return out
+    return built("megatron_fixture.py", "--family", "qwen3moe", "--tp", "2", "--ep", "2")
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from ckptio.convert.formats import convert
+from fixture_cache import built
 from megatron_shared import check_fixture_adam, restore_with_adam, run_fixture
 
 pytest.importorskip("megatron.core")
@@ -23,10 +24,8 @@ pytestmark = pytest.mark.slow  # multi-process megatron-core runs
 
 
 @pytest.fixture(scope="module")
-def made(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("megatron_vpp")
-    run_fixture("--tp", "1", "--pp", "2", "--vpp", "2", "--out", str(root))
-    return root
+def made() -> Path:
+    return built("megatron_fixture.py", "--tp", "1", "--pp", "2", "--vpp", "2")
 
 
 @pytest.fixture(scope="module")

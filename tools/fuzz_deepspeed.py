@@ -32,6 +32,11 @@ def _run(stage: str) -> Path:
                 raise RuntimeError(f"ds_to_universal failed: {r.stderr[-2000:]}")
             (out / "latest_universal").write_text("global_step3_universal")
         return out
+    if os.environ.get("CKPTIO_FIXTURE_CACHE"):  # under pytest: the session's shared run (tests/fixture_cache.py; the
+        sys.path.insert(0, str(HERE.parent / "tests"))  # ZeRO-3 one is test_deepspeed.py's odd3), only read here
+        from fixture_cache import ds_run
+
+        return ds_run("--stage", stage, *(["--hidden", "33"] if stage == "3" else []))
     out = _fixed_dir(f"deepspeed-zero{stage}")
     if not (out / "latest").is_file():
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

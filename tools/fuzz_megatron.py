@@ -19,12 +19,14 @@ and a resume do (detection, every chunk's weights, Adam's state). ``megatron_mix
 files of an EP=2 run of the distributed optimizer (``distrib_optim.pt``: the dense and the experts' chained states),
 and a PP=2 x VPP=2 x EP=2 one's legacy files and torch_dist folders (``megatron_distopt_chunks.py --dist``: with and
 without ``chained_N.`` prefixes). ``megatron_dist_distopt``: a torch_dist checkpoint of
-the DistributedOptimizer in its ``fully_reshardable`` format (``--dp 2 --dist-formats fully_reshardable``: the
-step in ``common.pt``'s parameter groups, the moments in the DCP files), three times in four ``common.pt`` or
-``.metadata`` damaged, read for its weights and Adam's moments and step."""
+the DistributedOptimizer in its ``fully_reshardable`` format (``--dp 2 --dist-formats
+fully_reshardable,dp_reshardable``, test_megatron_dist_distopt.py's run, of which the first is read: the step in
+``common.pt``'s parameter groups, the moments in the DCP files), three times in four ``common.pt`` or ``.metadata``
+damaged, read for its weights and Adam's moments and step."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -38,15 +40,26 @@ HERE = Path(__file__).resolve().parent
 ITER = "iter_0000003"
 
 
-def _run() -> Path:
-    out = _fixed_dir("megatron-distopt")
-    if not (out / "legacy" / "latest_checkpointed_iteration.txt").is_file():
-        cmd = [sys.executable, str(HERE.parent / "tests" / "megatron_fixture.py"), "--tp", "2", "--dp", "2",
-               "--iteration", "3", "--hidden", "48", "--bucket", "6192", "--out", str(out)]
+def _built(name: str, sub: str, script: str, *args: str) -> Path:
+    """The folder ``tests/<script> ARGS --out FOLDER`` writes (once per run of the fuzzer); under pytest the test
+    session's shared one (``tests/fixture_cache.py``: the test files build the same runs; it is only read here)."""
+    if os.environ.get("CKPTIO_FIXTURE_CACHE"):
+        sys.path.insert(0, str(HERE.parent / "tests"))
+        from fixture_cache import built
+
+        return built(script, *args, timeout=600)
+    out = _fixed_dir(name)
+    if not (out / sub / "latest_checkpointed_iteration.txt").is_file():
+        cmd = [sys.executable, str(HERE.parent / "tests" / script), *args, "--out", str(out)]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if r.returncode != 0:
             raise RuntimeError(f"the megatron-core run failed: {r.stderr[-2000:]}")
-    return out / "legacy"
+    return out
+
+
+def _run() -> Path:
+    return _built("megatron-distopt", "legacy", "megatron_fixture.py", "--tp", "2", "--dp", "2", "--iteration", "3",
+                  "--hidden", "48", "--bucket", "6192", "--family", "llama") / "legacy"
 
 
 def _read(root: Path) -> dict[str, torch.Tensor]:
@@ -94,13 +107,7 @@ class MegatronDistOpt:
 
 
 def _fixture(name: str, sub: str, *args: str, script: str = "megatron_fixture.py") -> Path:
-    out = _fixed_dir(name)
-    if not (out / sub / "latest_checkpointed_iteration.txt").is_file():
-        cmd = [sys.executable, str(HERE.parent / "tests" / script), *args, "--out", str(out)]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if r.returncode != 0:
-            raise RuntimeError(f"the megatron-core run failed: {r.stderr[-2000:]}")
-    return out / sub
+    return _built(name, sub, script, *args) / sub
 
 
 def _read_any(root: Path) -> dict[str, torch.Tensor]:
@@ -151,15 +158,8 @@ class _Damaged(MegatronDistOpt):
 def _mixtral_run(family: str = "mixtral") -> Path:
     """A Mixtral (or another ``family`` of experts) written by megatron-core at TP=1 PP=2 EP=2 (``mp_rank_TT_PPP_EEE``
     rank folders and torch_dist)."""
-    out = _fixed_dir(f"megatron-{family}")
-    if not (out / "torch_dist" / "latest_checkpointed_iteration.txt").is_file():
-        cmd = [sys.executable, str(HERE.parent / "tests" / "megatron_fixture.py"), "--family", family, "--tp", "1",
-               "--pp", "2", "--ep", "2", "--out", str(out)]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if r.returncode != 0:
-            raise RuntimeError(f"the megatron-core run failed: {r.stderr[-2000:]}")
-        (out / "reference.pt").unlink()
-    return out
+    return _built(f"megatron-{family}", "torch_dist", "megatron_fixture.py", "--family", family, "--tp", "1", "--pp",
+                  "2", "--ep", "2")
 
 
 def _read_mixtral(root: Path, layout: str) -> dict[str, torch.Tensor]:
@@ -233,6 +233,6 @@ FAMILIES = {
                              ("model_optim_rng.pt", "distrib_optim.pt")),
     "megatron_dist_distopt": _Damaged(lambda: _fixture("megatron-dist-distopt", "torch_dist_fully_reshardable",
                                                        "--tp", "2", "--dp", "2", "--iteration", "3", "--hidden", "48",
-                                                       "--dist-formats", "fully_reshardable"),
+                                                       "--dist-formats", "fully_reshardable,dp_reshardable"),
                                       ("common.pt", ".metadata")),
 }
