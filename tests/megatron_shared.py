@@ -147,14 +147,17 @@ def respelled(src: Path, **changes) -> Path:
     return src
 
 
-def with_args(hf: Path, tmp_path: Path, **changes) -> Path:
-    """``hf`` exported to torch_dist in ``tmp_path/mg``, its recorded Megatron ``args`` then changed by ``changes``."""
+def with_args(hf: Path, tmp_path: Path, layout: str = "dist", tp: int = 1, **changes) -> Path:
+    """``hf`` exported to Megatron (``layout``, ``tp``) in ``tmp_path/mg``, its recorded Megatron ``args`` then changed
+    by ``changes`` (in ``common.pt``, or in every legacy rank file)."""
     from ckptio.convert.formats import convert
 
-    out = convert(hf, tmp_path / "mg", "megatron", options={"layout": "dist"})
-    common = out / "iter_0000000" / "common.pt"
-    state = torch.load(common, weights_only=False)
-    for k, v in changes.items():
-        setattr(state["args"], k, v)
-    torch.save(state, common)
+    out = convert(hf, tmp_path / "mg", "megatron", options={"layout": layout, "tp": tp})
+    files = [out / "iter_0000000" / "common.pt"] if layout == "dist" else \
+        sorted((out / "iter_0000000").glob("mp_rank_*/model_optim_rng.pt"))
+    for f in files:
+        state = torch.load(f, weights_only=False)
+        for k, v in changes.items():
+            setattr(state["args"], k, v)
+        torch.save(state, f)
     return out

@@ -404,3 +404,19 @@ def test_args_that_are_no_namespace_are_refused_by_name(hf, tmp_path):
     with pytest.raises(CheckpointError, match=r"the run's args are missing|its args are a int, not the run's arguments"):
         convert(out, tmp_path / "back", "hf")
     assert not (tmp_path / "back").exists()
+
+
+@pytest.mark.parametrize("layout,tp,arg,value,says", [
+    ("dist", 1, "moe_ffn_hidden_size", 16, r"decoder\.layers\.\d\.mlp\.experts\.\d\.linear_fc[12]\.weight \(torch_dist "
+     r"tensor decoder\.layers\.mlp\.experts\.experts\.linear_fc[12]\.weight\[\d, \d\]\) has shape .* of the run's "
+     r"moe_ffn_hidden_size=16"),
+    ("legacy", 2, "moe_ffn_hidden_size", 16, r"mlp\.experts\.\d\.linear_fc[12]\.weight \(its tensor-parallel shards "
+     r"merged, TP=2\) has shape .* of the run's moe_ffn_hidden_size=16"),
+    ("legacy", 2, "num_layers", 5, r"holds 4 layers, but the run's num_layers=5"),
+])
+def test_args_that_disagree_with_the_weights_are_refused_by_name(hf, tmp_path, layout, tp, arg, value, says):
+    """Issue 69: each expert's size is the run's moe_ffn_hidden_size (config.json's intermediate_size)."""
+    out = with_args(hf, tmp_path, layout=layout, tp=tp, **{arg: value})
+    with pytest.raises(CheckpointError, match=says):
+        convert(out, tmp_path / "back", "hf")
+    assert not (tmp_path / "back").exists()
