@@ -47,7 +47,7 @@ def check(index: dict[str, Any], args: Any, config: dict[str, Any], layers: int,
                                          f"{switch}={_arg(args, switch)!r}")
     moe.check(index, args, layers, where)
     recorded = _arg(args, "num_layers", None)
-    if type(recorded) is int and recorded != layers:
+    if type(recorded) is int and recorded != layers and index:  # (none: a torch_dist save without optimizer state)
         raise CheckpointCorruptError(f"{where}: holds {layers} layers, but the run's num_layers={recorded}")
     sizes = _sizes(args, config, where)
     for name, info in index.items():
