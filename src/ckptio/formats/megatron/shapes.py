@@ -2,8 +2,9 @@
 written or loaded.
 
 A conversion writes the Hugging Face ``config.json`` made of the run's ``args`` (:func:`.config.hf_config`) beside
-the weights: it must describe them. So each tensor, its tensor-parallel shards merged and its experts gathered, has the
-shape the sizes in the config give, and each size names the argument it comes from when it does not:
+the weights: it must describe them. So each tensor, its tensor-parallel shards merged and its experts gathered, must
+have the shape the sizes in the config give, or the read is refused naming the tensor, where it was read, its shape,
+the expected one and the arguments giving that:
 
 * ``hidden_size`` every norm, the embedding's and output layer's columns, every projection's input or output;
 * ``num_attention_heads``, ``num_query_groups`` (with ``group_query_attention``) and ``kv_channels`` the fused
