@@ -149,15 +149,22 @@ def respelled(src: Path, **changes) -> Path:
 
 def with_args(hf: Path, tmp_path: Path, layout: str = "dist", tp: int = 1, **changes) -> Path:
     """``hf`` exported to Megatron (``layout``, ``tp``) in ``tmp_path/mg``, its recorded Megatron ``args`` then changed
-    by ``changes`` (in ``common.pt``, or in every legacy rank file)."""
+    by ``changes`` (:func:`rewrite_args`)."""
     from ckptio.convert.formats import convert
 
     out = convert(hf, tmp_path / "mg", "megatron", options={"layout": layout, "tp": tp})
-    files = [out / "iter_0000000" / "common.pt"] if layout == "dist" else \
-        sorted((out / "iter_0000000").glob("mp_rank_*/model_optim_rng.pt"))
+    rewrite_args(out / "iter_0000000", **changes)
+    return out
+
+
+def rewrite_args(iteration: Path, **changes) -> None:
+    """The Megatron ``args`` recorded in the iteration folder ``iteration`` changed by ``changes``, in place: in its
+    ``common.pt`` (torch_dist), or in every legacy rank file (copy a shared fixture first)."""
+    files = [iteration / "common.pt"] if (iteration / "common.pt").is_file() else \
+        sorted(iteration.glob("mp_rank_*/model_optim_rng.pt"))
+    assert files, f"no args in {iteration}"
     for f in files:
         state = torch.load(f, weights_only=False)
         for k, v in changes.items():
             setattr(state["args"], k, v)
         torch.save(state, f)
-    return out

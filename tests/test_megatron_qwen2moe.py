@@ -262,3 +262,19 @@ def test_args_that_disagree_with_the_weights_are_refused_by_name(hf, tmp_path, l
     with pytest.raises(CheckpointError, match=says):
         convert(out, tmp_path / "back", "hf")
     assert not (tmp_path / "back").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["torch_dist", "legacy"])
+def test_megatron_cores_run_with_a_shared_expert_size_its_weights_do_not_have_is_refused(made, tmp_path, layout):
+    """Issue 69 on megatron-core's own run (TP=2 EP=2, shared expert of 48): its saved args changed to
+    moe_shared_expert_intermediate_size=24 are refused by name, nothing written."""
+    from megatron_shared import rewrite_args
+
+    run = Path(shutil.copytree(made / layout, tmp_path / "run"))  # the fixture is shared: a copy
+    rewrite_args(run / "iter_0000002", moe_shared_expert_intermediate_size=24)
+    with pytest.raises(CheckpointError, match=r"mlp\.shared_experts\.linear_fc[12]\.weight \(.*\) has shape "
+                       r"\[(96, 64|64, 48)\], not the \[(48, 64|64, 24)\] of the run's "
+                       r"moe_shared_expert_intermediate_size=24"):
+        convert(run, tmp_path / "back", "hf")
+    assert not (tmp_path / "back").exists()
