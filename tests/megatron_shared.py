@@ -164,16 +164,13 @@ def respelled(src: Path, **changes) -> Path:
     return src
 
 
-def with_args(hf: Path, tmp_path: Path, **changes) -> Path:
-    """``hf`` exported to torch_dist in ``tmp_path/mg``, its recorded Megatron ``args`` then changed by ``changes``."""
+def with_args(hf: Path, tmp_path: Path, layout: str = "dist", tp: int = 1, **changes) -> Path:
+    """``hf`` exported to Megatron (``layout``, ``tp``) in ``tmp_path/mg``, its recorded Megatron ``args`` then changed
+    by ``changes`` (:func:`rewrite_args`)."""
     from ckptio.convert.formats import convert
 
-    out = convert(hf, tmp_path / "mg", "megatron", options={"layout": "dist"})
-    common = out / "iter_0000000" / "common.pt"
-    state = torch.load(common, weights_only=False)
-    for k, v in changes.items():
-        setattr(state["args"], k, v)
-    torch.save(state, common)
+    out = convert(hf, tmp_path / "mg", "megatron", options={"layout": layout, "tp": tp})
+    rewrite_args(out / "iter_0000000", **changes)
     return out
 
 
@@ -221,3 +218,16 @@ def _qkv(fused: torch.Tensor, groups: int, head_dim: int) -> tuple[torch.Tensor,
     per = fused.reshape(groups, -1, *fused.shape[1:])
     q = per.shape[1] - 2 * head_dim
     return tuple(t.reshape(-1, *fused.shape[1:]) for t in per.split([q, head_dim, head_dim], dim=1))
+
+
+def rewrite_args(iteration: Path, **changes) -> None:
+    """The Megatron ``args`` recorded in the iteration folder ``iteration`` changed by ``changes``, in place: in its
+    ``common.pt`` (torch_dist), or in every legacy rank file (copy a shared fixture first)."""
+    files = [iteration / "common.pt"] if (iteration / "common.pt").is_file() else \
+        sorted(iteration.glob("mp_rank_*/model_optim_rng.pt"))
+    assert files, f"no args in {iteration}"
+    for f in files:
+        state = torch.load(f, weights_only=False)
+        for k, v in changes.items():
+            setattr(state["args"], k, v)
+        torch.save(state, f)

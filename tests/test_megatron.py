@@ -312,3 +312,25 @@ def test_a_config_without_rms_norm_eps_or_rope_gets_the_model_types_own_defaults
     config = {k: v for k, v in config.items() if v is not None or k == "sliding_window"}
     args = megatron_args(config, 1, 1, "torch_dist")
     assert (args.norm_epsilon, args.rotary_base) == (default.rms_norm_eps, default.rope_parameters["rope_theta"])
+
+
+@pytest.mark.parametrize("layout,tp,arg,value,says", [
+    ("dist", 1, "ffn_hidden_size", 96, r"decoder\.layers\.\d\.mlp\.linear_fc[12]\.weight \(torch_dist tensor "
+     r"decoder\.layers\.mlp\.linear_fc[12]\.weight\[\d\]\) has shape \[(256, 64|64, 128)\], not the "
+     r"\[(192, 64|64, 96)\] of the run's ffn_hidden_size=96"),
+    ("legacy", 2, "ffn_hidden_size", 96, r"mlp\.linear_fc[12]\.weight \(its tensor-parallel shards merged, TP=2\) "
+     r"has shape .* of the run's ffn_hidden_size=96"),
+    ("legacy", 2, "hidden_size", 32, r"has shape \[.*64.*\], not the \[.*32.*\] of the run's hidden_size=32"),
+    ("legacy", 2, "padded_vocab_size", 384, r"embedding\.word_embeddings\.weight .*has shape \[256, 64\], not the "
+     r"\[384, 64\] of the run's padded_vocab_size=384"),
+    ("dist", 1, "num_layers", 3, r"holds 4 layers, but the run's num_layers=3"),
+])
+def test_args_that_disagree_with_the_weights_are_refused_by_name(hf, tmp_path, layout, tp, arg, value, says):
+    """Issue 69: each tensor, its TP shards merged, has the shape the run's args give (the config.json written from
+    them); one arg changed in the saved args is refused by name, nothing written."""
+    from megatron_shared import with_args
+
+    out = with_args(hf, tmp_path, layout=layout, tp=tp, **{arg: value})
+    with pytest.raises(CheckpointCorruptError, match=says):
+        convert(out, tmp_path / "back", "hf")
+    assert not (tmp_path / "back").exists()

@@ -357,7 +357,8 @@ def _rewrite_rank(out: Path, rank: str, change) -> None:
 
 @pytest.mark.parametrize("key,value,says", [
     ("decoder.layers.0.self_attention.linear_proj.weight", torch.zeros(64), r"has 1 dimension\(s\).*dimension 1"),
-    ("decoder.layers.0.self_attention.linear_qkv.weight", torch.zeros(0), r"cannot become|query/key/value projection has shape \(0,\)"),
+    ("decoder.layers.0.self_attention.linear_qkv.weight", torch.zeros(0),
+     r"linear_qkv\.weight \(.*\) has shape \[0\], not the \[128, 64\] of the run's num_attention_heads=4"),
 ])
 def test_rank_files_whose_shapes_cannot_be_merged_or_split_are_refused_by_name(hf, tmp_path, key, value, says):
     """Two inputs of the megatron_mixtral fuzz family (tools/fuzz_megatron.py), which met the dense readers too:
@@ -402,5 +403,21 @@ def test_args_that_are_no_namespace_are_refused_by_name(hf, tmp_path):
     state["args"] = 7
     torch.save(state, common)
     with pytest.raises(CheckpointError, match=r"the run's args are missing|its args are a int, not the run's arguments"):
+        convert(out, tmp_path / "back", "hf")
+    assert not (tmp_path / "back").exists()
+
+
+@pytest.mark.parametrize("layout,tp,arg,value,says", [
+    ("dist", 1, "moe_ffn_hidden_size", 16, r"decoder\.layers\.\d\.mlp\.experts\.\d\.linear_fc[12]\.weight \(torch_dist "
+     r"tensor decoder\.layers\.mlp\.experts\.experts\.linear_fc[12]\.weight\[\d, \d\]\) has shape .* of the run's "
+     r"moe_ffn_hidden_size=16"),
+    ("legacy", 2, "moe_ffn_hidden_size", 16, r"mlp\.experts\.\d\.linear_fc[12]\.weight \(its tensor-parallel shards "
+     r"merged, TP=2\) has shape .* of the run's moe_ffn_hidden_size=16"),
+    ("legacy", 2, "num_layers", 5, r"holds 4 layers, but the run's num_layers=5"),
+])
+def test_args_that_disagree_with_the_weights_are_refused_by_name(hf, tmp_path, layout, tp, arg, value, says):
+    """Issue 69: each expert's size is the run's moe_ffn_hidden_size (config.json's intermediate_size)."""
+    out = with_args(hf, tmp_path, layout=layout, tp=tp, **{arg: value})
+    with pytest.raises(CheckpointError, match=says):
         convert(out, tmp_path / "back", "hf")
     assert not (tmp_path / "back").exists()

@@ -233,3 +233,37 @@ def test_fuzz_family_smoke(made):
         if not (_fixed_dir("megatron-qwen2moe") / layout).exists():
             shutil.copytree(made / layout, _fixed_dir("megatron-qwen2moe") / layout)
     fuzz_smoke("megatron_qwen2moe", 30)
+
+
+@pytest.mark.parametrize("layout,tp,arg,value,says", [
+    ("dist", 1, "moe_shared_expert_intermediate_size", 24, r"decoder\.layers\.\d\.mlp\.shared_experts\.linear_fc[12]"
+     r"\.weight \(torch_dist tensor decoder\.layers\.mlp\.shared_experts\.linear_fc[12]\.weight\[\d\]\) has shape "
+     r"\[(96, 64|64, 48)\], not the \[(48, 64|64, 24)\] of the run's moe_shared_expert_intermediate_size=24"),
+    ("legacy", 2, "moe_shared_expert_intermediate_size", 24, r"mlp\.shared_experts\.linear_fc[12]\.weight \(its "
+     r"tensor-parallel shards merged, TP=2\) has shape .* of the run's moe_shared_expert_intermediate_size=24"),
+    ("legacy", 2, "moe_ffn_hidden_size", 64, r"mlp\.experts\.\d\.linear_fc[12]\.weight .* of the run's "
+     r"moe_ffn_hidden_size=64"),
+])
+def test_args_that_disagree_with_the_weights_are_refused_by_name(hf, tmp_path, layout, tp, arg, value, says):
+    """Issue 69: a shared expert of 48 saved with moe_shared_expert_intermediate_size=24 gave a config.json of 24
+    beside weights of 48; each tensor now has the shape the run's args give, or the read is refused by name."""
+    out = with_args(hf, tmp_path, layout=layout, tp=tp, **{arg: value})
+    with pytest.raises(CheckpointError, match=says):
+        convert(out, tmp_path / "back", "hf")
+    assert not (tmp_path / "back").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["torch_dist", "legacy"])
+def test_megatron_cores_run_with_a_shared_expert_size_its_weights_do_not_have_is_refused(made, tmp_path, layout):
+    """Issue 69 on megatron-core's own run (TP=2 EP=2, shared expert of 48): its saved args changed to
+    moe_shared_expert_intermediate_size=24 are refused by name, nothing written."""
+    from megatron_shared import rewrite_args
+
+    run = Path(shutil.copytree(made / layout, tmp_path / "run"))  # the fixture is shared: a copy
+    rewrite_args(run / "iter_0000002", moe_shared_expert_intermediate_size=24)
+    with pytest.raises(CheckpointError, match=r"mlp\.shared_experts\.linear_fc[12]\.weight \(.*\) has shape "
+                       r"\[(96, 64|64, 48)\], not the \[(48, 64|64, 24)\] of the run's "
+                       r"moe_shared_expert_intermediate_size=24"):
+        convert(run, tmp_path / "back", "hf")
+    assert not (tmp_path / "back").exists()

@@ -198,3 +198,18 @@ def test_restore_from_megatron_brings_a_qwen3moe_its_experts_norms_and_their_mom
         assert got[key].dtype == torch.float32 and torch.equal(got[key], value), key
     assert {v.item() for k, v in got.items() if k.endswith(".step")} == {1.0}
     check_fixture_adam(got, params=47)
+
+
+@pytest.mark.parametrize("layout,tp,arg,value,says", [
+    ("dist", 1, "moe_ffn_hidden_size", 16, r"decoder\.layers\.\d\.mlp\.experts\.\d\.linear_fc[12]\.weight \(torch_dist "
+     r"tensor decoder\.layers\.mlp\.experts\.experts\.linear_fc[12]\.weight\[\d, \d\]\) has shape .* of the run's "
+     r"moe_ffn_hidden_size=16"),
+    ("legacy", 2, "hidden_size", 128, r"has shape \[.*64.*\], not the \[.*128.*\] of the run's hidden_size=128"),
+])
+def test_args_that_disagree_with_the_weights_are_refused_by_name(hf, tmp_path, layout, tp, arg, value, says):
+    """Issue 69: each expert's size is the run's moe_ffn_hidden_size (config.json's moe_intermediate_size), every
+    projection's the run's hidden_size."""
+    out = with_args(hf, tmp_path, layout=layout, tp=tp, **{arg: value})
+    with pytest.raises(CheckpointError, match=says):
+        convert(out, tmp_path / "back", "hf")
+    assert not (tmp_path / "back").exists()

@@ -38,10 +38,10 @@ from ...storage.confined import Folder
 from ...storage.parse import json_object
 from ..common import TensorInfo, dtype_name
 from .config import _arg, args_from_files, hf_config
-from .layout import (GLOBAL_SPLIT, ITERATION_FILE, LAYER_SPLIT, NEMO_RANK_FILE, OPTIONAL, RANK_FILE, VOCAB_KEYS,
+from .layout import (GLOBAL_SPLIT, ITERATION_FILE, LAYER_SPLIT, NEMO_RANK_FILE, RANK_FILE, VOCAB_KEYS,
                      _LAYER, _RENAME, _rank_files, carry_side_files, iteration_folder, layout_of)
 from ..registry import Format, Opened, WriteOptions, register
-from . import moe
+from . import moe, shapes
 
 _CHAINED = re.compile(r"^chained_\d+\.(?=optimizer\.)")
 """The prefix of a chained optimizer's tensors in torch_dist (megatron-core's ``ChainedOptimizer``, its ``N``-th
@@ -257,6 +257,12 @@ class _DistModel:
         self.index[name] = info
         self._where[name] = (key, layer)
 
+    def origin(self, name: str) -> str:
+        """Where ``name`` is read: its torch_dist tensor (and its index there when it stacks layers or experts)."""
+        key, layer = self._where[name]
+        return f"torch_dist tensor {key}" + ("" if layer is None else str([layer] if isinstance(layer, int) else
+                                                                          list(layer)))
+
     def read(self, name: str) -> torch.Tensor:
         key, layer = self._where[name]
         if layer is None:
@@ -286,9 +292,10 @@ class MegatronSource:
             self._index = {k: TensorInfo(tuple(v.shape), dtype_name(v.dtype)) for k, v in tensors.items()}
             self._read = tensors.__getitem__
             self.info["layers"] = 1 + max((int(m.group(1)) for m in map(_LAYER.match, tensors) if m), default=-1)
+            self._origin = lambda name: f"its tensor-parallel shards merged, TP={self.info.get('tp')}"
         elif self.layout == "dist":
             dist = _DistModel(self.folder, prefix)
-            self.info, self._index, self._read = dist.info, dist.index, dist.read
+            self.info, self._index, self._read, self._origin = dist.info, dist.index, dist.read, dist.origin
         else:
             raise CheckpointError(f"{path}: not a Megatron checkpoint (no mp_rank_* folders, no metadata.json and "
                                   "common.pt)")
@@ -301,20 +308,13 @@ class MegatronSource:
         rows = self._index["embedding.word_embeddings.weight"].shape[0] if "embedding.word_embeddings.weight" in \
             self._index else 0
         self.config = hf_config(args, self.folder, self.info["layers"], rows)
-        for suffix, switch in OPTIONAL.items():  # Qwen2's biases, Qwen3's q/k norms: in every layer exactly then
-            held = sum(k.endswith(suffix) for k in self._index)
-            if held != (self.info["layers"] if _arg(args, switch, False) else 0):
-                raise CheckpointCorruptError(f"{self.folder}: {held} of its {self.info['layers']} layers hold "
-                                             f"{suffix}, but the run's {switch}={_arg(args, switch)!r}")
-        moe.check(self._index, args, self.info["layers"], self.folder)
+        shapes.check(self._index, args, self.config, self.info["layers"], self.folder, self._origin)  # names, shapes
         if self.config["tie_word_embeddings"]:  # a last-stage copy of the tied embedding is not a weight of its own
             self._index.pop("output_layer.weight", None)
         self.vocab = self.config["vocab_size"]
         for key in VOCAB_KEYS:
             if key in self._index:
-                shape = self._index[key].shape
-                if shape[0] < self.vocab:
-                    raise CheckpointCorruptError(f"{self.folder}: {key} has {shape[0]} rows for a vocabulary of {self.vocab}")
+                shape = self._index[key].shape  # of at least vocab rows (shapes.check)
                 self._index[key] = TensorInfo((self.vocab, *shape[1:]), self._index[key].dtype)
 
     def index(self) -> dict[str, TensorInfo]:
