@@ -33,7 +33,8 @@ A mixture of experts (a Mixtral) goes as megatron-core's ``get_megatron_optimize
 over the expert-parallel parameters (its own ``is_expert_parallel`` groups), ``common.pt``'s ``optimizer`` the two
 states ``{0: dense, 1: experts}``, their tensors keyed without a ``chained_N.`` prefix as ``content_metadata``'s
 ``chained_optim_avoid_prefix`` says (Megatron-LM's saves set it); in a legacy rank file (of each expert-parallel
-rank), the list of the two optimizers' entries (:func:`legacy_state`).
+rank), the list of the two optimizers' entries (:func:`legacy_state`), with virtual pipeline stages each over the
+rank's model chunks (the distributed ones a buffer per chunk that has their parameters).
 """
 
 from __future__ import annotations
