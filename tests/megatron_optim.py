@@ -13,7 +13,8 @@ FILE gets, per parameter (whole: TP shards merged, vocabulary padding cut), its 
 after the step, its gradient and its group's hyper-parameters at the step, and the loss.
 
 With ``--pp 2 [--vpp V] [--tied]`` a legacy export is loaded stage by stage, chunk by chunk, and trained one step on a
-made-up loss (:func:`train_pipeline_worker`); a tied embedding's last-stage copy goes under FILE's ``copies``.
+made-up loss (:func:`train_pipeline_worker`); a tied embedding's last-stage copy goes under FILE's ``copies``; with
+``--family mixtral --ep E`` too, each expert-parallel rank from its own ``mp_rank_TT_PPP_EEE`` folder.
 """
 import datetime
 import os
@@ -229,12 +230,13 @@ def train_pipeline_worker(rank, tp, pp, vpp, dp, tied, src, out, store_file):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 virtual_pipeline_model_parallel_size=vpp)
+                                 virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=mf.EP)
     torch.manual_seed(mf.SEED)
     model_parallel_cuda_manual_seed(mf.SEED)
     tp_rank, pp_rank, dp_rank = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
                                  ps.get_data_parallel_rank())
-    folder = os.path.join(src, f"mp_rank_{tp_rank:02d}_{pp_rank:03d}")
+    folder = os.path.join(src, f"mp_rank_{tp_rank:02d}_{pp_rank:03d}" + (  # Megatron-LM appends the EP rank
+        f"_{ps.get_expert_model_parallel_rank():03d}" if mf.EP > 1 else ""))
     obj = torch.load(os.path.join(folder, "model_optim_rng.pt"), weights_only=False)
     states = [obj["model"]] if not vpp else [obj[f"model{v}"] for v in range(vpp)]
     vocab = next(t.shape[0] * tp for s in states for k, t in s.items()

@@ -248,3 +248,19 @@ def test_a_chained_optimizers_tensor_under_both_prefixes_is_refused(made, tmp_pa
         shutil.copy(src / name, dst / name)
     with pytest.raises(CheckpointCorruptError, match=r"both hold"):
         _read(dst)
+
+
+@pytest.mark.parametrize("run", ["vppep", "qwen2moe", "qwen3moe"])
+def test_ckptios_export_registers_parameters_in_megatron_cores_own_order(made, run):
+    """The order ckptio's legacy export lays a rank's parameters out in (the plain optimizer's positions, the
+    distributed optimizer's buffers, :func:`registered`) is the order of megatron-core's own rank files: a Qwen2-MoE's
+    shared expert's gate, a parameter of ``SharedExpertMLP`` itself, before its ``linear_fc1``/``linear_fc2``."""
+    from ckptio.formats.megatron.optim_write import registered
+
+    files = sorted((made[run] / "legacy" / ITER).glob("*/model_optim_rng.pt"))
+    assert len(files) == 4
+    for path in files:
+        obj = torch.load(path, weights_only=False)
+        for v in range(2):
+            megatrons = [n for n, t in obj[f"model{v}"].items() if isinstance(t, torch.Tensor)]
+            assert list(registered(obj[f"model{v}"]))[:len(megatrons)] == megatrons, (path, v)

@@ -270,7 +270,7 @@ def test_megatron_core_loads_a_mixtral_ckptio_exports_at_another_expert_parallel
 
 @pytest.mark.parametrize("options,says", [
     ({"ep": 2}, "applies to the legacy layout"), ({"ep": 3, "layout": "legacy"}, "cannot split the model's 4 experts"),
-    ({"ep": 2, "layout": "legacy", "pp": 2, "vpp": 2}, "with --vpp: expert-parallel rank folders")])
+    ({"ep": 2, "layout": "legacy", "pp": 2, "vpp": 4}, "cannot split 4 layers into PP=2 x 4 virtual pipeline")])
 def test_expert_parallel_rank_folders_that_cannot_be_written_are_refused_by_name(hf, tmp_path, options, says):
     with pytest.raises(ConfigError, match=says):
         convert(hf, tmp_path / "mg", "megatron", options=options)

@@ -246,11 +246,11 @@ def trained_moe(request, tmp_path_factory):
     return torch.load(root / "trained.pt"), model, opt, layout_kind, out
 
 
-def _megatron_named_moe(model, opt, moment: str | None) -> dict[str, torch.Tensor]:
-    """The mixture's weights (or one moment), its live fused experts split per expert, under Megatron-Core names."""
+def _saved_moe(model, opt, moment: str | None):
+    """The mixture's weights (or one moment) as a source under the Hugging Face names of a saved checkpoint (its
+    live fused experts split per expert)."""
     from ckptio.formats.common import TensorInfo, dtype_name
     from ckptio.formats.live_experts import as_saved
-    from ckptio.formats.naming import _RenamedSource, get_converter
 
     class Held:
         folder = None
@@ -262,9 +262,15 @@ def _megatron_named_moe(model, opt, moment: str | None) -> dict[str, torch.Tenso
         def read(self, key):
             return self.t[key]
 
-    kind = model.config.model_type
-    naming = "mixtral-to-megatron" if kind == "mixtral" else "qwen2moe-to-megatron"  # Qwen3-MoE's too
-    renamed = _RenamedSource(as_saved(Held(), kind), get_converter(naming), model.config.to_dict())
+    return as_saved(Held(), model.config.model_type)
+
+
+def _megatron_named_moe(model, opt, moment: str | None) -> dict[str, torch.Tensor]:
+    """The mixture's weights (or one moment), its live fused experts split per expert, under Megatron-Core names."""
+    from ckptio.formats.naming import _RenamedSource, get_converter
+
+    naming = "mixtral-to-megatron" if model.config.model_type == "mixtral" else "qwen2moe-to-megatron"  # Qwen3-MoE's
+    renamed = _RenamedSource(_saved_moe(model, opt, moment), get_converter(naming), model.config.to_dict())
     return {k: renamed.read(k) for k in renamed.index()}
 
 
@@ -369,3 +375,46 @@ def test_megatron_core_loads_a_legacy_vpp_export_with_a_tied_embedding_bitwise_a
     for name, p in model.named_parameters():
         for moment, source in moments.items():
             assert torch.equal(source.read(name), opt.state[p][moment]), (moment, name)
+
+
+@pytest.fixture(scope="module", params=["plain", "distributed"])
+def trained_legacy_vpp_ep(request, tmp_path_factory):
+    """The Mixtral exported in the legacy layout at PP=2 x VPP=2 x EP=2 (``mp_rank_00_PPP_EEE`` rank files with
+    ``model0``, ``model1``, each EP rank's two experts its local experts; the optimizer the chained dense and experts'
+    one, each over both chunks, with the distributed optimizer a buffer per chunk in each), loaded by megatron-core
+    on PP=2 x DP=2 (EP=2 over the data-parallel ranks: four ranks) as Megatron-LM's legacy load_checkpoint does, each
+    chunk strictly, and trained one step."""
+    kind = request.param
+    root = tmp_path_factory.mktemp(f"megatron_optim_legacy_vpp_ep_{kind}")
+    step, model, opt = _moe_step_dir(root / "ck", "mixtral")
+    out = convert(step, root / "export", "megatron", options={"pp": 2, "vpp": 2, "ep": 2, "layout": "legacy",
+                                                              "optimizer": kind})
+    run_fixture("--family", "mixtral", "--pp", "2", "--vpp", "2", "--ep", "2", "--dp", "2",
+                "--train", str(out / "iter_0000002"), "--train-optimizer", kind, "--out", str(root / "trained.pt"))
+    return torch.load(root / "trained.pt"), model, opt, out, kind
+
+
+def test_megatron_core_loads_a_mixtrals_legacy_vpp_ep_export_bitwise_and_trains_on(trained_legacy_vpp_ep):
+    """Every chunk's weights and Adam state, each expert's from the EP rank that holds it, are ckptio's, bitwise, the
+    experts in the experts' optimizer (``is_expert_parallel``); one step later the step is 3 and everything has moved.
+    ckptio's own reader lays the distributed optimizer's buffers out again and finds the source's state."""
+    from ckptio.formats.megatron.format import MegatronFormat
+
+    got, model, opt, out, kind = trained_legacy_vpp_ep
+    assert sorted(p.name for p in (out / "iter_0000002").iterdir()) == [
+        f"mp_rank_00_{p:03d}_{e:03d}" for p in range(2) for e in range(2)]
+    assert got["iteration"] == 2
+    _megatron_holds_ours(got, model, opt, _megatron_named_moe, (kind,))
+    _stepped_on_from_step_2(got)
+    experts = {n for n in got["params"] if ".mlp.experts." in n}
+    assert len(experts) == 4 * 4 * 2
+    assert all(p["hyper"]["is_expert_parallel"] == (name in experts) for name, p in got["params"].items())
+    if kind == "plain":
+        return  # the plain optimizer's state by position: ckptio reads a legacy run's distrib_optim.pt only
+    step, moments = MegatronFormat().open_adam(out)
+    assert step == 2.0
+    for moment, source in moments.items():
+        ours = _saved_moe(model, opt, moment)
+        assert source.index().keys() == ours.index().keys()
+        for name in ours.index():
+            assert torch.equal(source.read(name), ours.read(name)), (moment, name)

@@ -33,7 +33,8 @@ A mixture of experts (a Mixtral) goes as megatron-core's ``get_megatron_optimize
 over the expert-parallel parameters (its own ``is_expert_parallel`` groups), ``common.pt``'s ``optimizer`` the two
 states ``{0: dense, 1: experts}``, their tensors keyed without a ``chained_N.`` prefix as ``content_metadata``'s
 ``chained_optim_avoid_prefix`` says (Megatron-LM's saves set it); in a legacy rank file (of each expert-parallel
-rank), the list of the two optimizers' entries (:func:`legacy_state`).
+rank), the list of the two optimizers' entries (:func:`legacy_state`), with virtual pipeline stages each over the
+rank's model chunks (the distributed ones a buffer per chunk that has their parameters).
 """
 
 from __future__ import annotations
@@ -198,12 +199,13 @@ def common_entries(adam: SourceAdam, args: argparse.Namespace, layout: str, kind
 _LEGACY_ORDER = ("input_layernorm.weight", "self_attention.linear_proj.weight", "self_attention.linear_qkv.weight",
                  "self_attention.linear_qkv.bias", "self_attention.q_layernorm.weight",
                  "self_attention.k_layernorm.weight", "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight",
-                 "mlp.linear_fc2.weight", "mlp.router.weight", "mlp.experts", "mlp.shared_experts.linear_fc1.weight",
-                 "mlp.shared_experts.linear_fc2.weight", "mlp.shared_experts.gate_weight")
+                 "mlp.linear_fc2.weight", "mlp.router.weight", "mlp.experts", "mlp.shared_experts.gate_weight",
+                 "mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc2.weight")
 """A layer's parameters in the order megatron-core's local spec registers them (``TransformerLayer``: the input
 norm, ``SelfAttention``: ``linear_proj`` (in ``Attention``), then ``linear_qkv``, ``q_layernorm``, ``k_layernorm``;
 the MLP's norm, ``linear_fc1``, ``linear_fc2``; a ``MoELayer``'s router, its local experts (each ``linear_fc1``,
-``linear_fc2``), its shared expert's ``linear_fc1``, ``linear_fc2`` and gate)."""
+``linear_fc2``), its shared expert's gate (``SharedExpertMLP``'s own parameter, so before its submodules'),
+``linear_fc1``, ``linear_fc2``)."""
 _LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight$")
 
 

@@ -310,8 +310,6 @@ def _expert_parallel(args: argparse.Namespace, ep: int | None, layout: str) -> N
                           "megatron-core reshards a torch_dist checkpoint to any expert parallelism itself")
     if not experts or experts % ep:
         raise ConfigError(f"cannot split the model's {experts} experts over --ep {ep} expert-parallel ranks evenly")
-    if (getattr(args, "virtual_pipeline_model_parallel_size", None) or 1) > 1:
-        raise ConfigError(f"--ep {ep} with --vpp: expert-parallel rank folders of model chunks are not written")
     args.expert_model_parallel_size = ep
 
 
