@@ -145,6 +145,7 @@ class Restorer:
             self.log.info("Loading checkpoint from %s", step_dir)
         start = time.perf_counter()
         where = self.storage if step_dir.parent == self.storage.root else open_storage(step_dir.parent)
+        where.share_step(step_dir.name)  # what every rank reads first, asked of a bucket once
         # this rank's own data files come into the page cache on a thread while the restore plans and reads
         step = where.folder(step_dir.name)
         live = {"model": self.tracked.model_state, "optim": self.tracked.optim_state}
