@@ -391,8 +391,8 @@ def _restore_rank_0_through(url: str, proxy: str) -> dict:
 
 
 def test_on_several_ranks_a_failure_of_rank_0s_small_reads_fails_the_restore_on_every_rank(bucket, s3_server):
-    """Rank 0 alone reads the step's small objects for every rank: its failure (the optimizer's DCP .metadata refused, 403) is a
-    clean error on each rank, naming the object, not a hang of the others."""
+    """Rank 0 alone reads the step's small objects for every rank: its failure (the optimizer's DCP .metadata
+    refused, 403) is a clean error on each rank, naming the object, not a hang of the others."""
     from distributed import run_ranks
 
     url = f"s3://{bucket}/few"
