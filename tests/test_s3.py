@@ -327,6 +327,86 @@ def _fsdp_rank(url: str, resume: bool) -> dict:
         return {"state": full_state(model, opt)}
 
 
+def _counted_restore_rank(url: str) -> dict:
+    """A rank of a 2-rank FSDP restore: the requests the restore made to the bucket, (method, key) each."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(3)])
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    calls: list[tuple[str, str]] = []
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=url), model=model, optimizer=opt, rng=False) as mgr:
+        kind = type(mgr.storage.store)
+
+        def counted(name):
+            real = getattr(kind, name)
+
+            def call(self, key, *args, **kwargs):
+                calls.append((name, key))
+                return real(self, key, *args, **kwargs)
+            return call
+
+        for name in ("listing", "head", "get", "read_into"):
+            setattr(kind, name, counted(name))
+        dist.barrier()
+        step = mgr.restore().step
+    return {"step": step, "calls": calls}
+
+
+def test_on_several_ranks_rank_0_alone_lists_and_reads_the_small_objects(store):
+    """A restore on 2 ranks: the folder's and the step's listings, the manifest and the other small objects every
+    rank needs (DCP's .metadata, the training state) are asked of the store by rank 0 alone and sent to the others
+    (each request costs a rank's client more CPU than a MB of data); the others read their share of the data."""
+    from distributed import run_ranks
+
+    url = store.url("few")
+    run_ranks(2, _fsdp_rank, url=url, resume=False)
+    ranks = run_ranks(2, _counted_restore_rank, url=url)
+    assert [r["step"] for r in ranks] == [4, 4]
+    zero, one = ranks[0]["calls"], ranks[1]["calls"]
+    assert [c for c in one if c[0] in ("listing", "head", "get")] == [], one
+    small = {key for name, key in zero if name == "read_into"} - {key for name, key in one}
+    assert any(k.endswith("manifest.json") for k in small) and any(k.endswith(".metadata") for k in small), zero
+    assert not any(k.endswith(("manifest.json", ".metadata", ".json", ".pt")) for _, k in one), one
+    assert [k for _, k in zero].count("few/epoch_0_step_4/manifest.json") == 1, zero
+
+
+def _restore_rank_0_through(url: str, proxy: str) -> dict:
+    """A rank of a 2-rank FSDP restore, rank 0 reaching the server through ``proxy``: the error the restore raised."""
+    import os
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        os.environ["AWS_ENDPOINT_URL"] = proxy
+    try:
+        _counted_restore_rank(url)
+    except CheckpointError as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"error": None}
+
+
+def test_on_several_ranks_a_failure_of_rank_0s_small_reads_fails_the_restore_on_every_rank(bucket, s3_server):
+    """Rank 0 alone reads the step's small objects for every rank: its failure (the optimizer's DCP .metadata
+    refused, 403) is a clean error on each rank, naming the object, not a hang of the others."""
+    from distributed import run_ranks
+
+    url = f"s3://{bucket}/few"
+    run_ranks(2, _fsdp_rank, url=url, resume=False)
+    proxy = _FaultyProxy(s3_server, lambda method, path, query: "refuse" if method == "GET" and path.endswith(
+        "/optim/.metadata") else "pass")
+    try:
+        errors = [r["error"] for r in run_ranks(2, _restore_rank_0_through, timeout=120, url=url, proxy=proxy.url)]
+    finally:
+        proxy.close()
+    assert len(errors) == 2 and all(e is not None and "few/epoch_0_step_4/optim/.metadata" in e and "AccessDenied" in e
+                                    for e in errors), errors
+
+
 @pytest.mark.slow
 def test_two_ranks_save_in_the_background_and_one_resumes(store):
     from distributed import run_ranks
@@ -1054,6 +1134,38 @@ def test_a_restore_lists_the_folder_and_its_step_once_and_reads_no_byte_twice(st
         assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), (key, read)
     assert [k for k, _, _ in read].count("once/epoch_0_step_1/manifest.json") == 1, read
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+
+
+def _python_calls(fn) -> int:
+    """The Python function calls ``fn()`` makes on this thread (C calls not counted)."""
+    import sys
+
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        calls += event == "call"
+
+    sys.setprofile(count)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def test_a_large_read_goes_into_its_buffer_in_a_few_pieces(store):
+    """A ranged read of 15 MiB (one request on each store) costs the client hardly more Python calls than one of
+    1 KiB: its body is read into the caller's buffer in pieces of MiBs, not 8 KB at a time with a Python write each
+    (GCS's download did: ~17,000 writes for a 140 MB file) nor 256 KiB at a time through Azure's stream generator."""
+    data = torch.randint(0, 256, (15 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3)).numpy()
+    store.put("big.bin", data.tobytes())
+    small, large = bytearray(1 << 10), bytearray(len(data) - 7)
+    store.raw.read_into("big.bin", 7, memoryview(small))  # the client and its connection made, before the count
+    base = _python_calls(lambda: store.raw.read_into("big.bin", 7, memoryview(small)))
+    extra = _python_calls(lambda: store.raw.read_into("big.bin", 7, memoryview(large))) - base
+    assert bytes(small) == data[7:7 + len(small)].tobytes() and bytes(large) == data[7:].tobytes()
+    assert extra < 600, f"a 15 MiB read made {extra} more Python calls than a 1 KiB one"
 
 
 def test_a_save_makes_only_the_requests_its_guarantees_need(store, monkeypatch):

@@ -145,9 +145,9 @@ class Restorer:
             self.log.info("Loading checkpoint from %s", step_dir)
         start = time.perf_counter()
         where = self.storage if step_dir.parent == self.storage.root else open_storage(step_dir.parent)
+        where.share_step(step_dir.name)  # the listings and small files every rank reads, asked of a bucket once
         # this rank's own data files come into the page cache on a thread while the restore plans and reads
-        step = where.folder(step_dir.name)
-        live = {"model": self.tracked.model_state, "optim": self.tracked.optim_state}
+        step, live = where.folder(step_dir.name), {"model": self.tracked.model_state, "optim": self.tracked.optim_state}
         with reading.prefetch(step if isinstance(step, Folder) else None, [s for s, v in live.items()
                               if v is not None and self.options.wants(s)], _dist.rank(), _dist.world_size()):
             return self._restore_step(where, step_dir, verify, start)

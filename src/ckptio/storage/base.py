@@ -147,6 +147,11 @@ class Storage(Protocol):
         """A context manager: the folders opened while it lasts (one restore) may share what they listed and read
         (an object store lists the folder and a step once; nothing to share on a local disk)."""
 
+    def share_step(self, name: str) -> None:
+        """Collective, within a :meth:`session` (every rank, in the same order): the listings and small files of the
+        step ``name`` that every rank reads are read by rank 0 and sent to the others (an object store; nothing on a
+        local disk)."""
+
     def begin_step(self, name: str) -> FolderWriter:
         """Rank 0: start writing the step directory ``name``."""
 

@@ -282,6 +282,9 @@ class LocalStorage:
     def session(self) -> "contextlib.AbstractContextManager[None]":
         return contextlib.nullcontext()  # the kernel keeps what a local folder lists and reads
 
+    def share_step(self, name: str) -> None:
+        """Nothing to share: each rank reads a local folder through the page cache."""
+
     def begin_step(self, name: str) -> LocalFolderWriter:
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f"{TMP_PREFIX}{name}-{uuid.uuid4().hex[:8]}"

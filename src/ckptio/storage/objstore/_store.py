@@ -163,6 +163,24 @@ def environment_network(url: str) -> tuple[dict[str, str], Any]:
     return get_environ_proxies(url), os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") or True
 
 
+READ_PIECE = 8 << 20
+"""Bytes of a response body read at a time into the caller's buffer (:func:`fill`): one Python read and one copy
+per piece, where a client's own download hands its file-like sink 8 KB (GCS's) or 256 KB (Azure's) at a time."""
+
+
+def fill(read: Any, view: memoryview) -> int:
+    """Read a response body into ``view`` with ``read(n)`` (a raw stream's: at most ``n`` bytes, ``b""`` at its end),
+    :data:`READ_PIECE` at a time; returns how many bytes came (fewer than ``view`` holds: the body ended early)."""
+    n, done = view.nbytes, 0
+    while done < n:
+        piece = read(min(n - done, READ_PIECE))
+        if not piece:
+            break
+        view[done:done + len(piece)] = piece
+        done += len(piece)
+    return done
+
+
 class IntoView:
     """A file-like sink writing a download into a buffer (no copy of the whole range in between)."""
 

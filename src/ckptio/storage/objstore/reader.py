@@ -87,6 +87,16 @@ class Session:
                 self._listed[(prefix, delimiter)] = found
         return list(found[0]), list(found[1])
 
+    def take(self, listed: "dict[tuple[str, bool], tuple[list[Obj], list[str]]]", objects: dict[str, bytes]) -> None:
+        """Keep listings and whole objects another rank asked the bucket for (:meth:`~.storage.ObjectStorage.
+        share_step`) as if this one had: the objects' bytes are then read through the folders' handles (and their
+        verifier) from the cache, with no request."""
+        with self._lock:
+            self._listed.update(listed)
+        with self.cache.lock:
+            for key, data in objects.items():
+                self.cache.add(key, 0, bytearray(data))
+
     def forget(self) -> None:
         """Drop what was listed and fetched (the folder was written to)."""
         with self._lock:

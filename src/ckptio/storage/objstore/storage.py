@@ -15,6 +15,13 @@ from .reader import ObjectFolder, Session
 from .writer import ObjectFolderWriter
 
 
+SHARED_OBJECT = 1 << 20
+"""A step's objects at most this large are read by rank 0 alone for a restore on several ranks, and sent to the
+others (:meth:`ObjectStorage.share_step`): its manifest, DCP's ``.metadata``, the chunk indexes, the small states."""
+SHARED_BYTES = 32 << 20
+"""At most this many bytes of them in all (the smallest first)."""
+
+
 class ObjectStorage:
     """A checkpoint folder in an object store. See :class:`ckptio.storage.base.Storage` and this package."""
 
@@ -55,6 +62,45 @@ class ObjectStorage:
             yield
         finally:
             self._session = None
+
+    def share_step(self, name: str) -> None:
+        """Collective: within a :meth:`session` on several ranks, rank 0 lists the folder and the step ``name`` and
+        reads the step's small objects (:data:`SHARED_OBJECT`, :data:`SHARED_BYTES`) whole, and every rank's session
+        takes them (:meth:`~.reader.Session.take`): each rank asked the bucket the same 5-6 small requests, each
+        costing its client more CPU than a MB of data. What a rank reads of them still goes through its folders'
+        handles and verifier (the read gate: each byte checked against the manifest's checksums as it is read); a
+        failure on rank 0 is raised on every rank (:func:`~ckptio._dist.decide_on_rank0`). Nothing without a session
+        or on one rank."""
+        from ... import _dist
+
+        session = self._session
+        if session is None or _dist.world_size() <= 1:
+            return
+        top, below = (f"{self.prefix}/" if self.prefix else ""), f"{self._key(name)}/"
+
+        def gather() -> tuple[dict[tuple[str, bool], tuple[list[Obj], list[str]]], dict[str, bytes]]:
+            listed = {(top, True): session.listing(top, delimiter=True),
+                      (below, False): session.listing(below, delimiter=False)}
+            objects: dict[str, bytes] = {}
+            total = 0
+            for obj in sorted(listed[(below, False)][0], key=lambda o: o.size):
+                if obj.size > SHARED_OBJECT or total + obj.size > SHARED_BYTES:
+                    break
+                if obj.size:
+                    with session.cache.lock:
+                        held = session.cache.find(obj.key, 0, obj.size)  # read already (the manifest, choosing it)
+                        data = bytearray(held) if held is not None else None
+                    if data is None:
+                        data = bytearray(obj.size)
+                        if session.store.read_into(obj.key, 0, memoryview(data)) != obj.size:
+                            continue  # each rank's own read of it says it is truncated
+                    objects[obj.key] = bytes(data)
+                    total += obj.size
+            return listed, objects
+
+        listed, objects = _dist.decide_on_rank0(f"reading the listing and small objects of {self.root / name}",
+                                                gather)
+        session.take(listed, objects)
 
     def _wrote(self) -> None:
         if self._session is not None:

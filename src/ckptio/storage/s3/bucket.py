@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import CheckpointNotFoundError
-from ..objstore._store import Bucket, Obj, ObjectPath
+from ..objstore._store import Bucket, Obj, ObjectPath, fill
 from ._common import S3Error, S3Path, _call, client
 from .writer import S3WriteStream, upload_file
 
@@ -50,16 +50,9 @@ class S3Bucket(Bucket):
                          Range=f"bytes={offset}-{offset + n - 1}")
         body = response["Body"]
         try:
-            done = 0
-            while done < n:
-                chunk = body.read(min(n - done, 8 << 20))
-                if not chunk:
-                    break
-                view[done:done + len(chunk)] = chunk
-                done += len(chunk)
+            return fill(body.read, view)
         finally:
             body.close()
-        return done
 
     def delete(self, key: str) -> None:
         _call("removing", self.path(key), client().delete_object, Bucket=self.name, Key=key)
