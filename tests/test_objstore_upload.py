@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -99,3 +100,22 @@ def test_a_part_damaged_on_the_way_is_refused_and_the_object_removed(store, requ
     assert [f[0] for f in proxy.faults] == ["flip"], proxy.faults
     assert key in str(refused.value), refused.value
     assert key not in store.keys("damaged/"), "the damaged object was left"
+
+
+@BOTH
+def test_a_write_goes_into_its_part_with_no_copy_in_between(store):
+    """The bytes written are copied once, into the part's buffer: a slice assignment to a ``bytearray`` from a
+    memoryview first makes a ``bytearray`` of the whole piece (CPython), twice the copying and a new allocation of
+    the piece's size at every write (~0.1 CPU-s/GB of a save's 4 MB pieces)."""
+    writer = open_storage(store.url("copies")).begin_step("s")
+    piece = os.urandom(3 * MB)
+    with writer.open("f.bin") as stream:
+        stream.write(b"x")  # the part's buffer is taken: the next piece fits in it, nothing is sent yet
+        tracemalloc.start()
+        try:
+            stream.write(memoryview(piece))
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert peak < MB // 4, f"{peak} bytes allocated to write a piece of {len(piece)}"
+    assert store.get("copies/s/f.bin") == b"x" + piece

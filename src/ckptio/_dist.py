@@ -110,10 +110,36 @@ def all_gather_object(obj: T) -> list[T]:
     return out
 
 
+def flag_device(group: Any = None) -> Any:
+    """Where ``group``'s (default: the default group's) all-reduce takes a flag: on the CPU with gloo, else on this
+    rank's GPU."""
+    import torch
+
+    backend = str(dist.get_backend(group))
+    if "gloo" in backend or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def any_rank(flag: bool) -> bool:
+    """Collective: whether ``flag`` is true on any rank (one all-reduce of an integer, on this thread's group:
+    ~8x cheaper on gloo than an ``all_gather_object``, which pickles and makes two collectives)."""
+    if not is_dist():
+        return flag
+    import torch
+
+    group = current_group()
+    value = torch.tensor([int(flag)], dtype=torch.int64, device=flag_device(group))
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value.item())
+
+
 def run_collectively(what: str, fn: Callable[[], T]) -> T:
     """Collective: run ``fn`` on every rank, then raise the same error everywhere if any rank failed.
 
-    Without this, a rank that fails while the others wait in the next collective would hang the job.
+    Without this, a rank that fails while the others wait in the next collective would hang the job. When every
+    rank succeeded the round is one all-reduce of a flag (:func:`any_rank`); the reports are gathered only when one
+    failed.
     Every rank raises: the failing rank re-raises its own exception (chained, with its traceback), the
     others raise a :class:`CheckpointError` that names the failing ranks and their messages (a
     :class:`CheckpointCorruptError` when every failing rank found damage, so that all fall back alike).
@@ -134,6 +160,8 @@ def agree(what: str, fn: Callable[[], T], share: Callable[[T], Any] | None = Non
         shared = share(result) if share is not None else None
     except Exception as exc:  # gathered and re-raised below on every rank
         error = exc
+    if share is None and not any_rank(error is not None):
+        return result, [None] * world_size()  # nothing to share, no rank failed: one all-reduce of a flag
     rounds = all_gather_object((report_of(error), shared))
     raise_if_any_failed(what, error, [report for report, _ in rounds])
     return result, [part for _, part in rounds]  # type: ignore[return-value]

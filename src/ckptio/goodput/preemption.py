@@ -81,7 +81,7 @@ class Preemption:
         import torch
         import torch.distributed as dist
 
-        flag = torch.tensor([mine], dtype=torch.int64, device=_flag_device(dist))
+        flag = torch.tensor([mine], dtype=torch.int64, device=_dist.flag_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         self.agreed_on = int(flag.item())
         return self.agreed_on
@@ -148,13 +148,3 @@ def durable_cost_s(record: Any) -> float | None:
     costs = [e.get("total_s", e.get("blocked_s")) for e in record.saves("durable")[-RECORDED_SAVES:]]
     costs = [float(c) for c in costs if c is not None]
     return max(costs) if costs else None
-
-
-def _flag_device(dist: Any) -> Any:
-    """Where the default group's all-reduce takes the flag: on the CPU with gloo, else on this rank's GPU."""
-    import torch
-
-    backend = str(dist.get_backend())
-    if "gloo" in backend or not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())

@@ -112,7 +112,8 @@ class PartStream(ClosedOnSuccess):
             if self._buf is None:
                 self._buf = _take(size)
             n = min(size - self._fill, view.nbytes - done)
-            self._buf[self._fill:self._fill + n] = view[done:done + n]
+            with memoryview(self._buf) as into:  # straight into the part (a bytearray's own slice assignment from
+                into[self._fill:self._fill + n] = view[done:done + n]  # a memoryview copies the piece first)
             self._fill += n
             done += n
             if self._fill == size:
