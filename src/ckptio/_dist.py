@@ -160,8 +160,8 @@ def agree(what: str, fn: Callable[[], T], share: Callable[[T], Any] | None = Non
         shared = share(result) if share is not None else None
     except Exception as exc:  # gathered and re-raised below on every rank
         error = exc
-    if share is None and not any_rank(error is not None):
-        return result, [None] * world_size()  # nothing to share, no rank failed: one all-reduce of a flag
+    if share is None and not any_rank(error is not None):  # nothing to share, no rank failed: one all-reduce
+        return result, [None] * world_size()  # type: ignore[return-value]
     rounds = all_gather_object((report_of(error), shared))
     raise_if_any_failed(what, error, [report for report, _ in rounds])
     return result, [part for _, part in rounds]  # type: ignore[return-value]
