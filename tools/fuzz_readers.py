@@ -461,9 +461,10 @@ def _all_families() -> dict[str, Callable[[random.Random, Path], None]]:
     from fuzz_frameworks import FAMILIES as FRAMEWORKS
     from fuzz_megatron import FAMILIES as MEGATRON
     from fuzz_record import fuzz_record
+    from fuzz_schedule import FAMILIES as SCHEDULE
     from fuzz_steps import FAMILIES as STEPS
 
-    return {**FAMILIES, **FRAMEWORKS, **STEPS, **DEEPSPEED, **MEGATRON, **CONFIG, "record": fuzz_record}
+    return {**FAMILIES, **FRAMEWORKS, **STEPS, **DEEPSPEED, **MEGATRON, **SCHEDULE, **CONFIG, "record": fuzz_record}
 
 
 def run(families: list[str], inputs: int, seed: int, verbose: bool = True, *, timeout: float = TIMEOUT_S,
