@@ -119,15 +119,17 @@ def check_pickle(source: "bytes | BinaryIO", where: object, *, size: int | None 
 
 
 def _walk_once(data: "bytes | bytearray | memoryview", where: object) -> None:
-    """:func:`_walk` of ``data`` unless the same bytes were walked before in this read."""
-    if _scope.get() is None:
+    """:func:`_walk` of ``data`` unless the same bytes were walked before in this read (their digest is taken only
+    when a pickle of that length was: a pickle refused at its first byte costs no hashing)."""
+    scope = _scope.get()
+    if scope is None:
         _walk(data if isinstance(data, bytes) else bytes(data), where, len(data))
         return
-    key = digest(data)
-    if walked_before(key):
+    seen = scope["walked"].setdefault(len(data), set())
+    if seen and digest(data) in seen:
         return
     _walk(data if isinstance(data, bytes) else bytes(data), where, len(data))
-    remember_walk(key)
+    seen.add(digest(data))
 
 
 walked: "collections.Counter[str]" = collections.Counter()
@@ -190,19 +192,6 @@ def within_one_read(fn: _F) -> _F:
 def digest(data: "bytes | bytearray | memoryview") -> tuple[int, bytes]:
     """The key of some bytes: their length and their BLAKE2b-256 digest."""
     return len(data), hashlib.blake2b(data, digest_size=32).digest()
-
-
-def walked_before(key: tuple[int, bytes]) -> bool:
-    """Whether the pickle of digest ``key`` was walked and accepted earlier in this read (never outside one)."""
-    scope = _scope.get()
-    return scope is not None and key in scope["walked"]
-
-
-def remember_walk(key: tuple[int, bytes]) -> None:
-    """The pickle of digest ``key`` was walked and accepted (kept until the read ends; nothing outside a read)."""
-    scope = _scope.get()
-    if scope is not None:
-        scope["walked"][key] = True
 
 
 def remembered(kind: str, identity: Any, key: tuple[int, bytes]) -> Any:

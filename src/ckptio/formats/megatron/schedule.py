@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from ...errors import CheckpointCorruptError, CheckpointError
+from ...storage.parse import within_one_read
 
 DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
@@ -136,6 +137,7 @@ class MegatronLRScheduler(torch.optim.lr_scheduler.LRScheduler):
 
 
 # ---------------------------------------------------------------------------------------------- reading
+@within_one_read  # the layout check and the read open one rank file: walked once
 def read_scheduler_state(path: Path) -> tuple[dict[str, Any], Any, Path]:
     """``opt_param_scheduler``, the run's ``args`` and the file they are in, of the Megatron checkpoint ``path`` (a
     run folder or an ``iter_NNNNNNN`` folder; legacy rank files or ``torch_dist``)."""
