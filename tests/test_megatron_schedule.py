@@ -163,6 +163,15 @@ def test_numbers_past_what_a_run_holds_are_refused_by_name(tmp_path, field, valu
     assert field in message and "model_optim_rng.pt" in message
 
 
+@pytest.mark.parametrize("iters", [{}, "x"])
+def test_wsd_annealing_iterations_of_another_type_are_refused_by_name(tmp_path, iters):
+    """Found by the megatron_schedule fuzz family: a dict here raised TypeError (and a string would have been
+    repeated global_batch_size times)."""
+    state = _trained("WSD", "linear", "cosine").state_dict()
+    message = _refused(tmp_path, state, _args("WSD", "linear", lr_wsd_decay_iters=iters))
+    assert "lr_wsd_decay_iters" in message and "model_optim_rng.pt" in message
+
+
 def test_an_increment_past_what_a_run_holds_is_refused(tmp_path):
     assert "increment" in _refused(tmp_path, increment=10 ** 400)
 

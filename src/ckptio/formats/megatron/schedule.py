@@ -212,7 +212,8 @@ def schedule_of(state: dict[str, Any], args: Any, where: object, *, init_lr: flo
         if wsd_decay_steps is None:
             samples, iters = _arg(args, "lr_wsd_decay_samples"), _arg(args, "lr_wsd_decay_iters")
             wsd_decay_steps = samples if _arg(args, "train_samples") is not None or iters is None else \
-                iters * _arg(args, "global_batch_size", 1)
+                _number(iters, "lr_wsd_decay_iters", where, whole=True) * \
+                _number(_arg(args, "global_batch_size", 1), "global_batch_size", where, whole=True)
         if lr_wsd_decay_style is None:
             lr_wsd_decay_style = _arg(args, "lr_wsd_decay_style")
         if lr_wsd_decay_style not in WSD_STYLES:
