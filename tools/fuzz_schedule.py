@@ -114,8 +114,13 @@ def _mutate_schedule(rng: Case, saved: dict[str, Any]) -> dict[str, Any]:
                 rng.note(f"opt_param_scheduler[{key!r}] spelled {old!r}")
                 state[old] = state.pop(key)
             else:
-                value = rng.choice(_VALUES + [state[key] * rng.choice([-1, 2, 1e6])]
-                                   if type(state[key]) in (int, float) else _VALUES)
+                scaled = []
+                if type(state[key]) in (int, float):
+                    try:
+                        scaled = [state[key] * rng.choice([-1, 2, 1e6])]
+                    except OverflowError:  # an earlier change made it an integer too large for a float
+                        scaled = [float("inf")]
+                value = rng.choice(_VALUES + scaled)
                 rng.note(f"opt_param_scheduler[{key!r}] <- {type(value).__name__} {str(value)[:30]}")
                 state[key] = value
     return saved
