@@ -153,6 +153,29 @@ def test_a_state_without_the_weight_decay_schedule_is_refused(tmp_path):
     assert "start_wd" in _refused(tmp_path, state)
 
 
+@pytest.mark.parametrize("field,value", [("end_wd", 10 ** 400), ("max_lr", 1e308), ("num_steps", 2 ** 64),
+                                         ("lr_decay_steps", 10 ** 30)],
+                         ids=["end_wd-int-of-400-digits", "max_lr-1e308", "num_steps-2**64", "lr_decay_steps-1e30"])
+def test_numbers_past_what_a_run_holds_are_refused_by_name(tmp_path, field, value):
+    """Found by the megatron_schedule fuzz family: an integer too large for a float raised OverflowError, and a
+    learning rate near the float's limit gave an infinite one."""
+    message = _refused(tmp_path, {**_trained("cosine", None, "linear").state_dict(), field: value})
+    assert field in message and "model_optim_rng.pt" in message
+
+
+@pytest.mark.parametrize("iters", [{}, "x"])
+def test_wsd_annealing_iterations_of_another_type_are_refused_by_name(tmp_path, iters):
+    """Found by the megatron_schedule fuzz family: a dict here raised TypeError (and a string would have been
+    repeated global_batch_size times)."""
+    state = _trained("WSD", "linear", "cosine").state_dict()
+    message = _refused(tmp_path, state, _args("WSD", "linear", lr_wsd_decay_iters=iters))
+    assert "lr_wsd_decay_iters" in message and "model_optim_rng.pt" in message
+
+
+def test_an_increment_past_what_a_run_holds_is_refused(tmp_path):
+    assert "increment" in _refused(tmp_path, increment=10 ** 400)
+
+
 def test_a_batch_size_ramp_up_needs_the_increment(tmp_path):
     assert "rampup_batch_size" in _refused(tmp_path, args=_args("cosine", None, rampup_batch_size=[4, 4, 100]))
 
@@ -195,3 +218,12 @@ def test_damaged_or_missing_state_names_the_file(tmp_path):
         megatron_schedule(_optimizer(), folder)
     with pytest.raises(CheckpointError, match="not a Megatron checkpoint"):
         megatron_schedule(_optimizer(), tmp_path)
+
+
+@pytest.mark.slow
+def test_fuzz_family_smoke():
+    """A CI-sized run of the megatron_schedule fuzz family (``tools/fuzz_schedule.py``: the record file's schedule
+    and pickle damaged): every input ends in a schedule megatron-core agrees with or a ckptio error naming the file."""
+    from megatron_shared import fuzz_smoke
+
+    fuzz_smoke("megatron_schedule", 200)

@@ -34,7 +34,9 @@ and the run's record (``fuzz_record.py``, ``record``), Megatron's distributed op
 megatron-core; ``megatron_vpp``: legacy rank files with virtual pipeline chunks and their ``distrib_optim.pt``;
 ``megatron_mixtral``: also an EP=2 run's chained ``distrib_optim.pt``, and a PP=2 x VPP=2 x EP=2 run's legacy files
 and torch_dist folders, with and without ``chained_N.`` prefixes; ``megatron_dist_distopt``: the
-DistributedOptimizer's torch_dist in its fully_reshardable format), and the ``config.json`` that ``convert --config``
+DistributedOptimizer's torch_dist in its fully_reshardable format), the schedule ``megatron_schedule`` continues
+(``fuzz_schedule.py``, ``megatron_schedule``: the legacy rank file's or ``common.pt``'s ``opt_param_scheduler`` and
+``args`` damaged, checked against megatron-core's own scheduler), and the ``config.json`` that ``convert --config``
 names (``fuzz_config.py``, ``hf_config``).
 
 Each input ends in one of three ways, tallied per family:
@@ -461,9 +463,10 @@ def _all_families() -> dict[str, Callable[[random.Random, Path], None]]:
     from fuzz_frameworks import FAMILIES as FRAMEWORKS
     from fuzz_megatron import FAMILIES as MEGATRON
     from fuzz_record import fuzz_record
+    from fuzz_schedule import FAMILIES as SCHEDULE
     from fuzz_steps import FAMILIES as STEPS
 
-    return {**FAMILIES, **FRAMEWORKS, **STEPS, **DEEPSPEED, **MEGATRON, **CONFIG, "record": fuzz_record}
+    return {**FAMILIES, **FRAMEWORKS, **STEPS, **DEEPSPEED, **MEGATRON, **SCHEDULE, **CONFIG, "record": fuzz_record}
 
 
 def run(families: list[str], inputs: int, seed: int, verbose: bool = True, *, timeout: float = TIMEOUT_S,

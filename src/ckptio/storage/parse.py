@@ -18,6 +18,7 @@ what it read through these pieces, so that a hostile or damaged file meets the s
 * **pickles walked first**: :func:`check_pickle` reads a pickle's opcodes without building anything before a
   restricted unpickler loads it, so that no length or memo slot it claims makes the unpickler allocate past
   the file (the C unpickler sizes its memo by the largest slot stored: one flipped byte asked for gigabytes);
+* **each pickle walked once per read**: inside :func:`one_read`, bytes walked before are not walked again;
 * **one error**: whatever a parser still raises about its input (``ValueError``, ``TypeError``,
   ``KeyError``, ``OverflowError``, ``RecursionError``, a bad zip, a bad pickle...) becomes, inside
   :class:`parsing`, a :class:`~ckptio.errors.CheckpointCorruptError` naming the file — never a bare traceback.
@@ -29,21 +30,25 @@ folder kind then skips that folder with its reason and takes the next older comp
 
 from __future__ import annotations
 
+import collections
 import functools
+import hashlib
 import json
 import math
 import pickle
 import struct
 import zipfile
 import zlib
-from typing import Any, BinaryIO, Literal
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, BinaryIO, Callable, Iterator, Literal, TypeVar
 
 from ..errors import CheckpointCorruptError, CheckpointError
 from .pickle_walk import PickleTooCostly, walk
 
 __all__ = ["MAX_DEPTH", "DATA_ERRORS", "parsing", "check_pickle", "json_value", "json_object", "read_json", "check_depth",
            "field", "as_int", "as_float", "Budget", "zip_member", "yaml_value", "YAML_MAX_BYTES",
-           "YAML_MAX_DEPTH"]
+           "YAML_MAX_DEPTH", "one_read", "within_one_read", "digest", "remembered", "remember"]
 
 MAX_DEPTH = 64
 """Deepest nesting of lists and dicts any checkpoint side file may have (real ones stay under 10)."""
@@ -93,25 +98,50 @@ def check_pickle(source: "bytes | BinaryIO", where: object, *, size: int | None 
     not allowed, but the C unpickler sizes its memo by the largest slot a ``LONG_BINPUT`` names and zeroes it, so
     one flipped byte there costs gigabytes before any class is looked up. The walk (:mod:`.pickle_walk`) also bounds
     what the pickle would build. It costs several times the load it guards (``benchmarks/pickle_walk.py``); small
-    pickles seen whole before (a DCP folder's items of one shape carry the same pickle) are not walked again."""
+    pickles seen whole before (a DCP folder's items of one shape carry the same pickle) are not walked again, nor
+    larger ones walked earlier in the same read (:func:`one_read`: the same bytes, by their digest)."""
     if not isinstance(source, (bytes, bytearray, memoryview)):
         start = source.tell()
         data = source.read(-1 if size is None else size)
         source.seek(start)
-        _walk(data, where, len(data))
+        _walk_once(data, where)
         return
     known = bytes(source) if len(source) <= _KNOWN_MAX else None
     if known is not None and known in _known_good:
         return
-    _walk(source if isinstance(source, bytes) else bytes(source), where, len(source))
-    if known is not None:
-        if len(_known_good) >= _KNOWN_COUNT:
-            _known_good.clear()
-        _known_good.add(known)
+    if known is None:
+        _walk_once(source, where)
+        return
+    _walk(known, where, len(known))
+    if len(_known_good) >= _KNOWN_COUNT:
+        _known_good.clear()
+    _known_good.add(known)
+
+
+def _walk_once(data: "bytes | bytearray | memoryview", where: object) -> None:
+    """:func:`_walk` of ``data`` unless the same bytes were walked before in this read (their digest is taken only
+    when a pickle of that length was: a pickle refused at its first byte costs no hashing)."""
+    scope = _scope.get()
+    if scope is None:
+        _walk(data if isinstance(data, bytes) else bytes(data), where, len(data))
+        return
+    seen = scope["walked"].setdefault(len(data), set())
+    if seen and digest(data) in seen:
+        return
+    _walk(data if isinstance(data, bytes) else bytes(data), where, len(data))
+    seen.add(digest(data))
+
+
+walked: "collections.Counter[str]" = collections.Counter()
+"""How many times each pickle (by the name the gate gave it) was walked in this process: a measure of the gate's
+costliest step (forgotten past 4096 names)."""
 
 
 def _walk(data: bytes, where: object, size: int) -> None:
     """:func:`check_pickle` of ``data`` (``size``: what the bounds are measured against)."""
+    if len(walked) >= 4096:
+        walked.clear()
+    walked[str(where)] += 1
     try:
         walk(data, size)
     except PickleTooCostly as exc:
@@ -119,6 +149,66 @@ def _walk(data: bytes, where: object, size: int) -> None:
     except (ValueError, OverflowError) as exc:
         text = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
         raise CheckpointCorruptError(f"{where}: not a well-formed pickle ({text})") from None
+
+
+# ------------------------------------------------------------------------------------------ one read's memory
+# A reader may open one file more than once in one read (Megatron's: a rank file for the run's arguments, then for
+# its weights; a torch_dist .metadata once per Adam moment), and the walk costs several times the load it guards.
+# Within one_read (a top-level load, conversion, open_adam...), a pickle's verdict is kept under the digest of its
+# very bytes (length and BLAKE2b-256: the bytes an unpickler is handed are the bytes walked), and a parsed file (a
+# DCP .metadata) under its name and the digest of the bytes read for it now (a file changed in between is parsed
+# again). It lives in a context variable set for the outermost one_read and dropped when it ends: nothing outlives
+# the read, and reads in other threads or tasks each have their own.
+
+_scope: ContextVar["dict[str, dict[Any, Any]] | None"] = ContextVar("ckptio_read_scope", default=None)
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+@contextmanager
+def one_read() -> Iterator[None]:
+    """The duration of one read: inside it (and in every :func:`one_read` nested in it), each pickle is walked at
+    most once and each parsed file kept here is parsed once; all of it forgotten when the outermost one ends."""
+    if _scope.get() is not None:
+        yield
+        return
+    token = _scope.set({"walked": {}, "parsed": {}})
+    try:
+        yield
+    finally:
+        _scope.reset(token)
+
+
+def within_one_read(fn: _F) -> _F:
+    """``fn`` run inside :func:`one_read` (a top-level entry of a reader)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with one_read():
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def digest(data: "bytes | bytearray | memoryview") -> tuple[int, bytes]:
+    """The key of some bytes: their length and their BLAKE2b-256 digest."""
+    return len(data), hashlib.blake2b(data, digest_size=32).digest()
+
+
+def remembered(kind: str, identity: Any, key: tuple[int, bytes]) -> Any:
+    """What :func:`remember` kept of the file ``identity`` of this ``kind`` when it held the bytes of digest ``key``,
+    else ``None`` (always ``None`` outside a read)."""
+    scope = _scope.get()
+    if scope is None:
+        return None
+    held = scope["parsed"].get((kind, identity))
+    return held[1] if held is not None and held[0] == key else None
+
+
+def remember(kind: str, identity: Any, key: tuple[int, bytes], value: Any) -> None:
+    """Keep ``value``, parsed from the bytes of digest ``key`` of the file ``identity``, until the read ends."""
+    scope = _scope.get()
+    if scope is not None:
+        scope["parsed"][(kind, identity)] = (key, value)
 
 
 def check_depth(value: Any, where: object, *, max_depth: int = MAX_DEPTH) -> Any:

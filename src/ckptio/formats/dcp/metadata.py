@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from ...errors import CheckpointCorruptError, CheckpointNotFoundError
 from ...storage.confined import Folder, as_folder, check_relative
-from ...storage.parse import check_pickle
+from ...storage.parse import check_pickle, digest, remember, remembered
 from ..safetensors.chunk_index import check_cover
 
 __all__ = ["METADATA_FILE", "read_metadata", "boxes", "check_data_files"]
@@ -96,17 +96,27 @@ def read_metadata(folder: "str | Path | Folder", filename: str = METADATA_FILE) 
         if handle.read(0, min(size, 1)) != b"\x80":  # a pickle of protocol 2 or later: garbage fails here
             raise CheckpointCorruptError(f"{path}: unreadable DCP metadata (not a pickle)")
         data = handle.read(0, size)
-        check_pickle(data, path)  # walked by the gate before the unpickler sees it
-        try:
-            metadata = _MetadataUnpickler(io.BytesIO(data)).load()
-        except Exception as exc:  # any failure to decode is a corrupt or hostile file
-            raise CheckpointCorruptError(f"{path}: unreadable DCP metadata ({type(exc).__name__}: {exc})") from exc
-    if not isinstance(metadata, Metadata):
-        raise CheckpointCorruptError(f"{path}: DCP metadata holds a {type(metadata).__name__}, not Metadata")
-    _validate(metadata, path)
+    key = digest(data)  # parsed once per read: these very bytes, parsed and validated before in it
+    metadata = remembered("dcp-metadata", str(path), key)
+    if metadata is None:
+        metadata = _parse(data, path)
+        remember("dcp-metadata", str(path), key, metadata)
     _check_files(metadata, root, path)
     if isinstance(folder, Folder):
         _parsed.setdefault(root, {})[filename] = (size, metadata)
+    return metadata
+
+
+def _parse(data: bytes, path: Path) -> Metadata:
+    """The validated :class:`Metadata` of a ``.metadata`` file's bytes."""
+    check_pickle(data, path)  # walked by the gate before the unpickler sees it
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    except Exception as exc:  # any failure to decode is a corrupt or hostile file
+        raise CheckpointCorruptError(f"{path}: unreadable DCP metadata ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(metadata, Metadata):
+        raise CheckpointCorruptError(f"{path}: DCP metadata holds a {type(metadata).__name__}, not Metadata")
+    _validate(metadata, path)
     return metadata
 
 

@@ -35,7 +35,7 @@ import torch
 
 from ...errors import CheckpointCorruptError, CheckpointError
 from ...storage.confined import Folder
-from ...storage.parse import json_object
+from ...storage.parse import json_object, within_one_read  # within_one_read: each file walked once per read
 from ..common import TensorInfo, dtype_name
 from .config import _arg, args_from_files, hf_config
 from .layout import (GLOBAL_SPLIT, ITERATION_FILE, LAYER_SPLIT, NEMO_RANK_FILE, RANK_FILE, VOCAB_KEYS,
@@ -129,6 +129,7 @@ def _check_ranks(args: Any, tp: int, pp: int, root: Folder) -> None:
                                          f"for {found}: rank folders are missing or extra")
 
 
+@within_one_read
 def read_legacy(folder: Path, *, optimizer: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The whole model (canonical names) and the run's ``args``/``iteration`` of a legacy iteration folder.
 
@@ -276,6 +277,7 @@ class _DistModel:
 class MegatronSource:
     """A Megatron checkpoint's whole model under Megatron-Core GPT names, vocabulary padding cut off."""
 
+    @within_one_read
     def __init__(self, path: Path, *, args: Any = None, prefix: str = "",
                  legacy: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None) -> None:
         """``args``: the model's Megatron arguments when the checkpoint does not carry them (a NeMo config);
@@ -365,6 +367,7 @@ class MegatronFormat(Format):
         return Opened(self.name, renamed, extras, step=iteration if isinstance(iteration, int) else 0,
                       cleanup=lambda: shutil.rmtree(extras, ignore_errors=True))
 
+    @within_one_read
     def open_adam(self, path: Path) -> tuple[float, dict[str, Any]] | None:
         folder = iteration_folder(path)
         if layout_of(folder) == "legacy":  # the distributed optimizer's distrib_optim.pt files, when present
@@ -391,6 +394,7 @@ class MegatronFormat(Format):
                                          f"{type(step).__name__} {str(step)[:40]!r}, not a number")
         return float(step), {m: _as_llama(source) for m, source in moments.items()}
 
+    @within_one_read
     def open_masters(self, path: Path) -> Any:
         folder = iteration_folder(path)
         if layout_of(folder) != "legacy":
@@ -416,6 +420,7 @@ class MegatronFormat(Format):
             if adam is not None:
                 adam.close()
 
+    @within_one_read
     def describe(self, path: Path) -> dict[str, Any]:
         from dataclasses import asdict
 

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from ...errors import CheckpointCorruptError, CheckpointError
+from ...storage.parse import within_one_read
 
 DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
@@ -136,6 +137,7 @@ class MegatronLRScheduler(torch.optim.lr_scheduler.LRScheduler):
 
 
 # ---------------------------------------------------------------------------------------------- reading
+@within_one_read  # the layout check and the read open one rank file: walked once
 def read_scheduler_state(path: Path) -> tuple[dict[str, Any], Any, Path]:
     """``opt_param_scheduler``, the run's ``args`` and the file they are in, of the Megatron checkpoint ``path`` (a
     run folder or an ``iter_NNNNNNN`` folder; legacy rank files or ``torch_dist``)."""
@@ -165,10 +167,15 @@ def read_scheduler_state(path: Path) -> tuple[dict[str, Any], Any, Path]:
     return state, obj.get("args"), where
 
 
+MAX_STEPS, MAX_RATE = 2 ** 63 - 1, 1e6
+"""The largest step count (samples: Megatron keeps them in int64) and learning rate or weight decay read: larger
+ones are damage, and would overflow the float arithmetic of the schedule (an infinite learning rate)."""
+
+
 def _number(value: Any, name: str, where: object, *, whole: bool = False) -> Any:
     ok = type(value) is int or (not whole and type(value) is float and math.isfinite(value))
-    if not ok or value < 0:
-        kind = "a whole number ≥ 0" if whole else "a finite number ≥ 0"
+    if not ok or not 0 <= value <= (MAX_STEPS if whole else MAX_RATE):
+        kind = f"a whole number from 0 to {MAX_STEPS}" if whole else f"a finite number from 0 to {MAX_RATE:g}"
         raise CheckpointCorruptError(f"{where}: the schedule's {name} is {str(value)[:40]!r}, not {kind}")
     return value
 
@@ -205,7 +212,8 @@ def schedule_of(state: dict[str, Any], args: Any, where: object, *, init_lr: flo
         if wsd_decay_steps is None:
             samples, iters = _arg(args, "lr_wsd_decay_samples"), _arg(args, "lr_wsd_decay_iters")
             wsd_decay_steps = samples if _arg(args, "train_samples") is not None or iters is None else \
-                iters * _arg(args, "global_batch_size", 1)
+                _number(iters, "lr_wsd_decay_iters", where, whole=True) * \
+                _number(_arg(args, "global_batch_size", 1), "global_batch_size", where, whole=True)
         if lr_wsd_decay_style is None:
             lr_wsd_decay_style = _arg(args, "lr_wsd_decay_style")
         if lr_wsd_decay_style not in WSD_STYLES:
@@ -259,7 +267,7 @@ def megatron_schedule(optimizer: torch.optim.Optimizer, checkpoint_path: str | P
         if increment is None:
             raise CheckpointError(f"{where}: the run's args record no global_batch_size; pass increment= (samples "
                                   "per step)")
-    if type(increment) is not int or increment <= 0:
+    if type(increment) is not int or not 0 < increment <= MAX_STEPS:
         raise CheckpointError(f"{where}: the increment per step is {str(increment)[:40]!r}, not a positive integer")
     decoupled = _arg(args, "decoupled_lr")
     if decoupled is not None and not any("max_lr" in group for group in optimizer.param_groups):
