@@ -475,7 +475,9 @@ class _FaultyProxy:
     conditional write racing another; moto never does), a 403 (``refuse``: a write the server will not take, retried by
     no client), drops the connection without an answer, before (``drop``) or after (``lost``) the server carried the
     request out, answers half the body then drops (``cut``), forwards the request with a byte of its body flipped (``flip``), or holds the request :attr:`stall_s` seconds before
-    carrying it out (``stall``: a server slower than the client's read timeout), by a rule on (method, path, query)."""
+    carrying it out (``stall``: a server slower than the client's read timeout), or refuses a body whose CRC-32C is not
+    the one its ``x-amz-checksum-crc32c`` names as S3 does (``check``: ``400 BadDigest``; moto does not check it), by
+    a rule on (method, path, query)."""
 
     stall_s = 4.0
 
@@ -534,6 +536,16 @@ class _FaultyProxy:
                     self.end_headers()
                     self.wfile.write(xml)
                     return
+                if action == "check" and self.headers.get("x-amz-checksum-crc32c") not in (None, _crc_b64(body)):
+                    proxy.faults.append(("baddigest", self.command, self.path))
+                    xml = b"<Error><Code>BadDigest</Code><Message>The CRC32C you specified did not match the " \
+                        b"calculated checksum.</Message></Error>"
+                    self.send_response(400)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(xml)))
+                    self.end_headers()
+                    self.wfile.write(xml)
+                    return
                 if action == "stall":
                     proxy.faults.append(("stall", self.command, self.path))
                     time.sleep(proxy.stall_s)
@@ -578,6 +590,15 @@ class _FaultyProxy:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def _crc_b64(data: bytes) -> str:
+    """A CRC-32C as S3's ``x-amz-checksum-crc32c`` carries it."""
+    import base64
+
+    from crc32c import crc32c
+
+    return base64.b64encode(crc32c(data).to_bytes(4, "big")).decode()
 
 
 @contextlib.contextmanager
@@ -956,6 +977,53 @@ def test_every_upload_carries_the_crc32c_of_its_bytes_for_the_server_to_check(bu
     combined = b"".join(crc32c(p).to_bytes(4, "big") for p in parts)
     got = s3.get_object_attributes(Bucket=bucket, Key="sums/s/big.bin", ObjectAttributes=["Checksum"])
     assert got.get("Checksum", {}).get("ChecksumCRC32C", "").split("-")[0] == b64(combined)
+
+
+def _flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        byte = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("regions", [False, True])
+def test_a_part_damaged_in_its_spool_file_after_it_was_written_is_refused(bucket, s3_server, monkeypatch, regions):
+    """A part's CRC-32C is the one of the bytes handed to the stream, computed as they are written (each byte's CRC
+    computed once; the spool is read once, to send the part), never one read back from the spool: a part whose
+    spooled bytes changed after they were written goes with the CRC of the bytes written, and the server, which checks
+    a part's body against its CRC (S3; here a proxy that does as S3 does), refuses it; the upload is aborted."""
+    from crc32c import crc32c
+
+    from ckptio.storage.regions import RegionedFile
+
+    monkeypatch.setattr(s3mod._common, "PART_SIZE", 5 << 20)
+    data = torch.randint(0, 256, (12 << 20,), dtype=torch.uint8).numpy().tobytes()
+    with _through(s3_server, monkeypatch, lambda method, path, query: "check") as proxy:
+        writer = open_storage(f"s3://{bucket}/spooled").begin_step("s")
+        stream = writer.open("f.bin")
+        with pytest.raises(CheckpointError, match="BadDigest") as refused:
+            if regions:  # as DCP's writer threads write one file: regions cut across the parts (5, 5, 2 MiB)
+                cut = 7 << 20
+                file = RegionedFile(stream, [cut, len(data) - cut])
+                first, second = file.region(0), file.region(1)
+                first.write(data[:cut])
+                second.write(data[cut:])
+                first.close()
+                _flip_byte(stream.path, 11 << 20)  # in the last part, sent when the last region closes
+                second.close()
+            else:
+                stream.write(data)  # two whole parts sent on the way; the last 2 MiB wait for close
+                _flip_byte(stream.path, 11 << 20)
+                stream.close()
+        assert [f[0] for f in proxy.faults] == ["baddigest"], proxy.faults
+        assert "spooled/s/f.bin" in str(refused.value), refused.value
+        assert "spooled/s/f.bin" not in _keys(bucket, "spooled/")
+        assert not s3mod.client().list_multipart_uploads(Bucket=bucket, Prefix="spooled/").get("Uploads")
+        with writer.open("g.bin") as stream:  # undamaged, every part's CRC agrees with its body
+            stream.write(data)
+        assert stream.close() == f"crc32c:{crc32c(data):08x}" and not proxy.faults[1:]
+    assert s3mod.client().get_object(Bucket=bucket, Key="spooled/s/g.bin")["Body"].read() == data
 
 
 @pytest.mark.parametrize("store", ["s3", pytest.param("gs", marks=pytest.mark.slow),
