@@ -97,6 +97,8 @@ class S3WriteStream(LocalWriteStream):
         try:
             size = self.path.stat().st_size
             if size != self.size:
+                if self._parts is not None:
+                    self._parts.abort()
                 raise CheckpointError(f"{self.where}: its spool file {self.path} holds {size} bytes, "
                                       f"{self.size} were written")
             crcs = None if self._crcs is None else self._crcs + ([self._part.value] if self._part.size else [])
