@@ -489,6 +489,8 @@ class _FaultyProxy:
         from urllib.parse import quote, urlsplit
 
         self.rule, self.faults = rule, []
+        self.signed: list[tuple[str, str, str | None, str | None]] = []
+        """Each request's method, path, ``x-amz-content-sha256`` and ``x-amz-checksum-crc32c``."""
         host, port = urlsplit(upstream).hostname, urlsplit(upstream).port
         proxy = self
 
@@ -513,6 +515,8 @@ class _FaultyProxy:
 
             def _handle(self) -> None:
                 body = self._body()
+                proxy.signed.append((self.command, self.path, self.headers.get("x-amz-content-sha256"),
+                                     self.headers.get("x-amz-checksum-crc32c")))
                 path, _, query = self.path.partition("?")
                 if "uploadType=multipart" in query:  # GCS names the object in the body's metadata: the rule sees it
                     named = re.search(rb'"name": ?"([^"]+)"', body)
@@ -1024,6 +1028,25 @@ def test_a_part_damaged_in_its_spool_file_after_it_was_written_is_refused(bucket
             stream.write(data)
         assert stream.close() == f"crc32c:{crc32c(data):08x}" and not proxy.faults[1:]
     assert s3mod.client().get_object(Bucket=bucket, Key="spooled/s/g.bin")["Body"].read() == data
+
+
+def test_an_uploaded_byte_is_hashed_once_for_its_crc32c_and_not_again_for_the_signature(bucket, s3_server, monkeypatch):
+    """A request that carries the CRC-32C of its body, which the server checks, goes with an unsigned payload
+    (``x-amz-content-sha256: UNSIGNED-PAYLOAD``): the client does not read the body once more for a SHA-256 of it
+    (as boto3 does on an ``http://`` endpoint otherwise, and as its own upload with a trailing checksum does not)."""
+    monkeypatch.setattr(s3mod._common, "PART_SIZE", 5 << 20)
+    data = torch.randint(0, 256, (12 << 20,), dtype=torch.uint8).numpy().tobytes()
+    with _through(s3_server, monkeypatch, lambda method, path, query: "check") as proxy:
+        writer = open_storage(f"s3://{bucket}/signed").begin_step("s")
+        for name, size in (("small.bin", 3 << 20), ("big.bin", len(data))):
+            with writer.open(name) as stream:
+                stream.write(data[:size])
+    sent = [(sha, crc) for method, path, sha, crc in proxy.signed if method == "PUT" and path.endswith(".bin") or
+            method == "PUT" and "partNumber=" in path]
+    assert len(sent) == 4, proxy.signed  # one PUT, three parts
+    assert all(crc and sha == "UNSIGNED-PAYLOAD" for sha, crc in sent), sent
+    assert not proxy.faults
+    assert s3mod.client().get_object(Bucket=bucket, Key="signed/s/big.bin")["Body"].read() == data
 
 
 @pytest.mark.parametrize("store", ["s3", pytest.param("gs", marks=pytest.mark.slow),
