@@ -475,7 +475,9 @@ class _FaultyProxy:
     conditional write racing another; moto never does), a 403 (``refuse``: a write the server will not take, retried by
     no client), drops the connection without an answer, before (``drop``) or after (``lost``) the server carried the
     request out, answers half the body then drops (``cut``), forwards the request with a byte of its body flipped (``flip``), or holds the request :attr:`stall_s` seconds before
-    carrying it out (``stall``: a server slower than the client's read timeout), by a rule on (method, path, query)."""
+    carrying it out (``stall``: a server slower than the client's read timeout), or refuses a body whose CRC-32C is not
+    the one its ``x-amz-checksum-crc32c`` names as S3 does (``check``: ``400 BadDigest``; moto does not check it), by
+    a rule on (method, path, query)."""
 
     stall_s = 4.0
 
@@ -487,6 +489,8 @@ class _FaultyProxy:
         from urllib.parse import quote, urlsplit
 
         self.rule, self.faults = rule, []
+        self.signed: list[tuple[str, str, str | None, str | None]] = []
+        """Each request's method, path, ``x-amz-content-sha256`` and ``x-amz-checksum-crc32c``."""
         host, port = urlsplit(upstream).hostname, urlsplit(upstream).port
         proxy = self
 
@@ -511,6 +515,8 @@ class _FaultyProxy:
 
             def _handle(self) -> None:
                 body = self._body()
+                proxy.signed.append((self.command, self.path, self.headers.get("x-amz-content-sha256"),
+                                     self.headers.get("x-amz-checksum-crc32c")))
                 path, _, query = self.path.partition("?")
                 if "uploadType=multipart" in query:  # GCS names the object in the body's metadata: the rule sees it
                     named = re.search(rb'"name": ?"([^"]+)"', body)
@@ -529,6 +535,16 @@ class _FaultyProxy:
                         b"</Message></Error>" if action == "409" else \
                         b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>"
                     self.send_response(403 if action == "refuse" else int(action))
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(xml)))
+                    self.end_headers()
+                    self.wfile.write(xml)
+                    return
+                if action == "check" and self.headers.get("x-amz-checksum-crc32c") not in (None, _crc_b64(body)):
+                    proxy.faults.append(("baddigest", self.command, self.path))
+                    xml = b"<Error><Code>BadDigest</Code><Message>The CRC32C you specified did not match the " \
+                        b"calculated checksum.</Message></Error>"
+                    self.send_response(400)
                     self.send_header("Content-Type", "application/xml")
                     self.send_header("Content-Length", str(len(xml)))
                     self.end_headers()
@@ -578,6 +594,15 @@ class _FaultyProxy:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def _crc_b64(data: bytes) -> str:
+    """A CRC-32C as S3's ``x-amz-checksum-crc32c`` carries it."""
+    import base64
+
+    from crc32c import crc32c
+
+    return base64.b64encode(crc32c(data).to_bytes(4, "big")).decode()
 
 
 @contextlib.contextmanager
@@ -956,6 +981,72 @@ def test_every_upload_carries_the_crc32c_of_its_bytes_for_the_server_to_check(bu
     combined = b"".join(crc32c(p).to_bytes(4, "big") for p in parts)
     got = s3.get_object_attributes(Bucket=bucket, Key="sums/s/big.bin", ObjectAttributes=["Checksum"])
     assert got.get("Checksum", {}).get("ChecksumCRC32C", "").split("-")[0] == b64(combined)
+
+
+def _flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        byte = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("regions", [False, True])
+def test_a_part_damaged_in_its_spool_file_after_it_was_written_is_refused(bucket, s3_server, monkeypatch, regions):
+    """A part's CRC-32C is the one of the bytes handed to the stream, computed as they are written (each byte's CRC
+    computed once; the spool is read once, to send the part), never one read back from the spool: a part whose
+    spooled bytes changed after they were written goes with the CRC of the bytes written, and the server, which checks
+    a part's body against its CRC (S3; here a proxy that does as S3 does), refuses it; the upload is aborted."""
+    from crc32c import crc32c
+
+    from ckptio.storage.regions import RegionedFile
+
+    monkeypatch.setattr(s3mod._common, "PART_SIZE", 5 << 20)
+    data = torch.randint(0, 256, (12 << 20,), dtype=torch.uint8).numpy().tobytes()
+    with _through(s3_server, monkeypatch, lambda method, path, query: "check") as proxy:
+        writer = open_storage(f"s3://{bucket}/spooled").begin_step("s")
+        stream = writer.open("f.bin")
+        with pytest.raises(CheckpointError, match="BadDigest") as refused:
+            if regions:  # as DCP's writer threads write one file: regions cut across the parts (5, 5, 2 MiB)
+                cut = 7 << 20
+                file = RegionedFile(stream, [cut, len(data) - cut])
+                first, second = file.region(0), file.region(1)
+                first.write(data[:cut])
+                second.write(data[cut:])
+                first.close()
+                _flip_byte(stream.path, 11 << 20)  # in the last part, sent when the last region closes
+                second.close()
+            else:
+                stream.write(data)  # two whole parts sent on the way; the last 2 MiB wait for close
+                _flip_byte(stream.path, 11 << 20)
+                stream.close()
+        assert [f[0] for f in proxy.faults] == ["baddigest"], proxy.faults
+        assert "spooled/s/f.bin" in str(refused.value), refused.value
+        assert "spooled/s/f.bin" not in _keys(bucket, "spooled/")
+        assert not s3mod.client().list_multipart_uploads(Bucket=bucket, Prefix="spooled/").get("Uploads")
+        with writer.open("g.bin") as stream:  # undamaged, every part's CRC agrees with its body
+            stream.write(data)
+        assert stream.close() == f"crc32c:{crc32c(data):08x}" and not proxy.faults[1:]
+    assert s3mod.client().get_object(Bucket=bucket, Key="spooled/s/g.bin")["Body"].read() == data
+
+
+def test_an_uploaded_byte_is_hashed_once_for_its_crc32c_and_not_again_for_the_signature(bucket, s3_server, monkeypatch):
+    """A request that carries the CRC-32C of its body, which the server checks, goes with an unsigned payload
+    (``x-amz-content-sha256: UNSIGNED-PAYLOAD``): the client does not read the body once more for a SHA-256 of it
+    (as boto3 does on an ``http://`` endpoint otherwise, and as its own upload with a trailing checksum does not)."""
+    monkeypatch.setattr(s3mod._common, "PART_SIZE", 5 << 20)
+    data = torch.randint(0, 256, (12 << 20,), dtype=torch.uint8).numpy().tobytes()
+    with _through(s3_server, monkeypatch, lambda method, path, query: "check") as proxy:
+        writer = open_storage(f"s3://{bucket}/signed").begin_step("s")
+        for name, size in (("small.bin", 3 << 20), ("big.bin", len(data))):
+            with writer.open(name) as stream:
+                stream.write(data[:size])
+    sent = [(sha, crc) for method, path, sha, crc in proxy.signed if method == "PUT" and path.endswith(".bin") or
+            method == "PUT" and "partNumber=" in path]
+    assert len(sent) == 4, proxy.signed  # one PUT, three parts
+    assert all(crc and sha == "UNSIGNED-PAYLOAD" for sha, crc in sent), sent
+    assert not proxy.faults
+    assert s3mod.client().get_object(Bucket=bucket, Key="signed/s/big.bin")["Body"].read() == data
 
 
 @pytest.mark.parametrize("store", ["s3", pytest.param("gs", marks=pytest.mark.slow),

@@ -111,9 +111,16 @@ class ChecksummingStream(io.RawIOBase):
         return True
 
     def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        done = self.write_unsummed(view)
+        self.checksum.update(view)
+        return done
+
+    def write_unsummed(self, view: memoryview) -> int:
+        """Write ``view`` whole, leaving the running checksum to the caller (one that computes the CRC-32C of the
+        same bytes in pieces of its own, e.g. an upload's parts, and sets :attr:`checksum` from them)."""
         # Write everything or raise: a short write (a full disk, a file-size limit) is retried, which
         # surfaces the real OSError (ENOSPC, EFBIG) instead of a count callers may not check.
-        view = memoryview(data).cast("B")
         done = 0
         while done < view.nbytes:
             try:
@@ -129,7 +136,6 @@ class ChecksummingStream(io.RawIOBase):
             if not n:
                 raise OSError(errno.EIO, f"write to {getattr(self.raw, 'name', 'file')} made no progress")
             done += n
-        self.checksum.update(view)
         return done
 
     def tell(self) -> int:

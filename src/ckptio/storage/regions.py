@@ -6,7 +6,9 @@ cut into regions whose lengths are known before writing starts; each region is a
 ``pwrite`` at its own offset and keeps its own CRC-32C, and when the last region closes the file's checksum
 is the regions' checksums combined (:func:`~ckptio.storage.checksum.crc32c_combine`) — the same value a
 front-to-back write would have given — and the underlying stream is closed (fsynced, or uploaded for
-object storage) as one file.
+object storage) as one file. A stream that names a ``crc_span`` (an S3 upload: its part size) has each region's
+CRC-32C cut at the multiples of it, and is given the CRC-32C of each span (each part) besides the file's: no byte's
+CRC is computed twice.
 
 Thread safety: each :class:`Region` is used by one thread; :class:`RegionedFile` is safe to close from any.
 """
@@ -32,7 +34,9 @@ class RegionedFile:
     def __init__(self, stream: Any, lengths: list[int]) -> None:
         self.stream, self.lengths = stream, list(lengths)
         self.offsets = [sum(self.lengths[:i]) for i in range(len(self.lengths))]
-        self._sums: list[RunningChecksum | None] = [None] * len(self.lengths)
+        self.span: int | None = getattr(stream, "crc_span", None)
+        """Where the regions' CRC-32Cs are cut (the multiples of it), for a stream that takes one per span."""
+        self._sums: list[list[RunningChecksum] | None] = [None] * len(self.lengths)
         self._left = len(self.lengths)
         self._failed = False
         self._lock = threading.Lock()
@@ -53,9 +57,9 @@ class RegionedFile:
             self._left, self._failed = 0, True
         self.stream.discard()
 
-    def _finish(self, i: int, checksum: RunningChecksum | None) -> str | None:
-        """Called once per region (``checksum`` ``None``: it failed); the last one closes the file. Returns the
-        file's digest to the caller that closed it, ``None`` to the others."""
+    def _finish(self, i: int, checksum: list[RunningChecksum] | None) -> str | None:
+        """Called once per region (``checksum``: its CRC-32Cs, cut at the spans; ``None``: it failed); the last one
+        closes the file. Returns the file's digest to the caller that closed it, ``None`` to the others."""
         with self._lock:
             if not self._left:  # abandoned
                 return None
@@ -67,11 +71,21 @@ class RegionedFile:
         if self._failed:
             self.stream.discard()
             return None
-        value, size = 0, 0
-        for part in self._sums:
-            assert part is not None  # every region closed without failing
-            value, size = crc32c_combine(value, part.value, part.size), size + part.size
-        self.stream.adopt_checksum(value, size)
+        value, size, spans = 0, 0, []  # the file's CRC-32C; with a span, each span's
+        for sums in self._sums:
+            assert sums is not None  # every region closed without failing
+            for piece in sums:
+                if self.span is None:
+                    value = crc32c_combine(value, piece.value, piece.size)
+                elif piece.size and size % self.span == 0:
+                    spans.append(piece.value)  # a piece that starts a span (none crosses one)
+                elif piece.size:
+                    spans[-1] = crc32c_combine(spans[-1], piece.value, piece.size)
+                size += piece.size
+        if self.span is None:
+            self.stream.adopt_checksum(value, size)
+        else:
+            self.stream.adopt_checksum(None, size, spans=spans)
         self.digest = self.stream.close()
         return self.digest
 
@@ -84,6 +98,8 @@ class Region(ClosedOnSuccess):
         self.start, self.length = file.offsets[i], file.lengths[i]
         self.pos = self.start
         self.checksum = RunningChecksum()
+        """The CRC-32C of what is written since the region's start, or since the last multiple of the file's span."""
+        self._sums = [self.checksum]
         self.error: OSError | None = None
         self._done = False
         writeback = getattr(file.stream, "writeback_from", None)  # a durable local file: written out as it comes
@@ -108,7 +124,16 @@ class Region(ClosedOnSuccess):
             if not n:
                 raise OSError(errno.EIO, f"write to {self.file.name} made no progress")
             done += n
-        self.checksum.update(view)
+        span, at = self.file.span, 0
+        while span is not None and at < view.nbytes:  # the checksum is cut where a span ends
+            n = min(view.nbytes - at, span - (self.pos + at) % span)
+            if (self.pos + at) % span == 0 and self.checksum.size:
+                self.checksum = RunningChecksum()
+                self._sums.append(self.checksum)
+            self.checksum.update(view[at:at + n])
+            at += n
+        if span is None:
+            self.checksum.update(view)
         self.pos += done
         if self._writeback is not None:
             self._writeback.advance(self.pos)
@@ -137,7 +162,7 @@ class Region(ClosedOnSuccess):
                                                           f"{self.pos - self.start} bytes, {self.length} were planned")
             self.file._finish(self.i, None)
             raise self.error
-        return self.file._finish(self.i, self.checksum)
+        return self.file._finish(self.i, self._sums)
 
     def discard(self) -> None:
         if not self._done:

@@ -55,7 +55,11 @@ def client() -> Any:
         if key not in _clients:
             config = Config(connect_timeout=CONNECT_TIMEOUT, read_timeout=READ_TIMEOUT,
                             retries={"total_max_attempts": MAX_ATTEMPTS, "mode": "standard"},
-                            max_pool_connections=4 * UPLOAD_THREADS)
+                            max_pool_connections=4 * UPLOAD_THREADS,
+                            # a body is not read once more for a SHA-256 in its signature (boto3 does so on an
+                            # http:// endpoint): every upload carries a CRC-32C of its bytes that the server checks
+                            # (ours, or boto3's own), as boto3's managed upload does on any endpoint
+                            s3={"payload_signing_enabled": False})
             _clients[key] = boto3.session.Session().client("s3", config=config)
         return _clients[key]
 

@@ -13,6 +13,7 @@ from typing import Any
 from crc32c import crc32c
 
 from ...errors import CheckpointError
+from ..checksum import RunningChecksum, crc32c_combine, format_digest
 from ..local import LocalWriteStream
 from ..objstore.writer import ObjectFolderWriter
 from . import _common
@@ -21,37 +22,92 @@ from ._common import S3Path, _call, client
 __all__ = ["S3WriteStream", "S3FolderWriter", "upload_file"]
 
 class S3WriteStream(LocalWriteStream):
-    """A file spooled locally with a running CRC-32C and uploaded as it is written: once a part's worth
-    (:data:`~._common.PART_SIZE`) is spooled, it goes up as a part of a multipart upload while the writer goes on;
-    :meth:`close` sends the rest and completes it (a file that stayed under one part is one ``PUT`` at close)."""
+    """A file spooled locally and uploaded as it is written: once a part's worth (:data:`~._common.PART_SIZE`) is
+    spooled, it goes up as a part of a multipart upload while the writer goes on; :meth:`close` sends the rest and
+    completes it (a file that stayed under one part is one ``PUT`` at close).
+
+    Each part's CRC-32C is computed as its bytes are written (the file's is combined from the parts'): every byte's
+    CRC is computed once, and the spool is read once, to send the part, which the server checks against that CRC,
+    so a part whose spooled bytes are not the ones written is refused. A file written as regions
+    (:mod:`~ckptio.storage.regions`) has its regions' CRCs cut at the parts (:attr:`crc_span`)."""
 
     def __init__(self, spool: Path, bucket: str, key: str, where: S3Path) -> None:
         spool.parent.mkdir(parents=True, exist_ok=True)
         super().__init__(spool, durable=False)
         self.bucket, self.key, self.where = bucket, key, where
+        self.crc_span = _common.PART_SIZE
+        """The part size: the CRC-32C of each part's bytes is what goes with the part."""
         self._parts: _Parts | None = None
+        self._crcs: list[int] | None = []  # each whole part's CRC-32C (``None``: not known, read back to send)
+        self._part = RunningChecksum()  # the bytes since the last whole part
+        self._whole = 0  # the CRC-32C of the whole parts
+
+    @property
+    def size(self) -> int:
+        return self._out.checksum.size if self._crcs is None else len(self._crcs) * self.crc_span + self._part.size
+
+    @property
+    def digest(self) -> str:
+        if self._crcs is None:
+            return self._out.checksum.digest
+        return format_digest(crc32c_combine(self._whole, self._part.value, self._part.size))
 
     def write(self, data: object) -> int:
-        n = super().write(data)
-        size = self.size
-        if size - (self._parts.sent if self._parts is not None else 0) >= _common.PART_SIZE:
+        view = memoryview(data).cast("B")  # type: ignore[arg-type]
+        assert self._crcs is not None, "a stream whose checksum was adopted is written no more"
+        span, at = self.crc_span, 0
+        while at < view.nbytes:  # the running CRC of the part, restarted where a part ends
+            piece = view[at:at + min(view.nbytes - at, span - self._part.size)]
+            self._out.write_unsummed(piece)
+            self._part.update(piece)
+            at += piece.nbytes
+            if self._part.size == span:
+                self._crcs.append(self._part.value)
+                self._whole = crc32c_combine(self._whole, self._part.value, span)
+                self._part = RunningChecksum()
+        if len(self._crcs) > (len(self._parts.futures) if self._parts is not None else 0):
             # a whole part is spooled: it goes up now (only the last part of an upload may be shorter)
             self._raw.flush()
             if self._parts is None:
-                self._parts = _Parts(self.path, self.bucket, self.key, self.where)
-            while size - self._parts.sent >= _common.PART_SIZE:
-                self._parts.send(self._parts.sent + _common.PART_SIZE)
-        return n
+                self._parts = _Parts(self.path, self.bucket, self.key, self.where, span)
+            while len(self._parts.futures) < len(self._crcs):
+                self._parts.send(self._parts.sent + span, self._crcs[len(self._parts.futures)])
+        return at
+
+    def adopt_checksum(self, value: int | None, size: int, spans: list[int] | None = None) -> None:
+        """Take the CRC-32C of content written past this stream (in regions): the file's, or each part's
+        (``spans``, cut at :attr:`crc_span`), from which the file's is combined."""
+        if spans is None:
+            assert value is not None
+            super().adopt_checksum(value, size)
+            self._crcs = None
+            return
+        whole = size // self.crc_span
+        self._crcs, self._whole = spans[:whole], 0
+        for crc in self._crcs:
+            self._whole = crc32c_combine(self._whole, crc, self.crc_span)
+        self._part = RunningChecksum()
+        if size % self.crc_span:
+            self._part.value, self._part.size = spans[whole], size % self.crc_span
 
     def close(self) -> str:
         if self._digest is not None:
             return self._digest
         digest = super().close()
         try:
-            if self._parts is None:  # the CRC-32C of the write pass goes along: the client computes none of its own
-                upload_file(self.path, self.bucket, self.key, self.where, crc=self._out.checksum.value)
+            size = self.path.stat().st_size
+            if size != self.size:
+                if self._parts is not None:
+                    self._parts.abort()
+                raise CheckpointError(f"{self.where}: its spool file {self.path} holds {size} bytes, "
+                                      f"{self.size} were written")
+            crcs = None if self._crcs is None else self._crcs + ([self._part.value] if self._part.size else [])
+            if self._parts is None and size <= self.crc_span:  # the CRC-32C of the write pass goes along
+                upload_file(self.path, self.bucket, self.key, self.where,
+                            crc=self._out.checksum.value if crcs is None else crcs[0] if crcs else 0)
             else:
-                self._parts.finish(self.path.stat().st_size)
+                parts = self._parts or _Parts(self.path, self.bucket, self.key, self.where, self.crc_span)
+                parts.finish(size, crcs=crcs)
         finally:
             self.path.unlink(missing_ok=True)
         return digest
@@ -70,28 +126,30 @@ def _b64(crc: int) -> str:
 
 class _Parts:
     """A multipart upload fed while its file is still being written: each part read back from the spool (the page
-    cache) and sent on a pool's thread with its CRC-32C (the server checks it); :meth:`finish` sends the rest and
-    completes, :meth:`abort` drops it."""
+    cache) and sent on a pool's thread with its CRC-32C (the server checks it; the one computed as the part was
+    written, else computed from the spool); :meth:`finish` sends the rest and completes, :meth:`abort` drops it."""
 
-    def __init__(self, path: Path, bucket: str, key: str, where: object) -> None:
-        self.path, self.bucket, self.key, self.where = path, bucket, key, where
+    def __init__(self, path: Path, bucket: str, key: str, where: object, part_size: int) -> None:
+        self.path, self.bucket, self.key, self.where, self.part_size = path, bucket, key, where, part_size
         self.upload = _call("starting the upload of", where, client().create_multipart_upload, Bucket=bucket,
                             Key=key, ChecksumAlgorithm="CRC32C")["UploadId"]
         self.pool = ThreadPoolExecutor(_common.UPLOAD_THREADS, thread_name_prefix="ckptio-s3-upload")
         self.futures: list[Any] = []
         self.sent = 0
 
-    def send(self, end: int) -> None:
-        """Send the bytes from where the last part ended to ``end`` as the next part (in the background)."""
+    def send(self, end: int, crc: int | None = None) -> None:
+        """Send the bytes from where the last part ended to ``end`` as the next part (in the background), with
+        their CRC-32C ``crc`` (``None``: computed from the spool)."""
         self.futures.append(self.pool.submit(_upload_part, self.path, self.bucket, self.key, self.where, self.upload,
-                                             len(self.futures) + 1, self.sent, end - self.sent))
+                                             len(self.futures) + 1, self.sent, end - self.sent, crc))
         self.sent = end
 
-    def finish(self, size: int, **extra: Any) -> None:
-        """Send the rest of the file's ``size`` bytes and complete the upload (``extra``: e.g. ``IfNoneMatch``)."""
+    def finish(self, size: int, crcs: list[int] | None = None, **extra: Any) -> None:
+        """Send the rest of the file's ``size`` bytes and complete the upload (``crcs``: every part's CRC-32C, when
+        known; ``extra``: e.g. ``IfNoneMatch``)."""
         try:
             while self.sent < size:
-                self.send(min(size, self.sent + _common.PART_SIZE))
+                self.send(min(size, self.sent + self.part_size), crcs[len(self.futures)] if crcs else None)
             parts = [f.result() for f in self.futures]
             _call("completing the upload of", self.where, client().complete_multipart_upload, Bucket=self.bucket,
                   Key=self.key, UploadId=self.upload, MultipartUpload={"Parts": parts}, **extra)
@@ -156,11 +214,12 @@ class _Window(io.RawIOBase):
 
 
 def _upload_part(path: Path, bucket: str, key: str, where: object, upload: str, number: int, offset: int,
-                 length: int) -> dict[str, Any]:
-    """One part of a multipart upload, read from ``path`` at ``offset``, sent with its CRC-32C (hardware, ~14 GB/s
-    here): boto3 would otherwise compute a CRC-32 of every part itself (zlib's, ~3.5x the CPU)."""
+                 length: int, value: int | None) -> dict[str, Any]:
+    """One part of a multipart upload, read from ``path`` at ``offset``, sent with its CRC-32C ``value`` (computed
+    as it was written; ``None``: read from the spool here, hardware, ~14 GB/s): boto3 would otherwise compute a
+    CRC-32 of every part itself (zlib's, ~3.5x the CPU)."""
     with _Window(path, offset, length) as body:
-        crc = body.crc(where)
+        crc = body.crc(where) if value is None else _b64(value)
         etag = _call(f"uploading part {number} of", where, client().upload_part, Bucket=bucket, Key=key,
                      UploadId=upload, PartNumber=number, Body=body, ContentLength=length, ChecksumCRC32C=crc)["ETag"]
     return {"PartNumber": number, "ETag": etag, "ChecksumCRC32C": crc}
@@ -173,13 +232,13 @@ def upload_file(path: Path, bucket: str, key: str, where: object, *, if_none_mat
     it while writing; else it is computed here)."""
     s3 = client()
     size = path.stat().st_size
-    extra = {"IfNoneMatch": "*"} if if_none_match else {}
+    extra: dict[str, Any] = {"IfNoneMatch": "*"} if if_none_match else {}
     if size <= _common.PART_SIZE:
         with _Window(path, 0, size) as body:
             _call("uploading", where, s3.put_object, Bucket=bucket, Key=key, Body=body, ContentLength=size,
                   ChecksumAlgorithm="CRC32C", ChecksumCRC32C=body.crc(where) if crc is None else _b64(crc), **extra)
         return
-    _Parts(path, bucket, key, where).finish(size, **extra)
+    _Parts(path, bucket, key, where, _common.PART_SIZE).finish(size, **extra)
 
 
 S3FolderWriter = ObjectFolderWriter
