@@ -1253,8 +1253,9 @@ def test_a_large_read_goes_into_its_buffer_in_a_few_pieces(store):
     store.put("big.bin", data.tobytes())
     small, large = bytearray(1 << 10), bytearray(len(data) - 7)
     store.raw.read_into("big.bin", 7, memoryview(small))  # the client and its connection made, before the count
-    base = _python_calls(lambda: store.raw.read_into("big.bin", 7, memoryview(small)))
-    extra = _python_calls(lambda: store.raw.read_into("big.bin", 7, memoryview(large))) - base
+    # the fewest of three of each: a connection the server closed in between is made again inside one of them
+    base = min(_python_calls(lambda: store.raw.read_into("big.bin", 7, memoryview(small))) for _ in range(3))
+    extra = min(_python_calls(lambda: store.raw.read_into("big.bin", 7, memoryview(large))) for _ in range(3)) - base
     assert bytes(small) == data[7:7 + len(small)].tobytes() and bytes(large) == data[7:].tobytes()
     assert extra < 600, f"a 15 MiB read made {extra} more Python calls than a 1 KiB one"
 
