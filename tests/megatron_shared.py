@@ -213,6 +213,20 @@ def megatron_as_hf(mega: dict, vocab: int = 128, groups: int = 2, head_dim: int 
     return out
 
 
+def holds_megatrons_state(got: dict, iteration: Path, params: int) -> None:
+    """``got`` (:func:`restore_with_adam`'s result for one of the fixture's Qwen-style mixtures of experts) holds the
+    torch_dist checkpoint ``iteration``'s every weight and Adam moment as fp32, bit for bit (:func:`megatron_as_hf`),
+    each parameter's step 1 and the fixture's one made-up Adam step for each of the ``params`` parameters."""
+    from ckptio.formats.dcp.format import load_all
+
+    want = megatron_as_hf(load_all(iteration))
+    assert set(want) == {k for k in got if not k.endswith(".step") and k != "steps"}
+    for key, value in want.items():
+        assert got[key].dtype == torch.float32 and torch.equal(got[key], value), key
+    assert {v.item() for k, v in got.items() if k.endswith(".step")} == {1.0}
+    check_fixture_adam(got, params=params)
+
+
 def _qkv(fused: torch.Tensor, groups: int, head_dim: int) -> tuple[torch.Tensor, ...]:
     """Megatron's fused query/key/value rows (per query group: its queries, one key, one value) as q, k, v."""
     per = fused.reshape(groups, -1, *fused.shape[1:])

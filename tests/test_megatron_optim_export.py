@@ -118,6 +118,17 @@ def _stepped_on_from_step_2(got) -> None:
             assert not torch.equal(p["after"][key], p["before"][key]), (name, key)
 
 
+def _ckptio_reads_back(out, model, opt) -> None:
+    """ckptio's own Megatron reader finds the source's Adam state in the export ``out``, bitwise, and its step 2."""
+    from ckptio.formats.megatron.format import MegatronFormat
+
+    step, moments = MegatronFormat().open_adam(out)
+    assert step == 2.0
+    for name, p in model.named_parameters():
+        for moment, source in moments.items():
+            assert torch.equal(source.read(name), opt.state[p][moment]), (moment, name)
+
+
 def test_megatron_core_loads_ckptios_adam_state_bitwise(trained):
     got, model, opt, _ = trained
     assert got["iteration"] == 2
@@ -319,17 +330,11 @@ def test_megatron_cores_distributed_optimizer_loads_a_legacy_export_bitwise_and_
     """Each DP rank's range of every parameter, gathered: the fp32 master copy and moments megatron-core scattered
     from the flat buffers are ckptio's, bitwise, the step 2; one step later it is 3 and everything has moved. ckptio's
     own reader lays the buffers out again and finds the source's state."""
-    from ckptio.formats.megatron.format import MegatronFormat
-
     got, model, opt, out = trained_legacy_distributed
     assert got["iteration"] == 2 and torch.isfinite(torch.tensor(got["loss"]))
     _megatron_holds_ours(got, model, opt)
     _stepped_on_from_step_2(got)
-    step, moments = MegatronFormat().open_adam(out)
-    assert step == 2.0
-    for name, p in model.named_parameters():
-        for moment, source in moments.items():
-            assert torch.equal(source.read(name), opt.state[p][moment]), (moment, name)
+    _ckptio_reads_back(out, model, opt)
 
 
 @pytest.fixture(scope="module", params=["plain", "distributed"])
@@ -358,8 +363,6 @@ def test_megatron_core_loads_a_legacy_vpp_export_with_a_tied_embedding_bitwise_a
     last stage is the embedding, its state the embedding's, before and after a step that moved everything (its
     gradient summed over both copies by finalize_model_grads). ckptio's own reader finds the source's state in the
     distributed optimizer's export."""
-    from ckptio.formats.megatron.format import MegatronFormat
-
     got, model, opt, out, kind = trained_legacy_vpp_tied
     assert got["iteration"] == 2
     _megatron_holds_ours(got, model, opt)
@@ -370,11 +373,7 @@ def test_megatron_core_loads_a_legacy_vpp_export_with_a_tied_embedding_bitwise_a
             assert torch.equal(copy[when][key], embedding[when][key]), (when, key)
     if kind == "plain":
         return  # the plain optimizer's state by position: ckptio reads a legacy run's distrib_optim.pt only
-    step, moments = MegatronFormat().open_adam(out)
-    assert step == 2.0
-    for name, p in model.named_parameters():
-        for moment, source in moments.items():
-            assert torch.equal(source.read(name), opt.state[p][moment]), (moment, name)
+    _ckptio_reads_back(out, model, opt)
 
 
 @pytest.fixture(scope="module", params=["plain", "distributed"])

@@ -327,6 +327,17 @@ def _fsdp_rank(url: str, resume: bool) -> dict:
         return {"state": full_state(model, opt)}
 
 
+def _counted(kind: type, name: str, calls: list):
+    """The store class ``kind``'s method ``name``, appending ``(name, key)`` to ``calls`` before each call (the store
+    itself runs: real requests to the loopback server, counted)."""
+    real = getattr(kind, name)
+
+    def call(self, key, *args, **kwargs):
+        calls.append((name, key))
+        return real(self, key, *args, **kwargs)
+    return call
+
+
 def _counted_restore_rank(url: str) -> dict:
     """A rank of a 2-rank FSDP restore: the requests the restore made to the bucket, (method, key) each."""
     import torch.distributed as dist
@@ -341,17 +352,8 @@ def _counted_restore_rank(url: str) -> dict:
     calls: list[tuple[str, str]] = []
     with CheckpointManager(CheckpointConfig(checkpoint_dir=url), model=model, optimizer=opt, rng=False) as mgr:
         kind = type(mgr.storage.store)
-
-        def counted(name):
-            real = getattr(kind, name)
-
-            def call(self, key, *args, **kwargs):
-                calls.append((name, key))
-                return real(self, key, *args, **kwargs)
-            return call
-
         for name in ("listing", "head", "get", "read_into"):
-            setattr(kind, name, counted(name))
+            setattr(kind, name, _counted(kind, name, calls))
         dist.barrier()
         step = mgr.restore().step
     return {"step": step, "calls": calls}
@@ -1269,18 +1271,9 @@ def test_a_save_makes_only_the_requests_its_guarantees_need(store, monkeypatch):
     model, opt, mgr = _setup(store.url("few"))
     kind = type(mgr.storage.store)
     calls: list[tuple[str, str]] = []
-
-    def counted(name):
-        real = getattr(kind, name)
-
-        def call(self, key, *args, **kwargs):
-            calls.append((name, key))
-            return real(self, key, *args, **kwargs)
-        return call
-
     with monkeypatch.context() as patched:
         for name in ("listing", "head", "put", "get", "read_into", "delete", "copy", "upload_file", "open_stream"):
-            patched.setattr(kind, name, counted(name))
+            patched.setattr(kind, name, _counted(kind, name, calls))
         with mgr:
             for step in (1, 2):
                 _train(model, opt, 1, seed=step)
