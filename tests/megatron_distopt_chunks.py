@@ -23,7 +23,6 @@ the optimizer's ``sharded_state_dict`` of them): ``torch_dist/`` with today's me
 default, which Megatron-LM before 0.14 kept): with experts each chained optimizer's tensors under ``chained_N.``.
 """
 import argparse
-import datetime
 import os
 import shutil
 import sys
@@ -93,22 +92,11 @@ def worker(rank, tp, pp, vpp, dp, ep, out, iteration, bucket, dist, store_file):
     import megatron_fixture as mf
     import megatron_vpp
 
-    mf.quiet_megatron()
-    torch.distributed.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank,
-                                         world_size=tp * pp * dp, timeout=datetime.timedelta(minutes=2))
-    mf.apply_cpu_stubs()
-    mf.apply_distopt_cpu_stubs()
+    tp_rank, pp_rank, dp_rank = mf.start_distopt_rank(rank, store_file, tp, pp, vpp, dp, ep)
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep)
-    torch.manual_seed(mf.SEED)
-    model_parallel_cuda_manual_seed(mf.SEED)
-    tp_rank, pp_rank, dp_rank = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-                                 ps.get_data_parallel_rank())
     ep_rank = ps.get_expert_model_parallel_rank()
     offsets = [megatron_vpp.layer_offset(pp_rank, v, pp, vpp) if vpp else pp_rank * (mf.NUM_LAYERS // pp)
                for v in range(vpp or 1)]

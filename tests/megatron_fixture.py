@@ -141,6 +141,25 @@ def apply_distopt_cpu_stubs():
     torch.Tensor.cuda = lambda self, *args, **kwargs: self  # a tied embedding's copies are synced "on the GPU"
 
 
+def start_distopt_rank(rank, store_file, tp, pp, vpp, dp, ep):
+    """A rank of a distributed-optimizer run: its gloo group (``tp * pp * dp`` ranks), the CPU stubs,
+    megatron-core's model-parallel state (``vpp`` chunks, ``ep`` expert ranks) and the fixture's seeds. Returns its
+    tensor-, pipeline- and data-parallel ranks."""
+    quiet_megatron()
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank,
+                                         world_size=tp * pp * dp, timeout=datetime.timedelta(minutes=2))
+    apply_cpu_stubs()
+    apply_distopt_cpu_stubs()
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep)
+    torch.manual_seed(SEED)
+    model_parallel_cuda_manual_seed(SEED)
+    return ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank()
+
+
 def full_weight(name, full_shape, rows=None):
     """Deterministic full (unsharded) tensor for a global parameter name, the same for any layout.
     If `rows` is given (the vocab matrices), only rows[:rows] come from the name's seed. The padding

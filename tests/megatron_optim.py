@@ -218,23 +218,12 @@ def train_pipeline_worker(rank, tp, pp, vpp, dp, tied, src, out, store_file):
     from megatron_distopt_chunks import _owner
 
     distributed = os.environ.get("MEGATRON_FIXTURE_TRAIN_OPTIMIZER", "distributed" if dp > 1 else "plain") != "plain"
-    mf.quiet_megatron()
-    torch.distributed.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank,
-                                         world_size=tp * pp * dp, timeout=datetime.timedelta(minutes=2))
-    mf.apply_cpu_stubs()
-    mf.apply_distopt_cpu_stubs()
+    tp_rank, pp_rank, dp_rank = mf.start_distopt_rank(rank, store_file, tp, pp, vpp, dp, mf.EP)
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=mf.EP)
-    torch.manual_seed(mf.SEED)
-    model_parallel_cuda_manual_seed(mf.SEED)
-    tp_rank, pp_rank, dp_rank = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-                                 ps.get_data_parallel_rank())
     folder = os.path.join(src, f"mp_rank_{tp_rank:02d}_{pp_rank:03d}" + (  # Megatron-LM appends the EP rank
         f"_{ps.get_expert_model_parallel_rank():03d}" if mf.EP > 1 else ""))
     obj = torch.load(os.path.join(folder, "model_optim_rng.pt"), weights_only=False)
