@@ -48,7 +48,7 @@ from .pickle_walk import PickleTooCostly, walk
 
 __all__ = ["MAX_DEPTH", "DATA_ERRORS", "parsing", "check_pickle", "json_value", "json_object", "read_json", "check_depth",
            "field", "as_int", "as_float", "Budget", "zip_member", "yaml_value", "YAML_MAX_BYTES",
-           "YAML_MAX_DEPTH", "one_read", "within_one_read", "digest", "remembered", "remember"]
+           "YAML_MAX_DEPTH", "one_read", "within_one_read", "digest", "parsed_once"]
 
 MAX_DEPTH = 64
 """Deepest nesting of lists and dicts any checkpoint side file may have (real ones stay under 10)."""
@@ -126,10 +126,11 @@ def _walk_once(data: "bytes | bytearray | memoryview", where: object) -> None:
         _walk(data if isinstance(data, bytes) else bytes(data), where, len(data))
         return
     seen = scope["walked"].setdefault(len(data), set())
-    if seen and digest(data) in seen:
+    key = digest(data) if seen else None
+    if key is not None and key in seen:
         return
     _walk(data if isinstance(data, bytes) else bytes(data), where, len(data))
-    seen.add(digest(data))
+    seen.add(key if key is not None else digest(data))
 
 
 walked: "collections.Counter[str]" = collections.Counter()
@@ -194,21 +195,20 @@ def digest(data: "bytes | bytearray | memoryview") -> tuple[int, bytes]:
     return len(data), hashlib.blake2b(data, digest_size=32).digest()
 
 
-def remembered(kind: str, identity: Any, key: tuple[int, bytes]) -> Any:
-    """What :func:`remember` kept of the file ``identity`` of this ``kind`` when it held the bytes of digest ``key``,
-    else ``None`` (always ``None`` outside a read)."""
+def parsed_once(kind: str, identity: Any, data: bytes, parse: Callable[[bytes], Any]) -> Any:
+    """``parse(data)``; within :func:`one_read`, what it gave before in this read for the file ``identity`` of this
+    ``kind`` when it held these very bytes (by their :func:`digest`: a file changed in between is parsed again). The
+    digest is taken only within a read."""
     scope = _scope.get()
     if scope is None:
-        return None
+        return parse(data)
+    key = digest(data)
     held = scope["parsed"].get((kind, identity))
-    return held[1] if held is not None and held[0] == key else None
-
-
-def remember(kind: str, identity: Any, key: tuple[int, bytes], value: Any) -> None:
-    """Keep ``value``, parsed from the bytes of digest ``key`` of the file ``identity``, until the read ends."""
-    scope = _scope.get()
-    if scope is not None:
-        scope["parsed"][(kind, identity)] = (key, value)
+    if held is not None and held[0] == key:
+        return held[1]
+    value = parse(data)
+    scope["parsed"][(kind, identity)] = (key, value)
+    return value
 
 
 def check_depth(value: Any, where: object, *, max_depth: int = MAX_DEPTH) -> Any:

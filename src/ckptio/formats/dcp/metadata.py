@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from ...errors import CheckpointCorruptError, CheckpointNotFoundError
 from ...storage.confined import Folder, as_folder, check_relative
-from ...storage.parse import check_pickle, digest, remember, remembered
+from ...storage.parse import check_pickle, parsed_once
 from ..safetensors.chunk_index import check_cover
 
 __all__ = ["METADATA_FILE", "read_metadata", "boxes", "check_data_files"]
@@ -96,11 +96,8 @@ def read_metadata(folder: "str | Path | Folder", filename: str = METADATA_FILE) 
         if handle.read(0, min(size, 1)) != b"\x80":  # a pickle of protocol 2 or later: garbage fails here
             raise CheckpointCorruptError(f"{path}: unreadable DCP metadata (not a pickle)")
         data = handle.read(0, size)
-    key = digest(data)  # parsed once per read: these very bytes, parsed and validated before in it
-    metadata = remembered("dcp-metadata", str(path), key)
-    if metadata is None:
-        metadata = _parse(data, path)
-        remember("dcp-metadata", str(path), key, metadata)
+    # parsed and validated once per read: these very bytes, seen before in it
+    metadata = parsed_once("dcp-metadata", str(path), data, lambda d: _parse(d, path))
     _check_files(metadata, root, path)
     if isinstance(folder, Folder):
         _parsed.setdefault(root, {})[filename] = (size, metadata)
