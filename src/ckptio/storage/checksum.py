@@ -74,6 +74,51 @@ def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
     return _multmodp(shift, crc1) ^ crc2
 
 
+class SpanChecksums:
+    """The CRC-32Cs of bytes written from offset ``start`` of a file on, cut where the file's multiples of ``span`` fall
+    (an S3 upload's parts: each goes with its own CRC-32C): :attr:`pieces`, in order, the first and the last possibly
+    short. ``span`` ``None``: one piece. Every byte's CRC is computed once."""
+
+    def __init__(self, span: int | None, start: int = 0) -> None:
+        self.span, self.pos = span, start
+        self.pieces = [RunningChecksum()]
+
+    @classmethod
+    def adopted(cls, span: int, values: list[int], size: int) -> "SpanChecksums":
+        """The spans of a file of ``size`` bytes from ``start`` 0 whose CRC-32Cs, each span's, are ``values``."""
+        made = cls(span)
+        made.pieces = []
+        for i, value in enumerate(values):
+            piece = RunningChecksum()
+            piece.value, piece.size = value, min(span, size - i * span)
+            made.pieces.append(piece)
+        made.pieces = made.pieces or [RunningChecksum()]
+        made.pos = size
+        return made
+
+    def update(self, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        at = 0
+        while at < view.nbytes:
+            n = view.nbytes - at if self.span is None else min(view.nbytes - at, self.span - self.pos % self.span)
+            if self.span is not None and self.pos % self.span == 0 and self.pieces[-1].size:
+                self.pieces.append(RunningChecksum())  # a span begins
+            self.pieces[-1].update(view[at:at + n])
+            at += n
+            self.pos += n
+
+    def whole(self) -> list[int]:
+        """The CRC-32C of each whole span so far (from ``start`` 0)."""
+        return [p.value for p in self.pieces if p.size == self.span]
+
+    def combined(self) -> int:
+        """The CRC-32C of all the bytes."""
+        value = 0
+        for piece in self.pieces:
+            value = crc32c_combine(value, piece.value, piece.size)
+        return value
+
+
 def bytes_checksum(data: bytes) -> str:
     """The digest of ``data`` as manifests record it."""
     return format_digest(crc32c(data))

@@ -21,7 +21,7 @@ import threading
 from typing import Any
 
 from .base import ClosedOnSuccess
-from .checksum import RunningChecksum, crc32c_combine
+from .checksum import RunningChecksum, SpanChecksums, crc32c_combine
 from .posix import Writeback
 
 __all__ = ["RegionedFile", "Region"]
@@ -97,9 +97,8 @@ class Region(ClosedOnSuccess):
         self.file, self.i = file, i
         self.start, self.length = file.offsets[i], file.lengths[i]
         self.pos = self.start
-        self.checksum = RunningChecksum()
-        """The CRC-32C of what is written since the region's start, or since the last multiple of the file's span."""
-        self._sums = [self.checksum]
+        self.sums = SpanChecksums(file.span, self.start)
+        """The CRC-32Cs of what is written, cut where the file's spans end."""
         self.error: OSError | None = None
         self._done = False
         writeback = getattr(file.stream, "writeback_from", None)  # a durable local file: written out as it comes
@@ -124,16 +123,7 @@ class Region(ClosedOnSuccess):
             if not n:
                 raise OSError(errno.EIO, f"write to {self.file.name} made no progress")
             done += n
-        span, at = self.file.span, 0
-        while span is not None and at < view.nbytes:  # the checksum is cut where a span ends
-            n = min(view.nbytes - at, span - (self.pos + at) % span)
-            if (self.pos + at) % span == 0 and self.checksum.size:
-                self.checksum = RunningChecksum()
-                self._sums.append(self.checksum)
-            self.checksum.update(view[at:at + n])
-            at += n
-        if span is None:
-            self.checksum.update(view)
+        self.sums.update(view)
         self.pos += done
         if self._writeback is not None:
             self._writeback.advance(self.pos)
@@ -162,7 +152,7 @@ class Region(ClosedOnSuccess):
                                                           f"{self.pos - self.start} bytes, {self.length} were planned")
             self.file._finish(self.i, None)
             raise self.error
-        return self.file._finish(self.i, self._sums)
+        return self.file._finish(self.i, self.sums.pieces)
 
     def discard(self) -> None:
         if not self._done:

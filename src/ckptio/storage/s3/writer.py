@@ -13,7 +13,7 @@ from typing import Any
 from crc32c import crc32c
 
 from ...errors import CheckpointError
-from ..checksum import RunningChecksum, crc32c_combine, format_digest
+from ..checksum import SpanChecksums, format_digest
 from ..local import LocalWriteStream
 from ..objstore.writer import ObjectFolderWriter
 from . import _common
@@ -38,41 +38,31 @@ class S3WriteStream(LocalWriteStream):
         self.crc_span = _common.PART_SIZE
         """The part size: the CRC-32C of each part's bytes is what goes with the part."""
         self._parts: _Parts | None = None
-        self._crcs: list[int] | None = []  # each whole part's CRC-32C (``None``: not known, read back to send)
-        self._part = RunningChecksum()  # the bytes since the last whole part
-        self._whole = 0  # the CRC-32C of the whole parts
+        self._sums: SpanChecksums | None = SpanChecksums(self.crc_span)
+        """Each part's CRC-32C (``None``: the file's adopted whole, each part's read back to send)."""
 
     @property
     def size(self) -> int:
-        return self._out.checksum.size if self._crcs is None else len(self._crcs) * self.crc_span + self._part.size
+        return self._out.checksum.size if self._sums is None else self._sums.pos
 
     @property
     def digest(self) -> str:
-        if self._crcs is None:
-            return self._out.checksum.digest
-        return format_digest(crc32c_combine(self._whole, self._part.value, self._part.size))
+        return self._out.checksum.digest if self._sums is None else format_digest(self._sums.combined())
 
     def write(self, data: object) -> int:
         view = memoryview(data).cast("B")  # type: ignore[arg-type]
-        assert self._crcs is not None, "a stream whose checksum was adopted is written no more"
-        span, at = self.crc_span, 0
-        while at < view.nbytes:  # the running CRC of the part, restarted where a part ends
-            piece = view[at:at + min(view.nbytes - at, span - self._part.size)]
-            self._out.write_unsummed(piece)
-            self._part.update(piece)
-            at += piece.nbytes
-            if self._part.size == span:
-                self._crcs.append(self._part.value)
-                self._whole = crc32c_combine(self._whole, self._part.value, span)
-                self._part = RunningChecksum()
-        if len(self._crcs) > (len(self._parts.futures) if self._parts is not None else 0):
+        assert self._sums is not None, "a stream whose checksum was adopted is written no more"
+        done = self._out.write_unsummed(view)
+        self._sums.update(view)
+        whole = self._sums.whole()
+        if len(whole) > (len(self._parts.futures) if self._parts is not None else 0):
             # a whole part is spooled: it goes up now (only the last part of an upload may be shorter)
             self._raw.flush()
             if self._parts is None:
-                self._parts = _Parts(self.path, self.bucket, self.key, self.where, span)
-            while len(self._parts.futures) < len(self._crcs):
-                self._parts.send(self._parts.sent + span, self._crcs[len(self._parts.futures)])
-        return at
+                self._parts = _Parts(self.path, self.bucket, self.key, self.where, self.crc_span)
+            while len(self._parts.futures) < len(whole):
+                self._parts.send(self._parts.sent + self.crc_span, whole[len(self._parts.futures)])
+        return done
 
     def adopt_checksum(self, value: int | None, size: int, spans: list[int] | None = None) -> None:
         """Take the CRC-32C of content written past this stream (in regions): the file's, or each part's
@@ -80,15 +70,9 @@ class S3WriteStream(LocalWriteStream):
         if spans is None:
             assert value is not None
             super().adopt_checksum(value, size)
-            self._crcs = None
+            self._sums = None
             return
-        whole = size // self.crc_span
-        self._crcs, self._whole = spans[:whole], 0
-        for crc in self._crcs:
-            self._whole = crc32c_combine(self._whole, crc, self.crc_span)
-        self._part = RunningChecksum()
-        if size % self.crc_span:
-            self._part.value, self._part.size = spans[whole], size % self.crc_span
+        self._sums = SpanChecksums.adopted(self.crc_span, spans, size)
 
     def close(self) -> str:
         if self._digest is not None:
@@ -101,7 +85,7 @@ class S3WriteStream(LocalWriteStream):
                     self._parts.abort()
                 raise CheckpointError(f"{self.where}: its spool file {self.path} holds {size} bytes, "
                                       f"{self.size} were written")
-            crcs = None if self._crcs is None else self._crcs + ([self._part.value] if self._part.size else [])
+            crcs = None if self._sums is None else [p.value for p in self._sums.pieces if p.size]
             if self._parts is None and size <= self.crc_span:  # the CRC-32C of the write pass goes along
                 upload_file(self.path, self.bucket, self.key, self.where,
                             crc=self._out.checksum.value if crcs is None else crcs[0] if crcs else 0)
