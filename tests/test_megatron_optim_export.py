@@ -376,33 +376,43 @@ def test_megatron_core_loads_a_legacy_vpp_export_with_a_tied_embedding_bitwise_a
     _ckptio_reads_back(out, model, opt)
 
 
-@pytest.fixture(scope="module", params=["plain", "distributed"])
+@pytest.fixture(scope="module", params=[("mixtral", "plain"), ("mixtral", "distributed"),
+                                        *(pytest.param((family, kind), marks=pytest.mark.slow)
+                                          for family in ("qwen2moe", "qwen3moe") for kind in ("plain", "distributed"))],
+                ids="-".join)
 def trained_legacy_vpp_ep(request, tmp_path_factory):
-    """The Mixtral exported in the legacy layout at PP=2 x VPP=2 x EP=2 (``mp_rank_00_PPP_EEE`` rank files with
-    ``model0``, ``model1``, each EP rank's two experts its local experts; the optimizer the chained dense and experts'
-    one, each over both chunks, with the distributed optimizer a buffer per chunk in each), loaded by megatron-core
-    on PP=2 x DP=2 (EP=2 over the data-parallel ranks: four ranks) as Megatron-LM's legacy load_checkpoint does, each
-    chunk strictly, and trained one step."""
-    kind = request.param
-    root = tmp_path_factory.mktemp(f"megatron_optim_legacy_vpp_ep_{kind}")
-    step, model, opt = _moe_step_dir(root / "ck", "mixtral")
+    """The mixture of experts (a Mixtral; a Qwen2-MoE with its gated shared expert; a Qwen3-MoE with its q/k norms)
+    exported in the legacy layout at PP=2 x VPP=2 x EP=2 (``mp_rank_00_PPP_EEE`` rank files with ``model0``,
+    ``model1``, each EP rank's two experts its local experts; the optimizer the chained dense and experts' one, each
+    over both chunks, with the distributed optimizer a buffer per chunk in each), loaded by megatron-core on PP=2 x
+    DP=2 (EP=2 over the data-parallel ranks: four ranks) as Megatron-LM's legacy load_checkpoint does, each chunk
+    strictly, and trained one step."""
+    family, kind = request.param
+    root = tmp_path_factory.mktemp(f"megatron_optim_legacy_vpp_ep_{family}_{kind}")
+    step, model, opt = _moe_step_dir(root / "ck", family)
     out = convert(step, root / "export", "megatron", options={"pp": 2, "vpp": 2, "ep": 2, "layout": "legacy",
                                                               "optimizer": kind})
-    run_fixture("--family", "mixtral", "--pp", "2", "--vpp", "2", "--ep", "2", "--dp", "2",
+    run_fixture("--family", family, "--pp", "2", "--vpp", "2", "--ep", "2", "--dp", "2",
                 "--train", str(out / "iter_0000002"), "--train-optimizer", kind, "--out", str(root / "trained.pt"))
     return torch.load(root / "trained.pt"), model, opt, out, kind
 
 
-def test_megatron_core_loads_a_mixtrals_legacy_vpp_ep_export_bitwise_and_trains_on(trained_legacy_vpp_ep):
-    """Every chunk's weights and Adam state, each expert's from the EP rank that holds it, are ckptio's, bitwise, the
-    experts in the experts' optimizer (``is_expert_parallel``); one step later the step is 3 and everything has moved.
-    ckptio's own reader lays the distributed optimizer's buffers out again and finds the source's state."""
+def test_megatron_core_loads_a_mixtures_legacy_vpp_ep_export_bitwise_and_trains_on(trained_legacy_vpp_ep):
+    """Every chunk's weights and Adam state, each expert's from the EP rank that holds it, are ckptio's, bitwise (a
+    Qwen2-MoE's shared expert and its gate, a Qwen3-MoE's q/k norms too), the experts in the experts' optimizer
+    (``is_expert_parallel``; a shared expert in the dense one); one step later the step is 3 and everything has
+    moved. ckptio's own reader lays the distributed optimizer's buffers out again and finds the source's state."""
     from ckptio.formats.megatron.format import MegatronFormat
 
     got, model, opt, out, kind = trained_legacy_vpp_ep
     assert sorted(p.name for p in (out / "iter_0000002").iterdir()) == [
         f"mp_rank_00_{p:03d}_{e:03d}" for p in range(2) for e in range(2)]
     assert got["iteration"] == 2
+    family_own = {"qwen2_moe": ("mlp.shared_experts.gate_weight", "mlp.shared_experts.linear_fc1.weight",
+                                "self_attention.linear_qkv.bias"),
+                  "qwen3_moe": ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight")}
+    for part in family_own.get(model.config.model_type, ()):  # every layer's, loaded and stepped as the rest
+        assert sum(n.endswith(part) for n in got["params"]) == 4, part
     _megatron_holds_ours(got, model, opt, _megatron_named_moe, (kind,))
     _stepped_on_from_step_2(got)
     experts = {n for n in got["params"] if ".mlp.experts." in n}
