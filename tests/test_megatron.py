@@ -318,7 +318,8 @@ def test_a_config_without_rms_norm_eps_or_rope_gets_the_model_types_own_defaults
     ("dist", 1, "ffn_hidden_size", 96, r"decoder\.layers\.\d\.mlp\.linear_fc[12]\.weight \(torch_dist tensor "
      r"decoder\.layers\.mlp\.linear_fc[12]\.weight\[\d\]\) has shape \[(256, 64|64, 128)\], not the "
      r"\[(192, 64|64, 96)\] of the run's ffn_hidden_size=96"),
-    ("legacy", 2, "ffn_hidden_size", 96, r"mlp\.linear_fc[12]\.weight \(its tensor-parallel shards merged, TP=2\) "
+    ("legacy", 2, "ffn_hidden_size", 96, r"mlp\.linear_fc[12]\.weight \(read from iter_0000000/mp_rank_00/"
+     r"model_optim_rng\.pt, merged with its tensor-parallel shards in the other TP ranks' files \(TP=2\)\) "
      r"has shape .* of the run's ffn_hidden_size=96"),
     ("legacy", 2, "hidden_size", 32, r"has shape \[.*64.*\], not the \[.*32.*\] of the run's hidden_size=32"),
     ("legacy", 2, "padded_vocab_size", 384, r"embedding\.word_embeddings\.weight .*has shape \[256, 64\], not the "
@@ -332,5 +333,21 @@ def test_args_that_disagree_with_the_weights_are_refused_by_name(hf, tmp_path, l
 
     out = with_args(hf, tmp_path, layout=layout, tp=tp, **{arg: value})
     with pytest.raises(CheckpointCorruptError, match=says):
+        convert(out, tmp_path / "back", "hf")
+    assert not (tmp_path / "back").exists()
+
+
+def test_a_legacy_tensor_of_a_shape_the_args_disagree_with_is_refused_naming_its_rank_file(hf, tmp_path):
+    """A legacy read names the rank file that holds the tensor of the wrong shape (here stage 1's of TP rank 0, which
+    Megatron's layer 1 is the model's layer 3 in), not only the iteration folder: it said "its tensor-parallel shards
+    merged", which file left to guess."""
+    out = convert(hf, tmp_path / "mg", "megatron", options={"layout": "legacy", "tp": 2, "pp": 2})
+    rank_file = out / "iter_0000000" / "mp_rank_00_001" / "model_optim_rng.pt"
+    obj = torch.load(rank_file, weights_only=False)
+    obj["model"]["decoder.layers.1.input_layernorm.weight"] = torch.ones(48)  # replicated over TP: rank 0's is read
+    torch.save(obj, rank_file)
+    with pytest.raises(CheckpointCorruptError, match=r"decoder\.layers\.3\.self_attention\.linear_qkv\."
+                       r"layer_norm_weight \(read from iter_0000000/mp_rank_00_001/model_optim_rng\.pt\) "
+                       r"has shape \[48\]"):
         convert(out, tmp_path / "back", "hf")
     assert not (tmp_path / "back").exists()

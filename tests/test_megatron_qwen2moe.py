@@ -233,8 +233,9 @@ def test_fuzz_family_smoke(made):
     ("dist", 1, "moe_shared_expert_intermediate_size", 24, r"decoder\.layers\.\d\.mlp\.shared_experts\.linear_fc[12]"
      r"\.weight \(torch_dist tensor decoder\.layers\.mlp\.shared_experts\.linear_fc[12]\.weight\[\d\]\) has shape "
      r"\[(96, 64|64, 48)\], not the \[(48, 64|64, 24)\] of the run's moe_shared_expert_intermediate_size=24"),
-    ("legacy", 2, "moe_shared_expert_intermediate_size", 24, r"mlp\.shared_experts\.linear_fc[12]\.weight \(its "
-     r"tensor-parallel shards merged, TP=2\) has shape .* of the run's moe_shared_expert_intermediate_size=24"),
+    ("legacy", 2, "moe_shared_expert_intermediate_size", 24, r"mlp\.shared_experts\.linear_fc[12]\.weight \(read "
+     r"from iter_0000000/mp_rank_00/model_optim_rng\.pt, merged with .*\(TP=2\)\) has shape .* of the run's "
+     r"moe_shared_expert_intermediate_size=24"),
     ("legacy", 2, "moe_ffn_hidden_size", 64, r"mlp\.experts\.\d\.linear_fc[12]\.weight .* of the run's "
      r"moe_ffn_hidden_size=64"),
 ])
@@ -243,6 +244,27 @@ def test_args_that_disagree_with_the_weights_are_refused_by_name(hf, tmp_path, l
     beside weights of 48; each tensor now has the shape the run's args give, or the read is refused by name."""
     out = with_args(hf, tmp_path, layout=layout, tp=tp, **{arg: value})
     with pytest.raises(CheckpointError, match=says):
+        convert(out, tmp_path / "back", "hf")
+    assert not (tmp_path / "back").exists()
+
+
+@pytest.mark.parametrize("folder,local,name", [
+    ("mp_rank_00_001_001", "decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight",
+     r"decoder\.layers\.3\.mlp\.experts\.3\.linear_fc2\.weight"),
+    ("mp_rank_00_001_000", "decoder.layers.0.mlp.shared_experts.linear_fc2.weight",
+     r"decoder\.layers\.3\.mlp\.shared_experts\.linear_fc2\.weight")], ids=["expert", "shared"])
+def test_a_legacy_tensor_of_a_shape_the_args_disagree_with_is_refused_naming_its_rank_file(hf, tmp_path, folder, local,
+                                                                                            name):
+    """At PP=2 x VPP=2 x EP=2 the read names the rank file and model chunk holding the tensor of the wrong shape: an
+    expert's, in the file of the EP rank that holds it (EP rank 1's local expert 1 is expert 3), or a shared
+    parameter's (EP rank 0's file is read for it)."""
+    out = convert(hf, tmp_path / "mg", "megatron", options={"layout": "legacy", "pp": 2, "vpp": 2, "ep": 2})
+    rank_file = out / "iter_0000000" / folder / "model_optim_rng.pt"
+    obj = torch.load(rank_file, weights_only=False)
+    obj["model1"][local] = obj["model1"][local][:, :16].clone()
+    torch.save(obj, rank_file)
+    with pytest.raises(CheckpointError, match=rf"{name} \(read from iter_0000000/{folder}/model_optim_rng\.pt's "
+                                              r"model1\) has shape \[64, 16\]"):
         convert(out, tmp_path / "back", "hf")
     assert not (tmp_path / "back").exists()
 

@@ -29,7 +29,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -39,9 +39,10 @@ from ...storage.parse import json_object, within_one_read  # within_one_read: ea
 from ..common import TensorInfo, dtype_name
 from .config import _arg, args_from_files, hf_config
 from .layout import (GLOBAL_SPLIT, ITERATION_FILE, LAYER_SPLIT, NEMO_RANK_FILE, RANK_FILE, VOCAB_KEYS,
-                     _LAYER, _RENAME, _rank_files, carry_side_files, iteration_folder, layout_of)
+                     _LAYER, _rank_files, carry_side_files, iteration_folder, layout_of)
 from ..registry import Format, Opened, WriteOptions, register
 from . import moe, shapes
+from .merge import _held_in, _kind, _merge_chunk
 
 _CHAINED = re.compile(r"^chained_\d+\.(?=optimizer\.)")
 """The prefix of a chained optimizer's tensors in torch_dist (megatron-core's ``ChainedOptimizer``, its ``N``-th
@@ -52,40 +53,6 @@ def _strip(key: str) -> str:
     for prefix in ("module.", "model."):
         key = key.removeprefix(prefix)
     return key
-
-
-def _kind(key: str, where: object) -> tuple[str, Any, int | None]:
-    """(name with layer index placeholder, split, layer index) of a canonical weight key; refuses others."""
-    m = _LAYER.match(key)
-    if m:
-        suffix = _RENAME.get(m.group(2), m.group(2))
-        if suffix in LAYER_SPLIT:
-            return suffix, LAYER_SPLIT[suffix], int(m.group(1))
-        expert = moe.kind(suffix)  # a mixture of experts' router and experts
-        if expert is not None:
-            return expert[0], expert[1], int(m.group(1))
-    elif key in GLOBAL_SPLIT:
-        return key, GLOBAL_SPLIT[key], None
-    raise CheckpointError(f"{where}: {key!r} is not a parameter of a Llama-style Megatron GPT model (ckptio maps "
-                          "RMSNorm + SwiGLU + RoPE models without linear biases, or with biases on the query/key/value "
-                          "projection only (Qwen2), or with query/key norms (Qwen3); see docs/converters.md)")
-
-
-def merge_tp(parts: list[torch.Tensor], split: Any, key: str, where: object) -> torch.Tensor:
-    """One parameter whole from its tensor-parallel shards (in TP rank order)."""
-    if split is None:
-        return parts[0]
-    if len({tuple(p.shape) for p in parts}) != 1:
-        raise CheckpointCorruptError(f"{where}: the TP shards of {key!r} differ in shape: {[list(p.shape) for p in parts]}")
-    if parts[0].dim() <= (0 if split == "glu" else split):
-        raise CheckpointCorruptError(f"{where}: {key!r} has {parts[0].dim()} dimension(s); its tensor-parallel shards "
-                                     f"are split along dimension {0 if split == 'glu' else split}")
-    if split == "glu":
-        if parts[0].shape[0] % 2:
-            raise CheckpointCorruptError(f"{where}: {key!r} has an odd number of rows; it cannot hold [gate; up]")
-        halves = [p.chunk(2, dim=0) for p in parts]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-    return torch.cat(parts, dim=split)
 
 
 # ------------------------------------------------------------------------------------------------ the layouts
@@ -148,13 +115,15 @@ def read_legacy(folder: Path, *, optimizer: bool = False) -> tuple[dict[str, tor
     from .vpp import check_chunks
 
     optim = legacy_reader(root, files, experts) if optimizer else None
-    merged: dict[tuple[int, int], tuple[Any, dict[str, dict[tuple[str, int | None], torch.Tensor]], list[int]]] = {}
+    merged: dict[tuple[int, int], Any] = {}  # (chunk, stage): _merge_chunk's
     for stage in range(pp):
         chunks: dict[int, list[tuple[Any, dict[str, dict[str, torch.Tensor]]]]] = {}
+        held: dict[int, Callable[[str], str]] = {}
         for t in range(tp):
             rel = files[(t, stage)]
+            rels = [rel] if experts is None else [f"{d}/{rel.rsplit('/', 1)[1]}" for d in experts[(t, stage)]]
             obj, placeholders, models = _rank_file(root, rel) if experts is None else \
-                moe.rank_models(root, [f"{d}/{rel.rsplit('/', 1)[1]}" for d in experts[(t, stage)]], _rank_file)
+                moe.rank_models(root, rels, _rank_file)
             where = root.display(rel)
             info["placeholders"].update(placeholders)
             if t == 0 and stage == 0:
@@ -166,11 +135,14 @@ def read_legacy(folder: Path, *, optimizer: bool = False) -> tuple[dict[str, tor
             for v, model in enumerate(models):
                 parts = {"": model, **(states[v] if states is not None else {})}
                 chunks.setdefault(v, []).append((where, parts))
+                if t == 0:
+                    held[v] = _held_in(folder, rels, obj, v, model)
         for v, shards in chunks.items():
-            merged[(v, stage)] = _merge_chunk(shards)
+            merged[(v, stage)] = _merge_chunk(shards, held[v])
     offset = 0
+    info["origins"] = {}  # where each weight was read, for a refusal of its shape (shapes.check)
     for key in sorted(merged):  # layer order: chunk 0 over every stage, then chunk 1... (one chunk: stage order)
-        at, chunk_parts, layers = merged[key]
+        at, chunk_parts, layers, origins = merged[key]
         # layer indices restart at 0 on each stage (chunk); one already numbered globally is kept as is
         base = 0 if layers and layers[0] == offset else offset
         for part, tensors in chunk_parts.items():
@@ -179,31 +151,11 @@ def read_legacy(folder: Path, *, optimizer: bool = False) -> tuple[dict[str, tor
                 if part == "" and name in sets[""]:
                     raise CheckpointCorruptError(f"{at}: {name} is held by two pipeline stages")
                 sets.setdefault(part, {})[name] = tensor
+                info["origins"][name] = origins[(local_name, layer)]
         offset = base + (layers[-1] + 1 if layers else 0)
     if len(sets) > 1:
         info["optimizer"] = {k: v for k, v in sets.items() if k}
     return sets[""], info
-
-
-def _merge_chunk(shards: list[tuple[Any, dict[str, dict[str, torch.Tensor]]]],
-                 ) -> tuple[Any, dict[str, dict[tuple[str, int | None], torch.Tensor]], list[int]]:
-    """One model chunk of a pipeline stage merged over its TP ranks' ``shards``: where it was read, each part's
-    tensors keyed by (name with the layer left out, chunk-local layer or ``None``), the chunk's layer numbers."""
-    where, first = shards[0]
-    keys = list(first[""])
-    for other, parts in shards[1:]:
-        if set(parts[""]) != set(keys):
-            raise CheckpointCorruptError(f"{other}: holds other parameters than {where}: "
-                                         f"{sorted(set(parts['']) ^ set(keys))[:3]}")
-    out: dict[str, dict[tuple[str, int | None], torch.Tensor]] = {part: {} for part in first}
-    layers: set[int] = set()
-    for key in keys:
-        name, split, layer = _kind(key, where)
-        if layer is not None:
-            layers.add(layer)
-        for part in first:
-            out[part][(name, layer)] = merge_tp([p[part][key] for _, p in shards], split, key, where)
-    return where, out, sorted(layers)
 
 
 class _DistModel:
@@ -294,7 +246,7 @@ class MegatronSource:
             self._index = {k: TensorInfo(tuple(v.shape), dtype_name(v.dtype)) for k, v in tensors.items()}
             self._read = tensors.__getitem__
             self.info["layers"] = 1 + max((int(m.group(1)) for m in map(_LAYER.match, tensors) if m), default=-1)
-            self._origin = lambda name: f"its tensor-parallel shards merged, TP={self.info.get('tp')}"
+            self._origin = self.info["origins"].__getitem__
         elif self.layout == "dist":
             dist = _DistModel(self.folder, prefix)
             self.info, self._index, self._read, self._origin = dist.info, dist.index, dist.read, dist.origin
