@@ -109,7 +109,6 @@ def read_legacy(folder: Path, *, optimizer: bool = False) -> tuple[dict[str, tor
     tp = 1 + max(t for t, _ in files)
     pp = 1 + max(s for _, s in files)
     root = Folder(folder)
-    sets: dict[str, dict[str, torch.Tensor]] = {"": {}}
     info: dict[str, Any] = {"tp": tp, "pp": pp, "placeholders": set()}
     from .distrib_optim import legacy_reader
     from .vpp import check_chunks
@@ -121,9 +120,10 @@ def read_legacy(folder: Path, *, optimizer: bool = False) -> tuple[dict[str, tor
         held: dict[int, Callable[[str], str]] = {}
         for t in range(tp):
             rel = files[(t, stage)]
-            rels = [rel] if experts is None else [f"{d}/{rel.rsplit('/', 1)[1]}" for d in experts[(t, stage)]]
+            held_in: list[dict[str, str]] = []  # with EP, each chunk's experts' files
             obj, placeholders, models = _rank_file(root, rel) if experts is None else \
-                moe.rank_models(root, rels, _rank_file)
+                moe.rank_models(root, [f"{d}/{rel.rsplit('/', 1)[1]}" for d in experts[(t, stage)]], _rank_file,
+                                held_in)
             where = root.display(rel)
             info["placeholders"].update(placeholders)
             if t == 0 and stage == 0:
@@ -136,11 +136,21 @@ def read_legacy(folder: Path, *, optimizer: bool = False) -> tuple[dict[str, tor
                 parts = {"": model, **(states[v] if states is not None else {})}
                 chunks.setdefault(v, []).append((where, parts))
                 if t == 0:
-                    held[v] = _held_in(folder, rels, obj, v, model)
+                    held[v] = _held_in(folder, rel, held_in[v] if held_in else {}, None if "model" in obj else v)
         for v, shards in chunks.items():
             merged[(v, stage)] = _merge_chunk(shards, held[v])
+    sets = _numbered(merged, info)
+    if len(sets) > 1:
+        info["optimizer"] = {k: v for k, v in sets.items() if k}
+    return sets[""], info
+
+
+def _numbered(merged: dict[tuple[int, int], Any], info: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
+    """The merged chunks (``(chunk, stage)``: :func:`_merge_chunk`'s) as one model of globally numbered layers, per
+    part (``""`` the weights); ``info["origins"]`` where each weight was read, for a refusal of its shape."""
+    sets: dict[str, dict[str, torch.Tensor]] = {"": {}}
     offset = 0
-    info["origins"] = {}  # where each weight was read, for a refusal of its shape (shapes.check)
+    info["origins"] = {}
     for key in sorted(merged):  # layer order: chunk 0 over every stage, then chunk 1... (one chunk: stage order)
         at, chunk_parts, layers, origins = merged[key]
         # layer indices restart at 0 on each stage (chunk); one already numbered globally is kept as is
@@ -153,9 +163,7 @@ def read_legacy(folder: Path, *, optimizer: bool = False) -> tuple[dict[str, tor
                 sets.setdefault(part, {})[name] = tensor
                 info["origins"][name] = origins[(local_name, layer)]
         offset = base + (layers[-1] + 1 if layers else 0)
-    if len(sets) > 1:
-        info["optimizer"] = {k: v for k, v in sets.items() if k}
-    return sets[""], info
+    return sets
 
 
 class _DistModel:

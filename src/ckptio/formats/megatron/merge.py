@@ -48,16 +48,12 @@ def merge_tp(parts: list[torch.Tensor], split: Any, key: str, where: object) -> 
     return torch.cat(parts, dim=split)
 
 
-def _held_in(folder: Path, rels: list[str], obj: dict[str, Any], v: int, model: dict[str, torch.Tensor]
-             ) -> Callable[[str], str]:
-    """Where each key of TP rank 0's model chunk ``v`` (``model``, of the rank file ``obj``; merged over the EP
-    ranks' files ``rels`` with expert parallelism) was read: its rank file (an expert's, the file of the EP rank
-    holding it) and its chunk."""
-    from .distrib_optim import _expert
-
-    local = max(1, len({_expert(k) for k in model} - {-1}) // len(rels))  # experts per EP rank file
-    chunk = "" if "model" in obj else f"'s model{v}"
-    return lambda key: f"read from {folder.name}/{rels[max(_expert(key), 0) // local]}{chunk}"
+def _held_in(folder: Path, rel: str, experts: dict[str, str], chunk: int | None) -> Callable[[str], str]:
+    """Where each key of TP rank 0's model chunk ``chunk`` (``None``: a rank file's one ``model``) was read: the rank
+    file ``rel``, or with expert parallelism an expert's in ``experts`` (the file of the EP rank holding it,
+    :func:`.moe.rank_models`)."""
+    within = "" if chunk is None else f"'s model{chunk}"
+    return lambda key: f"read from {folder.name}/{experts.get(key, rel)}{within}"
 
 
 def _merge_chunk(shards: list[tuple[Any, dict[str, dict[str, torch.Tensor]]]], held: Callable[[str], str]

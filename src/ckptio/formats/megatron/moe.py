@@ -118,10 +118,11 @@ def _ep_without_pp(root: Folder, rel: str) -> bool:
 
 
 def rank_model(root: Folder, rels: list[str], read: Callable[[Folder, str], tuple[dict[str, Any], list[str],
-               dict[str, torch.Tensor]]], args_check: Callable[[Any], None] | None = None
-               ) -> tuple[dict[str, Any], list[str], dict[str, torch.Tensor]]:
+               dict[str, torch.Tensor]]], args_check: Callable[[Any], None] | None = None,
+               held_in: dict[str, str] | None = None) -> tuple[dict[str, Any], list[str], dict[str, torch.Tensor]]:
     """One (TP, PP) rank's model over its EP ranks' files ``rels``: the shared parameters of EP rank 0, each rank's
-    local experts under their global index (EP rank ``e``'s local ``l`` is ``e * local + l``)."""
+    local experts under their global index (EP rank ``e``'s local ``l`` is ``e * local + l``); ``held_in`` gets
+    the file of ``rels`` each of an expert's parameters was read from."""
     obj, placeholders, model = read(root, rels[0])
     local = _local_count(model, root.display(rels[0]))
     ep = _arg_ep(obj)
@@ -142,16 +143,20 @@ def rank_model(root: Folder, rels: list[str], read: Callable[[Folder, str], tupl
         for key, value in part.items():
             m = _LOCAL.match(key)
             if m:
-                merged[f"{m.group(1)[:-len('local_experts.')]}{e * local + int(m.group(2))}{m.group(3)}"] = value
+                key = f"{m.group(1)[:-len('local_experts.')]}{e * local + int(m.group(2))}{m.group(3)}"
+                merged[key] = value
+                if held_in is not None:
+                    held_in[key] = rel
     return obj, placeholders, merged
 
 
 def rank_models(root: Folder, rels: list[str], read: Callable[[Folder, str], tuple[dict[str, Any], list[str],
-                list[dict[str, torch.Tensor]]]]) -> tuple[dict[str, Any], list[str], list[dict[str, torch.Tensor]]]:
+                list[dict[str, torch.Tensor]]]], held_in: list[dict[str, str]] | None = None
+                ) -> tuple[dict[str, Any], list[str], list[dict[str, torch.Tensor]]]:
     """:func:`rank_model` with a reader of every model chunk of a rank file: each chunk (virtual pipeline stage)
     merged over the EP ranks' files, which must hold as many chunks as EP rank 0's (each file read once): a
     Mixtral's, a Qwen2-MoE's or a Qwen3-MoE's (each tested against megatron-core), whose shared expert, biases and
-    q/k norms are per layer like the router's."""
+    q/k norms are per layer like the router's. ``held_in`` gets each chunk's files of the experts' parameters."""
     held: dict[str, tuple[dict[str, Any], list[str], list[dict[str, torch.Tensor]]]] = {}
 
     def chunks(folder: Folder, rel: str) -> tuple[dict[str, Any], list[str], list[dict[str, torch.Tensor]]]:
@@ -169,7 +174,9 @@ def rank_models(root: Folder, rels: list[str], read: Callable[[Folder, str], tup
                                              f"{folder.display(rels[0])} {len(first)}")
             return got, marks, models[v]
 
-        models.append(rank_model(root, rels, one)[2])
+        if held_in is not None:
+            held_in.append({})
+        models.append(rank_model(root, rels, one, held_in=held_in[-1] if held_in is not None else None)[2])
     return obj, placeholders, models
 
 
