@@ -338,9 +338,9 @@ def test_args_that_disagree_with_the_weights_are_refused_by_name(hf, tmp_path, l
 
 
 def test_a_legacy_tensor_of_a_shape_the_args_disagree_with_is_refused_naming_its_rank_file(hf, tmp_path):
-    """A legacy read names the rank file that holds the tensor of the wrong shape (here stage 1's of TP rank 0, which
-    Megatron's layer 1 is the model's layer 3 in), not only the iteration folder: it said "its tensor-parallel shards
-    merged", which file left to guess."""
+    """A legacy read names the rank file that holds the tensor of the wrong shape (here TP rank 0's file of stage 1,
+    whose layer 1 is the model's layer 3; a norm, whole on every TP rank, is read from TP rank 0's), not only the
+    iteration folder: it said "its tensor-parallel shards merged", the file left to guess."""
     out = convert(hf, tmp_path / "mg", "megatron", options={"layout": "legacy", "tp": 2, "pp": 2})
     rank_file = out / "iter_0000000" / "mp_rank_00_001" / "model_optim_rng.pt"
     obj = torch.load(rank_file, weights_only=False)
