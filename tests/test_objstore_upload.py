@@ -119,3 +119,27 @@ def test_a_write_goes_into_its_part_with_no_copy_in_between(store):
             tracemalloc.stop()
     assert peak < MB // 4, f"{peak} bytes allocated to write a piece of {len(piece)}"
     assert store.get("copies/s/f.bin") == b"x" + piece
+
+
+@pytest.mark.parametrize("store", ["gs"], indirect=True)
+@pytest.mark.parametrize("size", [100, 12 * MB])
+def test_a_gcs_object_within_one_part_goes_up_from_its_part_with_no_copy(store, size):
+    """An object that stays within one part goes up in one request whose body is the part's own memory: the client's
+    ``upload_from_file`` copied it into a ``BytesIO``, read it out again (a second copy) and, up to 8 MiB, joined it
+    into a multipart body (a third): ~0.6 CPU-s/GB each, on pages never touched before."""
+    from ckptio.storage.gcs.upload import PART
+
+    assert size < PART
+    writer = open_storage(store.url("single")).begin_step(f"s{size}")
+    data = os.urandom(size)
+    with writer.open("f.bin") as stream:
+        stream.write(data)  # into the part's buffer (taken from the pool, or made, before the trace starts)
+        tracemalloc.start()
+        try:
+            digest = stream.close()
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert peak < MB // 2, f"{peak} bytes allocated to upload an object of {size}"
+    assert digest == bytes_checksum(data)
+    assert store.get(f"single/s{size}/f.bin") == data
