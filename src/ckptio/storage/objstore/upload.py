@@ -24,7 +24,9 @@ from ..base import ClosedOnSuccess
 from ..checksum import crc32c_combine, format_digest
 
 POOLED = 4
-"""Part buffers of each size kept for reuse once their upload is done (the rest are freed)."""
+"""Part buffers of each size kept for reuse once their upload is done (the rest are freed)..."""
+POOL_BYTES = 256 << 20
+"""... and no more than these bytes of them (two of GCS's 100 MiB parts: what one file holds at once)."""
 _pool: dict[int, list[bytearray]] = {}
 _pool_lock = threading.Lock()
 
@@ -40,7 +42,7 @@ def _take(size: int) -> bytearray:
 def _give(buf: bytearray) -> None:
     with _pool_lock:
         free = _pool.setdefault(len(buf), [])
-        if len(free) < POOLED:
+        if len(free) < POOLED and (len(free) + 1) * len(buf) <= POOL_BYTES:
             free.append(buf)
 
 
