@@ -351,3 +351,27 @@ def test_a_read_cut_mid_body_goes_on_from_where_it_stopped(azure_container, azur
         with pytest.raises(AzureError, match=rf"reading az://{azure_container}/cut failed: .*cut off"):
             store.read_into("cut", 0, view)
         assert [f[0] for f in proxy.faults] == ["cut"] * 3, proxy.faults  # the read and its one retry
+
+
+def test_a_read_goes_on_only_from_the_version_it_began_with(azure_container, azure_server, monkeypatch):
+    """The blob is replaced between a cut answer and the request for the rest: that request names the version the
+    read began with (``If-Match``), and the read fails naming the blob rather than joining two versions' bytes."""
+    from ckptio.storage.objstore import PreconditionFailed
+
+    direct = open_storage(f"az://{azure_container}").store  # past the proxy: the server itself
+    old, new = _random(2 << 20, seed=2), _random(2 << 20, seed=3)
+    direct.put("swapped", old)
+    gets = {"n": 0}
+
+    def rule(method: str, path: str, query: str) -> str:
+        if method != "GET" or not path.endswith("/swapped"):
+            return "pass"
+        gets["n"] += 1
+        if gets["n"] == 2:
+            direct.put("swapped", new)  # another writer, before the rest is asked for
+        return "cut" if gets["n"] == 1 else "pass"
+
+    with _through(azure_server, monkeypatch, rule, retries=1):
+        store = open_storage(f"az://{azure_container}").store
+        with pytest.raises(PreconditionFailed, match=rf"reading az://{azure_container}/swapped failed: 412"):
+            store.read_into("swapped", 0, memoryview(bytearray(len(old))))
