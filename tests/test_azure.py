@@ -257,15 +257,121 @@ def test_the_clients_transport_is_the_one_azure_storage_blob_makes_less_the_per_
     assert (ours.timeout, ours.read_timeout) == (_client.CONNECT_TIMEOUT, _client.READ_TIMEOUT)
 
 
-def test_a_large_read_is_fetched_in_requests_of_read_chunk(azure_container, monkeypatch):
-    """A read of 48 MiB is three ranged GETs of ``READ_CHUNK`` (16 MiB), not five (the client's 32 MiB and then 4 MiB
-    at a time; each request costs the client more CPU than a MB of data); the bytes are the blob's."""
-    data = torch.randint(0, 256, (48 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)).numpy()
+def _ranges(monkeypatch) -> list[tuple[str, str | None]]:
+    """(method, ``x-ms-range``) of every HTTP request the client sends from now on."""
+    from urllib3.connectionpool import HTTPConnectionPool
+
+    sent: list[tuple[str, str | None]] = []
+    real = HTTPConnectionPool.urlopen
+
+    def urlopen(self, method, url, *args, **kwargs):
+        sent.append((method, (kwargs.get("headers") or {}).get("x-ms-range")))
+        return real(self, method, url, *args, **kwargs)
+
+    monkeypatch.setattr(HTTPConnectionPool, "urlopen", urlopen)
+    return sent
+
+
+def _random(n: int, seed: int = 0) -> bytes:
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)).numpy().tobytes()
+
+
+def test_a_large_read_is_one_ranged_get_on_a_kept_connection(azure_container, monkeypatch):
+    """A read of 48 MiB is one ranged GET, its body read into the caller's buffer (the client's download was a GET of
+    each 16 MiB, each joined into new bytes before the copy into the buffer; each request costs the client more CPU
+    than a MB of data); reads that follow go over the same connection, none made anew."""
+    from urllib3.connectionpool import HTTPConnectionPool
+
+    data = _random(48 << 20)
     store = open_storage(f"az://{azure_container}").store
-    store.put("big", data.tobytes())
+    store.put("big", data)
     view = memoryview(bytearray(len(data)))
     with monkeypatch.context() as patched:
-        sent = contract._http_requests(patched)
+        sent = _ranges(patched)
         assert store.read_into("big", 0, view) == len(data)
-    assert bytes(view) == data.tobytes()
-    assert [m for m, _ in sent] == ["GET"] * 3, sent
+    assert bytes(view) == data
+    assert sent == [("GET", f"bytes=0-{len(data) - 1}")], sent
+    made = {"n": 0}
+    real = HTTPConnectionPool._new_conn
+
+    def new_conn(self):
+        made["n"] += 1
+        return real(self)
+
+    monkeypatch.setattr(HTTPConnectionPool, "_new_conn", new_conn)
+    for offset in (5, 1 << 20, (48 << 20) - 1000):
+        part = memoryview(bytearray(1000))
+        assert store.read_into("big", offset, part) == 1000 and bytes(part) == data[offset:offset + 1000]
+    assert made["n"] == 0, f"{made['n']} connections made for 3 reads: a read's connection was not kept"
+
+
+def test_a_read_past_the_end_or_of_a_missing_blob(azure_container):
+    """A read running past a blob's end returns the bytes there are (the reader names the truncation); a missing blob
+    is CheckpointNotFoundError, a missing container named as such."""
+    from ckptio.errors import CheckpointNotFoundError
+    from ckptio.storage.azure import AzureError
+
+    data = _random(3000)
+    store = open_storage(f"az://{azure_container}").store
+    store.put("small", data)
+    view = memoryview(bytearray(2000))
+    assert store.read_into("small", 2000, view) == 1000 and bytes(view[:1000]) == data[2000:]
+    with pytest.raises(CheckpointNotFoundError, match=f"az://{azure_container}/gone: missing"):
+        store.read_into("gone", 0, view)
+    with pytest.raises(AzureError, match="ContainerNotFound"):
+        open_storage(f"az://{azure_container}-missing").store.read_into("small", 0, view)
+
+
+def test_a_read_cut_mid_body_goes_on_from_where_it_stopped(azure_container, azure_server, monkeypatch):
+    """The answer to a read is cut halfway: the rest is asked for (not the whole range again), and the bytes are the
+    blob's; a read cut every time fails once its tries are spent, naming the blob and how far it got."""
+    from ckptio.storage.azure import AzureError
+
+    data = _random(3 << 20, seed=1)
+    open_storage(f"az://{azure_container}").store.put("cut", data)
+    cuts = {"on": 1}
+
+    def rule(method: str, path: str, query: str) -> str:
+        if method == "GET" and path.endswith("/cut") and cuts["on"]:
+            cuts["on"] -= 1
+            return "cut"
+        return "pass"
+
+    with _through(azure_server, monkeypatch, rule, retries=1) as proxy:
+        store = open_storage(f"az://{azure_container}").store
+        view = memoryview(bytearray(len(data)))
+        with monkeypatch.context() as patched:
+            sent = _ranges(patched)
+            assert store.read_into("cut", 0, view) == len(data)
+        assert bytes(view) == data
+        assert [f[0] for f in proxy.faults] == ["cut"], proxy.faults
+        half = len(data) // 2
+        assert sent == [("GET", f"bytes=0-{len(data) - 1}"), ("GET", f"bytes={half}-{len(data) - 1}")], sent
+        cuts["on"] = 10
+        with pytest.raises(AzureError, match=rf"reading az://{azure_container}/cut failed: .*cut off"):
+            store.read_into("cut", 0, view)
+        assert [f[0] for f in proxy.faults] == ["cut"] * 3, proxy.faults  # the read and its one retry
+
+
+def test_a_read_goes_on_only_from_the_version_it_began_with(azure_container, azure_server, monkeypatch):
+    """The blob is replaced between a cut answer and the request for the rest: that request names the version the
+    read began with (``If-Match``), and the read fails naming the blob rather than joining two versions' bytes."""
+    from ckptio.storage.objstore import PreconditionFailed
+
+    direct = open_storage(f"az://{azure_container}").store  # past the proxy: the server itself
+    old, new = _random(2 << 20, seed=2), _random(2 << 20, seed=3)
+    direct.put("swapped", old)
+    gets = {"n": 0}
+
+    def rule(method: str, path: str, query: str) -> str:
+        if method != "GET" or not path.endswith("/swapped"):
+            return "pass"
+        gets["n"] += 1
+        if gets["n"] == 2:
+            direct.put("swapped", new)  # another writer, before the rest is asked for
+        return "cut" if gets["n"] == 1 else "pass"
+
+    with _through(azure_server, monkeypatch, rule, retries=1):
+        store = open_storage(f"az://{azure_container}").store
+        with pytest.raises(PreconditionFailed, match=rf"reading az://{azure_container}/swapped failed: 412"):
+            store.read_into("swapped", 0, memoryview(bytearray(len(old))))

@@ -27,7 +27,9 @@ UPLOAD_THREADS = 2
 """Blocks of one such file staged at once (measured: 16 MiB blocks 2 at a time cost ~15% less CPU than 8 MiB 4 at a
 time, the client's pipeline running once a block)."""
 READ_CHUNK = 16 << 20
-"""Bytes of one ranged ``GET`` of a read (``max_single_get_size``, ``max_chunk_get_size``). The client's defaults (32 MiB
+"""Bytes of one ranged ``GET`` of the client's downloads (``max_single_get_size``, ``max_chunk_get_size``): a
+:meth:`~.bucket.AzureBucket.get` (a pointer, a lease, a manifest); a folder's reads are one ``GET`` each
+(:mod:`.download`). The client's defaults (32 MiB
 first, then 4 MiB) made a restore's 170 MB read 35 requests; the client joins each chunk's bytes before they are
 copied into the reader's buffer, and a chunk of 32 MiB or more is a new mapping of memory every time (glibc's
 threshold), its pages faulted in again. Measured on a 170 MB read (cpu-s/GB): 4 MiB 1.2, 8 MiB 0.9, 16 MiB 0.8,

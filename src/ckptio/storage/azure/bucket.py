@@ -11,10 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import CheckpointNotFoundError
-from ..objstore._store import Bucket, IntoView, Obj
+from ..objstore._store import Bucket, Obj
 from ..objstore.upload import Parts, PartStream
 from . import _client
 from ._client import THREADS, AbfsPath, AzPath, AzureError, _call, client, split_account
+from .download import read_range
 
 COPY_POLL_S = 0.2
 """Seconds between looks at a server-side copy the service finishes in the background (``x-ms-copy-status: pending``)."""
@@ -95,12 +96,10 @@ class AzureBucket(Bucket):
         return _call("reading", self.path(key), run)
 
     def read_into(self, key: str, offset: int, view: memoryview) -> int:
+        """One ranged ``GET``, its body read into ``view`` (:func:`~.download.read_range`)."""
         if view.nbytes == 0:
             return 0
-        where, sink = self.path(key), IntoView(view)
-        down = _call("reading", where, self._blob(key).download_blob, offset=offset, length=view.nbytes)
-        _call("reading", where, down.readinto, sink)
-        return sink.done
+        return read_range(self._blob(key), self.path(key), offset, view)
 
     def delete(self, key: str) -> None:
         try:

@@ -1,7 +1,7 @@
 """What a checkpoint folder in object storage needs from a bucket, whatever the cloud: the :class:`Bucket` interface
 each backend implements with its own client (:mod:`ckptio.storage.s3`, :mod:`ckptio.storage.gcs`), the printed
-location of an object (:class:`ObjectPath`), the errors every backend raises, and a piece two backends share (a
-download into a buffer, :class:`IntoView`; their uploads from memory: :mod:`.upload`)."""
+location of an object (:class:`ObjectPath`), the errors every backend raises, and the pieces backends share (a
+response body read into a buffer, :func:`fill`; their uploads from memory: :mod:`.upload`)."""
 
 from __future__ import annotations
 
@@ -179,24 +179,3 @@ def fill(read: Any, view: memoryview) -> int:
         view[done:done + len(piece)] = piece
         done += len(piece)
     return done
-
-
-class IntoView:
-    """A file-like sink writing a download into a buffer (no copy of the whole range in between)."""
-
-    def __init__(self, view: memoryview) -> None:
-        self.view, self.done = view, 0
-
-    def write(self, data: bytes) -> int:
-        n = min(len(data), self.view.nbytes - self.done)
-        self.view[self.done:self.done + n] = data[:n]
-        self.done += n
-        return len(data)
-
-    def tell(self) -> int:
-        return self.done
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        if whence == 0:
-            self.done = offset  # a retried download starts again where it says
-        return self.done
