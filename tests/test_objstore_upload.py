@@ -71,6 +71,8 @@ def test_a_part_whose_request_is_dropped_is_sent_again(store, request, monkeypat
     with _faulty(store, request, monkeypatch, rule) as proxy:
         for module in (gcs._client, azure._client):  # a part of 16 MiB through the proxy on a loaded machine
             monkeypatch.setattr(module, "READ_TIMEOUT", 30)
+        monkeypatch.setattr(azure._client, "SINGLE_PUT", 16 * MB)  # Azure's file in blocks too (its one request:
+        # test_azure.py)
         with writer.open("f.bin") as stream:
             stream.write(data)
     assert [f[0] for f in proxy.faults] == ["drop"], proxy.faults

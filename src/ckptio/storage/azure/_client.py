@@ -19,10 +19,12 @@ connections before it fails."""
 THREADS = 4
 """Requests at once for one large upload (its blocks) and for removing many objects."""
 SINGLE_PUT = 64 << 20
-"""A file up to this size goes up in one request; a larger one in blocks of :data:`BLOCK` (the client's defaults)."""
+"""A file up to this size goes up in one request; a larger one in blocks of :data:`BLOCK` (the client's defaults). A
+file a save writes likewise, a larger one in a first block of this size then blocks of :data:`UPLOAD_BLOCK`."""
 BLOCK = 4 << 20
 UPLOAD_BLOCK = 16 << 20
-"""The blocks a file written by a save is uploaded in, from memory (:class:`~.bucket.AzureWriteStream`)."""
+"""The blocks a file written by a save is uploaded in, from memory, after its first
+(:class:`~.bucket.AzureWriteStream`)."""
 UPLOAD_THREADS = 2
 """Blocks of one such file staged at once (measured: 16 MiB blocks 2 at a time cost ~15% less CPU than 8 MiB 4 at a
 time, the client's pipeline running once a block)."""

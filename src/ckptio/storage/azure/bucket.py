@@ -138,9 +138,10 @@ class AzureBucket(Bucket):
 
 
 class AzureWriteStream(PartStream):
-    """A new blob uploaded from memory as it is written: blocks of :data:`~._client.UPLOAD_BLOCK` staged
-    :data:`~._client.UPLOAD_THREADS` at once and committed by their list at :meth:`close` (a blob within one block: one
-    request); no local spool."""
+    """A new blob uploaded from memory as it is written: a blob within :data:`~._client.SINGLE_PUT` in one request at
+    :meth:`close` (as ``upload_blob`` sends it); a larger one in a first block of that size, then blocks of
+    :data:`~._client.UPLOAD_BLOCK`, staged :data:`~._client.UPLOAD_THREADS` at once and committed by their list at
+    :meth:`close`; no local spool."""
 
     def __init__(self, bucket: AzureBucket, key: str) -> None:
         super().__init__(_Blocks(bucket, key), bucket.path(key))
@@ -155,7 +156,7 @@ class _Blocks(Parts):
     def __init__(self, bucket: AzureBucket, key: str) -> None:
         self.threads = _client.UPLOAD_THREADS
         self.blob, self.where = bucket._blob(key), bucket.path(key)
-        self.part_size = _client.UPLOAD_BLOCK
+        self.part_size, self.first_size = _client.UPLOAD_BLOCK, _client.SINGLE_PUT
         self.prefix = uuid.uuid4().hex[:16]  # the ids of one upload's blocks (all of one length, as Azure wants)
 
     def _id(self, number: int) -> str:
@@ -173,7 +174,20 @@ class _Blocks(Parts):
               [self._id(n) for n in range(number)])
 
     def single(self, data: memoryview, crc: int) -> None:
-        _call("uploading", self.where, self.blob.upload_blob, bytes(data), length=data.nbytes, overwrite=True)
+        _call("uploading", self.where, _put_view, self.blob, data)
+
+
+def _put_view(blob: Any, data: memoryview) -> None:
+    """``Put Blob`` of ``data``, the part's buffer itself: the client's own operation that ``upload_blob`` calls (with
+    the same mapping of errors), which ``upload_blob`` hands only ``bytes``: a copy of up to 64 MiB, a new mapping
+    of memory at every file (~1 CPU-s/GB here). Retried by the client's policy, which sends the view again."""
+    from azure.core.exceptions import HttpResponseError
+    from azure.storage.blob._shared.response_handlers import process_storage_error
+
+    try:
+        blob._client.block_blob.upload(body=data if data.nbytes else b"", content_length=data.nbytes)
+    except HttpResponseError as exc:
+        process_storage_error(exc)
 
 
 def _obj(props: Any) -> Obj:

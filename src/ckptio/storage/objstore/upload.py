@@ -3,7 +3,8 @@
 The bytes a writer hands over are copied into a part buffer (taken from a small pool, so its pages are touched once
 per process, not once per part); a full part gets its CRC-32C (the hardware CRC, ~0.06 CPU-s/GB here) and goes to
 the bucket's :class:`Parts` on a thread while the writer fills the next one. Only
-``threads`` parts are ever in flight, so a file of any size holds at most ``threads + 1`` parts in memory. The
+``threads`` parts are ever in flight, so a file of any size holds at most ``threads + 1`` parts in memory (the
+first may be larger, :attr:`Parts.first_size`). The
 object's checksum is the running CRC-32C of those part buffers: of the very bytes handed to the client, which is
 what the manifest records and the store checks where it can (GCS: the object's CRC-32C it answers with).
 :meth:`PartStream.close` sends the last part and finishes the object; an object that stayed within one part goes
@@ -51,6 +52,10 @@ class Parts(ABC):
     the stream's pool, at most ``threads`` at once)."""
 
     part_size: int
+    first_size: int = 0
+    """Bytes of an object's first part, when more than :attr:`part_size`: an object within it goes up in one request
+    (:meth:`single`), a larger one's first part as one request, the rest in parts of :attr:`part_size` (Azure's: the
+    client's single-put size; every request costs the client's pipeline CPU, ~1.6 ms)."""
     threads: int = 1
     """Parts sent at once (1: a store that takes the parts of an object in order only, such as GCS's resumable
     upload)."""
@@ -103,23 +108,25 @@ class PartStream(ClosedOnSuccess):
         return False
 
     def flush(self) -> None:
-        """Nothing to do: a part goes up once it is full, the rest at :meth:`close`."""
+        """Nothing to do: a part goes up once it is full and more bytes come, the rest at :meth:`close`."""
 
     def write(self, data: Any) -> int:
         if self._digest is not None:
             raise ValueError(f"{self.where}: write to a closed stream")
         view = memoryview(data).cast("B")
-        size, done = self.parts.part_size, 0
+        done = 0
         while done < view.nbytes:
+            if self._buf is not None and self._fill == len(self._buf):
+                self._send_full()  # a full part goes once more bytes come (one the file ends with goes at close)
             if self._buf is None:
-                self._buf = _take(size)
+                self._buf = _take(self.parts.part_size if self._number else
+                                  max(self.parts.first_size, self.parts.part_size))
+            size = len(self._buf)
             n = min(size - self._fill, view.nbytes - done)
             with memoryview(self._buf) as into:  # straight into the part (a bytearray's own slice assignment from
                 into[self._fill:self._fill + n] = view[done:done + n]  # a memoryview copies the piece first)
             self._fill += n
             done += n
-            if self._fill == size:
-                self._send_full()
         return done
 
     def _send_full(self) -> None:
