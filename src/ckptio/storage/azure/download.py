@@ -58,7 +58,7 @@ def _get(blob: Any, start: int, count: int, version: str | None) -> Any:
     finally:
         response.close()
     error = (ResourceNotFoundError if response.status_code == 404 else HttpResponseError)(response=response)
-    error.error_code = response.headers.get("x-ms-error-code")
+    error.error_code = response.headers.get("x-ms-error-code")  # type: ignore[attr-defined]
     raise error
 
 
@@ -74,7 +74,7 @@ def _into(response: Any, view: memoryview, where: object, start: int) -> tuple[i
                          f"{headers.get('Content-Range') or 'the whole blob'}")
     expected = min(int(headers.get("Content-Length", 0)), view.nbytes)
     raw = response.internal_response.raw  # urllib3's response: its body not decoded, as the blob's bytes were checked
-    body = getattr(raw, "_fp", None)  # the http.client response under it, which reads into a buffer
+    body: Any = getattr(raw, "_fp", None)  # the http.client response under it, which reads into a buffer
     readinto = body.readinto if hasattr(body, "readinto") else raw.readinto
     done, why = 0, "the connection closed"
     try:
