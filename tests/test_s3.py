@@ -424,6 +424,35 @@ def test_on_several_ranks_only_rank_0_reads_the_run_record_and_the_others_ask_no
     assert [k for _, k in zero].count("asks/.ckptio_record.json") >= 1, zero
 
 
+def _counted_second_save(url: str) -> list:
+    """A rank of a 2-rank save of step 2 by a new manager, in a folder holding step 1: the requests of the save."""
+    import torch.distributed as dist
+
+    model = torch.nn.Linear(64, 64)
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=url), model=model, rng=False) as mgr:
+        mgr.save(step=1)
+    calls: list[tuple[str, str]] = []
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=url), model=model, rng=False) as mgr:
+        kind = type(mgr.storage.store)
+        for name in ("listing", "head", "get", "read_into"):
+            setattr(kind, name, _counted(kind, name, calls))
+        dist.barrier()
+        mgr.save(step=2)
+    return calls
+
+
+def test_a_save_lists_the_folder_once_to_sweep_it_and_find_what_latest_offers(store):
+    """Before a save on several ranks, rank 0 sweeps the folder (its first save) and reads what the checkpoint
+    ``LATEST`` names offers to share (its manifest, and every committed step's): one listing of the folder and one
+    read of the manifest serve both (each was asked for again: 3 listings and 2 reads of it)."""
+    from distributed import run_ranks
+
+    url = store.url("once")
+    zero = run_ranks(2, _counted_second_save, url=url)[0]
+    assert zero.count(("listing", "once/")) == 1, zero
+    assert [k for _, k in zero].count("once/epoch_0_step_1/manifest.json") == 1, zero
+
+
 def _restore_rank_0_through(url: str, proxy: str) -> dict:
     """A rank of a 2-rank FSDP restore, rank 0 reaching the server through ``proxy``: the error the restore raised."""
     import os
