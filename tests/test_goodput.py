@@ -249,6 +249,23 @@ def test_the_record_costs_little_next_to_a_save(tmp_path):
 
 
 
+def test_a_reader_reads_the_record_when_first_asked_and_adds_its_own_events_after_it(tmp_path):
+    """Another rank's record is read when its events are first needed, not when made (a save or restore on N ranks
+    asks the store for it once): what it holds then is the record's events followed by those it added meanwhile."""
+    from ckptio.goodput.record import dump
+
+    (tmp_path / RECORD_NAME).write_bytes(dump([{"kind": "start", "time": 1.0}, {"kind": "save", "time": 2.0,
+                                                                                  "step": 7, "tier": "durable"}]))
+    record = RunRecord(open_storage(tmp_path), writer=False, log=logging.getLogger("t"))
+    record.add("start")
+    (tmp_path / RECORD_NAME).write_bytes(dump([{"kind": "start", "time": 1.0}, {"kind": "save", "time": 2.0,
+                                                                                  "step": 9, "tier": "durable"}]))
+    assert record.newest_step() == 9  # read now, not when made
+    assert [e["kind"] for e in record.events] == ["start", "save", "start"]
+    record.add("progress", step=12)
+    assert record.newest_step() == 12 and not (tmp_path / f"{RECORD_NAME}.tmp").exists()
+
+
 def test_a_listener_gets_every_event_with_its_numbers(tmp_path):
     """The hook for loops other than the frameworks': what a tracker would log under ``ckpt/``."""
     torch.manual_seed(0)

@@ -377,6 +377,82 @@ def test_on_several_ranks_rank_0_alone_lists_and_reads_the_small_objects(store):
     assert [k for _, k in zero].count("few/epoch_0_step_4/manifest.json") == 1, zero
 
 
+WRITES = ("put", "open_stream", "upload_file")
+
+
+def _counted_rank(url: str, restore: bool) -> list:
+    """A rank of a 2-rank save (``restore``: restore) of a small FSDP state: every request it made to the bucket,
+    (method, key) each, counted from before its manager was made (the run's record is read there)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    calls: list[tuple[str, str]] = []
+    kind = type(open_storage(url).store)
+    for name in ("listing", "head", "get", "read_into", "delete", "copy", "put"):
+        setattr(kind, name, _counted(kind, name, calls))
+    for name in ("open_stream", "upload_file"):  # (a local path, the key)
+        real = getattr(kind, name)
+        setattr(kind, name, lambda self, path, key, *a, _real=real, _name=name, **k: (
+            calls.append((_name, key)), _real(self, path, key, *a, **k))[1])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(3)])
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    dist.barrier()
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=url), model=model, rng=False) as mgr:
+        if restore:
+            assert mgr.restore().step == 1
+        else:
+            mgr.save(step=1)
+    return calls
+
+
+def test_on_several_ranks_only_rank_0_reads_the_run_record_and_the_others_ask_nothing_but_their_writes(store):
+    """Rank 0 alone reads and writes the run's record (``.ckptio_record.json``): another rank asks the bucket
+    nothing in a save but the uploads of its own files, and nothing at all in a restore of a small state (rank 0
+    sends it the listings and small objects). Each request costs a rank's client ~1-3 ms of CPU: the record's listing
+    and read on every rank were a third of a 4-rank tiny restore's fixed cost."""
+    from distributed import run_ranks
+
+    url = store.url("asks")
+    zero, one = run_ranks(2, _counted_rank, url=url, restore=False)
+    assert one and all(name in WRITES and key.startswith("asks/epoch_0_step_1/") for name, key in one), one
+    assert ("listing", "asks/") in zero, zero  # rank 0 still reads the record (and the folder)
+    zero, one = run_ranks(2, _counted_rank, url=url, restore=True)
+    assert one == [], one
+    assert [k for _, k in zero].count("asks/.ckptio_record.json") >= 1, zero
+
+
+def _counted_second_save(url: str) -> list:
+    """A rank of a 2-rank save of step 2 by a new manager, in a folder holding step 1: the requests of the save."""
+    import torch.distributed as dist
+
+    model = torch.nn.Linear(64, 64)
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=url), model=model, rng=False) as mgr:
+        mgr.save(step=1)
+    calls: list[tuple[str, str]] = []
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=url), model=model, rng=False) as mgr:
+        kind = type(mgr.storage.store)
+        for name in ("listing", "head", "get", "read_into"):
+            setattr(kind, name, _counted(kind, name, calls))
+        dist.barrier()
+        mgr.save(step=2)
+    return calls
+
+
+def test_a_save_lists_the_folder_once_to_sweep_it_and_find_what_latest_offers(store):
+    """Before a save on several ranks, rank 0 sweeps the folder (its first save) and reads what the checkpoint
+    ``LATEST`` names offers to share (its manifest, and every committed step's): one listing of the folder and one
+    read of the manifest serve both (each was asked for again: 3 listings and 2 reads of it)."""
+    from distributed import run_ranks
+
+    url = store.url("once")
+    zero = run_ranks(2, _counted_second_save, url=url)[0]
+    assert zero.count(("listing", "once/")) == 1, zero
+    assert [k for _, k in zero].count("once/epoch_0_step_1/manifest.json") == 1, zero
+
+
 def _restore_rank_0_through(url: str, proxy: str) -> dict:
     """A rank of a 2-rank FSDP restore, rank 0 reaching the server through ``proxy``: the error the restore raised."""
     import os

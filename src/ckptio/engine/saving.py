@@ -284,13 +284,15 @@ class Saver:
         if _dist.rank() != 0:
             return None
         self.lock.acquire()
-        if not self._swept:
-            self._swept = True
-            for leftover in self.storage.sweep():
-                self.log.info("Removed leftover of an interrupted save: %s", leftover)
-        # nothing to share without frozen tensors (on several ranks another may hold them: a pipeline's stages)
-        wanted = self.share and job.model is not None and (bool(job.apart) or _dist.world_size() > 1)
-        previous = previous_of(self.storage, self.log) if wanted else None
+        # one listing of the folder (a bucket's) serves the sweep and what LATEST offers: its manifest, the steps'
+        with self.storage.session():
+            if not self._swept:
+                self._swept = True
+                for leftover in self.storage.sweep():
+                    self.log.info("Removed leftover of an interrupted save: %s", leftover)
+            # nothing to share without frozen tensors (on several ranks another may hold them: a pipeline's stages)
+            wanted = self.share and job.model is not None and (bool(job.apart) or _dist.world_size() > 1)
+            previous = previous_of(self.storage, self.log) if wanted else None
         return self.storage.begin_step(job.name).token, previous
 
     def write_states(self, job: SaveJob, writer: FolderWriter, rank: int, world: int,

@@ -65,10 +65,13 @@ class Goodput:
         """Called with each event (a dict: ``kind``, ``time``, its numbers) on the rank that made it."""
         self.emit("start", ranks=_dist.world_size(), age_s=round(process_age_s(), 3))
         mtbf = parse_duration(config.mtbf, "mtbf") if config.mtbf is not None else None
-        learned = self.record.learned_mtbf() if self.record is not None else None
-        failures, up = self.record.failures() if self.record is not None else (0, 0.0)
-        wanted = mtbf is None and (config.persist_every_steps == "auto" or config.memory_every_steps == "auto"
-                                   or getattr(step_scheduler, "ckpt_every_steps", None) == "auto")
+        sched_auto = getattr(step_scheduler, "ckpt_every_steps", None) == "auto"
+        automatic = config.persist_every_steps == "auto" or config.memory_every_steps == "auto" or sched_auto
+        # the record's history serves an automatic interval only (without one, a rank other than 0 never reads it)
+        history = self.record if automatic else None
+        learned = history.learned_mtbf() if history is not None else None
+        failures, up = history.failures() if history is not None else (0, 0.0)
+        wanted = mtbf is None and automatic
         if wanted and failures and learned is None:
             log.warning("The run's record gives no usable failure rate (%s); the interval assumes the default one "
                         "failure a day (set mtbf= to give yours)", basis(failures, up))
@@ -76,7 +79,6 @@ class Goodput:
             log.info("Mean time between failures learned from the run's record: %s (this process's running adds to "
                      "it as it goes; set mtbf= to give yours)", basis(failures, up))
         self.planners: dict[str, IntervalPlanner] = {}
-        sched_auto = getattr(step_scheduler, "ckpt_every_steps", None) == "auto"
         durable_rate = 5e9 if config.async_save else 1e9  # bytes a second, until a save is measured
         for tier, auto, rate in (("durable", config.persist_every_steps == "auto" or
                                   (config.persist_every_steps is None and sched_auto), durable_rate),
@@ -89,13 +91,19 @@ class Goodput:
                 if self.record is not None:  # what this run's saves cost before it restarted
                     self.planners[tier].costs.extend(e["blocked_s"] for e in self.record.saves(tier)[-20:]
                                                      if "blocked_s" in e)
-        self.memory_share = _memory_share(config.memory_recovers, self.record)
+        self._memory_recovers = config.memory_recovers
         self.audit = ResumeAudit(config.audit_steps, config.audit_tolerance, self.record, self.emit, log, saver.tracked)
         if sched_auto:
             step_scheduler.auto = self
         self._ticks, self.closed = 0, False
         self._last_tick: int | None = None
         atexit.register(_at_exit, weakref.ref(self))  # a script that never closes its manager ends cleanly too
+
+    @functools.cached_property
+    def memory_share(self) -> tuple[float, str]:
+        """The share of failures the memory tier recovers from, and where it comes from (:func:`_memory_share`;
+        rank 0's choice of two automatic intervals)."""
+        return _memory_share(self._memory_recovers, self.record)
 
     def emit(self, kind: str, *, lazy: bool = False, background: bool = False, begin: bool | None = None,
              **values: Any) -> None:
@@ -183,7 +191,9 @@ class Goodput:
         folder is left as it was until ckptio saves there: the event is written with the first save."""
         for planner in self.planners.values():
             planner.last_saved = info.step
-        newest = self.record.newest_step() if self.record is not None else None
+        # what the record says (another rank reads it for this only when a listener is told the steps lost)
+        reads = self.record is not None and (self.record.writer or bool(self.listeners))
+        newest = self.record.newest_step() if reads else None  # type: ignore[union-attr]
         self.emit("restore", step=info.step, tier=info.tier, restore_s=round(restore_s, 6),
                   startup_s=round(process_age_s(), 3),
                   **({"steps_lost": max(0, newest - info.step)} if newest is not None else {}), begin=self._own(info))

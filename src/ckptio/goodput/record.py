@@ -3,7 +3,7 @@
 ``.ckptio_record.json`` at the root of ``checkpoint_dir`` holds one list of events, replaced whole at each event
 (written aside and renamed over it locally, one PUT in a bucket), so that a process killed while writing leaves the
 previous record, never a torn one. Rank 0 writes it; every rank reads it through the read gate (size cap, JSON
-nesting bound, typed fields). A record that cannot be read is refused naming the file and what is wrong, moved
+nesting bound, typed fields), rank 0 when its manager is made, the others when they first need its events. A record that cannot be read is refused naming the file and what is wrong, moved
 aside (``.ckptio_record.json.damaged-<time>``, nothing is lost) and a new one begins: the record never stops training.
 
 Events (all with ``kind`` and ``time``, seconds since the epoch):
@@ -68,7 +68,11 @@ _METRICS = ("loss", "grad_norm", "lr", "loss_was", "grad_norm_was", "lr_was")
 
 
 class RunRecord:
-    """The record of the run whose checkpoints are in ``storage``; ``writer``: this process writes it (rank 0)."""
+    """The record of the run whose checkpoints are in ``storage``; ``writer``: this process writes it (rank 0), and
+    reads it when made. Another process reads it when its events are first needed (:attr:`events`: an automatic
+    interval's history, a listener's ``restore`` event), the events it added before then added after the record's:
+    a save or a restore on N ranks asks the store for the record once, not N times (a listing and a read, ~1-3 ms of
+    a client's CPU each, on every rank of every save and restore)."""
 
     def __init__(self, storage: Any, *, writer: bool, log: logging.Logger) -> None:
         self.storage, self.writer, self.log = storage, writer, log
@@ -80,22 +84,43 @@ class RunRecord:
         """Nothing is written, moved aside or swept until the run has saved or restored (:meth:`begin`): a process
         that only fails to find a checkpoint leaves the folder exactly as it was."""
         self._refused = False
-        self.events: list[dict[str, Any]] = self._read()
-        self._encoded = [_encode(e) for e in self.events]
+        self._lock = threading.Lock()  # the background writer records its commits from its own thread
+        self._events: list[dict[str, Any]] | None = None
+        self._encoded: list[str] = []
         """Each event as JSON, made once: the record is rewritten at each event, and a dump of 4,096 events costs
         ~20 ms here, their join a fraction of one."""
+        self._later: list[dict[str, Any]] = []
+        """A reader's events added before it read the record (added after the record's when it does)."""
         self._progress_at = 0.0
         self._written_at = 0.0
         self._held = False
-        self._lock = threading.Lock()  # the background writer records its commits from its own thread
         self._io = threading.Lock()
         """Held while the record is written: one write at a time, in the order of the events they hold."""
         self._made = self._written = 0
         """Events added, and added when the record on disk was made: an older record never replaces a newer."""
         self._writes = BackgroundWrites(self._write_newest, "ckptio-record")
+        if writer:
+            self._load()
         _RECORDS.add(self)
 
     # -------------------------------------------------------------------------------------------- reading
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        """The record's events then this process's (read from the store at the first call, on a reader)."""
+        if self._events is None:
+            with self._lock:
+                if self._events is None:
+                    self._load()
+        return self._events  # type: ignore[return-value]
+
+    def _load(self) -> None:
+        events = self._read()
+        self._events, self._encoded = events, [_encode(e) for e in events]
+        later, self._later = self._later, []
+        for event in later:
+            self._append(event)
+            self._made += 1
+
     def _read(self) -> list[dict[str, Any]]:
         folder = self.storage.folder()
         try:
@@ -151,6 +176,20 @@ class RunRecord:
                       lazy and time.monotonic() - self._written_at < PROGRESS_EVERY_S, background)
 
     def _add(self, event: dict[str, Any], held: bool = False, background: bool = False) -> None:
+        if self._events is None:
+            if not self.writer:  # a reader that has not read the record yet
+                self._later.append(event)
+                return
+            self._load()
+        self._append(event)
+        self._made += 1
+        self._held = held
+        if not self.writer or self.broken or self.deferred or held:
+            return
+        if not (background and self._writes.request()):
+            self._write()
+
+    def _append(self, event: dict[str, Any]) -> None:
         kind = event["kind"]
         if kind == "progress" and self.events and self.events[-1]["kind"] == "progress":
             self.events[-1], self._encoded[-1] = event, _encode(event)
@@ -162,12 +201,6 @@ class RunRecord:
             oldest = next((i for i, e in enumerate(self.events) if e["kind"] in ("save", "progress")), 0) \
                 if oldest is None else oldest
             del self.events[oldest], self._encoded[oldest]
-        self._made += 1
-        self._held = held
-        if not self.writer or self.broken or self.deferred or held:
-            return
-        if not (background and self._writes.request()):
-            self._write()
 
     def flush(self) -> None:
         """Write the events held back (``lazy``), if any, and wait for the record's thread to write what it was

@@ -201,6 +201,8 @@ class ObjectStorage:
                 _faults.point("sweep.before_remove")
                 self._delete_prefix(prefix, manifest_first=False, objects=objects, keep=keep)
                 removed.append(self.root / entry.name)  # type: ignore[arg-type]
+        if removed:
+            self._wrote()  # a session's listings showed what is gone
         base = f"{self.prefix}/" if self.prefix else ""
         return removed + self.store.sweep_uploads(base, older_than_s, now)
 
