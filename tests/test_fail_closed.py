@@ -88,8 +88,8 @@ def _reseal(path: Path, edit) -> None:
 
 
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """The real ``ckptio`` executable: for a guard against a hang (its timeout) and for locks held per process;
-    the other commands run in-process (``ckptio_here``)."""
+    """The real ``ckptio`` executable: for a guard against a hang (its timeout) and for prune while another process
+    holds the folder's lock; the other commands run in-process (``ckptio_here``)."""
     return subprocess.run([CKPTIO, *args], capture_output=True, text=True, timeout=timeout)
 
 
@@ -430,9 +430,9 @@ def test_prune_refuses_while_a_job_holds_the_folder(tmp_path):
     finally:
         holder.kill()
         holder.wait()
-    out = _cli("prune", str(tmp_path), "--keep-latest", "1")
+    out = ckptio_here("prune", tmp_path, "--keep-latest", "1")
     assert out.returncode == 0 and not (tmp_path / "epoch_0_step_1").exists(), out.stderr
-    out = _cli("prune", str(tmp_path), "--save-top-k", "1", "--monitor", "val_los")
+    out = ckptio_here("prune", tmp_path, "--save-top-k", "1", "--monitor", "val_los")
     assert out.returncode == 2 and "val_los" in out.stderr
 
 
