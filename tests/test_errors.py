@@ -247,8 +247,8 @@ def test_a_shape_mismatch_is_one_error_and_a_missing_path_is_named_once(tmp_path
 
 
 def restore_through_pointer(checkpoint_dir: str, restore_from: str, cwd) -> str:
-    """A user's script restoring with ``restore_from``, run in this process from the folder ``cwd`` (relative paths resolve from there,
-    as in the user's process): its last line, or its error as a traceback's last line would name it."""
+    """A user's script restoring with ``restore_from``, run in this process from the folder ``cwd`` (relative paths
+    resolve from there, as in the user's process): its last line, or its error as a traceback's last line names it."""
     import contextlib
 
     with contextlib.chdir(cwd):
