@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from ckptio.formats.safetensors import sharded as safetensors_sharded
+from cli_here import ckptio_here
 
-CKPTIO = str(Path(sys.executable).parent / "ckptio")
 
 
 def _save_llama(root: Path, fmt: str):
@@ -31,8 +31,7 @@ def test_consolidate_a_checkpoint_saved_without_it(tmp_path, fmt, monkeypatch):
 
     model = _save_llama(tmp_path, fmt)
     step_dir = tmp_path / "epoch_0_step_2"
-    out = subprocess.run([CKPTIO, "consolidate", str(step_dir), "--max-shard-size", "20KB", "--dtype", "bfloat16"],
-                         capture_output=True, text=True, timeout=300)
+    out = ckptio_here("consolidate", step_dir, "--max-shard-size", "20KB", "--dtype", "bfloat16")
     assert out.returncode == 0, out.stderr
     bundle = step_dir / "model" / "consolidated"
     assert "100%" in out.stderr and str(bundle) in out.stdout  # progress bar, and where it went
@@ -42,7 +41,7 @@ def test_consolidate_a_checkpoint_saved_without_it(tmp_path, fmt, monkeypatch):
     for name, p in model.named_parameters():
         assert torch.equal(loaded.get_parameter(name), p.detach().to(torch.bfloat16)), name
     assert len(json.loads((bundle / "model.safetensors.index.json").read_text())["weight_map"]) == 20
-    again = subprocess.run([CKPTIO, "consolidate", str(step_dir)], capture_output=True, text=True, timeout=300)
+    again = ckptio_here("consolidate", step_dir)
     assert again.returncode == 2 and "--overwrite" in again.stderr
 
 

@@ -18,7 +18,6 @@ from ckptio.errors import CheckpointError
 from cli_here import ckptio_here
 from distributed import run_ranks
 
-CKPTIO = str(Path(sys.executable).parent / "ckptio")
 SUFFIX = {"torch": ".pt", "nemo": ".nemo", "lightning": ".ckpt"}
 
 
@@ -127,8 +126,7 @@ def test_checkpoints_sharded_over_two_ranks_convert_whole(tmp_path, to):
 def test_cli_progress_result_and_errors(hf_model, tmp_path, monkeypatch):
     src, _ = hf_model
     monkeypatch.setenv("CKPTIO_PROGRESS_MIN_BYTES", "0")  # progress shown for this tiny model
-    out = subprocess.run([CKPTIO, "convert", str(src), str(tmp_path / "m.nemo"), "--to", "nemo"],
-                         capture_output=True, text=True)
+    out = ckptio_here("convert", src, tmp_path / "m.nemo", "--to", "nemo")
     assert out.returncode == 0, out.stderr
     assert "100%" in out.stderr and "(hf)" in out.stdout and str(tmp_path / "m.nemo") in out.stdout
     again = ckptio_here("convert", str(src), str(tmp_path / "m.nemo"), "--to", "nemo")

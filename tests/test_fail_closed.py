@@ -88,7 +88,8 @@ def _reseal(path: Path, edit) -> None:
 
 
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """The real ``ckptio`` executable."""
+    """The real ``ckptio`` executable: for a guard against a hang (its timeout) and for prune while another process
+    holds the folder's lock; the other commands run in-process (``ckptio_here``)."""
     return subprocess.run([CKPTIO, *args], capture_output=True, text=True, timeout=timeout)
 
 
@@ -158,7 +159,7 @@ def test_verify_reads_nothing_outside_a_step_directory(tmp_path):
     victim.unlink()
     victim.symlink_to(secret)
     secret.write_bytes(SECRET * (size // len(SECRET)) + SECRET[: size % len(SECRET)])  # same size as before
-    out = _cli("verify", str(step))
+    out = ckptio_here("verify", step)
     assert out.returncode == 1 and "symbolic link" in out.stdout, out.stdout + out.stderr
     # and the checkpoint is skipped by auto-resume
     model = _mlp()
@@ -179,7 +180,7 @@ def test_pointer_leading_outside_through_a_link_is_an_error_and_resume_falls_bac
     (root / "BEST").symlink_to("evil")
     with pytest.raises(CheckpointNotFoundError, match="link"):
         _manager(root, model, restore_from="BEST").restore()
-    out = _cli("list", str(root))
+    out = ckptio_here("list", root)
     assert out.returncode == 0 and "warning" in out.stdout and "LATEST -> none" in out.stdout, out.stdout
 
 
@@ -278,7 +279,7 @@ def test_a_bit_flip_in_the_manifest_is_detected(tmp_path):
     i = text.index('"step": 2')
     flipped = text[: i + 8] + chr(ord(text[i + 8]) ^ 1) + text[i + 9:]  # step 2 -> step 3, still valid JSON
     path.write_text(flipped)
-    out = _cli("verify", str(tmp_path / "epoch_0_step_2"))
+    out = ckptio_here("verify", tmp_path / "epoch_0_step_2")
     assert out.returncode == 1 and "manifest" in out.stdout and "checksum" in out.stdout, out.stdout
     model = _mlp()
     assert _manager(tmp_path, model).restore().step == 1  # auto-resume skips it
@@ -383,7 +384,7 @@ def test_nemo_artifact_that_is_not_inside_the_archive_is_refused(tmp_path):
           library: huggingface
           files: {{tokenizer.json: "nemo:../../../../../../../../{secret}"}}
         """))
-    out = _cli("convert", str(arc), str(tmp_path / "out"), "--to", "hf", "--no-progress")
+    out = ckptio_here("convert", arc, tmp_path / "out", "--to", "hf", "--no-progress")
     assert out.returncode == 2 and "tokenizer.files.tokenizer.json" in out.stderr, out.stderr
     assert not (tmp_path / "out").exists()
     (tmp_path / "b").mkdir()
@@ -391,7 +392,7 @@ def test_nemo_artifact_that_is_not_inside_the_archive_is_refused(tmp_path):
         weights: model_weights.ckpt
         tokenizer: {{library: sentencepiece, model: {secret}}}
         """))
-    out = _cli("inspect", str(arc2))
+    out = ckptio_here("inspect", arc2)
     assert out.returncode == 2 and "tokenizer.model" in out.stderr and str(secret) in out.stderr, out.stderr
 
 
@@ -429,9 +430,9 @@ def test_prune_refuses_while_a_job_holds_the_folder(tmp_path):
     finally:
         holder.kill()
         holder.wait()
-    out = _cli("prune", str(tmp_path), "--keep-latest", "1")
+    out = ckptio_here("prune", tmp_path, "--keep-latest", "1")
     assert out.returncode == 0 and not (tmp_path / "epoch_0_step_1").exists(), out.stderr
-    out = _cli("prune", str(tmp_path), "--save-top-k", "1", "--monitor", "val_los")
+    out = ckptio_here("prune", tmp_path, "--save-top-k", "1", "--monitor", "val_los")
     assert out.returncode == 2 and "val_los" in out.stderr
 
 
@@ -443,9 +444,9 @@ def test_consolidate_into_a_checkpoint_updates_its_manifest_atomically(tmp_path)
         mgr.save(step=1)
     step = tmp_path / "epoch_0_step_1"
     before = {p.relative_to(step).as_posix(): p.read_bytes() for p in step.rglob("*") if p.is_file()}
-    out = _cli("consolidate", str(step), "--no-progress")
+    out = ckptio_here("consolidate", step, "--no-progress")
     assert out.returncode == 0, out.stderr
-    assert _cli("verify", str(step)).returncode == 0
+    assert ckptio_here("verify", step).returncode == 0
     manifest = json.loads((step / "manifest.json").read_text())
     bundle = [f for f in manifest["files"] if f.startswith("model/consolidated/")]
     assert "model/consolidated/model.safetensors.index.json" in bundle and all(f in manifest["checksums"] for f in bundle)
@@ -466,7 +467,7 @@ def test_consolidate_into_a_checkpoint_updates_its_manifest_atomically(tmp_path)
                          text=True, preexec_fn=limit)
     assert out.returncode == 2 and "File too large" in out.stderr, out.stderr
     assert (step / "manifest.json").read_bytes() == manifest_before
-    assert _cli("verify", str(step)).returncode == 0
+    assert ckptio_here("verify", step).returncode == 0
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
 
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,10 +22,9 @@ from ckptio import CheckpointConfig, CheckpointManager, _faults
 from ckptio._log import get_logger
 from ckptio.engine.layout import committed_checkpoints
 from ckptio.errors import CheckpointError, ConfigError
+from cli_here import ckptio_here
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-
-CKPTIO = str(Path(sys.executable).parent / "ckptio")
 
 
 def _objects() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -94,11 +91,10 @@ def test_background_saves_that_fail_are_logged_recorded_and_training_goes_on(tmp
     record = json.loads((root / ".ckptio_record.json").read_text())
     failed = [(e["tier"], e.get("step")) for e in record["events"] if e["kind"] == "save_failed"]
     assert failed == [("durable", 1), ("durable", 3), ("durable", 4), ("durable", 5)], failed
-    out = subprocess.run([CKPTIO, "report", str(root)], capture_output=True, text=True, timeout=120)
+    out = ckptio_here("report", root)
     assert out.returncode == 0 and "Failed saves (training went on): 4 (durable 1, durable 3" in out.stdout, out
     page = tmp_path / "report.html"
-    out = subprocess.run([CKPTIO, "report", str(root), "--html", str(page)], capture_output=True, text=True,
-                         timeout=120)
+    out = ckptio_here("report", root, "--html", page)
     assert out.returncode == 0 and '"failed_saves": [{' in page.read_text(), out.stderr
 
 

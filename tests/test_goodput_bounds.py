@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -16,6 +15,7 @@ from ckptio.errors import ConfigError
 from ckptio.goodput.interval import MAX_STEPS, IntervalPlanner, plan_two_tiers, steps_for
 from ckptio.goodput.record import RECORD_NAME, RunRecord, dump
 from ckptio.storage import open_storage
+from cli_here import ckptio_here
 
 
 def _record(tmp_path, events: list[dict]) -> RunRecord:
@@ -72,9 +72,8 @@ def test_the_report_renders_a_record_whose_step_time_is_subnormal(tmp_path):
                "bytes": 4096, "files": 2},
               {"kind": "progress", "time": 5e-324, "step": 1}]
     (tmp_path / RECORD_NAME).write_bytes(dump(events))
-    cli = [str(Path(sys.executable).parent / "ckptio"), "report", str(tmp_path), "--probe-mib", "0"]
     for extra in ([], ["--json"], ["--html", str(tmp_path / "page.html")]):
-        out = subprocess.run(cli + extra, capture_output=True, text=True, timeout=120)
+        out = ckptio_here("report", tmp_path, "--probe-mib", "0", *extra)
         assert out.returncode == 0, (extra, out.stderr[-2000:])
         assert "Traceback" not in out.stderr
         if extra == ["--json"]:
@@ -198,9 +197,8 @@ def test_the_report_renders_a_record_of_instant_saves_against_a_measured_storage
               {"kind": "progress", "time": 5e-324, "step": 1},
               {"kind": "start", "time": 1e12 - 1}, {"kind": "progress", "time": 1e12, "step": 2}]
     (tmp_path / RECORD_NAME).write_bytes(dump(events))
-    cli = [str(Path(sys.executable).parent / "ckptio"), "report", str(tmp_path), "--probe-mib", "1"]
     for extra in ([], ["--json"], ["--html", str(tmp_path / "page.html")]):
-        out = subprocess.run(cli + extra, capture_output=True, text=True, timeout=120)
+        out = ckptio_here("report", tmp_path, "--probe-mib", "1", *extra)
         assert out.returncode == 0 and "Traceback" not in out.stderr, (extra, out.stderr[-2000:])
         assert "inf" not in out.stdout.lower() and "nan" not in out.stdout.lower(), out.stdout
         if extra == ["--json"]:

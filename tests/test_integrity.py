@@ -16,8 +16,8 @@ import torch
 from ckptio import CheckpointConfig, CheckpointError, CheckpointManager, committed_checkpoints
 from ckptio.storage.checksum import file_checksum
 from ckptio.storage.lock import CheckpointDirLocked
+from cli_here import ckptio_here
 
-CKPTIO = str(Path(sys.executable).parent / "ckptio")
 
 
 def _mlp() -> torch.nn.Module:
@@ -45,7 +45,7 @@ def test_every_file_has_the_checksum_of_its_bytes(tmp_path, fmt):
     assert set(manifest["checksums"]) == set(manifest["files"]) and manifest["files"]
     for rel, digest in manifest["checksums"].items():
         assert digest.startswith("crc32c:") and file_checksum(step_dir / rel) == digest, rel
-    out = subprocess.run([CKPTIO, "verify", str(tmp_path)], capture_output=True, text=True)
+    out = ckptio_here("verify", tmp_path)
     assert out.returncode == 0 and "OK" in out.stdout
 
 
@@ -56,7 +56,7 @@ def test_flipped_bit_is_reported_and_resume_falls_back(tmp_path, fmt):
     data = bytearray(victim.read_bytes())
     data[data.rindex(struct.pack("<f", 2.0)) + 1] ^= 0x01  # one bit of a step-2 weight: same size, still parses
     victim.write_bytes(bytes(data))
-    out = subprocess.run([CKPTIO, "verify", str(tmp_path / "epoch_0_step_2")], capture_output=True, text=True)
+    out = ckptio_here("verify", tmp_path / "epoch_0_step_2")
     assert out.returncode == 1 and victim.name in out.stdout and "checksum" in out.stdout
     model = _mlp()
     mgr = CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path), model_save_format=fmt,
@@ -72,7 +72,7 @@ def test_missing_file_is_reported(tmp_path):
     _save(tmp_path, "safetensors")
     victim = sorted((tmp_path / "epoch_0_step_2" / "optim").iterdir())[0]
     victim.unlink()
-    out = subprocess.run([CKPTIO, "verify", str(tmp_path), "--json"], capture_output=True, text=True)
+    out = ckptio_here("verify", tmp_path, "--json")
     report = json.loads(out.stdout)
     assert out.returncode == 1 and not report["ok"]
     assert any(f"{victim.name}: missing" in line for line in report["checkpoints"][str(tmp_path / "epoch_0_step_2")])

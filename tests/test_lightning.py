@@ -19,6 +19,7 @@ import pytorch_lightning as pl  # noqa: E402  (a test dependency: the real clien
 
 from ckptio import CheckpointConfig, CheckpointError, CheckpointManager  # noqa: E402
 from ckptio.formats.lightning import load_lightning, read_lightning, save_lightning  # noqa: E402
+from cli_here import ckptio_here  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LR = 1e-2
@@ -194,8 +195,8 @@ def test_ckptio_convert_turns_a_whole_training_checkpoint_into_one_lightning_res
     run = Run(tmp_path / "ck", max_steps=5)  # AdamW(lr=1e-2, wd=0.01) + LambdaLR(min(1, (s+1)/4)), as LitLlama
     run.train(save_at=(5,), stop_at=5)
     run.mgr.close()
-    out = subprocess.run([str(Path(sys.executable).parent / "ckptio"), "convert", str(tmp_path / "ck" / "epoch_0_step_5"),
-                          str(tmp_path / "x.ckpt"), "--to", "lightning", "--no-progress"], capture_output=True, text=True)
+    out = ckptio_here("convert", tmp_path / "ck" / "epoch_0_step_5", tmp_path / "x.ckpt", "--to", "lightning",
+                      "--no-progress")
     assert out.returncode == 0, out.stderr
     lit = LitLlama(make_model(seed=2))
     trainer = _trainer(7)
@@ -229,8 +230,8 @@ def test_convert_keeps_a_bound_method_lambda_scheduler_for_lightning(tmp_path):
     with CheckpointManager(CheckpointConfig(checkpoint_dir=str(tmp_path / "ck")), model=model, optimizer=opt,
                            lr_scheduler=sched, rng=False) as mgr:
         mgr.save(step=4)
-    out = subprocess.run([str(Path(sys.executable).parent / "ckptio"), "convert", str(tmp_path / "ck" / "epoch_0_step_4"),
-                          str(tmp_path / "x.ckpt"), "--to", "lightning", "--no-progress"], capture_output=True, text=True)
+    out = ckptio_here("convert", tmp_path / "ck" / "epoch_0_step_4", tmp_path / "x.ckpt", "--to", "lightning",
+                      "--no-progress")
     assert out.returncode == 0, out.stderr
     assert read_lightning(tmp_path / "x.ckpt")["lr_schedulers"][0] == sched.state_dict()
     lit = LitLlama(make_model(seed=2))

@@ -197,8 +197,7 @@ def test_an_inference_script_finds_the_one_line_it_needs(tmp_path):
     ``IsADirectoryError`` that named neither ckptio nor ``install_loader()``. The folder carries a note a user finds
     with ``ls``, ``ckptio inspect`` ends with the line, the docs show it first, and the note's snippet works as
     written, in a process of its own with the real Lightning."""
-    import subprocess
-    import sys
+    from cli_here import ckptio_here
 
     best = Path(_fit_one(tmp_path))
     note = (best / "HOW-TO-LOAD.txt").read_text()
@@ -214,8 +213,7 @@ def test_an_inference_script_finds_the_one_line_it_needs(tmp_path):
     assert plain.returncode != 0 and "IsADirectoryError" in plain.stderr  # Lightning alone, as the note says
     loaded = launch(str(scripts["loaded"]), str(best), tests, timeout=300)
     assert loaded.returncode == 0 and f"LOADED {HPARAMS}" in loaded.stdout, loaded.stderr[-3000:]
-    shown = subprocess.run([str(Path(sys.executable).parent / "ckptio"), "inspect", str(best)], capture_output=True,
-                           text=True, timeout=120)
+    shown = ckptio_here("inspect", best)
     assert "from ckptio.lightning import install_loader; install_loader()" in shown.stdout.splitlines()[-1], shown.stdout
     page = (Path(tests).parent / "docs" / "migrate-lightning.md").read_text()
     after_fit = page.split("### After `fit`")[1]

@@ -237,13 +237,11 @@ dist.destroy_process_group()
 
 def test_inspect_of_a_plugin_checkpoint_shows_the_monitored_metric(tmp_path):
     """Issue 52, row 10: ``ckptio inspect last.ckpt`` of a run that monitored a metric said ``metrics: none``."""
-    import subprocess
-    import sys
+    from cli_here import ckptio_here
 
     fit(tmp_path, 2, [CkptioCheckpointIO()], monitor="train_loss", mode="min", save_top_k=1, save_last=True)
     manifest = json.loads((tmp_path / "last.ckpt" / "manifest.json").read_text())
     assert set(manifest["metrics"]) == {"train_loss"}, manifest["metrics"]
-    cli = [str(Path(sys.executable).parent / "ckptio"), "inspect", str(tmp_path / "last.ckpt")]
-    shown = subprocess.run(cli, capture_output=True, text=True, timeout=120)
+    shown = ckptio_here("inspect", tmp_path / "last.ckpt")
     assert shown.returncode == 0 and f"metrics: train_loss={manifest['metrics']['train_loss']:g}" in shown.stdout, \
         shown.stdout + shown.stderr

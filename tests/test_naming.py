@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,8 +12,7 @@ import torch.nn.functional as F
 from ckptio import CheckpointError
 from ckptio.convert import CONVERTERS, check_invertible, get_converter
 from ckptio.formats.naming import apply
-
-CKPTIO = str(Path(sys.executable).parent / "ckptio")
+from cli_here import ckptio_here
 
 
 def _llama(tied: bool):
@@ -161,7 +157,7 @@ def test_cli_converts_a_hf_folder_to_megatron_naming_and_back(tmp_path):
 
     model = _llama(False)
     model.save_pretrained(tmp_path / "hf")
-    run = lambda *a: subprocess.run([CKPTIO, "convert", *a, "--no-progress"], capture_output=True, text=True)  # noqa: E731
+    run = lambda *a: ckptio_here("convert", *a, "--no-progress")  # noqa: E731
     out = run(str(tmp_path / "hf"), str(tmp_path / "mega"), "--to", "safetensors", "--naming", "llama-to-megatron")
     assert out.returncode == 0, out.stderr
     from ckptio.formats.safetensors.sharded import read_index

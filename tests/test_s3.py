@@ -503,8 +503,10 @@ def test_two_ranks_save_in_the_background_and_one_resumes(store):
 @pytest.mark.parametrize("store", ["s3", pytest.param("gs", marks=pytest.mark.slow),
                                    pytest.param("az", marks=pytest.mark.slow)], indirect=True)
 def test_list_verify_and_prune_on_a_bucket(store):
-    """The real ``ckptio`` executable on a bucket's folder: list (with an interrupted save), inspect (through the
-    LATEST pointer), verify (a flipped byte found), prune (retention, the lock taken and given back)."""
+    """The ``ckptio`` commands on a bucket's folder: list (with an interrupted save), inspect (through the
+    LATEST pointer), verify (a flipped byte found), prune (retention, the lock taken and given back). The first list
+    runs the real executable (a fresh process finds the bucket from its environment alone); the others run in this
+    process (``ckptio_here``: no torch import each)."""
     import json
     import os
     from pathlib import Path
@@ -518,9 +520,10 @@ def test_list_verify_and_prune_on_a_bucket(store):
     open_storage(url).begin_step("epoch_0_step_4").write_bytes("half.bin", b"x")  # a killed save
 
     def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(exe + list(args), capture_output=True, text=True, timeout=120, env=dict(os.environ))
+        return ckptio_here(*args)
 
-    listed = run("list", url, "--json")
+    listed = subprocess.run(exe + ["list", url, "--json"], capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ))
     assert listed.returncode == 0, listed.stderr
     rows = {r["name"]: r for r in json.loads(listed.stdout)["checkpoints"]}
     assert [n for n, r in rows.items() if r["committed"]] == ["epoch_0_step_1", "epoch_0_step_2", "epoch_0_step_3"]

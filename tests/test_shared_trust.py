@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,6 +21,7 @@ from ckptio.engine.manifest import _self_checksum, check_files, read_manifest
 from ckptio.errors import CheckpointError
 from ckptio.storage import open_storage
 from ckptio.storage.checksum import file_checksum
+from cli_here import ckptio_here
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -240,8 +238,8 @@ def test_a_damaged_copy_in_a_bucket_leaves_a_step_to_restore(bucket):
         mgr.save(step=step)
         saved[step] = {k: v.clone() for k, v in model.state_dict().items()}
     held = _copies_bucket(url)
-    verify = [str(Path(sys.executable).parent / "ckptio"), "verify", url, "--json", "--no-progress"]
-    out = subprocess.run(verify, capture_output=True, text=True, timeout=120, env=os.environ)
+    verify = ["verify", url, "--json", "--no-progress"]
+    out = ckptio_here(*verify)
     assert out.returncode == 0, out.stdout[-3000:]  # healthy: a removed step whose files are used is not damage
     s3 = s3mod.client()
     key = f"rot/{held[5]}"
@@ -249,7 +247,7 @@ def test_a_damaged_copy_in_a_bucket_leaves_a_step_to_restore(bucket):
     data[-3] ^= 0x10
     s3.put_object(Bucket=bucket, Key=key, Body=bytes(data))
     intact = max(s for s, copy in held.items() if copy != held[5])
-    out = subprocess.run(verify, capture_output=True, text=True, timeout=120, env=os.environ)
+    out = ckptio_here(*verify)
     assert out.stdout, out.stderr[-2000:]
     report = json.loads(out.stdout)  # ckptio verify on the bucket's folder names every step using the rotten object
     bad = {Path(p).name for p, problems in report["checkpoints"].items() if problems}
