@@ -203,6 +203,15 @@ def test_a_plain_value_already_pickled_is_written_from_its_bytes_and_they_are_to
     monkeypatch.setattr(torch, "save", counted)
     got = _values(tmp_path, equal, "again")
     assert not [c for c in calls if not isinstance(c, torch.Tensor)], "equal plain values were pickled again"
+    long_text = {"note": "x" * 5000, "w": torch.arange(4.0)}  # a large value is never kept: pickled at each save
+    _values(tmp_path, long_text, "long1")
+    calls.clear()
+    got = _values(tmp_path, long_text, "long2")
+    assert [c for c in calls if isinstance(c, str)] == [long_text["note"]]
+    with no_crc():
+        out = io.BytesIO()
+        real_save(long_text["note"], out)
+        assert got["note"] == out.getvalue()
     for state, sub in ((look_alike, "a"), (look_alike_2, "b"), (equal, "c")):
         got = _values(tmp_path, state, sub)
         with no_crc():

@@ -97,6 +97,8 @@ def _archive_parts(t: torch.Tensor) -> tuple[bytes, bytes] | None:
 
 
 _pickled: dict[tuple, bytes] = {}
+_SMALL_VALUE = 1024
+"""Only the archives of values whose pickle is at most this many bytes are kept."""
 _PLAIN = (int, float, bool, str, bytes, type(None))
 
 
@@ -119,6 +121,9 @@ def pickled(value: Any) -> io.BytesIO:
     key = None
     if _plain(value):
         key = (pickle.dumps(value, protocol=2), serialization.get_crc32_options(), torch.__version__)
+        if len(key[0]) > _SMALL_VALUE:
+            key = None  # a large value (a long string): pickled each time, as before, never kept
+    if key is not None:
         data = _pickled.get(key)
         if data is not None:
             return io.BytesIO(data)
