@@ -168,3 +168,54 @@ def test_plans_cached_between_saves_on_two_ranks_follow_every_change_of_the_stat
     out = run_ranks(2, _saves_of_changing_states_in_one_process, tmp=str(tmp_path))
     assert out[0]["wrong"] == [] and out[1]["wrong"] == [], out
     assert out[0]["cached"] == 1, "the coordinator kept the plans of the optimizer folder (the cache was in use)"
+
+
+def _values(tmp, state: dict, sub: str) -> dict[str, bytes]:
+    """fqn -> the bytes of each pickled value (DCP's ``BYTE_IO`` items) of a one-rank DCP save of ``state``."""
+    save(state, tmp / sub)
+    data = (tmp / sub / "__0_0.distcp").read_bytes()
+    md = pickle.loads((tmp / sub / ".metadata").read_bytes())
+    return {index.fqn: data[info.offset:info.offset + info.length] for index, info in md.storage_data.items()
+            if not isinstance(state.get(index.fqn), torch.Tensor)}
+
+
+def test_a_plain_value_already_pickled_is_written_from_its_bytes_and_they_are_torch_saves(tmp_path, monkeypatch):
+    """DCP pickles each non-tensor value (an optimizer's hyper-parameters, flattened: one per parameter) with
+    ``torch.save``, ~60 us each, at every save. An int, float, bool, str, None or a tuple/list of them already
+    written is written again from the bytes kept (keyed by its exact pickle: 0.0 and -0.0, 1 and True, a tuple
+    and a list stay apart); the bytes are exactly ``torch.save``'s."""
+    first = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "amsgrad": False, "name": "adamw", "none": None,
+             "w": torch.arange(4.0)}
+    equal = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "amsgrad": False, "name": "adamw", "none": None,
+             "w": torch.arange(4.0)}
+    look_alike = {"lr": -0.0, "betas": [0.9, 0.999], "eps": 1, "amsgrad": 0, "name": "adamw ", "none": (None,),
+                  "w": torch.arange(4.0)}
+    look_alike_2 = {"lr": 0.0, "betas": (0.9, 0.999, 0.0), "eps": True, "amsgrad": 0.0, "name": "adamw",
+                    "none": [None], "w": torch.arange(4.0)}
+    _values(tmp_path, first, "warm")
+    calls = []
+    real_save = torch.save
+
+    def counted(obj, f, *args, **kwargs):
+        calls.append(obj)
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", counted)
+    got = _values(tmp_path, equal, "again")
+    assert not [c for c in calls if not isinstance(c, torch.Tensor)], "equal plain values were pickled again"
+    long_text = {"note": "x" * 5000, "w": torch.arange(4.0)}  # a large value is never kept: pickled at each save
+    _values(tmp_path, long_text, "long1")
+    calls.clear()
+    got = _values(tmp_path, long_text, "long2")
+    assert [c for c in calls if isinstance(c, str)] == [long_text["note"]]
+    with no_crc():
+        out = io.BytesIO()
+        real_save(long_text["note"], out)
+        assert got["note"] == out.getvalue()
+    for state, sub in ((look_alike, "a"), (look_alike_2, "b"), (equal, "c")):
+        got = _values(tmp_path, state, sub)
+        with no_crc():
+            for fqn, data in got.items():
+                out = io.BytesIO()
+                real_save(state[fqn], out)
+                assert data == out.getvalue(), (sub, fqn, state[fqn])

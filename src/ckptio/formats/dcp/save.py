@@ -261,15 +261,28 @@ class _ResolvedOnce:
     again as the same bytes (a second pickling could differ)."""
 
     def __init__(self, planner: Any) -> None:
+        from torch.distributed.checkpoint import DefaultSavePlanner
+
         self.planner = planner
         self._values: dict[Any, Any] = {}
         self._lock = threading.Lock()
+        # DCP's own resolve_data: a pickled value is torch.save of the state dict's value (writer.pickled, same bytes)
+        kind = type(planner)
+        self._default = isinstance(planner, DefaultSavePlanner) and \
+            kind.resolve_data is DefaultSavePlanner.resolve_data and \
+            kind.lookup_object is DefaultSavePlanner.lookup_object and \
+            kind.transform_object is DefaultSavePlanner.transform_object
 
     def resolve(self, item: Any, keep: bool = False) -> Any:
+        from torch.distributed.checkpoint.planner import WriteItemType
+
+        from .writer import pickled
+
         with self._lock:
             value = self._values.pop(item.index, None)
         if value is None:
-            value = self.planner.resolve_data(item)
+            value = (pickled(self.planner.lookup_object(item.index))
+                     if self._default and item.type == WriteItemType.BYTE_IO else self.planner.resolve_data(item))
         if keep and isinstance(value, io.BytesIO):
             with self._lock:
                 self._values[item.index] = value

@@ -21,6 +21,7 @@ each piece out while the next is copied.
 from __future__ import annotations
 
 import io
+import pickle
 import threading
 from typing import Any
 
@@ -28,7 +29,7 @@ import torch
 
 from ... import _faults
 
-__all__ = ["archive_length", "write_items"]
+__all__ = ["archive_length", "pickled", "write_items"]
 
 PIECE = 32 << 20
 """The largest single write of a tensor's data (see :class:`~ckptio.storage.posix.Writeback`)."""
@@ -93,6 +94,47 @@ def _archive_parts(t: torch.Tensor) -> tuple[bytes, bytes] | None:
             _parts.clear()
         _parts[key] = found
     return found
+
+
+_pickled: dict[tuple, bytes] = {}
+_SMALL_VALUE = 1024
+"""Only the archives of values whose pickle is at most this many bytes are kept."""
+_PLAIN = (int, float, bool, str, bytes, type(None))
+
+
+def _plain(value: Any, depth: int = 0) -> bool:
+    """A value whose ``torch.save`` archive depends on nothing but its pickle (no storage, no class of its own)."""
+    kind = type(value)
+    if kind in _PLAIN:
+        return True
+    return (kind is tuple or kind is list) and depth < 4 and len(value) <= 64 and all(
+        _plain(v, depth + 1) for v in value)
+
+
+def pickled(value: Any) -> io.BytesIO:
+    """``torch.save(value)`` into a new buffer, as DCP's planner does for a pickled (``BYTE_IO``) item. An optimizer's
+    flattened state repeats its hyper-parameters per parameter (~40 small values a rank, ~60 us of ``torch.save``
+    each, every save): the archive of a plain value is kept, keyed by its exact pickle (0.0 and -0.0, 1 and True, a
+    tuple and a list stay apart) and the archive settings, and handed out again instead of pickled again."""
+    from torch import serialization
+
+    key = None
+    if _plain(value):
+        key = (pickle.dumps(value, protocol=2), serialization.get_crc32_options(), torch.__version__)
+        if len(key[0]) > _SMALL_VALUE:
+            key = None  # a large value (a long string): pickled each time, as before, never kept
+    if key is not None:
+        data = _pickled.get(key)
+        if data is not None:
+            return io.BytesIO(data)
+    out = io.BytesIO()
+    torch.save(value, out)
+    if key is not None:
+        with _parts_lock:
+            if len(_pickled) > 4096:  # a run of ever-new values (a step count) must not grow this forever
+                _pickled.clear()
+            _pickled[key] = out.getvalue()
+    return out
 
 
 def _loaded(data: torch.Tensor) -> torch.Tensor:
