@@ -284,15 +284,10 @@ class Saver:
         if _dist.rank() != 0:
             return None
         self.lock.acquire()
-        # one listing of the folder (a bucket's) serves the sweep and what LATEST offers: its manifest, the steps'
-        with self.storage.session():
-            if not self._swept:
-                self._swept = True
-                for leftover in self.storage.sweep():
-                    self.log.info("Removed leftover of an interrupted save: %s", leftover)
-            # nothing to share without frozen tensors (on several ranks another may hold them: a pipeline's stages)
-            wanted = self.share and job.model is not None and (bool(job.apart) or _dist.world_size() > 1)
-            previous = previous_of(self.storage, self.log) if wanted else None
+        # nothing to share without frozen tensors (on several ranks another may hold them: a pipeline's stages)
+        wanted = self.share and job.model is not None and (bool(job.apart) or _dist.world_size() > 1)
+        previous = _swept_then_previous(self.storage, self.log, not self._swept, wanted)
+        self._swept = True
         return self.storage.begin_step(job.name).token, previous
 
     def write_states(self, job: SaveJob, writer: FolderWriter, rank: int, world: int,
@@ -384,6 +379,16 @@ class Saver:
             contents={rel: d for rel, d in job.contents.items() if rel in files},
             shared={rel: src for rel, (src, _) in job.linked.items() if getattr(self.storage, "refers", False)},
         )
+
+
+def _swept_then_previous(storage: Storage, log: Any, sweep: bool, wanted: bool) -> Previous | None:
+    """The start of a save on rank 0: the leftovers of interrupted saves removed (``sweep``: the manager's first
+    save), then what ``LATEST`` offers to share when ``wanted``; one listing of the folder (a bucket's) serves both."""
+    with storage.session():
+        if sweep:
+            for leftover in storage.sweep():
+                log.info("Removed leftover of an interrupted save: %s", leftover)
+        return previous_of(storage, log) if wanted else None
 
 
 def changed_by_step(optimizer: Any) -> tuple[Any, Any]:
