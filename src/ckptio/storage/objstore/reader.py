@@ -27,15 +27,6 @@ CACHE_BYTES = 512 << 20
 """Most bytes of windows a folder tree keeps (least recently used dropped first)."""
 
 
-def window_buffer(n: int) -> Any:
-    """A new buffer of ``n`` bytes for a window, not zeroed (the fetch fills all of it, or the window is not kept).
-    A ``bytearray`` was zeroed by Python, every page of it faulted in 4 KiB at a time, then overwritten by the fetch:
-    ~30 ms of CPU for a 42 MB window here against ~6 ms for numpy's (which asks the kernel for huge pages for a large
-    one), a third of what a 4-rank restore from Azure cost over the raw download of the same bytes."""
-    import numpy
-
-    return numpy.empty(n, dtype=numpy.uint8)
-
 
 class WindowCache:
     """Recently fetched windows of objects, shared by the handles of one folder tree (thread-safe)."""
@@ -45,7 +36,7 @@ class WindowCache:
         from collections import OrderedDict
 
         self.limit = limit
-        self._windows: "OrderedDict[tuple[str, int], Any]" = OrderedDict()  # bytearray or window_buffer
+        self._windows: "OrderedDict[tuple[str, int], Any]" = OrderedDict()  # the buffers Bucket.window made
         self._bytes = 0
         self.lock = threading.Lock()
 
@@ -150,7 +141,7 @@ class ObjectReadHandle(ReadHandle):
                 if start == offset and end == offset + n and n >= DIRECT:
                     found = view  # the window would be just this read: fetched into its buffer, not kept
             if found is None:
-                buf = window_buffer(end - start)
+                buf = self.store.window(end - start)
                 self._get(memoryview(buf), start)
                 self.cache.add(self.key, start, buf)
                 found = memoryview(buf)[offset - start:offset - start + n]
