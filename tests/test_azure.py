@@ -323,10 +323,10 @@ def test_a_read_past_the_end_or_of_a_missing_blob(azure_container):
 
 
 def test_a_window_fetched_short_is_not_kept_and_its_unfilled_bytes_never_served(azure_container):
-    """A window's buffer on Azure is not zeroed before its fetch
-    (:meth:`~ckptio.storage.azure.bucket.AzureBucket.window`): a blob that became shorter than its listing said is
-    named truncated at every read of it, and a read of the bytes that did come is fetched again rather than served
-    from the window's unfilled memory; a full window serves every read inside it with no request."""
+    """A window fetched short is not kept (a buffer not zeroed before its fetch would otherwise serve memory no
+    answer filled): a blob that became shorter than its listing said is named truncated at every read of it, and a
+    read of the bytes that did come is fetched again rather than served from the window's unfilled memory; a full
+    window serves every read inside it with no request."""
     from ckptio.errors import CheckpointCorruptError
 
     data = _random(3 << 20, seed=3)

@@ -101,17 +101,6 @@ class AzureBucket(Bucket):
             return 0
         return read_range(self._blob(key), self.path(key), offset, view)
 
-    def window(self, n: int) -> Any:
-        """A window's buffer, not zeroed (:meth:`read_into` fills all of it, or the reader keeps no window): a
-        ``bytearray`` was zeroed by Python, every 4 KiB page of it faulted in, then overwritten by the body's
-        ``recv_into``; numpy's buffer (which the kernel backs with huge pages where allowed) cost ~6 ms of CPU for a
-        42 MB window here against ~30 ms, the largest part of what a 4-rank restore cost over the raw download of the
-        same bytes. Measured with S3 (whose body comes in ``bytes`` pieces, copied in) the same buffer made the
-        restore slower, so the other backends keep the ``bytearray``."""
-        import numpy
-
-        return numpy.empty(n, dtype=numpy.uint8)
-
     def delete(self, key: str) -> None:
         try:
             _call("removing", self.path(key), self._blob(key).delete_blob)

@@ -113,10 +113,6 @@ class Bucket(ABC):
     def read_into(self, key: str, offset: int, view: memoryview) -> int:
         """Read the object's bytes from ``offset`` into ``view`` (a ranged request); returns how many came."""
 
-    def window(self, n: int) -> Any:
-        """A new buffer of ``n`` bytes that :meth:`read_into` will fill, for a reader's window (a ``bytearray``)."""
-        return bytearray(n)
-
     @abstractmethod
     def delete(self, key: str) -> None:
         """Remove the object; one that is not there is no error."""

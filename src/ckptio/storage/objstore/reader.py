@@ -27,7 +27,6 @@ CACHE_BYTES = 512 << 20
 """Most bytes of windows a folder tree keeps (least recently used dropped first)."""
 
 
-
 class WindowCache:
     """Recently fetched windows of objects, shared by the handles of one folder tree (thread-safe)."""
 
@@ -36,7 +35,7 @@ class WindowCache:
         from collections import OrderedDict
 
         self.limit = limit
-        self._windows: "OrderedDict[tuple[str, int], Any]" = OrderedDict()  # the buffers Bucket.window made
+        self._windows: "OrderedDict[tuple[str, int], bytearray]" = OrderedDict()
         self._bytes = 0
         self.lock = threading.Lock()
 
@@ -55,7 +54,7 @@ class WindowCache:
                 return memoryview(buf)[offset - start:]
         return None
 
-    def add(self, key: str, offset: int, buf: Any) -> None:
+    def add(self, key: str, offset: int, buf: bytearray) -> None:
         self._windows[(key, offset)] = buf
         self._bytes += len(buf)
         while self._bytes > self.limit and len(self._windows) > 1:
@@ -141,7 +140,7 @@ class ObjectReadHandle(ReadHandle):
                 if start == offset and end == offset + n and n >= DIRECT:
                     found = view  # the window would be just this read: fetched into its buffer, not kept
             if found is None:
-                buf = self.store.window(end - start)
+                buf = bytearray(end - start)
                 self._get(memoryview(buf), start)
                 self.cache.add(self.key, start, buf)
                 found = memoryview(buf)[offset - start:offset - start + n]
