@@ -322,6 +322,35 @@ def test_a_read_past_the_end_or_of_a_missing_blob(azure_container):
         open_storage(f"az://{azure_container}-missing").store.read_into("small", 0, view)
 
 
+def test_a_window_fetched_short_is_not_kept_and_its_unfilled_bytes_never_served(azure_container):
+    """A window fetched short is not kept (a buffer not zeroed before its fetch would otherwise serve memory no
+    answer filled): a blob that became shorter than its listing said is named truncated at every read of it, and a
+    read of the bytes that did come is fetched again rather than served from the window's unfilled memory; a full
+    window serves every read inside it with no request."""
+    from ckptio.errors import CheckpointCorruptError
+
+    data = _random(3 << 20, seed=3)
+    storage = open_storage(f"az://{azure_container}/w")
+    storage.store.put("w/blob", data)
+    with storage.session():
+        folder = storage.folder()
+        handle = folder.open("blob")
+        assert handle.read(5, 100) == data[5:105]  # a window fetched: every read inside it from memory
+        assert handle.read((2 << 20) + 7, 1000) == data[(2 << 20) + 7:(2 << 20) + 1007]
+    storage.store.put("w/blob", data[:1 << 20])  # replaced by a shorter blob after the listing below
+    with storage.session():
+        folder = storage.folder()
+        handle = folder.open("blob")
+        assert handle.size == 1 << 20
+        storage.store.put("w/blob", data[:1000])
+        for _ in range(2):
+            with pytest.raises(CheckpointCorruptError, match="truncated"):
+                handle.read(10, 100)
+        whole = _random(1 << 20, seed=4)
+        storage.store.put("w/blob", whole)  # its listed size again: the short window was not kept, so it is fetched
+        assert handle.read(2000, 100) == whole[2000:2100]
+
+
 def test_a_read_cut_mid_body_goes_on_from_where_it_stopped(azure_container, azure_server, monkeypatch):
     """The answer to a read is cut halfway: the rest is asked for (not the whole range again), and the bytes are the
     blob's; a read cut every time fails once its tries are spent, naming the blob and how far it got."""
