@@ -411,8 +411,9 @@ def test_args_that_are_no_namespace_are_refused_by_name(hf, tmp_path):
     ("dist", 1, "moe_ffn_hidden_size", 16, r"decoder\.layers\.\d\.mlp\.experts\.\d\.linear_fc[12]\.weight \(torch_dist "
      r"tensor decoder\.layers\.mlp\.experts\.experts\.linear_fc[12]\.weight\[\d, \d\]\) has shape .* of the run's "
      r"moe_ffn_hidden_size=16"),
-    ("legacy", 2, "moe_ffn_hidden_size", 16, r"mlp\.experts\.\d\.linear_fc[12]\.weight \(its tensor-parallel shards "
-     r"merged, TP=2\) has shape .* of the run's moe_ffn_hidden_size=16"),
+    ("legacy", 2, "moe_ffn_hidden_size", 16, r"mlp\.experts\.\d\.linear_fc[12]\.weight \(read from iter_0000000/"
+     r"mp_rank_00/model_optim_rng\.pt, merged with its tensor-parallel shards in the other TP ranks' files \(TP=2\)\) "
+     r"has shape .* of the run's moe_ffn_hidden_size=16"),
     ("legacy", 2, "num_layers", 5, r"holds 4 layers, but the run's num_layers=5"),
 ])
 def test_args_that_disagree_with_the_weights_are_refused_by_name(hf, tmp_path, layout, tp, arg, value, says):
