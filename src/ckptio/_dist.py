@@ -96,7 +96,9 @@ OBJECT_ROUND = 4096
 """Bytes (an 8-byte length, then the pickle) an object collective sends in its first round: an object that fits
 (ckptio's rounds send a few hundred bytes: a flag, a folder's name, shapes, checksums) takes one collective. torch's
 ``broadcast_object_list``/``all_gather_object`` always take two (the sizes, then the bytes), ~0.5 ms of a rank's CPU
-each on gloo, a dozen times in a save or restore on several ranks. A larger object takes a second round, as there."""
+each on gloo, a dozen times in a save or restore on several ranks. A larger object takes a second round, as there.
+The pickles are the job's own ranks' objects sent over its process group, never a checkpoint's bytes: they are
+trusted as torch's object collectives trust them (which unpickle them the same way)."""
 
 
 def _framed(data: bytes, size: int, device: Any) -> Any:
