@@ -17,7 +17,8 @@ are dealt out to the ranks by size, every rank moving its share at once.
 Wall time is barrier to barrier (the slowest rank's); CPU is each rank process's user + system seconds
 (``getrusage(RUSAGE_SELF)``, all its threads) over the call, summed over the ranks, per GB of the checkpoint.
 One warm-up round, then ``--repeats`` rounds, the contenders interleaved in each round (the order of the
-restore and the raw download alternating); medians. The loopback servers are slow and share the machine's
+restore and the raw download alternating); medians. Each round's objects are deleted after it, untimed (the
+loopback servers hold them in memory). The loopback servers are slow and share the machine's
 cores, so the wall-clock ratios move more than the CPU ones.
 """
 
@@ -202,6 +203,13 @@ def run(args: argparse.Namespace, backend: str, bucket: str) -> None:
         for name, fn in ((("restore", restore), ("raw get", raw_get)) if round_ % 2 else
                          (("raw get", raw_get), ("restore", restore))):
             got[name] = _measured(fn)
+        _barrier()
+        if rank == 0:  # the round's objects go (untimed): the loopback servers hold every object in memory
+            store = open_storage(f"{backend}://{bucket}").store
+            for prefix in (f"{tag}r{round_}", f"raw{tag}{round_}/"):
+                keys = [o.key for o in store.listing(prefix, delimiter=False)[0]]
+                if keys:
+                    store.delete_many(keys, prefix)
         gb = total / 1e9
         line = []
         for name in NAMES:
