@@ -151,6 +151,12 @@ the lease) and a restore's fixed requests cost, whatever the size."""
 
 
 def run(args: argparse.Namespace, backend: str, bucket: str) -> None:
+    """Each ``--size`` in turn, on this rank."""
+    for i, size in enumerate(args.size.split(",")):
+        run_size(args, backend, bucket, size, f"s{i}")
+
+
+def run_size(args: argparse.Namespace, backend: str, bucket: str, size: str, label: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -160,12 +166,12 @@ def run(args: argparse.Namespace, backend: str, bucket: str) -> None:
 
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     raw = Raw(backend, bucket)
-    model, opt = build_state(_size(args.size), shard=world > 1)
+    model, opt = build_state(_size(size), shard=world > 1)
     tiny = torch.nn.Linear(32, 32)
     walls: dict[str, list[float]] = {k: [] for k in NAMES + TINY}
     cpus: dict[str, list[float]] = {k: [] for k in NAMES + TINY}
     total, count = 0, 0
-    tag = f"w{world}"
+    tag = f"w{world}{label}"
     for round_ in range(args.repeats + 1):  # round 0 warms up and is not counted
         root = f"{backend}://{bucket}/{tag}r{round_}"
         extra = {"verify": args.verify} if args.verify else {}
@@ -245,7 +251,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", default="all", help="s3, gs, az, a comma-separated list of them, or all")
     p.add_argument("--world", default="1", help="ranks (gloo on CPU, FSDP2 state): a number or a list, e.g. 1,2,4")
-    p.add_argument("--size", default="256MB", help="approximate bytes of model + optimizer state (all ranks)")
+    p.add_argument("--size", default="256MB", help="approximate bytes of model + optimizer state (all ranks); a "
+                   "comma-separated list measures each in turn (e.g. 256MB,1GB: a save's fixed cost over more bytes)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--verify", default=None, help="the restore's verify setting (default: ckptio's default)")
     args = p.parse_args()
