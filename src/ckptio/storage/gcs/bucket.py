@@ -1,6 +1,9 @@
-"""A Google Cloud Storage bucket through ``google-cloud-storage``, as the object-store folder needs it
-(:class:`~ckptio.storage.objstore._store.Bucket`): a create-only write is ``ifGenerationMatch=0``, a replacement of
-one version ``ifGenerationMatch=<generation>``."""
+"""A Google Cloud Storage bucket, as the object-store folder needs it (:class:`~ckptio.storage.objstore._store.Bucket`):
+a create-only write is ``ifGenerationMatch=0``, a replacement of one version ``ifGenerationMatch=<generation>``.
+
+Each operation a save or a restore uses is one request of GCS's JSON API sent through ``google-cloud-storage``'s own
+authorized session, with its retry policy (:func:`~._client.request`); a server-side copy and a file larger than one
+part go through the client's own calls."""
 
 from __future__ import annotations
 

@@ -53,7 +53,7 @@ class GCSParts(Parts):
         if self.session is None:  # a resumable upload session: its URL comes in the answer's Location
             self.session = request("starting the upload of", self.where, "POST",
                                    objects_url(self.bucket.name, api="upload") + "?uploadType=resumable",
-                                   data=json.dumps({"name": self.key, "contentType": OCTETS}),
+                                   data=json.dumps({"name": self.key, "contentType": OCTETS}).encode(),
                                    headers={"Content-Type": "application/json; charset=UTF-8",
                                             "X-Upload-Content-Type": OCTETS},
                                    read=lambda answer: answer.headers["Location"])
