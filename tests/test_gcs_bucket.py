@@ -87,6 +87,10 @@ def test_a_read_names_the_generation_of_its_bytes_even_of_an_empty_object(bucket
     data, newer = bucket.get("g/empty", 4096)
     assert data == b"now 12 bytes" and newer != token and newer == bucket.listing("g/", delimiter=False)[0][0].token
     assert bucket.get("g/empty", 3) == (b"now", newer)  # the first ``limit`` bytes
+    # from a server whose answer does not name the generation: the version looked up, then its bytes
+    assert bucket._get_pinned("g/empty", 3) == (b"now", newer)
+    bucket.put("g/empty2", b"")
+    assert bucket._get_pinned("g/empty2", 4096) == bucket.get("g/empty2", 4096) == (b"", bucket.head("g/empty2").token)
     with pytest.raises(GCSPreconditionFailed):
         bucket.put("g/empty", b"stale", if_token=token)
 
@@ -133,3 +137,30 @@ def test_each_operation_is_one_request_naming_the_object_quoted_whole(bucket, gc
             sent = [(method, path.partition("?")[0]) for method, path, _, _ in proxy.signed[before:]]
             assert len(sent) == len(sends) and all(m == w.split()[0] and p.endswith(w.split()[1])
                                                    for (m, p), w in zip(sent, sends)), (sent, sends)
+
+
+def test_a_refused_request_fails_naming_the_object_and_a_transient_one_is_retried(bucket, gcs_server, monkeypatch):
+    """A 403 is no condition and no missing object: a :class:`GCSError` naming the object and the answer, not
+    retried; a 503 and a dropped connection are retried with the client's policy, then succeed."""
+    import test_s3 as contract
+    from ckptio.storage.gcs import GCSError, GCSPreconditionFailed
+
+    bucket.put("r/a b", b"abc")
+    once: set[str] = set()
+
+    def rule(method: str, path: str, query: str) -> str:
+        if method == "DELETE":
+            return "refuse"
+        fault = "503" if path.endswith("/o/r%2Fa%20b") else "drop" if "prefix=r%2F" in query else None
+        if fault is None or fault in once:
+            return "pass"
+        once.add(fault)
+        return fault
+
+    with contract._through(gcs_server, monkeypatch, rule, "STORAGE_EMULATOR_HOST") as proxy:
+        with pytest.raises(GCSError, match=r"removing gs://[^/]+/r/a b failed: 403") as refused:
+            bucket.delete("r/a b")
+        assert not isinstance(refused.value, (GCSPreconditionFailed, CheckpointNotFoundError))
+        assert bucket.head("r/a b").size == 3
+        assert [o.key for o in bucket.listing("r/", delimiter=False)[0]] == ["r/a b"]
+    assert [f[0] for f in proxy.faults] == ["refuse", "503", "drop"], proxy.faults
