@@ -65,14 +65,16 @@ class GCSBucket(Bucket):
     def get(self, key: str, limit: int) -> tuple[bytes, Any]:
         """One ranged ``GET`` of the object's media: its first ``limit`` bytes and, in the answer's
         ``X-Goog-Generation``, the generation they are of (as the client reads it after a download)."""
-        where = self.path(key)
-        answer = request("reading", where, "GET", objects_url(self.name, key, api="download"),
-                         params={"alt": "media"}, headers={"Range": f"bytes=0-{max(limit, 1) - 1}"},
-                         ok=(200, 206, 416))  # 416: an empty object has no byte 0
-        generation = answer.headers.get("X-Goog-Generation")
+        def read(answer: Any) -> tuple[bytes, Any]:  # no more than ``limit`` bytes, whatever the server sends
+            data = b"" if answer.status_code == 416 else answer.raw.read(limit, decode_content=False)
+            return data, answer.headers.get("X-Goog-Generation")
+
+        data, generation = request("reading", self.path(key), "GET", objects_url(self.name, key, api="download"),
+                                   params={"alt": "media"}, headers={"Range": f"bytes=0-{max(limit, 1) - 1}"},
+                                   stream=True, ok=(200, 206, 416), read=read)  # 416: an empty object has no byte 0
         if generation is None:  # a server that does not say: the version looked up, then its bytes
             return self._get_pinned(key, limit)
-        return (b"" if answer.status_code == 416 else answer.content[:limit]), int(generation)
+        return data, int(generation)
 
     def _get_pinned(self, key: str, limit: int) -> tuple[bytes, Any]:
         where = self.path(key)
