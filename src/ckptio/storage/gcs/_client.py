@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 from typing import Any
+from urllib.parse import quote
 
 from ...errors import CheckpointNotFoundError, require
 from ..objstore._store import NET_ENV, ObjectPath, ObjectStoreError, PreconditionFailed, environment_network, parse_url
@@ -77,6 +78,40 @@ def timeout() -> tuple[float, float]:
     """Every request's (connect, read) timeouts in seconds: a server that accepts no connection, or stalls mid-answer,
     for that long is a ``ReadTimeout``/``ConnectTimeout`` the retry policy retries, then reported by name."""
     return (CONNECT_TIMEOUT, READ_TIMEOUT)
+
+
+def objects_url(bucket: str, key: str | None = None, *, api: str = "") -> str:
+    """The JSON API's URL of the bucket's objects (``key``: of that object, its name URL-quoted whole: ``/``, ``#``,
+    ``?``, spaces, non-ASCII) at the client's endpoint (``STORAGE_EMULATOR_HOST``, or the client's ``api_endpoint``);
+    ``api``: ``"upload"`` or ``"download"`` for the media endpoints."""
+    base = f"{client().api_endpoint}{'/' + api if api else ''}/storage/v1/b/{quote(bucket, safe='')}/o"
+    return base if key is None else f"{base}/{quote(key, safe='')}"
+
+
+def request(what: str, where: object, method: str, url: str, *, ok: tuple[int, ...] = (200,),
+            read: Any = None, **kwargs: Any) -> Any:
+    """One request of the JSON API sent straight through the client's own authorized session (its credentials,
+    proxies and CA bundle), bounded by :func:`timeout` and retried by :func:`retry` as the client's own calls are,
+    with :func:`_call`'s error mapping (an answer not in ``ok`` is raised as the client raises it). Returns the answer,
+    or ``read(answer)`` (which reads its body inside the retried call: a body cut short is asked for again). The
+    client's high-level calls cost ~0.2 ms more CPU a request here (~0.95 ms against ~0.75; Blob objects, its upload
+    and retry wrappers), a listing ~15 us more an object (a Blob each), a read of a small object twice as much (two
+    requests: its generation, then its bytes)."""
+    from google.api_core.exceptions import from_http_response
+
+    http = client()._http
+
+    def run() -> Any:
+        answer = http.request(method, url, timeout=timeout(), **kwargs)
+        try:
+            if answer.status_code not in ok:
+                raise from_http_response(answer)
+            return answer if read is None else read(answer)
+        finally:
+            if read is not None:
+                answer.close()
+
+    return _call(what, where, retry()(run))
 
 
 def _call(what: str, where: object, fn: Any, *args: Any, **kwargs: Any) -> Any:

@@ -18,12 +18,15 @@ import time
 from typing import Any, Iterator
 
 from ..objstore.upload import Parts
-from ._client import DEADLINE, GCSError, _call, client, retry, timeout
+from ._client import DEADLINE, GCSError, client, objects_url, request, timeout
 
 PART = 100 << 20
 """Bytes a request of a resumable upload carries (GCS: a multiple of 256 KiB): the client's own chunk of a resumable
 upload (``google.cloud.storage.blob._DEFAULT_CHUNKSIZE``), so a file up to it is one request. Each request (the part
 handed to a thread, sent, its answer read) cost ~2-3 ms of CPU here: at 16 MiB, ~0.15 CPU-s/GB of a save."""
+JOIN = 1 << 20
+"""Bytes of an object up to which its one-request upload's body is joined into one buffer (one copy, one send)."""
+OCTETS = "application/octet-stream"
 _TRANSIENT = frozenset({408, 429, 500, 502, 503, 504})
 
 
@@ -43,41 +46,22 @@ class GCSParts(Parts):
         self.session: str | None = None
 
     def single(self, data: memoryview, crc: int) -> None:
-        """One multipart request: the object's metadata, naming its CRC-32C (GCS makes no object whose bytes do not
-        match it), then ``data``, sent from the part's own memory (the client's ``upload_from_file`` copied the bytes
-        into a ``BytesIO``, read them out again and joined them into its body: three copies, on pages never touched
-        before); retried whole, as the client's requests are. Checked as :meth:`finish` is."""
-        from google.api_core.exceptions import from_http_response
-
-        gcs = client()
-        url = f"{gcs.api_endpoint}/upload/storage/v1{self.bucket._bucket().path}/o?uploadType=multipart"
-        boundary = f"==ckptio{secrets.token_hex(16)}=="
-        meta = json.dumps({"name": self.key, "contentType": "application/octet-stream", "crc32c": _b64(crc)})
-        head = (f"--{boundary}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n{meta}\r\n--{boundary}\r\n"
-                f"Content-Type: application/octet-stream\r\n\r\n").encode()
-        body = _Body((head, data, f"\r\n--{boundary}--\r\n".encode()))
-        headers = {"Content-Type": f'multipart/related; boundary="{boundary}"'}
-
-        def run() -> dict[str, Any]:
-            answer = gcs._http.request("POST", url, data=body, headers=headers, timeout=timeout())
-            if answer.status_code != 200:
-                raise from_http_response(answer)
-            return answer.json()
-
-        made = _call("uploading", self.where, retry()(run))
-        self._check(made.get("crc32c"), made.get("size"), made.get("generation"), data.nbytes, crc)
+        """The whole object in one request (:func:`upload_whole`)."""
+        upload_whole(self.bucket, self.key, data, crc)
 
     def send(self, number: int, offset: int, data: memoryview, crc: int) -> None:
-        if self.session is None:
-            blob = self.bucket._bucket().blob(self.key)
-            self.session = _call("starting the upload of", self.where, blob.create_resumable_upload_session,
-                                 content_type="application/octet-stream", checksum=None, timeout=timeout(),
-                                 retry=retry())
+        if self.session is None:  # a resumable upload session: its URL comes in the answer's Location
+            self.session = request("starting the upload of", self.where, "POST",
+                                   objects_url(self.bucket.name, api="upload") + "?uploadType=resumable",
+                                   data=json.dumps({"name": self.key, "contentType": OCTETS}).encode(),
+                                   headers={"Content-Type": "application/json; charset=UTF-8",
+                                            "X-Upload-Content-Type": OCTETS},
+                                   read=lambda answer: answer.headers["Location"])
         self._put(number, offset, data, None, None)
 
     def finish(self, number: int, offset: int, data: memoryview, crc: int, size: int, total_crc: int) -> None:
         answer = self._put(number, offset, data, size, total_crc)
-        self._check(answer.get("crc32c"), answer.get("size"), answer.get("generation"), size, total_crc)
+        _check(self.bucket, self.key, answer, size, total_crc)
 
     def _put(self, number: int, offset: int, data: memoryview, total: int | None, crc: int | None) -> dict[str, Any]:
         """PUT ``data`` at ``offset`` of the session (``total``: the object's size, on the last request), sending
@@ -123,18 +107,6 @@ class GCSParts(Parts):
             time.sleep(delay)  # then the rest of the part again: the server says what it has in its answer (308)
             delay = min(2 * delay, 8.0)
 
-    def _check(self, theirs: Any, size: Any, generation: Any, want_size: int, crc: int) -> None:
-        """The object GCS made must be the bytes sent: its CRC-32C and size; else it is removed."""
-        if theirs == _b64(crc) and size is not None and int(size) == want_size:
-            return
-        try:
-            blob = self.bucket._bucket().blob(self.key, generation=int(generation) if generation else None)
-            _call("removing", self.where, blob.delete, timeout=timeout(), retry=retry())
-        except Exception:  # noqa: BLE001 - a step's objects go with it when the failed save is cleaned up
-            pass
-        raise GCSError(f"uploading {self.where} failed: the object GCS made ({size} bytes, CRC-32C {theirs}) is not "
-                       f"what was sent ({want_size} bytes, CRC-32C {_b64(crc)}): damaged on the way; removed")
-
     def abort(self) -> None:
         if self.session is None:
             return
@@ -142,6 +114,51 @@ class GCSParts(Parts):
             client()._http.request("DELETE", self.session, timeout=timeout())
         except Exception:  # noqa: BLE001
             pass
+
+
+def upload_whole(bucket: Any, key: str, data: Any, crc: int, *, if_generation_match: int | None = None,
+                 what: str = "uploading") -> None:
+    """One multipart request making the object ``key`` of ``data`` (whose CRC-32C is ``crc``): its metadata, naming
+    that CRC-32C (GCS makes no object whose bytes do not match it), then ``data``, sent from its own memory (the
+    client's ``upload_from_file`` copied the bytes into a ``BytesIO``, read them out again and joined them into its
+    body: three copies, on pages never touched before); ``if_generation_match``: made only over that generation
+    (0: only where there is none). Retried whole, as the client's requests are (:func:`~._client.request`); the
+    object GCS answers with must be ``data`` (its CRC-32C and size), else it is removed and the write fails."""
+    where = bucket.path(key)
+    url = objects_url(bucket.name, api="upload") + "?uploadType=multipart"
+    if if_generation_match is not None:
+        url += f"&ifGenerationMatch={int(if_generation_match)}"
+    boundary = f"==ckptio{secrets.token_hex(16)}=="
+    meta = json.dumps({"name": key, "contentType": OCTETS, "crc32c": _b64(crc)})
+    head = (f"--{boundary}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n{meta}\r\n--{boundary}\r\n"
+            f"Content-Type: {OCTETS}\r\n\r\n").encode()
+    pieces = (head, data, f"\r\n--{boundary}--\r\n".encode())
+    # a small body joined (one send: each send on a loopback or local connection costs a system call and the
+    # kernel's work), a large one sent from its own memory
+    body: Any = b"".join(pieces) if memoryview(data).nbytes <= JOIN else _Body(pieces)
+    made = request(what, where, "POST", url, data=body,
+                   headers={"Content-Type": f'multipart/related; boundary="{boundary}"'}, read=_json)
+    _check(bucket, key, made, memoryview(data).nbytes, crc)
+
+
+def _check(bucket: Any, key: str, answer: dict[str, Any], want_size: int, crc: int) -> None:
+    """The object GCS made (its JSON resource, ``answer``) must be the bytes sent: their CRC-32C and size; else that
+    version of it is removed."""
+    theirs, size, generation = answer.get("crc32c"), answer.get("size"), answer.get("generation")
+    if theirs == _b64(crc) and size is not None and int(size) == want_size:
+        return
+    where = bucket.path(key)
+    try:
+        request("removing", where, "DELETE", objects_url(bucket.name, key), ok=(200, 204),
+                params={"generation": int(generation)} if generation else None)
+    except Exception:  # noqa: BLE001 - a step's objects go with it when the failed save is cleaned up
+        pass
+    raise GCSError(f"uploading {where} failed: the object GCS made ({size} bytes, CRC-32C {theirs}) is not "
+                   f"what was sent ({want_size} bytes, CRC-32C {_b64(crc)}): damaged on the way; removed")
+
+
+def _json(answer: Any) -> dict[str, Any]:
+    return answer.json()
 
 
 class _Body:
