@@ -27,6 +27,9 @@ class ObjectStorage:
 
     refers = True
     """A step's manifest may refer to objects of another step (``shared``); see :mod:`ckptio.storage.objstore.refs`."""
+    same_on_every_rank = True
+    """Every rank sees the same folder (a bucket, not a node's own disk): what each rank would ask of it, rank 0 may
+    ask alone and tell the others."""
 
     def __init__(self, store: Bucket, prefix: str) -> None:
         self.store, self.bucket, self.prefix = store, store.name, prefix
