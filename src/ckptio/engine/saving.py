@@ -317,9 +317,9 @@ class Saver:
         self.lock.acquire()
         # nothing to share without frozen tensors on some rank (another may hold them: a pipeline's stages)
         wanted = self.share and job.model is not None and job.apart_anywhere
-        previous = _swept_then_previous(self.storage, self.log, not self._swept, wanted)
+        token, previous = _swept_then_begun(self.storage, self.log, not self._swept, wanted, job.name)
         self._swept = True
-        return self.storage.begin_step(job.name).token, previous
+        return token, previous
 
     def write_states(self, job: SaveJob, writer: FolderWriter, rank: int, world: int,
                      sharer: Sharer | None = None, *, later: bool = False) -> dict[str, StateEntry]:
@@ -408,14 +408,16 @@ class Saver:
         )
 
 
-def _swept_then_previous(storage: Storage, log: Any, sweep: bool, wanted: bool) -> Previous | None:
+def _swept_then_begun(storage: Storage, log: Any, sweep: bool, wanted: bool, name: str) -> tuple[str, Previous | None]:
     """The start of a save on rank 0: the leftovers of interrupted saves removed (``sweep``: the manager's first
-    save), then what ``LATEST`` offers to share when ``wanted``; one listing of the folder (a bucket's) serves both."""
+    save), what ``LATEST`` offers to share when ``wanted``, then the step ``name`` begun (its token); one listing of the
+    folder (a bucket's) serves all three."""
     with storage.session():
         if sweep:
             for leftover in storage.sweep():
                 log.info("Removed leftover of an interrupted save: %s", leftover)
-        return previous_of(storage, log) if wanted else None
+        previous = previous_of(storage, log) if wanted else None
+        return storage.begin_step(name).token, previous
 
 
 def changed_by_step(optimizer: Any) -> tuple[Any, Any]:
