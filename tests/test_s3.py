@@ -424,11 +424,62 @@ def test_on_several_ranks_only_rank_0_reads_the_run_record_and_the_others_ask_no
     assert [k for _, k in zero].count("asks/.ckptio_record.json") >= 1, zero
 
 
-def _counted_second_save(url: str) -> list:
-    """A rank of a 2-rank save of step 2 by a new manager, in a folder holding step 1: the requests of the save."""
+def _made_rank(url: str) -> dict:
+    """A rank of a 2-rank job making managers made to train (an optimizer: the bucket is checked) into ``url``: the
+    HTTP requests it sent while making each, and the error making one into a bucket that does not exist raised."""
+    from urllib3.connectionpool import HTTPConnectionPool
+
+    model = torch.nn.Linear(8, 8)
+    sent: list[str] = []
+    real = HTTPConnectionPool.urlopen
+
+    def urlopen(self, *args, **kwargs):  # requests passes method and url by name
+        sent.append(" ".join(str(a) for a in (*args[:2], kwargs.get("method", ""), kwargs.get("url", "")) if a))
+        return real(self, *args, **kwargs)
+
+    HTTPConnectionPool.urlopen = urlopen
+    try:
+        counts = []
+        for _ in range(2):
+            before = len(sent)
+            mgr = CheckpointManager(CheckpointConfig(checkpoint_dir=url), model=model,
+                                    optimizer=torch.optim.AdamW(model.parameters()), rng=False)
+            counts.append(sent[before:])
+            mgr.close()
+    finally:
+        HTTPConnectionPool.urlopen = real
+    scheme, _, rest = url.partition("://")
+    try:
+        CheckpointManager(CheckpointConfig(checkpoint_dir=f"{scheme}://{rest.split('/')[0]}-missing/run"),
+                          model=model, optimizer=torch.optim.AdamW(model.parameters()), rng=False)
+        error = None
+    except CheckpointError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    return {"sent": counts, "error": error}
+
+
+def test_on_several_ranks_only_rank_0_checks_the_bucket_exists_when_a_manager_is_made(store):
+    """A manager made to train checks its bucket exists: rank 0 alone asks, and tells the others (a request costs
+    GCS's and Azure's clients several ms of CPU, a broadcast ~0.5 ms); another rank sends nothing when its manager is
+    made. A bucket that does not exist is still refused on every rank, naming it."""
+    from distributed import run_ranks
+
+    zero, one = run_ranks(2, _made_rank, url=store.url("made"))
+    assert one["sent"] == [[], []], one["sent"]
+    assert all(zero["sent"]), zero["sent"]  # rank 0 still asks (the bucket, the run's record)
+    for rank in (zero, one):
+        assert rank["error"] is not None and "does not exist" in rank["error"], rank["error"]
+        assert "never creates one" in rank["error"], rank["error"]
+
+
+def _counted_second_save(url: str, frozen_on_rank_1: bool = True) -> list:
+    """A rank of a 2-rank save of step 2 by a new manager, in a folder holding step 1: the requests of the save.
+    ``frozen_on_rank_1``: rank 1's bias is frozen (a file that may be shared with step 1; rank 0 has none)."""
     import torch.distributed as dist
 
     model = torch.nn.Linear(64, 64)
+    if frozen_on_rank_1 and dist.get_rank() == 1:
+        model.bias.requires_grad_(False)
     with CheckpointManager(CheckpointConfig(checkpoint_dir=url), model=model, rng=False) as mgr:
         mgr.save(step=1)
     calls: list[tuple[str, str]] = []
@@ -451,6 +502,19 @@ def test_a_save_lists_the_folder_once_to_sweep_it_and_find_what_latest_offers(st
     zero = run_ranks(2, _counted_second_save, url=url)[0]
     assert zero.count(("listing", "once/")) == 1, zero
     assert [k for _, k in zero].count("once/epoch_0_step_1/manifest.json") == 1, zero
+
+
+def test_a_save_reads_what_latest_offers_only_when_some_rank_has_frozen_tensors_to_share(store):
+    """What ``LATEST`` offers to share (the pointer, its manifest, every committed step's) serves only a rank with
+    frozen tensors, grouped into files of their own: without any on any rank (full training), rank 0 reads none of
+    it before a save (3 requests and more, each costing GCS's and Azure's clients several ms of CPU). With them on
+    another rank only (a pipeline's stage), it still does (the test above)."""
+    from distributed import run_ranks
+
+    url = store.url("none")
+    zero = run_ranks(2, _counted_second_save, url=url, frozen_on_rank_1=False)[0]
+    assert zero.count(("listing", "none/")) == 1, zero  # the sweep of the manager's first save
+    assert not [c for c in zero if c[0] in ("get", "read_into")], zero
 
 
 def _restore_rank_0_through(url: str, proxy: str) -> dict:
@@ -1343,8 +1407,9 @@ def test_a_large_read_goes_into_its_buffer_in_a_few_pieces(store):
 
 def test_a_save_makes_only_the_requests_its_guarantees_need(store, monkeypatch):
     """The requests of two saves in one manager (each costs the client more CPU than a MB of data): the folder is
-    listed once per manager (the sweep of leftovers), a step twice (what was under its name, before; every rank's
-    files, at the commit); no folder scan without a retention rule to apply, no lookup or server-side copy of DCP's
+    listed once per manager (the sweep of leftovers, which also shows nothing is under the first step's name), a step
+    twice (what was under its name, before, unless the sweep's listing showed it; every rank's files, at the commit);
+    no folder scan without a retention rule to apply, no lookup or server-side copy of DCP's
     ``.metadata`` (written whole under its name), no object written twice but the record (its ``start`` and ``save``,
     then its ``end``) and the ``LATEST`` pointer (once a save)."""
     model, opt, mgr = _setup(store.url("few"))
@@ -1358,8 +1423,8 @@ def test_a_save_makes_only_the_requests_its_guarantees_need(store, monkeypatch):
                 _train(model, opt, 1, seed=step)
                 mgr.save(step=step)
     listed = [key for name, key in calls if name == "listing"]
-    assert listed == ["few/", "few/epoch_0_step_1/", "few/epoch_0_step_1/", "few/epoch_0_step_2/",
-                      "few/epoch_0_step_2/"], listed  # the sweep's look at the folder; then each step's, twice
+    assert listed == ["few/", "few/epoch_0_step_1/", "few/epoch_0_step_2/",
+                      "few/epoch_0_step_2/"], listed  # the sweep's look at the folder; then the steps'
     assert not [c for c in calls if c[0] in ("head", "copy", "upload_file")], calls
     written = [key for name, key in calls if name == "put"]
     step = "few/epoch_0_step_{}/"

@@ -109,3 +109,115 @@ def test_an_object_that_fits_a_round_travels_in_one_collective_a_larger_one_in_t
         assert got["large gather"] == ([0, big + "1"], {"all_gather": 2}), me
         assert got["small broadcast"] == (("step_3", 0), {"broadcast": 1}), me
         assert got["large broadcast"] == (big + "0", {"broadcast": 2}), me
+
+
+ROUNDS = 11
+"""The collectives a 2-rank save makes of a model (sharded safetensors, with its config), its AdamW state (DCP), an
+LR scheduler and the RNG (small states), counted where they reach ``torch.distributed``: the settling round (shapes,
+errors, the small states' digests), the start (one broadcast: rank 0 began the step, or its error), the safetensors
+file plan and the shards' round, DCP's own four (plans, its metadata) and its round, the checksums (which also carry
+a failure of rank 0's config files or of a small state's write), the commit (one broadcast). 17 before issue 70's
+folding: an all-reduce and a broadcast to start, a round for the config files, two rounds per small state (their
+digests, their write), an all-reduce to commit."""
+
+
+def _count_rounds(root: str) -> tuple[int, dict[str, int], bool]:
+    from toy import make_model
+
+    from ckptio import CheckpointConfig, CheckpointManager
+
+    model = make_model(seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    ids = torch.arange(32).reshape(2, 16) % 64
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=root), model=model, optimizer=opt,
+                           lr_scheduler=sched) as mgr:
+        mgr.save(step=1)
+        with counting_collectives() as counts:
+            mgr.save(step=2)
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=root), model=make_model(seed=1)) as again:
+        info = again.restore()
+    return sum(counts.values()), dict(counts), info is not None and info.step == 2
+
+
+def test_a_two_rank_save_folds_its_rounds(tmp_path):
+    """Each round costs every rank ~0.5-1 ms of CPU on gloo (more the more ranks): a save makes only the rounds
+    its order needs (see :data:`ROUNDS`), and its failures still fail it on every rank (the tests below and
+    tests/test_objstore_faults.py)."""
+    results = run_ranks(2, _count_rounds, root=str(tmp_path / "ckpt"))
+    for rank, (total, counts, restored) in enumerate(results):
+        assert restored, f"rank {rank}: the save was not restored"
+        assert total <= ROUNDS, f"rank {rank}: {total} collectives: {counts}"
+    assert results[0][1] == results[1][1]
+
+
+class _FailingTokenizer:
+    """A tokenizer whose files cannot be written (a full disk)."""
+
+    def save_pretrained(self, out_dir):  # noqa: ANN001
+        raise OSError(f"no space left writing the tokenizer into {out_dir}")
+
+
+class _FailingState:
+    """A registered state whose bytes are fine on every rank but whose file cannot be written on rank 1 (its
+    ``state_dict`` names a path the writer refuses there)."""
+
+    def state_dict(self):  # noqa: ANN201
+        return {"x": 1}
+
+    def load_state_dict(self, state):  # noqa: ANN001, ANN201
+        pass
+
+
+def _failing_save(root: str, what: str) -> dict:
+    import os
+
+    from toy import make_model
+
+    from ckptio import CheckpointConfig, CheckpointManager, _dist
+    from ckptio.errors import CheckpointError
+
+    model = make_model(seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokenizer = _FailingTokenizer() if what == "tokenizer" and _dist.rank() == 0 else None
+    extra = {"state": _FailingState()}
+    with CheckpointManager(CheckpointConfig(checkpoint_dir=root), model=model, optimizer=opt, tokenizer=tokenizer,
+                           extra_states=extra, rng=what == "rng") as mgr:
+        if what == "rng" and _dist.rank() == 1:  # rank 1's per-rank file cannot be written
+            real = mgr.storage.attach_step
+
+            def attach(token, name):  # noqa: ANN001, ANN202
+                writer = real(token, name)
+                write_bytes = writer.write_bytes
+
+                def refuse(rel, data):  # noqa: ANN001, ANN202
+                    if rel.startswith("rng/"):
+                        raise OSError(f"no space left writing {rel}")
+                    return write_bytes(rel, data)
+
+                writer.write_bytes = refuse
+                return writer
+
+            mgr.storage.attach_step = attach
+        try:
+            mgr.save(step=1)
+            error = None
+        except (CheckpointError, OSError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    return {"error": error, "left": sorted(os.listdir(root)) if os.path.isdir(root) else []}
+
+
+@pytest.mark.parametrize("what", ["tokenizer", "rng"])
+def test_a_write_whose_failure_waits_for_the_checksums_round_still_fails_the_save_on_every_rank(tmp_path, what):
+    """Rank 0's config files and the small states are written without a round of their own: a failure there (rank 0's
+    tokenizer, rank 1's RNG file) is raised on every rank at the round of the checksums, and nothing is committed."""
+    results = run_ranks(2, _failing_save, root=str(tmp_path / "ckpt"), what=what)
+    failing = 0 if what == "tokenizer" else 1
+    for rank, got in enumerate(results):
+        assert got["error"] is not None, f"rank {rank} saved"
+        assert "no space left" in got["error"], got["error"]
+        if rank != failing:
+            assert f"failed on rank(s) [{failing}]" in got["error"], got["error"]
+    assert not [n for n in results[0]["left"] if n.startswith("epoch_")], results[0]["left"]

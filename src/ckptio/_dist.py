@@ -217,6 +217,23 @@ def agree(what: str, fn: Callable[[], T], share: Callable[[T], Any] | None = Non
     return result, [part for _, part in rounds]  # type: ignore[return-value]
 
 
+def attempt(fn: Callable[[], Any]) -> Exception | None:
+    """``fn()`` without a round of its own: the error it raised (``None``: it succeeded), for a later round of the
+    caller's (:func:`agree`'s ``fn`` calling :func:`raise_if`) to raise on every rank, as :func:`run_collectively`
+    would have, a round earlier."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by the caller's later round
+        return exc
+    return None
+
+
+def raise_if(error: Exception | None) -> None:
+    """Raise ``error`` (an :func:`attempt`'s), if any."""
+    if error is not None:
+        raise error
+
+
 def report_of(error: Exception | None) -> tuple[str, bool] | None:
     """What other ranks are told of this rank's ``error`` in a round: its message, and whether it is damage."""
     if error is None:

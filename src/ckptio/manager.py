@@ -20,6 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from . import _dist
 from ._log import get_logger
 from .engine.background import BackgroundWriter
 from .config import CheckpointConfig
@@ -54,9 +55,9 @@ class Stateful(Protocol):
 class CheckpointManager:
     """Saves and restores the whole training state; resumes from the newest complete checkpoint.
 
-    Every rank constructs the manager and calls :meth:`save`, :meth:`wait`, :meth:`restore` and :meth:`close` at the
-    same points (they are collectives when a process group is initialised). Not thread-safe: use it from the training
-    thread. With ``config.async_save`` the writing and committing of a save run on a background thread of each rank,
+    Every rank constructs the manager (a collective, made to train into a bucket) and calls :meth:`save`, :meth:`wait`,
+    :meth:`restore` and :meth:`close` at the same points (collectives when a process group is initialised). Not
+    thread-safe: use it from the training thread. With ``config.async_save`` the writing and committing of a save run on a background thread of each rank,
     over a process group of their own (gloo), so they never interleave with the training loop's collectives; call
     :meth:`close` (or :meth:`wait`) before ``destroy_process_group``. Made to train, it must be able to save (below).
 
@@ -325,9 +326,16 @@ def tracked_states(config: CheckpointConfig, model: nn.Module | None, optimizer:
 def check_can_save(config: CheckpointConfig, storage: Any, *, trains: bool) -> None:
     """For :class:`CheckpointManager`: a manager given an optimizer or a step scheduler is made to train, and so to save: a ``checkpoint_dir`` it could
     not save into (read-only, a bucket that does not exist) is refused when it is made, before any training, not at
-    its first save. One given only what it loads may read from a read-only folder."""
+    its first save. One given only what it loads may read from a read-only folder.
+
+    A bucket is one for every rank: on several ranks rank 0 alone asks it, and tells the others (one broadcast, against
+    a request of several ms of CPU on GCS's and Azure's clients); its refusal is raised on every rank. A local folder
+    may be each node's own disk: every rank checks its own."""
     if config.enabled and trains:
-        storage.check_writable()
+        if getattr(storage, "same_on_every_rank", False) and _dist.world_size() > 1:
+            _dist.decide_on_rank0(f"checking {storage.root}", storage.check_writable)
+        else:
+            storage.check_writable()
 
 
 def memory_tier(config: CheckpointConfig, tracked: Tracked, log: Any) -> Any:

@@ -86,12 +86,20 @@ class SaveJob:
     apart: frozenset[str] = frozenset()
     """Model keys grouped into files of their own, shared with the newest checkpoint when unchanged (see
     :mod:`ckptio.engine.sharing`)."""
+    apart_anywhere: bool = False
+    """Whether some rank groups keys apart (set by :meth:`Saver.settle`): only then is what the newest checkpoint offers
+    to share read."""
     contents: dict[str, str] = field(default_factory=dict)
     """Every rank's shareable files -> their digests (gathered before the commit)."""
     linked: dict[str, tuple[str, int]] = field(default_factory=dict)
     """Every rank's shared files -> (where their bytes are, size) (gathered before the commit)."""
     error: Exception | None = None
     """What went wrong in the snapshot on this rank (raised on every rank by :meth:`Saver.settle`)."""
+    identical: dict[str, bool] = field(default_factory=dict)
+    """Each small state: whether every rank's bytes are the same (learnt in :meth:`Saver.settle`'s round)."""
+    later: Exception | None = None
+    """What went wrong in a write whose failure waits for the round of the checksums (rank 0's config files, the
+    small states): raised there on every rank, before anything is committed."""
     staged_later: bool = False
     """Copies the snapshot left to the writer's thread (or to the optimizer's next step, whichever comes first)."""
     blocked_s: float | None = None
@@ -130,6 +138,22 @@ def small_state_entry(name: str, identical: bool) -> StateEntry:
     if identical:
         return StateEntry("object", "pt", f"{name}.pt")
     return StateEntry("object", "pt", name, per_rank=True, rank_file=f"{name}_global_rank_{{rank}}.pt")
+
+
+def write_small_states(job: SaveJob, writer: FolderWriter, rank: int) -> dict[str, StateEntry]:
+    """Write this rank's files of the small states (no round: a failure is left in :attr:`SaveJob.later`)."""
+    entries = {name: small_state_entry(name, job.identical[name]) for name in job.objects}
+
+    def write() -> None:
+        for name, data in job.objects.items():
+            entry = entries[name]
+            if entry.per_rank or rank == 0:
+                rel = entry.file_of(rank) if entry.per_rank else entry.path
+                job.sums[rel] = writer.write_bytes(rel, data)
+
+    if job.objects:
+        job.later = job.later or _dist.attempt(write)
+    return entries
 
 
 class Saver:
@@ -227,7 +251,8 @@ class Saver:
     def settle(self, job: SaveJob) -> None:
         """Collective, the first round of a write (so that the snapshot, in the pause, has none): an error the
         snapshot met on any rank is raised on every rank, and the model's signature becomes every rank's union
-        (pipeline stages hold different tensors). The staging copies the snapshot left to this thread are made first."""
+        (pipeline stages hold different tensors); every rank learns whether any rank has files to share
+        (:attr:`SaveJob.apart_anywhere`) and which small states are the same on every rank (:attr:`SaveJob.identical`). The staging copies the snapshot left to this thread are made first."""
         if job.staged_later:
             _faults.point("save.staging_copies")
             self.stager.finish()  # or wait while the optimizer's step makes them
@@ -239,10 +264,15 @@ class Saver:
 
         signature = job.signature
         mine = (signature.get("shapes"), signature.get("dtypes")) if signature else None
-        _, parts = _dist.agree("serialising the registered states", check, share=lambda _: mine)
+        digests = {name: hashlib.sha256(data).hexdigest() for name, data in job.objects.items()}
+        _, parts = _dist.agree("serialising the registered states", check,
+                               share=lambda _: (mine, bool(job.apart), digests))
+        job.apart_anywhere = any(apart for _, apart, _ in parts)
+        job.identical = {name: len({theirs.get(name) for _, _, theirs in parts}) == 1 for name in digests}
+        shapes = [part for part, _, _ in parts if part is not None]
         if signature and len(parts) > 1:
-            signature["shapes"] = merge_shapes([part[0] for part in parts if part is not None])
-            signature["dtypes"] = {k: v for part in parts if part is not None for k, v in part[1].items()}
+            signature["shapes"] = merge_shapes([part[0] for part in shapes])
+            signature["dtypes"] = {k: v for part in shapes for k, v in part[1].items()}
 
     # ---------------------------------------------------------------------------------------------- 2-4
     def persist(self, job: SaveJob) -> None:
@@ -251,7 +281,8 @@ class Saver:
         self.settle(job)
         if rank == 0:
             self.log.info("Saving checkpoint to %s", job.final_dir)
-        begun = _dist.broadcast_object(_dist.run_collectively("preparing the checkpoint", lambda: self._begin(job)))
+        # one broadcast: rank 0 began the step, or every rank raises its error
+        begun = _dist.decide_on_rank0("preparing the checkpoint", lambda: self._begin(job))
         assert begun is not None  # rank 0 always names the folder
         token, previous = begun
         writer = self.storage.attach_step(token, job.name)
@@ -260,16 +291,16 @@ class Saver:
             own = job.consolidate and getattr(self.storage, "refers", False)
             sharer = (Sharer(writer, None if own else previous, self.storage, max_holders(self.config), self.log)
                       if job.apart else None)
-            states = self.write_states(job, writer, rank, world, sharer)
+            states = self.write_states(job, writer, rank, world, sharer, later=True)
             _faults.point("save.states_written")
             sums: dict[str, str] = {}
             mine = (job.sums, sharer.contents, sharer.linked) if sharer is not None else (job.sums, {}, {})
-            for part, contents, linked in _dist.all_gather_object(mine):
+            _, parts = _dist.agree(f"writing {job.final_dir}", lambda: _dist.raise_if(job.later), share=lambda _: mine)
+            for part, contents, linked in parts:
                 sums.update(part)
                 job.contents.update(contents)
                 job.linked.update(linked)
-            _dist.run_collectively(f"committing {job.final_dir}",
-                                   lambda: self._commit(job, writer, states, sums, world) if rank == 0 else None)
+            _dist.decide_on_rank0(f"committing {job.final_dir}", lambda: self._commit(job, writer, states, sums, world))
         except Exception:
             # An ordinary error: remove the partial save. A BaseException (KeyboardInterrupt, a process
             # being torn down) leaves the temporary for the next run's sweep, like a crash would.
@@ -284,15 +315,17 @@ class Saver:
         if _dist.rank() != 0:
             return None
         self.lock.acquire()
-        # nothing to share without frozen tensors (on several ranks another may hold them: a pipeline's stages)
-        wanted = self.share and job.model is not None and (bool(job.apart) or _dist.world_size() > 1)
-        previous = _swept_then_previous(self.storage, self.log, not self._swept, wanted)
+        # nothing to share without frozen tensors on some rank (another may hold them: a pipeline's stages)
+        wanted = self.share and job.model is not None and job.apart_anywhere
+        token, previous = _swept_then_begun(self.storage, self.log, not self._swept, wanted, job.name)
         self._swept = True
-        return self.storage.begin_step(job.name).token, previous
+        return token, previous
 
     def write_states(self, job: SaveJob, writer: FolderWriter, rank: int, world: int,
-                     sharer: Sharer | None = None) -> dict[str, StateEntry]:
-        """Collective: write this rank's files of every state into ``writer``; returns the manifest's states."""
+                     sharer: Sharer | None = None, *, later: bool = False) -> dict[str, StateEntry]:
+        """Collective: write this rank's files of every state into ``writer``; returns the manifest's states.
+        With ``later``, a failure writing rank 0's config files or a small state is left in :attr:`SaveJob.later` for
+        the caller's next round to raise on every rank (each is a round less); else this raises it on every rank."""
         t = self.tracked
         states: dict[str, StateEntry] = {}
         if job.model is not None:
@@ -303,11 +336,13 @@ class Saver:
             job.sums.update(self.format.save_shards(job.model, writer, MODEL_DIR, ctx))
             states["model"] = StateEntry("model", self.format.name, MODEL_DIR)
             if self.format.full_model and job.extras:
-                _dist.run_collectively(
-                    "writing the model config and tokenizer",
-                    lambda: save_hf_extras(t.model, writer.local_path(MODEL_DIR), t.tokenizer) if rank == 0 else None)
-                if job.consolidate:
-                    self._consolidate(job, writer, rank, world)
+                extras = lambda: save_hf_extras(t.model, writer.local_path(MODEL_DIR), t.tokenizer) if rank == 0 else None
+                if job.consolidate or not later:  # the consolidation reads them: their failure is known first
+                    _dist.run_collectively("writing the model config and tokenizer", extras)
+                    if job.consolidate:
+                        self._consolidate(job, writer, rank, world)
+                else:
+                    job.later = _dist.attempt(extras)
         job.model = None
         if job.optim is not None:
             fmt = registry.get(optimizer_format(self.config))
@@ -315,17 +350,9 @@ class Saver:
             job.sums.update(fmt.save_state(job.optim, writer, OPTIM_DIR, ctx))
             states["optim"] = StateEntry("optimizer", fmt.name, OPTIM_DIR)
             job.optim = None
-        for name, data in job.objects.items():
-            identical = len(set(_dist.all_gather_object(hashlib.sha256(data).hexdigest()))) == 1
-            entry = small_state_entry(name, identical)
-
-            def write(data: bytes = data, entry: StateEntry = entry) -> None:
-                if entry.per_rank or rank == 0:
-                    rel = entry.file_of(rank) if entry.per_rank else entry.path
-                    job.sums[rel] = writer.write_bytes(rel, data)
-
-            _dist.run_collectively(f"writing {name!r}", write)
-            states[name] = entry
+        states.update(write_small_states(job, writer, rank))
+        if job.objects and not later:  # (the same states are registered on every rank)
+            _dist.run_collectively("writing the registered states", lambda: _dist.raise_if(job.later))
         return states
 
     def _consolidate(self, job: SaveJob, writer: FolderWriter, rank: int, world: int) -> None:
@@ -381,14 +408,16 @@ class Saver:
         )
 
 
-def _swept_then_previous(storage: Storage, log: Any, sweep: bool, wanted: bool) -> Previous | None:
+def _swept_then_begun(storage: Storage, log: Any, sweep: bool, wanted: bool, name: str) -> tuple[str, Previous | None]:
     """The start of a save on rank 0: the leftovers of interrupted saves removed (``sweep``: the manager's first
-    save), then what ``LATEST`` offers to share when ``wanted``; one listing of the folder (a bucket's) serves both."""
+    save), what ``LATEST`` offers to share when ``wanted``, then the step ``name`` begun (its token); one listing of the
+    folder (a bucket's) serves all three."""
     with storage.session():
         if sweep:
             for leftover in storage.sweep():
                 log.info("Removed leftover of an interrupted save: %s", leftover)
-        return previous_of(storage, log) if wanted else None
+        previous = previous_of(storage, log) if wanted else None
+        return storage.begin_step(name).token, previous
 
 
 def changed_by_step(optimizer: Any) -> tuple[Any, Any]:

@@ -109,6 +109,11 @@ class Session:
                 self._listed[(prefix, delimiter)] = found
         return list(found[0]), list(found[1])
 
+    def listed(self, prefix: str, *, delimiter: bool) -> tuple[list[Obj], list[str]] | None:
+        """What :meth:`listing` kept of ``prefix``, ``None`` if it was not listed (never a request)."""
+        with self._lock:
+            return self._listed.get((prefix, delimiter))
+
     def take(self, listed: "dict[tuple[str, bool], tuple[list[Obj], list[str]]]", objects: dict[str, bytes]) -> None:
         """Keep listings and whole objects another rank asked the bucket for (:meth:`~.storage.ObjectStorage.
         share_step`) as if this one had: the objects' bytes are then read through the folders' handles (and their

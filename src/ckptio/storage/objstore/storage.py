@@ -27,6 +27,9 @@ class ObjectStorage:
 
     refers = True
     """A step's manifest may refer to objects of another step (``shared``); see :mod:`ckptio.storage.objstore.refs`."""
+    same_on_every_rank = True
+    """Every rank sees the same folder (a bucket, not a node's own disk): what each rank would ask of it, rank 0 may
+    ask alone and tell the others."""
 
     def __init__(self, store: Bucket, prefix: str) -> None:
         self.store, self.bucket, self.prefix = store, store.name, prefix
@@ -135,15 +138,25 @@ class ObjectStorage:
         # whatever sits under this name (an interrupted save, an older step of the same name) goes first,
         # manifest first, so no object of it can end up in the new step's listing; what other steps refer to is
         # handed over to them before
-        self._wrote()
         prefix = self._key(name)
-        objects = self._objects(prefix)  # listed once: handing objects over copies them out, leaving these as they are
+        seen = self._listed_folder()
+        self._wrote()
+        # listed once (handing objects over copies them out, leaving these as they are); not at all when this
+        # session's listing of the folder (the sweep's, under the lease, nothing written since) shows no such step
+        objects = {} if seen is not None and f"{prefix}/" not in seen else self._objects(prefix)
         if objects:
             refs.hand_over(self, name)
             self._delete_prefix(prefix, manifest_first=True, objects=objects)
         writer = ObjectFolderWriter(self, name)
         writer.mark_pending()
         return writer
+
+    def _listed_folder(self) -> set[str] | None:
+        """The folder's sub-prefixes as this storage's session listed them, if it did (a write since drops the
+        listing); ``None``: not listed (never a request)."""
+        session = self._session
+        found = session.listed(f"{self.prefix}/" if self.prefix else "", delimiter=True) if session else None
+        return set(found[1]) if found is not None else None
 
     def attach_step(self, token: str, name: str) -> ObjectFolderWriter:
         return ObjectFolderWriter(self, name)
