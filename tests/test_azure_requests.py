@@ -103,7 +103,8 @@ def test_a_sas_tokens_url_keeps_its_query_after_the_name(azure_container, azure_
     from ckptio.storage.azure import _request
 
     sas = generate_container_sas(azuriteserver.ACCOUNT, azure_container, account_key=azuriteserver.KEY,
-                                 permission=ContainerSasPermissions(read=True, write=True, delete=True, list=True, create=True),
+                                 permission=ContainerSasPermissions(read=True, write=True, delete=True, list=True,
+                                                                    create=True),
                                  expiry=datetime.now(timezone.utc) + timedelta(hours=1))
     _account(monkeypatch, azure_server, AZURE_STORAGE_ACCOUNT_URL=azure_server,
              AZURE_STORAGE_SAS_TOKEN=sas)
@@ -126,7 +127,8 @@ def test_failures_name_the_blob_and_the_answer(azure_container, azure_server, mo
     from ckptio.storage import azure
 
     gone = _bucket(f"{azure_container}-gone")
-    for call in (lambda: gone.put("k", b"x"), lambda: gone.delete("k"), lambda: gone.put("k", b"x", if_absent=True)):
+    for call in (lambda: gone.put("k", b"x"), lambda: gone.delete("k"), lambda: gone.put("k", b"x", if_absent=True),
+                 lambda: gone.listing("", delimiter=True)):
         with pytest.raises(azure.AzureError, match="the container .* does not exist"):
             call()
     faults = {"path": None, "action": "pass"}
@@ -146,6 +148,34 @@ def test_failures_name_the_blob_and_the_answer(azure_container, azure_server, mo
     _account(monkeypatch, azure_server, AZURE_STORAGE_CONNECTION_STRING=azuriteserver.connection_string(
         azure_server).replace(azuriteserver.KEY, "d3Jvbmc=" * 11))
     bucket = _bucket(azure_container)
-    for call in (lambda: bucket.put("f/y", b"x"), lambda: bucket.head("f/y"), lambda: bucket.delete("f/y")):
+    for call in (lambda: bucket.put("f/y", b"x"), lambda: bucket.head("f/y"), lambda: bucket.delete("f/y"),
+                 lambda: bucket.listing("f/y", delimiter=False)):
         with pytest.raises(azure.AzureError, match=rf"az://{azure_container}/f/y failed: 403 .*credentials"):
             call()
+
+
+def test_a_listing_reads_every_page_and_gives_what_the_client_lists(azure_container, monkeypatch):
+    """A listing (by hand: the client's models cost ~0.25 ms of CPU a blob) goes through every page, splits names
+    from prefixes at a ``/``, takes prefixes with any character literally, and gives each blob's size, time and ETag
+    as the client's own listing and lookup give them."""
+    from ckptio.storage import azure
+    from ckptio.storage.azure import _request
+
+    monkeypatch.setattr(_request, "PAGE", 2)
+    bucket = _bucket(azure_container)
+    for i, name in enumerate(NAMES):
+        bucket.put(f"p+ü %/{name}", bytes(i))
+    bucket.put("p+ü %", b"not under the prefix")
+    bucket.put("p+x/other", b"")
+    listed, prefixes = bucket.listing("p+ü %/", delimiter=False)
+    assert prefixes == [] and [o.key for o in listed] == sorted(f"p+ü %/{n}" for n in NAMES)
+    client = {b.name: b for b in azure.client().get_container_client(azure_container).list_blobs("p+ü %/")}
+    for obj in listed:
+        assert (obj.size, obj.mtime, obj.token) == (client[obj.key].size, client[obj.key].last_modified.timestamp(),
+                                                    bucket.head(obj.key).token)
+    top, dirs = bucket.listing("p+ü %/", delimiter=True)
+    assert [o.key for o in top] == sorted(f"p+ü %/{n}" for n in NAMES if "/" not in n)
+    assert dirs == sorted({f"p+ü %/{n.split('/')[0]}/" for n in NAMES if "/" in n})
+    assert bucket.listing("p+ü %/nothing", delimiter=True) == ([], [])
+    assert [o.key for o in bucket.listing("p+", delimiter=True)[0]] == ["p+ü %"]
+    assert bucket.listing("p+", delimiter=True)[1] == ["p+x/", "p+ü %/"]

@@ -16,9 +16,19 @@ from __future__ import annotations
 import re
 from email.utils import parsedate_to_datetime
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
+PAGE = 5000
+"""Names a page of a listing holds at most (``maxresults``; the service's own limit)."""
 _CODE = re.compile(rb"<Code>([^<]{1,200})</Code>")
+
+
+def _query(container: Any, **params: str) -> str:
+    """``container``'s URL with ``params`` (quoted whole), then the credentials' query (a SAS token, if any)."""
+    query = "&".join(f"{k}={quote(v, safe='')}" for k, v in params.items())
+    sas = container._query_str.lstrip("?")
+    name = quote(container.container_name.encode("utf-8"))
+    return f"{container.scheme}://{container.primary_hostname}/{name}?{query}{'&' if sas else ''}{sas}"
 
 
 def blob_url(container: Any, key: str) -> str:
@@ -28,14 +38,14 @@ def blob_url(container: Any, key: str) -> str:
     return f"{container.scheme}://{container.primary_hostname}/{name}/{quote(key, safe='~/')}{container._query_str}"
 
 
-def send(container: Any, method: str, key: str, expect: int, headers: dict[str, str] | None = None,
-         body: Any = None) -> Any:
-    """Run ``method`` on blob ``key`` through ``container``'s pipeline; its answer (status ``expect``), else the
-    client's exception for the answer."""
+def send(container: Any, method: str, key: str | None, expect: int, headers: dict[str, str] | None = None,
+         body: Any = None, url: str | None = None) -> Any:
+    """Run ``method`` on blob ``key`` (or at ``url``) through ``container``'s pipeline; its answer (status
+    ``expect``), else the client's exception for the answer."""
     from azure.core.rest import HttpRequest
 
     headers = {"x-ms-version": container.api_version, **(headers or {})}
-    request = HttpRequest(method, blob_url(container, key), headers=headers, content=body)
+    request = HttpRequest(method, url or blob_url(container, key or ""), headers=headers, content=body)
     response = container._pipeline.run(request).http_response
     if response.status_code != expect:
         raise error(response)
@@ -74,3 +84,38 @@ def properties(container: Any, key: str) -> tuple[int, float, str]:
     headers = send(container, "HEAD", key, 200).headers
     modified = parsedate_to_datetime(headers["Last-Modified"]).timestamp()
     return int(headers["Content-Length"]), modified, headers["ETag"]
+
+
+def listing(container: Any, prefix: str, delimiter: bool) -> tuple[list[tuple[str, int, float, str]], list[str]]:
+    """``List Blobs`` of the names from ``prefix`` (up to the next ``/`` after it, with ``delimiter``), page by page:
+    ([(name, size, last modified, ETag as a lookup gives it)], [the prefixes ending at a ``/``]). The answer's XML
+    is read for these four fields alone: the client's generated models took ~0.25 ms of CPU per blob listed
+    (reading every property of every blob into a model, then into ``BlobProperties``)."""
+    import xml.etree.ElementTree as ET
+
+    blobs, prefixes, marker = [], [], ""
+    while True:
+        params = {"restype": "container", "comp": "list", "prefix": prefix, "maxresults": str(PAGE)}
+        if delimiter:
+            params["delimiter"] = "/"
+        if marker:
+            params["marker"] = marker
+        root = ET.fromstring(send(container, "GET", None, 200, url=_query(container, **params)).body())
+        for item in root.iterfind("Blobs/Blob"):
+            props = item.find("Properties")
+            etag = props.findtext("Etag") or ""
+            modified = parsedate_to_datetime(props.findtext("Last-Modified") or "").timestamp()
+            blobs.append((_name(item), int(props.findtext("Content-Length") or 0), modified,
+                          etag if not etag or etag.startswith('"') else f'"{etag}"'))
+        prefixes += [_name(item) for item in root.iterfind("Blobs/BlobPrefix")]
+        marker = root.findtext("NextMarker") or ""
+        if not marker:
+            return blobs, prefixes
+
+
+def _name(item: Any) -> str:
+    """A listed blob's (or prefix's) name: ``<Name>``, URL-encoded when the service says so (a name holding
+    characters XML cannot carry: ``Encoded="true"``)."""
+    element = item.find("Name")
+    text = element.text or ""
+    return unquote(text) if element.get("Encoded") == "true" else text

@@ -67,19 +67,9 @@ class AzureBucket(Bucket):
         return bool(_call("looking up", self.path(), self._container().exists))
 
     def listing(self, prefix: str, *, delimiter: bool) -> tuple[list[Obj], list[str]]:
-        def run() -> tuple[list[Obj], list[str]]:
-            container = self._container()
-            if not delimiter:
-                return [_obj(b) for b in container.list_blobs(name_starts_with=prefix)], []
-            objects, prefixes = [], []
-            for item in container.walk_blobs(name_starts_with=prefix, delimiter="/"):
-                if hasattr(item, "size"):  # a blob; a BlobPrefix has no size
-                    objects.append(_obj(item))
-                else:
-                    prefixes.append(item.name)
-            return objects, sorted(prefixes)
-
-        return _call("listing", self.path(prefix), run)
+        """One ``List Blobs`` a page (:func:`._request.listing`)."""
+        found, prefixes = _call("listing", self.path(prefix), _request.listing, self._container(), prefix, delimiter)
+        return [Obj(*blob) for blob in found], sorted(prefixes)
 
     def head(self, key: str) -> Obj | None:
         try:
@@ -197,8 +187,3 @@ class _Blocks(Parts):
         MiB, a new mapping of memory at every file, ~1 CPU-s/GB here); retried by the client's policy, which sends the
         view again (:func:`._request.put`)."""
         _call("uploading", self.where, _request.put, self.bucket._container(), self.key, data, {})
-
-
-def _obj(props: Any) -> Obj:
-    etag = props.etag if not props.etag or props.etag.startswith('"') else f'"{props.etag}"'  # as a lookup gives it
-    return Obj(props.name, int(props.size or 0), props.last_modified.timestamp(), etag)
