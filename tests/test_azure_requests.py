@@ -38,6 +38,8 @@ def test_the_small_requests_of_a_save_make_no_blob_client(azure_container, monke
     bucket.put("k/b", b"two", if_absent=True)
     bucket.put("k/a", b"three", if_token=bucket.head("k/a").token)
     bucket.delete("k/b")
+    bucket.get("k/a", 10)
+    bucket.listing("k/", delimiter=True)
     writer = open_storage(f"az://{azure_container}/run").begin_step("s")
     with writer.open("f.bin") as stream:
         stream.write(b"x" * 1000)
@@ -47,8 +49,9 @@ def test_the_small_requests_of_a_save_make_no_blob_client(azure_container, monke
 
 def test_conditions_and_answers_are_mapped_as_the_clients_calls_map_them(azure_container):
     """``If-None-Match: *`` on an existing blob and ``If-Match`` of an older version are refused as
-    :class:`AzurePreconditionFailed` naming the blob; a lookup of a missing blob is ``None``, its removal nothing; a
-    lookup gives what the client's own ``get_blob_properties`` gives."""
+    :class:`AzurePreconditionFailed` naming the blob; a lookup of a missing blob is ``None``, its removal nothing, its
+    read :class:`CheckpointNotFoundError`; a lookup gives what the client's own ``get_blob_properties`` gives, a read
+    the first bytes (of an empty blob: none) and the ETag a lookup gives."""
     from ckptio.storage import azure
 
     bucket = _bucket(azure_container)
@@ -65,6 +68,9 @@ def test_conditions_and_answers_are_mapped_as_the_clients_calls_map_them(azure_c
     props = azure.client().get_blob_client(azure_container, "c/x").get_blob_properties()
     assert (now.key, now.size, now.token) == ("c/x", 7, props.etag) != (first.key, first.size, first.token)
     assert now.mtime == props.last_modified.timestamp()
+    assert bucket.get("c/x", 3) == (b"sec", now.token) and bucket.get("c/x", 100) == (b"second!", now.token)
+    bucket.put("c/empty", b"")
+    assert bucket.get("c/empty", 10) == (b"", bucket.head("c/empty").token) and bucket.head("c/empty").size == 0
     assert bucket.head("c/missing") is None
     bucket.delete("c/missing")
     bucket.delete("c/x")
@@ -140,15 +146,17 @@ def test_failures_name_the_blob_and_the_answer(azure_container, azure_server, mo
         bucket = _bucket(azure_container)
         for action, code in (("503", "503 SlowDown"), ("409", "409 ConditionalRequestConflict")):
             faults["action"] = action
-            for call in (lambda: bucket.put("f/x", b"x", if_absent=True), lambda: bucket.delete("f/x")):
+            for call in (lambda: bucket.put("f/x", b"x", if_absent=True), lambda: bucket.delete("f/x"),
+                         lambda: bucket.get("f/x", 10)):
                 with pytest.raises(azure.AzureError, match=rf"az://{azure_container}/f/x failed: {code}") as got:
                     call()
                 assert not isinstance(got.value, azure.AzurePreconditionFailed)
-        assert len(proxy.faults) == 4
+        assert len(proxy.faults) == 6
     _account(monkeypatch, azure_server, AZURE_STORAGE_CONNECTION_STRING=azuriteserver.connection_string(
         azure_server).replace(azuriteserver.KEY, "d3Jvbmc=" * 11))
     bucket = _bucket(azure_container)
     for call in (lambda: bucket.put("f/y", b"x"), lambda: bucket.head("f/y"), lambda: bucket.delete("f/y"),
+                 lambda: bucket.get("f/y", 10),
                  lambda: bucket.listing("f/y", delimiter=False)):
         with pytest.raises(azure.AzureError, match=rf"az://{azure_container}/f/y failed: 403 .*credentials"):
             call()

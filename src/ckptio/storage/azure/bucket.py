@@ -83,21 +83,8 @@ class AzureBucket(Bucket):
               _condition_headers(if_absent, if_token))
 
     def get(self, key: str, limit: int) -> tuple[bytes, Any]:
-        blob = self._blob(key)
-
-        def run() -> tuple[bytes, Any]:
-            from azure.core.exceptions import HttpResponseError
-
-            try:  # one request: the first bytes and the ETag of the version they are of
-                down = blob.download_blob(offset=0, length=max(limit, 1))
-            except HttpResponseError as exc:
-                if exc.status_code != 416:
-                    raise
-                down = blob.download_blob()  # an empty blob has no byte 0 to range over
-            data = down.readall()
-            return data[:limit], down.properties.etag
-
-        return _call("reading", self.path(key), run)
+        """One ranged ``GET`` (:func:`._request.get`)."""
+        return _call("reading", self.path(key), _request.get, self._container(), key, limit)
 
     def read_into(self, key: str, offset: int, view: memoryview) -> int:
         """One ranged ``GET``, its body read into ``view`` (:func:`~.download.read_range`)."""
