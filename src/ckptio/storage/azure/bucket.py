@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -15,6 +16,7 @@ from ..objstore._store import Bucket, Obj
 from ..objstore.upload import Parts, PartStream
 from . import _client
 from ._client import THREADS, AbfsPath, AzPath, AzureError, _call, client, split_account
+from . import _request
 from .download import read_range
 
 COPY_POLL_S = 0.2
@@ -31,6 +33,13 @@ def _conditions(if_absent: bool, if_token: Any) -> dict[str, Any]:
     return {}
 
 
+def _condition_headers(if_absent: bool, if_token: Any) -> dict[str, str]:
+    """The same conditions as headers (:mod:`._request`)."""
+    if if_absent:
+        return {"If-None-Match": "*"}
+    return {} if if_token is None else {"If-Match": if_token}
+
+
 class AzureBucket(Bucket):
     """One blob container (the account and credentials: :func:`~._client.client`; the account may be named in the
     location, ``container@account.dfs.core.windows.net``), shown as ``az://`` or ``abfs://`` as it was given."""
@@ -41,9 +50,14 @@ class AzureBucket(Bucket):
         super().__init__(name)  # as given: "container", or "container@account.dfs.core.windows.net"
         self.path_type = AbfsPath if scheme == "abfs" else AzPath
         self.container, self.account = split_account(name)
+        self._made: tuple[Any, Any] = (None, None)
 
     def _container(self) -> Any:
-        return client(self.account).get_container_client(self.container)
+        """The ``ContainerClient`` of the current :func:`~._client.client` (made again when that is a new one)."""
+        service = client(self.account)
+        if self._made[0] is not service:
+            self._made = (service, service.get_container_client(self.container))
+        return self._made[1]
 
     def _blob(self, key: str) -> Any:
         return client(self.account).get_blob_client(self.container, key)
@@ -53,47 +67,24 @@ class AzureBucket(Bucket):
         return bool(_call("looking up", self.path(), self._container().exists))
 
     def listing(self, prefix: str, *, delimiter: bool) -> tuple[list[Obj], list[str]]:
-        def run() -> tuple[list[Obj], list[str]]:
-            container = self._container()
-            if not delimiter:
-                return [_obj(b) for b in container.list_blobs(name_starts_with=prefix)], []
-            objects, prefixes = [], []
-            for item in container.walk_blobs(name_starts_with=prefix, delimiter="/"):
-                if hasattr(item, "size"):  # a blob; a BlobPrefix has no size
-                    objects.append(_obj(item))
-                else:
-                    prefixes.append(item.name)
-            return objects, sorted(prefixes)
-
-        return _call("listing", self.path(prefix), run)
+        """One ``List Blobs`` a page (:func:`._request.listing`)."""
+        found, prefixes = _call("listing", self.path(prefix), _request.listing, self._container(), prefix, delimiter)
+        return [Obj(*blob) for blob in found], sorted(prefixes)
 
     def head(self, key: str) -> Obj | None:
         try:
-            props = _call("looking up", self.path(key), self._blob(key).get_blob_properties)
+            size, modified, etag = _call("looking up", self.path(key), _request.properties, self._container(), key)
         except CheckpointNotFoundError:
             return None
-        return Obj(key, int(props.size), props.last_modified.timestamp(), props.etag)
+        return Obj(key, size, modified, etag)
 
     def put(self, key: str, data: bytes, *, if_absent: bool = False, if_token: Any = None) -> None:
-        _call("writing", self.path(key), self._blob(key).upload_blob, data, overwrite=True,
-              **_conditions(if_absent, if_token))
+        _call("writing", self.path(key), _request.put, self._container(), key, data,
+              _condition_headers(if_absent, if_token))
 
     def get(self, key: str, limit: int) -> tuple[bytes, Any]:
-        blob = self._blob(key)
-
-        def run() -> tuple[bytes, Any]:
-            from azure.core.exceptions import HttpResponseError
-
-            try:  # one request: the first bytes and the ETag of the version they are of
-                down = blob.download_blob(offset=0, length=max(limit, 1))
-            except HttpResponseError as exc:
-                if exc.status_code != 416:
-                    raise
-                down = blob.download_blob()  # an empty blob has no byte 0 to range over
-            data = down.readall()
-            return data[:limit], down.properties.etag
-
-        return _call("reading", self.path(key), run)
+        """One ranged ``GET`` (:func:`._request.get`)."""
+        return _call("reading", self.path(key), _request.get, self._container(), key, limit)
 
     def read_into(self, key: str, offset: int, view: memoryview) -> int:
         """One ranged ``GET``, its body read into ``view`` (:func:`~.download.read_range`)."""
@@ -103,7 +94,7 @@ class AzureBucket(Bucket):
 
     def delete(self, key: str) -> None:
         try:
-            _call("removing", self.path(key), self._blob(key).delete_blob)
+            _call("removing", self.path(key), _request.delete, self._container(), key)
         except CheckpointNotFoundError:
             pass  # gone already: what was asked
 
@@ -155,9 +146,14 @@ class _Blocks(Parts):
 
     def __init__(self, bucket: AzureBucket, key: str) -> None:
         self.threads = _client.UPLOAD_THREADS
-        self.blob, self.where = bucket._blob(key), bucket.path(key)
+        self.bucket, self.key, self.where = bucket, key, bucket.path(key)
         self.part_size, self.first_size = _client.UPLOAD_BLOCK, _client.SINGLE_PUT
         self.prefix = uuid.uuid4().hex[:16]  # the ids of one upload's blocks (all of one length, as Azure wants)
+
+    @functools.cached_property
+    def blob(self) -> Any:
+        """The ``BlobClient`` of a blob sent in blocks (one sent whole needs none: :meth:`single`)."""
+        return self.bucket._blob(self.key)
 
     def _id(self, number: int) -> str:
         return f"{self.prefix}{number:08d}"
@@ -174,22 +170,7 @@ class _Blocks(Parts):
               [self._id(n) for n in range(number)])
 
     def single(self, data: memoryview, crc: int) -> None:
-        _call("uploading", self.where, _put_view, self.blob, data)
-
-
-def _put_view(blob: Any, data: memoryview) -> None:
-    """``Put Blob`` of ``data``, the part's buffer itself: the client's own operation that ``upload_blob`` calls (with
-    the same mapping of errors), which ``upload_blob`` hands only ``bytes``: a copy of up to 64 MiB, a new mapping
-    of memory at every file (~1 CPU-s/GB here). Retried by the client's policy, which sends the view again."""
-    from azure.core.exceptions import HttpResponseError
-    from azure.storage.blob._shared.response_handlers import process_storage_error
-
-    try:
-        blob._client.block_blob.upload(body=data if data.nbytes else b"", content_length=data.nbytes)
-    except HttpResponseError as exc:
-        process_storage_error(exc)
-
-
-def _obj(props: Any) -> Obj:
-    etag = props.etag if not props.etag or props.etag.startswith('"') else f'"{props.etag}"'  # as a lookup gives it
-    return Obj(props.name, int(props.size or 0), props.last_modified.timestamp(), etag)
+        """``Put Blob`` of ``data``, the part's buffer itself (``upload_blob`` takes only ``bytes``: a copy of up to 64
+        MiB, a new mapping of memory at every file, ~1 CPU-s/GB here); retried by the client's policy, which sends the
+        view again (:func:`._request.put`)."""
+        _call("uploading", self.where, _request.put, self.bucket._container(), self.key, data, {})
