@@ -20,6 +20,8 @@ from email.utils import parsedate_to_datetime
 from typing import Any
 from urllib.parse import quote, unquote
 
+from ._client import AzureError
+
 PAGE = 5000
 """Names a page of a listing holds at most (``maxresults``; the service's own limit)."""
 _CODE = re.compile(rb"<Code>([^<]{1,200})</Code>")
@@ -116,13 +118,23 @@ def listing(container: Any, prefix: str, delimiter: bool) -> tuple[list[tuple[st
             params["delimiter"] = "/"
         if marker:
             params["marker"] = marker
-        root = ET.fromstring(send(container, "GET", None, 200, url=_query(container, **params)).body())
+        body = send(container, "GET", None, 200, url=_query(container, **params)).body()
+        try:
+            root = ET.fromstring(body)
+        except ET.ParseError as exc:
+            raise AzureError(f"listing {prefix!r} of container {container.container_name!r}: the server's answer is "
+                             f"not XML ({exc})") from None
         for item in root.iterfind("Blobs/Blob"):
             props = item.find("Properties")
-            etag = props.findtext("Etag") or ""
-            modified = parsedate_to_datetime(props.findtext("Last-Modified") or "").timestamp()
-            blobs.append((_name(item), int(props.findtext("Content-Length") or 0), modified,
-                          etag if not etag or etag.startswith('"') else f'"{etag}"'))
+            try:
+                assert props is not None, "no <Properties>"
+                etag = props.findtext("Etag") or ""
+                modified = parsedate_to_datetime(props.findtext("Last-Modified") or "").timestamp()
+                size = int(props.findtext("Content-Length") or 0)
+            except (AssertionError, TypeError, ValueError) as exc:
+                raise AzureError(f"listing {prefix!r} of container {container.container_name!r}: the server "
+                                 f"described a blob not as Azure does ({type(exc).__name__}: {exc})") from None
+            blobs.append((_name(item), size, modified, etag if not etag or etag.startswith('"') else f'"{etag}"'))
         prefixes += [_name(item) for item in root.iterfind("Blobs/BlobPrefix")]
         marker = root.findtext("NextMarker") or ""
         if not marker:
