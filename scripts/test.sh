@@ -22,5 +22,7 @@ if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
   export CKPTIO_REQUIRE_BROWSER=1
 fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1
-# two workers, each test file on one of them (its module fixtures built once); the longest files go first (conftest.py)
-exec .venv/bin/python -m pytest -q -n 2 --dist loadfile --durations=15 "$@"
+# three workers on two cores (two left a quarter of the CPU idle: many tests wait on child processes, servers and
+# fsync), each test file on one of them (its module fixtures built once); the longest files go first (conftest.py).
+# CKPTIO_TEST_WORKERS changes the number.
+exec .venv/bin/python -m pytest -q -n "${CKPTIO_TEST_WORKERS:-3}" --dist loadfile --durations=15 "$@"

@@ -22,7 +22,7 @@ LONG_FIRST = ["test_automodel.py", "test_recipe.py", "test_lower_bounds.py", "te
               "test_integrity.py", "test_lightning_s3.py",
               "test_adopted_steps.py", "test_hf_trainer.py", "test_fail_closed.py", "test_lightning_plugin.py",
               "test_framework_async.py"]
-"""The files that take longest, in that order (measured), run first: on two workers (scripts/test.sh) the longest
+"""The files that take longest, in that order (measured), run first: on the workers of scripts/test.sh the longest
 one then starts at once instead of running alone at the end."""
 
 
