@@ -300,10 +300,10 @@ class Saver:
                 sums.update(part)
                 job.contents.update(contents)
                 job.linked.update(linked)
-            _dist.decide_on_rank0(f"committing {job.final_dir}", lambda: self._commit(job, writer, states, sums, world))
+            commit = lambda: self._commit(job, writer, states, sums, world) if rank == 0 else None  # noqa: E731
+            _dist.run_collectively(f"committing {job.final_dir}", commit)  # rank 0's error; the others' name it
         except Exception:
-            # An ordinary error: remove the partial save. A BaseException (KeyboardInterrupt, a process
-            # being torn down) leaves the temporary for the next run's sweep, like a crash would.
+            # An ordinary error removes the partial save; a BaseException (KeyboardInterrupt) leaves it to the sweep
             if rank == 0:
                 writer.abort()
             raise
