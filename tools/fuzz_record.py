@@ -191,6 +191,7 @@ def _report(events: list[dict], root: Path, tmp: Path) -> None:
     for rate in (None, 1e9, 5e-324):
         shown = "\n".join(line for line in text(summary, str(root), rate).splitlines()
                            if not line.startswith("  Resume audit"))  # the loop's own values, nan included
+        shown = shown.replace(str(root), "<folder>")  # a random folder name may hold "inf" (tmp9infxbwm did)
         if "inf" in shown.lower() or "nan" in shown.lower():
             raise WrongResult(f"a number the report shows is not finite: {shown[:600]}")
         json.dumps(_as_json(summary, rate), allow_nan=False)  # ValueError (not a ckptio error) on inf or nan
