@@ -28,6 +28,7 @@ import argparse
 import io
 import os
 import resource
+import shutil
 import statistics
 import sys
 import tempfile
@@ -42,6 +43,10 @@ BACKENDS = ("s3", "gs", "az")
 
 
 # ----------------------------------------------------------------------------------- the loopback servers
+_FOLDERS: list[str] = []
+"""Folders the servers keep their objects in, removed once they stop."""
+
+
 def start_server(backend: str):
     """(server process, environment pointing the clients at it)."""
     if backend == "s3":
@@ -56,7 +61,10 @@ def start_server(backend: str):
         return proc, {"STORAGE_EMULATOR_HOST": url}
     import azuriteserver
 
-    proc, url = azuriteserver.start()
+    # on disk in a folder of its own: the in-memory store refused 1 GB rounds on 4 ranks (it frees deleted blobs late)
+    folder = tempfile.mkdtemp(prefix="ckptio-bench-azurite-")
+    _FOLDERS.append(folder)
+    proc, url = azuriteserver.start(location=folder)
     return proc, {"AZURE_STORAGE_CONNECTION_STRING": azuriteserver.connection_string(url)}
 
 
@@ -282,6 +290,8 @@ def main() -> int:
                 os.environ.pop(name, None)
             proc.terminate()
             proc.wait(timeout=30)
+            while _FOLDERS:
+                shutil.rmtree(_FOLDERS.pop(), ignore_errors=True)
     return 0
 
 

@@ -63,15 +63,18 @@ def connection_string(url: str) -> str:
     return f"DefaultEndpointsProtocol=http;AccountName={ACCOUNT};AccountKey={KEY};BlobEndpoint={url};"
 
 
-def start() -> tuple[subprocess.Popen, str]:
+def start(location: str | None = None) -> tuple[subprocess.Popen, str]:
     """(the server process, its blob endpoint ``http://127.0.0.1:<port>/devstoreaccount1``); the caller terminates the
-    process."""
+    process. Blobs are kept in memory, or in the folder ``location`` (the benchmarks' GB-sized rounds: the in-memory
+    store keeps a deleted blob's bytes until its periodic clean-up and then refuses new ones,
+    ``409 MemoryExtentStoreAtSizeLimit``)."""
     exe = ensure_installed()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    # in memory (nothing written to the working folder), no telemetry, any API version the client speaks
-    proc = subprocess.Popen([str(exe), "--blobHost", "127.0.0.1", "--blobPort", str(port), "--inMemoryPersistence",
+    # in memory (nothing written to the working folder) or in ``location``, no telemetry, any API version
+    where = ["--location", location] if location else ["--inMemoryPersistence"]
+    proc = subprocess.Popen([str(exe), "--blobHost", "127.0.0.1", "--blobPort", str(port), *where,
                              "--disableTelemetry", "--skipApiVersionCheck", "--silent"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
