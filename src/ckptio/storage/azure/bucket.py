@@ -90,7 +90,7 @@ class AzureBucket(Bucket):
         """One ranged ``GET``, its body read into ``view`` (:func:`~.download.read_range`)."""
         if view.nbytes == 0:
             return 0
-        return read_range(self._blob(key), self.path(key), offset, view)
+        return read_range(self._container(), key, self.path(key), offset, view)
 
     def delete(self, key: str) -> None:
         try:
