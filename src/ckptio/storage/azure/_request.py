@@ -88,6 +88,17 @@ def put(container: Any, key: str, data: Any, conditions: dict[str, str]) -> None
     send(container, "PUT", key, 201, headers, data if size else b"")
 
 
+def container_exists(container: Any) -> bool:
+    """Whether ``container`` exists: ``Get Container Properties`` (a ``HEAD``) answered 200, not 404."""
+    from azure.core.exceptions import ResourceNotFoundError
+
+    try:
+        send(container, "HEAD", None, 200, url=_query(container, restype="container"))
+    except ResourceNotFoundError:
+        return False
+    return True
+
+
 def delete(container: Any, key: str) -> None:
     send(container, "DELETE", key, 202)
 
