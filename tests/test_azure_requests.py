@@ -5,6 +5,7 @@ client's own calls, against Azurite on 127.0.0.1 (tests/azuriteserver.py)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ckptio.errors import CheckpointNotFoundError
 from ckptio.storage import open_storage
@@ -187,3 +188,95 @@ def test_a_listing_reads_every_page_and_gives_what_the_client_lists(azure_contai
     assert bucket.listing("p+ü %/nothing", delimiter=True) == ([], [])
     assert [o.key for o in bucket.listing("p+", delimiter=True)[0]] == ["p+ü %"]
     assert bucket.listing("p+", delimiter=True)[1] == ["p+x/", "p+ü %/"]
+
+
+def _blob_clients(monkeypatch) -> list:
+    """The ``BlobClient``s made from now on (the class's own ``__init__`` runs: each is a real client)."""
+    from azure.storage.blob import BlobClient
+
+    made: list = []
+    init = BlobClient.__init__
+
+    def counting(self, *args, **kwargs):
+        made.append(args[:3])
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(BlobClient, "__init__", counting)
+    return made
+
+
+def test_a_read_a_local_files_upload_and_the_containers_lookup_make_no_blob_client(azure_container, monkeypatch,
+                                                                                 tmp_path):
+    """A restore's ranged read, a save's upload of a file of its local folder (a model's ``config.json``) and the
+    lookup of the container go through the module's requests as the rest (each made a ``BlobClient``, or ran the
+    generated client: ~0.5 ms of CPU a request), with the same answers: the bytes from an offset, a create-only
+    upload refused naming the blob, a missing container told apart."""
+    from ckptio.storage import azure
+
+    made = _blob_clients(monkeypatch)
+    bucket = _bucket(azure_container)
+    data = bytes(range(256)) * 40
+    bucket.put("r/a", data)
+    view = memoryview(bytearray(1000))
+    assert bucket.read_into("r/a", 7, view) == 1000 and bytes(view) == data[7:1007]
+    local = tmp_path / "config.json"
+    local.write_bytes(b'{"hidden_size": 8}')
+    bucket.upload_file(local, "r/config.json", if_absent=True)
+    with pytest.raises(azure.AzurePreconditionFailed, match=rf"uploading az://{azure_container}/r/config.json "
+                                                              rf"failed: 409 BlobAlreadyExists"):
+        bucket.upload_file(local, "r/config.json", if_absent=True)
+    local.write_bytes(b"")
+    bucket.upload_file(local, "r/empty")
+    assert bucket.exists() and not azure.AzureBucket(f"{azure_container}-missing").exists()
+    assert made == []
+    assert bucket.get("r/config.json", 100)[0] == b'{"hidden_size": 8}' and bucket.head("r/empty").size == 0
+
+
+SAVE_REQUESTS = {"HEAD": 1, "GET": 3, "PUT": 13, "DELETE": 2}
+"""A 1-rank save of a small state in a new folder: the container looked up; 3 listings; 13 puts (the lease, the
+in-progress mark, the files, the chunk indexes, the run record, the manifest, the pointer); the mark and the
+lease removed."""
+
+
+def test_every_request_of_a_save_and_a_restore_runs_through_the_containers_one_pipeline(azure_container,
+                                                                                        monkeypatch):
+    """A save (a new manager in a new folder: the container's lookup, the lease, the files, the manifest, the
+    pointers) and a restore on Azure send every request through the container's pipeline, as :mod:`._request`
+    builds it (a ``BlobClient``'s pipeline is another: per blob, its own policies' objects and generated client);
+    counted at the pipeline, which still sends each. The requests a save sends, by method: what this test pins (a
+    change of the protocol's requests shows here first)."""
+    from collections import Counter
+
+    import test_s3 as contract
+    from azure.core.pipeline import Pipeline
+    from azure.storage.blob import ContainerClient
+
+    runs: list[tuple[int, str]] = []
+    real = Pipeline.run
+
+    def run(self, request, **kwargs):
+        runs.append((id(self), request.method))
+        return real(self, request, **kwargs)
+
+    containers: set[int] = set()  # the pipelines of the ContainerClients made (each AzureBucket makes one)
+    init = ContainerClient.__init__
+
+    def made(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        containers.add(id(self._pipeline))
+
+    monkeypatch.setattr(Pipeline, "run", run)
+    monkeypatch.setattr(ContainerClient, "__init__", made)
+    url = f"az://{azure_container}/pinned"
+    model, opt, mgr = contract._setup(url)
+    with mgr:
+        mgr.save(step=1)
+    saved = Counter(method for _, method in runs)
+    model2, opt2, again = contract._setup(url)
+    with again:
+        assert again.restore() is not None
+    assert runs and {pipeline for pipeline, _ in runs} <= containers, "a request went through a BlobClient's pipeline"
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+    assert dict(saved) == SAVE_REQUESTS, dict(saved)
+

@@ -63,8 +63,8 @@ class AzureBucket(Bucket):
         return client(self.account).get_blob_client(self.container, key)
 
     def exists(self) -> bool:
-        """Whether the container exists."""
-        return bool(_call("looking up", self.path(), self._container().exists))
+        """Whether the container exists (:func:`._request.container_exists`)."""
+        return _call("looking up", self.path(), _request.container_exists, self._container())
 
     def listing(self, prefix: str, *, delimiter: bool) -> tuple[list[Obj], list[str]]:
         """One ``List Blobs`` a page (:func:`._request.listing`)."""
@@ -90,7 +90,7 @@ class AzureBucket(Bucket):
         """One ranged ``GET``, its body read into ``view`` (:func:`~.download.read_range`)."""
         if view.nbytes == 0:
             return 0
-        return read_range(self._blob(key), self.path(key), offset, view)
+        return read_range(self._container(), key, self.path(key), offset, view)
 
     def delete(self, key: str) -> None:
         try:
@@ -116,8 +116,13 @@ class AzureBucket(Bucket):
 
     def upload_file(self, path: Path, key: str, *, if_absent: bool = False) -> None:
         size = path.stat().st_size
+        if size <= _client.SINGLE_PUT:  # one Put Blob, as the client sends it, with no BlobClient (:mod:`._request`)
+            data = path.read_bytes()
+            _call("uploading", self.path(key), _request.put, self._container(), key, data,
+                  _condition_headers(if_absent, None))
+            return
         with open(path, "rb") as f:
-            # above 64 MiB the client sends 4 MiB blocks, THREADS at once, and commits the block list with the
+            # above SINGLE_PUT the client sends 4 MiB blocks, THREADS at once, and commits the block list with the
             # condition (If-None-Match: * on the list: a second writer's commit is refused the same way)
             _call("uploading", self.path(key), self._blob(key).upload_blob, f, length=size, overwrite=True,
                   max_concurrency=THREADS, **_conditions(if_absent, None))

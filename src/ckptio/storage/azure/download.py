@@ -3,8 +3,9 @@
 ``download_blob`` fetched a read of 48 MiB as three ranged GETs of :data:`~._client.READ_CHUNK`, each answer's body
 taken in 4 MiB ``bytes``, joined into new ``bytes`` of the chunk and copied into the buffer: three copies of every
 byte in the client, and per request its stream downloader, the ~25 response headers parsed into a model, and a new
-``BlobClient``. Here a read is one ``GET`` with ``x-ms-range`` sent through the same client's pipeline (the account's
-credentials, the retries on 408, 5xx and dropped connections, its timeouts and proxies), and its body is read by
+``BlobClient``. Here a read is one ``GET`` with ``x-ms-range`` sent as :mod:`._request` sends a save's requests,
+through the container's pipeline (the account's credentials, the retries on 408, 5xx and dropped connections, its
+timeouts and proxies; a refused answer raised as every other request's), and its body is read by
 the HTTP response into the buffer itself (the socket's bytes copied once, as a raw download's are at best). A body
 cut off midway is asked for again from where it stopped, of the same version of the blob (``If-Match``; at most
 :data:`~._client.RETRIES` times). Measured on Azurite, a
@@ -16,17 +17,17 @@ from __future__ import annotations
 from http.client import HTTPException
 from typing import Any
 
-from . import _client
+from . import _client, _request
 from ._client import AzureError, _call
 
 
-def read_range(blob: Any, where: object, offset: int, view: memoryview) -> int:
-    """Read the bytes of ``blob`` (a ``BlobClient``) from ``offset`` into ``view``; returns how many came (fewer: the
-    blob ends before ``view`` is full). ``where`` names the blob in errors: a missing blob is
-    :class:`~ckptio.errors.CheckpointNotFoundError`, any other failure :class:`~._client.AzureError`."""
+def read_range(container: Any, key: str, where: object, offset: int, view: memoryview) -> int:
+    """Read the bytes of blob ``key`` of ``container`` (a ``ContainerClient``) from ``offset`` into ``view``; returns
+    how many came (fewer: the blob ends before ``view`` is full). ``where`` names the blob in errors: a missing blob
+    is :class:`~ckptio.errors.CheckpointNotFoundError`, any other failure :class:`~._client.AzureError`."""
     n, done, cuts, version = view.nbytes, 0, 0, None
     while done < n:
-        response = _call("reading", where, _get, blob, offset + done, n - done, version)
+        response = _call("reading", where, _get, container, key, offset + done, n - done, version)
         version = version or response.headers.get("ETag")  # the rest, if cut: of this version only, or a 412
         got, expected, why = _into(response, view[done:], where, offset + done)
         done += got
@@ -39,27 +40,14 @@ def read_range(blob: Any, where: object, offset: int, view: memoryview) -> int:
     return done
 
 
-def _get(blob: Any, start: int, count: int, version: str | None) -> Any:
+def _get(container: Any, key: str, start: int, count: int, version: str | None) -> Any:
     """The answer to a ranged ``GET`` of ``count`` bytes from ``start`` (of the blob's ``version``, an ETag, when
-    given: ``If-Match``), its body not read yet; an answer other than 200 or 206 raised as the client raises it
-    (``ResourceNotFoundError``, ``HttpResponseError``, with the service's ``x-ms-error-code``)."""
-    from azure.core.exceptions import HttpResponseError, ResourceNotFoundError
-    from azure.core.rest import HttpRequest
-
-    headers = {"x-ms-range": f"bytes={start}-{start + count - 1}", "x-ms-version": blob.api_version}
+    given: ``If-Match``), its body not read yet (:func:`._request.send`, which raises any answer other than 200 or
+    206 as the client raises it)."""
+    headers = {"x-ms-range": f"bytes={start}-{start + count - 1}"}
     if version:
         headers["If-Match"] = version
-    request = HttpRequest("GET", blob.url, headers=headers)
-    response = blob._pipeline.run(request, stream=True).http_response
-    if response.status_code in (200, 206):
-        return response
-    try:
-        response.read()  # the error's body: the connection is free again
-    finally:
-        response.close()
-    error = (ResourceNotFoundError if response.status_code == 404 else HttpResponseError)(response=response)
-    error.error_code = response.headers.get("x-ms-error-code")  # type: ignore[attr-defined]
-    raise error
+    return _request.send(container, "GET", key, (200, 206), headers, stream=True)
 
 
 def _into(response: Any, view: memoryview, where: object, start: int) -> tuple[int, int, str]:
