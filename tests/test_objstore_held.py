@@ -1,6 +1,6 @@
 """GCS and Azure saves send a tensor's bytes from its own memory (``PartStream.write_held``, used by DCP's data writer),
 against the real servers (fake-gcs-server, Azurite): held pieces and copied small writes, mixed and cut at the parts'
-ends, make exactly the object written and its digest."""
+ends, make exactly the object written and its digest, and a held upload allocates no copy of the tensor."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 import tracemalloc
 
 import pytest
+import torch
 
 from ckptio.storage import open_storage
 from ckptio.storage.checksum import bytes_checksum
@@ -49,6 +50,33 @@ def test_held_and_copied_writes_across_parts_make_the_object_written(store, monk
         assert stream.digest == bytes_checksum(whole)  # before the last part is sent
     assert stream.close() == bytes_checksum(whole)
     assert store.get(f"held/n{count}/f.bin") == whole
+
+
+@BOTH
+def test_a_tensor_handed_to_the_dcp_writer_is_sent_from_its_memory_with_no_copy(store, monkeypatch):
+    """The data writer hands a tensor's storage over as held pieces: a part holds views of it, not a copy (the
+    copy into pooled part buffers cost ~4.6 ms of CPU per 64 MB a rank, and as much memory traffic again)."""
+    from ckptio.formats.dcp.writer import _Gathered
+
+    _small_parts(monkeypatch, 4 * MB)  # several parts: each would be a new buffer for the copy
+    monkeypatch.setattr(upload, "_pool", {})  # none kept from another test: a copy would allocate its buffers
+    tensor = torch.randn(6 << 20)  # 24 MiB
+    writer = open_storage(store.url("nocopy")).begin_step("s")
+    with writer.open("f.bin") as stream:
+        out = _Gathered(stream)
+        out.small(b"head")
+        out.flush()  # the first part's buffer is taken (for the small bytes) before the trace starts
+        tracemalloc.start()
+        try:
+            out.large(tensor)
+            digest = stream.close()
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    data = b"head" + tensor.numpy().tobytes()
+    assert peak < MB, f"{peak} bytes allocated to upload a tensor of {tensor.nbytes}"
+    assert digest == bytes_checksum(data)
+    assert store.get("nocopy/s/f.bin") == data
 
 
 def test_the_bytes_after_an_offset_are_the_pieces_sliced_not_copied():
