@@ -1,6 +1,7 @@
 """GCS and Azure saves send a tensor's bytes from its own memory (``PartStream.write_held``, used by DCP's data writer),
 against the real servers (fake-gcs-server, Azurite): held pieces and copied small writes, mixed and cut at the parts'
-ends, make exactly the object written and its digest, and a held upload allocates no copy of the tensor."""
+ends, make exactly the object written and its digest, and a held upload (DCP's data file, a model's safetensors
+shard) allocates no copy of the tensors."""
 
 from __future__ import annotations
 
@@ -77,6 +78,34 @@ def test_a_tensor_handed_to_the_dcp_writer_is_sent_from_its_memory_with_no_copy(
     assert peak < MB, f"{peak} bytes allocated to upload a tensor of {tensor.nbytes}"
     assert digest == bytes_checksum(data)
     assert store.get("nocopy/s/f.bin") == data
+
+
+@BOTH
+def test_a_model_shard_saved_as_safetensors_is_sent_from_its_memory_with_no_copy(store, monkeypatch):
+    """The sharded safetensors writer (a save's model state) hands each tensor over as a held write too."""
+    from safetensors.torch import load
+
+    from ckptio.formats.safetensors import sharded
+
+    _small_parts(monkeypatch, 4 * MB)
+    monkeypatch.setattr(upload, "_pool", {})
+    state = {"a": torch.randn(3 << 20), "b": torch.arange(10, dtype=torch.int64), "c": torch.randn(2 << 20)}
+    writer = open_storage(store.url("stnocopy")).begin_step("s")
+    # a small file first: what the save imports, and one part buffer in the pool (for the header's bytes); a copy of
+    # the tensors would need more buffers, allocated while traced
+    sharded.save({"w": torch.zeros(4)}, writer, "warm", rank=0, world_size=1)
+    tracemalloc.start()
+    try:
+        sums = sharded.save(state, writer, "model", rank=0, world_size=1)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < MB, f"{peak} bytes allocated to upload {sum(t.nbytes for t in state.values())} bytes of tensors"
+    ((name, digest),) = [(k, v) for k, v in sums.items() if k.endswith(".safetensors")]
+    data = store.get(f"stnocopy/s/{name}")
+    assert digest == bytes_checksum(data)
+    got = load(data)
+    assert set(got) == set(state) and all(torch.equal(got[k], state[k]) for k in state)
 
 
 def test_the_bytes_after_an_offset_are_the_pieces_sliced_not_copied():
