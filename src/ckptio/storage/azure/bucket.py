@@ -118,7 +118,7 @@ class AzureBucket(Bucket):
         size = path.stat().st_size
         if size <= _client.SINGLE_PUT:  # one Put Blob, as the client sends it, with no BlobClient (:mod:`._request`)
             data = path.read_bytes()
-            _call("uploading", self.path(key), _request.put, self._container(), key, data,
+            _call("uploading", self.path(key), _request.put, self._container(), key, (data,),
                   _condition_headers(if_absent, None))
             return
         with open(path, "rb") as f:
