@@ -15,7 +15,8 @@ cleanly) is written by ``torch.save`` itself, as before; the bytes are the same 
 
 Small pieces (prefixes, suffixes, small tensors, pickled values) are gathered into one write; a tensor's data
 goes out in pieces of :data:`PIECE` bytes from its memory, so the storage stream checksums and starts writing
-each piece out while the next is copied.
+each piece out while the next is copied. A stream that uploads from memory (GCS, Azure) takes those pieces as
+held writes (``write_held``): sent from the tensor's memory, not copied.
 """
 
 from __future__ import annotations
@@ -180,8 +181,11 @@ class _Gathered:
             return
         self.flush()
         view = _bytes_of(tensor)
+        # the tensor's bytes do not change until the stream is closed (the save returns after that; a background
+        # save writes staged copies): a stream that can keep them by reference sends them from the tensor's memory
+        write = getattr(self.stream, "write_held", None) or self.stream.write
         for at in range(0, view.nbytes, PIECE):
-            self.stream.write(view[at:at + PIECE])
+            write(view[at:at + PIECE])
         self.pos += view.nbytes
 
     def flush(self) -> None:

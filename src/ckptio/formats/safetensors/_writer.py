@@ -2,7 +2,8 @@
 
 The output is byte-for-byte a standard safetensors file (8-byte little-endian header length, JSON
 header padded with spaces to 8-byte alignment, raw little-endian tensor data in header order). Only
-one tensor is materialised at a time, and its bytes go to the file without an extra copy.
+one tensor is materialised at a time (a held write keeps those of the parts still being sent: see :func:`write`),
+and its bytes go to the file without an extra copy.
 """
 
 from __future__ import annotations
@@ -47,14 +48,18 @@ def nbytes_of(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
 
 
 def write(out: "WriteStream", entries: Iterable[Entry], metadata: dict[str, str] | None = None,
-          progress: Callable[[int], None] | None = None) -> str:
+          progress: Callable[[int], None] | None = None, *, held: bool = False) -> str:
     """Write ``entries`` as a safetensors file into the new stream ``out`` (closed, durable, on return).
+
+    ``held``: the tensors the entries produce do not change until this returns (a save's own state, or its staged
+    copy): a stream that can keep bytes by reference (``write_held``: GCS, Azure) sends them from the tensors' memory
+    instead of copying them into its part buffers, and keeps each tensor until its last part is sent.
 
     Returns the file's checksum, computed as the bytes went out.
     """
     entries = list(entries)
     with out:
-        _stream(out, entries, metadata, progress)
+        _stream(out, entries, metadata, progress, held)
     return out.close()
 
 
@@ -82,9 +87,11 @@ def _header(entries: list[Entry], metadata: dict[str, str] | None) -> bytes:
 
 
 def _stream(out: Any, entries: list[Entry], metadata: dict[str, str] | None,
-            progress: Callable[[int], None] | None) -> None:
-    """The file's bytes, in order, into ``out.write`` (or ``out.update``: a hash)."""
+            progress: Callable[[int], None] | None, held: bool = False) -> None:
+    """The file's bytes, in order, into ``out.write`` (or ``out.update``: a hash); with ``held``, the tensors' bytes
+    into ``out.write_held`` where the stream has one (see :func:`write`)."""
     put = getattr(out, "write", None) or out.update
+    put_data = (getattr(out, "write_held", None) if held else None) or put
     blob = _header(entries, metadata)
     put(len(blob).to_bytes(8, "little"))
     put(blob)
@@ -96,7 +103,7 @@ def _stream(out: Any, entries: list[Entry], metadata: dict[str, str] | None,
         if tuple(tensor.shape) != tuple(e.shape):
             raise ValueError(f"{e.key!r}: produced shape {list(tensor.shape)}, planned {list(e.shape)}")
         if tensor.numel():
-            put(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]
+            put_data(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]
         if progress is not None:
             progress(e.nbytes)
         del tensor

@@ -147,8 +147,9 @@ def _write_files(files: list[chunk_index.FilePlan], views: dict, writer: "Folder
                    for i in f.items]
         if share is not None and f.items and all(i.key in apart for i in f.items):
             return lambda: (share(name, _st_writer.content_digest(entries, metadata))
-                            or _st_writer.write(writer.open(name), entries, metadata))
-        return lambda: _st_writer.write(writer.open(name), entries, metadata)
+                            or _st_writer.write(writer.open(name), entries, metadata, held=True))
+        # the local shards do not change until the save returns (a background save writes its staged copies)
+        return lambda: _st_writer.write(writer.open(name), entries, metadata, held=True)
 
     tasks = [task(f, name) for f, name in zip(files, names)]
     if len(tasks) == 1:

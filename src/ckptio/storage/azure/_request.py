@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import re
 from email.utils import parsedate_to_datetime
-from typing import Any
+from typing import Any, Sequence
 from urllib.parse import quote, unquote
 
+from ..objstore.upload import Body
 from ._client import AzureError
 
 PAGE = 5000
@@ -80,12 +81,13 @@ def error(response: Any) -> Exception:
     return exc
 
 
-def put(container: Any, key: str, data: Any, conditions: dict[str, str]) -> None:
-    """``Put Blob`` of ``data`` (``bytes`` or a ``memoryview``, sent as it is, again whole if retried) as a block
-    blob, with ``conditions`` (``If-None-Match: *``, ``If-Match: <ETag>``)."""
-    size = memoryview(data).nbytes
-    headers = {"x-ms-blob-type": "BlockBlob", "Content-Length": str(size), **conditions}
-    send(container, "PUT", key, 201, headers, data if size else b"")
+def put(container: Any, key: str, pieces: Sequence[Any], conditions: dict[str, str]) -> None:
+    """``Put Blob`` of ``pieces`` (bytes-like, one after another, sent from their own memory as one body: see
+    :class:`~..objstore.upload.Body`; again whole if retried) as a block blob, with ``conditions``
+    (``If-None-Match: *``, ``If-Match: <ETag>``)."""
+    body = Body(pieces)
+    headers = {"x-ms-blob-type": "BlockBlob", "Content-Length": str(body.size), **conditions}
+    send(container, "PUT", key, 201, headers, body if body.size else b"")
 
 
 def container_exists(container: Any) -> bool:

@@ -9,11 +9,11 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from ...errors import CheckpointNotFoundError
 from ..objstore._store import Bucket, Obj
-from ..objstore.upload import Parts, PartStream
+from ..objstore.upload import Body, Parts, PartStream
 from . import _client
 from ._client import THREADS, AbfsPath, AzPath, AzureError, _call, client, split_account
 from . import _request
@@ -79,7 +79,7 @@ class AzureBucket(Bucket):
         return Obj(key, size, modified, etag)
 
     def put(self, key: str, data: bytes, *, if_absent: bool = False, if_token: Any = None) -> None:
-        _call("writing", self.path(key), _request.put, self._container(), key, data,
+        _call("writing", self.path(key), _request.put, self._container(), key, (data,),
               _condition_headers(if_absent, if_token))
 
     def get(self, key: str, limit: int) -> tuple[bytes, Any]:
@@ -118,7 +118,7 @@ class AzureBucket(Bucket):
         size = path.stat().st_size
         if size <= _client.SINGLE_PUT:  # one Put Blob, as the client sends it, with no BlobClient (:mod:`._request`)
             data = path.read_bytes()
-            _call("uploading", self.path(key), _request.put, self._container(), key, data,
+            _call("uploading", self.path(key), _request.put, self._container(), key, (data,),
                   _condition_headers(if_absent, None))
             return
         with open(path, "rb") as f:
@@ -146,7 +146,7 @@ class AzureWriteStream(PartStream):
 class _Blocks(Parts):
     """One blob uploaded block by block (``stage_block``, retried by the client's policy; ``commit_block_list``).
     A block goes up with no checksum of its own: Azure checks only MD5 (~1.3 CPU-s/GB here, twice the whole raw
-    upload) or a CRC-64 the client computes with an optional extension; the bytes sent are the part buffer whose
+    upload) or a CRC-64 the client computes with an optional extension; the bytes sent are the part's pieces whose
     CRC-32C the manifest records, so a restore checks them (and the connection's TLS, those in transit)."""
 
     def __init__(self, bucket: AzureBucket, key: str) -> None:
@@ -163,19 +163,23 @@ class _Blocks(Parts):
     def _id(self, number: int) -> str:
         return f"{self.prefix}{number:08d}"
 
-    def send(self, number: int, offset: int, data: memoryview, crc: int) -> None:
-        _call(f"uploading block {number + 1} of", self.where, self.blob.stage_block, self._id(number), data,
-              length=data.nbytes)
+    def send(self, number: int, offset: int, pieces: Sequence[memoryview], crc: int) -> None:
+        """``Put Block`` of the part's pieces as one body from their own memory (:class:`Body`: the client's request
+        takes an iterable body as it is)."""
+        body = Body(pieces)
+        _call(f"uploading block {number + 1} of", self.where, self.blob.stage_block, self._id(number), body,
+              length=body.size)
 
-    def finish(self, number: int, offset: int, data: memoryview, crc: int, size: int, total_crc: int) -> None:
-        if data.nbytes:
-            self.send(number, offset, data, crc)
+    def finish(self, number: int, offset: int, pieces: Sequence[memoryview], crc: int, size: int,
+               total_crc: int) -> None:
+        if any(p.nbytes for p in pieces):
+            self.send(number, offset, pieces, crc)
             number += 1
         _call("committing the blocks of", self.where, self.blob.commit_block_list,
               [self._id(n) for n in range(number)])
 
-    def single(self, data: memoryview, crc: int) -> None:
-        """``Put Blob`` of ``data``, the part's buffer itself (``upload_blob`` takes only ``bytes``: a copy of up to 64
-        MiB, a new mapping of memory at every file, ~1 CPU-s/GB here); retried by the client's policy, which sends the
-        view again (:func:`._request.put`)."""
-        _call("uploading", self.where, _request.put, self.bucket._container(), self.key, data, {})
+    def single(self, pieces: Sequence[memoryview], crc: int) -> None:
+        """``Put Blob`` of the part's pieces from their own memory (``upload_blob`` takes only ``bytes``: a copy of up
+        to 64 MiB, a new mapping of memory at every file, ~1 CPU-s/GB here); retried by the client's policy, which
+        sends them again (:func:`._request.put`)."""
+        _call("uploading", self.where, _request.put, self.bucket._container(), self.key, pieces, {})

@@ -60,7 +60,7 @@ class GCSBucket(Bucket):
         return _obj(item, self.path(key))
 
     def put(self, key: str, data: bytes, *, if_absent: bool = False, if_token: Any = None) -> None:
-        upload_whole(self, key, data, crc32c(data), if_generation_match=0 if if_absent else if_token, what="writing")
+        upload_whole(self, key, (data,), crc32c(data), if_generation_match=0 if if_absent else if_token, what="writing")
 
     def get(self, key: str, limit: int) -> tuple[bytes, Any]:
         """One ranged ``GET`` of the object's media: its first ``limit`` bytes and, in the answer's
@@ -132,7 +132,7 @@ class GCSBucket(Bucket):
         larger one by the client's resumable upload (which checks its CRC-32C)."""
         if path.stat().st_size <= PART:
             data = path.read_bytes()
-            upload_whole(self, key, data, crc32c(data), if_generation_match=0 if if_absent else None)
+            upload_whole(self, key, (data,), crc32c(data), if_generation_match=0 if if_absent else None)
             return
         blob = self._bucket().blob(key)
         _call("uploading", self.path(key), blob.upload_from_filename, str(path),

@@ -15,9 +15,9 @@ import base64
 import json
 import secrets
 import time
-from typing import Any, Iterator
+from typing import Any, Sequence
 
-from ..objstore.upload import Parts
+from ..objstore.upload import Body, Parts, after, nbytes
 from ._client import DEADLINE, GCSError, client, objects_url, request, timeout
 
 PART = 100 << 20
@@ -45,11 +45,11 @@ class GCSParts(Parts):
         self.part_size = PART
         self.session: str | None = None
 
-    def single(self, data: memoryview, crc: int) -> None:
+    def single(self, pieces: Sequence[memoryview], crc: int) -> None:
         """The whole object in one request (:func:`upload_whole`)."""
-        upload_whole(self.bucket, self.key, data, crc)
+        upload_whole(self.bucket, self.key, pieces, crc)
 
-    def send(self, number: int, offset: int, data: memoryview, crc: int) -> None:
+    def send(self, number: int, offset: int, pieces: Sequence[memoryview], crc: int) -> None:
         if self.session is None:  # a resumable upload session: its URL comes in the answer's Location
             self.session = request("starting the upload of", self.where, "POST",
                                    objects_url(self.bucket.name, api="upload") + "?uploadType=resumable",
@@ -57,30 +57,34 @@ class GCSParts(Parts):
                                    headers={"Content-Type": "application/json; charset=UTF-8",
                                             "X-Upload-Content-Type": OCTETS},
                                    read=lambda answer: answer.headers["Location"])
-        self._put(number, offset, data, None, None)
+        self._put(number, offset, pieces, None, None)
 
-    def finish(self, number: int, offset: int, data: memoryview, crc: int, size: int, total_crc: int) -> None:
-        answer = self._put(number, offset, data, size, total_crc)
+    def finish(self, number: int, offset: int, pieces: Sequence[memoryview], crc: int, size: int,
+               total_crc: int) -> None:
+        answer = self._put(number, offset, pieces, size, total_crc)
         _check(self.bucket, self.key, answer, size, total_crc)
 
-    def _put(self, number: int, offset: int, data: memoryview, total: int | None, crc: int | None) -> dict[str, Any]:
-        """PUT ``data`` at ``offset`` of the session (``total``: the object's size, on the last request), sending
-        again what the server did not take; the server's JSON answer once the object is made, else ``{}``."""
+    def _put(self, number: int, offset: int, pieces: Sequence[memoryview], total: int | None,
+             crc: int | None) -> dict[str, Any]:
+        """PUT ``pieces`` at ``offset`` of the session (``total``: the object's size, on the last request), sending
+        again what the server did not take; the server's JSON answer once the object is made, else ``{}``. Every
+        part but the last is :data:`PART` bytes (a multiple of 256 KiB, as GCS wants every request but the last)."""
         from requests import RequestException
 
         assert self.session is not None
-        http, end = client()._http, offset + data.nbytes
+        http, end = client()._http, offset + nbytes(pieces)
         deadline, delay, done = time.monotonic() + DEADLINE, 0.5, 0
         what = f"uploading part {number + 1} of"
         while True:
-            rest = data[done:]
-            headers = {"Content-Type": "application/octet-stream", "Content-Length": str(rest.nbytes),
+            rest = end - offset - done
+            headers = {"Content-Type": "application/octet-stream", "Content-Length": str(rest),
                        "Content-Range": f"bytes {offset + done}-{end - 1}/{total if total is not None else '*'}"
-                       if rest.nbytes else f"bytes */{total}"}
+                       if rest else f"bytes */{total}"}
             if crc is not None:
                 headers["X-Goog-Hash"] = f"crc32c={_b64(crc)}"
-            try:
-                answer = http.request("PUT", self.session, data=rest if rest.nbytes else b"", headers=headers, timeout=timeout())
+            try:  # the part's pieces from their own memory, from where the server's answer said it has them
+                answer = http.request("PUT", self.session, data=Body(after(pieces, done)) if rest else b"",
+                                      headers=headers, timeout=timeout())
                 failure = ""
             except (RequestException, ConnectionError, TimeoutError) as exc:
                 answer, failure = None, f"{type(exc).__name__}: {exc}"
@@ -116,14 +120,14 @@ class GCSParts(Parts):
             pass
 
 
-def upload_whole(bucket: Any, key: str, data: Any, crc: int, *, if_generation_match: int | None = None,
+def upload_whole(bucket: Any, key: str, pieces: Sequence[Any], crc: int, *, if_generation_match: int | None = None,
                  what: str = "uploading") -> None:
-    """One multipart request making the object ``key`` of ``data`` (whose CRC-32C is ``crc``): its metadata, naming
-    that CRC-32C (GCS makes no object whose bytes do not match it), then ``data``, sent from its own memory (the
-    client's ``upload_from_file`` copied the bytes into a ``BytesIO``, read them out again and joined them into its
-    body: three copies, on pages never touched before); ``if_generation_match``: made only over that generation
-    (0: only where there is none). Retried whole, as the client's requests are (:func:`~._client.request`); the
-    object GCS answers with must be ``data`` (its CRC-32C and size), else it is removed and the write fails."""
+    """One multipart request making the object ``key`` of ``pieces`` (bytes-like, one after another, whose CRC-32C
+    is ``crc``): its metadata, naming that CRC-32C (GCS makes no object whose bytes do not match it), then the
+    pieces, sent from their own memory (the client's ``upload_from_file`` copied the bytes into a ``BytesIO``, read
+    them out again and joined them into its body: three copies, on pages never touched before);
+    ``if_generation_match``: made only over that generation (0: only where there is none). Retried whole, as the client's requests are (:func:`~._client.request`); the
+    object GCS answers with must be those bytes (their CRC-32C and size), else it is removed and the write fails."""
     where = bucket.path(key)
     url = objects_url(bucket.name, api="upload") + "?uploadType=multipart"
     if if_generation_match is not None:
@@ -132,13 +136,14 @@ def upload_whole(bucket: Any, key: str, data: Any, crc: int, *, if_generation_ma
     meta = json.dumps({"name": key, "contentType": OCTETS, "crc32c": _b64(crc)})
     head = (f"--{boundary}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n{meta}\r\n--{boundary}\r\n"
             f"Content-Type: {OCTETS}\r\n\r\n").encode()
-    pieces = (head, data, f"\r\n--{boundary}--\r\n".encode())
+    size = nbytes(pieces)
+    whole = (head, *pieces, f"\r\n--{boundary}--\r\n".encode())
     # a small body joined (one send: each send on a loopback or local connection costs a system call and the
-    # kernel's work), a large one sent from its own memory
-    body: Any = b"".join(pieces) if memoryview(data).nbytes <= JOIN else _Body(pieces)
+    # kernel's work), a large one sent from its pieces' own memory
+    body: Any = b"".join(whole) if size <= JOIN else Body(whole)
     made = request(what, where, "POST", url, data=body,
                    headers={"Content-Type": f'multipart/related; boundary="{boundary}"'}, read=_json)
-    _check(bucket, key, made, memoryview(data).nbytes, crc)
+    _check(bucket, key, made, size, crc)
 
 
 def _check(bucket: Any, key: str, answer: dict[str, Any], want_size: int, crc: int) -> None:
@@ -159,20 +164,6 @@ def _check(bucket: Any, key: str, answer: dict[str, Any], want_size: int, crc: i
 
 def _json(answer: Any) -> dict[str, Any]:
     return answer.json()
-
-
-class _Body:
-    """A request body sent piece by piece from the pieces' own memory (``requests`` sends an iterable with a length
-    as it is, with that ``Content-Length``), with no joined copy."""
-
-    def __init__(self, pieces: tuple[Any, ...]) -> None:
-        self.pieces = pieces
-
-    def __len__(self) -> int:
-        return sum(memoryview(p).nbytes for p in self.pieces)
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self.pieces)
 
 
 def _persisted(answer: Any) -> int:
