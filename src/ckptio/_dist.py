@@ -162,7 +162,7 @@ def all_gather_object(obj: T) -> list[T]:
 
 def decide_on_gathered(obj: Any, decide: Callable[[list[Any]], T], key: str = "") -> T:
     """Collective: rank 0 runs ``decide`` on every rank's ``obj`` (a list indexed by rank, each an unpickled copy, as
-    torch's ``gather_object`` gives) and every rank returns what it returned.
+    torch's ``gather_object`` gives; in one process ``[obj]`` itself) and every rank returns what it returned.
 
     A gather to rank 0 and a broadcast: two collectives, where torch's ``gather_object`` and
     ``broadcast_object_list`` make four. Each rank's pickle travels in a frame of an agreed size: :data:`OBJECT_ROUND`,
