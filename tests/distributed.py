@@ -194,6 +194,16 @@ def counting_collectives() -> Iterator[collections.Counter]:
             setattr(dist, name, fn)
 
 
+OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")
+"""torch's object collectives, counted once by :func:`counting_collectives` but two collectives each on the wire (the
+sizes, then the bytes; their inner calls do not go through ``torch.distributed``'s names)."""
+
+
+def real_collectives(counts: dict[str, int]) -> int:
+    """The collectives ``counts`` (from :func:`counting_collectives`) made on the wire."""
+    return sum(n * (2 if name in OBJECT_COLLECTIVES else 1) for name, n in counts.items())
+
+
 def kill_at(spec: str) -> None:
     """``POINT:N``: this process SIGKILLs itself the N-th time a ckptio save reaches the fault point POINT
     (``ckptio._faults``), as a preemption without notice would at that instant."""

@@ -160,6 +160,58 @@ def all_gather_object(obj: T) -> list[T]:
     return [pickle.loads(head[:size]) for size, head in parts]  # this rank's too: a copy, as torch's
 
 
+def decide_on_gathered(obj: Any, decide: Callable[[list[Any]], T], key: str = "") -> T:
+    """Collective: rank 0 runs ``decide`` on every rank's ``obj`` (a list indexed by rank, each an unpickled copy, as
+    torch's ``gather_object`` gives; in one process ``[obj]`` itself) and every rank returns what it returned.
+
+    A gather to rank 0 and a broadcast: two collectives, where torch's ``gather_object`` and
+    ``broadcast_object_list`` make four. Each rank's pickle travels in a frame of an agreed size: :data:`OBJECT_ROUND`,
+    or for a ``key`` used before, a little more than the largest pickle of its last round (rank 0 sends that size
+    with the decision, so every rank knows it: a DCP save's write results, ~200 bytes per tensor, fit their frame
+    from the second save on). A pickle larger than its frame costs two more collectives: rank 0's broadcast asks
+    for a second gather in frames that fit, then sends the decision. A decision larger than :data:`OBJECT_ROUND`
+    costs one more (:func:`broadcast_object`). ``decide`` must not raise (only rank 0 runs it: the other ranks
+    would wait): it returns a failure as a value."""
+    if not is_dist():
+        return decide([obj])
+    import pickle
+
+    import torch
+
+    group = current_group()
+    device = flag_device(group)
+    root = rank() == 0
+    data = pickle.dumps(obj)
+
+    def gather(size: int) -> list[tuple[int, bytes]]:
+        bufs = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(world_size())] if root else None
+        dist.gather(_framed(data, size, device), gather_list=bufs, dst=0, group=group)
+        return [_unframed(b) for b in bufs] if bufs is not None else []
+
+    frame = _frames.get(key, OBJECT_ROUND)
+    parts = gather(frame)
+    message: tuple[str, Any, int] | None = None
+    if root:
+        largest = max(size for size, _ in parts)
+        message = ("again", None, largest + 8) if largest > frame - 8 else (
+            "decided", decide([pickle.loads(head[:size]) for size, head in parts]), largest)
+    kind, value, size = broadcast_object(message)  # type: ignore[misc]  # rank 0 sends a tuple
+    if kind == "again":
+        parts = gather(size)
+        if root:
+            message = ("decided", decide([pickle.loads(head[:n]) for n, head in parts]), size - 8)
+        kind, value, size = broadcast_object(message)  # type: ignore[misc]
+    if key:
+        # the next round of this key: an eighth more than the largest pickle of this one, in whole 4 KB
+        _frames[key] = max(OBJECT_ROUND, -(-(size + 8 + size // 8) // OBJECT_ROUND) * OBJECT_ROUND)
+    return value
+
+
+_frames: dict[str, int] = {}
+"""The frame size of :func:`decide_on_gathered`'s next round for each key, the same on every rank (set from what rank
+0 broadcast)."""
+
+
 def flag_device(group: Any = None) -> Any:
     """Where ``group``'s (default: the default group's) all-reduce takes a flag: on the CPU with gloo, else on this
     rank's GPU."""

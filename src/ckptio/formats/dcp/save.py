@@ -1,12 +1,13 @@
 """Saving DCP folders through ``torch.distributed.checkpoint``, with every file checksummed as it is written.
 
-:func:`save` runs DCP's own ``FileSystemWriter`` (so plain DCP reads what it writes) on a file system
-whose streams go through a :class:`FolderWriter`. Each rank writes one data file (``__R_0.distcp``, as
-other tools lay DCP folders out); with ``thread_count`` > 1 that file is written as that many regions at
-once, one per DCP writer thread (:class:`_OneFilePerRank`). A failure on one of those threads, which DCP
-does not report, is caught at the stream and raised by :func:`save` on every rank, and no thread is left
-writing into a folder that is about to be removed. Also here: the mapping of DCP's ``CheckpointException`` to ckptio's errors, shared
-with loading (:mod:`ckptio.formats.dcp.format`).
+:func:`save` runs DCP's save steps with DCP's own planner and ``FileSystemWriter`` (so plain DCP reads what it
+writes), coordinated by ckptio's cheaper rounds (:mod:`ckptio.formats.dcp.rounds`), on a file system whose streams
+go through a :class:`FolderWriter`. Each rank writes one data file (``__R_0.distcp``, as other tools lay DCP folders
+out); with ``thread_count`` > 1 that file is written as that many regions at once, one per writer thread
+(:class:`_OneFilePerRank`). A failure on one of those threads, which DCP does not report, is caught at the stream
+and raised by :func:`save` on every rank, and no thread is left writing into a folder that is about to be removed.
+Also here: the mapping of DCP's ``CheckpointException`` to ckptio's errors, used by loading
+(:mod:`ckptio.formats.dcp.format`).
 
 Call sequence: :func:`save` is a collective when a process group is initialised.
 """
@@ -22,7 +23,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
@@ -313,30 +313,29 @@ def save(state_dict: dict[str, Any], writer: "FolderWriter | str | Path", rel: s
     fs = _WriterFileSystem(writer, rel, base)
     storage.fs = fs
     where = base if rel else writer.local_path()
+    key = f"ckptio:{rel}:{id(_dist.current_group())}:{_dist.world_size()}"
 
-    def run() -> dict[str, str]:
-        try:  # a failure on the calling thread comes back from DCP with its cause (see create_stream)
-            with _quiet_single_process(), _plain_errors("saving", where), _no_zip_crc32():
-                dcp.save(state_dict, storage_writer=storage, no_dist=not _dist.is_dist(),
-                         process_group=_dist.current_group(), planner=_planner(rel))
-        except BaseException:
-            fs.quiesce()  # before the caller removes the folder
-            raise
+    def written() -> None:  # after this rank's write: a failure only one of the writer threads saw (DCP does not)
         unfinished = [name for name, file in fs._regioned.items() if file.digest is None]
-        if unfinished and not fs.failed:
-            raise CheckpointError(f"saving DCP folder {where}: {unfinished[0]} was not written whole")
-        if fs.failed:  # on one of DCP's extra writer threads, which DCP does not report
+        if fs.failed:
             name, exc = fs.failed[0]
             cause = fs.errors[0] if fs.errors else exc
-            raise CheckpointError(f"saving DCP folder {where} failed writing {Path(name).name}: {cause}") from exc
-        return dict(fs.digests)
+            raise CheckpointError(f"writing {Path(name).name} failed: {cause}") from exc
+        if unfinished:
+            raise CheckpointError(f"{unfinished[0]} was not written whole")
 
-    # a failure only a writer thread saw surfaces after DCP's own collectives: every rank raises together (on every
-    # rank alike: ranks of nodes with different core counts may use different thread counts)
-    return _dist.run_collectively(f"saving DCP folder {where}", run)
+    from .rounds import save_steps
+
+    try:  # a failure on the calling thread comes back with its cause (see create_stream)
+        with _no_zip_crc32():
+            save_steps(state_dict, storage, _planner(key), key=key, where=str(where), written=written)
+    except BaseException:
+        fs.quiesce()  # before the caller removes the folder
+        raise
+    return dict(fs.digests)
 
 
-def _planner(rel: str) -> Any:
+def _planner(key: str) -> Any:
     """DCP's default planner with its plan cache on (``None`` on 1 rank, and where torch has no such cache).
 
     Every save on more than one rank sends each rank's plan (an entry per tensor chunk) to the coordinator and the
@@ -353,7 +352,7 @@ def _planner(rel: str) -> Any:
         planner = DefaultSavePlanner(enable_plan_caching=True)
     except TypeError:  # a torch without the plan cache
         return None
-    planner._cached_plans_key = f"ckptio:{rel}:{id(_dist.current_group())}:{_dist.world_size()}"
+    planner._cached_plans_key = key
     return planner
 
 
