@@ -143,3 +143,25 @@ def test_a_failure_on_one_rank_raises_on_every_rank_naming_the_folder(tmp_path, 
         assert message in got["error"], got["error"]
         assert got["threads"] == [], f"rank {rank}: writer threads left: {got['threads']}"
         assert not got["metadata"], "a folder whose save failed has DCP's metadata"
+
+
+def _group_keys() -> list[str]:
+    from ckptio import _dist
+
+    keys = []
+    for _ in range(4):  # each group freed before the next is made: the next may reuse its memory
+        group = _dist.new_gloo_group()
+        with _dist.using_group(group):
+            keys.append(_dist.group_key())
+        _dist.destroy_group(group)
+    keys.append(_dist.group_key())  # the default group
+    return keys
+
+
+def test_the_caches_key_of_a_group_is_the_same_on_every_rank_and_never_reused():
+    """A DCP plan and a round's frame size are cached per group, and every rank must find the same entry, or the
+    ranks gather frames of different sizes. The key was the group's ``id()``, which differs between processes and
+    may be given to a group made after another was freed."""
+    first, second = run_ranks(2, _group_keys)
+    assert first == second
+    assert len(set(first)) == len(first)

@@ -42,6 +42,17 @@ def current_group() -> Any:
     return getattr(_local, "group", None)
 
 
+def group_key() -> str:
+    """A name of the current group that is the same on each of its ranks and never given to another group of this
+    process (c10d names groups in the order they are made, which every rank shares): for caches that must agree
+    across ranks (a DCP plan, a round's frame size). Not ``id()``: each process has its own, and a group made after
+    another is freed may get the freed one's."""
+    group = current_group()
+    if group is None:
+        return "default"
+    return f"{getattr(group, 'group_name', '')}:{','.join(map(str, dist.get_process_group_ranks(group)))}"
+
+
 def is_dist() -> bool:
     return dist.is_available() and dist.is_initialized()
 

@@ -371,7 +371,7 @@ def _group_for(device: str) -> Any:
     group = _dist.current_group()
     if device != "cpu" or str(dist.get_backend(group)) != "nccl":
         return group
-    key = (id(group), dist.get_world_size(group))
+    key = _dist.group_key()  # the same on every rank: each makes its side group, or none does
     if key not in _side_groups:
         _side_groups[key] = _dist.new_gloo_group()  # destroyed at exit at the latest
     return _side_groups[key]

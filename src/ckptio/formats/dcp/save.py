@@ -313,7 +313,7 @@ def save(state_dict: dict[str, Any], writer: "FolderWriter | str | Path", rel: s
     fs = _WriterFileSystem(writer, rel, base)
     storage.fs = fs
     where = base if rel else writer.local_path()
-    key = f"ckptio:{rel}:{id(_dist.current_group())}:{_dist.world_size()}"
+    key = f"ckptio:{rel}:{_dist.group_key()}:{_dist.world_size()}"
 
     def written() -> None:  # after this rank's write: a failure only one of the writer threads saw (DCP does not)
         unfinished = [name for name, file in fs._regioned.items() if file.digest is None]
