@@ -57,6 +57,13 @@ def is_dist() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def _alone() -> bool:
+    """No other rank in this thread's group (not distributed, or a group of one rank: a job of one process started by
+    ``torchrun``): a collective there would return this rank's own values, at the cost of a real one (gloo's
+    all-gather of a pickle, broadcast, all-reduce: ~2.4 ms of CPU in a 1-rank save), so it is skipped."""
+    return not is_dist() or dist.get_world_size(current_group()) == 1
+
+
 def rank() -> int:
     return dist.get_rank() if is_dist() else 0
 
@@ -128,7 +135,7 @@ def _unframed(buf: Any) -> tuple[int, bytes]:
 
 def broadcast_object(obj: T, src: int = 0) -> T:
     """Collective: every rank returns rank ``src``'s ``obj`` (one broadcast when it fits :data:`OBJECT_ROUND`)."""
-    if not is_dist():
+    if _alone():
         return obj
     import pickle
 
@@ -151,7 +158,7 @@ def broadcast_object(obj: T, src: int = 0) -> T:
 def all_gather_object(obj: T) -> list[T]:
     """Collective: a list with every rank's ``obj``, indexed by rank (one all-gather when each fits
     :data:`OBJECT_ROUND`)."""
-    if not is_dist():
+    if _alone():
         return [obj]
     import pickle
 
@@ -237,7 +244,7 @@ def flag_device(group: Any = None) -> Any:
 def any_rank(flag: bool) -> bool:
     """Collective: whether ``flag`` is true on any rank (one all-reduce of an integer, on this thread's group:
     ~8x cheaper on gloo than an ``all_gather_object``, which pickles and makes two collectives)."""
-    if not is_dist():
+    if _alone():
         return flag
     import torch
 
@@ -322,7 +329,7 @@ def raise_if_any_failed(what: str, error: Exception | None, reports: list[tuple[
 def decide_on_rank0(what: str, fn: Callable[[], T]) -> T:
     """Collective, one broadcast: rank 0 runs ``fn`` and every rank returns its result, or raises its exception
     (the same class and message on every rank; one that cannot travel becomes a :class:`CheckpointError`)."""
-    if not is_dist():
+    if _alone():
         return fn()
     outcome: tuple[bool, Any] | None = None
     own: Exception | None = None

@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from ..errors import CheckpointError
 
-__all__ = ["Stager"]
+__all__ = ["Stager", "changed_by_step", "finishing"]
 
 _ATOMS = frozenset({bool, int, float, complex, str, bytes})
 
@@ -260,3 +260,28 @@ def _synchronize(device: torch.device) -> None:
     accelerator = getattr(torch, "accelerator", None)
     if accelerator is not None and accelerator.is_available():
         accelerator.synchronize(device)
+
+
+def changed_by_step(optimizer: Any) -> tuple[Any, Any]:
+    """Which tensors of a state only ``optimizer``'s step changes (its parameters and its state), and which of those are
+    its parameters, recognised by where their bytes are: their staging copies may wait for the writer's thread (the
+    parameters' with a few elements sampled first, :meth:`Stager.finish`). ``None``: nothing waits."""
+    if optimizer is None:
+        return None, None
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    states = [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    with torch.no_grad():
+        weights = {(t.to_local() if isinstance(t, DTensor) else t).data_ptr() for t in params}
+        owned = weights | {(t.to_local() if isinstance(t, DTensor) else t).data_ptr() for t in states}
+    owned.discard(0)
+    weights.discard(0)
+    return (lambda tensor: tensor.numel() > 0 and tensor.data_ptr() in owned,
+            lambda tensor: tensor.data_ptr() in weights)
+
+
+def finishing(stager: Stager) -> Any:
+    """The optimizer's step pre-hook: the staging copies of the save in flight are made (here, or by the writer's
+    thread while the step waits) before the step changes what they copy."""
+    def hook(*_: Any) -> None:
+        stager.finish()
+    return hook

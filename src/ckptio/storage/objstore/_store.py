@@ -132,7 +132,8 @@ class Bucket(ABC):
     @abstractmethod
     def open_stream(self, spool: Path | None, key: str) -> Any:
         """A :class:`~ckptio.storage.base.WriteStream` that becomes the object ``key`` when it is closed, its bytes
-        kept at ``spool`` meanwhile by a bucket that :attr:`spools` (``None`` for one that does not)."""
+        kept at ``spool`` meanwhile by a bucket that :attr:`spools` (``None`` for one that does not); its ``size``
+        is the bytes written (once closed: the object's)."""
 
     spools = True
     """Whether a stream of :meth:`open_stream` keeps its bytes in a local file (S3's: its parts are read back from

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...errors import CheckpointError
+from ..base import ClosedOnSuccess
 from ..confined import check_relative
 from ..lock import Scratch
 from ._store import MANIFEST, PENDING, ObjectPath, PreconditionFailed
@@ -29,6 +30,8 @@ class ObjectFolderWriter:
         self._scratch: Scratch | None = None
         self._scratch_lock = threading.Lock()
         self._local_sums: dict[str, str] = {}
+        self._made: dict[str, tuple[int, str]] = {}  # see written()
+        self._made_lock = threading.Lock()
         self.regions = self.store.spools
         """Whether a file of :meth:`open` may be written as regions by several threads (see :attr:`Bucket.spools`)."""
         self.writes_whole = True
@@ -62,7 +65,24 @@ class ObjectFolderWriter:
 
     def open(self, rel: str) -> Any:
         key = self._key(rel)
-        return self.store.open_stream(self.spool / "streams" / uuid.uuid4().hex if self.store.spools else None, key)
+        stream = self.store.open_stream(self.spool / "streams" / uuid.uuid4().hex if self.store.spools else None, key)
+        return _Recorded(stream, rel, self._record)
+
+    def _record(self, rel: str, size: int, digest: str) -> None:
+        with self._made_lock:
+            self._made[rel] = (size, digest)
+
+    def written(self) -> dict[str, tuple[int, str]]:
+        """Every object this writer made in the step (this rank's files, :meth:`local_path`'s uploaded first):
+        relative path -> (size, checksum), as the store confirmed them when each was made (a stream's object once its
+        close succeeded, its size and CRC-32C checked by the store where it checks them), renames followed. The
+        whole step is the union of every rank's (with the files other steps hold for it): what rank 0's commit
+        lists without a listing. A file is an object only once made here, every write of the step goes through
+        a writer, and :meth:`ObjectStorage.begin_step` emptied the step's prefix under the folder's lease: no object
+        of the step is missing from the union."""
+        self._upload_local()
+        with self._made_lock:
+            return dict(self._made)
 
     def write_bytes(self, rel: str, data: bytes) -> str:
         with self.open(rel) as stream:
@@ -92,9 +112,10 @@ class ObjectFolderWriter:
             for path in sorted(self._local.rglob("*")):
                 rel = path.relative_to(self._local).as_posix()
                 if path.is_file() and not path.is_symlink() and rel not in self._local_sums:
-                    digest = file_checksum(path)
+                    size, digest = path.stat().st_size, file_checksum(path)
                     self.store.upload_file(path, self._key(rel))
                     self._local_sums[rel] = digest
+                    self._record(rel, size, digest)
 
     def reader(self, rel: str = "") -> "ObjectFolder":
         """What every rank has uploaded under ``rel`` so far (this rank's local files are uploaded first)."""
@@ -113,6 +134,10 @@ class ObjectFolderWriter:
         src, dst = self._key(rel), self._key(new_rel)
         self.store.copy(src, dst)
         self.store.delete(src)
+        with self._made_lock:
+            made = self._made.pop(rel, None)
+            if made is not None:
+                self._made[new_rel] = made
 
     def exists(self, rel: str) -> bool:
         return self.store.head(self._key(rel)) is not None
@@ -165,3 +190,27 @@ class ObjectFolderWriter:
     def abort_spool(self) -> None:
         """Drop the local spool only: objects already uploaded stay (adding files to a committed step)."""
         self._drop_spool()
+
+
+class _Recorded(ClosedOnSuccess):
+    """A stream of :meth:`ObjectFolderWriter.open`: the store's own, whose object is recorded in its writer
+    (:meth:`ObjectFolderWriter.written`) once its :meth:`close` succeeded, never after a :meth:`discard`. Everything
+    else is the store's stream (its ``write`` itself: no call in between)."""
+
+    def __init__(self, stream: Any, rel: str, record: Any) -> None:
+        self.stream, self.rel, self._record, self._discarded = stream, rel, record, False
+        self.write = stream.write
+        self.tell = stream.tell
+
+    def close(self) -> str:
+        digest: str = self.stream.close()
+        if not self._discarded:
+            self._record(self.rel, self.stream.size, digest)
+        return digest
+
+    def discard(self) -> None:
+        self._discarded = True
+        self.stream.discard()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
