@@ -232,8 +232,9 @@ def test_a_read_a_local_files_upload_and_the_containers_lookup_make_no_blob_clie
     assert bucket.get("r/config.json", 100)[0] == b'{"hidden_size": 8}' and bucket.head("r/empty").size == 0
 
 
-SAVE_REQUESTS = {"HEAD": 1, "GET": 3, "PUT": 13, "DELETE": 2}
-"""A 1-rank save of a small state in a new folder: the container looked up; 3 listings; 13 puts (the lease, the
+SAVE_REQUESTS = {"HEAD": 1, "GET": 2, "PUT": 13, "DELETE": 2}
+"""A 1-rank save of a small state in a new folder: the container looked up; 2 listings (the commit takes the step's
+files from what the writers made, not a third listing); 13 puts (the lease, the
 in-progress mark, the files, the chunk indexes, the run record, the manifest, the pointer); the mark and the
 lease removed."""
 
