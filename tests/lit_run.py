@@ -57,7 +57,18 @@ class SignalIn(pl.Callback):
             os.kill(os.getpid(), self.signum)
 
 
+def _group_at_exit() -> None:
+    """Registered first, so run last of the atexit hooks (ckptio's included): a process group still up then is left
+    for the interpreter's teardown, where gloo's live threads may abort the process (SIGABRT)."""
+    import torch.distributed as dist
+
+    print(f"process group at exit: {'up' if dist.is_available() and dist.is_initialized() else 'gone'}", flush=True)
+
+
 def main() -> None:
+    import atexit
+
+    atexit.register(_group_at_exit)  # reached only when the run ends by an exception (ckptio's SystemExit on "exit")
     root, epochs, out = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])  # root: a folder or s3://bucket/prefix
     ddp = "--ddp" in sys.argv
     plugins = []

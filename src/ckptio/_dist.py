@@ -105,6 +105,30 @@ def _destroy_owned() -> None:
 _owned: list[Any] = []
 
 
+def destroy_default_at_exit() -> None:
+    """At interpreter exit, destroy the default process group if it is still there (and with it every group). For a
+    process ckptio ends itself (``on_preemption="exit"``: ``SystemExit`` from inside a framework's loop, so the
+    script's own clean-up never runs): gloo's threads still alive when the interpreter tears down abort the process
+    (SIGABRT), and the job would be reported failed although every rank saved. atexit runs its hooks last registered
+    first, before the teardown: this one after anything the script or the framework registered earlier."""
+    import atexit
+
+    if not _exit_hook:
+        atexit.register(_destroy_default)
+        _exit_hook.append(True)
+
+
+def _destroy_default() -> None:
+    if is_dist():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - the process is ending; nothing to report it to
+            pass
+
+
+_exit_hook: list[bool] = []
+
+
 def barrier() -> None:
     if is_dist():
         dist.barrier(group=current_group())

@@ -143,8 +143,10 @@ class CkptioAccelerator(Accelerator):
         self.wait_for_everyone()
         self.ckptio_preemption.saved(signum, folder if step is None else f"step {step} ({folder})")
         if self.ckptio_preemption.mode == "exit":
+            from .integrations.framework_preemption import exit_after_save
+
             self.end_training()
-            raise SystemExit(0)
+            exit_after_save()
         return folder
 
     @property

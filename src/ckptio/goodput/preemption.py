@@ -107,6 +107,7 @@ class Preemption:
                              "handing control back (CheckpointManager.preempted is set)")
         if self.mode == "exit":
             mgr.close()
+            _dist.destroy_default_at_exit()  # gloo's threads alive at teardown would abort the process (SIGABRT)
             raise SystemExit(0)
         return path
 

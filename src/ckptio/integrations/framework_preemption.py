@@ -16,15 +16,22 @@ import contextlib
 import logging
 import signal
 from types import SimpleNamespace
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, NoReturn, Sequence
 
 from .. import _dist
 from ..config_checks import validate_preemption
 from ..goodput.preemption import Preemption
 
-__all__ = ["FrameworkPreemption"]
+__all__ = ["FrameworkPreemption", "exit_after_save"]
 
 log = logging.getLogger("ckptio")
+
+
+def exit_after_save() -> NoReturn:
+    """``on_preemption="exit"`` once every rank saved: ``SystemExit(0)``, the process group destroyed at interpreter
+    exit (:func:`ckptio._dist.destroy_default_at_exit`) so that the process ends with status 0."""
+    _dist.destroy_default_at_exit()
+    raise SystemExit(0)
 
 
 class FrameworkPreemption:
@@ -79,7 +86,7 @@ class FrameworkPreemption:
         finally:
             self.close()
         if self.preempted and self.mode == "exit":
-            raise SystemExit(0)
+            exit_after_save()
 
     def close(self) -> None:
         """Give each signal the handler it had before ours (unless something replaced ours since)."""

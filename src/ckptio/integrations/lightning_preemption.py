@@ -29,7 +29,7 @@ import pytorch_lightning as pl
 
 from ..errors import ConfigError
 from ..config_checks import parse_signal
-from .framework_preemption import FrameworkPreemption
+from .framework_preemption import FrameworkPreemption, exit_after_save
 
 __all__ = ["CkptioPreemption"]
 
@@ -77,7 +77,7 @@ class CkptioPreemption(pl.Callback):
         self.preemption.saved(signum, f"step {trainer.global_step} ({self.path})")
         self.preemption.call_previous(signum)  # Lightning's own, on every rank at once: its broadcast is matched
         if self.preemption.mode == "exit":
-            raise SystemExit(0)
+            exit_after_save()
         trainer.should_stop = True
 
     def _folder(self, trainer: pl.Trainer) -> str:
