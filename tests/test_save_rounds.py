@@ -263,3 +263,28 @@ def test_a_job_of_one_rank_in_a_process_group_makes_no_round_of_ckptios_own():
     (counts, got), = run_ranks(1, _rounds_alone)
     assert counts == {}, counts
     assert got == [7, [{"a": 1}], "name", 3, (2, [3]), "disk full here"], got
+
+
+def _gathered_alone() -> tuple[dict[str, int], list]:
+    import tempfile
+
+    import torch.distributed as dist
+
+    from ckptio import _dist
+
+    with tempfile.TemporaryDirectory() as tmp:  # what torchrun gives a job of one process
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+        try:
+            with counting_collectives() as counts:
+                got = _dist.decide_on_gathered({"plan": [1, 2]}, lambda parts: parts, key="alone")
+            return dict(counts), got
+        finally:
+            dist.destroy_process_group()
+
+
+def test_a_dcp_round_in_a_group_of_one_rank_makes_no_collective():
+    """DCP's rounds (:func:`ckptio._dist.decide_on_gathered`) in a group of one rank: rank 0 decides on its own
+    object (a copy, as on several ranks) without a gather or a broadcast."""
+    (counts, got), = run_ranks(1, _gathered_alone)
+    assert counts == {}, counts
+    assert got == [{"plan": [1, 2]}]

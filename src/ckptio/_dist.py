@@ -213,10 +213,12 @@ def decide_on_gathered(obj: Any, decide: Callable[[list[Any]], T], key: str = ""
     from the second save on). A pickle larger than its frame costs two more collectives: rank 0's broadcast asks
     for a second gather in frames that fit, then sends the decision. A decision larger than :data:`OBJECT_ROUND`
     costs one more (:func:`broadcast_object`). ``decide`` must not raise (only rank 0 runs it: the other ranks
-    would wait): it returns a failure as a value."""
-    if not is_dist():
-        return decide([obj])
+    would wait): it returns a failure as a value. A group of one rank makes no collective (:func:`_alone`); ``decide``
+    gets an unpickled copy there as well."""
     import pickle
+
+    if _alone():
+        return decide([pickle.loads(pickle.dumps(obj))] if is_dist() else [obj])
 
     import torch
 

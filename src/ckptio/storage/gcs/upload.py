@@ -126,8 +126,9 @@ def upload_whole(bucket: Any, key: str, pieces: Sequence[Any], crc: int, *, if_g
     is ``crc``): its metadata, naming that CRC-32C (GCS makes no object whose bytes do not match it), then the
     pieces, sent from their own memory (the client's ``upload_from_file`` copied the bytes into a ``BytesIO``, read
     them out again and joined them into its body: three copies, on pages never touched before);
-    ``if_generation_match``: made only over that generation (0: only where there is none). Retried whole, as the client's requests are (:func:`~._client.request`); the
-    object GCS answers with must be those bytes (their CRC-32C and size), else it is removed and the write fails."""
+    ``if_generation_match``: made only over that generation (0: only where there is none). Retried whole, as the
+    client's requests are (:func:`~._client.request`); the object GCS answers with must be those bytes (their CRC-32C
+    and size), else it is removed and the write fails."""
     where = bucket.path(key)
     url = objects_url(bucket.name, api="upload") + "?uploadType=multipart"
     if if_generation_match is not None:
