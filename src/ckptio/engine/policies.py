@@ -11,6 +11,7 @@ when another job wrote into the same folder.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import math
 from dataclasses import dataclass, field
@@ -160,11 +161,18 @@ def after_commit(storage: "Storage | Path", policy: RetentionPolicy, *,
     ``written``, and the target of the LATEST pointer (the commit moves it there before calling this), even when
     a newer step lies in the folder (a run resumed from an older one). Returns what was removed.
     """
+    if not policy.monitor and not policy.active and not policy.keep_optimizer_latest:
+        return []  # nothing to decide: the folder is not scanned
+    storage = _storage(storage)
+    # a bucket's folder listed once, not step by step, and the manifests read before not fetched again
+    with getattr(storage, "scanning", contextlib.nullcontext)():
+        return _after_commit(storage, policy, protected, written)
+
+
+def _after_commit(storage: "Storage", policy: RetentionPolicy, protected: AbstractSet[str],
+                  written: str | None) -> list[Path]:
     from .layout import BEST, LATEST, committed_checkpoints
 
-    if not policy.monitor and not policy.active and not policy.keep_optimizer_latest:
-        return []  # nothing to decide: the folder is not scanned (a listing and a manifest read per step in a bucket)
-    storage = _storage(storage)
     entries = committed_checkpoints(storage)
     if policy.monitor:
         best = best_checkpoint(entries, policy.monitor, policy.mode)

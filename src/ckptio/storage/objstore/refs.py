@@ -16,7 +16,7 @@ the rewrite the old object is still there; after it nobody refers to the old one
 from __future__ import annotations
 
 from pathlib import PurePosixPath
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ...errors import CheckpointError, CheckpointNotFoundError
 from ...engine.manifest import held_by
@@ -66,13 +66,32 @@ def references(storage: "ObjectStorage", skip: str | None = None) -> dict[str, d
         if entry.kind != "dir" or entry.name.startswith(".") or entry.name == skip:
             continue
         try:
-            data, _ = storage.store.get(storage._key(f"{entry.name}/{MANIFEST}"), MAX_MANIFEST + 1)
+            data = _manifest(storage, entry.name)
         except CheckpointNotFoundError:
             continue
         shared = shared_of(data, entry.name)
         if shared:
             out[entry.name] = shared
     return out
+
+
+def _manifest(storage: "ObjectStorage", name: str) -> bytes:
+    """The bytes of step ``name``'s manifest: as a scan's session holds them (read or handed over by the storage's
+    memo of unchanged manifests: :mod:`.scanning`), else read."""
+    key = storage._key(f"{name}/{MANIFEST}")
+    session: Any = storage._session
+    known = getattr(session, "known", None)  # a ScanSession's
+    listed = known(key) if known is not None else None
+    if listed is not None and listed.size <= MAX_MANIFEST:
+        with session.cache.lock:
+            held = session.cache.find(key, 0, listed.size)
+            if held is not None:
+                return bytes(held)
+    data, _ = storage.store.get(key, MAX_MANIFEST + 1)
+    if listed is not None and len(data) == listed.size:
+        with session.cache.lock:
+            session.cache.add(key, 0, bytearray(data))  # kept by the memo with the listed version
+    return data
 
 
 def referenced(storage: "ObjectStorage", name: str, skip: str | None = None) -> set[str]:

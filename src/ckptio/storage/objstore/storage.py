@@ -12,6 +12,7 @@ from . import refs
 from ._store import MANIFEST, MAX_POINTER_BYTES, PENDING, Bucket, Obj, ObjectPath
 from .lease import ObjectLease
 from .reader import ObjectFolder, Session
+from .scanning import ManifestMemo, ScanSession
 from .writer import ObjectFolderWriter
 
 
@@ -35,6 +36,7 @@ class ObjectStorage:
         self.store, self.bucket, self.prefix = store, store.name, prefix
         self.root: ObjectPath = store.path(prefix)
         self._session: Session | None = None
+        self._memo = ManifestMemo()  # the manifests its scans read (see .scanning)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({str(self.root)!r})"
@@ -65,6 +67,22 @@ class ObjectStorage:
             yield
         finally:
             self._session = None
+
+    @contextlib.contextmanager
+    def scanning(self) -> Iterator[None]:
+        """While this lasts (retention after a commit: every step looked at, some removed), one recursive listing of
+        the folder answers its listings and its steps', asked for again after each write through this storage, and
+        the manifests read by an earlier scan are not fetched again while unchanged (:mod:`.scanning`). Inside a
+        :meth:`session` already: that session, as it is."""
+        if self._session is not None:
+            yield
+            return
+        self._session = ScanSession(self.store, f"{self.prefix}/" if self.prefix else "", self._memo)
+        try:
+            yield
+        finally:
+            session, self._session = self._session, None
+            session.forget()  # the manifests it read kept for the next scan
 
     def share_step(self, name: str) -> None:
         """Collective: within a :meth:`session` on several ranks, rank 0 lists the folder and the step ``name`` and
@@ -109,9 +127,10 @@ class ObjectStorage:
         if self._session is not None:
             self._session.forget()
 
-    def _objects(self, prefix: str) -> dict[str, Obj]:
-        """rel -> the listing entry of every object below ``prefix``, recursively."""
-        objects, _ = self.store.listing(prefix + "/", delimiter=False)
+    def _objects(self, prefix: str, session: Session | None = None) -> dict[str, Obj]:
+        """rel -> the listing entry of every object below ``prefix``, recursively (as ``session`` shows it, if given;
+        else asked of the bucket)."""
+        objects, _ = (session or self.store).listing(prefix + "/", delimiter=False)
         return {obj.key[len(prefix) + 1:]: obj for obj in objects}
 
     def _delete_prefix(self, prefix: str, *, manifest_first: bool, objects: "dict[str, Any] | None" = None,
@@ -164,11 +183,14 @@ class ObjectStorage:
     def remove_step(self, name: str) -> None:
         """Remove the step, less the objects other committed steps refer to; then collect what it referred to that
         nothing refers to any more (objects of steps removed before, kept for it)."""
-        self._wrote()
+        # what refers to what, and the step's objects, as a scan's session shows them (no request then); the session
+        # forgets them before the first write
         every = refs.references(self)
         own = every.pop(name, {})
         held = held_by(every.values())
-        self._delete_prefix(self._key(name), manifest_first=True, keep=held.get(name, set()))
+        objects = self._objects(self._key(name), self._session)
+        self._wrote()
+        self._delete_prefix(self._key(name), manifest_first=True, keep=held.get(name, set()), objects=objects)
         for owner in sorted({target.partition("/")[0] for target in own.values()}):
             objects = self._objects(self._key(owner))
             keep = held.get(owner, set())
