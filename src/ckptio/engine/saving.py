@@ -436,8 +436,9 @@ def step_files(writer: FolderWriter, reports: list[dict[str, tuple[int, str]] | 
 def _swept_then_begun(storage: Storage, log: Any, sweep: bool, wanted: bool, name: str) -> tuple[str, Previous | None]:
     """The start of a save on rank 0: the leftovers of interrupted saves removed (``sweep``: the manager's first
     save), what ``LATEST`` offers to share when ``wanted``, then the step ``name`` begun (its token); one listing of the
-    folder (a bucket's) serves all three."""
-    with storage.session():
+    folder (a bucket's) serves all three, and the manifests read before are not fetched again while unchanged
+    (:mod:`ckptio.storage.objstore.scanning`: what ``LATEST`` offers is read of every committed step)."""
+    with getattr(storage, "scanning", storage.session)():
         if sweep:
             for leftover in storage.sweep():
                 log.info("Removed leftover of an interrupted save: %s", leftover)

@@ -124,6 +124,7 @@ def hand_over(storage: "ObjectStorage", name: str) -> None:
             _faults.point("s3.hand_over.copied")
             store.put(key, manifest.to_json().encode())
     if held:
+        storage._wrote()  # a session's listing and manifests are of before the rewrites
         left = referenced(storage, name, skip=name)
         if left:  # another writer changed the folder meanwhile: nothing is deleted
             raise CheckpointError(f"{storage.root / name}: its objects {sorted(left)[:3]} are still referred to; "

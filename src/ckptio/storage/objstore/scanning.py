@@ -1,10 +1,12 @@
-"""Looking at every step of a bucket's folder in a few requests (retention after each commit, ``prune``).
+"""Looking at every step of a bucket's folder in a few requests (retention after each commit; before a save with
+frozen tensors, what ``LATEST`` offers to share).
 
 Retention decides from every committed step's manifest and checks that each step's files are all there, of their
 recorded sizes. Asked of the bucket step by step, that was a listing and a read of the manifest per step, every save,
 and as many reads again to learn which objects other steps refer to before one is removed: with ``keep_latest=2``,
 25 of a GCS save's 38 requests on rank 0, and with ``keep_every_n_steps`` a count that grew with every step kept
-(52 a save with 11 steps, each a round trip to the cloud on the training's critical path).
+(52 a save with 11 steps, each a round trip to the cloud on the training's critical path). What ``LATEST`` offers
+to share (:func:`~ckptio.engine.sharing.previous_of`) counts the committed steps that use each file: the same again.
 
 A :class:`ScanSession` lists the whole folder once, recursively, and answers every listing below it from that
 answer; the listing is asked for again only after a write through the storage (its :meth:`Session.forget`). A
