@@ -158,8 +158,8 @@ def after_commit(storage: "Storage | Path", policy: RetentionPolicy, *,
     """After a commit (rank 0): move the BEST pointer, then delete what ``policy`` does not keep.
 
     The newest and the best are always kept, and so is every name in ``protected``, and the step just written:
-    ``written``, and the target of the LATEST pointer (the commit moves it there before calling this), even when
-    a newer step lies in the folder (a run resumed from an older one). Returns what was removed.
+    ``written``, which the commit pointed LATEST at before calling this (without it, the target of LATEST as read),
+    even when a newer step lies in the folder (a run resumed from an older one). Returns what was removed.
     """
     if not policy.monitor and not policy.active and not policy.keep_optimizer_latest:
         return []  # nothing to decide: the folder is not scanned
@@ -180,12 +180,13 @@ def _after_commit(storage: "Storage", policy: RetentionPolicy, protected: Abstra
             storage.write_pointer(BEST, best.name)
     if not policy.active and not policy.keep_optimizer_latest:
         return []
-    try:
-        latest = storage.read_pointer(LATEST)
-    except CheckpointError:  # the step just written cannot be told: delete nothing rather than it
-        if written is None:
+    if written is not None:
+        latest = written  # the commit pointed LATEST at it just before: not read back (a request in a bucket)
+    else:
+        try:
+            latest = storage.read_pointer(LATEST)
+        except CheckpointError:  # the newest step cannot be told: delete nothing rather than it
             return []
-        latest = None
     keep = set(protected) | {name for name in (written, latest) if name}
     removed = apply(storage, decide(entries, policy, protected=keep)) if policy.active else []
     if policy.keep_optimizer_latest:
