@@ -22,7 +22,8 @@ def _state(seed: int) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh("cpu", (world,))
     g = torch.Generator().manual_seed(seed)
-    full, other = torch.randn(64, 16, generator=g), torch.randn(32, 8, generator=g)
+    # shards over 64 KB: written apart from the small items, in regions of their own with thread_count=2
+    full, other = torch.randn(4096, 16, generator=g), torch.randn(4096, 16, generator=g)
     return {"w": DTensor.from_local(full.chunk(world)[rank].clone(), mesh, [Shard(0)]),
             "v": DTensor.from_local(other.chunk(world)[rank].clone(), mesh, [Shard(0)]),
             "bias": torch.randn(16, generator=g), "lr": 1e-3 * (seed + 1), "betas": (0.9, 0.999), "name": "adamw"}

@@ -10,6 +10,7 @@ on any thread: torch keeps that setting per thread), and plain DCP reads it back
 from __future__ import annotations
 
 import io
+import math
 import pickle
 from contextlib import contextmanager
 
@@ -101,21 +102,39 @@ def _optimizer_state() -> dict:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4))
+    # weights (and their moments) over writer.HEAD_ITEM: written after the small items, split among the threads
+    model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.LayerNorm(512), torch.nn.Linear(512, 64))
     opt = torch.optim.AdamW(model.parameters())
-    model(torch.randn(3, 8)).sum().backward()
+    model(torch.randn(3, 64)).sum().backward()
     opt.step()
     return get_optimizer_state_dict(model, opt)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_a_dcp_save_holds_those_archives_on_every_thread_and_dcp_reads_it(tmp_path, threads):
+    """... and the small items (pickled values, tensors of at most ``HEAD_ITEM`` bytes: AdamW's ``step``, the biases)
+    lie at the head of the file, before every larger tensor, on one thread as on several."""
+    import threading
+
+    from ckptio import _faults
+
     state = _optimizer_state()
-    save(state, tmp_path, thread_count=threads)
+    writers: set[str] = set()
+    _faults.set_hook(lambda point: writers.add(threading.current_thread().name) if point == "dcp.item_written" else None)
+    try:
+        save(state, tmp_path, thread_count=threads)
+    finally:
+        _faults.set_hook(None)
+    assert len(writers) == threads, writers
     data = (tmp_path / "__0_0.distcp").read_bytes()
     md = pickle.loads((tmp_path / ".metadata").read_bytes())
     spans = sorted((info.offset, info.length, index.fqn) for index, info in md.storage_data.items())
     assert spans[0][0] == 0 and sum(length for _, length, _ in spans) == len(data), "items tile the file"
+    sizes = {index.fqn: math.prod(m.size) * m.properties.dtype.itemsize
+             for index in md.storage_data for m in [md.state_dict_metadata[index.fqn]] if hasattr(m, "size")}
+    large = [offset for offset, _, fqn in spans if sizes.get(fqn, 0) > writer.HEAD_ITEM]
+    small = [offset for offset, _, fqn in spans if sizes.get(fqn, 0) <= writer.HEAD_ITEM]
+    assert large and small and max(small) < min(large), "a small item lies among the large tensors"
     tensors = {f"state.{p}.{k}": v for p, st in state["state"].items() for k, v in st.items()}
     with no_crc():
         for offset, length, fqn in spans:

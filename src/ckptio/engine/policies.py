@@ -180,6 +180,7 @@ def _after_commit(storage: "Storage", policy: RetentionPolicy, protected: Abstra
             storage.write_pointer(BEST, best.name)
     if not policy.active and not policy.keep_optimizer_latest:
         return []
+    latest: str | None
     if written is not None:
         latest = written  # the commit pointed LATEST at it just before: not read back (a request in a bucket)
     else:

@@ -15,7 +15,6 @@ Call sequence: :func:`save` is a collective when a process group is initialised.
 from __future__ import annotations
 
 import io
-import math
 import os
 import threading
 import warnings
@@ -238,21 +237,18 @@ class _OneFilePerRank(FileSystemWriter):
         return fut
 
 
-def _item_bytes(item: Any) -> int:
-    data = getattr(item, "tensor_data", None)
-    if data is None:
-        return 1  # a pickled value: small
-    return math.prod(data.chunk.sizes) * data.properties.dtype.itemsize
-
-
 def _balanced(items: list[Any], n: int) -> list[list[Any]]:
-    """``items`` in ``n`` groups of about equal bytes (the largest first, each to the lightest group)."""
-    groups: list[list[Any]] = [[] for _ in range(n)]
-    sizes = [0] * n
-    for item in sorted(items, key=_item_bytes, reverse=True):
-        i = sizes.index(min(sizes))
-        groups[i].append(item)
-        sizes[i] += _item_bytes(item)
+    """``items`` in ``n`` groups of about equal bytes: those written at the head of the file
+    (:func:`~.writer.at_head`) in the first group, whose region begins the file, then the others, the largest first,
+    each to the lightest group."""
+    from .writer import at_head, item_bytes
+
+    groups: list[list[Any]] = [[i for i in items if at_head(i)]] + [[] for _ in range(n - 1)]
+    sizes = [sum(item_bytes(i) for i in groups[0])] + [0] * (n - 1)
+    for item in sorted((i for i in items if not at_head(i)), key=item_bytes, reverse=True):
+        k = sizes.index(min(sizes))
+        groups[k].append(item)
+        sizes[k] += item_bytes(item)
     return groups
 
 

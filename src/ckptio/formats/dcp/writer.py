@@ -22,6 +22,7 @@ held writes (``write_held``): sent from the tensor's memory, not copied.
 from __future__ import annotations
 
 import io
+import math
 import pickle
 import threading
 from typing import Any
@@ -37,6 +38,13 @@ PIECE = 32 << 20
 
 _SMALL = 1 << 20
 """Small pieces are gathered until they reach this many bytes."""
+HEAD_ITEM = 64 << 10
+"""A tensor item of at most this many bytes goes to the head of its file, after the pickled values and before the
+larger tensors (:func:`head_first`). What a rank reads of another rank's file is such items: a tensor every rank
+holds whole (AdamW's ``step`` beside FSDP's sharded moments) is written by one rank for all. Spread among the large
+tensors, in the plan's order, they were ranges throughout that file, and an object store's read window spanning
+them fetched 103 MB of another rank's 171 MB file for 51 KB (4 ranks, a 1 GB state); at the head they are one
+small read."""
 
 _parts: dict[tuple, tuple[bytes, bytes] | None] = {}
 _parts_lock = threading.Lock()
@@ -200,18 +208,40 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.numpy())  # type: ignore[arg-type]  # an ndarray is a buffer
 
 
-def write_items(stream: Any, items: list[Any], resolve: Any, storage_key: str) -> list[Any]:
-    """Write DCP's write ``items`` into ``stream`` as DCP's writer would (pickled values first, then tensors, each a
-    ``torch.save`` archive); ``resolve`` is the planner's ``resolve_data``. Returns DCP's ``WriteResult`` of each."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
+def item_bytes(item: Any) -> int:
+    """The bytes of a DCP write item's tensor data, from its plan (1 for a pickled value: small)."""
+    data = getattr(item, "tensor_data", None)
+    if data is None:
+        return 1
+    return math.prod(data.chunk.sizes) * data.properties.dtype.itemsize
+
+
+def at_head(item: Any) -> bool:
+    """Whether ``item`` is written at the head of its file (a pickled value, or a tensor of :data:`HEAD_ITEM`
+    bytes at most)."""
+    return getattr(item, "tensor_data", None) is None or item_bytes(item) <= HEAD_ITEM
+
+
+def head_first(items: list[Any]) -> list[Any]:
+    """``items`` in the order of the file: the pickled values, then the tensors of :data:`HEAD_ITEM` bytes at most,
+    then the others, each in the plan's order (DCP reads an item at the offset its ``.metadata`` records)."""
     from torch.distributed.checkpoint.planner import WriteItemType
+
+    values = [i for i in items if i.type == WriteItemType.BYTE_IO]
+    tensors = [i for i in items if i.type != WriteItemType.BYTE_IO]
+    return values + [i for i in tensors if at_head(i)] + [i for i in tensors if not at_head(i)]
+
+
+def write_items(stream: Any, items: list[Any], resolve: Any, storage_key: str) -> list[Any]:
+    """Write DCP's write ``items`` into ``stream`` in :func:`head_first` order, each as DCP's writer writes it (a
+    pickled value, or a tensor's ``torch.save`` archive); ``resolve`` is the planner's ``resolve_data``. Returns DCP's
+    ``WriteResult`` of each."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.storage import WriteResult
 
     out = _Gathered(stream)
     results = []
-    ordered = ([i for i in items if i.type == WriteItemType.BYTE_IO] +
-               [i for i in items if i.type != WriteItemType.BYTE_IO])
-    for item in ordered:
+    for item in head_first(items):
         data = resolve(item)
         offset = out.pos
         if isinstance(data, io.BytesIO):
