@@ -35,18 +35,23 @@ def _asked(mgr: CheckpointManager, steps: range, monkeypatch) -> collections.Cou
     return collections.Counter("manifest" if key.endswith("/manifest.json") else name for name, key in calls)
 
 
+def _few_then_many(mgr: CheckpointManager, monkeypatch) -> tuple[collections.Counter, collections.Counter]:
+    """What saves 5-6 asked for (3 steps kept), then saves 21-22 (11 kept, with ``keep_every_n_steps=2``)."""
+    for step in range(1, 5):
+        mgr.save(step=step)
+    few = _asked(mgr, range(5, 7), monkeypatch)
+    for step in range(7, 21):
+        mgr.save(step=step)
+    return few, _asked(mgr, range(21, 23), monkeypatch)
+
+
 def test_retention_asks_the_same_few_requests_however_many_steps_it_keeps(store, monkeypatch):
     """With ``keep_every_n_steps`` the kept steps grow with the run: each save listed every step and read every
     manifest twice (the scan, then what refers to what before a removal): 52 requests a save with 11 steps kept on
     GCS, 32 with 3. Now a save asks as much with 3 kept steps as with 11: the step's listing when it begins, one
     listing of the folder and the manifest it just wrote (20.5 requests in all on GCS)."""
     with _manager(store.url("grow"), keep_latest=2, keep_every_n_steps=2) as mgr:
-        for step in range(1, 5):
-            mgr.save(step=step)
-        few = _asked(mgr, range(5, 7), monkeypatch)
-        for step in range(7, 21):
-            mgr.save(step=step)
-        many = _asked(mgr, range(21, 23), monkeypatch)
+        few, many = _few_then_many(mgr, monkeypatch)
     kept = [f for f in store.folders("grow") if f.startswith("epoch_")]
     assert len(kept) == 12, kept  # every second step, and the newest
     assert many == few, (few, many)
@@ -63,12 +68,7 @@ def test_what_latest_offers_to_share_is_read_in_the_same_few_requests_however_ma
     model[0].requires_grad_(False)
     config = CheckpointConfig(checkpoint_dir=store.url("frozen"), keep_latest=2, keep_every_n_steps=2)
     with CheckpointManager(config, model=model, rng=False) as mgr:
-        for step in range(1, 5):
-            mgr.save(step=step)
-        few = _asked(mgr, range(5, 7), monkeypatch)
-        for step in range(7, 21):
-            mgr.save(step=step)
-        many = _asked(mgr, range(21, 23), monkeypatch)
+        few, many = _few_then_many(mgr, monkeypatch)
     assert many == few, (few, many)
     assert many["manifest"] <= 2 * 2, many
 
