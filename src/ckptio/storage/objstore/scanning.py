@@ -38,9 +38,12 @@ class ManifestMemo:
     """The manifests a storage read, by key: the version and size the listing showed, and their bytes."""
 
     def __init__(self, limit: int = MEMO_BYTES) -> None:
+        import threading
+
         self.limit = limit
         self._held: "OrderedDict[str, tuple[Any, int, bytes]]" = OrderedDict()
         self._bytes = 0
+        self._lock = threading.Lock()  # a write on another thread (the run's record) forgets the session: harvests
         self.whole = True
         """Whether the folder's whole listing is held (``False`` once it held more than :data:`WHOLE_LIMIT`)."""
 
@@ -48,17 +51,18 @@ class ManifestMemo:
         """Hand ``session`` the bytes of every manifest ``listed`` shows in the version kept here (others are
         forgotten: gone, or rewritten since)."""
         seen = {obj.key for obj in listed}
-        for key in [k for k in self._held if k not in seen]:
-            self._drop(key)
-        for obj in listed:
-            held = self._held.get(obj.key)
-            if held is None:
-                continue
-            if obj.token is None or held[:2] != (obj.token, obj.size):
-                self._drop(obj.key)
-                continue
-            with session.cache.lock:
-                session.cache.add(obj.key, 0, bytearray(held[2]))
+        with self._lock:
+            for key in [k for k in self._held if k not in seen]:
+                self._drop(key)
+            for obj in listed:
+                held = self._held.get(obj.key)
+                if held is None:
+                    continue
+                if obj.token is None or held[:2] != (obj.token, obj.size):
+                    self._drop(obj.key)
+                    continue
+                with session.cache.lock:
+                    session.cache.add(obj.key, 0, bytearray(held[2]))
 
     def harvest(self, session: "ScanSession", listed: list[Obj]) -> None:
         """Keep the bytes of each manifest ``listed`` (with its version) that ``session`` read whole."""
@@ -70,11 +74,13 @@ class ManifestMemo:
                 data = bytes(found) if found is not None else None
             if data is None:
                 continue
-            self._drop(obj.key)
-            self._held[obj.key] = (obj.token, obj.size, data)
-            self._bytes += len(data)
-        while self._bytes > self.limit and self._held:
-            self._drop(next(iter(self._held)))
+            with self._lock:
+                self._drop(obj.key)
+                self._held[obj.key] = (obj.token, obj.size, data)
+                self._bytes += len(data)
+        with self._lock:
+            while self._bytes > self.limit and self._held:
+                self._drop(next(iter(self._held)))
 
     def _drop(self, key: str) -> None:
         held = self._held.pop(key, None)
