@@ -109,3 +109,15 @@ def test_a_folder_too_large_to_hold_is_listed_step_by_step_and_kept_right(store,
     assert asked["listing"] > 2, asked  # the folder, then a step at a time
     assert sorted(f for f in store.folders("large") if f.startswith("epoch_")) == \
         ["epoch_0_step_4", "epoch_0_step_5"]
+
+
+def test_the_first_save_of_a_manager_sweeps_the_folder_in_one_listing(store, monkeypatch):
+    """A manager's first save sweeps the folder for leftovers of interrupted saves: each step was listed on its own
+    (a resumed run with hundreds of steps kept asked as many listings before its first save); one listing now."""
+    url = store.url("sweep")
+    with _manager(url) as mgr:
+        for step in range(1, 13):
+            mgr.save(step=step)
+    with _manager(url) as again:
+        asked = _asked(again, range(13, 14), monkeypatch)
+    assert asked["listing"] <= 2, asked  # the folder, and the step begun

@@ -223,7 +223,7 @@ class ObjectStorage:
             if entry.kind != "dir" or entry.name.startswith("."):
                 continue
             prefix = self._key(entry.name)
-            objects = self._objects(prefix)
+            objects = self._objects(prefix, self._session)  # a scan's one listing of the folder serves every step
             newest = max((o.mtime for o in objects.values()), default=0.0)
             if MANIFEST not in objects and PENDING in objects and now - newest >= older_than_s:
                 if held is None:
