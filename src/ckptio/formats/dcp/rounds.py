@@ -4,8 +4,9 @@ DCP coordinates a save with four object collectives, each two on the wire (the s
 plans gathered on rank 0, the final plans scattered back, the write results gathered, rank 0's outcome broadcast;
 ckptio added a round of its own after them for the failures DCP does not see (its writer threads). On 4 gloo ranks
 that was ~5.5 ms of each rank's CPU per save (issue 70). :func:`save_steps` makes DCP's calls on the planner and the
-storage writer, in DCP's order and with DCP's arguments (torch's ``_save_state_dict``), so the files and the
-``.metadata`` are the ones ``dcp.save`` writes, and coordinates them with two rounds of
+storage writer, in DCP's order and with DCP's arguments (torch's ``_save_state_dict``), so the folder is DCP's
+own and plain DCP reads it (only the order of a file's items differs from ``dcp.save``'s: small ones first, at the
+offsets the ``.metadata`` records, :func:`~.writer.head_first`), and coordinates them with two rounds of
 :func:`ckptio._dist.decide_on_gathered` (a gather to rank 0 and a broadcast each, one collective apiece once the
 frame sizes are known). A failure on any rank, while planning, writing or in rank 0's finish, travels in the next
 round's report, and every rank raises it as a ckptio error naming the folder.

@@ -47,14 +47,14 @@ class ManifestMemo:
         self.whole = True
         """Whether the folder's whole listing is held (``False`` once it held more than :data:`WHOLE_LIMIT`)."""
 
-    def seed(self, session: "ScanSession", listed: list[Obj]) -> None:
-        """Hand ``session`` the bytes of every manifest ``listed`` shows in the version kept here (others are
-        forgotten: gone, or rewritten since)."""
-        seen = {obj.key for obj in listed}
+    def seed(self, session: "ScanSession", manifests: list[Obj]) -> None:
+        """Hand ``session`` the bytes of every one of the folder's ``manifests`` (as its listing shows them) kept here
+        in that version (others are forgotten: gone, or rewritten since)."""
+        seen = {obj.key for obj in manifests}
         with self._lock:
             for key in [k for k in self._held if k not in seen]:
                 self._drop(key)
-            for obj in listed:
+            for obj in manifests:
                 held = self._held.get(obj.key)
                 if held is None:
                     continue
@@ -64,10 +64,10 @@ class ManifestMemo:
                 with session.cache.lock:
                     session.cache.add(obj.key, 0, bytearray(held[2]))
 
-    def harvest(self, session: "ScanSession", listed: list[Obj]) -> None:
-        """Keep the bytes of each manifest ``listed`` (with its version) that ``session`` read whole."""
-        for obj in listed:
-            if obj.token is None or not _is_manifest(session.whole, obj.key) or obj.size > self.limit:
+    def harvest(self, session: "ScanSession", manifests: list[Obj]) -> None:
+        """Keep the bytes of each of the folder's ``manifests`` (with its version) that ``session`` read whole."""
+        for obj in manifests:
+            if obj.token is None or obj.size > self.limit:
                 continue
             with session.cache.lock:
                 found = session.cache.find(obj.key, 0, obj.size)
@@ -105,6 +105,7 @@ class ScanSession(Session):
         self.whole, self.memo = whole, memo
         self._keys: list[str] | None = None
         self._objects: list[Obj] = []
+        self._manifests: list[Obj] = []  # the steps' manifests among them, picked out once
 
     def listing(self, prefix: str, *, delimiter: bool) -> tuple[list[Obj], list[str]]:
         primed = self._primed() if prefix.startswith(self.whole) and self.memo.whole else None
@@ -146,15 +147,16 @@ class ScanSession(Session):
         if len(objects) > WHOLE_LIMIT:
             self.memo.whole = False
             return None
-        self.memo.seed(self, objects)
+        manifests = [o for o in objects if _is_manifest(self.whole, o.key)]
+        self.memo.seed(self, manifests)
         with self._lock:
-            self._keys, self._objects = [o.key for o in objects], objects
+            self._keys, self._objects, self._manifests = [o.key for o in objects], objects, manifests
             return self._keys, self._objects
 
     def forget(self) -> None:
         with self._lock:
-            keys, objects = self._keys, self._objects
-            self._keys, self._objects = None, []
+            keys, manifests = self._keys, self._manifests
+            self._keys, self._objects, self._manifests = None, [], []
         if keys is not None:
-            self.memo.harvest(self, objects)
+            self.memo.harvest(self, manifests)
         super().forget()
